@@ -1,0 +1,58 @@
+"""shardax: take a JAX training loop from one device to many devices and many hosts.
+
+>>> import shardax as sx
+>>> mesh = sx.make_mesh({"data": -1})
+>>> batch = sx.distribute_batch({"x": np.ones((16, 4))}, sx.batch_sharding(mesh))
+"""
+
+from shardax.data import (
+    DevicePlacement,
+    batch_sharding,
+    distribute_batch,
+    place_on_device,
+    prefetch_to_device,
+    replicate_across_devices,
+    shard_batch_dim,
+)
+from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
+from shardax.plan import Plan, fsdp, replicate, shard
+from shardax.runtime import (
+    BatchSizeRecommendation,
+    HardwareType,
+    detect_hardware_type,
+    device_info,
+    get_batch_size_recommendation,
+    validate_batch_size,
+)
+from shardax.train import DataParallel, DistributedMetrics, all_gather, all_reduce, reduce
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DATA_AXIS",
+    "BatchSizeRecommendation",
+    "DataParallel",
+    "DeviceMeshManager",
+    "DevicePlacement",
+    "DistributedMetrics",
+    "HardwareType",
+    "Plan",
+    "all_gather",
+    "all_reduce",
+    "batch_sharding",
+    "detect_hardware_type",
+    "device_info",
+    "distribute_batch",
+    "fsdp",
+    "get_batch_size_recommendation",
+    "make_mesh",
+    "mesh_info",
+    "place_on_device",
+    "prefetch_to_device",
+    "reduce",
+    "replicate",
+    "replicate_across_devices",
+    "shard",
+    "shard_batch_dim",
+    "validate_batch_size",
+]

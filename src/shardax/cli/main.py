@@ -1,0 +1,60 @@
+"""Entry point: parses arguments, sets simulated CPU devices, then runs a command.
+
+Simulated CPU devices must be set before any JAX backend starts, so the commands'
+modules are imported only after ``--cpu-devices`` has been applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS = {
+    "train": ("shardax.cli.train", "Train an NNX MLP on the digits data set on all devices."),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr and exit code 2, with no traceback."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command; each command module adds its own options."""
+    parser = _Parser(prog="shardax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (module, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument(
+            "--cpu-devices",
+            type=int,
+            default=8,
+            help="simulated CPU devices when no accelerator is present (default: 8)",
+        )
+        importlib.import_module(module).add_arguments(cmd)
+    return parser
+
+
+def set_cpu_devices(n: int) -> None:
+    """Asks JAX for ``n`` CPU devices; must run before any backend starts."""
+    import jax
+
+    if n < 1:
+        raise SystemExit(f"shardax: error: --cpu-devices must be >= 1, got {n}")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``shardax COMMAND [OPTIONS]`` and returns its exit code."""
+    args = build_parser().parse_args(argv)
+    set_cpu_devices(args.cpu_devices)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Topology-aware meshes from a dict or a list of ``(axis, size)`` pairs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]
+
+DATA_AXIS = "data"
+"""The one default axis name: meshes, batch shardings and collectives all use it."""
+
+
+def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
+    """Validates ``spec`` and fills a ``-1`` size with the remaining devices.
+
+    >>> resolve_mesh_shape({"data": -1, "model": 2}, 8)
+    {'data': 4, 'model': 2}
+    """
+    pairs = list(spec.items()) if isinstance(spec, Mapping) else [tuple(p) for p in spec]
+    if not pairs:
+        raise ValueError("mesh spec must name at least one axis, got an empty spec")
+    names = [name for name, _ in pairs]
+    for name, size in pairs:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"mesh axis names must be non-empty strings, got {name!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ValueError(
+                f"mesh axis {name!r} has size {size!r}; sizes must be integers >= 1, "
+                "or -1 for the remaining devices"
+            )
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"mesh axis names must be unique, got {names} (repeated: {dupes})")
+    fills = [name for name, size in pairs if size == -1]
+    if len(fills) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {fills}")
+    known = math.prod(size for _, size in pairs if size != -1)
+    shape = dict(pairs)
+    if fills:
+        if num_devices % known:
+            raise ValueError(
+                f"mesh {dict(pairs)}: the fixed axes need {known} devices, which does not "
+                f"divide the {num_devices} devices available, so -1 cannot be filled"
+            )
+        shape[fills[0]] = num_devices // known
+    total = math.prod(shape.values())
+    if total > num_devices:
+        raise ValueError(f"mesh {shape} needs {total} devices but only {num_devices} are available")
+    return shape
+
+
+def make_mesh(
+    spec: MeshSpec | None = None,
+    *,
+    devices: Sequence[Any] | None = None,
+    axis_types: AxisType | Sequence[AxisType] = AxisType.Auto,
+) -> Mesh:
+    """Builds a topology-aware :class:`jax.sharding.Mesh`.
+
+    Args:
+        spec: axis sizes as a dict or a list of ``(name, size)`` pairs; one size may
+            be ``-1`` for "the remaining devices". Default: ``{"data": -1}``.
+        devices: the devices to use (default: all devices of all processes). A mesh
+            smaller than the devices uses the first ones.
+        axis_types: ``AxisType.Auto`` (default: computation follows the data, as in
+            the seeds) or ``AxisType.Explicit``; one for all axes, or one per axis.
+
+    >>> mesh = make_mesh({"data": -1})
+    >>> mesh.axis_names
+    ('data',)
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape({DATA_AXIS: -1} if spec is None else spec, len(devices))
+    if isinstance(axis_types, AxisType):
+        axis_types = (axis_types,) * len(shape)
+    axis_types = tuple(axis_types)
+    if len(axis_types) != len(shape):
+        raise ValueError(
+            f"axis_types has {len(axis_types)} entries but the mesh {shape} has {len(shape)} axes"
+        )
+    used = devices[: math.prod(shape.values())]
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=axis_types, devices=used)
+
+
+def mesh_info(mesh: Mesh) -> dict[str, Any]:
+    """``{"total_devices": N, "axes": {name: size}}`` plus axis types and device ids.
+
+    >>> mesh_info(make_mesh({"data": 2}))["axes"]
+    {'data': 2}
+    """
+    return {
+        "total_devices": mesh.size,
+        "axes": dict(mesh.shape),
+        "axis_types": {n: t.name for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)},
+        "device_ids": mesh.device_ids.tolist(),
+    }

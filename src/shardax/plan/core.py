@@ -1,0 +1,116 @@
+"""Plans: a pytree (arrays or ShapeDtypeStructs) to a pytree of ``NamedSharding``.
+
+A plan is a mesh plus a rule ``spec_fn(path, shape) -> PartitionSpec``; calling it on
+a tree gives the shardings, and :func:`shard` places a tree with it.
+
+>>> import shardax as sx
+>>> mesh = sx.make_mesh({"data": -1})
+>>> params = {"w": np.zeros((1024, 16), np.float32), "b": np.zeros((16,), np.float32)}
+>>> sx.fsdp(mesh, min_size=1).specs(params)["w"]
+PartitionSpec('data', None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardax.mesh.make import DATA_AXIS
+from shardax.plan.tree import map_arrays
+from shardax.plan.validate import check_spec
+
+AxisNames = str | tuple[str, ...]
+SpecFn = Callable[[str, tuple[int, ...]], PartitionSpec]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A named sharding rule over a mesh. Call it on a tree to get its shardings."""
+
+    mesh: Mesh
+    spec_fn: SpecFn
+    name: str = "plan"
+
+    def specs(self, tree: Any) -> Any:
+        """The ``PartitionSpec`` of every array leaf, checked against the mesh."""
+
+        def one(path: str, leaf: Any) -> PartitionSpec:
+            shape = tuple(np.shape(leaf))
+            spec = self.spec_fn(path, shape)
+            check_spec(path, shape, spec, self.mesh)
+            return spec
+
+        return map_arrays(one, tree)
+
+    def __call__(self, tree: Any) -> Any:
+        """The ``NamedSharding`` of every array leaf; other leaves pass through."""
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s) if isinstance(s, PartitionSpec) else s,
+            self.specs(tree),
+            is_leaf=lambda s: isinstance(s, PartitionSpec),
+        )
+
+
+def replicate(mesh: Mesh) -> Plan:
+    """Every leaf is copied whole onto every device of ``mesh``.
+
+    >>> replicate(make_mesh()).specs({"w": np.ones(3)})
+    {'w': PartitionSpec()}
+    """
+    return Plan(mesh, lambda path, shape: PartitionSpec(), "replicate")
+
+
+def axis_size(mesh: Mesh, axis: AxisNames) -> int:
+    """The number of devices along ``axis`` (a name or a tuple of names) of ``mesh``."""
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    missing = [n for n in names if n not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"axis {axis!r}: {missing} not in the mesh, whose axes are {dict(mesh.shape)}"
+        )
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def fsdp_spec(shape: tuple[int, ...], axis: AxisNames, size: int, min_size: int) -> PartitionSpec:
+    """Shards the largest dimension that ``size`` divides; replicates small leaves.
+
+    >>> fsdp_spec((7, 5), "data", 8, 1), fsdp_spec((16, 64), "data", 8, 1)
+    (PartitionSpec(), PartitionSpec(None, 'data'))
+    """
+    if math.prod(shape) < min_size or size == 1:
+        return PartitionSpec()
+    # Largest dimension first; among equals, the earliest.
+    for dim in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+        if shape[dim] % size == 0:
+            entries: list[Any] = [None] * len(shape)
+            entries[dim] = axis
+            return PartitionSpec(*entries)
+    return PartitionSpec()
+
+
+DEFAULT_FSDP_MIN_SIZE = 1024
+
+
+def fsdp(mesh: Mesh, axis: AxisNames = DATA_AXIS, min_size: int = DEFAULT_FSDP_MIN_SIZE) -> Plan:
+    """Fully sharded data parallelism: each leaf split on its largest divisible dimension.
+
+    Leaves with fewer than ``min_size`` elements, and leaves with no dimension that
+    the axis size divides, are replicated.
+    """
+    size = axis_size(mesh, axis)
+    return Plan(mesh, lambda path, shape: fsdp_spec(shape, axis, size, min_size), "fsdp")
+
+
+def shard(tree: Any, plan: Plan) -> Any:
+    """Places every array leaf of ``tree`` with ``plan``; other leaves pass through.
+
+    >>> state = shard({"w": np.ones((8, 4))}, fsdp(make_mesh(), min_size=1))
+    """
+    shardings = plan(tree)
+    return map_arrays(lambda _, x, s: jax.device_put(x, s), tree, shardings)

@@ -1,0 +1,184 @@
+"""Hardware detection, the seed's batch-size table and roofline figures.
+
+>>> import shardax as sx
+>>> sx.get_batch_size_recommendation(sx.HardwareType.H100).critical_batch_size
+298
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+import jax
+
+
+class HardwareType(Enum):
+    """Enumeration of supported hardware types."""
+
+    TPU_V5E = "tpu_v5e"
+    TPU_V5P = "tpu_v5p"
+    TPU_V4 = "tpu_v4"
+    H100 = "h100"
+    A100 = "a100"
+    V100 = "v100"
+    CPU = "cpu"
+    UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSizeRecommendation:
+    """Hardware-specific batch size recommendations.
+
+    Attributes:
+        min_batch_size: Minimum batch size for reasonable efficiency.
+        optimal_batch_size: Optimal batch size for peak throughput.
+        critical_batch_size: Critical batch size for reaching roofline (per JAX guide).
+        max_memory_batch_size: Maximum batch size before OOM (estimate).
+        notes: Additional notes about the recommendation.
+    """
+
+    min_batch_size: int
+    optimal_batch_size: int
+    critical_batch_size: int
+    max_memory_batch_size: int | None = None
+    notes: str = ""
+
+
+_R = BatchSizeRecommendation
+# The table of seed 000, verbatim.
+BATCH_SIZE_TABLE: dict[HardwareType, BatchSizeRecommendation] = {
+    HardwareType.TPU_V5E: _R(64, 256, 240, notes="Critical batch size for reaching roofline"),
+    HardwareType.TPU_V5P: _R(128, 512, 480, notes="Higher throughput, needs larger batches"),
+    HardwareType.TPU_V4: _R(64, 256, 192, notes="Similar to v5e, slightly lower critical"),
+    HardwareType.H100: _R(64, 320, 298, notes="Critical batch size for roofline"),
+    HardwareType.A100: _R(32, 256, 240, notes="For 80GB variant"),
+    HardwareType.V100: _R(16, 128, 96, notes="Memory-limited on 16GB variant"),
+    HardwareType.CPU: _R(1, 32, 16, notes="Memory-bandwidth bound"),
+}
+# Not in the seed's table: conservative values, and a note that says so.
+_UNKNOWN = _R(
+    32,
+    128,
+    64,
+    notes="Unknown hardware: not in the recommendation table; these are conservative guesses, "
+    "measure with `shardax tune-batch`.",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareSpec:
+    """Public datasheet figures of one accelerator, for roofline estimates.
+
+    Attributes:
+        peak_flops: dense bf16 FLOP/s of one device.
+        hbm_bandwidth: bytes/s of one device's high-bandwidth memory.
+        memory_bytes: bytes of memory on one device.
+    """
+
+    peak_flops: float
+    hbm_bandwidth: float
+    memory_bytes: float
+
+    @property
+    def critical_intensity(self) -> float:
+        """FLOPs per byte at which compute and memory time are equal (peak ÷ bandwidth)."""
+        return self.peak_flops / self.hbm_bandwidth
+
+
+GiB = 1024**3
+HARDWARE_SPECS: dict[HardwareType, HardwareSpec] = {
+    HardwareType.TPU_V5E: HardwareSpec(197e12, 819e9, 16 * GiB),
+    HardwareType.TPU_V5P: HardwareSpec(459e12, 2765e9, 95 * GiB),
+    HardwareType.TPU_V4: HardwareSpec(275e12, 1228e9, 32 * GiB),
+    HardwareType.H100: HardwareSpec(989e12, 3350e9, 80 * GiB),
+    HardwareType.A100: HardwareSpec(312e12, 2039e9, 80 * GiB),
+    HardwareType.V100: HardwareSpec(125e12, 900e9, 16 * GiB),
+}
+
+
+def detect_hardware_type(devices: Sequence[Any] | None = None) -> HardwareType:
+    """Detects the hardware type of the first device (default: ``jax.devices()``).
+
+    A GPU or TPU whose kind is not in the table is ``HardwareType.UNKNOWN``; it is
+    never presented as a neighbouring model.
+
+    >>> detect_hardware_type()  # on a CPU-only machine
+    <HardwareType.CPU: 'cpu'>
+    """
+    devices = jax.devices() if devices is None else devices
+    if not devices:
+        return HardwareType.UNKNOWN
+    return hardware_type_of(devices[0].platform, devices[0].device_kind)
+
+
+def hardware_type_of(platform: str, device_kind: str) -> HardwareType:
+    """Maps a device's ``platform`` and ``device_kind`` to a :class:`HardwareType`."""
+    platform, kind = platform.lower(), str(device_kind or "").lower()
+    if platform == "cpu":
+        return HardwareType.CPU
+    if platform == "tpu":
+        if "v5 lite" in kind or "v5e" in kind or "v5litepod" in kind:
+            return HardwareType.TPU_V5E
+        if "v5p" in kind or kind.strip() == "tpu v5":
+            return HardwareType.TPU_V5P
+        if "v4" in kind:
+            return HardwareType.TPU_V4
+        return HardwareType.UNKNOWN
+    if platform in ("gpu", "cuda", "rocm"):
+        for name, hw in (
+            ("h100", HardwareType.H100),
+            ("a100", HardwareType.A100),
+            ("v100", HardwareType.V100),
+        ):
+            if name in kind:
+                return hw
+    return HardwareType.UNKNOWN
+
+
+def get_batch_size_recommendation(
+    hardware_type: HardwareType | None = None,
+) -> BatchSizeRecommendation:
+    """Get batch size recommendation for current or specified hardware.
+
+    Args:
+        hardware_type: Hardware type to get recommendation for; None detects it.
+
+    Returns:
+        BatchSizeRecommendation with hardware-specific values. For
+        ``HardwareType.UNKNOWN`` its ``notes`` say the values are guesses.
+    """
+    hw = detect_hardware_type() if hardware_type is None else HardwareType(hardware_type)
+    return BATCH_SIZE_TABLE.get(hw, _UNKNOWN)
+
+
+def validate_batch_size(
+    batch_size: int,
+    hardware_type: HardwareType | None = None,
+    warn_suboptimal: bool = True,
+) -> tuple[bool, str]:
+    """Checks ``batch_size`` against the table; returns ``(is_valid, message)``.
+
+    The message says "below minimum", "below critical", "optimal" or "acceptable".
+
+    >>> validate_batch_size(64, HardwareType.H100)[0]
+    True
+    """
+    hw = detect_hardware_type() if hardware_type is None else HardwareType(hardware_type)
+    rec = get_batch_size_recommendation(hw)
+    where = f"for {hw.value}"
+    if batch_size < rec.min_batch_size:
+        return False, (
+            f"Batch size {batch_size} is below minimum {rec.min_batch_size} {where}; "
+            "performance will be significantly degraded."
+        )
+    if batch_size < rec.critical_batch_size and warn_suboptimal:
+        return True, (
+            f"Batch size {batch_size} is below critical size {rec.critical_batch_size} {where}; "
+            "increase it to reach the roofline."
+        )
+    if batch_size >= rec.optimal_batch_size:
+        return True, f"Batch size {batch_size} is optimal {where}."
+    return True, f"Batch size {batch_size} is acceptable {where}."

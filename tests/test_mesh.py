@@ -1,0 +1,76 @@
+import jax
+import pytest
+from jax.sharding import AxisType
+
+import shardax as sx
+
+
+def test_fill_with_minus_one():
+    mesh = sx.make_mesh({"data": -1, "model": 2})
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    assert sorted(mesh.device_ids.flat) == list(range(8))
+
+
+def test_default_is_all_devices_on_data():
+    assert dict(sx.make_mesh().shape) == {"data": 8}
+
+
+def test_list_of_pairs_and_explicit_axis_types():
+    mesh = sx.make_mesh([("data", 2), ("model", 4)], axis_types=AxisType.Explicit)
+    assert mesh.axis_names == ("data", "model")
+    assert mesh.axis_types == (AxisType.Explicit, AxisType.Explicit)
+
+
+def test_smaller_mesh_uses_a_subset():
+    mesh = sx.make_mesh({"data": 4})
+    assert mesh.size == 4
+
+
+def test_built_by_jax_make_mesh_topology_aware():
+    # Same device order as jax.make_mesh would choose for this shape.
+    mesh = sx.make_mesh({"data": 4, "model": 2})
+    ref = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    assert (mesh.device_ids == ref.device_ids).all()
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ({"data": 16}, "needs 16 devices but only 8"),
+        ({"data": 4, "model": 4}, "needs 16 devices but only 8"),
+        ([("data", 2), ("data", 2)], "unique"),
+        ({"data": 0}, "size 0"),
+        ({"data": -2}, "size -2"),
+        ({"data": -1, "model": -1}, "at most one"),
+        ({"data": -1, "model": 3}, "does not divide"),
+    ],
+)
+def test_bad_meshes_name_the_sizes(spec, needle):
+    with pytest.raises(ValueError, match=needle):
+        sx.make_mesh(spec)
+
+
+def test_manager_facade():
+    mgr = sx.DeviceMeshManager()
+    assert mgr.num_devices == 8 and len(mgr.devices) == 8
+    assert dict(mgr.create_device_mesh({"data": 2, "model": 1}).shape) == {"data": 2, "model": 1}
+    assert dict(mgr.create_device_mesh([("data", 2), ("model", 4)]).shape) == {
+        "data": 2,
+        "model": 4,
+    }
+    assert dict(mgr.create_data_parallel_mesh().shape) == {"data": 8}
+    assert dict(mgr.create_data_parallel_mesh(4).shape) == {"data": 4}
+    assert dict(mgr.create_model_parallel_mesh().shape) == {"model": 8}
+    hybrid = mgr.create_hybrid_mesh(data_parallel_size=4, model_parallel_size=2)
+    assert dict(hybrid.shape) == {"data": 4, "model": 2}
+    info = mgr.get_mesh_info(hybrid)
+    assert info["total_devices"] == 8 and info["axes"] == {"data": 4, "model": 2}
+
+
+def test_manager_restricted_devices():
+    mgr = sx.DeviceMeshManager(jax.devices()[:4])
+    assert mgr.num_devices == 4
+    assert set(mgr.create_data_parallel_mesh().device_ids.flat) <= {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="needs 8 devices but only 4"):
+        mgr.create_data_parallel_mesh(8)
