@@ -11,8 +11,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from shardax.cli.common import UsageError
+
 COMMANDS = {
+    "info": ("shardax.cli.info", "Show devices, hardware, batch-size advice and the mesh."),
     "train": ("shardax.cli.train", "Train an NNX MLP on the digits data set on all devices."),
+    "plan": ("shardax.cli.plan", "Memory per device of DP, FSDP, TP and hybrids for a model."),
 }
 
 
@@ -53,7 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     set_cpu_devices(args.cpu_devices)
     module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except UsageError as e:
+        sys.stderr.write(f"shardax {args.command}: error: {e}\n")
+        return 2
 
 
 if __name__ == "__main__":

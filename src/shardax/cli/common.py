@@ -1,0 +1,135 @@
+"""Pieces every command shares: argument types, usage errors, consoles, plots, timing.
+
+Human output (tables, progress) goes to stderr when ``--json`` asks for JSON on stdout,
+so ``shardax CMD --json | jq`` always reads clean JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class UsageError(Exception):
+    """A bad option found after parsing; ``main`` prints it in one line and exits 2."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1, e.g. ``8,16,32``."""
+    try:
+        return [positive_int(t) for t in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers >= 1 such as 8,16,32, got {text!r}"
+        ) from None
+
+
+def mesh_spec(text: str) -> list[tuple[str, int]]:
+    """An argparse type: ``data=4,model=2`` (``-1`` = the remaining devices).
+
+    >>> mesh_spec("data=-1,model=2")
+    [('data', -1), ('model', 2)]
+    """
+    pairs = []
+    for item in text.split(","):
+        name, sep, size = item.partition("=")
+        try:
+            value = int(size)
+        except ValueError:
+            value = 0
+        if not sep or not name.strip() or (value < 1 and value != -1):
+            raise argparse.ArgumentTypeError(
+                f"expected AXIS=SIZE pairs such as data=4,model=2 (SIZE >= 1 or -1), got {text!r}"
+            )
+        pairs.append((name.strip(), value))
+    return pairs
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    """``--json``: print the result as JSON on stdout."""
+    parser.add_argument(
+        "--json", action="store_true", help="print the result as JSON on stdout (tables go away)"
+    )
+
+
+def console(args: argparse.Namespace) -> Any:
+    """A rich console: stdout, or stderr when ``--json`` owns stdout."""
+    from rich.console import Console
+
+    stderr = bool(getattr(args, "json", False))
+    out = Console(stderr=stderr)
+    # Piped output (tests, `| less`) gets a readable width instead of rich's 80 columns.
+    return out if out.is_terminal else Console(stderr=stderr, width=120)
+
+
+def print_json(obj: Any) -> None:
+    """Writes ``obj`` as indented JSON on stdout."""
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def require(module: str, extra: str, command: str) -> Any:
+    """Imports ``module``, or stops with a message naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise SystemExit(
+            f"shardax {command}: error: this needs {module.split('.')[0]}; "
+            f"install it with: pip install 'shardax[{extra}]'"
+        ) from None
+
+
+def pyplot(command: str) -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend."""
+    matplotlib = require("matplotlib", "plot", command)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def run_dir(path: str | None, command: str) -> Path:
+    """``path``, or a new ``runs/<command>-<timestamp>`` directory; created."""
+    out = Path(path) if path else Path("runs") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def time_step(fn: Callable[[], Any], warmup: int = 2, repeats: int = 5) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` calls, each waited for.
+
+    ``fn`` must return the arrays it computes, so the clock stops when they are ready.
+    """
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median(values: list[float]) -> float:
+    """The median of ``values``."""
+    return float(statistics.median(values))

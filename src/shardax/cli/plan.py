@@ -1,0 +1,228 @@
+"""``shardax plan``: memory per device of DP, FSDP, TP and hybrids, and the roofline batch.
+
+Example: ``shardax plan --params 7e9 --devices 8 --hardware h100 --batch 1024``.
+The formulas are in :mod:`shardax.runtime.memory` and :mod:`shardax.runtime.roofline`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shardax.cli.common import UsageError, add_json_flag, console, positive_int, print_json
+
+GIB = 1024**3
+
+
+def _params(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a parameter count such as 7e9, got {text!r}")
+    return value
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected GiB > 0 such as 80, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``shardax plan``."""
+    from shardax.runtime.hardware import HardwareType
+    from shardax.runtime.memory import PRECISIONS
+
+    parser.add_argument(
+        "--params", type=_params, required=True, help="model parameters, e.g. 7e9 (required)"
+    )
+    parser.add_argument(
+        "--devices", type=positive_int, default=None, help="devices (default: those at hand)"
+    )
+    parser.add_argument(
+        "--hardware",
+        choices=[h.value for h in HardwareType],
+        default=None,
+        help="device type for memory and roofline figures (default: detected)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        default=None,
+        help="global batch (rows per step: examples, or tokens for a transformer)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="mixed",
+        help="fp32: 16 B/param; mixed: bf16 compute + fp32 master and Adam, 16 B/param; "
+        "bf16: 8 B/param (default: mixed)",
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=_gib,
+        default=None,
+        metavar="GIB",
+        help="memory of one device in GiB (default: the hardware's datasheet figure)",
+    )
+    add_json_flag(parser)
+
+
+def make_plan(
+    num_params: float,
+    num_devices: int,
+    hardware: str,
+    precision: str = "mixed",
+    batch: int | None = None,
+    device_memory: float | None = None,
+) -> dict[str, Any]:
+    """The plan as plain data: one row per strategy, the roofline and the warnings."""
+    from shardax.runtime.hardware import HARDWARE_SPECS, HardwareType
+    from shardax.runtime.memory import get_precision, plan_memory
+    from shardax.runtime.roofline import hardware_roofline
+
+    hw = HardwareType(hardware)
+    prec = get_precision(precision)
+    memory = device_memory
+    if memory is None and hw in HARDWARE_SPECS:
+        memory = HARDWARE_SPECS[hw].memory_bytes
+    roof = hardware_roofline(hw, prec.params) if hw in HARDWARE_SPECS else None
+    warnings = []
+    if memory is None:
+        warnings.append(
+            f"no memory figure for {hw.value}: pass --device-memory GIB to check what fits"
+        )
+    if roof is None:
+        warnings.append(f"no roofline figures for {hw.value}: measure with `shardax tune-batch`")
+    rows = []
+    for e in plan_memory(num_params, num_devices, prec):
+        row: dict[str, Any] = {
+            "strategy": e.strategy,
+            "data": e.data,
+            "model": e.model,
+            "params_bytes": e.params_bytes,
+            "grads_bytes": e.grads_bytes,
+            "master_bytes": e.master_bytes,
+            "optimizer_bytes": e.optimizer_bytes,
+            "total_bytes": e.total_bytes,
+            "fits": None if memory is None else e.total_bytes <= memory,
+            "per_replica_batch": None if batch is None else batch / e.data,
+            "global_critical_batch": None if roof is None else roof.critical_batch * e.data,
+        }
+        name = f"{e.strategy} (data={e.data}, model={e.model})"
+        if row["fits"] is False:
+            warnings.append(
+                f"{name} does not fit: {e.total_bytes / GIB:.1f} GiB of model states per device "
+                f"> {memory / GIB:.1f} GiB on {hw.value}"
+            )
+        if batch is not None and roof is not None:
+            row["compute_bound"] = batch / e.data >= roof.critical_batch
+            if batch % e.data:
+                warnings.append(f"{name}: --batch {batch} is not divisible by data={e.data}")
+        rows.append(row)
+    return {
+        "params": num_params,
+        "devices": num_devices,
+        "hardware": hw.value,
+        "precision": {
+            "name": prec.name,
+            "params": prec.params,
+            "grads": prec.grads,
+            "master": prec.master,
+            "optimizer": prec.optimizer,
+            "total": prec.total,
+        },
+        "device_memory_bytes": memory,
+        "batch": batch,
+        "roofline": None
+        if roof is None
+        else {
+            "peak_flops": roof.peak_flops,
+            "hbm_bandwidth": roof.hbm_bandwidth,
+            "bytes_per_param": roof.bytes_per_param,
+            "critical_batch": roof.critical_batch,
+        },
+        "strategies": rows,
+        "warnings": warnings,
+    }
+
+
+def render(plan: dict[str, Any], out: Any) -> None:
+    """Prints ``plan`` as a rich table and its warnings on ``out``."""
+    from rich.table import Table
+
+    p = plan["precision"]
+    memory = plan["device_memory_bytes"]
+    mem_text = "unknown" if memory is None else f"{memory / GIB:.0f} GiB"
+    out.print(
+        f"{plan['params']:.3g} parameters on {plan['devices']} × {plan['hardware']} "
+        f"({mem_text} each), Adam, {p['name']}: params {p['params']:g} + grads {p['grads']:g} "
+        f"+ master {p['master']:g} + Adam {p['optimizer']:g} = {p['total']:g} bytes/param"
+    )
+    table = Table(
+        title="model states per device (activations not counted)",
+        caption="GiB per device; B* = roofline-critical batch per data-parallel replica",
+    )
+    for col in ("strategy", "data", "model", "params", "grads", "master", "Adam", "total", "fits"):
+        table.add_column(col, justify="right")
+    if plan["batch"] is not None:
+        table.add_column("batch/replica", justify="right")
+    if plan["roofline"] is not None:
+        table.add_column("global batch for B*", justify="right")
+    for r in plan["strategies"]:
+        fits = {None: "?", True: "[green]yes[/]", False: "[red]no[/]"}[r["fits"]]
+        cells = [r["strategy"], str(r["data"]), str(r["model"])]
+        cells += [
+            f"{r[k] / GIB:.1f}"
+            for k in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes")
+        ]
+        cells += [f"[bold]{r['total_bytes'] / GIB:.1f}[/]", fits]
+        if plan["batch"] is not None:
+            b = f"{r['per_replica_batch']:g}"
+            if "compute_bound" in r and not r["compute_bound"]:
+                b = f"[yellow]{b} < B*[/]"
+            cells.append(b)
+        if plan["roofline"] is not None:
+            cells.append(f"{r['global_critical_batch']:.0f}")
+        table.add_row(*cells)
+    out.print(table)
+    roof = plan["roofline"]
+    if roof is not None:
+        out.print(
+            f"roofline: B* = ({roof['bytes_per_param']:g} bytes/weight ÷ 2) × "
+            f"{roof['peak_flops'] / 1e12:.0f} TFLOP/s ÷ {roof['hbm_bandwidth'] / 1e12:.2f} TB/s = "
+            f"[bold]{roof['critical_batch']:.0f}[/] rows per replica; below it a step is "
+            "memory-bound"
+        )
+    for w in plan["warnings"]:
+        out.print(f"[yellow]warning:[/] {w}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the memory table and the warnings."""
+    import shardax as sx
+
+    num_devices = args.devices
+    hardware = args.hardware
+    if num_devices is None or hardware is None:
+        import jax
+
+        num_devices = num_devices or jax.device_count()
+        hardware = hardware or sx.detect_hardware_type().value
+    try:
+        plan = make_plan(
+            args.params, num_devices, hardware, args.precision, args.batch, args.device_memory
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print_json(plan)
+    else:
+        render(plan, console(args))
+    return 0

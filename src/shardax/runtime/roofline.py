@@ -1,0 +1,89 @@
+"""The roofline-critical batch size: peak FLOP/s ÷ HBM bandwidth.
+
+A dense layer ``y = x @ W`` with ``x`` of shape ``(B, D)`` and ``W`` of shape ``(D, F)``
+does ``2·B·D·F`` FLOPs and, when ``B`` is small next to ``D`` and ``F``, reads mostly the
+``p·D·F`` bytes of ``W`` (``p`` bytes per parameter). Its arithmetic intensity is
+``2·B·D·F / (p·D·F) = 2·B / p`` FLOPs per byte. The step is compute-bound once that
+reaches the hardware's ``peak_flops / hbm_bandwidth``, that is once
+
+    B ≥ B* = (p / 2) · peak_flops / hbm_bandwidth      (per device; = peak ÷ bandwidth in bf16)
+
+Below ``B*`` the device waits on memory and a larger batch is nearly free; above it,
+step time grows with the batch. Under data parallelism ``B`` is the per-replica batch, so
+a global batch needs ``B* × data-parallel degree``.
+
+>>> from shardax.runtime.hardware import HardwareType
+>>> round(hardware_roofline(HardwareType.H100).critical_batch)
+295
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardax.runtime.hardware import HARDWARE_SPECS, HardwareType
+
+
+def critical_batch_size(
+    peak_flops: float, hbm_bandwidth: float, bytes_per_param: float = 2.0
+) -> float:
+    """The per-device batch at which a dense layer turns compute-bound: ``(p/2)·peak/bw``.
+
+    Args:
+        peak_flops: FLOP/s of one device.
+        hbm_bandwidth: bytes/s of one device's memory.
+        bytes_per_param: bytes of one weight as the matmul reads it (2 for bf16, 4 for fp32).
+
+    >>> critical_batch_size(1e12, 1e10)
+    100.0
+    """
+    for name, value in (
+        ("peak_flops", peak_flops),
+        ("hbm_bandwidth", hbm_bandwidth),
+        ("bytes_per_param", bytes_per_param),
+    ):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    return bytes_per_param / 2.0 * peak_flops / hbm_bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """The figures of one device's roofline and the critical batch they give.
+
+    Attributes:
+        hardware: the hardware type.
+        peak_flops: dense bf16 FLOP/s of one device (datasheet).
+        hbm_bandwidth: bytes/s of one device's memory (datasheet).
+        bytes_per_param: bytes per weight assumed by ``critical_batch``.
+        critical_batch: per-device batch where compute time equals memory time.
+    """
+
+    hardware: HardwareType
+    peak_flops: float
+    hbm_bandwidth: float
+    bytes_per_param: float
+    critical_batch: float
+
+
+def hardware_roofline(hardware: HardwareType | str, bytes_per_param: float = 2.0) -> Roofline:
+    """The roofline of ``hardware`` from :data:`HARDWARE_SPECS`.
+
+    Raises ``ValueError`` naming the hardware when it has no datasheet figures (CPU,
+    unknown accelerators): their critical batch must be measured (``shardax tune-batch``).
+    """
+    hw = HardwareType(hardware)
+    if hw not in HARDWARE_SPECS:
+        known = ", ".join(h.value for h in HARDWARE_SPECS)
+        raise ValueError(
+            f"hardware {hw.value!r} has no peak FLOP/s and bandwidth figures (known: {known}); "
+            "measure its critical batch with `shardax tune-batch`"
+        )
+    spec = HARDWARE_SPECS[hw]
+    return Roofline(
+        hardware=hw,
+        peak_flops=spec.peak_flops,
+        hbm_bandwidth=spec.hbm_bandwidth,
+        bytes_per_param=bytes_per_param,
+        critical_batch=critical_batch_size(spec.peak_flops, spec.hbm_bandwidth, bytes_per_param),
+    )

@@ -1,0 +1,101 @@
+import math
+
+import pytest
+
+from shardax.runtime.hardware import HARDWARE_SPECS, HardwareType
+from shardax.runtime.memory import PRECISIONS, estimate, get_precision, plan_memory
+from shardax.runtime.roofline import critical_batch_size, hardware_roofline
+
+
+def test_bytes_per_param_formulas():
+    assert PRECISIONS["fp32"].total == 4 + 4 + 0 + 8 == 16
+    assert PRECISIONS["mixed"].total == 2 + 2 + 4 + 8 == 16
+    assert PRECISIONS["bf16"].total == 2 + 2 + 0 + 4 == 8
+    assert (PRECISIONS["mixed"].params, PRECISIONS["mixed"].master) == (2, 4)
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_dp_fsdp_tp_hybrids_divide_the_states(precision):
+    p, n = 7e9, 8
+    s = PRECISIONS[precision].total
+    rows = {(e.strategy, e.data, e.model): e.total_bytes for e in plan_memory(p, n, precision)}
+    assert rows == pytest.approx(
+        {
+            ("DP", 8, 1): s * p,
+            ("FSDP", 8, 1): s * p / 8,
+            ("TP", 1, 8): s * p / 8,
+            ("DP×TP", 4, 2): s * p / 2,
+            ("FSDP×TP", 4, 2): s * p / 8,
+            ("DP×TP", 2, 4): s * p / 4,
+            ("FSDP×TP", 2, 4): s * p / 8,
+        }
+    )
+
+
+def test_components_sum_to_total():
+    e = estimate(1e9, "mixed", data=4, model=2, shard_data=True)
+    assert e.strategy == "FSDP×TP"
+    assert (e.params_bytes, e.grads_bytes, e.master_bytes, e.optimizer_bytes) == (
+        2e9 / 8,
+        2e9 / 8,
+        4e9 / 8,
+        8e9 / 8,
+    )
+    assert e.total_bytes == 16e9 / 8
+
+
+def test_seven_billion_dp_does_not_fit_an_h100_but_fsdp_does():
+    memory = HARDWARE_SPECS[HardwareType.H100].memory_bytes
+    dp, fsdp = plan_memory(7e9, 8, "mixed")[:2]
+    assert dp.total_bytes == 112e9 > memory
+    assert fsdp.total_bytes == 14e9 < memory
+
+
+def test_one_device_is_dp_only():
+    assert [e.strategy for e in plan_memory(1e6, 1)] == ["DP"]
+    assert [(e.data, e.model) for e in plan_memory(1e6, 6)] == [
+        (6, 1),
+        (6, 1),
+        (1, 6),
+        (3, 2),
+        (3, 2),
+        (2, 3),
+        (2, 3),
+    ]
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        get_precision("fp8")
+    with pytest.raises(ValueError, match="num_params must be > 0, got -1"):
+        estimate(-1)
+    with pytest.raises(ValueError, match="data must be an integer >= 1, got 0"):
+        estimate(1e6, data=0)
+    with pytest.raises(ValueError, match="num_devices must be an integer >= 1"):
+        plan_memory(1e6, 0)
+
+
+def test_critical_batch_is_peak_over_bandwidth_in_bf16():
+    assert critical_batch_size(1e12, 1e10) == 100.0
+    assert critical_batch_size(1e12, 1e10, bytes_per_param=4) == 200.0
+    with pytest.raises(ValueError, match="hbm_bandwidth must be > 0, got 0"):
+        critical_batch_size(1e12, 0)
+
+
+@pytest.mark.parametrize("hw", list(HARDWARE_SPECS))
+def test_hardware_roofline_uses_the_datasheet(hw):
+    spec = HARDWARE_SPECS[hw]
+    roof = hardware_roofline(hw)
+    assert roof.critical_batch == pytest.approx(spec.peak_flops / spec.hbm_bandwidth)
+    assert roof.critical_batch == pytest.approx(spec.critical_intensity)
+
+
+def test_h100_roofline_is_near_the_seed_table():
+    # The seed's table gives 298 for the H100; 989 TFLOP/s ÷ 3.35 TB/s = 295.
+    assert math.isclose(hardware_roofline("h100").critical_batch, 298, rel_tol=0.02)
+
+
+@pytest.mark.parametrize("hw", ["cpu", "unknown"])
+def test_no_figures_no_roofline(hw):
+    with pytest.raises(ValueError, match=f"hardware '{hw}' has no peak FLOP/s"):
+        hardware_roofline(hw)
