@@ -1,96 +1,312 @@
-"""``shardax train``: an NNX MLP on scikit-learn's digits, data-parallel on all devices."""
+"""``shardax train``: an NNX MLP on scikit-learn's digits, on all devices.
+
+The main job. It builds a mesh (``--mesh``), shards the model and Adam state with a plan
+(``--plan replicate|fsdp|tp``), feeds each global batch split over the ``data`` axis, and
+shows a progress bar with loss, accuracy and examples/s (process 0 only). At the end it
+writes ``summary.json`` and ``curves.png`` to the run directory.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import time
+from typing import Any
 
 import numpy as np
+
+from shardax.cli.common import (
+    UsageError,
+    add_json_flag,
+    console,
+    mesh_spec,
+    positive_int,
+    print_json,
+    pyplot,
+    run_dir,
+)
+from shardax.cli.demo import PLANS, load_digits, make_mlp, make_plan
+
+MODES = ("jit", "single", "shard_map", "pmap")
+TARGET_ACCURACY = 0.95
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardax train``."""
-    parser.add_argument("--epochs", type=int, default=20, help="passes over the data")
     parser.add_argument(
-        "--batch-size", type=int, default=128, help="global batch size (default: 128)"
+        "--mesh",
+        type=mesh_spec,
+        default=None,
+        help="mesh axes, e.g. data=4,model=2 (default: data=-1; with --plan tp: data=-1,model=2)",
     )
+    parser.add_argument(
+        "--plan", choices=PLANS, default="replicate", help="how to shard the model and Adam state"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="jit",
+        help="jit: one program over the mesh (default); single: one device",
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=128, help="global batch size (default: 128)"
+    )
+    parser.add_argument("--epochs", type=positive_int, default=15, help="passes over the data")
+    parser.add_argument("--hidden", type=positive_int, default=256, help="hidden width")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        help="where to write summary.json and curves.png (default: runs/train-<time>)",
+    )
+    parser.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    add_json_flag(parser)
 
 
-def load_digits(seed: int) -> tuple[np.ndarray, ...]:
-    """The 8×8 digits shipped inside scikit-learn, split 80/20, scaled to [0, 1]."""
+def _mesh(args: argparse.Namespace) -> Any:
+    import jax
+
+    import shardax as sx
+
+    if args.mode == "single":
+        if args.mesh is not None or args.plan != "replicate":
+            raise UsageError("--mode single runs on one device: drop --mesh and --plan")
+        return sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    if args.mode in ("shard_map", "pmap"):
+        raise UsageError(
+            f"--mode {args.mode} needs shardax.make_train_step, which is not in this build; "
+            "use --mode jit or single"
+        )
+    spec = args.mesh or ([("data", -1), ("model", 2)] if args.plan == "tp" else [("data", -1)])
+    if "data" not in dict(spec):
+        raise UsageError(f"--mesh needs a 'data' axis for the batch, got {args.mesh}")
     try:
-        from sklearn.datasets import load_digits as _load
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise SystemExit(
-            "shardax train needs scikit-learn for its demo data: pip install 'shardax[demo]'"
-        ) from e
-    x, y = _load(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    y = y.astype(np.int32)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], y[order]
-    split = int(0.8 * len(x))
-    return x[:split], y[:split], x[split:], y[split:]
+        return sx.make_mesh(spec)
+    except ValueError as e:
+        raise UsageError(f"--mesh: {e}") from None
 
 
-def run(args: argparse.Namespace) -> int:
-    """Trains and prints the loss per epoch and the test accuracy."""
+def _checkpointing(args: argparse.Namespace) -> None:
+    if (args.checkpoint_dir or args.resume) and importlib.util.find_spec(
+        "shardax.checkpoint"
+    ) is None:
+        raise UsageError(
+            "--checkpoint-dir/--resume: checkpointing (shardax.checkpoint) is not in this build "
+            "of shardax yet"
+        )
+    if args.resume and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir")
+
+
+def _pad(x: np.ndarray, y: np.ndarray, multiple: int) -> dict[str, np.ndarray]:
+    """A dict batch padded to a multiple of ``multiple``, with the shared ``mask`` leaf."""
+    pad = -len(x) % multiple
+    mask = np.concatenate([np.ones(len(x), bool), np.zeros(pad, bool)])
+    return {
+        "x": np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]),
+        "y": np.concatenate([y, np.zeros(pad, y.dtype)]),
+        "mask": mask,
+    }
+
+
+def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
+    """Trains and returns the summary (plain data)."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     import shardax as sx
 
-    mesh = sx.make_mesh({"data": -1})
-    if args.batch_size % mesh.size:
-        raise SystemExit(
-            f"shardax train: error: --batch-size {args.batch_size} is not divisible by the "
-            f"{mesh.size} devices of the data axis"
+    _checkpointing(args)
+    mesh = _mesh(args)
+    data_size = mesh.shape["data"]
+    if args.batch_size % data_size:
+        raise UsageError(
+            f"--batch-size {args.batch_size} is not divisible by the data axis size {data_size}"
         )
     x_train, y_train, x_test, y_test = load_digits(args.seed)
+    steps_per_epoch = len(x_train) // args.batch_size
+    if steps_per_epoch == 0:
+        raise UsageError(
+            f"--batch-size {args.batch_size} is larger than the {len(x_train)} training examples"
+        )
 
-    class MLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs) -> None:
-            self.hidden = nnx.Linear(64, 256, rngs=rngs)
-            self.out = nnx.Linear(256, 10, rngs=rngs)
-
-        def __call__(self, x: jax.Array) -> jax.Array:
-            return self.out(nnx.relu(self.hidden(x)))
-
-    model = MLP(nnx.Rngs(args.seed))
-    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+    model = make_mlp(64, args.hidden, 1, 10, args.seed)
+    optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
-    state = sx.DataParallel.shard_model_state(state, mesh)
-    data = sx.batch_sharding(mesh)
+    try:
+        plan = make_plan(args.plan, mesh)
+        state = sx.shard(state, plan)
+    except ValueError as e:
+        raise UsageError(f"--plan {args.plan} on mesh {dict(mesh.shape)}: {e}") from None
+    batch_sharding = sx.batch_sharding(mesh)
+
+    def loss_fn(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        logits = model(batch["x"])
+        mask = batch["mask"]
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        n = jnp.maximum(mask.sum(), 1)
+        correct = (jnp.argmax(logits, -1) == batch["y"]) & mask
+        return jnp.where(mask, losses, 0.0).sum() / n, correct.sum() / n
 
     @jax.jit
-    def step(state, x, y):
+    def step(state: Any, batch: dict[str, jax.Array]) -> tuple[Any, dict[str, jax.Array]]:
         model, optimizer = nnx.merge(graphdef, state)
-
-        def loss_fn(model):
-            logits = model(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        (loss, accuracy), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
         optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
+        return nnx.state((model, optimizer)), {"loss": loss, "accuracy": accuracy}
 
-    print(f"training on {mesh.size} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}")
+    @jax.jit
+    def evaluate(state: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        model, _ = nnx.merge(graphdef, state)
+        loss, accuracy = loss_fn(model, batch)
+        return {"loss": loss, "accuracy": accuracy}
+
+    test_batch = sx.distribute_batch(_pad(x_test, y_test, data_size), batch_sharding)
+    train_mask = np.ones(args.batch_size, bool)
+    is_main = jax.process_index() == 0
     rng = np.random.default_rng(args.seed)
-    steps_per_epoch = len(x_train) // args.batch_size
+    history: list[dict[str, float]] = []
+    out.print(
+        f"training an MLP on digits: {mesh.size} {jax.devices()[0].platform} device(s), "
+        f"mesh {dict(mesh.shape)}, plan {args.plan}, mode {args.mode}, "
+        f"batch {args.batch_size}, {args.epochs} epochs"
+    )
+    progress = Progress(
+        TextColumn("epoch {task.fields[epoch]}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}  acc {task.fields[acc]:.3f}"),
+        TextColumn("{task.fields[rate]:,.0f} ex/s"),
+        TimeRemainingColumn(),
+        console=out,
+        disable=not is_main,
+    )
     start = time.perf_counter()
-    for epoch in range(args.epochs):
-        order = rng.permutation(len(x_train))
-        losses = []
-        for i in range(steps_per_epoch):
-            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-            batch = sx.distribute_batch((x_train[idx], y_train[idx]), data)
-            state, loss = step(state, *batch)
-            losses.append(loss)
-        print(f"epoch {epoch + 1:3d}  loss {float(jnp.mean(jnp.stack(losses))):.4f}")
-    model, _ = nnx.merge(graphdef, state)
-    accuracy = float(jnp.mean(jnp.argmax(model(jnp.asarray(x_test)), -1) == y_test))
-    print(f"test accuracy {accuracy:.4f} in {time.perf_counter() - start:.1f} s")
+    with progress:
+        task = progress.add_task(
+            "train", total=args.epochs * steps_per_epoch, epoch=1, loss=0.0, acc=0.0, rate=0.0
+        )
+        for epoch in range(1, args.epochs + 1):
+            order = rng.permutation(len(x_train))
+            metrics = []
+            epoch_start = time.perf_counter()
+            for i in range(steps_per_epoch):
+                idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+                batch = {"x": x_train[idx], "y": y_train[idx], "mask": train_mask}
+                state, m = step(state, sx.distribute_batch(batch, batch_sharding))
+                metrics.append(m)
+                if i % 4 == 3 or i == steps_per_epoch - 1:
+                    done = (i + 1) * args.batch_size
+                    progress.update(
+                        task,
+                        completed=(epoch - 1) * steps_per_epoch + i + 1,
+                        epoch=epoch,
+                        loss=float(m["loss"]),
+                        acc=float(m["accuracy"]),
+                        rate=done / (time.perf_counter() - epoch_start),
+                    )
+            seconds = time.perf_counter() - epoch_start
+            test = evaluate(state, test_batch)
+            mean = jax.tree.map(lambda *v: float(np.mean(v)), *metrics)
+            history.append(
+                {
+                    "epoch": epoch,
+                    "train_loss": mean["loss"],
+                    "train_accuracy": mean["accuracy"],
+                    "test_loss": float(test["loss"]),
+                    "test_accuracy": float(test["accuracy"]),
+                    "seconds": seconds,
+                    "examples_per_s": steps_per_epoch * args.batch_size / seconds,
+                }
+            )
+    total = time.perf_counter() - start
+    steady = history[1:] or history
+    shardings = sx.plan.map_arrays(lambda p, x: str(x.sharding.spec), state)
+    return {
+        "command": "train",
+        "devices": mesh.size,
+        "processes": jax.process_count(),
+        "platform": jax.devices()[0].platform,
+        "device_kind": str(jax.devices()[0].device_kind),
+        "mesh": dict(mesh.shape),
+        "plan": args.plan,
+        "mode": args.mode,
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "steps": args.epochs * steps_per_epoch,
+        "train_examples": len(x_train),
+        "test_examples": len(x_test),
+        "test_accuracy": history[-1]["test_accuracy"],
+        "target_accuracy": TARGET_ACCURACY,
+        "seconds": total,
+        "examples_per_s": float(np.median([h["examples_per_s"] for h in steady])),
+        "param_specs": {
+            k: v for k, v in _flatten(shardings).items() if k.startswith("0/") and "/" in k
+        },
+        "history": history,
+    }
+
+
+def _flatten(tree: Any) -> dict[str, Any]:
+    import jax
+
+    from shardax.plan.tree import path_str
+
+    return {path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def plot_curves(history: list[dict[str, float]], path: Any, title: str) -> None:
+    """Loss and accuracy per epoch, train and test, side by side in one PNG."""
+    plt = pyplot("train")
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
+    ax_loss.plot(epochs, [h["test_loss"] for h in history], "s-", label="test")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", yscale="log", title="loss")
+    ax_acc.plot(epochs, [h["train_accuracy"] for h in history], "o-", label="train")
+    ax_acc.plot(epochs, [h["test_accuracy"] for h in history], "s-", label="test")
+    ax_acc.axhline(TARGET_ACCURACY, color="gray", ls=":", label=f"{TARGET_ACCURACY:.0%}")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Trains, writes ``summary.json`` and ``curves.png``, prints the result."""
+    import jax
+
+    out = console(args)
+    summary = train(args, out)
+    is_main = jax.process_index() == 0
+    if is_main:
+        directory = run_dir(args.run_dir, "train")
+        summary["run_dir"] = str(directory)
+        summary["plot"] = str(directory / "curves.png")
+        plot_curves(
+            summary["history"],
+            directory / "curves.png",
+            f"MLP on digits, {summary['devices']} × {summary['platform']}, mesh "
+            f"{summary['mesh']}, plan {summary['plan']}",
+        )
+        (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if args.json:
+            print_json(summary)
+        else:
+            ok = summary["test_accuracy"] >= TARGET_ACCURACY
+            out.print(
+                f"test accuracy [bold {'green' if ok else 'red'}]{summary['test_accuracy']:.4f}[/]"
+                f" in {summary['seconds']:.1f} s ({summary['examples_per_s']:,.0f} examples/s); "
+                f"wrote {directory}/summary.json and curves.png"
+            )
     return 0

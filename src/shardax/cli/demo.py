@@ -1,0 +1,96 @@
+"""The demo model and data of the CLI: an NNX MLP, the digits data set, and its plans.
+
+``train`` fits the MLP to scikit-learn's 8×8 digits; ``bench`` and ``tune-batch`` time
+the same MLP at other sizes on synthetic data, as seed 003 does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import numpy as np
+
+from shardax.cli.common import UsageError, require
+
+PLANS = ("replicate", "fsdp", "tp")
+MODEL_AXIS = "model"
+
+
+def load_digits(seed: int, command: str = "train") -> tuple[np.ndarray, ...]:
+    """The 1797 digits shipped inside scikit-learn, shuffled, split 80/20, scaled to [0, 1]."""
+    datasets = require("sklearn.datasets", "demo", command)
+    x, y = datasets.load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    y = y.astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order], y[order]
+    split = int(0.8 * len(x))
+    return x[:split], y[:split], x[split:], y[split:]
+
+
+def make_mlp(in_dim: int, hidden: int, layers: int, out_dim: int, seed: int) -> Any:
+    """An NNX MLP: ``layers`` ReLU layers of width ``hidden``, then a linear output."""
+    import jax
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            dims = [in_dim] + [hidden] * layers
+            self.layers = nnx.List(
+                [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(dims)]
+            )
+            self.out = nnx.Linear(dims[-1], out_dim, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for layer in self.layers:
+                x = nnx.relu(layer(x))
+            return self.out(x)
+
+    return MLP(nnx.Rngs(seed))
+
+
+def tp_spec_fn(num_layers: int) -> Any:
+    """Megatron-style tensor parallelism for :func:`make_mlp`, as ``spec_fn(path, shape)``.
+
+    Even layers split their kernel's columns (and bias) over ``model``; odd layers, and
+    the output layer when it follows an even one, split the kernel's rows, so hidden
+    activations stay split within a pair and one all-reduce per pair joins them. Adam's
+    moments share their parameter's path, so they get the same spec.
+
+    >>> tp_spec_fn(1)("0/layers/0/kernel/value", (64, 256))
+    PartitionSpec(None, 'model')
+    """
+    from jax.sharding import PartitionSpec as P
+
+    def spec(path: str, shape: tuple[int, ...]) -> Any:
+        m = re.search(r"layers/(\d+)/(kernel|bias)", path)
+        if m:
+            column = int(m.group(1)) % 2 == 0
+            if m.group(2) == "kernel":
+                return P(None, MODEL_AXIS) if column else P(MODEL_AXIS, None)
+            return P(MODEL_AXIS) if column else P()
+        if re.search(r"(^|/)out/kernel", path) and num_layers % 2 == 1:
+            return P(MODEL_AXIS, None)
+        return P()
+
+    return spec
+
+
+def make_plan(name: str, mesh: Any, num_layers: int = 1) -> Any:
+    """The plan ``name`` (replicate, fsdp or tp) over ``mesh``."""
+    import shardax as sx
+
+    if name == "replicate":
+        return sx.replicate(mesh)
+    if name == "fsdp":
+        return sx.fsdp(mesh, min_size=1024)
+    if name == "tp":
+        if MODEL_AXIS not in mesh.shape:
+            raise UsageError(
+                f"--plan tp needs a mesh with a {MODEL_AXIS!r} axis, got {dict(mesh.shape)}; "
+                "pass e.g. --mesh data=-1,model=2"
+            )
+        return sx.Plan(mesh, tp_spec_fn(num_layers), "tp")
+    raise UsageError(f"--plan must be one of {', '.join(PLANS)}, got {name!r}")
