@@ -78,27 +78,29 @@ def test_keeps_last_k_and_refuses_existing_step(tmp_path, mesh):
         for k in (1, 2, 3):
             manager.save(k, state)
         assert manager.all_steps() == [2, 3]
-        with pytest.raises(FileExistsError, match="step 3 already exists.*overwrite=True"):
+        with pytest.raises(FileExistsError, match=r"step 3 already exists.*overwrite=True"):
             manager.save(3, state)
         bumped = {**state, "step": jnp.int32(99)}
         manager.save(3, bumped, overwrite=True)
         assert int(manager.restore(state).state["step"]) == 99
 
 
+def _drop_b(s):
+    return {**s, "params": {"w": s["params"]["w"]}}
+
+
+def _b_as(b):
+    return lambda s: {**s, "params": {**s["params"], "b": b}}
+
+
 @pytest.mark.parametrize(
     "change,needle",
     [
-        (
-            lambda s: {**s, "params": {"w": s["params"]["w"]}},
-            r"in the checkpoint but not in `like`: \['params/b'\]",
-        ),
+        (_drop_b, r"in the checkpoint but not in `like`: \['params/b'\]"),
         (lambda s: {**s, "extra": jnp.ones(2)}, r"not in the checkpoint: \['extra'\]"),
+        (_b_as(jnp.ones(5)), r"'params/b' has shape \(4,\) in the checkpoint but \(5,\)"),
         (
-            lambda s: {**s, "params": {**s["params"], "b": jnp.ones(5)}},
-            r"'params/b' has shape \(4,\) in the checkpoint but \(5,\)",
-        ),
-        (
-            lambda s: {**s, "params": {**s["params"], "b": jnp.ones(4, jnp.int32)}},
+            _b_as(jnp.ones(4, jnp.int32)),
             r"'params/b' has dtype float32 in the checkpoint but int32",
         ),
     ],
