@@ -175,3 +175,35 @@ def test_nan_guard_names_step_and_nothing_is_saved(tmp_path, mesh):
     with pytest.raises(sx.NonFiniteLossError, match="inf at step 9"):
         sx.check_finite(jnp.float32(np.inf), 9)
     manager.close()
+
+
+def test_two_processes_save_and_restore_together(tmp_path):
+    import portpicker
+
+    port = portpicker.pick_unused_port()
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_multiprocess.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(r), str(port), str(tmp_path / "ck")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    expect = np.arange(32.0).reshape(8, 4).tolist()
+    for r in results:
+        assert r["step"] == 3 and r["data"] == {"epoch": 1} and r["replicated"]
+        assert r["local"] == [expect, expect]  # each process holds the whole value, twice
+    # Both processes wrote their own shards: not process 0 alone.
+    state_dir = tmp_path / "ck" / "3" / "state"
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(state_dir))
+    assert sorted(os.listdir(state_dir / "array_metadatas")) == ["process_0", "process_1"]
