@@ -196,7 +196,7 @@ def test_two_processes_save_and_restore_together(tmp_path):
     finally:
         for p in procs:
             p.kill()
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     expect = np.arange(32.0).reshape(8, 4).tolist()

@@ -10,7 +10,6 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_num_cpu_devices", 2)
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import shardax as sx  # noqa: E402
