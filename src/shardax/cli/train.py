@@ -9,7 +9,7 @@ writes ``summary.json`` and ``curves.png`` to the run directory.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import contextlib
 import json
 import time
 from typing import Any
@@ -89,16 +89,24 @@ def _mesh(args: argparse.Namespace) -> Any:
         raise UsageError(f"--mesh: {e}") from None
 
 
-def _checkpointing(args: argparse.Namespace) -> None:
-    if (args.checkpoint_dir or args.resume) and importlib.util.find_spec(
-        "shardax.checkpoint"
-    ) is None:
-        raise UsageError(
-            "--checkpoint-dir/--resume: checkpointing (shardax.checkpoint) is not in this build "
-            "of shardax yet"
-        )
-    if args.resume and not args.checkpoint_dir:
+def _resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, int, list[Any]]:
+    """The state, last finished epoch and history to start from (fresh: 0 and [])."""
+    if not args.resume:
+        if manager is not None and manager.latest_step() is not None:
+            raise UsageError(
+                f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; pass "
+                "--resume to continue from them, or choose an empty directory"
+            )
+        return state, 0, []
+    if manager is None:
         raise UsageError("--resume needs --checkpoint-dir")
+    if manager.latest_step() is None:
+        raise UsageError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
+    try:
+        restored = manager.restore(like=state)
+    except ValueError as e:
+        raise UsageError(f"--resume: the checkpoint does not fit this model: {e}") from None
+    return restored.state, int(restored.data_state["epoch"]), restored.data_state["history"]
 
 
 def _pad(x: np.ndarray, y: np.ndarray, multiple: int) -> dict[str, np.ndarray]:
@@ -122,7 +130,6 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
 
     import shardax as sx
 
-    _checkpointing(args)
     mesh = _mesh(args)
     data_size = mesh.shape["data"]
     if args.batch_size % data_size:
@@ -170,8 +177,13 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     test_batch = sx.distribute_batch(_pad(x_test, y_test, data_size), batch_sharding)
     train_mask = np.ones(args.batch_size, bool)
     is_main = jax.process_index() == 0
-    rng = np.random.default_rng(args.seed)
-    history: list[dict[str, float]] = []
+    manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
+    state, first_done, history = _resume(args, manager, state)
+    if first_done >= args.epochs:
+        raise UsageError(
+            f"--resume: the checkpoint has finished epoch {first_done}; pass --epochs > "
+            f"{first_done} to train further"
+        )
     out.print(
         f"training an MLP on digits: {mesh.size} {jax.devices()[0].platform} device(s), "
         f"mesh {dict(mesh.shape)}, plan {args.plan}, mode {args.mode}, "
@@ -187,12 +199,19 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         disable=not is_main,
     )
     start = time.perf_counter()
-    with progress:
+    with progress, manager or contextlib.nullcontext():
         task = progress.add_task(
-            "train", total=args.epochs * steps_per_epoch, epoch=1, loss=0.0, acc=0.0, rate=0.0
+            "train",
+            total=args.epochs * steps_per_epoch,
+            completed=first_done * steps_per_epoch,
+            epoch=first_done + 1,
+            loss=0.0,
+            acc=0.0,
+            rate=0.0,
         )
-        for epoch in range(1, args.epochs + 1):
-            order = rng.permutation(len(x_train))
+        for epoch in range(first_done + 1, args.epochs + 1):
+            # One generator per epoch, so a resumed run sees the same order.
+            order = np.random.default_rng([args.seed, epoch]).permutation(len(x_train))
             metrics = []
             epoch_start = time.perf_counter()
             for i in range(steps_per_epoch):
@@ -224,6 +243,9 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
                     "examples_per_s": steps_per_epoch * args.batch_size / seconds,
                 }
             )
+            sx.check_finite(mean["loss"], epoch * steps_per_epoch)
+            if manager is not None:
+                manager.save(epoch * steps_per_epoch, state, {"epoch": epoch, "history": history})
     total = time.perf_counter() - start
     steady = history[1:] or history
     shardings = sx.plan.map_arrays(lambda p, x: str(x.sharding.spec), state)
@@ -240,6 +262,8 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         "epochs": args.epochs,
         "seed": args.seed,
         "steps": args.epochs * steps_per_epoch,
+        "resumed_from_epoch": first_done,
+        "checkpoint_dir": args.checkpoint_dir,
         "train_examples": len(x_train),
         "test_examples": len(x_test),
         "test_accuracy": history[-1]["test_accuracy"],
