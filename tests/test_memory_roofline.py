@@ -99,3 +99,28 @@ def test_h100_roofline_is_near_the_seed_table():
 def test_no_figures_no_roofline(hw):
     with pytest.raises(ValueError, match=f"hardware '{hw}' has no peak FLOP/s"):
         hardware_roofline(hw)
+
+
+def test_knee_is_smallest_batch_within_tolerance_of_peak():
+    from shardax.runtime.roofline import knee_batch_size
+
+    batches = [8, 16, 32, 64, 128]
+    # Step time flat until 32 (memory-bound), then linear (compute-bound): peak from 32 on.
+    times = [1.0, 1.0, 1.0, 2.0, 4.0]
+    assert knee_batch_size(batches, times) == 32
+    # Throughputs 8, 16, 29.1, 32, 32: 29.1 is within 10% of 32, 16 is not.
+    assert knee_batch_size(batches, [1.0, 1.0, 1.1, 2.0, 4.0]) == 32
+    assert knee_batch_size(batches, [1.0, 1.0, 1.1, 2.0, 4.0], tolerance=0.0) == 64
+    # Order does not matter; a tolerance of 50% reaches down to 16.
+    assert knee_batch_size(batches[::-1], times[::-1], tolerance=0.5) == 16
+
+
+def test_knee_rejects_bad_input():
+    from shardax.runtime.roofline import knee_batch_size
+
+    with pytest.raises(ValueError, match="equal length, got 2 and 1"):
+        knee_batch_size([1, 2], [1.0])
+    with pytest.raises(ValueError, match="tolerance must be in"):
+        knee_batch_size([1], [1.0], tolerance=1.5)
+    with pytest.raises(ValueError, match="step_seconds must all be > 0"):
+        knee_batch_size([1], [0.0])

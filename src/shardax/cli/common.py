@@ -130,6 +130,28 @@ def time_step(fn: Callable[[], Any], warmup: int = 2, repeats: int = 5) -> list[
     return times
 
 
+def time_interleaved(
+    fns: list[Callable[[], Any]], warmup: int = 2, repeats: int = 5
+) -> list[list[float]]:
+    """Like :func:`time_step` for several functions, timed in turns.
+
+    Round ``r`` times every function once, so load from other processes during the
+    run falls on all of them alike instead of on whichever ran at the time.
+    """
+    import jax
+
+    for fn in fns:
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            out.append(time.perf_counter() - start)
+    return times
+
+
 def median(values: list[float]) -> float:
     """The median of ``values``."""
     return float(statistics.median(values))

@@ -16,7 +16,9 @@ from shardax.cli.common import UsageError
 COMMANDS = {
     "info": ("shardax.cli.info", "Show devices, hardware, batch-size advice and the mesh."),
     "train": ("shardax.cli.train", "Train an NNX MLP on the digits data set on all devices."),
+    "bench": ("shardax.cli.bench", "Compare train-step times of single, jit, shard_map, pmap."),
     "plan": ("shardax.cli.plan", "Memory per device of DP, FSDP, TP and hybrids for a model."),
+    "tune-batch": ("shardax.cli.tune_batch", "Measure throughput over batch sizes; find the knee."),
 }
 
 

@@ -87,3 +87,30 @@ def hardware_roofline(hardware: HardwareType | str, bytes_per_param: float = 2.0
         bytes_per_param=bytes_per_param,
         critical_batch=critical_batch_size(spec.peak_flops, spec.hbm_bandwidth, bytes_per_param),
     )
+
+
+def knee_batch_size(
+    batch_sizes: list[int], step_seconds: list[float], tolerance: float = 0.1
+) -> int:
+    """The smallest batch whose throughput is within ``tolerance`` of the peak throughput.
+
+    Throughput is ``batch / step_seconds`` (examples per second). Past the knee a larger
+    batch buys little speed per example; below it the device is underused.
+
+    >>> knee_batch_size([8, 16, 32, 64], [1.0, 1.0, 1.1, 2.0])
+    32
+    """
+    if len(batch_sizes) != len(step_seconds) or not batch_sizes:
+        raise ValueError(
+            f"batch_sizes and step_seconds must be non-empty and of equal length, got "
+            f"{len(batch_sizes)} and {len(step_seconds)}"
+        )
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
+    if any(not t > 0 for t in step_seconds):
+        raise ValueError(f"step_seconds must all be > 0, got {step_seconds}")
+    throughput = [b / t for b, t in zip(batch_sizes, step_seconds, strict=True)]
+    peak = max(throughput)
+    return min(
+        b for b, r in zip(batch_sizes, throughput, strict=True) if r >= (1 - tolerance) * peak
+    )

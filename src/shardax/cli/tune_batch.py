@@ -1,0 +1,240 @@
+"""``shardax tune-batch``: measure train-step throughput over batch sizes and find the knee.
+
+For each batch size the step (``jax.jit`` over a ``data`` mesh, state replicated, batch
+split) is compiled and warmed up, then timed ``--repeats`` times; throughput is the batch
+divided by the median step time. The knee is the smallest batch within ``--tolerance``
+(default 10%) of the peak throughput: past it a larger batch buys little speed per
+example. It is shown per device beside the seed table's critical batch size and, where
+the datasheet figures exist, the roofline's ``B*``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from shardax.cli.bench import SIZES, make_steps
+from shardax.cli.common import (
+    UsageError,
+    add_json_flag,
+    console,
+    int_list,
+    median,
+    positive_int,
+    print_json,
+    pyplot,
+    run_dir,
+    time_interleaved,
+)
+from shardax.cli.demo import make_mlp
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1) such as 0.1, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``shardax tune-batch``."""
+    parser.add_argument(
+        "--batch-sizes",
+        type=int_list,
+        default=None,
+        help="global batch sizes to try, e.g. 64,128,256 (default: devices × 1, 2, 4, … 2048)",
+    )
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default="small", help="MLP size, as in shardax bench"
+    )
+    parser.add_argument("--layers", type=positive_int, help="hidden layers (overrides --size)")
+    parser.add_argument("--hidden", type=positive_int, help="hidden width (overrides --size)")
+    parser.add_argument("--input-dim", type=positive_int, help="input width (overrides --size)")
+    parser.add_argument(
+        "--devices",
+        type=positive_int,
+        default=None,
+        help="devices to use (default: all; 1 on CPU, where simulated devices share the "
+        "same cores)",
+    )
+    parser.add_argument(
+        "--tolerance", type=_tolerance, default=0.1, help="knee: within this of peak (0.1)"
+    )
+    parser.add_argument("--warmup", type=positive_int, default=2, help="untimed steps per size")
+    parser.add_argument("--repeats", type=positive_int, default=7, help="timed steps per size")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--run-dir", default=None, help="where to write tune.json and tune.png")
+    add_json_flag(parser)
+
+
+def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
+    """Times the step at every batch size; returns the curve and the knee."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import shardax as sx
+    from shardax.runtime.hardware import HARDWARE_SPECS
+    from shardax.runtime.roofline import hardware_roofline, knee_batch_size
+
+    cpu = jax.devices()[0].platform == "cpu"
+    n = args.devices or (1 if cpu else jax.device_count())
+    if n > jax.device_count():
+        raise UsageError(f"--devices {n} is more than the {jax.device_count()} devices at hand")
+    mesh = sx.make_mesh({"data": n}, devices=jax.devices()[:n])
+    sizes = args.batch_sizes or [n * 2**k for k in range(12)]
+    bad = [b for b in sizes if b % n]
+    if bad:
+        raise UsageError(f"--batch-sizes {bad} are not divisible by the {n} devices")
+    sizes = sorted(set(sizes))
+    layers, hidden, input_dim, output_dim, _ = SIZES[args.size]
+    layers, hidden = args.layers or layers, args.hidden or hidden
+    input_dim = args.input_dim or input_dim
+    graphdef, params = nnx.split(
+        make_mlp(input_dim, hidden, layers, output_dim, args.seed), nnx.Param
+    )
+    step, place = make_steps(graphdef, optax.adam(1e-4), mesh)["jit"]
+    rng = np.random.default_rng(args.seed)
+    hw = sx.detect_hardware_type()
+    out.print(
+        f"tune-batch: MLP {layers} × {hidden} on {input_dim} inputs, {n} × "
+        f"{jax.devices()[0].device_kind}, batch sizes {sizes}; warm-up {args.warmup}, "
+        f"median of {args.repeats}, sizes timed in turns"
+    )
+    inputs = []
+    for b in sizes:
+        x = rng.standard_normal((b, input_dim), np.float32)
+        inputs.append(place(params, x, np.ones((b, output_dim), np.float32)))
+    all_times = time_interleaved([lambda i=i: step(*i) for i in inputs], args.warmup, args.repeats)
+    del inputs
+    rows = []
+    for b, times in zip(sizes, all_times, strict=True):
+        t = median(times)
+        rows.append(
+            {
+                "batch_size": b,
+                "per_device": b // n,
+                "median_s": t,
+                "times_s": times,
+                "examples_per_s": b / t,
+            }
+        )
+    knee = knee_batch_size(
+        [r["batch_size"] for r in rows], [r["median_s"] for r in rows], args.tolerance
+    )
+    rec = sx.get_batch_size_recommendation(hw)
+    roof = hardware_roofline(hw).critical_batch if hw in HARDWARE_SPECS else None
+    return {
+        "command": "tune-batch",
+        "platform": jax.devices()[0].platform,
+        "device_kind": str(jax.devices()[0].device_kind),
+        "hardware": hw.value,
+        "devices": n,
+        "layers": layers,
+        "hidden": hidden,
+        "input_dim": input_dim,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "tolerance": args.tolerance,
+        "results": rows,
+        "peak_examples_per_s": max(r["examples_per_s"] for r in rows),
+        "knee_batch_size": knee,
+        "knee_per_device": knee // n,
+        "table_critical_batch_size": rec.critical_batch_size,
+        "roofline_critical_batch": roof,
+        "knee_is_largest_tried": knee == sizes[-1],
+    }
+
+
+def render(result: dict[str, Any], out: Any) -> None:
+    """The throughput table and the knee beside the table's critical batch."""
+    from rich.table import Table
+
+    peak = result["peak_examples_per_s"]
+    table = Table(title=f"throughput, {result['devices']} × {result['device_kind']}")
+    for col in ("batch", "per device", "median ms", "examples/s", "of peak"):
+        table.add_column(col, justify="right")
+    for r in result["results"]:
+        knee = r["batch_size"] == result["knee_batch_size"]
+        table.add_row(
+            str(r["batch_size"]) + (" ◀ knee" if knee else ""),
+            str(r["per_device"]),
+            f"{r['median_s'] * 1e3:.2f}",
+            f"{r['examples_per_s']:,.0f}",
+            f"{r['examples_per_s'] / peak:.0%}",
+            style="bold green" if knee else None,
+        )
+    out.print(table)
+    roof = result["roofline_critical_batch"]
+    out.print(
+        f"knee (smallest batch within {result['tolerance']:.0%} of peak): "
+        f"[bold]{result['knee_batch_size']}[/] = {result['knee_per_device']} per device; "
+        f"the table's critical batch for {result['hardware']} is "
+        f"{result['table_critical_batch_size']} per device"
+        + ("" if roof is None else f", the roofline's B* is {roof:.0f}")
+    )
+    if result["knee_is_largest_tried"]:
+        out.print(
+            "[yellow]warning:[/] the knee is the largest batch tried: throughput was still "
+            "rising; try larger --batch-sizes"
+        )
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    """Throughput against batch size, with the knee and the table's critical batch."""
+    plt = pyplot("tune-batch")
+    n = result["devices"]
+    batches = [r["batch_size"] for r in result["results"]]
+    rates = [r["examples_per_s"] for r in result["results"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(batches, rates, "o-", label="median throughput")
+    ax.axhline(
+        (1 - result["tolerance"]) * result["peak_examples_per_s"],
+        color="gray",
+        ls=":",
+        label=f"{1 - result['tolerance']:.0%} of peak",
+    )
+    ax.axvline(
+        result["knee_batch_size"],
+        color="green",
+        ls="--",
+        label=f"knee: {result['knee_batch_size']}",
+    )
+    ax.axvline(
+        n * result["table_critical_batch_size"],
+        color="red",
+        ls="-.",
+        label=f"table critical × {n} devices: {n * result['table_critical_batch_size']}",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set(
+        xlabel="global batch size",
+        ylabel="examples / s",
+        title=f"{n} × {result['device_kind']}: MLP {result['layers']} × {result['hidden']}",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measures, prints the table, writes ``tune.json`` and ``tune.png``."""
+    out = console(args)
+    result = tune(args, out)
+    directory = run_dir(args.run_dir, "tune-batch")
+    result["plot"] = str(directory / "tune.png")
+    plot(result, directory / "tune.png")
+    (directory / "tune.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print_json(result)
+    else:
+        render(result, out)
+        out.print(f"wrote {directory}/tune.json and tune.png")
+    return 0
