@@ -1,0 +1,224 @@
+"""The CLI: every command in a subprocess at a small size, usage errors, and the train job.
+
+Subprocess tests run ``python -m shardax`` as a user would; the rest call
+``main`` in this process (8 CPU devices, as conftest sets) to keep the suite quick.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from shardax.cli.main import COMMANDS, build_parser
+from shardax.cli.main import main as cli
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(*args, timeout=180):
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardax", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc
+
+
+def json_of(proc):
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+# --- every command in a subprocess -------------------------------------------------------
+
+
+def test_info_subprocess_json():
+    out = json_of(run_cli("info", "--cpu-devices", "4", "--mesh", "data=2,model=2", "--json"))
+    assert out["num_devices"] == 4 and out["hardware_type"] == "cpu"
+    assert [d["id"] for d in out["devices"]] == [0, 1, 2, 3]
+    assert out["recommendation"]["critical_batch_size"] == 16
+    h100 = next(r for r in out["batch_size_table"] if r["hardware"] == "h100")
+    assert h100["critical_batch_size"] == 298
+    assert h100["roofline_critical_batch"] == pytest.approx(989e12 / 3350e9)
+    assert out["mesh"]["axes"] == {"data": 2, "model": 2}
+    assert np.array(out["mesh"]["device_ids"]).shape == (2, 2)
+
+
+def test_plan_subprocess_seven_billion_on_eight_h100():
+    out = json_of(
+        run_cli("plan", "--params", "7e9", "--devices", "8", "--hardware", "h100", "--json")
+    )
+    rows = {(r["strategy"], r["data"], r["model"]): r for r in out["strategies"]}
+    assert rows["DP", 8, 1]["total_bytes"] == 16 * 7e9 and rows["DP", 8, 1]["fits"] is False
+    assert rows["FSDP", 8, 1]["total_bytes"] == 2 * 7e9 and rows["FSDP", 8, 1]["fits"] is True
+    assert rows["DP×TP", 4, 2]["global_critical_batch"] == pytest.approx(4 * 989e12 / 3350e9)
+    assert any("does not fit" in w for w in out["warnings"])
+
+
+def test_train_subprocess_default_reaches_95_percent(tmp_path):
+    out = json_of(run_cli("train", "--run-dir", str(tmp_path), "--json"))
+    assert out["devices"] == 8 and out["mesh"] == {"data": 8}
+    assert out["test_accuracy"] >= 0.95
+    assert len(out["history"]) == out["epochs"]
+    assert json.loads((tmp_path / "summary.json").read_text()) == {k: v for k, v in out.items()}
+    assert (tmp_path / "curves.png").read_bytes()[:8] == PNG
+
+
+def test_bench_subprocess_small(tmp_path):
+    out = json_of(
+        run_cli(
+            "bench", "--cpu-devices", "4", "--layers", "2", "--hidden", "64",
+            "--input-dim", "32", "--batch-size", "64", "--warmup", "1", "--repeats", "2",
+            "--run-dir", str(tmp_path), "--json",
+        )
+    )  # fmt: skip
+    rows = {r["mode"]: r for r in out["results"]}
+    assert list(rows) == ["single", "jit", "shard_map", "pmap"]
+    assert rows["single"]["devices"] == 1 and rows["pmap"]["devices"] == 4
+    assert rows["single"]["speedup_vs_single"] == 1.0
+    for r in rows.values():
+        assert len(r["times_s"]) == 2 and r["median_s"] > 0
+        # The same step from the same state: every mode computes the same loss.
+        assert r["loss"] == pytest.approx(rows["single"]["loss"], rel=1e-5)
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
+
+
+def test_tune_batch_subprocess_small(tmp_path):
+    out = json_of(
+        run_cli(
+            "tune-batch", "--cpu-devices", "2", "--devices", "2", "--layers", "1",
+            "--hidden", "32", "--input-dim", "16", "--batch-sizes", "8,2,32",
+            "--warmup", "1", "--repeats", "2", "--run-dir", str(tmp_path), "--json",
+        )
+    )  # fmt: skip
+    assert [r["batch_size"] for r in out["results"]] == [2, 8, 32]
+    assert [r["per_device"] for r in out["results"]] == [1, 4, 16]
+    peak = max(r["examples_per_s"] for r in out["results"])
+    knee = next(r for r in out["results"] if r["batch_size"] == out["knee_batch_size"])
+    assert knee["examples_per_s"] >= 0.9 * peak
+    assert all(
+        r["examples_per_s"] < 0.9 * peak
+        for r in out["results"]
+        if r["batch_size"] < out["knee_batch_size"]
+    )
+    assert out["table_critical_batch_size"] == 16 and out["roofline_critical_batch"] is None
+    assert (tmp_path / "tune.png").read_bytes()[:8] == PNG
+
+
+def test_usage_error_subprocess_is_one_line_without_traceback():
+    proc = run_cli("train", "--batch-size", "100")
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "shardax train: error: --batch-size 100 is not divisible by the data axis size 8\n"
+    )
+
+
+# --- tables, help and usage errors, in process ------------------------------------------
+
+
+def test_info_tables(capsys):
+    assert cli(["info"]) == 0
+    text = capsys.readouterr().out
+    for phrase in ("8 devices", "hardware type: cpu", "B* = peak ÷ HBM", "295", "mesh data=8"):
+        assert phrase in text
+
+
+def test_plan_table_and_warnings(capsys):
+    argv = ["plan", "--params", "7e9", "--devices", "8", "--hardware", "h100", "--batch", "1024"]
+    assert cli(argv) == 0
+    text = capsys.readouterr().out
+    assert "DP (data=8, model=1) does not fit: 104.3 GiB" in text
+    assert "FSDP×TP" in text and "= 16 bytes/param" in text
+    assert "128 < B*" in text  # DP: 1024 / 8 per replica, below the H100's 295
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_help_is_clear(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert COMMANDS[command][1] in " ".join(text.split())
+    assert "--cpu-devices" in text
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["train", "--plan", "zero"], "argument --plan: invalid choice: 'zero'"),
+        (["train", "--mesh", "data4"], "argument --mesh: expected AXIS=SIZE pairs"),
+        (["train", "--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
+        (["train", "--mesh", "data=3,model=3"], "--mesh: mesh {'data': 3, 'model': 3} needs 9"),
+        (["train", "--plan", "tp", "--mesh", "data=8"], "--plan tp needs a mesh with a 'model'"),
+        (["train", "--mode", "single", "--plan", "fsdp"], "--mode single runs on one device"),
+        (["train", "--resume"], "--resume needs --checkpoint-dir"),
+        (["plan"], "the following arguments are required: --params"),
+        (["plan", "--params", "seven"], "argument --params: expected a parameter count"),
+        (["plan", "--params", "1e9", "--hardware", "h10"], "argument --hardware: invalid choice"),
+        (["bench", "--modes", "jit,vmap"], "argument --modes: expected a comma-separated subset"),
+        (["bench", "--batch-size", "12"], "--batch-size 12 is not divisible by the 8 devices"),
+        (["tune-batch", "--batch-sizes", "8,x"], "argument --batch-sizes: expected comma-sep"),
+        (["tune-batch", "--devices", "9"], "--devices 9 is more than the 8 devices at hand"),
+        (["tune-batch", "--devices", "8", "--batch-sizes", "8,12"], "--batch-sizes [12] are not"),
+        (["info", "--mesh", "data=16"], "--mesh: mesh {'data': 16} needs 16 devices"),
+        (["launch-rockets"], "argument command: invalid choice: 'launch-rockets'"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
+    try:
+        code = cli(argv)
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("shardax")
+    assert message in err
+    assert "Traceback" not in err
+
+
+# --- the train job, in process -----------------------------------------------------------
+
+
+def train_json(capsys, *argv):
+    assert cli(["train", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_train_tp_plan_places_megatron_specs(tmp_path, capsys):
+    out = train_json(capsys, "--plan", "tp", "--epochs", "12", "--run-dir", str(tmp_path))
+    assert out["mesh"] == {"data": 4, "model": 2}
+    specs = out["param_specs"]
+    assert specs["0/layers/0/kernel/value"] == "P(None, 'model')"
+    assert specs["0/layers/0/bias/value"] == "P('model',)"
+    assert specs["0/out/kernel/value"] in ("P('model', None)", "P('model',)")
+    assert specs["0/out/bias/value"] == "P()"
+    assert out["test_accuracy"] >= 0.95
+
+
+def test_train_fsdp_shards_every_large_leaf(tmp_path, capsys):
+    out = train_json(capsys, "--plan", "fsdp", "--epochs", "2", "--run-dir", str(tmp_path))
+    specs = out["param_specs"]
+    assert specs["0/layers/0/kernel/value"] == "P(None, 'data')"  # (64, 256): largest dim
+    assert specs["0/out/kernel/value"] in ("P('data', None)", "P('data',)")  # (256, 10)
+    assert specs["0/out/bias/value"] == "P()"  # 10 elements: replicated
+
+
+def test_resume_continues_exactly_where_it_stopped(tmp_path, capsys):
+    common = ["--hidden", "64", "--batch-size", "256"]
+    straight = train_json(capsys, *common, "--epochs", "2", "--run-dir", str(tmp_path / "a"))
+    ckpt = str(tmp_path / "ckpt")
+    train_json(capsys, *common, "--epochs", "1", "--checkpoint-dir", ckpt,
+               "--run-dir", str(tmp_path / "b"))  # fmt: skip
+    # Resume on another plan: the checkpoint is resharded onto FSDP shardings.
+    resumed = train_json(capsys, *common, "--epochs", "2", "--checkpoint-dir", ckpt, "--resume",
+                         "--plan", "fsdp", "--run-dir", str(tmp_path / "c"))  # fmt: skip
+    assert resumed["resumed_from_epoch"] == 1
+    assert resumed["param_specs"]["0/layers/0/kernel/value"] == "P('data',)"  # (64, 64)
+    for a, b in zip(straight["history"], resumed["history"], strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+        assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-6)
+    assert cli(["train", *common, "--checkpoint-dir", ckpt]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
