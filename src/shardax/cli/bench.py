@@ -8,14 +8,16 @@ seed notebook, in four modes:
 - ``shard_map``: the same placement, per-device code with an explicit gradient ``pmean``;
 - ``pmap``: the state stacked per device, the batch reshaped to ``(devices, batch/devices)``.
 
-Each mode is warmed up (compilation included), then timed ``--repeats`` times; the table
-gives the median and the speedup over ``single``. ``--size seed`` is the notebook's
+Each mode is warmed up (compilation included), then the modes are timed in turns,
+``--repeats`` rounds, so load from elsewhere falls on all of them alike; the table gives
+the median and the speedup over ``single``. ``--size seed`` is the notebook's
 90 × 2056 MLP on 1024 inputs with batch 6912 (for a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,7 @@ from shardax.cli.common import (
     print_json,
     pyplot,
     run_dir,
+    time_interleaved,
     time_step,
 )
 from shardax.cli.demo import make_mlp
@@ -69,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps per mode")
     parser.add_argument("--repeats", type=positive_int, default=9, help="timed steps per mode")
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time one mode after another, holding one mode's state at a time (less memory); "
+        "default: modes timed in turns, so background load falls on all alike",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--run-dir", default=None, help="where to write bench.json and bench.png")
     add_json_flag(parser)
@@ -168,27 +177,37 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     out.print(
         f"bench: MLP {layers} × {hidden} on {input_dim} inputs ({num_params / 1e6:.1f} M params), "
         f"batch {batch}, {mesh.size} {jax.devices()[0].platform} device(s); "
-        f"warm-up {args.warmup}, median of {args.repeats}"
+        f"warm-up {args.warmup}, median of {args.repeats}, "
+        + ("one mode at a time" if args.sequential else "modes timed in turns")
     )
-    rows = []
-    for mode in args.modes:
-        step, place = steps[mode]
-        inputs = place(params, x, y)
-        times = time_step(lambda s=step, i=inputs: s(*i), args.warmup, args.repeats)
-        loss = float(np.mean(step(*inputs)[2]))
-        rows.append(
-            {
-                "mode": mode,
-                "devices": 1 if mode == "single" else mesh.size,
-                "median_s": median(times),
-                "min_s": min(times),
-                "max_s": max(times),
-                "times_s": times,
-                "loss": loss,
-            }
-        )
-        out.print(f"  {mode:9s} {median(times) * 1e3:9.2f} ms")
-        del inputs
+
+    def call(mode: str, inputs: tuple[Any, ...]) -> Callable[[], Any]:
+        return functools.partial(steps[mode][0], *inputs)
+
+    if args.sequential:  # one mode's state on the devices at a time
+        all_times, losses = [], []
+        for mode in args.modes:
+            fn = call(mode, steps[mode][1](params, x, y))
+            all_times.append(time_step(fn, args.warmup, args.repeats))
+            losses.append(float(np.mean(fn()[2])))
+            del fn
+    else:
+        fns = [call(mode, steps[mode][1](params, x, y)) for mode in args.modes]
+        all_times = time_interleaved(fns, args.warmup, args.repeats)
+        losses = [float(np.mean(fn()[2])) for fn in fns]
+        del fns
+    rows = [
+        {
+            "mode": mode,
+            "devices": 1 if mode == "single" else mesh.size,
+            "median_s": median(times),
+            "min_s": min(times),
+            "max_s": max(times),
+            "times_s": times,
+            "loss": loss,
+        }
+        for mode, times, loss in zip(args.modes, all_times, losses, strict=True)
+    ]
     base = next((r["median_s"] for r in rows if r["mode"] == "single"), None)
     for r in rows:
         r["speedup_vs_single"] = None if base is None else base / r["median_s"]

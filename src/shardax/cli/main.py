@@ -31,7 +31,13 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; each command module adds its own options."""
-    parser = _Parser(prog="shardax", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="shardax",
+        description="Take a JAX training loop from one device to many devices and many hosts.",
+        epilog="examples: shardax info | shardax train --plan fsdp | "
+        "shardax plan --params 7e9 --devices 8 --hardware h100 | shardax bench | "
+        "shardax tune-batch. Run shardax COMMAND --help for a command's options.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
