@@ -60,7 +60,7 @@ def tp_spec_fn(num_layers: int) -> Any:
     moments share their parameter's path, so they get the same spec.
 
     >>> tp_spec_fn(1)("0/layers/0/kernel/value", (64, 256))
-    PartitionSpec(None, 'model')
+    P(None, 'model')
     """
     from jax.sharding import PartitionSpec as P
 
