@@ -222,3 +222,38 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path, capsys):
         assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-6)
     assert cli(["train", *common, "--checkpoint-dir", ckpt]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = os.path.join(os.path.dirname(__file__), "scripts", "cli_train_worker.py")
+    argv = ["train", "--cpu-devices", "2", "--epochs", "2", "--hidden", "64", "--json"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), port, *argv, "--run-dir", str(tmp_path / "mp")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    summary = json.loads((tmp_path / "mp" / "summary.json").read_text())
+    assert (summary["processes"], summary["devices"]) == (2, 4)
+    # Process 1 shows no progress and prints no result.
+    assert "training an MLP" not in outs[1][1] and '"command"' not in outs[1][0]
+    # The same 4-device run in one process gives the same curve.
+    single = train_json(capsys, *argv[3:], "--mesh", "data=4", "--run-dir", str(tmp_path / "sp"))
+    for a, b in zip(single["history"], summary["history"], strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+        assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-6)

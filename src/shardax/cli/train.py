@@ -184,11 +184,12 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             f"--resume: the checkpoint has finished epoch {first_done}; pass --epochs > "
             f"{first_done} to train further"
         )
-    out.print(
-        f"training an MLP on digits: {mesh.size} {jax.devices()[0].platform} device(s), "
-        f"mesh {dict(mesh.shape)}, plan {args.plan}, mode {args.mode}, "
-        f"batch {args.batch_size}, {args.epochs} epochs"
-    )
+    if is_main:
+        out.print(
+            f"training an MLP on digits: {mesh.size} {jax.devices()[0].platform} device(s), "
+            f"mesh {dict(mesh.shape)}, plan {args.plan}, mode {args.mode}, "
+            f"batch {args.batch_size}, {args.epochs} epochs"
+        )
     progress = Progress(
         TextColumn("epoch {task.fields[epoch]}"),
         BarColumn(),
