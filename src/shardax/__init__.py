@@ -24,7 +24,19 @@ from shardax.runtime import (
     get_batch_size_recommendation,
     validate_batch_size,
 )
-from shardax.train import DataParallel, DistributedMetrics, all_gather, all_reduce, reduce
+from shardax.train import (
+    DataParallel,
+    DistributedMetrics,
+    TrainState,
+    TrainStep,
+    all_gather,
+    all_reduce,
+    example_keys,
+    make_train_step,
+    masked_mean,
+    reduce,
+    weighted_mean,
+)
 
 __version__ = "0.1.0"
 
@@ -37,15 +49,20 @@ __all__ = [
     "DistributedMetrics",
     "HardwareType",
     "Plan",
+    "TrainState",
+    "TrainStep",
     "all_gather",
     "all_reduce",
     "batch_sharding",
     "detect_hardware_type",
     "device_info",
     "distribute_batch",
+    "example_keys",
     "fsdp",
     "get_batch_size_recommendation",
     "make_mesh",
+    "make_train_step",
+    "masked_mean",
     "mesh_info",
     "place_on_device",
     "prefetch_to_device",
@@ -55,4 +72,5 @@ __all__ = [
     "shard",
     "shard_batch_dim",
     "validate_batch_size",
+    "weighted_mean",
 ]
