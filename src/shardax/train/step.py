@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
-from shardax.plan.core import Plan, replicate, shard
+from shardax.plan.core import Plan, replicate
 from shardax.plan.tree import is_array, map_arrays
 from shardax.train.batch import check_batch, split_microbatches
 from shardax.train.collectives import weighted_mean
@@ -66,6 +66,9 @@ def _floating(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: x if is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact) else None, tree
     )
+
+
+_fresh_copy = jax.jit(lambda tree: tree)
 
 
 def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
@@ -152,12 +155,22 @@ class TrainStep:
     # -- placement ---------------------------------------------------------------------
 
     def shard(self, state: TrainState) -> TrainState:
-        """Places ``state`` as this step expects it: with the plan, or on one device."""
+        """Places ``state`` as this step expects it: with the plan, or on one device.
+
+        The result never shares buffers with ``state`` when the step donates, so the
+        arrays the state was built from (a Linen ``variables`` dict, an NNX module)
+        stay usable after the step consumes the placed state.
+        """
         if self.mode == "single":
-            return jax.device_put(state, self._device)
-        if self.mode in ("shard_map", "pmap"):
-            self._check_replicated(state)
-        return shard(state, self.plan)
+            shardings: Any = self._device
+        else:
+            if self.mode in ("shard_map", "pmap"):
+                self._check_replicated(state)
+            shardings = self.plan(state)
+        placed = jax.device_put(state, shardings)
+        # device_put may reuse the input's buffers, even with may_alias=False (a shard on
+        # the source device); a jitted identity returns fresh ones.
+        return _fresh_copy(placed) if self.donate else placed
 
     def _check_replicated(self, state: Any) -> None:
         """shard_map and pmap keep one whole copy of the state per device."""
