@@ -71,6 +71,10 @@ def _floating(tree: Any) -> Any:
 _fresh_copy = jax.jit(lambda tree: tree)
 
 
+def _no_step(state: Any, batch: Any) -> Any:
+    raise ValueError("no step compiled yet")
+
+
 def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
     if isinstance(aux, dict):
         if "loss" in aux:
@@ -133,6 +137,8 @@ class TrainStep:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._batch_sharding = batch_sharding(mesh, data_axis)
         self._compiled: dict[Any, Callable[..., Any]] = {}
+        self._last: Callable[..., Any] = _no_step
+        self._last_treedef: Any = None
         self._call = getattr(self, f"_call_{mode}")
         if mode == "single":
             self._device = SingleDeviceSharding(mesh.devices.flat[0])
@@ -307,10 +313,19 @@ class TrainStep:
         )
 
     def _call_jit(self, state: TrainState, batch: Any):
-        treedef = jax.tree.structure(state)
+        # Hot path: the last compiled function, with no Python pass over the state. A
+        # state of another structure fails jit's in_shardings check before anything
+        # runs (or is donated), and gets (or reuses) its own function.
+        try:
+            return self._last(state, batch)
+        except ValueError:
+            treedef = jax.tree.structure(state)
+            if self._last_treedef is not None and treedef == self._last_treedef:
+                raise
         fn = self._compiled.get(treedef)
         if fn is None:
             fn = self._compiled[treedef] = self._build(state)
+        self._last, self._last_treedef = fn, treedef
         return fn(state, batch)
 
     _call_shard_map = _call_jit
