@@ -25,7 +25,19 @@ from shardax.runtime import (
     get_batch_size_recommendation,
     validate_batch_size,
 )
-from shardax.train import DataParallel, DistributedMetrics, all_gather, all_reduce, reduce
+from shardax.train import (
+    DataParallel,
+    DistributedMetrics,
+    TrainState,
+    TrainStep,
+    all_gather,
+    all_reduce,
+    example_keys,
+    make_train_step,
+    masked_mean,
+    reduce,
+    weighted_mean,
+)
 from shardax.train.guard import NonFiniteLossError, check_finite
 
 __version__ = "0.1.0"
@@ -42,6 +54,8 @@ __all__ = [
     "NonFiniteLossError",
     "Plan",
     "Restored",
+    "TrainState",
+    "TrainStep",
     "all_gather",
     "all_reduce",
     "batch_sharding",
@@ -49,9 +63,12 @@ __all__ = [
     "detect_hardware_type",
     "device_info",
     "distribute_batch",
+    "example_keys",
     "fsdp",
     "get_batch_size_recommendation",
     "make_mesh",
+    "make_train_step",
+    "masked_mean",
     "mesh_info",
     "place_on_device",
     "prefetch_to_device",
@@ -63,4 +80,5 @@ __all__ = [
     "shard",
     "shard_batch_dim",
     "validate_batch_size",
+    "weighted_mean",
 ]
