@@ -154,6 +154,7 @@ def test_help_is_clear(command, capsys):
         (["train", "--mesh", "data=3,model=3"], "--mesh: mesh {'data': 3, 'model': 3} needs 9"),
         (["train", "--plan", "tp", "--mesh", "data=8"], "--plan tp needs a mesh with a 'model'"),
         (["train", "--mode", "single", "--plan", "fsdp"], "--mode single runs on one device"),
+        (["train", "--mode", "pmap", "--plan", "fsdp"], "supports only a replicating plan"),
         (["train", "--resume"], "--resume needs --checkpoint-dir"),
         (["plan"], "the following arguments are required: --params"),
         (["plan", "--params", "seven"], "argument --params: expected a parameter count"),
@@ -191,19 +192,19 @@ def test_train_tp_plan_places_megatron_specs(tmp_path, capsys):
     out = train_json(capsys, "--plan", "tp", "--epochs", "12", "--run-dir", str(tmp_path))
     assert out["mesh"] == {"data": 4, "model": 2}
     specs = out["param_specs"]
-    assert specs["0/layers/0/kernel/value"] == "P(None, 'model')"
-    assert specs["0/layers/0/bias/value"] == "P('model',)"
-    assert specs["0/out/kernel/value"] in ("P('model', None)", "P('model',)")
-    assert specs["0/out/bias/value"] == "P()"
+    assert specs["params/layers/0/kernel/value"] == "P(None, 'model')"
+    assert specs["params/layers/0/bias/value"] == "P('model',)"
+    assert specs["params/out/kernel/value"] == "P('model', None)"
+    assert specs["params/out/bias/value"] == "P()"
     assert out["test_accuracy"] >= 0.95
 
 
 def test_train_fsdp_shards_every_large_leaf(tmp_path, capsys):
     out = train_json(capsys, "--plan", "fsdp", "--epochs", "2", "--run-dir", str(tmp_path))
     specs = out["param_specs"]
-    assert specs["0/layers/0/kernel/value"] == "P(None, 'data')"  # (64, 256): largest dim
-    assert specs["0/out/kernel/value"] in ("P('data', None)", "P('data',)")  # (256, 10)
-    assert specs["0/out/bias/value"] == "P()"  # 10 elements: replicated
+    assert specs["params/layers/0/kernel/value"] == "P(None, 'data')"  # (64, 256): largest dim
+    assert specs["params/out/kernel/value"] == "P('data', None)"  # (256, 10)
+    assert specs["params/out/bias/value"] == "P()"  # 10 elements: replicated
 
 
 def test_resume_continues_exactly_where_it_stopped(tmp_path, capsys):
@@ -216,7 +217,7 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path, capsys):
     resumed = train_json(capsys, *common, "--epochs", "2", "--checkpoint-dir", ckpt, "--resume",
                          "--plan", "fsdp", "--run-dir", str(tmp_path / "c"))  # fmt: skip
     assert resumed["resumed_from_epoch"] == 1
-    assert resumed["param_specs"]["0/layers/0/kernel/value"] == "P('data',)"  # (64, 64)
+    assert resumed["param_specs"]["params/layers/0/kernel/value"] == "P('data', None)"  # (64, 64)
     for a, b in zip(straight["history"], resumed["history"], strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
         assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-6)
@@ -257,3 +258,17 @@ def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
     for a, b in zip(single["history"], summary["history"], strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
         assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-6)
+
+
+def test_every_train_mode_gives_the_same_curve(tmp_path, capsys):
+    argv = ["--epochs", "1", "--hidden", "64"]
+    runs = {
+        mode: train_json(capsys, *argv, "--mode", mode, "--run-dir", str(tmp_path / mode))
+        for mode in ("jit", "shard_map", "pmap", "single")
+    }
+    assert runs["single"]["devices"] == 1 and runs["pmap"]["devices"] == 8
+    assert runs["single"]["param_specs"]["params/out/kernel/value"] == "one device"
+    for mode, out in runs.items():
+        assert out["history"][0]["train_loss"] == pytest.approx(
+            runs["jit"]["history"][0]["train_loss"], rel=1e-4
+        ), mode

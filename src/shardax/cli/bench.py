@@ -1,7 +1,7 @@
 """``shardax bench``: seed 003's comparison of data-parallel modes, on the devices at hand.
 
 One Adam step of an MLP with a mean-squared-error loss on a synthetic batch, as in the
-seed notebook, in four modes:
+seed notebook, built by :func:`shardax.make_train_step` in its four modes:
 
 - ``single``: ``jax.jit`` on one device, the whole batch there;
 - ``jit``: ``jax.jit`` over a ``data`` mesh of all devices, state replicated, batch split;
@@ -17,7 +17,6 @@ the median and the speedup over ``single``. ``--size seed`` is the notebook's
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -83,71 +82,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_flag(parser)
 
 
-def make_steps(
-    graphdef: Any, tx: Any, mesh: Any
-) -> dict[str, tuple[Callable[..., Any], Callable[[Any, Any, Any], tuple[Any, ...]]]]:
-    """For each mode, ``(step, place)``: ``place(params, x, y)`` puts the inputs where the
-    mode wants them and ``step(params, opt_state, x, y)`` runs one Adam step."""
-    import jax
+def mse_loss(model: Any, batch: dict[str, Any]) -> Any:
+    """Seed 003's loss: mean squared error of the MLP's outputs against ``batch["y"]``."""
     import jax.numpy as jnp
-    import optax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    import shardax as sx
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
-    def step(params: Any, opt_state: Any, x: Any, y: Any, axis: str | None = None) -> Any:
-        def loss_fn(params: Any) -> Any:
-            return jnp.mean((nnx.merge(graphdef, params)(x) - y) ** 2)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        if axis is not None:
-            loss, grads = jax.lax.pmean((loss, grads), axis)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+class Stepper:
+    """One train step and its own state, threaded through every call (buffers donated).
 
-    n = mesh.size
-    one = sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    ``stepper.bind(batch)`` is a no-argument function that runs one step on ``batch``
+    and returns what it computed, for the timers; ``first_losses[i]`` is the loss of the
+    first step on the ``i``-th bound batch.
+    """
 
-    def placed(target_mesh: Any) -> Callable[..., tuple[Any, ...]]:
-        def place(params: Any, x: Any, y: Any) -> tuple[Any, ...]:
-            params = sx.shard(params, sx.replicate(target_mesh))
-            opt_state = sx.shard(tx.init(params), sx.replicate(target_mesh))
-            data = sx.batch_sharding(target_mesh)
-            return params, opt_state, *sx.distribute_batch((x, y), data)
+    def __init__(self, step: Any, state: Any) -> None:
+        self.step, self.state = step, step.shard(state)
+        self.first_losses: list[float | None] = []
 
-        return place
+    def bind(self, batch: Any) -> Callable[[], Any]:
+        """A function running one step on ``batch`` (already placed)."""
+        index = len(self.first_losses)
+        self.first_losses.append(None)
 
-    def place_pmap(params: Any, x: Any, y: Any) -> tuple[Any, ...]:
-        stacked = NamedSharding(mesh, P("data"))
-        params = sx.shard(params, sx.replicate(mesh))
-        opt_state = tx.init(params)
+        def call() -> Any:
+            self.state, metrics = self.step(self.state, batch)
+            if self.first_losses[index] is None:
+                self.first_losses[index] = float(metrics["loss"])
+            return self.state, metrics
 
-        def stack(tree: Any) -> Any:
-            return jax.tree.map(
-                lambda a: jax.device_put(jnp.broadcast_to(a, (n, *a.shape)), stacked), tree
-            )
-
-        per = x.shape[0] // n
-        x, y = (jax.device_put(a.reshape(n, per, *a.shape[1:]), stacked) for a in (x, y))
-        return stack(params), stack(opt_state), x, y
-
-    sharded = jax.shard_map(
-        lambda p, o, x, y: step(p, o, x, y, "data"),
-        mesh=mesh,
-        in_specs=(P(), P(), P("data"), P("data")),
-        out_specs=(P(), P(), P()),
-    )
-    return {
-        "single": (jax.jit(step), placed(one)),
-        "jit": (jax.jit(step), placed(mesh)),
-        "shard_map": (jax.jit(sharded), placed(mesh)),
-        "pmap": (
-            jax.pmap(lambda p, o, x, y: step(p, o, x, y, "data"), axis_name="data"),
-            place_pmap,
-        ),
-    }
+        return call
 
 
 def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
@@ -155,7 +120,6 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     import jax
     import numpy as np
     import optax
-    from flax import nnx
 
     import shardax as sx
 
@@ -168,12 +132,14 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     if batch % mesh.size:
         raise UsageError(f"--batch-size {batch} is not divisible by the {mesh.size} devices")
     model = make_mlp(input_dim, hidden, layers, output_dim, args.seed)
-    graphdef, params = nnx.split(model, nnx.Param)
-    num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+    state = sx.TrainState.create(model, optax.adam(1e-4), rng=args.seed)
+    num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(state.params))
     rng = np.random.default_rng(args.seed)
-    x = rng.standard_normal((batch, input_dim), np.float32)
-    y = np.ones((batch, output_dim), np.float32)
-    steps = make_steps(graphdef, optax.adam(1e-4), mesh)
+    data = {
+        "x": rng.standard_normal((batch, input_dim), np.float32),
+        "y": np.ones((batch, output_dim), np.float32),
+    }
+    one = sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
     out.print(
         f"bench: MLP {layers} × {hidden} on {input_dim} inputs ({num_params / 1e6:.1f} M params), "
         f"batch {batch}, {mesh.size} {jax.devices()[0].platform} device(s); "
@@ -181,21 +147,23 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         + ("one mode at a time" if args.sequential else "modes timed in turns")
     )
 
-    def call(mode: str, inputs: tuple[Any, ...]) -> Callable[[], Any]:
-        return functools.partial(steps[mode][0], *inputs)
+    def bound(mode: str) -> tuple[Stepper, Callable[[], Any]]:
+        where = one if mode == "single" else mesh
+        stepper = Stepper(sx.make_train_step(mse_loss, mesh=where, mode=mode), state)
+        return stepper, stepper.bind(sx.distribute_batch(data, sx.batch_sharding(where)))
 
     if args.sequential:  # one mode's state on the devices at a time
         all_times, losses = [], []
         for mode in args.modes:
-            fn = call(mode, steps[mode][1](params, x, y))
+            stepper, fn = bound(mode)
             all_times.append(time_step(fn, args.warmup, args.repeats))
-            losses.append(float(np.mean(fn()[2])))
-            del fn
+            losses.append(stepper.first_losses[0])
+            del stepper, fn
     else:
-        fns = [call(mode, steps[mode][1](params, x, y)) for mode in args.modes]
-        all_times = time_interleaved(fns, args.warmup, args.repeats)
-        losses = [float(np.mean(fn()[2])) for fn in fns]
-        del fns
+        pairs = [bound(mode) for mode in args.modes]
+        all_times = time_interleaved([fn for _, fn in pairs], args.warmup, args.repeats)
+        losses = [stepper.first_losses[0] for stepper, _ in pairs]
+        del pairs
     rows = [
         {
             "mode": mode,

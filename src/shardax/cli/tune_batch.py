@@ -1,10 +1,11 @@
 """``shardax tune-batch``: measure train-step throughput over batch sizes and find the knee.
 
-For each batch size the step (``jax.jit`` over a ``data`` mesh, state replicated, batch
-split) is compiled and warmed up, then timed ``--repeats`` times; throughput is the batch
-divided by the median step time. The knee is the smallest batch within ``--tolerance``
-(default 10%) of the peak throughput: past it a larger batch buys little speed per
-example. It is shown per device beside the seed table's critical batch size and, where
+For each batch size the step (:func:`shardax.make_train_step` in ``jit`` mode over a
+``data`` mesh, state replicated, batch split) is compiled and warmed up; then the sizes
+are timed in turns, ``--repeats`` rounds, and throughput is the batch divided by the
+median step time. The knee is the smallest batch within ``--tolerance`` (default 10%)
+of the peak throughput: past it a larger batch buys little speed per example. It is
+shown per device beside the seed table's critical batch size and, where
 the datasheet figures exist, the roofline's ``B*``.
 """
 
@@ -14,7 +15,7 @@ import argparse
 import json
 from typing import Any
 
-from shardax.cli.bench import SIZES, make_steps
+from shardax.cli.bench import SIZES, Stepper, mse_loss
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
@@ -76,7 +77,6 @@ def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     import jax
     import numpy as np
     import optax
-    from flax import nnx
 
     import shardax as sx
     from shardax.runtime.hardware import HARDWARE_SPECS
@@ -95,10 +95,12 @@ def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     layers, hidden, input_dim, output_dim, _ = SIZES[args.size]
     layers, hidden = args.layers or layers, args.hidden or hidden
     input_dim = args.input_dim or input_dim
-    graphdef, params = nnx.split(
-        make_mlp(input_dim, hidden, layers, output_dim, args.seed), nnx.Param
+    model = make_mlp(input_dim, hidden, layers, output_dim, args.seed)
+    # One state, threaded through the steps of every size: memory for one copy only.
+    stepper = Stepper(
+        sx.make_train_step(mse_loss, mesh=mesh),
+        sx.TrainState.create(model, optax.adam(1e-4), rng=args.seed),
     )
-    step, place = make_steps(graphdef, optax.adam(1e-4), mesh)["jit"]
     rng = np.random.default_rng(args.seed)
     hw = sx.detect_hardware_type()
     out.print(
@@ -106,12 +108,16 @@ def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         f"{jax.devices()[0].device_kind}, batch sizes {sizes}; warm-up {args.warmup}, "
         f"median of {args.repeats}, sizes timed in turns"
     )
-    inputs = []
+    data = sx.batch_sharding(mesh)
+    fns = []
     for b in sizes:
-        x = rng.standard_normal((b, input_dim), np.float32)
-        inputs.append(place(params, x, np.ones((b, output_dim), np.float32)))
-    all_times = time_interleaved([lambda i=i: step(*i) for i in inputs], args.warmup, args.repeats)
-    del inputs
+        batch = {
+            "x": rng.standard_normal((b, input_dim), np.float32),
+            "y": np.ones((b, output_dim), np.float32),
+        }
+        fns.append(stepper.bind(sx.distribute_batch(batch, data)))
+    all_times = time_interleaved(fns, args.warmup, args.repeats)
+    del fns
     rows = []
     for b, times in zip(sizes, all_times, strict=True):
         t = median(times)
