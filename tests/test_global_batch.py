@@ -32,9 +32,7 @@ def test_one_process_is_a_device_put(mesh):
     np.testing.assert_array_equal(np.asarray(out["x"]), local["x"])
     assert out["name"] == "b"
     two_d = NamedSharding(sx.make_mesh({"data": 4, "model": 2}), P("data", "model"))
-    assert {s.data.shape for s in sx.global_batch(local, two_d)["x"].addressable_shards} == {
-        (4, 1)
-    }
+    assert {s.data.shape for s in sx.global_batch(local, two_d)["x"].addressable_shards} == {(4, 1)}
     assert process_grid(two_d, 2) == (1, 1)
     assert sx.global_batch(np.ones(3), jax.devices()[4]).devices() == {jax.devices()[4]}
 

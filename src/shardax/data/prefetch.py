@@ -125,7 +125,7 @@ class Prefetcher(Iterator[Any]):
         self._state = get_state() if callable(get_state) else None
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
-        self._finished = False
+        self._finished = self._closed = False
         self._thread = threading.Thread(
             target=_work,
             args=(source, source is not iterable, place, self._stateful, self._queue, self._stop),
@@ -171,7 +171,9 @@ class Prefetcher(Iterator[Any]):
 
     def close(self) -> None:
         """Stops the worker, drops the batches it read ahead, and joins it (<= 0.25 s)."""
-        self._finished = True
+        if self._closed:
+            return
+        self._finished = self._closed = True
         self._stop.set()
         self._drain()
         if self._thread is not threading.current_thread():
