@@ -224,7 +224,8 @@ def prefetch_to_device(
       policy: None (batches pass as they are), or ``"error"``, ``"drop"`` or ``"pad"`` for
         batches smaller than ``batch_size``; see :mod:`shardax.data.policy`.
       batch_size: the fixed (process-local) batch size for ``policy``; default: the size
-        of the first batch.
+        of the first batch. With many processes, each decides for its own slice, so they
+        must agree on which batches are short; ``sx.batches`` decides globally.
 
     Returns a :class:`Prefetcher`: an iterator with ``close()``, usable as a context
     manager. Every ``break`` out of a named iterator should be followed by ``close()``, or
