@@ -27,6 +27,7 @@ after the last one read ahead, so a checkpoint resumes exactly where the consume
 from __future__ import annotations
 
 import atexit
+import copy
 import queue
 import threading
 import weakref
@@ -81,7 +82,7 @@ def _work(
             except StopIteration:
                 _put(q, (_END, None), stop)
                 return
-            state = source.get_state() if stateful else None
+            state = copy.deepcopy(source.get_state()) if stateful else None
             placed = place(item)
             if placed is not _SKIP and not _put(q, (placed, state), stop):
                 return
@@ -122,7 +123,7 @@ class Prefetcher(Iterator[Any]):
         source = iter(iterable)
         get_state = getattr(source, "get_state", None)
         self._stateful = callable(get_state)
-        self._state = get_state() if callable(get_state) else None
+        self._state = copy.deepcopy(get_state()) if callable(get_state) else None
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
         self._finished = self._closed = False
