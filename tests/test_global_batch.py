@@ -91,5 +91,8 @@ def test_two_processes_build_the_one_process_batches():
         want = [float((b["x"] * b["mask"][:, None]).sum()) for b in expected]
         np.testing.assert_allclose(r["sums"], want, rtol=1e-6)
         assert (r["state"]["epoch"], r["state"]["index"]) == (1, 0)
+        assert r["grid"] == [2, 1] and r["mesh2_shape"] == [16, 3] and r["lr"] == 1.0
+        halves = [np.arange(24.0).reshape(8, 3) + 100 * p for p in (0, 1)]
+        np.testing.assert_array_equal(r["mesh2_x"], np.concatenate(halves))
         assert "local shape (5, 3), expected (8, 3)" in r["error"]
         assert "global batch 16 split over 2 process(es)" in r["error"]

@@ -38,6 +38,16 @@ with sx.prefetch_to_device(loader, mesh) as it:
         out["mask"].append(multihost_utils.process_allgather(batch["mask"], tiled=True).tolist())
     out["state"] = it.get_state()
 
+# A 2-D mesh: the data axis still spans both processes, each passes its half of the rows;
+# a scalar leaf is replicated (every process passes the same value).
+mesh2 = sx.make_mesh({"data": 4, "model": 2})
+local = {"x": np.arange(8 * 3, dtype=np.float32).reshape(8, 3) + 100 * pid, "lr": np.float32(0.5)}
+placed = sx.global_batch(local, mesh2, global_size=16)
+out["grid"] = list(sx.data.process_grid(sx.batch_sharding(mesh2), 2))
+out["mesh2_shape"] = list(placed["x"].shape)
+out["mesh2_x"] = multihost_utils.process_allgather(placed["x"], tiled=True).tolist()
+out["lr"] = float(jax.jit(lambda b: b["lr"] * 2)(placed))
+
 # A process passing the wrong number of rows gets an error naming both shapes, locally.
 try:
     sx.global_batch({"x": np.zeros((5, 3))}, mesh, global_size=16)
