@@ -86,15 +86,15 @@ def _mesh(args: argparse.Namespace) -> Any:
         raise UsageError(f"--mesh: {e}") from None
 
 
-def _resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, int, list[Any]]:
-    """The state, last finished epoch and history to start from (fresh: 0 and [])."""
+def _resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, dict[str, Any]]:
+    """The state and data state (epoch done, history, loader position) to start from."""
     if not args.resume:
         if manager is not None and manager.latest_step() is not None:
             raise UsageError(
                 f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; pass "
                 "--resume to continue from them, or choose an empty directory"
             )
-        return state, 0, []
+        return state, {"epoch": 0, "history": [], "loader": {"epoch": 0, "index": 0}}
     if manager is None:
         raise UsageError("--resume needs --checkpoint-dir")
     if manager.latest_step() is None:
@@ -103,7 +103,7 @@ def _resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, in
         restored = manager.restore(like=state)
     except ValueError as e:
         raise UsageError(f"--resume: the checkpoint does not fit this model: {e}") from None
-    return restored.state, int(restored.data_state["epoch"]), restored.data_state["history"]
+    return restored.state, restored.data_state
 
 
 def _pad(x: np.ndarray, y: np.ndarray, multiple: int) -> dict[str, np.ndarray]:
@@ -133,11 +133,20 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             f"--batch-size {args.batch_size} is not divisible by the data axis size {data_size}"
         )
     x_train, y_train, x_test, y_test = load_digits(args.seed)
-    steps_per_epoch = len(x_train) // args.batch_size
-    if steps_per_epoch == 0:
-        raise UsageError(
-            f"--batch-size {args.batch_size} is larger than the {len(x_train)} training examples"
+    # Each process reads its share of every global batch; the order depends on the seed
+    # and the epoch only; the last batch is padded, with a "mask" leaf marking real rows.
+    try:
+        loader = sx.batches(
+            {"x": x_train, "y": y_train},
+            args.batch_size,
+            shuffle=True,
+            seed=args.seed,
+            policy="pad",
+            num_epochs=None,
         )
+    except ValueError as e:
+        raise UsageError(f"--batch-size {args.batch_size}: {e}") from None
+    steps_per_epoch = loader.steps_per_epoch
 
     def loss_fn(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, Any]]:
         logits = model(batch["x"])
@@ -165,10 +174,10 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         return {"loss": loss, **aux}
 
     test_batch = sx.distribute_batch(_pad(x_test, y_test, data_size), batch_sharding)
-    train_mask = np.ones(args.batch_size, bool)
     is_main = jax.process_index() == 0
     manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
-    state, first_done, history = _resume(args, manager, state)
+    state, data_state = _resume(args, manager, state)
+    first_done, history = int(data_state["epoch"]), data_state["history"]
     if first_done >= args.epochs:
         raise UsageError(
             f"--resume: the checkpoint has finished epoch {first_done}; pass --epochs > "
@@ -190,7 +199,12 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         disable=not is_main,
     )
     start = time.perf_counter()
-    with progress, manager or contextlib.nullcontext():
+    try:
+        loader.set_state(data_state["loader"])
+    except ValueError as e:
+        raise UsageError(f"--resume: {e}") from None
+    feed = sx.prefetch_to_device(loader, batch_sharding)
+    with progress, feed, manager or contextlib.nullcontext():
         task = progress.add_task(
             "train",
             total=args.epochs * steps_per_epoch,
@@ -201,28 +215,26 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             rate=0.0,
         )
         for epoch in range(first_done + 1, args.epochs + 1):
-            # One generator per epoch, so a resumed run sees the same order.
-            order = np.random.default_rng([args.seed, epoch]).permutation(len(x_train))
             metrics = []
             epoch_start = time.perf_counter()
             for i in range(steps_per_epoch):
-                idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-                batch = {"x": x_train[idx], "y": y_train[idx], "mask": train_mask}
-                state, m = step(state, sx.distribute_batch(batch, batch_sharding))
+                state, m = step(state, next(feed))
                 metrics.append(m)
                 if i % 4 == 3 or i == steps_per_epoch - 1:
-                    done = (i + 1) * args.batch_size
                     progress.update(
                         task,
                         completed=(epoch - 1) * steps_per_epoch + i + 1,
                         epoch=epoch,
                         loss=float(m["loss"]),
                         acc=float(m["accuracy"]),
-                        rate=done / (time.perf_counter() - epoch_start),
+                        rate=min((i + 1) * args.batch_size, len(x_train))
+                        / (time.perf_counter() - epoch_start),
                     )
             seconds = time.perf_counter() - epoch_start
             test = evaluate(state, test_batch)
-            mean = jax.tree.map(lambda *v: float(np.mean(v)), *metrics)
+            # Batch means weighted by their real rows: the mean over the epoch's examples.
+            rows = np.minimum(args.batch_size, len(x_train) - args.batch_size * np.arange(i + 1))
+            mean = {k: float(np.average([m[k] for m in metrics], weights=rows)) for k in metrics[0]}
             history.append(
                 {
                     "epoch": epoch,
@@ -231,12 +243,13 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
                     "test_loss": float(test["loss"]),
                     "test_accuracy": float(test["accuracy"]),
                     "seconds": seconds,
-                    "examples_per_s": steps_per_epoch * args.batch_size / seconds,
+                    "examples_per_s": len(x_train) / seconds,
                 }
             )
             sx.check_finite(mean["loss"], epoch * steps_per_epoch)
             if manager is not None:
-                manager.save(epoch * steps_per_epoch, state, {"epoch": epoch, "history": history})
+                data_state = {"epoch": epoch, "history": history, "loader": feed.get_state()}
+                manager.save(epoch * steps_per_epoch, state, data_state)
     total = time.perf_counter() - start
     steady = history[1:] or history
     shardings = sx.plan.map_arrays(lambda p, x: _spec_text(x), state)
