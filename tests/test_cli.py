@@ -272,3 +272,11 @@ def test_every_train_mode_gives_the_same_curve(tmp_path, capsys):
         assert out["history"][0]["train_loss"] == pytest.approx(
             runs["jit"]["history"][0]["train_loss"], rel=1e-4
         ), mode
+
+
+def test_missing_optional_dependency_names_the_extra():
+    from shardax.cli.common import require
+
+    with pytest.raises(SystemExit, match=r"pip install 'shardax\[plot\]'"):
+        require("matplotlib_that_is_not_installed", "plot", "bench")
+    assert require("json", "demo", "train").dumps([1]) == "[1]"
