@@ -257,3 +257,11 @@ def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
     for a, b in zip(single["history"], summary["history"], strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
         assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-6)
+
+
+def test_missing_optional_dependency_names_the_extra():
+    from shardax.cli.common import require
+
+    with pytest.raises(SystemExit, match=r"pip install 'shardax\[plot\]'"):
+        require("matplotlib_that_is_not_installed", "plot", "bench")
+    assert require("json", "demo", "train").dumps([1]) == "[1]"
