@@ -151,6 +151,7 @@ def test_help_is_clear(command, capsys):
         (["train", "--plan", "zero"], "argument --plan: invalid choice: 'zero'"),
         (["train", "--mesh", "data4"], "argument --mesh: expected AXIS=SIZE pairs"),
         (["train", "--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
+        (["train", "--lr", "-1"], "argument --lr: expected a number > 0, got '-1'"),
         (["train", "--mesh", "data=3,model=3"], "--mesh: mesh {'data': 3, 'model': 3} needs 9"),
         (["train", "--plan", "tp", "--mesh", "data=8"], "--plan tp needs a mesh with a 'model'"),
         (["train", "--mode", "single", "--plan", "fsdp"], "--mode single runs on one device"),

@@ -21,6 +21,7 @@ from shardax.cli.common import (
     add_json_flag,
     console,
     mesh_spec,
+    positive_float,
     positive_int,
     print_json,
     pyplot,
@@ -56,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--epochs", type=positive_int, default=15, help="passes over the data")
     parser.add_argument("--hidden", type=positive_int, default=256, help="hidden width")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument(
+        "--lr", type=positive_float, default=3e-3, help="Adam learning rate (default: 3e-3)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument(
         "--run-dir",
