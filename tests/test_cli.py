@@ -234,10 +234,19 @@ def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     script = os.path.join(os.path.dirname(__file__), "scripts", "cli_train_worker.py")
-    argv = ["train", "--cpu-devices", "2", "--epochs", "2", "--hidden", "64", "--json"]
+    argv = ["train", "--epochs", "2", "--hidden", "64", "--json"]
     procs = [
         subprocess.Popen(
-            [sys.executable, script, str(rank), port, *argv, "--run-dir", str(tmp_path / "mp")],
+            [
+                sys.executable,
+                script,
+                str(rank),
+                port,
+                "2",
+                *argv,
+                "--run-dir",
+                str(tmp_path / "mp"),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -255,7 +264,7 @@ def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
     # Process 1 shows no progress and prints no result.
     assert "training an MLP" not in outs[1][1] and '"command"' not in outs[1][0]
     # The same 4-device run in one process gives the same curve.
-    single = train_json(capsys, *argv[3:], "--mesh", "data=4", "--run-dir", str(tmp_path / "sp"))
+    single = train_json(capsys, *argv[1:-1], "--mesh", "data=4", "--run-dir", str(tmp_path / "sp"))
     for a, b in zip(single["history"], summary["history"], strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
         assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-6)
