@@ -161,6 +161,11 @@ def test_kill_during_save_leaves_last_complete_step(tmp_path):
             like = {"a": jnp.zeros((1024, 1024)), "b": jnp.zeros((512, 512))}
             got = manager.restore(like)
             assert float(got.state["a"][0, 0]) == latest == float(got.state["b"][-1, -1]), why
+            assert manager.all_steps()[-1] == latest, why  # a partial save is ignored
+        # ... and cleaned up by orbax in the background once a manager opens the directory.
+        deadline = time.monotonic() + 20
+        while [p for p in os.listdir(directory) if "tmp" in p] and time.monotonic() < deadline:
+            time.sleep(0.1)
         leftovers = [p for p in os.listdir(directory) if "tmp" in p]
         assert not leftovers, f"{why}; left after cleanup: {leftovers}"
 
