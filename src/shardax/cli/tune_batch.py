@@ -162,8 +162,11 @@ def render(result: dict[str, Any], out: Any) -> None:
     from rich.table import Table
 
     peak = result["peak_examples_per_s"]
-    table = Table(title=f"throughput, {result['devices']} × {result['device_kind']}")
-    for col in ("batch", "per device", "median ms", "examples/s", "of peak"):
+    table = Table(
+        title=f"throughput, {result['devices']} × {result['device_kind']}",
+        caption="spread: half the min–max range of the timed steps, relative to the median",
+    )
+    for col in ("batch", "per device", "median ms", "spread", "examples/s", "of peak"):
         table.add_column(col, justify="right")
     for r in result["results"]:
         knee = r["batch_size"] == result["knee_batch_size"]
@@ -171,6 +174,7 @@ def render(result: dict[str, Any], out: Any) -> None:
             str(r["batch_size"]) + (" ◀ knee" if knee else ""),
             str(r["per_device"]),
             f"{r['median_s'] * 1e3:.2f}",
+            f"±{(max(r['times_s']) - min(r['times_s'])) / 2 / r['median_s']:.0%}",
             f"{r['examples_per_s']:,.0f}",
             f"{r['examples_per_s'] / peak:.0%}",
             style="bold green" if knee else None,
