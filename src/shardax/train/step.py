@@ -17,6 +17,7 @@ same update from the same global batch.
 
 from __future__ import annotations
 
+import collections
 import inspect
 from collections.abc import Callable
 from typing import Any, Literal
@@ -73,6 +74,26 @@ _fresh_copy = jax.jit(lambda tree: tree)
 
 def _no_step(state: Any, batch: Any) -> Any:
     raise ValueError("no step compiled yet")
+
+
+CPU_MAX_IN_FLIGHT = 4
+"""Steps queued at most on simulated CPU devices. XLA:CPU's in-process collectives can
+deadlock (a 40 s rendezvous timeout, then abort) when many multi-device programs are
+queued at once; waiting for the step ``CPU_MAX_IN_FLIGHT`` back keeps the queue short."""
+
+
+def _bounded(call: Callable[..., Any], depth: int) -> Callable[..., Any]:
+    """``call``, waiting for the result of the call ``depth`` back before returning."""
+    pending: collections.deque[Any] = collections.deque()
+
+    def bounded(state: Any, batch: Any) -> Any:
+        out = call(state, batch)
+        pending.append(out[1])
+        if len(pending) > depth:
+            jax.block_until_ready(pending.popleft())
+        return out
+
+    return bounded
 
 
 def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
@@ -140,6 +161,8 @@ class TrainStep:
         self._last: Callable[..., Any] = _no_step
         self._last_treedef: Any = None
         self._call = getattr(self, f"_call_{mode}")
+        if mode != "single" and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
+            self._call = _bounded(self._call, CPU_MAX_IN_FLIGHT)
         if mode == "single":
             self._device = SingleDeviceSharding(mesh.devices.flat[0])
             self._single = jax.jit(
