@@ -323,3 +323,15 @@ def test_jit_step_accepts_a_state_of_a_new_structure(mesh):
     other, _ = step(step.shard(make_state("pytree", optax.adam(1e-3))), batch)
     state, _ = step(state, batch)
     assert int(state.step) == 2 and int(other.step) == 1
+
+
+def test_explicit_axis_meshes_train_like_auto_ones(mesh):
+    explicit = sx.make_mesh({"data": -1}, axis_types=jax.sharding.AxisType.Explicit)
+    data = batches(2)
+    expected, _ = train("nnx", mesh, "single", data)
+    for mode in MODES:
+        plan = sx.fsdp(explicit, min_size=1) if mode == "jit" else None
+        state, _ = train("nnx", explicit, mode, data, plan=plan)
+        assert_params_close(state.params, expected.params)
+        if mode == "jit":
+            assert state.params["hidden"]["kernel"][...].sharding.spec == P(None, "data")

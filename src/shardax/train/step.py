@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
@@ -94,6 +94,13 @@ def _bounded(call: Callable[..., Any], depth: int) -> Callable[..., Any]:
         return out
 
     return bounded
+
+
+def _reshard_batch(fn: Callable[..., Any], sharding: NamedSharding) -> Callable[..., Any]:
+    def resharded(state: Any, batch: Any) -> Any:
+        return fn(state, jax.tree.map(lambda x: jax.sharding.reshard(x, sharding), batch))
+
+    return resharded
 
 
 def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
@@ -320,6 +327,10 @@ class TrainStep:
         shardings = self.plan(state)
         if self.mode == "jit":
             fn = self._global_update
+            if AxisType.Explicit in self.mesh.axis_types:
+                # The seeds' contract is "computation follows the data": the update
+                # runs with Auto axes and returns the plan's shardings.
+                fn = jax.sharding.auto_axes(fn, out_sharding=(shardings, self._replicated))
         else:
             fn = jax.shard_map(
                 self._mapped_update,
@@ -328,6 +339,10 @@ class TrainStep:
                 out_specs=(PartitionSpec(), PartitionSpec()),
                 check_vma=False,
             )
+            if AxisType.Explicit in self.mesh.axis_types:
+                # With Explicit axes a NumPy batch's type is unsharded inside jit;
+                # shard_map needs the split in the type.
+                fn = _reshard_batch(fn, self._batch_sharding)
         return jax.jit(
             fn,
             in_shardings=(shardings, self._batch_sharding),
