@@ -335,3 +335,53 @@ def test_explicit_axis_meshes_train_like_auto_ones(mesh):
         assert_params_close(state.params, expected.params)
         if mode == "jit":
             assert state.params["hidden"]["kernel"][...].sharding.spec == P(None, "data")
+
+
+class NNXDropoutFirst(nnx.Module):
+    def __init__(self, rngs):
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.linear = nnx.Linear(64, 1, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear(self.drop(x))
+
+
+class LinenDropoutFirst(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1, use_bias=False)(nn.Dropout(0.5, deterministic=False)(x))
+
+
+@pytest.mark.parametrize(
+    ("framework", "mode"), [("nnx", "shard_map"), ("nnx", "pmap"), ("linen", "shard_map")]
+)
+def test_framework_rng_draws_different_masks_on_each_device(mesh, framework, mode):
+    # One example per device, all equal: with one shared mask, about half the kernel
+    # would get no gradient; with a mask per device, almost none.
+    def loss_fn(model, batch):
+        return jnp.mean(model(batch["x"]) ** 2)
+
+    if framework == "nnx":
+        state = sx.TrainState.create(NNXDropoutFirst(nnx.Rngs(0)), optax.sgd(0.1))
+    else:
+        module = LinenDropoutFirst()
+        variables = module.init(jax.random.key(0), jnp.ones((1, 64)))
+        state = sx.TrainState.from_linen(module, variables, optax.sgd(0.1))
+    before = leaves(state.params)[0].copy()
+    keys_before = [
+        np.asarray(jax.random.key_data(k))
+        for k in jax.tree.leaves(state.model_state)
+        if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
+    ]
+    step = sx.make_train_step(loss_fn, mesh=mesh, mode=mode)
+    state, _ = step(step.shard(state), {"x": np.ones((8, 64), np.float32)})
+    unchanged = int(np.sum(leaves(state.params)[0] == before))
+    assert unchanged < 8, f"{unchanged} of 64 kernel entries got no gradient"
+    keys_after = [
+        np.asarray(jax.random.key_data(k))
+        for k in jax.tree.leaves(state.model_state)
+        if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
+    ]
+    assert len(keys_after) == len(keys_before)  # NNX keys come back unfolded
+    for a, b in zip(keys_after, keys_before, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -103,6 +103,15 @@ def _reshard_batch(fn: Callable[..., Any], sharding: NamedSharding) -> Callable[
     return resharded
 
 
+def _is_key(x: Any) -> bool:
+    return is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _map_keys(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+    """``fn`` applied to every typed PRNG key leaf of ``tree``."""
+    return jax.tree.map(lambda x: fn(x) if _is_key(x) else x, tree)
+
+
 def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
     if isinstance(aux, dict):
         if "loss" in aux:
@@ -248,10 +257,17 @@ class TrainStep:
         count of real examples (None without a mask)."""
         key = jax.random.wrap_key_data(state.rng)
         rng = step_key(key, state.step)
+        model_state = state.model_state
+        if mapped:
+            # Framework RNG (a bound Linen "dropout" stream, NNX RngKeys in the model
+            # state) differs per device, so devices do not draw the same masks.
+            device = lax.axis_index(self.data_axis)
+            rng = jax.random.fold_in(rng, device)
+            model_state = _map_keys(lambda k: jax.random.fold_in(k, device), model_state)
         keys = example_keys(key, state.step, index) if self._pass_rng else None
         k = self.accumulate
         if k == 1:
-            grads, loss, aux, model_state = self._grads(state, state.model_state, batch, keys, rng)
+            grads, loss, aux, model_state = self._grads(state, model_state, batch, keys, rng)
             return grads, loss, aux, model_state, valid_count(batch)
 
         micro = split_microbatches(batch, k)
@@ -274,13 +290,11 @@ class TrainStep:
             return (sums, total + count, model_state), None
 
         first = jax.tree.map(lambda x: x[0], (micro, micro_keys))
-        shapes = jax.eval_shape(
-            lambda mb, mk: self._grads(state, state.model_state, mb, mk, rng), *first
-        )
+        shapes = jax.eval_shape(lambda mb, mk: self._grads(state, model_state, mb, mk, rng), *first)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:3])
         (sums, total, model_state), _ = lax.scan(
             body,
-            (zeros, jnp.float32(0), state.model_state),
+            (zeros, jnp.float32(0), model_state),
             (micro, micro_keys, jnp.arange(k)),
         )
         scale = 1 / jnp.maximum(total, 1)
@@ -314,10 +328,13 @@ class TrainStep:
                 lambda g: g / total.astype(g.dtype), all_reduce_gradients(weighted, "sum", axis)
             )
         loss, aux = weighted_mean((loss, aux), count, axis)
-        floating = _floating(model_state)
-        reduced = weighted_mean(floating, count, axis)
+        reduced = weighted_mean(_floating(model_state), count, axis)
         model_state = jax.tree.map(
             lambda r, x: x if r is None else r, reduced, model_state, is_leaf=lambda x: x is None
+        )
+        # Keys come back unfolded: the state is the same on every device.
+        model_state = jax.tree.map(
+            lambda new, old: old if _is_key(old) else new, model_state, state.model_state
         )
         return self._finish(state, grads, loss, aux, model_state)
 
