@@ -311,7 +311,7 @@ def test_mapped_modes_reject_sharded_plans(mesh, mode):
     with pytest.raises(
         ValueError,
         match=rf"mode='{mode}' .* only a replicating plan; plan "
-        r"'fsdp' gives leaf 'params/b1' with shape \(16,\) the spec P\('data',\)",
+        r"'fsdp' gives leaf 'params/b1' with shape \(16,\) the sharding P\('data',\)",
     ):
         step.shard(make_state("pytree"))
 

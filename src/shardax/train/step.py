@@ -149,12 +149,17 @@ class TrainStep:
         if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         plan = replicate(mesh) if plan is None else plan
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a shardax Plan (e.g. sx.fsdp(mesh)), got {plan!r}")
-        if plan.mesh != mesh:
+        if not callable(plan):
+            raise TypeError(
+                f"plan must be a shardax Plan (a callable from a tree to its shardings, e.g. "
+                f"sx.fsdp(mesh)), got {plan!r}"
+            )
+        self._plan_name = getattr(plan, "name", type(plan).__name__)
+        plan_mesh = getattr(plan, "mesh", mesh)
+        if plan_mesh != mesh:
             raise ValueError(
-                f"plan {plan.name!r} is over mesh {dict(plan.mesh.shape)}, not the step's mesh "
-                f"{dict(mesh.shape)}; build both from the same mesh"
+                f"plan {self._plan_name!r} is over mesh {dict(plan_mesh.shape)}, not the step's "
+                f"mesh {dict(mesh.shape)}; build both from the same mesh"
             )
         if mode == "pmap" and mesh.shape[data_axis] != mesh.size:
             raise ValueError(
@@ -220,17 +225,18 @@ class TrainStep:
     def _check_replicated(self, state: Any) -> None:
         """shard_map and pmap keep one whole copy of the state per device."""
 
-        def one(path: str, leaf: Any) -> None:
-            spec = self.plan.spec_fn(path, tuple(np.shape(leaf)))
-            if any(entry is not None for entry in spec):
+        def one(path: str, leaf: Any, sharding: Any) -> None:
+            spec = getattr(sharding, "spec", None)
+            if spec is None or any(entry is not None for entry in spec):
                 raise ValueError(
                     f"mode={self.mode!r} keeps a whole copy of the state on each device, so it "
-                    f"supports only a replicating plan; plan {self.plan.name!r} gives leaf "
-                    f"{path!r} with shape {tuple(np.shape(leaf))} the spec {spec}. Use "
-                    "mode='jit' for sharded plans such as sx.fsdp"
+                    f"supports only a replicating plan; plan {self._plan_name!r} gives leaf "
+                    f"{path!r} with shape {tuple(np.shape(leaf))} the sharding "
+                    f"{spec if spec is not None else sharding}. Use mode='jit' for sharded "
+                    "plans such as sx.fsdp"
                 )
 
-        map_arrays(one, state)
+        map_arrays(one, state, self.plan(state))
 
     # -- the step, for one shard of the batch --------------------------------------------
 
@@ -400,7 +406,7 @@ class TrainStep:
 
     def __repr__(self) -> str:
         return (
-            f"TrainStep(mode={self.mode!r}, plan={self.plan.name!r}, "
+            f"TrainStep(mode={self.mode!r}, plan={self._plan_name!r}, "
             f"mesh={dict(self.mesh.shape)}, accumulate={self.accumulate}, donate={self.donate})"
         )
 
