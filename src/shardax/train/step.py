@@ -55,9 +55,14 @@ def _loss_and_aux(out: Any) -> tuple[jax.Array, Any]:
     else:
         loss, aux = out, {}
     if not hasattr(loss, "shape") or jnp.shape(loss) != ():
+        got = (
+            f"an array of shape {loss.shape} and dtype {loss.dtype}"
+            if hasattr(loss, "shape")
+            else f"{type(loss).__name__} {loss!r}"
+        )
         raise TypeError(
             "loss_fn must return a scalar loss (the mean over the real examples it was "
-            f"given), got {type(loss).__name__} with shape {jnp.shape(loss)}"
+            f"given), or (loss, aux); got {got}"
         )
     return loss, aux
 
