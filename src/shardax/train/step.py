@@ -440,8 +440,10 @@ def make_train_step(
             support only replicating plans.
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
-            layout: the batch reshaped to (devices, per device, ...)) or ``"single"``
-            (the first device of ``mesh``).
+            layout: the batch reshaped to (devices, per device, ...); the replicated
+            state goes in with ``in_axes=None`` rather than stacked on a device axis, so
+            it is the same object in every mode) or ``"single"`` (the first device of
+            ``mesh``).
         accumulate: number of microbatches the global batch is split into (``lax.scan``).
         donate: donate the state's buffers to the step.
         data_axis: the mesh axis the batch is split over.
