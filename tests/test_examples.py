@@ -43,3 +43,15 @@ def test_nnx_data_parallel_learns(capsys):
 def test_examples_reject_bad_flags():
     with pytest.raises(SystemExit):
         load("seed_notebook_modes").parse_args(["--modes", "pjit"])
+
+
+def test_cli_train_uses_the_train_step(capsys):
+    import argparse
+
+    from shardax.cli import train
+
+    train.run(argparse.Namespace(epochs=2, batch_size=128, seed=0))
+    out = capsys.readouterr().out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("epoch")]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert "test accuracy" in out
