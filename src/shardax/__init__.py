@@ -27,7 +27,19 @@ from shardax.runtime import (
     get_batch_size_recommendation,
     validate_batch_size,
 )
-from shardax.train import DataParallel, DistributedMetrics, all_gather, all_reduce, reduce
+from shardax.train import (
+    DataParallel,
+    DistributedMetrics,
+    TrainState,
+    TrainStep,
+    all_gather,
+    all_reduce,
+    example_keys,
+    make_train_step,
+    masked_mean,
+    reduce,
+    weighted_mean,
+)
 from shardax.train.guard import NonFiniteLossError, check_finite
 
 __version__ = "0.1.0"
@@ -44,6 +56,8 @@ __all__ = [
     "NonFiniteLossError",
     "Plan",
     "Restored",
+    "TrainState",
+    "TrainStep",
     "all_gather",
     "all_reduce",
     "batch_sharding",
@@ -52,10 +66,13 @@ __all__ = [
     "detect_hardware_type",
     "device_info",
     "distribute_batch",
+    "example_keys",
     "fsdp",
     "get_batch_size_recommendation",
     "global_batch",
     "make_mesh",
+    "make_train_step",
+    "masked_mean",
     "mesh_info",
     "place_on_device",
     "prefetch_to_device",
@@ -67,4 +84,5 @@ __all__ = [
     "shard",
     "shard_batch_dim",
     "validate_batch_size",
+    "weighted_mean",
 ]
