@@ -6,10 +6,11 @@ On 8 simulated CPU devices (or the accelerators present), one MLP is trained by:
   sharding and donation: what a careful JAX user writes;
 - ``jit``, ``shard_map``, ``pmap``: ``sx.make_train_step`` in those modes.
 
-The steps run interleaved (one of each per round, so drift hits all alike) on the same
-device-resident global batch; each step is timed to ``block_until_ready``. The table
-gives the median over the warm rounds and each median's ratio to ``hand`` (jit) or to
-``jit`` (shard_map, pmap). Goal: shardax jit / hand <= 1.03.
+The steps run interleaved (one of each per round, in alternating order, so drift hits
+all alike) on the same device-resident global batch; each step is timed to
+``block_until_ready``. The table gives the median over the warm rounds and each
+median's ratio to ``hand`` (jit) or to ``jit`` (shard_map, pmap). Goal: shardax
+jit / hand <= 1.03.
 
     python benchmarks/step_overhead.py                 # table
     python benchmarks/step_overhead.py --json          # one JSON object
@@ -150,8 +151,11 @@ def run(args: argparse.Namespace) -> dict:
 
     times: dict[str, list[float]] = {name: [] for name in steps}
     losses: dict[str, float] = {}
+    names = list(steps)
     for round_ in range(args.warmup + args.steps):
-        for name, step in steps.items():
+        # Alternate the order each round, so no step always runs first or last.
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            step = steps[name]
             start = time.perf_counter()
             states[name], out = step(states[name], batch)
             jax.block_until_ready((states[name], out))

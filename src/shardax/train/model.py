@@ -33,7 +33,8 @@ class NNXModel:
     graphdef: Any
 
     def bind(self, params: Any, model_state: Any, rng: jax.Array) -> nnx.Module:
-        return nnx.merge(self.graphdef, params, model_state)
+        # copy: the state's Variables belong to the outer trace; the model mutates its own.
+        return nnx.merge(self.graphdef, params, model_state, copy=True)
 
     def model_state(self, model: nnx.Module, model_state: Any) -> Any:
         return nnx.split(model, nnx.Param, ...)[2]

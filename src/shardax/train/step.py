@@ -17,6 +17,7 @@ same update from the same global batch.
 
 from __future__ import annotations
 
+import collections
 import inspect
 from collections.abc import Callable
 from typing import Any, Literal
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
@@ -54,9 +55,14 @@ def _loss_and_aux(out: Any) -> tuple[jax.Array, Any]:
     else:
         loss, aux = out, {}
     if not hasattr(loss, "shape") or jnp.shape(loss) != ():
+        got = (
+            f"an array of shape {loss.shape} and dtype {loss.dtype}"
+            if hasattr(loss, "shape")
+            else f"{type(loss).__name__} {loss!r}"
+        )
         raise TypeError(
             "loss_fn must return a scalar loss (the mean over the real examples it was "
-            f"given), got {type(loss).__name__} with shape {jnp.shape(loss)}"
+            f"given), or (loss, aux); got {got}"
         )
     return loss, aux
 
@@ -73,6 +79,42 @@ _fresh_copy = jax.jit(lambda tree: tree)
 
 def _no_step(state: Any, batch: Any) -> Any:
     raise ValueError("no step compiled yet")
+
+
+CPU_MAX_IN_FLIGHT = 4
+"""Steps queued at most on simulated CPU devices. XLA:CPU's in-process collectives can
+deadlock (a 40 s rendezvous timeout, then abort) when many multi-device programs are
+queued at once; waiting for the step ``CPU_MAX_IN_FLIGHT`` back keeps the queue short."""
+
+
+def _bounded(call: Callable[..., Any], depth: int) -> Callable[..., Any]:
+    """``call``, waiting for the result of the call ``depth`` back before returning."""
+    pending: collections.deque[Any] = collections.deque()
+
+    def bounded(state: Any, batch: Any) -> Any:
+        out = call(state, batch)
+        pending.append(out[1])
+        if len(pending) > depth:
+            jax.block_until_ready(pending.popleft())
+        return out
+
+    return bounded
+
+
+def _reshard_batch(fn: Callable[..., Any], sharding: NamedSharding) -> Callable[..., Any]:
+    def resharded(state: Any, batch: Any) -> Any:
+        return fn(state, jax.tree.map(lambda x: jax.sharding.reshard(x, sharding), batch))
+
+    return resharded
+
+
+def _is_key(x: Any) -> bool:
+    return is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _map_keys(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+    """``fn`` applied to every typed PRNG key leaf of ``tree``."""
+    return jax.tree.map(lambda x: fn(x) if _is_key(x) else x, tree)
 
 
 def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
@@ -112,12 +154,17 @@ class TrainStep:
         if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         plan = replicate(mesh) if plan is None else plan
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a shardax Plan (e.g. sx.fsdp(mesh)), got {plan!r}")
-        if plan.mesh != mesh:
+        if not callable(plan):
+            raise TypeError(
+                f"plan must be a shardax Plan (a callable from a tree to its shardings, e.g. "
+                f"sx.fsdp(mesh)), got {plan!r}"
+            )
+        self._plan_name = getattr(plan, "name", type(plan).__name__)
+        plan_mesh = getattr(plan, "mesh", mesh)
+        if plan_mesh != mesh:
             raise ValueError(
-                f"plan {plan.name!r} is over mesh {dict(plan.mesh.shape)}, not the step's mesh "
-                f"{dict(mesh.shape)}; build both from the same mesh"
+                f"plan {self._plan_name!r} is over mesh {dict(plan_mesh.shape)}, not the step's "
+                f"mesh {dict(mesh.shape)}; build both from the same mesh"
             )
         if mode == "pmap" and mesh.shape[data_axis] != mesh.size:
             raise ValueError(
@@ -140,6 +187,8 @@ class TrainStep:
         self._last: Callable[..., Any] = _no_step
         self._last_treedef: Any = None
         self._call = getattr(self, f"_call_{mode}")
+        if mode != "single" and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
+            self._call = _bounded(self._call, CPU_MAX_IN_FLIGHT)
         if mode == "single":
             self._device = SingleDeviceSharding(mesh.devices.flat[0])
             self._single = jax.jit(
@@ -181,17 +230,18 @@ class TrainStep:
     def _check_replicated(self, state: Any) -> None:
         """shard_map and pmap keep one whole copy of the state per device."""
 
-        def one(path: str, leaf: Any) -> None:
-            spec = self.plan.spec_fn(path, tuple(np.shape(leaf)))
-            if any(entry is not None for entry in spec):
+        def one(path: str, leaf: Any, sharding: Any) -> None:
+            spec = getattr(sharding, "spec", None)
+            if spec is None or any(entry is not None for entry in spec):
                 raise ValueError(
                     f"mode={self.mode!r} keeps a whole copy of the state on each device, so it "
-                    f"supports only a replicating plan; plan {self.plan.name!r} gives leaf "
-                    f"{path!r} with shape {tuple(np.shape(leaf))} the spec {spec}. Use "
-                    "mode='jit' for sharded plans such as sx.fsdp"
+                    f"supports only a replicating plan; plan {self._plan_name!r} gives leaf "
+                    f"{path!r} with shape {tuple(np.shape(leaf))} the sharding "
+                    f"{spec if spec is not None else sharding}. Use mode='jit' for sharded "
+                    "plans such as sx.fsdp"
                 )
 
-        map_arrays(one, state)
+        map_arrays(one, state, self.plan(state))
 
     # -- the step, for one shard of the batch --------------------------------------------
 
@@ -218,10 +268,17 @@ class TrainStep:
         count of real examples (None without a mask)."""
         key = jax.random.wrap_key_data(state.rng)
         rng = step_key(key, state.step)
+        model_state = state.model_state
+        if mapped:
+            # Framework RNG (a bound Linen "dropout" stream, NNX RngKeys in the model
+            # state) differs per device, so devices do not draw the same masks.
+            device = lax.axis_index(self.data_axis)
+            rng = jax.random.fold_in(rng, device)
+            model_state = _map_keys(lambda k: jax.random.fold_in(k, device), model_state)
         keys = example_keys(key, state.step, index) if self._pass_rng else None
         k = self.accumulate
         if k == 1:
-            grads, loss, aux, model_state = self._grads(state, state.model_state, batch, keys, rng)
+            grads, loss, aux, model_state = self._grads(state, model_state, batch, keys, rng)
             return grads, loss, aux, model_state, valid_count(batch)
 
         micro = split_microbatches(batch, k)
@@ -244,13 +301,11 @@ class TrainStep:
             return (sums, total + count, model_state), None
 
         first = jax.tree.map(lambda x: x[0], (micro, micro_keys))
-        shapes = jax.eval_shape(
-            lambda mb, mk: self._grads(state, state.model_state, mb, mk, rng), *first
-        )
+        shapes = jax.eval_shape(lambda mb, mk: self._grads(state, model_state, mb, mk, rng), *first)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:3])
         (sums, total, model_state), _ = lax.scan(
             body,
-            (zeros, jnp.float32(0), state.model_state),
+            (zeros, jnp.float32(0), model_state),
             (micro, micro_keys, jnp.arange(k)),
         )
         scale = 1 / jnp.maximum(total, 1)
@@ -284,10 +339,13 @@ class TrainStep:
                 lambda g: g / total.astype(g.dtype), all_reduce_gradients(weighted, "sum", axis)
             )
         loss, aux = weighted_mean((loss, aux), count, axis)
-        floating = _floating(model_state)
-        reduced = weighted_mean(floating, count, axis)
+        reduced = weighted_mean(_floating(model_state), count, axis)
         model_state = jax.tree.map(
             lambda r, x: x if r is None else r, reduced, model_state, is_leaf=lambda x: x is None
+        )
+        # Keys come back unfolded: the state is the same on every device.
+        model_state = jax.tree.map(
+            lambda new, old: old if _is_key(old) else new, model_state, state.model_state
         )
         return self._finish(state, grads, loss, aux, model_state)
 
@@ -297,6 +355,10 @@ class TrainStep:
         shardings = self.plan(state)
         if self.mode == "jit":
             fn = self._global_update
+            if AxisType.Explicit in self.mesh.axis_types:
+                # The seeds' contract is "computation follows the data": the update
+                # runs with Auto axes and returns the plan's shardings.
+                fn = jax.sharding.auto_axes(fn, out_sharding=(shardings, self._replicated))
         else:
             fn = jax.shard_map(
                 self._mapped_update,
@@ -305,6 +367,10 @@ class TrainStep:
                 out_specs=(PartitionSpec(), PartitionSpec()),
                 check_vma=False,
             )
+            if AxisType.Explicit in self.mesh.axis_types:
+                # With Explicit axes a NumPy batch's type is unsharded inside jit;
+                # shard_map needs the split in the type.
+                fn = _reshard_batch(fn, self._batch_sharding)
         return jax.jit(
             fn,
             in_shardings=(shardings, self._batch_sharding),
@@ -345,7 +411,7 @@ class TrainStep:
 
     def __repr__(self) -> str:
         return (
-            f"TrainStep(mode={self.mode!r}, plan={self.plan.name!r}, "
+            f"TrainStep(mode={self.mode!r}, plan={self._plan_name!r}, "
             f"mesh={dict(self.mesh.shape)}, accumulate={self.accumulate}, donate={self.donate})"
         )
 
@@ -374,8 +440,10 @@ def make_train_step(
             support only replicating plans.
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
-            layout: the batch reshaped to (devices, per device, ...)) or ``"single"``
-            (the first device of ``mesh``).
+            layout: the batch reshaped to (devices, per device, ...); the replicated
+            state goes in with ``in_axes=None`` rather than stacked on a device axis, so
+            it is the same object in every mode) or ``"single"`` (the first device of
+            ``mesh``).
         accumulate: number of microbatches the global batch is split into (``lax.scan``).
         donate: donate the state's buffers to the step.
         data_axis: the mesh axis the batch is split over.
