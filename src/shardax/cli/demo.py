@@ -10,7 +10,9 @@ import itertools
 import re
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
 from shardax.cli.common import UsageError, require
 
@@ -30,25 +32,27 @@ def load_digits(seed: int, command: str = "train") -> tuple[np.ndarray, ...]:
     return x[:split], y[:split], x[split:], y[split:]
 
 
-def make_mlp(in_dim: int, hidden: int, layers: int, out_dim: int, seed: int) -> Any:
-    """An NNX MLP: ``layers`` ReLU layers of width ``hidden``, then a linear output."""
-    import jax
-    from flax import nnx
+class MLP(nnx.Module):
+    """``layers`` ReLU layers of width ``hidden``, then a linear output layer.
 
-    class MLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs) -> None:
-            dims = [in_dim] + [hidden] * layers
-            self.layers = nnx.List(
-                [nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(dims)]
-            )
-            self.out = nnx.Linear(dims[-1], out_dim, rngs=rngs)
+    >>> MLP(64, 32, 2, 10, nnx.Rngs(0))(jax.numpy.ones((4, 64))).shape
+    (4, 10)
+    """
 
-        def __call__(self, x: jax.Array) -> jax.Array:
-            for layer in self.layers:
-                x = nnx.relu(layer(x))
-            return self.out(x)
+    def __init__(self, in_dim: int, hidden: int, layers: int, out_dim: int, rngs: nnx.Rngs) -> None:
+        dims = [in_dim] + [hidden] * layers
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(dims)])
+        self.out = nnx.Linear(dims[-1], out_dim, rngs=rngs)
 
-    return MLP(nnx.Rngs(seed))
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = nnx.relu(layer(x))
+        return self.out(x)
+
+
+def make_mlp(in_dim: int, hidden: int, layers: int, out_dim: int, seed: int) -> MLP:
+    """An :class:`MLP` initialised from ``seed``."""
+    return MLP(in_dim, hidden, layers, out_dim, nnx.Rngs(seed))
 
 
 def tp_spec_fn(num_layers: int) -> Any:

@@ -109,17 +109,6 @@ def _resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, di
     return restored.state, restored.data_state
 
 
-def _pad(x: np.ndarray, y: np.ndarray, multiple: int) -> dict[str, np.ndarray]:
-    """A dict batch padded to a multiple of ``multiple``, with the shared ``mask`` leaf."""
-    pad = -len(x) % multiple
-    mask = np.concatenate([np.ones(len(x), bool), np.zeros(pad, bool)])
-    return {
-        "x": np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]),
-        "y": np.concatenate([y, np.zeros(pad, y.dtype)]),
-        "mask": mask,
-    }
-
-
 def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     """Trains and returns the summary (plain data)."""
     import jax
@@ -128,6 +117,7 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     import shardax as sx
+    from shardax.data.policy import pad_batch
 
     mesh = _mesh(args)
     data_size = mesh.shape["data"]
@@ -176,7 +166,9 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         loss, aux = loss_fn(state.model, batch)
         return {"loss": loss, **aux}
 
-    test_batch = sx.distribute_batch(_pad(x_test, y_test, data_size), batch_sharding)
+    # The whole test set in one batch, padded to a multiple of the data axis, with a mask.
+    padded = -(-len(x_test) // data_size) * data_size
+    test_batch = sx.distribute_batch(pad_batch({"x": x_test, "y": y_test}, padded), batch_sharding)
     is_main = jax.process_index() == 0
     manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
     state, data_state = _resume(args, manager, state)
