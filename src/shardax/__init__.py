@@ -17,11 +17,18 @@ from shardax.data import (
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
 from shardax.plan import Plan, fsdp, replicate, shard
 from shardax.runtime import (
+    AgreementError,
     BatchSizeRecommendation,
     HardwareType,
+    check_agreement,
     detect_hardware_type,
     device_info,
     get_batch_size_recommendation,
+    host_reduce,
+    host_value,
+    initialize,
+    is_main_process,
+    print0,
     validate_batch_size,
 )
 from shardax.train import DataParallel, DistributedMetrics, all_gather, all_reduce, reduce
@@ -30,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DATA_AXIS",
+    "AgreementError",
     "BatchSizeRecommendation",
     "DataParallel",
     "DeviceMeshManager",
@@ -40,15 +48,21 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "batch_sharding",
+    "check_agreement",
     "detect_hardware_type",
     "device_info",
     "distribute_batch",
     "fsdp",
     "get_batch_size_recommendation",
+    "host_reduce",
+    "host_value",
+    "initialize",
+    "is_main_process",
     "make_mesh",
     "mesh_info",
     "place_on_device",
     "prefetch_to_device",
+    "print0",
     "reduce",
     "replicate",
     "replicate_across_devices",
