@@ -175,7 +175,7 @@ def supervise(
         t.start()
     first_failure = 0
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # polls every process
             failed = [p for p in procs if p.returncode not in (None, 0)]
             if failed:
                 first_failure = exit_code(failed[0].returncode)

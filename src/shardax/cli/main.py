@@ -48,12 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def set_cpu_devices(n: int) -> None:
     """Asks JAX for ``n`` CPU devices and joins a multi-process run when there is one
-    (:func:`shardax.initialize`); must run before any backend starts."""
-    from shardax.runtime.distributed import initialize
+    (:func:`shardax.initialize`); both must happen before any backend starts. Called
+    again in a process whose backend runs (``main`` in a test), it only sets ``n``."""
+    import jax
+
+    from shardax.runtime.distributed import backend_started, initialize
 
     if n < 1:
         raise SystemExit(f"shardax: error: --cpu-devices must be >= 1, got {n}")
-    initialize(cpu_devices=n)
+    if backend_started():
+        jax.config.update("jax_num_cpu_devices", n)
+    else:
+        initialize(cpu_devices=n)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,149 @@
+"""A small training script for the multi-process tests.
+
+Run alone it trains on the local devices; under ``shardax launch -n 2 --cpu-devices 4``
+every process reads only its rows of each global batch. Every process prints one
+``RESULT {json}`` line with its losses and what it observed of the placements.
+
+    python tests/multihost_train.py --mode dp,fsdp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+GLOBAL_BATCH = 32
+FEATURES, HIDDEN, CLASSES = 16, 64, 8
+
+
+def init_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (rng.normal(size=(FEATURES, HIDDEN)) * 0.3).astype(np.float32),
+        "b1": np.zeros(HIDDEN, np.float32),
+        "w2": (rng.normal(size=(HIDDEN, CLASSES)) * 0.3).astype(np.float32),
+        "b2": np.zeros(CLASSES, np.float32),
+    }
+
+
+def global_batch_numpy(step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The whole global batch of ``step``; each process keeps only its own rows."""
+    rng = np.random.default_rng(1000 + step)
+    x = rng.normal(size=(GLOBAL_BATCH, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, size=GLOBAL_BATCH).astype(np.int32)
+    return x, y
+
+
+def process_rows(sharding: Any, n: int) -> tuple[int, int]:
+    """The contiguous rows ``[start, stop)`` of an ``n``-row batch that this process holds."""
+    indices = sharding.addressable_devices_indices_map((n,)).values()
+    spans = [idx[0].indices(n)[:2] for idx in indices]
+    start, stop = min(s for s, _ in spans), max(e for _, e in spans)
+    assert sum(e - s for s, e in set(spans)) == stop - start, f"rows not contiguous: {spans}"
+    return start, stop
+
+
+def train(plan_name: str, steps: int = 5, *, fail_rank: int | None = None) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import shardax as sx
+
+    mesh = sx.make_mesh({"data": -1})
+    params = init_params()
+    plan = sx.replicate(mesh) if plan_name == "dp" else sx.fsdp(mesh, min_size=1)
+    lr = 0.1 if fail_rank != -1 else 0.1 + 0.01 * jax.process_index()  # -1: disagree
+    sx.check_agreement(
+        config={"plan": plan_name, "steps": steps, "lr": lr}, mesh=mesh, plan=plan(params)
+    )
+    params = sx.shard(params, plan)
+    data = sx.batch_sharding(mesh)
+    start, stop = process_rows(data, GLOBAL_BATCH)
+
+    def loss_fn(p, x, y):
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        logits = h @ p["w2"] + p["b2"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def step(p, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+        return jax.tree.map(lambda a, g: a - lr * g, p, grads), loss
+
+    losses, seen = [], 0
+    for i in range(steps):
+        if fail_rank == jax.process_index() and i == 2:
+            raise RuntimeError(f"deliberate failure on process {fail_rank} at step {i}")
+        x, y = global_batch_numpy(i)
+        x, y = x[start:stop], y[start:stop]  # this process reads only its share
+        seen += len(x)
+        batch = tuple(
+            jax.make_array_from_process_local_data(data, a, (GLOBAL_BATCH, *a.shape[1:]))
+            for a in (x, y)
+        )
+        params, loss = step(params, *batch)
+        losses.append(float(sx.host_value(loss)))
+        sx.print0(f"step {i} loss {losses[-1]:.6f}")
+    w1 = params["w1"]
+    return {
+        "plan": plan_name,
+        "process": jax.process_index(),
+        "processes": jax.process_count(),
+        "losses": losses,
+        "rows": [start, stop],
+        "examples_seen_all_hosts": int(sx.host_reduce(np.int64(seen), "sum")),
+        "w1_spec": str(w1.sharding.spec),
+        "w1_local_shards": [list(s.data.shape) for s in w1.addressable_shards],
+        "batch_local_shards": len(batch[0].addressable_shards),
+        "mesh_process_of_data_index": [d.process_index for d in mesh.devices.flat],
+        "mesh_2d_processes": np.vectorize(lambda d: d.process_index)(
+            sx.make_mesh({"data": -1, "model": 2}).devices
+        ).tolist(),
+    }
+
+
+def spin(seconds: float) -> None:
+    """Runs collectives until killed (for the kill -9 test), printing a line per step."""
+    import jax
+
+    import shardax as sx
+
+    mesh = sx.make_mesh({"data": -1})
+    x = sx.shard({"x": np.ones((mesh.size, 4), np.float32)}, sx.fsdp(mesh, min_size=1))["x"]
+    total = jax.jit(lambda a: a.sum())
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        print(f"spin {i} {float(sx.host_value(total(x)))}", flush=True)
+        i += 1
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="dp", help="comma-separated: dp, fsdp, raise, ...")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import shardax as sx
+
+    joined = sx.initialize()
+    assert sx.initialize() == joined  # calling twice is harmless
+    for mode in args.mode.split(","):
+        if mode == "spin":
+            spin(120)
+            continue
+        fail_rank = {"raise": 1, "mismatch": -1}.get(mode)
+        result = train("dp" if fail_rank is not None else mode, args.steps, fail_rank=fail_rank)
+        print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
