@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 
 import shardax as sx
+from shardax.cli import main as cli_main
 from shardax.cli.launch import exit_code, free_port, process_env, start_processes, supervise
 from shardax.runtime.distributed import (
     ENV_COORDINATOR,
@@ -170,18 +172,19 @@ def test_config_mismatch_raises_on_every_process(ranks):
 
 
 @pytest.mark.timeout(120)
-def test_kill_9_of_one_process_stops_the_other_within_heartbeat(ranks):
-    heartbeat = 5
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker", "coordinator"])
+def test_kill_9_of_one_process_stops_the_other_within_heartbeat(ranks, victim):
+    heartbeat, other = 5, 1 - victim
     cmd = [sys.executable, SCRIPT, "--mode", "spin"]
     run = ranks(cmd, 2, cpu_devices=2, heartbeat_timeout=heartbeat)
-    run.wait_for(1, "spin 2 ", timeout=60)
-    run.wait_for(0, "spin 2 ", timeout=10)
+    run.wait_for(victim, "spin 2 ", timeout=60)
+    run.wait_for(other, "spin 2 ", timeout=10)
     killed = time.monotonic()
-    run.procs[1].send_signal(signal.SIGKILL)
-    code = run.wait(0, timeout=heartbeat + 30)
-    assert code != 0, run.text(0)
+    run.procs[victim].send_signal(signal.SIGKILL)
+    code = run.wait(other, timeout=heartbeat + 30)
+    assert code != 0, run.text(other)
     assert time.monotonic() - killed < heartbeat + 30
-    assert exit_code(run.procs[1].wait()) == 128 + signal.SIGKILL
+    assert exit_code(run.procs[victim].wait()) == 128 + signal.SIGKILL
 
 
 @pytest.mark.timeout(60)
@@ -266,10 +269,8 @@ def test_launch_usage_errors():
         (["-n", "0", "--", "true"], "-n/--num-processes must be >= 1, got 0"),
         (["-n", "1", "--cpu-devices", "0", "--", "true"], "--cpu-devices must be >= 1, got 0"),
     ]:
-        proc = subprocess.run(
-            [*LAUNCH, "launch", *args], capture_output=True, text=True, timeout=30, env=CLEAN_ENV
-        )
-        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            cli_main(["launch", *args])
 
 
 # --- in this process ---------------------------------------------------------------------
