@@ -5,6 +5,7 @@
 >>> batch = sx.distribute_batch({"x": np.ones((16, 4))}, sx.batch_sharding(mesh))
 """
 
+from shardax.checkpoint import CheckpointManager, Restored, restore_checkpoint, save_checkpoint
 from shardax.data import (
     DevicePlacement,
     batch_sharding,
@@ -32,6 +33,7 @@ from shardax.runtime import (
     validate_batch_size,
 )
 from shardax.train import DataParallel, DistributedMetrics, all_gather, all_reduce, reduce
+from shardax.train.guard import NonFiniteLossError, check_finite
 
 __version__ = "0.1.0"
 
@@ -39,16 +41,20 @@ __all__ = [
     "DATA_AXIS",
     "AgreementError",
     "BatchSizeRecommendation",
+    "CheckpointManager",
     "DataParallel",
     "DeviceMeshManager",
     "DevicePlacement",
     "DistributedMetrics",
     "HardwareType",
+    "NonFiniteLossError",
     "Plan",
+    "Restored",
     "all_gather",
     "all_reduce",
     "batch_sharding",
     "check_agreement",
+    "check_finite",
     "detect_hardware_type",
     "device_info",
     "distribute_batch",
@@ -66,6 +72,8 @@ __all__ = [
     "reduce",
     "replicate",
     "replicate_across_devices",
+    "restore_checkpoint",
+    "save_checkpoint",
     "shard",
     "shard_batch_dim",
     "validate_batch_size",
