@@ -6,6 +6,7 @@ single-process references run in this pytest process on its 8 CPU devices.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -18,7 +19,6 @@ import time
 from pathlib import Path
 
 import jax
-import multihost_train
 import numpy as np
 import pytest
 
@@ -33,7 +33,10 @@ from shardax.runtime.distributed import (
     resolve_coordinates,
 )
 
-SCRIPT = str(Path(multihost_train.__file__))
+SCRIPT = str(Path(__file__).parent / "scripts" / "multihost_train.py")
+_spec = importlib.util.spec_from_file_location("multihost_train", SCRIPT)
+multihost_train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(multihost_train)
 LAUNCH = [sys.executable, "-c", "import sys; from shardax.cli import main; sys.exit(main())"]
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "SLURM_"))}
 

@@ -4,7 +4,7 @@ Run alone it trains on the local devices; under ``shardax launch -n 2 --cpu-devi
 every process reads only its rows of each global batch. Every process prints one
 ``RESULT {json}`` line with its losses and what it observed of the placements.
 
-    python tests/multihost_train.py --mode dp,fsdp
+    shardax launch -n 2 --cpu-devices 4 -- python tests/scripts/multihost_train.py --mode dp,fsdp
 """
 
 from __future__ import annotations
