@@ -208,6 +208,11 @@ def initialize(
         return False
     if heartbeat_timeout_seconds is None:
         heartbeat_timeout_seconds = _env_int(os.environ, ENV_HEARTBEAT) or 100
+    if heartbeat_timeout_seconds < 1:
+        raise ValueError(
+            f"initialize: heartbeat_timeout_seconds (or ${ENV_HEARTBEAT}) must be >= 1 second, "
+            f"got {heartbeat_timeout_seconds}"
+        )
     if jax.config.jax_cpu_collectives_implementation is None:
         # Cross-process collectives between CPU devices; gloo needs no extra install.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
