@@ -23,8 +23,8 @@ FEATURES, HIDDEN, CLASSES = 16, 64, 8
 
 def init_params() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    return {
-        "w1": (rng.normal(size=(FEATURES, HIDDEN)) * 0.3).astype(np.float32),
+    return {  # w1 stays float64, as NumPy makes it: sx.shard must accept it on every process
+        "w1": rng.normal(size=(FEATURES, HIDDEN)) * 0.3,
         "b1": np.zeros(HIDDEN, np.float32),
         "w2": (rng.normal(size=(HIDDEN, CLASSES)) * 0.3).astype(np.float32),
         "b2": np.zeros(CLASSES, np.float32),
