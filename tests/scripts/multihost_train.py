@@ -91,6 +91,8 @@ def train(plan_name: str, steps: int = 5, *, fail_rank: int | None = None) -> di
         losses.append(float(sx.host_value(loss)))
         sx.print0(f"step {i} loss {losses[-1]:.6f}")
     w1 = params["w1"]
+    whole = sx.host_value(batch[0])  # sharded across processes: all-gathered
+    assert np.array_equal(whole, global_batch_numpy(steps - 1)[0]), "host_value of the batch"
     return {
         "plan": plan_name,
         "process": jax.process_index(),

@@ -14,7 +14,13 @@ from shardax.runtime.hardware import (
     hardware_type_of,
     validate_batch_size,
 )
-from shardax.runtime.processes import host_reduce, host_value, is_main_process, print0
+from shardax.runtime.processes import (
+    device_put_global,
+    host_reduce,
+    host_value,
+    is_main_process,
+    print0,
+)
 
 __all__ = [
     "BATCH_SIZE_TABLE",
@@ -27,6 +33,7 @@ __all__ = [
     "check_agreement",
     "detect_hardware_type",
     "device_info",
+    "device_put_global",
     "fingerprint",
     "get_batch_size_recommendation",
     "hardware_type_of",
