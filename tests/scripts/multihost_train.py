@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
 
     joined = sx.initialize()
     assert sx.initialize() == joined  # calling twice is harmless
+    if joined:
+        try:
+            sx.initialize(process_id=5)
+            raise AssertionError("a conflicting second initialize was accepted")
+        except ValueError as e:
+            assert "already runs as" in str(e), e
     for mode in args.mode.split(","):
         if mode == "spin":
             spin(120)

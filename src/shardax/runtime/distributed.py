@@ -182,7 +182,16 @@ def initialize(
     Calling it again is harmless and returns the first answer.
     """
     if _state.done or jax.distributed.is_initialized():
-        return _state.joined or jax.process_count() > 1
+        joined = _state.joined or jax.process_count() > 1
+        asked = {"num_processes": num_processes, "process_id": process_id}
+        have = {"num_processes": jax.process_count(), "process_id": jax.process_index()}
+        wrong = {k: v for k, v in asked.items() if v is not None and v != have[k]}
+        if wrong:
+            raise ValueError(
+                f"initialize: called again with {wrong}, but this process already runs as "
+                f"{have}; a process joins one run, once"
+            )
+        return joined
     if backend_started():
         raise RuntimeError(
             "shardax.initialize() must be called before any JAX computation: a JAX backend "
@@ -207,7 +216,9 @@ def initialize(
         _state.done = True
         return False
     if heartbeat_timeout_seconds is None:
-        heartbeat_timeout_seconds = _env_int(os.environ, ENV_HEARTBEAT) or 100
+        heartbeat_timeout_seconds = _env_int(os.environ, ENV_HEARTBEAT)
+    if heartbeat_timeout_seconds is None:
+        heartbeat_timeout_seconds = 100  # JAX's default
     if heartbeat_timeout_seconds < 1:
         raise ValueError(
             f"initialize: heartbeat_timeout_seconds (or ${ENV_HEARTBEAT}) must be >= 1 second, "
