@@ -31,12 +31,13 @@ def init_params() -> dict[str, np.ndarray]:
     }
 
 
-def global_batch_numpy(step: int) -> tuple[np.ndarray, np.ndarray]:
-    """The whole global batch of ``step``; each process keeps only its own rows."""
-    rng = np.random.default_rng(1000 + step)
-    x = rng.normal(size=(GLOBAL_BATCH, FEATURES)).astype(np.float32)
-    y = rng.integers(0, CLASSES, size=GLOBAL_BATCH).astype(np.int32)
-    return x, y
+def dataset(steps: int) -> dict[str, np.ndarray]:
+    """``steps`` global batches of examples; every process holds the same arrays and
+    ``sx.batches`` hands each only its share of every batch."""
+    rng = np.random.default_rng(1000)
+    n = steps * GLOBAL_BATCH
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    return {"x": x, "y": rng.integers(0, CLASSES, size=n).astype(np.int32)}
 
 
 def process_rows(sharding: Any, n: int) -> tuple[int, int]:
@@ -77,22 +78,20 @@ def train(plan_name: str, steps: int = 5, *, fail_rank: int | None = None) -> di
         return jax.tree.map(lambda a, g: a - lr * g, p, grads), loss
 
     losses, seen = [], 0
-    for i in range(steps):
+    loader = sx.batches(dataset(steps), GLOBAL_BATCH, shuffle=True, seed=0)
+    for i, local in enumerate(loader):  # this process's rows of global batch i
         if fail_rank == jax.process_index() and i == 2:
             raise RuntimeError(f"deliberate failure on process {fail_rank} at step {i}")
-        x, y = global_batch_numpy(i)
-        x, y = x[start:stop], y[start:stop]  # this process reads only its share
-        seen += len(x)
-        batch = tuple(
-            jax.make_array_from_process_local_data(data, a, (GLOBAL_BATCH, *a.shape[1:]))
-            for a in (x, y)
-        )
-        params, loss = step(params, *batch)
+        assert len(local["x"]) == stop - start, (len(local["x"]), start, stop)
+        seen += len(local["x"])
+        batch = sx.global_batch(local, data, global_size=GLOBAL_BATCH)
+        params, loss = step(params, batch["x"], batch["y"])
         losses.append(float(sx.host_value(loss)))
         sx.print0(f"step {i} loss {losses[-1]:.6f}")
     w1 = params["w1"]
-    whole = sx.host_value(batch[0])  # sharded across processes: all-gathered
-    assert np.array_equal(whole, global_batch_numpy(steps - 1)[0]), "host_value of the batch"
+    whole = sx.host_value(batch["x"])  # sharded across processes: all-gathered
+    assert whole.shape == (GLOBAL_BATCH, FEATURES), whole.shape
+    assert np.array_equal(whole[start:stop], local["x"]), "host_value of the batch"
     return {
         "plan": plan_name,
         "process": jax.process_index(),
@@ -102,7 +101,7 @@ def train(plan_name: str, steps: int = 5, *, fail_rank: int | None = None) -> di
         "examples_seen_all_hosts": int(sx.host_reduce(np.int64(seen), "sum")),
         "w1_spec": str(w1.sharding.spec),
         "w1_local_shards": [list(s.data.shape) for s in w1.addressable_shards],
-        "batch_local_shards": len(batch[0].addressable_shards),
+        "batch_local_shards": len(batch["x"].addressable_shards),
         "mesh_process_of_data_index": [d.process_index for d in mesh.devices.flat],
         "mesh_2d_processes": np.vectorize(lambda d: d.process_index)(
             sx.make_mesh({"data": -1, "model": 2}).devices
