@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grace",
         type=float,
         default=3.0,
-        help="seconds between SIGTERM and SIGKILL when stopping processes (default: 3)",
+        help="seconds between SIGINT and SIGKILL when stopping processes (default: 3)",
     )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run")
 
@@ -133,11 +133,11 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGTERM to every running process group, then SIGKILL to those still alive after
-    ``grace`` seconds (JAX turns SIGTERM into a preemption notice, so it may not exit)."""
+    """SIGINT to every running process group, then SIGKILL to those still alive after
+    ``grace`` seconds. Not SIGTERM: JAX turns it into a preemption notice and goes on."""
     running = [p for p in procs if p.poll() is None]
     for p in running:
-        _signal_group(p, signal.SIGTERM)
+        _signal_group(p, signal.SIGINT)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(p.poll() is None for p in running):
         time.sleep(0.05)
