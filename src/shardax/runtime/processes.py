@@ -25,17 +25,21 @@ from jax.experimental import multihost_utils
 _HOST_REDUCERS = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min}
 
 
-def device_put_global(x: Any, sharding: Any) -> jax.Array:
-    """``jax.device_put(x, sharding)`` that also works for host values across processes.
+def device_put_global(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put(tree, shardings)`` that also works for host values across processes.
 
-    A NumPy value is first cast to JAX's dtype for it (float64 -> float32 unless x64 is
+    NumPy leaves are first cast to JAX's dtype for them (float64 -> float32 unless x64 is
     on). JAX checks that a host value put onto devices of every process is the same on
     each, by all-gathering it in JAX's dtype and comparing with the original: a float64
     value would fail that check on every process although all pass the same data.
     """
-    if isinstance(x, np.ndarray | np.generic):
-        x = np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype))
-    return jax.device_put(x, sharding)
+
+    def canonical(x: Any) -> Any:
+        if isinstance(x, np.ndarray | np.generic):
+            return np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype))
+        return x
+
+    return jax.device_put(jax.tree.map(canonical, tree), shardings)
 
 
 def is_main_process() -> bool:
