@@ -34,7 +34,19 @@ from shardax.runtime import (
     print0,
     validate_batch_size,
 )
-from shardax.train import DataParallel, DistributedMetrics, all_gather, all_reduce, reduce
+from shardax.train import (
+    DataParallel,
+    DistributedMetrics,
+    TrainState,
+    TrainStep,
+    all_gather,
+    all_reduce,
+    example_keys,
+    make_train_step,
+    masked_mean,
+    reduce,
+    weighted_mean,
+)
 from shardax.train.guard import NonFiniteLossError, check_finite
 
 __version__ = "0.1.0"
@@ -52,6 +64,8 @@ __all__ = [
     "NonFiniteLossError",
     "Plan",
     "Restored",
+    "TrainState",
+    "TrainStep",
     "all_gather",
     "all_reduce",
     "batch_sharding",
@@ -61,6 +75,7 @@ __all__ = [
     "detect_hardware_type",
     "device_info",
     "distribute_batch",
+    "example_keys",
     "fsdp",
     "get_batch_size_recommendation",
     "global_batch",
@@ -69,6 +84,8 @@ __all__ = [
     "initialize",
     "is_main_process",
     "make_mesh",
+    "make_train_step",
+    "masked_mean",
     "mesh_info",
     "place_on_device",
     "prefetch_to_device",
@@ -81,4 +98,5 @@ __all__ = [
     "shard",
     "shard_batch_dim",
     "validate_batch_size",
+    "weighted_mean",
 ]

@@ -89,7 +89,7 @@ def main():
             )
         )
     elif mode == "save_loop":  # saves step k filled with k, forever, announcing each commit
-        big = sx.shard({"a": jnp.zeros((2048, 2048)), "b": jnp.zeros((1024, 1024))}, plan)
+        big = sx.shard({"a": jnp.zeros((1024, 1024)), "b": jnp.zeros((512, 512))}, plan)
         with sx.CheckpointManager(directory, max_to_keep=2) as manager:
             for k in range(1, 10_000):
                 manager.save(k, jax.tree.map(lambda x, k=k: x + k, big))
