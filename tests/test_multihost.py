@@ -110,10 +110,11 @@ def ranks():
 
 
 @pytest.mark.timeout(300)
-def test_two_processes_match_one_process_dp_and_fsdp():
+def test_two_processes_match_one_process_dp_fsdp_and_shard_map():
     options = ["-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "10"]
+    script = [sys.executable, SCRIPT, "--mode", "dp,fsdp,dp-shard_map"]
     proc = subprocess.run(
-        [*LAUNCH, "launch", *options, "--", sys.executable, SCRIPT, "--mode", "dp,fsdp"],
+        [*LAUNCH, "launch", *options, "--", *script],
         capture_output=True,
         text=True,
         timeout=240,
@@ -124,7 +125,7 @@ def test_two_processes_match_one_process_dp_and_fsdp():
     assert sorted(got) == [0, 1]
     # Printing comes from process 0 only.
     assert "[0] step 4 loss" in proc.stdout and "[1] step" not in proc.stdout
-    for plan_index, plan in enumerate(("dp", "fsdp")):
+    for plan_index, plan in enumerate(("dp", "fsdp", "dp-shard_map")):
         reference = multihost_train.train(plan, 5)  # 1 process x 8 devices, here
         assert reference["processes"] == 1
         for rank in (0, 1):

@@ -1,10 +1,13 @@
 """A small training script for the multi-process tests.
 
 Run alone it trains on the local devices; under ``shardax launch -n 2 --cpu-devices 4``
-every process reads only its rows of each global batch. Every process prints one
+every process reads only its rows of each global batch (``sx.batches``), assembled into
+global arrays (``sx.global_batch``) for ``sx.make_train_step``: ``dp`` and ``fsdp`` in jit
+mode, ``dp-shard_map`` in shard_map mode. Every process prints one
 ``RESULT {json}`` line with its losses and what it observed of the placements.
 
-    shardax launch -n 2 --cpu-devices 4 -- python tests/scripts/multihost_train.py --mode dp,fsdp
+    shardax launch -n 2 --cpu-devices 4 -- python tests/scripts/multihost_train.py \
+        --mode dp,fsdp,dp-shard_map
 """
 
 from __future__ import annotations
@@ -58,24 +61,24 @@ def train(plan_name: str, steps: int = 5, *, fail_rank: int | None = None) -> di
 
     mesh = sx.make_mesh({"data": -1})
     params = init_params()
-    plan = sx.replicate(mesh) if plan_name == "dp" else sx.fsdp(mesh, min_size=1)
+    plan = sx.fsdp(mesh, min_size=1) if plan_name == "fsdp" else sx.replicate(mesh)
     lr = 0.1 if fail_rank != -1 else 0.1 + 0.01 * jax.process_index()  # -1: disagree
     sx.check_agreement(
         config={"plan": plan_name, "steps": steps, "lr": lr}, mesh=mesh, plan=plan(params)
     )
-    params = sx.shard(params, plan)
     data = sx.batch_sharding(mesh)
     start, stop = process_rows(data, GLOBAL_BATCH)
 
-    def loss_fn(p, x, y):
-        h = jnp.tanh(x @ p["w1"] + p["b1"])
-        logits = h @ p["w2"] + p["b2"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    def apply_fn(p, x):
+        return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 
-    @jax.jit
-    def step(p, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
-        return jax.tree.map(lambda a, g: a - lr * g, p, grads), loss
+    def loss_fn(model, batch):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    mode = "shard_map" if plan_name == "dp-shard_map" else "jit"
+    step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=mode)
+    state = step.shard(sx.TrainState.from_params(params, apply_fn, optax.sgd(lr)))
 
     losses, seen = [], 0
     loader = sx.batches(dataset(steps), GLOBAL_BATCH, shuffle=True, seed=0)
@@ -85,10 +88,10 @@ def train(plan_name: str, steps: int = 5, *, fail_rank: int | None = None) -> di
         assert len(local["x"]) == stop - start, (len(local["x"]), start, stop)
         seen += len(local["x"])
         batch = sx.global_batch(local, data, global_size=GLOBAL_BATCH)
-        params, loss = step(params, batch["x"], batch["y"])
-        losses.append(float(sx.host_value(loss)))
+        state, metrics = step(state, batch)
+        losses.append(float(sx.host_value(metrics["loss"])))
         sx.print0(f"step {i} loss {losses[-1]:.6f}")
-    w1 = params["w1"]
+    w1 = state.params["w1"]
     whole = sx.host_value(batch["x"])  # sharded across processes: all-gathered
     assert whole.shape == (GLOBAL_BATCH, FEATURES), whole.shape
     assert np.array_equal(whole[start:stop], local["x"]), "host_value of the batch"

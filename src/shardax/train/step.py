@@ -32,6 +32,7 @@ from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.core import Plan, replicate
 from shardax.plan.tree import is_array, map_arrays
+from shardax.runtime.processes import device_put_global
 from shardax.train.batch import check_batch, split_microbatches
 from shardax.train.collectives import weighted_mean
 from shardax.train.data_parallel import all_reduce_gradients
@@ -222,7 +223,7 @@ class TrainStep:
             if self.mode in ("shard_map", "pmap"):
                 self._check_replicated(state)
             shardings = self.plan(state)
-        placed = jax.device_put(state, shardings)
+        placed = device_put_global(state, shardings)
         # device_put may reuse the input's buffers, even with may_alias=False (a shard on
         # the source device); a jitted identity returns fresh ones.
         return _fresh_copy(placed) if self.donate else placed
