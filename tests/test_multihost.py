@@ -272,6 +272,7 @@ def test_launch_usage_errors():
         (["-n", "2"], "give the command after --"),
         (["-n", "0", "--", "true"], "-n/--num-processes must be >= 1, got 0"),
         (["-n", "1", "--cpu-devices", "0", "--", "true"], "--cpu-devices must be >= 1, got 0"),
+        (["-n", "1", "--", "/no/such/program"], "cannot run '/no/such/program'"),
     ]:
         with pytest.raises(SystemExit, match=re.escape(message)):
             cli_main(["launch", *args])

@@ -226,4 +226,8 @@ def run(args: argparse.Namespace) -> int:
         )
         for r in range(args.num_processes)
     ]
-    return supervise(start_processes(cmd, envs), grace=args.grace)
+    try:
+        procs = start_processes(cmd, envs)
+    except OSError as e:  # not found, not executable
+        raise SystemExit(f"shardax launch: error: cannot run {cmd[0]!r}: {e.strerror}") from None
+    return supervise(procs, grace=args.grace)
