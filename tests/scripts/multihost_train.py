@@ -52,7 +52,10 @@ def process_rows(sharding: Any, n: int) -> tuple[int, int]:
     return start, stop
 
 
-def train(plan_name: str, steps: int = 5, *, fail_rank: int | None = None) -> dict[str, Any]:
+def train(plan_name: str, steps: int = 5, *, fault: str | None = None) -> dict[str, Any]:
+    """Trains ``steps`` steps; ``fault`` breaks the run on purpose: ``"raise"`` (process 1
+    raises at step 2), ``"config"`` (processes pass different configs to check_agreement),
+    ``"plan"`` (process 1 shards the state with another plan; the step's own check)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -61,11 +64,13 @@ def train(plan_name: str, steps: int = 5, *, fail_rank: int | None = None) -> di
 
     mesh = sx.make_mesh({"data": -1})
     params = init_params()
+    if fault == "plan" and jax.process_index() == 1:
+        plan_name = "fsdp"
     plan = sx.fsdp(mesh, min_size=1) if plan_name == "fsdp" else sx.replicate(mesh)
-    lr = 0.1 if fail_rank != -1 else 0.1 + 0.01 * jax.process_index()  # -1: disagree
-    sx.check_agreement(
-        config={"plan": plan_name, "steps": steps, "lr": lr}, mesh=mesh, plan=plan(params)
-    )
+    lr = 0.1 + (0.01 * jax.process_index() if fault == "config" else 0.0)
+    if fault != "plan":
+        config = {"plan": plan_name, "steps": steps, "lr": lr}
+        sx.check_agreement(config=config, mesh=mesh, plan=plan(params))
     data = sx.batch_sharding(mesh)
     start, stop = process_rows(data, GLOBAL_BATCH)
 
@@ -83,8 +88,8 @@ def train(plan_name: str, steps: int = 5, *, fail_rank: int | None = None) -> di
     losses, seen = [], 0
     loader = sx.batches(dataset(steps), GLOBAL_BATCH, shuffle=True, seed=0)
     for i, local in enumerate(loader):  # this process's rows of global batch i
-        if fail_rank == jax.process_index() and i == 2:
-            raise RuntimeError(f"deliberate failure on process {fail_rank} at step {i}")
+        if fault == "raise" and jax.process_index() == 1 and i == 2:
+            raise RuntimeError(f"deliberate failure on process 1 at step {i}")
         assert len(local["x"]) == stop - start, (len(local["x"]), start, stop)
         seen += len(local["x"])
         batch = sx.global_batch(local, data, global_size=GLOBAL_BATCH)
@@ -131,7 +136,12 @@ def spin(seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", default="dp", help="comma-separated: dp, fsdp, raise, ...")
+    parser.add_argument(
+        "--mode",
+        default="dp",
+        help="comma-separated: dp, fsdp, dp-shard_map; raise, config, "
+        "plan (faults); spin (for kill -9)",
+    )
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
 
@@ -149,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "spin":
             spin(120)
             continue
-        fail_rank = {"raise": 1, "mismatch": -1}.get(mode)
-        result = train("dp" if fail_rank is not None else mode, args.steps, fail_rank=fail_rank)
+        fault = mode if mode in ("raise", "config", "plan") else None
+        result = train("dp" if fault else mode, args.steps, fault=fault)
         print("RESULT " + json.dumps(result), flush=True)
     return 0
 

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,6 +66,8 @@ def _canon(x: Any) -> Any:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         fields = {f.name: _canon(getattr(x, f.name)) for f in dataclasses.fields(x)}
         return {type(x).__qualname__: fields}
+    if isinstance(x, types.ModuleType):
+        return {"module": x.__name__}
     if callable(x) and hasattr(x, "__code__"):
         # A plan's rule: the function's name and the values it closes over
         # (fsdp's axis, size and min_size), not its address.
@@ -103,6 +106,48 @@ def _describe(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _gather_differ(rows: np.ndarray) -> list[list[int]]:
+    """All-gathers this process's ``rows`` (same shape everywhere); for each row, the
+    processes whose row differs from process 0's."""
+    everyone = np.asarray(multihost_utils.process_allgather(rows))
+    return [
+        [p for p in range(len(everyone)) if (everyone[p, i] != everyone[0, i]).any()]
+        for i in range(rows.shape[0])
+    ]
+
+
+def _leaf_differences(value: Any, limit: int = 5) -> str:
+    """Which leaves of a pytree part differ between processes; empty when that does not
+    say more than the whole part. A collective: every process calls it for the same part,
+    and every branch below depends only on gathered values, so all take the same one."""
+    leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+    paths = [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves]
+    structure = np.concatenate([_words(fingerprint(paths)), np.uint32([len(leaves)])])
+    if _gather_differ(structure[None])[0]:
+        return f"; its tree structure differs, on process {jax.process_index()}: {paths[:8]}"
+    if len(leaves) < 2:
+        return ""
+    differ = _gather_differ(np.stack([_words(fingerprint(v)) for _, v in leaves]))
+    found = [f"{paths[i]}: {_short(leaves[i][1])}" for i, d in enumerate(differ) if d]
+    if not found:  # the leaves agree; what differs is outside them (static fields)
+        return ""
+    more = f" and {len(found) - limit} more" if len(found) > limit else ""
+    count = f"{len(found)} leaves differ" if len(found) > 1 else "1 leaf differs"
+    return f"; {count}, on process {jax.process_index()}: " + ", ".join(found[:limit]) + more
+
+
+def _short(leaf: Any) -> str:
+    """A leaf in a few words: a sharding by its spec, an array by dtype, shape and spec."""
+    if isinstance(leaf, NamedSharding):
+        return str(leaf.spec)
+    if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
+        spec = getattr(getattr(leaf, "sharding", None), "spec", "")
+        return f"{leaf.dtype}{list(leaf.shape)} {spec}".rstrip()
+    if isinstance(leaf, bool | int | float | str):
+        return repr(leaf)
+    return _describe(leaf, 80)
+
+
 def check_agreement(**parts: Any) -> str:
     """Raises :class:`AgreementError` on every process unless all processes pass equal parts.
 
@@ -131,16 +176,14 @@ def check_agreement(**parts: Any) -> str:
             f"check_agreement: the processes passed different parts; process {me} passed "
             f"{sorted(digests)}. Call it with the same keywords on every process."
         )
-    per_part = np.stack([_words(d) for d in digests.values()])
-    everyone = np.asarray(multihost_utils.process_allgather(per_part))
+    differ = _gather_differ(np.stack([_words(d) for d in digests.values()]))
     problems = []
-    for i, name in enumerate(digests):
-        differ = [p for p in range(len(everyone)) if (everyone[p, i] != everyone[0, i]).any()]
-        if differ:
-            problems.append(
-                f"{name!r} (processes {differ} differ from process 0; here on process {me}: "
-                f"{_describe(parts[name])})"
+    for name, procs in zip(digests, differ, strict=True):
+        if procs:
+            where = _leaf_differences(parts[name]) or (
+                f"; on process {me}: {_describe(parts[name])}"
             )
+            problems.append(f"{name!r} (processes {procs} differ from process 0{where})")
     raise AgreementError(
         "check_agreement: the processes disagree on " + "; ".join(problems) + ". Every "
         "process must build the same mesh, plan and config: check each process's "
