@@ -20,11 +20,18 @@ from shardax.data import (
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
 from shardax.plan import Plan, fsdp, replicate, shard
 from shardax.runtime import (
+    AgreementError,
     BatchSizeRecommendation,
     HardwareType,
+    check_agreement,
     detect_hardware_type,
     device_info,
     get_batch_size_recommendation,
+    host_reduce,
+    host_value,
+    initialize,
+    is_main_process,
+    print0,
     validate_batch_size,
 )
 from shardax.train import (
@@ -46,6 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DATA_AXIS",
+    "AgreementError",
     "BatchSizeRecommendation",
     "CheckpointManager",
     "DataParallel",
@@ -62,6 +70,7 @@ __all__ = [
     "all_reduce",
     "batch_sharding",
     "batches",
+    "check_agreement",
     "check_finite",
     "detect_hardware_type",
     "device_info",
@@ -70,12 +79,17 @@ __all__ = [
     "fsdp",
     "get_batch_size_recommendation",
     "global_batch",
+    "host_reduce",
+    "host_value",
+    "initialize",
+    "is_main_process",
     "make_mesh",
     "make_train_step",
     "masked_mean",
     "mesh_info",
     "place_on_device",
     "prefetch_to_device",
+    "print0",
     "reduce",
     "replicate",
     "replicate_across_devices",
