@@ -15,7 +15,20 @@ from shardax.data import (
     shard_batch_dim,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
-from shardax.plan import Plan, fsdp, replicate, shard
+from shardax.plan import (
+    Plan,
+    ShardingReport,
+    constrain,
+    describe,
+    follow_params,
+    from_nnx,
+    fsdp,
+    init_sharded,
+    replicate,
+    rules,
+    shard,
+    validate,
+)
 from shardax.runtime import (
     BatchSizeRecommendation,
     HardwareType,
@@ -37,14 +50,20 @@ __all__ = [
     "DistributedMetrics",
     "HardwareType",
     "Plan",
+    "ShardingReport",
     "all_gather",
     "all_reduce",
     "batch_sharding",
+    "constrain",
+    "describe",
     "detect_hardware_type",
     "device_info",
     "distribute_batch",
+    "follow_params",
+    "from_nnx",
     "fsdp",
     "get_batch_size_recommendation",
+    "init_sharded",
     "make_mesh",
     "mesh_info",
     "place_on_device",
@@ -52,7 +71,9 @@ __all__ = [
     "reduce",
     "replicate",
     "replicate_across_devices",
+    "rules",
     "shard",
     "shard_batch_dim",
+    "validate",
     "validate_batch_size",
 ]

@@ -1,5 +1,7 @@
 """Plan layer: pytrees to pytrees of ``NamedSharding``."""
 
+from shardax.plan.annotations import annotated_specs, from_nnx
+from shardax.plan.constrain import constrain
 from shardax.plan.core import (
     DEFAULT_FSDP_MIN_SIZE,
     Plan,
@@ -9,19 +11,36 @@ from shardax.plan.core import (
     replicate,
     shard,
 )
+from shardax.plan.describe import Row, ShardingReport, describe, format_bytes
+from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.init import init_sharded
+from shardax.plan.rules import rules
 from shardax.plan.tree import is_array, map_arrays, path_str
-from shardax.plan.validate import check_spec
+from shardax.plan.validate import check_spec, spec_errors, validate
 
 __all__ = [
     "DEFAULT_FSDP_MIN_SIZE",
+    "FollowParams",
     "Plan",
+    "Row",
+    "ShardingReport",
+    "annotated_specs",
     "axis_size",
     "check_spec",
+    "constrain",
+    "describe",
+    "follow_params",
+    "format_bytes",
+    "from_nnx",
     "fsdp",
     "fsdp_spec",
+    "init_sharded",
     "is_array",
     "map_arrays",
     "path_str",
     "replicate",
+    "rules",
     "shard",
+    "spec_errors",
+    "validate",
 ]
