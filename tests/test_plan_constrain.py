@@ -58,9 +58,32 @@ def test_no_op_in_shard_map_pmap_and_without_mesh():
 
 def test_bad_specs_name_shape_and_axis():
     mesh = sx.make_mesh({"data": 8})
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"shape \(8, 8\).*'model'"):
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match=r"logical axis 'model' has no entry.*'data': 8"),
+    ):
         jax.jit(layer)(jnp.ones((8, 8)))
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="size 6 is not divisible by the size 8"):
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match="size 6 is not divisible by the size 8"),
+    ):
         jax.jit(lambda x: sx.constrain(x, P("data")))(jnp.ones((6,)))
     with pytest.raises(ValueError, match="spec must be a PartitionSpec"):
         sx.constrain(jnp.ones(3), ("data",))
+
+
+def test_logical_names_follow_axis_rules():
+    x = jnp.ones((8, 8))
+    for shape, rules, expected in [
+        ({"data": 4, "model": 2}, {"batch": "data", "mlp": "model"}, P("data", "model")),
+        ({"data": 8}, {"batch": "data", "mlp": None}, P("data")),
+        (
+            {"data": 4, "model": 2},
+            {"batch": ("data", "model"), "mlp": None},
+            P(("data", "model")),
+        ),
+    ]:
+        # Rules are read at trace time (like jax.set_mesh): a new function per mapping.
+        f = jax.jit(lambda x: sx.constrain(x * 2.0, P("batch", "mlp")))
+        with jax.set_mesh(sx.make_mesh(shape)), sx.axis_rules(rules):
+            assert f(x).sharding.spec == expected

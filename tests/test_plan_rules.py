@@ -1,6 +1,7 @@
 """Plans on arrays and ShapeDtypeStructs: rules, NNX annotations, optimizer state,
 validate, describe and init_sharded, checked against real placements."""
 
+import itertools
 import re
 
 import jax
@@ -24,7 +25,7 @@ def mlp_params(sizes=(16, 32, 32, 8)):
     return {
         "layers": [
             {"kernel": jnp.ones((a, b)), "bias": jnp.zeros((b,))}
-            for a, b in zip(sizes[:-1], sizes[1:], strict=True)
+            for a, b in itertools.pairwise(sizes)
         ]
     }
 
@@ -151,8 +152,9 @@ class Annotated(nnx.Module):
             bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("mlp",)),
             rngs=rngs,
         )
-        self.down = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
-                               rngs=rngs)
+        self.down = nnx.Linear(
+            32, 16, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs
+        )
 
 
 def test_from_nnx_maps_logical_names_onto_any_mesh(mesh42):
@@ -185,13 +187,18 @@ def test_describe_reports_bytes_per_device_as_table_and_data(mesh42):
     report = sx.describe(tree, sx.fsdp(mesh42))
     rows = {r.path: r for r in report.rows}
     assert rows["w"].spec == P("data", None) and rows["w"].bytes_per_device == 1024 * 16
-    assert rows["b"].spec == P() and rows["b"].bytes_per_device == 32 and rows["b"].dtype == "bfloat16"
+    assert (
+        rows["b"].spec == P() and rows["b"].bytes_per_device == 32 and rows["b"].dtype == "bfloat16"
+    )
     assert report.total_bytes_per_device == 1024 * 16 + 32
     assert report.total_bytes == 1024 * 16 * 4 + 32
     text = str(report)
     for piece in ("w", "(1024, 16)", "float32", "('data', None)", "16.00 KiB", "total"):
         assert piece in text
-    assert {d["path"]: d["spec"] for d in report.to_dicts()} == {"w": str(P("data", None)), "b": str(P())}
+    assert {d["path"]: d["spec"] for d in report.to_dicts()} == {
+        "w": str(P("data", None)),
+        "b": str(P()),
+    }
     # Without a plan: the leaves' own shardings; NumPy leaves are unplaced.
     placed = sx.shard({"w": np.ones((64, 8), np.float32)}, sx.fsdp(mesh42, min_size=1))
     own = sx.describe({**placed, "host": np.ones(3, np.float32)})

@@ -18,6 +18,7 @@ from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
 from shardax.plan import (
     Plan,
     ShardingReport,
+    axis_rules,
     constrain,
     describe,
     follow_params,
@@ -53,6 +54,7 @@ __all__ = [
     "ShardingReport",
     "all_gather",
     "all_reduce",
+    "axis_rules",
     "batch_sharding",
     "constrain",
     "describe",

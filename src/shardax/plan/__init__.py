@@ -1,6 +1,12 @@
 """Plan layer: pytrees to pytrees of ``NamedSharding``."""
 
-from shardax.plan.annotations import annotated_specs, from_nnx
+from shardax.plan.annotations import (
+    annotated_specs,
+    axis_rules,
+    current_axis_rules,
+    from_nnx,
+    logical_to_mesh,
+)
 from shardax.plan.constrain import constrain
 from shardax.plan.core import (
     DEFAULT_FSDP_MIN_SIZE,
@@ -25,9 +31,11 @@ __all__ = [
     "Row",
     "ShardingReport",
     "annotated_specs",
+    "axis_rules",
     "axis_size",
     "check_spec",
     "constrain",
+    "current_axis_rules",
     "describe",
     "follow_params",
     "format_bytes",
@@ -36,6 +44,7 @@ __all__ = [
     "fsdp_spec",
     "init_sharded",
     "is_array",
+    "logical_to_mesh",
     "map_arrays",
     "path_str",
     "replicate",

@@ -17,7 +17,9 @@ PartitionSpec(None, 'model')
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +29,44 @@ from shardax.plan.core import Plan
 from shardax.plan.tree import path_str
 
 AxisRules = Mapping[str, Any] | Sequence[tuple[str, Any]]
+
+_AXIS_RULES: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "shardax_axis_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def axis_rules(rules: AxisRules) -> Iterator[dict[str, Any]]:
+    """Sets the logical-to-mesh axis mapping for :func:`from_nnx` and :func:`constrain`.
+
+    It is read when a function is traced: a function already compiled under one mapping
+    keeps it, so build a new ``jax.jit`` per mapping (as for ``jax.set_mesh``).
+
+    >>> with sx.axis_rules({"batch": "data", "mlp": "model"}):
+    ...     y = sx.constrain(h, P("batch", "mlp"))  # inside the model
+    """
+    token = _AXIS_RULES.set(dict(rules))
+    try:
+        yield _AXIS_RULES.get()
+    finally:
+        _AXIS_RULES.reset(token)
+
+
+def current_axis_rules() -> dict[str, Any] | None:
+    """The mapping set by the innermost :func:`axis_rules`, or ``None``."""
+    return _AXIS_RULES.get()
+
+
+def logical_to_mesh(
+    spec: Any, mesh: Any, rules: AxisRules | None = None, where: str = "spec"
+) -> PartitionSpec:
+    """``spec``'s logical names mapped to mesh axes (names already in the mesh pass through).
+
+    >>> logical_to_mesh(P("batch", "mlp"), mesh, {"batch": "data", "mlp": None})
+    PartitionSpec('data', None)
+    """
+    rules = dict((current_axis_rules() or {}) if rules is None else rules)
+    return PartitionSpec(*(_mesh_entry(e, rules, mesh, where) for e in spec))
 
 
 def _mesh_entry(entry: Any, rules: dict[str, Any], mesh: Mesh, where: str) -> Any:
@@ -61,7 +101,6 @@ def annotated_specs(model: Any, mesh: Mesh, axis_rules: AxisRules | None = None)
     """
     from flax import nnx
 
-    rules = dict(axis_rules or {})
     table: dict[str, tuple[tuple[int, ...], PartitionSpec]] = {}
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     for var_path, var in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_var)[0]:
@@ -73,7 +112,7 @@ def annotated_specs(model: Any, mesh: Mesh, axis_rules: AxisRules | None = None)
         if isinstance(names, NamedSharding):
             names = names.spec
         where = f"variable {path_str(var_path)!r}"
-        spec = PartitionSpec(*(_mesh_entry(e, rules, mesh, where) for e in names))
+        spec = logical_to_mesh(names, mesh, axis_rules, where)
         for sub_path, leaf in jax.tree_util.tree_flatten_with_path(var)[0]:
             table[path_str(var_path + sub_path)] = (tuple(leaf.shape), spec)
     return table
@@ -88,7 +127,8 @@ def from_nnx(
     """A plan from the ``out_sharding`` annotations of ``model``'s NNX variables.
 
     ``axis_rules`` maps each logical name to a mesh axis, a tuple of axes, or ``None``
-    (replicate); a name that is already a mesh axis may be left out. A leaf gets the
+    (replicate); a name that is already a mesh axis may be left out. Default: the
+    mapping set by :func:`axis_rules`. A leaf gets the
     spec of the annotated variable whose path is the longest "/"-suffix of the leaf's
     path and whose shape is the leaf's shape, so the plan applies to the model, its
     ``nnx.state``, a train state holding it, and Adam's ``mu``/``nu`` alike. Other

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardax.plan.annotations import logical_to_mesh
 from shardax.plan.tree import is_array, path_str
 from shardax.plan.validate import spec_axes, spec_errors
 
@@ -31,21 +32,23 @@ def constrain(x: Any, spec: PartitionSpec | NamedSharding, mesh: Mesh | None = N
       and cannot be constrained, so ``x`` is returned unchanged; so it is with no mesh at
       all (single-device mode).
 
-    A spec that names an axis missing from the mesh, or does not divide the shape, raises
-    ``ValueError`` naming the shape and the axis size.
+    Logical names in ``spec`` are mapped by the current :func:`axis_rules`, so a model
+    annotated once runs on any mesh. A name neither mapped nor in the mesh, or a spec
+    that does not divide the shape, raises ``ValueError`` naming it and the axis size.
     """
     if isinstance(spec, NamedSharding):
         mesh, spec = spec.mesh, spec.spec
     if not isinstance(spec, PartitionSpec):
         raise ValueError(f"constrain: spec must be a PartitionSpec or NamedSharding, got {spec!r}")
     context = jax.sharding.get_abstract_mesh()
+    if not context.empty and len(context.manual_axes) == len(context.axis_names):
+        return x  # inside shard_map or pmap over every axis: values are per-device
     target = mesh if mesh is not None else (None if context.empty else context)
     if target is None:
-        return x
+        return x  # no mesh known: single-device mode
+    spec = logical_to_mesh(spec, target, where=f"constrain({spec})")
     used = {a for e in spec for a in spec_axes(e)}
-    if used & set(context.manual_axes) or (
-        not context.empty and len(context.manual_axes) == len(context.axis_names)
-    ):
+    if used & set(context.manual_axes):
         return x
     explicit = {
         n
