@@ -1,5 +1,6 @@
 """Plan layer: pytrees to pytrees of ``NamedSharding``."""
 
+from shardax.plan.activation import constrain
 from shardax.plan.annotations import (
     annotated_specs,
     axis_rules,
@@ -7,7 +8,6 @@ from shardax.plan.annotations import (
     from_nnx,
     logical_to_mesh,
 )
-from shardax.plan.constrain import constrain
 from shardax.plan.core import (
     DEFAULT_FSDP_MIN_SIZE,
     Plan,
@@ -17,12 +17,12 @@ from shardax.plan.core import (
     replicate,
     shard,
 )
-from shardax.plan.describe import Row, ShardingReport, describe, format_bytes
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
-from shardax.plan.rules import rules
+from shardax.plan.regex import rules
+from shardax.plan.report import Row, ShardingReport, describe, format_bytes, validate
 from shardax.plan.tree import is_array, map_arrays, path_str
-from shardax.plan.validate import check_spec, spec_errors, validate
+from shardax.plan.validate import check_spec, spec_errors
 
 __all__ = [
     "DEFAULT_FSDP_MIN_SIZE",

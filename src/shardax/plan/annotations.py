@@ -11,8 +11,8 @@ stored by flax 0.12 as the variable's ``out_sharding`` metadata; the older
 ...                                                   ("embed", "mlp")), rngs=nnx.Rngs(0)))
 >>> mesh = sx.make_mesh({"data": 4, "model": 2})
 >>> plan = sx.from_nnx(mesh, model, {"embed": None, "mlp": "model"})
->>> plan.specs(nnx.state(model))["kernel"].value
-PartitionSpec(None, 'model')
+>>> plan.specs(nnx.state(model))["kernel"].get_value()
+P(None, 'model')
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def axis_rules(rules: AxisRules) -> Iterator[dict[str, Any]]:
     keeps it, so build a new ``jax.jit`` per mapping (as for ``jax.set_mesh``).
 
     >>> with sx.axis_rules({"batch": "data", "mlp": "model"}):
-    ...     y = sx.constrain(h, P("batch", "mlp"))  # inside the model
+    ...     print(sx.plan.current_axis_rules()["mlp"])  # in a model: sx.constrain(h, P("mlp"))
+    model
     """
     token = _AXIS_RULES.set(dict(rules))
     try:
@@ -62,8 +63,8 @@ def logical_to_mesh(
 ) -> PartitionSpec:
     """``spec``'s logical names mapped to mesh axes (names already in the mesh pass through).
 
-    >>> logical_to_mesh(P("batch", "mlp"), mesh, {"batch": "data", "mlp": None})
-    PartitionSpec('data', None)
+    >>> sx.plan.logical_to_mesh(P("batch", "mlp"), mesh, {"batch": "data", "mlp": None})
+    P('data', None)
     """
     rules = dict((current_axis_rules() or {}) if rules is None else rules)
     return PartitionSpec(*(_mesh_entry(e, rules, mesh, where) for e in spec))

@@ -4,9 +4,9 @@
 >>> mesh = sx.make_mesh({"data": 4, "model": 2})
 >>> params = {"w": np.zeros((8, 8))}
 >>> state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
->>> plan = sx.follow_params(sx.rules(mesh, [("^params/w$", P(None, "model"))]))
+>>> plan = sx.follow_params(sx.rules(mesh, [("^w$", P(None, "model"))]))
 >>> plan.specs(state)["opt_state"][0].mu["w"], plan.specs(state)["opt_state"][0].count
-(PartitionSpec(None, 'model'), PartitionSpec())
+(P(None, 'model'), P())
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 >>> init = lambda key: {"w": jax.random.normal(key, (1024, 64))}
 >>> params = sx.init_sharded(init, sx.fsdp(mesh), jax.random.key(0))
 >>> params["w"].sharding.spec
-PartitionSpec('data', None)
+P('data', None)
 """
 
 from __future__ import annotations

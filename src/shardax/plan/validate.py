@@ -9,12 +9,9 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
-
-if TYPE_CHECKING:
-    from shardax.plan.core import Plan
 
 
 def spec_axes(entry: Any) -> tuple[str, ...]:
@@ -71,16 +68,3 @@ def check_spec(path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mes
     errors = spec_errors(path, shape, spec, mesh)
     if errors:
         raise ValueError("\n".join(errors))
-
-
-def validate(tree: Any, plan: Plan) -> list[str]:
-    """Dry run: every error ``plan`` would raise on ``tree``, without allocating anything.
-
-    ``tree`` may hold arrays or ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``).
-    Applying the plan raises a ``ValueError`` listing these same messages.
-
-    >>> sx.validate({"w": jax.ShapeDtypeStruct((6, 4), "float32")},
-    ...             sx.rules(mesh, [("w", P("data"))]))
-    ["leaf 'w' with shape (6, 4): dimension 0 of size 6 is not divisible by ..."]
-    """
-    return plan.resolve(tree)[1]

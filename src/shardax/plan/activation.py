@@ -7,7 +7,7 @@
 >>> with jax.set_mesh(mesh):
 ...     y = jax.jit(layer)(jnp.ones((8, 4)), jnp.ones((4, 6)))
 >>> y.sharding.spec
-PartitionSpec('data', 'model')
+P('data', 'model')
 """
 
 from __future__ import annotations

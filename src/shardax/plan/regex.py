@@ -4,7 +4,7 @@
 >>> mesh = sx.make_mesh({"data": 4, "model": 2})
 >>> plan = sx.rules(mesh, [(r"layers/1/w$", P(None, "model")), (r"layers/2/w$", P("model"))])
 >>> plan.specs({"layers": [{"w": np.zeros((8, 8))}] * 3})["layers"][1]["w"]
-PartitionSpec(None, 'model')
+P(None, 'model')
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""A sharding report: path, shape, dtype, spec and bytes per device of every leaf.
+"""Reports on a plan before and after placing: :func:`validate` (a dry run of its errors)
+and :func:`describe` (path, shape, dtype, spec and bytes per device of every leaf).
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": 8})
 >>> report = sx.describe({"w": jax.ShapeDtypeStruct((1024, 16), "float32")}, sx.fsdp(mesh))
 >>> report.rows[0].bytes_per_device, report.total_bytes_per_device
 (8192, 8192)
->>> print(report)  # a rich table; report.to_dicts() gives the rows as dicts
+>>> report.rows[0].spec  # print(report) shows a rich table; report.to_dicts() the rows
+P('data', None)
 """
 
 from __future__ import annotations
@@ -125,3 +127,16 @@ def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
         map_arrays(lambda p, x, s: rows.append(_row(p, x, s)), tree, plan(tree))
     title = f"sharding ({plan.name} on mesh {dict(plan.mesh.shape)})" if plan else "sharding"
     return ShardingReport(tuple(rows), title)
+
+
+def validate(tree: Any, plan: Plan) -> list[str]:
+    """Dry run: every error ``plan`` would raise on ``tree``, without allocating anything.
+
+    ``tree`` may hold arrays or ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``).
+    Applying the plan raises a ``ValueError`` listing these same messages.
+
+    >>> sx.validate({"w": jax.ShapeDtypeStruct((6, 4), "float32")},
+    ...             sx.rules(mesh, [("w", P("data"))]))
+    ["leaf 'w' with shape (6, 4): dimension 0 of size 6 is not divisible by ..."]
+    """
+    return plan.resolve(tree)[1]
