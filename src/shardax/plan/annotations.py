@@ -39,8 +39,9 @@ _AXIS_RULES: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Context
 def axis_rules(rules: AxisRules) -> Iterator[dict[str, Any]]:
     """Sets the logical-to-mesh axis mapping for :func:`from_nnx` and :func:`constrain`.
 
-    It is read when a function is traced: a function already compiled under one mapping
-    keeps it, so build a new ``jax.jit`` per mapping (as for ``jax.set_mesh``).
+    It is read when a function is traced and, unlike ``jax.set_mesh``, is not part of
+    ``jax.jit``'s cache key: a function already traced under one mapping keeps it, so
+    build a new ``jax.jit`` per mapping.
 
     >>> with sx.axis_rules({"batch": "data", "mlp": "model"}):
     ...     print(sx.plan.current_axis_rules()["mlp"])  # in a model: sx.constrain(h, P("mlp"))
