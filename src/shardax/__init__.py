@@ -5,6 +5,7 @@
 >>> batch = sx.distribute_batch({"x": np.ones((16, 4))}, sx.batch_sharding(mesh))
 """
 
+from shardax.checkpoint import CheckpointManager, Restored, restore_checkpoint, save_checkpoint
 from shardax.data import (
     DevicePlacement,
     batch_sharding,
@@ -39,23 +40,28 @@ from shardax.runtime import (
     validate_batch_size,
 )
 from shardax.train import DataParallel, DistributedMetrics, all_gather, all_reduce, reduce
+from shardax.train.guard import NonFiniteLossError, check_finite
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DATA_AXIS",
     "BatchSizeRecommendation",
+    "CheckpointManager",
     "DataParallel",
     "DeviceMeshManager",
     "DevicePlacement",
     "DistributedMetrics",
     "HardwareType",
+    "NonFiniteLossError",
     "Plan",
+    "Restored",
     "ShardingReport",
     "all_gather",
     "all_reduce",
     "axis_rules",
     "batch_sharding",
+    "check_finite",
     "constrain",
     "describe",
     "detect_hardware_type",
@@ -73,7 +79,9 @@ __all__ = [
     "reduce",
     "replicate",
     "replicate_across_devices",
+    "restore_checkpoint",
     "rules",
+    "save_checkpoint",
     "shard",
     "shard_batch_dim",
     "validate",

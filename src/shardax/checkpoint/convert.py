@@ -1,0 +1,97 @@
+"""Any pytree <-> the nested dict of arrays that orbax stores.
+
+Array leaves are keyed by their path (``{"params": {"layers": {"0": {"kernel": ...}}}}``);
+typed PRNG keys are stored as their raw ``key_data``; everything else (static fields,
+graph definitions) lives in the tree structure of ``like`` and is not stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardax.plan.tree import is_array, path_str
+
+
+def _key(entry: Any) -> str:
+    return jax.tree_util.keystr((entry,), simple=True)
+
+
+def is_prng_key(x: Any) -> bool:
+    """True for a typed PRNG key array (``jax.random.key``) or its ShapeDtypeStruct."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def array_leaves(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(path, leaf)`` for every array leaf of ``tree``, in tree order."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(path, leaf) for path, leaf in leaves if is_array(leaf)]
+
+
+def nest(pairs: list[tuple[tuple[Any, ...], Any]]) -> dict[str, Any]:
+    """Nested dicts from ``(path, value)`` pairs, one level per path entry."""
+    out: dict[str, Any] = {}
+    for path, value in pairs:
+        if not path:
+            raise ValueError("a checkpointed tree must be a container, not a single array")
+        node = out
+        for entry in path[:-1]:
+            node = node.setdefault(_key(entry), {})
+        node[_key(path[-1])] = value
+    return out
+
+
+def flat_paths(nested: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a/b/c": leaf}`` from nested dicts."""
+    if not isinstance(nested, dict):
+        return {prefix: nested}
+    out: dict[str, Any] = {}
+    for k, v in nested.items():
+        out.update(flat_paths(v, f"{prefix}/{k}" if prefix else str(k)))
+    return out
+
+
+def to_saveable(tree: Any) -> dict[str, Any]:
+    """The array leaves of ``tree`` as nested dicts; PRNG keys as ``key_data``."""
+    return nest(
+        [(p, jax.random.key_data(x) if is_prng_key(x) else x) for p, x in array_leaves(tree)]
+    )
+
+
+def abstract_saveable(like: Any) -> dict[str, Any]:
+    """What :func:`to_saveable` of ``like`` would store, as ShapeDtypeStructs carrying the
+    shardings of ``like`` (concrete arrays or ShapeDtypeStructs with a sharding)."""
+
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        if isinstance(x, np.ndarray | np.generic):
+            return np.asarray(x)
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:
+            raise ValueError(
+                f"restore: leaf {path_str(path)!r} of `like` has no sharding; give `like` "
+                "concrete arrays, or ShapeDtypeStructs with sharding= (e.g. from a plan)"
+            )
+        if is_prng_key(x):
+            shape = jax.eval_shape(jax.random.key_data, x).shape
+            return jax.ShapeDtypeStruct(shape, np.uint32, sharding=sharding)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return nest([(p, one(p, x)) for p, x in array_leaves(like)])
+
+
+def from_saveable(like: Any, restored: dict[str, Any]) -> Any:
+    """Puts the restored arrays back into the structure of ``like``."""
+    flat = flat_paths(restored)
+
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        if not is_array(x):
+            return x
+        key = "/".join(_key(e) for e in path)
+        value = flat[key]
+        if is_prng_key(x):
+            return jax.random.wrap_key_data(value, impl=jax.random.key_impl(x))
+        return value
+
+    return jax.tree_util.tree_map_with_path(one, like)

@@ -1,0 +1,36 @@
+"""One of 2 processes saving and restoring a checkpoint together (tests/test_checkpoint.py)."""
+
+import json
+import sys
+
+import jax
+
+rank, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 2)
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+
+import numpy as np  # noqa: E402
+
+import shardax as sx  # noqa: E402
+
+mesh = sx.make_mesh({"data": -1})
+assert mesh.size == 4 and jax.process_count() == 2
+plan = sx.fsdp(mesh, min_size=1)
+state = sx.shard({"w": np.arange(32.0).reshape(8, 4), "step": np.int32(3)}, plan)
+sx.save_checkpoint(directory, state, step=3, data_state={"epoch": 1})
+like = sx.shard({"w": np.zeros((8, 4)), "step": np.int32(0)}, sx.replicate(mesh))
+restored = sx.restore_checkpoint(directory, like=like)
+w = restored.state["w"]
+local = [np.asarray(s.data).tolist() for s in w.addressable_shards]
+print(
+    json.dumps(
+        {
+            "rank": rank,
+            "step": restored.step,
+            "data": restored.data_state,
+            "local": local,
+            "replicated": w.sharding.is_fully_replicated,
+        }
+    )
+)

@@ -1,0 +1,209 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+
+WORKER = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
+
+
+def run_worker(*args, devices=8, timeout=120):
+    out = subprocess.run(
+        [sys.executable, WORKER, args[0], str(devices), *map(str, args[1:])],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def mesh():
+    return sx.make_mesh({"data": -1})
+
+
+def make_state(mesh):
+    state = {
+        "params": {"w": jnp.arange(64.0).reshape(16, 4), "b": jnp.ones(4)},
+        "step": jnp.int32(7),
+        "key": jax.random.key(3),
+        "name": "static text",
+    }
+    return sx.shard(state, sx.fsdp(mesh, min_size=1))
+
+
+def test_roundtrip_keeps_values_key_and_static_leaves(tmp_path, mesh):
+    state = make_state(mesh)
+    sx.save_checkpoint(tmp_path, state, step=5, data_state={"epoch": 2, "index": 9})
+    restored = sx.restore_checkpoint(tmp_path, like=state)
+    assert restored.step == 5 and restored.data_state == {"epoch": 2, "index": 9}
+    np.testing.assert_array_equal(restored.state["params"]["w"], state["params"]["w"])
+    assert restored.state["name"] == "static text"
+    assert jax.random.key_impl(restored.state["key"]) == jax.random.key_impl(state["key"])
+    np.testing.assert_array_equal(
+        jax.random.key_data(restored.state["key"]), jax.random.key_data(state["key"])
+    )
+    assert restored.state["params"]["w"].sharding.spec == P("data", None)
+
+
+def test_restore_reshards_onto_like_abstract(tmp_path, mesh):
+    state = make_state(mesh)
+    sx.save_checkpoint(tmp_path, state, step=1)
+    plan = sx.replicate(mesh)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        {"params": state["params"]},
+        plan({"params": state["params"]}),
+    )
+    abstract = {**abstract, "step": state["step"], "key": state["key"], "name": "static text"}
+    restored = sx.restore_checkpoint(tmp_path, like=abstract).state
+    w = restored["params"]["w"]
+    assert w.sharding.is_fully_replicated and len(w.addressable_shards) == 8
+    np.testing.assert_array_equal(w, np.arange(64.0).reshape(16, 4))
+
+
+def test_keeps_last_k_and_refuses_existing_step(tmp_path, mesh):
+    state = make_state(mesh)
+    with sx.CheckpointManager(tmp_path, max_to_keep=2) as manager:
+        for k in (1, 2, 3):
+            manager.save(k, state)
+        assert manager.all_steps() == [2, 3]
+        with pytest.raises(FileExistsError, match=r"step 3 already exists.*overwrite=True"):
+            manager.save(3, state)
+        bumped = {**state, "step": jnp.int32(99)}
+        manager.save(3, bumped, overwrite=True)
+        assert int(manager.restore(state).state["step"]) == 99
+
+
+def _drop_b(s):
+    return {**s, "params": {"w": s["params"]["w"]}}
+
+
+def _b_as(b):
+    return lambda s: {**s, "params": {**s["params"], "b": b}}
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (_drop_b, r"in the checkpoint but not in `like`: \['params/b'\]"),
+        (lambda s: {**s, "extra": jnp.ones(2)}, r"not in the checkpoint: \['extra'\]"),
+        (_b_as(jnp.ones(5)), r"'params/b' has shape \(4,\) in the checkpoint but \(5,\)"),
+        (
+            _b_as(jnp.ones(4, jnp.int32)),
+            r"'params/b' has dtype float32 in the checkpoint but int32",
+        ),
+    ],
+)
+def test_wrong_tree_on_restore_names_the_path(tmp_path, mesh, change, needle):
+    state = make_state(mesh)
+    sx.save_checkpoint(tmp_path, state, step=1)
+    with pytest.raises(ValueError, match=needle):
+        sx.restore_checkpoint(tmp_path, like=change(state))
+
+
+def test_missing_steps_are_clear(tmp_path, mesh):
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        sx.restore_checkpoint(tmp_path, like=make_state(mesh))
+    sx.save_checkpoint(tmp_path, make_state(mesh), step=4)
+    with pytest.raises(FileNotFoundError, match=r"step 5 not in .*available steps: \[4\]"):
+        sx.restore_checkpoint(tmp_path, like=make_state(mesh), step=5)
+
+
+def test_exact_resume_in_a_new_process_is_bitwise(tmp_path):
+    straight = run_worker("train", tmp_path / "a", 0, 20)
+    first = run_worker("train", tmp_path / "b", 0, 10)
+    second = run_worker("train", tmp_path / "b", 10, 20)
+    assert first["losses"] + second["losses"] == straight["losses"]
+    assert second["params"] == straight["params"]
+
+
+def test_saved_on_8_devices_restored_on_4_replicated(tmp_path):
+    done = run_worker("train", tmp_path, 0, 3)
+    restored = run_worker("restore", tmp_path, devices=4)
+    assert restored["step"] == 3 and restored["replicated"] and restored["devices"] == 4
+    assert restored["w1"] == done["params"]["w1"]
+
+
+def test_kill_during_save_leaves_last_complete_step(tmp_path):
+    for delay in (0.3, 1.1, 2.3):
+        directory = tmp_path / f"kill{delay}"
+        proc = subprocess.Popen(
+            [sys.executable, WORKER, "save_loop", "8", str(directory)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        committed = []
+        deadline = time.monotonic() + 120
+        while not committed and time.monotonic() < deadline:  # wait for the first commit
+            committed.append(int(proc.stdout.readline().split()[1]))
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        rest = proc.communicate(timeout=30)[0]
+        committed += [int(line.split()[1]) for line in rest.splitlines()]
+        with sx.CheckpointManager(directory, max_to_keep=2) as manager:
+            latest = manager.latest_step()
+            assert latest in (committed[-1], committed[-1] + 1)  # killed before or after printing
+            like = {"a": jnp.zeros((2048, 2048)), "b": jnp.zeros((1024, 1024))}
+            got = manager.restore(like)
+            assert float(got.state["a"][0, 0]) == latest == float(got.state["b"][-1, -1])
+        leftovers = [p for p in os.listdir(directory) if "tmp" in p]
+        assert not leftovers, leftovers
+
+
+def test_nan_guard_names_step_and_nothing_is_saved(tmp_path, mesh):
+    state = make_state(mesh)
+    manager = sx.CheckpointManager(tmp_path)
+    losses = [0.5, 0.25, float("nan"), 0.1]
+    with pytest.raises(sx.NonFiniteLossError, match="loss is nan at step 3") as info:
+        for step, loss in enumerate(losses, start=1):
+            sx.check_finite(jnp.float32(loss), step)
+            manager.save(step, state)
+    assert info.value.step == 3
+    assert manager.all_steps() == [1, 2]
+    with pytest.raises(sx.NonFiniteLossError, match="inf at step 9"):
+        sx.check_finite(jnp.float32(np.inf), 9)
+    manager.close()
+
+
+def test_two_processes_save_and_restore_together(tmp_path):
+    import portpicker
+
+    port = portpicker.pick_unused_port()
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_multiprocess.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(r), str(port), str(tmp_path / "ck")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    expect = np.arange(32.0).reshape(8, 4).tolist()
+    for r in results:
+        assert r["step"] == 3 and r["data"] == {"epoch": 1} and r["replicated"]
+        assert r["local"] == [expect, expect]  # each process holds the whole value, twice
+    # Both processes wrote their own shards: not process 0 alone.
+    state_dir = tmp_path / "ck" / "3" / "state"
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(state_dir))
+    assert sorted(os.listdir(state_dir / "array_metadatas")) == ["process_0", "process_1"]
