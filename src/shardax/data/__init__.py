@@ -1,6 +1,8 @@
-"""Data layer: placing batches on devices, and prefetching them."""
+"""Data layer: global batches, process-sharded loading, uneven batches, async prefetch."""
 
 from shardax.data.device_placement import DevicePlacement
+from shardax.data.global_batch import as_sharding, global_batch, process_grid
+from shardax.data.loader import Batches, batches
 from shardax.data.placement import (
     batch_sharding,
     distribute_batch,
@@ -9,16 +11,25 @@ from shardax.data.placement import (
     replicate_across_devices,
     shard_batch_dim,
 )
-from shardax.data.prefetch import as_sharding, prefetch_to_device
+from shardax.data.policy import POLICIES, fit_batch, pad_batch
+from shardax.data.prefetch import Prefetcher, prefetch_to_device
 
 __all__ = [
+    "POLICIES",
+    "Batches",
     "DevicePlacement",
+    "Prefetcher",
     "as_sharding",
     "batch_sharding",
+    "batches",
     "distribute_batch",
+    "fit_batch",
+    "global_batch",
     "leaf_sharding",
+    "pad_batch",
     "place_on_device",
     "prefetch_to_device",
+    "process_grid",
     "replicate_across_devices",
     "shard_batch_dim",
 ]

@@ -1,51 +1,242 @@
-"""Prefetching: keeps ``buffer_size`` batches placed on devices ahead of the consumer."""
+"""Asynchronous prefetch: a background thread places batches on devices ahead of the consumer.
+
+One worker thread reads the source, places each batch with :func:`global_batch` (so it works
+on many hosts) and waits for the transfer, and puts it in a bounded queue of ``buffer_size``
+batches. The consumer gets them in order. Nothing hangs and nothing is swallowed:
+
+- an exception the source (or the placement) raises at item ``k`` is raised in the consumer
+  at item ``k``, with its original type; the iterator is finished after it;
+- ``close()``, the end of a ``with`` block, an early ``break`` out of
+  ``for b in prefetch_to_device(...)``, ``del``, or a ``KeyboardInterrupt`` while waiting
+  for a batch stop the worker: it notices within 50 ms, even while blocked on a full
+  queue, and ``close()`` joins it;
+- a source that blocks inside ``next()`` cannot be interrupted from another thread: the
+  worker is a daemon thread, ``close()`` returns after at most 0.25 s anyway, and the
+  worker exits as soon as the source returns.
+
+If the source iterator has ``get_state()`` (``sx.batches``, grain's ``DatasetIterator``),
+:meth:`Prefetcher.get_state` is the source's state after the last batch *consumed*, not
+after the last one read ahead, so a checkpoint resumes exactly where the consumer was.
+
+>>> mesh = sx.make_mesh({"data": -1})
+>>> with prefetch_to_device(({"x": np.full((8, 2), i)} for i in range(3)), mesh) as it:
+...     [int(b["x"][0, 0]) for b in it]
+[0, 1, 2]
+"""
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Iterable, Iterator
+import atexit
+import copy
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
-from shardax.data.placement import batch_sharding, distribute_batch
+from shardax.data.global_batch import as_sharding, global_batch
+from shardax.data.policy import batch_size_of, check_policy, fit_batch
+
+__all__ = ["Prefetcher", "as_sharding", "prefetch_to_device"]
+
+_POLL_S = 0.05  # how often a blocked worker or consumer looks at the stop flag
+_JOIN_S = 0.25  # how long close() waits for the worker before leaving it (a daemon)
+_END = object()
+_SKIP = object()
+_LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 
 
-def as_sharding(target: Any) -> Sharding:
-    """A ``Sharding`` from a device, a sharding, a mesh (its batch sharding) or None."""
-    if target is None:
-        return SingleDeviceSharding(jax.local_devices()[0])
-    if isinstance(target, Sharding):
-        return target
-    if isinstance(target, Mesh):
-        return batch_sharding(target)
-    if isinstance(target, jax.Device):
-        return SingleDeviceSharding(target)
-    raise TypeError(
-        f"prefetch target must be a Device, a Sharding, a Mesh or None, got {type(target)}"
-    )
+class _Raised:
+    """An exception from the worker, delivered to the consumer in its place in the order."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Puts ``item``, waiting for room but giving up (False) once ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _work(
+    source: Iterator[Any],
+    owned: bool,
+    place: Callable[[Any], Any],
+    stateful: bool,
+    q: queue.Queue,
+    stop: threading.Event,
+) -> None:
+    """The worker's loop. It holds no reference to the Prefetcher, so ``del`` reaches it."""
+    try:
+        while not stop.is_set():
+            try:
+                item = next(source)
+            except StopIteration:
+                _put(q, (_END, None), stop)
+                return
+            state = copy.deepcopy(source.get_state()) if stateful else None
+            placed = place(item)
+            if placed is not _SKIP and not _put(q, (placed, state), stop):
+                return
+    except BaseException as e:  # delivered to the consumer, which re-raises it
+        _put(q, (_Raised(e), None), stop)
+    finally:
+        close = getattr(source, "close", None)
+        if owned and callable(close):
+            close()
+
+
+def _placer(sharding: Any, policy: str | None, batch_size: int | None) -> Callable[[Any], Any]:
+    """``batch -> global batch`` with the uneven-batch ``policy`` applied first (if any)."""
+    sizes = [batch_size]
+
+    def place(batch: Any) -> Any:
+        if policy is not None:
+            if sizes[0] is None:
+                sizes[0] = batch_size_of(batch)  # the first batch fixes the size
+            batch = fit_batch(batch, sizes[0], policy)
+            if batch is None:
+                return _SKIP
+        return jax.block_until_ready(global_batch(batch, sharding))
+
+    return place
+
+
+class Prefetcher(Iterator[Any]):
+    """The iterator :func:`prefetch_to_device` returns: ``close()``, context manager,
+    ``get_state()``. See the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        iterable: Iterable[Any],
+        place: Callable[[Any], Any],
+        buffer_size: int,
+    ) -> None:
+        source = iter(iterable)
+        get_state = getattr(source, "get_state", None)
+        self._stateful = callable(get_state)
+        self._state = copy.deepcopy(get_state()) if callable(get_state) else None
+        self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
+        self._stop = threading.Event()
+        self._finished = self._closed = False
+        self._thread = threading.Thread(
+            target=_work,
+            args=(source, source is not iterable, place, self._stateful, self._queue, self._stop),
+            name="shardax-prefetch",
+            daemon=True,
+        )
+        self._thread.start()
+        _LIVE.add(self)
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        try:
+            item, state = self._get()
+        except BaseException:  # KeyboardInterrupt while waiting: stop the worker first
+            self.close()
+            raise
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Raised):
+            self.close()
+            raise item.error
+        self._state = state
+        return item
+
+    def _get(self) -> tuple[Any, Any]:
+        while True:
+            try:
+                return self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the prefetch worker stopped without a result") from None
+
+    def get_state(self) -> Any:
+        """The source iterator's ``get_state()`` after the last consumed batch."""
+        if not self._stateful:
+            raise TypeError("the source iterator has no get_state(), so neither has its prefetch")
+        return self._state
+
+    def close(self) -> None:
+        """Stops the worker, drops the batches it read ahead, and joins it (<= 0.25 s)."""
+        if self._closed:
+            return
+        self._finished = self._closed = True
+        self._stop.set()
+        self._drain()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=_JOIN_S)
+        self._drain()
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_thread"):
+            self.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    for prefetcher in list(_LIVE):
+        prefetcher.close()
 
 
 def prefetch_to_device(
-    iterable: Iterable[Any], target: Any = None, buffer_size: int = 2
-) -> Iterator[Any]:
-    """Yields the batches of ``iterable`` in order, placed ``buffer_size`` ahead.
+    iterable: Iterable[Any],
+    target: Any = None,
+    buffer_size: int = 2,
+    *,
+    policy: str | None = None,
+    batch_size: int | None = None,
+) -> Prefetcher:
+    """Yields the batches of ``iterable`` in order, placed on ``target`` by a background
+    thread that keeps up to ``buffer_size`` of them ready.
 
-    Placement is asynchronous in JAX, so transfers overlap with the consumer's work.
+    Args:
+      iterable: any iterable of pytrees of arrays: a generator, ``sx.batches(...)``, a grain
+        ``MapDataset`` or ``IterDataset`` (batched), ... Each process yields its own slice.
+      target: a ``Device``, any ``Sharding``, or a ``Mesh`` (the batch split over its
+        ``"data"`` axis); default: the first local device.
+      buffer_size: how many placed batches wait for the consumer (>= 1).
+      policy: None (batches pass as they are), or ``"error"``, ``"drop"`` or ``"pad"`` for
+        batches smaller than ``batch_size``; see :mod:`shardax.data.policy`.
+      batch_size: the fixed (process-local) batch size for ``policy``; default: the size
+        of the first batch. With many processes, each decides for its own slice, so they
+        must agree on which batches are short; ``sx.batches`` decides globally.
 
-    >>> batches = prefetch_to_device(({"x": np.ones(8) * i} for i in range(3)))
-    >>> [int(b["x"][0]) for b in batches]
-    [0, 1, 2]
+    Returns a :class:`Prefetcher`: an iterator with ``close()``, usable as a context
+    manager. Every ``break`` out of a named iterator should be followed by ``close()``, or
+    use ``with``.
     """
-    if buffer_size < 1:
-        raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
-    sharding = as_sharding(target)
-    queue: collections.deque[Any] = collections.deque()
-    source = iter(iterable)
-    for item in source:
-        queue.append(distribute_batch(item, sharding))
-        if len(queue) > buffer_size:
-            yield queue.popleft()
-    while queue:
-        yield queue.popleft()
+    if not isinstance(buffer_size, int) or buffer_size < 1:
+        raise ValueError(f"buffer_size must be >= 1, got {buffer_size!r}")
+    if policy is not None:
+        check_policy(policy)
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    place = _placer(as_sharding(target), policy, batch_size)
+    return Prefetcher(iterable, place, buffer_size)

@@ -1,0 +1,239 @@
+"""The threaded prefetch: order, placement, errors in place, stopping, no deadlock."""
+
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+from shardax.data.prefetch import Prefetcher
+
+
+def workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "shardax-prefetch"]
+
+
+def gone_within(seconds: float, before: int) -> bool:
+    """True once no prefetch worker is left and the thread count is back to ``before``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not workers() and threading.active_count() == before:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def endless(consumed=None, rows=8):
+    i = 0
+    while True:
+        if consumed is not None:
+            consumed.append(i)
+        yield {"x": np.full((rows, 2), i, np.float32)}
+        i += 1
+
+
+@pytest.fixture
+def mesh():
+    return sx.make_mesh({"data": -1})
+
+
+@pytest.fixture
+def before():
+    assert not workers(), "a previous test left a prefetch worker behind"
+    return threading.active_count()
+
+
+def test_in_order_and_placed_on_each_kind_of_target(mesh):
+    source = [{"x": np.full((8, 2), i), "step": np.int32(i), "tag": "t"} for i in range(6)]
+    out = list(sx.prefetch_to_device(source, mesh, buffer_size=3))
+    assert [int(b["x"][0, 0]) for b in out] == list(range(6))
+    for b in out:
+        assert b["x"].sharding.spec == P("data") and b["step"].sharding.is_fully_replicated
+        assert {s.data.shape for s in b["x"].addressable_shards} == {(1, 2)}
+        assert b["tag"] == "t"
+    d = jax.devices()[6]
+    assert next(iter(sx.prefetch_to_device(source, d)))["x"].devices() == {d}
+    spec = NamedSharding(sx.make_mesh({"data": 4, "model": 2}), P("data", "model"))
+    first = next(iter(sx.prefetch_to_device(source, spec)))
+    assert first["x"].sharding.spec == P("data", "model")
+    assert {s.data.shape for s in first["x"].addressable_shards} == {(2, 1)}
+
+
+def test_worker_reads_ahead_on_its_own(mesh, before):
+    consumed = []
+    with sx.prefetch_to_device(endless(consumed), mesh, buffer_size=3) as it:
+        next(it)
+        deadline = time.monotonic() + 2
+        while len(consumed) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # 1 consumed + 3 in the queue + 1 in the worker's hands, and no more.
+        assert len(consumed) == 5
+        time.sleep(0.1)
+        assert len(consumed) == 5
+    assert gone_within(1.0, before)
+
+
+class SourceError(Exception):
+    pass
+
+
+def test_source_error_raised_at_its_item_with_its_type(mesh, before):
+    def source():
+        for i in range(3):
+            yield {"x": np.full((8,), i)}
+        raise SourceError("item 3 is broken")
+
+    it = sx.prefetch_to_device(source(), mesh)
+    got = [int(next(it)["x"][0]) for _ in range(3)]
+    assert got == [0, 1, 2]
+    with pytest.raises(SourceError, match="item 3 is broken"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert gone_within(1.0, before)
+
+
+def test_placement_error_raised_at_its_item(mesh, before):
+    source = [{"x": np.zeros((8, 2))}, {"x": np.zeros((8, 2))}, {"x": np.zeros((12, 2))}]
+    it = sx.prefetch_to_device(source, mesh)
+    next(it), next(it)
+    with pytest.raises(ValueError, match=r"'x' with shape \(12, 2\).*size 12.*size 8"):
+        next(it)
+    assert gone_within(1.0, before)
+
+
+def test_break_close_del_and_with_stop_the_worker(mesh, before):
+    for _ in sx.prefetch_to_device(endless(), mesh):  # early break, iterator not named
+        break
+    assert gone_within(1.0, before)
+
+    it = sx.prefetch_to_device(endless(), mesh)
+    next(it)
+    it.close()
+    assert gone_within(1.0, before)
+    with pytest.raises(StopIteration):
+        next(it)
+
+    it = sx.prefetch_to_device(endless(), mesh)
+    next(it)
+    del it
+    assert gone_within(1.0, before)
+
+    with sx.prefetch_to_device(endless(), mesh) as it:
+        for i, _ in enumerate(it):
+            if i == 3:
+                break
+    assert gone_within(1.0, before)
+
+
+def test_keyboard_interrupt_in_the_loop_body(mesh, before):
+    with pytest.raises(KeyboardInterrupt), sx.prefetch_to_device(endless(), mesh) as it:
+        for _ in it:
+            raise KeyboardInterrupt
+    assert gone_within(1.0, before)
+
+
+def test_keyboard_interrupt_while_waiting_for_a_batch(before):
+    assert threading.current_thread() is threading.main_thread()
+
+    def slow():
+        while True:
+            time.sleep(0.05)
+            yield np.zeros(4)
+
+    it = sx.prefetch_to_device(slow())
+    next(it)
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.02, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):  # the real signal, delivered inside next()
+        while True:
+            next(it)
+    timer.join()
+    assert gone_within(1.0, before)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_slow_consumer_and_full_queue_do_not_deadlock(mesh, before):
+    with sx.prefetch_to_device(endless(), mesh, buffer_size=1) as it:
+        for i, b in enumerate(it):
+            assert int(b["x"][0, 0]) == i
+            time.sleep(0.05)  # the worker waits on a full queue meanwhile
+            if i == 4:
+                break
+        start = time.monotonic()
+    assert time.monotonic() - start < 0.5
+    assert gone_within(1.0, before)
+
+
+def test_source_blocking_forever_does_not_block_close(before):
+    release = threading.Event()
+
+    def stuck():
+        yield np.zeros(4)
+        release.wait()  # blocks inside next() until the test lets it go
+        yield np.ones(4)
+
+    it = sx.prefetch_to_device(stuck())
+    next(it)
+    start = time.monotonic()
+    it.close()
+    assert time.monotonic() - start < 0.5  # close() returns although the source is stuck
+    assert workers() and all(t.daemon for t in workers())  # a daemon cannot block exit
+    release.set()
+    assert gone_within(1.0, before)  # it leaves as soon as the source returns
+
+
+def test_policy_pads_the_short_last_batch_without_recompiling(mesh):
+    sizes = [16, 16, 5]
+    source = [{"x": np.arange(n, dtype=np.float32) + 1} for n in sizes]
+    masked_sum = jax.jit(lambda b: jnp.sum(jnp.where(b["mask"], b["x"], 0.0)))
+    out = []
+    with sx.prefetch_to_device(source, mesh, policy="pad") as it:
+        for b in it:
+            assert b["x"].shape == (16,) and b["mask"].sharding.spec == P("data")
+            out.append(float(masked_sum(b)))
+    assert out == [float(np.sum(np.arange(n) + 1)) for n in sizes]
+    assert masked_sum._cache_size() == 1
+
+
+def test_policy_drop_and_error(mesh):
+    source = [{"x": np.zeros(16)}, {"x": np.zeros(16)}, {"x": np.zeros(8)}]
+    assert len(list(sx.prefetch_to_device(source, mesh, policy="drop"))) == 2
+    it = sx.prefetch_to_device(source, mesh, policy="error")
+    next(it), next(it)
+    with pytest.raises(ValueError, match="batch has 8 examples but the batch size is 16"):
+        next(it)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        sx.prefetch_to_device(source, mesh, policy="truncate")
+
+
+def test_state_is_the_consumers_not_the_read_ahead(mesh):
+    data = {"x": np.arange(256, dtype=np.float32)}
+    loader = sx.batches(data, 8, shuffle=True, seed=1)
+    reference = sx.batches(data, 8, shuffle=True, seed=1)
+    with sx.prefetch_to_device(loader, mesh, buffer_size=4) as it:
+        assert it.get_state() == reference.get_state()
+        for _ in range(3):
+            next(it)
+            next(reference)
+        time.sleep(0.1)  # the worker is ahead by now
+        assert loader.get_state()["index"] > 3
+        assert it.get_state() == reference.get_state()
+    with pytest.raises(TypeError, match="has no get_state"):
+        sx.prefetch_to_device([np.zeros(8)]).get_state()
+
+
+def test_bad_target_and_placement_facade(mesh):
+    with pytest.raises(TypeError, match=r"target must be a jax\.Device.*got str"):
+        sx.prefetch_to_device([np.zeros(2)], "cpu:0")
+    it = sx.DevicePlacement().prefetch_to_device(iter([np.zeros(8)]), mesh)
+    assert isinstance(it, Prefetcher)
+    assert next(it).sharding.spec == P("data")
