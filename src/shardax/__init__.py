@@ -41,7 +41,19 @@ from shardax.runtime import (
     get_batch_size_recommendation,
     validate_batch_size,
 )
-from shardax.train import DataParallel, DistributedMetrics, all_gather, all_reduce, reduce
+from shardax.train import (
+    DataParallel,
+    DistributedMetrics,
+    TrainState,
+    TrainStep,
+    all_gather,
+    all_reduce,
+    example_keys,
+    make_train_step,
+    masked_mean,
+    reduce,
+    weighted_mean,
+)
 from shardax.train.guard import NonFiniteLossError, check_finite
 
 __version__ = "0.1.0"
@@ -59,6 +71,8 @@ __all__ = [
     "Plan",
     "Restored",
     "ShardingReport",
+    "TrainState",
+    "TrainStep",
     "all_gather",
     "all_reduce",
     "axis_rules",
@@ -70,6 +84,7 @@ __all__ = [
     "detect_hardware_type",
     "device_info",
     "distribute_batch",
+    "example_keys",
     "follow_params",
     "from_nnx",
     "fsdp",
@@ -77,6 +92,8 @@ __all__ = [
     "global_batch",
     "init_sharded",
     "make_mesh",
+    "make_train_step",
+    "masked_mean",
     "mesh_info",
     "place_on_device",
     "prefetch_to_device",
@@ -90,4 +107,5 @@ __all__ = [
     "shard_batch_dim",
     "validate",
     "validate_batch_size",
+    "weighted_mean",
 ]

@@ -1,4 +1,9 @@
-"""Subprocess worker for tests/test_checkpoint.py: train, save, restore, or save in a loop."""
+"""Subprocess worker for tests/test_checkpoint.py: train and save, resume, restore, save in a loop.
+
+Training uses the real stack: an NNX model with dropout, ``TrainState``, ``make_train_step``
+(fsdp plan), ``sx.batches`` and ``sx.prefetch_to_device``; the checkpoint holds the state and
+the loader's position.
+"""
 
 import json
 import sys
@@ -10,86 +15,71 @@ jax.config.update("jax_num_cpu_devices", int(sys.argv[2]))
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import shardax as sx  # noqa: E402
 
-TX = optax.adam(1e-2)
+rng = np.random.default_rng(0)
+X = rng.normal(size=(96, 8)).astype(np.float32)
+DATA = {"x": X, "y": np.sin(X.sum(1, keepdims=True))}
 
 
-def init_state():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    params = {
-        "w1": jax.random.normal(k1, (8, 32)) * 0.3,
-        "w2": jax.random.normal(k2, (32, 1)) * 0.3,
-    }
-    return {
-        "params": params,
-        "opt": TX.init(params),
-        "key": jax.random.key(1),
-        "step": jnp.int32(0),
-    }
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 64, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.l2 = nnx.Linear(64, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jnp.tanh(self.l1(x))))
 
 
-def batch_at(index):  # the data position is just the batch index: deterministic per index
-    rng = np.random.default_rng(index)
-    x = rng.normal(size=(16, 8)).astype(np.float32)
-    return x, np.sin(x.sum(1, keepdims=True))
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def loss_fn(params, x, y, key):
-    h = jnp.tanh(x @ params["w1"])
-    h = h * jax.random.bernoulli(key, 0.9, h.shape) / 0.9  # dropout: uses the stored RNG key
-    return jnp.mean((h @ params["w2"] - y) ** 2)
-
-
-@jax.jit
-def step_fn(state, x, y):
-    key = jax.random.fold_in(state["key"], state["step"])
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y, key)
-    updates, opt = TX.update(grads, state["opt"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    return {**state, "params": params, "opt": opt, "step": state["step"] + 1}, loss
-
-
-def train(state, start, stop, mesh):
-    losses = []
-    for i in range(start, stop):
-        x, y = sx.distribute_batch(batch_at(i), sx.batch_sharding(mesh))
-        state, loss = step_fn(state, x, y)
-        losses.append(float(loss))
-    return state, losses
+def new_state():
+    return sx.TrainState.create(Net(nnx.Rngs(0)), optax.adam(1e-2), rng=1)
 
 
 def main():
     mode, directory = sys.argv[1], sys.argv[3]
     mesh = sx.make_mesh({"data": -1})
-    plan = sx.fsdp(mesh, min_size=1)
-    state = sx.shard(init_state(), plan)
-    if mode == "train":  # argv: start stop [save_at]
-        start, stop = int(sys.argv[4]), int(sys.argv[5])
-        if start > 0:
+    step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.fsdp(mesh, min_size=1))
+    state = step.shard(new_state())
+    if mode == "train":  # argv: stop_step [resume]; 16 examples a batch, 6 batches an epoch
+        stop, resume = int(sys.argv[4]), len(sys.argv) > 5
+        loader = sx.batches(DATA, 16, shuffle=True, seed=3, num_epochs=None)
+        if resume:
             restored = sx.restore_checkpoint(directory, like=state)
-            state, start = restored.state, restored.data_state["next_batch"]
-        state, losses = train(state, start, stop, mesh)
-        sx.save_checkpoint(directory, state, step=stop, data_state={"next_batch": stop})
-        params = {k: np.asarray(v).tolist() for k, v in state["params"].items()}
-        print(json.dumps({"losses": losses, "params": params}))
-    elif mode == "restore":  # restore the latest step onto this process's devices, replicated
-        like = sx.shard(init_state(), sx.replicate(mesh))
+            state = restored.state
+            loader.set_state(restored.data_state)
+        losses = []
+        with sx.prefetch_to_device(loader, mesh) as batches:
+            while int(state.step) < stop:
+                state, metrics = step(state, next(batches))
+                losses.append(float(sx.check_finite(metrics["loss"], int(state.step))))
+            position = batches.get_state()
+        sx.save_checkpoint(directory, state, step=int(state.step), data_state=position)
+        params = [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)]
+        print(json.dumps({"losses": losses, "params": params, "position": position}))
+    elif mode == "restore":  # the latest step onto this process's devices, replicated
+        like = sx.shard(new_state(), sx.replicate(mesh))
         restored = sx.restore_checkpoint(directory, like=like)
-        w = restored.state["params"]["w1"]
+        leaves = jax.tree.leaves(restored.state.params)
         print(
             json.dumps(
                 {
                     "step": restored.step,
-                    "w1": np.asarray(w).tolist(),
-                    "replicated": w.sharding.is_fully_replicated,
-                    "devices": len(w.sharding.device_set),
+                    "params": [np.asarray(x).tolist() for x in leaves],
+                    "replicated": all(x.sharding.is_fully_replicated for x in leaves),
+                    "devices": len(leaves[0].sharding.device_set),
                 }
             )
         )
     elif mode == "save_loop":  # saves step k filled with k, forever, announcing each commit
-        big = sx.shard({"a": jnp.zeros((2048, 2048)), "b": jnp.zeros((1024, 1024))}, plan)
+        plan = sx.fsdp(mesh, min_size=1)
+        big = sx.shard({"a": jnp.zeros((1024, 1024)), "b": jnp.zeros((512, 512))}, plan)
         with sx.CheckpointManager(directory, max_to_keep=2) as manager:
             for k in range(1, 10_000):
                 manager.save(k, jax.tree.map(lambda x, k=k: x + k, big))

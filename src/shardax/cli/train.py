@@ -59,23 +59,13 @@ def run(args: argparse.Namespace) -> int:
         def __call__(self, x: jax.Array) -> jax.Array:
             return self.out(nnx.relu(self.hidden(x)))
 
-    model = MLP(nnx.Rngs(args.seed))
-    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-    state = sx.DataParallel.shard_model_state(state, mesh)
+    def loss_fn(model, batch):
+        x, y = batch
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    step = sx.make_train_step(loss_fn, mesh=mesh)
+    state = step.shard(sx.TrainState.create(MLP(nnx.Rngs(args.seed)), optax.adam(3e-3)))
     data = sx.batch_sharding(mesh)
-
-    @jax.jit
-    def step(state, x, y):
-        model, optimizer = nnx.merge(graphdef, state)
-
-        def loss_fn(model):
-            logits = model(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
 
     print(f"training on {mesh.size} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}")
     rng = np.random.default_rng(args.seed)
@@ -87,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
         for i in range(steps_per_epoch):
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
             batch = sx.distribute_batch((x_train[idx], y_train[idx]), data)
-            state, loss = step(state, *batch)
-            losses.append(loss)
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"])
         print(f"epoch {epoch + 1:3d}  loss {float(jnp.mean(jnp.stack(losses))):.4f}")
-    model, _ = nnx.merge(graphdef, state)
+    model = state.model
     accuracy = float(jnp.mean(jnp.argmax(model(jnp.asarray(x_test)), -1) == y_test))
     print(f"test accuracy {accuracy:.4f} in {time.perf_counter() - start:.1f} s")
     return 0

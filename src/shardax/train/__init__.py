@@ -1,15 +1,34 @@
-"""Train layer: collectives, metrics and the data-parallel facade."""
+"""Train layer: TrainState, the train step, collectives, metrics and the data-parallel facade."""
 
-from shardax.train.collectives import all_gather, all_reduce, bound_axes, reduce, require_bound
+from shardax.train.collectives import (
+    all_gather,
+    all_reduce,
+    bound_axes,
+    reduce,
+    require_bound,
+    weighted_mean,
+)
 from shardax.train.data_parallel import DataParallel
+from shardax.train.loss import masked_mean
 from shardax.train.metrics import DistributedMetrics
+from shardax.train.rng import dropout, example_keys
+from shardax.train.state import TrainState
+from shardax.train.step import MODES, TrainStep, make_train_step
 
 __all__ = [
+    "MODES",
     "DataParallel",
     "DistributedMetrics",
+    "TrainState",
+    "TrainStep",
     "all_gather",
     "all_reduce",
     "bound_axes",
+    "dropout",
+    "example_keys",
+    "make_train_step",
+    "masked_mean",
     "reduce",
     "require_bound",
+    "weighted_mean",
 ]

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax._src import core as _core
 
@@ -104,3 +105,36 @@ def all_gather(tree: Any, axis_name: AxisName = None) -> Any:
         return jax.tree.map(lambda x: x[None] if is_array(x) else x, tree)
     names = require_bound(axis_name, "all_gather")
     return jax.tree.map(lambda x: lax.all_gather(x, names) if is_array(x) else x, tree)
+
+
+def weighted_mean(tree: Any, weight: Any = None, axis_name: AxisName = None) -> Any:
+    """The mean over all shards of each leaf, shard ``i`` weighted by ``weight_i``.
+
+    Inside shard_map or pmap it is ``psum(x * w) / psum(w)`` over ``axis_name``
+    (default: all bound axes); ``weight=None`` gives equal weights (``pmean``). Under
+    plain jit or eagerly, values are already global and are returned unchanged. So
+    one metric function gives the global mean in every mode, even when shards hold
+    different numbers of real examples (jax#28666). Total weight 0 gives 0.
+
+    >>> mesh = sx.make_mesh({"data": -1})
+    >>> f = jax.shard_map(lambda x, w: weighted_mean(x[0], w[0], "data"), mesh=mesh,
+    ...                   in_specs=P("data"), out_specs=P(), check_vma=False)
+    >>> float(f(jnp.arange(8.0), jnp.ones(8)))
+    3.5
+    """
+    if not bound_axes():
+        return tree
+    if weight is None:
+        return reduce(tree, "mean", axis_name)
+    names = require_bound(axis_name, "weighted_mean")
+    total = lax.psum(weight, names)
+    denominator = jnp.where(total == 0, 1, total)
+
+    def one(x: Any) -> Any:
+        if not is_array(x):
+            return x
+        return (lax.psum(x * weight.astype(x.dtype), names) / denominator.astype(x.dtype)).astype(
+            x.dtype
+        )
+
+    return jax.tree.map(one, tree)

@@ -1,0 +1,120 @@
+"""Framework adapters: how a model splits into params, model state and static parts.
+
+Each adapter is a small frozen dataclass kept as static data in a ``TrainState``. It
+rebuilds what the user's ``loss_fn(model, batch)`` receives from the trainable params
+and the non-trainable model state, and reads the model state back after the call:
+
+- :class:`NNXModel`: an ``nnx.Module`` from its graphdef (``nnx.Param`` is trainable);
+- :class:`EquinoxModel`: an ``eqx.Module`` from its static part (floating arrays are
+  trainable, other arrays are model state);
+- :class:`LinenModel`: a bound Linen module (collections other than "params" are model
+  state, mutable during the call; a "dropout" RNG stream is bound);
+- :class:`ApplyFnModel`: ``functools.partial(apply_fn, params)`` for plain pytrees.
+
+>>> adapter, params, model_state = split_model(eqx.nn.Linear(2, 3, key=jax.random.key(0)))
+>>> model = adapter.bind(params, model_state, jax.random.key(1))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class NNXModel:
+    """An NNX module: its graphdef; params are ``nnx.Param``, the rest is model state."""
+
+    graphdef: Any
+
+    def bind(self, params: Any, model_state: Any, rng: jax.Array) -> nnx.Module:
+        # copy: the state's Variables belong to the outer trace; the model mutates its own.
+        return nnx.merge(self.graphdef, params, model_state, copy=True)
+
+    def model_state(self, model: nnx.Module, model_state: Any) -> Any:
+        return nnx.split(model, nnx.Param, ...)[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class EquinoxModel:
+    """An Equinox module: its static part (everything that is not an array)."""
+
+    static: Any
+
+    def bind(self, params: Any, model_state: Any, rng: jax.Array) -> Any:
+        import equinox as eqx
+
+        return eqx.combine(params, model_state, self.static)
+
+    def model_state(self, model: Any, model_state: Any) -> Any:
+        return model_state
+
+
+@dataclasses.dataclass(frozen=True)
+class LinenModel:
+    """A Linen module, bound to its variables; non-"params" collections are mutable."""
+
+    module: Any
+
+    def bind(self, params: Any, model_state: Any, rng: jax.Array) -> Any:
+        mutable = list(model_state) if model_state else False
+        return self.module.bind(
+            {"params": params, **model_state}, rngs={"dropout": rng}, mutable=mutable
+        )
+
+    def model_state(self, model: Any, model_state: Any) -> Any:
+        return {name: model.variables[name] for name in model_state}
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyFnModel:
+    """Plain params and ``apply_fn(params, *args)``: the model is ``partial(apply_fn, params)``."""
+
+    apply_fn: Callable[..., Any]
+
+    def bind(self, params: Any, model_state: Any, rng: jax.Array) -> Any:
+        return functools.partial(self.apply_fn, params)
+
+    def model_state(self, model: Any, model_state: Any) -> Any:
+        return model_state
+
+
+ModelAdapter = NNXModel | EquinoxModel | LinenModel | ApplyFnModel
+
+
+def _is_equinox(model: Any) -> bool:
+    try:
+        import equinox as eqx
+    except ImportError:  # pragma: no cover - equinox is an optional extra
+        return False
+    return isinstance(model, eqx.Module)
+
+
+def split_model(model: Any) -> tuple[ModelAdapter, Any, Any]:
+    """``(adapter, params, model_state)`` of an NNX or Equinox module.
+
+    Raises ``TypeError`` naming the type received for anything else, and pointing to
+    ``TrainState.from_linen`` and ``TrainState.from_params``.
+    """
+    if isinstance(model, nnx.Module):
+        graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+        return NNXModel(graphdef), params, model_state
+    if _is_equinox(model):
+        import equinox as eqx
+
+        params, rest = eqx.partition(model, eqx.is_inexact_array)
+        model_state, static = eqx.partition(rest, eqx.is_array)
+        return EquinoxModel(static), params, model_state
+    hint = ""
+    if hasattr(model, "init") and hasattr(model, "apply"):
+        hint = " For a Flax Linen module use TrainState.from_linen(module, variables, tx)."
+    raise TypeError(
+        f"TrainState.create: model must be a flax.nnx.Module or an equinox.Module, got "
+        f"{type(model).__module__}.{type(model).__qualname__}.{hint} For plain params use "
+        "TrainState.from_params(params, apply_fn, tx)."
+    )

@@ -1,0 +1,139 @@
+"""``TrainState``: one pytree for the step, params, optimizer state, model state and RNG.
+
+The framework's static part (NNX graphdef, Equinox static fields, Linen module or
+``apply_fn``) and the optax transformation are static data, so the state goes through
+``jax.jit``, ``jax.shard_map`` and ``jax.pmap`` like any pytree.
+
+>>> model = eqx.nn.MLP(4, 1, 16, 1, key=jax.random.key(0))
+>>> state = TrainState.create(model, optax.adam(1e-3))
+>>> int(state.step), state.model(jnp.ones(4)).shape
+(0, (1,))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, split_model
+
+Seed = int | jax.Array
+
+
+def _key_data(rng: Seed) -> jax.Array:
+    """Raw ``uint32`` key data from an int seed, a typed key or raw key data."""
+    if isinstance(rng, int):
+        return jax.random.key_data(jax.random.key(rng))
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(rng)
+    return jnp.asarray(rng, jnp.uint32)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["step", "params", "opt_state", "model_state", "rng"],
+    meta_fields=["adapter", "tx"],
+)
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Training state. Array fields are pytree children; ``adapter`` and ``tx`` are static.
+
+    Attributes:
+        step: int32 ``[]``, the number of updates applied.
+        params: the trainable parameters.
+        opt_state: ``tx``'s state for ``params``.
+        model_state: non-trainable model state (batch-norm statistics, NNX RNG counts).
+        rng: uint32 ``[2]`` raw key data; per-step keys are folded from it and ``step``.
+        adapter: how to rebuild the framework's model (see :mod:`shardax.train.model`).
+        tx: the optax transformation.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    model_state: Any
+    rng: jax.Array
+    adapter: ModelAdapter
+    tx: optax.GradientTransformation
+
+    @classmethod
+    def _new(
+        cls,
+        adapter: ModelAdapter,
+        params: Any,
+        model_state: Any,
+        tx: optax.GradientTransformation,
+        rng: Seed,
+    ) -> TrainState:
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            model_state=model_state,
+            rng=_key_data(rng),
+            adapter=adapter,
+            tx=tx,
+        )
+
+    @classmethod
+    def create(cls, model: Any, tx: optax.GradientTransformation, *, rng: Seed = 0) -> TrainState:
+        """From an NNX module (``nnx.Param`` trainable) or an Equinox module (floating
+        arrays trainable). ``rng`` seeds the per-step keys (an int or a key)."""
+        adapter, params, model_state = split_model(model)
+        return cls._new(adapter, params, model_state, tx, rng)
+
+    @classmethod
+    def from_linen(
+        cls, module: Any, variables: Any, tx: optax.GradientTransformation, *, rng: Seed = 0
+    ) -> TrainState:
+        """From a Linen module and ``module.init(...)``'s variables: ``"params"`` is
+        trainable, the other collections (e.g. ``"batch_stats"``) are model state."""
+        variables = dict(variables)
+        if "params" not in variables:
+            raise ValueError(
+                f"TrainState.from_linen: variables need a 'params' collection, got "
+                f"collections {sorted(variables)}"
+            )
+        params = variables.pop("params")
+        return cls._new(LinenModel(module), params, variables, tx, rng)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Any,
+        apply_fn: Callable[..., Any],
+        tx: optax.GradientTransformation,
+        *,
+        rng: Seed = 0,
+    ) -> TrainState:
+        """From plain params and ``apply_fn(params, *inputs)``; the loss function gets
+        ``functools.partial(apply_fn, params)`` as its model."""
+        if not callable(apply_fn):
+            raise TypeError(f"TrainState.from_params: apply_fn must be callable, got {apply_fn!r}")
+        return cls._new(ApplyFnModel(apply_fn), params, None, tx, rng)
+
+    @property
+    def model(self) -> Any:
+        """The framework's model for these params and model state (e.g. for evaluation)."""
+        return self.adapter.bind(self.params, self.model_state, jax.random.wrap_key_data(self.rng))
+
+    def apply_gradients(self, grads: Any, model_state: Any = None) -> TrainState:
+        """One optimizer update; ``model_state`` replaces the model state if given."""
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        return dataclasses.replace(
+            self,
+            step=self.step + 1,
+            params=optax.apply_updates(self.params, updates),
+            opt_state=opt_state,
+            model_state=self.model_state if model_state is None else model_state,
+        )
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with ``changes`` applied to the named fields."""
+        return dataclasses.replace(self, **changes)

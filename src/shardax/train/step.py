@@ -1,0 +1,462 @@
+"""``make_train_step``: one compiled training step for every framework and every mode.
+
+The step is written once, for one shard of the batch: under ``"jit"`` and ``"single"``
+the shard is the whole global batch and the cross-device reductions are identities;
+under ``"shard_map"`` and ``"pmap"`` each device sees its slice and gradients, losses,
+metrics and model state are reduced over the data axis. So every mode computes the
+same update from the same global batch.
+
+>>> mesh = sx.make_mesh({"data": -1})
+>>> state = sx.TrainState.from_params({"w": jnp.zeros(3)}, lambda p, x: x @ p["w"],
+...                                   optax.sgd(0.1))
+>>> def loss_fn(model, batch):
+...     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+>>> step = sx.make_train_step(loss_fn, mesh=mesh)
+>>> state, metrics = step(step.shard(state), {"x": np.ones((16, 3)), "y": np.ones(16)})
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from shardax.data.placement import batch_sharding
+from shardax.mesh.make import DATA_AXIS
+from shardax.plan.core import Plan, replicate
+from shardax.plan.tree import is_array, map_arrays
+from shardax.train.batch import check_batch, split_microbatches
+from shardax.train.collectives import weighted_mean
+from shardax.train.data_parallel import all_reduce_gradients
+from shardax.train.loss import batch_mask, valid_count
+from shardax.train.rng import example_keys, step_key
+from shardax.train.state import TrainState
+
+Mode = Literal["jit", "shard_map", "pmap", "single"]
+MODES: tuple[str, ...] = ("jit", "shard_map", "pmap", "single")
+LossFn = Callable[..., Any]
+
+
+def _loss_and_aux(out: Any) -> tuple[jax.Array, Any]:
+    """Splits ``loss`` or ``(loss, aux)``; the loss must be a scalar."""
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise TypeError(
+                f"loss_fn must return loss or (loss, aux), got a tuple of {len(out)} items"
+            )
+        loss, aux = out
+    else:
+        loss, aux = out, {}
+    if not hasattr(loss, "shape") or jnp.shape(loss) != ():
+        got = (
+            f"an array of shape {loss.shape} and dtype {loss.dtype}"
+            if hasattr(loss, "shape")
+            else f"{type(loss).__name__} {loss!r}"
+        )
+        raise TypeError(
+            "loss_fn must return a scalar loss (the mean over the real examples it was "
+            f"given), or (loss, aux); got {got}"
+        )
+    return loss, aux
+
+
+def _floating(tree: Any) -> Any:
+    """``tree`` with None in place of every leaf that is not a floating array."""
+    return jax.tree.map(
+        lambda x: x if is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact) else None, tree
+    )
+
+
+_fresh_copy = jax.jit(lambda tree: tree)
+
+
+def _no_step(state: Any, batch: Any) -> Any:
+    raise ValueError("no step compiled yet")
+
+
+CPU_MAX_IN_FLIGHT = 4
+"""Steps queued at most on simulated CPU devices. XLA:CPU's in-process collectives can
+deadlock (a 40 s rendezvous timeout, then abort) when many multi-device programs are
+queued at once; waiting for the step ``CPU_MAX_IN_FLIGHT`` back keeps the queue short."""
+
+
+def _bounded(call: Callable[..., Any], depth: int) -> Callable[..., Any]:
+    """``call``, waiting for the result of the call ``depth`` back before returning."""
+    pending: collections.deque[Any] = collections.deque()
+
+    def bounded(state: Any, batch: Any) -> Any:
+        out = call(state, batch)
+        pending.append(out[1])
+        if len(pending) > depth:
+            jax.block_until_ready(pending.popleft())
+        return out
+
+    return bounded
+
+
+def _reshard_batch(fn: Callable[..., Any], sharding: NamedSharding) -> Callable[..., Any]:
+    def resharded(state: Any, batch: Any) -> Any:
+        return fn(state, jax.tree.map(lambda x: jax.sharding.reshard(x, sharding), batch))
+
+    return resharded
+
+
+def _is_key(x: Any) -> bool:
+    return is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _map_keys(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+    """``fn`` applied to every typed PRNG key leaf of ``tree``."""
+    return jax.tree.map(lambda x: fn(x) if _is_key(x) else x, tree)
+
+
+def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
+    if isinstance(aux, dict):
+        if "loss" in aux:
+            raise ValueError("loss_fn's aux metrics must not have a 'loss' entry; it is the loss")
+        return {"loss": loss, **aux}
+    return {"loss": loss, "aux": aux}
+
+
+class TrainStep:
+    """``step(state, batch) -> (state, metrics)``; ``step.shard(state)`` places a state.
+
+    Built by :func:`make_train_step`. Attributes: ``mode``, ``mesh``, ``plan``,
+    ``accumulate``, ``donate``, ``data_axis``.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        *,
+        mesh: Mesh,
+        plan: Plan | None,
+        mode: str,
+        accumulate: int,
+        donate: bool,
+        data_axis: str,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if data_axis not in mesh.shape:
+            raise ValueError(
+                f"data_axis {data_axis!r} is not in the mesh, whose axes are {dict(mesh.shape)}"
+            )
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        plan = replicate(mesh) if plan is None else plan
+        if not callable(plan):
+            raise TypeError(
+                f"plan must be a shardax Plan (a callable from a tree to its shardings, e.g. "
+                f"sx.fsdp(mesh)), got {plan!r}"
+            )
+        self._plan_name = getattr(plan, "name", type(plan).__name__)
+        plan_mesh = getattr(plan, "mesh", mesh)
+        if plan_mesh != mesh:
+            raise ValueError(
+                f"plan {self._plan_name!r} is over mesh {dict(plan_mesh.shape)}, not the step's "
+                f"mesh {dict(mesh.shape)}; build both from the same mesh"
+            )
+        if mode == "pmap" and mesh.shape[data_axis] != mesh.size:
+            raise ValueError(
+                f"mode='pmap' maps over one axis, but the mesh {dict(mesh.shape)} has devices "
+                f"outside data axis {data_axis!r}; use mode='jit' for multi-axis meshes"
+            )
+        self.loss_fn = loss_fn
+        self.mesh, self.plan, self.mode = mesh, plan, mode
+        self.accumulate, self.donate, self.data_axis = accumulate, donate, data_axis
+        self._pass_rng = "rng" in inspect.signature(loss_fn).parameters
+        self._devices = 1 if mode == "single" else mesh.shape[data_axis]
+        self._divisor = self._devices * accumulate
+        self._what = f"the data axis size {self._devices}" if mode != "single" else "1"
+        if accumulate > 1:
+            self._what = f"{self._what} × accumulate={accumulate} = {self._divisor}"
+        self._donate_argnums = (0,) if donate else ()
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._batch_sharding = batch_sharding(mesh, data_axis)
+        self._compiled: dict[Any, Callable[..., Any]] = {}
+        self._last: Callable[..., Any] = _no_step
+        self._last_treedef: Any = None
+        self._call = getattr(self, f"_call_{mode}")
+        if mode != "single" and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
+            self._call = _bounded(self._call, CPU_MAX_IN_FLIGHT)
+        if mode == "single":
+            self._device = SingleDeviceSharding(mesh.devices.flat[0])
+            self._single = jax.jit(
+                self._global_update,
+                in_shardings=self._device,
+                out_shardings=self._device,
+                donate_argnums=self._donate_argnums,
+            )
+        elif mode == "pmap":
+            self._pmapped = jax.pmap(
+                self._mapped_update,
+                axis_name=data_axis,
+                in_axes=(None, 0),
+                out_axes=(None, None),
+                devices=list(mesh.devices.flat),
+                donate_argnums=self._donate_argnums,
+            )
+
+    # -- placement ---------------------------------------------------------------------
+
+    def shard(self, state: TrainState) -> TrainState:
+        """Places ``state`` as this step expects it: with the plan, or on one device.
+
+        The result never shares buffers with ``state`` when the step donates, so the
+        arrays the state was built from (a Linen ``variables`` dict, an NNX module)
+        stay usable after the step consumes the placed state.
+        """
+        if self.mode == "single":
+            shardings: Any = self._device
+        else:
+            if self.mode in ("shard_map", "pmap"):
+                self._check_replicated(state)
+            shardings = self.plan(state)
+        placed = jax.device_put(state, shardings)
+        # device_put may reuse the input's buffers, even with may_alias=False (a shard on
+        # the source device); a jitted identity returns fresh ones.
+        return _fresh_copy(placed) if self.donate else placed
+
+    def _check_replicated(self, state: Any) -> None:
+        """shard_map and pmap keep one whole copy of the state per device."""
+
+        def one(path: str, leaf: Any, sharding: Any) -> None:
+            spec = getattr(sharding, "spec", None)
+            if spec is None or any(entry is not None for entry in spec):
+                raise ValueError(
+                    f"mode={self.mode!r} keeps a whole copy of the state on each device, so it "
+                    f"supports only a replicating plan; plan {self._plan_name!r} gives leaf "
+                    f"{path!r} with shape {tuple(np.shape(leaf))} the sharding "
+                    f"{spec if spec is not None else sharding}. Use mode='jit' for sharded "
+                    "plans such as sx.fsdp"
+                )
+
+        map_arrays(one, state, self.plan(state))
+
+    # -- the step, for one shard of the batch --------------------------------------------
+
+    def _grads(self, state: TrainState, model_state: Any, batch: Any, keys: Any, rng: Any):
+        adapter = state.adapter
+
+        def loss(params: Any) -> tuple[jax.Array, Any]:
+            model = adapter.bind(params, model_state, rng)
+            out = (
+                self.loss_fn(model, batch, rng=keys)
+                if self._pass_rng
+                else self.loss_fn(model, batch)
+            )
+            value, aux = _loss_and_aux(out)
+            return value, (aux, adapter.model_state(model, model_state))
+
+        (value, (aux, new_model_state)), grads = jax.value_and_grad(loss, has_aux=True)(
+            state.params
+        )
+        return grads, value, aux, new_model_state
+
+    def _shard_update(self, state: TrainState, batch: Any, index: jax.Array, mapped: bool):
+        """Gradients, loss and aux of one shard: means over its real examples, and its
+        count of real examples (None without a mask)."""
+        key = jax.random.wrap_key_data(state.rng)
+        rng = step_key(key, state.step)
+        model_state = state.model_state
+        if mapped:
+            # Framework RNG (a bound Linen "dropout" stream, NNX RngKeys in the model
+            # state) differs per device, so devices do not draw the same masks.
+            device = lax.axis_index(self.data_axis)
+            rng = jax.random.fold_in(rng, device)
+            model_state = _map_keys(lambda k: jax.random.fold_in(k, device), model_state)
+        keys = example_keys(key, state.step, index) if self._pass_rng else None
+        k = self.accumulate
+        if k == 1:
+            grads, loss, aux, model_state = self._grads(state, model_state, batch, keys, rng)
+            return grads, loss, aux, model_state, valid_count(batch)
+
+        micro = split_microbatches(batch, k)
+        micro_keys = None if keys is None else split_microbatches(keys, k)
+        if not mapped and self.mode == "jit":
+            spread = NamedSharding(self.mesh, PartitionSpec(None, self.data_axis))
+            micro = jax.tree.map(lambda x: lax.with_sharding_constraint(x, spread), micro)
+        masked = batch_mask(batch) is not None
+
+        def body(carry: Any, xs: Any) -> tuple[Any, None]:
+            sums, total, model_state = carry
+            mb, mkeys, j = xs
+            grads, loss, aux, model_state = self._grads(
+                state, model_state, mb, mkeys, jax.random.fold_in(rng, j)
+            )
+            count = valid_count(mb) if masked else jnp.float32(1)
+            sums = jax.tree.map(
+                lambda s, v: s + count.astype(v.dtype) * v, sums, (grads, loss, aux)
+            )
+            return (sums, total + count, model_state), None
+
+        first = jax.tree.map(lambda x: x[0], (micro, micro_keys))
+        shapes = jax.eval_shape(lambda mb, mk: self._grads(state, model_state, mb, mk, rng), *first)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:3])
+        (sums, total, model_state), _ = lax.scan(
+            body,
+            (zeros, jnp.float32(0), model_state),
+            (micro, micro_keys, jnp.arange(k)),
+        )
+        scale = 1 / jnp.maximum(total, 1)
+        grads, loss, aux = jax.tree.map(lambda s: (s * scale.astype(s.dtype)).astype(s.dtype), sums)
+        return grads, loss, aux, model_state, total if masked else None
+
+    def _finish(self, state: TrainState, grads: Any, loss: Any, aux: Any, model_state: Any):
+        return state.apply_gradients(grads, model_state), _metrics(loss, aux)
+
+    def _global_update(self, state: TrainState, batch: Any):
+        """jit and single: the shard is the whole global batch."""
+        size = jax.tree.leaves(batch)[0].shape[0]
+        grads, loss, aux, model_state, _ = self._shard_update(
+            state, batch, jnp.arange(size), mapped=False
+        )
+        return self._finish(state, grads, loss, aux, model_state)
+
+    def _mapped_update(self, state: TrainState, batch: Any):
+        """shard_map and pmap: one device's slice, reduced over the data axis."""
+        self._check_replicated(state)
+        axis = self.data_axis
+        size = jax.tree.leaves(batch)[0].shape[0]
+        index = lax.axis_index(axis) * size + jnp.arange(size)
+        grads, loss, aux, model_state, count = self._shard_update(state, batch, index, mapped=True)
+        if count is None:
+            grads = all_reduce_gradients(grads, "mean", axis)
+        else:
+            weighted = jax.tree.map(lambda g: g * count.astype(g.dtype), grads)
+            total = jnp.maximum(lax.psum(count, axis), 1)
+            grads = jax.tree.map(
+                lambda g: g / total.astype(g.dtype), all_reduce_gradients(weighted, "sum", axis)
+            )
+        loss, aux = weighted_mean((loss, aux), count, axis)
+        reduced = weighted_mean(_floating(model_state), count, axis)
+        model_state = jax.tree.map(
+            lambda r, x: x if r is None else r, reduced, model_state, is_leaf=lambda x: x is None
+        )
+        # Keys come back unfolded: the state is the same on every device.
+        model_state = jax.tree.map(
+            lambda new, old: old if _is_key(old) else new, model_state, state.model_state
+        )
+        return self._finish(state, grads, loss, aux, model_state)
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    def _build(self, state: TrainState) -> Callable[..., Any]:
+        shardings = self.plan(state)
+        if self.mode == "jit":
+            fn = self._global_update
+            if AxisType.Explicit in self.mesh.axis_types:
+                # The seeds' contract is "computation follows the data": the update
+                # runs with Auto axes and returns the plan's shardings.
+                fn = jax.sharding.auto_axes(fn, out_sharding=(shardings, self._replicated))
+        else:
+            fn = jax.shard_map(
+                self._mapped_update,
+                mesh=self.mesh,
+                in_specs=(PartitionSpec(), PartitionSpec(self.data_axis)),
+                out_specs=(PartitionSpec(), PartitionSpec()),
+                check_vma=False,
+            )
+            if AxisType.Explicit in self.mesh.axis_types:
+                # With Explicit axes a NumPy batch's type is unsharded inside jit;
+                # shard_map needs the split in the type.
+                fn = _reshard_batch(fn, self._batch_sharding)
+        return jax.jit(
+            fn,
+            in_shardings=(shardings, self._batch_sharding),
+            out_shardings=(shardings, self._replicated),
+            donate_argnums=self._donate_argnums,
+        )
+
+    def _call_jit(self, state: TrainState, batch: Any):
+        # Hot path: the last compiled function, with no Python pass over the state. A
+        # state of another structure fails jit's in_shardings check before anything
+        # runs (or is donated), and gets (or reuses) its own function.
+        try:
+            return self._last(state, batch)
+        except ValueError:
+            treedef = jax.tree.structure(state)
+            if self._last_treedef is not None and treedef == self._last_treedef:
+                raise
+        fn = self._compiled.get(treedef)
+        if fn is None:
+            fn = self._compiled[treedef] = self._build(state)
+        self._last, self._last_treedef = fn, treedef
+        return fn(state, batch)
+
+    _call_shard_map = _call_jit
+
+    def _call_single(self, state: TrainState, batch: Any):
+        return self._single(state, batch)
+
+    def _call_pmap(self, state: TrainState, batch: Any):
+        n = self._devices
+        batch = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+        return self._pmapped(state, batch)
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        """One update on the global ``batch``; metrics are means over its real examples."""
+        check_batch(batch, divisor=self._divisor, what=self._what)
+        return self._call(state, batch)
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainStep(mode={self.mode!r}, plan={self._plan_name!r}, "
+            f"mesh={dict(self.mesh.shape)}, accumulate={self.accumulate}, donate={self.donate})"
+        )
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    *,
+    mesh: Mesh,
+    plan: Plan | None = None,
+    mode: Mode = "jit",
+    accumulate: int = 1,
+    donate: bool = True,
+    data_axis: str = DATA_AXIS,
+) -> TrainStep:
+    """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``, where ``model`` is what
+            the framework calls a model (NNX or Equinox module, bound Linen module,
+            ``partial(apply_fn, params)``) and ``loss`` is a scalar: the mean over the real
+            examples of ``batch`` (see :func:`shardax.masked_mean`). If it takes an ``rng``
+            argument it receives one key per example, ``fold_in(fold_in(rng, step), i)``
+            for example ``i`` of the global batch, the same in every mode.
+        mesh: the device mesh; the batch is split over ``data_axis``.
+        plan: shardings of the state (default: replicate). ``"shard_map"`` and ``"pmap"``
+            support only replicating plans.
+        mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
+            (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
+            layout: the batch reshaped to (devices, per device, ...); the replicated
+            state goes in with ``in_axes=None`` rather than stacked on a device axis, so
+            it is the same object in every mode) or ``"single"`` (the first device of
+            ``mesh``).
+        accumulate: number of microbatches the global batch is split into (``lax.scan``).
+        donate: donate the state's buffers to the step.
+        data_axis: the mesh axis the batch is split over.
+
+    Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
+    over the real examples of the whole global batch in every mode.
+    """
+    return TrainStep(
+        loss_fn,
+        mesh=mesh,
+        plan=plan,
+        mode=mode,
+        accumulate=accumulate,
+        donate=donate,
+        data_axis=data_axis,
+    )
