@@ -87,3 +87,25 @@ def test_logical_names_follow_axis_rules():
         f = jax.jit(lambda x: sx.constrain(x * 2.0, P("batch", "mlp")))
         with jax.set_mesh(sx.make_mesh(shape)), sx.axis_rules(rules):
             assert f(x).sharding.spec == expected
+
+
+def test_make_train_step_traces_under_its_mesh():
+    """sx.constrain inside a model applies in make_train_step's jit mode."""
+    import optax
+
+    seen = []
+
+    def apply(params, x):
+        h = sx.constrain(x @ params["w"], P("data", "model"))
+        jax.debug.inspect_array_sharding(h, callback=lambda s: seen.append(s.spec))
+        return h.sum(axis=-1)
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    mesh = sx.make_mesh({"data": 4, "model": 2})
+    state = sx.TrainState.from_params({"w": jnp.ones((4, 8))}, apply, optax.sgd(0.1))
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.ones(8, np.float32)}
+    step = sx.make_train_step(loss_fn, mesh=mesh)
+    step(step.shard(state), batch)
+    assert seen and all(s == P("data", "model") for s in seen)

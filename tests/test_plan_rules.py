@@ -111,7 +111,7 @@ def test_follow_params_shards_adam_state_like_params_whatever_the_plan(mesh42):
     params = mlp_params()
     state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
     # Anchored rules only name params paths, and a catch-all would break scalars.
-    base = sx.rules(mesh42, [(r"^layers/1/kernel$", P(None, "model")), (".*", P())])
+    base = sx.rules(mesh42, [(r"^params/layers/1/kernel$", P(None, "model")), (".*", P())])
     plan = sx.follow_params(base)
     specs = plan.specs(state)
     adam = specs["opt_state"][0]

@@ -1,7 +1,7 @@
 """Training with plans is allclose to single-device training on the same data.
 
-A plain ``jax.jit`` step takes its state shardings from the plan (with optimizer
-state following the params); the single-device run uses the same step on one device.
+``sx.make_train_step(..., plan=...)`` (optimizer state following the params) against a
+plain ``jax.jit`` Adam loop on one device.
 """
 
 import jax
@@ -10,7 +10,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
@@ -31,11 +30,7 @@ def mlp_init(key, sizes):
 
 
 def mlp_loss(params, batch):
-    x, y = batch["x"], batch["y"]
-    for w, b in params[:-1]:
-        x = jnp.maximum(x @ w + b, 0)
-    w, b = params[-1]
-    return jnp.mean(jnp.sum((x @ w + b - y) ** 2, axis=-1))
+    return jnp.mean(jnp.sum((mlp_apply(params, batch["x"]) - batch["y"]) ** 2, axis=-1))
 
 
 def batches(sizes, n=STEPS, batch=32):
@@ -49,9 +44,8 @@ def batches(sizes, n=STEPS, batch=32):
     ]
 
 
-def train(loss_fn, params, data, tx, plan=None, mesh=None):
-    """Runs ``len(data)`` Adam steps; with ``plan``, state sharded by it, batch on "data"."""
-    state = {"params": params, "opt_state": tx.init(params)}
+def train_single(loss_fn, params, data, tx):
+    """The reference: a plain ``jax.jit`` Adam loop on one device."""
 
     def step(state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
@@ -61,82 +55,95 @@ def train(loss_fn, params, data, tx, plan=None, mesh=None):
             "opt_state": opt_state,
         }, loss
 
-    if plan is None:
-        device = jax.devices()[0]
-        state, data = jax.device_put((state, data), device)
-        jitted = jax.jit(step)
-    else:
-        shardings = sx.follow_params(plan)(state)
-        state = jax.device_put(state, shardings)
-        batch_sharding = NamedSharding(mesh, P("data"))
-        data = [jax.device_put(b, batch_sharding) for b in data]
-        jitted = jax.jit(
-            step,
-            in_shardings=(shardings, batch_sharding),
-            out_shardings=(shardings, None),
-            donate_argnums=0,
-        )
+    state = jax.device_put({"params": params, "opt_state": tx.init(params)}, jax.devices()[0])
     losses = []
-    with jax.set_mesh(mesh) if mesh is not None else _null():
-        for batch in data:
-            state, loss = jitted(state, batch)
-            losses.append(float(loss))
+    for batch in data:
+        state, loss = jax.jit(step)(state, jax.device_put(batch, jax.devices()[0]))
+        losses.append(float(loss))
     return state, losses
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def train_sharded(step, state, data):
+    """``sx.make_train_step`` with a plan: its ``state`` comes from ``step.init``."""
+    losses = []
+    for batch in data:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
 
 
 def assert_same_training(single, sharded):
     (s1, l1), (s2, l2) = single, sharded
     np.testing.assert_allclose(l1, l2, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), s1, s2)
+    for ref, got in ((s1["params"], s2.params), (s1["opt_state"], s2.opt_state)):
+        ref, got = jax.tree.leaves(ref), jax.tree.leaves(got)
+        assert len(ref) == len(got)
+        for a, b in zip(ref, got, strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def mlp_apply(params, x):
+    for w, b in params[:-1]:
+        x = jnp.maximum(x @ w + b, 0)
+    w, b = params[-1]
+    return x @ w + b
+
+
+def model_loss(model, batch):
+    """``loss_fn(model, batch)`` for make_train_step: ``model = partial(mlp_apply, params)``."""
+    return jnp.mean(jnp.sum((model(batch["x"]) - batch["y"]) ** 2, axis=-1))
 
 
 def test_fsdp_training_matches_single_device():
     mesh = sx.make_mesh({"data": 8})
     sizes = (16, 64, 64, 8)
-    data = batches(sizes)
-    tx = optax.adam(1e-2)
-    plan = sx.fsdp(mesh, min_size=256)
+    data, tx = batches(sizes), optax.adam(1e-2)
+    step = sx.make_train_step(model_loss, mesh=mesh, plan=sx.fsdp(mesh, min_size=256))
     # Initialise straight onto the plan: each device builds only its shards.
-    params = sx.init_sharded(mlp_init, plan, jax.random.key(0), sizes)
-    assert params[1][0].sharding.spec == P("data", None)
-    assert {s.data.shape for s in params[1][0].addressable_shards} == {(8, 64)}
-    single = train(mlp_loss, mlp_init(jax.random.key(0), sizes), data, tx)
-    sharded = train(mlp_loss, params, data, tx, plan, mesh)
+    state = step.init(
+        lambda key: sx.TrainState.from_params(mlp_init(key, sizes), mlp_apply, tx),
+        jax.random.key(0),
+    )
+    w = state.params[1][0]
+    assert w.sharding.spec == P("data", None)
+    assert {s.data.shape for s in w.addressable_shards} == {(8, 64)}
+    single = train_single(mlp_loss, mlp_init(jax.random.key(0), sizes), data, tx)
+    sharded = train_sharded(step, state, data)
     state = sharded[0]
-    assert state["params"][1][0].sharding.spec == P("data", None)
-    assert state["opt_state"][0].mu[1][0].sharding.spec == P("data", None)
-    assert state["opt_state"][0].count.sharding.spec == P()
+    assert state.params[1][0].sharding.spec == P("data", None)
+    assert state.opt_state[0].mu[1][0].sharding.spec == P("data", None)
+    assert state.opt_state[0].count.sharding.spec == P()
     assert_same_training(single, sharded)
 
 
 def test_seed_002_four_by_two_layout_matches_single_device():
     mesh = sx.make_mesh({"data": 4, "model": 2})
     sizes = (16, 64, 64, 64, 8)
-    data = batches(sizes)
-    tx = optax.adam(1e-2)
-    # Seed 002: W2 and b2 split on their columns over "model", W3 on its rows.
+    data, tx = batches(sizes), optax.adam(1e-2)
+    # Seed 002: W2 and b2 split on their columns over "model", W3 on its rows; anchored
+    # rules name params paths only, and Adam's mu/nu follow them all the same.
     plan = sx.rules(
-        mesh, [(r"^1/0$", P(None, "model")), (r"^1/1$", P("model")), (r"^2/0$", P("model", None))]
+        mesh,
+        [
+            (r"^params/1/0$", P(None, "model")),
+            (r"^params/1/1$", P("model")),
+            (r"^params/2/0$", P("model", None)),
+        ],
     )
+    step = sx.make_train_step(model_loss, mesh=mesh, plan=plan)
     params = mlp_init(jax.random.key(1), sizes)
-    single = train(mlp_loss, params, data, tx)
-    sharded = train(mlp_loss, params, data, tx, plan, mesh)
+    single = train_single(mlp_loss, params, data, tx)
+    sharded = train_sharded(
+        step, step.shard(sx.TrainState.from_params(params, mlp_apply, tx)), data
+    )
     state = sharded[0]
-    w2, w3 = state["params"][1][0], state["params"][2][0]
+    w2, w3 = state.params[1][0], state.params[2][0]
     assert w2.sharding.spec == P(None, "model") and w3.sharding.spec == P("model", None)
     assert {s.data.shape for s in w2.addressable_shards} == {(64, 32)}
     assert {s.data.shape for s in w3.addressable_shards} == {(32, 64)}
-    nu = state["opt_state"][0].nu
+    nu = state.opt_state[0].nu
     assert nu[1][0].sharding.spec == P(None, "model") and nu[2][0].sharding.spec == P("model", None)
-    assert state["params"][0][0].sharding.spec == P()
+    assert state.params[0][0].sharding.spec == P()
     assert_same_training(single, sharded)
 
 
@@ -171,8 +178,7 @@ class AnnotatedMLP(nnx.Module):
 )
 def test_nnx_annotated_model_matches_single_device(mesh_shape, rules, up_spec):
     mesh = sx.make_mesh(mesh_shape)
-    with nnx.use_eager_sharding(False):
-        model = AnnotatedMLP(nnx.Rngs(0))
+    model = _build()
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss_fn(params, batch):
@@ -180,13 +186,51 @@ def test_nnx_annotated_model_matches_single_device(mesh_shape, rules, up_spec):
         return jnp.mean((pred - batch["y"]) ** 2)
 
     data, tx = batches((16, 8)), optax.adam(1e-2)
-    single = train(loss_fn, params, data, tx)
-    with sx.axis_rules(rules):
-        sharded = train(loss_fn, params, data, tx, sx.from_nnx(mesh, model), mesh)
-    up = sharded[0]["params"]["up"]["kernel"].get_value()
+    single = train_single(loss_fn, params, data, tx)
+
+    def model_loss_nnx(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    with sx.axis_rules(rules):  # read when the plan is built and when the step traces
+        step = sx.make_train_step(model_loss_nnx, mesh=mesh, plan=sx.from_nnx(mesh, model))
+        state = step.init(lambda: sx.TrainState.create(_build(), tx))
+        sharded = train_sharded(step, state, data)
+    up = sharded[0].params["up"]["kernel"].get_value()
     assert up.sharding.spec == up_spec
     assert {s.data.shape for s in up.addressable_shards} == {
         tuple(d // (mesh.shape[a] if a else 1) for d, a in zip((16, 64), up_spec, strict=True))
     }
-    assert sharded[0]["opt_state"][0].mu["up"]["kernel"].get_value().sharding.spec == up_spec
+    assert sharded[0].opt_state[0].mu["up"]["kernel"].get_value().sharding.spec == up_spec
     assert_same_training(single, sharded)
+
+
+def _build():
+    with nnx.use_eager_sharding(False):
+        return AnnotatedMLP(nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("mode", ["single", "shard_map", "pmap"])
+def test_step_init_in_other_modes(mode):
+    mesh = sx.make_mesh({"data": 8})
+    tx = optax.adam(1e-2)
+    step = sx.make_train_step(model_loss, mesh=mesh, mode=mode)
+    state = step.init(
+        lambda key: sx.TrainState.from_params(mlp_init(key, (16, 32, 8)), mlp_apply, tx),
+        jax.random.key(0),
+    )
+    w = state.opt_state[0].nu[0][0]
+    expected = 1 if mode == "single" else 8
+    assert len(w.sharding.device_set) == expected and w.sharding.is_fully_replicated
+    state, metrics = step(state, batches((16, 8), n=1)[0])
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_step_init_checks_mapped_modes_before_allocating():
+    mesh = sx.make_mesh({"data": 8})
+    step = sx.make_train_step(
+        model_loss, mesh=mesh, mode="shard_map", plan=sx.fsdp(mesh, min_size=1)
+    )
+    with pytest.raises(ValueError, match="only a replicating plan"):
+        step.init(
+            lambda: sx.TrainState.from_params({"w": jnp.ones((8, 8))}, mlp_apply, optax.sgd(1))
+        )

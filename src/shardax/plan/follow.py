@@ -4,7 +4,7 @@
 >>> mesh = sx.make_mesh({"data": 4, "model": 2})
 >>> params = {"w": np.zeros((8, 8))}
 >>> state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
->>> plan = sx.follow_params(sx.rules(mesh, [("^w$", P(None, "model"))]))
+>>> plan = sx.follow_params(sx.rules(mesh, [("^params/w$", P(None, "model"))]))
 >>> plan.specs(state)["opt_state"][0].mu["w"], plan.specs(state)["opt_state"][0].count
 (P(None, 'model'), P())
 """
@@ -59,15 +59,17 @@ class FollowParams(Plan):
         assert self.base is not None
         base, errors = self.base, []
 
-        def spec(path: str, leaf: Any, full: str) -> PartitionSpec:
+        def spec(path: str, leaf: Any) -> PartitionSpec:
             shape = tuple(np.shape(leaf))
             s = base.spec_fn(path, shape) if shape else PartitionSpec()
-            errors.extend(spec_errors(full, shape, s, self.mesh))
+            errors.extend(spec_errors(path, shape, s, self.mesh))
             return s
 
         params = select(tree, self.params)
-        prefix = self.params if isinstance(self.params, str) else "<params>"
-        param_specs = map_arrays(lambda p, x: spec(p, x, f"{prefix}/{p}"), params)
+        # The params' own paths in the tree, so a rule sees the same path with or
+        # without follow_params (a function selector gives paths relative to the params).
+        prefix = f"{self.params}/" if isinstance(self.params, str) else ""
+        param_specs = map_arrays(lambda p, x: spec(prefix + p, x), params)
         treedef = jax.tree.structure(params)
         shapes = [np.shape(x) for x in jax.tree.leaves(params)]
 
@@ -82,7 +84,7 @@ class FollowParams(Plan):
             if mirrors(node):
                 out.append(param_specs)
             elif is_array(node):
-                out.append(spec(path_str(path), node, path_str(path)))
+                out.append(spec(path_str(path), node))
             else:
                 out.append(node)
         return jax.tree.unflatten(outer, out), errors
@@ -92,8 +94,9 @@ def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:
     """Wraps ``plan`` so optimizer state is sharded like the params, whatever the plan.
 
     ``params`` locates the params in the state (a "/"-joined path of keys or attributes,
-    or a function of the state). The params get ``plan``'s specs, computed on their own
-    paths (so rules for ``layers/0/kernel`` apply); every other subtree with the params'
+    or a function of the state). The params get ``plan``'s specs for their paths in the
+    state (``params/layers/0/kernel``; relative to the params with a function); every
+    other subtree with the params'
     structure and shapes (optax's ``mu``, ``nu``, ``trace``...) gets the same specs;
     rank-0 leaves (``count``) are replicated; any other leaf gets ``plan``'s spec for
     its own path.

@@ -19,7 +19,9 @@ from shardax.plan.core import Plan
 from shardax.plan.tree import is_array
 
 
-def init_sharded(init_fn: Callable[..., Any], plan: Plan, *args: Any, **kwargs: Any) -> Any:
+def init_sharded(
+    init_fn: Callable[..., Any], plan: Plan | Callable[[Any], Any], *args: Any, **kwargs: Any
+) -> Any:
     """Runs ``init_fn(*args, **kwargs)`` under ``jax.jit`` with outputs laid out by ``plan``.
 
     Array arguments are traced; any other argument (a size, a flag) is static.

@@ -31,6 +31,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDev
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.core import Plan, replicate
+from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.init import init_sharded
 from shardax.plan.tree import is_array, map_arrays
 from shardax.train.batch import check_batch, split_microbatches
 from shardax.train.collectives import weighted_mean
@@ -99,6 +101,17 @@ def _bounded(call: Callable[..., Any], depth: int) -> Callable[..., Any]:
         return out
 
     return bounded
+
+
+def _under_mesh(call: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """Runs (and so traces) ``call`` under ``jax.set_mesh(mesh)``, so that
+    ``sx.constrain`` inside the model knows the mesh."""
+
+    def under(state: Any, batch: Any) -> Any:
+        with jax.sharding.set_mesh(mesh):
+            return call(state, batch)
+
+    return under
 
 
 def _reshard_batch(fn: Callable[..., Any], sharding: NamedSharding) -> Callable[..., Any]:
@@ -173,6 +186,12 @@ class TrainStep:
             )
         self.loss_fn = loss_fn
         self.mesh, self.plan, self.mode = mesh, plan, mode
+        # The optimizer state follows the params (Adam's mu/nu), whatever the plan.
+        self._state_plan = (
+            follow_params(plan)
+            if isinstance(plan, Plan) and not isinstance(plan, FollowParams)
+            else plan
+        )
         self.accumulate, self.donate, self.data_axis = accumulate, donate, data_axis
         self._pass_rng = "rng" in inspect.signature(loss_fn).parameters
         self._devices = 1 if mode == "single" else mesh.shape[data_axis]
@@ -187,6 +206,8 @@ class TrainStep:
         self._last: Callable[..., Any] = _no_step
         self._last_treedef: Any = None
         self._call = getattr(self, f"_call_{mode}")
+        if mode == "jit":
+            self._call = _under_mesh(self._call, mesh)
         if mode != "single" and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
             self._call = _bounded(self._call, CPU_MAX_IN_FLIGHT)
         if mode == "single":
@@ -221,7 +242,7 @@ class TrainStep:
         else:
             if self.mode in ("shard_map", "pmap"):
                 self._check_replicated(state)
-            shardings = self.plan(state)
+            shardings = self._state_plan(state)
         placed = jax.device_put(state, shardings)
         # device_put may reuse the input's buffers, even with may_alias=False (a shard on
         # the source device); a jitted identity returns fresh ones.
@@ -241,7 +262,7 @@ class TrainStep:
                     "plans such as sx.fsdp"
                 )
 
-        map_arrays(one, state, self.plan(state))
+        map_arrays(one, state, self._state_plan(state))
 
     # -- the step, for one shard of the batch --------------------------------------------
 
@@ -351,8 +372,22 @@ class TrainStep:
 
     # -- dispatch ------------------------------------------------------------------------
 
+    def init(self, init_fn: Callable[..., TrainState], *args: Any, **kwargs: Any) -> TrainState:
+        """``init_fn(*args, **kwargs)`` (e.g. building the model and ``TrainState.create``)
+        run under ``jax.jit`` straight onto the step's shardings: no leaf is ever whole on
+        one device (see :func:`shardax.init_sharded`).
+
+        >>> state = step.init(lambda key: sx.TrainState.create(Model(nnx.Rngs(key)), tx),
+        ...                   jax.random.key(0))
+        """
+        if self.mode == "single":
+            return init_sharded(init_fn, lambda tree: self._device, *args, **kwargs)
+        if self.mode in ("shard_map", "pmap"):
+            self._check_replicated(jax.eval_shape(init_fn, *args, **kwargs))
+        return init_sharded(init_fn, self._state_plan, *args, **kwargs)
+
     def _build(self, state: TrainState) -> Callable[..., Any]:
-        shardings = self.plan(state)
+        shardings = self._state_plan(state)
         if self.mode == "jit":
             fn = self._global_update
             if AxisType.Explicit in self.mesh.axis_types:
