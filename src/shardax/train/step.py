@@ -471,8 +471,11 @@ def make_train_step(
             argument it receives one key per example, ``fold_in(fold_in(rng, step), i)``
             for example ``i`` of the global batch, the same in every mode.
         mesh: the device mesh; the batch is split over ``data_axis``.
-        plan: shardings of the state (default: replicate). ``"shard_map"`` and ``"pmap"``
-            support only replicating plans.
+        plan: shardings of the state (default: replicate), wrapped in
+            :func:`shardax.follow_params` so the optimizer state follows the params.
+            ``"shard_map"`` and ``"pmap"`` support only replicating plans. ``step.init``
+            builds a state straight onto it; ``jit`` mode traces under
+            ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies.
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
             layout: the batch reshaped to (devices, per device, ...); the replicated
