@@ -34,11 +34,18 @@ from shardax.plan import (
     validate,
 )
 from shardax.runtime import (
+    AgreementError,
     BatchSizeRecommendation,
     HardwareType,
+    check_agreement,
     detect_hardware_type,
     device_info,
     get_batch_size_recommendation,
+    host_reduce,
+    host_value,
+    initialize,
+    is_main_process,
+    print0,
     validate_batch_size,
 )
 from shardax.train import (
@@ -60,6 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DATA_AXIS",
+    "AgreementError",
     "BatchSizeRecommendation",
     "CheckpointManager",
     "DataParallel",
@@ -78,6 +86,7 @@ __all__ = [
     "axis_rules",
     "batch_sharding",
     "batches",
+    "check_agreement",
     "check_finite",
     "constrain",
     "describe",
@@ -90,13 +99,18 @@ __all__ = [
     "fsdp",
     "get_batch_size_recommendation",
     "global_batch",
+    "host_reduce",
+    "host_value",
     "init_sharded",
+    "initialize",
+    "is_main_process",
     "make_mesh",
     "make_train_step",
     "masked_mean",
     "mesh_info",
     "place_on_device",
     "prefetch_to_device",
+    "print0",
     "reduce",
     "replicate",
     "replicate_across_devices",

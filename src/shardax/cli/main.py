@@ -1,17 +1,21 @@
 """Entry point: parses arguments, sets simulated CPU devices, then runs a command.
 
 Simulated CPU devices must be set before any JAX backend starts, so the commands'
-modules are imported only after ``--cpu-devices`` has been applied.
+modules are imported only after ``--cpu-devices`` has been applied. Under ``shardax
+launch`` (or SLURM / Open MPI) each command also joins the multi-process run first.
+A command module with ``STARTS_JAX = False`` (launch) gets neither.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 COMMANDS = {
+    "launch": ("shardax.cli.launch", "Run a command in N local processes that form one JAX run."),
     "train": ("shardax.cli.train", "Train an NNX MLP on the digits data set on all devices."),
 }
 
@@ -29,30 +33,41 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
-        cmd.add_argument(
-            "--cpu-devices",
-            type=int,
-            default=8,
-            help="simulated CPU devices when no accelerator is present (default: 8)",
-        )
-        importlib.import_module(module).add_arguments(cmd)
+        command = importlib.import_module(module)
+        if getattr(command, "STARTS_JAX", True):
+            cmd.add_argument(
+                "--cpu-devices",
+                type=int,
+                default=int(os.environ.get("SHARDAX_CPU_DEVICES", 8)),
+                help="simulated CPU devices (per process) when no accelerator is present "
+                "(default: $SHARDAX_CPU_DEVICES, else 8)",
+            )
+        command.add_arguments(cmd)
     return parser
 
 
 def set_cpu_devices(n: int) -> None:
-    """Asks JAX for ``n`` CPU devices; must run before any backend starts."""
+    """Asks JAX for ``n`` CPU devices and joins a multi-process run when there is one
+    (:func:`shardax.initialize`); both must happen before any backend starts. Called
+    again in a process whose backend runs (``main`` in a test), it only sets ``n``."""
     import jax
+
+    from shardax.runtime.distributed import backend_started, initialize
 
     if n < 1:
         raise SystemExit(f"shardax: error: --cpu-devices must be >= 1, got {n}")
-    jax.config.update("jax_num_cpu_devices", n)
+    if backend_started():
+        jax.config.update("jax_num_cpu_devices", n)
+    else:
+        initialize(cpu_devices=n)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``shardax COMMAND [OPTIONS]`` and returns its exit code."""
     args = build_parser().parse_args(argv)
-    set_cpu_devices(args.cpu_devices)
     module = importlib.import_module(COMMANDS[args.command][0])
+    if getattr(module, "STARTS_JAX", True):
+        set_cpu_devices(args.cpu_devices)
     return int(module.run(args) or 0)
 
 

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 from shardax.mesh.make import DATA_AXIS, make_mesh
 from shardax.plan.tree import map_arrays
 from shardax.plan.validate import check_spec
+from shardax.runtime.processes import device_put_global
 
 
 def batch_sharding(
@@ -64,7 +65,7 @@ def distribute_batch(data: Any, sharding: Sharding) -> Any:
     Raises ``ValueError`` naming the leaf when a dimension is not divisible by its axes.
     """
     return map_arrays(
-        lambda path, x: jax.device_put(x, leaf_sharding(path, np.shape(x), sharding)), data
+        lambda path, x: device_put_global(x, leaf_sharding(path, np.shape(x), sharding)), data
     )
 
 
@@ -98,6 +99,6 @@ def shard_batch_dim(data: Any, mesh: Mesh, batch_axis: int = 0, mesh_axis: str =
             raise ValueError(
                 f"shard_batch_dim: leaf {path!r} with shape {shape} has no batch_axis {batch_axis}"
             )
-        return jax.device_put(x, leaf_sharding(path, shape, sharding))
+        return device_put_global(x, leaf_sharding(path, shape, sharding))
 
     return map_arrays(one, data)

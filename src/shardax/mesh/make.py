@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]
@@ -59,6 +60,7 @@ def make_mesh(
     *,
     devices: Sequence[Any] | None = None,
     axis_types: AxisType | Sequence[AxisType] = AxisType.Auto,
+    dcn_axis: str = DATA_AXIS,
 ) -> Mesh:
     """Builds a topology-aware :class:`jax.sharding.Mesh`.
 
@@ -66,9 +68,12 @@ def make_mesh(
         spec: axis sizes as a dict or a list of ``(name, size)`` pairs; one size may
             be ``-1`` for "the remaining devices". Default: ``{"data": -1}``.
         devices: the devices to use (default: all devices of all processes). A mesh
-            smaller than the devices uses the first ones.
+            smaller than the devices uses the first ones (one process only).
         axis_types: ``AxisType.Auto`` (default: computation follows the data, as in
             the seeds) or ``AxisType.Explicit``; one for all axes, or one per axis.
+        dcn_axis: with devices in several processes (or TPU slices), the axis split
+            between them, over the slower network; every other axis stays inside one
+            process. Its size must be a multiple of the number of processes.
 
     >>> mesh = make_mesh({"data": -1})
     >>> mesh.axis_names
@@ -83,8 +88,45 @@ def make_mesh(
         raise ValueError(
             f"axis_types has {len(axis_types)} entries but the mesh {shape} has {len(shape)} axes"
         )
+    if len({d.process_index for d in devices}) > 1 and math.prod(shape.values()) != len(devices):
+        raise ValueError(
+            f"mesh {shape} uses {math.prod(shape.values())} of the {len(devices)} devices of "
+            "several processes; a multi-process mesh must use every device (each process "
+            "drives its own)"
+        )
+    grid = _hybrid_grid(shape, devices, dcn_axis)
+    if grid is not None:
+        return Mesh(grid, tuple(shape), axis_types=axis_types)
     used = devices[: math.prod(shape.values())]
     return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=axis_types, devices=used)
+
+
+def _hybrid_grid(shape: dict[str, int], devices: Sequence[Any], dcn_axis: str) -> Any:
+    """The device grid when ``devices`` span several TPU slices, or several processes
+    (GPU, CPU) with more than one device each: ``dcn_axis`` is split between them (slow
+    network, DCN) and every other axis stays inside one (ICI). None where this does not
+    apply (one process or slice; a single TPU slice spanning hosts is all ICI; the
+    axis size not a multiple of their number): then ``jax.make_mesh`` lays the mesh out
+    over the process-major device order."""
+    if len({getattr(d, "slice_index", 0) for d in devices}) > 1:
+        attr = "slice_index"
+    elif devices[0].platform != "tpu":
+        attr = "process_index"
+    else:
+        return None
+    groups: dict[int, int] = {}
+    for d in devices:
+        groups[getattr(d, attr)] = groups.get(getattr(d, attr), 0) + 1
+    n = len(groups)
+    if n == 1 or len(set(groups.values())) > 1 or len(devices) == n:
+        return None
+    if shape.get(dcn_axis, 1) % n:
+        return None
+    ici = [size // n if name == dcn_axis else size for name, size in shape.items()]
+    dcn = [n if name == dcn_axis else 1 for name in shape]
+    return mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, devices, process_is_granule=attr == "process_index"
+    )
 
 
 def mesh_info(mesh: Mesh) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.tree import map_arrays
 from shardax.plan.validate import spec_errors
+from shardax.runtime.processes import device_put_global
 
 AxisNames = str | tuple[str, ...]
 SpecFn = Callable[[str, tuple[int, ...]], PartitionSpec]
@@ -126,4 +127,4 @@ def shard(tree: Any, plan: Plan) -> Any:
     >>> state = shard({"w": np.ones((8, 4))}, fsdp(make_mesh(), min_size=1))
     """
     shardings = plan(tree)
-    return map_arrays(lambda _, x, s: jax.device_put(x, s), tree, shardings)
+    return map_arrays(lambda _, x, s: device_put_global(x, s), tree, shardings)

@@ -34,6 +34,8 @@ from shardax.plan.core import Plan, replicate
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
 from shardax.plan.tree import is_array, map_arrays
+from shardax.runtime.agreement import check_agreement
+from shardax.runtime.processes import device_put_global
 from shardax.train.batch import check_batch, split_microbatches
 from shardax.train.collectives import weighted_mean
 from shardax.train.data_parallel import all_reduce_gradients
@@ -235,7 +237,9 @@ class TrainStep:
 
         The result never shares buffers with ``state`` when the step donates, so the
         arrays the state was built from (a Linen ``variables`` dict, an NNX module)
-        stay usable after the step consumes the placed state.
+        stay usable after the step consumes the placed state. With several processes,
+        all first check that they run the same step and state shardings
+        (:func:`shardax.check_agreement`), so a mismatch is an error, not a hang.
         """
         if self.mode == "single":
             shardings: Any = self._device
@@ -243,7 +247,9 @@ class TrainStep:
             if self.mode in ("shard_map", "pmap"):
                 self._check_replicated(state)
             shardings = self._state_plan(state)
-        placed = jax.device_put(state, shardings)
+            if jax.process_count() > 1:
+                check_agreement(train_step=repr(self), state_shardings=shardings)
+        placed = device_put_global(state, shardings)
         # device_put may reuse the input's buffers, even with may_alias=False (a shard on
         # the source device); a jitted identity returns fresh ones.
         return _fresh_copy(placed) if self.donate else placed

@@ -1,0 +1,233 @@
+"""``shardax launch -n N [--cpu-devices K] [--port P] -- CMD ...``: N local processes.
+
+Each process gets the environment that :func:`shardax.initialize` reads (coordinator
+on 127.0.0.1, the process count, its rank, its CPU device count), so the program
+joins the run with one call. Output lines are prefixed with the rank. When a process
+fails, the others are stopped and launch exits with that first non-zero code; Ctrl-C
+stops them all. Launch itself never starts JAX.
+
+    $ shardax launch -n 2 --cpu-devices 4 -- python train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+from shardax.runtime.distributed import (
+    ENV_COORDINATOR,
+    ENV_CPU_DEVICES,
+    ENV_HEARTBEAT,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+STARTS_JAX = False
+"""Read by ``shardax.cli.main``: launch sets no JAX option in its own process."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``shardax launch``."""
+    parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="simulated CPU devices per process (default: the program's own choice)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)"
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=None,
+        help="seconds without a heartbeat before a process counts as dead (default: JAX's 100)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=3.0,
+        help="seconds between SIGINT and SIGKILL when stopping processes (default: 3)",
+    )
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(
+    rank: int,
+    num_processes: int,
+    port: int,
+    *,
+    cpu_devices: int | None = None,
+    heartbeat_timeout: int | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of process ``rank``: ``base`` (default ``os.environ``) plus the
+    variables :func:`shardax.initialize` reads.
+
+    >>> process_env(1, 2, 1234, base={})[ENV_PROCESS_ID]
+    '1'
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(
+        {
+            ENV_COORDINATOR: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(num_processes),
+            ENV_PROCESS_ID: str(rank),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if cpu_devices is not None:
+        env[ENV_CPU_DEVICES] = str(cpu_devices)
+    if heartbeat_timeout is not None:
+        env[ENV_HEARTBEAT] = str(heartbeat_timeout)
+    return env
+
+
+def start_processes(
+    cmd: Sequence[str], envs: Sequence[Mapping[str, str]]
+) -> list[subprocess.Popen[bytes]]:
+    """Starts ``cmd`` once per environment, each in its own session (process group),
+    with stdout and stderr merged into one pipe."""
+    return [
+        subprocess.Popen(
+            list(cmd),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for env in envs
+    ]
+
+
+def _forward(rank: int, pipe: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+    for raw in iter(pipe.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            out.write(f"[{rank}] {line}\n")
+            out.flush()
+    pipe.close()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGINT to every running process group, then SIGKILL to those still alive after
+    ``grace`` seconds. Not SIGTERM: JAX turns it into a preemption notice and goes on."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        _signal_group(p, signal.SIGINT)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in running):
+        time.sleep(0.05)
+    for p in running:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+    for p in running:
+        p.wait()
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit code: a process killed by signal N gives 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def supervise(
+    procs: Sequence[subprocess.Popen[bytes]],
+    *,
+    grace: float = 3.0,
+    out: IO[str] | None = None,
+    poll: float = 0.05,
+) -> int:
+    """Forwards output with rank prefixes until every process has ended.
+
+    Returns the first non-zero exit code (in time), after stopping the other
+    processes; 0 when all succeed; 130 after Ctrl-C, once all are stopped.
+    """
+    out = sys.stdout if out is None else out
+    lock = threading.Lock()
+    readers = [
+        threading.Thread(target=_forward, args=(r, p.stdout, out, lock), daemon=True)
+        for r, p in enumerate(procs)
+    ]
+    for t in readers:
+        t.start()
+    first_failure = 0
+    try:
+        while [p.poll() for p in procs].count(None):  # polls every process
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                first_failure = exit_code(failed[0].returncode)
+                failed_rank = procs.index(failed[0])
+                with lock:
+                    out.write(
+                        f"shardax launch: process {failed_rank} exited with code "
+                        f"{first_failure}; stopping the others\n"
+                    )
+                    out.flush()
+                stop(procs, grace)
+                break
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        stop(procs, grace)
+        first_failure = 130
+    for t in readers:
+        t.join(timeout=5)
+    if not first_failure:
+        codes = [exit_code(p.returncode) for p in procs if p.returncode]
+        first_failure = codes[0] if codes else 0
+    return first_failure
+
+
+def run(args: argparse.Namespace) -> int:
+    """Starts the processes and supervises them; returns launch's exit code."""
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise SystemExit("shardax launch: error: give the command after --, e.g. -- python t.py")
+    if args.num_processes < 1:
+        raise SystemExit(
+            f"shardax launch: error: -n/--num-processes must be >= 1, got {args.num_processes}"
+        )
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise SystemExit(
+            f"shardax launch: error: --cpu-devices must be >= 1, got {args.cpu_devices}"
+        )
+    port = args.port or free_port()
+    envs = [
+        process_env(
+            r,
+            args.num_processes,
+            port,
+            cpu_devices=args.cpu_devices,
+            heartbeat_timeout=args.heartbeat_timeout,
+        )
+        for r in range(args.num_processes)
+    ]
+    try:
+        procs = start_processes(cmd, envs)
+    except OSError as e:  # not found, not executable
+        raise SystemExit(f"shardax launch: error: cannot run {cmd[0]!r}: {e.strerror}") from None
+    return supervise(procs, grace=args.grace)

@@ -1,0 +1,247 @@
+"""Joining a multi-process run: ``initialize`` over ``jax.distributed``.
+
+Where the coordinates come from, first match wins:
+
+1. explicit arguments (``coordinator_address``, ``num_processes``, ``process_id``);
+2. the environment set by ``shardax launch`` (:data:`ENV_COORDINATOR`, ...);
+3. JAX's own cluster detection: SLURM (``srun``) and Open MPI (``mpirun``) are
+   recognised here; any other JAX method is used when named in
+   ``cluster_detection_method``.
+
+With none of these, there is nothing to join: the process runs alone and
+``initialize`` only applies ``cpu_devices``. It must run before any JAX backend starts.
+
+>>> import shardax as sx
+>>> sx.initialize()  # doctest: +SKIP
+False
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax._src import clusters as _clusters
+from jax._src import xla_bridge as _xla_bridge
+
+ENV_COORDINATOR = "SHARDAX_COORDINATOR"
+"""``host:port`` of the coordinator (process 0), set by ``shardax launch``."""
+ENV_NUM_PROCESSES = "SHARDAX_NUM_PROCESSES"
+"""Number of processes in the run, set by ``shardax launch``."""
+ENV_PROCESS_ID = "SHARDAX_PROCESS_ID"
+"""This process's rank, ``0 .. num_processes - 1``, set by ``shardax launch``."""
+ENV_CPU_DEVICES = "SHARDAX_CPU_DEVICES"
+"""Simulated CPU devices per process (``shardax launch --cpu-devices``)."""
+ENV_HEARTBEAT = "SHARDAX_HEARTBEAT_TIMEOUT"
+"""Seconds without a heartbeat after which a process is declared dead."""
+
+# The cluster environments recognised without being named: cheap, environment-only checks.
+_AUTO_CLUSTERS = {"slurm": _clusters.SlurmCluster, "ompi": _clusters.OmpiCluster}
+
+
+class ProcessCoordinates(NamedTuple):
+    """How this process joins: where from (``source``) and, when known, the coordinates."""
+
+    source: str  # "arguments", "shardax launch", or a JAX cluster detection method
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+
+
+class _State:
+    done: bool = False  # initialize() has run to completion once in this process
+    joined: bool = False  # ... and joined a multi-process run
+
+
+_state = _State()
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def resolve_coordinates(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    cluster_detection_method: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ProcessCoordinates | None:
+    """Where this process's coordinates come from; None when there is nothing to join.
+
+    Pure: reads ``env`` (default ``os.environ``) and starts nothing.
+
+    >>> resolve_coordinates(env={}) is None
+    True
+    >>> resolve_coordinates("10.0.0.1:1234", 2, 1, env={}).source
+    'arguments'
+    """
+    env = os.environ if env is None else env
+    given = (coordinator_address, num_processes, process_id)
+    from_env = (
+        env.get(ENV_COORDINATOR) or None,
+        _env_int(env, ENV_NUM_PROCESSES),
+        _env_int(env, ENV_PROCESS_ID),
+    )
+    names = ("coordinator_address", "num_processes", "process_id")
+    if all(v is not None for v in given):
+        return ProcessCoordinates("arguments", *given)  # type: ignore[arg-type]
+    if any(v is not None for v in from_env):
+        merged = tuple(g if g is not None else e for g, e in zip(given, from_env, strict=True))
+        missing = [
+            f"{n} (or ${e})"
+            for n, e, v in zip(
+                names, (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID), merged, strict=True
+            )
+            if v is None
+        ]
+        if missing:
+            raise ValueError(
+                f"initialize: the shardax launch environment is incomplete; missing {missing}"
+            )
+        return ProcessCoordinates("shardax launch", *merged)  # type: ignore[arg-type]
+    if cluster_detection_method is not None:
+        return ProcessCoordinates(cluster_detection_method, *given)
+    for method, cluster in _AUTO_CLUSTERS.items():
+        if cluster.is_env_present():
+            return ProcessCoordinates(method, *given)
+    if any(v is not None for v in given):
+        missing = [n for n, v in zip(names, given, strict=True) if v is None]
+        raise ValueError(
+            f"initialize: got {dict(zip(names, given, strict=True))} but no cluster environment "
+            f"(SLURM, Open MPI, shardax launch) supplies the missing {missing}; pass all three"
+        )
+    return None
+
+
+def backend_started() -> bool:
+    """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
+    return _xla_bridge.backends_are_initialized()
+
+
+def _hard_exit_on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    """Prints the traceback, then exits at once: without this, a process that raises
+    waits in jax.distributed's shutdown barrier for peers that wait on it in a collective."""
+    sys.__excepthook__(exc_type, exc, tb)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    cpu_devices: int | None = None,
+    local_device_ids: int | Sequence[int] | None = None,
+    cluster_detection_method: str | None = None,
+    heartbeat_timeout_seconds: int | None = None,
+    initialization_timeout: int = 300,
+    shutdown_timeout_seconds: int = 300,
+    exit_on_uncaught_exception: bool = True,
+) -> bool:
+    """Joins the multi-process run this process belongs to, if any.
+
+    Call it first, before any JAX computation (and before ``jax.devices()``).
+
+    Args:
+        coordinator_address, num_processes, process_id: explicit coordinates; by
+            default from ``shardax launch``'s environment or SLURM / Open MPI.
+        cpu_devices: simulated CPU devices for this process (default:
+            ``$SHARDAX_CPU_DEVICES`` when set, else JAX's default).
+        local_device_ids: the accelerators this process drives (default: JAX's choice).
+        cluster_detection_method: a JAX cluster detection method to use, for example
+            ``"mpi4py"`` or ``"gke"``; by default only SLURM and Open MPI are tried.
+        heartbeat_timeout_seconds: seconds of silence after which a process is declared
+            dead and every other process stops (default: ``$SHARDAX_HEARTBEAT_TIMEOUT``,
+            else JAX's 100).
+        initialization_timeout: seconds to wait for every process to connect.
+        shutdown_timeout_seconds: seconds a finished process waits for the others.
+        exit_on_uncaught_exception: in a multi-process run, an uncaught exception prints
+            its traceback and ends the process at once (exit code 1), so that the others
+            fail promptly instead of waiting on it.
+
+    Returns:
+        True when this process is part of a multi-process run; False when it runs alone.
+
+    Raises:
+        RuntimeError: a JAX backend has already started (call ``initialize`` first).
+        ValueError: incomplete coordinates, or ``cpu_devices`` below 1.
+
+    Calling it again is harmless and returns the first answer.
+    """
+    if _state.done or jax.distributed.is_initialized():
+        joined = _state.joined or jax.process_count() > 1
+        asked = {"num_processes": num_processes, "process_id": process_id}
+        have = {"num_processes": jax.process_count(), "process_id": jax.process_index()}
+        wrong = {k: v for k, v in asked.items() if v is not None and v != have[k]}
+        if wrong:
+            raise ValueError(
+                f"initialize: called again with {wrong}, but this process already runs as "
+                f"{have}; a process joins one run, once"
+            )
+        return joined
+    if backend_started():
+        raise RuntimeError(
+            "shardax.initialize() must be called before any JAX computation: a JAX backend "
+            "has already started (jax.devices(), jax.numpy, device_put and jit all start "
+            "one). Call sx.initialize() first thing in your program."
+        )
+    if cpu_devices is None:
+        cpu_devices = _env_int(os.environ, ENV_CPU_DEVICES)
+    if cpu_devices is not None:
+        if isinstance(cpu_devices, bool) or not isinstance(cpu_devices, int) or cpu_devices < 1:
+            raise ValueError(
+                f"initialize: cpu_devices must be an integer >= 1, got {cpu_devices!r}"
+            )
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    coords = resolve_coordinates(
+        coordinator_address,
+        num_processes,
+        process_id,
+        cluster_detection_method=cluster_detection_method,
+    )
+    if coords is None:
+        _state.done = True
+        return False
+    if heartbeat_timeout_seconds is None:
+        heartbeat_timeout_seconds = _env_int(os.environ, ENV_HEARTBEAT)
+    if heartbeat_timeout_seconds is None:
+        heartbeat_timeout_seconds = 100  # JAX's default
+    if heartbeat_timeout_seconds < 1:
+        raise ValueError(
+            f"initialize: heartbeat_timeout_seconds (or ${ENV_HEARTBEAT}) must be >= 1 second, "
+            f"got {heartbeat_timeout_seconds}"
+        )
+    if jax.config.jax_cpu_collectives_implementation is None:
+        # Cross-process collectives between CPU devices; gloo needs no extra install.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    explicit = coords.source in ("arguments", "shardax launch")
+    jax.distributed.initialize(
+        coordinator_address=coords.coordinator_address,
+        num_processes=coords.num_processes,
+        process_id=coords.process_id,
+        local_device_ids=local_device_ids,
+        # Coordinates we resolved ourselves must not be overridden by a cluster
+        # environment (for example shardax launch inside a SLURM allocation).
+        cluster_detection_method="deactivate" if explicit else cluster_detection_method,
+        initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        shutdown_timeout_seconds=shutdown_timeout_seconds,
+    )
+    _state.done = True
+    _state.joined = True
+    if exit_on_uncaught_exception:
+        sys.excepthook = _hard_exit_on_uncaught
+    return True

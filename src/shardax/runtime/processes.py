@@ -1,0 +1,85 @@
+"""Working across processes: who prints, and host values reduced over every process.
+
+In a multi-process run every process executes the same program. Printing and
+progress bars come from process 0 (:func:`is_main_process`, :func:`print0`); values
+computed on the host of each process are combined with :func:`host_reduce`, and global
+arrays are brought to every host with :func:`host_value`. Both use XLA collectives
+(gloo on CPU, NCCL on GPU) through ``jax.experimental.multihost_utils``.
+
+>>> import shardax as sx
+>>> sx.print0("printed once, by process 0")
+printed once, by process 0
+>>> float(sx.host_reduce(np.float32(2.0), "sum"))  # one process: unchanged
+2.0
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+_HOST_REDUCERS = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min}
+
+
+def device_put_global(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put(tree, shardings)`` that also works for host values across processes.
+
+    NumPy leaves are first cast to JAX's dtype for them (float64 -> float32 unless x64 is
+    on). JAX checks that a host value put onto devices of every process is the same on
+    each, by all-gathering it in JAX's dtype and comparing with the original: a float64
+    value would fail that check on every process although all pass the same data.
+    """
+
+    def canonical(x: Any) -> Any:
+        if isinstance(x, np.ndarray | np.generic):
+            return np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype))
+        return x
+
+    return jax.device_put(jax.tree.map(canonical, tree), shardings)
+
+
+def is_main_process() -> bool:
+    """True on process 0, the one that prints, logs and draws progress bars."""
+    return jax.process_index() == 0
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on process 0 only; the other processes print nothing."""
+    if is_main_process():
+        builtins.print(*args, **kwargs)
+
+
+def host_reduce(tree: Any, op: Literal["mean", "sum", "max", "min"] = "mean") -> Any:
+    """Reduces host values (NumPy or Python numbers) of the same shape over every process.
+
+    Every process must call it, with the same tree structure and shapes; each gets
+    the same NumPy result. With one process the values come back unchanged as NumPy.
+    """
+    if op not in _HOST_REDUCERS:
+        raise ValueError(f"host_reduce: op must be one of {sorted(_HOST_REDUCERS)}, got {op!r}")
+    fn = _HOST_REDUCERS[op]
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    gathered = multihost_utils.process_allgather(jax.tree.map(np.asarray, tree))
+    return jax.tree.map(lambda x: fn(x, axis=0), gathered)
+
+
+def host_value(tree: Any) -> Any:
+    """Every ``jax.Array`` leaf of ``tree`` as a NumPy array on every process.
+
+    Replicated arrays (a loss or metrics from a jitted step) are read locally;
+    arrays sharded across processes are all-gathered, so every process must call it.
+    """
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if x.sharding.is_fully_replicated:
+                return np.asarray(x.addressable_data(0))
+            return multihost_utils.process_allgather(x, tiled=True)
+        return np.asarray(x) if isinstance(x, jax.Array) else x
+
+    return jax.tree.map(one, tree)

@@ -1,0 +1,379 @@
+"""Multi-process runs with real processes on 127.0.0.1 and gloo CPU collectives.
+
+Each multi-process test runs under a wall-clock timeout: a hang is a failure. The
+single-process references run in this pytest process on its 8 CPU devices.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import shardax as sx
+from shardax.cli import main as cli_main
+from shardax.cli.launch import exit_code, free_port, process_env, start_processes, supervise
+from shardax.runtime.distributed import (
+    ENV_COORDINATOR,
+    ENV_CPU_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    resolve_coordinates,
+)
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "multihost_train.py")
+_spec = importlib.util.spec_from_file_location("multihost_train", SCRIPT)
+multihost_train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(multihost_train)
+LAUNCH = [sys.executable, "-c", "import sys; from shardax.cli import main; sys.exit(main())"]
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "SLURM_"))}
+
+
+def results(output: str) -> dict[int, dict]:
+    """The ``RESULT`` json of each rank, by rank, from launch's prefixed output."""
+    found: dict[int, list[dict]] = {}
+    for line in output.splitlines():
+        if line.startswith("[") and "] RESULT " in line:
+            rank, _, payload = line.partition("] RESULT ")
+            found.setdefault(int(rank[1:]), []).append(json.loads(payload))
+    return found
+
+
+class Ranks:
+    """N processes of ``cmd`` started with the launch environment, output collected."""
+
+    def __init__(self, cmd: list[str], n: int, **env_kw: int) -> None:
+        port = free_port()
+        envs = [process_env(r, n, port, base=CLEAN_ENV, **env_kw) for r in range(n)]
+        self.procs = start_processes(cmd, envs)
+        self.lines: list[list[str]] = [[] for _ in range(n)]
+        self.threads = [
+            threading.Thread(target=self._read, args=(r,), daemon=True) for r in range(n)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _read(self, rank: int) -> None:
+        for raw in iter(self.procs[rank].stdout.readline, b""):
+            self.lines[rank].append(raw.decode(errors="replace"))
+
+    def text(self, rank: int) -> str:
+        return "".join(self.lines[rank])
+
+    def wait_for(self, rank: int, needle: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while needle not in self.text(rank):
+            assert self.procs[rank].poll() is None, f"rank {rank} ended:\n{self.text(rank)}"
+            assert time.monotonic() < deadline, f"no {needle!r} from rank {rank}"
+            time.sleep(0.1)
+
+    def wait(self, rank: int, timeout: float) -> int:
+        try:
+            return self.procs[rank].wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"rank {rank} still running after {timeout} s (hang):\n{self.text(rank)}")
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def ranks():
+    started: list[Ranks] = []
+
+    def start(*args, **kw) -> Ranks:
+        started.append(Ranks(*args, **kw))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.kill()
+
+
+# --- real processes ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_match_one_process_dp_fsdp_and_shard_map():
+    options = ["-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "10"]
+    script = [sys.executable, SCRIPT, "--mode", "dp,fsdp,dp-shard_map"]
+    proc = subprocess.run(
+        [*LAUNCH, "launch", *options, "--", *script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=CLEAN_ENV,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    got = results(proc.stdout)
+    assert sorted(got) == [0, 1]
+    # Printing comes from process 0 only.
+    assert "[0] step 4 loss" in proc.stdout and "[1] step" not in proc.stdout
+    for plan_index, plan in enumerate(("dp", "fsdp", "dp-shard_map")):
+        reference = multihost_train.train(plan, 5)  # 1 process x 8 devices, here
+        assert reference["processes"] == 1
+        for rank in (0, 1):
+            r = got[rank][plan_index]
+            assert r["plan"] == plan and r["processes"] == 2 and r["process"] == rank
+            np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-6)
+            # Each process read only its half of every global batch of 32 ...
+            assert r["rows"] == [16 * rank, 16 * rank + 16]
+            assert r["batch_local_shards"] == 4
+            assert r["examples_seen_all_hosts"] == 5 * 32
+            # ... the data axis crosses processes, a model axis stays inside one.
+            assert r["mesh_process_of_data_index"] == [0, 0, 0, 0, 1, 1, 1, 1]
+            assert r["mesh_2d_processes"] == [[0, 0], [0, 0], [1, 1], [1, 1]]
+            assert r["w1_spec"] == reference["w1_spec"]
+            if plan == "fsdp":
+                assert r["w1_spec"] == "P(None, 'data')"
+                assert r["w1_local_shards"] == [[16, 8]] * 4
+            else:
+                assert r["w1_local_shards"] == [[16, 64]] * 4
+
+
+@pytest.mark.timeout(120)
+def test_a_process_raises_every_process_exits_nonzero_promptly():
+    port = free_port()
+    envs = [process_env(r, 2, port, cpu_devices=4, base=CLEAN_ENV) for r in range(2)]
+    procs = start_processes([sys.executable, SCRIPT, "--mode", "raise"], envs)
+    out = io.StringIO()
+    start = time.monotonic()
+    code = supervise(procs, grace=3.0, out=out)
+    elapsed = time.monotonic() - start
+    text = out.getvalue()
+    assert code == 1, text
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    assert "[1] RuntimeError: deliberate failure on process 1 at step 2" in text
+    assert "process 1 exited with code 1; stopping the others" in text
+    assert elapsed < 60, elapsed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        ("config", ["'config' (processes [1] differ from process 0; 1 leaf differs", "lr: {lr}"]),
+        (
+            "plan",  # no explicit check: the train step's own, in step.shard
+            [
+                "'state_shardings' (processes [1] differ from process 0; 4 leaves differ",
+                "params/w1: {w1}",
+                "'train_step' (processes [1] differ",
+            ],
+        ),
+    ],
+    ids=["config-by-check_agreement", "plan-by-train-step"],
+)
+def test_mismatch_raises_on_every_process(ranks, fault, expected):
+    run = ranks([sys.executable, SCRIPT, "--mode", fault], 2, cpu_devices=4)
+    local = [{"lr": 0.1, "w1": "P()"}, {"lr": 0.11, "w1": "P(None, 'data')"}]
+    for rank in (0, 1):
+        assert run.wait(rank, timeout=90) == 1, run.text(rank)
+        text = run.text(rank)
+        assert "AgreementError: check_agreement: the processes disagree on " in text, text
+        assert f"differ, on process {rank}: " in text or f"differs, on process {rank}: " in text
+        for needle in expected:
+            assert needle.format(**local[rank]) in text, (needle, text[-2000:])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker", "coordinator"])
+def test_kill_9_of_one_process_stops_the_other_within_heartbeat(ranks, victim):
+    heartbeat, other = 5, 1 - victim
+    cmd = [sys.executable, SCRIPT, "--mode", "spin"]
+    run = ranks(cmd, 2, cpu_devices=2, heartbeat_timeout=heartbeat)
+    run.wait_for(victim, "spin 2 ", timeout=60)
+    run.wait_for(other, "spin 2 ", timeout=10)
+    killed = time.monotonic()
+    run.procs[victim].send_signal(signal.SIGKILL)
+    code = run.wait(other, timeout=heartbeat + 30)
+    assert code != 0, run.text(other)
+    assert time.monotonic() - killed < heartbeat + 30
+    assert exit_code(run.procs[victim].wait()) == 128 + signal.SIGKILL
+
+
+@pytest.mark.timeout(60)
+def test_alone_initialize_is_a_noop_that_sets_cpu_devices():
+    code = (
+        "import shardax as sx, jax\n"
+        "assert sx.initialize() is False\n"
+        "assert sx.initialize() is False\n"  # twice is harmless
+        "assert jax.process_count() == 1 and jax.device_count() == 3, jax.devices()\n"
+        "assert sx.initialize() is False\n"  # even once the backend runs
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**CLEAN_ENV, ENV_CPU_DEVICES: "3"},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+# --- shardax launch without JAX in the children -----------------------------------------------
+
+PY = [sys.executable, "-c"]
+
+
+def test_launch_prefixes_ranks_and_passes_environment():
+    show = f"import os; print(os.environ['{ENV_PROCESS_ID}'], os.environ['{ENV_NUM_PROCESSES}'],"
+    show += f" os.environ['{ENV_COORDINATOR}'], os.environ['{ENV_CPU_DEVICES}'])"
+    proc = subprocess.run(
+        [*LAUNCH, "launch", "-n", "3", "--cpu-devices", "2", "--port", "4567", "--", *PY, show],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=CLEAN_ENV,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(proc.stdout.splitlines())
+    assert lines == [f"[{r}] {r} 3 127.0.0.1:4567 2" for r in range(3)]
+
+
+def test_launch_exits_with_first_failure_and_stops_the_others():
+    failing = "import os, sys, time\nif os.environ['SHARDAX_PROCESS_ID'] == '1': sys.exit(7)\n"
+    failing += "print('waiting', flush=True); time.sleep(60)"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*LAUNCH, "launch", "-n", "3", "--grace", "1", "--", *PY, failing],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=CLEAN_ENV,
+    )
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    assert "process 1 exited with code 7; stopping the others" in proc.stdout
+    assert time.monotonic() - start < 20
+
+
+def test_launch_ctrl_c_stops_every_process():
+    child = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+    launch = subprocess.Popen(
+        [*LAUNCH, "launch", "-n", "2", "--grace", "1", "--", *PY, child],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=CLEAN_ENV,
+    )
+    pids = []
+    while len(pids) < 2:
+        line = launch.stdout.readline()
+        assert line, "launch ended early"
+        pids.append(int(line.split()[-1]))
+    launch.send_signal(signal.SIGINT)
+    assert launch.wait(timeout=20) == 130
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_launch_usage_errors():
+    for args, message in [
+        (["-n", "2"], "give the command after --"),
+        (["-n", "0", "--", "true"], "-n/--num-processes must be >= 1, got 0"),
+        (["-n", "1", "--cpu-devices", "0", "--", "true"], "--cpu-devices must be >= 1, got 0"),
+        (["-n", "1", "--", "/no/such/program"], "cannot run '/no/such/program'"),
+    ]:
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            cli_main(["launch", *args])
+
+
+# --- in this process ---------------------------------------------------------------------
+
+
+def test_resolve_coordinates_order(monkeypatch):
+    for var in ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(var, raising=False)
+    assert resolve_coordinates(env={}) is None
+    launch_env = {ENV_COORDINATOR: "127.0.0.1:99", ENV_NUM_PROCESSES: "2", ENV_PROCESS_ID: "1"}
+    assert tuple(resolve_coordinates(env=launch_env)) == ("shardax launch", "127.0.0.1:99", 2, 1)
+    # Explicit arguments win over the environment.
+    got = resolve_coordinates("10.0.0.1:5", 4, 3, env=launch_env)
+    assert tuple(got) == ("arguments", "10.0.0.1:5", 4, 3)
+    with pytest.raises(ValueError, match=r"incomplete; missing \['process_id"):
+        resolve_coordinates(env={ENV_COORDINATOR: "h:1", ENV_NUM_PROCESSES: "2"})
+    with pytest.raises(ValueError, match="SHARDAX_PROCESS_ID must be an integer, got 'x'"):
+        resolve_coordinates(env={**launch_env, ENV_PROCESS_ID: "x"})
+    with pytest.raises(ValueError, match=r"supplies the missing \['num_processes', 'process_id'\]"):
+        resolve_coordinates("h:1", env={})
+
+
+def test_resolve_coordinates_detects_slurm(monkeypatch):
+    slurm = {
+        "SLURM_JOB_ID": "12",
+        "SLURM_STEP_NODELIST": "node[001-004]",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+    }
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    assert resolve_coordinates(env={}).source == "slurm"
+    # JAX's own SLURM detection fills in what is left, as sx.initialize relies on.
+    from jax._src.clusters import ClusterEnv
+
+    addr, n, pid, local = ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, None, None, 10
+    )
+    assert (addr.split(":")[0], n, pid, local) == ("node001", 4, 2, [0])
+
+
+def test_initialize_after_backend_started_says_call_it_first():
+    jax.devices()
+    with pytest.raises(RuntimeError, match=r"must be called before any JAX computation"):
+        sx.initialize()
+
+
+def test_check_agreement_alone_and_fingerprints():
+    mesh = sx.make_mesh({"data": -1})
+    params = {"w": np.zeros((64, 8), np.float32)}
+    digest = sx.check_agreement(config={"lr": 0.1}, mesh=mesh, plan=sx.fsdp(mesh)(params))
+    assert digest == sx.check_agreement(config={"lr": 0.1}, mesh=mesh, plan=sx.fsdp(mesh)(params))
+    fp = sx.runtime.fingerprint
+    # What tells setups apart: config values, mesh shapes, plan rules and their settings.
+    assert fp({"lr": 0.1}) != fp({"lr": 0.2})
+    assert fp(mesh) != fp(sx.make_mesh({"data": 4, "model": 2}))
+    assert fp(sx.fsdp(mesh, min_size=1)) != fp(sx.fsdp(mesh, min_size=2))
+    assert fp(sx.fsdp(mesh)) != fp(sx.replicate(mesh))
+    assert fp(sx.fsdp(mesh, min_size=1)(params)) != fp(sx.replicate(mesh)(params))
+    assert fp(sx.fsdp(mesh)) == fp(sx.fsdp(sx.make_mesh({"data": -1})))
+
+    class Opaque:
+        __slots__ = ()
+
+    with pytest.raises(TypeError, match=r"cannot fingerprint a .*Opaque"):
+        fp({"thing": Opaque()})
+    with pytest.raises(ValueError, match="pass at least one part"):
+        sx.check_agreement()
+
+
+def test_host_helpers_alone(capsys):
+    assert sx.is_main_process()
+    sx.print0("hello", 1)
+    assert capsys.readouterr().out == "hello 1\n"
+    out = sx.host_reduce({"n": np.int64(3), "x": np.ones(2)}, "sum")
+    assert out["n"] == 3 and out["x"].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="op must be one of"):
+        sx.host_reduce(1.0, "median")
+    mesh = sx.make_mesh({"data": -1})
+    x = sx.distribute_batch(np.arange(16.0), sx.batch_sharding(mesh))
+    got = sx.host_value({"x": x, "name": "loss"})
+    assert isinstance(got["x"], np.ndarray) and got["x"].tolist() == list(range(16))
+    assert got["name"] == "loss"
