@@ -4,15 +4,12 @@ import json
 import sys
 
 import jax
+import numpy as np
+
+import shardax as sx
 
 rank, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.config.update("jax_num_cpu_devices", 2)
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
-
-import numpy as np  # noqa: E402
-
-import shardax as sx  # noqa: E402
+sx.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank, cpu_devices=2)
 
 mesh = sx.make_mesh({"data": -1})
 assert mesh.size == 4 and jax.process_count() == 2

@@ -1,5 +1,13 @@
 """Plan layer: pytrees to pytrees of ``NamedSharding``."""
 
+from shardax.plan.activation import constrain
+from shardax.plan.annotations import (
+    annotated_specs,
+    axis_rules,
+    current_axis_rules,
+    from_nnx,
+    logical_to_mesh,
+)
 from shardax.plan.core import (
     DEFAULT_FSDP_MIN_SIZE,
     Plan,
@@ -9,19 +17,39 @@ from shardax.plan.core import (
     replicate,
     shard,
 )
+from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.init import init_sharded
+from shardax.plan.regex import rules
+from shardax.plan.report import Row, ShardingReport, describe, format_bytes, validate
 from shardax.plan.tree import is_array, map_arrays, path_str
-from shardax.plan.validate import check_spec
+from shardax.plan.validate import check_spec, spec_errors
 
 __all__ = [
     "DEFAULT_FSDP_MIN_SIZE",
+    "FollowParams",
     "Plan",
+    "Row",
+    "ShardingReport",
+    "annotated_specs",
+    "axis_rules",
     "axis_size",
     "check_spec",
+    "constrain",
+    "current_axis_rules",
+    "describe",
+    "follow_params",
+    "format_bytes",
+    "from_nnx",
     "fsdp",
     "fsdp_spec",
+    "init_sharded",
     "is_array",
+    "logical_to_mesh",
     "map_arrays",
     "path_str",
     "replicate",
+    "rules",
     "shard",
+    "spec_errors",
+    "validate",
 ]

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.tree import map_arrays
-from shardax.plan.validate import check_spec
+from shardax.plan.validate import spec_errors
 from shardax.runtime.processes import device_put_global
 
 AxisNames = str | tuple[str, ...]
@@ -38,16 +38,29 @@ class Plan:
     spec_fn: SpecFn
     name: str = "plan"
 
-    def specs(self, tree: Any) -> Any:
-        """The ``PartitionSpec`` of every array leaf, checked against the mesh."""
+    def resolve(self, tree: Any) -> tuple[Any, list[str]]:
+        """The ``PartitionSpec`` of every array leaf, and every error found checking them.
+
+        Rank-0 leaves (step counts, scalars) are always replicated, whatever ``spec_fn``.
+        """
+        errors: list[str] = []
 
         def one(path: str, leaf: Any) -> PartitionSpec:
             shape = tuple(np.shape(leaf))
-            spec = self.spec_fn(path, shape)
-            check_spec(path, shape, spec, self.mesh)
+            spec = self.spec_fn(path, shape) if shape else PartitionSpec()
+            errors.extend(spec_errors(path, shape, spec, self.mesh))
             return spec
 
-        return map_arrays(one, tree)
+        return map_arrays(one, tree), errors
+
+    def specs(self, tree: Any) -> Any:
+        """The ``PartitionSpec`` of every array leaf; raises ``ValueError`` listing all errors."""
+        specs, errors = self.resolve(tree)
+        if errors:
+            raise ValueError(
+                f"plan {self.name!r} cannot shard {len(errors)} leaf/leaves:\n" + "\n".join(errors)
+            )
+        return specs
 
     def __call__(self, tree: Any) -> Any:
         """The ``NamedSharding`` of every array leaf; other leaves pass through."""

@@ -31,6 +31,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDev
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.core import Plan, replicate
+from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.init import init_sharded
 from shardax.plan.tree import is_array, map_arrays
 from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
@@ -101,6 +103,17 @@ def _bounded(call: Callable[..., Any], depth: int) -> Callable[..., Any]:
         return out
 
     return bounded
+
+
+def _under_mesh(call: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """Runs (and so traces) ``call`` under ``jax.set_mesh(mesh)``, so that
+    ``sx.constrain`` inside the model knows the mesh."""
+
+    def under(state: Any, batch: Any) -> Any:
+        with jax.sharding.set_mesh(mesh):
+            return call(state, batch)
+
+    return under
 
 
 def _reshard_batch(fn: Callable[..., Any], sharding: NamedSharding) -> Callable[..., Any]:
@@ -175,6 +188,12 @@ class TrainStep:
             )
         self.loss_fn = loss_fn
         self.mesh, self.plan, self.mode = mesh, plan, mode
+        # The optimizer state follows the params (Adam's mu/nu), whatever the plan.
+        self._state_plan = (
+            follow_params(plan)
+            if isinstance(plan, Plan) and not isinstance(plan, FollowParams)
+            else plan
+        )
         self.accumulate, self.donate, self.data_axis = accumulate, donate, data_axis
         self._pass_rng = "rng" in inspect.signature(loss_fn).parameters
         self._devices = 1 if mode == "single" else mesh.shape[data_axis]
@@ -189,6 +208,8 @@ class TrainStep:
         self._last: Callable[..., Any] = _no_step
         self._last_treedef: Any = None
         self._call = getattr(self, f"_call_{mode}")
+        if mode == "jit":
+            self._call = _under_mesh(self._call, mesh)
         if mode != "single" and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
             self._call = _bounded(self._call, CPU_MAX_IN_FLIGHT)
         if mode == "single":
@@ -225,7 +246,7 @@ class TrainStep:
         else:
             if self.mode in ("shard_map", "pmap"):
                 self._check_replicated(state)
-            shardings = self.plan(state)
+            shardings = self._state_plan(state)
             if jax.process_count() > 1:
                 check_agreement(train_step=repr(self), state_shardings=shardings)
         placed = device_put_global(state, shardings)
@@ -247,7 +268,7 @@ class TrainStep:
                     "plans such as sx.fsdp"
                 )
 
-        map_arrays(one, state, self.plan(state))
+        map_arrays(one, state, self._state_plan(state))
 
     # -- the step, for one shard of the batch --------------------------------------------
 
@@ -357,8 +378,22 @@ class TrainStep:
 
     # -- dispatch ------------------------------------------------------------------------
 
+    def init(self, init_fn: Callable[..., TrainState], *args: Any, **kwargs: Any) -> TrainState:
+        """``init_fn(*args, **kwargs)`` (e.g. building the model and ``TrainState.create``)
+        run under ``jax.jit`` straight onto the step's shardings: no leaf is ever whole on
+        one device (see :func:`shardax.init_sharded`).
+
+        >>> state = step.init(lambda key: sx.TrainState.create(Model(nnx.Rngs(key)), tx),
+        ...                   jax.random.key(0))
+        """
+        if self.mode == "single":
+            return init_sharded(init_fn, lambda tree: self._device, *args, **kwargs)
+        if self.mode in ("shard_map", "pmap"):
+            self._check_replicated(jax.eval_shape(init_fn, *args, **kwargs))
+        return init_sharded(init_fn, self._state_plan, *args, **kwargs)
+
     def _build(self, state: TrainState) -> Callable[..., Any]:
-        shardings = self.plan(state)
+        shardings = self._state_plan(state)
         if self.mode == "jit":
             fn = self._global_update
             if AxisType.Explicit in self.mesh.axis_types:
@@ -442,8 +477,11 @@ def make_train_step(
             argument it receives one key per example, ``fold_in(fold_in(rng, step), i)``
             for example ``i`` of the global batch, the same in every mode.
         mesh: the device mesh; the batch is split over ``data_axis``.
-        plan: shardings of the state (default: replicate). ``"shard_map"`` and ``"pmap"``
-            support only replicating plans.
+        plan: shardings of the state (default: replicate), wrapped in
+            :func:`shardax.follow_params` so the optimizer state follows the params.
+            ``"shard_map"`` and ``"pmap"`` support only replicating plans. ``step.init``
+            builds a state straight onto it; ``jit`` mode traces under
+            ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies.
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
             layout: the batch reshaped to (devices, per device, ...); the replicated

@@ -1,0 +1,104 @@
+"""Optimizer state follows the params: Adam's ``mu``/``nu`` get their param's sharding.
+
+>>> import shardax as sx
+>>> mesh = sx.make_mesh({"data": 4, "model": 2})
+>>> params = {"w": np.zeros((8, 8))}
+>>> state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
+>>> plan = sx.follow_params(sx.rules(mesh, [("^params/w$", P(None, "model"))]))
+>>> plan.specs(state)["opt_state"][0].mu["w"], plan.specs(state)["opt_state"][0].count
+(P(None, 'model'), P())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from shardax.plan.core import Plan
+from shardax.plan.tree import is_array, map_arrays, path_str
+from shardax.plan.validate import spec_errors
+
+ParamsSelector = str | Callable[[Any], Any]
+
+
+def select(tree: Any, where: ParamsSelector) -> Any:
+    """The subtree of ``tree`` at a "/"-joined path of keys, indices or attributes."""
+    if callable(where):
+        return where(tree)
+    node = tree
+    for part in where.split("/"):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, Sequence) and not isinstance(node, str) and part.isdigit():
+            node = node[int(part)]
+        elif hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            raise ValueError(
+                f"params={where!r}: no {part!r} in the {type(node).__name__} of the tree; pass "
+                "the path of the params subtree (e.g. 'params' or 'model') or a function"
+            )
+    return node
+
+
+@dataclasses.dataclass(frozen=True)
+class FollowParams(Plan):
+    """A plan whose params subtree, and every subtree of the same structure and shapes
+    (Adam's ``mu`` and ``nu``, momentum...), gets the params' specs. Made by
+    :func:`follow_params`."""
+
+    base: Plan | None = None
+    params: ParamsSelector = "params"
+
+    def resolve(self, tree: Any) -> tuple[Any, list[str]]:
+        assert self.base is not None
+        base, errors = self.base, []
+
+        def spec(path: str, leaf: Any) -> PartitionSpec:
+            shape = tuple(np.shape(leaf))
+            s = base.spec_fn(path, shape) if shape else PartitionSpec()
+            errors.extend(spec_errors(path, shape, s, self.mesh))
+            return s
+
+        params = select(tree, self.params)
+        # The params' own paths in the tree, so a rule sees the same path with or
+        # without follow_params (a function selector gives paths relative to the params).
+        prefix = f"{self.params}/" if isinstance(self.params, str) else ""
+        param_specs = map_arrays(lambda p, x: spec(prefix + p, x), params)
+        treedef = jax.tree.structure(params)
+        shapes = [np.shape(x) for x in jax.tree.leaves(params)]
+
+        def mirrors(node: Any) -> bool:
+            if jax.tree.structure(node) != treedef:
+                return False
+            return [np.shape(x) for x in jax.tree.leaves(node)] == shapes
+
+        flat, outer = jax.tree_util.tree_flatten_with_path(tree, is_leaf=mirrors)
+        out = []
+        for path, node in flat:
+            if mirrors(node):
+                out.append(param_specs)
+            elif is_array(node):
+                out.append(spec(path_str(path), node))
+            else:
+                out.append(node)
+        return jax.tree.unflatten(outer, out), errors
+
+
+def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:
+    """Wraps ``plan`` so optimizer state is sharded like the params, whatever the plan.
+
+    ``params`` locates the params in the state (a "/"-joined path of keys or attributes,
+    or a function of the state). The params get ``plan``'s specs for their paths in the
+    state (``params/layers/0/kernel``; relative to the params with a function); every
+    other subtree with the params'
+    structure and shapes (optax's ``mu``, ``nu``, ``trace``...) gets the same specs;
+    rank-0 leaves (``count``) are replicated; any other leaf gets ``plan``'s spec for
+    its own path.
+    """
+    return FollowParams(plan.mesh, plan.spec_fn, f"{plan.name}+follow_params", plan, params)

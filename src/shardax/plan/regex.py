@@ -1,0 +1,72 @@
+"""Tensor-parallel plans from regular expressions over leaf paths.
+
+>>> import shardax as sx
+>>> mesh = sx.make_mesh({"data": 4, "model": 2})
+>>> plan = sx.rules(mesh, [(r"layers/1/w$", P(None, "model")), (r"layers/2/w$", P("model"))])
+>>> plan.specs({"layers": [{"w": np.zeros((8, 8))}] * 3})["layers"][1]["w"]
+P(None, 'model')
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from jax.sharding import Mesh, PartitionSpec
+
+from shardax.plan.core import Plan
+
+Rule = tuple[str, PartitionSpec]
+
+
+def _compile(rule_list: Sequence[Rule]) -> list[tuple[re.Pattern[str], PartitionSpec]]:
+    compiled = []
+    for i, rule in enumerate(rule_list):
+        if not (isinstance(rule, tuple | list) and len(rule) == 2):
+            raise ValueError(f"rules[{i}] must be a (regex, PartitionSpec) pair, got {rule!r}")
+        pattern, spec = rule
+        if not isinstance(spec, PartitionSpec):
+            raise ValueError(
+                f"rules[{i}] ({pattern!r}): the spec must be a jax.sharding.PartitionSpec, "
+                f"got {spec!r}"
+            )
+        try:
+            compiled.append((re.compile(pattern), spec))
+        except (re.error, TypeError) as e:
+            raise ValueError(
+                f"rules[{i}]: {pattern!r} is not a valid regular expression: {e}"
+            ) from e
+    return compiled
+
+
+def rules(
+    mesh: Mesh,
+    rule_list: Sequence[Rule],
+    default: PartitionSpec | Plan | None = None,
+) -> Plan:
+    """A plan from ``(regex, PartitionSpec)`` pairs; the first that matches a leaf wins.
+
+    Each regex is tried with :func:`re.search` on the leaf's path joined by "/" (for
+    example ``params/layers/0/kernel``; NNX variables end in ``/value``), so it may match
+    anywhere in the path: anchor it with ``^``/``$`` to match a whole path. Leaves no
+    rule matches get ``default``: a ``PartitionSpec``, another plan on the same mesh
+    (e.g. ``fsdp(mesh)``), or ``None`` to replicate. A matched spec that cannot shard its
+    leaf is an error, never skipped. Rank-0 leaves are always replicated.
+    """
+    compiled = _compile(rule_list)
+    if isinstance(default, Plan) and default.mesh != mesh:
+        raise ValueError(f"default plan {default.name!r} is on another mesh than the rules")
+    if default is not None and not isinstance(default, PartitionSpec | Plan):
+        raise ValueError(
+            f"default must be a PartitionSpec, a Plan or None (replicate), got {default!r}"
+        )
+
+    def spec_fn(path: str, shape: tuple[int, ...]) -> PartitionSpec:
+        for pattern, spec in compiled:
+            if pattern.search(path):
+                return spec
+        if isinstance(default, Plan):
+            return default.spec_fn(path, shape)
+        return PartitionSpec() if default is None else default
+
+    return Plan(mesh, spec_fn, "rules")

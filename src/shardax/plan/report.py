@@ -1,0 +1,142 @@
+"""Reports on a plan before and after placing: :func:`validate` (a dry run of its errors)
+and :func:`describe` (path, shape, dtype, spec and bytes per device of every leaf).
+
+>>> import shardax as sx
+>>> mesh = sx.make_mesh({"data": 8})
+>>> report = sx.describe({"w": jax.ShapeDtypeStruct((1024, 16), "float32")}, sx.fsdp(mesh))
+>>> report.rows[0].bytes_per_device, report.total_bytes_per_device
+(8192, 8192)
+>>> report.rows[0].spec  # print(report) shows a rich table; report.to_dicts() the rows
+P('data', None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+from shardax.plan.core import Plan
+from shardax.plan.tree import map_arrays
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.50 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One array leaf: ``spec`` is ``None`` for a leaf not placed on a mesh."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: PartitionSpec | None
+    bytes_per_device: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingReport:
+    """Rows of :func:`describe`; print it for a table, or read ``rows`` as data."""
+
+    rows: tuple[Row, ...]
+    title: str = "sharding"
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole tree, counting each leaf once."""
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def total_bytes_per_device(self) -> int:
+        """The largest shard of every leaf, summed: what one device holds when every
+        leaf spans the same devices (an upper bound otherwise)."""
+        return sum(r.bytes_per_device for r in self.rows)
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """The rows as dicts, specs as strings (for JSON or a DataFrame)."""
+        return [
+            {**dataclasses.asdict(r), "spec": None if r.spec is None else str(r.spec)}
+            for r in self.rows
+        ]
+
+    def __rich__(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=self.title)
+        for name, justify in [
+            ("path", "left"),
+            ("shape", "right"),
+            ("dtype", "left"),
+            ("spec", "left"),
+            ("per device", "right"),
+        ]:
+            table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        for r in self.rows:
+            spec = "-" if r.spec is None else str(tuple(r.spec))
+            table.add_row(r.path, str(r.shape), r.dtype, spec, format_bytes(r.bytes_per_device))
+        table.add_section()
+        table.add_row(
+            f"total ({len(self.rows)} arrays, {format_bytes(self.total_bytes)})",
+            "",
+            "",
+            "",
+            format_bytes(self.total_bytes_per_device),
+        )
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        out = io.StringIO()
+        Console(file=out, width=120, force_terminal=False).print(self)
+        return out.getvalue().rstrip()
+
+
+def _row(path: str, leaf: Any, sharding: Sharding | None) -> Row:
+    shape = tuple(int(d) for d in np.shape(leaf))
+    dtype = np.dtype(leaf.dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if sharding is None:
+        return Row(path, shape, dtype.name, None, nbytes, nbytes)
+    per_device = math.prod(sharding.shard_shape(shape)) * dtype.itemsize
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else None
+    return Row(path, shape, dtype.name, spec, per_device, nbytes)
+
+
+def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
+    """A :class:`ShardingReport` of every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s).
+
+    With ``plan``, the specs are the plan's (raising its errors, as applying it would);
+    without, each leaf's own ``sharding`` (``None`` for NumPy or unsharded leaves).
+    """
+    rows: list[Row] = []
+    if plan is None:
+        map_arrays(lambda p, x: rows.append(_row(p, x, getattr(x, "sharding", None))), tree)
+    else:
+        map_arrays(lambda p, x, s: rows.append(_row(p, x, s)), tree, plan(tree))
+    title = f"sharding ({plan.name} on mesh {dict(plan.mesh.shape)})" if plan else "sharding"
+    return ShardingReport(tuple(rows), title)
+
+
+def validate(tree: Any, plan: Plan) -> list[str]:
+    """Dry run: every error ``plan`` would raise on ``tree``, without allocating anything.
+
+    ``tree`` may hold arrays or ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``).
+    Applying the plan raises a ``ValueError`` listing these same messages.
+
+    >>> sx.validate({"w": jax.ShapeDtypeStruct((6, 4), "float32")},
+    ...             sx.rules(mesh, [("w", P("data"))]))
+    ["leaf 'w' with shape (6, 4): dimension 0 of size 6 is not divisible by ..."]
+    """
+    return plan.resolve(tree)[1]
