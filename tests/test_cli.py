@@ -252,3 +252,15 @@ def test_missing_optional_dependency_names_the_extra():
     with pytest.raises(SystemExit, match=r"pip install 'shardax\[plot\]'"):
         require("matplotlib_that_is_not_installed", "plot", "bench")
     assert require("json", "demo", "train").dumps([1]) == "[1]"
+
+
+def test_train_reports_state_memory_per_device(tmp_path, capsys):
+    replicated = train_json(capsys, "--epochs", "1", "--run-dir", str(tmp_path / "r"))
+    sharded = train_json(
+        capsys, "--epochs", "1", "--plan", "fsdp", "--run-dir", str(tmp_path / "f")
+    )
+    assert replicated["state_bytes"] == sharded["state_bytes"]
+    assert replicated["state_bytes_per_device"] == replicated["state_bytes"]
+    # FSDP over 8 devices: the two kernels (and their Adam moments) split 8 ways; the
+    # biases (< 1024 elements) stay whole.
+    assert sharded["state_bytes_per_device"] < replicated["state_bytes"] / 6

@@ -7,7 +7,6 @@ the same MLP at other sizes on synthetic data, as seed 003 does.
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Any
 
 import jax
@@ -55,31 +54,31 @@ def make_mlp(in_dim: int, hidden: int, layers: int, out_dim: int, seed: int) -> 
     return MLP(in_dim, hidden, layers, out_dim, nnx.Rngs(seed))
 
 
-def tp_spec_fn(num_layers: int) -> Any:
-    """Megatron-style tensor parallelism for :func:`make_mlp`, as ``spec_fn(path, shape)``.
+def tp_rules(num_layers: int) -> list[tuple[str, Any]]:
+    """Megatron-style tensor parallelism for :class:`MLP`, as ``sx.rules`` pairs.
 
     Even layers split their kernel's columns (and bias) over ``model``; odd layers, and
     the output layer when it follows an even one, split the kernel's rows, so hidden
-    activations stay split within a pair and one all-reduce per pair joins them. Adam's
-    moments share their parameter's path, so they get the same spec.
+    activations stay split within a pair and one all-reduce per pair joins them. Other
+    leaves are replicated; ``make_train_step`` shards Adam's moments like their params.
 
-    >>> tp_spec_fn(1)("0/layers/0/kernel/value", (64, 256))
-    P(None, 'model')
+    >>> tp_rules(1)[0]
+    ('layers/0/kernel', P(None, 'model'))
     """
     from jax.sharding import PartitionSpec as P
 
-    def spec(path: str, shape: tuple[int, ...]) -> Any:
-        m = re.search(r"layers/(\d+)/(kernel|bias)", path)
-        if m:
-            column = int(m.group(1)) % 2 == 0
-            if m.group(2) == "kernel":
-                return P(None, MODEL_AXIS) if column else P(MODEL_AXIS, None)
-            return P(MODEL_AXIS) if column else P()
-        if re.search(r"(^|/)out/kernel", path) and num_layers % 2 == 1:
-            return P(MODEL_AXIS, None)
-        return P()
-
-    return spec
+    rules: list[tuple[str, Any]] = []
+    for i in range(num_layers):
+        if i % 2 == 0:
+            rules += [
+                (f"layers/{i}/kernel", P(None, MODEL_AXIS)),
+                (f"layers/{i}/bias", P(MODEL_AXIS)),
+            ]
+        else:
+            rules.append((f"layers/{i}/kernel", P(MODEL_AXIS, None)))
+    if num_layers % 2:
+        rules.append((r"(^|/)out/kernel", P(MODEL_AXIS, None)))
+    return rules
 
 
 def make_plan(name: str, mesh: Any, num_layers: int = 1) -> Any:
@@ -96,5 +95,5 @@ def make_plan(name: str, mesh: Any, num_layers: int = 1) -> Any:
                 f"--plan tp needs a mesh with a {MODEL_AXIS!r} axis, got {dict(mesh.shape)}; "
                 "pass e.g. --mesh data=-1,model=2"
             )
-        return sx.Plan(mesh, tp_spec_fn(num_layers), "tp")
+        return sx.rules(mesh, tp_rules(num_layers))
     raise UsageError(f"--plan must be one of {', '.join(PLANS)}, got {name!r}")

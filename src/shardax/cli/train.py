@@ -178,7 +178,14 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             f"--resume: the checkpoint has finished epoch {first_done}; pass --epochs > "
             f"{first_done} to train further"
         )
+    described = sx.describe(state)
     if is_main:
+        out.print(sx.describe(state.params))
+        out.print(
+            f"train state (params + Adam) per device: "
+            f"{described.total_bytes_per_device / 2**10:.1f} KiB of "
+            f"{described.total_bytes / 2**10:.1f} KiB"
+        )
         out.print(
             f"training an MLP on digits: {mesh.size} {jax.devices()[0].platform} device(s), "
             f"mesh {dict(mesh.shape)}, plan {args.plan}, mode {args.mode}, "
@@ -262,6 +269,8 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         "seed": args.seed,
         "steps": args.epochs * steps_per_epoch,
         "resumed_from_epoch": first_done,
+        "state_bytes": described.total_bytes,
+        "state_bytes_per_device": described.total_bytes_per_device,
         "checkpoint_dir": args.checkpoint_dir,
         "train_examples": len(x_train),
         "test_examples": len(x_test),
