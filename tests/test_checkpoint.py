@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.cli.launch import free_port
 
 WORKER = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
 
@@ -189,9 +190,7 @@ def test_nan_guard_names_step_and_nothing_is_saved(tmp_path, mesh):
 
 
 def test_two_processes_save_and_restore_together(tmp_path):
-    import portpicker
-
-    port = portpicker.pick_unused_port()
+    port = free_port()
     script = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_multiprocess.py")
     procs = [
         subprocess.Popen(

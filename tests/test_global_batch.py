@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.cli.launch import free_port
 from shardax.data.global_batch import process_grid
 
 WORKER = Path(__file__).parent / "workers" / "data_process.py"
@@ -44,12 +44,6 @@ def test_shapes_are_checked_and_named(mesh):
         sx.global_batch({"x": np.zeros((16, 2))}, mesh, global_size=32)
     with pytest.raises(ValueError, match=r"\(12, 2\).*size 12 is not divisible by the size 8"):
         sx.global_batch({"x": np.zeros((12, 2))}, mesh)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_build_the_one_process_batches():
