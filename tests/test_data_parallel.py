@@ -1,3 +1,5 @@
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,11 +16,14 @@ def mesh():
 
 
 def test_is_nnx_module_and_static_twins_are_aliases():
+    from shardax.train import data_parallel, metrics
+
     assert isinstance(sx.DataParallel(), nnx.Module)
     assert isinstance(sx.DistributedMetrics(), nnx.Module)
-    for cls, names in [
+    for cls, module, names in [
         (
             sx.DataParallel,
+            data_parallel,
             [
                 "create_data_parallel_sharding",
                 "shard_batch",
@@ -29,11 +34,36 @@ def test_is_nnx_module_and_static_twins_are_aliases():
         ),
         (
             sx.DistributedMetrics,
+            metrics,
             ["all_gather", "reduce_mean", "reduce_sum", "reduce_max", "reduce_min"],
         ),
     ]:
         for name in names:
-            assert getattr(cls, name) is getattr(cls, f"{name}_static"), name
+            fn = getattr(module, name)
+            assert getattr(cls, f"{name}_static") is fn, name  # the twin is the function
+            assert getattr(cls, name).__wrapped__ is fn, name  # the method calls it
+            # The seed's signature: self first, then the function's own parameters.
+            method_params = list(inspect.signature(getattr(cls, name)).parameters)
+            assert method_params == ["self", *inspect.signature(fn).parameters], name
+
+
+def test_seed_signatures_and_defaults():
+    sig = inspect.signature(sx.DataParallel.all_reduce_gradients)
+    assert str(sig).startswith("(self, gradients: 'Any', reduce_type")
+    assert sig.parameters["reduce_type"].default == "mean"
+    assert sig.parameters["axis_name"].default == "batch"
+    assert (
+        inspect.signature(sx.DataParallel.create_data_parallel_sharding_static)
+        .parameters["data_axis"]
+        .default
+        == "data"
+    )
+    sig = inspect.signature(sx.DataParallel.shard_model_state)
+    assert sig.parameters["param_sharding"].default == "replicate"
+    assert (
+        inspect.signature(sx.DistributedMetrics.reduce_mean).parameters["axis_name"].default
+        == "batch"
+    )
 
 
 def test_sharding_and_shard_batch(mesh):

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from shardax.data.placement import batch_sharding, distribute_batch
+from shardax.facade import facade
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.core import fsdp, replicate, shard
 from shardax.train.collectives import all_reduce
@@ -58,6 +59,13 @@ def all_reduce_gradients(
     return all_reduce(gradients, reduce_type, axis_name)
 
 
+@facade(
+    create_data_parallel_sharding,
+    shard_batch,
+    shard_model_state,
+    all_reduce_gradients,
+    replicate_params,
+)
 class DataParallel(nnx.Module):
     """Data-parallel training utilities; every method also exists as ``*_static``.
 
@@ -69,14 +77,3 @@ class DataParallel(nnx.Module):
 
     def __init__(self) -> None:
         pass
-
-    create_data_parallel_sharding = staticmethod(create_data_parallel_sharding)
-    create_data_parallel_sharding_static = create_data_parallel_sharding
-    shard_batch = staticmethod(shard_batch)
-    shard_batch_static = shard_batch
-    shard_model_state = staticmethod(shard_model_state)
-    shard_model_state_static = shard_model_state
-    all_reduce_gradients = staticmethod(all_reduce_gradients)
-    all_reduce_gradients_static = all_reduce_gradients
-    replicate_params = staticmethod(replicate_params)
-    replicate_params_static = replicate_params

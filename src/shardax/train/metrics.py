@@ -15,6 +15,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from shardax.facade import facade
 from shardax.train.collectives import all_gather as _all_gather
 from shardax.train.collectives import reduce
 
@@ -67,23 +68,17 @@ def collect_from_devices(metrics: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@facade(
+    all_gather,
+    reduce_mean,
+    reduce_sum,
+    reduce_max,
+    reduce_min,
+    reduce_custom,
+    collect_from_devices,
+)
 class DistributedMetrics(nnx.Module):
     """Metric reductions across devices; every method also exists as ``*_static``."""
 
     def __init__(self) -> None:
         pass
-
-    all_gather = staticmethod(all_gather)
-    all_gather_static = all_gather
-    reduce_mean = staticmethod(reduce_mean)
-    reduce_mean_static = reduce_mean
-    reduce_sum = staticmethod(reduce_sum)
-    reduce_sum_static = reduce_sum
-    reduce_max = staticmethod(reduce_max)
-    reduce_max_static = reduce_max
-    reduce_min = staticmethod(reduce_min)
-    reduce_min_static = reduce_min
-    reduce_custom = staticmethod(reduce_custom)
-    reduce_custom_static = reduce_custom
-    collect_from_devices = staticmethod(collect_from_devices)
-    collect_from_devices_static = collect_from_devices
