@@ -74,3 +74,16 @@ def test_manager_restricted_devices():
     assert set(mgr.create_data_parallel_mesh().device_ids.flat) <= {0, 1, 2, 3}
     with pytest.raises(ValueError, match="needs 8 devices but only 4"):
         mgr.create_data_parallel_mesh(8)
+
+
+def test_multiprocess_layout_never_silently_crosses_the_network():
+    from types import SimpleNamespace
+
+    from shardax.mesh.make import _hybrid_grid
+
+    # Two processes with 4 devices each (duck-typed: only their placement is read).
+    devices = [SimpleNamespace(id=i, platform="cpu", process_index=i // 4) for i in range(8)]
+    with pytest.raises(ValueError, match=r"dcn_axis 'data' \(size None\).*2 processes"):
+        _hybrid_grid({"model": 8}, devices, "data")
+    with pytest.raises(ValueError, match=r"dcn_axis 'data' \(size 1\).*multiple of 2"):
+        _hybrid_grid({"data": 1, "model": 8}, devices, "data")

@@ -402,3 +402,19 @@ def test_loss_fn_output_shapes_are_checked(mesh):
         step = sx.make_train_step(loss_fn, mesh=mesh, mode="single")
         with pytest.raises(error, match=match):
             step(step.shard(make_state("pytree")), batches(1)[0])
+
+
+def test_single_mode_refuses_a_sharding_plan_and_bad_seeds_are_named(mesh):
+    with pytest.raises(ValueError, match=r"mode='single' .* no sharding plan; got plan 'fsdp'"):
+        sx.make_train_step(make_loss("pytree"), mesh=mesh, plan=sx.fsdp(mesh), mode="single")
+    step = sx.make_train_step(
+        make_loss("pytree"), mesh=mesh, plan=sx.replicate(mesh), mode="single"
+    )
+    assert step.mode == "single"
+    params, apply_fn = {"w": np.zeros((4, 2), np.float32)}, lambda p, x: x @ p["w"]
+    tx = optax.sgd(0.1)
+    a = sx.TrainState.from_params(params, apply_fn, tx, rng=np.int64(3))
+    b = sx.TrainState.from_params(params, apply_fn, tx, rng=3)
+    np.testing.assert_array_equal(a.rng, b.rng)
+    with pytest.raises(TypeError, match=r"rng must be an integer seed.*got shape \(3,\)"):
+        sx.TrainState.from_params(params, apply_fn, tx, rng=np.zeros(3, np.uint32))

@@ -105,9 +105,10 @@ def _hybrid_grid(shape: dict[str, int], devices: Sequence[Any], dcn_axis: str) -
     """The device grid when ``devices`` span several TPU slices, or several processes
     (GPU, CPU) with more than one device each: ``dcn_axis`` is split between them (slow
     network, DCN) and every other axis stays inside one (ICI). None where this does not
-    apply (one process or slice; a single TPU slice spanning hosts is all ICI; the
-    axis size not a multiple of their number): then ``jax.make_mesh`` lays the mesh out
-    over the process-major device order."""
+    apply (one process or slice; a single TPU slice spanning hosts is all ICI; one
+    device per process): then ``jax.make_mesh`` lays the mesh out over the
+    process-major device order. A ``dcn_axis`` that is missing or whose size is not a
+    multiple of their number is an error, never a silent layout across the network."""
     if len({getattr(d, "slice_index", 0) for d in devices}) > 1:
         attr = "slice_index"
     elif devices[0].platform != "tpu":
@@ -121,7 +122,12 @@ def _hybrid_grid(shape: dict[str, int], devices: Sequence[Any], dcn_axis: str) -
     if n == 1 or len(set(groups.values())) > 1 or len(devices) == n:
         return None
     if shape.get(dcn_axis, 1) % n:
-        return None
+        where = "processes" if attr == "process_index" else "slices"
+        raise ValueError(
+            f"mesh {shape}: dcn_axis {dcn_axis!r} (size {shape.get(dcn_axis)}) must be split "
+            f"between the {n} {where}, so its size must be a multiple of {n}; name the axis "
+            "that should cross them with dcn_axis=, or change the sizes"
+        )
     ici = [size // n if name == dcn_axis else size for name, size in shape.items()]
     dcn = [n if name == dcn_axis else 1 for name in shape]
     return mesh_utils.create_hybrid_device_mesh(

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, split_model
@@ -27,11 +29,20 @@ Seed = int | jax.Array
 
 
 def _key_data(rng: Seed) -> jax.Array:
-    """Raw ``uint32`` key data from an int seed, a typed key or raw key data."""
-    if isinstance(rng, int):
-        return jax.random.key_data(jax.random.key(rng))
-    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    """Raw ``uint32`` key data from an integer seed, a typed key or raw key data."""
+    if isinstance(rng, numbers.Integral) or (
+        hasattr(rng, "dtype") and np.ndim(rng) == 0 and jnp.issubdtype(rng.dtype, jnp.integer)
+    ):
+        return jax.random.key_data(jax.random.key(int(rng)))
+    if hasattr(rng, "dtype") and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(rng)
+    expected = jax.random.key_data(jax.random.key(0))
+    if not hasattr(rng, "dtype") or rng.dtype != expected.dtype or rng.shape != expected.shape:
+        got = f"shape {np.shape(rng)} dtype {getattr(rng, 'dtype', type(rng).__name__)}"
+        raise TypeError(
+            f"rng must be an integer seed, a jax.random.key, or raw key data of shape "
+            f"{expected.shape} and dtype uint32; got {got}"
+        )
     return jnp.asarray(rng, jnp.uint32)
 
 

@@ -168,6 +168,11 @@ class TrainStep:
             )
         if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        if mode == "single" and plan is not None and getattr(plan, "name", None) != "replicate":
+            raise ValueError(
+                f"mode='single' keeps the whole state on one device, so it takes no sharding "
+                f"plan; got plan {getattr(plan, 'name', plan)!r}. Drop plan= or use mode='jit'"
+            )
         plan = replicate(mesh) if plan is None else plan
         if not callable(plan):
             raise TypeError(
