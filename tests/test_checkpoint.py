@@ -113,6 +113,12 @@ def test_wrong_tree_on_restore_names_the_path(tmp_path, mesh, change, needle):
         sx.restore_checkpoint(tmp_path, like=change(state))
 
 
+def test_colliding_keys_are_refused(tmp_path):
+    tree = {"a/b": jnp.ones(2), "a": {"b": jnp.zeros(2)}}
+    with pytest.raises(ValueError, match="keys collide: two leaves are both stored as 'a/b'"):
+        sx.save_checkpoint(tmp_path, tree, step=1)
+
+
 def test_missing_steps_are_clear(tmp_path, mesh):
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
         sx.restore_checkpoint(tmp_path, like=make_state(mesh))

@@ -31,11 +31,23 @@ def array_leaves(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
 
 
 def nest(pairs: list[tuple[tuple[Any, ...], Any]]) -> dict[str, Any]:
-    """Nested dicts from ``(path, value)`` pairs, one level per path entry."""
+    """Nested dicts from ``(path, value)`` pairs, one level per path entry.
+
+    Raises ``ValueError`` when two paths read the same once joined by "/" (a key that
+    itself contains "/"), since they could not be told apart on restore.
+    """
     out: dict[str, Any] = {}
+    seen: dict[str, tuple[Any, ...]] = {}
     for path, value in pairs:
         if not path:
             raise ValueError("a checkpointed tree must be a container, not a single array")
+        joined = "/".join(_key(e) for e in path)
+        if joined in seen:
+            raise ValueError(
+                f"checkpoint keys collide: two leaves are both stored as {joined!r} "
+                f"({seen[joined]} and {path}); rename the key that contains '/'"
+            )
+        seen[joined] = path
         node = out
         for entry in path[:-1]:
             node = node.setdefault(_key(entry), {})

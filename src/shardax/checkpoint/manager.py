@@ -77,7 +77,9 @@ class CheckpointManager:
     def save(self, step: int, state: Any, data_state: Any = None, overwrite: bool = False) -> None:
         """Saves ``state`` (any pytree) and the JSON-able ``data_state`` as ``step``.
 
-        A step that exists raises ``FileExistsError`` unless ``overwrite=True``.
+        A step that exists raises ``FileExistsError`` unless ``overwrite=True``, which
+        deletes that step before saving the new one: a crash in between loses the step
+        (the other kept steps are untouched).
         """
         ocp = _ocp()
         step = int(step)
