@@ -17,7 +17,6 @@ the median and the speedup over ``single``. ``--size seed`` is the notebook's
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +26,10 @@ from shardax.cli.common import (
     console,
     median,
     positive_int,
-    print_json,
     pyplot,
-    run_dir,
     time_interleaved,
     time_step,
+    write_results,
 )
 from shardax.cli.demo import make_mlp
 
@@ -246,14 +244,5 @@ def plot(result: dict[str, Any], path: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs the comparison, prints the table, writes ``bench.json`` and ``bench.png``."""
     out = console(args)
-    result = bench(args, out)
-    directory = run_dir(args.run_dir, "bench")
-    result["plot"] = str(directory / "bench.png")
-    plot(result, directory / "bench.png")
-    (directory / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print_json(result)
-    else:
-        render(result, out)
-        out.print(f"wrote {directory}/bench.json and bench.png")
+    write_results(args, out, bench(args, out), "bench", "bench", plot, render)
     return 0

@@ -117,6 +117,29 @@ def pyplot(command: str) -> Any:
     return plt
 
 
+def write_results(
+    args: argparse.Namespace,
+    out: Any,
+    result: dict[str, Any],
+    command: str,
+    name: str,
+    plot: Callable[[dict[str, Any], Path], None],
+    render: Callable[[dict[str, Any], Any], None],
+) -> Path:
+    """Writes ``<name>.png`` and ``<name>.json`` to the run directory, then prints the
+    result: as JSON on stdout with ``--json``, else as tables. Returns the directory."""
+    directory = run_dir(args.run_dir, command)
+    result["plot"] = str(directory / f"{name}.png")
+    plot(result, directory / f"{name}.png")
+    (directory / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print_json(result)
+    else:
+        render(result, out)
+        out.print(f"wrote {directory}/{name}.json and {name}.png")
+    return directory
+
+
 def run_dir(path: str | None, command: str) -> Path:
     """``path``, or a new ``runs/<command>-<timestamp>`` directory; created."""
     out = Path(path) if path else Path("runs") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"

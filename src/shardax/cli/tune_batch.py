@@ -12,7 +12,6 @@ the datasheet figures exist, the roofline's ``B*``.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from shardax.cli.bench import SIZES, Stepper, mse_loss
@@ -23,10 +22,9 @@ from shardax.cli.common import (
     int_list,
     median,
     positive_int,
-    print_json,
     pyplot,
-    run_dir,
     time_interleaved,
+    write_results,
 )
 from shardax.cli.demo import make_mlp
 
@@ -237,14 +235,5 @@ def plot(result: dict[str, Any], path: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Measures, prints the table, writes ``tune.json`` and ``tune.png``."""
     out = console(args)
-    result = tune(args, out)
-    directory = run_dir(args.run_dir, "tune-batch")
-    result["plot"] = str(directory / "tune.png")
-    plot(result, directory / "tune.png")
-    (directory / "tune.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print_json(result)
-    else:
-        render(result, out)
-        out.print(f"wrote {directory}/tune.json and tune.png")
+    write_results(args, out, tune(args, out), "tune-batch", "tune", plot, render)
     return 0
