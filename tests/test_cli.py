@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+import shardax as sx
 from shardax.cli.main import COMMANDS, build_parser
 from shardax.cli.main import main as cli
 
@@ -224,6 +225,16 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path, capsys):
         assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-6)
     assert cli(["train", *common, "--checkpoint-dir", ckpt]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_nan_loss_stops_at_its_step_and_saves_nothing(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    argv = ["train", "--epochs", "2", "--lr", "1e30", "--checkpoint-dir", str(ckpt)]
+    assert cli([*argv, "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "loss is nan at step 2" in err and "no checkpoint was written" in err
+    with sx.CheckpointManager(ckpt) as manager:
+        assert manager.all_steps() == []
 
 
 def test_train_under_launch_in_two_processes_matches_one_process(tmp_path, capsys):

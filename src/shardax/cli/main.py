@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from shardax.cli.common import UsageError
+from shardax.train.guard import NonFiniteLossError
 
 COMMANDS = {
     "info": ("shardax.cli.info", "Show devices, hardware, batch-size advice and the mesh."),
@@ -86,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         sys.stderr.write(f"shardax {args.command}: error: {e}\n")
         return 2
+    except NonFiniteLossError as e:
+        sys.stderr.write(f"shardax {args.command}: error: {e}\n")
+        return 1
 
 
 if __name__ == "__main__":

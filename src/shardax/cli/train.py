@@ -233,6 +233,8 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
                         / (time.perf_counter() - epoch_start),
                     )
             seconds = time.perf_counter() - epoch_start
+            for j, m in enumerate(metrics):  # stop at the first non-finite step, before saving
+                sx.check_finite(m["loss"], (epoch - 1) * steps_per_epoch + j + 1)
             test = evaluate(state, test_batch)
             # Batch means weighted by their real rows: the mean over the epoch's examples.
             rows = np.minimum(args.batch_size, len(x_train) - args.batch_size * np.arange(i + 1))
@@ -248,7 +250,6 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
                     "examples_per_s": len(x_train) / seconds,
                 }
             )
-            sx.check_finite(mean["loss"], epoch * steps_per_epoch)
             if manager is not None:
                 data_state = {"epoch": epoch, "history": history, "loader": feed.get_state()}
                 manager.save(epoch * steps_per_epoch, state, data_state)
