@@ -159,6 +159,24 @@ def test_state_buffers_are_donated(mesh, mode):
         assert not new_state.params["w1"].is_deleted()
 
 
+@pytest.mark.parametrize("mode", ["jit", "single", "shard_map", "pmap"])
+def test_donation_never_deletes_the_users_arrays(mesh, mode):
+    from shardax.train.step import unalias
+
+    source = make_state("pytree")  # committed to device 0, as a freshly built model is
+    step = sx.make_train_step(make_loss("pytree"), mesh=mesh, mode=mode)
+    state = step.shard(source)
+    step(state, batches(1)[0])
+    for leaf in jax.tree.leaves(source):
+        assert not leaf.is_deleted()
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(leaf))  # still readable
+    # Only leaves that share a buffer with the source are copied.
+    same = {"a": jax.device_put(jnp.ones(4), jax.devices()[0])}
+    other = {"a": jax.device_put(jnp.ones(4), jax.devices()[1])}
+    assert unalias(same, same)["a"] is not same["a"]
+    assert unalias(same, other)["a"] is other["a"]
+
+
 def test_fsdp_plan_places_state_and_matches_single(mesh):
     plan = sx.fsdp(mesh, min_size=1)
     step = sx.make_train_step(make_loss("pytree"), mesh=mesh, plan=plan)

@@ -81,6 +81,30 @@ def _floating(tree: Any) -> Any:
 _fresh_copy = jax.jit(lambda tree: tree)
 
 
+def _buffers(x: jax.Array) -> set[int]:
+    return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+
+
+def unalias(source: Any, placed: Any) -> Any:
+    """``placed``, with fresh copies of the leaves that share a buffer with ``source``.
+
+    ``device_put`` may reuse the input's buffer for the shard on the source device, and
+    donating it would then delete the user's array. Only those leaves are copied (one
+    jitted identity for all of them), so a sharded state is not held twice.
+    """
+    src, treedef = jax.tree.flatten(source)
+    out = jax.tree.leaves(placed)
+    shared = [
+        i
+        for i, (x, y) in enumerate(zip(src, out, strict=True))
+        if isinstance(x, jax.Array) and isinstance(y, jax.Array) and _buffers(x) & _buffers(y)
+    ]
+    if shared:
+        for i, fresh in zip(shared, _fresh_copy([out[i] for i in shared]), strict=True):
+            out[i] = fresh
+    return jax.tree.unflatten(treedef, out)
+
+
 def _no_step(state: Any, batch: Any) -> Any:
     raise ValueError("no step compiled yet")
 
@@ -255,9 +279,7 @@ class TrainStep:
             if jax.process_count() > 1:
                 check_agreement(train_step=repr(self), state_shardings=shardings)
         placed = device_put_global(state, shardings)
-        # device_put may reuse the input's buffers, even with may_alias=False (a shard on
-        # the source device); a jitted identity returns fresh ones.
-        return _fresh_copy(placed) if self.donate else placed
+        return unalias(state, placed) if self.donate else placed
 
     def _check_replicated(self, state: Any) -> None:
         """shard_map and pmap keep one whole copy of the state per device."""
