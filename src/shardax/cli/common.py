@@ -32,15 +32,22 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+def float_type(expected: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: a float for which ``ok`` holds, else "expected <expected>"."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_float = float_type("a number > 0", lambda v: v > 0)
 
 
 def int_list(text: str) -> list[int]:

@@ -9,29 +9,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardax.cli.common import UsageError, add_json_flag, console, positive_int, print_json
+from shardax.cli.common import (
+    UsageError,
+    add_json_flag,
+    console,
+    float_type,
+    positive_int,
+    print_json,
+)
 
 GIB = 1024**3
 
 
-def _params(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"expected a parameter count such as 7e9, got {text!r}")
-    return value
-
-
-def _gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected GiB > 0 such as 80, got {text!r}")
-    return value
+_params = float_type("a parameter count such as 7e9", lambda v: v >= 1)
+_gib = float_type("GiB > 0 such as 80", lambda v: v > 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
