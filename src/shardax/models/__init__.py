@@ -1,0 +1,1 @@
+"""Reference models that the CLI trains and users copy as templates."""
