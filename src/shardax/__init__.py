@@ -32,6 +32,8 @@ from shardax.plan import (
     rules,
     shard,
     validate,
+    zero1,
+    zero2,
 )
 from shardax.runtime import (
     AgreementError,
@@ -49,12 +51,14 @@ from shardax.runtime import (
     validate_batch_size,
 )
 from shardax.train import (
+    AutoPlan,
     DataParallel,
     DistributedMetrics,
     TrainState,
     TrainStep,
     all_gather,
     all_reduce,
+    auto_plan,
     example_keys,
     make_train_step,
     masked_mean,
@@ -68,6 +72,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DATA_AXIS",
     "AgreementError",
+    "AutoPlan",
     "BatchSizeRecommendation",
     "CheckpointManager",
     "DataParallel",
@@ -83,6 +88,7 @@ __all__ = [
     "TrainStep",
     "all_gather",
     "all_reduce",
+    "auto_plan",
     "axis_rules",
     "batch_sharding",
     "batches",
@@ -122,4 +128,6 @@ __all__ = [
     "validate",
     "validate_batch_size",
     "weighted_mean",
+    "zero1",
+    "zero2",
 ]

@@ -15,6 +15,9 @@ MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]
 DATA_AXIS = "data"
 """The one default axis name: meshes, batch shardings and collectives all use it."""
 
+REPLICA_AXIS = "replica"
+"""The replica axis of HSDP meshes (``{"replica": R, "fsdp": F}``): across processes."""
+
 
 def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
     """Validates ``spec`` and fills a ``-1`` size with the remaining devices.
@@ -60,7 +63,7 @@ def make_mesh(
     *,
     devices: Sequence[Any] | None = None,
     axis_types: AxisType | Sequence[AxisType] = AxisType.Auto,
-    dcn_axis: str = DATA_AXIS,
+    dcn_axis: str | None = None,
 ) -> Mesh:
     """Builds a topology-aware :class:`jax.sharding.Mesh`.
 
@@ -73,7 +76,9 @@ def make_mesh(
             the seeds) or ``AxisType.Explicit``; one for all axes, or one per axis.
         dcn_axis: with devices in several processes (or TPU slices), the axis split
             between them, over the slower network; every other axis stays inside one
-            process. Its size must be a multiple of the number of processes.
+            process. Its size must be a multiple of the number of processes. Default:
+            ``"data"`` if the mesh has it, else ``"replica"`` (HSDP: replicas across
+            processes, ``{"replica": 2, "fsdp": 4}`` shards inside each).
 
     >>> mesh = make_mesh({"data": -1})
     >>> mesh.axis_names
@@ -94,6 +99,8 @@ def make_mesh(
             "several processes; a multi-process mesh must use every device (each process "
             "drives its own)"
         )
+    if dcn_axis is None:
+        dcn_axis = REPLICA_AXIS if DATA_AXIS not in shape and REPLICA_AXIS in shape else DATA_AXIS
     grid = _hybrid_grid(shape, devices, dcn_axis)
     if grid is not None:
         return Mesh(grid, tuple(shape), axis_types=axis_types)

@@ -23,6 +23,7 @@ from shardax.plan.regex import rules
 from shardax.plan.report import Row, ShardingReport, describe, format_bytes, validate
 from shardax.plan.tree import is_array, map_arrays, path_str
 from shardax.plan.validate import check_spec, spec_errors
+from shardax.plan.zero import zero1, zero2
 
 __all__ = [
     "DEFAULT_FSDP_MIN_SIZE",
@@ -52,4 +53,6 @@ __all__ = [
     "shard",
     "spec_errors",
     "validate",
+    "zero1",
+    "zero2",
 ]

@@ -54,6 +54,11 @@ class FollowParams(Plan):
 
     base: Plan | None = None
     params: ParamsSelector = "params"
+    mirror: Plan | None = None
+    """The plan of the subtrees that mirror the params (default: ``base``'s specs)."""
+    shard_grads: bool = False
+    """Whether the train step constrains the gradients to the mirrors' shardings
+    (:func:`shardax.zero2`)."""
 
     def resolve(self, tree: Any) -> tuple[Any, list[str]]:
         assert self.base is not None
@@ -70,6 +75,14 @@ class FollowParams(Plan):
         # without follow_params (a function selector gives paths relative to the params).
         prefix = f"{self.params}/" if isinstance(self.params, str) else ""
         param_specs = map_arrays(lambda p, x: spec(prefix + p, x), params)
+        mirror_specs = param_specs
+        if self.mirror is not None:
+            mirror_specs = self.mirror_specs(params)
+            map_arrays(
+                lambda p, x, s: errors.extend(spec_errors(p, np.shape(x), s, self.mesh)),
+                params,
+                mirror_specs,
+            )
         treedef = jax.tree.structure(params)
         shapes = [np.shape(x) for x in jax.tree.leaves(params)]
 
@@ -82,12 +95,24 @@ class FollowParams(Plan):
         out = []
         for path, node in flat:
             if mirrors(node):
-                out.append(param_specs)
+                out.append(param_specs if node is params else mirror_specs)
             elif is_array(node):
                 out.append(spec(path_str(path), node))
             else:
                 out.append(node)
         return jax.tree.unflatten(outer, out), errors
+
+    def mirror_specs(self, params: Any) -> Any:
+        """The specs of a tree that mirrors ``params`` (Adam's ``mu``, the gradients)."""
+        plan = self.mirror if self.mirror is not None else self.base
+        assert plan is not None
+        prefix = f"{self.params}/" if isinstance(self.params, str) else ""
+
+        def one(path: str, leaf: Any) -> PartitionSpec:
+            shape = tuple(np.shape(leaf))
+            return plan.spec_fn(prefix + path, shape) if shape else PartitionSpec()
+
+        return map_arrays(one, params)
 
 
 def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:

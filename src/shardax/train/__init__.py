@@ -1,5 +1,6 @@
 """Train layer: TrainState, the train step, collectives, metrics and the data-parallel facade."""
 
+from shardax.train.auto import AutoPlan, Candidate, auto_plan
 from shardax.train.collectives import (
     all_gather,
     all_reduce,
@@ -17,12 +18,15 @@ from shardax.train.step import MODES, TrainStep, make_train_step
 
 __all__ = [
     "MODES",
+    "AutoPlan",
+    "Candidate",
     "DataParallel",
     "DistributedMetrics",
     "TrainState",
     "TrainStep",
     "all_gather",
     "all_reduce",
+    "auto_plan",
     "bound_axes",
     "dropout",
     "example_keys",

@@ -30,7 +30,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDev
 
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
-from shardax.plan.core import Plan, replicate
+from shardax.plan.core import Plan, axis_size, replicate
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
 from shardax.plan.tree import is_array, map_arrays
@@ -134,6 +134,8 @@ def _under_mesh(call: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     ``sx.constrain`` inside the model knows the mesh."""
 
     def under(state: Any, batch: Any) -> Any:
+        if jax.sharding.get_abstract_mesh() == mesh.abstract_mesh:
+            return call(state, batch)  # already under it: traced inside the user's jit
         with jax.sharding.set_mesh(mesh):
             return call(state, batch)
 
@@ -154,6 +156,32 @@ def _is_key(x: Any) -> bool:
 def _map_keys(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
     """``fn`` applied to every typed PRNG key leaf of ``tree``."""
     return jax.tree.map(lambda x: fn(x) if _is_key(x) else x, tree)
+
+
+def _check_data_axis(data_axis: Any, mesh: Mesh, mode: str) -> str | tuple[str, ...]:
+    """``data_axis`` (a mesh axis name, or a tuple of them for HSDP), checked."""
+    names = (data_axis,) if isinstance(data_axis, str) else data_axis
+    if (
+        not isinstance(names, tuple)
+        or not names
+        or not all(isinstance(n, str) for n in names)
+        or len(set(names)) != len(names)
+    ):
+        raise ValueError(
+            f"data_axis must be a mesh axis name or a tuple of distinct names, got {data_axis!r}"
+        )
+    missing = [n for n in names if n not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"data_axis {data_axis!r}: {', '.join(map(repr, missing))} not in the mesh, whose "
+            f"axes are {dict(mesh.shape)}"
+        )
+    if mode == "pmap" and len(names) > 1:
+        raise ValueError(
+            f"mode='pmap' maps over one axis, got data_axis {data_axis!r}; use mode='jit' or "
+            "'shard_map' to split the batch over several axes"
+        )
+    return data_axis if isinstance(data_axis, str) or len(names) > 1 else names[0]
 
 
 def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
@@ -180,16 +208,13 @@ class TrainStep:
         mode: str,
         accumulate: int,
         donate: bool,
-        data_axis: str,
+        data_axis: str | tuple[str, ...],
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-        if data_axis not in mesh.shape:
-            raise ValueError(
-                f"data_axis {data_axis!r} is not in the mesh, whose axes are {dict(mesh.shape)}"
-            )
+        data_axis = _check_data_axis(data_axis, mesh, mode)
         if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         if mode == "single" and plan is not None and getattr(plan, "name", None) != "replicate":
@@ -197,7 +222,13 @@ class TrainStep:
                 f"mode='single' keeps the whole state on one device, so it takes no sharding "
                 f"plan; got plan {getattr(plan, 'name', plan)!r}. Drop plan= or use mode='jit'"
             )
-        plan = replicate(mesh) if plan is None else plan
+        self._auto, self.auto_report = isinstance(plan, str) and plan == "auto", None
+        if self._auto and mode != "jit":
+            raise ValueError(
+                f"plan='auto' picks among sharded plans, which only mode='jit' runs; got "
+                f"mode={mode!r}"
+            )
+        plan = replicate(mesh) if plan is None or self._auto else plan
         if not callable(plan):
             raise TypeError(
                 f"plan must be a shardax Plan (a callable from a tree to its shardings, e.g. "
@@ -210,7 +241,7 @@ class TrainStep:
                 f"plan {self._plan_name!r} is over mesh {dict(plan_mesh.shape)}, not the step's "
                 f"mesh {dict(mesh.shape)}; build both from the same mesh"
             )
-        if mode == "pmap" and mesh.shape[data_axis] != mesh.size:
+        if mode == "pmap" and axis_size(mesh, data_axis) != mesh.size:
             raise ValueError(
                 f"mode='pmap' maps over one axis, but the mesh {dict(mesh.shape)} has devices "
                 f"outside data axis {data_axis!r}; use mode='jit' for multi-axis meshes"
@@ -225,7 +256,7 @@ class TrainStep:
         )
         self.accumulate, self.donate, self.data_axis = accumulate, donate, data_axis
         self._pass_rng = "rng" in inspect.signature(loss_fn).parameters
-        self._devices = 1 if mode == "single" else mesh.shape[data_axis]
+        self._devices = 1 if mode == "single" else axis_size(mesh, data_axis)
         self._divisor = self._devices * accumulate
         self._what = f"the data axis size {self._devices}" if mode != "single" else "1"
         if accumulate > 1:
@@ -261,6 +292,42 @@ class TrainStep:
 
     # -- placement ---------------------------------------------------------------------
 
+    def _choose_plan(self, state: Any, batch: Any) -> None:
+        """``plan="auto"``: the plan :func:`shardax.auto_plan` picks for this state and
+        batch, from the compiled candidates; kept in ``self.auto_report``."""
+        from shardax.train.auto import auto_plan
+
+        report = auto_plan(
+            self.mesh,
+            state,
+            loss_fn=self.loss_fn,
+            batch=batch,
+            axis=self.data_axis,
+            accumulate=self.accumulate,
+        )
+        self.auto_report, self.plan, self._auto = report, report.plan, False
+        self._state_plan, self._plan_name = report.plan, f"auto:{report.plan.name}"
+
+    def _no_auto(self, what: str) -> None:
+        if self._auto:
+            raise ValueError(
+                f"plan='auto' picks the plan by compiling the step for a state and a batch, "
+                f"and {what} has no batch to build abstract values from: pass the unplaced "
+                "state to the first step(state, batch), which places it, or pick beforehand "
+                "with sx.auto_plan(mesh, init_or_state, loss_fn=..., batch=...).plan"
+            )
+
+    def _shard_grads(self, grads: Any) -> Any:
+        """zero2: the gradients constrained to the optimizer state's sharding."""
+        plan = self._state_plan
+        if not getattr(plan, "shard_grads", False):
+            return grads
+        return jax.tree.map(
+            lambda g, s: lax.with_sharding_constraint(g, NamedSharding(self.mesh, s)),
+            grads,
+            plan.mirror_specs(grads),
+        )
+
     def shard(self, state: TrainState) -> TrainState:
         """Places ``state`` as this step expects it: with the plan, or on one device.
 
@@ -270,6 +337,7 @@ class TrainStep:
         all first check that they run the same step and state shardings
         (:func:`shardax.check_agreement`), so a mismatch is an error, not a hang.
         """
+        self._no_auto("step.shard(state)")
         if self.mode == "single":
             shardings: Any = self._device
         else:
@@ -375,6 +443,7 @@ class TrainStep:
         grads, loss, aux, model_state, _ = self._shard_update(
             state, batch, jnp.arange(size), mapped=False
         )
+        grads = self._shard_grads(grads)
         return self._finish(state, grads, loss, aux, model_state)
 
     def _mapped_update(self, state: TrainState, batch: Any):
@@ -413,6 +482,7 @@ class TrainStep:
         >>> state = step.init(lambda key: sx.TrainState.create(Model(nnx.Rngs(key)), tx),
         ...                   jax.random.key(0))
         """
+        self._no_auto("step.init(...)")
         if self.mode == "single":
             return init_sharded(init_fn, lambda tree: self._device, *args, **kwargs)
         if self.mode in ("shard_map", "pmap"):
@@ -475,6 +545,9 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One update on the global ``batch``; metrics are means over its real examples."""
         check_batch(batch, divisor=self._divisor, what=self._what)
+        if self._auto:
+            self._choose_plan(state, batch)
+            state = self.shard(state)
         return self._call(state, batch)
 
     def __repr__(self) -> str:
@@ -488,11 +561,11 @@ def make_train_step(
     loss_fn: LossFn,
     *,
     mesh: Mesh,
-    plan: Plan | None = None,
+    plan: Plan | Literal["auto"] | None = None,
     mode: Mode = "jit",
     accumulate: int = 1,
     donate: bool = True,
-    data_axis: str = DATA_AXIS,
+    data_axis: str | tuple[str, ...] = DATA_AXIS,
 ) -> TrainStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
@@ -509,6 +582,9 @@ def make_train_step(
             ``"shard_map"`` and ``"pmap"`` support only replicating plans. ``step.init``
             builds a state straight onto it; ``jit`` mode traces under
             ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies.
+            ``sx.zero2`` also constrains the gradients to the optimizer state's
+            sharding. ``"auto"``: the first ``step(state, batch)`` picks the plan with
+            :func:`shardax.auto_plan` and places the state on it (``step.auto_report``).
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
             layout: the batch reshaped to (devices, per device, ...); the replicated
@@ -517,7 +593,8 @@ def make_train_step(
             ``mesh``).
         accumulate: number of microbatches the global batch is split into (``lax.scan``).
         donate: donate the state's buffers to the step.
-        data_axis: the mesh axis the batch is split over.
+        data_axis: the mesh axis the batch is split over, or a tuple of axes (HSDP:
+            ``("replica", "fsdp")`` with ``plan=sx.fsdp(mesh, axis="fsdp")``).
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode.

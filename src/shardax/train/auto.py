@@ -1,0 +1,316 @@
+"""``auto_plan``: the plan that fits and communicates least, from the compiler's own figures.
+
+Each candidate plan's train step is compiled for abstract values (``jax.ShapeDtypeStruct``,
+nothing allocated): ``memory_analysis()`` gives its bytes per device (arguments +
+outputs - donated aliases + temporaries) and the HLO its collectives. Of the candidates
+that fit ``device_memory``, the one whose devices send the fewest bytes per step wins
+(ties: the fewest bytes per device). This sits in ``train``, not ``plan``, because it
+compiles the train step.
+
+>>> import shardax as sx
+>>> mesh = sx.make_mesh({"data": 8})
+>>> init = lambda: sx.TrainState.from_params({"w": jnp.zeros((1024, 64))}, apply, optax.adam(1e-3))
+>>> report = sx.auto_plan(mesh, init, loss_fn=loss_fn, batch={"x": jnp.zeros((64, 1024))})
+>>> report.plan.name, [c.name for c in report.candidates]
+('replicate', ['replicate', 'zero1', 'zero2', 'fsdp'])
+>>> print(report)  # a table: bytes per device, collective bytes, fits; and the reason
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from shardax.data.placement import batch_sharding, leaf_sharding
+from shardax.mesh.make import DATA_AXIS
+from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, replicate
+from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.regex import Rule, rules
+from shardax.plan.report import format_bytes
+from shardax.plan.tree import is_array, map_arrays
+from shardax.plan.zero import zero1, zero2
+from shardax.runtime.hlo import collectives
+from shardax.train.state import TrainState
+from shardax.train.step import make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One compiled candidate: its plan and the compiler's figures, per device."""
+
+    name: str
+    plan: Plan
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    collective_bytes: float
+    collectives: dict[str, int]
+    fits: bool | None
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak bytes of one device: arguments + outputs - donated aliases + temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures as plain data (the plan by name)."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "plan"}
+        return {**out, "total_bytes": self.total_bytes}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlan:
+    """What :func:`auto_plan` measured, and its pick. Print it for a table."""
+
+    plan: Plan
+    candidates: tuple[Candidate, ...]
+    device_memory: float | None
+    reason: str
+    compiled: str
+
+    @property
+    def name(self) -> str:
+        """The picked candidate's name."""
+        return next(c.name for c in self.candidates if c.plan is self.plan)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Candidates, budget, pick and reason as plain data."""
+        return {
+            "pick": self.name,
+            "reason": self.reason,
+            "compiled": self.compiled,
+            "device_memory_bytes": self.device_memory,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+    def __rich__(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"candidate plans, compiled ({self.compiled}), per device")
+        for col in ("plan", "arguments", "temporaries", "total", "collective bytes", "fits"):
+            table.add_column(col, justify="left" if col == "plan" else "right")
+        for c in self.candidates:
+            mark = "[bold]" if c.plan is self.plan else ""
+            fits = {None: "?", True: "yes", False: "[red]no[/]"}[c.fits]
+            table.add_row(
+                f"{mark}{c.name}",
+                format_bytes(c.argument_bytes),
+                format_bytes(c.temp_bytes),
+                format_bytes(c.total_bytes),
+                format_bytes(c.collective_bytes),
+                fits,
+            )
+        table.caption = f"pick: {self.name}: {self.reason}"
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        out = io.StringIO()
+        Console(file=out, width=120, force_terminal=False).print(self)
+        return out.getvalue().rstrip()
+
+
+def default_device_memory(device: Any = None) -> float | None:
+    """Bytes of memory of ``device`` (default: the first): its reported limit
+    (``memory_stats()["bytes_limit"]``), else the hardware table's figure, else None."""
+    from shardax.runtime.hardware import HARDWARE_SPECS, detect_hardware_type
+
+    device = jax.devices()[0] if device is None else device
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    spec = HARDWARE_SPECS.get(detect_hardware_type([device]))
+    return None if spec is None else float(spec.memory_bytes)
+
+
+def abstract(tree_or_init: Any) -> Any:
+    """Abstract values (``ShapeDtypeStruct``) of a tree, or of ``init()``'s result.
+
+    Nothing is allocated: an ``init`` callable runs under ``jax.eval_shape``.
+    """
+    if callable(tree_or_init) and not isinstance(tree_or_init, TrainState):
+        return jax.eval_shape(tree_or_init)
+    return map_arrays(lambda _, x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree_or_init)
+
+
+def candidate_plans(
+    mesh: Mesh,
+    axis: str | tuple[str, ...] = DATA_AXIS,
+    min_size: int = DEFAULT_FSDP_MIN_SIZE,
+    tp_rules: Sequence[Rule] | None = None,
+) -> dict[str, FollowParams]:
+    """replicate, zero1, zero2 and fsdp over ``axis``; ``hsdp`` (fsdp over the last of
+    several data axes, replicated over the others) when ``axis`` is a tuple; and
+    ``fsdp+tp`` (``tp_rules``, fsdp for the other leaves) when rules are given."""
+    plans: dict[str, Plan] = {
+        "replicate": follow_params(replicate(mesh)),
+        "zero1": zero1(mesh, axis, min_size),
+        "zero2": zero2(mesh, axis, min_size),
+        "fsdp": follow_params(fsdp(mesh, axis, min_size)),
+    }
+    if not isinstance(axis, str) and len(axis) > 1:
+        plans["hsdp"] = follow_params(fsdp(mesh, axis[-1], min_size))
+    if tp_rules:
+        plans["fsdp+tp"] = follow_params(rules(mesh, tp_rules, default=fsdp(mesh, axis, min_size)))
+    for name, plan in plans.items():
+        plans[name] = dataclasses.replace(plan, name=name)
+    return plans
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return map_arrays(
+        lambda _, x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def _compile_step(
+    plan: FollowParams, state: Any, loss_fn: Callable[..., Any], batch: Any, **step_kw: Any
+) -> Any:
+    """The train step under ``plan``, compiled for abstract ``state`` and ``batch``."""
+    mesh = plan.mesh
+    step = make_train_step(loss_fn, mesh=mesh, plan=plan, **step_kw)
+    state = _with_shardings(state, plan(state))
+    sharding = batch_sharding(mesh, step.data_axis)
+    batch = map_arrays(
+        lambda p, x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=leaf_sharding(p, x.shape, sharding)
+        ),
+        batch,
+    )
+    with jax.sharding.set_mesh(mesh):
+        return jax.jit(lambda s, b: step(s, b), donate_argnums=0).lower(state, batch).compile()
+
+
+def _compile_update(plan: FollowParams, state: TrainState) -> Any:
+    """The optimizer update alone (gradients in, as the step hands them over)."""
+    from shardax.plan.follow import select
+
+    specs = plan.specs(state)
+    grad_specs = plan.mirror_specs(state.params) if plan.shard_grads else select(specs, "params")
+    state = _with_shardings(state, plan(state))
+    grads = map_arrays(
+        lambda _, x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(plan.mesh, s)),
+        state.params,
+        grad_specs,
+    )
+    update = jax.jit(lambda s, g: s.apply_gradients(g), donate_argnums=0)
+    with jax.sharding.set_mesh(plan.mesh):
+        return update.lower(state, grads).compile()
+
+
+def measure(name: str, compiled: Any, plan: Plan, budget: float | None) -> Candidate:
+    """A :class:`Candidate` from a compiled step's ``memory_analysis()`` and HLO."""
+    m = compiled.memory_analysis()
+    ops = collectives(compiled.as_text(), plan.mesh.size)
+    c = Candidate(
+        name=name,
+        plan=plan,
+        argument_bytes=int(m.argument_size_in_bytes),
+        output_bytes=int(m.output_size_in_bytes),
+        alias_bytes=int(m.alias_size_in_bytes),
+        temp_bytes=int(m.temp_size_in_bytes),
+        collective_bytes=sum(op.sent_bytes for op in ops),
+        collectives=dict(Counter(op.op for op in ops)),
+        fits=None,
+    )
+    return dataclasses.replace(c, fits=None if budget is None else c.total_bytes <= budget)
+
+
+def auto_plan(
+    mesh: Mesh,
+    abstract_state_or_init: Any,
+    *,
+    loss_fn: Callable[..., Any] | None = None,
+    batch: Any = None,
+    device_memory: float | None = None,
+    axis: str | tuple[str, ...] = DATA_AXIS,
+    min_size: int = DEFAULT_FSDP_MIN_SIZE,
+    tp_rules: Sequence[Rule] | None = None,
+    candidates: Mapping[str, FollowParams] | None = None,
+    accumulate: int = 1,
+) -> AutoPlan:
+    """Compiles every candidate plan's step and picks the one to train with.
+
+    Args:
+        mesh: the device mesh.
+        abstract_state_or_init: a :class:`shardax.TrainState` (arrays or
+            ``ShapeDtypeStruct``s), or a function of no arguments returning one, run
+            under ``jax.eval_shape``.
+        loss_fn, batch: with both, the whole train step (``make_train_step``) is
+            compiled for ``batch``'s shapes (arrays or ``ShapeDtypeStruct``s), so
+            activations and the forward pass's collectives count. With neither, only
+            the optimizer update is (gradients as the step would hand them over).
+        device_memory: bytes per device to fit in (default: the device's reported
+            limit, else the hardware table's figure; with neither, nothing is
+            rejected and the report says so).
+        axis: the data axis (or axes) the batch and the plans split over.
+        min_size, tp_rules: as for ``sx.fsdp`` and ``sx.rules``; with ``tp_rules`` a
+            ``fsdp+tp`` candidate joins (see :func:`candidate_plans`).
+        candidates: ``{name: plan}`` to measure instead of :func:`candidate_plans`.
+        accumulate: as for ``make_train_step``.
+
+    Raises:
+        ValueError: no candidate fits ``device_memory`` (naming the smallest and the
+            budget), or no abstract values can be built from the arguments.
+    """
+    if (loss_fn is None) != (batch is None):
+        raise ValueError(
+            "auto_plan: pass loss_fn and batch together (to compile the whole step) or "
+            f"neither (the update alone); got loss_fn={loss_fn!r} and batch of type "
+            f"{type(batch).__name__}"
+        )
+    state = abstract(abstract_state_or_init)
+    if not isinstance(state, TrainState):
+        raise ValueError(
+            "auto_plan: abstract_state_or_init must be a shardax TrainState (of arrays or "
+            "ShapeDtypeStructs) or a function of no arguments returning one, so abstract "
+            f"values can be built; got {type(abstract_state_or_init).__name__}"
+        )
+    if batch is not None:
+        batch = abstract(batch)
+        if not any(is_array(x) for x in jax.tree.leaves(batch)):
+            raise ValueError(
+                f"auto_plan: batch must hold arrays or ShapeDtypeStructs, got {batch!r}"
+            )
+    budget = default_device_memory(mesh.devices.flat[0]) if device_memory is None else device_memory
+    plans = dict(candidates) if candidates else candidate_plans(mesh, axis, min_size, tp_rules)
+    measured = []
+    for name, plan in plans.items():
+        if loss_fn is None:
+            compiled = _compile_update(plan, state)
+        else:
+            compiled = _compile_step(
+                plan, state, loss_fn, batch, data_axis=axis, accumulate=accumulate
+            )
+        measured.append(measure(name, compiled, plan, budget))
+    what = "train step" if loss_fn is not None else "optimizer update"
+    fitting = [c for c in measured if c.fits is not False]
+    if not fitting:
+        best = min(measured, key=lambda c: c.total_bytes)
+        raise ValueError(
+            f"auto_plan: no plan fits device_memory {format_bytes(budget or 0)} "
+            f"({budget:.0f} bytes) per device; the smallest, {best.name!r}, needs "
+            f"{format_bytes(best.total_bytes)} ({best.total_bytes} bytes: arguments "
+            f"{best.argument_bytes} + outputs {best.output_bytes} - aliased "
+            f"{best.alias_bytes} + temporaries {best.temp_bytes}). Add devices, shard over "
+            "more axes, or shrink the batch"
+        )
+    pick = min(fitting, key=lambda c: (round(c.collective_bytes), c.total_bytes))
+    if budget is None:
+        where = "no device memory figure (pass device_memory=), so every plan counts as fitting"
+    else:
+        where = f"{len(fitting)} of {len(measured)} fit {format_bytes(budget)}"
+    reason = (
+        f"least communication, {format_bytes(pick.collective_bytes)} sent per device per "
+        f"step ({format_bytes(pick.total_bytes)} per device); {where}"
+    )
+    return AutoPlan(pick.plan, tuple(measured), budget, reason, what)
+
