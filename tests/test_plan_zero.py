@@ -32,7 +32,10 @@ def pytree_state(key=0):
 
 def nbytes_on(tree, device):
     return sum(
-        s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device
+        s.data.nbytes
+        for x in jax.tree.leaves(tree)
+        for s in x.addressable_shards
+        if s.device == device
     )
 
 
@@ -72,18 +75,39 @@ def test_zero1_layout_and_optimizer_state_is_one_eighth_per_device():
     assert opt_zero1 / opt_replicated <= 0.14
 
 
-@pytest.mark.parametrize("zero", ["zero1", "zero2"])
-def test_zero_pytree_training_matches_single_device(zero):
-    mesh = sx.make_mesh({"data": 8})
-    plan = getattr(sx, zero)(mesh, min_size=256)
-    step = sx.make_train_step(model_loss, mesh=mesh, plan=plan)
+def make_plan(name, mesh):
+    """zero1 / zero2 over "data" (8), or HSDP: fsdp over "fsdp" (4) inside 2 replicas."""
+    if name == "hsdp":
+        return sx.fsdp(mesh, axis="fsdp", min_size=256)
+    return getattr(sx, name)(mesh, min_size=256)
+
+
+MESHES = {"zero1": {"data": 8}, "zero2": {"data": 8}, "hsdp": {"replica": 2, "fsdp": 4}}
+AXES = {"zero1": "data", "zero2": "data", "hsdp": ("replica", "fsdp")}
+
+
+@pytest.fixture(scope="module")
+def pytree_reference():
     data = batches(SIZES, n=4)
-    single = train_single(mlp_loss, mlp_init(jax.random.key(0), SIZES), data, ADAM)
+    return data, train_single(mlp_loss, mlp_init(jax.random.key(0), SIZES), data, ADAM)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "hsdp"])
+def test_pytree_training_matches_single_device(name, pytree_reference):
+    data, single = pytree_reference
+    mesh = sx.make_mesh(MESHES[name])
+    step = sx.make_train_step(
+        model_loss, mesh=mesh, plan=make_plan(name, mesh), data_axis=AXES[name]
+    )
     sharded = train_sharded(step, step.init(pytree_state), data)
-    state = sharded[0]
-    # The update ran sharded; the new params came back replicated.
-    assert state.params[1][0].sharding.spec == P()
-    assert state.opt_state[0].nu[1][0].sharding.spec == P("data", None)
+    w, nu = sharded[0].params[1][0], sharded[0].opt_state[0].nu[1][0]
+    if name == "hsdp":
+        # Sharded 4 ways inside a replica, copied across the 2 replicas.
+        assert w.sharding.spec == nu.sharding.spec == P("fsdp", None)
+        assert {s.data.shape for s in w.addressable_shards} == {(16, 64)}
+    else:
+        # The update ran sharded; the new params came back replicated.
+        assert w.sharding.spec == P() and nu.sharding.spec == P("data", None)
     assert_same_training(single, sharded)
 
 
@@ -100,58 +124,44 @@ def nnx_loss(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-@pytest.mark.parametrize(
-    ("mesh_shape", "plan", "data_axis", "kernel_spec"),
-    [
-        ({"data": 8}, "zero2", "data", P()),
-        ({"replica": 2, "fsdp": 4}, "hsdp", ("replica", "fsdp"), P(None, "fsdp")),
-    ],
-)
-def test_nnx_zero2_and_hsdp_match_single_device(mesh_shape, plan, data_axis, kernel_spec):
-    mesh = sx.make_mesh(mesh_shape)
-    plan = sx.zero2(mesh, min_size=256) if plan == "zero2" else sx.fsdp(mesh, "fsdp", 256)
-    model = MLP(nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
+@pytest.fixture(scope="module")
+def nnx_reference():
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
 
     def loss_fn(params, batch):
         return nnx_loss(nnx.merge(graphdef, params), batch)
 
     data = batches((16, 8), n=4)
-    single = train_single(loss_fn, params, data, ADAM)
-    step = sx.make_train_step(nnx_loss, mesh=mesh, plan=plan, data_axis=data_axis)
-    sharded = train_sharded(step, step.init(lambda: sx.TrainState.create(MLP(nnx.Rngs(0)), ADAM)), data)
+    return data, train_single(loss_fn, params, data, ADAM)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "hsdp"])
+def test_nnx_training_matches_single_device(name, nnx_reference):
+    data, single = nnx_reference
+    mesh = sx.make_mesh(MESHES[name])
+    step = sx.make_train_step(nnx_loss, mesh=mesh, plan=make_plan(name, mesh), data_axis=AXES[name])
+    state = step.init(lambda: sx.TrainState.create(MLP(nnx.Rngs(0)), ADAM))
+    sharded = train_sharded(step, state, data)
     kernel = sharded[0].params["up"]["kernel"].get_value()
-    assert kernel.sharding.spec == kernel_spec
     mu = sharded[0].opt_state[0].mu["up"]["kernel"].get_value()
-    axis = "data" if plan.name == "zero2" else "fsdp"
+    axis = "fsdp" if name == "hsdp" else "data"
+    assert kernel.sharding.spec == (P(None, "fsdp") if name == "hsdp" else P())
     assert mu.sharding.spec == P(None, axis)
     assert {s.data.shape for s in mu.addressable_shards} == {(16, 64 // mesh.shape[axis])}
     assert_same_training(single, sharded)
 
 
-def test_hsdp_batch_over_two_axes_pytree():
+def test_batch_over_two_axes_in_shard_map_mode(pytree_reference):
+    data, single = pytree_reference
     mesh = sx.make_mesh({"replica": 2, "fsdp": 4})
     sharding = sx.batch_sharding(mesh, ("replica", "fsdp"))
-    batch = sx.distribute_batch(batches(SIZES, n=1)[0], sharding)
+    batch = sx.distribute_batch(data[0], sharding)
     assert batch["x"].sharding.spec == P(("replica", "fsdp"))
     assert {s.data.shape for s in batch["x"].addressable_shards} == {(4, 16)}
     step = sx.make_train_step(
-        model_loss, mesh=mesh, plan=sx.fsdp(mesh, axis="fsdp", min_size=256),
-        data_axis=("replica", "fsdp"),
-    )  # fmt: skip
-    data = batches(SIZES, n=3)
-    single = train_single(mlp_loss, mlp_init(jax.random.key(0), SIZES), data, ADAM)
-    sharded = train_sharded(step, step.init(pytree_state), data)
-    w = sharded[0].params[1][0]
-    assert w.sharding.spec == P("fsdp", None)
-    # Sharded 4 ways inside a replica, copied across the 2 replicas.
-    assert {s.data.shape for s in w.addressable_shards} == {(16, 64)}
-    assert_same_training(single, sharded)
-    # Accumulation splits microbatches over both axes too.
-    step2 = sx.make_train_step(
         model_loss, mesh=mesh, data_axis=("replica", "fsdp"), accumulate=2, mode="shard_map"
     )
-    _, losses = train_sharded(step2, step2.init(pytree_state), data)
+    _, losses = train_sharded(step, step.init(pytree_state), data)
     np.testing.assert_allclose(losses, single[1], rtol=1e-5)
 
 
@@ -175,14 +185,18 @@ def test_zero2_constrains_gradients_and_what_xla_cpu_emits():
 @pytest.mark.parametrize("zero", ["zero1", "zero2"])
 def test_zero_in_mapped_modes_is_an_error(mode, zero):
     mesh = sx.make_mesh({"data": 8})
-    step = sx.make_train_step(model_loss, mesh=mesh, plan=getattr(sx, zero)(mesh, min_size=1), mode=mode)
+    step = sx.make_train_step(
+        model_loss, mesh=mesh, plan=getattr(sx, zero)(mesh, min_size=1), mode=mode
+    )
     with pytest.raises(ValueError, match=f"only a replicating plan; plan '{zero}' gives leaf"):
         step.init(pytree_state)
 
 
 def test_data_axis_tuple_errors():
     mesh = sx.make_mesh({"replica": 2, "fsdp": 4})
-    with pytest.raises(ValueError, match=r"data_axis \('replica', 'data'\): 'data' not in the mesh"):
+    with pytest.raises(
+        ValueError, match=r"data_axis \('replica', 'data'\): 'data' not in the mesh"
+    ):
         sx.make_train_step(model_loss, mesh=mesh, data_axis=("replica", "data"))
     with pytest.raises(ValueError, match="tuple of distinct names"):
         sx.make_train_step(model_loss, mesh=mesh, data_axis=("fsdp", "fsdp"))

@@ -195,22 +195,25 @@ def _compile_update(plan: FollowParams, state: TrainState) -> Any:
 
     specs = plan.specs(state)
     grad_specs = plan.mirror_specs(state.params) if plan.shard_grads else select(specs, "params")
-    state = _with_shardings(state, plan(state))
+    shardings = plan(state)
+    state = _with_shardings(state, shardings)
     grads = map_arrays(
-        lambda _, x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(plan.mesh, s)),
+        lambda _, x, s: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(plan.mesh, s)
+        ),
         state.params,
         grad_specs,
     )
-    update = jax.jit(lambda s, g: s.apply_gradients(g), donate_argnums=0)
+    update = jax.jit(lambda s, g: s.apply_gradients(g), out_shardings=shardings, donate_argnums=0)
     with jax.sharding.set_mesh(plan.mesh):
         return update.lower(state, grads).compile()
 
 
-def measure(name: str, compiled: Any, plan: Plan, budget: float | None) -> Candidate:
+def measure(name: str, compiled: Any, plan: Plan) -> Candidate:
     """A :class:`Candidate` from a compiled step's ``memory_analysis()`` and HLO."""
     m = compiled.memory_analysis()
     ops = collectives(compiled.as_text(), plan.mesh.size)
-    c = Candidate(
+    return Candidate(
         name=name,
         plan=plan,
         argument_bytes=int(m.argument_size_in_bytes),
@@ -221,7 +224,6 @@ def measure(name: str, compiled: Any, plan: Plan, budget: float | None) -> Candi
         collectives=dict(Counter(op.op for op in ops)),
         fits=None,
     )
-    return dataclasses.replace(c, fits=None if budget is None else c.total_bytes <= budget)
 
 
 def auto_plan(
@@ -290,8 +292,18 @@ def auto_plan(
             compiled = _compile_step(
                 plan, state, loss_fn, batch, data_axis=axis, accumulate=accumulate
             )
-        measured.append(measure(name, compiled, plan, budget))
-    what = "train step" if loss_fn is not None else "optimizer update"
+        measured.append(measure(name, compiled, plan))
+    return choose(measured, budget, "train step" if loss_fn is not None else "optimizer update")
+
+
+def choose(measured: Sequence[Candidate], budget: float | None, compiled: str) -> AutoPlan:
+    """Of the ``measured`` candidates that fit ``budget`` bytes per device (all of them
+    when ``budget`` is None), the one that sends the fewest bytes per step (ties: the
+    fewest bytes per device). Raises ``ValueError`` when none fits."""
+    measured = [
+        dataclasses.replace(c, fits=None if budget is None else c.total_bytes <= budget)
+        for c in measured
+    ]
     fitting = [c for c in measured if c.fits is not False]
     if not fitting:
         best = min(measured, key=lambda c: c.total_bytes)
@@ -312,5 +324,4 @@ def auto_plan(
         f"least communication, {format_bytes(pick.collective_bytes)} sent per device per "
         f"step ({format_bytes(pick.total_bytes)} per device); {where}"
     )
-    return AutoPlan(pick.plan, tuple(measured), budget, reason, what)
-
+    return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled)

@@ -1,0 +1,104 @@
+"""sx.auto_plan and make_train_step(plan="auto"): candidates compiled on abstract values."""
+
+import jax
+import optax
+import pytest
+from test_plan_training import (
+    assert_same_training,
+    batches,
+    mlp_apply,
+    mlp_init,
+    mlp_loss,
+    model_loss,
+    train_sharded,
+    train_single,
+)
+
+import shardax as sx
+from shardax.train.auto import choose
+
+SIZES = (16, 256, 256, 8)
+ADAM = optax.adam(1e-2)
+
+
+def init():
+    return sx.TrainState.from_params(mlp_init(jax.random.key(0), SIZES), mlp_apply, ADAM)
+
+
+@pytest.fixture(scope="module")
+def report():
+    mesh = sx.make_mesh({"data": 8})
+    batch = jax.eval_shape(lambda: batches(SIZES, n=1)[0])
+    return sx.auto_plan(mesh, init, loss_fn=model_loss, batch=batch, min_size=256)
+
+
+def test_candidates_are_compiled_and_measured(report):
+    by = {c.name: c for c in report.candidates}
+    assert list(by) == ["replicate", "zero1", "zero2", "fsdp"]
+    params = sum(x.size * 4 for x in jax.tree.leaves(jax.eval_shape(init).params))
+    # Arguments: the state (+ the batch's slice); replicate holds params + Adam's 2 moments.
+    assert by["replicate"].argument_bytes == pytest.approx(3 * params, rel=0.02)
+    assert by["zero1"].argument_bytes == pytest.approx(params + 2 * params / 8, rel=0.02)
+    assert by["fsdp"].argument_bytes == pytest.approx(3 * params / 8, rel=0.05)
+    assert by["replicate"].collectives == {"all-reduce": 1}
+    assert by["zero1"].collectives["all-gather"] >= 1  # the updated params, gathered
+    assert by["replicate"].collective_bytes < by["zero1"].collective_bytes
+    # Nothing was allocated: the state never existed outside eval_shape.
+    assert report.compiled == "train step" and report.device_memory is None
+    assert report.candidates[0].fits is None and "no device memory figure" in report.reason
+    least = min(c.collective_bytes for c in report.candidates)
+    assert next(c for c in report.candidates if c.plan is report.plan).collective_bytes == least
+    text = str(report)
+    assert "zero2" in text and f"pick: {report.name}" in text
+
+
+def test_budget_keeps_only_what_fits(report):
+    by = {c.name: c for c in report.candidates}
+    budget = (by["replicate"].total_bytes + by["zero1"].total_bytes) / 2
+    picked = choose(report.candidates, budget, "train step")
+    fits = {c.name: c.fits for c in picked.candidates}
+    assert fits == {"replicate": False, "zero1": True, "zero2": True, "fsdp": True}
+    assert picked.name != "replicate" and "3 of 4 fit" in picked.reason
+    assert picked.to_dict()["pick"] == picked.name
+
+
+def test_fits_nowhere_names_the_smallest_and_the_budget(report):
+    smallest = min(report.candidates, key=lambda c: c.total_bytes)
+    with pytest.raises(ValueError, match=f"no plan fits device_memory .*1000 bytes.*"
+                       f"{smallest.name!r}, needs .*{smallest.total_bytes} bytes"):  # fmt: skip
+        choose(report.candidates, 1000, "train step")
+
+
+def test_update_only_without_loss_fn():
+    mesh = sx.make_mesh({"data": 8})
+    report = sx.auto_plan(mesh, jax.eval_shape(init), device_memory=1e9, min_size=256)
+    assert report.compiled == "optimizer update"
+    by = {c.name: c for c in report.candidates}
+    assert by["zero1"].collectives.get("all-gather", 0) >= 1
+    assert by["replicate"].collective_bytes == 0 and all(c.fits for c in report.candidates)
+
+
+def test_plan_auto_trains_like_single_device():
+    mesh = sx.make_mesh({"data": 8})
+    step = sx.make_train_step(model_loss, mesh=mesh, plan="auto")
+    with pytest.raises(ValueError, match=r"plan='auto' .* step.shard\(state\) has no batch"):
+        step.shard(init())
+    data = batches(SIZES, n=3)
+    single = train_single(mlp_loss, mlp_init(jax.random.key(0), SIZES), data, ADAM)
+    sharded = train_sharded(step, init(), data)
+    assert step.auto_report is not None and step.plan is step.auto_report.plan
+    assert repr(step).startswith("TrainStep(mode='jit', plan='auto:")
+    assert_same_training(single, sharded)
+
+
+def test_bad_input():
+    mesh = sx.make_mesh({"data": 8})
+    with pytest.raises(ValueError, match="so abstract values can be built; got int"):
+        sx.auto_plan(mesh, 42)
+    with pytest.raises(ValueError, match="pass loss_fn and batch together"):
+        sx.auto_plan(mesh, init, loss_fn=model_loss)
+    with pytest.raises(ValueError, match=r"plan='auto' .* only mode='jit'"):
+        sx.make_train_step(model_loss, mesh=mesh, plan="auto", mode="shard_map")
+    step = sx.make_train_step(model_loss, mesh=mesh, plan="auto")
+    with pytest.raises(ValueError, match=r"step.init\(...\) has no batch"):
+        step.init(init)
