@@ -147,6 +147,37 @@ def test_two_processes_match_one_process_dp_fsdp_and_shard_map():
                 assert r["w1_local_shards"] == [[16, 64]] * 4
 
 
+@pytest.mark.timeout(300)
+def test_two_processes_hsdp_and_zero2_match_one_process():
+    """HSDP: the replica axis crosses the 2 processes (DCN), fsdp stays inside each."""
+    options = ["-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "10"]
+    script = [sys.executable, SCRIPT, "--mode", "hsdp,zero2", "--steps", "4"]
+    proc = subprocess.run(
+        [*LAUNCH, "launch", *options, "--", *script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=CLEAN_ENV,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    got = results(proc.stdout)
+    for plan_index, plan in enumerate(("hsdp", "zero2")):
+        reference = multihost_train.train(plan, 4)  # 1 process x 8 devices, here
+        for rank in (0, 1):
+            r = got[rank][plan_index]
+            assert r["plan"] == plan and r["processes"] == 2
+            np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-5)
+            assert r["rows"] == [16 * rank, 16 * rank + 16]
+            assert r["w1_spec"] == reference["w1_spec"]
+            if plan == "hsdp":
+                assert r["mesh_processes"] == [[0, 0, 0, 0], [1, 1, 1, 1]]
+                assert r["w1_spec"] == "P(None, 'fsdp')"
+                assert r["w1_local_shards"] == r["nu_w1_local_shards"] == [[16, 16]] * 4
+            else:
+                assert r["w1_spec"] == "P()" and r["w1_local_shards"] == [[16, 64]] * 4
+                assert r["nu_w1_local_shards"] == [[16, 8]] * 4
+
+
 @pytest.mark.timeout(120)
 def test_a_process_raises_every_process_exits_nonzero_promptly():
     port = free_port()

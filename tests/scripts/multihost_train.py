@@ -3,8 +3,9 @@
 Run alone it trains on the local devices; under ``shardax launch -n 2 --cpu-devices 4``
 every process reads only its rows of each global batch (``sx.batches``), assembled into
 global arrays (``sx.global_batch``) for ``sx.make_train_step``: ``dp`` and ``fsdp`` in jit
-mode, ``dp-shard_map`` in shard_map mode. Every process prints one
-``RESULT {json}`` line with its losses and what it observed of the placements.
+mode, ``dp-shard_map`` in shard_map mode; with Adam, ``zero2`` and ``hsdp`` (mesh
+``{"replica": 2, "fsdp": 4}``: replicas across processes, fsdp inside each). Every
+process prints one ``RESULT {json}`` line with its losses and what it observed of the placements.
 
     shardax launch -n 2 --cpu-devices 4 -- python tests/scripts/multihost_train.py \
         --mode dp,fsdp,dp-shard_map
@@ -62,16 +63,24 @@ def train(plan_name: str, steps: int = 5, *, fault: str | None = None) -> dict[s
 
     import shardax as sx
 
-    mesh = sx.make_mesh({"data": -1})
+    hsdp = plan_name == "hsdp"
+    mesh = sx.make_mesh({"replica": 2, "fsdp": -1} if hsdp else {"data": -1})
+    data_axis = ("replica", "fsdp") if hsdp else "data"
     params = init_params()
     if fault == "plan" and jax.process_index() == 1:
         plan_name = "fsdp"
-    plan = sx.fsdp(mesh, min_size=1) if plan_name == "fsdp" else sx.replicate(mesh)
+    plan = {
+        "fsdp": lambda: sx.fsdp(mesh, min_size=1),
+        "hsdp": lambda: sx.fsdp(mesh, axis="fsdp", min_size=1),
+        "zero2": lambda: sx.zero2(mesh, min_size=1),
+    }.get(plan_name, lambda: sx.replicate(mesh))()
     lr = 0.1 + (0.01 * jax.process_index() if fault == "config" else 0.0)
+    tx = optax.adam(0.01) if plan_name in ("zero2", "hsdp") else optax.sgd(lr)
     if fault != "plan":
         config = {"plan": plan_name, "steps": steps, "lr": lr}
-        sx.check_agreement(config=config, mesh=mesh, plan=plan(params))
-    data = sx.batch_sharding(mesh)
+        if plan_name != "zero2":  # a zero plan places a train state, not bare params
+            sx.check_agreement(config=config, mesh=mesh, plan=plan(params))
+    data = sx.batch_sharding(mesh, data_axis)
     start, stop = process_rows(data, GLOBAL_BATCH)
 
     def apply_fn(p, x):
@@ -82,8 +91,8 @@ def train(plan_name: str, steps: int = 5, *, fault: str | None = None) -> dict[s
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
     mode = "shard_map" if plan_name == "dp-shard_map" else "jit"
-    step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=mode)
-    state = step.shard(sx.TrainState.from_params(params, apply_fn, optax.sgd(lr)))
+    step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=mode, data_axis=data_axis)
+    state = step.shard(sx.TrainState.from_params(params, apply_fn, tx))
 
     losses, seen = [], 0
     loader = sx.batches(dataset(steps), GLOBAL_BATCH, shuffle=True, seed=0)
@@ -109,6 +118,12 @@ def train(plan_name: str, steps: int = 5, *, fault: str | None = None) -> dict[s
         "examples_seen_all_hosts": int(sx.host_reduce(np.int64(seen), "sum")),
         "w1_spec": str(w1.sharding.spec),
         "w1_local_shards": [list(s.data.shape) for s in w1.addressable_shards],
+        "nu_w1_local_shards": [
+            list(s.data.shape) for s in state.opt_state[0].nu["w1"].addressable_shards
+        ]
+        if plan_name in ("zero2", "hsdp")
+        else None,
+        "mesh_processes": np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
         "batch_local_shards": len(batch["x"].addressable_shards),
         "mesh_process_of_data_index": [d.process_index for d in mesh.devices.flat],
         "mesh_2d_processes": np.vectorize(lambda d: d.process_index)(
@@ -139,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mode",
         default="dp",
-        help="comma-separated: dp, fsdp, dp-shard_map; raise, config, "
+        help="comma-separated: dp, fsdp, dp-shard_map, zero2, hsdp; raise, config, "
         "plan (faults); spin (for kill -9)",
     )
     parser.add_argument("--steps", type=int, default=5)
