@@ -2,6 +2,7 @@
 
 Example: ``shardax plan --params 7e9 --devices 8 --hardware h100 --batch 1024``.
 The formulas are in :mod:`shardax.runtime.memory` and :mod:`shardax.runtime.roofline`.
+``--measure`` compiles each candidate plan instead (:mod:`shardax.cli.plan_measure`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,30 @@ _gib = float_type("GiB > 0 such as 80", lambda v: v > 0)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardax plan``."""
+    from shardax.cli.common import mesh_spec
+    from shardax.cli.plan_measure import MODELS
     from shardax.runtime.hardware import HardwareType
     from shardax.runtime.memory import PRECISIONS
 
     parser.add_argument(
-        "--params", type=_params, required=True, help="model parameters, e.g. 7e9 (required)"
+        "--params",
+        type=_params,
+        default=None,
+        help="model parameters, e.g. 7e9 (required without --measure)",
     )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="compile replicate, zero1, zero2, fsdp (and fsdp+tp with a model axis) for "
+        "--model on these devices; pick the one that fits and communicates least",
+    )
+    parser.add_argument("--model", choices=MODELS, default="mlp", help="with --measure")
+    parser.add_argument("--hidden", type=positive_int, default=512, help="MLP width (--measure)")
+    parser.add_argument("--layers", type=positive_int, default=4, help="MLP layers (--measure)")
+    parser.add_argument(
+        "--mesh", type=mesh_spec, default=None, help="with --measure: e.g. data=4,model=2"
+    )
+    parser.add_argument("--run-dir", default=None, help="where --measure writes plan.json/png")
     parser.add_argument(
         "--devices", type=positive_int, default=None, help="devices (default: those at hand)"
     )
@@ -199,6 +218,14 @@ def run(args: argparse.Namespace) -> int:
     """Prints the memory table and the warnings."""
     import shardax as sx
 
+    if args.measure:
+        from shardax.cli import plan_measure
+
+        if args.batch is None:
+            args.batch = 256
+        return plan_measure.run(args)
+    if args.params is None:
+        raise UsageError("--params is required (or --measure to compile the built-in model)")
     num_devices = args.devices
     hardware = args.hardware
     if num_devices is None or hardware is None:

@@ -24,6 +24,8 @@ On ``data × model`` devices, with ``S`` the bytes per parameter above and ``P``
 - FSDP (``data = N``): every state is split over the data axis, ``S·P / N``.
 - TP (``model = N``): every weight is split over the model axis, ``S·P / N``.
 - DP × TP: ``S·P / model``; FSDP × TP: ``S·P / (data·model)``.
+- ZeRO-1 (``data = N``): the fp32 master and Adam's moments split, params and grads whole;
+  ZeRO-2 also splits the grads (:func:`estimate` with ``zero=1`` or ``2``).
 
 These are ideal splits (every weight divisible, nothing replicated); FSDP also needs room
 for one gathered layer at a time, which is not counted.
@@ -104,32 +106,44 @@ def estimate(
     data: int = 1,
     model: int = 1,
     shard_data: bool = False,
+    zero: int = 0,
 ) -> MemoryEstimate:
     """Per-device model-state bytes on a ``data × model`` mesh.
 
     Every state is split over ``model`` (tensor parallelism), and also over ``data``
-    when ``shard_data`` (FSDP); otherwise it is replicated over ``data``.
+    when ``shard_data`` (FSDP); otherwise it is replicated over ``data``. ``zero``
+    (ZeRO stage) splits over ``data`` only the optimizer state and master copy (1),
+    those and the grads (2), or everything (3, the same as ``shard_data``).
 
     >>> estimate(1e9, "fp32", data=8, shard_data=True).total_bytes / 1e9
     2.0
+    >>> estimate(1e9, "fp32", data=8, zero=1).total_bytes / 1e9  # 4 + 4 + 8 / 8
+    9.0
     """
     if not num_params > 0:
         raise ValueError(f"num_params must be > 0, got {num_params!r}")
     for name, value in (("data", data), ("model", model)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
     p = get_precision(precision)
-    split = model * (data if shard_data else 1)
-    kind = ("FSDP" if shard_data else "DP") if data > 1 or model == 1 else ""
+    zero = 3 if shard_data else zero
+
+    def split(stage: int) -> int:
+        return model * (data if zero >= stage else 1)
+
+    kinds = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
+    kind = kinds[zero] if data > 1 or model == 1 else ""
     name = "×".join(s for s in (kind, "TP" if model > 1 else "") if s)
     return MemoryEstimate(
         strategy=name,
         data=data,
         model=model,
-        params_bytes=num_params * p.params / split,
-        grads_bytes=num_params * p.grads / split,
-        master_bytes=num_params * p.master / split,
-        optimizer_bytes=num_params * p.optimizer / split,
+        params_bytes=num_params * p.params / split(3),
+        grads_bytes=num_params * p.grads / split(2),
+        master_bytes=num_params * p.master / split(1),
+        optimizer_bytes=num_params * p.optimizer / split(1),
     )
 
 

@@ -317,7 +317,10 @@ def choose(measured: Sequence[Candidate], budget: float | None, compiled: str) -
         )
     pick = min(fitting, key=lambda c: (round(c.collective_bytes), c.total_bytes))
     if budget is None:
-        where = "no device memory figure (pass device_memory=), so every plan counts as fitting"
+        where = (
+            "no device memory figure (pass device_memory=, or --device-memory), so all "
+            "count as fitting"
+        )
     else:
         where = f"{len(fitting)} of {len(measured)} fit {format_bytes(budget)}"
     reason = (

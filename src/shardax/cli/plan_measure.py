@@ -1,0 +1,173 @@
+"""``shardax plan --measure``: every candidate plan compiled, beside the formula's estimate.
+
+The model is built abstractly (``jax.eval_shape``: nothing is allocated) and each
+candidate's train step is compiled for it by :func:`shardax.auto_plan`. One row per
+candidate: the compiler's bytes per device (arguments, temporaries, peak), the formula's
+params + optimizer state (:func:`shardax.runtime.memory.estimate`), the bytes each device
+sends per step (from the HLO), and whether it fits; then the pick and its reason.
+
+Example: ``shardax plan --measure --mesh data=4,model=2 --hidden 1024 --batch 512``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from shardax.cli.common import UsageError, console, pyplot, write_results
+
+GIB = 1024**3
+MODELS = ("mlp",)
+# Each candidate's formula: its ZeRO stage (3 = FSDP) and whether TP splits it too.
+STAGES = {"replicate": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "fsdp+tp": 3}
+
+
+def _mlp(args: argparse.Namespace) -> tuple[Any, Any, Any, list[tuple[str, Any]]]:
+    """The digits MLP of ``shardax train`` at ``--hidden`` × ``--layers``: an init
+    function, its loss, an abstract batch, and its tensor-parallel rules."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import shardax as sx
+    from shardax.cli.demo import make_mlp, tp_rules
+
+    def init() -> Any:
+        return sx.TrainState.create(make_mlp(64, args.hidden, args.layers, 10, 0), optax.adam(1e-3))
+
+    def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    batch = {
+        "x": jax.ShapeDtypeStruct((args.batch, 64), jnp.float32),
+        "y": jax.ShapeDtypeStruct((args.batch,), jnp.int32),
+    }
+    return init, loss_fn, batch, tp_rules(args.layers)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Compiles the candidates and returns the table as plain data."""
+    import jax
+
+    import shardax as sx
+    from shardax.runtime.memory import estimate
+
+    if args.params is not None:
+        raise UsageError(
+            "--measure with --params builds a GPT of that size, and shardax.models.gpt is not "
+            "in this build; measure the built-in model with --model mlp (--hidden, --layers)"
+        )
+    try:
+        mesh = sx.make_mesh(args.mesh or {"data": -1})
+    except ValueError as e:
+        raise UsageError(f"--mesh: {e}") from None
+    if "data" not in mesh.shape:
+        raise UsageError(f"--mesh needs a 'data' axis for the batch, got {dict(mesh.shape)}")
+    data, model = mesh.shape["data"], mesh.shape.get("model", 1)
+    if args.batch % data:
+        raise UsageError(f"--batch {args.batch} is not divisible by the data axis size {data}")
+    init, loss_fn, batch, rules = _mlp(args)
+    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(init).params))
+    memory = None if args.device_memory is None else args.device_memory * GIB
+    report = sx.auto_plan(
+        mesh,
+        init,
+        loss_fn=loss_fn,
+        batch=batch,
+        device_memory=memory,
+        tp_rules=rules if model > 1 else None,
+    )
+    rows = []
+    for c in report.candidates:
+        stage = STAGES.get(c.name)
+        formula = None
+        if stage is not None:
+            e = estimate(
+                num_params, "fp32", data=data, model=model if c.name == "fsdp+tp" else 1, zero=stage
+            )
+            formula = {
+                "strategy": e.strategy,
+                "params_and_optimizer_bytes": e.params_bytes + e.master_bytes + e.optimizer_bytes,
+                "total_bytes": e.total_bytes,
+            }
+        rows.append({**c.to_dict(), "formula": formula})
+    return {
+        "model": f"mlp {args.layers} x {args.hidden}",
+        "params": num_params,
+        "batch": args.batch,
+        "mesh": dict(mesh.shape),
+        "device_kind": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "device_memory_bytes": report.device_memory,
+        "pick": report.name,
+        "reason": report.reason,
+        "candidates": rows,
+    }
+
+
+def render(result: dict[str, Any], out: Any) -> None:
+    """The table of candidates and the pick."""
+    from rich.table import Table
+
+    from shardax.plan.report import format_bytes as fb
+
+    table = Table(
+        title=f"{result['model']} ({result['params'] / 1e6:.2f} M params, Adam fp32), batch "
+        f"{result['batch']}, mesh {result['mesh']}: compiled per device",
+        caption="arguments = state + batch slice; formula = params + Adam state, "
+        "runtime/memory.py; sent = bytes per device per step from the HLO's collectives",
+    )
+    for col in ("plan", "arguments", "formula", "temporaries", "peak", "sent", "fits"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for r in result["candidates"]:
+        f = r["formula"]
+        table.add_row(
+            ("[bold]" if r["name"] == result["pick"] else "") + r["name"],
+            fb(r["argument_bytes"]),
+            "—" if f is None else fb(f["params_and_optimizer_bytes"]),
+            fb(r["temp_bytes"]),
+            fb(r["total_bytes"]),
+            fb(r["collective_bytes"]),
+            {None: "?", True: "yes", False: "[red]no[/]"}[r["fits"]],
+        )
+    out.print(table)
+    out.print(f"pick: [bold]{result['pick']}[/]: {result['reason']}")
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    """Bars of compiled peak bytes and the formula's, per candidate, and the budget."""
+    plt = pyplot("plan")
+    rows = result["candidates"]
+    names = [r["name"] for r in rows]
+    x = range(len(rows))
+    fig, (mem, comm) = plt.subplots(1, 2, figsize=(10, 4))
+    mem.bar([i - 0.2 for i in x], [r["argument_bytes"] / 2**20 for r in rows], 0.4,
+            label="compiled arguments")  # fmt: skip
+    formula = [(r["formula"] or {}).get("params_and_optimizer_bytes", 0) / 2**20 for r in rows]
+    mem.bar([i + 0.2 for i in x], formula, 0.4, label="formula: params + Adam")
+    mem.plot(list(x), [r["total_bytes"] / 2**20 for r in rows], "k_", ms=20, label="peak")
+    if result["device_memory_bytes"]:
+        mem.axhline(result["device_memory_bytes"] / 2**20, color="r", ls="--", label="budget")
+    mem.set(xticks=list(x), xticklabels=names, ylabel="MiB per device", title="memory")
+    mem.legend(fontsize=8)
+    comm.bar(names, [r["collective_bytes"] / 2**20 for r in rows])
+    comm.set(ylabel="MiB sent per device per step", title=f"communication (pick: {result['pick']})")
+    for ax in (mem, comm):
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{result['model']}, batch {result['batch']}, mesh {result['mesh']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measures, prints, writes ``plan.json`` and ``plan.png``."""
+    out = console(args)
+    try:
+        result = measure(args)
+    except ValueError as e:  # no plan fits: the error names the smallest and the budget
+        raise UsageError(str(e)) from None
+    write_results(args, out, result, "plan", "plan", plot, render)
+    return 0
