@@ -121,6 +121,36 @@ def fsdp(mesh: Mesh, axis: AxisNames = DATA_AXIS, min_size: int = DEFAULT_FSDP_M
     return Plan(mesh, lambda path, shape: fsdp_spec(shape, axis, size, min_size), "fsdp")
 
 
+def fsdp_over(
+    plan: Plan, axis: AxisNames = DATA_AXIS, min_size: int = DEFAULT_FSDP_MIN_SIZE
+) -> Plan:
+    """FSDP on top of ``plan`` (e.g. tensor-parallel rules): each leaf keeps ``plan``'s
+    spec, and the largest of the dimensions it leaves unsplit that ``axis`` divides is
+    split over ``axis`` too (leaves under ``min_size`` elements keep ``plan``'s spec).
+
+    >>> mesh = make_mesh({"data": 4, "model": 2})
+    >>> tp = rules(mesh, [("w", P(None, "model"))])
+    >>> fsdp_over(tp, min_size=1).specs({"w": np.zeros((64, 16))})["w"]
+    PartitionSpec('data', 'model')
+    """
+    size = axis_size(plan.mesh, axis)
+
+    def spec_fn(path: str, shape: tuple[int, ...]) -> PartitionSpec:
+        base = plan.spec_fn(path, shape)
+        entries = list(base) + [None] * (len(shape) - len(base))
+        if math.prod(shape) < min_size:
+            return base
+        free = [d for d, e in enumerate(entries) if e is None]
+        extra = fsdp_spec(tuple(shape[d] for d in free), axis, size, 1)
+        if not extra:
+            return base
+        for d, e in zip(free, extra, strict=True):
+            entries[d] = entries[d] if e is None else e
+        return PartitionSpec(*entries)
+
+    return Plan(plan.mesh, spec_fn, f"fsdp+{plan.name}")
+
+
 def shard(tree: Any, plan: Plan) -> Any:
     """Places every array leaf of ``tree`` with ``plan``; other leaves pass through.
 

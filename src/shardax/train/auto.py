@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from shardax.data.placement import batch_sharding, leaf_sharding
 from shardax.mesh.make import DATA_AXIS
-from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, replicate
+from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over, replicate
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.regex import Rule, rules
 from shardax.plan.report import format_bytes
@@ -149,7 +149,8 @@ def candidate_plans(
 ) -> dict[str, FollowParams]:
     """replicate, zero1, zero2 and fsdp over ``axis``; ``hsdp`` (fsdp over the last of
     several data axes, replicated over the others) when ``axis`` is a tuple; and
-    ``fsdp+tp`` (``tp_rules``, fsdp for the other leaves) when rules are given."""
+    ``fsdp+tp`` (``tp_rules``, and fsdp over ``axis`` on the dimensions they leave
+    unsplit: :func:`shardax.plan.fsdp_over`) when rules are given."""
     plans: dict[str, Plan] = {
         "replicate": follow_params(replicate(mesh)),
         "zero1": zero1(mesh, axis, min_size),
@@ -159,7 +160,7 @@ def candidate_plans(
     if not isinstance(axis, str) and len(axis) > 1:
         plans["hsdp"] = follow_params(fsdp(mesh, axis[-1], min_size))
     if tp_rules:
-        plans["fsdp+tp"] = follow_params(rules(mesh, tp_rules, default=fsdp(mesh, axis, min_size)))
+        plans["fsdp+tp"] = follow_params(fsdp_over(rules(mesh, tp_rules), axis, min_size))
     for name, plan in plans.items():
         plans[name] = dataclasses.replace(plan, name=name)
     return plans
