@@ -38,4 +38,3 @@ def test_plan_measure_with_a_model_axis(tmp_path, capsys):
     assert picked["collective_bytes"] == min(r["collective_bytes"] for r in fitting)
     assert (tmp_path / "plan.png").read_bytes().startswith(PNG)
     assert json.loads((tmp_path / "plan.json").read_text())["pick"] == out["pick"]
-
