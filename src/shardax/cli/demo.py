@@ -15,7 +15,7 @@ from flax import nnx
 
 from shardax.cli.common import UsageError, require
 
-PLANS = ("replicate", "fsdp", "tp")
+PLANS = ("replicate", "fsdp", "zero1", "zero2", "tp")
 MODEL_AXIS = "model"
 
 
@@ -82,13 +82,15 @@ def tp_rules(num_layers: int) -> list[tuple[str, Any]]:
 
 
 def make_plan(name: str, mesh: Any, num_layers: int = 1) -> Any:
-    """The plan ``name`` (replicate, fsdp or tp) over ``mesh``."""
+    """The plan ``name`` (replicate, fsdp, zero1, zero2 or tp) over ``mesh``."""
     import shardax as sx
 
     if name == "replicate":
         return sx.replicate(mesh)
     if name == "fsdp":
         return sx.fsdp(mesh, min_size=1024)
+    if name in ("zero1", "zero2"):
+        return getattr(sx, name)(mesh, min_size=1024)
     if name == "tp":
         if MODEL_AXIS not in mesh.shape:
             raise UsageError(

@@ -1,9 +1,9 @@
 """``shardax train``: an NNX MLP on scikit-learn's digits, on all devices.
 
 The main job. It builds a mesh (``--mesh``), shards the model and Adam state with a plan
-(``--plan replicate|fsdp|tp``), feeds each global batch split over the ``data`` axis, and
-shows a progress bar with loss, accuracy and examples/s (process 0 only). At the end it
-writes ``summary.json`` and ``curves.png`` to the run directory.
+(``--plan replicate|fsdp|zero1|zero2|tp``), feeds each global batch split over the
+``data`` axis, and shows a progress bar with loss, accuracy and examples/s (process 0
+only). At the end it writes ``summary.json`` and ``curves.png`` to the run directory.
 """
 
 from __future__ import annotations

@@ -49,8 +49,9 @@ def select(tree: Any, where: ParamsSelector) -> Any:
 @dataclasses.dataclass(frozen=True)
 class FollowParams(Plan):
     """A plan whose params subtree, and every subtree of the same structure and shapes
-    (Adam's ``mu`` and ``nu``, momentum...), gets the params' specs. Made by
-    :func:`follow_params`."""
+    (Adam's ``mu`` and ``nu``, momentum...), gets the params' specs, or ``mirror``'s
+    specs for the params' paths when it is given (:func:`shardax.zero1`). Made by
+    :func:`follow_params`, :func:`shardax.zero1` and :func:`shardax.zero2`."""
 
     base: Plan | None = None
     params: ParamsSelector = "params"
