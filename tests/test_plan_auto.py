@@ -36,10 +36,16 @@ def test_candidates_are_compiled_and_measured(report):
     by = {c.name: c for c in report.candidates}
     assert list(by) == ["replicate", "zero1", "zero2", "fsdp"]
     params = sum(x.size * 4 for x in jax.tree.leaves(jax.eval_shape(init).params))
+    batch_slice = 32 * (16 + 8) * 4 // 8  # this device's rows of x and y
     # Arguments: the state (+ the batch's slice); replicate holds params + Adam's 2 moments.
     assert by["replicate"].argument_bytes == pytest.approx(3 * params, rel=0.02)
     assert by["zero1"].argument_bytes == pytest.approx(params + 2 * params / 8, rel=0.02)
     assert by["fsdp"].argument_bytes == pytest.approx(3 * params / 8, rel=0.05)
+    # zero1's optimizer state per device, from memory_analysis: 1/8 of replicate's.
+    opt_zero1 = by["zero1"].argument_bytes - params - batch_slice
+    opt_replicate = by["replicate"].argument_bytes - params - batch_slice
+    assert opt_replicate == pytest.approx(2 * params, rel=0.01)
+    assert opt_zero1 / opt_replicate <= 0.14
     assert by["replicate"].collectives == {"all-reduce": 1}
     assert by["zero1"].collectives["all-gather"] >= 1  # the updated params, gathered
     assert by["replicate"].collective_bytes < by["zero1"].collective_bytes
@@ -50,6 +56,18 @@ def test_candidates_are_compiled_and_measured(report):
     assert next(c for c in report.candidates if c.plan is report.plan).collective_bytes == least
     text = str(report)
     assert "zero2" in text and f"pick: {report.name}" in text
+
+
+def test_zero2_constrains_gradients_and_what_xla_cpu_emits(report):
+    by = {c.name: c for c in report.candidates}
+    z1, z2 = by["zero1"], by["zero2"]
+    # XLA:CPU has no reduce-scatter pass: both all-reduce the gradients, then each device
+    # updates its slice and all-gathers the new params; zero2's temporaries are no larger.
+    for c in (z1, z2):
+        assert c.collectives.get("all-reduce", 0) >= 1 and c.collectives.get("all-gather", 0) >= 1
+        assert "reduce-scatter" not in c.collectives
+    assert z2.temp_bytes <= z1.temp_bytes
+    assert z2.argument_bytes == z1.argument_bytes
 
 
 def test_budget_keeps_only_what_fits(report):
@@ -71,7 +89,11 @@ def test_fits_nowhere_names_the_smallest_and_the_budget(report):
 
 def test_update_only_without_loss_fn():
     mesh = sx.make_mesh({"data": 8})
-    report = sx.auto_plan(mesh, jax.eval_shape(init), device_memory=1e9, min_size=256)
+    candidates = {
+        "replicate": sx.follow_params(sx.replicate(mesh)),
+        "zero1": sx.zero1(mesh, min_size=256),
+    }
+    report = sx.auto_plan(mesh, jax.eval_shape(init), device_memory=1e9, candidates=candidates)
     assert report.compiled == "optimizer update"
     by = {c.name: c for c in report.candidates}
     assert by["zero1"].collectives.get("all-gather", 0) >= 1
