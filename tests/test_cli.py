@@ -159,7 +159,7 @@ def test_help_is_clear(command, capsys):
         (["train", "--mode", "pmap", "--plan", "fsdp"], "supports only a replicating plan"),
         (["train", "--resume"], "--resume needs --checkpoint-dir"),
         (["plan"], "--params is required (or --measure to compile the built-in model)"),
-        (["plan", "--measure", "--params", "1e9"], "--measure with --params builds a GPT"),
+        (["plan", "--measure", "--params", "1e9", "--model", "mlp"], "--params builds a GPT"),
         (["plan", "--measure", "--batch", "12"], "--batch 12 is not divisible by the data axis"),
         (["plan", "--params", "seven"], "argument --params: expected a parameter count"),
         (["plan", "--params", "1e9", "--hardware", "h10"], "argument --hardware: invalid choice"),

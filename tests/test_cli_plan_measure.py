@@ -3,6 +3,7 @@
 import json
 
 from shardax.cli.main import main as cli
+from shardax.cli.plan_measure import gpt_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -38,3 +39,26 @@ def test_plan_measure_with_a_model_axis(tmp_path, capsys):
     assert picked["collective_bytes"] == min(r["collective_bytes"] for r in fitting)
     assert (tmp_path / "plan.png").read_bytes().startswith(PNG)
     assert json.loads((tmp_path / "plan.json").read_text())["pick"] == out["pick"]
+
+
+def test_gpt_of_a_given_size():
+    for n in (1e6, 1e8, 7e9):
+        cfg = gpt_config(n, 128)
+        blocks = 12 * cfg.layers * cfg.d_model**2
+        assert cfg.d_model % 64 == 0 and cfg.heads * 64 == cfg.d_model
+        assert 0.5 * n <= blocks <= 1.5 * n, (n, cfg)
+
+
+def test_plan_measure_gpt(tmp_path, capsys):
+    argv = ["plan", "--measure", "--model", "gpt", "--layers", "1", "--d-model", "64"]
+    argv += ["--heads", "2", "--seq-len", "16", "--batch", "8", "--json"]
+    assert cli([*argv, "--run-dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"].startswith("gpt 1 x 64")
+    rows = {r["name"]: r for r in out["candidates"]}
+    assert list(rows) == ["replicate", "zero1", "zero2", "fsdp"]
+    replicated = rows["replicate"]
+    formula = replicated["formula"]["params_and_optimizer_bytes"]
+    assert formula == 3 * 4 * out["params"]  # params + Adam's two moments, fp32
+    assert formula <= replicated["argument_bytes"] <= formula + 8 * 16 * 4  # + the batch
+    assert rows["zero1"]["argument_bytes"] < 0.5 * replicated["argument_bytes"]

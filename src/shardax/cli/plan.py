@@ -45,9 +45,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compile replicate, zero1, zero2, fsdp (and fsdp+tp with a model axis) for "
         "--model on these devices; pick the one that fits and communicates least",
     )
-    parser.add_argument("--model", choices=MODELS, default="mlp", help="with --measure")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default=None,
+        help="with --measure: the digits MLP (default), or a GPT (implied by --params)",
+    )
     parser.add_argument("--hidden", type=positive_int, default=512, help="MLP width (--measure)")
-    parser.add_argument("--layers", type=positive_int, default=4, help="MLP layers (--measure)")
+    parser.add_argument(
+        "--layers", type=positive_int, default=None, help="layers (--measure; mlp 4, gpt 2)"
+    )
+    parser.add_argument("--d-model", type=positive_int, default=128, help="GPT width (--measure)")
+    parser.add_argument("--heads", type=positive_int, default=4, help="GPT heads (--measure)")
+    parser.add_argument(
+        "--seq-len", type=positive_int, default=128, help="GPT sequence length (--measure)"
+    )
     parser.add_argument(
         "--mesh", type=mesh_spec, default=None, help="with --measure: e.g. data=4,model=2"
     )
@@ -221,8 +233,12 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         from shardax.cli import plan_measure
 
+        if args.model is None:
+            args.model = "gpt" if args.params is not None else "mlp"
         if args.batch is None:
-            args.batch = 256
+            args.batch = 256 if args.model == "mlp" else 16
+        if args.layers is None:
+            args.layers = 4 if args.model == "mlp" else 2
         return plan_measure.run(args)
     if args.params is None:
         raise UsageError("--params is required (or --measure to compile the built-in model)")

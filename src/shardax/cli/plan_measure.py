@@ -6,7 +6,9 @@ candidate: the compiler's bytes per device (arguments, temporaries, peak), the f
 params + optimizer state (:func:`shardax.runtime.memory.estimate`), the bytes each device
 sends per step (from the HLO), and whether it fits; then the pick and its reason.
 
-Example: ``shardax plan --measure --mesh data=4,model=2 --hidden 1024 --batch 512``.
+Examples: ``shardax plan --measure --mesh data=4,model=2 --hidden 1024 --batch 512`` (the
+digits MLP); ``shardax plan --measure --params 1e8 --seq-len 256`` (a GPT of about that
+many parameters, from :mod:`shardax.models.gpt`, built abstractly).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from shardax.cli.common import UsageError, console, pyplot, write_results
 
 GIB = 1024**3
-MODELS = ("mlp",)
+MODELS = ("mlp", "gpt")
 # Each candidate's formula: its ZeRO stage (3 = FSDP) and whether TP splits it too.
 STAGES = {"replicate": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "fsdp+tp": 3}
 
@@ -47,6 +49,52 @@ def _mlp(args: argparse.Namespace) -> tuple[Any, Any, Any, list[tuple[str, Any]]
     return init, loss_fn, batch, tp_rules(args.layers)
 
 
+def gpt_config(num_params: float, max_seq_len: int) -> Any:
+    """A :class:`GPTConfig` of about ``num_params`` parameters: ``12·L·d²`` in the blocks,
+    with ``L = d / 64`` layers and 64-wide heads (``d`` a multiple of 64)."""
+    from shardax.models.gpt import GPTConfig
+
+    d_model = max(64, round((num_params * 64 / 12) ** (1 / 3) / 64) * 64)
+    layers = max(1, round(num_params / (12 * d_model**2)))
+    return GPTConfig(layers, d_model, d_model // 64, max_seq_len)
+
+
+def _gpt(args: argparse.Namespace, mesh: Any) -> tuple[Any, Any, Any, Any, str]:
+    """The GPT of ``shardax train --model gpt`` (``--params`` sets its size): an init
+    function, its loss, an abstract batch, its tensor-parallel plan (with a ``model``
+    axis) and a description."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import shardax as sx
+    from shardax.models import gpt
+
+    if args.params is not None:
+        cfg = gpt_config(args.params, args.seq_len)
+    else:
+        cfg = gpt.GPTConfig(args.layers, args.d_model, args.heads, args.seq_len)
+
+    def init() -> Any:
+        return sx.TrainState.create(gpt.make_gpt(cfg, 0), optax.adam(1e-3))
+
+    def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
+        logits = model(batch["inputs"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    tp = None
+    if "model" in mesh.shape:
+        try:
+            tp = gpt.plan(mesh, nnx.eval_shape(lambda: gpt.make_gpt(cfg, 0)), "tp")
+        except ValueError as e:
+            raise UsageError(f"--mesh {dict(mesh.shape)}: {e}") from None
+    what = f"gpt {cfg.layers} x {cfg.d_model} ({cfg.heads} heads), seq {args.seq_len}"
+    return init, loss_fn, batch, tp, what
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Compiles the candidates and returns the table as plain data."""
     import jax
@@ -54,10 +102,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import shardax as sx
     from shardax.runtime.memory import estimate
 
-    if args.params is not None:
+    if args.params is not None and args.model != "gpt":
         raise UsageError(
-            "--measure with --params builds a GPT of that size, and shardax.models.gpt is not "
-            "in this build; measure the built-in model with --model mlp (--hidden, --layers)"
+            f"--measure with --params builds a GPT of that size; got --model {args.model}, "
+            "which takes --hidden and --layers instead (or pass --model gpt)"
         )
     try:
         mesh = sx.make_mesh(args.mesh or {"data": -1})
@@ -68,7 +116,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     data, model = mesh.shape["data"], mesh.shape.get("model", 1)
     if args.batch % data:
         raise UsageError(f"--batch {args.batch} is not divisible by the data axis size {data}")
-    init, loss_fn, batch, rules = _mlp(args)
+    if args.model == "gpt":
+        init, loss_fn, batch, tp, what = _gpt(args, mesh)
+    else:
+        init, loss_fn, batch, tp = _mlp(args)
+        tp = tp if model > 1 else None
+        what = f"mlp {args.layers} x {args.hidden}"
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(init).params))
     memory = None if args.device_memory is None else args.device_memory * GIB
     report = sx.auto_plan(
@@ -77,7 +130,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         loss_fn=loss_fn,
         batch=batch,
         device_memory=memory,
-        tp_rules=rules if model > 1 else None,
+        tp_rules=tp,
     )
     rows = []
     for c in report.candidates:
@@ -94,7 +147,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             }
         rows.append({**c.to_dict(), "formula": formula})
     return {
-        "model": f"mlp {args.layers} x {args.hidden}",
+        "model": what,
         "params": num_params,
         "batch": args.batch,
         "mesh": dict(mesh.shape),

@@ -145,12 +145,13 @@ def candidate_plans(
     mesh: Mesh,
     axis: str | tuple[str, ...] = DATA_AXIS,
     min_size: int = DEFAULT_FSDP_MIN_SIZE,
-    tp_rules: Sequence[Rule] | None = None,
+    tp_rules: Sequence[Rule] | Plan | None = None,
 ) -> dict[str, FollowParams]:
     """replicate, zero1, zero2 and fsdp over ``axis``; ``hsdp`` (fsdp over the last of
     several data axes, replicated over the others) when ``axis`` is a tuple; and
-    ``fsdp+tp`` (``tp_rules``, and fsdp over ``axis`` on the dimensions they leave
-    unsplit: :func:`shardax.plan.fsdp_over`) when rules are given."""
+    ``fsdp+tp`` (``tp_rules``, regex rules or a plan such as ``sx.from_nnx``'s, and fsdp
+    over ``axis`` on the dimensions they leave unsplit: :func:`shardax.plan.fsdp_over`)
+    when rules are given."""
     plans: dict[str, Plan] = {
         "replicate": follow_params(replicate(mesh)),
         "zero1": zero1(mesh, axis, min_size),
@@ -160,7 +161,8 @@ def candidate_plans(
     if not isinstance(axis, str) and len(axis) > 1:
         plans["hsdp"] = follow_params(fsdp(mesh, axis[-1], min_size))
     if tp_rules:
-        plans["fsdp+tp"] = follow_params(fsdp_over(rules(mesh, tp_rules), axis, min_size))
+        tp = tp_rules if isinstance(tp_rules, Plan) else rules(mesh, tp_rules)
+        plans["fsdp+tp"] = follow_params(fsdp_over(tp, axis, min_size))
     for name, plan in plans.items():
         plans[name] = dataclasses.replace(plan, name=name)
     return plans
@@ -236,7 +238,7 @@ def auto_plan(
     device_memory: float | None = None,
     axis: str | tuple[str, ...] = DATA_AXIS,
     min_size: int = DEFAULT_FSDP_MIN_SIZE,
-    tp_rules: Sequence[Rule] | None = None,
+    tp_rules: Sequence[Rule] | Plan | None = None,
     candidates: Mapping[str, FollowParams] | None = None,
     accumulate: int = 1,
 ) -> AutoPlan:
