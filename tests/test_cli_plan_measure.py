@@ -51,12 +51,13 @@ def test_gpt_of_a_given_size():
 
 def test_plan_measure_gpt(tmp_path, capsys):
     argv = ["plan", "--measure", "--model", "gpt", "--layers", "1", "--d-model", "64"]
-    argv += ["--heads", "2", "--seq-len", "16", "--batch", "8", "--json"]
+    argv += ["--heads", "2", "--seq-len", "16", "--batch", "8", "--plans", "replicate,zero1"]
+    argv += ["--json"]
     assert cli([*argv, "--run-dir", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"].startswith("gpt 1 x 64")
     rows = {r["name"]: r for r in out["candidates"]}
-    assert list(rows) == ["replicate", "zero1", "zero2", "fsdp"]
+    assert list(rows) == ["replicate", "zero1"]
     replicated = rows["replicate"]
     formula = replicated["formula"]["params_and_optimizer_bytes"]
     assert formula == 3 * 4 * out["params"]  # params + Adam's two moments, fp32

@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh", type=mesh_spec, default=None, help="with --measure: e.g. data=4,model=2"
     )
+    parser.add_argument(
+        "--plans",
+        type=lambda text: [p.strip() for p in text.split(",") if p.strip()],
+        default=None,
+        help="with --measure: the candidates to compile, e.g. zero1,fsdp (default: all)",
+    )
     parser.add_argument("--run-dir", default=None, help="where --measure writes plan.json/png")
     parser.add_argument(
         "--devices", type=positive_int, default=None, help="devices (default: those at hand)"

@@ -101,6 +101,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     import shardax as sx
     from shardax.runtime.memory import estimate
+    from shardax.train.auto import candidate_plans
 
     if args.params is not None and args.model != "gpt":
         raise UsageError(
@@ -124,13 +125,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         what = f"mlp {args.layers} x {args.hidden}"
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(init).params))
     memory = None if args.device_memory is None else args.device_memory * GIB
+    plans = candidate_plans(mesh, tp_rules=tp)
+    if args.plans:
+        unknown = [p for p in args.plans if p not in plans]
+        if unknown:
+            raise UsageError(
+                f"--plans {','.join(args.plans)}: {', '.join(unknown)} not among the "
+                f"candidates for mesh {dict(mesh.shape)}: {', '.join(plans)}"
+            )
+        plans = {name: plans[name] for name in args.plans}
     report = sx.auto_plan(
-        mesh,
-        init,
-        loss_fn=loss_fn,
-        batch=batch,
-        device_memory=memory,
-        tp_rules=tp,
+        mesh, init, loss_fn=loss_fn, batch=batch, device_memory=memory, candidates=plans
     )
     rows = []
     for c in report.candidates:
