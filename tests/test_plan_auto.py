@@ -124,3 +124,29 @@ def test_bad_input():
     step = sx.make_train_step(model_loss, mesh=mesh, plan="auto")
     with pytest.raises(ValueError, match=r"step.init\(...\) has no batch"):
         step.init(init)
+
+
+def test_hlo_collectives_and_the_ring_model():
+    from shardax.runtime.hlo import collective_bytes, collectives
+
+    hlo = "\n".join(
+        [
+            "%a = (f32[256,64]{1,0}, f32[]) all-reduce(%x, %y), replica_groups={}, to_apply=%add",
+            "%b = f32[64,16]{1,0} all-gather(f32[8,16]{1,0} %p), replica_groups=[2,4]<=[8]",
+            "%c = bf16[8]{0} reduce-scatter(bf16[32]{0} %g), replica_groups={{0,1,2,3},{4,5,6,7}}",
+            "%d = (f32[8,16]{1,0}, f32[32,16]{1,0}) all-gather-start(f32[8,16]{1,0} %q), "
+            "replica_groups=[1,4]<=[4]",
+            "%e = f32[32,16]{1,0} all-gather-done(%d)",
+            "%f = s32[10]{0} collective-permute(s32[10]{0} %r), source_target_pairs={{0,1}}",
+        ]
+    )
+    found = collectives(hlo, num_devices=8)
+    assert [(c.op, c.bytes, c.group) for c in found] == [
+        ("all-reduce", (256 * 64 + 1) * 4, 8),
+        ("all-gather", 64 * 16 * 4, 4),
+        ("reduce-scatter", 8 * 2, 4),
+        ("all-gather", 32 * 16 * 4, 4),  # async: the result half of the tuple, once
+        ("collective-permute", 40, 8),
+    ]
+    expected = 2 * 7 / 8 * (256 * 64 + 1) * 4 + 3 / 4 * 4096 + 3 * 16 + 3 / 4 * 2048 + 40
+    assert collective_bytes(hlo, 8) == pytest.approx(expected)
