@@ -42,7 +42,9 @@ def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
             "masked_mean: mask must cover the leading axes of values, (batch,) or "
             f"(batch, seq); values have shape {values.shape}, mask has shape {mask.shape}"
         )
-    weights = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (values.ndim - 1)), values.shape)
+    weights = jnp.broadcast_to(
+        mask.reshape(mask.shape + (1,) * (values.ndim - mask.ndim)), values.shape
+    )
     total = jnp.sum(jnp.where(weights, values, 0))
     return total / jnp.maximum(jnp.sum(weights), 1).astype(total.dtype)
 
