@@ -86,10 +86,8 @@ def test_masks_that_do_not_lead_with_the_batch_shape_are_named(mesh):
         ) as info:
             step(state, {**batch, "mask": mask})
         assert str(np.shape(mask)) in str(info.value), what
-    # The per-example mask of the MLP tests stays valid.
+    # A (batch, seq) mask must lead the shape of some other leaf.
     mlp = sx.make_train_step(make_loss("pytree"), mesh=mesh)
-    with pytest.raises(ValueError, match=r"\(batch,\) = \(8,\).*got dtype bool and shape \(8, 2\)"):
-        mlp(
-            mlp.shard(make_state("pytree")),
-            {"x": np.ones((8, 4)), "y": np.ones((8, 2)), "mask": np.ones((8, 2), bool)},
-        )
+    x, y = np.ones((8, 4), np.float32), np.ones((8, 2), np.float32)
+    with pytest.raises(ValueError, match=r"\(batch,\) = \(8,\).*got dtype bool and shape \(8, 3\)"):
+        mlp(mlp.shard(make_state("pytree")), {"x": x, "y": y, "mask": np.ones((8, 3), bool)})
