@@ -432,6 +432,11 @@ class TrainStep:
         metrics = _metrics(loss, aux)
         if self._scaling is None:
             return state.apply_gradients(grads, model_state), metrics
+        if "loss_scale" in metrics:
+            raise ValueError(
+                "loss_fn's aux metrics must not have a 'loss_scale' entry with loss scaling "
+                f"(precision={policy_name(self.precision)!r}); the step reports the scale there"
+            )
         # Dynamic loss scaling: a step with non-finite gradients changes nothing but the
         # step count and the scale.
         grads = unscale(grads, state.loss_scale)
