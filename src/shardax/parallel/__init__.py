@@ -3,3 +3,7 @@
 One concept per module; each module's public names are re-exported here and from
 ``shardax``.
 """
+
+from shardax.parallel.pipeline import STAGE_AXIS, bubble, pipeline, scan_layers
+
+__all__ = ["STAGE_AXIS", "bubble", "pipeline", "scan_layers"]
