@@ -18,6 +18,7 @@ from shardax.data import (
     shard_batch_dim,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
+from shardax.parallel import pipeline
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -108,6 +109,7 @@ __all__ = [
     "make_train_step",
     "masked_mean",
     "mesh_info",
+    "pipeline",
     "place_on_device",
     "prefetch_to_device",
     "print0",
