@@ -198,3 +198,70 @@ def test_equinox_pipeline_trains_like_one_device(mesh):
         mesh,
         stage_plan(mesh),
     )
+
+
+def test_pipeline_composes_with_fsdp_and_tensor_parallel_layers():
+    """FSDP over "data" and TP over "model" inside each pipelined layer."""
+    mesh = sx.make_mesh({"data": 2, "stage": 2, "model": 2})
+
+    def tp_layer(p, h):
+        h = sx.constrain(h @ p["w"], P("data", "model"))
+        return jnp.tanh(h + p["b"])
+
+    def apply(p, x):
+        h = sx.pipeline(tp_layer, p["blocks"], x @ p["embed"], microbatches=2, repeats=2)
+        return h @ p["head"]
+
+    plan = sx.rules(
+        mesh,
+        [(r"blocks/w", P("stage", "data", "model")), (r"blocks/b", P("stage", "model"))],
+    )
+    state, _ = assert_trained_alike(
+        lambda: sx.TrainState.from_params(make_params(), apply, optax.adam(1e-2)), mesh, plan
+    )
+    w = state.params["blocks"]["w"]
+    assert {s.data.shape for s in w.addressable_shards} == {(L // 2, D // 2, D // 2)}
+
+
+@pytest.mark.parametrize("shape", [{"data": 8}, {"data": 2, "stage": 1, "model": 4}])
+def test_without_a_stage_axis_it_is_the_plain_scan(shape):
+    params, x = make_params(), jnp.asarray(data(1)[0]["x"])
+    blocks, h = params["blocks"], x @ params["embed"]
+    expect = sx.parallel.scan_layers(layer, blocks, h)
+    fn = jax.jit(lambda b, h: sx.pipeline(layer, b, h, microbatches=3))
+    with jax.sharding.set_mesh(sx.make_mesh(shape)):
+        got = fn(blocks, h)
+        hlo = fn.lower(blocks, h).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expect))
+    assert "collective-permute" not in hlo
+    # No mesh at all (single-device mode): the scan too.
+    np.testing.assert_array_equal(np.asarray(fn(blocks, h)), np.asarray(expect))
+
+
+@pytest.mark.parametrize(
+    ("layers", "batch", "kwargs", "message"),
+    [
+        (6, 16, {}, "L=6 is not divisible by stages S=4 (mesh axis 'stage') × repeats=1 = 4"),
+        (8, 16, {"repeats": 4}, "L=8 is not divisible by stages S=4 (mesh axis 'stage') × "
+         "repeats=4 = 16"),
+        (8, 12, {}, "batch on each data shard (batch 12 / data 2 = 6) is not divisible "
+         "by microbatches=4"),
+        (8, 16, {"microbatches": 2}, "microbatches=2 is less than the number of stages S=4"),
+        (8, 16, {"axis": "pipe"}, "axis 'pipe' is not in the mesh, whose axes are "
+         "{'data': 2, 'stage': 4}"),
+        (8, 16, {"microbatches": 0}, "microbatches must be an integer >= 1, got 0"),
+        (8, 16, {"repeats": 1.5}, "repeats must be an integer >= 1, got 1.5"),
+    ],
+)
+def test_errors_name_the_rule_and_the_sizes(mesh, layers, batch, kwargs, message):
+    blocks = {"w": jax.ShapeDtypeStruct((layers, D, D), jnp.float32)}
+    h = jax.ShapeDtypeStruct((batch, D), jnp.float32)
+    kwargs = {"microbatches": 4, **kwargs}
+    with jax.sharding.set_mesh(mesh), pytest.raises(ValueError, match=re.escape(message)):
+        jax.eval_shape(lambda b, h: sx.pipeline(layer, b, h, **kwargs), blocks, h)
+
+
+def test_stacked_leaves_must_share_the_layer_count():
+    blocks = {"w": jnp.ones((8, D, D)), "b": jnp.ones((4, D))}
+    with pytest.raises(ValueError, match=r"same leading \(layer\) size, got \['b'\]: 4, \['w'\]: 8"):
+        sx.pipeline(layer, blocks, jnp.ones((4, D)), microbatches=1)
