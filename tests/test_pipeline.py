@@ -15,7 +15,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
@@ -91,9 +90,7 @@ class EqxModel(eqx.Module):
     def __init__(self, key: jax.Array) -> None:
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = eqx.nn.Linear(IN, D, key=k1)
-        self.blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(
-            jax.random.split(k2, L)
-        )
+        self.blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(jax.random.split(k2, L))
         self.head = eqx.nn.Linear(D, OUT, key=k3)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -242,13 +239,25 @@ def test_without_a_stage_axis_it_is_the_plain_scan(shape):
     ("layers", "batch", "kwargs", "message"),
     [
         (6, 16, {}, "L=6 is not divisible by stages S=4 (mesh axis 'stage') × repeats=1 = 4"),
-        (8, 16, {"repeats": 4}, "L=8 is not divisible by stages S=4 (mesh axis 'stage') × "
-         "repeats=4 = 16"),
-        (8, 12, {}, "batch on each data shard (batch 12 / data 2 = 6) is not divisible "
-         "by microbatches=4"),
+        (
+            8,
+            16,
+            {"repeats": 4},
+            "L=8 is not divisible by stages S=4 (mesh axis 'stage') × repeats=4 = 16",
+        ),
+        (
+            8,
+            12,
+            {},
+            "batch on each data shard (batch 12 / data 2 = 6) is not divisible by microbatches=4",
+        ),
         (8, 16, {"microbatches": 2}, "microbatches=2 is less than the number of stages S=4"),
-        (8, 16, {"axis": "pipe"}, "axis 'pipe' is not in the mesh, whose axes are "
-         "{'data': 2, 'stage': 4}"),
+        (
+            8,
+            16,
+            {"axis": "pipe"},
+            "axis 'pipe' is not in the mesh, whose axes are {'data': 2, 'stage': 4}",
+        ),
         (8, 16, {"microbatches": 0}, "microbatches must be an integer >= 1, got 0"),
         (8, 16, {"repeats": 1.5}, "repeats must be an integer >= 1, got 1.5"),
     ],
@@ -263,5 +272,7 @@ def test_errors_name_the_rule_and_the_sizes(mesh, layers, batch, kwargs, message
 
 def test_stacked_leaves_must_share_the_layer_count():
     blocks = {"w": jnp.ones((8, D, D)), "b": jnp.ones((4, D))}
-    with pytest.raises(ValueError, match=r"same leading \(layer\) size, got \['b'\]: 4, \['w'\]: 8"):
+    with pytest.raises(
+        ValueError, match=r"same leading \(layer\) size, got \['b'\]: 4, \['w'\]: 8"
+    ):
         sx.pipeline(layer, blocks, jnp.ones((4, D)), microbatches=1)

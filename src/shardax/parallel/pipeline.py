@@ -233,47 +233,46 @@ def _pipelined(
     def stage_fn(chunks: Any, micro: Any) -> Any:
         chunks = _deal(chunks, axis, stages, repeats)  # (r, K, ...): this stage's chunks
         stage = lax.axis_index(axis)
-        ticks = repeats * m + stages - 1
-        zeros = jax.tree.map(lambda a: jnp.zeros_like(a[0]), micro)
+        first, last = stage == 0, stage == stages - 1
+        work = repeats * m  # (repeat, microbatch) pairs each stage works through
+        # Circular: the last stage hands back to the first; GPipe: a line.
         ring = [(s, (s + 1) % stages) for s in range(stages if repeats > 1 else stages - 1)]
 
+        def put(buf: Any, index: jax.Array, when: jax.Array, value: Any) -> Any:
+            # A conditional one-row update: no copy of the buffer is kept for autodiff.
+            return jax.tree.map(
+                lambda b, v: b.at[index].set(jnp.where(when, v, b[index])), buf, value
+            )
+
         def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
-            received, loop, out = carry
-            i = t - stage  # the (repeat, microbatch) index this stage works on
-            valid = (i >= 0) & (i < repeats * m)
-            i = jnp.clip(i, 0, repeats * m - 1)
-            j, mb = i // m, i % m
-            # Stage 0 keeps what comes back around from the last stage for the next
-            # repeat; it was sent at tick t - 1 as microbatch (t - S) % M.
-            back = (t - stages) % m
-            loop = jax.tree.map(
-                lambda buf, r: jnp.where(
-                    (stage == 0) & (t >= stages), buf.at[back].set(r), buf
-                ),
-                loop,
+            received, inputs, out = carry
+            i = t - stage  # this stage's work item: repeat j of microbatch mb
+            valid = (i >= 0) & (i < work)
+            j, mb = jnp.clip(i, 0, work - 1) // m, jnp.clip(i, 0, work - 1) % m
+            if repeats > 1:
+                # What the last stage sent at tick t - 1 (microbatch (t - S) mod M) is
+                # the first stage's input for its next repeat.
+                inputs = put(inputs, (t - stages) % m, first & (t >= stages), received)
+            h = jax.tree.map(
+                lambda a, r: jnp.where(first, a[mb], r),
+                inputs if repeats > 1 else micro,
                 received,
             )
-            first = jnp.where(j == 0, 0, 1)
-            fresh = jax.tree.map(
-                lambda a, b: jnp.where(first == 0, a[mb], b[mb]), micro, loop
-            )
-            h = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), fresh, received)
-            params = jax.tree.map(lambda w: w[j], chunks)
-            h = scan_layers(layer_fn, params, h)
-            done = valid & (stage == stages - 1) & (j == repeats - 1)
-            out = jax.tree.map(
-                lambda o, v: jnp.where(done, o.at[mb].set(v), o), out, h
-            )
-            received = jax.tree.map(lambda v: lax.ppermute(v, axis, ring), h)
-            return (received, loop, out), None
+            h = scan_layers(layer_fn, jax.tree.map(lambda w: w[j], chunks), h)
+            out = put(out, mb, valid & last & (j == repeats - 1), h)
+            return (lax.ppermute(h, axis, ring), inputs, out), None
 
-        init = jax.tree.map(
-            lambda a: lax.pcast(a, (axis,), to="varying"),
-            (zeros, jax.tree.map(jnp.zeros_like, micro), jax.tree.map(jnp.zeros_like, micro)),
+        def varying(tree: Any) -> Any:
+            return jax.tree.map(lambda a: lax.pcast(a, (axis,), to="varying"), tree)
+
+        zeros = jax.tree.map(jnp.zeros_like, micro)
+        init = (
+            varying(jax.tree.map(lambda a: a[0], zeros)),
+            varying(micro) if repeats > 1 else None,
+            varying(zeros),
         )
-        (_, _, out), _ = lax.scan(tick, init, jnp.arange(ticks))
+        (_, _, out), _ = lax.scan(tick, init, jnp.arange(work + stages - 1))
         # Only the last stage holds the result; every stage returns it.
-        last = stage == stages - 1
         return jax.tree.map(lambda o: lax.psum(jnp.where(last, o, 0), axis), out)
 
     param_spec = PartitionSpec(axis)
