@@ -151,12 +151,12 @@ def assert_trained_alike(make_state, mesh, plan, leaves=lambda p: p) -> None:
     return state, step
 
 
-@pytest.mark.parametrize("repeats", [1, 2])
-def test_pytree_pipeline_trains_like_one_device(mesh, repeats):
+@pytest.mark.parametrize(("repeats", "microbatches"), [(1, 4), (2, 8)])
+def test_pytree_pipeline_trains_like_one_device(mesh, repeats, microbatches):
     def make_state():
         return sx.TrainState.from_params(
             make_params(),
-            lambda p, x: pytree_apply(p, x, repeats=repeats),
+            lambda p, x: pytree_apply(p, x, microbatches=microbatches, repeats=repeats),
             optax.adam(1e-2),
         )
 

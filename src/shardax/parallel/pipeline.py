@@ -238,42 +238,39 @@ def _pipelined(
         # Circular: the last stage hands back to the first; GPipe: a line.
         ring = [(s, (s + 1) % stages) for s in range(stages if repeats > 1 else stages - 1)]
 
-        def put(buf: Any, index: jax.Array, when: jax.Array, value: Any) -> Any:
-            # A conditional one-row update: no copy of the buffer is kept for autodiff.
-            return jax.tree.map(
-                lambda b, v: b.at[index].set(jnp.where(when, v, b[index])), buf, value
-            )
-
-        def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
-            received, inputs, out = carry
-            i = t - stage  # this stage's work item: repeat j of microbatch mb
-            valid = (i >= 0) & (i < work)
-            j, mb = jnp.clip(i, 0, work - 1) // m, jnp.clip(i, 0, work - 1) % m
+        def tick(carry: Any, xs: Any) -> tuple[Any, Any]:
+            received, loop = carry
+            t, fresh = xs  # fresh: microbatch t, the first stage's input while t < M
+            i = t - stage  # this stage's work item: repeat j of microbatch i mod M
+            j = jnp.clip(i, 0, work - 1) // m
+            h = jax.tree.map(lambda f, r: jnp.where(first & (t < m), f, r), fresh, received)
             if repeats > 1:
-                # What the last stage sent at tick t - 1 (microbatch (t - S) mod M) is
-                # the first stage's input for its next repeat.
-                inputs = put(inputs, (t - stages) % m, first & (t >= stages), received)
-            h = jax.tree.map(
-                lambda a, r: jnp.where(first, a[mb], r),
-                inputs if repeats > 1 else micro,
-                received,
-            )
+                # The first stage's input for a later repeat is what the last stage sent
+                # it M - S ticks earlier: a delay line of M - S + 1 slots, written at
+                # slot t and read at slot t - (M - S), i.e. t + 1.
+                size = m - stages + 1
+                loop = jax.tree.map(lambda b, r: b.at[t % size].set(r), loop, received)
+                h = jax.tree.map(
+                    lambda h, b: jnp.where(first & (t >= m), b[(t + 1) % size], h), h, loop
+                )
             h = scan_layers(layer_fn, jax.tree.map(lambda w: w[j], chunks), h)
-            out = put(out, mb, valid & last & (j == repeats - 1), h)
-            return (lax.ppermute(h, axis, ring), inputs, out), None
+            return (lax.ppermute(h, axis, ring), loop), h
 
         def varying(tree: Any) -> Any:
             return jax.tree.map(lambda a: lax.pcast(a, (axis,), to="varying"), tree)
 
-        zeros = jax.tree.map(jnp.zeros_like, micro)
-        init = (
-            varying(jax.tree.map(lambda a: a[0], zeros)),
-            varying(micro) if repeats > 1 else None,
-            varying(zeros),
+        ticks = work + stages - 1
+        one = jax.tree.map(lambda a: jnp.zeros_like(a[0]), micro)
+        loop = jax.tree.map(lambda a: jnp.zeros((m - stages + 1, *a.shape), a.dtype), one)
+        padded = jax.tree.map(
+            lambda a: jnp.concatenate([a, jnp.zeros((ticks - m, *a.shape[1:]), a.dtype)]),
+            micro,
         )
-        (_, _, out), _ = lax.scan(tick, init, jnp.arange(work + stages - 1))
-        # Only the last stage holds the result; every stage returns it.
-        return jax.tree.map(lambda o: lax.psum(jnp.where(last, o, 0), axis), out)
+        init = (varying(one), varying(loop) if repeats > 1 else None)
+        _, ys = lax.scan(tick, init, (jnp.arange(ticks), padded))
+        # The last stage finishes microbatch b of the last repeat at tick ticks - M + b.
+        # Only it holds the result; every stage returns it.
+        return jax.tree.map(lambda y: lax.psum(jnp.where(last, y[-m:], 0), axis), ys)
 
     param_spec = PartitionSpec(axis)
     out = jax.shard_map(
