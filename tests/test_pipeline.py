@@ -276,3 +276,28 @@ def test_stacked_leaves_must_share_the_layer_count():
         ValueError, match=r"same leading \(layer\) size, got \['b'\]: 4, \['w'\]: 8"
     ):
         sx.pipeline(layer, blocks, jnp.ones((4, D)), microbatches=1)
+
+
+@pytest.mark.parametrize(("repeats", "microbatches"), [(1, 4), (2, 8)])
+def test_explicit_axes_mesh_gives_the_scan_gradients(repeats, microbatches):
+    """On a jax.make_mesh mesh (Explicit axes) the sharding is in the types throughout."""
+    mesh = jax.make_mesh(
+        (2, 4), ("data", "stage"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
+    params, x = make_params(), jnp.asarray(data(1)[0]["x"])
+    blocks, h = params["blocks"], x @ params["embed"]
+
+    def loss(blocks, h, pipelined=True):
+        if pipelined:
+            h = sx.pipeline(layer, blocks, h, microbatches=microbatches, repeats=repeats)
+        else:
+            h = sx.parallel.scan_layers(layer, blocks, h)
+        return jnp.sum(h**2)
+
+    expect = jax.grad(loss)(blocks, h, pipelined=False)
+    with jax.sharding.set_mesh(mesh):
+        placed = jax.device_put(blocks, P("stage"))
+        got = jax.jit(jax.grad(loss))(placed, jax.device_put(h, P("data")))
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expect), strict=True):
+        assert g.sharding.spec[0] == "stage"
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)

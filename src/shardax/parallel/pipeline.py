@@ -260,11 +260,11 @@ def _pipelined(
             return jax.tree.map(lambda a: lax.pcast(a, (axis,), to="varying"), tree)
 
         ticks = work + stages - 1
+        # Built from ``micro`` (zeros_like, pad), so Explicit axes keep its sharding.
         one = jax.tree.map(lambda a: jnp.zeros_like(a[0]), micro)
-        loop = jax.tree.map(lambda a: jnp.zeros((m - stages + 1, *a.shape), a.dtype), one)
+        loop = jax.tree.map(lambda a: jnp.zeros_like(a[: m - stages + 1]), micro)
         padded = jax.tree.map(
-            lambda a: jnp.concatenate([a, jnp.zeros((ticks - m, *a.shape[1:]), a.dtype)]),
-            micro,
+            lambda a: jnp.pad(a, [(0, ticks - m)] + [(0, 0)] * (a.ndim - 1)), micro
         )
         init = (varying(one), varying(loop) if repeats > 1 else None)
         _, ys = lax.scan(tick, init, (jnp.arange(ticks), padded))
