@@ -129,35 +129,54 @@ def pipeline(
     ``microbatches``, ``microbatches < S``, the stacked leaves' leading sizes differ, or
     a non-default ``axis`` is not in the mesh.
     """
+    where = stage_mesh(stacked_params, x, microbatches, axis, repeats)
+    if where is None:
+        return scan_layers(layer_fn, stacked_params, x)
+    return _pipelined(layer_fn, stacked_params, x, microbatches, repeats, *where)
+
+
+def stage_mesh(
+    stacked_params: Any,
+    x: Any,
+    microbatches: int,
+    axis: str,
+    repeats: int = 1,
+    *,
+    what="sx.pipeline",
+) -> tuple[Any, str, int, tuple[str, ...]] | None:
+    """``(mesh, axis, S, batch_axes)`` to pipeline over, or None for the plain scan.
+
+    Checks every rule of :func:`pipeline`, raising ValueError naming the sizes.
+    """
     microbatches = _positive_int("microbatches", microbatches)
     repeats = _positive_int("repeats", repeats)
     layers = num_layers(stacked_params)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return scan_layers(layer_fn, stacked_params, x)
+        return None
     if axis not in mesh.axis_names:
         if axis == STAGE_AXIS:
-            return scan_layers(layer_fn, stacked_params, x)
+            return None
         raise ValueError(
-            f"sx.pipeline: axis {axis!r} is not in the mesh, whose axes are "
+            f"{what}: axis {axis!r} is not in the mesh, whose axes are "
             f"{dict(mesh.shape)}; add it to the mesh or pass axis= one of them"
         )
     stages = mesh.shape[axis]
     if stages == 1:
-        return scan_layers(layer_fn, stacked_params, x)
+        return None
     if axis in mesh.manual_axes:
         raise ValueError(
-            f"sx.pipeline: axis {axis!r} is already manual (inside shard_map or pmap over "
-            "it); call sx.pipeline from a jit-mode step (sx.make_train_step(mode='jit'))"
+            f"{what}: axis {axis!r} is already manual (inside shard_map or pmap over "
+            "it); call it from a jit-mode step (sx.make_train_step(mode='jit'))"
         )
     if layers % (stages * repeats):
         raise ValueError(
-            f"sx.pipeline: the number of layers L={layers} is not divisible by stages "
+            f"{what}: the number of layers L={layers} is not divisible by stages "
             f"S={stages} (mesh axis {axis!r}) × repeats={repeats} = {stages * repeats}"
         )
     if microbatches < stages:
         raise ValueError(
-            f"sx.pipeline: microbatches={microbatches} is less than the number of stages "
+            f"{what}: microbatches={microbatches} is less than the number of stages "
             f"S={stages} (mesh axis {axis!r}); pass microbatches >= {stages}"
         )
     batch = _batch_size(x)
@@ -168,12 +187,27 @@ def pipeline(
     if batch % (shards * microbatches):
         where = f"batch {batch} / {' × '.join(batch_axes)} {shards}" if shards > 1 else batch
         raise ValueError(
-            f"sx.pipeline: the batch on each data shard ({where}"
+            f"{what}: the batch on each data shard ({where}"
             f"{'' if shards == 1 else f' = {batch / shards:g}'}) is not divisible by "
             f"microbatches={microbatches}"
         )
-    return _pipelined(
-        layer_fn, stacked_params, x, mesh, axis, stages, microbatches, repeats, batch_axes
+    return mesh, axis, stages, batch_axes
+
+
+def split_microbatches(x: Any, m: int, mesh: Any, batch_axes: tuple[str, ...]) -> Any:
+    """``(B, ...) -> (M, B/M, ...)``: example ``i·M + j`` goes to microbatch ``j``, so
+    each microbatch keeps the batch's split over the data axes and cutting moves nothing."""
+    micro = jax.tree.map(
+        lambda a: jnp.moveaxis(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 1, 0), x
+    )
+    return _constrain(micro, PartitionSpec(None, batch_axes or None), mesh)
+
+
+def merge_microbatches(micro: Any, mesh: Any, batch_axes: tuple[str, ...]) -> Any:
+    """The inverse of :func:`split_microbatches`."""
+    micro = _constrain(micro, PartitionSpec(None, batch_axes or None), mesh)
+    return jax.tree.map(
+        lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), micro
     )
 
 
@@ -214,21 +248,14 @@ def _pipelined(
     layer_fn: Callable[[Any, H], H],
     stacked_params: Any,
     x: H,
+    m: int,
+    repeats: int,
     mesh: Any,
     axis: str,
     stages: int,
-    microbatches: int,
-    repeats: int,
     batch_axes: tuple[str, ...],
 ) -> H:
-    m = microbatches
-    # Example b = i·M + j goes to microbatch j, so each microbatch keeps the batch's
-    # split over the data axes and cutting it moves nothing.
-    data = batch_axes if batch_axes else None
-    micro = jax.tree.map(
-        lambda a: jnp.moveaxis(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 1, 0), x
-    )
-    micro = _constrain(micro, PartitionSpec(None, data), mesh)
+    micro = split_microbatches(x, m, mesh, batch_axes)
 
     def stage_fn(chunks: Any, micro: Any) -> Any:
         chunks = _deal(chunks, axis, stages, repeats)  # (r, K, ...): this stage's chunks
@@ -280,7 +307,4 @@ def _pipelined(
         out_specs=PartitionSpec(),
         axis_names={axis},
     )(stacked_params, micro)
-    out = _constrain(out, PartitionSpec(None, data), mesh)
-    return jax.tree.map(
-        lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), out
-    )
+    return merge_microbatches(out, mesh, batch_axes)
