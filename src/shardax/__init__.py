@@ -18,7 +18,7 @@ from shardax.data import (
     shard_batch_dim,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
-from shardax.parallel import pipeline
+from shardax.parallel import pipeline, pipeline_1f1b
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -110,6 +110,7 @@ __all__ = [
     "masked_mean",
     "mesh_info",
     "pipeline",
+    "pipeline_1f1b",
     "place_on_device",
     "prefetch_to_device",
     "print0",

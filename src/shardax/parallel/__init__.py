@@ -4,6 +4,7 @@ One concept per module; each module's public names are re-exported here and from
 ``shardax``.
 """
 
+from shardax.parallel.one_f_one_b import pipeline_1f1b
 from shardax.parallel.pipeline import STAGE_AXIS, bubble, pipeline, scan_layers
 
-__all__ = ["STAGE_AXIS", "bubble", "pipeline", "scan_layers"]
+__all__ = ["STAGE_AXIS", "bubble", "pipeline", "pipeline_1f1b", "scan_layers"]
