@@ -18,7 +18,7 @@ from shardax.data import (
     shard_batch_dim,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
-from shardax.parallel import pipeline, pipeline_1f1b
+from shardax.parallel import pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -115,6 +115,7 @@ __all__ = [
     "prefetch_to_device",
     "print0",
     "reduce",
+    "remat",
     "replicate",
     "replicate_across_devices",
     "restore_checkpoint",

@@ -6,5 +6,16 @@ One concept per module; each module's public names are re-exported here and from
 
 from shardax.parallel.one_f_one_b import pipeline_1f1b
 from shardax.parallel.pipeline import STAGE_AXIS, bubble, pipeline, scan_layers
+from shardax.parallel.remat import POLICIES as REMAT_POLICIES
+from shardax.parallel.remat import checkpoint_policy, remat
 
-__all__ = ["STAGE_AXIS", "bubble", "pipeline", "pipeline_1f1b", "scan_layers"]
+__all__ = [
+    "REMAT_POLICIES",
+    "STAGE_AXIS",
+    "bubble",
+    "checkpoint_policy",
+    "pipeline",
+    "pipeline_1f1b",
+    "remat",
+    "scan_layers",
+]
