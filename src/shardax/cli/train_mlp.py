@@ -28,8 +28,10 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     import shardax as sx
     from shardax.data.policy import pad_batch
 
-    if args.plan == "fsdp+tp":
-        raise UsageError("--plan fsdp+tp: only for --model gpt; the MLP has replicate, fsdp, tp")
+    if args.plan in ("fsdp+tp", "pipeline"):
+        raise UsageError(
+            f"--plan {args.plan}: only for --model gpt; the MLP has replicate, fsdp, tp"
+        )
     args.epochs = args.epochs or 15
     args.hidden = args.hidden or 256
     args.batch_size = args.batch_size or 128
