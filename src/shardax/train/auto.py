@@ -241,6 +241,7 @@ def auto_plan(
     tp_rules: Sequence[Rule] | Plan | None = None,
     candidates: Mapping[str, FollowParams] | None = None,
     accumulate: int = 1,
+    precision: Any = "fp32",
 ) -> AutoPlan:
     """Compiles every candidate plan's step and picks the one to train with.
 
@@ -260,7 +261,7 @@ def auto_plan(
         min_size, tp_rules: as for ``sx.fsdp`` and ``sx.rules``; with ``tp_rules`` a
             ``fsdp+tp`` candidate joins (see :func:`candidate_plans`).
         candidates: ``{name: plan}`` to measure instead of :func:`candidate_plans`.
-        accumulate: as for ``make_train_step``.
+        accumulate, precision: as for ``make_train_step``.
 
     Raises:
         ValueError: no candidate fits ``device_memory`` (naming the smallest and the
@@ -293,7 +294,13 @@ def auto_plan(
             compiled = _compile_update(plan, state)
         else:
             compiled = _compile_step(
-                plan, state, loss_fn, batch, data_axis=axis, accumulate=accumulate
+                plan,
+                state,
+                loss_fn,
+                batch,
+                data_axis=axis,
+                accumulate=accumulate,
+                precision=precision,
             )
         measured.append(measure(name, compiled, plan))
     return choose(measured, budget, "train step" if loss_fn is not None else "optimizer update")
