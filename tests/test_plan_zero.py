@@ -164,7 +164,7 @@ def test_zero_in_mapped_modes_is_an_error(mode, zero):
 def test_data_axis_tuple_errors():
     mesh = sx.make_mesh({"replica": 2, "fsdp": 4})
     with pytest.raises(
-        ValueError, match=r"data_axis \('replica', 'data'\): 'data' not in the mesh"
+        ValueError, match=r"data_axis \('replica', 'data'\): 'data' is not in the mesh"
     ):
         sx.make_train_step(model_loss, mesh=mesh, data_axis=("replica", "data"))
     with pytest.raises(ValueError, match="tuple of distinct names"):

@@ -188,9 +188,9 @@ def _check_data_axis(data_axis: Any, mesh: Mesh, mode: str) -> str | tuple[str, 
         )
     missing = [n for n in names if n not in mesh.shape]
     if missing:
+        which = "" if isinstance(data_axis, str) else f": {', '.join(map(repr, missing))}"
         raise ValueError(
-            f"data_axis {data_axis!r}: {', '.join(map(repr, missing))} not in the mesh, whose "
-            f"axes are {dict(mesh.shape)}"
+            f"data_axis {data_axis!r}{which} is not in the mesh, whose axes are {dict(mesh.shape)}"
         )
     if mode == "pmap" and len(names) > 1:
         raise ValueError(
