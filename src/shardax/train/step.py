@@ -42,6 +42,7 @@ from shardax.train.data_parallel import all_reduce_gradients
 from shardax.train.loss import batch_mask, valid_count
 from shardax.train.rng import example_keys, step_key
 from shardax.train.state import TrainState
+from shardax.train.stats import STATS, update_stats
 
 Mode = Literal["jit", "shard_map", "pmap", "single"]
 MODES: tuple[str, ...] = ("jit", "shard_map", "pmap", "single")
@@ -160,6 +161,12 @@ def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
     if isinstance(aux, dict):
         if "loss" in aux:
             raise ValueError("loss_fn's aux metrics must not have a 'loss' entry; it is the loss")
+        taken = sorted(set(aux) & set(STATS))
+        if taken:
+            raise ValueError(
+                f"loss_fn's aux metrics must not use the names {taken}: the step adds them "
+                f"(see shardax.train.stats); rename them"
+            )
         return {"loss": loss, **aux}
     return {"loss": loss, "aux": aux}
 
@@ -367,7 +374,8 @@ class TrainStep:
         return grads, loss, aux, model_state, total if masked else None
 
     def _finish(self, state: TrainState, grads: Any, loss: Any, aux: Any, model_state: Any):
-        return state.apply_gradients(grads, model_state), _metrics(loss, aux)
+        new = state.apply_gradients(grads, model_state)
+        return new, {**_metrics(loss, aux), **update_stats(new, grads)}
 
     def _global_update(self, state: TrainState, batch: Any):
         """jit and single: the shard is the whole global batch."""
@@ -520,7 +528,9 @@ def make_train_step(
         data_axis: the mesh axis the batch is split over.
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
-    over the real examples of the whole global batch in every mode.
+    over the real examples of the whole global batch in every mode, plus ``grad_norm``,
+    ``param_norm`` (after the update) and, with ``optax.inject_hyperparams``,
+    ``learning_rate`` (see :mod:`shardax.train.stats`).
     """
     return TrainStep(
         loss_fn,
