@@ -16,6 +16,7 @@ from shardax.data import (
     prefetch_to_device,
     replicate_across_devices,
     shard_batch_dim,
+    timed,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
 from shardax.plan import (
@@ -48,6 +49,7 @@ from shardax.runtime import (
     print0,
     validate_batch_size,
 )
+from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
     DataParallel,
     DistributedMetrics,
@@ -75,10 +77,12 @@ __all__ = [
     "DevicePlacement",
     "DistributedMetrics",
     "HardwareType",
+    "MetricWriter",
     "NonFiniteLossError",
     "Plan",
     "Restored",
     "ShardingReport",
+    "StepClock",
     "TrainState",
     "TrainStep",
     "all_gather",
@@ -111,6 +115,7 @@ __all__ = [
     "place_on_device",
     "prefetch_to_device",
     "print0",
+    "profile_steps",
     "reduce",
     "replicate",
     "replicate_across_devices",
@@ -119,6 +124,7 @@ __all__ = [
     "save_checkpoint",
     "shard",
     "shard_batch_dim",
+    "timed",
     "validate",
     "validate_batch_size",
     "weighted_mean",
