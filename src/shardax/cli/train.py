@@ -12,10 +12,12 @@ import argparse
 import contextlib
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shardax.cli import track
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
@@ -68,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    track.add_arguments(parser)
     add_json_flag(parser)
 
 
@@ -148,9 +151,9 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
         return sx.masked_mean(losses, mask), {"accuracy": sx.masked_mean(correct, mask)}
 
-    state = sx.TrainState.create(
-        make_mlp(64, args.hidden, 1, 10, args.seed), optax.adam(args.lr), rng=args.seed
-    )
+    # inject_hyperparams keeps the learning rate in the state, so the step reports it.
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=args.lr)
+    state = sx.TrainState.create(make_mlp(64, args.hidden, 1, 10, args.seed), tx, rng=args.seed)
     try:
         plan = make_plan(args.plan, mesh)
         step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=args.mode)
@@ -195,7 +198,7 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         TextColumn("epoch {task.fields[epoch]}"),
         BarColumn(),
         TextColumn("loss {task.fields[loss]:.4f}  acc {task.fields[acc]:.3f}"),
-        TextColumn("{task.fields[rate]:,.0f} ex/s"),
+        TextColumn("{task.fields[rate]:,.0f} ex/s  wait {task.fields[wait]:.0%}"),
         TimeRemainingColumn(),
         console=out,
         disable=not is_main,
@@ -205,8 +208,17 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         loader.set_state(data_state["loader"])
     except ValueError as e:
         raise UsageError(f"--resume: {e}") from None
-    feed = sx.prefetch_to_device(loader, batch_sharding)
-    with progress, feed, manager or contextlib.nullcontext():
+    directory = run_dir(args.run_dir, "train") if is_main else None
+    tracker = track.Tracker(
+        args,
+        directory,
+        steps=(args.epochs - first_done) * steps_per_epoch,
+        examples_per_step=args.batch_size,
+        config={k: v for k, v in vars(args).items() if isinstance(v, int | float | str)},
+    )
+    step = tracker.wrap(step)
+    feed = tracker.watch(sx.prefetch_to_device(loader, batch_sharding))
+    with progress, feed, manager or contextlib.nullcontext(), contextlib.closing(tracker):
         task = progress.add_task(
             "train",
             total=args.epochs * steps_per_epoch,
@@ -215,6 +227,7 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             loss=0.0,
             acc=0.0,
             rate=0.0,
+            wait=0.0,
         )
         for epoch in range(first_done + 1, args.epochs + 1):
             metrics = []
@@ -222,6 +235,7 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             for i in range(steps_per_epoch):
                 state, m = step(state, next(feed))
                 metrics.append(m)
+                tracker.step(m)
                 if i % 4 == 3 or i == steps_per_epoch - 1:
                     progress.update(
                         task,
@@ -231,11 +245,16 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
                         acc=float(m["accuracy"]),
                         rate=min((i + 1) * args.batch_size, len(x_train))
                         / (time.perf_counter() - epoch_start),
+                        wait=tracker.data_wait_fraction,
                     )
             seconds = time.perf_counter() - epoch_start
             for j, m in enumerate(metrics):  # stop at the first non-finite step, before saving
                 sx.check_finite(m["loss"], (epoch - 1) * steps_per_epoch + j + 1)
             test = evaluate(state, test_batch)
+            tracker.scalars({f"val/{k}": v for k, v in test.items()})
+            note = tracker.input_bound()
+            if note and is_main:
+                out.print(f"[yellow]{note}[/]")
             # Batch means weighted by their real rows: the mean over the epoch's examples.
             rows = np.minimum(args.batch_size, len(x_train) - args.batch_size * np.arange(i + 1))
             mean = {k: float(np.average([m[k] for m in metrics], weights=rows)) for k in metrics[0]}
@@ -279,6 +298,8 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         "target_accuracy": TARGET_ACCURACY,
         "seconds": total,
         "examples_per_s": float(np.median([h["examples_per_s"] for h in steady])),
+        "run_dir": str(directory) if directory is not None else None,
+        **tracker.summary(),
         "param_specs": {k: v for k, v in _flatten(shardings).items() if k.startswith("params/")},
         "history": history,
     }
@@ -334,8 +355,7 @@ def run(args: argparse.Namespace) -> int:
     summary = train(args, out)
     is_main = jax.process_index() == 0
     if is_main:
-        directory = run_dir(args.run_dir, "train")
-        summary["run_dir"] = str(directory)
+        directory = Path(summary["run_dir"])
         summary["plot"] = str(directory / "curves.png")
         plot_curves(
             summary["history"],
@@ -350,7 +370,15 @@ def run(args: argparse.Namespace) -> int:
             ok = summary["test_accuracy"] >= TARGET_ACCURACY
             out.print(
                 f"test accuracy [bold {'green' if ok else 'red'}]{summary['test_accuracy']:.4f}[/]"
-                f" in {summary['seconds']:.1f} s ({summary['examples_per_s']:,.0f} examples/s); "
-                f"wrote {directory}/summary.json and curves.png"
+                f" in {summary['seconds']:.1f} s ({summary['examples_per_s']:,.0f} examples/s, "
+                f"{summary['data_wait_fraction']:.1%} of the time waiting for input); "
+                f"wrote {directory}/summary.json, curves.png and metrics.jsonl"
+            )
+            if summary["log_dir"]:
+                out.print(f"TensorBoard: tensorboard --logdir {summary['log_dir']}")
+        if summary["profile_trace"]:
+            out.print(
+                f"profiler trace: {summary['profile_trace']} (one per process under "
+                f"{Path(summary['profile_trace']).parents[3]})"
             )
     return 0

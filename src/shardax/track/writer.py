@@ -42,7 +42,8 @@ def _work(q: queue.Queue, sinks: list[Sink], errors: list[BaseException]) -> Non
             if errors:
                 continue  # keep draining, so nothing waits on a failed worker
             step, scalars, wall_time = item
-            values = {k: float(np.asarray(v)) for k, v in jax.device_get(scalars).items()}
+            fetched = jax.device_get(scalars)
+            values = {k: float(np.asarray(fetched[k])) for k in scalars}  # in the given order
             for sink in sinks:
                 sink.write(step, values, wall_time)
         except BaseException as e:  # re-raised by the next write(), flush() or close()
