@@ -4,8 +4,9 @@ A job builds one :class:`Tracker` before training (so a bad ``--log-dir``, a mis
 extra or a profile range past the end is a usage error before the first step), hands it
 its input iterator (:meth:`Tracker.watch`), wraps its step with :meth:`Tracker.wrap`,
 calls :meth:`Tracker.step` after every step and :meth:`Tracker.scalars` for validation
-figures, and adds :meth:`Tracker.summary` to its summary. Scalars go to ``metrics.jsonl`` in the run directory always, to TensorBoard event
-files in ``--log-dir``, and to W&B / MLflow with ``--log wandb|mlflow``.
+figures, and adds :meth:`Tracker.summary` to its summary. Scalars go to ``metrics.jsonl``
+in the run directory always, to TensorBoard event files in ``--log-dir``, and to W&B /
+MLflow with ``--log wandb|mlflow``.
 """
 
 from __future__ import annotations
