@@ -99,8 +99,14 @@ class Tracker:
         )
         if "tensorboard" in backends and not args.log_dir:
             raise UsageError("--log tensorboard needs --log-dir (where the event files go)")
-        base = Path(args.log_dir) if args.log_dir else run_dir
-        self.profile_dir = base / "profile" if base is not None else Path("profile")
+        # Every process needs the directory; only process 0 knows a run_dir it named itself.
+        base = args.log_dir or args.run_dir or (run_dir if jax.process_count() == 1 else None)
+        if self.profile is not None and base is None:
+            raise UsageError(
+                "--profile-steps with several processes needs --log-dir or --run-dir, so "
+                "that every process writes its trace into the same directory"
+            )
+        self.profile_dir = Path(base or ".") / "profile"
         try:
             self.writer = sx.MetricWriter(
                 run_dir if run_dir is not None else ".",

@@ -181,6 +181,15 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             f"--resume: the checkpoint has finished epoch {first_done}; pass --epochs > "
             f"{first_done} to train further"
         )
+    directory = run_dir(args.run_dir, "train") if is_main else None
+    tracker = track.Tracker(
+        args,
+        directory,
+        steps=(args.epochs - first_done) * steps_per_epoch,
+        examples_per_step=args.batch_size,
+        config={k: v for k, v in vars(args).items() if isinstance(v, int | float | str)},
+    )
+    step = tracker.wrap(step)
     described = sx.describe(state)
     if is_main:
         out.print(sx.describe(state.params))
@@ -208,15 +217,6 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         loader.set_state(data_state["loader"])
     except ValueError as e:
         raise UsageError(f"--resume: {e}") from None
-    directory = run_dir(args.run_dir, "train") if is_main else None
-    tracker = track.Tracker(
-        args,
-        directory,
-        steps=(args.epochs - first_done) * steps_per_epoch,
-        examples_per_step=args.batch_size,
-        config={k: v for k, v in vars(args).items() if isinstance(v, int | float | str)},
-    )
-    step = tracker.wrap(step)
     feed = tracker.watch(sx.prefetch_to_device(loader, batch_sharding))
     with progress, feed, manager or contextlib.nullcontext(), contextlib.closing(tracker):
         task = progress.add_task(
