@@ -12,6 +12,25 @@ from shardax.cli.main import main as cli
 SMALL = ["--epochs", "2", "--hidden", "32", "--batch-size", "256"]  # 6 steps an epoch
 
 
+def test_gpt_logs_tokens_per_s_the_schedules_learning_rate_and_val_loss(tmp_path, capsys):
+    tiny = ["--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len",
+            "16", "--batch-size", "8", "--steps", "6", "--eval-every", "3"]  # fmt: skip
+    argv = [*tiny, "--run-dir", str(tmp_path), "--log-dir", str(tmp_path / "tb")]
+    assert cli(["train", "--json", *argv, "--log-every", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    scalars = read_tensorboard(tmp_path / "tb")
+    assert [s for s, _ in scalars["train/loss"]] == [2, 3, 4, 5, 6]
+    assert [s for s, _ in scalars["perf/tokens_per_s"]] == [2, 3, 4, 5, 6]
+    assert [s for s, _ in scalars["val/loss"]] == [3, 6]
+    assert [v for _, v in scalars["val/loss"]] == pytest.approx(
+        [h["val_loss"] for h in summary["history"] if "val_loss" in h]
+    )
+    # warmup (1 step) then cosine decay: the rate each update used, from the optax state
+    rates = [v for _, v in scalars["train/learning_rate"]]
+    assert rates[0] == pytest.approx(3e-3) and rates == sorted(rates, reverse=True)
+    assert all(v > 0 for _, v in scalars["train/grad_norm"])
+
+
 def test_train_log_dir_writes_scalars_tensorboard_reads_and_a_trace(tmp_path, capsys):
     run, tb = tmp_path / "run", tmp_path / "tb"
     argv = [*SMALL, "--run-dir", str(run), "--log-dir", str(tb), "--log-every", "2"]
@@ -25,7 +44,8 @@ def test_train_log_dir_writes_scalars_tensorboard_reads_and_a_trace(tmp_path, ca
         assert len(scalars[tag]) == 6, tag
     assert [v for _, v in scalars["train/learning_rate"]] == [pytest.approx(3e-3)] * 6
     assert all(0 <= v <= 1 for _, v in scalars["perf/data_wait_fraction"])
-    assert [s for s, _ in scalars["val/loss"]] == [6, 12]  # after each epoch
+    assert [s for s, _ in scalars["test/loss"]] == [6, 12]  # after each epoch
+    assert [s for s, _ in scalars["test/accuracy"]] == [6, 12]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "train/loss" in x] == [2, 4, 6, 8, 10, 12]
     summary = json.loads((run / "summary.json").read_text())

@@ -19,6 +19,7 @@ from shardax.data import (
     timed,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
+from shardax.parallel import remat
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -117,6 +118,7 @@ __all__ = [
     "print0",
     "profile_steps",
     "reduce",
+    "remat",
     "replicate",
     "replicate_across_devices",
     "restore_checkpoint",

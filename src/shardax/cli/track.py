@@ -120,7 +120,7 @@ class Tracker:
             raise UsageError(f"--log {' '.join(backends)}: {e}") from None
         self.is_main = jax.process_index() == 0
         self.clock = sx.StepClock(examples_per_step, tokens_per_step)
-        self.done = 0
+        self.done = self.calls = 0
         self.profiler: Any = None
 
     def watch(self, feed: Any) -> Any:
@@ -141,22 +141,23 @@ class Tracker:
         self.profiler = sx.profile_steps(step, self.profile_dir, *self.profile)
         return self.profiler
 
-    def step(self, metrics: dict[str, Any]) -> None:
-        """After each step: counts it, and every ``--log-every`` steps queues the train
-        metrics and the window's timing. The clock starts after the first (compiling)
-        step."""
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        """After each step (``step``: the global step number): counts it, and every
+        ``--log-every`` steps queues the train metrics and the window's timing. The clock
+        starts after this run's first (compiling) step."""
         import jax
         import numpy as np
 
-        self.done += 1
-        if self.done == 1:
+        self.done = step
+        self.calls += 1
+        if self.calls == 1:
             jax.block_until_ready(metrics)
             self.clock.start()
             return
         self.clock.tick()
-        if self.done % self.every == 0:
+        if step % self.every == 0:
             scalars = {f"train/{k}": v for k, v in metrics.items() if np.ndim(v) == 0}
-            self.writer.write(self.done, {**scalars, **self.clock.lap().scalars()})
+            self.writer.write(step, {**scalars, **self.clock.lap().scalars()})
 
     def scalars(self, scalars: dict[str, Any]) -> None:
         """Queues ``scalars`` (e.g. ``{"val/loss": ...}``) at the current step."""
