@@ -220,7 +220,12 @@ def build_step(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> 
 
     try:
         return sx.make_train_step(
-            loss_fn, mesh=mesh, plan=plan, mode=args.mode, accumulate=args.accumulate
+            loss_fn,
+            mesh=mesh,
+            plan=plan,
+            mode=args.mode,
+            accumulate=args.accumulate,
+            precision=args.precision,
         )
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
