@@ -116,15 +116,14 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 
-    @jax.jit
-    def evaluate_jit(state: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        return loss_fn(state.model, batch)
-
+    # The train step's no-update twin: same plan, mode and precision, dropout off.
+    evaluate_step = sx.make_eval_step(
+        loss_fn, mesh=mesh, plan=plan, mode=args.mode, precision=args.precision
+    )
     val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh))
 
     def evaluate(state: Any) -> dict[str, float]:
-        with jax.sharding.set_mesh(mesh):
-            return {"val_loss": float(evaluate_jit(state, val_batch))}
+        return {"val_loss": float(evaluate_step(state, val_batch)["loss"])}
 
     tokens = args.batch_size * args.seq_len
 
