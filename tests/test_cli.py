@@ -86,6 +86,9 @@ def test_bench_subprocess_small(tmp_path):
         assert len(r["times_s"]) == 2 and r["median_s"] > 0
         # The same step from the same state: every mode computes the same loss.
         assert r["loss"] == pytest.approx(rows["single"]["loss"], rel=1e-5)
+        # FLOPs of each mode's compiled step: the same work, MFU unknown on CPU.
+        assert r["flops_per_step"] == pytest.approx(rows["single"]["flops_per_step"], rel=0.25)
+        assert r["tflops_per_s_per_device"] > 0 and r["mfu"] == "n/a"
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
 
 

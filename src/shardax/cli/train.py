@@ -34,6 +34,7 @@ from shardax.cli.common import (
     print_json,
     pyplot,
     run_dir,
+    step_flops,
 )
 
 MODELS = ("mlp", "gpt")
@@ -273,38 +274,6 @@ def resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, dic
     except ValueError as e:
         raise UsageError(f"--resume: the checkpoint does not fit this model: {e}") from None
     return restored.state, {**fresh, **restored.data_state}
-
-
-def step_flops(step: Any, state: Any, batch: Any) -> float | None:
-    """FLOPs of one step over all devices, from the compiled step's ``cost_analysis()``
-    (XLA counts one device's partitioned program)."""
-    from shardax.runtime.flops import compiled_flops
-
-    lower = getattr(step, "lower", None) or _gradient_step(step)
-    per_device = compiled_flops(lower(state, batch).compile())
-    devices = 1 if step.mode == "single" else step.mesh.size
-    return None if per_device is None else per_device * devices
-
-
-def _gradient_step(step: Any) -> Callable[[Any, Any], Any]:
-    """Until ``TrainStep.lower`` lands: the step's gradient and update, jitted with the
-    state's and the batch's shardings, lowered. (Same FLOPs; no metrics reduction.)"""
-    import jax
-
-    def update(state: Any, batch: Any) -> Any:
-        def loss(params: Any) -> Any:
-            model = state.adapter.bind(params, state.model_state, jax.random.key(0))
-            out = step.loss_fn(model, batch)
-            return out[0] if isinstance(out, tuple) else out
-
-        return state.apply_gradients(jax.grad(loss)(state.params), state.model_state)
-
-    def lower(state: Any, batch: Any) -> Any:
-        shardings = jax.tree.map(lambda x: x.sharding, (state, batch))
-        with jax.sharding.set_mesh(step.mesh):
-            return jax.jit(update, in_shardings=shardings, donate_argnums=0).lower(state, batch)
-
-    return lower
 
 
 def _host(metrics: dict[str, Any]) -> dict[str, float]:
