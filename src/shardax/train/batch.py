@@ -12,31 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardax.plan.tree import is_array, path_str
+from shardax.data.leaves import check_batch_leaves
 from shardax.train.loss import MASK_KEY
-
-
-def _describe_sizes(batch: Any) -> str:
-    sizes = [
-        f"{path_str(path) or '<root>'!r}: {np.shape(leaf)}"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(batch)
-        if is_array(leaf)
-    ]
-    return ", ".join(sizes)
-
-
-def _batch_error(batch: Any) -> ValueError:
-    """The error for a batch whose leaves are scalars or disagree on the batch size."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-        if is_array(leaf) and np.ndim(leaf) == 0:
-            return ValueError(
-                f"batch leaf {path_str(path)!r} is a scalar; every batch leaf needs a leading "
-                f"batch dimension (leaf shapes: {_describe_sizes(batch)})"
-            )
-    return ValueError(
-        "batch leaves disagree on the batch size (dimension 0); they must all have the same "
-        f"leading dimension. Received {_describe_sizes(batch)}"
-    )
 
 
 def check_batch(batch: Any, *, divisor: int, what: str) -> int:
@@ -46,16 +23,16 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
     (``what`` says where the divisor comes from). A top-level ``"mask"`` leaf must be
     boolean with shape ``(batch,)``.
     """
-    leaves = jax.tree.leaves(batch)
+    leaves = check_batch_leaves(batch, "the train step", dims=(0,), arrays_only=True)
     if not leaves:
-        raise ValueError(f"the batch has no array leaves, got {batch!r}")
-    try:
-        sizes = {leaf.shape[0] for leaf in leaves}
-    except (AttributeError, IndexError):
-        raise _batch_error(batch) from None
-    if len(sizes) != 1:
-        raise _batch_error(batch)
-    (size,) = sizes
+        raise ValueError(f"the train step: the batch has no array leaves, got {batch!r}")
+    for path, shape in leaves:
+        if not shape:
+            raise ValueError(
+                f"the train step: batch leaf {path or '<root>'!r} is a scalar; every batch "
+                f"leaf needs a leading batch dimension (leaf shapes: {dict(leaves)})"
+            )
+    size = leaves[0][1][0]
     if isinstance(batch, dict) and MASK_KEY in batch:
         mask = batch[MASK_KEY]
         if np.shape(mask) != (size,) or np.dtype(mask.dtype) != np.bool_:

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from shardax.checks import as_count
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.core import Plan, replicate
@@ -190,8 +191,7 @@ class TrainStep:
             raise ValueError(
                 f"data_axis {data_axis!r} is not in the mesh, whose axes are {dict(mesh.shape)}"
             )
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-            raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        accumulate = as_count("accumulate", accumulate)
         if mode == "single" and plan is not None and getattr(plan, "name", None) != "replicate":
             raise ValueError(
                 f"mode='single' keeps the whole state on one device, so it takes no sharding "
