@@ -1,8 +1,10 @@
 """Any pytree <-> the nested dict of arrays that orbax stores.
 
 Array leaves are keyed by their path (``{"params": {"layers": {"0": {"kernel": ...}}}}``);
-typed PRNG keys are stored as their raw ``key_data``; everything else (static fields,
-graph definitions) lives in the tree structure of ``like`` and is not stored.
+typed PRNG keys are stored as their raw ``key_data``; Python numbers (``"epoch": 5``)
+as 0-d arrays, restored as the same Python type. Static fields and graph definitions
+live in the tree structure of ``like`` and are not stored; functions as leaves (an
+Equinox activation) come from ``like``; any other leaf (a string...) is refused by name.
 """
 
 from __future__ import annotations
@@ -24,10 +26,27 @@ def is_prng_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _is_number(x: Any) -> bool:
+    return type(x) in (bool, int, float, complex)
+
+
 def array_leaves(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
-    """``(path, leaf)`` for every array leaf of ``tree``, in tree order."""
+    """``(path, leaf)`` for every stored leaf of ``tree`` (arrays and Python numbers)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [(path, leaf) for path, leaf in leaves if is_array(leaf)]
+    return [(path, leaf) for path, leaf in leaves if is_array(leaf) or _is_number(leaf)]
+
+
+def check_saveable(tree: Any) -> None:
+    """Raises ``TypeError`` naming the first leaf a checkpoint can neither store nor
+    take from ``like`` (anything but arrays, Python numbers and functions)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if is_array(leaf) or _is_number(leaf) or callable(leaf):
+            continue
+        raise TypeError(
+            f"checkpoint: leaf {path_str(path) or '<root>'!r} is a {type(leaf).__name__} "
+            f"({leaf!r:.60}), which a checkpoint does not store (arrays and Python numbers "
+            "only); put it in data_state (JSON), or make it a static field"
+        )
 
 
 def nest(pairs: list[tuple[tuple[Any, ...], Any]]) -> dict[str, Any]:
@@ -67,9 +86,13 @@ def flat_paths(nested: Any, prefix: str = "") -> dict[str, Any]:
 
 def to_saveable(tree: Any) -> dict[str, Any]:
     """The array leaves of ``tree`` as nested dicts; PRNG keys as ``key_data``."""
-    return nest(
-        [(p, jax.random.key_data(x) if is_prng_key(x) else x) for p, x in array_leaves(tree)]
-    )
+
+    def one(x: Any) -> Any:
+        if _is_number(x):
+            return np.asarray(x)
+        return jax.random.key_data(x) if is_prng_key(x) else x
+
+    return nest([(p, one(x)) for p, x in array_leaves(tree)])
 
 
 def abstract_saveable(like: Any) -> dict[str, Any]:
@@ -77,7 +100,7 @@ def abstract_saveable(like: Any) -> dict[str, Any]:
     shardings of ``like`` (concrete arrays or ShapeDtypeStructs with a sharding)."""
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        if isinstance(x, np.ndarray | np.generic):
+        if isinstance(x, np.ndarray | np.generic) or _is_number(x):
             return np.asarray(x)
         sharding = getattr(x, "sharding", None)
         if sharding is None:
@@ -98,10 +121,12 @@ def from_saveable(like: Any, restored: dict[str, Any]) -> Any:
     flat = flat_paths(restored)
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        if not is_array(x):
+        if not (is_array(x) or _is_number(x)):
             return x
         key = "/".join(_key(e) for e in path)
         value = flat[key]
+        if _is_number(x):
+            return type(x)(np.asarray(value).item())
         if is_prng_key(x):
             return jax.random.wrap_key_data(value, impl=jax.random.key_impl(x))
         return value

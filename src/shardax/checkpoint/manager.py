@@ -15,11 +15,20 @@ it was saved with.
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from shardax.checkpoint.convert import abstract_saveable, flat_paths, from_saveable, to_saveable
+from shardax.checkpoint.convert import (
+    abstract_saveable,
+    check_saveable,
+    flat_paths,
+    from_saveable,
+    to_saveable,
+)
+from shardax.checks import as_count
 
 
 def _ocp() -> Any:
@@ -46,14 +55,28 @@ class CheckpointManager:
     Every process of a multi-process run must call :meth:`save` and :meth:`restore`.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_to_keep: int | None = 3) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = 3,
+        *,
+        create: bool = True,
+    ) -> None:
         ocp = _ocp()
+        if max_to_keep is not None:
+            max_to_keep = as_count(
+                "CheckpointManager: max_to_keep (or None to keep all)", max_to_keep
+            )
         self.directory = os.path.abspath(os.fspath(directory))
+        if not create and not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"no checkpoint directory {self.directory}")
+        self._stray: set[str] = set()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
-            create=True,
+            create=create,
             cleanup_tmp_directories=True,
             enable_async_checkpointing=False,
+            step_name_format=_CheckpointSteps(ocp.step.standard_name_format(), self._warn_stray),
         )
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -63,6 +86,17 @@ class CheckpointManager:
                 "data": ocp.JsonCheckpointHandler(),
             },
         )
+
+    def _warn_stray(self, path: Any) -> None:
+        if str(path) not in self._stray:
+            self._stray.add(str(path))
+            warnings.warn(
+                f"checkpoint directory {self.directory}: skipping {path}, which is named like a "
+                "step but holds no shardax checkpoint (no 'state' item); it is never read "
+                "or deleted",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first; interrupted saves are not among them."""
@@ -82,7 +116,9 @@ class CheckpointManager:
         (the other kept steps are untouched).
         """
         ocp = _ocp()
-        step = int(step)
+        step = as_count("checkpoint step", step, minimum=0)
+        check_json("data_state", data_state)
+        check_saveable(state)
         if step in self.all_steps():
             if not overwrite:
                 raise FileExistsError(
@@ -136,6 +172,66 @@ class CheckpointManager:
         self.close()
 
 
+class _CheckpointSteps:
+    """orbax's standard step names, minus directories named like a step that hold no
+    shardax checkpoint (no "state" item): ``on_stray(path)`` is told, and orbax never
+    lists, reads or garbage-collects them."""
+
+    def __init__(self, base: Any, on_stray: Any) -> None:
+        self._base, self._on_stray = base, on_stray
+        self.single_host_load_and_broadcast = getattr(base, "single_host_load_and_broadcast", False)
+
+    def _ours(self, metadata: Any) -> bool:
+        if os.path.isdir(os.path.join(os.fspath(metadata.path), "state")):
+            return True
+        self._on_stray(metadata.path)
+        return False
+
+    def build_name(self, step: int) -> str:
+        return self._base.build_name(step)
+
+    def find_all(self, base_path: Any) -> Iterator[Any]:
+        return iter([m for m in self._base.find_all(base_path) if self._ours(m)])
+
+    def find_step(self, base_path: Any, step: int) -> Any:
+        metadata = self._base.find_step(base_path, step)
+        if not self._ours(metadata):
+            raise ValueError(f"no shardax checkpoint for step {step} in {base_path}")
+        return metadata
+
+
+def check_json(name: str, value: Any, path: str = "") -> None:
+    """Raises ``TypeError`` naming the first entry of ``value`` that JSON cannot store
+    as it is (a NumPy array or scalar, an object, a non-string key), before anything is
+    written."""
+    where = f"{name}{path}"
+    if value is None or isinstance(value, str | int | float):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"{where} has the key {key!r} ({type(key).__name__}); JSON keys must be "
+                    f"strings (it would come back as {str(key)!r})"
+                )
+            check_json(name, item, f"{path}[{key!r}]")
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_json(name, item, f"{path}[{i}]")
+        return
+    hint = (
+        "; convert it with .tolist() or int()/float()"
+        if isinstance(value, np.ndarray | np.generic)
+        else ""
+    )
+    raise TypeError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which JSON "
+        f"cannot store; data_state must hold only dicts, lists, strings, numbers, bools "
+        f"and None{hint}. Nothing was written"
+    )
+
+
 def _metadata_tree(metadata: Any) -> Any:
     return getattr(metadata, "tree", metadata)
 
@@ -184,5 +280,5 @@ def restore_checkpoint(
 ) -> Restored:
     """Restores ``step`` (default: latest) of ``directory`` onto ``like``'s shardings;
     returns ``Restored(state, data_state, step)``."""
-    with CheckpointManager(directory, max_to_keep=None) as manager:
+    with CheckpointManager(directory, max_to_keep=None, create=False) as manager:
         return manager.restore(like, step)
