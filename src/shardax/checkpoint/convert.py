@@ -4,7 +4,8 @@ Array leaves are keyed by their path (``{"params": {"layers": {"0": {"kernel": .
 typed PRNG keys are stored as their raw ``key_data``; Python numbers (``"epoch": 5``)
 as 0-d arrays, restored as the same Python type. Static fields and graph definitions
 live in the tree structure of ``like`` and are not stored; functions as leaves (an
-Equinox activation) come from ``like``; any other leaf (a string...) is refused by name.
+Equinox activation) come from ``like``; other leaves (a string...) are stored as JSON by
+the manager (:func:`other_leaves`).
 """
 
 from __future__ import annotations
@@ -36,17 +37,19 @@ def array_leaves(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
     return [(path, leaf) for path, leaf in leaves if is_array(leaf) or _is_number(leaf)]
 
 
-def check_saveable(tree: Any) -> None:
-    """Raises ``TypeError`` naming the first leaf a checkpoint can neither store nor
-    take from ``like`` (anything but arrays, Python numbers and functions)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if is_array(leaf) or _is_number(leaf) or callable(leaf):
-            continue
-        raise TypeError(
-            f"checkpoint: leaf {path_str(path) or '<root>'!r} is a {type(leaf).__name__} "
-            f"({leaf!r:.60}), which a checkpoint does not store (arrays and Python numbers "
-            "only); put it in data_state (JSON), or make it a static field"
-        )
+def other_leaves(tree: Any) -> dict[str, Any]:
+    """``{path: leaf}`` for the leaves that are neither arrays, Python numbers nor
+    functions (a string...): a checkpoint stores them as JSON beside the arrays."""
+    return {
+        path_str(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if not (is_array(leaf) or _is_number(leaf) or callable(leaf))
+    }
+
+
+def with_other_leaves(tree: Any, values: dict[str, Any]) -> Any:
+    """``tree`` with the leaves named in ``values`` (from :func:`other_leaves`) replaced."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: values.get(path_str(p), x), tree)
 
 
 def nest(pairs: list[tuple[tuple[Any, ...], Any]]) -> dict[str, Any]:

@@ -23,10 +23,11 @@ import numpy as np
 
 from shardax.checkpoint.convert import (
     abstract_saveable,
-    check_saveable,
     flat_paths,
     from_saveable,
+    other_leaves,
     to_saveable,
+    with_other_leaves,
 )
 from shardax.checks import as_count
 
@@ -118,7 +119,8 @@ class CheckpointManager:
         ocp = _ocp()
         step = as_count("checkpoint step", step, minimum=0)
         check_json("data_state", data_state)
-        check_saveable(state)
+        leaves = other_leaves(state)
+        check_json("state: leaf", leaves)
         if step in self.all_steps():
             if not overwrite:
                 raise FileExistsError(
@@ -127,7 +129,7 @@ class CheckpointManager:
                 )
             self._manager.delete(step)
         items = {"state": ocp.args.StandardSave(to_saveable(state))}
-        items["data"] = ocp.args.JsonSave({"data_state": data_state})
+        items["data"] = ocp.args.JsonSave({"data_state": data_state, "leaves": leaves})
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._manager.wait_until_finished()
 
@@ -157,9 +159,9 @@ class CheckpointManager:
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
             ),
         )
-        return Restored(
-            from_saveable(like, restored["state"]), restored["data"]["data_state"], step
-        )
+        state = from_saveable(like, restored["state"])
+        state = with_other_leaves(state, restored["data"].get("leaves", {}))
+        return Restored(state, restored["data"]["data_state"], step)
 
     def close(self) -> None:
         """Waits for pending work and releases the manager."""
@@ -227,8 +229,8 @@ def check_json(name: str, value: Any, path: str = "") -> None:
     )
     raise TypeError(
         f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which JSON "
-        f"cannot store; data_state must hold only dicts, lists, strings, numbers, bools "
-        f"and None{hint}. Nothing was written"
+        f"cannot store (it takes dicts, lists, strings, numbers, bools and None){hint}. "
+        "Nothing was written"
     )
 
 
