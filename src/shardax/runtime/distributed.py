@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +28,7 @@ from jax._src import clusters as _clusters
 from jax._src import xla_bridge as _xla_bridge
 
 from shardax.checks import as_count, parse_address
+from shardax.runtime.rendezvous import roll_call
 
 ENV_COORDINATOR = "SHARDAX_COORDINATOR"
 """``host:port`` of the coordinator (process 0), set by ``shardax launch``."""
@@ -40,9 +40,6 @@ ENV_CPU_DEVICES = "SHARDAX_CPU_DEVICES"
 """Simulated CPU devices per process (``shardax launch --cpu-devices``)."""
 ENV_HEARTBEAT = "SHARDAX_HEARTBEAT_TIMEOUT"
 """Seconds without a heartbeat after which a process is declared dead."""
-
-_JAX_DEADLINE_MARGIN = 30
-"""Seconds JAX's join deadline is given beyond ``initialization_timeout``."""
 
 # The cluster environments recognised without being named: cheap, environment-only checks.
 _AUTO_CLUSTERS = {"slurm": _clusters.SlurmCluster, "ompi": _clusters.OmpiCluster}
@@ -156,31 +153,6 @@ def checked_coordinates(coords: ProcessCoordinates) -> ProcessCoordinates:
     return coords._replace(num_processes=count, process_id=rank)
 
 
-def _join_watchdog(coords: ProcessCoordinates, timeout: int) -> threading.Event:
-    """Set the returned event once joined. If it is not set within ``timeout`` seconds,
-    one line on stderr names the address and the timeout and the process exits with 1,
-    before JAX's own deadline aborts it with a message that blames "another task"."""
-    joined = threading.Event()
-    where = coords.coordinator_address or f"the {coords.source} coordinator"
-    rank, count = coords.process_id, coords.num_processes
-    who = f"process {rank} of {count}" if rank is not None and count is not None else "process"
-
-    def watch() -> None:
-        if joined.wait(timeout):
-            return
-        sys.stderr.write(
-            f"shardax: error: initialize: {who} could not form the run with coordinator "
-            f"{where} within initialization_timeout={timeout} s: a process never started, "
-            "or cannot reach that address; check that every process runs with the same "
-            "address and port\n"
-        )
-        sys.stderr.flush()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="shardax-join-watchdog", daemon=True).start()
-    return joined
-
-
 def backend_started() -> bool:
     """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
     return _xla_bridge.backends_are_initialized()
@@ -234,7 +206,10 @@ def initialize(
 
     Raises:
         RuntimeError: a JAX backend has already started (call ``initialize`` first).
-        ValueError: incomplete coordinates, or ``cpu_devices`` below 1.
+        ValueError: incomplete or malformed coordinates (address, port, process
+            count, rank), or a count below 1; all checked before JAX sees them.
+        TimeoutError: a process did not join within ``initialization_timeout``; the
+            message names the coordinator address, the timeout and who is missing.
 
     Calling it again is harmless and returns the first answer.
     """
@@ -284,7 +259,17 @@ def initialize(
         # Cross-process collectives between CPU devices; gloo needs no extra install.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     explicit = coords.source in ("arguments", "shardax launch")
-    joined = _join_watchdog(coords, initialization_timeout)
+    if explicit:
+        # Every process is there before JAX's join, whose failure is an abort from C++.
+        host, port = parse_address("coordinator_address", coords.coordinator_address)
+        roll_call(
+            coords.coordinator_address,  # type: ignore[arg-type]
+            host,
+            port,
+            coords.process_id,  # type: ignore[arg-type]
+            coords.num_processes,  # type: ignore[arg-type]
+            initialization_timeout,
+        )
     jax.distributed.initialize(
         coordinator_address=coords.coordinator_address,
         num_processes=coords.num_processes,
@@ -293,12 +278,10 @@ def initialize(
         # Coordinates we resolved ourselves must not be overridden by a cluster
         # environment (for example shardax launch inside a SLURM allocation).
         cluster_detection_method="deactivate" if explicit else cluster_detection_method,
-        # JAX's deadline comes after the watchdog's, which says what went wrong in one line.
-        initialization_timeout=initialization_timeout + _JAX_DEADLINE_MARGIN,
+        initialization_timeout=initialization_timeout,
         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
         shutdown_timeout_seconds=shutdown_timeout_seconds,
     )
-    joined.set()
     _state.done = True
     _state.joined = True
     if exit_on_uncaught_exception:
