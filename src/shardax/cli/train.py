@@ -21,6 +21,7 @@ from shardax.cli.common import (
     add_json_flag,
     console,
     mesh_spec,
+    nonneg_int,
     positive_float,
     positive_int,
     print_json,
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lr", type=positive_float, default=3e-3, help="Adam learning rate (default: 3e-3)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: 0)")
     parser.add_argument(
         "--run-dir",
         default=None,
@@ -171,7 +172,12 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     test_batch = sx.distribute_batch(pad_batch({"x": x_test, "y": y_test}, padded), batch_sharding)
     is_main = jax.process_index() == 0
     manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
-    state, data_state = _resume(args, manager, state)
+    try:
+        state, data_state = _resume(args, manager, state)
+    except UsageError:
+        if manager is not None:  # closed before exit, or orbax complains at shutdown
+            manager.close()
+        raise
     first_done, history = int(data_state["epoch"]), data_state["history"]
     if first_done >= args.epochs:
         raise UsageError(
