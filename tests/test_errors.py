@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.cli.main import main as cli_main
 from shardax.runtime.distributed import resolve_coordinates
 from shardax.runtime.rendezvous import roll_call
 
@@ -317,64 +318,120 @@ def test_params_that_changed_shape_name_the_leaf_and_both_shapes(mesh):
 
 
 # --- the CLI: one line on stderr, exit code 2, no traceback --------------------------------
+# Subprocesses for what only a real process shows (the environment read at start, JAX's
+# join, orbax at shutdown), started together since each start costs seconds; the other
+# options go through the same ``main`` in this process.
 
-CLI_CASES = {
-    "train --seed -1": (["train", "--seed", "-1"], {}, "--seed: expected an integer >= 0"),
-    "bench --seed -1": (["bench", "--seed", "-1"], {}, "--seed: expected an integer >= 0"),
-    "train --cpu-devices 0": (["train", "--cpu-devices", "0"], {}, "expected an integer >= 1, got 0"),
-    "launch -n 0": (["launch", "-n", "0", "--", "true"], {}, "expected an integer >= 1, got 0"),
-    "launch --heartbeat-timeout 0": (["launch", "-n", "1", "--heartbeat-timeout", "0", "--", "true"], {}, "--heartbeat-timeout: expected an integer >= 1"),
-    "SHARDAX_CPU_DEVICES=abc": (["info"], {"SHARDAX_CPU_DEVICES": "abc"}, "$SHARDAX_CPU_DEVICES: expected an integer >= 1, got 'abc'"),
-    "SHARDAX_COORDINATOR=x": (["info"], {"SHARDAX_COORDINATOR": "x", "SHARDAX_NUM_PROCESSES": "2", "SHARDAX_PROCESS_ID": "0"}, "($SHARDAX_COORDINATOR) must be 'host:port'"),
-    "unwritable --run-dir": (["train", "--run-dir", "{file}/runs"], {}, "--run-dir {file}/runs: cannot create it"),
-    "unwritable --checkpoint-dir": (["train", "--checkpoint-dir", "{file}/ck"], {}, "--checkpoint-dir {file}/ck: cannot create it"),
-    "--resume on an empty dir": (["train", "--resume", "--checkpoint-dir", "{empty}", "--hidden", "8", "--cpu-devices", "2"], {}, "--resume: no checkpoint in --checkpoint-dir"),
-}  # fmt: skip
+SUBPROCESS_CASES = {
+    "train --seed -1": (
+        ["train", "--seed", "-1"],
+        {},
+        "--seed: expected an integer >= 0, got '-1'",
+    ),
+    "SHARDAX_CPU_DEVICES=abc": (
+        ["info"],
+        {"SHARDAX_CPU_DEVICES": "abc"},
+        "$SHARDAX_CPU_DEVICES: expected an integer >= 1, got 'abc'",
+    ),
+    "SHARDAX_COORDINATOR=x": (
+        ["info"],
+        {"SHARDAX_COORDINATOR": "x", "SHARDAX_NUM_PROCESSES": "2", "SHARDAX_PROCESS_ID": "0"},
+        "($SHARDAX_COORDINATOR) must be 'host:port'",
+    ),
+    "--resume on an empty dir": (
+        ["train", "--resume", "--checkpoint-dir", "{empty}", "--hidden", "8", "--cpu-devices", "2"],
+        {},
+        "--resume: no checkpoint in --checkpoint-dir",
+    ),
+}
+
+IN_PROCESS_CASES = {
+    "bench --seed -1": (["bench", "--seed", "-1"], "--seed: expected an integer >= 0"),
+    "tune-batch --seed -1": (["tune-batch", "--seed", "-1"], "--seed: expected an integer >= 0"),
+    "train --cpu-devices 0": (
+        ["train", "--cpu-devices", "0"],
+        "--cpu-devices: expected an integer >= 1, got 0",
+    ),
+    "launch -n 0": (
+        ["launch", "-n", "0", "--", "true"],
+        "-n/--num-processes: expected an integer >= 1, got 0",
+    ),
+    "launch --heartbeat-timeout 0": (
+        ["launch", "-n", "1", "--heartbeat-timeout", "0", "--", "true"],
+        "--heartbeat-timeout: expected an integer >= 1",
+    ),
+    "launch --port 99999": (
+        ["launch", "-n", "1", "--port", "99999", "--", "true"],
+        "--port: expected a port in 1..65535",
+    ),
+    "unwritable --run-dir": (
+        ["train", "--run-dir", "{file}/runs"],
+        "--run-dir {file}/runs: cannot create it, {file} is not a directory",
+    ),
+    "bench --run-dir a file": (
+        ["bench", "--run-dir", "{file}"],
+        "--run-dir {file}: exists and is not a directory",
+    ),
+    "train --checkpoint-dir under a file": (
+        ["train", "--checkpoint-dir", "{file}/ck"],
+        "--checkpoint-dir {file}/ck: cannot create it",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
-def cli_results(tmp_path_factory):
-    """Every CLI case, started together (each start costs seconds), then collected."""
+def paths(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
-    paths = {"file": str(tmp / "a-file"), "empty": str(tmp / "empty")}
     (tmp / "a-file").write_text("not a directory")
     (tmp / "empty").mkdir()
-    procs = {}
-    for name, (argv, env, _) in CLI_CASES.items():
-        argv = [a.format(**paths) for a in argv]
-        full_env = {**os.environ, **env, "PYTHONWARNINGS": "ignore"}
-        procs[name] = subprocess.Popen(
+    return {"file": str(tmp / "a-file"), "empty": str(tmp / "empty")}
+
+
+def _one_error_line(err, message):
+    assert "Traceback" not in err, err
+    assert message in err, err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1, err
+
+
+@pytest.fixture(scope="module")
+def cli_results(paths):
+    """Every subprocess case, and ``--help`` with a bad environment, started together."""
+    runs = {
+        name: ([a.format(**paths) for a in argv], env)
+        for name, (argv, env, _) in SUBPROCESS_CASES.items()
+    }
+    runs["--help"] = (["train", "--help"], {"SHARDAX_CPU_DEVICES": "abc"})
+    procs = {
+        name: subprocess.Popen(
             [sys.executable, "-m", "shardax", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=full_env,
+            env={**os.environ, **env, "PYTHONWARNINGS": "ignore"},
         )
-    results = {}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=240)
-        results[name] = (proc.returncode, err, paths)
-    help_run = subprocess.run(
-        [sys.executable, "-m", "shardax", "train", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "SHARDAX_CPU_DEVICES": "abc"},
-    )
-    return results, help_run
+        for name, (argv, env) in runs.items()
+    }
+    return {name: (p.wait(timeout=600), *p.communicate()) for name, p in procs.items()}
 
 
-@pytest.mark.parametrize("name", list(CLI_CASES))
-def test_cli_bad_values_are_one_line_and_exit_2(cli_results, name):
-    code, err, paths = cli_results[0][name]
-    message = CLI_CASES[name][2].format(**paths)
-    assert "Traceback" not in err, err
+@pytest.mark.parametrize("name", list(SUBPROCESS_CASES))
+def test_cli_subprocess_bad_values_are_one_line_and_exit_2(cli_results, paths, name):
+    code, _, err = cli_results[name]
     assert code == 2, err
-    assert message in err, err
-    lines = [line for line in err.splitlines() if "error" in line]
-    assert len(lines) == 1, err
+    _one_error_line(err, SUBPROCESS_CASES[name][2].format(**paths))
 
 
 def test_cli_help_works_with_a_bad_environment(cli_results):
-    help_run = cli_results[1]
-    assert help_run.returncode == 0 and "--cpu-devices" in help_run.stdout, help_run.stderr
+    code, out, err = cli_results["--help"]
+    assert code == 0 and "--cpu-devices" in out, err
+
+
+@pytest.mark.parametrize("name", list(IN_PROCESS_CASES))
+def test_cli_bad_options_are_one_line_and_exit_2(capsys, paths, name):
+    argv, message = IN_PROCESS_CASES[name]
+    try:
+        code = cli_main([a.format(**paths) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    _one_error_line(capsys.readouterr().err, message.format(**paths))
