@@ -117,6 +117,17 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.place_on_device(np.ones(2), "cpu:0"), TypeError, "place_on_device: device must be a jax.Device, got 'cpu:0'"),
         (lambda: sx.distribute_batch({"x": np.ones(8)}, sx.make_mesh()), TypeError, "sharding must be a jax.sharding.Sharding"),
         (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh(), plan=sx.batch_sharding(sx.make_mesh())), TypeError, "plan must be a shardax Plan"),
+        # found in this branch's own sweep
+        (lambda: sx.make_mesh(axis_types="explicit"), TypeError, "axis_types must be a jax.sharding.AxisType"),
+        (lambda: sx.fsdp("mesh"), TypeError, "fsdp: mesh must be a jax.sharding.Mesh, got 'mesh'"),
+        (lambda: sx.rules(None, []), TypeError, "rules: mesh must be a jax.sharding.Mesh, got None"),
+        (lambda: sx.follow_params("fsdp"), TypeError, "follow_params: plan must be a shardax Plan"),
+        (lambda: sx.init_sharded(lambda: {"w": jnp.ones(8)}, "fsdp"), TypeError, "init_sharded: plan must be a shardax Plan"),
+        (lambda: sx.make_train_step(None, mesh=sx.make_mesh()), TypeError, "loss_fn must be a function loss_fn(model, batch), got None"),
+        (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh()).shard({"w": np.ones(8)}), TypeError, "the train step takes a sx.TrainState"),
+        (lambda: sx.batches({"x": np.ones(4)}, 2, shuffle="yes"), TypeError, "batches: shuffle must be True or False, got 'yes'"),
+        (lambda: sx.save_checkpoint(None, {"w": np.ones(2)}, step=0), TypeError, "directory must be a path (str or os.PathLike), got None"),
+        (lambda: sx.validate_batch_size(True), ValueError, "batch_size must be an integer, got True (a bool)"),
     ],
 )  # fmt: skip
 def test_wrong_types_name_what_came(call, error, message):

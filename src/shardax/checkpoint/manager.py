@@ -29,7 +29,7 @@ from shardax.checkpoint.convert import (
     to_saveable,
     with_other_leaves,
 )
-from shardax.checks import as_count
+from shardax.checks import as_count, expect_type
 
 
 def _ocp() -> Any:
@@ -64,6 +64,12 @@ class CheckpointManager:
         create: bool = True,
     ) -> None:
         ocp = _ocp()
+        expect_type(
+            "CheckpointManager: directory",
+            directory,
+            str | os.PathLike,
+            "a path (str or os.PathLike)",
+        )
         if max_to_keep is not None:
             max_to_keep = as_count(
                 "CheckpointManager: max_to_keep (or None to keep all)", max_to_keep
@@ -142,6 +148,8 @@ class CheckpointManager:
         """
         ocp = _ocp()
         steps = self.all_steps()
+        if step is not None:
+            step = as_count("restore: step (or None for the latest)", step, minimum=0)
         if step is None:
             if not steps:
                 raise FileNotFoundError(f"no checkpoint in {self.directory}")

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardax.checks import as_count
+from shardax.checks import as_count, expect_type
 from shardax.data.policy import MASK, check_policy, num_batches, pad_batch
 from shardax.plan.tree import is_array, path_str
 
@@ -64,6 +64,7 @@ class Batches(Iterator[Any]):
         process_count: int,
     ) -> None:
         check_policy(policy)
+        expect_type("batches: shuffle", shuffle, bool, "True or False")
         batch_size = as_count("batches: batch_size", batch_size)
         seed = as_count("batches: seed", seed, minimum=0)
         process_count = as_count("batches: process_count", process_count)

@@ -98,6 +98,11 @@ def make_mesh(
     shape = resolve_mesh_shape({DATA_AXIS: -1} if spec is None else spec, len(devices))
     if isinstance(axis_types, AxisType):
         axis_types = (axis_types,) * len(shape)
+    if isinstance(axis_types, str) or not all(isinstance(t, AxisType) for t in axis_types):
+        raise TypeError(
+            "make_mesh: axis_types must be a jax.sharding.AxisType (e.g. AxisType.Explicit) or "
+            f"one per axis, got {axis_types!r}"
+        )
     axis_types = tuple(axis_types)
     if len(axis_types) != len(shape):
         raise ValueError(

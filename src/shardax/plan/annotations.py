@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.plan.core import Leaves, Plan
+from shardax.plan.core import Leaves, Plan, check_mesh
 from shardax.plan.tree import path_str
 
 AxisRules = Mapping[str, Any] | Sequence[tuple[str, Any]]
@@ -140,6 +140,7 @@ def from_nnx(
     With logical names, build the model with ``nnx.use_eager_sharding(False)`` (flax
     otherwise shards variables at creation and needs its own mesh and rules).
     """
+    check_mesh("from_nnx: mesh", mesh)
     table = annotated_specs(model, mesh, axis_rules)
     if isinstance(default, Plan) and default.mesh != mesh:
         raise ValueError(f"default plan {default.name!r} is on another mesh than from_nnx's")

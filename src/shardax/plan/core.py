@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from shardax.checks import as_count
+from shardax.checks import as_count, expect_type
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.tree import is_array, map_arrays, path_str
 from shardax.plan.validate import spec_errors
@@ -105,6 +105,11 @@ class Plan:
         )
 
 
+def check_mesh(name: str, mesh: Any) -> Mesh:
+    """``mesh`` if it is a ``jax.sharding.Mesh``, else ``TypeError`` naming ``name``."""
+    return expect_type(name, mesh, Mesh, "a jax.sharding.Mesh", "Build one with sx.make_mesh()")
+
+
 def as_plan(name: str, plan: Any) -> Any:
     """``plan`` if it is a shardax plan (or any callable from a tree to its shardings),
     else ``TypeError`` naming ``name`` and what came."""
@@ -125,6 +130,7 @@ def replicate(mesh: Mesh) -> Plan:
     >>> replicate(make_mesh()).specs({"w": np.ones(3)})
     {'w': PartitionSpec()}
     """
+    check_mesh("replicate: mesh", mesh)
     return Plan(mesh, lambda path, shape: PartitionSpec(), "replicate")
 
 
@@ -165,6 +171,7 @@ def fsdp(mesh: Mesh, axis: AxisNames = DATA_AXIS, min_size: int = DEFAULT_FSDP_M
     Leaves with fewer than ``min_size`` elements, and leaves with no dimension that
     the axis size divides, are replicated.
     """
+    check_mesh("fsdp: mesh", mesh)
     min_size = as_count("fsdp: min_size", min_size, minimum=0)
     size = axis_size(mesh, axis)
     return Plan(mesh, lambda path, shape: fsdp_spec(shape, axis, size, min_size), "fsdp")

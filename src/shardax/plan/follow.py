@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from shardax.checks import expect_type
 from shardax.plan.core import Plan, array_paths
 from shardax.plan.tree import is_array, map_arrays, path_str
 from shardax.plan.validate import spec_errors
@@ -110,6 +111,7 @@ def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:
     rank-0 leaves (``count``) are replicated; any other leaf gets ``plan``'s spec for
     its own path.
     """
+    expect_type("follow_params: plan", plan, Plan, "a shardax Plan such as sx.fsdp(mesh)")
     return FollowParams(
         plan.mesh,
         plan.spec_fn,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from jax.sharding import Mesh, PartitionSpec
 
-from shardax.plan.core import Leaves, Plan
+from shardax.plan.core import Leaves, Plan, check_mesh
 
 Rule = tuple[str, PartitionSpec]
 
@@ -53,6 +53,7 @@ def rules(
     (e.g. ``fsdp(mesh)``), or ``None`` to replicate. A matched spec that cannot shard its
     leaf is an error, never skipped. Rank-0 leaves are always replicated.
     """
+    check_mesh("rules: mesh", mesh)
     compiled = _compile(rule_list)
     if isinstance(default, Plan) and default.mesh != mesh:
         raise ValueError(f"default plan {default.name!r} is on another mesh than the rules")

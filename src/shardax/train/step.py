@@ -106,6 +106,14 @@ def unalias(source: Any, placed: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def _check_state(state: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"the train step takes a sx.TrainState (sx.TrainState.create(model, tx), "
+            f".from_linen or .from_params), got {type(state).__name__}"
+        )
+
+
 def _no_step(state: Any, batch: Any) -> Any:
     raise ValueError("no step compiled yet")
 
@@ -185,6 +193,8 @@ class TrainStep:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a function loss_fn(model, batch), got {loss_fn!r}")
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if data_axis not in mesh.shape:
@@ -270,6 +280,7 @@ class TrainStep:
         all first check that they run the same step and state shardings
         (:func:`shardax.check_agreement`), so a mismatch is an error, not a hang.
         """
+        _check_state(state)
         if self.mode == "single":
             shardings: Any = self._device
         else:
@@ -474,6 +485,7 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One update on the global ``batch``; metrics are means over its real examples."""
+        _check_state(state)
         check_batch(batch, divisor=self._divisor, what=self._what)
         return self._call(state, batch)
 
