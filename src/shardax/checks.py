@@ -19,6 +19,7 @@ import numbers
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh
 
 
 def _received(value: Any) -> str:
@@ -61,6 +62,11 @@ def expect_type(name: str, value: Any, types: Any, expected: str, hint: str = ""
     raise TypeError(
         f"{name} must be {expected}, got {_received(value)}" + (f". {hint}" if hint else "")
     )
+
+
+def check_mesh(name: str, mesh: Any) -> Any:
+    """``mesh`` if it is a ``jax.sharding.Mesh``, else ``TypeError`` naming ``name``."""
+    return expect_type(name, mesh, Mesh, "a jax.sharding.Mesh", "Build one with sx.make_mesh()")
 
 
 def parse_address(name: str, address: Any) -> tuple[str, int]:

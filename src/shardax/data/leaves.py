@@ -62,8 +62,8 @@ def check_batch_leaves(
                     f"array with a leading batch dimension{hint}"
                 )
             continue
-        kind = np.dtype(leaf.dtype).kind if not _is_extended(leaf) else "V"
-        if kind in _NOT_JAX_KINDS:
+        # Extended dtypes (PRNG keys) have no NumPy kind; bfloat16 & co. have kind "V".
+        if getattr(leaf.dtype, "kind", "V") in _NOT_JAX_KINDS:
             raise TypeError(
                 f"{where}: leaf {path or '<root>'!r} has dtype {np.dtype(leaf.dtype)} "
                 f"(shape {np.shape(leaf)}), which a JAX array cannot hold; keep strings and "
@@ -82,7 +82,3 @@ def check_batch_leaves(
 
 def _in_list(key: tuple[Any, ...]) -> bool:
     return isinstance(key[-1], jax.tree_util.SequenceKey)
-
-
-def _is_extended(leaf: Any) -> bool:
-    return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)

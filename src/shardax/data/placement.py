@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from shardax.checks import as_count, expect_type
+from shardax.checks import as_count, check_mesh, expect_type
 from shardax.data.leaves import check_batch_leaves, sharded_dims
 from shardax.mesh.make import DATA_AXIS, make_mesh
 from shardax.plan.tree import map_arrays
@@ -36,7 +36,7 @@ def batch_sharding(
     >>> batch_sharding(make_mesh()).spec
     PartitionSpec('data',)
     """
-    expect_type("batch_sharding: mesh", mesh, Mesh, "a jax.sharding.Mesh (e.g. sx.make_mesh())")
+    check_mesh("batch_sharding: mesh", mesh)
     batch_axis = as_count("batch_sharding: batch_axis", batch_axis, minimum=0)
     names = (axis,) if isinstance(axis, str) else tuple(axis)
     missing = [n for n in names if n not in mesh.shape]

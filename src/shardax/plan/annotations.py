@@ -25,7 +25,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.plan.core import Leaves, Plan, check_mesh
+from shardax.checks import check_mesh
+from shardax.plan.core import Leaves, Plan
 from shardax.plan.tree import path_str
 
 AxisRules = Mapping[str, Any] | Sequence[tuple[str, Any]]

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from shardax.checks import as_count, expect_type
+from shardax.checks import as_count, check_mesh
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.tree import is_array, map_arrays, path_str
 from shardax.plan.validate import spec_errors
@@ -103,11 +103,6 @@ class Plan:
             self.specs(tree),
             is_leaf=lambda s: isinstance(s, PartitionSpec),
         )
-
-
-def check_mesh(name: str, mesh: Any) -> Mesh:
-    """``mesh`` if it is a ``jax.sharding.Mesh``, else ``TypeError`` naming ``name``."""
-    return expect_type(name, mesh, Mesh, "a jax.sharding.Mesh", "Build one with sx.make_mesh()")
 
 
 def as_plan(name: str, plan: Any) -> Any:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from jax.sharding import Mesh, PartitionSpec
 
-from shardax.plan.core import Leaves, Plan, check_mesh
+from shardax.checks import check_mesh
+from shardax.plan.core import Leaves, Plan
 
 Rule = tuple[str, PartitionSpec]
 
