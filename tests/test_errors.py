@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 
 import jax.numpy as jnp
@@ -312,6 +313,32 @@ def test_a_peer_that_never_joins_is_a_timeout_error(rank):
         roll_call(address, "127.0.0.1", port, rank, 2, timeout=1)
     assert address in str(e.value) and "1 s (initialization_timeout)" in str(e.value)
     assert ("never joined" if rank == 0 else "could not reach") in str(e.value)
+
+
+def _roll_call_in_threads(counts):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    errors = {}
+
+    def one(rank):
+        try:
+            roll_call(address, "127.0.0.1", port, rank, counts[rank], timeout=20)
+        except Exception as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(counts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
+def test_roll_call_meets_and_names_a_mismatched_process_count():
+    assert _roll_call_in_threads([3, 3, 3]) == {}
+    errors = _roll_call_in_threads([2, 3])
+    assert isinstance(errors[0], ValueError) and isinstance(errors[1], ValueError)
+    assert "process 1 was started with num_processes=3, process 0 with 2" in str(errors[1])
 
 
 # --- the step: params that changed shape after the optimizer was initialised --------------

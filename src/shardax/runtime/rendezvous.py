@@ -65,14 +65,15 @@ def _serve(address: str, port: int, num_processes: int, timeout: float) -> None:
             except OSError:
                 conn.close()
                 continue
-            if len(hello) != 3 or hello[0] != _HELLO:
+            if len(hello) != 3 or hello[0] != _HELLO or not (hello[1] + hello[2]).isdigit():
                 conn.close()  # not one of ours (a port scan, a health check)
                 continue
             rank, count = int(hello[1]), int(hello[2])
             problem = ""
             if count != num_processes:
                 problem = (
-                    f"it was started with num_processes={count}, process 0 with {num_processes}"
+                    f"process {rank} was started with num_processes={count}, process 0 with "
+                    f"{num_processes}"
                 )
             elif rank in peers:
                 problem = f"process_id {rank} is given to two processes"
