@@ -230,6 +230,7 @@ def test_matching_rules_are_quiet():
         (lambda d, s: sx.save_checkpoint(d, s, step=1, data_state={"a": [np.arange(2)]}), TypeError, "data_state['a'][0] is a numpy.ndarray, which JSON cannot store"),
         (lambda d, s: sx.save_checkpoint(d, s, step=1, data_state={1: "x"}), TypeError, "JSON keys must be strings"),
         (lambda d, s: sx.save_checkpoint(d, {**s, "obj": object()}, step=1), TypeError, "leaf['obj'] is a builtins.object"),
+        (lambda d, s: sx.save_checkpoint(d, {}, step=1), ValueError, "state has no array or number leaf to save, got {}"),
     ],
 )  # fmt: skip
 def test_bad_saves_write_nothing(tmp_path, call, error, message):

@@ -127,6 +127,12 @@ class CheckpointManager:
         check_json("data_state", data_state)
         leaves = other_leaves(state)
         check_json("state: leaf", leaves)
+        arrays = to_saveable(state)
+        if not arrays:
+            raise ValueError(
+                f"checkpoint: state has no array or number leaf to save, got {state!r:.80}; "
+                "plain values go in data_state"
+            )
         if step in self.all_steps():
             if not overwrite:
                 raise FileExistsError(
@@ -134,7 +140,7 @@ class CheckpointManager:
                     "overwrite=True to replace it"
                 )
             self._manager.delete(step)
-        items = {"state": ocp.args.StandardSave(to_saveable(state))}
+        items = {"state": ocp.args.StandardSave(arrays)}
         items["data"] = ocp.args.JsonSave({"data_state": data_state, "leaves": leaves})
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._manager.wait_until_finished()
