@@ -39,7 +39,7 @@ from shardax.cli.common import (
 
 MODELS = ("mlp", "gpt")
 MODES = ("jit", "single", "shard_map", "pmap")
-PLANS = ("replicate", "fsdp", "tp", "fsdp+tp")
+PLANS = ("replicate", "fsdp", "tp", "fsdp+tp", "pipeline")
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
 # Options that only one model reads; giving them to the other is an error, not ignored.
@@ -47,7 +47,7 @@ MODEL_OPTIONS = {
     "mlp": ("epochs", "hidden"),
     "gpt": (
         "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
-        "remat", "scan_layers", "data", "eval_every",
+        "remat", "scan_layers", "data", "eval_every", "microbatches", "pipeline_repeats",
     ),
 }  # fmt: skip
 
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plan",
         choices=PLANS,
         default="replicate",
-        help="how to shard the model and Adam state (fsdp+tp: --model gpt only)",
+        help="how to shard the model and Adam state (fsdp+tp, pipeline: --model gpt only)",
     )
     parser.add_argument(
         "--mode",
@@ -125,6 +125,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data", default=None, help="a text file or directory of them (default: stdlib sources)"
     )
     gpt.add_argument("--eval-every", type=positive_int, default=None, help="steps per eval (50)")
+    gpt.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="run the blocks with sx.pipeline in this many microbatches per data shard "
+        "(default with --plan pipeline: the stage axis size)",
+    )
+    gpt.add_argument(
+        "--pipeline-repeats",
+        type=positive_int,
+        default=None,
+        help="sx.pipeline repeats: > 1 is the circular schedule (default: 1)",
+    )
     parser.add_argument(
         "--run-dir",
         default=None,
@@ -168,6 +181,8 @@ def make_mesh(args: argparse.Namespace) -> Any:
         return sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
     tp = "tp" in args.plan.split("+")
     spec = args.mesh or ([("data", -1), ("model", 2)] if tp else [("data", -1)])
+    if args.plan == "pipeline" and args.mesh is None:
+        spec = [("data", -1), ("stage", 2)]
     if "data" not in dict(spec):
         raise UsageError(f"--mesh needs a 'data' axis for the batch, got {args.mesh}")
     try:
@@ -214,15 +229,17 @@ class Job:
     estimate_flops: float | None = None
 
 
-def build_step(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> Any:
-    """``sx.make_train_step`` with the CLI's mode, accumulation and precision; bad
-    combinations are usage errors naming the options."""
+def build_steps(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> tuple[Any, Any]:
+    """The train step (``sx.make_train_step``) and its no-update twin for validation
+    (``sx.make_eval_step``, the model in inference mode), with the CLI's mode,
+    accumulation and precision; bad combinations are usage errors naming the options."""
     import shardax as sx
 
+    plan = None if args.mode == "single" else plan  # one device: no sharding plan
+    options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision}
     try:
-        return sx.make_train_step(
-            loss_fn, mesh=mesh, plan=plan, mode=args.mode, accumulate=args.accumulate
-        )
+        step = sx.make_train_step(loss_fn, accumulate=args.accumulate, **options)
+        return step, sx.make_eval_step(loss_fn, **options)
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 

@@ -34,7 +34,7 @@ def sharded_dims(sharding: Sharding) -> tuple[int, ...]:
     return tuple(d for d, e in enumerate(sharding.spec) if e is not None)
 
 
-def _shapes_text(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> str:
+def shapes_text(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> str:
     return ", ".join(f"{path or '<root>'!r}: {shape}" for path, shape in leaves)
 
 
@@ -75,7 +75,7 @@ def check_batch_leaves(
         if len(sizes) > 1:
             raise ValueError(
                 f"{where}: batch leaves disagree on the batch size (dimension {d}); they must "
-                f"all have the same size there. Received {_shapes_text(leaves)}"
+                f"all have the same size there. Received {shapes_text(leaves)}"
             )
     return leaves
 

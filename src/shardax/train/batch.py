@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardax.data.leaves import check_batch_leaves
+from shardax.data.leaves import check_batch_leaves, shapes_text
 from shardax.train.loss import MASK_KEY
 
 
@@ -21,8 +21,15 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
 
     Every array leaf needs the same leading dimension, divisible by ``divisor``
     (``what`` says where the divisor comes from). A top-level ``"mask"`` leaf must be
-    boolean with shape ``(batch,)``.
+    boolean, with a shape that leads the batch's: ``(batch,)``, or ``(batch, seq)``
+    leading the shape of another leaf.
     """
+    if isinstance(batch, dict) and MASK_KEY in batch:
+        # The mask is checked against the other leaves' size first, with its own message.
+        rest = check_batch_leaves({**batch, MASK_KEY: None}, "the train step", arrays_only=True)
+        sizes = {shape[0] for _, shape in rest if shape}
+        if len(sizes) == 1:
+            _check_mask(batch, *sizes)
     leaves = check_batch_leaves(batch, "the train step", dims=(0,), arrays_only=True)
     if not leaves:
         raise ValueError(f"the train step: the batch has no array leaves, got {batch!r}")
@@ -34,12 +41,7 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
             )
     size = leaves[0][1][0]
     if isinstance(batch, dict) and MASK_KEY in batch:
-        mask = batch[MASK_KEY]
-        if np.shape(mask) != (size,) or np.dtype(mask.dtype) != np.bool_:
-            raise ValueError(
-                f"batch[{MASK_KEY!r}] must be a boolean array of shape (batch,) = ({size},), "
-                f"True for real examples; got dtype {mask.dtype} and shape {np.shape(mask)}"
-            )
+        _check_mask(batch, size)
     if size % divisor:
         fit = -(-size // divisor) * divisor
         raise ValueError(
@@ -49,6 +51,20 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
             "does not count"
         )
     return size
+
+
+def _check_mask(batch: dict, size: int) -> None:
+    mask = batch[MASK_KEY]
+    shape = tuple(np.shape(mask))
+    others = [shape for _, shape in check_batch_leaves({**batch, MASK_KEY: None}, "the step")]
+    leads = len(shape) == 1 or any(other[: len(shape)] == shape for other in others)
+    if np.dtype(mask.dtype) != np.bool_ or not shape or shape[0] != size or not leads:
+        raise ValueError(
+            f"batch[{MASK_KEY!r}] must be a boolean array whose shape leads the batch's: "
+            f"(batch,) = ({size},), True for real examples, or (batch, seq) leading the shape "
+            f"of another leaf, True for real tokens; got dtype {mask.dtype} and shape {shape} "
+            f"(leaf shapes: {shapes_text(check_batch_leaves(batch, 'the train step'))})"
+        )
 
 
 def split_microbatches(batch: Any, k: int) -> Any:
