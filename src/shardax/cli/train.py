@@ -29,6 +29,7 @@ from shardax.cli.common import (
     add_json_flag,
     console,
     mesh_spec,
+    nonneg_int,
     positive_float,
     positive_int,
     print_json,
@@ -94,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="compute precision of the forward and backward passes (default: fp32)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: 0)")
     mlp = parser.add_argument_group("--model mlp")
     mlp.add_argument("--epochs", type=positive_int, default=None, help="passes over the data (15)")
     mlp.add_argument("--hidden", type=positive_int, default=None, help="hidden width (256)")
@@ -291,19 +292,24 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     mesh, step = job.mesh, job.step
     is_main = jax.process_index() == 0
     manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
-    state, data_state = resume(args, manager, job.state)
-    first_done, history = int(data_state["step"]), list(data_state["history"])
-    window: list[dict[str, float]] = list(data_state["window"])
-    if first_done >= job.steps:
-        raise UsageError(
-            f"--resume: the checkpoint has done {first_done} steps, as many as this run asks "
-            "for; ask for more to train further"
-        )
-    if data_state["loader"] is not None:
-        try:
-            job.loader.set_state(data_state["loader"])
-        except ValueError as e:
-            raise UsageError(f"--resume: {e}") from None
+    try:  # a usage error closes the manager first, or orbax complains at shutdown
+        state, data_state = resume(args, manager, job.state)
+        first_done, history = int(data_state["step"]), list(data_state["history"])
+        window: list[dict[str, float]] = list(data_state["window"])
+        if first_done >= job.steps:
+            raise UsageError(
+                f"--resume: the checkpoint has done {first_done} steps, as many as this run "
+                "asks for; ask for more to train further"
+            )
+        if data_state["loader"] is not None:
+            try:
+                job.loader.set_state(data_state["loader"])
+            except ValueError as e:
+                raise UsageError(f"--resume: {e}") from None
+    except UsageError:
+        if manager is not None:
+            manager.close()
+        raise
     save_every = args.save_every or job.eval_every
     described = sx.describe(state)
     if is_main:
