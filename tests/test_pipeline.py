@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
@@ -379,3 +380,49 @@ def test_cli_gpt_pipeline_usage_errors(argv, message, capsys):
     assert cli([*GPT_TINY, *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+# --- 1F1B ---------------------------------------------------------------------------------
+
+
+def head_loss(p, h, y):
+    return jnp.mean((h @ p - y) ** 2)
+
+
+def test_1f1b_equals_gpipe_and_its_activation_memory_does_not_grow_with_m(mesh):
+    params = make_params()
+    blocks, head = params["blocks"], params["head"]
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(32, D)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(32, OUT)), jnp.float32)
+
+    def gpipe(blocks, x, head, y, m=8):
+        return head_loss(head, sx.pipeline(layer, blocks, x, microbatches=m), y)
+
+    def one_f_one_b(blocks, x, head, y, m=8):
+        return sx.pipeline_1f1b(layer, blocks, x, head_loss, head, y, microbatches=m)
+
+    grad = jax.value_and_grad(one_f_one_b, argnums=(0, 1, 2))
+    expect = jax.value_and_grad(gpipe, argnums=(0, 1, 2))(blocks, x, head, y)  # plain scans
+    np.testing.assert_allclose(grad(blocks, x, head, y)[0], expect[0], rtol=1e-5)
+    placed = jax.device_put(blocks, NamedSharding(mesh, P("stage")))
+    temp = {}
+    with jax.sharding.set_mesh(mesh):
+        got = jax.jit(grad)(placed, x, head, y)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, expect
+        )
+        assert got[1][0]["w"].sharding.spec == P("stage")
+        for name, fn in (("gpipe", gpipe), ("1f1b", one_f_one_b)):
+            for m in (4, 16):
+                rows = jax.ShapeDtypeStruct((16 * m, D), jnp.float32)
+                out = jax.ShapeDtypeStruct((16 * m, OUT), jnp.float32)
+                f = jax.jit(jax.grad(lambda b, x, h, y, fn=fn, m=m: fn(b, x, h, y, m)))
+                compiled = f.lower(placed, rows, head, out).compile()
+                temp[name, m] = compiled.memory_analysis().temp_size_in_bytes
+    # GPipe keeps every microbatch's activations for the backward pass; 1F1B at most 2S-1
+    # stage inputs, plus the M-sized input and its gradient.
+    gpipe_growth = temp["gpipe", 16] - temp["gpipe", 4]
+    f1b_growth = temp["1f1b", 16] - temp["1f1b", 4]
+    assert f1b_growth < gpipe_growth / 3, temp
+    assert temp["1f1b", 16] < temp["gpipe", 16] / 2, temp
