@@ -228,15 +228,17 @@ class Job:
     estimate_flops: float | None = None
 
 
-def build_step(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> Any:
-    """``sx.make_train_step`` with the CLI's mode, accumulation and precision; bad
-    combinations are usage errors naming the options."""
+def build_steps(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> tuple[Any, Any]:
+    """The train step (``sx.make_train_step``) and its no-update twin for validation
+    (``sx.make_eval_step``, the model in inference mode), with the CLI's mode,
+    accumulation and precision; bad combinations are usage errors naming the options."""
     import shardax as sx
 
+    plan = None if args.mode == "single" else plan  # one device: no sharding plan
+    options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision}
     try:
-        return sx.make_train_step(
-            loss_fn, mesh=mesh, plan=plan, mode=args.mode, accumulate=args.accumulate
-        )
+        step = sx.make_train_step(loss_fn, accumulate=args.accumulate, **options)
+        return step, sx.make_eval_step(loss_fn, **options)
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 

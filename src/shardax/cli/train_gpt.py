@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardax.cli.common import UsageError
-from shardax.cli.train import Job, build_step, make_mesh, plot_curves
+from shardax.cli.train import Job, build_steps, make_mesh, plot_curves
 
 DEFAULTS = {
     "steps": 200,
@@ -141,7 +141,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         0.0, args.lr, warmup, max(args.steps, warmup + 1), end_value=args.lr / 10
     )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
-    step = build_step(args, loss_fn, mesh, plan)
+    step, evaluate_step = build_steps(args, loss_fn, mesh, plan)
 
     def init() -> Any:
         return sx.TrainState.create(gpt.make_gpt(cfg, args.seed, args.remat), tx, rng=args.seed)
@@ -151,15 +151,10 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 
-    @jax.jit
-    def evaluate_jit(state: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        return loss_fn(state.model, batch)
-
     val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh))
 
     def evaluate(state: Any) -> dict[str, float]:
-        with jax.sharding.set_mesh(mesh):
-            return {"val_loss": float(evaluate_jit(state, val_batch))}
+        return {"val_loss": float(evaluate_step(state, val_batch)["loss"])}
 
     tokens = args.batch_size * args.seq_len
 

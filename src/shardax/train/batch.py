@@ -44,7 +44,8 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
 
     Every array leaf needs the same leading dimension, divisible by ``divisor``
     (``what`` says where the divisor comes from). A top-level ``"mask"`` leaf must be
-    boolean with shape ``(batch,)``.
+    boolean, with a shape that leads the batch's: ``(batch,)``, or ``(batch, seq)``
+    leading the shape of another leaf.
     """
     leaves = jax.tree.leaves(batch)
     if not leaves:
@@ -53,16 +54,16 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
         sizes = {leaf.shape[0] for leaf in leaves}
     except (AttributeError, IndexError):
         raise _batch_error(batch) from None
+    if isinstance(batch, dict) and MASK_KEY in batch and len(leaves) > 1:
+        # The mask is checked against the other leaves' size, with its own message.
+        rest = {leaf.shape[0] for leaf in jax.tree.leaves({**batch, MASK_KEY: None})}
+        if len(rest) == 1:
+            _check_mask(batch, *rest)
     if len(sizes) != 1:
         raise _batch_error(batch)
     (size,) = sizes
     if isinstance(batch, dict) and MASK_KEY in batch:
-        mask = batch[MASK_KEY]
-        if np.shape(mask) != (size,) or np.dtype(mask.dtype) != np.bool_:
-            raise ValueError(
-                f"batch[{MASK_KEY!r}] must be a boolean array of shape (batch,) = ({size},), "
-                f"True for real examples; got dtype {mask.dtype} and shape {np.shape(mask)}"
-            )
+        _check_mask(batch, size)
     if size % divisor:
         fit = -(-size // divisor) * divisor
         raise ValueError(
@@ -72,6 +73,26 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
             "does not count"
         )
     return size
+
+
+def _check_mask(batch: dict, size: int) -> None:
+    mask = batch[MASK_KEY]
+    shape = tuple(np.shape(mask))
+    others = [
+        tuple(np.shape(leaf))
+        for key, value in batch.items()
+        if key != MASK_KEY
+        for leaf in jax.tree.leaves(value)
+        if is_array(leaf)
+    ]
+    leads = len(shape) == 1 or any(other[: len(shape)] == shape for other in others)
+    if np.dtype(mask.dtype) != np.bool_ or not shape or shape[0] != size or not leads:
+        raise ValueError(
+            f"batch[{MASK_KEY!r}] must be a boolean array whose shape leads the batch's: "
+            f"(batch,) = ({size},), True for real examples, or (batch, seq) leading the shape "
+            f"of another leaf, True for real tokens; got dtype {mask.dtype} and shape {shape} "
+            f"(leaf shapes: {_describe_sizes(batch)})"
+        )
 
 
 def split_microbatches(batch: Any, k: int) -> Any:

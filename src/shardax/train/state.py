@@ -48,7 +48,7 @@ def _key_data(rng: Seed) -> jax.Array:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["step", "params", "opt_state", "model_state", "rng"],
+    data_fields=["step", "params", "opt_state", "model_state", "rng", "loss_scale"],
     meta_fields=["adapter", "tx"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,8 @@ class TrainState:
         opt_state: ``tx``'s state for ``params``.
         model_state: non-trainable model state (batch-norm statistics, NNX RNG counts).
         rng: uint32 ``[2]`` raw key data; per-step keys are folded from it and ``step``.
+        loss_scale: the dynamic loss scale of an fp16 step
+            (:class:`shardax.train.precision.LossScaleState`), else None.
         adapter: how to rebuild the framework's model (see :mod:`shardax.train.model`).
         tx: the optax transformation.
     """
@@ -72,6 +74,7 @@ class TrainState:
     rng: jax.Array
     adapter: ModelAdapter
     tx: optax.GradientTransformation
+    loss_scale: Any = None
 
     @classmethod
     def _new(
