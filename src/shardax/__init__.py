@@ -18,7 +18,7 @@ from shardax.data import (
     shard_batch_dim,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
-from shardax.parallel import remat
+from shardax.parallel import pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -117,6 +117,8 @@ __all__ = [
     "make_train_step",
     "masked_mean",
     "mesh_info",
+    "pipeline",
+    "pipeline_1f1b",
     "place_on_device",
     "prefetch_to_device",
     "print0",

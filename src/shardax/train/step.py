@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from shardax.checks import as_count
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.core import Plan, replicate
@@ -118,6 +119,14 @@ def unalias(source: Any, placed: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def _check_state(state: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"the train step takes a sx.TrainState (sx.TrainState.create(model, tx), "
+            f".from_linen or .from_params), got {type(state).__name__}"
+        )
+
+
 def _no_step(state: Any, batch: Any) -> Any:
     raise ValueError("no step compiled yet")
 
@@ -203,14 +212,15 @@ class TrainStep:
         self._scaling = self.precision.loss_scaling
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a function loss_fn(model, batch), got {loss_fn!r}")
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if data_axis not in mesh.shape:
             raise ValueError(
                 f"data_axis {data_axis!r} is not in the mesh, whose axes are {dict(mesh.shape)}"
             )
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-            raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        accumulate = as_count("accumulate", accumulate)
         if mode == "single" and plan is not None and getattr(plan, "name", None) != "replicate":
             raise ValueError(
                 f"mode='single' keeps the whole state on one device, so it takes no sharding "
@@ -290,6 +300,7 @@ class TrainStep:
         all first check that they run the same step and state shardings
         (:func:`shardax.check_agreement`), so a mismatch is an error, not a hang.
         """
+        _check_state(state)
         # Cast params (new arrays) or the user's, with a loss scale if the step scales.
         state = self._prepare(state)
         if self.mode == "single":
@@ -555,6 +566,7 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One update on the global ``batch``; metrics are means over its real examples."""
+        _check_state(state)
         check_batch(batch, divisor=self._divisor, what=self._what)
         if self._scaling is not None and state.loss_scale is None:
             state = self._with_loss_scale(state)
