@@ -327,7 +327,7 @@ def test_resolve_coordinates_detects_slurm(monkeypatch):
         monkeypatch.setenv(k, v)
     assert resolve_coordinates(env={}).source == "slurm"
     # JAX's own SLURM detection fills in what is left, as sx.initialize relies on.
-    from jax._src.clusters import ClusterEnv
+    from shardax.runtime.compat import ClusterEnv
 
     addr, n, pid, local = ClusterEnv.auto_detect_unset_distributed_params(
         None, None, None, None, None, 10

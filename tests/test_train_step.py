@@ -143,7 +143,7 @@ def test_one_compilation_over_a_hundred_steps(mesh, mode):
             state, metrics = step(state, data[i % 4])
         jax.block_until_ready(metrics)
     finally:
-        jax._src.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert int(state.step) == 100
     assert len(compiles) == 1
 

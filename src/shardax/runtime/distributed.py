@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax._src import clusters as _clusters
-from jax._src import xla_bridge as _xla_bridge
+
+from shardax.runtime import compat
 
 ENV_COORDINATOR = "SHARDAX_COORDINATOR"
 """``host:port`` of the coordinator (process 0), set by ``shardax launch``."""
@@ -39,7 +39,7 @@ ENV_HEARTBEAT = "SHARDAX_HEARTBEAT_TIMEOUT"
 """Seconds without a heartbeat after which a process is declared dead."""
 
 # The cluster environments recognised without being named: cheap, environment-only checks.
-_AUTO_CLUSTERS = {"slurm": _clusters.SlurmCluster, "ompi": _clusters.OmpiCluster}
+_AUTO_CLUSTERS = {method: compat.cluster_env(method) for method in compat.CLUSTER_METHODS}
 
 
 class ProcessCoordinates(NamedTuple):
@@ -126,7 +126,7 @@ def resolve_coordinates(
 
 def backend_started() -> bool:
     """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
-    return _xla_bridge.backends_are_initialized()
+    return compat.backends_are_initialized()
 
 
 def _hard_exit_on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:

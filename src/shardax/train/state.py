@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, split_model
+from shardax.train.static import comparable
 
 Seed = int | jax.Array
 
@@ -62,7 +63,9 @@ class TrainState:
         model_state: non-trainable model state (batch-norm statistics, NNX RNG counts).
         rng: uint32 ``[2]`` raw key data; per-step keys are folded from it and ``step``.
         adapter: how to rebuild the framework's model (see :mod:`shardax.train.model`).
-        tx: the optax transformation.
+        tx: the optax transformation; equal to any transformation that computes the
+            same (:func:`shardax.train.static.comparable`), so a new but equal one does
+            not change the treedef.
     """
 
     step: jax.Array
@@ -72,6 +75,10 @@ class TrainState:
     rng: jax.Array
     adapter: ModelAdapter
     tx: optax.GradientTransformation
+
+    def __post_init__(self) -> None:
+        # An equal transformation gives an equal treedef, so no recompile (see static.py).
+        object.__setattr__(self, "tx", comparable(self.tx))
 
     @classmethod
     def _new(
