@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -88,3 +90,19 @@ def batches(n: int, size: int = 32, seed: int = 0, mask: bool = False) -> list[d
 
 def leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Collects one entry per XLA compilation (``jax.monitoring``) while open."""
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
