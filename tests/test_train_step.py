@@ -339,11 +339,13 @@ def test_explicit_axis_meshes_train_like_auto_ones(mesh):
     data = batches(2)
     expected, _ = train("nnx", mesh, "single", data)
     for mode in MODES:
-        plan = sx.fsdp(explicit, min_size=1) if mode == "jit" else None
-        state, _ = train("nnx", explicit, mode, data, plan=plan)
+        state, _ = train("nnx", explicit, mode, data)
         assert_params_close(state.params, expected.params)
-        if mode == "jit":
-            assert state.params["hidden"]["kernel"][...].sharding.spec == P(None, "data")
+    # A plain model's x @ w with w split over "data" has no sharding in types: JAX's
+    # error, with a note on what to change (no silent switch to Auto axes).
+    with pytest.raises(Exception, match="dot_general") as error:
+        train("nnx", explicit, "jit", data, plan=sx.fsdp(explicit, min_size=1))
+    assert "has Explicit axes ['data']" in "".join(error.value.__notes__)
 
 
 class NNXDropoutFirst(nnx.Module):

@@ -360,7 +360,7 @@ class TrainStep:
 
         first = jax.tree.map(lambda x: x[0], (micro, micro_keys))
         shapes = jax.eval_shape(lambda mb, mk: self._grads(state, model_state, mb, mk, rng), *first)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:3])
+        zeros = jax.tree.map(jnp.zeros_like, shapes[:3])  # with the shardings in their types
         (sums, total, model_state), _ = lax.scan(
             body,
             (zeros, jnp.float32(0), model_state),
