@@ -327,9 +327,9 @@ def test_resolve_coordinates_detects_slurm(monkeypatch):
         monkeypatch.setenv(k, v)
     assert resolve_coordinates(env={}).source == "slurm"
     # JAX's own SLURM detection fills in what is left, as sx.initialize relies on.
-    from shardax.runtime.compat import ClusterEnv
+    from shardax.runtime.compat import private
 
-    addr, n, pid, local = ClusterEnv.auto_detect_unset_distributed_params(
+    addr, n, pid, local = private("ClusterEnv").auto_detect_unset_distributed_params(
         None, None, None, None, None, 10
     )
     assert (addr.split(":")[0], n, pid, local) == ("node001", 4, 2, [0])

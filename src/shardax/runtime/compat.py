@@ -20,21 +20,54 @@ JAX version when one moves.
 >>> from shardax.runtime import compat
 >>> compat.cluster_env("slurm").__name__
 'SlurmCluster'
+>>> compat.missing()
+[]
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import jax
-from jax._src import clusters as _clusters
-from jax._src import core as _core
-from jax._src import xla_bridge as _xla_bridge
 
 JAX_VERSION = jax.__version__
+SUPPORTED = "0.10.x to 0.12.x"
 
-ShardingTypeError: type[Exception] = _core.ShardingTypeError
-ClusterEnv: Any = _clusters.ClusterEnv
+PRIVATE_APIS: dict[str, tuple[str, str]] = {
+    "backends_are_initialized": ("jax._src.xla_bridge", "backends_are_initialized"),
+    "SlurmCluster": ("jax._src.clusters", "SlurmCluster"),
+    "OmpiCluster": ("jax._src.clusters", "OmpiCluster"),
+    "ClusterEnv": ("jax._src.clusters", "ClusterEnv"),
+    "ShardingTypeError": ("jax._src.core", "ShardingTypeError"),
+}
+"""shardax's name for each private API: (module, attribute) in JAX."""
+
+
+def private(name: str) -> Any:
+    """The private JAX API ``name`` (a key of :data:`PRIVATE_APIS`); an ``ImportError``
+    naming it and the installed JAX version when JAX has moved it."""
+    module, attr = PRIVATE_APIS[name]
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(
+            f"shardax uses {module}.{attr}, which JAX {JAX_VERSION} does not have (shardax "
+            f"supports JAX {SUPPORTED}); see shardax/runtime/compat.py"
+        ) from e
+
+
+def missing() -> list[str]:
+    """The errors of every private API that the installed JAX lacks (empty when all are
+    there); ``tests/test_compat.py`` asserts it is empty."""
+    errors = []
+    for name in PRIVATE_APIS:
+        try:
+            private(name)
+        except ImportError as e:
+            errors.append(str(e))
+    return errors
+
 
 _CLUSTERS = {"slurm": "SlurmCluster", "ompi": "OmpiCluster"}
 CLUSTER_METHODS: tuple[str, ...] = tuple(_CLUSTERS)
@@ -43,11 +76,17 @@ CLUSTER_METHODS: tuple[str, ...] = tuple(_CLUSTERS)
 
 def backends_are_initialized() -> bool:
     """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
-    return _xla_bridge.backends_are_initialized()
+    return private("backends_are_initialized")()
 
 
 def cluster_env(method: str) -> Any:
     """JAX's cluster-detection class for ``method`` (``"slurm"`` or ``"ompi"``)."""
     if method not in _CLUSTERS:
         raise ValueError(f"cluster_env: method must be one of {list(_CLUSTERS)}, got {method!r}")
-    return getattr(_clusters, _CLUSTERS[method])
+    return private(_CLUSTERS[method])
+
+
+def is_sharding_type_error(error: BaseException) -> bool:
+    """True for JAX's error on an operation whose output sharding does not follow from
+    its inputs' types (Explicit axes)."""
+    return isinstance(error, private("ShardingTypeError"))

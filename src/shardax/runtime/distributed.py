@@ -38,9 +38,6 @@ ENV_CPU_DEVICES = "SHARDAX_CPU_DEVICES"
 ENV_HEARTBEAT = "SHARDAX_HEARTBEAT_TIMEOUT"
 """Seconds without a heartbeat after which a process is declared dead."""
 
-# The cluster environments recognised without being named: cheap, environment-only checks.
-_AUTO_CLUSTERS = {method: compat.cluster_env(method) for method in compat.CLUSTER_METHODS}
-
 
 class ProcessCoordinates(NamedTuple):
     """How this process joins: where from (``source``) and, when known, the coordinates."""
@@ -112,8 +109,9 @@ def resolve_coordinates(
         return ProcessCoordinates("shardax launch", *merged)  # type: ignore[arg-type]
     if cluster_detection_method is not None:
         return ProcessCoordinates(cluster_detection_method, *given)
-    for method, cluster in _AUTO_CLUSTERS.items():
-        if cluster.is_env_present():
+    # The cluster environments recognised without being named: environment-only checks.
+    for method in compat.CLUSTER_METHODS:
+        if compat.cluster_env(method).is_env_present():
             return ProcessCoordinates(method, *given)
     if any(v is not None for v in given):
         missing = [n for n, v in zip(names, given, strict=True) if v is None]

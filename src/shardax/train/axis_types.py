@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from shardax.runtime.compat import ShardingTypeError
+from shardax.runtime.compat import is_sharding_type_error
 
 
 def mesh_axis_type(mesh: Mesh, axis: str) -> AxisType:
@@ -47,7 +47,7 @@ def axis_type_note(error: BaseException, mesh: Mesh) -> str | None:
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     shape = dict(mesh.shape)
     explicit = [n for n, t in types.items() if t == AxisType.Explicit]
-    if isinstance(error, ShardingTypeError) and explicit:
+    if is_sharding_type_error(error) and explicit:
         return (
             f"shardax: the mesh {shape} has Explicit axes {explicit} (sharding in types), so "
             "each operation's output sharding must follow from its inputs' types, and this "
