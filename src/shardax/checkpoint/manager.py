@@ -1,7 +1,8 @@
 """Save and restore a train state and the data position with orbax-checkpoint.
 
 Saves are atomic (orbax writes to a temporary directory and renames it on commit;
-leftovers of an interrupted save are cleaned up), the last ``max_to_keep`` steps are
+leftovers of an interrupted save are cleaned up), overwrites too (saved aside, swapped in
+by renames), the last ``max_to_keep`` steps are
 kept, and a restore places every array on the sharding of ``like``, whatever sharding
 it was saved with.
 
@@ -19,6 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardax.checkpoint import swap
 from shardax.checkpoint.convert import abstract_saveable, flat_paths, from_saveable, to_saveable
 
 
@@ -47,22 +49,9 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike[str], max_to_keep: int | None = 3) -> None:
-        ocp = _ocp()
         self.directory = os.path.abspath(os.fspath(directory))
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            create=True,
-            cleanup_tmp_directories=True,
-            enable_async_checkpointing=False,
-        )
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
-                "data": ocp.JsonCheckpointHandler(),
-            },
-        )
+        swap.recover(self.directory)  # an overwrite interrupted by a crash
+        self._manager = _orbax_manager(self.directory, max_to_keep)
 
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first; interrupted saves are not among them."""
@@ -78,10 +67,10 @@ class CheckpointManager:
         """Saves ``state`` (any pytree) and the JSON-able ``data_state`` as ``step``.
 
         A step that exists raises ``FileExistsError`` unless ``overwrite=True``, which
-        deletes that step before saving the new one: a crash in between loses the step
-        (the other kept steps are untouched).
+        replaces it atomically: the new version is saved aside and swapped in by renames,
+        so a crash at any point leaves the old step or the new one, whole
+        (:mod:`shardax.checkpoint.swap`).
         """
-        ocp = _ocp()
         step = int(step)
         if step in self.all_steps():
             if not overwrite:
@@ -89,11 +78,13 @@ class CheckpointManager:
                     f"checkpoint step {step} already exists in {self.directory}; pass "
                     "overwrite=True to replace it"
                 )
-            self._manager.delete(step)
-        items = {"state": ocp.args.StandardSave(to_saveable(state))}
-        items["data"] = ocp.args.JsonSave({"data_state": data_state})
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-        self._manager.wait_until_finished()
+            staging = _orbax_manager(os.path.join(self.directory, swap.STAGED), None)
+            with staging:
+                _save(staging, step, state, data_state)
+            swap.swap_in(self.directory, step)
+            self._manager.reload()
+            return
+        _save(self._manager, step, state, data_state)
 
     def restore(self, like: Any, step: int | None = None) -> Restored:
         """Restores ``step`` (default: the latest) onto the structure and shardings of ``like``.
@@ -134,6 +125,32 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _orbax_manager(directory: str, max_to_keep: int | None) -> Any:
+    ocp = _ocp()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        create=True,
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=False,
+    )
+    return ocp.CheckpointManager(
+        directory,
+        options=options,
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "data": ocp.JsonCheckpointHandler(),
+        },
+    )
+
+
+def _save(manager: Any, step: int, state: Any, data_state: Any) -> None:
+    ocp = _ocp()
+    items = {"state": ocp.args.StandardSave(to_saveable(state))}
+    items["data"] = ocp.args.JsonSave({"data_state": data_state})
+    manager.save(step, args=ocp.args.Composite(**items), force=True)
+    manager.wait_until_finished()
 
 
 def _metadata_tree(metadata: Any) -> Any:
