@@ -66,7 +66,10 @@ def require_bound(axis_name: AxisName, caller: str) -> tuple[str, ...]:
 
 def _check_reduce_type(reduce_type: str) -> None:
     if reduce_type not in _REDUCERS:
-        raise ValueError(f"reduce_type must be one of {sorted(_REDUCERS)}, got {reduce_type!r}")
+        raise ValueError(
+            f"Unsupported reduce_type: {reduce_type!r}; reduce_type must be one of "
+            f"{sorted(_REDUCERS)}"
+        )
 
 
 def reduce(tree: Any, reduce_type: ReduceType = "mean", axis_name: AxisName = None) -> Any:
