@@ -18,6 +18,7 @@ from shardax.data import (
     shard_batch_dim,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
+from shardax.parallel import remat
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -112,6 +113,7 @@ __all__ = [
     "prefetch_to_device",
     "print0",
     "reduce",
+    "remat",
     "replicate",
     "replicate_across_devices",
     "restore_checkpoint",
