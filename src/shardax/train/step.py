@@ -549,7 +549,10 @@ def make_train_step(
             :func:`shardax.follow_params` so the optimizer state follows the params.
             ``"shard_map"`` and ``"pmap"`` support only replicating plans. ``step.init``
             builds a state straight onto it; ``jit`` mode traces under
-            ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies.
+            ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies, with the
+            mesh's axis types: on Explicit axes the model's own shardings
+            (``out_sharding=``, ``jax.sharding.reshard``) apply, and on Auto axes
+            computation follows the data (:mod:`shardax.train.axis_types`).
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
             layout: the batch reshaped to (devices, per device, ...); the replicated
