@@ -258,7 +258,7 @@ def test_launch_json_keeps_stdout_pure_and_runtime_chatter_on_stderr():
             [*LAUNCH, "launch", "-n", "2", "--", *PY, child, flag],
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=120,  # launch imports shardax: slow on a loaded 2-core machine
             env=CLEAN_ENV,
         )
         assert proc.returncode == 0, proc.stderr
