@@ -234,19 +234,21 @@ def test_two_processes_save_and_restore_together(tmp_path):
 
 
 @pytest.mark.parametrize(("stop", "expected"), [("staged", 1), ("moved aside", 1), ("swapped", 2)])
-def test_an_interrupted_overwrite_leaves_a_whole_step(tmp_path, stop, expected):
-    from shardax.checkpoint import manager as manager_module
+def test_an_interrupted_overwrite_leaves_a_whole_step(tmp_path, monkeypatch, stop, expected):
     from shardax.checkpoint import swap
+
+    def interrupted_swap(directory, step):  # swap.swap_in, stopped after one rename
+        if stop != "staged":
+            os.rename(tmp_path / "1", tmp_path / f"{swap.REPLACED}1")
+        if stop == "swapped":
+            os.rename(tmp_path / swap.STAGED / "1", tmp_path / "1")
+        raise KeyboardInterrupt  # the process dies here
 
     with sx.CheckpointManager(tmp_path) as manager:
         manager.save(1, {"a": jnp.ones(4)})
-    # What save(1, ..., overwrite=True) does, stopped after one of its steps.
-    with manager_module._orbax_manager(str(tmp_path / swap.STAGED), None) as staging:
-        manager_module._save(staging, 1, {"a": jnp.full(4, 2.0)}, None)
-    if stop != "staged":
-        os.rename(tmp_path / "1", tmp_path / f"{swap.REPLACED}1")
-    if stop == "swapped":
-        os.rename(tmp_path / swap.STAGED / "1", tmp_path / "1")
+        monkeypatch.setattr(swap, "swap_in", interrupted_swap)
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(1, {"a": jnp.full(4, 2.0)}, overwrite=True)
     with sx.CheckpointManager(tmp_path) as manager:
         assert manager.all_steps() == [1]
         np.testing.assert_array_equal(manager.restore({"a": jnp.zeros(4)}).state["a"], expected)
