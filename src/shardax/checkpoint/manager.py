@@ -128,16 +128,16 @@ class CheckpointManager:
                 f"checkpoint: state has no array or number leaf to save, got {state!r:.80}; "
                 "plain values go in data_state"
             )
-        if step in self.all_steps():
-            if not overwrite:
-                raise FileExistsError(
-                    f"checkpoint step {step} already exists in {self.directory}; pass "
-                    "overwrite=True to replace it"
-                )
+        exists = step in self.all_steps()
+        if exists and not overwrite:
+            raise FileExistsError(
+                f"checkpoint step {step} already exists in {self.directory}; pass "
+                "overwrite=True to replace it"
+            )
         items = {"state": ocp.args.StandardSave(arrays)}
         items["data"] = ocp.args.JsonSave({"data_state": data_state, "leaves": leaves})
         args = ocp.args.Composite(**items)
-        if step not in self.all_steps():
+        if not exists:
             _save(self._manager, step, args)
             return
         with _orbax_manager(os.path.join(self.directory, swap.STAGED), None) as staging:
