@@ -24,10 +24,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax._src import clusters as _clusters
-from jax._src import xla_bridge as _xla_bridge
 
 from shardax.checks import as_count, parse_address
+from shardax.runtime import compat
 from shardax.runtime.rendezvous import roll_call
 
 ENV_COORDINATOR = "SHARDAX_COORDINATOR"
@@ -40,9 +39,6 @@ ENV_CPU_DEVICES = "SHARDAX_CPU_DEVICES"
 """Simulated CPU devices per process (``shardax launch --cpu-devices``)."""
 ENV_HEARTBEAT = "SHARDAX_HEARTBEAT_TIMEOUT"
 """Seconds without a heartbeat after which a process is declared dead."""
-
-# The cluster environments recognised without being named: cheap, environment-only checks.
-_AUTO_CLUSTERS = {"slurm": _clusters.SlurmCluster, "ompi": _clusters.OmpiCluster}
 
 
 class ProcessCoordinates(NamedTuple):
@@ -115,8 +111,9 @@ def resolve_coordinates(
         return checked_coordinates(ProcessCoordinates("shardax launch", *merged))  # type: ignore[arg-type]
     if cluster_detection_method is not None:
         return checked_coordinates(ProcessCoordinates(cluster_detection_method, *given))
-    for method, cluster in _AUTO_CLUSTERS.items():
-        if cluster.is_env_present():
+    # The cluster environments recognised without being named: environment-only checks.
+    for method in compat.CLUSTER_METHODS:
+        if compat.cluster_env(method).is_env_present():
             return checked_coordinates(ProcessCoordinates(method, *given))
     if any(v is not None for v in given):
         missing = [n for n, v in zip(names, given, strict=True) if v is None]
@@ -155,7 +152,7 @@ def checked_coordinates(coords: ProcessCoordinates) -> ProcessCoordinates:
 
 def backend_started() -> bool:
     """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
-    return _xla_bridge.backends_are_initialized()
+    return compat.backends_are_initialized()
 
 
 def _hard_exit_on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
