@@ -19,7 +19,7 @@ from shardax.data import (
     timed,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
-from shardax.parallel import remat
+from shardax.parallel import pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -54,11 +54,15 @@ from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
     DataParallel,
     DistributedMetrics,
+    EvalStep,
+    LossScaling,
+    Precision,
     TrainState,
     TrainStep,
     all_gather,
     all_reduce,
     example_keys,
+    make_eval_step,
     make_train_step,
     masked_mean,
     reduce,
@@ -77,10 +81,13 @@ __all__ = [
     "DeviceMeshManager",
     "DevicePlacement",
     "DistributedMetrics",
+    "EvalStep",
     "HardwareType",
+    "LossScaling",
     "MetricWriter",
     "NonFiniteLossError",
     "Plan",
+    "Precision",
     "Restored",
     "ShardingReport",
     "StepClock",
@@ -109,10 +116,13 @@ __all__ = [
     "init_sharded",
     "initialize",
     "is_main_process",
+    "make_eval_step",
     "make_mesh",
     "make_train_step",
     "masked_mean",
     "mesh_info",
+    "pipeline",
+    "pipeline_1f1b",
     "place_on_device",
     "prefetch_to_device",
     "print0",
