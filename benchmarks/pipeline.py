@@ -14,7 +14,8 @@ or the accelerators present), the blocks placed ``P("stage")``.
    so the fit holds on a CPU whose simulated devices share cores, too.)
 2. **Memory.** ``memory_analysis()`` of the compiled step, per device: temporary bytes
    (activations kept for the backward pass and buffers) for GPipe against circular at
-   the same M and batch.
+   the same M and batch; and of the gradient of GPipe against 1F1B
+   (``sx.pipeline_1f1b``) for every M, where GPipe's grows with M and 1F1B's should not.
 
     uv run python benchmarks/pipeline.py                 # table
     uv run python benchmarks/pipeline.py --json out.json
@@ -152,7 +153,36 @@ def run(args: argparse.Namespace) -> dict:
             "temp_bytes": mem.temp_size_in_bytes,
             "argument_bytes": mem.argument_size_in_bytes,
         }
+    # Gradient temp memory, GPipe vs 1F1B, over M (compiled only).
+    from jax.sharding import NamedSharding
+
+    def head_loss(w, h, y):
+        return jnp.mean((h @ w - y) ** 2)
+
+    placed = jax.device_put(params(), NamedSharding(mesh, P("stage")))
+    head = jnp.zeros((W, W), jnp.float32)
+    one_f_one_b = []
+    for m in ms:
+        rows = args.data * m * args.micro_size
+        x = jax.ShapeDtypeStruct((rows, W), jnp.float32, sharding=sx.batch_sharding(mesh))
+
+        def gpipe(p, x, w, y, m=m):
+            return head_loss(w, sx.pipeline(layer, p, x, microbatches=m), y)
+
+        def f1b(p, x, w, y, m=m):
+            return sx.pipeline_1f1b(layer, p, x, head_loss, w, y, microbatches=m)
+
+        entry = {"microbatches": m}
+        with jax.sharding.set_mesh(mesh):
+            for name, fn in (("gpipe", gpipe), ("1f1b", f1b)):
+                compiled = jax.jit(jax.grad(fn, argnums=(0, 1, 2))).lower(placed, x, head, x)
+                entry[f"{name}_temp_bytes"] = (
+                    compiled.compile().memory_analysis().temp_size_in_bytes
+                )
+        one_f_one_b.append(entry)
+
     return {
+        "one_f_one_b": one_f_one_b,
         "devices": mesh.size,
         "platform": jax.devices()[0].platform,
         "jax": jax.__version__,
@@ -201,6 +231,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"arguments {mem['argument_bytes'] / 2**20:.2f} MiB"
         )
     print(f"temp memory circular / GPipe: {result['temp_ratio_circular_to_gpipe']:.3f}")
+    print("gradient temp memory per device, GPipe vs 1F1B:")
+    for e in result["one_f_one_b"]:
+        g, f = e["gpipe_temp_bytes"], e["1f1b_temp_bytes"]
+        print(
+            f"  M={e['microbatches']:>3}: GPipe {g / 2**20:.2f} MiB, 1F1B {f / 2**20:.2f} MiB "
+            f"(1F1B / GPipe {f / g:.3f})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)

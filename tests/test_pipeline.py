@@ -15,9 +15,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.cli.main import main as cli
 
 IN, D, OUT, L, BATCH, STEPS = 4, 8, 2, 8, 16, 3
 
@@ -135,10 +137,21 @@ def stage_plan(mesh, pattern: str = r"blocks"):
     return sx.rules(mesh, [(pattern, P("stage"))])
 
 
-def assert_trained_alike(make_state, mesh, plan, leaves=lambda p: p) -> None:
+_REFERENCE: dict[str, tuple] = {}
+
+
+def assert_trained_alike(make_state, mesh, plan, leaves=lambda p: p, same_as: str = "") -> None:
+    """Trains with ``plan`` and on one device (the plain scan); runs naming the same
+    ``same_as`` model share the one-device run."""
     batches = data(1) * STEPS  # one batch, so the loss must fall
-    single = sx.make_train_step(loss_fn, mesh=mesh, mode="single")
-    ref, ref_losses = train(make_state(), single, batches)
+    if same_as not in _REFERENCE:
+        single = sx.make_train_step(loss_fn, mesh=mesh, mode="single")
+        reference = train(make_state(), single, batches)
+        if same_as:
+            _REFERENCE[same_as] = reference
+    else:
+        reference = _REFERENCE[same_as]
+    ref, ref_losses = reference
     step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan)
     state, losses = train(make_state(), step, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -160,7 +173,7 @@ def test_pytree_pipeline_trains_like_one_device(mesh, repeats, microbatches):
             optax.adam(1e-2),
         )
 
-    state, step = assert_trained_alike(make_state, mesh, stage_plan(mesh))
+    state, step = assert_trained_alike(make_state, mesh, stage_plan(mesh), same_as="pytree")
     # Each device holds only its stage's layers: L/S of them, the same on both data rows.
     for leaf in jax.tree.leaves(state.params["blocks"]):
         assert leaf.sharding.spec == P("stage")
@@ -301,3 +314,115 @@ def test_explicit_axes_mesh_gives_the_scan_gradients(repeats, microbatches):
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expect), strict=True):
         assert g.sharding.spec[0] == "stage"
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)
+
+
+# --- the GPT job, pipelined ---------------------------------------------------------------
+
+GPT_TINY = ["train", "--model", "gpt", "--layers", "4", "--d-model", "16", "--heads", "2",
+            "--seq-len", "16", "--batch-size", "8", "--steps", "2", "--eval-every", "2",
+            "--json"]  # fmt: skip
+
+
+def test_gpt_pipelined_gives_the_unpipelined_losses():
+    """The GPT of `shardax train --model gpt`, its blocks pipelined over data=2 × stage=4
+    (plan "pipeline"), against the same model unpipelined on data=8."""
+    from shardax.models import gpt
+
+    sizes = {"layers": 4, "d_model": 16, "heads": 2, "max_seq_len": 16}
+    plain_cfg = gpt.GPTConfig(**sizes, scan_layers=True)
+    piped_cfg = gpt.GPTConfig(**sizes, pipeline_microbatches=4)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, size=(STEPS, 8, 17)).astype(np.int32)
+    batches = [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+
+    def lm_loss(model, batch):
+        logits = model(batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    def run(cfg, mesh, plan_name):
+        model = gpt.make_gpt(cfg, seed=0)
+        step = sx.make_train_step(lm_loss, mesh=mesh, plan=gpt.plan(mesh, model, plan_name))
+        state = step.shard(sx.TrainState.create(model, optax.adam(1e-2)))
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    _, plain = run(plain_cfg, sx.make_mesh({"data": 8}), "replicate")
+    state, piped = run(piped_cfg, sx.make_mesh({"data": 2, "stage": 4}), "pipeline")
+    np.testing.assert_allclose(piped, plain, rtol=1e-5)
+    up = state.params["blocks"]["mlp"]["up"][...]
+    assert up.sharding.spec == P("stage", None, None)
+    assert {s.data.shape[0] for s in up.addressable_shards} == {1}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--plan", "pipeline", "--mesh", "data=8"],
+            "--plan pipeline needs a mesh with a 'stage' axis, got --mesh data=8",
+        ),
+        (
+            ["--plan", "pipeline", "--mesh", "data=1,stage=8"],
+            "the number of layers L=4 is not divisible by stages S=8",
+        ),
+        (
+            ["--plan", "pipeline", "--mesh", "data=2,stage=2", "--microbatches", "3"],
+            "the batch on each data shard (batch 8 / data 2 = 4) is not divisible by "
+            "microbatches=3",
+        ),
+        (["--pipeline-repeats", "2"], "--pipeline-repeats needs --microbatches"),
+    ],
+)
+def test_cli_gpt_pipeline_usage_errors(argv, message, capsys):
+    assert cli([*GPT_TINY, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+# --- 1F1B ---------------------------------------------------------------------------------
+
+
+def head_loss(p, h, y):
+    return jnp.mean((h @ p - y) ** 2)
+
+
+def test_1f1b_equals_gpipe_and_its_activation_memory_does_not_grow_with_m(mesh):
+    params = make_params()
+    blocks, head = params["blocks"], params["head"]
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(32, D)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(32, OUT)), jnp.float32)
+
+    def gpipe(blocks, x, head, y, m=8):
+        return head_loss(head, sx.pipeline(layer, blocks, x, microbatches=m), y)
+
+    def one_f_one_b(blocks, x, head, y, m=8):
+        return sx.pipeline_1f1b(layer, blocks, x, head_loss, head, y, microbatches=m)
+
+    grad = jax.value_and_grad(one_f_one_b, argnums=(0, 1, 2))
+    expect = jax.value_and_grad(gpipe, argnums=(0, 1, 2))(blocks, x, head, y)  # plain scans
+    np.testing.assert_allclose(grad(blocks, x, head, y)[0], expect[0], rtol=1e-5)
+    placed = jax.device_put(blocks, NamedSharding(mesh, P("stage")))
+    temp = {}
+    with jax.sharding.set_mesh(mesh):
+        got = jax.jit(grad)(placed, x, head, y)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, expect
+        )
+        assert got[1][0]["w"].sharding.spec == P("stage")
+        for name, fn in (("gpipe", gpipe), ("1f1b", one_f_one_b)):
+            for m in (4, 16):
+                rows = jax.ShapeDtypeStruct((16 * m, D), jnp.float32)
+                out = jax.ShapeDtypeStruct((16 * m, OUT), jnp.float32)
+                f = jax.jit(jax.grad(lambda b, x, h, y, fn=fn, m=m: fn(b, x, h, y, m)))
+                compiled = f.lower(placed, rows, head, out).compile()
+                temp[name, m] = compiled.memory_analysis().temp_size_in_bytes
+    # GPipe keeps every microbatch's activations for the backward pass; 1F1B at most 2S-1
+    # stage inputs, plus the M-sized input and its gradient.
+    gpipe_growth = temp["gpipe", 16] - temp["gpipe", 4]
+    f1b_growth = temp["1f1b", 16] - temp["1f1b", 4]
+    assert f1b_growth < gpipe_growth / 3, temp
+    assert temp["1f1b", 16] < temp["gpipe", 16] / 2, temp

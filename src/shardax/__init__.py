@@ -16,6 +16,7 @@ from shardax.data import (
     prefetch_to_device,
     replicate_across_devices,
     shard_batch_dim,
+    timed,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
 from shardax.parallel import pipeline, pipeline_1f1b, remat
@@ -51,6 +52,7 @@ from shardax.runtime import (
     print0,
     validate_batch_size,
 )
+from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
     AutoPlan,
     DataParallel,
@@ -87,11 +89,13 @@ __all__ = [
     "EvalStep",
     "HardwareType",
     "LossScaling",
+    "MetricWriter",
     "NonFiniteLossError",
     "Plan",
     "Precision",
     "Restored",
     "ShardingReport",
+    "StepClock",
     "TrainState",
     "TrainStep",
     "all_gather",
@@ -128,6 +132,7 @@ __all__ = [
     "place_on_device",
     "prefetch_to_device",
     "print0",
+    "profile_steps",
     "reduce",
     "remat",
     "replicate",
@@ -137,6 +142,7 @@ __all__ = [
     "save_checkpoint",
     "shard",
     "shard_batch_dim",
+    "timed",
     "validate",
     "validate_batch_size",
     "weighted_mean",

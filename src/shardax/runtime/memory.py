@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardax.checks import as_count
+
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
@@ -129,9 +131,9 @@ def estimate(
     """
     if not num_params > 0:
         raise ValueError(f"num_params must be > 0, got {num_params!r}")
-    for name, value in (("data", data), ("model", model), ("stage", stage)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    data, model, stage = (
+        as_count(n, v) for n, v in (("data", data), ("model", model), ("stage", stage))
+    )
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
     p = get_precision(precision)
@@ -164,9 +166,7 @@ def plan_memory(
     Hybrids use each ``model`` (or ``stage``) size that divides ``num_devices`` strictly
     between 1 and ``num_devices``, with ``data = num_devices / model``.
     """
-    if not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
-    n = num_devices
+    n = num_devices = as_count("num_devices", num_devices)
     out = [estimate(num_params, precision, data=n)]
     if n > 1:
         out.append(estimate(num_params, precision, data=n, shard_data=True))
