@@ -27,7 +27,6 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from shardax.data.placement import batch_sharding, leaf_sharding
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over, replicate
 from shardax.plan.follow import FollowParams, follow_params
@@ -178,18 +177,8 @@ def _compile_step(
     plan: FollowParams, state: Any, loss_fn: Callable[..., Any], batch: Any, **step_kw: Any
 ) -> Any:
     """The train step under ``plan``, compiled for abstract ``state`` and ``batch``."""
-    mesh = plan.mesh
-    step = make_train_step(loss_fn, mesh=mesh, plan=plan, **step_kw)
-    state = _with_shardings(state, plan(state))
-    sharding = batch_sharding(mesh, step.data_axis)
-    batch = map_arrays(
-        lambda p, x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=leaf_sharding(p, x.shape, sharding)
-        ),
-        batch,
-    )
-    with jax.sharding.set_mesh(mesh):
-        return jax.jit(lambda s, b: step(s, b), donate_argnums=0).lower(state, batch).compile()
+    step = make_train_step(loss_fn, mesh=plan.mesh, plan=plan, **step_kw)
+    return step.lower(state, batch).compile()
 
 
 def _compile_update(plan: FollowParams, state: TrainState) -> Any:

@@ -159,8 +159,6 @@ def _under_mesh(call: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     ``sx.constrain`` inside the model knows the mesh."""
 
     def under(state: Any, batch: Any) -> Any:
-        if jax.sharding.get_abstract_mesh() == mesh.abstract_mesh:
-            return call(state, batch)  # already under it: traced inside the user's jit
         with jax.sharding.set_mesh(mesh):
             return call(state, batch)
 
@@ -307,7 +305,8 @@ class TrainStep:
         self._donate_argnums = (0,) if donate else ()
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._batch_sharding = batch_sharding(mesh, data_axis)
-        self._explicit = mesh_axis_type(mesh, data_axis) == AxisType.Explicit
+        names = (data_axis,) if isinstance(data_axis, str) else data_axis
+        self._explicit = any(mesh_axis_type(mesh, n) == AxisType.Explicit for n in names)
         self._compiled: collections.OrderedDict[Any, _Compiled] = collections.OrderedDict()
         self._call = getattr(self, f"_call_{mode}")
         if mode == "jit":
