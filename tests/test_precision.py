@@ -47,7 +47,7 @@ def test_bf16_computes_in_bf16_and_keeps_float32_params_and_optimizer(framework,
         return base(model, batch)
 
     tx = recording(optax.sgd(0.1), seen_grads)
-    data = batches(2)
+    data = batches(1)
     state, history = run(framework, mesh, "jit", "bf16", data, tx=tx, loss_fn=loss_fn)
     assert set(seen_inputs) == {jnp.dtype(jnp.bfloat16)}
     assert seen_grads and set(seen_grads) == {jnp.dtype(jnp.float32)}

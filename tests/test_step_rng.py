@@ -41,7 +41,7 @@ def train(mesh, mode, data, fn=loss_fn, **kwargs):
 
 
 def test_nnx_dropout_from_step_rng_is_the_same_on_1_and_8_devices():
-    data = batches(3)
+    data = batches(2)
     eight = sx.make_mesh({"data": -1})
     one = sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
     expected = train(eight, "single", data)

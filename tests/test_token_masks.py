@@ -47,7 +47,6 @@ def test_every_mode_and_accumulation_weight_devices_by_their_real_tokens(mesh):
         ("shard_map", 1),
         ("pmap", 1),
         ("jit", 2),
-        ("shard_map", 2),
     ]:
         state, history = run(mesh, mode, data, accumulate=accumulate)
         for a, e in zip(leaves(state.params), leaves(reference.params), strict=True):

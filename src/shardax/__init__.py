@@ -16,9 +16,10 @@ from shardax.data import (
     prefetch_to_device,
     replicate_across_devices,
     shard_batch_dim,
+    timed,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
-from shardax.parallel import remat
+from shardax.parallel import pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -49,6 +50,7 @@ from shardax.runtime import (
     print0,
     validate_batch_size,
 )
+from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
     DataParallel,
     DistributedMetrics,
@@ -82,11 +84,13 @@ __all__ = [
     "EvalStep",
     "HardwareType",
     "LossScaling",
+    "MetricWriter",
     "NonFiniteLossError",
     "Plan",
     "Precision",
     "Restored",
     "ShardingReport",
+    "StepClock",
     "TrainState",
     "TrainStep",
     "all_gather",
@@ -117,9 +121,12 @@ __all__ = [
     "make_train_step",
     "masked_mean",
     "mesh_info",
+    "pipeline",
+    "pipeline_1f1b",
     "place_on_device",
     "prefetch_to_device",
     "print0",
+    "profile_steps",
     "reduce",
     "remat",
     "replicate",
@@ -129,6 +136,7 @@ __all__ = [
     "save_checkpoint",
     "shard",
     "shard_batch_dim",
+    "timed",
     "validate",
     "validate_batch_size",
     "weighted_mean",

@@ -25,6 +25,7 @@ from shardax.cli.common import (
     add_json_flag,
     console,
     median,
+    nonneg_int,
     positive_int,
     pyplot,
     step_flops,
@@ -77,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time one mode after another, holding one mode's state at a time (less memory); "
         "default: modes timed in turns, so background load falls on all alike",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed")
     parser.add_argument("--run-dir", default=None, help="where to write bench.json and bench.png")
     add_json_flag(parser)
 

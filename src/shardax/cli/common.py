@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,6 +49,70 @@ def float_type(expected: str, ok: Callable[[float], bool]) -> Callable[[str], fl
 
 
 positive_float = float_type("a number > 0", lambda v: v > 0)
+nonneg_float = float_type("a number >= 0", lambda v: v >= 0)
+
+
+def nonneg_int(text: str) -> int:
+    """An argparse type: an integer >= 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def tcp_port(text: str) -> int:
+    """An argparse type: a TCP port, 1..65535, or 0 for a free one."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected a port in 1..65535 (0 = a free one), got {text!r}"
+        )
+    return value
+
+
+def env_int(name: str, parse: Callable[[str], int], default: int) -> int:
+    """``$name`` read with the argparse type ``parse`` (``default`` when unset); a bad
+    value is a :class:`UsageError` naming the variable."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        return parse(raw)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"${name}: {e}") from None
+
+
+def check_writable_dir(option: str, path: str) -> None:
+    """Raises :class:`UsageError` unless directory ``path`` exists and is writable, or
+    can be created: checked before any work starts, creating nothing."""
+    target = Path(path).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"{option} {path}: exists and is not a directory")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{option} {path}: cannot create it, {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == target else f"cannot be created in {existing}"
+        raise UsageError(f"{option} {path}: {what} (permission denied)")
+
+
+OUTPUT_DIRS = (("--run-dir", "run_dir"), ("--checkpoint-dir", "checkpoint_dir"))
+"""The options of every command that name a directory it writes to."""
+
+
+def check_output_dirs(args: argparse.Namespace) -> None:
+    """:func:`check_writable_dir` for every output directory option in ``args``."""
+    for option, attr in OUTPUT_DIRS:
+        if getattr(args, attr, None):
+            check_writable_dir(option, getattr(args, attr))
 
 
 def int_list(text: str) -> list[int]:

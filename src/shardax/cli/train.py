@@ -20,15 +20,18 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shardax.cli import track
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
     console,
     mesh_spec,
+    nonneg_int,
     positive_float,
     positive_int,
     print_json,
@@ -39,7 +42,7 @@ from shardax.cli.common import (
 
 MODELS = ("mlp", "gpt")
 MODES = ("jit", "single", "shard_map", "pmap")
-PLANS = ("replicate", "fsdp", "tp", "fsdp+tp")
+PLANS = ("replicate", "fsdp", "tp", "fsdp+tp", "pipeline")
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
 # Options that only one model reads; giving them to the other is an error, not ignored.
@@ -47,7 +50,7 @@ MODEL_OPTIONS = {
     "mlp": ("epochs", "hidden"),
     "gpt": (
         "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
-        "remat", "scan_layers", "data", "eval_every",
+        "remat", "scan_layers", "data", "eval_every", "microbatches", "pipeline_repeats",
     ),
 }  # fmt: skip
 
@@ -71,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plan",
         choices=PLANS,
         default="replicate",
-        help="how to shard the model and Adam state (fsdp+tp: --model gpt only)",
+        help="how to shard the model and Adam state (fsdp+tp, pipeline: --model gpt only)",
     )
     parser.add_argument(
         "--mode",
@@ -94,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="compute precision of the forward and backward passes (default: fp32)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: 0)")
     mlp = parser.add_argument_group("--model mlp")
     mlp.add_argument("--epochs", type=positive_int, default=None, help="passes over the data (15)")
     mlp.add_argument("--hidden", type=positive_int, default=None, help="hidden width (256)")
@@ -125,6 +128,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data", default=None, help="a text file or directory of them (default: stdlib sources)"
     )
     gpt.add_argument("--eval-every", type=positive_int, default=None, help="steps per eval (50)")
+    gpt.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="run the blocks with sx.pipeline in this many microbatches per data shard "
+        "(default with --plan pipeline: the stage axis size)",
+    )
+    gpt.add_argument(
+        "--pipeline-repeats",
+        type=positive_int,
+        default=None,
+        help="sx.pipeline repeats: > 1 is the circular schedule (default: 1)",
+    )
     parser.add_argument(
         "--run-dir",
         default=None,
@@ -139,6 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--save-every", type=positive_int, default=None, help="steps between checkpoints"
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    track.add_arguments(parser)
     add_json_flag(parser)
 
 
@@ -168,6 +185,8 @@ def make_mesh(args: argparse.Namespace) -> Any:
         return sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
     tp = "tp" in args.plan.split("+")
     spec = args.mesh or ([("data", -1), ("model", 2)] if tp else [("data", -1)])
+    if args.plan == "pipeline" and args.mesh is None:
+        spec = [("data", -1), ("stage", 2)]
     if "data" not in dict(spec):
         raise UsageError(f"--mesh needs a 'data' axis for the batch, got {args.mesh}")
     try:
@@ -276,20 +295,36 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     mesh, step = job.mesh, job.step
     is_main = jax.process_index() == 0
     manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
-    state, data_state = resume(args, manager, job.state)
-    first_done, history = int(data_state["step"]), list(data_state["history"])
-    window: list[dict[str, float]] = list(data_state["window"])
-    if first_done >= job.steps:
-        raise UsageError(
-            f"--resume: the checkpoint has done {first_done} steps, as many as this run asks "
-            "for; ask for more to train further"
-        )
-    if data_state["loader"] is not None:
-        try:
-            job.loader.set_state(data_state["loader"])
-        except ValueError as e:
-            raise UsageError(f"--resume: {e}") from None
+    try:  # a usage error closes the manager first, or orbax complains at shutdown
+        state, data_state = resume(args, manager, job.state)
+        first_done, history = int(data_state["step"]), list(data_state["history"])
+        window: list[dict[str, float]] = list(data_state["window"])
+        if first_done >= job.steps:
+            raise UsageError(
+                f"--resume: the checkpoint has done {first_done} steps, as many as this run "
+                "asks for; ask for more to train further"
+            )
+        if data_state["loader"] is not None:
+            try:
+                job.loader.set_state(data_state["loader"])
+            except ValueError as e:
+                raise UsageError(f"--resume: {e}") from None
+    except UsageError:
+        if manager is not None:
+            manager.close()
+        raise
     save_every = args.save_every or job.eval_every
+    directory = run_dir(args.run_dir, "train") if is_main else None
+    tokens = job.items_per_step if job.unit == "tokens" else 0
+    tracker = track.Tracker(
+        args,
+        directory,
+        steps=job.steps - first_done,
+        examples_per_step=job.items_per_step if not tokens else args.batch_size,
+        tokens_per_step=tokens,
+        config={k: v for k, v in vars(args).items() if isinstance(v, int | float | str)},
+    )
+    step = tracker.wrap(step)
     described = sx.describe(state)
     if is_main:
         out.print(sx.describe(state.params))
@@ -307,7 +342,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn("{task.fields[text]}"),
-        TextColumn("{task.fields[rate]:,.0f} " + job.unit + "/s"),
+        TextColumn("{task.fields[rate]:,.0f} " + job.unit + "/s  wait {task.fields[wait]:.0%}"),
         TimeRemainingColumn(),
         console=out,
         disable=not is_main,
@@ -315,9 +350,11 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     start = time.perf_counter()
     flops = None
     step_seconds: list[float] = []
-    feed = sx.prefetch_to_device(job.loader, sx.batch_sharding(mesh))
-    with progress, feed, manager or contextlib.nullcontext():
-        task = progress.add_task("train", total=job.steps, completed=first_done, text="", rate=0.0)
+    feed = tracker.watch(sx.prefetch_to_device(job.loader, sx.batch_sharding(mesh)))
+    with progress, feed, manager or contextlib.nullcontext(), contextlib.closing(tracker):
+        task = progress.add_task(
+            "train", total=job.steps, completed=first_done, text="", rate=0.0, wait=0.0
+        )
         pending: list[Any] = []  # this window's metrics, still on device
         window_start, window_first = time.perf_counter(), first_done + 1
         for i in range(first_done + 1, job.steps + 1):
@@ -326,6 +363,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                 flops = step_flops(step, state, batch)
             state, m = step(state, batch)
             pending.append(m)
+            tracker.step(i, m)
             if i % 4 == 0 or i == job.steps:
                 now = time.perf_counter()
                 progress.update(
@@ -333,6 +371,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                     completed=i,
                     text=job.progress(_host(m)),
                     rate=(i - window_first + 1) * job.items_per_step / (now - window_start),
+                    wait=tracker.data_wait_fraction,
                 )
             evaluate = i % job.eval_every == 0 or i == job.steps
             save = manager is not None and (i % save_every == 0 or i == job.steps)
@@ -347,7 +386,12 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                 seconds = time.perf_counter() - window_start
                 if window_first > first_done + 1:  # the first window includes compilation
                     step_seconds.append(seconds / (i - window_first + 1))
-                history += job.records(i - len(window) + 1, window, job.evaluate(state), seconds)
+                scores = job.evaluate(state)
+                tracker.scalars({k.replace("_", "/", 1): v for k, v in scores.items()})
+                note = tracker.input_bound()
+                if note and is_main:
+                    out.print(f"[yellow]{note}[/]")
+                history += job.records(i - len(window) + 1, window, scores, seconds)
                 window = []
             if save:
                 loader_state = feed.get_state()
@@ -392,6 +436,8 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
         "flops_estimate_ratio": (
             flops / job.estimate_flops if flops and job.estimate_flops else None
         ),
+        "run_dir": str(directory) if directory is not None else None,
+        **tracker.summary(),
         "param_specs": {k: v for k, v in _flatten(shardings).items() if k.startswith("params/")},
         "history": history,
     }
@@ -462,8 +508,7 @@ def run(args: argparse.Namespace) -> int:
     job, module = _job(args, out)
     summary = loop(args, out, job)
     if jax.process_index() == 0:
-        directory = run_dir(args.run_dir, "train")
-        summary["run_dir"] = str(directory)
+        directory = Path(summary["run_dir"])
         summary["plot"] = str(directory / "curves.png")
         module.plot(summary, directory / "curves.png")
         (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -471,5 +516,15 @@ def run(args: argparse.Namespace) -> int:
             print_json(summary)
         else:
             module.report(summary, out)
-            out.print(f"wrote {directory}/summary.json and curves.png")
+            out.print(
+                f"{summary['data_wait_fraction']:.1%} of the time waiting for input; wrote "
+                f"{directory}/summary.json, curves.png and metrics.jsonl"
+            )
+            if summary["log_dir"]:
+                out.print(f"TensorBoard: tensorboard --logdir {summary['log_dir']}")
+        if summary["profile_trace"]:
+            out.print(
+                f"profiler trace: {summary['profile_trace']} (one per process under "
+                f"{Path(summary['profile_trace']).parents[3]})"
+            )
     return 0

@@ -56,9 +56,32 @@ def config(args: argparse.Namespace) -> Any:
             max_seq_len=args.max_seq_len,
             positions=args.positions,
             scan_layers=bool(args.scan_layers),
+            pipeline_microbatches=args.microbatches,
+            pipeline_repeats=args.pipeline_repeats or 1,
         )
     except ValueError as e:
         raise UsageError(f"--d-model {args.d_model} --heads {args.heads}: {e}") from None
+
+
+def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: list[int]) -> None:
+    """sx.pipeline's rules (layers, microbatches, batch per data shard) as usage errors,
+    before anything compiles."""
+    import jax
+
+    from shardax.parallel.pipeline import stage_mesh
+
+    _, stacked = model.layers()
+    for rows in batches:
+        x = jax.ShapeDtypeStruct((rows, args.seq_len, args.d_model), "float32")
+        try:
+            with jax.sharding.set_mesh(mesh):
+                stage_mesh(stacked, x, args.microbatches, "stage", args.pipeline_repeats or 1)
+        except ValueError as e:
+            raise UsageError(
+                f"--layers {args.layers} --microbatches {args.microbatches} --batch-size "
+                f"{args.batch_size} --mesh {','.join(f'{k}={v}' for k, v in mesh.shape.items())}"
+                f": {e}"
+            ) from None
 
 
 def make_job(args: argparse.Namespace, out: Any) -> Job:
@@ -75,8 +98,18 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    cfg = config(args)
     mesh = make_mesh(args)
+    if args.plan == "pipeline":
+        if "stage" not in mesh.shape:
+            raise UsageError(
+                f"--plan pipeline needs a mesh with a 'stage' axis, got --mesh "
+                f"{','.join(f'{k}={v}' for k, v in mesh.shape.items())}; e.g. data=2,stage=4"
+            )
+        if args.microbatches is None:
+            args.microbatches = mesh.shape["stage"]
+    elif args.pipeline_repeats is not None and args.microbatches is None:
+        raise UsageError("--pipeline-repeats needs --microbatches (or --plan pipeline)")
+    cfg = config(args)
     data_size = mesh.shape["data"]
     if args.batch_size % data_size:
         raise UsageError(
@@ -95,6 +128,8 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
     abstract = nnx.eval_shape(lambda: gpt.make_gpt(cfg, args.seed, remat=args.remat))
+    if cfg.pipeline_microbatches is not None:
+        check_pipeline(args, mesh, abstract, [args.batch_size, eval_rows])
     try:
         plan = gpt.plan(mesh, abstract, args.plan)
     except ValueError as e:
@@ -105,7 +140,9 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     # Linear warm-up, then constant: independent of --steps, so a run resumed with more
     # steps continues exactly where a shorter one stopped.
     schedule = optax.linear_schedule(0.0, args.lr, WARMUP_STEPS)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    # inject_hyperparams: the schedule's rate is in the state, so the step reports it.
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
     step, evaluate_step = build_steps(args, loss_fn, mesh, plan)
 
     def init() -> Any:

@@ -28,8 +28,10 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     import shardax as sx
     from shardax.data.policy import pad_batch
 
-    if args.plan == "fsdp+tp":
-        raise UsageError("--plan fsdp+tp: only for --model gpt; the MLP has replicate, fsdp, tp")
+    if args.plan in ("fsdp+tp", "pipeline"):
+        raise UsageError(
+            f"--plan {args.plan}: only for --model gpt; the MLP has replicate, fsdp, tp"
+        )
     args.epochs = args.epochs or 15
     args.hidden = args.hidden or 256
     args.batch_size = args.batch_size or 128
@@ -63,9 +65,9 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
         return sx.masked_mean(losses, mask), {"accuracy": sx.masked_mean(correct, mask)}
 
-    state = sx.TrainState.create(
-        make_mlp(64, args.hidden, 1, 10, args.seed), optax.adam(args.lr), rng=args.seed
-    )
+    # inject_hyperparams keeps the learning rate in the state, so the step reports it.
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=args.lr)
+    state = sx.TrainState.create(make_mlp(64, args.hidden, 1, 10, args.seed), tx, rng=args.seed)
     try:
         plan = make_plan(args.plan, mesh)
     except ValueError as e:
