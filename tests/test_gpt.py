@@ -224,6 +224,7 @@ def test_cli_gpt_json_summary(tmp_path, capsys):
     assert (tmp_path / "a" / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.timeout(900)  # three CLI runs: slow only on a heavily shared machine
 def test_cli_gpt_save_every_and_resume(tmp_path, capsys):
     argv = ["train", "--json", *TINY, "--eval-every", "2"]
     assert cli([*argv, "--steps", "4", "--run-dir", str(tmp_path / "a")]) == 0

@@ -268,28 +268,6 @@ def step_flops(step: Any, state: Any, batch: Any) -> float | None:
     (XLA counts one device's partitioned program)."""
     from shardax.runtime.flops import compiled_flops
 
-    lower = getattr(step, "lower", None) or _gradient_step(step)
-    per_device = compiled_flops(lower(state, batch).compile())
+    per_device = compiled_flops(step.lower(state, batch).compile())
     devices = 1 if step.mode == "single" else step.mesh.size
     return None if per_device is None else per_device * devices
-
-
-def _gradient_step(step: Any) -> Callable[[Any, Any], Any]:
-    """Until ``TrainStep.lower`` lands: the step's gradient and update, jitted with the
-    state's and the batch's shardings, lowered. (Same FLOPs; no metrics reduction.)"""
-    import jax
-
-    def update(state: Any, batch: Any) -> Any:
-        def loss(params: Any) -> Any:
-            model = state.adapter.bind(params, state.model_state, jax.random.key(0))
-            out = step.loss_fn(model, batch)
-            return out[0] if isinstance(out, tuple) else out
-
-        return state.apply_gradients(jax.grad(loss)(state.params), state.model_state)
-
-    def lower(state: Any, batch: Any) -> Any:
-        shardings = jax.tree.map(lambda x: x.sharding, (state, batch))
-        with jax.sharding.set_mesh(step.mesh):
-            return jax.jit(update, in_shardings=shardings, donate_argnums=0).lower(state, batch)
-
-    return lower

@@ -31,6 +31,7 @@ DEFAULTS = {
     "lr": 3e-3,
 }
 EVAL_WINDOWS = 64
+WARMUP_STEPS = 10
 
 
 def config(args: argparse.Namespace) -> Any:
@@ -139,10 +140,9 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
             f"--plan {args.plan} --heads {args.heads} --d-model {args.d_model} "
             f"--mesh {','.join(f'{k}={v}' for k, v in mesh.shape.items())}: {e}"
         ) from None
-    warmup = min(20, max(args.steps // 10, 1))
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup, max(args.steps, warmup + 1), end_value=args.lr / 10
-    )
+    # Linear warm-up, then constant: independent of --steps, so a run resumed with more
+    # steps continues exactly where a shorter one stopped.
+    schedule = optax.linear_schedule(0.0, args.lr, WARMUP_STEPS)
     # inject_hyperparams: the schedule's rate is in the state, so the step reports it.
     adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
     tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
