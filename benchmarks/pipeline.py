@@ -163,8 +163,8 @@ def run(args: argparse.Namespace) -> dict:
     head = jnp.zeros((W, W), jnp.float32)
     one_f_one_b = []
     for m in ms:
-        rows = args.data * m * args.micro_size
-        x = jax.ShapeDtypeStruct((rows, W), jnp.float32, sharding=sx.batch_sharding(mesh))
+        n = args.data * m * args.micro_size
+        x = jax.ShapeDtypeStruct((n, W), jnp.float32, sharding=sx.batch_sharding(mesh))
 
         def gpipe(p, x, w, y, m=m):
             return head_loss(w, sx.pipeline(layer, p, x, microbatches=m), y)
