@@ -29,11 +29,13 @@ from shardax.cli.common import (
     add_json_flag,
     console,
     mesh_spec,
+    nonneg_int,
     positive_float,
     positive_int,
     print_json,
     pyplot,
     run_dir,
+    step_flops,
 )
 
 MODELS = ("mlp", "gpt")
@@ -93,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="compute precision of the forward and backward passes (default: fp32)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: 0)")
     mlp = parser.add_argument_group("--model mlp")
     mlp.add_argument("--epochs", type=positive_int, default=None, help="passes over the data (15)")
     mlp.add_argument("--hidden", type=positive_int, default=None, help="hidden width (256)")
@@ -275,38 +277,6 @@ def resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, dic
     return restored.state, {**fresh, **restored.data_state}
 
 
-def step_flops(step: Any, state: Any, batch: Any) -> float | None:
-    """FLOPs of one step over all devices, from the compiled step's ``cost_analysis()``
-    (XLA counts one device's partitioned program)."""
-    from shardax.runtime.flops import compiled_flops
-
-    lower = getattr(step, "lower", None) or _gradient_step(step)
-    per_device = compiled_flops(lower(state, batch).compile())
-    devices = 1 if step.mode == "single" else step.mesh.size
-    return None if per_device is None else per_device * devices
-
-
-def _gradient_step(step: Any) -> Callable[[Any, Any], Any]:
-    """Until ``TrainStep.lower`` lands: the step's gradient and update, jitted with the
-    state's and the batch's shardings, lowered. (Same FLOPs; no metrics reduction.)"""
-    import jax
-
-    def update(state: Any, batch: Any) -> Any:
-        def loss(params: Any) -> Any:
-            model = state.adapter.bind(params, state.model_state, jax.random.key(0))
-            out = step.loss_fn(model, batch)
-            return out[0] if isinstance(out, tuple) else out
-
-        return state.apply_gradients(jax.grad(loss)(state.params), state.model_state)
-
-    def lower(state: Any, batch: Any) -> Any:
-        shardings = jax.tree.map(lambda x: x.sharding, (state, batch))
-        with jax.sharding.set_mesh(step.mesh):
-            return jax.jit(update, in_shardings=shardings, donate_argnums=0).lower(state, batch)
-
-    return lower
-
-
 def _host(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
@@ -322,19 +292,24 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     mesh, step = job.mesh, job.step
     is_main = jax.process_index() == 0
     manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
-    state, data_state = resume(args, manager, job.state)
-    first_done, history = int(data_state["step"]), list(data_state["history"])
-    window: list[dict[str, float]] = list(data_state["window"])
-    if first_done >= job.steps:
-        raise UsageError(
-            f"--resume: the checkpoint has done {first_done} steps, as many as this run asks "
-            "for; ask for more to train further"
-        )
-    if data_state["loader"] is not None:
-        try:
-            job.loader.set_state(data_state["loader"])
-        except ValueError as e:
-            raise UsageError(f"--resume: {e}") from None
+    try:  # a usage error closes the manager first, or orbax complains at shutdown
+        state, data_state = resume(args, manager, job.state)
+        first_done, history = int(data_state["step"]), list(data_state["history"])
+        window: list[dict[str, float]] = list(data_state["window"])
+        if first_done >= job.steps:
+            raise UsageError(
+                f"--resume: the checkpoint has done {first_done} steps, as many as this run "
+                "asks for; ask for more to train further"
+            )
+        if data_state["loader"] is not None:
+            try:
+                job.loader.set_state(data_state["loader"])
+            except ValueError as e:
+                raise UsageError(f"--resume: {e}") from None
+    except UsageError:
+        if manager is not None:
+            manager.close()
+        raise
     save_every = args.save_every or job.eval_every
     described = sx.describe(state)
     if is_main:

@@ -24,8 +24,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax._src import clusters as _clusters
-from jax._src import xla_bridge as _xla_bridge
+
+from shardax.checks import as_count, parse_address
+from shardax.runtime import compat
+from shardax.runtime.rendezvous import roll_call
 
 ENV_COORDINATOR = "SHARDAX_COORDINATOR"
 """``host:port`` of the coordinator (process 0), set by ``shardax launch``."""
@@ -37,9 +39,6 @@ ENV_CPU_DEVICES = "SHARDAX_CPU_DEVICES"
 """Simulated CPU devices per process (``shardax launch --cpu-devices``)."""
 ENV_HEARTBEAT = "SHARDAX_HEARTBEAT_TIMEOUT"
 """Seconds without a heartbeat after which a process is declared dead."""
-
-# The cluster environments recognised without being named: cheap, environment-only checks.
-_AUTO_CLUSTERS = {"slurm": _clusters.SlurmCluster, "ompi": _clusters.OmpiCluster}
 
 
 class ProcessCoordinates(NamedTuple):
@@ -95,7 +94,7 @@ def resolve_coordinates(
     )
     names = ("coordinator_address", "num_processes", "process_id")
     if all(v is not None for v in given):
-        return ProcessCoordinates("arguments", *given)  # type: ignore[arg-type]
+        return checked_coordinates(ProcessCoordinates("arguments", *given))  # type: ignore[arg-type]
     if any(v is not None for v in from_env):
         merged = tuple(g if g is not None else e for g, e in zip(given, from_env, strict=True))
         missing = [
@@ -109,12 +108,13 @@ def resolve_coordinates(
             raise ValueError(
                 f"initialize: the shardax launch environment is incomplete; missing {missing}"
             )
-        return ProcessCoordinates("shardax launch", *merged)  # type: ignore[arg-type]
+        return checked_coordinates(ProcessCoordinates("shardax launch", *merged))  # type: ignore[arg-type]
     if cluster_detection_method is not None:
-        return ProcessCoordinates(cluster_detection_method, *given)
-    for method, cluster in _AUTO_CLUSTERS.items():
-        if cluster.is_env_present():
-            return ProcessCoordinates(method, *given)
+        return checked_coordinates(ProcessCoordinates(cluster_detection_method, *given))
+    # The cluster environments recognised without being named: environment-only checks.
+    for method in compat.CLUSTER_METHODS:
+        if compat.cluster_env(method).is_env_present():
+            return checked_coordinates(ProcessCoordinates(method, *given))
     if any(v is not None for v in given):
         missing = [n for n, v in zip(names, given, strict=True) if v is None]
         raise ValueError(
@@ -124,9 +124,35 @@ def resolve_coordinates(
     return None
 
 
+def checked_coordinates(coords: ProcessCoordinates) -> ProcessCoordinates:
+    """``coords`` with every given value checked, before JAX sees any: the address is
+    ``host:port`` with a port in 1..65535, ``num_processes >= 1`` and ``0 <= process_id <
+    num_processes``. Raises ``ValueError`` naming the value (and its environment variable
+    under ``shardax launch``)."""
+    env = coords.source == "shardax launch"
+    names = [
+        f"initialize: {n}" + (f" (${e})" if env else "")
+        for n, e in (
+            ("coordinator_address", ENV_COORDINATOR),
+            ("num_processes", ENV_NUM_PROCESSES),
+            ("process_id", ENV_PROCESS_ID),
+        )
+    ]
+    address, count, rank = coords.coordinator_address, coords.num_processes, coords.process_id
+    if address is not None:
+        parse_address(names[0], address)
+    if count is not None:
+        count = as_count(names[1], count)
+    if rank is not None:
+        rank = as_count(names[2], rank, minimum=0)
+        if count is not None and rank >= count:
+            raise ValueError(f"{names[2]} must be in [0, num_processes={count}), got {rank}")
+    return coords._replace(num_processes=count, process_id=rank)
+
+
 def backend_started() -> bool:
     """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
-    return _xla_bridge.backends_are_initialized()
+    return compat.backends_are_initialized()
 
 
 def _hard_exit_on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
@@ -177,7 +203,10 @@ def initialize(
 
     Raises:
         RuntimeError: a JAX backend has already started (call ``initialize`` first).
-        ValueError: incomplete coordinates, or ``cpu_devices`` below 1.
+        ValueError: incomplete or malformed coordinates (address, port, process
+            count, rank), or a count below 1; all checked before JAX sees them.
+        TimeoutError: a process did not join within ``initialization_timeout``; the
+            message names the coordinator address, the timeout and who is missing.
 
     Calling it again is harmless and returns the first answer.
     """
@@ -201,10 +230,7 @@ def initialize(
     if cpu_devices is None:
         cpu_devices = _env_int(os.environ, ENV_CPU_DEVICES)
     if cpu_devices is not None:
-        if isinstance(cpu_devices, bool) or not isinstance(cpu_devices, int) or cpu_devices < 1:
-            raise ValueError(
-                f"initialize: cpu_devices must be an integer >= 1, got {cpu_devices!r}"
-            )
+        cpu_devices = as_count(f"initialize: cpu_devices (or ${ENV_CPU_DEVICES})", cpu_devices)
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     coords = resolve_coordinates(
         coordinator_address,
@@ -219,15 +245,28 @@ def initialize(
         heartbeat_timeout_seconds = _env_int(os.environ, ENV_HEARTBEAT)
     if heartbeat_timeout_seconds is None:
         heartbeat_timeout_seconds = 100  # JAX's default
-    if heartbeat_timeout_seconds < 1:
-        raise ValueError(
-            f"initialize: heartbeat_timeout_seconds (or ${ENV_HEARTBEAT}) must be >= 1 second, "
-            f"got {heartbeat_timeout_seconds}"
-        )
+    heartbeat_timeout_seconds = as_count(
+        f"initialize: heartbeat_timeout_seconds (or ${ENV_HEARTBEAT}, seconds)",
+        heartbeat_timeout_seconds,
+    )
+    initialization_timeout = as_count(
+        "initialize: initialization_timeout (seconds)", initialization_timeout
+    )
     if jax.config.jax_cpu_collectives_implementation is None:
         # Cross-process collectives between CPU devices; gloo needs no extra install.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     explicit = coords.source in ("arguments", "shardax launch")
+    if explicit:
+        # Every process is there before JAX's join, whose failure is an abort from C++.
+        host, port = parse_address("coordinator_address", coords.coordinator_address)
+        roll_call(
+            coords.coordinator_address,  # type: ignore[arg-type]
+            host,
+            port,
+            coords.process_id,  # type: ignore[arg-type]
+            coords.num_processes,  # type: ignore[arg-type]
+            initialization_timeout,
+        )
     jax.distributed.initialize(
         coordinator_address=coords.coordinator_address,
         num_processes=coords.num_processes,

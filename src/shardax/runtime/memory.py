@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardax.checks import as_count
+
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
@@ -122,9 +124,9 @@ def estimate(
     """
     if not num_params > 0:
         raise ValueError(f"num_params must be > 0, got {num_params!r}")
-    for name, value in (("data", data), ("model", model), ("stage", stage)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    data, model, stage = (
+        as_count(n, v) for n, v in (("data", data), ("model", model), ("stage", stage))
+    )
     p = get_precision(precision)
     split = model * stage * (data if shard_data else 1)
     kind = ("FSDP" if shard_data else "DP") if data > 1 or model == stage == 1 else ""
@@ -150,9 +152,7 @@ def plan_memory(
     Hybrids use each ``model`` (or ``stage``) size that divides ``num_devices`` strictly
     between 1 and ``num_devices``, with ``data = num_devices / model``.
     """
-    if not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
-    n = num_devices
+    n = num_devices = as_count("num_devices", num_devices)
     out = [estimate(num_params, precision, data=n)]
     if n > 1:
         out.append(estimate(num_params, precision, data=n, shard_data=True))
