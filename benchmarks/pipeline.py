@@ -146,8 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     m = ms[-1]
     for rep in (1, r):
         step, _, batch = runs[(m, rep)]
-        with jax.sharding.set_mesh(mesh):
-            compiled = step._last.lower(states[(m, rep)], batch).compile()
+        compiled = step.lower(states[(m, rep)], batch).compile()
         mem = compiled.memory_analysis()
         memory[rep] = {
             "temp_bytes": mem.temp_size_in_bytes,
