@@ -16,6 +16,7 @@ from shardax.data import (
     prefetch_to_device,
     replicate_across_devices,
     shard_batch_dim,
+    timed,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
 from shardax.parallel import pipeline, pipeline_1f1b, remat
@@ -49,6 +50,7 @@ from shardax.runtime import (
     print0,
     validate_batch_size,
 )
+from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
     DataParallel,
     DistributedMetrics,
@@ -82,11 +84,13 @@ __all__ = [
     "EvalStep",
     "HardwareType",
     "LossScaling",
+    "MetricWriter",
     "NonFiniteLossError",
     "Plan",
     "Precision",
     "Restored",
     "ShardingReport",
+    "StepClock",
     "TrainState",
     "TrainStep",
     "all_gather",
@@ -122,6 +126,7 @@ __all__ = [
     "place_on_device",
     "prefetch_to_device",
     "print0",
+    "profile_steps",
     "reduce",
     "remat",
     "replicate",
@@ -131,6 +136,7 @@ __all__ = [
     "save_checkpoint",
     "shard",
     "shard_batch_dim",
+    "timed",
     "validate",
     "validate_batch_size",
     "weighted_mean",
