@@ -146,8 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     m = ms[-1]
     for rep in (1, r):
         step, _, batch = runs[(m, rep)]
-        with jax.sharding.set_mesh(mesh):
-            compiled = step._last.lower(states[(m, rep)], batch).compile()
+        compiled = step.lower(states[(m, rep)], batch).compile()
         mem = compiled.memory_analysis()
         memory[rep] = {
             "temp_bytes": mem.temp_size_in_bytes,
@@ -163,8 +162,8 @@ def run(args: argparse.Namespace) -> dict:
     head = jnp.zeros((W, W), jnp.float32)
     one_f_one_b = []
     for m in ms:
-        rows = args.data * m * args.micro_size
-        x = jax.ShapeDtypeStruct((rows, W), jnp.float32, sharding=sx.batch_sharding(mesh))
+        n = args.data * m * args.micro_size
+        x = jax.ShapeDtypeStruct((n, W), jnp.float32, sharding=sx.batch_sharding(mesh))
 
         def gpipe(p, x, w, y, m=m):
             return head_loss(w, sx.pipeline(layer, p, x, microbatches=m), y)

@@ -35,9 +35,11 @@ from jax.sharding import PartitionSpec
 
 from shardax.parallel.pipeline import (
     STAGE_AXIS,
+    pad_ticks,
     scan_layers,
     split_microbatches,
     stage_mesh,
+    vary,
 )
 
 LossHead = Callable[[Any, Any, Any], jax.Array]
@@ -92,21 +94,15 @@ def pipeline_1f1b(
         return _mean_over_microbatches(
             layer_fn,
             stacked_params,
-            _split_plain(x, microbatches),
+            split_microbatches(x, microbatches),
             loss_fn,
             loss_params,
-            _split_plain(targets, microbatches),
+            split_microbatches(targets, microbatches),
         )
     mesh, axis, stages, batch_axes = where
     split = functools.partial(split_microbatches, m=microbatches, mesh=mesh, batch_axes=batch_axes)
     run = _one_f_one_b(layer_fn, loss_fn, axis, stages, microbatches)
     return run(stacked_params, split(x), loss_params, split(targets))
-
-
-def _split_plain(x: Any, m: int) -> Any:
-    return jax.tree.map(
-        lambda a: jnp.moveaxis(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 1, 0), x
-    )
 
 
 def _one_f_one_b(
@@ -119,9 +115,6 @@ def _one_f_one_b(
     """``run(stacked, micro_x, loss_params, micro_targets) -> loss``, a custom_vjp."""
     slots = 2 * stages - 1  # microbatches a stage has started and not finished, at most
 
-    def varying(tree: Any) -> Any:
-        return jax.tree.map(lambda a: lax.pcast(a, (axis,), to="varying"), tree)
-
     def schedule(stacked: Any, micro: Any, loss_params: Any, targets: Any):
         """Inside shard_map over ``axis``: loss and gradients, one F and one B per tick.
 
@@ -133,7 +126,7 @@ def _one_f_one_b(
         first, last = stage == 0, stage == stages - 1
         # Varying, so the head's gradient is this stage's own (the gradient of an
         # invariant input would be summed over the stages, garbage included).
-        loss_params = varying(loss_params)
+        loss_params = vary(loss_params, axis)
 
         def forward(params: Any, h: Any) -> Any:
             return scan_layers(layer_fn, params, h)
@@ -171,17 +164,15 @@ def _one_f_one_b(
         ticks = m + 2 * stages - 2
         one = jax.tree.map(lambda a: jnp.zeros_like(a[0]), micro)
         init = (
-            varying(one),
-            varying(one),
-            varying(jax.tree.map(lambda a: jnp.zeros_like(a[:1]).repeat(slots, 0), micro)),
+            vary(one, axis),
+            vary(one, axis),
+            vary(jax.tree.map(lambda a: jnp.zeros_like(a[:1]).repeat(slots, 0), micro), axis),
             jax.tree.map(jnp.zeros_like, stacked),
             jax.tree.map(jnp.zeros_like, loss_params),
-            varying(jnp.zeros((), jnp.float32)),
+            vary(jnp.zeros((), jnp.float32), axis),
         )
-        padded = jax.tree.map(
-            lambda a: jnp.pad(a, [(0, ticks - m)] + [(0, 0)] * (a.ndim - 1)), micro
-        )
-        (_, _, _, grads, head_grads, loss), g_x = lax.scan(tick, init, (jnp.arange(ticks), padded))
+        xs = (jnp.arange(ticks), pad_ticks(micro, ticks))
+        (_, _, _, grads, head_grads, loss), g_x = lax.scan(tick, init, xs)
         scale = 1.0 / m
         # Stage 0 finishes microbatch b's backward on tick b + 2S - 2.
         g_x = jax.tree.map(lambda g: lax.psum(g[2 * stages - 2 :], axis) * scale, g_x)

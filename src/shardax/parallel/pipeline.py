@@ -194,12 +194,15 @@ def stage_mesh(
     return mesh, axis, stages, batch_axes
 
 
-def split_microbatches(x: Any, m: int, mesh: Any, batch_axes: tuple[str, ...]) -> Any:
+def split_microbatches(x: Any, m: int, mesh: Any = None, batch_axes: tuple[str, ...] = ()) -> Any:
     """``(B, ...) -> (M, B/M, ...)``: example ``i·M + j`` goes to microbatch ``j``, so
-    each microbatch keeps the batch's split over the data axes and cutting moves nothing."""
+    each microbatch keeps the batch's split over the data axes and cutting moves nothing
+    (constrained so under ``mesh``)."""
     micro = jax.tree.map(
         lambda a: jnp.moveaxis(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 1, 0), x
     )
+    if mesh is None:
+        return micro
     return _constrain(micro, PartitionSpec(None, batch_axes or None), mesh)
 
 
@@ -215,6 +218,18 @@ def _constrain(tree: Any, spec: PartitionSpec, mesh: Any) -> Any:
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         return tree
     return jax.tree.map(lambda a: lax.with_sharding_constraint(a, spec), tree)
+
+
+def vary(tree: Any, axis: str) -> Any:
+    """``tree`` typed as varying over the manual ``axis`` (a scan carry that will be)."""
+    return jax.tree.map(lambda a: lax.pcast(a, (axis,), to="varying"), tree)
+
+
+def pad_ticks(micro: Any, ticks: int) -> Any:
+    """The M microbatches followed by zeros, one per tick: the first stage's inputs."""
+    return jax.tree.map(
+        lambda a: jnp.pad(a, [(0, ticks - a.shape[0])] + [(0, 0)] * (a.ndim - 1)), micro
+    )
 
 
 def _deal(local: Any, axis: str, stages: int, repeats: int) -> Any:
@@ -283,18 +298,12 @@ def _pipelined(
             h = scan_layers(layer_fn, jax.tree.map(lambda w: w[j], chunks), h)
             return (lax.ppermute(h, axis, ring), loop), h
 
-        def varying(tree: Any) -> Any:
-            return jax.tree.map(lambda a: lax.pcast(a, (axis,), to="varying"), tree)
-
         ticks = work + stages - 1
         # Built from ``micro`` (zeros_like, pad), so Explicit axes keep its sharding.
         one = jax.tree.map(lambda a: jnp.zeros_like(a[0]), micro)
         loop = jax.tree.map(lambda a: jnp.zeros_like(a[: m - stages + 1]), micro)
-        padded = jax.tree.map(
-            lambda a: jnp.pad(a, [(0, ticks - m)] + [(0, 0)] * (a.ndim - 1)), micro
-        )
-        init = (varying(one), varying(loop) if repeats > 1 else None)
-        _, ys = lax.scan(tick, init, (jnp.arange(ticks), padded))
+        init = (vary(one, axis), vary(loop, axis) if repeats > 1 else None)
+        _, ys = lax.scan(tick, init, (jnp.arange(ticks), pad_ticks(micro, ticks)))
         # The last stage finishes microbatch b of the last repeat at tick ticks - M + b.
         # Only it holds the result; every stage returns it.
         return jax.tree.map(lambda y: lax.psum(jnp.where(last, y[-m:], 0), axis), ys)
