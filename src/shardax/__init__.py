@@ -5,7 +5,16 @@
 >>> batch = sx.distribute_batch({"x": np.ones((16, 4))}, sx.batch_sharding(mesh))
 """
 
-from shardax.checkpoint import CheckpointManager, Restored, restore_checkpoint, save_checkpoint
+from shardax.checkpoint import (
+    PREEMPTED_EXIT_CODE,
+    CheckpointManager,
+    Preempted,
+    Restored,
+    reached_preemption,
+    restore_checkpoint,
+    save_checkpoint,
+    watch_preemption,
+)
 from shardax.data import (
     DevicePlacement,
     batch_sharding,
@@ -48,6 +57,7 @@ from shardax.runtime import (
     print0,
     validate_batch_size,
 )
+from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog
 from shardax.train import (
     DataParallel,
     DistributedMetrics,
@@ -67,6 +77,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DATA_AXIS",
+    "PREEMPTED_EXIT_CODE",
+    "WATCHDOG_EXIT_CODE",
     "AgreementError",
     "BatchSizeRecommendation",
     "CheckpointManager",
@@ -77,8 +89,10 @@ __all__ = [
     "HardwareType",
     "NonFiniteLossError",
     "Plan",
+    "Preempted",
     "Restored",
     "ShardingReport",
+    "StepWatchdog",
     "TrainState",
     "TrainStep",
     "all_gather",
@@ -111,6 +125,7 @@ __all__ = [
     "place_on_device",
     "prefetch_to_device",
     "print0",
+    "reached_preemption",
     "reduce",
     "replicate",
     "replicate_across_devices",
@@ -121,5 +136,6 @@ __all__ = [
     "shard_batch_dim",
     "validate",
     "validate_batch_size",
+    "watch_preemption",
     "weighted_mean",
 ]

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shardax.checkpoint.convert import abstract_saveable, flat_paths, from_saveable, to_saveable
+from shardax.checkpoint.preemption import reached_preemption
 
 
 def _ocp() -> Any:
@@ -95,6 +96,35 @@ class CheckpointManager:
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._manager.wait_until_finished()
 
+    def reached_preemption(self, step: int) -> bool:
+        """True when the loop should save ``step`` and stop (see
+        :func:`shardax.checkpoint.preemption.reached_preemption`): a SIGTERM arrived and,
+        with several processes, ``step`` is the step they all agreed on. Call it after
+        every step on every process; then ``save`` and raise :class:`Preempted`.
+        """
+        return reached_preemption(step)
+
+    def data_state(self, step: int | None = None) -> Any:
+        """The data state saved with ``step`` (default: the latest), without the arrays."""
+        ocp = _ocp()
+        step = self._committed(step)
+        return self._manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))[
+            "data"
+        ]["data_state"]
+
+    def _committed(self, step: int | None) -> int:
+        """``step``, or the latest; raises ``FileNotFoundError`` when it is not committed."""
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+            return steps[-1]
+        if step not in steps:
+            raise FileNotFoundError(
+                f"checkpoint step {step} not in {self.directory}; available steps: {steps}"
+            )
+        return step
+
     def restore(self, like: Any, step: int | None = None) -> Restored:
         """Restores ``step`` (default: the latest) onto the structure and shardings of ``like``.
 
@@ -103,15 +133,7 @@ class CheckpointManager:
         structure, shape or dtype raises ``ValueError`` naming the path.
         """
         ocp = _ocp()
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"no checkpoint in {self.directory}")
-            step = steps[-1]
-        if step not in steps:
-            raise FileNotFoundError(
-                f"checkpoint step {step} not in {self.directory}; available steps: {steps}"
-            )
+        step = self._committed(step)
         target = abstract_saveable(like)
         saved = self._manager.item_metadata(step)["state"]
         check_same_tree(flat_paths(_metadata_tree(saved)), flat_paths(target), step)

@@ -4,7 +4,10 @@ Each process gets the environment that :func:`shardax.initialize` reads (coordin
 on 127.0.0.1, the process count, its rank, its CPU device count), so the program
 joins the run with one call. Output lines are prefixed with the rank. When a process
 fails, the others are stopped and launch exits with that first non-zero code; Ctrl-C
-stops them all. Launch itself never starts JAX.
+stops them all. A SIGTERM (a scheduler's preemption notice) is forwarded to every
+process, which save and exit with code 75 (:data:`PREEMPTED_EXIT_CODE`): a process that
+exits with 75 does not stop the others, and launch exits with 75 once all have ended.
+Launch itself never starts JAX.
 
     $ shardax launch -n 2 --cpu-devices 4 -- python train.py
 """
@@ -20,9 +23,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
+from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from shardax.runtime.distributed import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -148,6 +152,26 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
         p.wait()
 
 
+@contextlib.contextmanager
+def forward_signals(
+    procs: Sequence[subprocess.Popen[bytes]], signals: Sequence[int] = (signal.SIGTERM,)
+) -> Iterator[None]:
+    """Within the block, ``signals`` sent to this process go to every running process
+    group instead (the previous handlers come back afterwards). Main thread only."""
+
+    def forward(signum: int, frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def exit_code(returncode: int) -> int:
     """A shell-style exit code: a process killed by signal N gives 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -163,7 +187,9 @@ def supervise(
     """Forwards output with rank prefixes until every process has ended.
 
     Returns the first non-zero exit code (in time), after stopping the other
-    processes; 0 when all succeed; 130 after Ctrl-C, once all are stopped.
+    processes; 0 when all succeed; 130 after Ctrl-C, once all are stopped. A process
+    that exits with :data:`PREEMPTED_EXIT_CODE` saved on a preemption notice, as the
+    others are doing: they are left to finish, and the code is returned at the end.
     """
     out = sys.stdout if out is None else out
     lock = threading.Lock()
@@ -176,7 +202,7 @@ def supervise(
     first_failure = 0
     try:
         while [p.poll() for p in procs].count(None):  # polls every process
-            failed = [p for p in procs if p.returncode not in (None, 0)]
+            failed = [p for p in procs if p.returncode not in (None, 0, PREEMPTED_EXIT_CODE)]
             if failed:
                 first_failure = exit_code(failed[0].returncode)
                 failed_rank = procs.index(failed[0])
@@ -230,4 +256,5 @@ def run(args: argparse.Namespace) -> int:
         procs = start_processes(cmd, envs)
     except OSError as e:  # not found, not executable
         raise SystemExit(f"shardax launch: error: cannot run {cmd[0]!r}: {e.strerror}") from None
-    return supervise(procs, grace=args.grace)
+    with forward_signals(procs):
+        return supervise(procs, grace=args.grace)

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from shardax.checkpoint.preemption import Preempted
 from shardax.cli.common import UsageError
 from shardax.train.guard import NonFiniteLossError
 
@@ -90,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NonFiniteLossError as e:
         sys.stderr.write(f"shardax {args.command}: error: {e}\n")
         return 1
+    except Preempted as e:
+        sys.stderr.write(f"shardax {args.command}: {e}\n")
+        return e.exit_code
 
 
 if __name__ == "__main__":

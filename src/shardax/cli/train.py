@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
@@ -28,6 +29,7 @@ from shardax.cli.common import (
     run_dir,
 )
 from shardax.cli.demo import PLANS, load_digits, make_mlp, make_plan
+from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
 
 MODES = ("jit", "single", "shard_map", "pmap")
 TARGET_ACCURACY = 0.95
@@ -66,8 +68,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where to write summary.json and curves.png (default: runs/train-<time>)",
     )
-    parser.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save a checkpoint every epoch, and on SIGTERM (preemption: saved at the next "
+        f"step, then exit code {PREEMPTED_EXIT_CODE})",
+    )
+    parser.add_argument(
+        "--save-every", type=positive_int, default=None, help="also save every N steps"
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--step-timeout",
+        type=positive_float,
+        default=None,
+        help="hang watchdog: a step (after the first, which compiles) that takes longer than "
+        f"S seconds dumps every thread's stack and exits with code {WATCHDOG_EXIT_CODE} "
+        "(default: off)",
+    )
     add_json_flag(parser)
 
 
@@ -87,6 +105,33 @@ def _mesh(args: argparse.Namespace) -> Any:
         return sx.make_mesh(spec)
     except ValueError as e:
         raise UsageError(f"--mesh: {e}") from None
+
+
+def _check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
+    """The global batch must split evenly over the data axis; the error names both sizes
+    and the ways out (a resumed run keeps its batch size, so only the mesh can change)."""
+    data_size, batch = mesh.shape["data"], args.batch_size
+    if batch % data_size == 0:
+        return
+    fits = [d for d in range(mesh.size, 0, -1) if batch % d == 0 and mesh.size % d == 0]
+    meshes = ", ".join(
+        f"data={d}" + (f",model={mesh.size // d}" if d < mesh.size else "") for d in fits[:3]
+    )
+    if args.resume:
+        way = (
+            f"a resumed run keeps the checkpoint's global batch (its data position counts "
+            f"batches of {batch}), so pass a --mesh whose data axis divides {batch} on these "
+            f"{mesh.size} devices ({meshes}), or run on a device count it divides"
+        )
+    else:
+        way = (
+            f"pass a --batch-size that is a multiple of {data_size}, or a --mesh whose data "
+            f"axis divides {batch} ({meshes})"
+        )
+    raise UsageError(
+        f"--batch-size {batch} is not divisible by the data axis size {data_size} of mesh "
+        f"{dict(mesh.shape)}; {way}"
+    )
 
 
 def _resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, dict[str, Any]]:
@@ -121,10 +166,9 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
 
     mesh = _mesh(args)
     data_size = mesh.shape["data"]
-    if args.batch_size % data_size:
-        raise UsageError(
-            f"--batch-size {args.batch_size} is not divisible by the data axis size {data_size}"
-        )
+    _check_batch_fits(args, mesh)
+    if args.save_every is not None and not args.checkpoint_dir:
+        raise UsageError(f"--save-every {args.save_every} needs --checkpoint-dir")
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     # Each process reads its share of every global batch; the order depends on the seed
     # and the epoch only; the last batch is padded, with a "mask" leaf marking real rows.
@@ -172,8 +216,13 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     is_main = jax.process_index() == 0
     manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
     state, data_state = _resume(args, manager, state)
-    first_done, history = int(data_state["epoch"]), data_state["history"]
-    if first_done >= args.epochs:
+    total_steps = args.epochs * steps_per_epoch
+    # Steps done; the history of finished epochs; the per-step metrics (floats) and
+    # seconds of an epoch a preemption interrupted, so its means come out the same.
+    done = int(data_state.get("step", int(data_state["epoch"]) * steps_per_epoch))
+    history, partial = data_state["history"], data_state.get("epoch_metrics", [])
+    first_done = done // steps_per_epoch
+    if done >= total_steps:
         raise UsageError(
             f"--resume: the checkpoint has finished epoch {first_done}; pass --epochs > "
             f"{first_done} to train further"
@@ -190,6 +239,7 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             f"training an MLP on digits: {mesh.size} {jax.devices()[0].platform} device(s), "
             f"mesh {dict(mesh.shape)}, plan {args.plan}, mode {args.mode}, "
             f"batch {args.batch_size}, {args.epochs} epochs"
+            + (f", resuming at step {done}" if done else "")
         )
     progress = Progress(
         TextColumn("epoch {task.fields[epoch]}"),
@@ -206,53 +256,103 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     except ValueError as e:
         raise UsageError(f"--resume: {e}") from None
     feed = sx.prefetch_to_device(loader, batch_sharding)
-    with progress, feed, manager or contextlib.nullcontext():
+    watchdog = sx.StepWatchdog(args.step_timeout) if args.step_timeout else None
+    # From the first step on, a SIGTERM saves (at the step every process agrees on) and stops.
+    preemption = sx.watch_preemption()
+    with (
+        progress,
+        feed,
+        preemption,
+        manager or contextlib.nullcontext(),
+        watchdog or contextlib.nullcontext(),
+    ):
         task = progress.add_task(
             "train",
-            total=args.epochs * steps_per_epoch,
-            completed=first_done * steps_per_epoch,
+            total=total_steps,
+            completed=done,
             epoch=first_done + 1,
             loss=0.0,
             acc=0.0,
             rate=0.0,
         )
-        for epoch in range(first_done + 1, args.epochs + 1):
-            metrics = []
-            epoch_start = time.perf_counter()
-            for i in range(steps_per_epoch):
-                state, m = step(state, next(feed))
-                metrics.append(m)
-                if i % 4 == 3 or i == steps_per_epoch - 1:
-                    progress.update(
-                        task,
-                        completed=(epoch - 1) * steps_per_epoch + i + 1,
-                        epoch=epoch,
-                        loss=float(m["loss"]),
-                        acc=float(m["accuracy"]),
-                        rate=min((i + 1) * args.batch_size, len(x_train))
-                        / (time.perf_counter() - epoch_start),
-                    )
-            seconds = time.perf_counter() - epoch_start
-            for j, m in enumerate(metrics):  # stop at the first non-finite step, before saving
-                sx.check_finite(m["loss"], (epoch - 1) * steps_per_epoch + j + 1)
-            test = evaluate(state, test_batch)
-            # Batch means weighted by their real rows: the mean over the epoch's examples.
-            rows = np.minimum(args.batch_size, len(x_train) - args.batch_size * np.arange(i + 1))
-            mean = {k: float(np.average([m[k] for m in metrics], weights=rows)) for k in metrics[0]}
-            history.append(
-                {
-                    "epoch": epoch,
-                    "train_loss": mean["loss"],
-                    "train_accuracy": mean["accuracy"],
-                    "test_loss": float(test["loss"]),
-                    "test_accuracy": float(test["accuracy"]),
-                    "seconds": seconds,
-                    "examples_per_s": len(x_train) / seconds,
-                }
-            )
+        metrics: list[dict[str, Any]] = list(partial)
+        checked = len(metrics)  # metrics[:checked] are known to be finite
+        epoch_start = time.perf_counter() - data_state.get("epoch_seconds", 0.0)
+
+        def check_losses(epoch: int) -> None:
+            """Stops at the first non-finite loss not checked yet, before anything saves."""
+            nonlocal checked
+            for j in range(checked, len(metrics)):
+                sx.check_finite(metrics[j]["loss"], (epoch - 1) * steps_per_epoch + j + 1)
+            checked = len(metrics)
+
+        def save(n: int) -> None:
             if manager is not None:
-                data_state = {"epoch": epoch, "history": history, "loader": feed.get_state()}
-                manager.save(epoch * steps_per_epoch, state, data_state)
+                floats = [{k: float(v) for k, v in m.items()} for m in metrics]
+                manager.save(n, state, {
+                    "epoch": n // steps_per_epoch,
+                    "step": n,
+                    "history": history,
+                    "epoch_metrics": floats if n % steps_per_epoch else [],
+                    "epoch_seconds": time.perf_counter() - epoch_start,
+                    "loader": feed.get_state(),
+                })  # fmt: skip
+
+        for g in range(done, total_steps):
+            epoch, i = g // steps_per_epoch + 1, g % steps_per_epoch
+            if i == 0:
+                metrics, checked, epoch_start = [], 0, time.perf_counter()
+            watched = watchdog.step(g + 1) if watchdog and g > done else contextlib.nullcontext()
+            with watched:  # the first step compiles: not watched
+                state, m = step(state, next(feed))
+                if watchdog:
+                    jax.block_until_ready(m["loss"])
+            metrics.append(m)
+            if i % 4 == 3 or i == steps_per_epoch - 1:
+                progress.update(
+                    task,
+                    completed=g + 1,
+                    epoch=epoch,
+                    loss=float(m["loss"]),
+                    acc=float(m["accuracy"]),
+                    rate=min((i + 1) * args.batch_size, len(x_train))
+                    / (time.perf_counter() - epoch_start),
+                )
+            saved = False
+            if i == steps_per_epoch - 1:
+                seconds = time.perf_counter() - epoch_start
+                check_losses(epoch)
+                test = evaluate(state, test_batch)
+                # Batch means weighted by their real rows: the mean over the epoch's examples.
+                rows = np.minimum(
+                    args.batch_size, len(x_train) - args.batch_size * np.arange(i + 1)
+                )
+                mean = {
+                    k: float(np.average([float(m[k]) for m in metrics], weights=rows))
+                    for k in metrics[0]
+                }
+                history.append(
+                    {
+                        "epoch": epoch,
+                        "train_loss": mean["loss"],
+                        "train_accuracy": mean["accuracy"],
+                        "test_loss": float(test["loss"]),
+                        "test_accuracy": float(test["accuracy"]),
+                        "seconds": seconds,
+                        "examples_per_s": len(x_train) / seconds,
+                    }
+                )
+                save(g + 1)
+                saved = True
+            elif args.save_every and (g + 1) % args.save_every == 0:
+                check_losses(epoch)
+                save(g + 1)
+                saved = True
+            if sx.reached_preemption(g + 1):  # every process agrees on this step
+                if not saved:
+                    check_losses(epoch)
+                    save(g + 1)
+                raise sx.Preempted(g + 1, args.checkpoint_dir)
     total = time.perf_counter() - start
     steady = history[1:] or history
     shardings = sx.plan.map_arrays(lambda p, x: _spec_text(x), state)
