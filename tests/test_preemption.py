@@ -410,9 +410,9 @@ def test_processes_join_from_scheduler_environment(scheduler):
         else (jobset_env, free_port())
     )
     envs = [{**CLEAN_ENV, "SHARDAX_CPU_DEVICES": "2", **make_env(r, 2, port)} for r in range(2)]
-    expect = "slurm" if scheduler == "slurm" else "jax environment"
-    assert resolve_coordinates(env=envs[1]).source == expect
-    procs = start_processes([sys.executable, SCRIPT, "--mode", "dp", "--steps", "2"], envs)
+    if scheduler == "jobset":  # (SLURM's detection is JAX's, which reads os.environ)
+        assert resolve_coordinates(env=envs[1]).source == "jax environment"
+    procs = start_processes([sys.executable, SCRIPT, "--mode", "join"], envs)
     out = _Lines()
     try:
         code = supervise(procs, grace=1.0, out=out)
@@ -421,21 +421,10 @@ def test_processes_join_from_scheduler_environment(scheduler):
             p.kill()
     assert code == 0, out.text()[-3000:]
     got = results(out.text())
-    reference = _reference_losses()
     for rank in (0, 1):
-        (r,) = got[rank]
-        assert (r["processes"], r["process"]) == (2, rank)
-        assert r["mesh_process_of_data_index"] == [0, 0, 1, 1]
-        np.testing.assert_allclose(r["losses"], reference, rtol=1e-6)
-
-
-def _reference_losses() -> list[float]:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("multihost_train_ref", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.train("dp", 2)["losses"]
+        assert got[rank] == [
+            {"process": rank, "processes": 2, "devices": 4, "sum_of_ranks_plus_one": 3}
+        ]
 
 
 def test_jax_environment_coordinates_and_errors():

@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         "--mode",
         default="dp",
         help="comma-separated: dp, fsdp, dp-shard_map; raise, config, "
-        "plan (faults); spin (for kill -9); hang (process 1 sleeps in a watched step)",
+        "plan (faults); spin (for kill -9); hang (process 1 sleeps in a watched step); "
+        "join (joins and sums the ranks)",
     )
     parser.add_argument("--steps", type=int, default=5, help="steps; with hang: the hung step")
     parser.add_argument("--step-timeout", type=float, default=5.0, help="for hang")
@@ -178,6 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.mode.split(","):
         if mode == "spin":
             spin(120)
+            continue
+        if mode == "join":  # who joined, and one collective across them
+            import jax
+
+            total = sx.host_reduce(np.int64(jax.process_index() + 1), "sum")
+            print("RESULT " + json.dumps({
+                "process": jax.process_index(),
+                "processes": jax.process_count(),
+                "devices": jax.device_count(),
+                "sum_of_ranks_plus_one": int(total),
+            }), flush=True)  # fmt: skip
             continue
         if mode == "hang":
             hang(args.step_timeout, args.steps)
