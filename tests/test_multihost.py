@@ -256,12 +256,14 @@ def test_launch_exits_with_first_failure_and_stops_the_others():
         [*LAUNCH, "launch", "-n", "3", "--grace", "1", "--", *PY, failing],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=120,
         env=CLEAN_ENV,
     )
     assert proc.returncode == 7, proc.stdout + proc.stderr
     assert "process 1 exited with code 7; stopping the others" in proc.stdout
-    assert time.monotonic() - start < 20
+    # Far below JAX's 300 s shutdown barrier, which the others would wait out if the
+    # launcher did not stop them; loose enough for a loaded 2-core machine.
+    assert time.monotonic() - start < 90
 
 
 def test_launch_ctrl_c_stops_every_process():
