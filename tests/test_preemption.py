@@ -67,6 +67,15 @@ def sigterm_when(path: Path, pid: int | None = None, timeout: float = 240) -> th
     return thread
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[dict, dict[str, np.ndarray]]:
+    """The uninterrupted run (1 process x 8 devices): its summary and final params."""
+    tmp = tmp_path_factory.mktemp("straight")
+    code, summary = train_summary(tmp, "straight", "--checkpoint-dir", str(tmp / "ckpt"))
+    assert code == 0
+    return summary, final_params(tmp / "ckpt")
+
+
 def assert_same_history(got: list[dict], want: list[dict], rtol: float = 0.0) -> None:
     keys = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy")
     for a, b in zip(got, want, strict=True):
@@ -203,10 +212,9 @@ class _Lines:
 # --- shardax train: preemption and exact resume ---------------------------------------------
 
 
-def test_train_sigterm_saves_exits_75_and_resume_is_bitwise(tmp_path, capsys):
+def test_train_sigterm_saves_exits_75_and_resume_is_bitwise(tmp_path, capsys, straight):
     ckpt = tmp_path / "preempted"
-    code, straight = train_summary(tmp_path, "straight", "--checkpoint-dir", str(tmp_path / "a"))
-    assert code == 0
+    straight, want = straight
     sigterm_when(ckpt / "5")
     code, _ = train_summary(tmp_path, "first", "--checkpoint-dir", str(ckpt), "--save-every", "5")
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -224,7 +232,7 @@ def test_train_sigterm_saves_exits_75_and_resume_is_bitwise(tmp_path, capsys):
     assert code == 0
     assert resumed["resumed_from_epoch"] == stopped // 12
     assert_same_history(resumed["history"], straight["history"])  # bitwise
-    want, got = final_params(tmp_path / "a"), final_params(ckpt)
+    got = final_params(ckpt)
     assert sorted(want) == sorted(got)
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)
@@ -274,23 +282,33 @@ def test_resume_on_a_data_axis_the_batch_does_not_divide_names_sizes_and_options
 # --- two processes under shardax launch: agreed save step, exact and elastic resume -------
 
 
-@pytest.mark.timeout(400)
-def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp_path, capsys):
+@pytest.mark.timeout(900)
+def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp_path, straight):
+    straight, want = straight
     ckpt = tmp_path / "mp"
     launch = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "4", "--"]
     train = [sys.executable, "-m", "shardax", "train", *SMALL, "--save-every", "5"]
-    proc = subprocess.Popen(
-        [*launch, *train, "--checkpoint-dir", str(ckpt), "--run-dir", str(tmp_path / "mp-run")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=CLEAN_ENV,
-    )
+
+    def start(name: str, *argv: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*launch, *train, *argv, "--run-dir", str(tmp_path / f"run-{name}")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=CLEAN_ENV,
+        )
+
+    # The uninterrupted 2-process run, beside the one that is preempted.
+    reference = start("mp-straight", "--checkpoint-dir", str(tmp_path / "mp-straight"))
+    proc = start("mp", "--checkpoint-dir", str(ckpt), "--step-timeout", "300")  # never fires
     try:
         sigterm_when(ckpt / "5", pid=proc.pid)  # to launch, which forwards it to both
-        out = proc.communicate(timeout=240)[0]
+        out = proc.communicate(timeout=300)[0]
+        reference_out = reference.communicate(timeout=300)[0]
     finally:
         proc.kill()
+        reference.kill()
+    assert reference.returncode == 0, reference_out[-3000:]
     assert proc.returncode == sx.PREEMPTED_EXIT_CODE, out[-3000:]
     saved = {
         line[:3]: line.split("saved step ")[1].split()[0]
@@ -306,7 +324,6 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(ckpt / str(stopped) / "state"))
 
     # Elastic: the 2 x 4 checkpoint resumes on 1 x 8, 1 x 4 and 1 x 2 devices.
-    _, straight = train_summary(tmp_path, "straight", "--checkpoint-dir", str(tmp_path / "a"))
     for data in (8, 4, 2):
         copy = tmp_path / f"elastic{data}"
         shutil.copytree(ckpt, copy)
@@ -316,7 +333,7 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
         )  # fmt: skip
         assert code == 0 and summary["devices"] == data and summary["processes"] == 1
         assert_same_history(summary["history"], straight["history"], rtol=1e-5)
-        want, got = final_params(tmp_path / "a"), final_params(copy)
+        got = final_params(copy)
         for path in want:
             np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-6, err_msg=path)
     # The saved position is global: the same whatever wrote it.
@@ -330,15 +347,19 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
     }
 
     # Exact: resumed by 2 processes again, equal to 2 processes uninterrupted, bitwise.
-    resumed = subprocess.run(
-        [*launch, *train, "--checkpoint-dir", str(ckpt), "--resume", "--run-dir",
-         str(tmp_path / "mp-resumed")],
-        capture_output=True, text=True, timeout=240, env=CLEAN_ENV,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    summary = json.loads((tmp_path / "mp-resumed" / "summary.json").read_text())
+    resumed = start("mp-resumed", "--checkpoint-dir", str(ckpt), "--resume")
+    out = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, out[-3000:]
+    summary, uninterrupted = (
+        json.loads((tmp_path / f"run-{name}" / "summary.json").read_text())
+        for name in ("mp-resumed", "mp-straight")
+    )
     assert (summary["processes"], summary["devices"]) == (2, 8)
-    assert_same_history(summary["history"], straight["history"])
+    assert summary["resumed_from_epoch"] == stopped // 12
+    assert_same_history(summary["history"], uninterrupted["history"])
+    want, got = final_params(tmp_path / "mp-straight"), final_params(ckpt)
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 
 
 # --- the hang watchdog across processes -------------------------------------------------
