@@ -49,10 +49,13 @@ class Preempted(Exception):
     exit_code = PREEMPTED_EXIT_CODE
 
     def __init__(self, step: int, directory: str | None) -> None:
-        where = f"saved step {step} to {directory}" if directory else f"stopped after step {step}"
+        if directory:
+            what, then = f"saved step {step} to {directory}", "continue it with --resume"
+        else:
+            what, then = f"stopped after step {step}, saving nothing", "no checkpoint directory"
         super().__init__(
-            f"preempted (SIGTERM): {where}; exiting with code {PREEMPTED_EXIT_CODE} so the "
-            "scheduler requeues the job; continue it with --resume"
+            f"preempted (SIGTERM): {what}; exiting with code {PREEMPTED_EXIT_CODE} so the "
+            f"scheduler requeues the job; {then}"
         )
         self.step, self.directory = step, directory
 
