@@ -251,6 +251,51 @@ def test_train_sigterm_saves_exits_75_and_resume_is_bitwise(tmp_path, capsys, st
         assert message in err and len(err.splitlines()) == 1, err
 
 
+GPT = ["--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16",
+       "--batch-size", "8", "--steps", "12", "--eval-every", "4"]  # fmt: skip
+
+
+def saved_arrays(directory: Path) -> dict[str, np.ndarray]:
+    """Every array of the newest checkpoint in ``directory``, by path (saved by this
+    process's devices, so read back without a target)."""
+    import orbax.checkpoint as ocp
+
+    with sx.CheckpointManager(directory) as manager:
+        step = manager.latest_step()
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpoint_tree = checkpointer.restore(directory / str(step) / "state")
+    del checkpoint_tree
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
+
+
+def test_gpt_sigterm_then_resume_is_bitwise(tmp_path, capsys):
+    def run(name: str, *argv: str) -> tuple[int, dict]:
+        code = cli(["train", *GPT, "--json", "--run-dir", str(tmp_path / name), *argv])
+        out = capsys.readouterr().out
+        return code, json.loads(out) if code == 0 else {}
+
+    code, straight = run("straight", "--checkpoint-dir", str(tmp_path / "a"))
+    assert code == 0
+    ckpt = tmp_path / "preempted"
+    sigterm_when(ckpt / "2")
+    code, _ = run("first", "--checkpoint-dir", str(ckpt), "--save-every", "2")
+    assert code == sx.PREEMPTED_EXIT_CODE
+    with sx.CheckpointManager(ckpt) as manager:
+        stopped = manager.latest_step()
+    assert 2 < stopped < 12, stopped
+    code, resumed = run("resumed", "--checkpoint-dir", str(ckpt), "--save-every", "2", "--resume")
+    assert code == 0 and resumed["resumed_from_step"] == stopped
+    # Every step's loss and every evaluation, bitwise; then the whole state.
+    assert resumed["history"] == [{**h, "seconds": r["seconds"], "tokens_per_s": r.get(
+        "tokens_per_s")} if "tokens_per_s" in h else {**h, "seconds": r["seconds"]}
+        for h, r in zip(straight["history"], resumed["history"], strict=True)]  # fmt: skip
+    want, got = saved_arrays(tmp_path / "a"), saved_arrays(ckpt)
+    assert sorted(want) == sorted(got)
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -27,6 +27,7 @@ from shardax.data import (
     shard_batch_dim,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
+from shardax.parallel import remat
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -127,6 +128,7 @@ __all__ = [
     "print0",
     "reached_preemption",
     "reduce",
+    "remat",
     "replicate",
     "replicate_across_devices",
     "restore_checkpoint",

@@ -21,7 +21,10 @@ from shardax.train.guard import NonFiniteLossError
 COMMANDS = {
     "info": ("shardax.cli.info", "Show devices, hardware, batch-size advice and the mesh."),
     "launch": ("shardax.cli.launch", "Run a command in N local processes that form one JAX run."),
-    "train": ("shardax.cli.train", "Train an NNX MLP on the digits data set on all devices."),
+    "train": (
+        "shardax.cli.train",
+        "Train an MLP on digits, or a GPT (--model gpt), on all devices.",
+    ),
     "bench": ("shardax.cli.bench", "Compare train-step times of single, jit, shard_map, pmap."),
     "plan": ("shardax.cli.plan", "Memory per device of DP, FSDP, TP and hybrids for a model."),
     "tune-batch": ("shardax.cli.tune_batch", "Measure throughput over batch sizes; find the knee."),

@@ -1,17 +1,25 @@
-"""``shardax train``: an NNX MLP on scikit-learn's digits, on all devices.
+"""``shardax train``: a training job on all devices, with one loop for every model.
 
-The main job. It builds a mesh (``--mesh``), shards the model and Adam state with a plan
-(``--plan replicate|fsdp|tp``), feeds each global batch split over the ``data`` axis, and
-shows a progress bar with loss, accuracy and examples/s (process 0 only). At the end it
-writes ``summary.json`` and ``curves.png`` to the run directory.
+``--model mlp`` (default) fits an NNX MLP to scikit-learn's digits; ``--model gpt``
+trains the byte-level transformer of :mod:`shardax.models.gpt` on a text corpus. Both
+build a mesh (``--mesh``), shard the model and Adam state with a plan (``--plan``), feed
+each global batch split over the ``data`` axis, and show a progress bar (process 0 only).
+At the end they write ``summary.json`` and ``curves.png`` to the run directory.
+
+This module is the part the jobs share: the options, the mesh, checkpoint resume,
+the loop (progress, NaN guard, evaluation, checkpoints every ``--save-every`` steps),
+FLOPs and the summary. A job (:mod:`shardax.cli.train_mlp`, :mod:`shardax.cli.train_gpt`)
+only builds a :class:`Job`: its state, step, batches and evaluation.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,23 +36,43 @@ from shardax.cli.common import (
     pyplot,
     run_dir,
 )
-from shardax.cli.demo import PLANS, load_digits, make_mlp, make_plan
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
 
+MODELS = ("mlp", "gpt")
 MODES = ("jit", "single", "shard_map", "pmap")
-TARGET_ACCURACY = 0.95
+PLANS = ("replicate", "fsdp", "tp", "fsdp+tp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+REMAT = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
+# Options that only one model reads; giving them to the other is an error, not ignored.
+MODEL_OPTIONS = {
+    "mlp": ("epochs", "hidden"),
+    "gpt": (
+        "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
+        "remat", "scan_layers", "data", "eval_every",
+    ),
+}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardax train``."""
     parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="mlp",
+        help="mlp: an MLP on the digits data set (default); gpt: a byte-level transformer "
+        "LM on a text corpus (default: the Python standard library's sources)",
+    )
+    parser.add_argument(
         "--mesh",
         type=mesh_spec,
         default=None,
-        help="mesh axes, e.g. data=4,model=2 (default: data=-1; with --plan tp: data=-1,model=2)",
+        help="mesh axes, e.g. data=4,model=2 (default: data=-1; with a tp plan: data=-1,model=2)",
     )
     parser.add_argument(
-        "--plan", choices=PLANS, default="replicate", help="how to shard the model and Adam state"
+        "--plan",
+        choices=PLANS,
+        default="replicate",
+        help="how to shard the model and Adam state (fsdp+tp: --model gpt only)",
     )
     parser.add_argument(
         "--mode",
@@ -55,14 +83,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "device. shard_map and pmap keep a whole copy of the state per device (replicate)",
     )
     parser.add_argument(
-        "--batch-size", type=positive_int, default=128, help="global batch size (default: 128)"
+        "--batch-size", type=positive_int, default=None, help="global batch (mlp 128, gpt 16)"
     )
-    parser.add_argument("--epochs", type=positive_int, default=15, help="passes over the data")
-    parser.add_argument("--hidden", type=positive_int, default=256, help="hidden width")
+    parser.add_argument("--lr", type=positive_float, default=None, help="peak Adam learning rate")
     parser.add_argument(
-        "--lr", type=positive_float, default=3e-3, help="Adam learning rate (default: 3e-3)"
+        "--accumulate", type=positive_int, default=1, help="microbatches per step (default: 1)"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="compute precision of the forward and backward passes (default: fp32)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    mlp = parser.add_argument_group("--model mlp")
+    mlp.add_argument("--epochs", type=positive_int, default=None, help="passes over the data (15)")
+    mlp.add_argument("--hidden", type=positive_int, default=None, help="hidden width (256)")
+    gpt = parser.add_argument_group("--model gpt")
+    gpt.add_argument("--steps", type=positive_int, default=None, help="training steps (200)")
+    gpt.add_argument("--layers", type=positive_int, default=None, help="transformer blocks (2)")
+    gpt.add_argument("--d-model", type=positive_int, default=None, help="model width (64)")
+    gpt.add_argument("--heads", type=positive_int, default=None, help="attention heads (4)")
+    gpt.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (64)")
+    gpt.add_argument(
+        "--max-seq-len", type=positive_int, default=None, help="the model's longest sequence (256)"
+    )
+    gpt.add_argument(
+        "--positions", choices=("rotary", "learned"), default=None, help="rotary (default)"
+    )
+    gpt.add_argument(
+        "--remat", choices=REMAT, default=None, help="activation remat policy per block (none)"
+    )
+    gpt.add_argument(
+        "--scan-layers",
+        action="store_const",
+        const=True,
+        default=None,
+        help="run the layers in lax.scan: compile time independent of depth, and remat "
+        "saves memory on XLA:CPU; compiled FLOPs then count one layer",
+    )
+    gpt.add_argument(
+        "--data", default=None, help="a text file or directory of them (default: stdlib sources)"
+    )
+    gpt.add_argument("--eval-every", type=positive_int, default=None, help="steps per eval (50)")
     parser.add_argument(
         "--run-dir",
         default=None,
@@ -71,11 +134,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint-dir",
         default=None,
-        help="save a checkpoint every epoch, and on SIGTERM (preemption: saved at the next "
-        f"step, then exit code {PREEMPTED_EXIT_CODE})",
+        help="save checkpoints here: every --save-every steps, else at every evaluation; and "
+        f"on SIGTERM (preemption): at the next step, then exit code {PREEMPTED_EXIT_CODE}",
     )
     parser.add_argument(
-        "--save-every", type=positive_int, default=None, help="also save every N steps"
+        "--save-every", type=positive_int, default=None, help="steps between checkpoints"
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument(
@@ -89,7 +152,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_flag(parser)
 
 
-def _mesh(args: argparse.Namespace) -> Any:
+def check_model_options(args: argparse.Namespace) -> None:
+    """Options of the other model are an error (they would be silently ignored)."""
+    for model, names in MODEL_OPTIONS.items():
+        if model == args.model:
+            continue
+        given = [n for n in names if getattr(args, n) is not None]
+        if given:
+            flags = ", ".join("--" + n.replace("_", "-") for n in given)
+            raise UsageError(f"{flags}: only for --model {model}, got --model {args.model}")
+    if args.save_every is not None and args.checkpoint_dir is None:
+        raise UsageError(f"--save-every {args.save_every} needs --checkpoint-dir")
+
+
+def make_mesh(args: argparse.Namespace) -> Any:
+    """The mesh of ``--mesh`` (default: ``data`` over every device, plus ``model=2`` for
+    a TP plan), or the first device for ``--mode single``."""
     import jax
 
     import shardax as sx
@@ -98,7 +176,8 @@ def _mesh(args: argparse.Namespace) -> Any:
         if args.mesh is not None or args.plan != "replicate":
             raise UsageError("--mode single runs on one device: drop --mesh and --plan")
         return sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    spec = args.mesh or ([("data", -1), ("model", 2)] if args.plan == "tp" else [("data", -1)])
+    tp = "tp" in args.plan.split("+")
+    spec = args.mesh or ([("data", -1), ("model", 2)] if tp else [("data", -1)])
     if "data" not in dict(spec):
         raise UsageError(f"--mesh needs a 'data' axis for the batch, got {args.mesh}")
     try:
@@ -107,7 +186,7 @@ def _mesh(args: argparse.Namespace) -> Any:
         raise UsageError(f"--mesh: {e}") from None
 
 
-def _check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
+def check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
     """The global batch must split evenly over the data axis; the error names both sizes
     and the ways out (a resumed run keeps its batch size, so only the mesh can change)."""
     data_size, batch = mesh.shape["data"], args.batch_size
@@ -134,15 +213,78 @@ def _check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
     )
 
 
-def _resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, dict[str, Any]]:
-    """The state and data state (epoch done, history, loader position) to start from."""
+@dataclasses.dataclass
+class Job:
+    """What a model brings to the shared loop.
+
+    Attributes:
+        title: what is trained, e.g. "an MLP on digits" (printed, and the plot's title).
+        mesh: the mesh.
+        state: the placed train state.
+        step: the ``sx.make_train_step`` step.
+        loader: an iterator of process-local batches with ``get_state()``/``set_state()``.
+        steps: total steps of the run.
+        eval_every: steps between evaluations (and default checkpoints).
+        evaluate: ``state -> {name: float}`` on the held-out data.
+        records: ``(first step, per-step metrics as floats, evaluation, seconds) ->``
+            history entries (each with ``step``) for the steps since the last evaluation.
+        unit: what ``items_per_step`` counts ("examples" or "tokens").
+        items_per_step: examples or tokens in one global batch.
+        progress: ``metrics -> str`` shown on the progress bar.
+        summary: ``common summary -> job-specific entries`` (added to it).
+        estimate_flops: a FLOPs-per-step estimate from the model's sizes, if it has one.
+    """
+
+    title: str
+    mesh: Any
+    state: Any
+    step: Any
+    loader: Any
+    steps: int
+    eval_every: int
+    evaluate: Callable[[Any], dict[str, float]]
+    records: Callable[[int, list[dict[str, float]], dict[str, float], float], list[dict]]
+    unit: str
+    items_per_step: int
+    progress: Callable[[dict[str, float]], str]
+    summary: Callable[[dict[str, Any]], dict[str, Any]] = lambda common: {}
+    estimate_flops: float | None = None
+
+
+def build_step(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> Any:
+    """``sx.make_train_step`` with the CLI's mode, accumulation and precision; bad
+    combinations are usage errors naming the options."""
+    import shardax as sx
+
+    try:
+        return sx.make_train_step(
+            loss_fn, mesh=mesh, plan=plan, mode=args.mode, accumulate=args.accumulate
+        )
+    except ValueError as e:
+        raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
+
+
+def place(args: argparse.Namespace, step: Any, state: Any) -> Any:
+    """``step.shard(state)``, a bad plan/mode/mesh combination being a usage error."""
+    try:
+        return step.shard(state)
+    except ValueError as e:
+        raise UsageError(
+            f"--plan {args.plan} --mode {args.mode} on mesh {dict(step.mesh.shape)}: {e}"
+        ) from None
+
+
+def resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, dict[str, Any]]:
+    """The state and data state (steps done, history, loader position, the metrics of
+    the steps since the last evaluation) to start from."""
+    fresh = {"step": 0, "history": [], "loader": None, "window": []}
     if not args.resume:
         if manager is not None and manager.latest_step() is not None:
             raise UsageError(
                 f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; pass "
                 "--resume to continue from them, or choose an empty directory"
             )
-        return state, {"epoch": 0, "history": [], "loader": {"epoch": 0, "index": 0}}
+        return state, fresh
     if manager is None:
         raise UsageError("--resume needs --checkpoint-dir")
     if manager.latest_step() is None:
@@ -151,82 +293,70 @@ def _resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, di
         restored = manager.restore(like=state)
     except ValueError as e:
         raise UsageError(f"--resume: the checkpoint does not fit this model: {e}") from None
-    return restored.state, restored.data_state
+    return restored.state, {**fresh, **restored.data_state}
 
 
-def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
-    """Trains and returns the summary (plain data)."""
+def step_flops(step: Any, state: Any, batch: Any) -> float | None:
+    """FLOPs of one step over all devices, from the compiled step's ``cost_analysis()``
+    (XLA counts one device's partitioned program)."""
+    from shardax.runtime.flops import compiled_flops
+
+    lower = getattr(step, "lower", None) or _gradient_step(step)
+    per_device = compiled_flops(lower(state, batch).compile())
+    devices = 1 if step.mode == "single" else step.mesh.size
+    return None if per_device is None else per_device * devices
+
+
+def _gradient_step(step: Any) -> Callable[[Any, Any], Any]:
+    """Until ``TrainStep.lower`` lands: the step's gradient and update, jitted with the
+    state's and the batch's shardings, lowered. (Same FLOPs; no metrics reduction.)"""
     import jax
-    import jax.numpy as jnp
-    import optax
+
+    def update(state: Any, batch: Any) -> Any:
+        def loss(params: Any) -> Any:
+            model = state.adapter.bind(params, state.model_state, jax.random.key(0))
+            out = step.loss_fn(model, batch)
+            return out[0] if isinstance(out, tuple) else out
+
+        return state.apply_gradients(jax.grad(loss)(state.params), state.model_state)
+
+    def lower(state: Any, batch: Any) -> Any:
+        shardings = jax.tree.map(lambda x: x.sharding, (state, batch))
+        with jax.sharding.set_mesh(step.mesh):
+            return jax.jit(update, in_shardings=shardings, donate_argnums=0).lower(state, batch)
+
+    return lower
+
+
+def _host(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
+    """Runs ``job`` to ``job.steps`` and returns the summary (plain data)."""
+    import jax
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     import shardax as sx
-    from shardax.data.policy import pad_batch
+    from shardax.runtime.flops import format_utilization, utilization
 
-    mesh = _mesh(args)
-    data_size = mesh.shape["data"]
-    _check_batch_fits(args, mesh)
-    if args.save_every is not None and not args.checkpoint_dir:
-        raise UsageError(f"--save-every {args.save_every} needs --checkpoint-dir")
-    x_train, y_train, x_test, y_test = load_digits(args.seed)
-    # Each process reads its share of every global batch; the order depends on the seed
-    # and the epoch only; the last batch is padded, with a "mask" leaf marking real rows.
-    try:
-        loader = sx.batches(
-            {"x": x_train, "y": y_train},
-            args.batch_size,
-            shuffle=True,
-            seed=args.seed,
-            policy="pad",
-            num_epochs=None,
-        )
-    except ValueError as e:
-        raise UsageError(f"--batch-size {args.batch_size}: {e}") from None
-    steps_per_epoch = loader.steps_per_epoch
-
-    def loss_fn(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, Any]]:
-        logits = model(batch["x"])
-        mask = batch["mask"]
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-        correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
-        return sx.masked_mean(losses, mask), {"accuracy": sx.masked_mean(correct, mask)}
-
-    state = sx.TrainState.create(
-        make_mlp(64, args.hidden, 1, 10, args.seed), optax.adam(args.lr), rng=args.seed
-    )
-    try:
-        plan = make_plan(args.plan, mesh)
-        step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=args.mode)
-        state = step.shard(state)
-    except ValueError as e:
-        raise UsageError(
-            f"--plan {args.plan} --mode {args.mode} on mesh {dict(mesh.shape)}: {e}"
-        ) from None
-    batch_sharding = sx.batch_sharding(mesh)
-
-    @jax.jit
-    def evaluate(state: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        loss, aux = loss_fn(state.model, batch)
-        return {"loss": loss, **aux}
-
-    # The whole test set in one batch, padded to a multiple of the data axis, with a mask.
-    padded = -(-len(x_test) // data_size) * data_size
-    test_batch = sx.distribute_batch(pad_batch({"x": x_test, "y": y_test}, padded), batch_sharding)
+    mesh, step = job.mesh, job.step
     is_main = jax.process_index() == 0
     manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
-    state, data_state = _resume(args, manager, state)
-    total_steps = args.epochs * steps_per_epoch
-    # Steps done; the history of finished epochs; the per-step metrics (floats) and
-    # seconds of an epoch a preemption interrupted, so its means come out the same.
-    done = int(data_state.get("step", int(data_state["epoch"]) * steps_per_epoch))
-    history, partial = data_state["history"], data_state.get("epoch_metrics", [])
-    first_done = done // steps_per_epoch
-    if done >= total_steps:
+    state, data_state = resume(args, manager, job.state)
+    first_done, history = int(data_state["step"]), list(data_state["history"])
+    window: list[dict[str, float]] = list(data_state["window"])
+    if first_done >= job.steps:
         raise UsageError(
-            f"--resume: the checkpoint has finished epoch {first_done}; pass --epochs > "
-            f"{first_done} to train further"
+            f"--resume: the checkpoint has done {first_done} steps, as many as this run asks "
+            "for; ask for more to train further"
         )
+    if data_state["loader"] is not None:
+        try:
+            job.loader.set_state(data_state["loader"])
+        except ValueError as e:
+            raise UsageError(f"--resume: {e}") from None
+    save_every = args.save_every or job.eval_every
     described = sx.describe(state)
     if is_main:
         out.print(sx.describe(state.params))
@@ -236,26 +366,23 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             f"{described.total_bytes / 2**10:.1f} KiB"
         )
         out.print(
-            f"training an MLP on digits: {mesh.size} {jax.devices()[0].platform} device(s), "
+            f"training {job.title}: {mesh.size} {jax.devices()[0].platform} device(s), "
             f"mesh {dict(mesh.shape)}, plan {args.plan}, mode {args.mode}, "
-            f"batch {args.batch_size}, {args.epochs} epochs"
-            + (f", resuming at step {done}" if done else "")
+            f"batch {job.items_per_step} {job.unit}, {job.steps} steps"
         )
     progress = Progress(
-        TextColumn("epoch {task.fields[epoch]}"),
+        TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  acc {task.fields[acc]:.3f}"),
-        TextColumn("{task.fields[rate]:,.0f} ex/s"),
+        TextColumn("{task.fields[text]}"),
+        TextColumn("{task.fields[rate]:,.0f} " + job.unit + "/s"),
         TimeRemainingColumn(),
         console=out,
         disable=not is_main,
     )
     start = time.perf_counter()
-    try:
-        loader.set_state(data_state["loader"])
-    except ValueError as e:
-        raise UsageError(f"--resume: {e}") from None
-    feed = sx.prefetch_to_device(loader, batch_sharding)
+    flops = None
+    step_seconds: list[float] = []
+    feed = sx.prefetch_to_device(job.loader, sx.batch_sharding(mesh))
     watchdog = sx.StepWatchdog(args.step_timeout) if args.step_timeout else None
     # From the first step on, a SIGTERM saves (at the step every process agrees on) and stops.
     preemption = sx.watch_preemption()
@@ -266,98 +393,64 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         manager or contextlib.nullcontext(),
         watchdog or contextlib.nullcontext(),
     ):
-        task = progress.add_task(
-            "train",
-            total=total_steps,
-            completed=done,
-            epoch=first_done + 1,
-            loss=0.0,
-            acc=0.0,
-            rate=0.0,
-        )
-        metrics: list[dict[str, Any]] = list(partial)
-        checked = len(metrics)  # metrics[:checked] are known to be finite
-        epoch_start = time.perf_counter() - data_state.get("epoch_seconds", 0.0)
-
-        def check_losses(epoch: int) -> None:
-            """Stops at the first non-finite loss not checked yet, before anything saves."""
-            nonlocal checked
-            for j in range(checked, len(metrics)):
-                sx.check_finite(metrics[j]["loss"], (epoch - 1) * steps_per_epoch + j + 1)
-            checked = len(metrics)
-
-        def save(n: int) -> None:
-            if manager is not None:
-                floats = [{k: float(v) for k, v in m.items()} for m in metrics]
-                manager.save(n, state, {
-                    "epoch": n // steps_per_epoch,
-                    "step": n,
-                    "history": history,
-                    "epoch_metrics": floats if n % steps_per_epoch else [],
-                    "epoch_seconds": time.perf_counter() - epoch_start,
-                    "loader": feed.get_state(),
-                })  # fmt: skip
-
-        for g in range(done, total_steps):
-            epoch, i = g // steps_per_epoch + 1, g % steps_per_epoch
-            if i == 0:
-                metrics, checked, epoch_start = [], 0, time.perf_counter()
-            watched = watchdog.step(g + 1) if watchdog and g > done else contextlib.nullcontext()
-            with watched:  # the first step compiles: not watched
-                state, m = step(state, next(feed))
-                if watchdog:
+        task = progress.add_task("train", total=job.steps, completed=first_done, text="", rate=0.0)
+        pending: list[Any] = []  # this window's metrics, still on device
+        window_start, window_first = time.perf_counter(), first_done + 1
+        for i in range(first_done + 1, job.steps + 1):
+            batch = next(feed)
+            if flops is None:
+                flops = step_flops(step, state, batch)
+            # The first step compiles: not watched. A watched step waits for its loss.
+            watched = watchdog.step(i) if watchdog and i > first_done + 1 else None
+            with watched or contextlib.nullcontext():
+                state, m = step(state, batch)
+                if watched:
                     jax.block_until_ready(m["loss"])
-            metrics.append(m)
-            if i % 4 == 3 or i == steps_per_epoch - 1:
+            pending.append(m)
+            if i % 4 == 0 or i == job.steps:
+                now = time.perf_counter()
                 progress.update(
                     task,
-                    completed=g + 1,
-                    epoch=epoch,
-                    loss=float(m["loss"]),
-                    acc=float(m["accuracy"]),
-                    rate=min((i + 1) * args.batch_size, len(x_train))
-                    / (time.perf_counter() - epoch_start),
+                    completed=i,
+                    text=job.progress(_host(m)),
+                    rate=(i - window_first + 1) * job.items_per_step / (now - window_start),
                 )
-            saved = False
-            if i == steps_per_epoch - 1:
-                seconds = time.perf_counter() - epoch_start
-                check_losses(epoch)
-                test = evaluate(state, test_batch)
-                # Batch means weighted by their real rows: the mean over the epoch's examples.
-                rows = np.minimum(
-                    args.batch_size, len(x_train) - args.batch_size * np.arange(i + 1)
-                )
-                mean = {
-                    k: float(np.average([float(m[k]) for m in metrics], weights=rows))
-                    for k in metrics[0]
-                }
-                history.append(
-                    {
-                        "epoch": epoch,
-                        "train_loss": mean["loss"],
-                        "train_accuracy": mean["accuracy"],
-                        "test_loss": float(test["loss"]),
-                        "test_accuracy": float(test["accuracy"]),
-                        "seconds": seconds,
-                        "examples_per_s": len(x_train) / seconds,
-                    }
-                )
-                save(g + 1)
-                saved = True
-            elif args.save_every and (g + 1) % args.save_every == 0:
-                check_losses(epoch)
-                save(g + 1)
-                saved = True
-            if sx.reached_preemption(g + 1):  # every process agrees on this step
-                if not saved:
-                    check_losses(epoch)
-                    save(g + 1)
-                raise sx.Preempted(g + 1, args.checkpoint_dir)
+            evaluate = i % job.eval_every == 0 or i == job.steps
+            preempted = sx.reached_preemption(i)  # the same step on every process
+            save = manager is not None and (i % save_every == 0 or i == job.steps or preempted)
+            if not (evaluate or save or preempted):
+                continue
+            done = [_host(p) for p in pending]
+            for j, d in enumerate(done):  # stop at the first non-finite step, before saving
+                sx.check_finite(d["loss"], i - len(done) + j + 1)
+            window += done
+            pending = []
+            if evaluate:
+                seconds = time.perf_counter() - window_start
+                if window_first > first_done + 1:  # the first window includes compilation
+                    step_seconds.append(seconds / (i - window_first + 1))
+                history += job.records(i - len(window) + 1, window, job.evaluate(state), seconds)
+                window = []
+            if save:
+                loader_state = feed.get_state()
+                data_state = {"step": i, "history": history, "loader": loader_state,
+                              "window": window}  # fmt: skip
+                manager.save(i, state, data_state)
+            if preempted:
+                raise sx.Preempted(i, args.checkpoint_dir)
+            if evaluate:
+                window_start, window_first = time.perf_counter(), i + 1
     total = time.perf_counter() - start
-    steady = history[1:] or history
+    if not step_seconds:  # one window only: its time, compilation included
+        step_seconds = [total / max(job.steps - first_done, 1)]
+    seconds_per_step = float(np.median(step_seconds))
+    use = utilization(flops, seconds_per_step, mesh.size if args.mode != "single" else 1)
+    if is_main:
+        out.print(format_utilization(use))
     shardings = sx.plan.map_arrays(lambda p, x: _spec_text(x), state)
-    return {
+    common = {
         "command": "train",
+        "model": args.model,
         "devices": mesh.size,
         "processes": jax.process_count(),
         "platform": jax.devices()[0].platform,
@@ -365,23 +458,28 @@ def train(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         "mesh": dict(mesh.shape),
         "plan": args.plan,
         "mode": args.mode,
+        "precision": args.precision,
+        "accumulate": args.accumulate,
         "batch_size": args.batch_size,
-        "epochs": args.epochs,
         "seed": args.seed,
-        "steps": args.epochs * steps_per_epoch,
-        "resumed_from_epoch": first_done,
+        "steps": job.steps,
+        "resumed_from_step": first_done,
         "state_bytes": described.total_bytes,
         "state_bytes_per_device": described.total_bytes_per_device,
         "checkpoint_dir": args.checkpoint_dir,
-        "train_examples": len(x_train),
-        "test_examples": len(x_test),
-        "test_accuracy": history[-1]["test_accuracy"],
-        "target_accuracy": TARGET_ACCURACY,
+        "save_every": save_every if manager is not None else None,
         "seconds": total,
-        "examples_per_s": float(np.median([h["examples_per_s"] for h in steady])),
+        "seconds_per_step": seconds_per_step,
+        f"{job.unit}_per_s": job.items_per_step / seconds_per_step,
+        **use,
+        "flops_estimate_per_step": job.estimate_flops,
+        "flops_estimate_ratio": (
+            flops / job.estimate_flops if flops and job.estimate_flops else None
+        ),
         "param_specs": {k: v for k, v in _flatten(shardings).items() if k.startswith("params/")},
         "history": history,
     }
+    return {**common, **job.summary(common), "history": history}
 
 
 def _spec_text(x: Any) -> str:
@@ -405,19 +503,23 @@ def _flatten(tree: Any) -> dict[str, Any]:
     return {path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def plot_curves(history: list[dict[str, float]], path: Any, title: str) -> None:
-    """Loss and accuracy per epoch, train and test, side by side in one PNG."""
+def plot_curves(
+    history: list[dict[str, Any]], path: Any, title: str, x: str, panels: list[tuple[str, str]]
+) -> None:
+    """One panel per ``(metric, label)``: train and held-out curves against ``x``.
+
+    Each panel plots ``train_<metric>`` and the held-out ``<split>_<metric>`` entries
+    (``test_`` or ``val_``) found in ``history``.
+    """
     plt = pyplot("train")
-    epochs = [h["epoch"] for h in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
-    ax_loss.plot(epochs, [h["test_loss"] for h in history], "s-", label="test")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", yscale="log", title="loss")
-    ax_acc.plot(epochs, [h["train_accuracy"] for h in history], "o-", label="train")
-    ax_acc.plot(epochs, [h["test_accuracy"] for h in history], "s-", label="test")
-    ax_acc.axhline(TARGET_ACCURACY, color="gray", ls=":", label=f"{TARGET_ACCURACY:.0%}")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
-    for ax in (ax_loss, ax_acc):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (metric, label) in zip(axes[0], panels, strict=True):
+        for split, style in (("train", "-"), ("val", "s-"), ("test", "s-")):
+            points = [(h[x], h[f"{split}_{metric}"]) for h in history if f"{split}_{metric}" in h]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, style, label=split, ms=4)
+        ax.set(xlabel=x, ylabel=label, title=metric)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
@@ -426,31 +528,32 @@ def plot_curves(history: list[dict[str, float]], path: Any, title: str) -> None:
     plt.close(fig)
 
 
+def _job(args: argparse.Namespace, out: Any) -> tuple[Job, Callable[..., Any]]:
+    """The job of ``--model`` and its reporter."""
+    if args.model == "gpt":
+        from shardax.cli import train_gpt as module
+    else:
+        from shardax.cli import train_mlp as module  # type: ignore[no-redef]
+    return module.make_job(args, out), module
+
+
 def run(args: argparse.Namespace) -> int:
     """Trains, writes ``summary.json`` and ``curves.png``, prints the result."""
     import jax
 
     out = console(args)
-    summary = train(args, out)
-    is_main = jax.process_index() == 0
-    if is_main:
+    check_model_options(args)
+    job, module = _job(args, out)
+    summary = loop(args, out, job)
+    if jax.process_index() == 0:
         directory = run_dir(args.run_dir, "train")
         summary["run_dir"] = str(directory)
         summary["plot"] = str(directory / "curves.png")
-        plot_curves(
-            summary["history"],
-            directory / "curves.png",
-            f"MLP on digits, {summary['devices']} × {summary['platform']}, mesh "
-            f"{summary['mesh']}, plan {summary['plan']}",
-        )
+        module.plot(summary, directory / "curves.png")
         (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if args.json:
             print_json(summary)
         else:
-            ok = summary["test_accuracy"] >= TARGET_ACCURACY
-            out.print(
-                f"test accuracy [bold {'green' if ok else 'red'}]{summary['test_accuracy']:.4f}[/]"
-                f" in {summary['seconds']:.1f} s ({summary['examples_per_s']:,.0f} examples/s); "
-                f"wrote {directory}/summary.json and curves.png"
-            )
+            module.report(summary, out)
+            out.print(f"wrote {directory}/summary.json and curves.png")
     return 0

@@ -3,3 +3,8 @@
 One concept per module; each module's public names are re-exported here and from
 ``shardax``.
 """
+
+from shardax.parallel.remat import POLICIES as REMAT_POLICIES
+from shardax.parallel.remat import checkpoint_policy, remat
+
+__all__ = ["REMAT_POLICIES", "checkpoint_policy", "remat"]

@@ -1,0 +1,207 @@
+"""``shardax train --model gpt``: the byte-level transformer of :mod:`shardax.models.gpt`.
+
+The corpus is the Python standard library's sources (no download), or ``--data PATH``;
+every 10th file is held out for validation. Each step trains on random windows of
+``--seq-len`` bytes; every ``--eval-every`` steps the validation loss is measured on a
+fixed set of held-out windows. The history has one entry per step (``step``,
+``train_loss``) and ``val_loss`` at evaluation steps. The loss is in nats per byte; the
+corpus's unigram entropy (the best loss without context) is printed next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from shardax.cli.common import UsageError
+from shardax.cli.train import Job, build_step, check_batch_fits, make_mesh, plot_curves
+
+DEFAULTS = {
+    "steps": 200,
+    "layers": 2,
+    "d_model": 64,
+    "heads": 4,
+    "seq_len": 64,
+    "max_seq_len": 256,
+    "positions": "rotary",
+    "remat": "none",
+    "eval_every": 50,
+    "batch_size": 16,
+    "lr": 3e-3,
+}
+EVAL_WINDOWS = 64
+
+
+def config(args: argparse.Namespace) -> Any:
+    """The :class:`GPTConfig` of the options; bad sizes are usage errors naming them."""
+    from shardax.models.gpt import GPTConfig
+
+    if args.seq_len > args.max_seq_len:
+        raise UsageError(
+            f"--seq-len {args.seq_len} is above the model's maximum sequence length "
+            f"--max-seq-len {args.max_seq_len}"
+        )
+    if args.d_model % args.heads:
+        raise UsageError(
+            f"--heads {args.heads} must divide --d-model {args.d_model} "
+            f"(remainder {args.d_model % args.heads})"
+        )
+    try:
+        return GPTConfig(
+            layers=args.layers,
+            d_model=args.d_model,
+            heads=args.heads,
+            max_seq_len=args.max_seq_len,
+            positions=args.positions,
+            scan_layers=bool(args.scan_layers),
+        )
+    except ValueError as e:
+        raise UsageError(f"--d-model {args.d_model} --heads {args.heads}: {e}") from None
+
+
+def make_job(args: argparse.Namespace, out: Any) -> Job:
+    """The GPT job: corpus, model, plan from the model's logical axes, validation."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import shardax as sx
+    from shardax.data.text import LMBatches, lm_eval_batch, load_corpus
+    from shardax.models import gpt
+
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    cfg = config(args)
+    mesh = make_mesh(args)
+    data_size = mesh.shape["data"]
+    check_batch_fits(args, mesh)
+    try:
+        corpus = load_corpus(args.data)
+        loader = LMBatches(corpus.train, args.batch_size, args.seq_len, args.seed)
+        eval_rows = max(EVAL_WINDOWS // data_size, 1) * data_size
+        val = lm_eval_batch(corpus.val, eval_rows, args.seq_len)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+    def loss_fn(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        logits = model(batch["inputs"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    abstract = nnx.eval_shape(lambda: gpt.make_gpt(cfg, args.seed, remat=args.remat))
+    try:
+        plan = gpt.plan(mesh, abstract, args.plan)
+    except ValueError as e:
+        raise UsageError(
+            f"--plan {args.plan} --heads {args.heads} --d-model {args.d_model} "
+            f"--mesh {','.join(f'{k}={v}' for k, v in mesh.shape.items())}: {e}"
+        ) from None
+    warmup = min(20, max(args.steps // 10, 1))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup, max(args.steps, warmup + 1), end_value=args.lr / 10
+    )
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    step = build_step(args, loss_fn, mesh, plan)
+
+    def init() -> Any:
+        return sx.TrainState.create(gpt.make_gpt(cfg, args.seed, args.remat), tx, rng=args.seed)
+
+    try:
+        state = step.init(init)
+    except ValueError as e:
+        raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
+
+    @jax.jit
+    def evaluate_jit(state: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        return loss_fn(state.model, batch)
+
+    val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh))
+
+    def evaluate(state: Any) -> dict[str, float]:
+        with jax.sharding.set_mesh(mesh):
+            return {"val_loss": float(evaluate_jit(state, val_batch))}
+
+    tokens = args.batch_size * args.seq_len
+
+    def records(first: int, window: list[dict[str, float]], val: dict, seconds: float):
+        entries = [{"step": first + j, "train_loss": m["loss"]} for j, m in enumerate(window)]
+        entries[-1].update(val, tokens_per_s=len(window) * tokens / seconds)
+        return entries
+
+    model_params = gpt.param_count(abstract)
+    non_embedding = gpt.param_count(abstract, embeddings=False)
+    per_token = gpt.flops_per_token(cfg, args.seq_len, non_embedding)
+    unigram = corpus.unigram_entropy()
+
+    def summary(common: dict[str, Any]) -> dict[str, Any]:
+        evals = [h for h in common["history"] if "val_loss" in h]
+        return {
+            "val_loss": evals[-1]["val_loss"],
+            "unigram_entropy": unigram,
+            "model_config": {
+                "layers": cfg.layers,
+                "d_model": cfg.d_model,
+                "heads": cfg.heads,
+                "seq_len": args.seq_len,
+                "max_seq_len": cfg.max_seq_len,
+                "positions": cfg.positions,
+                "remat": args.remat,
+                "scan_layers": cfg.scan_layers,
+            },
+            "params": model_params,
+            "non_embedding_params": non_embedding,
+            "lr": args.lr,
+            "tokens_per_step": tokens,
+            "corpus": {
+                "source": corpus.source,
+                "files": corpus.files,
+                "train_bytes": int(corpus.train.size),
+                "val_bytes": int(corpus.val.size),
+                "val_windows": eval_rows,
+            },
+        }
+
+    return Job(
+        title=(
+            f"a {cfg.layers}-layer GPT (d_model {cfg.d_model}, {cfg.heads} heads, "
+            f"{model_params:,} params) on {corpus.source}"
+        ),
+        mesh=mesh,
+        state=state,
+        step=step,
+        loader=loader,
+        steps=args.steps,
+        eval_every=args.eval_every,
+        evaluate=evaluate,
+        records=records,
+        unit="tokens",
+        items_per_step=tokens,
+        progress=lambda m: f"loss {m['loss']:.4f}",
+        summary=summary,
+        estimate_flops=per_token * tokens,
+    )
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Train and validation loss per step, with the unigram entropy for reference."""
+    plot_curves(
+        summary["history"],
+        path,
+        f"GPT ({summary['params']:,} params), {summary['devices']} × {summary['platform']}, "
+        f"mesh {summary['mesh']}, plan {summary['plan']}; unigram entropy "
+        f"{summary['unigram_entropy']:.2f}",
+        x="step",
+        panels=[("loss", "cross-entropy (nats/byte)")],
+    )
+
+
+def report(summary: dict[str, Any], out: Any) -> None:
+    """Validation loss against the unigram entropy, time and throughput."""
+    ok = summary["val_loss"] < summary["unigram_entropy"]
+    out.print(
+        f"validation loss [bold {'green' if ok else 'red'}]{summary['val_loss']:.4f}[/] "
+        f"nats/byte (unigram entropy of the corpus: {summary['unigram_entropy']:.4f}) in "
+        f"{summary['seconds']:.1f} s ({summary['tokens_per_s']:,.0f} tokens/s)"
+    )

@@ -1,0 +1,177 @@
+"""Byte-level text corpora for language models: an embedded default, or the user's files.
+
+The default corpus needs no download: it is the Python standard library's own ``.py``
+sources, found through ``sysconfig``, in sorted order, so every machine with the same
+Python has the same bytes. Files, not bytes, are held out: every ``val_every``-th file
+goes to the validation split.
+
+>>> corpus = load_corpus(max_bytes=200_000)
+>>> corpus.train.dtype, len(corpus.val) > 0
+(dtype('uint8'), True)
+>>> batch = lm_batch(corpus.train, batch_size=4, seq_len=32, seed=0, step=1)
+>>> batch["inputs"].shape, batch["targets"].shape
+((4, 32), (4, 32))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_MAX_BYTES = 2 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Train and validation bytes, and where they came from.
+
+    Attributes:
+        train: uint8 array of the training bytes.
+        val: uint8 array of the held-out bytes.
+        source: a description of the files read.
+        files: number of files read.
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    source: str
+    files: int
+
+    def unigram_entropy(self) -> float:
+        """Cross-entropy (nats/byte) on ``val`` of the train split's byte frequencies
+        (add-one smoothed): the loss of the best model that ignores context."""
+        counts = np.bincount(self.train, minlength=256).astype(np.float64) + 1.0
+        logp = np.log(counts / counts.sum())
+        return float(-logp[self.val].mean())
+
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files in sorted path order; tests, IDLE and
+    site-packages left out."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
+    return sorted(files)
+
+
+def _text_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    raise ValueError(f"--data {path}: no such file or directory")
+
+
+def load_corpus(
+    path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES, val_every: int = 10
+) -> Corpus:
+    """The corpus at ``path`` (a text file, or a directory of them, read recursively), or
+    the standard library's sources when ``path`` is None, up to ``max_bytes`` bytes.
+
+    Files that are not UTF-8 text (binary files) are skipped. Raises ``ValueError`` naming
+    ``path`` when it holds no text, or too little for both splits.
+    """
+    files = stdlib_files() if path is None else _text_files(Path(path))
+    source = (
+        f"Python stdlib sources ({sysconfig.get_paths()['stdlib']})" if path is None else str(path)
+    )
+    train: list[bytes] = []
+    val: list[bytes] = []
+    total = used = 0
+    for file in files:
+        if total >= max_bytes:
+            break
+        try:
+            data = file.read_bytes()
+            data.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not data.strip():
+            continue
+        data = data[: max_bytes - total]
+        (val if used % val_every == val_every - 1 else train).append(data)
+        total += len(data)
+        used += 1
+    if total == 0:
+        raise ValueError(
+            f"--data {path}: no text found ({len(files)} file(s), none non-empty UTF-8 text)"
+        )
+    if not val:  # one or a few files: hold out the tail of the text instead
+        joined = b"".join(train)
+        cut = len(joined) - max(len(joined) // val_every, 1)
+        train, val = [joined[:cut]], [joined[cut:]]
+    as_array = lambda parts: np.frombuffer(b"".join(parts), np.uint8)  # noqa: E731
+    return Corpus(as_array(train), as_array(val), source, used)
+
+
+def lm_batch(
+    data: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int
+) -> dict[str, np.ndarray]:
+    """``batch_size`` random windows of ``data``: ``inputs`` and the next bytes,
+    ``targets``, both int32 (batch, seq_len). A function of ``(seed, step)`` only, so a
+    resumed run sees the same batches.
+    """
+    if len(data) < seq_len + 1:
+        raise ValueError(
+            f"--seq-len {seq_len}: the text has {len(data)} bytes, fewer than seq_len + 1"
+        )
+    rng = np.random.default_rng((seed, step))
+    start = rng.integers(0, len(data) - seq_len, size=batch_size)
+    windows = data[start[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def lm_eval_batch(data: np.ndarray, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
+    """A fixed validation batch: ``batch_size`` windows evenly spaced over ``data``."""
+    if len(data) < seq_len + 1:
+        raise ValueError(
+            f"--seq-len {seq_len}: the validation text has {len(data)} bytes, fewer than "
+            "seq_len + 1"
+        )
+    start = np.linspace(0, len(data) - seq_len - 1, batch_size).astype(np.int64)
+    windows = data[start[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+class LMBatches:
+    """An endless iterator of :func:`lm_batch` batches from step ``1``: each process gets
+    its rows of every global batch. ``get_state()`` / ``set_state()`` give the position
+    (``{"step": steps done}``), for checkpoints.
+    """
+
+    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int) -> None:
+        import jax
+
+        processes, index = jax.process_count(), jax.process_index()
+        if batch_size % processes:
+            raise ValueError(
+                f"--batch-size {batch_size} is not divisible by the process count {processes}"
+            )
+        local = batch_size // processes
+        self._rows = slice(index * local, (index + 1) * local)
+        self.data, self.batch_size, self.seq_len, self.seed = data, batch_size, seq_len, seed
+        self.step = 0
+        lm_batch(data, 1, seq_len, seed, 0)  # checks the text is long enough
+
+    def __iter__(self) -> LMBatches:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        self.step += 1
+        batch = lm_batch(self.data, self.batch_size, self.seq_len, self.seed, self.step)
+        return {k: v[self._rows] for k, v in batch.items()}
+
+    def get_state(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])

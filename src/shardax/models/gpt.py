@@ -1,0 +1,352 @@
+"""A decoder-only byte-level transformer LM in Flax NNX: the reference transformer.
+
+Copy it as a template. The pieces, top to bottom:
+
+- ``GPTConfig``: sizes, checked once (heads divide ``d_model``, a known position scheme).
+- ``Block``: one pre-norm layer, ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with
+  causal self-attention and rotary (default) or learned positions.
+- ``GPT``: byte embedding, the ``layers`` blocks stacked on a leading axis, a final norm
+  and an output head over the 256 byte values.
+
+**Logical axes, annotated once.** Every parameter carries logical names through
+``nnx.with_partitioning``; nothing in the model names a mesh axis:
+
+====================  ===========================  =================================
+parameter             shape                        logical axes
+====================  ===========================  =================================
+embed/embedding       (vocab, d_model)             ("vocab", "embed")
+pos/embedding         (max_seq_len, d_model)       (None, "embed")     (learned only)
+blocks/attn/q,k,v     (L, d_model, heads, d_head)  ("layers", "embed", "heads", "kv")
+blocks/attn/out       (L, heads, d_head, d_model)  ("layers", "heads", "kv", "embed")
+blocks/mlp/up         (L, d_model, 4·d_model)      ("layers", "embed", "mlp")
+blocks/mlp/down       (L, 4·d_model, d_model)      ("layers", "mlp", "embed")
+blocks/norm*/scale    (L, d_model)                 ("layers", "embed")
+norm/scale            (d_model,)                   ("embed",)
+head                  (d_model, vocab)             ("embed", "vocab")
+====================  ===========================  =================================
+
+:data:`AXIS_RULES` maps them onto a mesh for each plan. Tensor parallelism is Megatron's:
+q/k/v and ``mlp/up`` split their output columns (``heads``, ``mlp``) over ``model``;
+``attn/out`` and ``mlp/down`` split their input rows the same way, so each block needs
+one all-reduce after attention and one after the MLP. FSDP shards the ``embed`` dimension
+of every weight over ``data``.
+
+**Stacked layers, ready for a pipeline.** ``GPT.blocks`` is one :class:`Block` built under
+``nnx.vmap``: each of its parameters has a leading layer dimension ``L`` (logical name
+``"layers"``). :meth:`GPT.layers` returns ``(layer_fn, stacked)``, where ``stacked`` is
+that state and ``layer_fn(layer_params, x) -> x`` runs one layer from one slice. The model
+runs them in a loop over the slices (or ``lax.scan``, ``GPTConfig.scan_layers``);
+``sx.pipeline(layer_fn, stacked, x, axis="stage", ...)`` takes the same pair, with
+``"layers"`` mapped to the ``stage`` mesh axis.
+
+>>> model = make_gpt(GPTConfig(layers=2, d_model=32, heads=4, max_seq_len=16), seed=0)
+>>> model(jnp.zeros((2, 16), jnp.int32)).shape
+(2, 16, 256)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+VOCAB = 256
+"""Byte-level: one token per byte value."""
+
+POSITIONS = ("rotary", "learned")
+
+# Logical axis -> mesh axis (None: replicated) for each --plan of `shardax train --model gpt`.
+AXIS_RULES: dict[str, dict[str, Any]] = {
+    "replicate": {},
+    "fsdp": {"embed": "data"},
+    "tp": {"heads": "model", "mlp": "model", "vocab": "model"},
+    "fsdp+tp": {"embed": "data", "heads": "model", "mlp": "model", "vocab": "model"},
+}
+LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv", "mlp")
+
+
+def axis_rules(plan: str) -> dict[str, Any]:
+    """The logical-to-mesh mapping of ``plan`` (every logical axis named; None replicates).
+
+    >>> axis_rules("tp")["mlp"]
+    'model'
+    """
+    if plan not in AXIS_RULES:
+        raise ValueError(f"plan must be one of {list(AXIS_RULES)}, got {plan!r}")
+    return {name: AXIS_RULES[plan].get(name) for name in LOGICAL_AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The sizes of a :class:`GPT`.
+
+    Attributes:
+        layers: number of transformer blocks.
+        d_model: width of the residual stream.
+        heads: attention heads; must divide ``d_model``.
+        max_seq_len: the longest sequence the model accepts (learned position table size).
+        mlp_ratio: MLP hidden width as a multiple of ``d_model``.
+        positions: ``"rotary"`` or ``"learned"``.
+        vocab: vocabulary size (256 bytes).
+        scan_layers: run the stacked layers in ``lax.scan`` (one compiled loop body:
+            compile time independent of depth; remat's memory savings hold on XLA:CPU,
+            whose scheduler ignores them in straight-line code), rather than a Python
+            loop over the layer slices (default: XLA sees every layer, and its
+            ``cost_analysis`` counts them all; it counts a loop body once).
+    """
+
+    layers: int = 2
+    d_model: int = 128
+    heads: int = 4
+    max_seq_len: int = 256
+    mlp_ratio: int = 4
+    positions: str = "rotary"
+    vocab: int = VOCAB
+    scan_layers: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "d_model", "heads", "max_seq_len", "mlp_ratio", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.d_model % self.heads:
+            raise ValueError(
+                f"GPTConfig: heads={self.heads} must divide d_model={self.d_model} "
+                f"(d_model % heads = {self.d_model % self.heads})"
+            )
+        if self.positions not in POSITIONS:
+            raise ValueError(
+                f"GPTConfig.positions must be one of {POSITIONS}, got {self.positions!r}"
+            )
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ValueError(
+                f"GPTConfig: rotary positions need an even head dim, got d_model/heads = "
+                f"{self.head_dim}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.mlp_ratio * self.d_model
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[Any, ...], std: float) -> nnx.Param:
+    """A normal(std) parameter annotated with logical axis ``names``."""
+    init = nnx.with_partitioning(nnx.initializers.normal(std), names)
+    return nnx.Param(init(rngs.params(), shape))
+
+
+def _norm(d_model: int, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    ones = nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",))
+    return nnx.RMSNorm(d_model, scale_init=ones, rngs=rngs)
+
+
+def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary position embedding of ``x`` (batch, seq, heads, head_dim) at ``positions``."""
+    half = x.shape[-1] // 2
+    freq = 10_000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[:, None].astype(jnp.float32) * freq  # (seq, half)
+    sin, cos = jnp.sin(angle)[:, None, :], jnp.cos(angle)[:, None, :]
+    a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention; heads are the tensor-parallel dimension."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
+        d, h, k = cfg.d_model, cfg.heads, cfg.head_dim
+        std = d**-0.5
+        self.q = _param(rngs, (d, h, k), ("embed", "heads", "kv"), std)
+        self.k = _param(rngs, (d, h, k), ("embed", "heads", "kv"), std)
+        self.v = _param(rngs, (d, h, k), ("embed", "heads", "kv"), std)
+        # Residual projections start small (GPT-2's 1/sqrt(2·layers)).
+        self.out = _param(
+            rngs, (h, k, d), ("heads", "kv", "embed"), std / math.sqrt(2 * cfg.layers)
+        )
+        self.rotary = cfg.positions == "rotary"
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
+        k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
+        v = jnp.einsum("btd,dhk->bthk", x, self.v[...])
+        if self.rotary:
+            positions = jnp.arange(x.shape[1])
+            q, k = rotary(q, positions), rotary(k, positions)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jnp.einsum("bthk,hkd->btd", y, self.out[...])
+
+
+class MLP(nnx.Module):
+    """``down(gelu(up(x)))``: ``up`` splits columns, ``down`` rows (Megatron)."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
+        d, m = cfg.d_model, cfg.mlp_dim
+        self.up = _param(rngs, (d, m), ("embed", "mlp"), d**-0.5)
+        self.down = _param(rngs, (m, d), ("mlp", "embed"), m**-0.5 / math.sqrt(2 * cfg.layers))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.gelu(x @ self.up[...]) @ self.down[...]
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer layer: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
+        self.norm1 = _norm(cfg.d_model, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.norm2 = _norm(cfg.d_model, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nnx.Module):
+    """Byte-level decoder-only transformer: ``tokens (batch, seq) -> logits (batch, seq, 256)``.
+
+    Args:
+        cfg: the sizes.
+        rngs: parameter initialisation keys.
+        remat: activation rematerialisation of each block, a policy name of
+            :func:`shardax.remat` (``"none"`` keeps every activation).
+    """
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs, remat: str = "none") -> None:
+        from shardax.parallel.remat import check_policy
+
+        self.cfg = cfg
+        self.remat = check_policy(remat)
+        self.embed = nnx.Embed(
+            cfg.vocab,
+            cfg.d_model,
+            embedding_init=nnx.with_partitioning(nnx.initializers.normal(1.0), ("vocab", "embed")),
+            rngs=rngs,
+        )
+        if cfg.positions == "learned":
+            self.pos = nnx.Embed(
+                cfg.max_seq_len,
+                cfg.d_model,
+                embedding_init=nnx.with_partitioning(
+                    nnx.initializers.normal(0.02), (None, "embed")
+                ),
+                rngs=rngs,
+            )
+
+        # L blocks built at once: every parameter gets a leading "layers" dimension.
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stack(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = stack(rngs)
+        self.norm = _norm(cfg.d_model, rngs)
+        self.head = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), cfg.d_model**-0.5)
+
+    def layers(self) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
+        """``(layer_fn, stacked)``: ``stacked`` holds every block's params with a leading
+        layer dimension; ``layer_fn(stacked_slice, x) -> x`` is one block, rematerialised
+        by the model's policy. ``lax.scan`` (here) or ``sx.pipeline`` runs them."""
+        from shardax.parallel.remat import remat
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer_fn(params: Any, x: jax.Array) -> jax.Array:
+            return nnx.merge(graphdef, params)(x)
+
+        return remat(layer_fn, policy=self.remat), stacked
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        seq = tokens.shape[-1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(
+                f"GPT: sequence length {seq} is above the model's max_seq_len "
+                f"{self.cfg.max_seq_len}"
+            )
+        x = self.embed(tokens)
+        if self.cfg.positions == "learned":
+            x = x + self.pos(jnp.arange(seq))
+        layer_fn, stacked = self.layers()
+        if self.cfg.scan_layers:
+            x, _ = jax.lax.scan(lambda h, params: (layer_fn(params, h), None), x, stacked)
+        else:
+            for i in range(self.cfg.layers):
+                x = layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), x)
+        return self.norm(x) @ self.head[...].astype(x.dtype)
+
+
+def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:
+    """A :class:`GPT` initialised from ``seed``, its annotations kept as logical names
+    (no eager sharding: plans place it, see :func:`plan`)."""
+    with nnx.use_eager_sharding(False):
+        return GPT(cfg, nnx.Rngs(seed), remat=remat)
+
+
+def plan(mesh: Any, model: Any, name: str) -> Any:
+    """The plan ``name`` (replicate, fsdp, tp, fsdp+tp) of ``model`` over ``mesh``, from its
+    annotations through :func:`axis_rules`. TP needs ``mesh``'s ``model`` axis to divide
+    the heads (and the MLP width and vocab); that is checked with a clear error.
+
+    >>> mesh = sx.make_mesh({"data": 4, "model": 2})
+    >>> p = plan(mesh, model, "tp")
+    """
+    from shardax.plan.annotations import from_nnx
+
+    rules = axis_rules(name)
+    used = {axis for axis in rules.values() if axis is not None}
+    missing = sorted(used - set(mesh.shape))
+    if missing:
+        raise ValueError(
+            f"plan {name!r} shards over mesh axes {sorted(used)}, but the mesh "
+            f"{dict(mesh.shape)} has no {', '.join(map(repr, missing))} axis; "
+            f"pass e.g. --mesh data=-1{',model=2' if 'model' in missing else ''}"
+        )
+    cfg = model.cfg
+    sizes = {
+        "heads": cfg.heads,
+        "mlp": cfg.mlp_dim,
+        "vocab": cfg.vocab,
+        "embed": cfg.d_model,
+    }
+    for logical, size in sizes.items():
+        axis = rules[logical]
+        if axis is not None and size % mesh.shape[axis]:
+            raise ValueError(
+                f"plan {name!r} splits {logical}={size} over mesh axis {axis!r} of size "
+                f"{mesh.shape[axis]}, which does not divide it"
+            )
+    return from_nnx(mesh, model, rules)
+
+
+def param_count(model: GPT, embeddings: bool = True) -> int:
+    """Number of parameters; without the input (and learned position) embeddings when
+    ``embeddings`` is False, as in the 6·N FLOPs estimate (a lookup does no FLOPs)."""
+    params = nnx.state(model, nnx.Param)
+    total = sum(x.size for x in jax.tree.leaves(params))
+    if embeddings:
+        return total
+    lookups = model.embed.embedding.size
+    if model.cfg.positions == "learned":
+        lookups += model.pos.embedding.size
+    return total - lookups
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int, non_embedding_params: int) -> float:
+    """Training FLOPs per token: ``6·N`` for the matmuls over N non-embedding params
+    (forward 2·N, backward 4·N), plus attention's scores and weighted values,
+    ``6 · 2·layers·seq_len·d_model`` (dense: XLA computes the masked half too).
+
+    >>> flops_per_token(GPTConfig(layers=1, d_model=8, heads=2), 4, 100)
+    984.0
+    """
+    attention = 2 * 2 * cfg.layers * seq_len * cfg.d_model  # QK^T and AV, forward
+    return 6.0 * non_embedding_params + 3.0 * attention
