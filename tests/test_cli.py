@@ -56,6 +56,8 @@ def test_plan_subprocess_seven_billion_on_eight_h100():
     assert rows["DP", 8, 1]["total_bytes"] == 16 * 7e9 and rows["DP", 8, 1]["fits"] is False
     assert rows["FSDP", 8, 1]["total_bytes"] == 2 * 7e9 and rows["FSDP", 8, 1]["fits"] is True
     assert rows["DP×TP", 4, 2]["global_critical_batch"] == pytest.approx(4 * 989e12 / 3350e9)
+    pp = {(r["data"], r["stage"]): r for r in out["strategies"] if r["strategy"] == "DP×PP"}
+    assert pp[2, 4]["total_bytes"] == 16 * 7e9 / 4 and pp[2, 4]["model"] == 1
     assert any("does not fit" in w for w in out["warnings"])
 
 
@@ -84,6 +86,9 @@ def test_bench_subprocess_small(tmp_path):
         assert len(r["times_s"]) == 2 and r["median_s"] > 0
         # The same step from the same state: every mode computes the same loss.
         assert r["loss"] == pytest.approx(rows["single"]["loss"], rel=1e-5)
+        # FLOPs of each mode's compiled step: the same work, MFU unknown on CPU.
+        assert r["flops_per_step"] == pytest.approx(rows["single"]["flops_per_step"], rel=0.25)
+        assert r["tflops_per_s_per_device"] > 0 and r["mfu"] == "n/a"
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
 
 

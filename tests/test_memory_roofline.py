@@ -15,19 +15,26 @@ def test_bytes_per_param_formulas():
 
 
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))
-def test_dp_fsdp_tp_hybrids_divide_the_states(precision):
+def test_dp_fsdp_tp_pp_hybrids_divide_the_states(precision):
     p, n = 7e9, 8
     s = PRECISIONS[precision].total
-    rows = {(e.strategy, e.data, e.model): e.total_bytes for e in plan_memory(p, n, precision)}
+    rows = {
+        (e.strategy, e.data, e.model, e.stage): e.total_bytes for e in plan_memory(p, n, precision)
+    }
     assert rows == pytest.approx(
         {
-            ("DP", 8, 1): s * p,
-            ("FSDP", 8, 1): s * p / 8,
-            ("TP", 1, 8): s * p / 8,
-            ("DP×TP", 4, 2): s * p / 2,
-            ("FSDP×TP", 4, 2): s * p / 8,
-            ("DP×TP", 2, 4): s * p / 4,
-            ("FSDP×TP", 2, 4): s * p / 8,
+            ("DP", 8, 1, 1): s * p,
+            ("FSDP", 8, 1, 1): s * p / 8,
+            ("TP", 1, 8, 1): s * p / 8,
+            ("PP", 1, 1, 8): s * p / 8,
+            ("DP×TP", 4, 2, 1): s * p / 2,
+            ("FSDP×TP", 4, 2, 1): s * p / 8,
+            ("DP×TP", 2, 4, 1): s * p / 4,
+            ("FSDP×TP", 2, 4, 1): s * p / 8,
+            ("DP×PP", 4, 1, 2): s * p / 2,
+            ("FSDP×PP", 4, 1, 2): s * p / 8,
+            ("DP×PP", 2, 1, 4): s * p / 4,
+            ("FSDP×PP", 2, 1, 4): s * p / 8,
         }
     )
 
@@ -53,14 +60,19 @@ def test_seven_billion_dp_does_not_fit_an_h100_but_fsdp_does():
 
 def test_one_device_is_dp_only():
     assert [e.strategy for e in plan_memory(1e6, 1)] == ["DP"]
-    assert [(e.data, e.model) for e in plan_memory(1e6, 6)] == [
-        (6, 1),
-        (6, 1),
-        (1, 6),
-        (3, 2),
-        (3, 2),
-        (2, 3),
-        (2, 3),
+    assert [(e.data, e.model, e.stage) for e in plan_memory(1e6, 6)] == [
+        (6, 1, 1),
+        (6, 1, 1),
+        (1, 6, 1),
+        (1, 1, 6),
+        (3, 2, 1),
+        (3, 2, 1),
+        (2, 3, 1),
+        (2, 3, 1),
+        (3, 1, 2),
+        (3, 1, 2),
+        (2, 1, 3),
+        (2, 1, 3),
     ]
 
 
@@ -71,6 +83,8 @@ def test_bad_inputs_name_the_argument():
         estimate(-1)
     with pytest.raises(ValueError, match="data must be an integer >= 1, got 0"):
         estimate(1e6, data=0)
+    with pytest.raises(ValueError, match="stage must be an integer >= 1, got 0"):
+        estimate(1e6, stage=0)
     with pytest.raises(ValueError, match="num_devices must be an integer >= 1"):
         plan_memory(1e6, 0)
 

@@ -101,5 +101,5 @@ def test_prefetch_default_device_and_early_stop():
 
 
 def test_prefetch_rejects_bad_buffer():
-    with pytest.raises(ValueError, match="buffer_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="buffer_size must be an integer >= 1, got 0"):
         next(iter(sx.prefetch_to_device([np.ones(2)], buffer_size=0)))

@@ -76,7 +76,7 @@ def test_masked_mean():
     assert float(sx.masked_mean(values, mask)) == 4.0
     assert float(sx.masked_mean(values, jnp.zeros(3, bool))) == 0.0
     assert float(sx.masked_mean(values)) == pytest.approx(np.mean(values))
-    with pytest.raises(ValueError, match=r"mask must have shape \(batch,\) = \(3,\), got \(2,\)"):
+    with pytest.raises(ValueError, match=r"values have shape \(3, 2\), mask has shape \(2,\)"):
         sx.masked_mean(values, mask[:2])
 
 

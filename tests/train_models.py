@@ -88,3 +88,57 @@ def batches(n: int, size: int = 32, seed: int = 0, mask: bool = False) -> list[d
 
 def leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# -- a tiny language model, for token-weighted losses -----------------------------------
+
+VOCAB, EMBED, SEQ = 11, 8, 6
+
+
+def lm_apply(params: dict, tokens: jax.Array) -> jax.Array:
+    """Logits ``(batch, seq, vocab)``: each position sees its token and the previous one."""
+    h = params["embed"][tokens]
+    h = jnp.tanh(h + jnp.pad(h, ((0, 0), (1, 0), (0, 0)))[:, :-1] @ params["mix"])
+    return h @ params["out"]
+
+
+def lm_state(tx: optax.GradientTransformation | None = None) -> sx.TrainState:
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    params = {
+        "embed": jax.random.normal(k1, (VOCAB, EMBED)),
+        "mix": jax.random.normal(k2, (EMBED, EMBED)) / 3,
+        "out": jax.random.normal(k3, (EMBED, VOCAB)) / 3,
+    }
+    return sx.TrainState.from_params(params, lm_apply, tx or optax.adam(1e-2))
+
+
+def lm_loss(model, batch):
+    """Next-token cross-entropy, the mean over the real tokens."""
+    logits = model(batch["tokens"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    accuracy = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+    mask = batch["mask"]
+    return sx.masked_mean(losses, mask), {"accuracy": sx.masked_mean(accuracy, mask)}
+
+
+def padded_token_batches(n: int, size: int = 16, seed: int = 0) -> list[dict]:
+    """Sequences of lengths 1..SEQ, padded with garbage tokens; mask (batch, seq)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        text = rng.integers(0, VOCAB, size=(size, SEQ + 1)).astype(np.int32)
+        lengths = rng.integers(1, SEQ + 1, size=size)
+        mask = np.arange(SEQ)[None, :] < lengths[:, None]
+        out.append({"tokens": text[:, :-1], "targets": text[:, 1:], "mask": mask})
+    return out
+
+
+def lm_losses_numpy(params: dict, batch: dict) -> np.ndarray:
+    """Per-token cross-entropy in NumPy (float64)."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    h = p["embed"][batch["tokens"]]
+    prev = np.concatenate([np.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+    logits = np.tanh(h + prev @ p["mix"]) @ p["out"]
+    logits = logits - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]

@@ -27,7 +27,7 @@ from shardax.data import (
     shard_batch_dim,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
-from shardax.parallel import remat
+from shardax.parallel import pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
     ShardingReport,
@@ -62,11 +62,15 @@ from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog
 from shardax.train import (
     DataParallel,
     DistributedMetrics,
+    EvalStep,
+    LossScaling,
+    Precision,
     TrainState,
     TrainStep,
     all_gather,
     all_reduce,
     example_keys,
+    make_eval_step,
     make_train_step,
     masked_mean,
     reduce,
@@ -87,9 +91,12 @@ __all__ = [
     "DeviceMeshManager",
     "DevicePlacement",
     "DistributedMetrics",
+    "EvalStep",
     "HardwareType",
+    "LossScaling",
     "NonFiniteLossError",
     "Plan",
+    "Precision",
     "Preempted",
     "Restored",
     "ShardingReport",
@@ -119,10 +126,13 @@ __all__ = [
     "init_sharded",
     "initialize",
     "is_main_process",
+    "make_eval_step",
     "make_mesh",
     "make_train_step",
     "masked_mean",
     "mesh_info",
+    "pipeline",
+    "pipeline_1f1b",
     "place_on_device",
     "prefetch_to_device",
     "print0",

@@ -1,8 +1,11 @@
 """Any pytree <-> the nested dict of arrays that orbax stores.
 
 Array leaves are keyed by their path (``{"params": {"layers": {"0": {"kernel": ...}}}}``);
-typed PRNG keys are stored as their raw ``key_data``; everything else (static fields,
-graph definitions) lives in the tree structure of ``like`` and is not stored.
+typed PRNG keys are stored as their raw ``key_data``; Python numbers (``"epoch": 5``)
+as 0-d arrays, restored as the same Python type. Static fields and graph definitions
+live in the tree structure of ``like`` and are not stored; functions as leaves (an
+Equinox activation) come from ``like``; other leaves (a string...) are stored as JSON by
+the manager (:func:`other_leaves`).
 """
 
 from __future__ import annotations
@@ -24,10 +27,29 @@ def is_prng_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _is_number(x: Any) -> bool:
+    return type(x) in (bool, int, float, complex)
+
+
 def array_leaves(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
-    """``(path, leaf)`` for every array leaf of ``tree``, in tree order."""
+    """``(path, leaf)`` for every stored leaf of ``tree`` (arrays and Python numbers)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [(path, leaf) for path, leaf in leaves if is_array(leaf)]
+    return [(path, leaf) for path, leaf in leaves if is_array(leaf) or _is_number(leaf)]
+
+
+def other_leaves(tree: Any) -> dict[str, Any]:
+    """``{path: leaf}`` for the leaves that are neither arrays, Python numbers nor
+    functions (a string...): a checkpoint stores them as JSON beside the arrays."""
+    return {
+        path_str(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if not (is_array(leaf) or _is_number(leaf) or callable(leaf))
+    }
+
+
+def with_other_leaves(tree: Any, values: dict[str, Any]) -> Any:
+    """``tree`` with the leaves named in ``values`` (from :func:`other_leaves`) replaced."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: values.get(path_str(p), x), tree)
 
 
 def nest(pairs: list[tuple[tuple[Any, ...], Any]]) -> dict[str, Any]:
@@ -67,9 +89,13 @@ def flat_paths(nested: Any, prefix: str = "") -> dict[str, Any]:
 
 def to_saveable(tree: Any) -> dict[str, Any]:
     """The array leaves of ``tree`` as nested dicts; PRNG keys as ``key_data``."""
-    return nest(
-        [(p, jax.random.key_data(x) if is_prng_key(x) else x) for p, x in array_leaves(tree)]
-    )
+
+    def one(x: Any) -> Any:
+        if _is_number(x):
+            return np.asarray(x)
+        return jax.random.key_data(x) if is_prng_key(x) else x
+
+    return nest([(p, one(x)) for p, x in array_leaves(tree)])
 
 
 def abstract_saveable(like: Any) -> dict[str, Any]:
@@ -77,7 +103,7 @@ def abstract_saveable(like: Any) -> dict[str, Any]:
     shardings of ``like`` (concrete arrays or ShapeDtypeStructs with a sharding)."""
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        if isinstance(x, np.ndarray | np.generic):
+        if isinstance(x, np.ndarray | np.generic) or _is_number(x):
             return np.asarray(x)
         sharding = getattr(x, "sharding", None)
         if sharding is None:
@@ -98,10 +124,12 @@ def from_saveable(like: Any, restored: dict[str, Any]) -> Any:
     flat = flat_paths(restored)
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
-        if not is_array(x):
+        if not (is_array(x) or _is_number(x)):
             return x
         key = "/".join(_key(e) for e in path)
         value = flat[key]
+        if _is_number(x):
+            return type(x)(np.asarray(value).item())
         if is_prng_key(x):
             return jax.random.wrap_key_data(value, impl=jax.random.key_impl(x))
         return value

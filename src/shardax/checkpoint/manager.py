@@ -15,12 +15,22 @@ it was saved with.
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from shardax.checkpoint.convert import abstract_saveable, flat_paths, from_saveable, to_saveable
+from shardax.checkpoint.convert import (
+    abstract_saveable,
+    flat_paths,
+    from_saveable,
+    other_leaves,
+    to_saveable,
+    with_other_leaves,
+)
 from shardax.checkpoint.preemption import reached_preemption
+from shardax.checks import as_count, expect_type
 
 
 def _ocp() -> Any:
@@ -47,14 +57,34 @@ class CheckpointManager:
     Every process of a multi-process run must call :meth:`save` and :meth:`restore`.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_to_keep: int | None = 3) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = 3,
+        *,
+        create: bool = True,
+    ) -> None:
         ocp = _ocp()
+        expect_type(
+            "CheckpointManager: directory",
+            directory,
+            str | os.PathLike,
+            "a path (str or os.PathLike)",
+        )
+        if max_to_keep is not None:
+            max_to_keep = as_count(
+                "CheckpointManager: max_to_keep (or None to keep all)", max_to_keep
+            )
         self.directory = os.path.abspath(os.fspath(directory))
+        if not create and not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"no checkpoint directory {self.directory}")
+        self._stray: set[str] = set()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
-            create=True,
+            create=create,
             cleanup_tmp_directories=True,
             enable_async_checkpointing=False,
+            step_name_format=_CheckpointSteps(ocp.step.standard_name_format(), self._warn_stray),
         )
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -64,6 +94,17 @@ class CheckpointManager:
                 "data": ocp.JsonCheckpointHandler(),
             },
         )
+
+    def _warn_stray(self, path: Any) -> None:
+        if str(path) not in self._stray:
+            self._stray.add(str(path))
+            warnings.warn(
+                f"checkpoint directory {self.directory}: skipping {path}, which is named like a "
+                "step but holds no shardax checkpoint (no 'state' item); it is never read "
+                "or deleted",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first; interrupted saves are not among them."""
@@ -83,7 +124,16 @@ class CheckpointManager:
         (the other kept steps are untouched).
         """
         ocp = _ocp()
-        step = int(step)
+        step = as_count("checkpoint step", step, minimum=0)
+        check_json("data_state", data_state)
+        leaves = other_leaves(state)
+        check_json("state: leaf", leaves)
+        arrays = to_saveable(state)
+        if not arrays:
+            raise ValueError(
+                f"checkpoint: state has no array or number leaf to save, got {state!r:.80}; "
+                "plain values go in data_state"
+            )
         if step in self.all_steps():
             if not overwrite:
                 raise FileExistsError(
@@ -91,8 +141,8 @@ class CheckpointManager:
                     "overwrite=True to replace it"
                 )
             self._manager.delete(step)
-        items = {"state": ocp.args.StandardSave(to_saveable(state))}
-        items["data"] = ocp.args.JsonSave({"data_state": data_state})
+        items = {"state": ocp.args.StandardSave(arrays)}
+        items["data"] = ocp.args.JsonSave({"data_state": data_state, "leaves": leaves})
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._manager.wait_until_finished()
 
@@ -133,6 +183,8 @@ class CheckpointManager:
         structure, shape or dtype raises ``ValueError`` naming the path.
         """
         ocp = _ocp()
+        if step is not None:
+            step = as_count("restore: step (or None for the latest)", step, minimum=0)
         step = self._committed(step)
         target = abstract_saveable(like)
         saved = self._manager.item_metadata(step)["state"]
@@ -143,9 +195,9 @@ class CheckpointManager:
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
             ),
         )
-        return Restored(
-            from_saveable(like, restored["state"]), restored["data"]["data_state"], step
-        )
+        state = from_saveable(like, restored["state"])
+        state = with_other_leaves(state, restored["data"].get("leaves", {}))
+        return Restored(state, restored["data"]["data_state"], step)
 
     def close(self) -> None:
         """Waits for pending work and releases the manager."""
@@ -156,6 +208,66 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _CheckpointSteps:
+    """orbax's standard step names, minus directories named like a step that hold no
+    shardax checkpoint (no "state" item): ``on_stray(path)`` is told, and orbax never
+    lists, reads or garbage-collects them."""
+
+    def __init__(self, base: Any, on_stray: Any) -> None:
+        self._base, self._on_stray = base, on_stray
+        self.single_host_load_and_broadcast = getattr(base, "single_host_load_and_broadcast", False)
+
+    def _ours(self, metadata: Any) -> bool:
+        if os.path.isdir(os.path.join(os.fspath(metadata.path), "state")):
+            return True
+        self._on_stray(metadata.path)
+        return False
+
+    def build_name(self, step: int) -> str:
+        return self._base.build_name(step)
+
+    def find_all(self, base_path: Any) -> Iterator[Any]:
+        return iter([m for m in self._base.find_all(base_path) if self._ours(m)])
+
+    def find_step(self, base_path: Any, step: int) -> Any:
+        metadata = self._base.find_step(base_path, step)
+        if not self._ours(metadata):
+            raise ValueError(f"no shardax checkpoint for step {step} in {base_path}")
+        return metadata
+
+
+def check_json(name: str, value: Any, path: str = "") -> None:
+    """Raises ``TypeError`` naming the first entry of ``value`` that JSON cannot store
+    as it is (a NumPy array or scalar, an object, a non-string key), before anything is
+    written."""
+    where = f"{name}{path}"
+    if value is None or isinstance(value, str | int | float):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"{where} has the key {key!r} ({type(key).__name__}); JSON keys must be "
+                    f"strings (it would come back as {str(key)!r})"
+                )
+            check_json(name, item, f"{path}[{key!r}]")
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_json(name, item, f"{path}[{i}]")
+        return
+    hint = (
+        "; convert it with .tolist() or int()/float()"
+        if isinstance(value, np.ndarray | np.generic)
+        else ""
+    )
+    raise TypeError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which JSON "
+        f"cannot store (it takes dicts, lists, strings, numbers, bools and None){hint}. "
+        "Nothing was written"
+    )
 
 
 def _metadata_tree(metadata: Any) -> Any:
@@ -206,5 +318,5 @@ def restore_checkpoint(
 ) -> Restored:
     """Restores ``step`` (default: latest) of ``directory`` onto ``like``'s shardings;
     returns ``Restored(state, data_state, step)``."""
-    with CheckpointManager(directory, max_to_keep=None) as manager:
+    with CheckpointManager(directory, max_to_keep=None, create=False) as manager:
         return manager.restore(like, step)

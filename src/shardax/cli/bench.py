@@ -25,13 +25,16 @@ from shardax.cli.common import (
     add_json_flag,
     console,
     median,
+    nonneg_int,
     positive_int,
     pyplot,
+    step_flops,
     time_interleaved,
     time_step,
     write_results,
 )
 from shardax.cli.demo import make_mlp
+from shardax.runtime.flops import utilization
 
 MODES = ("single", "jit", "shard_map", "pmap")
 SIZES = {
@@ -75,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time one mode after another, holding one mode's state at a time (less memory); "
         "default: modes timed in turns, so background load falls on all alike",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed")
     parser.add_argument("--run-dir", default=None, help="where to write bench.json and bench.png")
     add_json_flag(parser)
 
@@ -145,10 +148,14 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         + ("one mode at a time" if args.sequential else "modes timed in turns")
     )
 
+    flops: list[float | None] = []  # of each mode's compiled step
+
     def bound(mode: str) -> tuple[Stepper, Callable[[], Any]]:
         where = one if mode == "single" else mesh
         stepper = Stepper(sx.make_train_step(mse_loss, mesh=where, mode=mode), state)
-        return stepper, stepper.bind(sx.distribute_batch(data, sx.batch_sharding(where)))
+        placed = sx.distribute_batch(data, sx.batch_sharding(where))
+        flops.append(step_flops(stepper.step, stepper.state, placed))
+        return stepper, stepper.bind(placed)
 
     if args.sequential:  # one mode's state on the devices at a time
         all_times, losses = [], []
@@ -164,6 +171,7 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         del pairs
     rows = [
         {
+            **utilization(f, median(times), 1 if mode == "single" else mesh.size),
             "mode": mode,
             "devices": 1 if mode == "single" else mesh.size,
             "median_s": median(times),
@@ -172,7 +180,7 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             "times_s": times,
             "loss": loss,
         }
-        for mode, times, loss in zip(args.modes, all_times, losses, strict=True)
+        for mode, times, loss, f in zip(args.modes, all_times, losses, flops, strict=True)
     ]
     base = next((r["median_s"] for r in rows if r["mode"] == "single"), None)
     for r in rows:
@@ -202,7 +210,8 @@ def render(result: dict[str, Any], out: Any) -> None:
         title=f"train-step time, {result['devices']} × {result['device_kind']}, MLP "
         f"{result['layers']} × {result['hidden']}, batch {result['batch_size']}"
     )
-    for col in ("mode", "devices", "median ms", "min ms", "max ms", "speedup vs single"):
+    columns = ("mode", "devices", "median ms", "min ms", "max ms", "speedup vs single")
+    for col in (*columns, "FLOPs/step", "TFLOP/s per device", "MFU"):
         table.add_column(col, justify="right")
     for r in result["results"]:
         speed = r["speedup_vs_single"]
@@ -213,6 +222,9 @@ def render(result: dict[str, Any], out: Any) -> None:
             f"{r['min_s'] * 1e3:.2f}",
             f"{r['max_s'] * 1e3:.2f}",
             "—" if speed is None else f"{speed:.2f}×",
+            "—" if r["flops_per_step"] is None else f"{r['flops_per_step']:.3g}",
+            "—" if r["tflops_per_s_per_device"] is None else f"{r['tflops_per_s_per_device']:.3g}",
+            r["mfu"] if isinstance(r["mfu"], str) else f"{r['mfu']:.1%}",
         )
     out.print(table)
 

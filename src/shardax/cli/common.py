@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,6 +49,70 @@ def float_type(expected: str, ok: Callable[[float], bool]) -> Callable[[str], fl
 
 
 positive_float = float_type("a number > 0", lambda v: v > 0)
+nonneg_float = float_type("a number >= 0", lambda v: v >= 0)
+
+
+def nonneg_int(text: str) -> int:
+    """An argparse type: an integer >= 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def tcp_port(text: str) -> int:
+    """An argparse type: a TCP port, 1..65535, or 0 for a free one."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected a port in 1..65535 (0 = a free one), got {text!r}"
+        )
+    return value
+
+
+def env_int(name: str, parse: Callable[[str], int], default: int) -> int:
+    """``$name`` read with the argparse type ``parse`` (``default`` when unset); a bad
+    value is a :class:`UsageError` naming the variable."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        return parse(raw)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"${name}: {e}") from None
+
+
+def check_writable_dir(option: str, path: str) -> None:
+    """Raises :class:`UsageError` unless directory ``path`` exists and is writable, or
+    can be created: checked before any work starts, creating nothing."""
+    target = Path(path).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"{option} {path}: exists and is not a directory")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{option} {path}: cannot create it, {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == target else f"cannot be created in {existing}"
+        raise UsageError(f"{option} {path}: {what} (permission denied)")
+
+
+OUTPUT_DIRS = (("--run-dir", "run_dir"), ("--checkpoint-dir", "checkpoint_dir"))
+"""The options of every command that name a directory it writes to."""
+
+
+def check_output_dirs(args: argparse.Namespace) -> None:
+    """:func:`check_writable_dir` for every output directory option in ``args``."""
+    for option, attr in OUTPUT_DIRS:
+        if getattr(args, attr, None):
+            check_writable_dir(option, getattr(args, attr))
 
 
 def int_list(text: str) -> list[int]:
@@ -196,3 +261,35 @@ def time_interleaved(
 def median(values: list[float]) -> float:
     """The median of ``values``."""
     return float(statistics.median(values))
+
+
+def step_flops(step: Any, state: Any, batch: Any) -> float | None:
+    """FLOPs of one step over all devices, from the compiled step's ``cost_analysis()``
+    (XLA counts one device's partitioned program)."""
+    from shardax.runtime.flops import compiled_flops
+
+    lower = getattr(step, "lower", None) or _gradient_step(step)
+    per_device = compiled_flops(lower(state, batch).compile())
+    devices = 1 if step.mode == "single" else step.mesh.size
+    return None if per_device is None else per_device * devices
+
+
+def _gradient_step(step: Any) -> Callable[[Any, Any], Any]:
+    """Until ``TrainStep.lower`` lands: the step's gradient and update, jitted with the
+    state's and the batch's shardings, lowered. (Same FLOPs; no metrics reduction.)"""
+    import jax
+
+    def update(state: Any, batch: Any) -> Any:
+        def loss(params: Any) -> Any:
+            model = state.adapter.bind(params, state.model_state, jax.random.key(0))
+            out = step.loss_fn(model, batch)
+            return out[0] if isinstance(out, tuple) else out
+
+        return state.apply_gradients(jax.grad(loss)(state.params), state.model_state)
+
+    def lower(state: Any, batch: Any) -> Any:
+        shardings = jax.tree.map(lambda x: x.sharding, (state, batch))
+        with jax.sharding.set_mesh(step.mesh):
+            return jax.jit(update, in_shardings=shardings, donate_argnums=0).lower(state, batch)
+
+    return lower

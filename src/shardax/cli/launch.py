@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
 from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
+from shardax.cli.common import UsageError, nonneg_float, positive_int, tcp_port
 from shardax.runtime.distributed import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -41,25 +42,30 @@ STARTS_JAX = False
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardax launch``."""
-    parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
+    parser.add_argument(
+        "-n", "--num-processes", type=positive_int, required=True, help="processes to start"
+    )
     parser.add_argument(
         "--cpu-devices",
-        type=int,
+        type=positive_int,
         default=None,
         help="simulated CPU devices per process (default: the program's own choice)",
     )
     parser.add_argument(
-        "--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)"
+        "--port",
+        type=tcp_port,
+        default=0,
+        help="coordinator port on 127.0.0.1 (default: a free one)",
     )
     parser.add_argument(
         "--heartbeat-timeout",
-        type=int,
+        type=positive_int,
         default=None,
         help="seconds without a heartbeat before a process counts as dead (default: JAX's 100)",
     )
     parser.add_argument(
         "--grace",
-        type=float,
+        type=nonneg_float,
         default=3.0,
         help="seconds between SIGINT and SIGKILL when stopping processes (default: 3)",
     )
@@ -232,15 +238,7 @@ def run(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        raise SystemExit("shardax launch: error: give the command after --, e.g. -- python t.py")
-    if args.num_processes < 1:
-        raise SystemExit(
-            f"shardax launch: error: -n/--num-processes must be >= 1, got {args.num_processes}"
-        )
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise SystemExit(
-            f"shardax launch: error: --cpu-devices must be >= 1, got {args.cpu_devices}"
-        )
+        raise UsageError("give the command after --, e.g. -- python t.py")
     port = args.port or free_port()
     envs = [
         process_env(
@@ -255,6 +253,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         procs = start_processes(cmd, envs)
     except OSError as e:  # not found, not executable
-        raise SystemExit(f"shardax launch: error: cannot run {cmd[0]!r}: {e.strerror}") from None
+        raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
     with forward_signals(procs):
         return supervise(procs, grace=args.grace)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
 from shardax.checkpoint.preemption import Preempted
-from shardax.cli.common import UsageError
+from shardax.cli.common import UsageError, check_output_dirs, env_int, positive_int
+from shardax.runtime.distributed import ENV_CPU_DEVICES
 from shardax.train.guard import NonFiniteLossError
 
 COMMANDS = {
@@ -29,6 +29,9 @@ COMMANDS = {
     "plan": ("shardax.cli.plan", "Memory per device of DP, FSDP, TP and hybrids for a model."),
     "tune-batch": ("shardax.cli.tune_batch", "Measure throughput over batch sizes; find the knee."),
 }
+
+
+DEFAULT_CPU_DEVICES = 8
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         if getattr(command, "STARTS_JAX", True):
             cmd.add_argument(
                 "--cpu-devices",
-                type=int,
-                default=int(os.environ.get("SHARDAX_CPU_DEVICES", 8)),
+                type=positive_int,
+                default=None,
                 help="simulated CPU devices (per process) when no accelerator is present "
                 "(default: $SHARDAX_CPU_DEVICES, else 8)",
             )
@@ -72,21 +75,25 @@ def set_cpu_devices(n: int) -> None:
 
     from shardax.runtime.distributed import backend_started, initialize
 
-    if n < 1:
-        raise SystemExit(f"shardax: error: --cpu-devices must be >= 1, got {n}")
     if backend_started():
         jax.config.update("jax_num_cpu_devices", n)
-    else:
+        return
+    try:
         initialize(cpu_devices=n)
+    except ValueError as e:  # a malformed $SHARDAX_* coordinate, before JAX starts
+        raise UsageError(str(e)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``shardax COMMAND [OPTIONS]`` and returns its exit code."""
     args = build_parser().parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
-    if getattr(module, "STARTS_JAX", True):
-        set_cpu_devices(args.cpu_devices)
     try:
+        check_output_dirs(args)
+        if getattr(module, "STARTS_JAX", True):
+            if args.cpu_devices is None:
+                args.cpu_devices = env_int(ENV_CPU_DEVICES, positive_int, DEFAULT_CPU_DEVICES)
+            set_cpu_devices(args.cpu_devices)
         return int(module.run(args) or 0)
     except UsageError as e:
         sys.stderr.write(f"shardax {args.command}: error: {e}\n")

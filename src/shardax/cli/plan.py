@@ -1,4 +1,4 @@
-"""``shardax plan``: memory per device of DP, FSDP, TP and hybrids, and the roofline batch.
+"""``shardax plan``: memory per device of DP, FSDP, TP, PP and hybrids, and the roofline batch.
 
 Example: ``shardax plan --params 7e9 --devices 8 --hardware h100 --batch 1024``.
 The formulas are in :mod:`shardax.runtime.memory` and :mod:`shardax.runtime.roofline`.
@@ -97,6 +97,7 @@ def make_plan(
             "strategy": e.strategy,
             "data": e.data,
             "model": e.model,
+            "stage": e.stage,
             "params_bytes": e.params_bytes,
             "grads_bytes": e.grads_bytes,
             "master_bytes": e.master_bytes,
@@ -106,7 +107,8 @@ def make_plan(
             "per_replica_batch": None if batch is None else batch / e.data,
             "global_critical_batch": None if roof is None else roof.critical_batch * e.data,
         }
-        name = f"{e.strategy} (data={e.data}, model={e.model})"
+        stage = f", stage={e.stage}" if e.stage > 1 else ""
+        name = f"{e.strategy} (data={e.data}, model={e.model}{stage})"
         if row["fits"] is False:
             warnings.append(
                 f"{name} does not fit: {e.total_bytes / GIB:.1f} GiB of model states per device "
@@ -160,7 +162,18 @@ def render(plan: dict[str, Any], out: Any) -> None:
         title="model states per device (activations not counted)",
         caption="GiB per device; B* = roofline-critical batch per data-parallel replica",
     )
-    for col in ("strategy", "data", "model", "params", "grads", "master", "Adam", "total", "fits"):
+    for col in (
+        "strategy",
+        "data",
+        "model",
+        "stage",
+        "params",
+        "grads",
+        "master",
+        "Adam",
+        "total",
+        "fits",
+    ):
         table.add_column(col, justify="right")
     if plan["batch"] is not None:
         table.add_column("batch/replica", justify="right")
@@ -168,7 +181,7 @@ def render(plan: dict[str, Any], out: Any) -> None:
         table.add_column("global batch for B*", justify="right")
     for r in plan["strategies"]:
         fits = {None: "?", True: "[green]yes[/]", False: "[red]no[/]"}[r["fits"]]
-        cells = [r["strategy"], str(r["data"]), str(r["model"])]
+        cells = [r["strategy"], str(r["data"]), str(r["model"]), str(r["stage"])]
         cells += [
             f"{r[k] / GIB:.1f}"
             for k in ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes")

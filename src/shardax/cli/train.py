@@ -30,17 +30,19 @@ from shardax.cli.common import (
     add_json_flag,
     console,
     mesh_spec,
+    nonneg_int,
     positive_float,
     positive_int,
     print_json,
     pyplot,
     run_dir,
+    step_flops,
 )
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
 
 MODELS = ("mlp", "gpt")
 MODES = ("jit", "single", "shard_map", "pmap")
-PLANS = ("replicate", "fsdp", "tp", "fsdp+tp")
+PLANS = ("replicate", "fsdp", "tp", "fsdp+tp", "pipeline")
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
 # Options that only one model reads; giving them to the other is an error, not ignored.
@@ -48,7 +50,7 @@ MODEL_OPTIONS = {
     "mlp": ("epochs", "hidden"),
     "gpt": (
         "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
-        "remat", "scan_layers", "data", "eval_every",
+        "remat", "scan_layers", "data", "eval_every", "microbatches", "pipeline_repeats",
     ),
 }  # fmt: skip
 
@@ -72,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plan",
         choices=PLANS,
         default="replicate",
-        help="how to shard the model and Adam state (fsdp+tp: --model gpt only)",
+        help="how to shard the model and Adam state (fsdp+tp, pipeline: --model gpt only)",
     )
     parser.add_argument(
         "--mode",
@@ -95,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="compute precision of the forward and backward passes (default: fp32)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: 0)")
     mlp = parser.add_argument_group("--model mlp")
     mlp.add_argument("--epochs", type=positive_int, default=None, help="passes over the data (15)")
     mlp.add_argument("--hidden", type=positive_int, default=None, help="hidden width (256)")
@@ -126,6 +128,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data", default=None, help="a text file or directory of them (default: stdlib sources)"
     )
     gpt.add_argument("--eval-every", type=positive_int, default=None, help="steps per eval (50)")
+    gpt.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="run the blocks with sx.pipeline in this many microbatches per data shard "
+        "(default with --plan pipeline: the stage axis size)",
+    )
+    gpt.add_argument(
+        "--pipeline-repeats",
+        type=positive_int,
+        default=None,
+        help="sx.pipeline repeats: > 1 is the circular schedule (default: 1)",
+    )
     parser.add_argument(
         "--run-dir",
         default=None,
@@ -178,6 +193,8 @@ def make_mesh(args: argparse.Namespace) -> Any:
         return sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
     tp = "tp" in args.plan.split("+")
     spec = args.mesh or ([("data", -1), ("model", 2)] if tp else [("data", -1)])
+    if args.plan == "pipeline" and args.mesh is None:
+        spec = [("data", -1), ("stage", 2)]
     if "data" not in dict(spec):
         raise UsageError(f"--mesh needs a 'data' axis for the batch, got {args.mesh}")
     try:
@@ -251,15 +268,17 @@ class Job:
     estimate_flops: float | None = None
 
 
-def build_step(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> Any:
-    """``sx.make_train_step`` with the CLI's mode, accumulation and precision; bad
-    combinations are usage errors naming the options."""
+def build_steps(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> tuple[Any, Any]:
+    """The train step (``sx.make_train_step``) and its no-update twin for validation
+    (``sx.make_eval_step``, the model in inference mode), with the CLI's mode,
+    accumulation and precision; bad combinations are usage errors naming the options."""
     import shardax as sx
 
+    plan = None if args.mode == "single" else plan  # one device: no sharding plan
+    options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision}
     try:
-        return sx.make_train_step(
-            loss_fn, mesh=mesh, plan=plan, mode=args.mode, accumulate=args.accumulate
-        )
+        step = sx.make_train_step(loss_fn, accumulate=args.accumulate, **options)
+        return step, sx.make_eval_step(loss_fn, **options)
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 
@@ -296,38 +315,6 @@ def resume(args: argparse.Namespace, manager: Any, state: Any) -> tuple[Any, dic
     return restored.state, {**fresh, **restored.data_state}
 
 
-def step_flops(step: Any, state: Any, batch: Any) -> float | None:
-    """FLOPs of one step over all devices, from the compiled step's ``cost_analysis()``
-    (XLA counts one device's partitioned program)."""
-    from shardax.runtime.flops import compiled_flops
-
-    lower = getattr(step, "lower", None) or _gradient_step(step)
-    per_device = compiled_flops(lower(state, batch).compile())
-    devices = 1 if step.mode == "single" else step.mesh.size
-    return None if per_device is None else per_device * devices
-
-
-def _gradient_step(step: Any) -> Callable[[Any, Any], Any]:
-    """Until ``TrainStep.lower`` lands: the step's gradient and update, jitted with the
-    state's and the batch's shardings, lowered. (Same FLOPs; no metrics reduction.)"""
-    import jax
-
-    def update(state: Any, batch: Any) -> Any:
-        def loss(params: Any) -> Any:
-            model = state.adapter.bind(params, state.model_state, jax.random.key(0))
-            out = step.loss_fn(model, batch)
-            return out[0] if isinstance(out, tuple) else out
-
-        return state.apply_gradients(jax.grad(loss)(state.params), state.model_state)
-
-    def lower(state: Any, batch: Any) -> Any:
-        shardings = jax.tree.map(lambda x: x.sharding, (state, batch))
-        with jax.sharding.set_mesh(step.mesh):
-            return jax.jit(update, in_shardings=shardings, donate_argnums=0).lower(state, batch)
-
-    return lower
-
-
 def _host(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
@@ -343,19 +330,24 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     mesh, step = job.mesh, job.step
     is_main = jax.process_index() == 0
     manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
-    state, data_state = resume(args, manager, job.state)
-    first_done, history = int(data_state["step"]), list(data_state["history"])
-    window: list[dict[str, float]] = list(data_state["window"])
-    if first_done >= job.steps:
-        raise UsageError(
-            f"--resume: the checkpoint has done {first_done} steps, as many as this run asks "
-            "for; ask for more to train further"
-        )
-    if data_state["loader"] is not None:
-        try:
-            job.loader.set_state(data_state["loader"])
-        except ValueError as e:
-            raise UsageError(f"--resume: {e}") from None
+    try:  # a usage error closes the manager first, or orbax complains at shutdown
+        state, data_state = resume(args, manager, job.state)
+        first_done, history = int(data_state["step"]), list(data_state["history"])
+        window: list[dict[str, float]] = list(data_state["window"])
+        if first_done >= job.steps:
+            raise UsageError(
+                f"--resume: the checkpoint has done {first_done} steps, as many as this run "
+                "asks for; ask for more to train further"
+            )
+        if data_state["loader"] is not None:
+            try:
+                job.loader.set_state(data_state["loader"])
+            except ValueError as e:
+                raise UsageError(f"--resume: {e}") from None
+    except UsageError:
+        if manager is not None:
+            manager.close()
+        raise
     save_every = args.save_every or job.eval_every
     described = sx.describe(state)
     if is_main:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardax.cli.common import UsageError
-from shardax.cli.train import Job, build_step, check_batch_fits, make_mesh, plot_curves
+from shardax.cli.train import Job, build_steps, check_batch_fits, make_mesh, plot_curves
 
 DEFAULTS = {
     "steps": 200,
@@ -55,9 +55,32 @@ def config(args: argparse.Namespace) -> Any:
             max_seq_len=args.max_seq_len,
             positions=args.positions,
             scan_layers=bool(args.scan_layers),
+            pipeline_microbatches=args.microbatches,
+            pipeline_repeats=args.pipeline_repeats or 1,
         )
     except ValueError as e:
         raise UsageError(f"--d-model {args.d_model} --heads {args.heads}: {e}") from None
+
+
+def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: list[int]) -> None:
+    """sx.pipeline's rules (layers, microbatches, batch per data shard) as usage errors,
+    before anything compiles."""
+    import jax
+
+    from shardax.parallel.pipeline import stage_mesh
+
+    _, stacked = model.layers()
+    for rows in batches:
+        x = jax.ShapeDtypeStruct((rows, args.seq_len, args.d_model), "float32")
+        try:
+            with jax.sharding.set_mesh(mesh):
+                stage_mesh(stacked, x, args.microbatches, "stage", args.pipeline_repeats or 1)
+        except ValueError as e:
+            raise UsageError(
+                f"--layers {args.layers} --microbatches {args.microbatches} --batch-size "
+                f"{args.batch_size} --mesh {','.join(f'{k}={v}' for k, v in mesh.shape.items())}"
+                f": {e}"
+            ) from None
 
 
 def make_job(args: argparse.Namespace, out: Any) -> Job:
@@ -74,8 +97,18 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    cfg = config(args)
     mesh = make_mesh(args)
+    if args.plan == "pipeline":
+        if "stage" not in mesh.shape:
+            raise UsageError(
+                f"--plan pipeline needs a mesh with a 'stage' axis, got --mesh "
+                f"{','.join(f'{k}={v}' for k, v in mesh.shape.items())}; e.g. data=2,stage=4"
+            )
+        if args.microbatches is None:
+            args.microbatches = mesh.shape["stage"]
+    elif args.pipeline_repeats is not None and args.microbatches is None:
+        raise UsageError("--pipeline-repeats needs --microbatches (or --plan pipeline)")
+    cfg = config(args)
     data_size = mesh.shape["data"]
     check_batch_fits(args, mesh)
     try:
@@ -91,6 +124,8 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
     abstract = nnx.eval_shape(lambda: gpt.make_gpt(cfg, args.seed, remat=args.remat))
+    if cfg.pipeline_microbatches is not None:
+        check_pipeline(args, mesh, abstract, [args.batch_size, eval_rows])
     try:
         plan = gpt.plan(mesh, abstract, args.plan)
     except ValueError as e:
@@ -103,7 +138,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         0.0, args.lr, warmup, max(args.steps, warmup + 1), end_value=args.lr / 10
     )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
-    step = build_step(args, loss_fn, mesh, plan)
+    step, evaluate_step = build_steps(args, loss_fn, mesh, plan)
 
     def init() -> Any:
         return sx.TrainState.create(gpt.make_gpt(cfg, args.seed, args.remat), tx, rng=args.seed)
@@ -113,15 +148,10 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 
-    @jax.jit
-    def evaluate_jit(state: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        return loss_fn(state.model, batch)
-
     val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh))
 
     def evaluate(state: Any) -> dict[str, float]:
-        with jax.sharding.set_mesh(mesh):
-            return {"val_loss": float(evaluate_jit(state, val_batch))}
+        return {"val_loss": float(evaluate_step(state, val_batch)["loss"])}
 
     tokens = args.batch_size * args.seq_len
 

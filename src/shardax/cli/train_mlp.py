@@ -14,7 +14,14 @@ import numpy as np
 
 from shardax.cli.common import UsageError
 from shardax.cli.demo import load_digits, make_mlp, make_plan
-from shardax.cli.train import Job, build_step, check_batch_fits, make_mesh, place, plot_curves
+from shardax.cli.train import (
+    Job,
+    build_steps,
+    check_batch_fits,
+    make_mesh,
+    place,
+    plot_curves,
+)
 
 TARGET_ACCURACY = 0.95
 
@@ -28,8 +35,10 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     import shardax as sx
     from shardax.data.policy import pad_batch
 
-    if args.plan == "fsdp+tp":
-        raise UsageError("--plan fsdp+tp: only for --model gpt; the MLP has replicate, fsdp, tp")
+    if args.plan in ("fsdp+tp", "pipeline"):
+        raise UsageError(
+            f"--plan {args.plan}: only for --model gpt; the MLP has replicate, fsdp, tp"
+        )
     args.epochs = args.epochs or 15
     args.hidden = args.hidden or 256
     args.batch_size = args.batch_size or 128
@@ -67,13 +76,8 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         plan = make_plan(args.plan, mesh)
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} on mesh {dict(mesh.shape)}: {e}") from None
-    step = build_step(args, loss_fn, mesh, plan)
+    step, evaluate_step = build_steps(args, loss_fn, mesh, plan)
     state = place(args, step, state)
-
-    @jax.jit
-    def evaluate_jit(state: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        loss, aux = loss_fn(state.model, batch)
-        return {"loss": loss, **aux}
 
     # The whole test set in one batch, padded to a multiple of the data axis, with a mask.
     padded = -(-len(x_test) // data_size) * data_size
@@ -84,7 +88,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     rows = np.minimum(args.batch_size, len(x_train) - args.batch_size * np.arange(steps_per_epoch))
 
     def evaluate(state: Any) -> dict[str, float]:
-        return {f"test_{k}": float(v) for k, v in evaluate_jit(state, test_batch).items()}
+        return {f"test_{k}": float(v) for k, v in evaluate_step(state, test_batch).items()}
 
     def records(first: int, window: list[dict[str, float]], test: dict, seconds: float):
         # Batch means weighted by their real rows: the mean over the epoch's examples.

@@ -21,6 +21,7 @@ from shardax.cli.common import (
     console,
     int_list,
     median,
+    nonneg_int,
     positive_int,
     pyplot,
     time_interleaved,
@@ -65,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=positive_int, default=2, help="untimed steps per size")
     parser.add_argument("--repeats", type=positive_int, default=7, help="timed steps per size")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed")
     parser.add_argument("--run-dir", default=None, help="where to write tune.json and tune.png")
     add_json_flag(parser)
 

@@ -21,8 +21,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 
+from shardax.checks import as_count
+from shardax.data.leaves import check_batch_leaves, sharded_dims
 from shardax.data.placement import batch_sharding, leaf_sharding
-from shardax.plan.tree import map_arrays, path_str
+from shardax.plan.tree import map_arrays
 from shardax.plan.validate import spec_axes
 
 
@@ -64,26 +66,6 @@ def process_grid(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
     return tuple(n // k for n, k in zip(shards, local, strict=True))
 
 
-def _check_batch_dims(leaves: list[tuple[str, tuple[int, ...]]], sharding: Sharding) -> None:
-    """Every sharded dimension has one size across leaves; names the first leaf that differs."""
-    if not isinstance(sharding, NamedSharding):
-        return
-    sharded = [d for d, e in enumerate(sharding.spec) if e is not None]
-    first: dict[int, tuple[str, tuple[int, ...]]] = {}
-    for path, shape in leaves:
-        for d in sharded:
-            if d >= len(shape):
-                continue
-            ref_path, ref_shape = first.setdefault(d, (path, shape))
-            if shape[d] != ref_shape[d]:
-                expected = (*shape[:d], ref_shape[d], *shape[d + 1 :])
-                raise ValueError(
-                    f"global_batch: leaf {path!r} has shape {shape}, expected {expected}: "
-                    f"dimension {d} is sharded ({sharding.spec}) and leaf {ref_path!r} has "
-                    f"{ref_shape[d]} there; every leaf of a batch needs the same batch size"
-                )
-
-
 def _check_share(
     path: str, shape: tuple[int, ...], spec: Any, grid: tuple[int, ...], global_size: int
 ) -> None:
@@ -123,12 +105,9 @@ def global_batch(local_batch: Any, sharding: Any, global_size: int | None = None
     dimension is not divisible by its mesh axes.
     """
     sharding = as_sharding(sharding)
-    leaves = [
-        (path_str(p), np.shape(x))
-        for p, x in jax.tree_util.tree_leaves_with_path(local_batch)
-        if np.ndim(x) > 0
-    ]
-    _check_batch_dims(leaves, sharding)
+    if global_size is not None:
+        global_size = as_count("global_batch: global_size", global_size)
+    check_batch_leaves(local_batch, "global_batch", dims=sharded_dims(sharding))
     multi = jax.process_count() > 1
 
     def one(path: str, x: Any) -> Any:

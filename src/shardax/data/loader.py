@@ -17,12 +17,14 @@ reads only the ``p``-th of its ``P`` equal slices. So the batches that
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
+from shardax.checks import as_count, expect_type
 from shardax.data.policy import MASK, check_policy, num_batches, pad_batch
 from shardax.plan.tree import is_array, path_str
 
@@ -62,9 +64,14 @@ class Batches(Iterator[Any]):
         process_count: int,
     ) -> None:
         check_policy(policy)
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batches: batch_size must be an int >= 1, got {batch_size!r}")
-        if process_count < 1 or not 0 <= process_index < process_count:
+        expect_type("batches: shuffle", shuffle, bool, "True or False")
+        batch_size = as_count("batches: batch_size", batch_size)
+        seed = as_count("batches: seed", seed, minimum=0)
+        process_count = as_count("batches: process_count", process_count)
+        process_index = as_count("batches: process_index", process_index, minimum=0)
+        if num_epochs is not None:
+            num_epochs = as_count("batches: num_epochs (or None for no end)", num_epochs)
+        if not 0 <= process_index < process_count:
             raise ValueError(
                 f"batches: process_index must be in [0, process_count), got process_index="
                 f"{process_index} and process_count={process_count}"
@@ -74,8 +81,6 @@ class Batches(Iterator[Any]):
                 f"batches: the global batch_size {batch_size} is not divisible by "
                 f"process_count {process_count}; each process reads an equal share"
             )
-        if num_epochs is not None and num_epochs < 1:
-            raise ValueError(f"batches: num_epochs must be >= 1 or None, got {num_epochs}")
         if policy == "pad" and (not isinstance(arrays, dict) or MASK in arrays):
             raise ValueError(
                 "batches: policy='pad' adds a top-level 'mask' leaf, so arrays must be a dict "
@@ -83,7 +88,23 @@ class Batches(Iterator[Any]):
                 + (f" with keys {sorted(arrays)}" if isinstance(arrays, dict) else "")
             )
         self.num_examples = _num_examples(arrays)
+        if self.num_examples == 0:
+            raise ValueError(
+                "batches: arrays has 0 examples (every leaf has 0 rows); there is nothing to batch"
+            )
         self.steps_per_epoch = num_batches(self.num_examples, batch_size, policy)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"batches: batch_size {batch_size} is larger than the {self.num_examples} "
+                f"examples, so policy={policy!r} leaves no batch; use a smaller batch_size or "
+                "policy='pad'"
+            )
+        if batch_size > self.num_examples:
+            warnings.warn(
+                f"batches: batch_size {batch_size} is larger than the {self.num_examples} "
+                f"examples: every batch is {1 - self.num_examples / batch_size:.1%} padding",
+                stacklevel=3,
+            )
         self.batch_size, self.local_batch_size = batch_size, batch_size // process_count
         self.shuffle, self.seed, self.policy, self.num_epochs = shuffle, seed, policy, num_epochs
         self.process_index, self.process_count = process_index, process_count

@@ -20,6 +20,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from shardax.checks import as_count, check_mesh, expect_type
+from shardax.data.leaves import check_batch_leaves, sharded_dims
 from shardax.mesh.make import DATA_AXIS, make_mesh
 from shardax.plan.tree import map_arrays
 from shardax.plan.validate import check_spec
@@ -34,6 +36,8 @@ def batch_sharding(
     >>> batch_sharding(make_mesh()).spec
     PartitionSpec('data',)
     """
+    check_mesh("batch_sharding: mesh", mesh)
+    batch_axis = as_count("batch_sharding: batch_axis", batch_axis, minimum=0)
     names = (axis,) if isinstance(axis, str) else tuple(axis)
     missing = [n for n in names if n not in mesh.shape]
     if missing:
@@ -62,8 +66,17 @@ def leaf_sharding(path: str, shape: tuple[int, ...], sharding: Sharding) -> Shar
 def distribute_batch(data: Any, sharding: Sharding) -> Any:
     """Places every array leaf of ``data`` with ``sharding`` (scalars replicated).
 
-    Raises ``ValueError`` naming the leaf when a dimension is not divisible by its axes.
+    Raises ``ValueError`` naming the leaf when a dimension is not divisible by its axes,
+    or when leaves disagree on a dimension that ``sharding`` splits (the batch size).
     """
+    sharding = expect_type(
+        "distribute_batch: sharding",
+        sharding,
+        Sharding,
+        "a jax.sharding.Sharding",
+        "For a mesh, pass sx.batch_sharding(mesh)",
+    )
+    check_batch_leaves(data, "distribute_batch", dims=sharded_dims(sharding))
     return map_arrays(
         lambda path, x: device_put_global(x, leaf_sharding(path, np.shape(x), sharding)), data
     )
@@ -75,7 +88,16 @@ def place_on_device(data: Any, device: Any | None = None) -> Any:
     >>> place_on_device(np.ones(2)).devices() == {jax.local_devices()[0]}
     True
     """
-    target = SingleDeviceSharding(jax.local_devices()[0] if device is None else device)
+    device = jax.local_devices()[0] if device is None else device
+    expect_type(
+        "place_on_device: device",
+        device,
+        jax.Device,
+        "a jax.Device",
+        "Pick one from jax.devices() or jax.local_devices()",
+    )
+    check_batch_leaves(data, "place_on_device")
+    target = SingleDeviceSharding(device)
     return map_arrays(lambda _, x: jax.device_put(x, target), data)
 
 
@@ -91,7 +113,9 @@ def shard_batch_dim(data: Any, mesh: Mesh, batch_axis: int = 0, mesh_axis: str =
 
     Scalars are replicated. A leaf whose rank does not reach ``batch_axis`` is an error.
     """
+    batch_axis = as_count("shard_batch_dim: batch_axis", batch_axis, minimum=0)
     sharding = batch_sharding(mesh, mesh_axis, batch_axis)
+    check_batch_leaves(data, "shard_batch_dim", dims=(batch_axis,))
 
     def one(path: str, x: Any) -> Any:
         shape = np.shape(x)

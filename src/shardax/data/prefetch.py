@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 
+from shardax.checks import as_count
 from shardax.data.global_batch import as_sharding, global_batch
 from shardax.data.policy import batch_size_of, check_policy, fit_batch
 
@@ -232,11 +233,10 @@ def prefetch_to_device(
     manager. Every ``break`` out of a named iterator should be followed by ``close()``, or
     use ``with``.
     """
-    if not isinstance(buffer_size, int) or buffer_size < 1:
-        raise ValueError(f"buffer_size must be >= 1, got {buffer_size!r}")
+    buffer_size = as_count("prefetch_to_device: buffer_size", buffer_size)
     if policy is not None:
         check_policy(policy)
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size is not None:
+        batch_size = as_count("prefetch_to_device: batch_size", batch_size)
     place = _placer(as_sharding(target), policy, batch_size)
     return Prefetcher(iterable, place, buffer_size)

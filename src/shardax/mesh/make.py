@@ -10,6 +10,8 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from shardax.checks import as_count
+
 MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]
 
 DATA_AXIS = "data"
@@ -22,18 +24,23 @@ def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
     >>> resolve_mesh_shape({"data": -1, "model": 2}, 8)
     {'data': 4, 'model': 2}
     """
-    pairs = list(spec.items()) if isinstance(spec, Mapping) else [tuple(p) for p in spec]
+    rule = "a dict {axis: size} or a list of (axis, size) pairs, e.g. {'data': -1}"
+    if isinstance(spec, Mapping):
+        pairs = list(spec.items())
+    elif isinstance(spec, Sequence) and not isinstance(spec, str):
+        pairs = list(spec)
+        bad = [p for p in pairs if not (isinstance(p, Sequence) and len(p) == 2)]
+        if bad or any(isinstance(p, str) for p in pairs):
+            raise TypeError(f"mesh spec must be {rule}; got {spec!r}")
+    else:
+        raise TypeError(f"mesh spec must be {rule}; got {type(spec).__name__} {spec!r}")
     if not pairs:
-        raise ValueError("mesh spec must name at least one axis, got an empty spec")
+        raise ValueError(f"mesh spec must name at least one axis ({rule}), got {spec!r}")
     names = [name for name, _ in pairs]
-    for name, size in pairs:
+    for name in names:
         if not isinstance(name, str) or not name:
             raise ValueError(f"mesh axis names must be non-empty strings, got {name!r}")
-        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
-            raise ValueError(
-                f"mesh axis {name!r} has size {size!r}; sizes must be integers >= 1, "
-                "or -1 for the remaining devices"
-            )
+    pairs = [(n, as_count(f"mesh axis {n!r} size", s, also=(-1,))) for n, s in pairs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"mesh axis names must be unique, got {names} (repeated: {dupes})")
@@ -80,9 +87,22 @@ def make_mesh(
     ('data',)
     """
     devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("make_mesh: devices is empty; pass at least one device, or None for all")
+    bad = [d for d in devices if not isinstance(d, jax.Device)]
+    if bad:
+        raise TypeError(
+            f"make_mesh: devices must be jax.Device objects (e.g. jax.devices()[:4]), got "
+            f"{type(bad[0]).__name__} {bad[0]!r}"
+        )
     shape = resolve_mesh_shape({DATA_AXIS: -1} if spec is None else spec, len(devices))
     if isinstance(axis_types, AxisType):
         axis_types = (axis_types,) * len(shape)
+    if isinstance(axis_types, str) or not all(isinstance(t, AxisType) for t in axis_types):
+        raise TypeError(
+            "make_mesh: axis_types must be a jax.sharding.AxisType (e.g. AxisType.Explicit) or "
+            f"one per axis, got {axis_types!r}"
+        )
     axis_types = tuple(axis_types)
     if len(axis_types) != len(shape):
         raise ValueError(

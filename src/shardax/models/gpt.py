@@ -66,6 +66,8 @@ AXIS_RULES: dict[str, dict[str, Any]] = {
     "fsdp": {"embed": "data"},
     "tp": {"heads": "model", "mlp": "model", "vocab": "model"},
     "fsdp+tp": {"embed": "data", "heads": "model", "mlp": "model", "vocab": "model"},
+    # Each stage of the "stage" axis holds L/S blocks; run with pipeline_microbatches set.
+    "pipeline": {"layers": "stage"},
 }
 LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv", "mlp")
 
@@ -98,6 +100,10 @@ class GPTConfig:
             whose scheduler ignores them in straight-line code), rather than a Python
             loop over the layer slices (default: XLA sees every layer, and its
             ``cost_analysis`` counts them all; it counts a loop body once).
+        pipeline_microbatches: run the layers with ``sx.pipeline`` in this many
+            microbatches: pipelined over a ``"stage"`` mesh axis (plan ``"pipeline"``),
+            the plain scan without one (None: no ``sx.pipeline``).
+        pipeline_repeats: ``sx.pipeline``'s ``repeats`` (> 1: the circular schedule).
     """
 
     layers: int = 2
@@ -108,9 +114,15 @@ class GPTConfig:
     positions: str = "rotary"
     vocab: int = VOCAB
     scan_layers: bool = False
+    pipeline_microbatches: int | None = None
+    pipeline_repeats: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("layers", "d_model", "heads", "max_seq_len", "mlp_ratio", "vocab"):
+        names = ("layers", "d_model", "heads", "max_seq_len", "mlp_ratio", "vocab")
+        names += ("pipeline_repeats",)
+        if self.pipeline_microbatches is not None:
+            names += ("pipeline_microbatches",)
+        for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
@@ -276,7 +288,17 @@ class GPT(nnx.Module):
         if self.cfg.positions == "learned":
             x = x + self.pos(jnp.arange(seq))
         layer_fn, stacked = self.layers()
-        if self.cfg.scan_layers:
+        if self.cfg.pipeline_microbatches is not None:
+            from shardax.parallel.pipeline import pipeline
+
+            x = pipeline(
+                layer_fn,
+                stacked,
+                x,
+                microbatches=self.cfg.pipeline_microbatches,
+                repeats=self.cfg.pipeline_repeats,
+            )
+        elif self.cfg.scan_layers:
             x, _ = jax.lax.scan(lambda h, params: (layer_fn(params, h), None), x, stacked)
         else:
             for i in range(self.cfg.layers):
@@ -292,9 +314,11 @@ def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:
 
 
 def plan(mesh: Any, model: Any, name: str) -> Any:
-    """The plan ``name`` (replicate, fsdp, tp, fsdp+tp) of ``model`` over ``mesh``, from its
-    annotations through :func:`axis_rules`. TP needs ``mesh``'s ``model`` axis to divide
-    the heads (and the MLP width and vocab); that is checked with a clear error.
+    """The plan ``name`` (replicate, fsdp, tp, fsdp+tp, pipeline) of ``model`` over
+    ``mesh``, from its annotations through :func:`axis_rules`. TP needs ``mesh``'s
+    ``model`` axis to divide the heads (and the MLP width and vocab), and ``pipeline`` its
+    ``stage`` axis to divide the layers, in a model built with ``pipeline_microbatches``;
+    each is checked with a clear error.
 
     >>> mesh = sx.make_mesh({"data": 4, "model": 2})
     >>> p = plan(mesh, model, "tp")
@@ -308,14 +332,20 @@ def plan(mesh: Any, model: Any, name: str) -> Any:
         raise ValueError(
             f"plan {name!r} shards over mesh axes {sorted(used)}, but the mesh "
             f"{dict(mesh.shape)} has no {', '.join(map(repr, missing))} axis; "
-            f"pass e.g. --mesh data=-1{',model=2' if 'model' in missing else ''}"
+            f"pass e.g. --mesh data=-1{''.join(f',{a}=2' for a in missing if a != 'data')}"
         )
     cfg = model.cfg
+    if name == "pipeline" and cfg.pipeline_microbatches is None:
+        raise ValueError(
+            "plan 'pipeline' places the blocks over the stage axis, but the model runs them "
+            "without sx.pipeline; build it with GPTConfig(pipeline_microbatches=M)"
+        )
     sizes = {
         "heads": cfg.heads,
         "mlp": cfg.mlp_dim,
         "vocab": cfg.vocab,
         "embed": cfg.d_model,
+        "layers": cfg.layers,
     }
     for logical, size in sizes.items():
         axis = rules[logical]

@@ -4,7 +4,18 @@ One concept per module; each module's public names are re-exported here and from
 ``shardax``.
 """
 
+from shardax.parallel.one_f_one_b import pipeline_1f1b
+from shardax.parallel.pipeline import STAGE_AXIS, bubble, pipeline, scan_layers
 from shardax.parallel.remat import POLICIES as REMAT_POLICIES
 from shardax.parallel.remat import checkpoint_policy, remat
 
-__all__ = ["REMAT_POLICIES", "checkpoint_policy", "remat"]
+__all__ = [
+    "REMAT_POLICIES",
+    "STAGE_AXIS",
+    "bubble",
+    "checkpoint_policy",
+    "pipeline",
+    "pipeline_1f1b",
+    "remat",
+    "scan_layers",
+]

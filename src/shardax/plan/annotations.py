@@ -25,7 +25,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.plan.core import Plan
+from shardax.checks import check_mesh
+from shardax.plan.core import Leaves, Plan
 from shardax.plan.tree import path_str
 
 AxisRules = Mapping[str, Any] | Sequence[tuple[str, Any]]
@@ -140,18 +141,38 @@ def from_nnx(
     With logical names, build the model with ``nnx.use_eager_sharding(False)`` (flax
     otherwise shards variables at creation and needs its own mesh and rules).
     """
+    check_mesh("from_nnx: mesh", mesh)
     table = annotated_specs(model, mesh, axis_rules)
     if isinstance(default, Plan) and default.mesh != mesh:
         raise ValueError(f"default plan {default.name!r} is on another mesh than from_nnx's")
 
-    def spec_fn(path: str, shape: tuple[int, ...]) -> PartitionSpec:
+    def lookup(path: str, shape: tuple[int, ...]) -> str | None:
         parts = path.split("/")
         for i in range(len(parts)):
-            found = table.get("/".join(parts[i:]))
+            key = "/".join(parts[i:])
+            found = table.get(key)
             if found is not None and found[0] == shape:
-                return found[1]
+                return key
+        return None
+
+    def spec_fn(path: str, shape: tuple[int, ...]) -> PartitionSpec:
+        key = lookup(path, shape)
+        if key is not None:
+            return table[key][1]
         if isinstance(default, Plan):
             return default.spec_fn(path, shape)
         return PartitionSpec() if default is None else default
 
-    return Plan(mesh, spec_fn, "from_nnx")
+    def unmatched(leaves: Leaves) -> dict[str, str]:
+        used = {lookup(path, shape) for path, shape in leaves}
+        notes = {
+            key: f"sx.from_nnx: annotated variable {key!r} with shape {shape} (spec {spec}) "
+            "matches no leaf of the tree by path suffix and shape, so nothing gets its spec"
+            for key, (shape, spec) in table.items()
+            if key not in used
+        }
+        if isinstance(default, Plan) and default.unmatched:
+            notes.update({f"default {k}": v for k, v in default.unmatched(leaves).items()})
+        return notes
+
+    return Plan(mesh, spec_fn, "from_nnx", unmatched=unmatched)

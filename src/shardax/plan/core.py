@@ -14,20 +14,33 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from shardax.checks import as_count, check_mesh
 from shardax.mesh.make import DATA_AXIS
-from shardax.plan.tree import map_arrays
+from shardax.plan.tree import is_array, map_arrays, path_str
 from shardax.plan.validate import spec_errors
 from shardax.runtime.processes import device_put_global
 
 AxisNames = str | tuple[str, ...]
 SpecFn = Callable[[str, tuple[int, ...]], PartitionSpec]
+Leaves = list[tuple[str, tuple[int, ...]]]
+UnmatchedFn = Callable[[Leaves], dict[str, str]]
+
+
+def array_paths(tree: Any) -> Leaves:
+    """``(path, shape)`` of every array leaf of ``tree``."""
+    return [
+        (path_str(p), tuple(np.shape(x)))
+        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        if is_array(x)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +50,25 @@ class Plan:
     mesh: Mesh
     spec_fn: SpecFn
     name: str = "plan"
+    # {rule: message} for the plan's rules that match no leaf of a tree (a misspelt regex).
+    unmatched: UnmatchedFn | None = dataclasses.field(default=None, kw_only=True, compare=False)
+    # Rules already warned about, so applying the plan again stays quiet.
+    warned: set[str] = dataclasses.field(
+        default_factory=set, kw_only=True, compare=False, repr=False
+    )
+
+    def notes(self, tree: Any) -> list[str]:
+        """A message for every rule of the plan that matches no array leaf of ``tree``."""
+        return list(self._unmatched(tree).values())
+
+    def _unmatched(self, tree: Any) -> dict[str, str]:
+        return {} if self.unmatched is None else self.unmatched(array_paths(tree))
+
+    def _warn_unmatched(self, tree: Any) -> None:
+        for rule, note in self._unmatched(tree).items():
+            if rule not in self.warned:
+                self.warned.add(rule)
+                warnings.warn(note, UserWarning, stacklevel=4)
 
     def resolve(self, tree: Any) -> tuple[Any, list[str]]:
         """The ``PartitionSpec`` of every array leaf, and every error found checking them.
@@ -63,12 +95,28 @@ class Plan:
         return specs
 
     def __call__(self, tree: Any) -> Any:
-        """The ``NamedSharding`` of every array leaf; other leaves pass through."""
+        """The ``NamedSharding`` of every array leaf; other leaves pass through. Rules
+        that match no leaf are warned about, once per plan (see :meth:`notes`)."""
+        self._warn_unmatched(tree)
         return jax.tree.map(
             lambda s: NamedSharding(self.mesh, s) if isinstance(s, PartitionSpec) else s,
             self.specs(tree),
             is_leaf=lambda s: isinstance(s, PartitionSpec),
         )
+
+
+def as_plan(name: str, plan: Any) -> Any:
+    """``plan`` if it is a shardax plan (or any callable from a tree to its shardings),
+    else ``TypeError`` naming ``name`` and what came."""
+    if callable(plan) and not isinstance(plan, Sharding | Mesh):
+        return plan
+    hint = ""
+    if isinstance(plan, Sharding):
+        hint = ". To place every leaf with one sharding use jax.device_put or sx.distribute_batch"
+    raise TypeError(
+        f"{name} must be a shardax Plan such as sx.replicate(mesh), sx.fsdp(mesh) or "
+        f"sx.rules(mesh, ...), got {type(plan).__name__} {plan!r}{hint}"
+    )
 
 
 def replicate(mesh: Mesh) -> Plan:
@@ -77,6 +125,7 @@ def replicate(mesh: Mesh) -> Plan:
     >>> replicate(make_mesh()).specs({"w": np.ones(3)})
     {'w': PartitionSpec()}
     """
+    check_mesh("replicate: mesh", mesh)
     return Plan(mesh, lambda path, shape: PartitionSpec(), "replicate")
 
 
@@ -117,6 +166,8 @@ def fsdp(mesh: Mesh, axis: AxisNames = DATA_AXIS, min_size: int = DEFAULT_FSDP_M
     Leaves with fewer than ``min_size`` elements, and leaves with no dimension that
     the axis size divides, are replicated.
     """
+    check_mesh("fsdp: mesh", mesh)
+    min_size = as_count("fsdp: min_size", min_size, minimum=0)
     size = axis_size(mesh, axis)
     return Plan(mesh, lambda path, shape: fsdp_spec(shape, axis, size, min_size), "fsdp")
 
@@ -126,5 +177,5 @@ def shard(tree: Any, plan: Plan) -> Any:
 
     >>> state = shard({"w": np.ones((8, 4))}, fsdp(make_mesh(), min_size=1))
     """
-    shardings = plan(tree)
+    shardings = as_plan("shard: plan", plan)(tree)
     return map_arrays(lambda _, x, s: device_put_global(x, s), tree, shardings)

@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from shardax.plan.core import Plan
+from shardax.checks import expect_type
+from shardax.plan.core import Plan, array_paths
 from shardax.plan.tree import is_array, map_arrays, path_str
 from shardax.plan.validate import spec_errors
 
@@ -54,6 +55,15 @@ class FollowParams(Plan):
 
     base: Plan | None = None
     params: ParamsSelector = "params"
+
+    def _unmatched(self, tree: Any) -> dict[str, str]:
+        # With a function selector the rules see the params' paths relative to the params.
+        if self.unmatched is None:
+            return {}
+        leaves = array_paths(tree)
+        if callable(self.params):
+            leaves += array_paths(select(tree, self.params))
+        return self.unmatched(leaves)
 
     def resolve(self, tree: Any) -> tuple[Any, list[str]]:
         assert self.base is not None
@@ -101,4 +111,13 @@ def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:
     rank-0 leaves (``count``) are replicated; any other leaf gets ``plan``'s spec for
     its own path.
     """
-    return FollowParams(plan.mesh, plan.spec_fn, f"{plan.name}+follow_params", plan, params)
+    expect_type("follow_params: plan", plan, Plan, "a shardax Plan such as sx.fsdp(mesh)")
+    return FollowParams(
+        plan.mesh,
+        plan.spec_fn,
+        f"{plan.name}+follow_params",
+        plan,
+        params,
+        unmatched=plan.unmatched,
+        warned=plan.warned,
+    )

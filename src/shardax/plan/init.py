@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from shardax.plan.core import Plan
+from shardax.plan.core import Plan, as_plan
 from shardax.plan.tree import is_array
 
 
@@ -31,6 +31,7 @@ def init_sharded(
     only its own shards (random initialisers included, as ``jax_threefry_partitionable``
     is on by default).
     """
+    as_plan("init_sharded: plan", plan)
     leaves, treedef = jax.tree.flatten((args, kwargs))
     arrays = [i for i, x in enumerate(leaves) if is_array(x)]
 

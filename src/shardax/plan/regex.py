@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from jax.sharding import Mesh, PartitionSpec
 
-from shardax.plan.core import Plan
+from shardax.checks import check_mesh
+from shardax.plan.core import Leaves, Plan
 
 Rule = tuple[str, PartitionSpec]
 
@@ -53,6 +54,7 @@ def rules(
     (e.g. ``fsdp(mesh)``), or ``None`` to replicate. A matched spec that cannot shard its
     leaf is an error, never skipped. Rank-0 leaves are always replicated.
     """
+    check_mesh("rules: mesh", mesh)
     compiled = _compile(rule_list)
     if isinstance(default, Plan) and default.mesh != mesh:
         raise ValueError(f"default plan {default.name!r} is on another mesh than the rules")
@@ -69,4 +71,43 @@ def rules(
             return default.spec_fn(path, shape)
         return PartitionSpec() if default is None else default
 
-    return Plan(mesh, spec_fn, "rules")
+    def unmatched(leaves: Leaves) -> dict[str, str]:
+        notes = unused_rules(compiled, leaves)
+        if isinstance(default, Plan) and default.unmatched:
+            notes.update({f"default {k}": v for k, v in default.unmatched(leaves).items()})
+        return notes
+
+    return Plan(mesh, spec_fn, "rules", unmatched=unmatched)
+
+
+def unused_rules(
+    compiled: list[tuple[re.Pattern[str], PartitionSpec]], leaves: Leaves
+) -> dict[str, str]:
+    """A message for every rule that gives no leaf its spec: it matches no path, or
+    every path it matches is taken by an earlier rule (first match wins)."""
+    used = set()
+    for path, _ in leaves:
+        first = next((i for i, (pattern, _) in enumerate(compiled) if pattern.search(path)), None)
+        used.add(first)
+    paths = [p for p, _ in leaves]
+    shown = ", ".join(map(repr, paths[:8])) + (
+        f", ... ({len(paths)} in all)" if len(paths) > 8 else ""
+    )
+    notes = {}
+    for i, (pattern, spec) in enumerate(compiled):
+        if i in used:
+            continue
+        if any(pattern.search(p) for p in paths):
+            why = (
+                "every leaf it matches is taken by an earlier rule (the first match wins); "
+                "reorder the rules or drop this one"
+            )
+        else:
+            why = (
+                "its regex matches no leaf path, so the leaves it was meant for get the "
+                f"default; check the regex against the paths: {shown}"
+            )
+        notes[f"rules[{i}]"] = (
+            f"sx.rules: rules[{i}] ({pattern.pattern!r}, {spec}) gives no leaf its spec: {why}"
+        )
+    return notes

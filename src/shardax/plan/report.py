@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from shardax.plan.core import Plan
+from shardax.plan.core import Plan, as_plan
 from shardax.plan.tree import map_arrays
 
 
@@ -121,6 +121,8 @@ def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
     without, each leaf's own ``sharding`` (``None`` for NumPy or unsharded leaves).
     """
     rows: list[Row] = []
+    if plan is not None:
+        as_plan("describe: plan", plan)
     if plan is None:
         map_arrays(lambda p, x: rows.append(_row(p, x, getattr(x, "sharding", None))), tree)
     else:
@@ -133,10 +135,13 @@ def validate(tree: Any, plan: Plan) -> list[str]:
     """Dry run: every error ``plan`` would raise on ``tree``, without allocating anything.
 
     ``tree`` may hold arrays or ``jax.ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``).
-    Applying the plan raises a ``ValueError`` listing these same messages.
+    Applying the plan raises a ``ValueError`` listing these same messages. Rules that
+    match no leaf (a misspelt regex, an annotation whose path or shape fits no leaf) are
+    listed too; applying the plan warns about them once.
 
     >>> sx.validate({"w": jax.ShapeDtypeStruct((6, 4), "float32")},
     ...             sx.rules(mesh, [("w", P("data"))]))
     ["leaf 'w' with shape (6, 4): dimension 0 of size 6 is not divisible by ..."]
     """
-    return plan.resolve(tree)[1]
+    as_plan("validate: plan", plan)
+    return plan.resolve(tree)[1] + plan.notes(tree)

@@ -31,6 +31,9 @@ import jax
 from jax._src import clusters as _clusters
 from jax._src import xla_bridge as _xla_bridge
 
+from shardax.checks import as_count, parse_address
+from shardax.runtime.rendezvous import roll_call
+
 ENV_COORDINATOR = "SHARDAX_COORDINATOR"
 """``host:port`` of the coordinator (process 0), set by ``shardax launch``."""
 ENV_NUM_PROCESSES = "SHARDAX_NUM_PROCESSES"
@@ -107,7 +110,7 @@ def resolve_coordinates(
     )
     names = ("coordinator_address", "num_processes", "process_id")
     if all(v is not None for v in given):
-        return ProcessCoordinates("arguments", *given)  # type: ignore[arg-type]
+        return checked_coordinates(ProcessCoordinates("arguments", *given))  # type: ignore[arg-type]
     if any(v is not None for v in from_env):
         merged = tuple(g if g is not None else e for g, e in zip(given, from_env, strict=True))
         missing = [
@@ -121,14 +124,14 @@ def resolve_coordinates(
             raise ValueError(
                 f"initialize: the shardax launch environment is incomplete; missing {missing}"
             )
-        return ProcessCoordinates("shardax launch", *merged)  # type: ignore[arg-type]
+        return checked_coordinates(ProcessCoordinates("shardax launch", *merged))  # type: ignore[arg-type]
     if env.get(ENV_JAX_COORDINATOR):
-        return _jax_environment(given, env)
+        return checked_coordinates(_jax_environment(given, env))
     if cluster_detection_method is not None:
-        return ProcessCoordinates(cluster_detection_method, *given)
+        return checked_coordinates(ProcessCoordinates(cluster_detection_method, *given))
     for method, cluster in _AUTO_CLUSTERS.items():
         if cluster.is_env_present():
-            return ProcessCoordinates(method, *given)
+            return checked_coordinates(ProcessCoordinates(method, *given))
     if any(v is not None for v in given):
         missing = [n for n, v in zip(names, given, strict=True) if v is None]
         raise ValueError(
@@ -161,6 +164,32 @@ def _jax_environment(
             f"the environment lacks {missing}"
         )
     return ProcessCoordinates("jax environment", *merged)  # type: ignore[arg-type]
+
+
+def checked_coordinates(coords: ProcessCoordinates) -> ProcessCoordinates:
+    """``coords`` with every given value checked, before JAX sees any: the address is
+    ``host:port`` with a port in 1..65535, ``num_processes >= 1`` and ``0 <= process_id <
+    num_processes``. Raises ``ValueError`` naming the value (and its environment variable
+    under ``shardax launch``)."""
+    env = coords.source == "shardax launch"
+    names = [
+        f"initialize: {n}" + (f" (${e})" if env else "")
+        for n, e in (
+            ("coordinator_address", ENV_COORDINATOR),
+            ("num_processes", ENV_NUM_PROCESSES),
+            ("process_id", ENV_PROCESS_ID),
+        )
+    ]
+    address, count, rank = coords.coordinator_address, coords.num_processes, coords.process_id
+    if address is not None:
+        parse_address(names[0], address)
+    if count is not None:
+        count = as_count(names[1], count)
+    if rank is not None:
+        rank = as_count(names[2], rank, minimum=0)
+        if count is not None and rank >= count:
+            raise ValueError(f"{names[2]} must be in [0, num_processes={count}), got {rank}")
+    return coords._replace(num_processes=count, process_id=rank)
 
 
 def backend_started() -> bool:
@@ -217,7 +246,10 @@ def initialize(
 
     Raises:
         RuntimeError: a JAX backend has already started (call ``initialize`` first).
-        ValueError: incomplete coordinates, or ``cpu_devices`` below 1.
+        ValueError: incomplete or malformed coordinates (address, port, process
+            count, rank), or a count below 1; all checked before JAX sees them.
+        TimeoutError: a process did not join within ``initialization_timeout``; the
+            message names the coordinator address, the timeout and who is missing.
 
     Calling it again is harmless and returns the first answer.
     """
@@ -241,10 +273,7 @@ def initialize(
     if cpu_devices is None:
         cpu_devices = _env_int(os.environ, ENV_CPU_DEVICES)
     if cpu_devices is not None:
-        if isinstance(cpu_devices, bool) or not isinstance(cpu_devices, int) or cpu_devices < 1:
-            raise ValueError(
-                f"initialize: cpu_devices must be an integer >= 1, got {cpu_devices!r}"
-            )
+        cpu_devices = as_count(f"initialize: cpu_devices (or ${ENV_CPU_DEVICES})", cpu_devices)
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     coords = resolve_coordinates(
         coordinator_address,
@@ -259,15 +288,28 @@ def initialize(
         heartbeat_timeout_seconds = _env_int(os.environ, ENV_HEARTBEAT)
     if heartbeat_timeout_seconds is None:
         heartbeat_timeout_seconds = 100  # JAX's default
-    if heartbeat_timeout_seconds < 1:
-        raise ValueError(
-            f"initialize: heartbeat_timeout_seconds (or ${ENV_HEARTBEAT}) must be >= 1 second, "
-            f"got {heartbeat_timeout_seconds}"
-        )
+    heartbeat_timeout_seconds = as_count(
+        f"initialize: heartbeat_timeout_seconds (or ${ENV_HEARTBEAT}, seconds)",
+        heartbeat_timeout_seconds,
+    )
+    initialization_timeout = as_count(
+        "initialize: initialization_timeout (seconds)", initialization_timeout
+    )
     if jax.config.jax_cpu_collectives_implementation is None:
         # Cross-process collectives between CPU devices; gloo needs no extra install.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     explicit = coords.source in ("arguments", "shardax launch", "jax environment")
+    if explicit:
+        # Every process is there before JAX's join, whose failure is an abort from C++.
+        host, port = parse_address("coordinator_address", coords.coordinator_address)
+        roll_call(
+            coords.coordinator_address,  # type: ignore[arg-type]
+            host,
+            port,
+            coords.process_id,  # type: ignore[arg-type]
+            coords.num_processes,  # type: ignore[arg-type]
+            initialization_timeout,
+        )
     jax.distributed.initialize(
         coordinator_address=coords.coordinator_address,
         num_processes=coords.num_processes,

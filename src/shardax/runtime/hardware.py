@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from shardax.checks import as_count
+
 
 class HardwareType(Enum):
     """Enumeration of supported hardware types."""
@@ -166,6 +168,7 @@ def validate_batch_size(
     >>> validate_batch_size(64, HardwareType.H100)[0]
     True
     """
+    batch_size = as_count("validate_batch_size: batch_size", batch_size, minimum=None)
     hw = detect_hardware_type() if hardware_type is None else HardwareType(hardware_type)
     rec = get_batch_size_recommendation(hw)
     where = f"for {hw.value}"

@@ -1,4 +1,4 @@
-"""Memory per device of Adam training under DP, FSDP, TP and their hybrids.
+"""Memory per device of Adam training under DP, FSDP, TP, PP and their hybrids.
 
 Model states only: parameters, gradients, an fp32 master copy where the precision keeps
 one, and Adam's two moments. Activations, which grow with the batch and depend on the
@@ -23,13 +23,16 @@ On ``data × model`` devices, with ``S`` the bytes per parameter above and ``P``
 - DP (``data = N``): every device holds everything, ``S·P``.
 - FSDP (``data = N``): every state is split over the data axis, ``S·P / N``.
 - TP (``model = N``): every weight is split over the model axis, ``S·P / N``.
-- DP × TP: ``S·P / model``; FSDP × TP: ``S·P / (data·model)``.
+- PP (``stage = N``, ``sx.pipeline``): each stage holds its layers, ``S·P / N``.
+- DP × TP: ``S·P / model``; FSDP × TP: ``S·P / (data·model)``; likewise DP × PP and
+  FSDP × PP with ``stage`` in place of ``model``.
 
-These are ideal splits (every weight divisible, nothing replicated); FSDP also needs room
-for one gathered layer at a time, which is not counted.
+These are ideal splits (every weight divisible, nothing replicated: for PP, the layers
+hold all the parameters); FSDP also needs room for one gathered layer at a time, and PP
+for its microbatches' activations, which are not counted.
 
 >>> [e.strategy for e in plan_memory(7e9, 4)]
-['DP', 'FSDP', 'TP', 'DP×TP', 'FSDP×TP']
+['DP', 'FSDP', 'TP', 'PP', 'DP×TP', 'FSDP×TP', 'DP×PP', 'FSDP×PP']
 >>> plan_memory(7e9, 4, "mixed")[0].total_bytes / 1e9
 112.0
 """
@@ -37,6 +40,8 @@ for one gathered layer at a time, which is not counted.
 from __future__ import annotations
 
 import dataclasses
+
+from shardax.checks import as_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +72,10 @@ class MemoryEstimate:
     """Per-device bytes of one strategy on a ``data × model`` mesh.
 
     Attributes:
-        strategy: ``"DP"``, ``"FSDP"``, ``"TP"``, ``"DP×TP"`` or ``"FSDP×TP"``.
+        strategy: ``"DP"``, ``"FSDP"``, ``"TP"``, ``"PP"`` or a hybrid (``"FSDP×TP"``).
         data: devices on the data axis (replicas, or FSDP shards).
         model: devices on the model (tensor-parallel) axis.
+        stage: devices on the stage (pipeline-parallel) axis.
         params_bytes, grads_bytes, master_bytes, optimizer_bytes: per device.
         total_bytes: their sum.
     """
@@ -81,6 +87,7 @@ class MemoryEstimate:
     grads_bytes: float
     master_bytes: float
     optimizer_bytes: float
+    stage: int = 1
 
     @property
     def total_bytes(self) -> float:
@@ -104,24 +111,26 @@ def estimate(
     data: int = 1,
     model: int = 1,
     shard_data: bool = False,
+    stage: int = 1,
 ) -> MemoryEstimate:
-    """Per-device model-state bytes on a ``data × model`` mesh.
+    """Per-device model-state bytes on a ``data × model × stage`` mesh.
 
-    Every state is split over ``model`` (tensor parallelism), and also over ``data``
-    when ``shard_data`` (FSDP); otherwise it is replicated over ``data``.
+    Every state is split over ``model`` (tensor parallelism) and ``stage`` (pipeline
+    parallelism), and also over ``data`` when ``shard_data`` (FSDP); otherwise it is
+    replicated over ``data``.
 
     >>> estimate(1e9, "fp32", data=8, shard_data=True).total_bytes / 1e9
     2.0
     """
     if not num_params > 0:
         raise ValueError(f"num_params must be > 0, got {num_params!r}")
-    for name, value in (("data", data), ("model", model)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    data, model, stage = (
+        as_count(n, v) for n, v in (("data", data), ("model", model), ("stage", stage))
+    )
     p = get_precision(precision)
-    split = model * (data if shard_data else 1)
-    kind = ("FSDP" if shard_data else "DP") if data > 1 or model == 1 else ""
-    name = "×".join(s for s in (kind, "TP" if model > 1 else "") if s)
+    split = model * stage * (data if shard_data else 1)
+    kind = ("FSDP" if shard_data else "DP") if data > 1 or model == stage == 1 else ""
+    name = "×".join(s for s in (kind, "TP" * (model > 1), "PP" * (stage > 1)) if s)
     return MemoryEstimate(
         strategy=name,
         data=data,
@@ -130,27 +139,30 @@ def estimate(
         grads_bytes=num_params * p.grads / split,
         master_bytes=num_params * p.master / split,
         optimizer_bytes=num_params * p.optimizer / split,
+        stage=stage,
     )
 
 
 def plan_memory(
     num_params: float, num_devices: int, precision: str | Precision = "mixed"
 ) -> list[MemoryEstimate]:
-    """DP, FSDP and TP over all ``num_devices``, then DP×TP and FSDP×TP for every split.
+    """DP, FSDP, TP and PP over all ``num_devices``, then DP×TP and FSDP×TP, DP×PP and
+    FSDP×PP for every split.
 
-    Hybrids use each ``model`` size that divides ``num_devices`` strictly between 1 and
-    ``num_devices``, with ``data = num_devices / model``.
+    Hybrids use each ``model`` (or ``stage``) size that divides ``num_devices`` strictly
+    between 1 and ``num_devices``, with ``data = num_devices / model``.
     """
-    if not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
-    n = num_devices
+    n = num_devices = as_count("num_devices", num_devices)
     out = [estimate(num_params, precision, data=n)]
     if n > 1:
         out.append(estimate(num_params, precision, data=n, shard_data=True))
         out.append(estimate(num_params, precision, model=n))
-    for model in (m for m in range(2, n) if n % m == 0):
-        for fsdp in (False, True):
-            out.append(
-                estimate(num_params, precision, data=n // model, model=model, shard_data=fsdp)
-            )
+        out.append(estimate(num_params, precision, stage=n))
+    splits = [m for m in range(2, n) if n % m == 0]
+    for axis in ("model", "stage"):
+        for size in splits:
+            for fsdp in (False, True):
+                out.append(
+                    estimate(num_params, precision, data=n // size, shard_data=fsdp, **{axis: size})
+                )
     return out

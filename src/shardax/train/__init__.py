@@ -9,8 +9,10 @@ from shardax.train.collectives import (
     weighted_mean,
 )
 from shardax.train.data_parallel import DataParallel
+from shardax.train.eval import EvalStep, make_eval_step
 from shardax.train.loss import masked_mean
 from shardax.train.metrics import DistributedMetrics
+from shardax.train.precision import LossScaleState, LossScaling, Precision
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState
 from shardax.train.step import MODES, TrainStep, make_train_step
@@ -19,6 +21,10 @@ __all__ = [
     "MODES",
     "DataParallel",
     "DistributedMetrics",
+    "EvalStep",
+    "LossScaleState",
+    "LossScaling",
+    "Precision",
     "TrainState",
     "TrainStep",
     "all_gather",
@@ -26,6 +32,7 @@ __all__ = [
     "bound_axes",
     "dropout",
     "example_keys",
+    "make_eval_step",
     "make_train_step",
     "masked_mean",
     "reduce",

@@ -12,31 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardax.plan.tree import is_array, path_str
+from shardax.data.leaves import check_batch_leaves, shapes_text
 from shardax.train.loss import MASK_KEY
-
-
-def _describe_sizes(batch: Any) -> str:
-    sizes = [
-        f"{path_str(path) or '<root>'!r}: {np.shape(leaf)}"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(batch)
-        if is_array(leaf)
-    ]
-    return ", ".join(sizes)
-
-
-def _batch_error(batch: Any) -> ValueError:
-    """The error for a batch whose leaves are scalars or disagree on the batch size."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-        if is_array(leaf) and np.ndim(leaf) == 0:
-            return ValueError(
-                f"batch leaf {path_str(path)!r} is a scalar; every batch leaf needs a leading "
-                f"batch dimension (leaf shapes: {_describe_sizes(batch)})"
-            )
-    return ValueError(
-        "batch leaves disagree on the batch size (dimension 0); they must all have the same "
-        f"leading dimension. Received {_describe_sizes(batch)}"
-    )
 
 
 def check_batch(batch: Any, *, divisor: int, what: str) -> int:
@@ -44,25 +21,27 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
 
     Every array leaf needs the same leading dimension, divisible by ``divisor``
     (``what`` says where the divisor comes from). A top-level ``"mask"`` leaf must be
-    boolean with shape ``(batch,)``.
+    boolean, with a shape that leads the batch's: ``(batch,)``, or ``(batch, seq)``
+    leading the shape of another leaf.
     """
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise ValueError(f"the batch has no array leaves, got {batch!r}")
-    try:
-        sizes = {leaf.shape[0] for leaf in leaves}
-    except (AttributeError, IndexError):
-        raise _batch_error(batch) from None
-    if len(sizes) != 1:
-        raise _batch_error(batch)
-    (size,) = sizes
     if isinstance(batch, dict) and MASK_KEY in batch:
-        mask = batch[MASK_KEY]
-        if np.shape(mask) != (size,) or np.dtype(mask.dtype) != np.bool_:
+        # The mask is checked against the other leaves' size first, with its own message.
+        rest = check_batch_leaves({**batch, MASK_KEY: None}, "the train step", arrays_only=True)
+        sizes = {shape[0] for _, shape in rest if shape}
+        if len(sizes) == 1:
+            _check_mask(batch, *sizes)
+    leaves = check_batch_leaves(batch, "the train step", dims=(0,), arrays_only=True)
+    if not leaves:
+        raise ValueError(f"the train step: the batch has no array leaves, got {batch!r}")
+    for path, shape in leaves:
+        if not shape:
             raise ValueError(
-                f"batch[{MASK_KEY!r}] must be a boolean array of shape (batch,) = ({size},), "
-                f"True for real examples; got dtype {mask.dtype} and shape {np.shape(mask)}"
+                f"the train step: batch leaf {path or '<root>'!r} is a scalar; every batch "
+                f"leaf needs a leading batch dimension (leaf shapes: {dict(leaves)})"
             )
+    size = leaves[0][1][0]
+    if isinstance(batch, dict) and MASK_KEY in batch:
+        _check_mask(batch, size)
     if size % divisor:
         fit = -(-size // divisor) * divisor
         raise ValueError(
@@ -72,6 +51,20 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
             "does not count"
         )
     return size
+
+
+def _check_mask(batch: dict, size: int) -> None:
+    mask = batch[MASK_KEY]
+    shape = tuple(np.shape(mask))
+    others = [shape for _, shape in check_batch_leaves({**batch, MASK_KEY: None}, "the step")]
+    leads = len(shape) == 1 or any(other[: len(shape)] == shape for other in others)
+    if np.dtype(mask.dtype) != np.bool_ or not shape or shape[0] != size or not leads:
+        raise ValueError(
+            f"batch[{MASK_KEY!r}] must be a boolean array whose shape leads the batch's: "
+            f"(batch,) = ({size},), True for real examples, or (batch, seq) leading the shape "
+            f"of another leaf, True for real tokens; got dtype {mask.dtype} and shape {shape} "
+            f"(leaf shapes: {shapes_text(check_batch_leaves(batch, 'the train step'))})"
+        )
 
 
 def split_microbatches(batch: Any, k: int) -> Any:

@@ -1,12 +1,16 @@
-"""Loss helpers: means that skip padded examples.
+"""Loss helpers: means that skip padded examples or tokens.
 
-A batch may carry a top-level boolean ``"mask"`` leaf of shape ``(batch,)``, True for
-real examples. A loss function returns the mean over the real examples it was given;
+A batch may carry a top-level boolean ``"mask"`` leaf whose shape leads the batch's
+shape: ``(batch,)``, True for real examples, or ``(batch, seq)``, True for real tokens.
+A loss function returns the mean over the real examples (tokens) it was given;
 :func:`masked_mean` computes it, and the train step weights each shard and microbatch
-by its count of real examples, so the result is the mean over the whole global batch.
+by its count of real examples (tokens), so the result is the mean over the whole
+global batch.
 
 >>> masked_mean(jnp.array([1.0, 2.0, 9.0]), jnp.array([True, True, False]))
 Array(1.5, dtype=float32)
+>>> masked_mean(jnp.array([[1.0, 5.0], [3.0, 9.0]]), jnp.array([[True, True], [True, False]]))
+Array(3., dtype=float32)
 """
 
 from __future__ import annotations
@@ -25,23 +29,27 @@ def batch_mask(batch: Any) -> jax.Array | None:
 
 
 def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Mean of ``values`` over the examples (leading axis) where ``mask`` is True.
+    """Mean of ``values`` over the entries where ``mask`` is True.
 
-    Trailing axes are averaged too. With no real example the result is 0, not NaN.
-    ``mask=None`` is the plain mean.
+    ``mask`` covers the leading axes of ``values``: ``(batch,)`` for examples,
+    ``(batch, seq)`` for tokens. Trailing axes are averaged too. With no real entry the
+    result is 0, not NaN. ``mask=None`` is the plain mean.
     """
     if mask is None:
         return jnp.mean(values)
-    if mask.shape != values.shape[:1]:
+    if mask.ndim < 1 or mask.shape != values.shape[: mask.ndim]:
         raise ValueError(
-            f"masked_mean: mask must have shape (batch,) = {values.shape[:1]}, got {mask.shape}"
+            "masked_mean: mask must cover the leading axes of values, (batch,) or "
+            f"(batch, seq); values have shape {values.shape}, mask has shape {mask.shape}"
         )
-    weights = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (values.ndim - 1)), values.shape)
+    weights = jnp.broadcast_to(
+        mask.reshape(mask.shape + (1,) * (values.ndim - mask.ndim)), values.shape
+    )
     total = jnp.sum(jnp.where(weights, values, 0))
     return total / jnp.maximum(jnp.sum(weights), 1).astype(total.dtype)
 
 
 def valid_count(batch: Any) -> jax.Array | None:
-    """The number of real examples (float32) of ``batch``; None without a mask."""
+    """The number of real examples or tokens (float32) of ``batch``; None without a mask."""
     mask = batch_mask(batch)
     return None if mask is None else jnp.sum(mask, dtype=jnp.float32)

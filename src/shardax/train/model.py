@@ -118,3 +118,25 @@ def split_model(model: Any) -> tuple[ModelAdapter, Any, Any]:
         f"{type(model).__module__}.{type(model).__qualname__}.{hint} For plain params use "
         "TrainState.from_params(params, apply_fn, tx)."
     )
+
+
+def deterministic(model: Any) -> Any:
+    """``model`` in inference mode, for evaluation.
+
+    NNX: ``nnx.view(model, deterministic=True, use_running_average=True)`` (dropout off,
+    batch norm on its running averages) for the submodules that have those attributes.
+    Equinox: ``eqx.nn.inference_mode(model)``. Linen modules and plain functions take
+    their mode as a call argument, so they are returned as they are.
+
+    >>> deterministic(nnx.Dropout(0.5, rngs=nnx.Rngs(0))).deterministic
+    True
+    """
+    if isinstance(model, nnx.Module):
+        return nnx.view(
+            model, deterministic=True, use_running_average=True, raise_if_not_found=False
+        )
+    if _is_equinox(model):
+        import equinox as eqx
+
+        return eqx.nn.inference_mode(model)
+    return model

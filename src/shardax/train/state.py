@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shardax.plan.tree import path_str
 from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, split_model
 
 Seed = int | jax.Array
@@ -46,9 +47,56 @@ def _key_data(rng: Seed) -> jax.Array:
     return jnp.asarray(rng, jnp.uint32)
 
 
+def check_tx(tx: Any) -> None:
+    """Raises ``TypeError`` unless ``tx`` is an optax transformation (``init``/``update``)."""
+    if isinstance(tx, optax.GradientTransformation) or (
+        hasattr(tx, "init") and hasattr(tx, "update")
+    ):
+        return
+    hint = ""
+    if callable(tx):
+        name = getattr(tx, "__name__", "it")
+        hint = f"; {name} looks like an optax factory: call it, e.g. optax.{name}(1e-3)"
+    raise TypeError(
+        f"TrainState: tx must be an optax.GradientTransformation (with init and update), "
+        f"got {type(tx).__name__} {tx!r}{hint}"
+    )
+
+
+def check_opt_state(params: Any, opt_state: Any) -> None:
+    """Raises ``ValueError`` naming the leaf and both shapes when a subtree of
+    ``opt_state`` shaped like ``params`` (Adam's ``mu``, ``nu``...) no longer matches
+    their shapes: the params changed shape after the optimizer was initialised.
+
+    Runs when the step is traced (shapes are static), so it costs nothing per step.
+    """
+    treedef = jax.tree.structure(params)
+    if treedef.num_leaves == 0:
+        return
+    kind = type(params)
+
+    def mirrors(node: Any) -> bool:
+        return type(node) is kind and jax.tree.structure(node) == treedef
+
+    flat = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=mirrors)[0]
+    params_leaves = jax.tree_util.tree_leaves_with_path(params)
+    for opt_path, node in flat:
+        if not mirrors(node):
+            continue
+        for (path, p), o in zip(params_leaves, jax.tree.leaves(node), strict=True):
+            if np.shape(p) != np.shape(o):
+                raise ValueError(
+                    f"params leaf {path_str(path)!r} has shape {np.shape(p)}, but the "
+                    f"optimizer state for it (opt_state/{path_str(opt_path + path)}) has shape "
+                    f"{np.shape(o)}: the params changed shape after the optimizer was "
+                    "initialised. Build the state again with TrainState.create (or re-run "
+                    "tx.init on the new params)"
+                )
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["step", "params", "opt_state", "model_state", "rng"],
+    data_fields=["step", "params", "opt_state", "model_state", "rng", "loss_scale"],
     meta_fields=["adapter", "tx"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +109,8 @@ class TrainState:
         opt_state: ``tx``'s state for ``params``.
         model_state: non-trainable model state (batch-norm statistics, NNX RNG counts).
         rng: uint32 ``[2]`` raw key data; per-step keys are folded from it and ``step``.
+        loss_scale: the dynamic loss scale of an fp16 step
+            (:class:`shardax.train.precision.LossScaleState`), else None.
         adapter: how to rebuild the framework's model (see :mod:`shardax.train.model`).
         tx: the optax transformation.
     """
@@ -72,6 +122,7 @@ class TrainState:
     rng: jax.Array
     adapter: ModelAdapter
     tx: optax.GradientTransformation
+    loss_scale: Any = None
 
     @classmethod
     def _new(
@@ -82,6 +133,7 @@ class TrainState:
         tx: optax.GradientTransformation,
         rng: Seed,
     ) -> TrainState:
+        check_tx(tx)
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -136,6 +188,7 @@ class TrainState:
 
     def apply_gradients(self, grads: Any, model_state: Any = None) -> TrainState:
         """One optimizer update; ``model_state`` replaces the model state if given."""
+        check_opt_state(self.params, self.opt_state)
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         return dataclasses.replace(
             self,

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from shardax.checks import as_count
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
 from shardax.plan.core import Plan, replicate
@@ -40,6 +41,19 @@ from shardax.train.batch import check_batch, split_microbatches
 from shardax.train.collectives import weighted_mean
 from shardax.train.data_parallel import all_reduce_gradients
 from shardax.train.loss import batch_mask, valid_count
+from shardax.train.precision import (
+    Precision,
+    adjust_loss_scale,
+    all_finite,
+    cast_floating,
+    cast_like,
+    init_loss_scale,
+    policy_name,
+    resolve,
+    scale_loss,
+    select_tree,
+    unscale,
+)
 from shardax.train.rng import example_keys, step_key
 from shardax.train.state import TrainState
 
@@ -105,6 +119,14 @@ def unalias(source: Any, placed: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def _check_state(state: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"the train step takes a sx.TrainState (sx.TrainState.create(model, tx), "
+            f".from_linen or .from_params), got {type(state).__name__}"
+        )
+
+
 def _no_step(state: Any, batch: Any) -> Any:
     raise ValueError("no step compiled yet")
 
@@ -115,13 +137,16 @@ deadlock (a 40 s rendezvous timeout, then abort) when many multi-device programs
 queued at once; waiting for the step ``CPU_MAX_IN_FLIGHT`` back keeps the queue short."""
 
 
-def _bounded(call: Callable[..., Any], depth: int) -> Callable[..., Any]:
-    """``call``, waiting for the result of the call ``depth`` back before returning."""
+def _bounded(
+    call: Callable[..., Any], depth: int, metrics: Callable[[Any], Any]
+) -> Callable[..., Any]:
+    """``call``, waiting for the result of the call ``depth`` back before returning
+    (for the ``metrics`` of its output: the state may be donated by then)."""
     pending: collections.deque[Any] = collections.deque()
 
     def bounded(state: Any, batch: Any) -> Any:
         out = call(state, batch)
-        pending.append(out[1])
+        pending.append(metrics(out))
         if len(pending) > depth:
             jax.block_until_ready(pending.popleft())
         return out
@@ -168,7 +193,7 @@ class TrainStep:
     """``step(state, batch) -> (state, metrics)``; ``step.shard(state)`` places a state.
 
     Built by :func:`make_train_step`. Attributes: ``mode``, ``mesh``, ``plan``,
-    ``accumulate``, ``donate``, ``data_axis``.
+    ``accumulate``, ``donate``, ``data_axis``, ``precision``.
     """
 
     def __init__(
@@ -181,17 +206,21 @@ class TrainStep:
         accumulate: int,
         donate: bool,
         data_axis: str,
+        precision: str | Precision = "fp32",
     ) -> None:
+        self.precision = resolve(precision)
+        self._scaling = self.precision.loss_scaling
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a function loss_fn(model, batch), got {loss_fn!r}")
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if data_axis not in mesh.shape:
             raise ValueError(
                 f"data_axis {data_axis!r} is not in the mesh, whose axes are {dict(mesh.shape)}"
             )
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-            raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        accumulate = as_count("accumulate", accumulate)
         if mode == "single" and plan is not None and getattr(plan, "name", None) != "replicate":
             raise ValueError(
                 f"mode='single' keeps the whole state on one device, so it takes no sharding "
@@ -224,7 +253,8 @@ class TrainStep:
             else plan
         )
         self.accumulate, self.donate, self.data_axis = accumulate, donate, data_axis
-        self._pass_rng = "rng" in inspect.signature(loss_fn).parameters
+        parameters = inspect.signature(loss_fn).parameters
+        self._pass_rng, self._pass_step_rng = "rng" in parameters, "step_rng" in parameters
         self._devices = 1 if mode == "single" else mesh.shape[data_axis]
         self._divisor = self._devices * accumulate
         self._what = f"the data axis size {self._devices}" if mode != "single" else "1"
@@ -240,7 +270,7 @@ class TrainStep:
         if mode == "jit":
             self._call = _under_mesh(self._call, mesh)
         if mode != "single" and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
-            self._call = _bounded(self._call, CPU_MAX_IN_FLIGHT)
+            self._call = _bounded(self._call, CPU_MAX_IN_FLIGHT, self._metrics_of)
         if mode == "single":
             self._device = SingleDeviceSharding(mesh.devices.flat[0])
             self._single = jax.jit(
@@ -254,7 +284,7 @@ class TrainStep:
                 self._mapped_update,
                 axis_name=data_axis,
                 in_axes=(None, 0),
-                out_axes=(None, None),
+                out_axes=self._out(None, None),
                 devices=list(mesh.devices.flat),
                 donate_argnums=self._donate_argnums,
             )
@@ -270,6 +300,9 @@ class TrainStep:
         all first check that they run the same step and state shardings
         (:func:`shardax.check_agreement`), so a mismatch is an error, not a hang.
         """
+        _check_state(state)
+        # Cast params (new arrays) or the user's, with a loss scale if the step scales.
+        state = self._prepare(state)
         if self.mode == "single":
             shardings: Any = self._device
         else:
@@ -280,6 +313,17 @@ class TrainStep:
                 check_agreement(train_step=repr(self), state_shardings=shardings)
         placed = device_put_global(state, shardings)
         return unalias(state, placed) if self.donate else placed
+
+    def _prepare(self, state: TrainState) -> TrainState:
+        """``state`` with its floating params in the precision's ``param_dtype`` and, with
+        loss scaling, a loss scale."""
+        params = cast_floating(state.params, self.precision.param_dtype)
+        return self._with_loss_scale(state.replace(params=params))
+
+    def _with_loss_scale(self, state: TrainState) -> TrainState:
+        if self._scaling is None or state.loss_scale is not None:
+            return state
+        return state.replace(loss_scale=init_loss_scale(self._scaling))
 
     def _check_replicated(self, state: Any) -> None:
         """shard_map and pmap keep one whole copy of the state per device."""
@@ -299,20 +343,39 @@ class TrainStep:
 
     # -- the step, for one shard of the batch --------------------------------------------
 
-    def _grads(self, state: TrainState, model_state: Any, batch: Any, keys: Any, rng: Any):
-        adapter = state.adapter
+    _objective = staticmethod(_loss_and_aux)
+
+    def _loss(self, state: TrainState, model_state: Any, batch: Any, keys: Any, rng: Any):
+        """``loss(params) -> (loss, (aux, model state))`` on one (micro)batch, in the
+        precision's compute dtype; loss and aux come out in its output dtype."""
+        adapter, policy = state.adapter, self.precision
+        batch = cast_floating(batch, policy.compute_dtype)
+        kwargs = {"rng": keys} if self._pass_rng else {}
+        if self._pass_step_rng:
+            kwargs["step_rng"] = rng
 
         def loss(params: Any) -> tuple[jax.Array, Any]:
-            model = adapter.bind(params, model_state, rng)
-            out = (
-                self.loss_fn(model, batch, rng=keys)
-                if self._pass_rng
-                else self.loss_fn(model, batch)
-            )
-            value, aux = _loss_and_aux(out)
-            return value, (aux, adapter.model_state(model, model_state))
+            model = adapter.bind(cast_floating(params, policy.compute_dtype), model_state, rng)
+            value, aux = self._objective(self.loss_fn(self._view(model), batch, **kwargs))
+            value, aux = cast_floating((value, aux), policy.output_dtype)
+            new_model_state = cast_like(adapter.model_state(model, model_state), model_state)
+            return value, (aux, new_model_state)
 
-        (value, (aux, new_model_state)), grads = jax.value_and_grad(loss, has_aux=True)(
+        return loss
+
+    @staticmethod
+    def _view(model: Any) -> Any:
+        return model
+
+    def _grads(self, state: TrainState, model_state: Any, batch: Any, keys: Any, rng: Any):
+        loss = self._loss(state, model_state, batch, keys, rng)
+        scale = state.loss_scale if self._scaling is not None else None
+
+        def scaled(params: Any) -> tuple[jax.Array, Any]:
+            value, rest = loss(params)
+            return scale_loss(value, scale), (value, rest)
+
+        (_, (value, (aux, new_model_state))), grads = jax.value_and_grad(scaled, has_aux=True)(
             state.params
         )
         return grads, value, aux, new_model_state
@@ -366,8 +429,33 @@ class TrainStep:
         grads, loss, aux = jax.tree.map(lambda s: (s * scale.astype(s.dtype)).astype(s.dtype), sums)
         return grads, loss, aux, model_state, total if masked else None
 
+    @staticmethod
+    def _out(state: Any, metrics: Any) -> Any:
+        """The step's output (or its shardings, specs, axes) from the state's and the
+        metrics' (the eval step returns the metrics only)."""
+        return state, metrics
+
+    @staticmethod
+    def _metrics_of(out: Any) -> Any:
+        return out[1]
+
     def _finish(self, state: TrainState, grads: Any, loss: Any, aux: Any, model_state: Any):
-        return state.apply_gradients(grads, model_state), _metrics(loss, aux)
+        metrics = _metrics(loss, aux)
+        if self._scaling is None:
+            return state.apply_gradients(grads, model_state), metrics
+        if "loss_scale" in metrics:
+            raise ValueError(
+                "loss_fn's aux metrics must not have a 'loss_scale' entry with loss scaling "
+                f"(precision={policy_name(self.precision)!r}); the step reports the scale there"
+            )
+        # Dynamic loss scaling: a step with non-finite gradients changes nothing but the
+        # step count and the scale.
+        grads = unscale(grads, state.loss_scale)
+        finite = all_finite(grads)
+        updated = state.apply_gradients(grads, model_state)
+        state = select_tree(finite, updated, state.replace(step=updated.step))
+        loss_scale = adjust_loss_scale(state.loss_scale, finite, self._scaling)
+        return state.replace(loss_scale=loss_scale), {**metrics, "loss_scale": loss_scale.scale}
 
     def _global_update(self, state: TrainState, batch: Any):
         """jit and single: the shard is the whole global batch."""
@@ -413,11 +501,15 @@ class TrainStep:
         >>> state = step.init(lambda key: sx.TrainState.create(Model(nnx.Rngs(key)), tx),
         ...                   jax.random.key(0))
         """
+
+        def prepared(*args: Any, **kwargs: Any) -> TrainState:
+            return self._prepare(init_fn(*args, **kwargs))
+
         if self.mode == "single":
-            return init_sharded(init_fn, lambda tree: self._device, *args, **kwargs)
+            return init_sharded(prepared, lambda tree: self._device, *args, **kwargs)
         if self.mode in ("shard_map", "pmap"):
-            self._check_replicated(jax.eval_shape(init_fn, *args, **kwargs))
-        return init_sharded(init_fn, self._state_plan, *args, **kwargs)
+            self._check_replicated(jax.eval_shape(prepared, *args, **kwargs))
+        return init_sharded(prepared, self._state_plan, *args, **kwargs)
 
     def _build(self, state: TrainState) -> Callable[..., Any]:
         shardings = self._state_plan(state)
@@ -426,13 +518,13 @@ class TrainStep:
             if AxisType.Explicit in self.mesh.axis_types:
                 # The seeds' contract is "computation follows the data": the update
                 # runs with Auto axes and returns the plan's shardings.
-                fn = jax.sharding.auto_axes(fn, out_sharding=(shardings, self._replicated))
+                fn = jax.sharding.auto_axes(fn, out_sharding=self._out(shardings, self._replicated))
         else:
             fn = jax.shard_map(
                 self._mapped_update,
                 mesh=self.mesh,
                 in_specs=(PartitionSpec(), PartitionSpec(self.data_axis)),
-                out_specs=(PartitionSpec(), PartitionSpec()),
+                out_specs=self._out(PartitionSpec(), PartitionSpec()),
                 check_vma=False,
             )
             if AxisType.Explicit in self.mesh.axis_types:
@@ -442,7 +534,7 @@ class TrainStep:
         return jax.jit(
             fn,
             in_shardings=(shardings, self._batch_sharding),
-            out_shardings=(shardings, self._replicated),
+            out_shardings=self._out(shardings, self._replicated),
             donate_argnums=self._donate_argnums,
         )
 
@@ -474,13 +566,17 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One update on the global ``batch``; metrics are means over its real examples."""
+        _check_state(state)
         check_batch(batch, divisor=self._divisor, what=self._what)
+        if self._scaling is not None and state.loss_scale is None:
+            state = self._with_loss_scale(state)
         return self._call(state, batch)
 
     def __repr__(self) -> str:
         return (
-            f"TrainStep(mode={self.mode!r}, plan={self._plan_name!r}, "
-            f"mesh={dict(self.mesh.shape)}, accumulate={self.accumulate}, donate={self.donate})"
+            f"{type(self).__name__}(mode={self.mode!r}, plan={self._plan_name!r}, "
+            f"mesh={dict(self.mesh.shape)}, accumulate={self.accumulate}, donate={self.donate}, "
+            f"precision={policy_name(self.precision)!r})"
         )
 
 
@@ -493,6 +589,7 @@ def make_train_step(
     accumulate: int = 1,
     donate: bool = True,
     data_axis: str = DATA_AXIS,
+    precision: str | Precision = "fp32",
 ) -> TrainStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
@@ -502,7 +599,13 @@ def make_train_step(
             ``partial(apply_fn, params)``) and ``loss`` is a scalar: the mean over the real
             examples of ``batch`` (see :func:`shardax.masked_mean`). If it takes an ``rng``
             argument it receives one key per example, ``fold_in(fold_in(rng, step), i)``
-            for example ``i`` of the global batch, the same in every mode.
+            for example ``i`` of the global batch, the same in every mode. If it takes a
+            ``step_rng`` argument it receives one key for the step,
+            ``fold_in(rng, step)``, e.g. for ``nnx.Rngs(dropout=step_rng)``: the same
+            numbers under ``"jit"`` on any mesh and ``"single"``. With
+            ``accumulate=k`` microbatch ``j`` gets ``fold_in(step_rng, j)``; under
+            ``"shard_map"`` and ``"pmap"`` each device folds in its index, so devices
+            draw different masks (use ``rng`` for keys that no mode changes).
         mesh: the device mesh; the batch is split over ``data_axis``.
         plan: shardings of the state (default: replicate), wrapped in
             :func:`shardax.follow_params` so the optimizer state follows the params.
@@ -518,6 +621,14 @@ def make_train_step(
         accumulate: number of microbatches the global batch is split into (``lax.scan``).
         donate: donate the state's buffers to the step.
         data_axis: the mesh axis the batch is split over.
+        precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or an
+            :class:`shardax.Precision`. Params and optimizer state stay in the state in
+            ``param_dtype`` (float32); params and floating batch leaves are cast to
+            ``compute_dtype`` for the forward and backward passes; gradients reach the
+            optimizer in ``param_dtype``. ``"fp16"`` adds dynamic loss scaling: the
+            scale is ``state.loss_scale`` and ``metrics["loss_scale"]`` (the scale after
+            the step); a step with non-finite gradients leaves params, optimizer and
+            model state unchanged and halves the scale.
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode.
@@ -530,4 +641,5 @@ def make_train_step(
         accumulate=accumulate,
         donate=donate,
         data_axis=data_axis,
+        precision=precision,
     )

@@ -1,0 +1,127 @@
+"""Step time of ``sx.make_train_step`` in fp32, bf16 and fp16 (loss scaling).
+
+One MLP (pytree params, Adam) is trained by three ``jit``-mode steps that differ only
+in ``precision=``. The steps run interleaved (one of each per round, in alternating
+order, so drift hits all alike) on the same device-resident global batch; each is
+timed to ``block_until_ready``. The table gives the median over the warm rounds and
+each median's ratio to fp32. On CPU, bfloat16 and float16 matmuls are not faster than
+float32 (XLA:CPU often converts them), so the figure is a report, not a claim.
+
+    python benchmarks/precision.py                 # table
+    python benchmarks/precision.py --json          # one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100, help="timed rounds (>= 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
+    parser.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=8,
+        help="simulated CPU devices when no accelerator is present",
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 20:
+        parser.error(f"--steps must be >= 20 for a stable median, got {args.steps}")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import shardax as sx
+
+    mesh = sx.make_mesh({"data": -1})
+    sizes = [args.width] * (args.depth + 1) + [10]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch_size, args.width)).astype(np.float32)
+    y = rng.normal(size=(args.batch_size, 10)).astype(np.float32)
+    batch = sx.distribute_batch({"x": x, "y": y}, sx.batch_sharding(mesh))
+
+    def apply_fn(params, x):
+        for i, (w, b) in enumerate(params):
+            x = x @ w + b
+            x = jax.nn.relu(x) if i < len(params) - 1 else x
+        return x
+
+    def new_state():
+        keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
+        params = [
+            (jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n))
+            for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=True)
+        ]
+        return sx.TrainState.from_params(params, apply_fn, optax.adam(1e-3))
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["x"]).astype(jnp.float32) - batch["y"]) ** 2)
+
+    steps = {p: sx.make_train_step(loss_fn, mesh=mesh, precision=p) for p in PRECISIONS}
+    states = {p: steps[p].shard(new_state()) for p in PRECISIONS}
+    times: dict[str, list[float]] = {p: [] for p in PRECISIONS}
+    losses: dict[str, float] = {}
+    for round_ in range(args.warmup + args.steps):
+        for p in PRECISIONS if round_ % 2 == 0 else PRECISIONS[::-1]:
+            start = time.perf_counter()
+            states[p], metrics = steps[p](states[p], batch)
+            jax.block_until_ready((states[p], metrics))
+            if round_ >= args.warmup:
+                times[p].append(time.perf_counter() - start)
+            losses[p] = float(metrics["loss"])
+    medians = {p: statistics.median(t) for p, t in times.items()}
+    return {
+        "devices": mesh.size,
+        "platform": jax.devices()[0].platform,
+        "jax": jax.__version__,
+        "batch_size": args.batch_size,
+        "mlp": sizes,
+        "timed_rounds": args.steps,
+        "rows": [
+            {"precision": p, "median_ms": 1e3 * medians[p], "ratio": medians[p] / medians["fp32"]}
+            for p in PRECISIONS
+        ],
+        "final_loss": losses,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return result
+    print(
+        f"MLP {result['mlp']}, batch {result['batch_size']}, {result['devices']} "
+        f"{result['platform']} devices, JAX {result['jax']}, median of "
+        f"{result['timed_rounds']} interleaved warm steps"
+    )
+    print(f"{'precision':<10} {'median ms':>10} {'ratio':>8}")
+    for row in result["rows"]:
+        print(f"{row['precision']:<10} {row['median_ms']:>10.3f} {row['ratio']:>8.3f}")
+    return result
+
+
+if __name__ == "__main__":
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", parse_args(sys.argv[1:]).cpu_devices)
+    main(sys.argv[1:])

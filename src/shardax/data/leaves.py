@@ -1,0 +1,84 @@
+"""The batch-leaf check every door that places or steps on a batch shares.
+
+``distribute_batch``, ``global_batch``, ``shard_batch_dim``, ``prefetch_to_device``,
+``place_on_device`` and the train step all call :func:`check_batch_leaves`, so a leaf
+JAX cannot hold (strings, objects) is named by its path, and leaves that disagree on
+the batch dimension are refused alike, before anything is placed.
+
+>>> check_batch_leaves({"x": np.ones((16, 3)), "y": np.ones(16)}, "distribute_batch", dims=(0,))
+[('x', (16, 3)), ('y', (16,))]
+>>> check_batch_leaves({"x": np.ones((16, 3)), "y": np.ones(24)}, "distribute_batch", dims=(0,))
+Traceback (most recent call last):
+ValueError: distribute_batch: batch leaves disagree on the batch size (dimension 0) ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, Sharding
+
+from shardax.plan.tree import is_array, path_str
+
+# NumPy dtype kinds no JAX array can hold: strings, bytes, objects, dates and times.
+_NOT_JAX_KINDS = "USOMm"
+
+
+def sharded_dims(sharding: Sharding) -> tuple[int, ...]:
+    """The dimensions ``sharding`` splits (its non-None spec entries); () for others."""
+    if not isinstance(sharding, NamedSharding):
+        return ()
+    return tuple(d for d, e in enumerate(sharding.spec) if e is not None)
+
+
+def shapes_text(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> str:
+    return ", ".join(f"{path or '<root>'!r}: {shape}" for path, shape in leaves)
+
+
+def check_batch_leaves(
+    tree: Any, where: str, *, dims: Sequence[int] = (), arrays_only: bool = False
+) -> list[tuple[str, tuple[int, ...]]]:
+    """``(path, shape)`` of every array leaf of ``tree``, after checking that
+
+    - every array leaf has a dtype JAX can hold (a ``TypeError`` names the leaf);
+    - with ``arrays_only``, every leaf is an array (Python lists and numbers are named);
+    - every leaf with a dimension ``d`` in ``dims`` has the same size there as the others
+      (a ``ValueError`` lists every leaf's shape).
+
+    ``where`` starts every message (the function the user called).
+    """
+    leaves = []
+    for key, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        path = path_str(key)
+        if not is_array(leaf):
+            if arrays_only:
+                hint = " (convert lists with np.asarray)" if key and _in_list(key) else ""
+                raise TypeError(
+                    f"{where}: batch leaf {path or '<root>'!r} is a {type(leaf).__name__} "
+                    f"({leaf!r}), not an array; every batch leaf must be a NumPy or JAX "
+                    f"array with a leading batch dimension{hint}"
+                )
+            continue
+        # Extended dtypes (PRNG keys) have no NumPy kind; bfloat16 & co. have kind "V".
+        if getattr(leaf.dtype, "kind", "V") in _NOT_JAX_KINDS:
+            raise TypeError(
+                f"{where}: leaf {path or '<root>'!r} has dtype {np.dtype(leaf.dtype)} "
+                f"(shape {np.shape(leaf)}), which a JAX array cannot hold; keep strings and "
+                "objects out of the tree, or encode them as numbers (e.g. class ids)"
+            )
+        leaves.append((path, tuple(np.shape(leaf))))
+    for d in dims:
+        sizes = {shape[d] for _, shape in leaves if len(shape) > d}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"{where}: batch leaves disagree on the batch size (dimension {d}); they must "
+                f"all have the same size there. Received {shapes_text(leaves)}"
+            )
+    return leaves
+
+
+def _in_list(key: tuple[Any, ...]) -> bool:
+    return isinstance(key[-1], jax.tree_util.SequenceKey)

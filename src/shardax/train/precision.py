@@ -1,0 +1,191 @@
+"""Mixed precision: a dtype policy and dynamic loss scaling, as pure functions.
+
+A :class:`Precision` says in which dtype the state's params are kept
+(``param_dtype``), in which dtype the forward and backward passes run
+(``compute_dtype``: params and floating batch leaves are cast to it) and in which
+dtype the loss and metrics come out (``output_dtype``). Gradients are taken with
+respect to the stored params, so they reach the optimizer in ``param_dtype``.
+
+With float16 compute, small gradients underflow; :class:`LossScaling` multiplies the
+loss by a scale before differentiating and divides the gradients by it after. The
+scale lives in a :class:`LossScaleState` in the train state: a step whose gradients
+are not finite is skipped and halves the scale; ``period`` finite steps in a row
+double it (the schedule of ``jmp.DynamicLossScale``).
+
+>>> policy = resolve("bf16")
+>>> cast_floating({"w": jnp.ones(2), "n": jnp.arange(2)}, policy.compute_dtype)["w"].dtype
+dtype(bfloat16)
+>>> scale = init_loss_scale(LossScaling(initial=8.0))
+>>> adjust_loss_scale(scale, jnp.bool_(False), LossScaling(initial=8.0)).scale
+Array(4., dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from shardax.plan.tree import is_array
+
+
+class LossScaling(NamedTuple):
+    """Dynamic loss scaling settings.
+
+    Attributes:
+        initial: the scale of the first step.
+        period: finite steps in a row after which the scale is multiplied by ``factor``.
+        factor: growth factor (and the divisor after a non-finite step).
+        minimum: the scale never goes below it.
+    """
+
+    initial: float = 2.0**15
+    period: int = 2000
+    factor: float = 2.0
+    minimum: float = 1.0
+
+
+class LossScaleState(NamedTuple):
+    """The loss scale carried in the train state."""
+
+    scale: jax.Array  # f32[], the scale the next step multiplies the loss by
+    good_steps: jax.Array  # i32[], finite steps since the scale last changed
+
+
+class Precision(NamedTuple):
+    """A mixed-precision policy for ``make_train_step(..., precision=...)``.
+
+    Attributes:
+        param_dtype: dtype of the floating params in the state (``step.shard`` and
+            ``step.init`` cast them); gradients reach the optimizer in it.
+        compute_dtype: params and floating batch leaves are cast to it for the forward
+            and backward passes.
+        output_dtype: the loss and the metrics are cast to it.
+        loss_scaling: dynamic loss scaling settings, or None for no scaling.
+
+    >>> Precision(compute_dtype=jnp.float16, loss_scaling=LossScaling(period=500))
+    """
+
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    output_dtype: Any = jnp.float32
+    loss_scaling: LossScaling | None = None
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision(),
+    "bf16": Precision(compute_dtype=jnp.bfloat16),
+    "fp16": Precision(compute_dtype=jnp.float16, loss_scaling=LossScaling()),
+}
+
+
+def resolve(precision: str | Precision) -> Precision:
+    """The :class:`Precision` for ``"fp32"``, ``"bf16"``, ``"fp16"`` or a ``Precision``,
+    with its dtypes as NumPy dtypes; raises naming the value for anything else."""
+    if isinstance(precision, str):
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {list(PRECISIONS)} or an sx.Precision, got {precision!r}"
+            )
+        precision = PRECISIONS[precision]
+    elif not isinstance(precision, Precision):
+        raise TypeError(
+            f"precision must be one of {list(PRECISIONS)} or an sx.Precision, got "
+            f"{type(precision).__name__} {precision!r}"
+        )
+    dtypes = {}
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+        value = getattr(precision, field)
+        try:
+            dtype = jnp.dtype(value)
+        except TypeError:
+            dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"Precision.{field} must be a floating dtype (e.g. jnp.bfloat16), got {value!r}"
+            )
+        dtypes[field] = dtype
+    scaling = precision.loss_scaling
+    if scaling is not None:
+        if not isinstance(scaling, LossScaling):
+            raise TypeError(
+                f"Precision.loss_scaling must be an sx.LossScaling or None, got {scaling!r}"
+            )
+        if not (scaling.initial >= scaling.minimum > 0 and scaling.factor > 1):
+            raise ValueError(
+                "LossScaling needs initial >= minimum > 0 and factor > 1, got "
+                f"initial={scaling.initial}, minimum={scaling.minimum}, factor={scaling.factor}"
+            )
+        if not isinstance(scaling.period, int) or scaling.period < 1:
+            raise ValueError(f"LossScaling.period must be an integer >= 1, got {scaling.period!r}")
+    return precision._replace(**dtypes)
+
+
+def policy_name(precision: Precision) -> str:
+    """``"fp32"``, ``"bf16"``, ``"fp16"`` for the named policies, else the repr."""
+    for key, value in PRECISIONS.items():
+        if resolve(value) == precision:
+            return key
+    return repr(precision)
+
+
+def _floating(x: Any) -> bool:
+    return is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """``tree`` with every floating array leaf cast to ``dtype``; other leaves as they are."""
+    return jax.tree.map(lambda x: x.astype(dtype) if _floating(x) and x.dtype != dtype else x, tree)
+
+
+def cast_like(tree: Any, like: Any) -> Any:
+    """``tree`` with each floating leaf cast to the dtype of the same leaf of ``like``."""
+    return jax.tree.map(
+        lambda x, y: x.astype(y.dtype) if _floating(x) and x.dtype != y.dtype else x, tree, like
+    )
+
+
+def init_loss_scale(scaling: LossScaling) -> LossScaleState:
+    """The loss scale state of the first step."""
+    return LossScaleState(jnp.float32(scaling.initial), jnp.int32(0))
+
+
+def scale_loss(loss: jax.Array, state: LossScaleState | None) -> jax.Array:
+    """``loss * scale`` (``loss`` itself without scaling)."""
+    return loss if state is None else loss * state.scale.astype(loss.dtype)
+
+
+def unscale(grads: Any, state: LossScaleState | None) -> Any:
+    """``grads / scale`` (``grads`` themselves without scaling)."""
+    if state is None:
+        return grads
+    return jax.tree.map(lambda g: (g / state.scale.astype(g.dtype)).astype(g.dtype), grads)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """bool[]: every element of every floating leaf of ``tree`` is finite."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _floating(x)]
+    return jnp.stack(flags).all() if flags else jnp.bool_(True)
+
+
+def adjust_loss_scale(
+    state: LossScaleState, finite: jax.Array, scaling: LossScaling
+) -> LossScaleState:
+    """The scale after a step: divided by ``factor`` (not below ``minimum``) when the
+    gradients were not finite, multiplied by it after ``period`` finite steps in a row."""
+    grow = state.good_steps + 1 >= scaling.period
+    grown = state.scale * scaling.factor
+    grown = jnp.where(jnp.isfinite(grown), grown, state.scale)
+    scale = jnp.where(
+        finite,
+        jnp.where(grow, grown, state.scale),
+        jnp.maximum(state.scale / scaling.factor, jnp.float32(scaling.minimum)),
+    )
+    good = jnp.where(finite & ~grow, state.good_steps + 1, 0).astype(jnp.int32)
+    return LossScaleState(scale.astype(jnp.float32), good)
+
+
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """Leafwise ``jnp.where(pred, on_true, on_false)`` over two trees of one structure."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)

@@ -1,0 +1,476 @@
+# ruff: noqa: E501  (tables of cases, one per line)
+"""Every bad input gets a clear answer: one parametrised test per class of error.
+
+Each case names the call and a piece of the message it must give (the argument, the
+rule, the value received). The CLI cases run the real command in subprocesses, started
+together, and assert exit code 2, one line on stderr and no traceback.
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+from shardax.cli.main import main as cli_main
+from shardax.runtime.distributed import resolve_coordinates
+from shardax.runtime.rendezvous import roll_call
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return sx.make_mesh({"data": 8})
+
+
+def _pytree_state():
+    return sx.TrainState.from_params(
+        {"w": jnp.zeros((4, 2))}, lambda p, x: x @ p["w"], optax.sgd(0.1)
+    )
+
+
+def _loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+# --- integers: NumPy integers pass wherever Python ints do; booleans are not counts -------
+
+
+def test_numpy_integers_are_counts(mesh):
+    assert sx.make_mesh({"data": np.int64(8)}).shape["data"] == 8
+    loader = sx.batches({"x": np.ones((16, 2))}, np.int64(4), num_epochs=np.int32(1))
+    assert loader.batch_size == 4 and len(list(loader)) == 4
+    step = sx.make_train_step(_loss, mesh=mesh, accumulate=np.int64(2))
+    assert step.accumulate == 2
+    assert sx.fsdp(mesh, min_size=np.int64(1)).specs({"w": np.ones((8, 2))})["w"] == P("data", None)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: sx.batches({"x": np.ones((8, 2))}, True), "batch_size must be an integer >= 1, got True (a bool)"),
+        (lambda: sx.batches({"x": np.ones((8, 2))}, 4.0), "batch_size must be an integer >= 1, got 4.0"),
+        (lambda: sx.batches({"x": np.ones((8, 2))}, 4, num_epochs=0), "num_epochs (or None for no end) must be"),
+        (lambda: sx.make_mesh({"data": True}), "'data' size must be an integer >= 1 or -1, got True"),
+        (lambda: sx.make_mesh({"data": 2.0}), "'data' size must be an integer >= 1 or -1, got 2.0"),
+        (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh(), accumulate=True), "accumulate must"),
+        (lambda: sx.fsdp(sx.make_mesh(), min_size=False), "min_size must be an integer >= 0"),
+        (lambda: sx.batch_sharding(sx.make_mesh(), batch_axis=-1), "batch_axis must be an integer >= 0"),
+        (lambda: sx.CheckpointManager("/tmp/unused", max_to_keep=0), "max_to_keep (or None to keep all) must be an integer >= 1, got 0"),
+        (lambda: sx.prefetch_to_device([], buffer_size=True), "buffer_size must be an integer >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_counts_name_the_argument(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
+# --- empty inputs: a clear error, never an endless loop or an IndexError -----------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: sx.batches({"x": np.ones((0, 2))}, 4, policy="pad"), "arrays has 0 examples"),
+        (lambda: sx.batches({"x": np.ones((3, 2))}, 4, policy="drop"), "leaves no batch"),
+        (lambda: sx.batches({}, 4), "arrays has no leaves"),
+        (lambda: sx.make_mesh(devices=[]), "devices is empty"),
+        (lambda: sx.make_mesh({}), "at least one axis"),
+        (lambda: sx.replicate_across_devices({"x": np.ones(2)}, devices=[]), "devices is empty"),
+    ],
+)
+def test_empty_inputs(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
+def test_batch_larger_than_the_data_warns_once():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = sx.batches({"x": np.ones((10, 2))}, 64, policy="pad", num_epochs=2)
+        assert len(list(loader)) == 2
+    assert [str(w.message) for w in caught] == [
+        "batches: batch_size 64 is larger than the 10 examples: every batch is 84.4% padding"
+    ]
+
+
+# --- types: the argument, what was expected and what came ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda: sx.make_mesh("data"), TypeError, "mesh spec must be a dict {axis: size} or a list of (axis, size) pairs"),
+        (lambda: sx.make_mesh(devices=["cpu"]), TypeError, "devices must be jax.Device objects"),
+        (lambda: sx.TrainState.create(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.adam), TypeError, "adam looks like an optax factory: call it, e.g. optax.adam(1e-3)"),
+        (lambda: sx.shard({"w": np.ones(8)}, sx.batch_sharding(sx.make_mesh())), TypeError, "shard: plan must be a shardax Plan"),
+        (lambda: sx.validate({"w": np.ones(8)}, P("data")), TypeError, "validate: plan must be a shardax Plan"),
+        (lambda: sx.place_on_device(np.ones(2), "cpu:0"), TypeError, "place_on_device: device must be a jax.Device, got 'cpu:0'"),
+        (lambda: sx.distribute_batch({"x": np.ones(8)}, sx.make_mesh()), TypeError, "sharding must be a jax.sharding.Sharding"),
+        (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh(), plan=sx.batch_sharding(sx.make_mesh())), TypeError, "plan must be a shardax Plan"),
+        # found in this branch's own sweep
+        (lambda: sx.make_mesh(axis_types="explicit"), TypeError, "axis_types must be a jax.sharding.AxisType"),
+        (lambda: sx.fsdp("mesh"), TypeError, "fsdp: mesh must be a jax.sharding.Mesh, got 'mesh'"),
+        (lambda: sx.rules(None, []), TypeError, "rules: mesh must be a jax.sharding.Mesh, got None"),
+        (lambda: sx.follow_params("fsdp"), TypeError, "follow_params: plan must be a shardax Plan"),
+        (lambda: sx.init_sharded(lambda: {"w": jnp.ones(8)}, "fsdp"), TypeError, "init_sharded: plan must be a shardax Plan"),
+        (lambda: sx.make_train_step(None, mesh=sx.make_mesh()), TypeError, "loss_fn must be a function loss_fn(model, batch), got None"),
+        (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh()).shard({"w": np.ones(8)}), TypeError, "the train step takes a sx.TrainState"),
+        (lambda: sx.batches({"x": np.ones(4)}, 2, shuffle="yes"), TypeError, "batches: shuffle must be True or False, got 'yes'"),
+        (lambda: sx.save_checkpoint(None, {"w": np.ones(2)}, step=0), TypeError, "directory must be a path (str or os.PathLike), got None"),
+        (lambda: sx.validate_batch_size(True), ValueError, "batch_size must be an integer, got True (a bool)"),
+    ],
+)  # fmt: skip
+def test_wrong_types_name_what_came(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+# --- batch leaves: mixed sizes refused by every placement function alike; bad leaves named -
+
+
+MIXED = {"x": np.ones((16, 3), np.float32), "y": np.ones(24, np.float32)}
+
+
+@pytest.mark.parametrize(
+    "place",
+    [
+        lambda b, mesh: sx.distribute_batch(b, sx.batch_sharding(mesh)),
+        lambda b, mesh: sx.global_batch(b, mesh),
+        lambda b, mesh: sx.shard_batch_dim(b, mesh),
+        lambda b, mesh: sx.DevicePlacement().distribute_batch(b, sx.batch_sharding(mesh)),
+        lambda b, mesh: next(iter(sx.prefetch_to_device([b], mesh))),
+        lambda b, mesh: (s := sx.make_train_step(_loss, mesh=mesh))(s.shard(_pytree_state()), b),
+    ],
+    ids=["distribute_batch", "global_batch", "shard_batch_dim", "DevicePlacement", "prefetch", "step"],
+)  # fmt: skip
+def test_mixed_batch_sizes_are_refused_everywhere(place, mesh):
+    with pytest.raises(
+        ValueError, match=r"disagree on the batch size.*'x': \(16, 3\), 'y': \(24,\)"
+    ):
+        place(MIXED, mesh)
+
+
+@pytest.mark.parametrize(
+    "place",
+    [
+        lambda b, mesh: sx.distribute_batch(b, sx.batch_sharding(mesh)),
+        lambda b, mesh: sx.global_batch(b, mesh),
+        lambda b, mesh: sx.place_on_device(b),
+        lambda b, mesh: (s := sx.make_train_step(_loss, mesh=mesh))(s.shard(_pytree_state()), b),
+    ],
+    ids=["distribute_batch", "global_batch", "place_on_device", "step"],
+)
+def test_string_leaf_is_named_by_path(place, mesh):
+    batch = {"x": np.ones((8, 4), np.float32), "meta": {"label": np.array(["a"] * 8)}}
+    with pytest.raises(TypeError, match=r"leaf 'meta/label' has dtype <U1 .*cannot hold"):
+        place(batch, mesh)
+
+
+def test_list_leaves_in_the_step_are_named(mesh):
+    step = sx.make_train_step(_loss, mesh=mesh)
+    batch = {"x": np.ones((8, 4), np.float32), "y": [0.0] * 8}
+    with pytest.raises(TypeError, match=r"batch leaf 'y/0' is a float .*np.asarray"):
+        step(step.shard(_pytree_state()), batch)
+
+
+# --- plans: a rule that gives no leaf its spec is reported, and warned about once ---------
+
+
+def _nnx_model():
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize(
+    "make_plan,tree,needle",
+    [
+        (lambda m: sx.rules(m, [("wieght", P("data"))]), {"weight": np.ones((8, 2))}, "rules[0] ('wieght', P('data',)) gives no leaf its spec: its regex matches no leaf path"),
+        (lambda m: sx.rules(m, [("w", P("data")), ("weight", P(None, "model"))]), {"weight": np.ones((8, 2))}, "rules[1]"),
+        (lambda m: sx.from_nnx(m, _nnx_model(), {"embed": None, "mlp": "model"}), {"kernel": {"value": np.ones((16, 8))}}, "annotated variable 'kernel"),
+    ],
+)  # fmt: skip
+def test_rules_that_match_nothing_are_reported(make_plan, tree, needle):
+    mesh = sx.make_mesh({"data": 4, "model": 2})
+    plan = make_plan(mesh)
+    assert any(needle in note for note in sx.validate(tree, plan)), sx.validate(tree, plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sx.shard(tree, plan)
+        sx.shard(tree, plan)  # once per plan
+        sx.follow_params(plan)({"params": tree})  # the step's wrapper shares the record
+    assert len([w for w in caught if needle in str(w.message)]) == 1
+
+
+def test_matching_rules_are_quiet():
+    mesh = sx.make_mesh({"data": 4, "model": 2})
+    plan = sx.rules(mesh, [("^weight$", P("data"))])
+    assert sx.validate({"weight": np.ones((8, 2))}, plan) == []
+
+
+# --- checkpoints --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda d, s: sx.save_checkpoint(d, s, step=-1), ValueError, "checkpoint step must be an integer >= 0, got -1"),
+        (lambda d, s: sx.save_checkpoint(d, s, step=True), ValueError, "got True (a bool)"),
+        (lambda d, s: sx.save_checkpoint(d, s, step=1, data_state={"a": [np.arange(2)]}), TypeError, "data_state['a'][0] is a numpy.ndarray, which JSON cannot store"),
+        (lambda d, s: sx.save_checkpoint(d, s, step=1, data_state={1: "x"}), TypeError, "JSON keys must be strings"),
+        (lambda d, s: sx.save_checkpoint(d, {**s, "obj": object()}, step=1), TypeError, "leaf['obj'] is a builtins.object"),
+        (lambda d, s: sx.save_checkpoint(d, {}, step=1), ValueError, "state has no array or number leaf to save, got {}"),
+    ],
+)  # fmt: skip
+def test_bad_saves_write_nothing(tmp_path, call, error, message):
+    state = {"w": jnp.ones(4)}
+    with pytest.raises(error, match=re.escape(message)):
+        call(tmp_path, state)
+    assert os.listdir(tmp_path) == []  # no step, no orbax-checkpoint-tmp left behind
+    sx.save_checkpoint(tmp_path, state, step=1)  # and the next save works
+    assert sx.CheckpointManager(tmp_path).all_steps() == [1]
+
+
+def test_failed_restore_creates_nothing(tmp_path):
+    missing = tmp_path / "does" / "not" / "exist"
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        sx.restore_checkpoint(missing, like={"w": jnp.ones(2)})
+    assert not (tmp_path / "does").exists()
+
+
+def test_non_array_leaves_are_saved(tmp_path):
+    state = {"w": jnp.ones(3), "epoch": 5, "lr": 0.5, "done": True, "name": "run-1"}
+    sx.save_checkpoint(tmp_path, state, step=0)
+    like = {"w": jnp.zeros(3), "epoch": 0, "lr": 0.0, "done": False, "name": ""}
+    restored = sx.restore_checkpoint(tmp_path, like).state
+    assert {k: restored[k] for k in ("epoch", "lr", "done", "name")} == {
+        "epoch": 5, "lr": 0.5, "done": True, "name": "run-1"
+    }  # fmt: skip
+    assert type(restored["epoch"]) is int
+
+
+def test_stray_step_directories_are_skipped_with_a_warning(tmp_path):
+    state = {"w": jnp.ones(3)}
+    sx.save_checkpoint(tmp_path, state, step=1)
+    (tmp_path / "5").mkdir()
+    with pytest.warns(UserWarning, match=r"skipping .*5, which is named like a step"):
+        restored = sx.restore_checkpoint(tmp_path, like=state)
+    assert restored.step == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sx.save_checkpoint(tmp_path, state, step=7, max_to_keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["5", "7"]  # the stray one is never deleted
+
+
+# --- multi-process: coordinates checked before JAX; a missing peer is a Python error ------
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("127.0.0.1:99999", 1, 0), "whose port 99999 is out of range"),
+        (("not-an-address", 2, 0), "got 'not-an-address'"),
+        (("127.0.0.1:abc", 2, 0), "got '127.0.0.1:abc'"),
+        ((":1234", 2, 0), "got ':1234'"),
+        (("::1:1234", 2, 0), "IPv6 hosts in brackets"),
+        (("127.0.0.1:1234", 2, 2), "process_id must be in [0, num_processes=2), got 2"),
+        (("127.0.0.1:1234", 0, 0), "num_processes must be an integer >= 1, got 0"),
+        (("127.0.0.1:1234", np.int64(2), True), "process_id must be an integer >= 0, got True"),
+    ],
+)
+def test_malformed_coordinates_are_value_errors(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve_coordinates(*args, env={})
+
+
+def test_launch_environment_is_checked_and_named():
+    env = {"SHARDAX_COORDINATOR": "127.0.0.1:0", "SHARDAX_NUM_PROCESSES": "2"}
+    with pytest.raises(ValueError, match=r"\$SHARDAX_COORDINATOR\) must be 'host:port'"):
+        resolve_coordinates(env={**env, "SHARDAX_PROCESS_ID": "0"})
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_peer_that_never_joins_is_a_timeout_error(rank):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    with pytest.raises(TimeoutError) as e:
+        roll_call(address, "127.0.0.1", port, rank, 2, timeout=1)
+    assert address in str(e.value) and "1 s (initialization_timeout)" in str(e.value)
+    assert ("never joined" if rank == 0 else "could not reach") in str(e.value)
+
+
+def _roll_call_in_threads(counts):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    errors = {}
+
+    def one(rank):
+        try:
+            roll_call(address, "127.0.0.1", port, rank, counts[rank], timeout=20)
+        except Exception as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(counts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
+def test_roll_call_meets_and_names_a_mismatched_process_count():
+    assert _roll_call_in_threads([3, 3, 3]) == {}
+    errors = _roll_call_in_threads([2, 3])
+    assert isinstance(errors[0], ValueError) and isinstance(errors[1], ValueError)
+    assert "process 1 was started with num_processes=3, process 0 with 2" in str(errors[1])
+
+
+# --- the step: params that changed shape after the optimizer was initialised --------------
+
+
+def test_params_that_changed_shape_name_the_leaf_and_both_shapes(mesh):
+    state = sx.TrainState.from_params(
+        {"w": jnp.zeros((4, 2))}, lambda p, x: x @ p["w"], optax.adam(1e-3)
+    )
+    state = state.replace(params={"w": jnp.zeros((5, 2))})
+    step = sx.make_train_step(_loss, mesh=mesh)
+    batch = {"x": np.ones((8, 5), np.float32), "y": np.ones((8, 2), np.float32)}
+    with pytest.raises(ValueError, match=r"params leaf 'w' has shape \(5, 2\).*\(4, 2\)"):
+        step(step.shard(state), batch)
+
+
+# --- the CLI: one line on stderr, exit code 2, no traceback --------------------------------
+# Subprocesses for what only a real process shows (the environment read at start, JAX's
+# join, orbax at shutdown), started together since each start costs seconds; the other
+# options go through the same ``main`` in this process.
+
+SUBPROCESS_CASES = {
+    "train --seed -1": (
+        ["train", "--seed", "-1"],
+        {},
+        "--seed: expected an integer >= 0, got '-1'",
+    ),
+    "SHARDAX_CPU_DEVICES=abc": (
+        ["info"],
+        {"SHARDAX_CPU_DEVICES": "abc"},
+        "$SHARDAX_CPU_DEVICES: expected an integer >= 1, got 'abc'",
+    ),
+    "SHARDAX_COORDINATOR=x": (
+        ["info"],
+        {"SHARDAX_COORDINATOR": "x", "SHARDAX_NUM_PROCESSES": "2", "SHARDAX_PROCESS_ID": "0"},
+        "($SHARDAX_COORDINATOR) must be 'host:port'",
+    ),
+    "--resume on an empty dir": (
+        ["train", "--resume", "--checkpoint-dir", "{empty}", "--hidden", "8", "--cpu-devices", "2"],
+        {},
+        "--resume: no checkpoint in --checkpoint-dir",
+    ),
+}
+
+IN_PROCESS_CASES = {
+    "bench --seed -1": (["bench", "--seed", "-1"], "--seed: expected an integer >= 0"),
+    "tune-batch --seed -1": (["tune-batch", "--seed", "-1"], "--seed: expected an integer >= 0"),
+    "train --cpu-devices 0": (
+        ["train", "--cpu-devices", "0"],
+        "--cpu-devices: expected an integer >= 1, got 0",
+    ),
+    "launch -n 0": (
+        ["launch", "-n", "0", "--", "true"],
+        "-n/--num-processes: expected an integer >= 1, got 0",
+    ),
+    "launch --heartbeat-timeout 0": (
+        ["launch", "-n", "1", "--heartbeat-timeout", "0", "--", "true"],
+        "--heartbeat-timeout: expected an integer >= 1",
+    ),
+    "launch --port 99999": (
+        ["launch", "-n", "1", "--port", "99999", "--", "true"],
+        "--port: expected a port in 1..65535",
+    ),
+    "unwritable --run-dir": (
+        ["train", "--run-dir", "{file}/runs"],
+        "--run-dir {file}/runs: cannot create it, {file} is not a directory",
+    ),
+    "bench --run-dir a file": (
+        ["bench", "--run-dir", "{file}"],
+        "--run-dir {file}: exists and is not a directory",
+    ),
+    "train --checkpoint-dir under a file": (
+        ["train", "--checkpoint-dir", "{file}/ck"],
+        "--checkpoint-dir {file}/ck: cannot create it",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "a-file").write_text("not a directory")
+    (tmp / "empty").mkdir()
+    return {"file": str(tmp / "a-file"), "empty": str(tmp / "empty")}
+
+
+def _one_error_line(err, message):
+    assert "Traceback" not in err, err
+    assert message in err, err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1, err
+
+
+@pytest.fixture(scope="module")
+def cli_results(paths):
+    """Every subprocess case, and ``--help`` with a bad environment, started together."""
+    runs = {
+        name: ([a.format(**paths) for a in argv], env)
+        for name, (argv, env, _) in SUBPROCESS_CASES.items()
+    }
+    runs["--help"] = (["train", "--help"], {"SHARDAX_CPU_DEVICES": "abc"})
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "shardax", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env, "PYTHONWARNINGS": "ignore"},
+        )
+        for name, (argv, env) in runs.items()
+    }
+    return {name: (p.wait(timeout=600), *p.communicate()) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("name", list(SUBPROCESS_CASES))
+def test_cli_subprocess_bad_values_are_one_line_and_exit_2(cli_results, paths, name):
+    code, _, err = cli_results[name]
+    assert code == 2, err
+    _one_error_line(err, SUBPROCESS_CASES[name][2].format(**paths))
+
+
+def test_cli_help_works_with_a_bad_environment(cli_results):
+    code, out, err = cli_results["--help"]
+    assert code == 0 and "--cpu-devices" in out, err
+
+
+@pytest.mark.parametrize("name", list(IN_PROCESS_CASES))
+def test_cli_bad_options_are_one_line_and_exit_2(capsys, paths, name):
+    argv, message = IN_PROCESS_CASES[name]
+    try:
+        code = cli_main([a.format(**paths) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    _one_error_line(capsys.readouterr().err, message.format(**paths))
