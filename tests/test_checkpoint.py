@@ -145,11 +145,14 @@ def test_saved_with_fsdp_on_8_devices_restored_on_4_replicated(tmp_path):
     assert restored["params"] == done["params"]
 
 
-def test_kill_during_save_leaves_last_complete_step(tmp_path):
+@pytest.mark.parametrize("mode", ["save_loop", "overwrite_loop"])
+def test_kill_during_save_leaves_last_complete_step(tmp_path, mode):
+    # save_loop saves steps 1, 2, ... holding k; overwrite_loop saves step 1 again and
+    # again, holding k, with overwrite=True.
     for delay in (0.3, 1.1, 2.3):
         directory = tmp_path / f"kill{delay}"
         proc = subprocess.Popen(
-            [sys.executable, WORKER, "save_loop", "8", str(directory)],
+            [sys.executable, WORKER, mode, "8", str(directory)],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -165,18 +168,23 @@ def test_kill_during_save_leaves_last_complete_step(tmp_path):
         seen = sorted(os.listdir(directory))
         with sx.CheckpointManager(directory, max_to_keep=2) as manager:
             latest = manager.latest_step()
-            why = f"delay {delay}: printed {committed[-3:]}, latest {latest}, dir {seen}"
-            # Killed before or after printing the last commit.
-            assert latest in (committed[-1], committed[-1] + 1), why
+            why = f"{mode}, delay {delay}: printed {committed[-3:]}, latest {latest}, dir {seen}"
             like = {"a": jnp.zeros((1024, 1024)), "b": jnp.zeros((512, 512))}
             got = manager.restore(like)
-            assert float(got.state["a"][0, 0]) == latest == float(got.state["b"][-1, -1]), why
-            assert manager.all_steps()[-1] == latest, why  # a partial save is ignored
+            value = float(got.state["a"][0, 0])
+            assert value == float(got.state["b"][-1, -1]), why
+            # Killed before or after printing the last commit.
+            assert value in (committed[-1], committed[-1] + 1), why
+            if mode == "save_loop":
+                assert latest == value, why
+                assert manager.all_steps()[-1] == latest, why  # a partial save is ignored
+            else:
+                assert manager.all_steps() == [1], why
         # ... and cleaned up by orbax in the background once a manager opens the directory.
         deadline = time.monotonic() + 20
         while [p for p in os.listdir(directory) if "tmp" in p] and time.monotonic() < deadline:
             time.sleep(0.1)
-        leftovers = [p for p in os.listdir(directory) if "tmp" in p]
+        leftovers = [p for p in os.listdir(directory) if "tmp" in p or p.startswith(".")]
         assert not leftovers, f"{why}; left after cleanup: {leftovers}"
 
 
@@ -223,3 +231,25 @@ def test_two_processes_save_and_restore_together(tmp_path):
     state_dir = tmp_path / "ck" / "3" / "state"
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(state_dir))
     assert sorted(os.listdir(state_dir / "array_metadatas")) == ["process_0", "process_1"]
+
+
+@pytest.mark.parametrize(("stop", "expected"), [("staged", 1), ("moved aside", 1), ("swapped", 2)])
+def test_an_interrupted_overwrite_leaves_a_whole_step(tmp_path, monkeypatch, stop, expected):
+    from shardax.checkpoint import swap
+
+    def interrupted_swap(directory, step):  # swap.swap_in, stopped after one rename
+        if stop != "staged":
+            os.rename(tmp_path / "1", tmp_path / f"{swap.REPLACED}1")
+        if stop == "swapped":
+            os.rename(tmp_path / swap.STAGED / "1", tmp_path / "1")
+        raise KeyboardInterrupt  # the process dies here
+
+    with sx.CheckpointManager(tmp_path) as manager:
+        manager.save(1, {"a": jnp.ones(4)})
+        monkeypatch.setattr(swap, "swap_in", interrupted_swap)
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(1, {"a": jnp.full(4, 2.0)}, overwrite=True)
+    with sx.CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [1]
+        np.testing.assert_array_equal(manager.restore({"a": jnp.zeros(4)}).state["a"], expected)
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []

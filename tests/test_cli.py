@@ -249,13 +249,16 @@ def test_train_under_launch_in_two_processes_matches_one_process(tmp_path, capsy
     proc = run_cli(
         "launch", "-n", "2", "--cpu-devices", "2", "--",
         sys.executable, "-m", "shardax", "train", *argv, "--run-dir", str(tmp_path / "mp"),
-        timeout=240,
+        "--json", timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "mp" / "summary.json").read_text())
     assert (summary["processes"], summary["devices"]) == (2, 4)
+    # stdout is pure JSON: process 0's result; gloo's lines and the tables go to stderr.
+    assert json.loads(proc.stdout)["history"] == summary["history"]
+    assert "[0] [Gloo]" in proc.stderr
     # Only process 0 shows progress and the result.
-    assert "[0] training an MLP" in proc.stdout + proc.stderr
+    assert "[0] training an MLP" in proc.stderr
     assert "[1] training" not in proc.stdout + proc.stderr
     # The same 4-device run in one process gives the same curve.
     single = train_json(capsys, *argv, "--mesh", "data=4", "--run-dir", str(tmp_path / "sp"))

@@ -153,7 +153,7 @@ def test_a_process_raises_every_process_exits_nonzero_promptly():
     procs = start_processes([sys.executable, SCRIPT, "--mode", "raise"], envs)
     out = io.StringIO()
     start = time.monotonic()
-    code = supervise(procs, grace=3.0, out=out)
+    code = supervise(procs, grace=3.0, out=out, err=out)
     elapsed = time.monotonic() - start
     text = out.getvalue()
     assert code == 1, text
@@ -247,6 +247,29 @@ def test_launch_prefixes_ranks_and_passes_environment():
     assert lines == [f"[{r}] {r} 3 127.0.0.1:4567 2" for r in range(3)]
 
 
+def test_launch_json_keeps_stdout_pure_and_runtime_chatter_on_stderr():
+    child = "import json, os, sys\nrank = os.environ['SHARDAX_PROCESS_ID']\n"
+    child += "print('[Gloo] Rank', rank, 'is connected', flush=True)\n"
+    child += "print('log', rank, file=sys.stderr, flush=True)\n"
+    child += "if rank == '0': print(json.dumps({'ok': sys.argv[1:]}))"
+    for flag in ("--json", "--text"):
+        proc = subprocess.run(
+            [*LAUNCH, "launch", "-n", "2", "--", *PY, child, flag],
+            capture_output=True,
+            text=True,
+            timeout=120,  # launch imports shardax: slow on a loaded 2-core machine
+            env=CLEAN_ENV,
+        )
+        assert proc.returncode == 0, proc.stderr
+        for rank in (0, 1):
+            assert f"[{rank}] [Gloo] Rank {rank} is connected" in proc.stderr
+            assert f"[{rank}] log {rank}" in proc.stderr
+        if flag == "--json":  # unprefixed: pure JSON
+            assert json.loads(proc.stdout) == {"ok": ["--json"]}
+        else:
+            assert proc.stdout == '[0] {"ok": ["--text"]}\n'
+
+
 def test_launch_exits_with_first_failure_and_stops_the_others():
     failing = "import os, sys, time\nif os.environ['SHARDAX_PROCESS_ID'] == '1': sys.exit(7)\n"
     failing += "print('waiting', flush=True); time.sleep(60)"
@@ -259,7 +282,7 @@ def test_launch_exits_with_first_failure_and_stops_the_others():
         env=CLEAN_ENV,
     )
     assert proc.returncode == 7, proc.stdout + proc.stderr
-    assert "process 1 exited with code 7; stopping the others" in proc.stdout
+    assert "process 1 exited with code 7; stopping the others" in proc.stderr
     # Far below JAX's 300 s shutdown barrier, which the others would wait out if the
     # launcher did not stop them; loose enough for a loaded 2-core machine.
     assert time.monotonic() - start < 90
@@ -334,9 +357,9 @@ def test_resolve_coordinates_detects_slurm(monkeypatch):
         monkeypatch.setenv(k, v)
     assert resolve_coordinates(env={}).source == "slurm"
     # JAX's own SLURM detection fills in what is left, as sx.initialize relies on.
-    from jax._src.clusters import ClusterEnv
+    from shardax.runtime.compat import private
 
-    addr, n, pid, local = ClusterEnv.auto_detect_unset_distributed_params(
+    addr, n, pid, local = private("ClusterEnv").auto_detect_unset_distributed_params(
         None, None, None, None, None, 10
     )
     assert (addr.split(":")[0], n, pid, local) == ("node001", 4, 2, [0])

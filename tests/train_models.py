@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -142,3 +144,19 @@ def lm_losses_numpy(params: dict, batch: dict) -> np.ndarray:
     logits = logits - logits.max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     return -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Collects one entry per XLA compilation (``jax.monitoring``) while open."""
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

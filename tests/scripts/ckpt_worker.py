@@ -84,6 +84,13 @@ def main():
             for k in range(1, 10_000):
                 manager.save(k, jax.tree.map(lambda x, k=k: x + k, big))
                 print(f"saved {k}", flush=True)
+    elif mode == "overwrite_loop":  # overwrites step 1 with k, forever, announcing each commit
+        plan = sx.fsdp(mesh, min_size=1)
+        big = sx.shard({"a": jnp.zeros((1024, 1024)), "b": jnp.zeros((512, 512))}, plan)
+        with sx.CheckpointManager(directory, max_to_keep=2) as manager:
+            for k in range(1, 10_000):
+                manager.save(1, jax.tree.map(lambda x, k=k: x + k, big), overwrite=k > 1)
+                print(f"saved {k}", flush=True)
 
 
 if __name__ == "__main__":

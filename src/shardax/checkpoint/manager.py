@@ -1,7 +1,8 @@
 """Save and restore a train state and the data position with orbax-checkpoint.
 
 Saves are atomic (orbax writes to a temporary directory and renames it on commit;
-leftovers of an interrupted save are cleaned up), the last ``max_to_keep`` steps are
+leftovers of an interrupted save are cleaned up), overwrites too (saved aside, swapped in
+by renames), the last ``max_to_keep`` steps are
 kept, and a restore places every array on the sharding of ``like``, whatever sharding
 it was saved with.
 
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardax.checkpoint import swap
 from shardax.checkpoint.convert import (
     abstract_saveable,
     flat_paths,
@@ -79,20 +81,12 @@ class CheckpointManager:
         if not create and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"no checkpoint directory {self.directory}")
         self._stray: set[str] = set()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            create=create,
-            cleanup_tmp_directories=True,
-            enable_async_checkpointing=False,
-            step_name_format=_CheckpointSteps(ocp.step.standard_name_format(), self._warn_stray),
-        )
-        self._manager = ocp.CheckpointManager(
+        swap.recover(self.directory)  # an overwrite interrupted by a crash
+        self._manager = _orbax_manager(
             self.directory,
-            options=options,
-            item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
-                "data": ocp.JsonCheckpointHandler(),
-            },
+            max_to_keep,
+            create=create,
+            step_name_format=_CheckpointSteps(ocp.step.standard_name_format(), self._warn_stray),
         )
 
     def _warn_stray(self, path: Any) -> None:
@@ -120,8 +114,9 @@ class CheckpointManager:
         """Saves ``state`` (any pytree) and the JSON-able ``data_state`` as ``step``.
 
         A step that exists raises ``FileExistsError`` unless ``overwrite=True``, which
-        deletes that step before saving the new one: a crash in between loses the step
-        (the other kept steps are untouched).
+        replaces it atomically: the new version is saved aside and swapped in by renames,
+        so a crash at any point leaves the old step or the new one, whole
+        (:mod:`shardax.checkpoint.swap`).
         """
         ocp = _ocp()
         step = as_count("checkpoint step", step, minimum=0)
@@ -134,17 +129,22 @@ class CheckpointManager:
                 f"checkpoint: state has no array or number leaf to save, got {state!r:.80}; "
                 "plain values go in data_state"
             )
-        if step in self.all_steps():
-            if not overwrite:
-                raise FileExistsError(
-                    f"checkpoint step {step} already exists in {self.directory}; pass "
-                    "overwrite=True to replace it"
-                )
-            self._manager.delete(step)
+        exists = step in self.all_steps()
+        if exists and not overwrite:
+            raise FileExistsError(
+                f"checkpoint step {step} already exists in {self.directory}; pass "
+                "overwrite=True to replace it"
+            )
         items = {"state": ocp.args.StandardSave(arrays)}
         items["data"] = ocp.args.JsonSave({"data_state": data_state, "leaves": leaves})
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-        self._manager.wait_until_finished()
+        args = ocp.args.Composite(**items)
+        if not exists:
+            _save(self._manager, step, args)
+            return
+        with _orbax_manager(os.path.join(self.directory, swap.STAGED), None) as staging:
+            _save(staging, step, args)
+        swap.swap_in(self.directory, step)
+        self._manager.reload()
 
     def reached_preemption(self, step: int) -> bool:
         """True when the loop should save ``step`` and stop (see
@@ -208,6 +208,32 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _orbax_manager(
+    directory: str, max_to_keep: int | None, *, create: bool = True, step_name_format: Any = None
+) -> Any:
+    ocp = _ocp()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        create=create,
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=False,
+        step_name_format=step_name_format,
+    )
+    return ocp.CheckpointManager(
+        directory,
+        options=options,
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "data": ocp.JsonCheckpointHandler(),
+        },
+    )
+
+
+def _save(manager: Any, step: int, args: Any) -> None:
+    manager.save(step, args=args, force=True)
+    manager.wait_until_finished()
 
 
 class _CheckpointSteps:

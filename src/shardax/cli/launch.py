@@ -2,12 +2,15 @@
 
 Each process gets the environment that :func:`shardax.initialize` reads (coordinator
 on 127.0.0.1, the process count, its rank, its CPU device count), so the program
-joins the run with one call. Output lines are prefixed with the rank. When a process
-fails, the others are stopped and launch exits with that first non-zero code; Ctrl-C
-stops them all. A SIGTERM (a scheduler's preemption notice) is forwarded to every
-process, which save and exit with code 75 (:data:`PREEMPTED_EXIT_CODE`): a process that
-exits with 75 does not stop the others, and launch exits with 75 once all have ended.
-Launch itself never starts JAX.
+joins the run with one call. The processes' stdout goes to launch's stdout, and their
+stderr (tracebacks, logs) and runtime chatter (:data:`RUNTIME_CHATTER`, which gloo
+writes to stdout) to launch's stderr, each line prefixed with the rank; when the
+command has ``--json``, stdout lines are passed on unprefixed, so stdout stays pure
+JSON. When a process fails, the others are stopped and launch exits with that first
+non-zero code; Ctrl-C stops them all. A SIGTERM (a scheduler's preemption notice) is
+forwarded to every process, which save and exit with code 75
+(:data:`PREEMPTED_EXIT_CODE`): a process that exits with 75 does not stop the others,
+and launch exits with 75 once all have ended. Launch itself never starts JAX.
 
     $ shardax launch -n 2 --cpu-devices 4 -- python train.py
 """
@@ -35,6 +38,10 @@ from shardax.runtime.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
+
+RUNTIME_CHATTER = ("[Gloo] ",)
+"""Starts of lines that the runtime's native code writes to stdout; launch sends them to
+stderr, so a program's stdout (``--json``) stays its own."""
 
 STARTS_JAX = False
 """Read by ``shardax.cli.main``: launch sets no JAX option in its own process."""
@@ -111,29 +118,43 @@ def process_env(
 
 
 def start_processes(
-    cmd: Sequence[str], envs: Sequence[Mapping[str, str]]
+    cmd: Sequence[str], envs: Sequence[Mapping[str, str]], *, merge_stderr: bool = True
 ) -> list[subprocess.Popen[bytes]]:
     """Starts ``cmd`` once per environment, each in its own session (process group),
-    with stdout and stderr merged into one pipe."""
+    with stdout and stderr piped: merged into one pipe, or two with ``merge_stderr=False``."""
     return [
         subprocess.Popen(
             list(cmd),
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
             start_new_session=True,
         )
         for env in envs
     ]
 
 
-def _forward(rank: int, pipe: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+def _forward(
+    rank: int,
+    pipe: IO[bytes] | None,
+    out: IO[str],
+    err: IO[str],
+    lock: threading.Lock,
+    *,
+    prefix: bool = True,
+) -> None:
+    """Copies ``pipe``'s lines to ``out`` (after ``[rank] `` if ``prefix``); runtime chatter
+    goes to ``err``, always prefixed."""
+    if pipe is None:
+        return
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
+        chatter = line.startswith(RUNTIME_CHATTER)
+        stream = err if chatter else out
         with lock:
-            out.write(f"[{rank}] {line}\n")
-            out.flush()
+            stream.write(f"[{rank}] {line}\n" if prefix or chatter else f"{line}\n")
+            stream.flush()
     pipe.close()
 
 
@@ -188,9 +209,13 @@ def supervise(
     *,
     grace: float = 3.0,
     out: IO[str] | None = None,
+    err: IO[str] | None = None,
+    prefix_stdout: bool = True,
     poll: float = 0.05,
 ) -> int:
-    """Forwards output with rank prefixes until every process has ended.
+    """Forwards each process's stdout to ``out`` and stderr to ``err`` (default: this
+    process's), lines prefixed with the rank (stdout's only if ``prefix_stdout``), until
+    every process has ended.
 
     Returns the first non-zero exit code (in time), after stopping the other
     processes; 0 when all succeed; 130 after Ctrl-C, once all are stopped. A process
@@ -198,11 +223,20 @@ def supervise(
     others are doing: they are left to finish, and the code is returned at the end.
     """
     out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     lock = threading.Lock()
     readers = [
-        threading.Thread(target=_forward, args=(r, p.stdout, out, lock), daemon=True)
+        threading.Thread(
+            target=_forward, args=(r, p.stdout, out, err, lock), kwargs={"prefix": prefix_stdout}
+        )
         for r, p in enumerate(procs)
     ]
+    readers += [
+        threading.Thread(target=_forward, args=(r, p.stderr, err, err, lock))
+        for r, p in enumerate(procs)
+    ]
+    for t in readers:
+        t.daemon = True
     for t in readers:
         t.start()
     first_failure = 0
@@ -213,11 +247,11 @@ def supervise(
                 first_failure = exit_code(failed[0].returncode)
                 failed_rank = procs.index(failed[0])
                 with lock:
-                    out.write(
+                    err.write(
                         f"shardax launch: process {failed_rank} exited with code "
                         f"{first_failure}; stopping the others\n"
                     )
-                    out.flush()
+                    err.flush()
                 stop(procs, grace)
                 break
             time.sleep(poll)
@@ -251,8 +285,8 @@ def run(args: argparse.Namespace) -> int:
         for r in range(args.num_processes)
     ]
     try:
-        procs = start_processes(cmd, envs)
+        procs = start_processes(cmd, envs, merge_stderr=False)
     except OSError as e:  # not found, not executable
         raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
     with forward_signals(procs):
-        return supervise(procs, grace=args.grace)
+        return supervise(procs, grace=args.grace, prefix_stdout="--json" not in cmd)

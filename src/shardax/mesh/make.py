@@ -49,6 +49,11 @@ def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
         raise ValueError(f"at most one mesh axis may be -1, got {fills}")
     known = math.prod(size for _, size in pairs if size != -1)
     shape = dict(pairs)
+    if known > num_devices:
+        raise ValueError(
+            f"Not enough devices: mesh {shape} needs {known} devices but only {num_devices} "
+            "are available"
+        )
     if fills:
         if num_devices % known:
             raise ValueError(
@@ -56,9 +61,6 @@ def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
                 f"divide the {num_devices} devices available, so -1 cannot be filled"
             )
         shape[fills[0]] = num_devices // known
-    total = math.prod(shape.values())
-    if total > num_devices:
-        raise ValueError(f"mesh {shape} needs {total} devices but only {num_devices} are available")
     return shape
 
 

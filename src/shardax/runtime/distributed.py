@@ -28,10 +28,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax._src import clusters as _clusters
-from jax._src import xla_bridge as _xla_bridge
 
 from shardax.checks import as_count, parse_address
+from shardax.runtime import compat
 from shardax.runtime.rendezvous import roll_call
 
 ENV_COORDINATOR = "SHARDAX_COORDINATOR"
@@ -52,9 +51,6 @@ ENV_JAX_PROCESS_ID = "JAX_PROCESS_ID"
 """This process's rank in the plain JAX environment."""
 ENV_JOB_INDEX = "JOB_COMPLETION_INDEX"
 """The pod's index in a Kubernetes Indexed Job: the rank when ``JAX_PROCESS_ID`` is unset."""
-
-# The cluster environments recognised without being named: cheap, environment-only checks.
-_AUTO_CLUSTERS = {"slurm": _clusters.SlurmCluster, "ompi": _clusters.OmpiCluster}
 
 
 class ProcessCoordinates(NamedTuple):
@@ -129,8 +125,9 @@ def resolve_coordinates(
         return checked_coordinates(_jax_environment(given, env))
     if cluster_detection_method is not None:
         return checked_coordinates(ProcessCoordinates(cluster_detection_method, *given))
-    for method, cluster in _AUTO_CLUSTERS.items():
-        if cluster.is_env_present():
+    # The cluster environments recognised without being named: environment-only checks.
+    for method in compat.CLUSTER_METHODS:
+        if compat.cluster_env(method).is_env_present():
             return checked_coordinates(ProcessCoordinates(method, *given))
     if any(v is not None for v in given):
         missing = [n for n, v in zip(names, given, strict=True) if v is None]
@@ -194,7 +191,7 @@ def checked_coordinates(coords: ProcessCoordinates) -> ProcessCoordinates:
 
 def backend_started() -> bool:
     """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
-    return _xla_bridge.backends_are_initialized()
+    return compat.backends_are_initialized()
 
 
 def _hard_exit_on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:

@@ -22,7 +22,6 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core as _core
 
 from shardax.plan.tree import is_array
 
@@ -39,7 +38,8 @@ _REDUCERS: dict[str, Callable[..., Any]] = {
 
 def bound_axes() -> dict[str, int]:
     """The named axes bound here (by shard_map or pmap), with their sizes."""
-    return dict(_core.get_axis_env().axis_sizes)
+    mesh = jax.sharding.get_abstract_mesh()
+    return {name: mesh.shape[name] for name in mesh.manual_axes}
 
 
 def _names(axis_name: AxisName) -> tuple[str, ...]:
@@ -66,7 +66,10 @@ def require_bound(axis_name: AxisName, caller: str) -> tuple[str, ...]:
 
 def _check_reduce_type(reduce_type: str) -> None:
     if reduce_type not in _REDUCERS:
-        raise ValueError(f"reduce_type must be one of {sorted(_REDUCERS)}, got {reduce_type!r}")
+        raise ValueError(
+            f"Unsupported reduce_type: {reduce_type!r}; reduce_type must be one of "
+            f"{sorted(_REDUCERS)}"
+        )
 
 
 def reduce(tree: Any, reduce_type: ReduceType = "mean", axis_name: AxisName = None) -> Any:

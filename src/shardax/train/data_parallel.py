@@ -55,7 +55,9 @@ def all_reduce_gradients(
     naming the axis if it is not bound where this is called.
     """
     if reduce_type not in ("mean", "sum"):
-        raise ValueError(f"reduce_type must be one of ['mean', 'sum'], got {reduce_type!r}")
+        raise ValueError(
+            f"Unsupported reduce_type: {reduce_type!r}; reduce_type must be one of ['mean', 'sum']"
+        )
     return all_reduce(gradients, reduce_type, axis_name)
 
 

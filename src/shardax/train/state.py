@@ -25,6 +25,7 @@ import optax
 
 from shardax.plan.tree import path_str
 from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, split_model
+from shardax.train.static import comparable
 
 Seed = int | jax.Array
 
@@ -112,7 +113,9 @@ class TrainState:
         loss_scale: the dynamic loss scale of an fp16 step
             (:class:`shardax.train.precision.LossScaleState`), else None.
         adapter: how to rebuild the framework's model (see :mod:`shardax.train.model`).
-        tx: the optax transformation.
+        tx: the optax transformation; equal to any transformation that computes the
+            same (:func:`shardax.train.static.comparable`), so a new but equal one does
+            not change the treedef.
     """
 
     step: jax.Array
@@ -123,6 +126,10 @@ class TrainState:
     adapter: ModelAdapter
     tx: optax.GradientTransformation
     loss_scale: Any = None
+
+    def __post_init__(self) -> None:
+        # An equal transformation gives an equal treedef, so no recompile (see static.py).
+        object.__setattr__(self, "tx", comparable(self.tx))
 
     @classmethod
     def _new(

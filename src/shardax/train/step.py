@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -31,12 +32,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDev
 from shardax.checks import as_count
 from shardax.data.placement import batch_sharding
 from shardax.mesh.make import DATA_AXIS
+from shardax.plan.activation import constrain
 from shardax.plan.core import Plan, replicate
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
 from shardax.plan.tree import is_array, map_arrays
 from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
+from shardax.train.axis_types import explain_axis_types, mesh_axis_type, reshard_batch
 from shardax.train.batch import check_batch, split_microbatches
 from shardax.train.collectives import weighted_mean
 from shardax.train.data_parallel import all_reduce_gradients
@@ -127,10 +130,6 @@ def _check_state(state: Any) -> None:
         )
 
 
-def _no_step(state: Any, batch: Any) -> Any:
-    raise ValueError("no step compiled yet")
-
-
 CPU_MAX_IN_FLIGHT = 4
 """Steps queued at most on simulated CPU devices. XLA:CPU's in-process collectives can
 deadlock (a 40 s rendezvous timeout, then abort) when many multi-device programs are
@@ -165,13 +164,6 @@ def _under_mesh(call: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     return under
 
 
-def _reshard_batch(fn: Callable[..., Any], sharding: NamedSharding) -> Callable[..., Any]:
-    def resharded(state: Any, batch: Any) -> Any:
-        return fn(state, jax.tree.map(lambda x: jax.sharding.reshard(x, sharding), batch))
-
-    return resharded
-
-
 def _is_key(x: Any) -> bool:
     return is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -187,6 +179,20 @@ def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
             raise ValueError("loss_fn's aux metrics must not have a 'loss' entry; it is the loss")
         return {"loss": loss, **aux}
     return {"loss": loss, "aux": aux}
+
+
+COMPILED_CACHE_SIZE = 8
+"""Compiled steps kept per ``TrainStep`` (one per state structure), most recent first."""
+
+
+class _Compiled:
+    """One compiled step, its state structure, and the last state it returned (weakly)."""
+
+    __slots__ = ("fn", "last", "treedef")
+
+    def __init__(self, fn: Callable[..., Any], treedef: Any) -> None:
+        self.fn, self.treedef = fn, treedef
+        self.last: weakref.ref[Any] | None = None
 
 
 class TrainStep:
@@ -263,9 +269,8 @@ class TrainStep:
         self._donate_argnums = (0,) if donate else ()
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._batch_sharding = batch_sharding(mesh, data_axis)
-        self._compiled: dict[Any, Callable[..., Any]] = {}
-        self._last: Callable[..., Any] = _no_step
-        self._last_treedef: Any = None
+        self._explicit = mesh_axis_type(mesh, data_axis) == AxisType.Explicit
+        self._compiled: collections.OrderedDict[Any, _Compiled] = collections.OrderedDict()
         self._call = getattr(self, f"_call_{mode}")
         if mode == "jit":
             self._call = _under_mesh(self._call, mesh)
@@ -401,8 +406,7 @@ class TrainStep:
         micro = split_microbatches(batch, k)
         micro_keys = None if keys is None else split_microbatches(keys, k)
         if not mapped and self.mode == "jit":
-            spread = NamedSharding(self.mesh, PartitionSpec(None, self.data_axis))
-            micro = jax.tree.map(lambda x: lax.with_sharding_constraint(x, spread), micro)
+            micro = constrain(micro, PartitionSpec(None, self.data_axis), self.mesh)
         masked = batch_mask(batch) is not None
 
         def body(carry: Any, xs: Any) -> tuple[Any, None]:
@@ -419,7 +423,7 @@ class TrainStep:
 
         first = jax.tree.map(lambda x: x[0], (micro, micro_keys))
         shapes = jax.eval_shape(lambda mb, mk: self._grads(state, model_state, mb, mk, rng), *first)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:3])
+        zeros = jax.tree.map(jnp.zeros_like, shapes[:3])  # with the shardings in their types
         (sums, total, model_state), _ = lax.scan(
             body,
             (zeros, jnp.float32(0), model_state),
@@ -507,18 +511,17 @@ class TrainStep:
 
         if self.mode == "single":
             return init_sharded(prepared, lambda tree: self._device, *args, **kwargs)
-        if self.mode in ("shard_map", "pmap"):
-            self._check_replicated(jax.eval_shape(prepared, *args, **kwargs))
-        return init_sharded(prepared, self._state_plan, *args, **kwargs)
+        # Under the mesh, as the step: flax's eager sharding (variables annotated with
+        # out_sharding=) places each variable as it is created.
+        with jax.sharding.set_mesh(self.mesh):
+            if self.mode in ("shard_map", "pmap"):
+                self._check_replicated(jax.eval_shape(prepared, *args, **kwargs))
+            return init_sharded(prepared, self._state_plan, *args, **kwargs)
 
     def _build(self, state: TrainState) -> Callable[..., Any]:
         shardings = self._state_plan(state)
         if self.mode == "jit":
             fn = self._global_update
-            if AxisType.Explicit in self.mesh.axis_types:
-                # The seeds' contract is "computation follows the data": the update
-                # runs with Auto axes and returns the plan's shardings.
-                fn = jax.sharding.auto_axes(fn, out_sharding=self._out(shardings, self._replicated))
         else:
             fn = jax.shard_map(
                 self._mapped_update,
@@ -527,42 +530,82 @@ class TrainStep:
                 out_specs=self._out(PartitionSpec(), PartitionSpec()),
                 check_vma=False,
             )
-            if AxisType.Explicit in self.mesh.axis_types:
-                # With Explicit axes a NumPy batch's type is unsharded inside jit;
-                # shard_map needs the split in the type.
-                fn = _reshard_batch(fn, self._batch_sharding)
+        if self._explicit:
+            # A NumPy batch's type is unsharded inside jit; the split belongs in its type.
+            fn = reshard_batch(fn, self._batch_sharding)
         return jax.jit(
-            fn,
+            explain_axis_types(fn, self.mesh),
             in_shardings=(shardings, self._batch_sharding),
             out_shardings=self._out(shardings, self._replicated),
             donate_argnums=self._donate_argnums,
         )
 
-    def _call_jit(self, state: TrainState, batch: Any):
-        # Hot path: the last compiled function, with no Python pass over the state. A
-        # state of another structure fails jit's in_shardings check before anything
-        # runs (or is donated), and gets (or reuses) its own function.
-        try:
-            return self._last(state, batch)
-        except ValueError:
+    def _lookup(self, state: TrainState) -> _Compiled:
+        """The compiled step for ``state``'s structure, from a bounded most-recently-used
+        cache. Hot path: ``state`` is what one of the cached steps returned last, so its
+        structure is known without flattening it."""
+        for entry in self._compiled.values():
+            if entry.last is not None and entry.last() is state:
+                break
+        else:
             treedef = jax.tree.structure(state)
-            if self._last_treedef is not None and treedef == self._last_treedef:
-                raise
-        fn = self._compiled.get(treedef)
-        if fn is None:
-            fn = self._compiled[treedef] = self._build(state)
-        self._last, self._last_treedef = fn, treedef
-        return fn(state, batch)
+            entry = self._compiled.get(treedef)  # type: ignore[assignment]
+            if entry is None:
+                entry = self._compiled[treedef] = _Compiled(self._build(state), treedef)
+                if len(self._compiled) > COMPILED_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        self._compiled.move_to_end(entry.treedef)
+        return entry
+
+    def _call_jit(self, state: TrainState, batch: Any):
+        entry = self._lookup(state)
+        out = entry.fn(state, batch)
+        # The state the next call most likely gets: the new one, or (an eval step, which
+        # returns only the metrics) the same one.
+        entry.last = weakref.ref(out[0] if isinstance(out, tuple) else state)
+        return out
 
     _call_shard_map = _call_jit
 
+    def _single_batch(self, batch: Any) -> Any:
+        """The batch on the step's device; a batch placed over the mesh (``distribute_batch``,
+        ``global_batch``, ``prefetch_to_device``) is gathered there."""
+        device = self._device
+        return jax.tree.map(
+            lambda x: (
+                jax.device_put(x, device)
+                if isinstance(x, jax.Array) and x.sharding != device
+                else x
+            ),
+            batch,
+        )
+
     def _call_single(self, state: TrainState, batch: Any):
-        return self._single(state, batch)
+        return self._single(state, self._single_batch(batch))
+
+    def _pmap_batch(self, batch: Any) -> Any:
+        n = self._devices
+        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
     def _call_pmap(self, state: TrainState, batch: Any):
-        n = self._devices
-        batch = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-        return self._pmapped(state, batch)
+        return self._pmapped(state, self._pmap_batch(batch))
+
+    def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+        """The step for ``state`` and ``batch``, lowered and not run: ``.as_text()`` is
+        its HLO, ``.compile()`` the executable (``memory_analysis()``,
+        ``cost_analysis()``). In ``"jit"`` and ``"shard_map"`` modes it is the function
+        ``step(state, batch)`` runs (and caches).
+
+        >>> compiled = step.lower(state, batch).compile()
+        >>> compiled.memory_analysis().argument_size_in_bytes  # doctest: +SKIP
+        """
+        check_batch(batch, divisor=self._divisor, what=self._what)
+        if self.mode == "single":
+            return self._single.lower(state, self._single_batch(batch))
+        if self.mode == "pmap":
+            return self._pmapped.lower(state, self._pmap_batch(batch))
+        with jax.sharding.set_mesh(self.mesh):
+            return self._lookup(state).fn.lower(state, batch)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One update on the global ``batch``; metrics are means over its real examples."""
@@ -611,7 +654,10 @@ def make_train_step(
             :func:`shardax.follow_params` so the optimizer state follows the params.
             ``"shard_map"`` and ``"pmap"`` support only replicating plans. ``step.init``
             builds a state straight onto it; ``jit`` mode traces under
-            ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies.
+            ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies, with the
+            mesh's axis types: on Explicit axes the model's own shardings
+            (``out_sharding=``, ``jax.sharding.reshard``) apply, and on Auto axes
+            computation follows the data (:mod:`shardax.train.axis_types`).
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
             layout: the batch reshaped to (devices, per device, ...); the replicated

@@ -1,0 +1,147 @@
+"""Per-step cost of alternating two state structures through one ``make_train_step``.
+
+One MLP (8 simulated CPU devices, or the accelerators present), two train states that
+compute the same update: ``optax.adam`` and ``optax.chain(optax.adam)``, whose optimizer
+states differ in structure only. Each round runs, in alternating order,
+
+- ``one``: two steps on two states of the *same* structure (one compiled step);
+- ``two``: one step on each structure (two compiled steps, alternating),
+
+each step timed to ``block_until_ready``. The result is the median per-step time of each
+and their ratio ``two / one``. Goal: <= 1.05 (the compiled step is looked up by structure,
+so alternating costs nothing extra).
+
+    python benchmarks/step_structures.py [--framework nnx] [--steps 100] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--framework", choices=("pytree", "nnx"), default="pytree")
+    parser.add_argument("--steps", type=int, default=100, help="timed rounds (>= 50)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices")
+    args = parser.parse_args(argv)
+    if args.steps < 50:
+        parser.error(f"--steps must be >= 50 for a stable median, got {args.steps}")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import shardax as sx
+
+    mesh = sx.make_mesh({"data": -1})
+    sizes = [args.width] * 4 + [10]
+    rng = np.random.default_rng(0)
+    batch = sx.distribute_batch(
+        {
+            "x": rng.normal(size=(args.batch_size, args.width)).astype(np.float32),
+            "y": rng.normal(size=(args.batch_size, 10)).astype(np.float32),
+        },
+        sx.batch_sharding(mesh),
+    )
+
+    def mlp(layers, x):
+        for i, layer in enumerate(layers):
+            x = layer(x)
+            x = jax.nn.relu(x) if i < len(layers) - 1 else x
+        return x
+
+    if args.framework == "pytree":
+
+        def apply_fn(params, x):
+            return mlp([lambda h, w=w, b=b: h @ w + b for w, b in params], x)
+
+        def new_state(tx):
+            keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
+            params = [
+                (jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n))
+                for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=True)
+            ]
+            return sx.TrainState.from_params(params, apply_fn, tx)
+
+    else:
+
+        class MLP(nnx.Module):
+            def __init__(self, rngs):
+                self.layers = nnx.List(
+                    [nnx.Linear(m, n, rngs=rngs) for m, n in itertools.pairwise(sizes)]
+                )
+
+            def __call__(self, x):
+                return mlp(list(self.layers), x)
+
+        def new_state(tx):
+            return sx.TrainState.create(MLP(nnx.Rngs(0)), tx)
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    step = sx.make_train_step(loss_fn, mesh=mesh)
+    adam, chained = optax.adam(1e-3), optax.chain(optax.adam(1e-3))
+    states = {
+        "one": [step.shard(new_state(adam)), step.shard(new_state(adam))],
+        "two": [step.shard(new_state(adam)), step.shard(new_state(chained))],
+    }
+    assert jax.tree.structure(states["two"][0]) != jax.tree.structure(states["two"][1])
+    times: dict[str, list[float]] = {"one": [], "two": []}
+    for round_ in range(args.warmup + args.steps):
+        for name in ("one", "two") if round_ % 2 == 0 else ("two", "one"):
+            for i in range(2):
+                start = time.perf_counter()
+                states[name][i], metrics = step(states[name][i], batch)
+                jax.block_until_ready((states[name][i], metrics))
+                if round_ >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "framework": args.framework,
+        "devices": mesh.size,
+        "platform": jax.devices()[0].platform,
+        "jax": jax.__version__,
+        "timed_steps_each": 2 * args.steps,
+        "median_ms": {name: 1e3 * m for name, m in medians.items()},
+        "ratio": medians["two"] / medians["one"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return result
+    ms = result["median_ms"]
+    print(
+        f"{result['framework']} MLP, {result['devices']} {result['platform']} devices, "
+        f"JAX {result['jax']}, median of {result['timed_steps_each']} steps each"
+    )
+    print(f"one structure  {ms['one']:8.3f} ms/step")
+    print(f"two, alternate {ms['two']:8.3f} ms/step   ratio {result['ratio']:.3f} (goal <= 1.05)")
+    return result
+
+
+if __name__ == "__main__":
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", parse_args(sys.argv[1:]).cpu_devices)
+    main(sys.argv[1:])

@@ -1,0 +1,92 @@
+"""Every private JAX API shardax uses, in one place (JAX 0.10.x to 0.12.x).
+
+Each has no public equivalent in the supported versions:
+
+- ``backends_are_initialized()``: whether a JAX backend has started. ``sx.initialize``
+  must run before that (``jax.distributed.initialize`` says so only by failing later);
+  ``jax.devices()`` would itself start a backend.
+- ``cluster_env(method)``: JAX's cluster detection classes (SLURM, Open MPI), whose
+  ``is_env_present()`` tells ``sx.initialize`` which cluster it runs in, by the same
+  rules ``jax.distributed.initialize`` then applies.
+- ``ClusterEnv``: the base of those classes; the tests check through it that JAX's
+  SLURM detection fills in what ``sx.initialize`` leaves to it.
+- ``ShardingTypeError``: the error JAX raises when an operation's output sharding does
+  not follow from its inputs' types on a mesh with Explicit axes. shardax adds a note
+  to it saying what to change; JAX raises it, so it can only be caught by its class.
+
+``tests/test_compat.py`` checks each against the installed JAX and fails naming the
+JAX version when one moves.
+
+>>> from shardax.runtime import compat
+>>> compat.cluster_env("slurm").__name__
+'SlurmCluster'
+>>> compat.missing()
+[]
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import jax
+
+JAX_VERSION = jax.__version__
+SUPPORTED = "0.10.x to 0.12.x"
+
+PRIVATE_APIS: dict[str, tuple[str, str]] = {
+    "backends_are_initialized": ("jax._src.xla_bridge", "backends_are_initialized"),
+    "SlurmCluster": ("jax._src.clusters", "SlurmCluster"),
+    "OmpiCluster": ("jax._src.clusters", "OmpiCluster"),
+    "ClusterEnv": ("jax._src.clusters", "ClusterEnv"),
+    "ShardingTypeError": ("jax._src.core", "ShardingTypeError"),
+}
+"""shardax's name for each private API: (module, attribute) in JAX."""
+
+
+def private(name: str) -> Any:
+    """The private JAX API ``name`` (a key of :data:`PRIVATE_APIS`); an ``ImportError``
+    naming it and the installed JAX version when JAX has moved it."""
+    module, attr = PRIVATE_APIS[name]
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(
+            f"shardax uses {module}.{attr}, which JAX {JAX_VERSION} does not have (shardax "
+            f"supports JAX {SUPPORTED}); see shardax/runtime/compat.py"
+        ) from e
+
+
+def missing() -> list[str]:
+    """The errors of every private API that the installed JAX lacks (empty when all are
+    there); ``tests/test_compat.py`` asserts it is empty."""
+    errors = []
+    for name in PRIVATE_APIS:
+        try:
+            private(name)
+        except ImportError as e:
+            errors.append(str(e))
+    return errors
+
+
+_CLUSTERS = {"slurm": "SlurmCluster", "ompi": "OmpiCluster"}
+CLUSTER_METHODS: tuple[str, ...] = tuple(_CLUSTERS)
+"""The cluster environments ``sx.initialize`` recognises without being told."""
+
+
+def backends_are_initialized() -> bool:
+    """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
+    return private("backends_are_initialized")()
+
+
+def cluster_env(method: str) -> Any:
+    """JAX's cluster-detection class for ``method`` (``"slurm"`` or ``"ompi"``)."""
+    if method not in _CLUSTERS:
+        raise ValueError(f"cluster_env: method must be one of {list(_CLUSTERS)}, got {method!r}")
+    return private(_CLUSTERS[method])
+
+
+def is_sharding_type_error(error: BaseException) -> bool:
+    """True for JAX's error on an operation whose output sharding does not follow from
+    its inputs' types (Explicit axes)."""
+    return isinstance(error, private("ShardingTypeError"))
