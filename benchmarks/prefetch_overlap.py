@@ -16,6 +16,11 @@ each run (medians over ``--runs``):
   worker thread; batches stacked per device as it requires);
 - ``shardax``: ``sx.prefetch_to_device`` (worker thread, bounded queue).
 
+Each loader's data-wait fraction (``sx.StepClock`` over the loop's input iterator: the
+share of wall time the loop stood blocked on ``next()``; the sync and flax loaders are
+wrapped in ``sx.timed``) is reported beside it: near 0 when input is hidden, near
+``T_in / (T_in + T_c)`` when it is not.
+
 ``--sync-every`` 1 (the default) reads the step's result on the host every step, as a loop
 that logs its loss does; with ``--sync-every 0`` the host never waits for the step, so JAX's
 asynchronous dispatch itself overlaps input with compute, whatever the loader.
@@ -79,21 +84,28 @@ def calibrate(t_c: float, w: jax.Array, rows: int) -> tuple[jax.Array, float]:
     return n, timed(n)
 
 
-def run_loop(batches: Iterator[Any], do_step: Callable[[Any, Any], Any], sync_every: int) -> float:
-    """Seconds per step, from the end of the first step (pipeline filled) to the last."""
+def run_loop(
+    batches: Iterator[Any], do_step: Callable[[Any, Any], Any], sync_every: int
+) -> tuple[float, float]:
+    """Seconds per step, from the end of the first step (pipeline filled) to the last, and
+    the data-wait fraction over the same steps (0 when ``batches`` counts no wait)."""
+    timed = batches if hasattr(batches, "wait_seconds") else sx.timed(batches)
+    clock = sx.StepClock(1, input=timed)
     state = jnp.zeros(())
     start, count = None, 0
-    for i, batch in enumerate(batches):
+    for i, batch in enumerate(timed):
         state = do_step(state, batch)
         if sync_every and i % sync_every == 0:
             float(state)  # the host reads the result, as logging a loss does
         if start is None:
             jax.block_until_ready(state)
             start = time.perf_counter()
+            clock.start()
         else:
             count += 1
+            clock.tick()
     jax.block_until_ready(state)
-    return (time.perf_counter() - start) / count
+    return (time.perf_counter() - start) / count, clock.total().data_wait_fraction
 
 
 def main() -> None:
@@ -143,9 +155,13 @@ def main() -> None:
     for loader in (*parts.values(), *loaders.values()):  # warm up every path once
         loader()
     times: dict[str, list[float]] = {name: [] for name in (*parts, *loaders)}
+    waits: dict[str, list[float]] = {name: [] for name in loaders}
     for _ in range(args.runs):  # interleaved, so all loaders see the same machine load
         for name, loader in (*parts.items(), *loaders.items()):
-            times[name].append(loader())
+            seconds, wait = loader()
+            times[name].append(seconds)
+            if name in waits:
+                waits[name].append(wait)
 
     def eta(run: int, t: float) -> float:
         t_in, t_c = times["input"][run], times["compute"][run]
@@ -156,6 +172,7 @@ def main() -> None:
             "step_ms": 1e3 * statistics.median(times[name]),
             "eta": statistics.median(eta(r, t) for r, t in enumerate(times[name])),
             "etas": [round(eta(r, t), 3) for r, t in enumerate(times[name])],
+            "data_wait_fraction": statistics.median(waits[name]),
         }
         for name in loaders
     }
@@ -169,6 +186,10 @@ def main() -> None:
         "runs": args.runs,
         "buffer_size": args.buffer_size,
         "sync_every": args.sync_every,
+        # what a loop that hides no input waits: T_in / (T_in + T_c)
+        "no_overlap_wait_fraction": statistics.median(
+            i / (i + c) for i, c in zip(times["input"], times["compute"], strict=True)
+        ),
         "results": results,
     }
     if args.json:
@@ -181,9 +202,16 @@ def main() -> None:
         f"host sync every {args.sync_every or 'never'}"
     )
     print(f"ideal {max(t_in_ms, t_c_ms):.1f} ms/step, no overlap {t_in_ms + t_c_ms:.1f}")
-    print(f"{'loader':<10}{'ms/step':>10}{'eta':>8}   eta per run")
+    print(
+        f"data-wait fraction with no overlap, T_in/(T_in+T_c): "
+        f"{report['no_overlap_wait_fraction']:.2f}"
+    )
+    print(f"{'loader':<10}{'ms/step':>10}{'eta':>8}{'wait':>8}   eta per run")
     for name, r in results.items():
-        print(f"{name:<10}{r['step_ms']:>10.1f}{r['eta']:>8.2f}   {r['etas']}")
+        print(
+            f"{name:<10}{r['step_ms']:>10.1f}{r['eta']:>8.2f}{r['data_wait_fraction']:>8.2f}"
+            f"   {r['etas']}"
+        )
 
 
 if __name__ == "__main__":

@@ -4,13 +4,16 @@ On 8 simulated CPU devices (or the accelerators present), one MLP is trained by:
 
 - ``hand``: a hand-written ``jax.jit`` step with the plan's in/out shardings, the batch
   sharding and donation: what a careful JAX user writes;
-- ``jit``, ``shard_map``, ``pmap``: ``sx.make_train_step`` in those modes.
+- ``jit``, ``shard_map``, ``pmap``: ``sx.make_train_step`` in those modes;
+- ``jit+log``: the ``jit`` step with tracking on: ``sx.StepClock`` ticks every step and
+  ``sx.MetricWriter`` (JSONL + TensorBoard event files) gets the step's metrics and the
+  clock's window every ``--log-every`` steps (default 1, the worst case).
 
 The steps run interleaved (one of each per round, in alternating order, so drift hits
 all alike) on the same device-resident global batch; each step is timed to
 ``block_until_ready``. The table gives the median over the warm rounds and each
-median's ratio to ``hand`` (jit) or to ``jit`` (shard_map, pmap). Goal: shardax
-jit / hand <= 1.03.
+median's ratio to ``hand`` (jit) or to ``jit`` (shard_map, pmap, jit+log). Goals: shardax
+jit / hand <= 1.03, jit+log / jit <= 1.03.
 
     python benchmarks/step_overhead.py                 # table
     python benchmarks/step_overhead.py --json          # one JSON object
@@ -31,8 +34,10 @@ import argparse
 import inspect
 import itertools
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -47,6 +52,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpt-batch", type=int, default=16, help="GPT global batch")
     parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
     parser.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
+    parser.add_argument("--log-every", type=int, default=1, help="jit+log: write every N steps")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--cpu-devices",
@@ -160,6 +166,24 @@ def run(args: argparse.Namespace) -> dict:
         steps[mode] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=mode)
         states[mode] = steps[mode].shard(new_state())
 
+    # jit+log: its own jit step and state, logging through the async writer.
+    log_dir = tempfile.mkdtemp(prefix="shardax-step-overhead-")
+    writer = sx.MetricWriter(log_dir, log_dir=log_dir)
+    clock = sx.StepClock(args.batch_size)
+    logged_step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode="jit")
+    count = itertools.count(1)
+
+    def logged(state, batch):
+        state, metrics = logged_step(state, batch)
+        clock.tick()
+        n = next(count)
+        if n % args.log_every == 0:
+            writer.write(n, {**metrics, **clock.lap().scalars()})
+        return state, metrics
+
+    steps["jit+log"] = logged
+    states["jit+log"] = logged_step.shard(new_state())
+
     times: dict[str, list[float]] = {name: [] for name in steps}
     losses: dict[str, float] = {}
     names = list(steps)
@@ -174,6 +198,8 @@ def run(args: argparse.Namespace) -> dict:
                 times[name].append(time.perf_counter() - start)
             losses[name] = float(out if name == "hand" else out["loss"])
 
+    writer.close()
+    shutil.rmtree(log_dir)
     medians = {name: statistics.median(t) for name, t in times.items()}
     rows = [
         {
@@ -193,6 +219,7 @@ def run(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size,
         "mlp": sizes,
         "timed_rounds": args.steps,
+        "log_every": args.log_every,
         "rows": rows,
         "final_loss": losses,
     }

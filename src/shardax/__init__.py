@@ -25,6 +25,7 @@ from shardax.data import (
     prefetch_to_device,
     replicate_across_devices,
     shard_batch_dim,
+    timed,
 )
 from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
 from shardax.parallel import pipeline, pipeline_1f1b, remat
@@ -59,6 +60,7 @@ from shardax.runtime import (
     validate_batch_size,
 )
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog
+from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
     DataParallel,
     DistributedMetrics,
@@ -94,12 +96,14 @@ __all__ = [
     "EvalStep",
     "HardwareType",
     "LossScaling",
+    "MetricWriter",
     "NonFiniteLossError",
     "Plan",
     "Precision",
     "Preempted",
     "Restored",
     "ShardingReport",
+    "StepClock",
     "StepWatchdog",
     "TrainState",
     "TrainStep",
@@ -136,6 +140,7 @@ __all__ = [
     "place_on_device",
     "prefetch_to_device",
     "print0",
+    "profile_steps",
     "reached_preemption",
     "reduce",
     "remat",
@@ -146,6 +151,7 @@ __all__ = [
     "save_checkpoint",
     "shard",
     "shard_batch_dim",
+    "timed",
     "validate",
     "validate_batch_size",
     "watch_preemption",

@@ -20,11 +20,13 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
+from shardax.cli import track
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
@@ -164,6 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"S seconds dumps every thread's stack and exits with code {WATCHDOG_EXIT_CODE} "
         "(default: off)",
     )
+    track.add_arguments(parser)
     add_json_flag(parser)
 
 
@@ -349,6 +352,17 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
             manager.close()
         raise
     save_every = args.save_every or job.eval_every
+    directory = run_dir(args.run_dir, "train") if is_main else None
+    tokens = job.items_per_step if job.unit == "tokens" else 0
+    tracker = track.Tracker(
+        args,
+        directory,
+        steps=job.steps - first_done,
+        examples_per_step=job.items_per_step if not tokens else args.batch_size,
+        tokens_per_step=tokens,
+        config={k: v for k, v in vars(args).items() if isinstance(v, int | float | str)},
+    )
+    step = tracker.wrap(step)
     described = sx.describe(state)
     if is_main:
         out.print(sx.describe(state.params))
@@ -366,7 +380,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn("{task.fields[text]}"),
-        TextColumn("{task.fields[rate]:,.0f} " + job.unit + "/s"),
+        TextColumn("{task.fields[rate]:,.0f} " + job.unit + "/s  wait {task.fields[wait]:.0%}"),
         TimeRemainingColumn(),
         console=out,
         disable=not is_main,
@@ -374,7 +388,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     start = time.perf_counter()
     flops = None
     step_seconds: list[float] = []
-    feed = sx.prefetch_to_device(job.loader, sx.batch_sharding(mesh))
+    feed = tracker.watch(sx.prefetch_to_device(job.loader, sx.batch_sharding(mesh)))
     watchdog = sx.StepWatchdog(args.step_timeout) if args.step_timeout else None
     # From the first step on, a SIGTERM saves (at the step every process agrees on) and stops.
     preemption = sx.watch_preemption()
@@ -383,9 +397,12 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
         feed,
         preemption,
         manager or contextlib.nullcontext(),
+        contextlib.closing(tracker),
         watchdog or contextlib.nullcontext(),
     ):
-        task = progress.add_task("train", total=job.steps, completed=first_done, text="", rate=0.0)
+        task = progress.add_task(
+            "train", total=job.steps, completed=first_done, text="", rate=0.0, wait=0.0
+        )
         pending: list[Any] = []  # this window's metrics, still on device
         window_start, window_first = time.perf_counter(), first_done + 1
         for i in range(first_done + 1, job.steps + 1):
@@ -399,6 +416,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                 if watched:
                     jax.block_until_ready(m["loss"])
             pending.append(m)
+            tracker.step(i, m)
             if i % 4 == 0 or i == job.steps:
                 now = time.perf_counter()
                 progress.update(
@@ -406,6 +424,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                     completed=i,
                     text=job.progress(_host(m)),
                     rate=(i - window_first + 1) * job.items_per_step / (now - window_start),
+                    wait=tracker.data_wait_fraction,
                 )
             evaluate = i % job.eval_every == 0 or i == job.steps
             preempted = sx.reached_preemption(i)  # the same step on every process
@@ -421,7 +440,12 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                 seconds = time.perf_counter() - window_start
                 if window_first > first_done + 1:  # the first window includes compilation
                     step_seconds.append(seconds / (i - window_first + 1))
-                history += job.records(i - len(window) + 1, window, job.evaluate(state), seconds)
+                scores = job.evaluate(state)
+                tracker.scalars({k.replace("_", "/", 1): v for k, v in scores.items()})
+                note = tracker.input_bound()
+                if note and is_main:
+                    out.print(f"[yellow]{note}[/]")
+                history += job.records(i - len(window) + 1, window, scores, seconds)
                 window = []
             if save:
                 loader_state = feed.get_state()
@@ -468,6 +492,8 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
         "flops_estimate_ratio": (
             flops / job.estimate_flops if flops and job.estimate_flops else None
         ),
+        "run_dir": str(directory) if directory is not None else None,
+        **tracker.summary(),
         "param_specs": {k: v for k, v in _flatten(shardings).items() if k.startswith("params/")},
         "history": history,
     }
@@ -538,8 +564,7 @@ def run(args: argparse.Namespace) -> int:
     job, module = _job(args, out)
     summary = loop(args, out, job)
     if jax.process_index() == 0:
-        directory = run_dir(args.run_dir, "train")
-        summary["run_dir"] = str(directory)
+        directory = Path(summary["run_dir"])
         summary["plot"] = str(directory / "curves.png")
         module.plot(summary, directory / "curves.png")
         (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -547,5 +572,15 @@ def run(args: argparse.Namespace) -> int:
             print_json(summary)
         else:
             module.report(summary, out)
-            out.print(f"wrote {directory}/summary.json and curves.png")
+            out.print(
+                f"{summary['data_wait_fraction']:.1%} of the time waiting for input; wrote "
+                f"{directory}/summary.json, curves.png and metrics.jsonl"
+            )
+            if summary["log_dir"]:
+                out.print(f"TensorBoard: tensorboard --logdir {summary['log_dir']}")
+        if summary["profile_trace"]:
+            out.print(
+                f"profiler trace: {summary['profile_trace']} (one per process under "
+                f"{Path(summary['profile_trace']).parents[3]})"
+            )
     return 0

@@ -137,7 +137,9 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup, max(args.steps, warmup + 1), end_value=args.lr / 10
     )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+    # inject_hyperparams: the schedule's rate is in the state, so the step reports it.
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
     step, evaluate_step = build_steps(args, loss_fn, mesh, plan)
 
     def init() -> Any:

@@ -69,9 +69,9 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
         return sx.masked_mean(losses, mask), {"accuracy": sx.masked_mean(correct, mask)}
 
-    state = sx.TrainState.create(
-        make_mlp(64, args.hidden, 1, 10, args.seed), optax.adam(args.lr), rng=args.seed
-    )
+    # inject_hyperparams keeps the learning rate in the state, so the step reports it.
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=args.lr)
+    state = sx.TrainState.create(make_mlp(64, args.hidden, 1, 10, args.seed), tx, rng=args.seed)
     try:
         plan = make_plan(args.plan, mesh)
     except ValueError as e:

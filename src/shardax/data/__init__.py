@@ -13,12 +13,14 @@ from shardax.data.placement import (
 )
 from shardax.data.policy import POLICIES, fit_batch, pad_batch
 from shardax.data.prefetch import Prefetcher, prefetch_to_device
+from shardax.data.wait import Timed, timed
 
 __all__ = [
     "POLICIES",
     "Batches",
     "DevicePlacement",
     "Prefetcher",
+    "Timed",
     "as_sharding",
     "batch_sharding",
     "batches",
@@ -32,4 +34,5 @@ __all__ = [
     "process_grid",
     "replicate_across_devices",
     "shard_batch_dim",
+    "timed",
 ]

@@ -14,6 +14,9 @@ batches. The consumer gets them in order. Nothing hangs and nothing is swallowed
   worker is a daemon thread, ``close()`` returns after at most 0.25 s anyway, and the
   worker exits as soon as the source returns.
 
+``wait_seconds`` is the time the consumer has spent blocked waiting for a batch: the input
+time prefetching did not hide (see :class:`shardax.track.StepClock`).
+
 If the source iterator has ``get_state()`` (``sx.batches``, grain's ``DatasetIterator``),
 :meth:`Prefetcher.get_state` is the source's state after the last batch *consumed*, not
 after the last one read ahead, so a checkpoint resumes exactly where the consumer was.
@@ -30,6 +33,7 @@ import atexit
 import copy
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -113,7 +117,10 @@ def _placer(sharding: Any, policy: str | None, batch_size: int | None) -> Callab
 
 class Prefetcher(Iterator[Any]):
     """The iterator :func:`prefetch_to_device` returns: ``close()``, context manager,
-    ``get_state()``. See the module docstring for the guarantees."""
+    ``get_state()``, ``wait_seconds``. See the module docstring for the guarantees."""
+
+    wait_seconds: float
+    """Seconds ``next()`` has spent blocked on the queue, waiting for the worker."""
 
     def __init__(
         self,
@@ -128,6 +135,7 @@ class Prefetcher(Iterator[Any]):
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
         self._finished = self._closed = False
+        self.wait_seconds = 0.0
         self._thread = threading.Thread(
             target=_work,
             args=(source, source is not iterable, place, self._stateful, self._queue, self._stop),
@@ -143,11 +151,14 @@ class Prefetcher(Iterator[Any]):
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
+        start = time.perf_counter()
         try:
             item, state = self._get()
         except BaseException:  # KeyboardInterrupt while waiting: stop the worker first
             self.close()
             raise
+        finally:
+            self.wait_seconds += time.perf_counter() - start
         if item is _END:
             self.close()
             raise StopIteration

@@ -59,6 +59,7 @@ from shardax.train.precision import (
 )
 from shardax.train.rng import example_keys, step_key
 from shardax.train.state import TrainState
+from shardax.train.stats import STATS, update_stats
 
 Mode = Literal["jit", "shard_map", "pmap", "single"]
 MODES: tuple[str, ...] = ("jit", "shard_map", "pmap", "single")
@@ -177,6 +178,12 @@ def _metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
     if isinstance(aux, dict):
         if "loss" in aux:
             raise ValueError("loss_fn's aux metrics must not have a 'loss' entry; it is the loss")
+        taken = sorted(set(aux) & set(STATS))
+        if taken:
+            raise ValueError(
+                f"loss_fn's aux metrics must not use the names {taken}: the step adds them "
+                f"(see shardax.train.stats); rename them"
+            )
         return {"loss": loss, **aux}
     return {"loss": loss, "aux": aux}
 
@@ -446,7 +453,8 @@ class TrainStep:
     def _finish(self, state: TrainState, grads: Any, loss: Any, aux: Any, model_state: Any):
         metrics = _metrics(loss, aux)
         if self._scaling is None:
-            return state.apply_gradients(grads, model_state), metrics
+            new = state.apply_gradients(grads, model_state)
+            return new, {**metrics, **update_stats(new, grads)}
         if "loss_scale" in metrics:
             raise ValueError(
                 "loss_fn's aux metrics must not have a 'loss_scale' entry with loss scaling "
@@ -459,7 +467,12 @@ class TrainStep:
         updated = state.apply_gradients(grads, model_state)
         state = select_tree(finite, updated, state.replace(step=updated.step))
         loss_scale = adjust_loss_scale(state.loss_scale, finite, self._scaling)
-        return state.replace(loss_scale=loss_scale), {**metrics, "loss_scale": loss_scale.scale}
+        stats = update_stats(state, grads)
+        return state.replace(loss_scale=loss_scale), {
+            **metrics,
+            **stats,
+            "loss_scale": loss_scale.scale,
+        }
 
     def _global_update(self, state: TrainState, batch: Any):
         """jit and single: the shard is the whole global batch."""
@@ -677,7 +690,9 @@ def make_train_step(
             model state unchanged and halves the scale.
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
-    over the real examples of the whole global batch in every mode.
+    over the real examples of the whole global batch in every mode, plus ``grad_norm``,
+    ``param_norm`` (after the update) and, with ``optax.inject_hyperparams``,
+    ``learning_rate`` (see :mod:`shardax.train.stats`).
     """
     return TrainStep(
         loss_fn,

@@ -1,0 +1,154 @@
+"""``MetricWriter``: scalars from process 0, written by a background thread.
+
+``write(step, scalars)`` only puts the step's values (device arrays as the step returned
+them, or numbers) on a queue and returns: it never waits for the step to finish. A
+worker thread fetches them (``jax.device_get``) and writes every sink: always a JSONL file
+(``metrics.jsonl`` in the run directory), TensorBoard event files when ``log_dir`` is
+given, and W&B or MLflow when asked for. On every process but 0 the writer writes
+nothing and ``write`` returns at once, so the same loop runs on every host.
+
+>>> with sx.MetricWriter(tmp_path, log_dir=tmp_path / "tb") as writer:
+...     for step in range(1, 4):
+...         writer.write(step, {"train/loss": jnp.float32(1 / step)})
+>>> len((tmp_path / "metrics.jsonl").read_text().splitlines())
+3
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardax.track.sinks import BACKENDS, JsonlSink, Sink, check_writable, make_sink
+
+_STOP = object()
+
+
+def _work(q: queue.Queue, sinks: list[Sink], errors: list[BaseException]) -> None:
+    """Fetches each write's values and hands them to every sink; keeps the first error."""
+    while True:
+        item = q.get()
+        try:
+            if item is _STOP:
+                return
+            if errors:
+                continue  # keep draining, so nothing waits on a failed worker
+            step, scalars, wall_time = item
+            fetched = jax.device_get(scalars)
+            values = {k: float(np.asarray(fetched[k])) for k in scalars}  # in the given order
+            for sink in sinks:
+                sink.write(step, values, wall_time)
+        except BaseException as e:  # re-raised by the next write(), flush() or close()
+            errors.append(e)
+        finally:
+            q.task_done()
+
+
+class MetricWriter:
+    """Scalars to JSONL, TensorBoard, W&B or MLflow, from process 0, asynchronously.
+
+    Args:
+      run_dir: ``metrics.jsonl`` goes here (always).
+      log_dir: TensorBoard event files go here; also where W&B and MLflow keep their
+        offline files. None: no TensorBoard.
+      backends: extra sinks, from ``"tensorboard"`` (the default when ``log_dir`` is
+        given), ``"wandb"``, ``"mlflow"``; each needs the extra of that name.
+      config: the run's settings (flat, plain values), recorded by the sinks that keep
+        them (W&B config, MLflow params, a TensorBoard text summary).
+
+    Directories are created and checked here, before any step runs: an unwritable one
+    is an ``OSError`` naming it; a backend whose extra is missing an ``ImportError``
+    naming the extra. Use it as a context manager, or call :meth:`close`, which waits
+    for everything queued to be written.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+        backends: Iterable[str] | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        names = list(backends) if backends is not None else (["tensorboard"] if log_dir else [])
+        for name in names:
+            if name not in BACKENDS:
+                raise ValueError(f"backends: each must be one of {list(BACKENDS)}, got {name!r}")
+        self.active = jax.process_index() == 0
+        self.run_dir = Path(run_dir)
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.path = self.run_dir / "metrics.jsonl"
+        self._sinks: list[Sink] = []
+        self._errors: list[BaseException] = []
+        self._closed = False
+        if not self.active:
+            return
+        where = self.log_dir if self.log_dir is not None else self.run_dir
+        if self.log_dir is not None:
+            check_writable(self.log_dir, "log_dir")
+        try:
+            self._sinks.append(JsonlSink(self.path))
+            for name in dict.fromkeys(names):
+                self._sinks.append(make_sink(name, where, dict(config or {})))
+        except BaseException:
+            for sink in self._sinks:
+                sink.close()
+            raise
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(
+            target=_work,
+            args=(self._queue, self._sinks, self._errors),
+            name="shardax-metrics",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Queues ``scalars`` (name -> scalar array or number) for ``step``; returns at once.
+
+        Names are tags as given (``"train/loss"``); values may be device arrays still
+        being computed. Raises the error a sink hit on an earlier write.
+        """
+        if not self.active:
+            return
+        if self._closed:
+            raise ValueError("MetricWriter.write: the writer is closed")
+        self._raise()
+        self._queue.put((int(step), dict(scalars), time.time()))
+
+    def flush(self) -> None:
+        """Waits until everything queued so far is written (the sinks may buffer)."""
+        if self.active and not self._closed:
+            self._queue.join()
+        self._raise()
+
+    def close(self) -> None:
+        """Writes everything queued, closes the sinks and stops the thread."""
+        if not self.active or self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        for sink in self._sinks:
+            sink.close()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._errors:
+            raise RuntimeError(f"MetricWriter: writing metrics failed: {self._errors[0]!r}") from (
+                self._errors[0]
+            )
+
+    def __enter__(self) -> MetricWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
