@@ -118,7 +118,9 @@ def test_usage_error_subprocess_is_one_line_without_traceback():
     proc = run_cli("train", "--batch-size", "100")
     assert proc.returncode == 2
     assert proc.stderr == (
-        "shardax train: error: --batch-size 100 is not divisible by the data axis size 8\n"
+        "shardax train: error: --batch-size 100 is not divisible by the data axis size 8 of "
+        "mesh {'data': 8}; pass a --batch-size that is a multiple of 8, or a --mesh whose data "
+        "axis divides 100 (data=4,model=2, data=2,model=4, data=1,model=8)\n"
     )
 
 

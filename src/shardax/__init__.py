@@ -5,7 +5,16 @@
 >>> batch = sx.distribute_batch({"x": np.ones((16, 4))}, sx.batch_sharding(mesh))
 """
 
-from shardax.checkpoint import CheckpointManager, Restored, restore_checkpoint, save_checkpoint
+from shardax.checkpoint import (
+    PREEMPTED_EXIT_CODE,
+    CheckpointManager,
+    Preempted,
+    Restored,
+    reached_preemption,
+    restore_checkpoint,
+    save_checkpoint,
+    watch_preemption,
+)
 from shardax.data import (
     DevicePlacement,
     batch_sharding,
@@ -52,6 +61,7 @@ from shardax.runtime import (
     print0,
     validate_batch_size,
 )
+from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog
 from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
     AutoPlan,
@@ -78,6 +88,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DATA_AXIS",
+    "PREEMPTED_EXIT_CODE",
+    "WATCHDOG_EXIT_CODE",
     "AgreementError",
     "AutoPlan",
     "BatchSizeRecommendation",
@@ -93,9 +105,11 @@ __all__ = [
     "NonFiniteLossError",
     "Plan",
     "Precision",
+    "Preempted",
     "Restored",
     "ShardingReport",
     "StepClock",
+    "StepWatchdog",
     "TrainState",
     "TrainStep",
     "all_gather",
@@ -133,6 +147,7 @@ __all__ = [
     "prefetch_to_device",
     "print0",
     "profile_steps",
+    "reached_preemption",
     "reduce",
     "remat",
     "replicate",
@@ -145,6 +160,7 @@ __all__ = [
     "timed",
     "validate",
     "validate_batch_size",
+    "watch_preemption",
     "weighted_mean",
     "zero1",
     "zero2",

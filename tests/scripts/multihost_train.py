@@ -149,15 +149,36 @@ def spin(seconds: float) -> None:
         time.sleep(0.2)
 
 
+def hang(timeout: float, at: int) -> None:
+    """Steps of one collective each under ``sx.StepWatchdog(timeout)``; process 1 sleeps
+    instead of entering step ``at``, so process 0 waits in that step's collective."""
+    import jax
+
+    import shardax as sx
+
+    mesh = sx.make_mesh({"data": -1})
+    x = sx.shard({"x": np.ones((mesh.size, 4), np.float32)}, sx.fsdp(mesh, min_size=1))["x"]
+    total = jax.jit(lambda a: a.sum())
+    float(sx.host_value(total(x)))  # compiles, before the watchdog starts
+    with sx.StepWatchdog(timeout) as watchdog:
+        for step in range(1, at + 2):
+            with watchdog.step(step):
+                if jax.process_index() == 1 and step == at:
+                    time.sleep(600)
+                print(f"step {step} {float(sx.host_value(total(x)))}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--mode",
         default="dp",
         help="comma-separated: dp, fsdp, dp-shard_map, zero2, hsdp; raise, config, "
-        "plan (faults); spin (for kill -9)",
+        "plan (faults); spin (for kill -9); hang (process 1 sleeps in a watched step); "
+        "join (joins and sums the ranks)",
     )
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="steps; with hang: the hung step")
+    parser.add_argument("--step-timeout", type=float, default=5.0, help="for hang")
     args = parser.parse_args(argv)
 
     import shardax as sx
@@ -173,6 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.mode.split(","):
         if mode == "spin":
             spin(120)
+            continue
+        if mode == "join":  # who joined, and one collective across them
+            import jax
+
+            total = sx.host_reduce(np.int64(jax.process_index() + 1), "sum")
+            print("RESULT " + json.dumps({
+                "process": jax.process_index(),
+                "processes": jax.process_count(),
+                "devices": jax.device_count(),
+                "sum_of_ranks_plus_one": int(total),
+            }), flush=True)  # fmt: skip
+            continue
+        if mode == "hang":
+            hang(args.step_timeout, args.steps)
             continue
         fault = mode if mode in ("raise", "config", "plan") else None
         result = train("dp" if fault else mode, args.steps, fault=fault)

@@ -31,6 +31,7 @@ from shardax.checkpoint.convert import (
     to_saveable,
     with_other_leaves,
 )
+from shardax.checkpoint.preemption import reached_preemption
 from shardax.checks import as_count, expect_type
 
 
@@ -145,6 +146,35 @@ class CheckpointManager:
         swap.swap_in(self.directory, step)
         self._manager.reload()
 
+    def reached_preemption(self, step: int) -> bool:
+        """True when the loop should save ``step`` and stop (see
+        :func:`shardax.checkpoint.preemption.reached_preemption`): a SIGTERM arrived and,
+        with several processes, ``step`` is the step they all agreed on. Call it after
+        every step on every process; then ``save`` and raise :class:`Preempted`.
+        """
+        return reached_preemption(step)
+
+    def data_state(self, step: int | None = None) -> Any:
+        """The data state saved with ``step`` (default: the latest), without the arrays."""
+        ocp = _ocp()
+        step = self._committed(step)
+        return self._manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))[
+            "data"
+        ]["data_state"]
+
+    def _committed(self, step: int | None) -> int:
+        """``step``, or the latest; raises ``FileNotFoundError`` when it is not committed."""
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+            return steps[-1]
+        if step not in steps:
+            raise FileNotFoundError(
+                f"checkpoint step {step} not in {self.directory}; available steps: {steps}"
+            )
+        return step
+
     def restore(self, like: Any, step: int | None = None) -> Restored:
         """Restores ``step`` (default: the latest) onto the structure and shardings of ``like``.
 
@@ -153,17 +183,9 @@ class CheckpointManager:
         structure, shape or dtype raises ``ValueError`` naming the path.
         """
         ocp = _ocp()
-        steps = self.all_steps()
         if step is not None:
             step = as_count("restore: step (or None for the latest)", step, minimum=0)
-        if step is None:
-            if not steps:
-                raise FileNotFoundError(f"no checkpoint in {self.directory}")
-            step = steps[-1]
-        if step not in steps:
-            raise FileNotFoundError(
-                f"checkpoint step {step} not in {self.directory}; available steps: {steps}"
-            )
+        step = self._committed(step)
         target = abstract_saveable(like)
         saved = self._manager.item_metadata(step)["state"]
         check_same_tree(flat_paths(_metadata_tree(saved)), flat_paths(target), step)

@@ -7,7 +7,10 @@ stderr (tracebacks, logs) and runtime chatter (:data:`RUNTIME_CHATTER`, which gl
 writes to stdout) to launch's stderr, each line prefixed with the rank; when the
 command has ``--json``, stdout lines are passed on unprefixed, so stdout stays pure
 JSON. When a process fails, the others are stopped and launch exits with that first
-non-zero code; Ctrl-C stops them all. Launch itself never starts JAX.
+non-zero code; Ctrl-C stops them all. A SIGTERM (a scheduler's preemption notice) is
+forwarded to every process, which save and exit with code 75
+(:data:`PREEMPTED_EXIT_CODE`): a process that exits with 75 does not stop the others,
+and launch exits with 75 once all have ended. Launch itself never starts JAX.
 
     $ shardax launch -n 2 --cpu-devices 4 -- python train.py
 """
@@ -23,9 +26,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
+from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from shardax.cli.common import UsageError, nonneg_float, positive_int, tcp_port
 from shardax.runtime.distributed import (
     ENV_COORDINATOR,
@@ -175,6 +179,26 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
         p.wait()
 
 
+@contextlib.contextmanager
+def forward_signals(
+    procs: Sequence[subprocess.Popen[bytes]], signals: Sequence[int] = (signal.SIGTERM,)
+) -> Iterator[None]:
+    """Within the block, ``signals`` sent to this process go to every running process
+    group instead (the previous handlers come back afterwards). Main thread only."""
+
+    def forward(signum: int, frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def exit_code(returncode: int) -> int:
     """A shell-style exit code: a process killed by signal N gives 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -194,7 +218,9 @@ def supervise(
     every process has ended.
 
     Returns the first non-zero exit code (in time), after stopping the other
-    processes; 0 when all succeed; 130 after Ctrl-C, once all are stopped.
+    processes; 0 when all succeed; 130 after Ctrl-C, once all are stopped. A process
+    that exits with :data:`PREEMPTED_EXIT_CODE` saved on a preemption notice, as the
+    others are doing: they are left to finish, and the code is returned at the end.
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -216,7 +242,7 @@ def supervise(
     first_failure = 0
     try:
         while [p.poll() for p in procs].count(None):  # polls every process
-            failed = [p for p in procs if p.returncode not in (None, 0)]
+            failed = [p for p in procs if p.returncode not in (None, 0, PREEMPTED_EXIT_CODE)]
             if failed:
                 first_failure = exit_code(failed[0].returncode)
                 failed_rank = procs.index(failed[0])
@@ -262,4 +288,5 @@ def run(args: argparse.Namespace) -> int:
         procs = start_processes(cmd, envs, merge_stderr=False)
     except OSError as e:  # not found, not executable
         raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
-    return supervise(procs, grace=args.grace, prefix_stdout="--json" not in cmd)
+    with forward_signals(procs):
+        return supervise(procs, grace=args.grace, prefix_stdout="--json" not in cmd)

@@ -13,6 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from shardax.checkpoint.preemption import Preempted
 from shardax.cli.common import UsageError, check_output_dirs, env_int, positive_int
 from shardax.runtime.distributed import ENV_CPU_DEVICES
 from shardax.train.guard import NonFiniteLossError
@@ -100,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NonFiniteLossError as e:
         sys.stderr.write(f"shardax {args.command}: error: {e}\n")
         return 1
+    except Preempted as e:
+        sys.stderr.write(f"shardax {args.command}: {e}\n")
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from shardax.cli import track
 from shardax.cli.common import (
     UsageError,
@@ -39,6 +40,7 @@ from shardax.cli.common import (
     run_dir,
     step_flops,
 )
+from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
 
 MODELS = ("mlp", "gpt")
 MODES = ("jit", "single", "shard_map", "pmap")
@@ -149,12 +151,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint-dir",
         default=None,
-        help="save checkpoints here: every --save-every steps, else at every evaluation",
+        help="save checkpoints here: every --save-every steps, else at every evaluation; and "
+        f"on SIGTERM (preemption): at the next step, then exit code {PREEMPTED_EXIT_CODE}",
     )
     parser.add_argument(
         "--save-every", type=positive_int, default=None, help="steps between checkpoints"
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--step-timeout",
+        type=positive_float,
+        default=None,
+        help="hang watchdog: a step (after the first, which compiles) that takes longer than "
+        f"S seconds dumps every thread's stack and exits with code {WATCHDOG_EXIT_CODE} "
+        "(default: off)",
+    )
     track.add_arguments(parser)
     add_json_flag(parser)
 
@@ -193,6 +204,33 @@ def make_mesh(args: argparse.Namespace) -> Any:
         return sx.make_mesh(spec)
     except ValueError as e:
         raise UsageError(f"--mesh: {e}") from None
+
+
+def check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
+    """The global batch must split evenly over the data axis; the error names both sizes
+    and the ways out (a resumed run keeps its batch size, so only the mesh can change)."""
+    data_size, batch = mesh.shape["data"], args.batch_size
+    if batch % data_size == 0:
+        return
+    fits = [d for d in range(mesh.size, 0, -1) if batch % d == 0 and mesh.size % d == 0]
+    meshes = ", ".join(
+        f"data={d}" + (f",model={mesh.size // d}" if d < mesh.size else "") for d in fits[:3]
+    )
+    if args.resume:
+        way = (
+            f"a resumed run keeps the checkpoint's global batch (its data position counts "
+            f"batches of {batch}), so pass a --mesh whose data axis divides {batch} on these "
+            f"{mesh.size} devices ({meshes}), or run on a device count it divides"
+        )
+    else:
+        way = (
+            f"pass a --batch-size that is a multiple of {data_size}, or a --mesh whose data "
+            f"axis divides {batch} ({meshes})"
+        )
+    raise UsageError(
+        f"--batch-size {batch} is not divisible by the data axis size {data_size} of mesh "
+        f"{dict(mesh.shape)}; {way}"
+    )
 
 
 @dataclasses.dataclass
@@ -351,7 +389,17 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     flops = None
     step_seconds: list[float] = []
     feed = tracker.watch(sx.prefetch_to_device(job.loader, sx.batch_sharding(mesh)))
-    with progress, feed, manager or contextlib.nullcontext(), contextlib.closing(tracker):
+    watchdog = sx.StepWatchdog(args.step_timeout) if args.step_timeout else None
+    # From the first step on, a SIGTERM saves (at the step every process agrees on) and stops.
+    preemption = sx.watch_preemption()
+    with (
+        progress,
+        feed,
+        preemption,
+        manager or contextlib.nullcontext(),
+        contextlib.closing(tracker),
+        watchdog or contextlib.nullcontext(),
+    ):
         task = progress.add_task(
             "train", total=job.steps, completed=first_done, text="", rate=0.0, wait=0.0
         )
@@ -361,7 +409,12 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
             batch = next(feed)
             if flops is None:
                 flops = step_flops(step, state, batch)
-            state, m = step(state, batch)
+            # The first step compiles: not watched. A watched step waits for its loss.
+            watched = watchdog.step(i) if watchdog and i > first_done + 1 else None
+            with watched or contextlib.nullcontext():
+                state, m = step(state, batch)
+                if watched:
+                    jax.block_until_ready(m["loss"])
             pending.append(m)
             tracker.step(i, m)
             if i % 4 == 0 or i == job.steps:
@@ -374,8 +427,9 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                     wait=tracker.data_wait_fraction,
                 )
             evaluate = i % job.eval_every == 0 or i == job.steps
-            save = manager is not None and (i % save_every == 0 or i == job.steps)
-            if not (evaluate or save):
+            preempted = sx.reached_preemption(i)  # the same step on every process
+            save = manager is not None and (i % save_every == 0 or i == job.steps or preempted)
+            if not (evaluate or save or preempted):
                 continue
             done = [_host(p) for p in pending]
             for j, d in enumerate(done):  # stop at the first non-finite step, before saving
@@ -398,6 +452,8 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                 data_state = {"step": i, "history": history, "loader": loader_state,
                               "window": window}  # fmt: skip
                 manager.save(i, state, data_state)
+            if preempted:
+                raise sx.Preempted(i, args.checkpoint_dir)
             if evaluate:
                 window_start, window_first = time.perf_counter(), i + 1
     total = time.perf_counter() - start

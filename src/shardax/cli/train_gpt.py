@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardax.cli.common import UsageError
-from shardax.cli.train import Job, build_steps, make_mesh, plot_curves
+from shardax.cli.train import Job, build_steps, check_batch_fits, make_mesh, plot_curves
 
 DEFAULTS = {
     "steps": 200,
@@ -111,10 +111,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         raise UsageError("--pipeline-repeats needs --microbatches (or --plan pipeline)")
     cfg = config(args)
     data_size = mesh.shape["data"]
-    if args.batch_size % data_size:
-        raise UsageError(
-            f"--batch-size {args.batch_size} is not divisible by the data axis size {data_size}"
-        )
+    check_batch_fits(args, mesh)
     try:
         corpus = load_corpus(args.data)
         loader = LMBatches(corpus.train, args.batch_size, args.seq_len, args.seed)

@@ -14,7 +14,14 @@ import numpy as np
 
 from shardax.cli.common import UsageError
 from shardax.cli.demo import load_digits, make_mlp, make_plan
-from shardax.cli.train import Job, build_steps, make_mesh, place, plot_curves
+from shardax.cli.train import (
+    Job,
+    build_steps,
+    check_batch_fits,
+    make_mesh,
+    place,
+    plot_curves,
+)
 
 TARGET_ACCURACY = 0.95
 
@@ -38,10 +45,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     args.lr = args.lr or 3e-3
     mesh = make_mesh(args)
     data_size = mesh.shape["data"]
-    if args.batch_size % data_size:
-        raise UsageError(
-            f"--batch-size {args.batch_size} is not divisible by the data axis size {data_size}"
-        )
+    check_batch_fits(args, mesh)
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     # Each process reads its share of every global batch; the order depends on the seed
     # and the epoch only; the last batch is padded, with a "mask" leaf marking real rows.

@@ -21,14 +21,17 @@ from shardax.runtime.processes import (
     is_main_process,
     print0,
 )
+from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog
 
 __all__ = [
     "BATCH_SIZE_TABLE",
     "HARDWARE_SPECS",
+    "WATCHDOG_EXIT_CODE",
     "AgreementError",
     "BatchSizeRecommendation",
     "HardwareSpec",
     "HardwareType",
+    "StepWatchdog",
     "backend_started",
     "check_agreement",
     "detect_hardware_type",

@@ -4,7 +4,11 @@ Where the coordinates come from, first match wins:
 
 1. explicit arguments (``coordinator_address``, ``num_processes``, ``process_id``);
 2. the environment set by ``shardax launch`` (:data:`ENV_COORDINATOR`, ...);
-3. JAX's own cluster detection: SLURM (``srun``) and Open MPI (``mpirun``) are
+3. the plain JAX environment a Kubernetes JobSet (or any launcher) can set:
+   ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0, which JAX reads too),
+   ``JAX_NUM_PROCESSES``, and ``JAX_PROCESS_ID`` or else ``JOB_COMPLETION_INDEX``
+   (set by Kubernetes in every pod of an Indexed Job, so in every JobSet job);
+4. JAX's own cluster detection: SLURM (``srun``) and Open MPI (``mpirun``) are
    recognised here; any other JAX method is used when named in
    ``cluster_detection_method``.
 
@@ -39,12 +43,20 @@ ENV_CPU_DEVICES = "SHARDAX_CPU_DEVICES"
 """Simulated CPU devices per process (``shardax launch --cpu-devices``)."""
 ENV_HEARTBEAT = "SHARDAX_HEARTBEAT_TIMEOUT"
 """Seconds without a heartbeat after which a process is declared dead."""
+ENV_JAX_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+"""``host:port`` of process 0 in the plain JAX environment (e.g. a Kubernetes JobSet)."""
+ENV_JAX_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+"""Number of processes in the plain JAX environment."""
+ENV_JAX_PROCESS_ID = "JAX_PROCESS_ID"
+"""This process's rank in the plain JAX environment."""
+ENV_JOB_INDEX = "JOB_COMPLETION_INDEX"
+"""The pod's index in a Kubernetes Indexed Job: the rank when ``JAX_PROCESS_ID`` is unset."""
 
 
 class ProcessCoordinates(NamedTuple):
     """How this process joins: where from (``source``) and, when known, the coordinates."""
 
-    source: str  # "arguments", "shardax launch", or a JAX cluster detection method
+    source: str  # "arguments", "shardax launch", "jax environment", or a JAX cluster method
     coordinator_address: str | None
     num_processes: int | None
     process_id: int | None
@@ -109,6 +121,8 @@ def resolve_coordinates(
                 f"initialize: the shardax launch environment is incomplete; missing {missing}"
             )
         return checked_coordinates(ProcessCoordinates("shardax launch", *merged))  # type: ignore[arg-type]
+    if env.get(ENV_JAX_COORDINATOR):
+        return checked_coordinates(_jax_environment(given, env))
     if cluster_detection_method is not None:
         return checked_coordinates(ProcessCoordinates(cluster_detection_method, *given))
     # The cluster environments recognised without being named: environment-only checks.
@@ -122,6 +136,31 @@ def resolve_coordinates(
             f"(SLURM, Open MPI, shardax launch) supplies the missing {missing}; pass all three"
         )
     return None
+
+
+def _jax_environment(
+    given: tuple[str | None, int | None, int | None], env: Mapping[str, str]
+) -> ProcessCoordinates:
+    """Coordinates from ``JAX_COORDINATOR_ADDRESS`` and its companions (arguments win)."""
+    rank_var = ENV_JAX_PROCESS_ID if env.get(ENV_JAX_PROCESS_ID) else ENV_JOB_INDEX
+    from_env = (
+        env[ENV_JAX_COORDINATOR],
+        _env_int(env, ENV_JAX_NUM_PROCESSES),
+        _env_int(env, rank_var),
+    )
+    merged = tuple(g if g is not None else e for g, e in zip(given, from_env, strict=True))
+    wanted = (
+        f"${ENV_JAX_COORDINATOR}",
+        f"num_processes (or ${ENV_JAX_NUM_PROCESSES})",
+        f"process_id (or ${ENV_JAX_PROCESS_ID}, or ${ENV_JOB_INDEX} in a Kubernetes Indexed Job)",
+    )
+    missing = [w for w, v in zip(wanted, merged, strict=True) if v is None]
+    if missing:
+        raise ValueError(
+            f"initialize: ${ENV_JAX_COORDINATOR} is set ({env[ENV_JAX_COORDINATOR]!r}) but "
+            f"the environment lacks {missing}"
+        )
+    return ProcessCoordinates("jax environment", *merged)  # type: ignore[arg-type]
 
 
 def checked_coordinates(coords: ProcessCoordinates) -> ProcessCoordinates:
@@ -183,7 +222,8 @@ def initialize(
 
     Args:
         coordinator_address, num_processes, process_id: explicit coordinates; by
-            default from ``shardax launch``'s environment or SLURM / Open MPI.
+            default from ``shardax launch``'s environment, ``JAX_COORDINATOR_ADDRESS``
+            and its companions, or SLURM / Open MPI.
         cpu_devices: simulated CPU devices for this process (default:
             ``$SHARDAX_CPU_DEVICES`` when set, else JAX's default).
         local_device_ids: the accelerators this process drives (default: JAX's choice).
@@ -255,7 +295,7 @@ def initialize(
     if jax.config.jax_cpu_collectives_implementation is None:
         # Cross-process collectives between CPU devices; gloo needs no extra install.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    explicit = coords.source in ("arguments", "shardax launch")
+    explicit = coords.source in ("arguments", "shardax launch", "jax environment")
     if explicit:
         # Every process is there before JAX's join, whose failure is an abort from C++.
         host, port = parse_address("coordinator_address", coords.coordinator_address)

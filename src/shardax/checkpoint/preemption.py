@@ -1,0 +1,158 @@
+"""Preemption: a SIGTERM makes every process save at the same step, then exit for a requeue.
+
+Schedulers send SIGTERM before they kill a job (SLURM with ``--signal=TERM@60``,
+Kubernetes at pod deletion, ``terminationGracePeriodSeconds`` later). A loop that calls
+:func:`reached_preemption` after every step learns at a step boundary that it should save
+and stop:
+
+- in a multi-process run (``jax.distributed`` is initialized) JAX's preemption service
+  catches the SIGTERM of any process, tells the others through the coordinator, and
+  every process agrees on the same step, the largest step any process had reached plus
+  one (``multihost_utils.reached_preemption_sync_point``). Saving at different steps
+  cannot happen, whichever process got the signal;
+- in a single process, a Python SIGTERM handler (installed by the first call, or by
+  :func:`watch_preemption`) sets a flag that the next call reports.
+
+The loop then saves and exits with :data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``:
+"temporary failure, try again"), which a scheduler can tell from success (0) and from
+failure (1), and requeue on. A SIGTERM that arrives during a save only sets the flag: the
+save completes first.
+
+>>> import shardax as sx
+>>> manager = sx.CheckpointManager("/tmp/sx_doc_preempt")
+>>> for step in range(1, 4):
+...     state = train_step(state, next(batches))
+...     if manager.reached_preemption(step):
+...         manager.save(step, state, batches.get_state())
+...         raise sx.Preempted(step, manager.directory)  # exit code 75
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, ClassVar
+
+import jax
+from jax.experimental import multihost_utils
+
+PREEMPTED_EXIT_CODE = 75
+"""The exit code of a run that saved and stopped on a preemption notice (``EX_TEMPFAIL``)."""
+
+
+class Preempted(Exception):
+    """A preemption notice stopped training after ``step`` was saved to ``directory``.
+
+    ``shardax train`` turns it into one line on stderr and :data:`PREEMPTED_EXIT_CODE`.
+    """
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+    def __init__(self, step: int, directory: str | None) -> None:
+        if directory:
+            what, then = f"saved step {step} to {directory}", "continue it with --resume"
+        else:
+            what, then = f"stopped after step {step}, saving nothing", "no checkpoint directory"
+        super().__init__(
+            f"preempted (SIGTERM): {what}; exiting with code {PREEMPTED_EXIT_CODE} so the "
+            f"scheduler requeues the job; {then}"
+        )
+        self.step, self.directory = step, directory
+
+
+_SERVICE_OFF = (
+    "JAX's preemption service is off, so the processes cannot agree on a step to save at; "
+    "call jax.config.update('jax_enable_preemption_service', True) before sx.initialize()"
+)
+
+
+class _Notice:
+    """The single-process notice: set by the signal handler, read by the loop."""
+
+    event = threading.Event()
+    installed: ClassVar[set[int]] = set()
+
+
+def _multi_process() -> bool:
+    return jax.distributed.is_initialized()
+
+
+def watch_preemption(signals: tuple[int, ...] = (signal.SIGTERM,)) -> PreemptionWatch:
+    """Starts listening for preemption notices; :func:`reached_preemption` does it on its
+    first call, so call this to listen from before the first step, or to stop listening
+    afterwards: the result is a context manager that puts the previous handlers back.
+
+    In a multi-process run JAX's preemption service already listens for SIGTERM (it is
+    set up by ``jax.distributed.initialize``); a Python handler would replace its own, so
+    none is installed and ``signals`` other than SIGTERM are refused. In a single
+    process, a handler for ``signals`` is installed (from the main thread only).
+
+    Raises:
+        RuntimeError: JAX's preemption service is off (``jax_enable_preemption_service``),
+            or a single process calls this from a thread other than the main one.
+        ValueError: a signal other than SIGTERM in a multi-process run.
+    """
+    if _multi_process():
+        if tuple(signals) != (signal.SIGTERM,):
+            raise ValueError(
+                f"watch_preemption: in a multi-process run JAX's preemption service listens "
+                f"for SIGTERM only, got signals={signals}"
+            )
+        if not jax.config.jax_enable_preemption_service:
+            raise RuntimeError(_SERVICE_OFF)
+        return PreemptionWatch({})
+    previous = {}
+    for sig in signals:
+        if sig in _Notice.installed:
+            continue
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "watch_preemption: signal handlers can only be installed from the main "
+                "thread; call sx.watch_preemption() there before starting the loop"
+            )
+        previous[sig] = signal.signal(sig, _on_signal)
+        _Notice.installed.add(sig)
+    return PreemptionWatch(previous)
+
+
+class PreemptionWatch:
+    """What :func:`watch_preemption` returns: ``close()`` (or leaving a ``with`` block)
+    puts back the handlers it replaced and forgets a notice that was not acted on."""
+
+    def __init__(self, previous: dict[int, Any]) -> None:
+        self._previous = previous
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+            _Notice.installed.discard(sig)
+        if self._previous:
+            _Notice.event.clear()
+        self._previous = {}
+
+    def __enter__(self) -> PreemptionWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    _Notice.event.set()
+
+
+def reached_preemption(step: int) -> bool:
+    """True when the loop should save ``step`` and stop: a preemption notice arrived and,
+    with several processes, ``step`` is the step every process agreed on.
+
+    Call it after every step, with the number of steps done, on every process (all
+    processes must make the same calls from the same first step). It is cheap: no
+    collective runs until a notice arrives.
+    """
+    if _multi_process():
+        try:
+            return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+        except RuntimeError as e:
+            raise RuntimeError(_SERVICE_OFF) from e
+    watch_preemption()
+    return _Notice.event.is_set()

@@ -1,0 +1,143 @@
+"""A hang watchdog: a step that does not complete in time ends the process, loudly.
+
+A process that stays alive but stops entering collectives (a deadlock, a stuck data
+reader, a peer stuck in I/O) leaves the others waiting inside their next collective
+forever: the coordinator's heartbeat only notices processes that died. A
+:class:`StepWatchdog` runs a thread that waits for each armed step to complete. When
+``timeout`` seconds pass first, it dumps every thread's Python stack (``faulthandler``)
+to stderr, prints one line naming the step and the timeout, and ends the process with
+:data:`WATCHDOG_EXIT_CODE`. Under ``shardax launch`` (or a scheduler that ends a job
+when one task fails) the other processes are then stopped too; those stuck in a
+collective with the hung one time out on their own watchdog anyway.
+
+Arm it around the work of a step, and wait for the step's result inside, since JAX
+dispatches asynchronously and a hang shows only when the host waits:
+
+>>> import shardax as sx
+>>> with sx.StepWatchdog(timeout=600) as watchdog:
+...     for step in range(1, 4):
+...         with watchdog.step(step):
+...             state, metrics = train_step(state, next(batches))
+...             jax.block_until_ready(metrics["loss"])
+
+Off by default: nothing is watched unless a loop creates one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import IO
+
+WATCHDOG_EXIT_CODE = 124
+"""The exit code of a process the watchdog ended (as ``timeout(1)`` uses)."""
+
+
+class StepWatchdog:
+    """Ends the process when an armed step takes longer than ``timeout`` seconds.
+
+    Args:
+        timeout: seconds a step may take, > 0.
+        exit_code: the process's exit code when a step times out.
+        file: where the stack dump and the message go (default: ``sys.stderr``).
+
+    Use :meth:`step` as a context manager around each step, or :meth:`arm` and
+    :meth:`disarm`; :meth:`close` (or leaving the ``with`` block) stops the thread.
+    """
+
+    def __init__(
+        self, timeout: float, *, exit_code: int = WATCHDOG_EXIT_CODE, file: IO[str] | None = None
+    ) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"StepWatchdog: timeout must be a number of seconds, got {timeout!r}")
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"StepWatchdog: timeout must be a number > 0 seconds, got {timeout}")
+        self.timeout, self.exit_code, self._file = float(timeout), exit_code, file
+        self._cond = threading.Condition()
+        self._step: int | None = None
+        self._deadline: float | None = None
+        self._closed = False
+        self._where = ""
+        self._thread: threading.Thread | None = None
+
+    def arm(self, step: int) -> None:
+        """Starts the clock: ``step`` must complete (:meth:`disarm`) within ``timeout``."""
+        if self._thread is None:
+            self._where = _process_label()
+            self._thread = threading.Thread(
+                target=self._watch, name="shardax-step-watchdog", daemon=True
+            )
+            self._thread.start()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("StepWatchdog: arm() after close()")
+            self._step, self._deadline = step, time.monotonic() + self.timeout
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        """Stops the clock: the armed step completed."""
+        with self._cond:
+            self._step, self._deadline = None, None
+            self._cond.notify()
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Watches the block as step ``step``."""
+        self.arm(step)
+        try:
+            yield
+        finally:
+            self.disarm()
+
+    def close(self) -> None:
+        """Stops watching and ends the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> StepWatchdog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    self._fire(self._step)
+                self._cond.wait(left)
+
+    def _fire(self, step: int | None) -> None:
+        out = self._file or sys.stderr
+        sys.stdout.flush()
+        out.flush()
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.write(
+            f"shardax: hang watchdog: {self._where}step {step} did not complete within "
+            f"{self.timeout:g} s (--step-timeout); stacks of every thread above; exiting with "
+            f"code {self.exit_code}\n"
+        )
+        out.flush()
+        os._exit(self.exit_code)
+
+
+def _process_label() -> str:
+    """``"process 1 of 2: "`` in a multi-process run, else empty."""
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return ""
+    return f"process {jax.process_index()} of {jax.process_count()}: "
