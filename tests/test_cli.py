@@ -160,7 +160,10 @@ def test_help_is_clear(command, capsys):
         (["train", "--mesh", "data4"], "argument --mesh: expected AXIS=SIZE pairs"),
         (["train", "--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
         (["train", "--lr", "-1"], "argument --lr: expected a number > 0, got '-1'"),
-        (["train", "--mesh", "data=3,model=3"], "--mesh: mesh {'data': 3, 'model': 3} needs 9"),
+        (
+            ["train", "--mesh", "data=3,model=3"],
+            "--mesh: Not enough devices: mesh {'data': 3, 'model': 3} needs 9",
+        ),
         (["train", "--plan", "tp", "--mesh", "data=8"], "--plan tp needs a mesh with a 'model'"),
         (["train", "--mode", "single", "--plan", "fsdp"], "--mode single runs on one device"),
         (["train", "--mode", "pmap", "--plan", "fsdp"], "supports only a replicating plan"),
@@ -176,7 +179,10 @@ def test_help_is_clear(command, capsys):
         (["tune-batch", "--batch-sizes", "8,x"], "argument --batch-sizes: expected comma-sep"),
         (["tune-batch", "--devices", "9"], "--devices 9 is more than the 8 devices at hand"),
         (["tune-batch", "--devices", "8", "--batch-sizes", "8,12"], "--batch-sizes [12] are not"),
-        (["info", "--mesh", "data=16"], "--mesh: mesh {'data': 16} needs 16 devices"),
+        (
+            ["info", "--mesh", "data=16"],
+            "--mesh: Not enough devices: mesh {'data': 16} needs 16 devices",
+        ),
         (["launch-rockets"], "argument command: invalid choice: 'launch-rockets'"),
     ],
 )
