@@ -221,7 +221,7 @@ def _orbax_manager(
         enable_async_checkpointing=False,
         step_name_format=step_name_format,
     )
-    return ocp.CheckpointManager(
+    manager = ocp.CheckpointManager(
         directory,
         options=options,
         item_handlers={
@@ -229,6 +229,12 @@ def _orbax_manager(
             "data": ocp.JsonCheckpointHandler(),
         },
     )
+    # orbax deletes unfinished "*.orbax-checkpoint-tmp" directories in a background future
+    # that only its own save() awaits: a manager closed without saving (a refused save, a
+    # restore) leaves it running, and it can delete the next manager's save in progress.
+    # orbax has no public way to wait for it (checked on orbax-checkpoint 0.12.8).
+    manager._maybe_await_cleanup_tmp_directory()
+    return manager
 
 
 def _save(manager: Any, step: int, args: Any) -> None:
