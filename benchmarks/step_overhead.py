@@ -4,16 +4,22 @@ On 8 simulated CPU devices (or the accelerators present), one MLP is trained by:
 
 - ``hand``: a hand-written ``jax.jit`` step with the plan's in/out shardings, the batch
   sharding and donation: what a careful JAX user writes;
-- ``jit``, ``shard_map``, ``pmap``: ``sx.make_train_step`` in those modes;
-- ``jit+log``: the ``jit`` step with tracking on: ``sx.StepClock`` ticks every step and
+- ``hand+norm``: the same, also returning ``optax.global_norm(grads)``;
+- ``jit``, ``shard_map``, ``pmap``: ``sx.make_train_step(..., stats=())`` in those modes:
+  the bare step, which does the hand-written step's work;
+- ``jit+stats``: the ``jit`` step with its default statistics (grad norm; the learning
+  rate when the optimizer injects one), against ``hand+norm``, which does the same work;
+- ``jit+log``: ``jit+stats`` with tracking on: ``sx.StepClock`` ticks every step and
   ``sx.MetricWriter`` (JSONL + TensorBoard event files) gets the step's metrics and the
   clock's window every ``--log-every`` steps (default 1, the worst case).
 
 The steps run interleaved (one of each per round, in alternating order, so drift hits
 all alike) on the same device-resident global batch; each step is timed to
 ``block_until_ready``. The table gives the median over the warm rounds and each
-median's ratio to ``hand`` (jit) or to ``jit`` (shard_map, pmap, jit+log). Goals: shardax
-jit / hand <= 1.03, jit+log / jit <= 1.03.
+median's ratio to the row named in "versus". Goals: jit / hand <= 1.03,
+jit+stats / hand+norm <= 1.03, jit+log / jit+stats <= 1.03. jit+stats / jit is what the
+grad norm costs: one more pass over the gradients on every device, which 8 simulated
+devices on a few CPU cores pay 8 times over.
 
     python benchmarks/step_overhead.py                 # table
     python benchmarks/step_overhead.py --json          # one JSON object
@@ -22,7 +28,8 @@ jit / hand <= 1.03, jit+log / jit <= 1.03.
 
 With ``--model gpt`` it times the GPT of :mod:`shardax.models.gpt` instead: the shardax
 jit step against a hand-written ``jax.jit`` step with the same state and batch shardings
-and donation, for the ``fsdp`` and ``fsdp+tp`` plans (goal <= 1.03); the shardax step
+and donation, for the ``fsdp`` and ``fsdp+tp`` plans, bare and with the grad norm on both
+sides (goal <= 1.03); the shardax step
 in bf16 against fp32 (a CPU figure: report only); and the compiled step's temporary
 memory (``memory_analysis().temp_size_in_bytes``) per remat policy, layers in
 ``lax.scan`` (XLA:CPU keeps remat's savings only inside a loop body) and unrolled.
@@ -31,7 +38,6 @@ memory (``memory_analysis().temp_size_in_bytes``) per remat policy, layers in
 from __future__ import annotations
 
 import argparse
-import inspect
 import itertools
 import json
 import shutil
@@ -39,7 +45,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -66,13 +73,51 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+VERSUS = {
+    "hand+norm": "hand",
+    "jit": "hand",
+    "shard_map": "jit",
+    "pmap": "jit",
+    "jit+stats": "hand+norm",
+    "jit+log": "jit+stats",
+}
+"""The row each step's median is divided by: the one doing the same work."""
+
+
+def hand_step(loss: Callable, tx: Any, shardings: Any, mesh: Any, norm: bool) -> Callable:
+    """A hand-written ``jax.jit`` step ``((params, opt_state), batch) -> (state, metrics)``
+    with ``shardings`` in and out, the batch split over ``data`` and the state donated;
+    with ``norm`` its metrics carry ``optax.global_norm(grads)``, as shardax's default."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import shardax as sx
+
+    def update(state, batch):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        metrics = {"loss": value}
+        if norm:
+            metrics["grad_norm"] = optax.global_norm(grads)
+        return (optax.apply_updates(params, updates), opt_state), metrics
+
+    scalar = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(
+        update,
+        in_shardings=(shardings, sx.batch_sharding(mesh)),
+        out_shardings=(shardings, scalar),
+        donate_argnums=0,
+    )
+
+
 def run(args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
     import shardax as sx
 
@@ -109,12 +154,6 @@ def run(args: argparse.Namespace) -> dict:
         def hand_loss(params, batch):
             return jnp.mean((apply_fn(params, batch["x"]) - batch["y"]) ** 2)
 
-        def hand_update(state, batch):
-            params, opt_state = state
-            loss, grads = jax.value_and_grad(hand_loss)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), loss
-
     else:
 
         class MLP(nnx.Module):
@@ -142,29 +181,19 @@ def run(args: argparse.Namespace) -> dict:
             model = nnx.merge(graphdef, params)
             return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
-        def hand_update(state, batch):
-            params, opt_state = state
-            loss, grads = jax.value_and_grad(hand_loss)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), loss
-
     def loss_fn(model, batch):
         return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
     plan = sx.replicate(mesh)
-    hand_state = sx.shard(hand_init(), plan)
-    hand_shardings = plan(hand_state)
-    hand_step = jax.jit(
-        hand_update,
-        in_shardings=(hand_shardings, sx.batch_sharding(mesh)),
-        out_shardings=(hand_shardings, NamedSharding(mesh, PartitionSpec())),
-        donate_argnums=0,
-    )
-    steps = {"hand": hand_step}
-    states = {"hand": hand_state}
+    steps, states = {}, {}
+    for name, norm in (("hand", False), ("hand+norm", True)):
+        states[name] = sx.shard(hand_init(), plan)
+        steps[name] = hand_step(hand_loss, tx, plan(states[name]), mesh, norm)
     for mode in ("jit", "shard_map", "pmap"):
-        steps[mode] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=mode)
+        steps[mode] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=mode, stats=())
         states[mode] = steps[mode].shard(new_state())
+    steps["jit+stats"] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan)
+    states["jit+stats"] = steps["jit+stats"].shard(new_state())
 
     # jit+log: its own jit step and state, logging through the async writer.
     log_dir = tempfile.mkdtemp(prefix="shardax-step-overhead-")
@@ -196,7 +225,7 @@ def run(args: argparse.Namespace) -> dict:
             jax.block_until_ready((states[name], out))
             if round_ >= args.warmup:
                 times[name].append(time.perf_counter() - start)
-            losses[name] = float(out if name == "hand" else out["loss"])
+            losses[name] = float(out["loss"])
 
     writer.close()
     shutil.rmtree(log_dir)
@@ -205,10 +234,8 @@ def run(args: argparse.Namespace) -> dict:
         {
             "step": name,
             "median_ms": 1e3 * medians[name],
-            "versus": "hand" if name == "jit" else ("" if name == "hand" else "jit"),
-            "ratio": medians[name] / medians["hand" if name == "jit" else "jit"]
-            if name != "hand"
-            else 1.0,
+            "versus": VERSUS.get(name, ""),
+            "ratio": medians[name] / medians[VERSUS[name]] if name in VERSUS else 1.0,
         }
         for name in steps
     ]
@@ -248,7 +275,6 @@ def run_gpt(args: argparse.Namespace) -> dict:
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
     import shardax as sx
     from shardax.data.text import lm_batch
@@ -268,11 +294,8 @@ def run_gpt(args: argparse.Namespace) -> dict:
 
     graphdef = nnx.graphdef(make(cfg))
 
-    def hand_update(state, batch):
-        params, opt_state = state
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
+    def hand_loss(params, batch):
+        return loss_fn(nnx.merge(graphdef, params), batch)
 
     overhead = []
     for plan_name in ("fsdp", "fsdp+tp"):
@@ -280,50 +303,43 @@ def run_gpt(args: argparse.Namespace) -> dict:
         batch = sx.distribute_batch(host_batch, sx.batch_sharding(mesh))
         plan = gpt.plan(mesh, make(cfg), plan_name)
         params = nnx.state(make(cfg), nnx.Param)
-        hand_plan = plan  # from_nnx matches path suffixes: Adam moments follow their params
-        hand_state = sx.shard((params, tx.init(params)), hand_plan)
-        shardings = hand_plan(hand_state)
-        hand = jax.jit(
-            hand_update,
-            in_shardings=(shardings, sx.batch_sharding(mesh)),
-            out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
-            donate_argnums=0,
-        )
-        step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan)
-        state = step.shard(sx.TrainState.create(make(cfg), tx))
+        steps, states = {}, {}
+        for norm in (False, True):
+            # from_nnx matches path suffixes: Adam's moments follow their params.
+            states[f"hand{norm}"] = sx.shard((params, tx.init(params)), plan)
+            shardings = plan(states[f"hand{norm}"])
+            steps[f"hand{norm}"] = hand_step(hand_loss, tx, shardings, mesh, norm)
+            stats = ("grad_norm",) if norm else ()
+            steps[f"sx{norm}"] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, stats=stats)
+            states[f"sx{norm}"] = steps[f"sx{norm}"].shard(sx.TrainState.create(make(cfg), tx))
         with jax.sharding.set_mesh(mesh):
-            medians = _interleaved(
-                {"hand": hand, "shardax": step},
-                {"hand": hand_state, "shardax": state},
-                batch,
-                args.steps,
-                args.warmup,
+            medians = _interleaved(steps, states, batch, args.steps, args.warmup)
+        for norm in (False, True):
+            hand, shardax = medians[f"hand{norm}"], medians[f"sx{norm}"]
+            overhead.append(
+                {
+                    "plan": plan_name,
+                    "stats": "grad_norm" if norm else "none",
+                    "mesh": dict(mesh.shape),
+                    "hand_ms": 1e3 * hand,
+                    "shardax_ms": 1e3 * shardax,
+                    "ratio": shardax / hand,
+                }
             )
-        overhead.append(
-            {
-                "plan": plan_name,
-                "mesh": dict(mesh.shape),
-                "hand_ms": 1e3 * medians["hand"],
-                "shardax_ms": 1e3 * medians["shardax"],
-                "ratio": medians["shardax"] / medians["hand"],
-            }
-        )
 
     mesh = sx.make_mesh({"data": -1})
     batch = sx.distribute_batch(host_batch, sx.batch_sharding(mesh))
     plan = gpt.plan(mesh, make(cfg), "fsdp")
-    precision = None
-    if "precision" in inspect.signature(sx.make_train_step).parameters:
-        steps, states = {}, {}
-        for name in ("fp32", "bf16"):
-            steps[name] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, precision=name)
-            states[name] = steps[name].shard(sx.TrainState.create(make(cfg), tx))
-        medians = _interleaved(steps, states, batch, args.steps, args.warmup)
-        precision = {
-            "fp32_ms": 1e3 * medians["fp32"],
-            "bf16_ms": 1e3 * medians["bf16"],
-            "ratio": medians["bf16"] / medians["fp32"],
-        }
+    steps, states = {}, {}
+    for name in ("fp32", "bf16"):
+        steps[name] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, precision=name)
+        states[name] = steps[name].shard(sx.TrainState.create(make(cfg), tx))
+    medians = _interleaved(steps, states, batch, args.steps, args.warmup)
+    precision = {
+        "fp32_ms": 1e3 * medians["fp32"],
+        "bf16_ms": 1e3 * medians["bf16"],
+        "ratio": medians["bf16"] / medians["fp32"],
+    }
 
     remat = []
     deep = gpt.GPTConfig(layers=4, d_model=64, heads=4, max_seq_len=64)
@@ -338,23 +354,7 @@ def run_gpt(args: argparse.Namespace) -> dict:
                 continue
             step = sx.make_train_step(loss_fn, mesh=mesh, plan=gpt.plan(mesh, model, "fsdp"))
             state = step.shard(sx.TrainState.create(model, tx))
-            lower = getattr(step, "lower", None)
-            if lower is None:  # before TrainStep.lower: the hand-written step, same program
-                g = nnx.graphdef(model)
-                params = nnx.state(model, nnx.Param)
-
-                def update(state, batch, g=g):
-                    params, opt_state = state
-                    grads = jax.grad(lambda p: loss_fn(nnx.merge(g, p), batch))(params)
-                    updates, opt_state = tx.update(grads, opt_state, params)
-                    return optax.apply_updates(params, updates), opt_state
-
-                hand_state = sx.shard((params, tx.init(params)), step.plan)
-                with jax.sharding.set_mesh(mesh):
-                    lowered = jax.jit(update, donate_argnums=0).lower(hand_state, batch)
-            else:
-                lowered = lower(state, batch)
-            temp = lowered.compile().memory_analysis().temp_size_in_bytes
+            temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
             base = temp if policy == "none" else base
             remat.append(
                 {"scan_layers": scan, "policy": policy, "temp_bytes": temp, "ratio": temp / base}
@@ -379,11 +379,11 @@ def print_gpt(result: dict) -> None:
         f"{result['platform']} devices, JAX {result['jax']}, median of "
         f"{result['timed_rounds']} interleaved warm steps"
     )
-    print(f"{'plan':<10} {'hand ms':>9} {'shardax ms':>11} {'ratio':>7}")
+    print(f"{'plan':<10} {'stats':<10} {'hand ms':>9} {'shardax ms':>11} {'ratio':>7}")
     for row in result["overhead"]:
         print(
-            f"{row['plan']:<10} {row['hand_ms']:>9.2f} {row['shardax_ms']:>11.2f} "
-            f"{row['ratio']:>7.3f}"
+            f"{row['plan']:<10} {row['stats']:<10} {row['hand_ms']:>9.2f} "
+            f"{row['shardax_ms']:>11.2f} {row['ratio']:>7.3f}"
         )
     p = result["precision"]
     if p:

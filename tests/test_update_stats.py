@@ -9,7 +9,7 @@ import pytest
 from train_models import batches, make_loss, make_state, pytree_apply
 
 import shardax as sx
-from shardax.train.stats import learning_rate
+from shardax.train.stats import DEFAULT_STATS, STATS, learning_rate
 
 MODES = ("single", "jit", "shard_map", "pmap")
 
@@ -30,7 +30,9 @@ def single_device_grads(params, batch):
 @pytest.mark.parametrize(("mode", "accumulate"), [*((m, 1) for m in MODES), ("jit", 2)])
 def test_grad_and_param_norm_equal_numpys_over_single_device_grads(mode, accumulate):
     mesh = sx.make_mesh({"data": -1})
-    step = sx.make_train_step(make_loss("pytree"), mesh=mesh, mode=mode, accumulate=accumulate)
+    step = sx.make_train_step(
+        make_loss("pytree"), mesh=mesh, mode=mode, accumulate=accumulate, stats=STATS
+    )
     state = step.shard(make_state("pytree"))
     for batch in batches(2, mask=True):
         before = jax.device_get(state.params)
@@ -65,6 +67,32 @@ def test_learning_rate_is_found_inside_a_chain_and_none_without_injection():
     )
     np.testing.assert_allclose(float(learning_rate(chained.init(params))), 3e-3, rtol=1e-6)
     assert learning_rate(optax.adam(3e-3).init(params)) is None
+
+
+@pytest.mark.parametrize("stats", [(), ("param_norm",), DEFAULT_STATS])
+def test_stats_picks_what_the_step_returns(stats):
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    step = sx.make_train_step(make_loss("pytree"), mesh=sx.make_mesh({"data": -1}), stats=stats)
+    _, metrics = step(step.shard(make_state("pytree", tx)), batches(1)[0])
+    assert set(metrics) & set(STATS) == set(stats)
+    assert step.stats == stats
+
+
+def test_default_stats_are_grad_norm_and_learning_rate():
+    step = sx.make_train_step(make_loss("pytree"), mesh=sx.make_mesh({"data": -1}))
+    assert step.stats == ("grad_norm", "learning_rate")
+
+
+@pytest.mark.parametrize(
+    ("stats", "match"),
+    [
+        (("grad_norm", "weight_norm"), r"stats \['weight_norm'\] unknown: the step can return"),
+        ("grad_norm", r"stats must be a tuple of names .* got 'grad_norm'"),
+    ],
+)
+def test_bad_stats_name_the_value(stats, match):
+    with pytest.raises(ValueError, match=match):
+        sx.make_train_step(make_loss("pytree"), mesh=sx.make_mesh({"data": -1}), stats=stats)
 
 
 def test_aux_metrics_may_not_take_the_stats_names():

@@ -276,11 +276,13 @@ def build_steps(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) ->
     (``sx.make_eval_step``, the model in inference mode), with the CLI's mode,
     accumulation and precision; bad combinations are usage errors naming the options."""
     import shardax as sx
+    from shardax.train.stats import STATS
 
     plan = None if args.mode == "single" else plan  # one device: no sharding plan
     options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision}
     try:
-        step = sx.make_train_step(loss_fn, accumulate=args.accumulate, **options)
+        # The CLI logs every update statistic, param norm included.
+        step = sx.make_train_step(loss_fn, accumulate=args.accumulate, stats=STATS, **options)
         return step, sx.make_eval_step(loss_fn, **options)
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None

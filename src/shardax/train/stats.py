@@ -1,17 +1,20 @@
 """Update statistics the train step returns beside the loss: grad norm, param norm, lr.
 
 They are computed once inside the compiled step, from the gradients every device already
-holds after the all-reduce, so they cost a few reductions and no extra communication.
+holds after the all-reduce, so they cost a pass over the gradients (``grad_norm``) or the
+params (``param_norm``) and no extra communication under replicating plans.
+``make_train_step(stats=...)`` picks them: :data:`DEFAULT_STATS` unless told.
 
 >>> state = sx.TrainState.from_params({"w": jnp.ones(3)}, lambda p, x: x @ p["w"],
 ...                                   optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
->>> stats = update_stats(state, {"w": jnp.full(3, 2.0)})
+>>> stats = update_stats(state, {"w": jnp.full(3, 2.0)}, STATS)
 >>> sorted(stats), float(stats["grad_norm"]) ** 2
 (['grad_norm', 'learning_rate', 'param_norm'], 12.0)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -20,6 +23,10 @@ import optax
 
 STATS = ("grad_norm", "param_norm", "learning_rate")
 """The metric names :func:`update_stats` may add; ``loss_fn``'s aux must not use them."""
+
+DEFAULT_STATS = ("grad_norm", "learning_rate")
+"""What the train step returns unless ``stats=`` says otherwise: ``param_norm`` is a second
+pass over the params each step, so it is asked for by name."""
 
 _HYPERPARAMS = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
@@ -46,14 +53,29 @@ def global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(squares, jnp.float32(0)))
 
 
-def update_stats(state: Any, grads: Any) -> dict[str, jax.Array]:
-    """``grad_norm`` (global L2 norm of ``grads``), ``param_norm`` (of ``state.params``)
-    and, when ``state.opt_state`` has one, ``learning_rate``; float32 scalars."""
-    stats = {
-        "grad_norm": global_norm(grads),
-        "param_norm": global_norm(state.params),
-    }
-    lr = learning_rate(state.opt_state)
-    if lr is not None:
-        stats["learning_rate"] = lr
-    return stats
+def check_stats(stats: Sequence[str]) -> tuple[str, ...]:
+    """``stats`` as a tuple of names from :data:`STATS`, or a ValueError naming the rule."""
+    if isinstance(stats, str) or not all(isinstance(n, str) for n in stats):
+        raise ValueError(
+            f"stats must be a tuple of names from {list(STATS)} (() for none), got {stats!r}"
+        )
+    unknown = [n for n in stats if n not in STATS]
+    if unknown:
+        raise ValueError(f"stats {unknown} unknown: the step can return {list(STATS)}")
+    return tuple(dict.fromkeys(stats))
+
+
+def update_stats(state: Any, grads: Any, stats: Sequence[str] = DEFAULT_STATS) -> dict[str, Any]:
+    """The ``stats`` asked for, as float32 scalars: ``grad_norm`` (global L2 norm of
+    ``grads``), ``param_norm`` (of ``state.params``) and ``learning_rate`` (when
+    ``state.opt_state`` holds one)."""
+    out = {}
+    if "grad_norm" in stats:
+        out["grad_norm"] = global_norm(grads)
+    if "param_norm" in stats:
+        out["param_norm"] = global_norm(state.params)
+    if "learning_rate" in stats:
+        lr = learning_rate(state.opt_state)
+        if lr is not None:
+            out["learning_rate"] = lr
+    return out

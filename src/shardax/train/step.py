@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -59,7 +59,7 @@ from shardax.train.precision import (
 )
 from shardax.train.rng import example_keys, step_key
 from shardax.train.state import TrainState
-from shardax.train.stats import STATS, update_stats
+from shardax.train.stats import DEFAULT_STATS, STATS, check_stats, update_stats
 
 Mode = Literal["jit", "shard_map", "pmap", "single"]
 MODES: tuple[str, ...] = ("jit", "shard_map", "pmap", "single")
@@ -232,7 +232,7 @@ class TrainStep:
     """``step(state, batch) -> (state, metrics)``; ``step.shard(state)`` places a state.
 
     Built by :func:`make_train_step`. Attributes: ``mode``, ``mesh``, ``plan``,
-    ``accumulate``, ``donate``, ``data_axis``, ``precision``.
+    ``accumulate``, ``donate``, ``data_axis``, ``precision``, ``stats``.
     """
 
     def __init__(
@@ -246,8 +246,10 @@ class TrainStep:
         donate: bool,
         data_axis: str | tuple[str, ...],
         precision: str | Precision = "fp32",
+        stats: Sequence[str] = DEFAULT_STATS,
     ) -> None:
         self.precision = resolve(precision)
+        self.stats = check_stats(stats)
         self._scaling = self.precision.loss_scaling
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
@@ -522,7 +524,7 @@ class TrainStep:
         metrics = _metrics(loss, aux)
         if self._scaling is None:
             new = state.apply_gradients(grads, model_state)
-            return new, {**metrics, **update_stats(new, grads)}
+            return new, {**metrics, **update_stats(new, grads, self.stats)}
         if "loss_scale" in metrics:
             raise ValueError(
                 "loss_fn's aux metrics must not have a 'loss_scale' entry with loss scaling "
@@ -535,7 +537,7 @@ class TrainStep:
         updated = state.apply_gradients(grads, model_state)
         state = select_tree(finite, updated, state.replace(step=updated.step))
         loss_scale = adjust_loss_scale(state.loss_scale, finite, self._scaling)
-        stats = update_stats(state, grads)
+        stats = update_stats(state, grads, self.stats)
         return state.replace(loss_scale=loss_scale), {
             **metrics,
             **stats,
@@ -719,6 +721,7 @@ def make_train_step(
     donate: bool = True,
     data_axis: str | tuple[str, ...] = DATA_AXIS,
     precision: str | Precision = "fp32",
+    stats: Sequence[str] = DEFAULT_STATS,
 ) -> TrainStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
@@ -765,11 +768,14 @@ def make_train_step(
             scale is ``state.loss_scale`` and ``metrics["loss_scale"]`` (the scale after
             the step); a step with non-finite gradients leaves params, optimizer and
             model state unchanged and halves the scale.
+        stats: the update statistics the step returns (:mod:`shardax.train.stats`):
+            ``"grad_norm"`` (global L2 norm of the all-reduced gradients),
+            ``"param_norm"`` (after the update) and ``"learning_rate"`` (with
+            ``optax.inject_hyperparams``). Default ``("grad_norm", "learning_rate")``;
+            ``()`` for none, e.g. to time the bare step.
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
-    over the real examples of the whole global batch in every mode, plus ``grad_norm``,
-    ``param_norm`` (after the update) and, with ``optax.inject_hyperparams``,
-    ``learning_rate`` (see :mod:`shardax.train.stats`).
+    over the real examples of the whole global batch in every mode, plus ``stats``.
     """
     return TrainStep(
         loss_fn,
@@ -780,4 +786,5 @@ def make_train_step(
         donate=donate,
         data_axis=data_axis,
         precision=precision,
+        stats=stats,
     )
