@@ -64,6 +64,7 @@ from shardax.runtime import (
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog
 from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
+    Auto,
     AutoPlan,
     DataParallel,
     DistributedMetrics,
@@ -91,6 +92,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "WATCHDOG_EXIT_CODE",
     "AgreementError",
+    "Auto",
     "AutoPlan",
     "BatchSizeRecommendation",
     "CheckpointManager",
