@@ -33,6 +33,7 @@ from shardax.checkpoint.convert import (
 )
 from shardax.checkpoint.preemption import reached_preemption
 from shardax.checks import as_count, expect_type
+from shardax.runtime import compat
 
 
 def _ocp() -> Any:
@@ -233,7 +234,7 @@ def _orbax_manager(
     # that only its own save() awaits: a manager closed without saving (a refused save, a
     # restore) leaves it running, and it can delete the next manager's save in progress.
     # orbax has no public way to wait for it (checked on orbax-checkpoint 0.12.8).
-    manager._maybe_await_cleanup_tmp_directory()
+    compat.orbax_await_tmp_cleanup(manager)
     return manager
 
 
