@@ -47,12 +47,14 @@ DTYPE_BYTES = {
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective op: its name, the bytes of its result on one device, the number
-    of devices in each of its groups, and how many times it runs per execution (its
-    loops' trip counts multiplied; 1 outside loops)."""
+    of devices in each of its groups, its result's array shapes (several when XLA
+    combined ops into one), and how many times it runs per execution (its loops' trip
+    counts multiplied; 1 outside loops)."""
 
     op: str
     bytes: int
     group: int
+    shapes: tuple[tuple[int, ...], ...] = ()
     count: int = 1
 
     @property
@@ -70,10 +72,10 @@ class Collective:
         return factor * size * self.count
 
 
-def _shape_bytes(text: str) -> list[int]:
+def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of each array type in ``text``, e.g. ``(f32[8,16], s32[])``."""
     return [
-        math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES.get(dtype, 4)
-        for dtype, dims in _SHAPE.findall(text)
+        (dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(text)
     ]
 
 
@@ -157,13 +159,15 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
     found = []
     for name, lines in bodies.items():
         for out, op, start, rest in _OP.findall("\n".join(lines)):
-            sizes = _shape_bytes(out)
-            if start and op in ("all-gather", "collective-permute") and len(sizes) > 1:
-                sizes = sizes[len(sizes) // 2 :]
+            arrays = _arrays(out)
+            if start and op in ("all-gather", "collective-permute") and len(arrays) > 1:
+                arrays = arrays[len(arrays) // 2 :]
+            size = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays)
             # A computation the call graph does not reach (a reference form not parsed
             # here) counts once rather than not at all.
             count = runs[name] or 1
-            found.append(Collective(op, sum(sizes), _group(rest, num_devices), count))
+            shapes = tuple(shape for _, shape in arrays)
+            found.append(Collective(op, size, _group(rest, num_devices), shapes, count))
     return found
 
 
