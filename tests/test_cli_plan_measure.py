@@ -78,9 +78,10 @@ def test_plan_measure_gpt_with_a_stage_axis(tmp_path, capsys):
     assert list(rows) == ["replicate", "pipeline"]
     pipe, rep = rows["pipeline"], rows["replicate"]
     assert pipe["formula"]["strategy"] == "DP×PP" and rep["formula"]["strategy"] == "DP"
-    assert pipe["formula"]["params_and_optimizer_bytes"] == rep["formula"][
-        "params_and_optimizer_bytes"
-    ] / 4
+    assert (
+        pipe["formula"]["params_and_optimizer_bytes"]
+        == rep["formula"]["params_and_optimizer_bytes"] / 4
+    )
     # The blocks split 4 ways; the embedding, head and final norm stay whole (the formula
     # splits everything), so the compiled figure sits between a quarter and the whole.
     assert pipe["formula"]["params_and_optimizer_bytes"] < pipe["argument_bytes"]

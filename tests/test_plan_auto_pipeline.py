@@ -12,7 +12,7 @@ import shardax as sx
 from shardax.runtime.hlo import collective_bytes, collectives
 from shardax.train.auto import candidate_plans, choose
 
-D, L, BATCH, M, STAGES = 64, 8, 16, 4, 4
+D, L, BATCH, M, STAGES = 64, 4, 16, 4, 4
 RULES = [(r"blocks", P("stage"))]
 ADAM = optax.adam(1e-3)
 
@@ -72,8 +72,8 @@ def test_the_candidate_joins_only_with_a_stage_axis_and_rules(mesh):
     assert specs.params["embed"] == P()
     for shape in ({"data": 8}, {"data": 8, "stage": 1}):
         flat = sx.make_mesh(shape)
-        with pytest.raises(ValueError, match=r"pipeline_rules .* mesh axis 'stage' \(stage_axis\)"
-                           rf".*mesh's axes are \{{'data': 8.*drop pipeline_rules"):  # fmt: skip
+        message = r"pipeline_rules .* axis 'stage' \(stage_axis\).*axes are \{'data': 8.*drop"
+        with pytest.raises(ValueError, match=message):
             candidate_plans(flat, pipeline_rules=RULES)
         with pytest.raises(ValueError, match=r"pipeline_rules .*axes are \{'data': 8"):
             sx.make_train_step(loss_fn, mesh=flat, plan=sx.Auto(pipeline_rules=RULES))(
@@ -91,7 +91,8 @@ def test_pipeline_is_compiled_and_measured(report):
     rest = 4 * (4 * D + D * 2)
     batch_slice = 4 * BATCH // 2 * (4 + 2)
     # Arguments: params + Adam's two moments, the blocks split 4 ways, the rest whole.
-    assert pipe.argument_bytes == pytest.approx(3 * (blocks / STAGES + rest) + batch_slice, rel=0.01)
+    expected = 3 * (blocks / STAGES + rest) + batch_slice
+    assert pipe.argument_bytes == pytest.approx(expected, rel=0.01)
     assert pipe.argument_bytes < min(c.argument_bytes for c in report.candidates[:-1])
     # Activations cross stages with collective-permutes: one per tick of the forward and
     # of the backward schedule, M + S - 1 ticks each (counted through the loops).
