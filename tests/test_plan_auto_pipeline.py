@@ -76,9 +76,7 @@ def test_the_candidate_joins_only_with_a_stage_axis_and_rules(mesh):
         with pytest.raises(ValueError, match=message):
             candidate_plans(flat, pipeline_rules=RULES)
         with pytest.raises(ValueError, match=r"pipeline_rules .*axes are \{'data': 8"):
-            sx.make_train_step(loss_fn, mesh=flat, plan=sx.Auto(pipeline_rules=RULES))(
-                init(), batches(1)[0]
-            )
+            sx.make_train_step(loss_fn, mesh=flat, plan=sx.AutoPlanOptions(pipeline_rules=RULES))
     with pytest.raises(ValueError, match=r"pipeline_rules place no leaf .* over mesh axis 'stage'"):
         sx.auto_plan(mesh, init, pipeline_rules=[(r"nothing", P("stage"))])
 
@@ -113,7 +111,7 @@ def test_plan_auto_picks_pipeline_when_only_it_fits_and_trains_like_one_device(r
     picked = choose(report.candidates, budget, "train step")
     assert picked.name == "pipeline" and "1 of 5 fit" in picked.reason
 
-    options = sx.Auto(pipeline_rules=RULES, device_memory=budget, min_size=1)
+    options = sx.AutoPlanOptions(pipeline_rules=RULES, device_memory=budget, min_size=1)
     step = sx.make_train_step(loss_fn, mesh=mesh, plan=options)
     single = sx.make_train_step(loss_fn, mesh=mesh, mode="single")
     state, ref = init(), init()

@@ -64,8 +64,8 @@ from shardax.runtime import (
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog
 from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
-    Auto,
     AutoPlan,
+    AutoPlanOptions,
     DataParallel,
     DistributedMetrics,
     EvalStep,
@@ -92,8 +92,8 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "WATCHDOG_EXIT_CODE",
     "AgreementError",
-    "Auto",
     "AutoPlan",
+    "AutoPlanOptions",
     "BatchSizeRecommendation",
     "CheckpointManager",
     "DataParallel",

@@ -51,12 +51,13 @@ Rules = Sequence[Rule] | Plan | None
 
 
 @dataclasses.dataclass(frozen=True)
-class Auto:
-    """``make_train_step(..., plan=sx.Auto(...))``: :func:`auto_plan`'s options for the
-    plan the first ``step(state, batch)`` picks (``plan="auto"`` is ``sx.Auto()``).
+class AutoPlanOptions:
+    """``make_train_step(..., plan=sx.AutoPlanOptions(...))``: :func:`auto_plan`'s
+    options for the plan the first ``step(state, batch)`` picks (``plan="auto"`` is
+    ``sx.AutoPlanOptions()``).
 
-    >>> rules = [(r"blocks", P("stage"))]
-    >>> step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.Auto(pipeline_rules=rules))
+    >>> auto = sx.AutoPlanOptions(pipeline_rules=[(r"blocks", P("stage"))])
+    >>> step = sx.make_train_step(loss_fn, mesh=mesh, plan=auto)
     """
 
     device_memory: float | None = None
@@ -64,6 +65,22 @@ class Auto:
     tp_rules: Rules = None
     pipeline_rules: Rules = None
     stage_axis: str = STAGE_AXIS
+
+    def check(self, mesh: Mesh) -> None:
+        """Raises ValueError when ``mesh`` cannot hold the candidates these options ask
+        for (``pipeline_rules`` without ``stage_axis``), before anything compiles."""
+        check_stage_axis(mesh, self.pipeline_rules, self.stage_axis)
+
+
+def check_stage_axis(mesh: Mesh, pipeline_rules: Rules, stage_axis: str) -> None:
+    """``pipeline_rules`` need ``stage_axis`` in ``mesh`` with size > 1."""
+    if pipeline_rules and mesh.shape.get(stage_axis, 1) < 2:
+        raise ValueError(
+            f"auto_plan: pipeline_rules split the stacked layers over mesh axis "
+            f"{stage_axis!r} (stage_axis), which must be in the mesh with size > 1; the "
+            f"mesh's axes are {dict(mesh.shape)}. Add it (e.g. sx.make_mesh({{'data': -1, "
+            f"{stage_axis!r}: 4}})) or drop pipeline_rules"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,13 +211,7 @@ def candidate_plans(
     stage's weights inside the schedule's loop, on every microbatch tick; pass
     ``candidates=`` with ``sx.plan.fsdp_over(...)`` of the rules to measure that too.
     """
-    if pipeline_rules and mesh.shape.get(stage_axis, 1) < 2:
-        raise ValueError(
-            f"auto_plan: pipeline_rules split the stacked layers over mesh axis "
-            f"{stage_axis!r} (stage_axis), which must be in the mesh with size > 1; the "
-            f"mesh's axes are {dict(mesh.shape)}. Add it (e.g. sx.make_mesh({{'data': -1, "
-            f"{stage_axis!r}: 4}})) or drop pipeline_rules"
-        )
+    check_stage_axis(mesh, pipeline_rules, stage_axis)
     plans: dict[str, Plan] = {
         "replicate": follow_params(replicate(mesh)),
         "zero1": zero1(mesh, axis, min_size),

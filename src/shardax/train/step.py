@@ -62,7 +62,7 @@ from shardax.train.state import TrainState
 from shardax.train.stats import DEFAULT_STATS, STATS, check_stats, update_stats
 
 if TYPE_CHECKING:
-    from shardax.train.auto import Auto
+    from shardax.train.auto import AutoPlanOptions
 
 Mode = Literal["jit", "shard_map", "pmap", "single"]
 MODES: tuple[str, ...] = ("jit", "shard_map", "pmap", "single")
@@ -267,10 +267,12 @@ class TrainStep:
                 f"mode='single' keeps the whole state on one device, so it takes no sharding "
                 f"plan; got plan {getattr(plan, 'name', plan)!r}. Drop plan= or use mode='jit'"
             )
-        from shardax.train.auto import Auto
+        from shardax.train.auto import AutoPlanOptions
 
-        self._auto_options = Auto() if isinstance(plan, str) and plan == "auto" else plan
-        self._auto = isinstance(self._auto_options, Auto)
+        self._auto_options = AutoPlanOptions() if isinstance(plan, str) and plan == "auto" else plan
+        self._auto = isinstance(self._auto_options, AutoPlanOptions)
+        if self._auto:
+            self._auto_options.check(mesh)
         self.auto_report = None
         if self._auto and mode != "jit":
             raise ValueError(
@@ -723,7 +725,7 @@ def make_train_step(
     loss_fn: LossFn,
     *,
     mesh: Mesh,
-    plan: Plan | Auto | Literal["auto"] | None = None,
+    plan: Plan | AutoPlanOptions | Literal["auto"] | None = None,
     mode: Mode = "jit",
     accumulate: int = 1,
     donate: bool = True,
@@ -758,7 +760,7 @@ def make_train_step(
             ``sx.zero2`` also constrains the gradients to the optimizer state's
             sharding. ``"auto"``: the first ``step(state, batch)`` picks the plan with
             :func:`shardax.auto_plan` and places the state on it (``step.auto_report``);
-            ``sx.Auto(tp_rules=..., pipeline_rules=..., device_memory=...)`` passes
+            ``sx.AutoPlanOptions(tp_rules=..., pipeline_rules=..., device_memory=...)`` passes
             auto_plan's options (the fsdp+tp and pipeline candidates, the budget).
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
