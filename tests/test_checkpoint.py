@@ -8,6 +8,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -111,6 +112,20 @@ def test_wrong_tree_on_restore_names_the_path(tmp_path, mesh, change, needle):
     sx.save_checkpoint(tmp_path, state, step=1)
     with pytest.raises(ValueError, match=needle):
         sx.restore_checkpoint(tmp_path, like=change(state))
+
+
+def test_a_different_model_names_a_param_first_and_counts_the_rest(tmp_path):
+    tx = optax.adam(1e-3)
+
+    def state(width):
+        return sx.TrainState.from_params({"w": jnp.ones((4, width))}, lambda p, x: x, tx)
+
+    sx.save_checkpoint(tmp_path, state(8), step=1)
+    # The params and Adam's two moments differ; the message leads with the params.
+    with pytest.raises(
+        ValueError, match=r"leaf 'params/w' has shape \(4, 8\) .* \(4, 16\) in `like` \(2 more"
+    ):
+        sx.restore_checkpoint(tmp_path, like=state(16))
 
 
 def test_colliding_keys_are_refused(tmp_path):

@@ -47,3 +47,21 @@ def test_private_apis_behave_as_shardax_relies_on(monkeypatch):
         jax.jit(jnp.matmul)(x, w)  # both operands' "data" on the result: a type error
     assert compat.is_sharding_type_error(error.value), f"{VERSION}: {error.value!r}"
     assert not compat.is_sharding_type_error(ValueError("other"))
+
+
+def test_orbax_tmp_cleanup_is_there_and_deletes_unfinished_saves(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    leftover = tmp_path / "7.orbax-checkpoint-tmp"  # a save killed half-way
+    (leftover / "state").mkdir(parents=True)
+    options = ocp.CheckpointManagerOptions(cleanup_tmp_directories=True, create=True)
+    manager = ocp.CheckpointManager(tmp_path, options=options)
+    compat.orbax_await_tmp_cleanup(manager)  # returns once orbax's background cleanup is done
+    assert not leftover.exists()
+    manager.close()
+
+    # Gone in some orbax-checkpoint: an ImportError naming the method and the version.
+    monkeypatch.setattr(compat, "ORBAX_TMP_CLEANUP", "_no_such_method")
+    with pytest.raises(ImportError, match=r"CheckpointManager._no_such_method, which orbax"):
+        compat.orbax_await_tmp_cleanup(manager)
+    assert any("orbax-checkpoint" in e for e in compat.missing())

@@ -24,6 +24,13 @@ def test_dp_fsdp_tp_pp_hybrids_divide_the_states(precision):
     assert rows == pytest.approx(
         {
             ("DP", 8, 1, 1): s * p,
+            ("ZeRO-1", 8, 1, 1): pytest.approx(
+                (PRECISIONS[precision].params + PRECISIONS[precision].grads) * p
+                + (PRECISIONS[precision].master + PRECISIONS[precision].optimizer) * p / 8
+            ),
+            ("ZeRO-2", 8, 1, 1): pytest.approx(
+                PRECISIONS[precision].params * p + (s - PRECISIONS[precision].params) * p / 8
+            ),
             ("FSDP", 8, 1, 1): s * p / 8,
             ("TP", 1, 8, 1): s * p / 8,
             ("PP", 1, 1, 8): s * p / 8,
@@ -53,7 +60,8 @@ def test_components_sum_to_total():
 
 def test_seven_billion_dp_does_not_fit_an_h100_but_fsdp_does():
     memory = HARDWARE_SPECS[HardwareType.H100].memory_bytes
-    dp, fsdp = plan_memory(7e9, 8, "mixed")[:2]
+    dp, zero1, zero2, fsdp = plan_memory(7e9, 8, "mixed")[:4]
+    assert dp.total_bytes > zero1.total_bytes > zero2.total_bytes > fsdp.total_bytes
     assert dp.total_bytes == 112e9 > memory
     assert fsdp.total_bytes == 14e9 < memory
 
@@ -61,6 +69,8 @@ def test_seven_billion_dp_does_not_fit_an_h100_but_fsdp_does():
 def test_one_device_is_dp_only():
     assert [e.strategy for e in plan_memory(1e6, 1)] == ["DP"]
     assert [(e.data, e.model, e.stage) for e in plan_memory(1e6, 6)] == [
+        (6, 1, 1),
+        (6, 1, 1),
         (6, 1, 1),
         (6, 1, 1),
         (1, 6, 1),

@@ -1,7 +1,6 @@
 """Collectives in the compiled HLO of a train step under FSDP and under pure DP."""
 
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -11,21 +10,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.runtime.hlo import collectives as hlo_collectives
 
-OP = re.compile(
-    r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)"
-    r"(?:-start)?\("
-)
-SHAPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
 PARAMS = {"w1": (64, 128), "w2": (128, 16), "b": (16,)}
 
 
 def collectives(hlo: str) -> dict[str, list[list[int]]]:
-    """op name -> for each op, the element counts of its outputs."""
+    """op name -> for each op, the element counts of its outputs (shardax.runtime.hlo)."""
     found: dict[str, list[list[int]]] = {}
-    for out, op in OP.findall(hlo):
-        sizes = [math.prod(int(d) for d in dims.split(",") if d) for dims in SHAPE.findall(out)]
-        found.setdefault(op, []).append(sizes)
+    for c in hlo_collectives(hlo):
+        found.setdefault(c.op, []).append([math.prod(shape) for shape in c.shapes])
     return found
 
 

@@ -244,7 +244,7 @@ def test_train_sigterm_saves_exits_75_and_resume_is_bitwise(tmp_path, capsys, st
         (["--save-every", "3"], "--save-every 3 needs --checkpoint-dir"),
         (
             ["--resume", "--checkpoint-dir", str(ckpt), "--hidden", "16"],
-            "/mu/layers/0/bias/value' has shape (32,) in the checkpoint but (16,) in `like`",
+            "'params/layers/0/bias/value' has shape (32,) in the checkpoint but (16,) in `like`",
         ),
     ]:
         assert cli(["train", *SMALL, *argv]) == 2

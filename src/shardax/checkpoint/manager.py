@@ -33,6 +33,7 @@ from shardax.checkpoint.convert import (
 )
 from shardax.checkpoint.preemption import reached_preemption
 from shardax.checks import as_count, expect_type
+from shardax.runtime import compat
 
 
 def _ocp() -> Any:
@@ -233,7 +234,7 @@ def _orbax_manager(
     # that only its own save() awaits: a manager closed without saving (a refused save, a
     # restore) leaves it running, and it can delete the next manager's save in progress.
     # orbax has no public way to wait for it (checked on orbax-checkpoint 0.12.8).
-    manager._maybe_await_cleanup_tmp_directory()
+    compat.orbax_await_tmp_cleanup(manager)
     return manager
 
 
@@ -306,28 +307,38 @@ def _metadata_tree(metadata: Any) -> Any:
     return getattr(metadata, "tree", metadata)
 
 
+def _params_first(path: str) -> tuple[bool, str]:
+    """Sort key: the model's leaves before the optimizer's mirrors of them."""
+    return ("opt_state" in path.split("/"), path)
+
+
 def check_same_tree(saved: dict[str, Any], target: dict[str, Any], step: int) -> None:
-    """Raises ``ValueError`` naming the first path whose presence, shape or dtype differ."""
-    missing = sorted(set(target) - set(saved))
-    extra = sorted(set(saved) - set(target))
+    """Raises ``ValueError`` naming the first path whose presence, shape or dtype differ
+    (the params before the optimizer state that mirrors them) and how many others do."""
+    missing = sorted(set(target) - set(saved), key=_params_first)
+    extra = sorted(set(saved) - set(target), key=_params_first)
     if missing or extra:
         raise ValueError(
             f"checkpoint step {step} does not match the tree of `like`: "
             + (f"not in the checkpoint: {missing}; " if missing else "")
             + (f"in the checkpoint but not in `like`: {extra}" if extra else "")
         )
-    for path in sorted(target):
+    differ = []
+    for path in sorted(target, key=_params_first):
         want, got = target[path], saved[path]
         if tuple(got.shape) != tuple(np.shape(want)):
-            raise ValueError(
-                f"checkpoint step {step}: leaf {path!r} has shape {tuple(got.shape)} in the "
-                f"checkpoint but {tuple(np.shape(want))} in `like`"
+            differ.append(
+                f"leaf {path!r} has shape {tuple(got.shape)} in the checkpoint but "
+                f"{tuple(np.shape(want))} in `like`"
             )
-        if np.dtype(got.dtype) != np.dtype(want.dtype):
-            raise ValueError(
-                f"checkpoint step {step}: leaf {path!r} has dtype {np.dtype(got.dtype)} in the "
-                f"checkpoint but {np.dtype(want.dtype)} in `like`"
+        elif np.dtype(got.dtype) != np.dtype(want.dtype):
+            differ.append(
+                f"leaf {path!r} has dtype {np.dtype(got.dtype)} in the checkpoint but "
+                f"{np.dtype(want.dtype)} in `like`"
             )
+    if differ:
+        more = f" ({len(differ) - 1} more leaves differ)" if len(differ) > 1 else ""
+        raise ValueError(f"checkpoint step {step}: {differ[0]}{more}")
 
 
 def save_checkpoint(

@@ -10,6 +10,10 @@ Each has no public equivalent in the supported versions:
   rules ``jax.distributed.initialize`` then applies.
 - ``ClusterEnv``: the base of those classes; the tests check through it that JAX's
   SLURM detection fills in what ``sx.initialize`` leaves to it.
+- ``orbax_await_tmp_cleanup(manager)``: orbax-checkpoint's private
+  ``CheckpointManager._maybe_await_cleanup_tmp_directory``, which waits for the background
+  deletion of unfinished ``*.orbax-checkpoint-tmp`` directories (only orbax's own ``save``
+  awaits it; a manager closed without saving could delete the next save in progress).
 - ``ShardingTypeError``: the error JAX raises when an operation's output sharding does
   not follow from its inputs' types on a mesh with Explicit axes. shardax adds a note
   to it saying what to change; JAX raises it, so it can only be caught by its class.
@@ -57,15 +61,45 @@ def private(name: str) -> Any:
         ) from e
 
 
+ORBAX_TMP_CLEANUP = "_maybe_await_cleanup_tmp_directory"
+"""The private ``orbax.checkpoint.CheckpointManager`` method :func:`orbax_await_tmp_cleanup`
+calls."""
+
+
+def _orbax_tmp_cleanup(manager_class: type) -> Any:
+    method = getattr(manager_class, ORBAX_TMP_CLEANUP, None)
+    if method is None:
+        from importlib.metadata import version
+
+        raise ImportError(
+            f"shardax uses orbax.checkpoint.CheckpointManager.{ORBAX_TMP_CLEANUP}, which "
+            f"orbax-checkpoint {version('orbax-checkpoint')} does not have; see "
+            "shardax/runtime/compat.py"
+        )
+    return method
+
+
+def orbax_await_tmp_cleanup(manager: Any) -> None:
+    """Waits until ``manager`` (an ``orbax.checkpoint.CheckpointManager``) has deleted the
+    unfinished tmp directories it found when it opened."""
+    _orbax_tmp_cleanup(type(manager))(manager)
+
+
 def missing() -> list[str]:
-    """The errors of every private API that the installed JAX lacks (empty when all are
-    there); ``tests/test_compat.py`` asserts it is empty."""
+    """The errors of every private API that the installed JAX or orbax-checkpoint lacks
+    (empty when all are there); ``tests/test_compat.py`` asserts it is empty."""
+    import orbax.checkpoint as ocp
+
     errors = []
     for name in PRIVATE_APIS:
         try:
             private(name)
         except ImportError as e:
             errors.append(str(e))
+    try:
+        _orbax_tmp_cleanup(ocp.CheckpointManager)
+    except ImportError as e:
+        errors.append(str(e))
     return errors
 
 

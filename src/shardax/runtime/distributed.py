@@ -90,7 +90,10 @@ def resolve_coordinates(
 ) -> ProcessCoordinates | None:
     """Where this process's coordinates come from; None when there is nothing to join.
 
-    Pure: reads ``env`` (default ``os.environ``) and starts nothing.
+    Starts nothing. The launch variables (``shardax launch``'s and ``JAX_COORDINATOR_ADDRESS``
+    with its companions) are read from ``env`` (default ``os.environ``). SLURM and Open MPI
+    are detected by JAX's own cluster classes, which read ``os.environ`` whatever ``env``
+    is: that is where ``jax.distributed.initialize`` reads them next.
 
     >>> resolve_coordinates(env={}) is None
     True

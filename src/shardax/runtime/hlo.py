@@ -31,12 +31,14 @@ DTYPE_BYTES = {
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective op: its name, the bytes of its result on one device, and the
-    number of devices in each of its groups."""
+    """One collective op: its name, the bytes of its result on one device, the number
+    of devices in each of its groups, and its result's array shapes (several when XLA
+    combined ops into one)."""
 
     op: str
     bytes: int
     group: int
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def sent_bytes(self) -> float:
@@ -52,10 +54,10 @@ class Collective:
         return factor * size
 
 
-def _shape_bytes(text: str) -> list[int]:
+def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of each array type in ``text``, e.g. ``(f32[8,16], s32[])``."""
     return [
-        math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES.get(dtype, 4)
-        for dtype, dims in _SHAPE.findall(text)
+        (dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(text)
     ]
 
 
@@ -68,9 +70,9 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
     """
     found = []
     for out, op, start, rest in _OP.findall(hlo):
-        sizes = _shape_bytes(out)
-        if start and op in ("all-gather", "collective-permute") and len(sizes) > 1:
-            sizes = sizes[len(sizes) // 2 :]
+        arrays = _arrays(out)
+        if start and op in ("all-gather", "collective-permute") and len(arrays) > 1:
+            arrays = arrays[len(arrays) // 2 :]
         iota, listed = _GROUPS_IOTA.search(rest), _GROUPS_LIST.search(rest)
         if iota:
             group = int(iota.group(1).split(",")[-1])
@@ -78,7 +80,8 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
             group = listed.group(1).count(",") + 1
         else:
             group = num_devices or 1
-        found.append(Collective(op, sum(sizes), group))
+        size = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays)
+        found.append(Collective(op, size, group, tuple(shape for _, shape in arrays)))
     return found
 
 

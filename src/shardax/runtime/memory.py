@@ -160,8 +160,8 @@ def estimate(
 def plan_memory(
     num_params: float, num_devices: int, precision: str | Precision = "mixed"
 ) -> list[MemoryEstimate]:
-    """DP, FSDP, TP and PP over all ``num_devices``, then DP×TP and FSDP×TP, DP×PP and
-    FSDP×PP for every split.
+    """DP, ZeRO-1, ZeRO-2, FSDP, TP and PP over all ``num_devices``, then DP×TP and
+    FSDP×TP, DP×PP and FSDP×PP for every split.
 
     Hybrids use each ``model`` (or ``stage``) size that divides ``num_devices`` strictly
     between 1 and ``num_devices``, with ``data = num_devices / model``.
@@ -169,6 +169,7 @@ def plan_memory(
     n = num_devices = as_count("num_devices", num_devices)
     out = [estimate(num_params, precision, data=n)]
     if n > 1:
+        out += [estimate(num_params, precision, data=n, zero=z) for z in (1, 2)]
         out.append(estimate(num_params, precision, data=n, shard_data=True))
         out.append(estimate(num_params, precision, model=n))
         out.append(estimate(num_params, precision, stage=n))
