@@ -162,7 +162,7 @@ def test_help_is_clear(command, capsys):
         (["train", "--lr", "-1"], "argument --lr: expected a number > 0, got '-1'"),
         (
             ["train", "--mesh", "data=3,model=3"],
-            "--mesh: Not enough devices: mesh {'data': 3, 'model': 3} needs 9",
+            "--mesh: Not enough devices: mesh requires 9 devices but only 8 available (mesh shape",
         ),
         (["train", "--plan", "tp", "--mesh", "data=8"], "--plan tp needs a mesh with a 'model'"),
         (["train", "--mode", "single", "--plan", "fsdp"], "--mode single runs on one device"),
@@ -181,7 +181,7 @@ def test_help_is_clear(command, capsys):
         (["tune-batch", "--devices", "8", "--batch-sizes", "8,12"], "--batch-sizes [12] are not"),
         (
             ["info", "--mesh", "data=16"],
-            "--mesh: Not enough devices: mesh {'data': 16} needs 16 devices",
+            "--mesh: Not enough devices: mesh requires 16 devices but only 8 available",
         ),
         (["launch-rockets"], "argument command: invalid choice: 'launch-rockets'"),
     ],

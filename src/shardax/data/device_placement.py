@@ -73,8 +73,9 @@ class DevicePlacement:
         return validate_batch_size(batch_size, self._hardware_type, warn_suboptimal)
 
     def get_device_info(self) -> dict[str, Any]:
-        """``num_devices``, ``hardware_type``, ``platforms``, ``device_kinds`` and ``devices``."""
-        return device_info()
+        """``num_devices``, ``hardware_type`` (this object's), ``platforms``, ``device_kinds``
+        and ``devices``; see :func:`shardax.device_info`."""
+        return {**device_info(), "hardware_type": self._hardware_type.value}
 
     @property
     def hardware_type(self) -> HardwareType:

@@ -54,8 +54,8 @@ def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
     shape = dict(pairs)
     if known > num_devices:
         raise ValueError(
-            f"Not enough devices: mesh {shape} needs {known} devices but only {num_devices} "
-            "are available"
+            f"Not enough devices: mesh requires {known} devices but only {num_devices} "
+            f"available (mesh shape {shape})"
         )
     if fills:
         if num_devices % known:

@@ -163,7 +163,8 @@ def validate_batch_size(
 ) -> tuple[bool, str]:
     """Checks ``batch_size`` against the table; returns ``(is_valid, message)``.
 
-    The message says "below minimum", "below critical", "optimal" or "acceptable".
+    The message is the seed's: it says "below minimum recommended", "below critical
+    size", "optimal" or "acceptable", naming the size, the threshold and the hardware.
 
     >>> validate_batch_size(64, HardwareType.H100)[0]
     True
@@ -174,13 +175,13 @@ def validate_batch_size(
     where = f"for {hw.value}"
     if batch_size < rec.min_batch_size:
         return False, (
-            f"Batch size {batch_size} is below minimum {rec.min_batch_size} {where}; "
-            "performance will be significantly degraded."
+            f"Batch size {batch_size} is below minimum recommended {rec.min_batch_size} {where}. "
+            "Performance will be significantly degraded."
         )
     if batch_size < rec.critical_batch_size and warn_suboptimal:
         return True, (
-            f"Batch size {batch_size} is below critical size {rec.critical_batch_size} {where}; "
-            "increase it to reach the roofline."
+            f"Batch size {batch_size} is below critical size {rec.critical_batch_size} {where}. "
+            "Consider increasing for optimal throughput."
         )
     if batch_size >= rec.optimal_batch_size:
         return True, f"Batch size {batch_size} is optimal {where}."

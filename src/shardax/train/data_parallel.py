@@ -56,7 +56,8 @@ def all_reduce_gradients(
     """
     if reduce_type not in ("mean", "sum"):
         raise ValueError(
-            f"Unsupported reduce_type: {reduce_type!r}; reduce_type must be one of ['mean', 'sum']"
+            f"Unsupported reduce_type: {reduce_type}. Use 'mean' or 'sum' (reduce_type="
+            f"{reduce_type!r}; sx.all_reduce also takes 'max' and 'min')"
         )
     return all_reduce(gradients, reduce_type, axis_name)
 
