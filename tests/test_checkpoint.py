@@ -18,15 +18,38 @@ from shardax.cli.launch import free_port
 WORKER = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
 
 
+def start_worker(*args, devices=8):
+    """Starts ``scripts/ckpt_worker.py`` (mode, directory, ...) on ``devices`` CPU devices."""
+    cmd = [sys.executable, WORKER, args[0], str(devices), *map(str, args[1:])]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def worker_result(proc, timeout=120):
+    """The JSON line a worker printed last; its stderr if it failed."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def run_worker(*args, devices=8, timeout=120):
-    out = subprocess.run(
-        [sys.executable, WORKER, args[0], str(devices), *map(str, args[1:])],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return worker_result(start_worker(*args, devices=devices), timeout)
+
+
+@pytest.fixture(scope="module")
+def straight_and_first(tmp_path_factory):
+    """20 steps straight (``a``) and 10 steps (``b``), each in a new process, side by side:
+    the resume test continues ``b``; the 4-device restore reads ``a``."""
+    tmp = tmp_path_factory.mktemp("workers")
+    procs = [start_worker("train", tmp / "a", 20), start_worker("train", tmp / "b", 10)]
+    try:
+        straight, first = (worker_result(p) for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    return tmp, straight, first
 
 
 @pytest.fixture
@@ -142,22 +165,43 @@ def test_missing_steps_are_clear(tmp_path, mesh):
         sx.restore_checkpoint(tmp_path, like=make_state(mesh), step=5)
 
 
-def test_exact_resume_in_a_new_process_is_bitwise(tmp_path):
+def test_exact_resume_in_a_new_process_is_bitwise(straight_and_first):
     # 20 steps straight, against 10 steps, a new process, restore, then 10 more.
-    straight = run_worker("train", tmp_path / "a", 20)
-    first = run_worker("train", tmp_path / "b", 10)
-    second = run_worker("train", tmp_path / "b", 20, "resume")
+    tmp, straight, first = straight_and_first
+    second = run_worker("train", tmp / "b", 20, "resume")
     assert first["position"] == {**first["position"], "epoch": 1, "index": 4}
     assert first["losses"] + second["losses"] == straight["losses"]
     assert second["params"] == straight["params"]
     assert second["position"] == straight["position"]
 
 
-def test_saved_with_fsdp_on_8_devices_restored_on_4_replicated(tmp_path):
-    done = run_worker("train", tmp_path, 3)
-    restored = run_worker("restore", tmp_path, devices=4)
-    assert restored["step"] == 3 and restored["replicated"] and restored["devices"] == 4
+def test_saved_with_fsdp_on_8_devices_restored_on_4_replicated(straight_and_first):
+    tmp, done, _ = straight_and_first  # saved at step 20 by 8 devices, FSDP
+    restored = run_worker("restore", tmp / "a", devices=4)
+    assert restored["step"] == 20 and restored["replicated"] and restored["devices"] == 4
     assert restored["params"] == done["params"]
+
+
+def kill_after_first_commit(mode: str, directory, delay: float) -> list[int]:
+    """Runs a ``mode`` worker, SIGKILLs it ``delay`` s after its first commit; the steps it
+    printed as committed."""
+    proc = subprocess.Popen(
+        [sys.executable, WORKER, mode, "8", str(directory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        committed = []
+        deadline = time.monotonic() + 120
+        while not committed and time.monotonic() < deadline:  # wait for the first commit
+            committed.append(int(proc.stdout.readline().split()[1]))
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        rest = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+    return committed + [int(line.split()[1]) for line in rest.splitlines()]
 
 
 @pytest.mark.parametrize("mode", ["save_loop", "overwrite_loop"])
@@ -166,20 +210,7 @@ def test_kill_during_save_leaves_last_complete_step(tmp_path, mode):
     # again, holding k, with overwrite=True.
     for delay in (0.3, 1.1, 2.3):
         directory = tmp_path / f"kill{delay}"
-        proc = subprocess.Popen(
-            [sys.executable, WORKER, mode, "8", str(directory)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        committed = []
-        deadline = time.monotonic() + 120
-        while not committed and time.monotonic() < deadline:  # wait for the first commit
-            committed.append(int(proc.stdout.readline().split()[1]))
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        rest = proc.communicate(timeout=30)[0]
-        committed += [int(line.split()[1]) for line in rest.splitlines()]
+        committed = kill_after_first_commit(mode, directory, delay)
         seen = sorted(os.listdir(directory))
         with sx.CheckpointManager(directory, max_to_keep=2) as manager:
             latest = manager.latest_step()
