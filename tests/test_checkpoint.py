@@ -18,38 +18,23 @@ from shardax.cli.launch import free_port
 WORKER = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
 
 
-def start_worker(*args, devices=8):
-    """Starts ``scripts/ckpt_worker.py`` (mode, directory, ...) on ``devices`` CPU devices."""
-    cmd = [sys.executable, WORKER, args[0], str(devices), *map(str, args[1:])]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def worker_result(proc, timeout=120):
-    """The JSON line a worker printed last; its stderr if it failed."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def run_worker(*args, devices=8, timeout=120):
-    return worker_result(start_worker(*args, devices=devices), timeout)
+    out = subprocess.run(
+        [sys.executable, WORKER, args[0], str(devices), *map(str, args[1:])],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def straight_and_first(tmp_path_factory):
-    """20 steps straight (``a``) and 10 steps (``b``), each in a new process, side by side:
-    the resume test continues ``b``; the 4-device restore reads ``a``."""
+    """20 steps straight (``a``) and 10 steps (``b``), each in a new process: the resume
+    test continues ``b``; the 4-device restore reads ``a``."""
     tmp = tmp_path_factory.mktemp("workers")
-    procs = [start_worker("train", tmp / "a", 20), start_worker("train", tmp / "b", 10)]
-    try:
-        straight, first = (worker_result(p) for p in procs)
-    finally:
-        for p in procs:
-            p.kill()
-    return tmp, straight, first
+    return tmp, run_worker("train", tmp / "a", 20), run_worker("train", tmp / "b", 10)
 
 
 @pytest.fixture
@@ -182,16 +167,18 @@ def test_saved_with_fsdp_on_8_devices_restored_on_4_replicated(straight_and_firs
     assert restored["params"] == done["params"]
 
 
-def kill_after_first_commit(mode: str, directory, delay: float) -> list[int]:
-    """Runs a ``mode`` worker, SIGKILLs it ``delay`` s after its first commit; the steps it
-    printed as committed."""
-    proc = subprocess.Popen(
-        [sys.executable, WORKER, mode, "8", str(directory)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
+@pytest.mark.parametrize("mode", ["save_loop", "overwrite_loop"])
+def test_kill_during_save_leaves_last_complete_step(tmp_path, mode):
+    # save_loop saves steps 1, 2, ... holding k; overwrite_loop saves step 1 again and
+    # again, holding k, with overwrite=True.
+    for delay in (0.3, 1.1, 2.3):
+        directory = tmp_path / f"kill{delay}"
+        proc = subprocess.Popen(
+            [sys.executable, WORKER, mode, "8", str(directory)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         committed = []
         deadline = time.monotonic() + 120
         while not committed and time.monotonic() < deadline:  # wait for the first commit
@@ -199,18 +186,7 @@ def kill_after_first_commit(mode: str, directory, delay: float) -> list[int]:
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         rest = proc.communicate(timeout=30)[0]
-    finally:
-        proc.kill()
-    return committed + [int(line.split()[1]) for line in rest.splitlines()]
-
-
-@pytest.mark.parametrize("mode", ["save_loop", "overwrite_loop"])
-def test_kill_during_save_leaves_last_complete_step(tmp_path, mode):
-    # save_loop saves steps 1, 2, ... holding k; overwrite_loop saves step 1 again and
-    # again, holding k, with overwrite=True.
-    for delay in (0.3, 1.1, 2.3):
-        directory = tmp_path / f"kill{delay}"
-        committed = kill_after_first_commit(mode, directory, delay)
+        committed += [int(line.split()[1]) for line in rest.splitlines()]
         seen = sorted(os.listdir(directory))
         with sx.CheckpointManager(directory, max_to_keep=2) as manager:
             latest = manager.latest_step()
