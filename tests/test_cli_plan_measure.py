@@ -63,3 +63,37 @@ def test_plan_measure_gpt(tmp_path, capsys):
     assert formula == 3 * 4 * out["params"]  # params + Adam's two moments, fp32
     assert formula <= replicated["argument_bytes"] <= formula + 8 * 16 * 4  # + the batch
     assert rows["zero1"]["argument_bytes"] < 0.5 * replicated["argument_bytes"]
+
+
+def test_plan_measure_gpt_with_a_stage_axis(tmp_path, capsys):
+    """data=2 × stage=4: the GPT runs sx.pipeline under every candidate; the pipeline
+    candidate splits its blocks over "stage", so it holds the least."""
+    argv = ["plan", "--measure", "--model", "gpt", "--layers", "4", "--d-model", "32"]
+    argv += ["--heads", "2", "--seq-len", "8", "--batch", "8", "--mesh", "data=2,stage=4"]
+    argv += ["--plans", "replicate,pipeline", "--json"]
+    assert cli([*argv, "--run-dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"].endswith("sx.pipeline in 4 microbatches")
+    rows = {r["name"]: r for r in out["candidates"]}
+    assert list(rows) == ["replicate", "pipeline"]
+    pipe, rep = rows["pipeline"], rows["replicate"]
+    assert pipe["formula"]["strategy"] == "DP×PP" and rep["formula"]["strategy"] == "DP"
+    assert (
+        pipe["formula"]["params_and_optimizer_bytes"]
+        == rep["formula"]["params_and_optimizer_bytes"] / 4
+    )
+    # The blocks split 4 ways; the embedding, head and final norm stay whole (the formula
+    # splits everything), so the compiled figure sits between a quarter and the whole.
+    assert pipe["formula"]["params_and_optimizer_bytes"] < pipe["argument_bytes"]
+    assert pipe["argument_bytes"] < 0.6 * rep["argument_bytes"]
+    # Both run the same schedule: 2 × (M + S - 1) collective-permutes of activations.
+    assert pipe["collectives"]["collective-permute"] == rep["collectives"]["collective-permute"]
+    assert pipe["collectives"]["collective-permute"] == 2 * (4 + 4 - 1)
+    assert pipe["collective_bytes"] < rep["collective_bytes"]
+    assert "'stage' (4) splits the state in pipeline only" in out["reason"]
+    assert (tmp_path / "plan.png").read_bytes().startswith(PNG)
+    usage = ["plan", "--measure", "--model", "gpt", "--mesh", "data=8", "--microbatches", "4"]
+    assert cli(usage) == 2
+    assert "--microbatches 4 pipelines the GPT's blocks over a 'stage' axis" in (
+        capsys.readouterr().err
+    )

@@ -65,6 +65,7 @@ from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog
 from shardax.track import MetricWriter, StepClock, profile_steps
 from shardax.train import (
     AutoPlan,
+    AutoPlanOptions,
     DataParallel,
     DistributedMetrics,
     EvalStep,
@@ -92,6 +93,7 @@ __all__ = [
     "WATCHDOG_EXIT_CODE",
     "AgreementError",
     "AutoPlan",
+    "AutoPlanOptions",
     "BatchSizeRecommendation",
     "CheckpointManager",
     "DataParallel",

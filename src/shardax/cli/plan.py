@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--measure",
         action="store_true",
-        help="compile replicate, zero1, zero2, fsdp (and fsdp+tp with a model axis) for "
+        help="compile replicate, zero1, zero2, fsdp (fsdp+tp with a model axis, pipeline with "
+        "a stage axis and --model gpt) for "
         "--model on these devices; pick the one that fits and communicates least",
     )
     parser.add_argument(
@@ -68,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=lambda text: [p.strip() for p in text.split(",") if p.strip()],
         default=None,
         help="with --measure: the candidates to compile, e.g. zero1,fsdp (default: all)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="with --measure --model gpt and a stage axis: sx.pipeline microbatches per data "
+        "shard (default: the stage size)",
     )
     parser.add_argument("--run-dir", default=None, help="where --measure writes plan.json/png")
     parser.add_argument(

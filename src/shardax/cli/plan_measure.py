@@ -9,11 +9,19 @@ sends per step (from the HLO), and whether it fits; then the pick and its reason
 Examples: ``shardax plan --measure --mesh data=4,model=2 --hidden 1024 --batch 512`` (the
 digits MLP); ``shardax plan --measure --params 1e8 --seq-len 256`` (a GPT of about that
 many parameters, from :mod:`shardax.models.gpt`, built abstractly).
+
+With a ``stage`` axis (``--model gpt --mesh data=2,stage=4``) the GPT is built with
+``pipeline_microbatches`` (``--microbatches``, default the stage size) for *every*
+candidate, so all compile the same program (``sx.pipeline``'s schedule over ``stage``)
+and differ only in where the state lives; the ``pipeline`` candidate
+(``gpt.plan(mesh, model, "pipeline")``) is the one that splits the blocks over
+``stage``, the others replicate the state there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import Any
 
@@ -21,8 +29,16 @@ from shardax.cli.common import UsageError, console, pyplot, write_results
 
 GIB = 1024**3
 MODELS = ("mlp", "gpt")
-# Each candidate's formula: its ZeRO stage (3 = FSDP) and whether TP splits it too.
-STAGES = {"replicate": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "fsdp+tp": 3}
+# Each candidate's formula: its ZeRO stage (3 = FSDP), and the mesh axes besides "data"
+# that split it too (tensor, pipeline); hsdp and user plans have none ("n/a").
+FORMULAS = {
+    "replicate": (0, ()),
+    "zero1": (1, ()),
+    "zero2": (2, ()),
+    "fsdp": (3, ()),
+    "fsdp+tp": (3, ("model",)),
+    "pipeline": (0, ("stage",)),
+}
 
 
 def _mlp(args: argparse.Namespace) -> tuple[Any, Any, Any, list[tuple[str, Any]]]:
@@ -59,10 +75,11 @@ def gpt_config(num_params: float, max_seq_len: int) -> Any:
     return GPTConfig(layers, d_model, d_model // 64, max_seq_len)
 
 
-def _gpt(args: argparse.Namespace, mesh: Any) -> tuple[Any, Any, Any, Any, str]:
+def _gpt(args: argparse.Namespace, mesh: Any) -> tuple[Any, Any, Any, Any, Any, str]:
     """The GPT of ``shardax train --model gpt`` (``--params`` sets its size): an init
     function, its loss, an abstract batch, its tensor-parallel plan (with a ``model``
-    axis) and a description."""
+    axis), its pipeline plan (with a ``stage`` axis; the model then runs its blocks with
+    ``sx.pipeline`` in ``--microbatches``) and a description."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -70,11 +87,21 @@ def _gpt(args: argparse.Namespace, mesh: Any) -> tuple[Any, Any, Any, Any, str]:
 
     import shardax as sx
     from shardax.models import gpt
+    from shardax.parallel.pipeline import stage_mesh
 
     if args.params is not None:
         cfg = gpt_config(args.params, args.seq_len)
     else:
         cfg = gpt.GPTConfig(args.layers, args.d_model, args.heads, args.seq_len)
+    stages = mesh.shape.get("stage", 1)
+    if stages > 1:
+        micro = args.microbatches or stages
+        cfg = dataclasses.replace(cfg, pipeline_microbatches=micro)
+    elif args.microbatches is not None:
+        raise UsageError(
+            f"--microbatches {args.microbatches} pipelines the GPT's blocks over a 'stage' "
+            f"axis, but --mesh {dict(mesh.shape)} has none of size > 1; e.g. data=2,stage=4"
+        )
 
     def init() -> Any:
         return sx.TrainState.create(gpt.make_gpt(cfg, 0), optax.adam(1e-3))
@@ -85,14 +112,25 @@ def _gpt(args: argparse.Namespace, mesh: Any) -> tuple[Any, Any, Any, Any, str]:
 
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
-    tp = None
-    if "model" in mesh.shape:
-        try:
-            tp = gpt.plan(mesh, nnx.eval_shape(lambda: gpt.make_gpt(cfg, 0)), "tp")
-        except ValueError as e:
-            raise UsageError(f"--mesh {dict(mesh.shape)}: {e}") from None
+    tp = pp = None
+    abstract = nnx.eval_shape(lambda: gpt.make_gpt(cfg, 0))
+    try:
+        if "model" in mesh.shape:
+            tp = gpt.plan(mesh, abstract, "tp")
+        if stages > 1:
+            pp = gpt.plan(mesh, abstract, "pipeline")
+            x = jax.ShapeDtypeStruct((args.batch, args.seq_len, cfg.d_model), jnp.float32)
+            with jax.sharding.set_mesh(mesh):  # sx.pipeline's rules, before compiling
+                stage_mesh(abstract.layers()[1], x, cfg.pipeline_microbatches, "stage")
+    except ValueError as e:
+        flags = f"--layers {cfg.layers} --batch {args.batch}"
+        if stages > 1:
+            flags += f" --microbatches {cfg.pipeline_microbatches}"
+        raise UsageError(f"{flags} --mesh {dict(mesh.shape)}: {e}") from None
     what = f"gpt {cfg.layers} x {cfg.d_model} ({cfg.heads} heads), seq {args.seq_len}"
-    return init, loss_fn, batch, tp, what
+    if stages > 1:
+        what += f", sx.pipeline in {cfg.pipeline_microbatches} microbatches"
+    return init, loss_fn, batch, tp, pp, what
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,17 +153,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if "data" not in mesh.shape:
         raise UsageError(f"--mesh needs a 'data' axis for the batch, got {dict(mesh.shape)}")
     data, model = mesh.shape["data"], mesh.shape.get("model", 1)
+    split = {"model": model, "stage": mesh.shape.get("stage", 1)}
     if args.batch % data:
         raise UsageError(f"--batch {args.batch} is not divisible by the data axis size {data}")
+    pp = None
     if args.model == "gpt":
-        init, loss_fn, batch, tp, what = _gpt(args, mesh)
+        init, loss_fn, batch, tp, pp, what = _gpt(args, mesh)
     else:
+        if args.microbatches is not None:
+            raise UsageError("--microbatches pipelines the GPT's blocks: pass --model gpt")
         init, loss_fn, batch, tp = _mlp(args)
         tp = tp if model > 1 else None
         what = f"mlp {args.layers} x {args.hidden}"
     num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(init).params))
     memory = None if args.device_memory is None else args.device_memory * GIB
-    plans = candidate_plans(mesh, tp_rules=tp)
+    plans = candidate_plans(mesh, tp_rules=tp, pipeline_rules=pp)
     if args.plans:
         unknown = [p for p in args.plans if p not in plans]
         if unknown:
@@ -139,12 +181,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     rows = []
     for c in report.candidates:
-        stage = STAGES.get(c.name)
         formula = None
-        if stage is not None:
-            e = estimate(
-                num_params, "fp32", data=data, model=model if c.name == "fsdp+tp" else 1, zero=stage
-            )
+        if c.name in FORMULAS:
+            zero, axes = FORMULAS[c.name]
+            e = estimate(num_params, "fp32", data=data, zero=zero, **{a: split[a] for a in axes})
             formula = {
                 "strategy": e.strategy,
                 "params_and_optimizer_bytes": e.params_bytes + e.master_bytes + e.optimizer_bytes,
@@ -184,7 +224,7 @@ def render(result: dict[str, Any], out: Any) -> None:
         table.add_row(
             ("[bold]" if r["name"] == result["pick"] else "") + r["name"],
             fb(r["argument_bytes"]),
-            "—" if f is None else fb(f["params_and_optimizer_bytes"]),
+            "n/a" if f is None else fb(f["params_and_optimizer_bytes"]),
             fb(r["temp_bytes"]),
             fb(r["total_bytes"]),
             fb(r["collective_bytes"]),

@@ -299,11 +299,31 @@ class GPT(nnx.Module):
                 repeats=self.cfg.pipeline_repeats,
             )
         elif self.cfg.scan_layers:
-            x, _ = jax.lax.scan(lambda h, params: (layer_fn(params, h), None), x, stacked)
+            x, _ = jax.lax.scan(
+                lambda h, params: (split_batch(layer_fn(params, h)), None), split_batch(x), stacked
+            )
         else:
+            x = split_batch(x)
             for i in range(self.cfg.layers):
-                x = layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), x)
+                x = split_batch(layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), x))
         return self.norm(x) @ self.head[...].astype(x.dtype)
+
+
+def split_batch(x: jax.Array) -> jax.Array:
+    """The residual stream ``x`` (batch, seq, d_model) split by batch over the ``"data"``
+    mesh axis, when the mesh in context has one it may constrain (not inside shard_map).
+
+    Under ``fsdp+tp`` the weights split ``d_model`` over ``"data"``; left alone, XLA may
+    follow them into the residual stream's gradients and then re-split them by batch, an
+    "involuntary full rematerialization" that JAX 0.12 warns of (four of them for
+    ``shardax train --model gpt --plan fsdp+tp``; one is left with this constraint).
+    """
+    from shardax.plan.activation import constrain
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "data" not in mesh.shape or "data" in mesh.manual_axes:
+        return x
+    return constrain(x, jax.sharding.PartitionSpec("data"))
 
 
 def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:

@@ -295,7 +295,10 @@ def _pipelined(
                 h = jax.tree.map(
                     lambda h, b: jnp.where(first & (t >= m), b[(t + 1) % size], h), h, loop
                 )
-            h = scan_layers(layer_fn, jax.tree.map(lambda w: w[j], chunks), h)
+            # With one repeat the chunk is always the first: a static index keeps it
+            # loop-invariant, so autodiff does not save a copy of it per tick.
+            chunk = jax.tree.map(lambda w: w[0] if repeats == 1 else w[j], chunks)
+            h = scan_layers(layer_fn, chunk, h)
             return (lax.ppermute(h, axis, ring), loop), h
 
         ticks = work + stages - 1

@@ -1,5 +1,8 @@
 """Collectives in compiled HLO text, and the bytes each device sends for them.
 
+An op inside a loop body (``lax.scan``, ``sx.pipeline``'s ticks, gradient accumulation)
+runs once per iteration: :func:`collectives` counts it ``known_trip_count`` times.
+
 >>> hlo = "%ag = f32[64,16]{1,0} all-gather(f32[8,16]{1,0} %p), replica_groups=[1,8]<=[8]"
 >>> [(c.op, c.bytes, c.group) for c in collectives(hlo)]
 [('all-gather', 4096, 8)]
@@ -21,6 +24,18 @@ _OP = re.compile(
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,]*\})")
+# Newer XLA: replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_0'}
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((?:[^()]|\([^()]*\))*\))? \{([^}]*)\}"
+)
+_AXIS = re.compile(r"'([^']+)'(?:=(\d+))?")
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+_WHILE = re.compile(r"\bwhile\(.*?\bbody=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CALLED = re.compile(
+    r"\b(?:calls|to_apply|true_computation|false_computation|condition)=%?([\w.\-]+)"
+    r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}"
+)
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -32,26 +47,29 @@ DTYPE_BYTES = {
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective op: its name, the bytes of its result on one device, the number
-    of devices in each of its groups, and its result's array shapes (several when XLA
-    combined ops into one)."""
+    of devices in each of its groups, its result's array shapes (several when XLA
+    combined ops into one), and how many times it runs per execution (its loops' trip
+    counts multiplied; 1 outside loops)."""
 
     op: str
     bytes: int
     group: int
     shapes: tuple[tuple[int, ...], ...] = ()
+    count: int = 1
 
     @property
     def sent_bytes(self) -> float:
-        """Bytes one device sends, for ring algorithms over ``group`` devices:
-        all-reduce ``2(n-1)/n·S``, all-gather and all-to-all ``(n-1)/n·S``,
-        reduce-scatter ``(n-1)·S`` (its input is ``n·S``), collective-permute ``S``."""
+        """Bytes one device sends over all ``count`` runs, for ring algorithms over
+        ``group`` devices: all-reduce ``2(n-1)/n·S``, all-gather and all-to-all
+        ``(n-1)/n·S``, reduce-scatter ``(n-1)·S`` (its input is ``n·S``),
+        collective-permute ``S`` (each device sends its block to one neighbour)."""
         n, size = self.group, self.bytes
         if self.op == "collective-permute":
-            return float(size)
+            return float(size) * self.count
         if n <= 1:
             return 0.0
         factor = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1}.get(self.op, (n - 1) / n)
-        return factor * size
+        return factor * size * self.count
 
 
 def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -61,27 +79,95 @@ def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
+def _group(rest: str, num_devices: int | None) -> int:
+    """Devices per replica group: ``[g,n]<=[...]`` (iota), ``{{0,1},...}`` (listed) or
+    ``mesh[...] {axes}`` (the named axes' sizes multiplied); empty spans all devices."""
+    iota, listed, mesh = (p.search(rest) for p in (_GROUPS_IOTA, _GROUPS_LIST, _GROUPS_MESH))
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    if listed and listed.group(1) != "{}":
+        return listed.group(1).count(",") + 1
+    if mesh:
+        sizes = {name: int(n) for name, n in _AXIS.findall(mesh.group(1))}
+        return math.prod(sizes.get(name, 1) for name, _ in _AXIS.findall(mesh.group(2)))
+    return num_devices or 1
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+    """``{computation: its lines}`` and the ENTRY computation's name (None for a bare
+    list of ops, kept under ``""``)."""
+    bodies: dict[str, list[str]] = {"": []}
+    current, entry = "", None
+    for line in hlo.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(2)
+            bodies[current] = []
+            entry = current if header.group(1) else entry
+        elif line.startswith("}"):
+            current = ""
+        else:
+            bodies[current].append(line)
+    return bodies, entry
+
+
+def _runs(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+    """How many times each computation runs per execution of ``entry``: a while body
+    ``known_trip_count`` times its caller's (once when XLA does not know it), every
+    other called computation as often as its caller."""
+    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in bodies}
+    for name, lines in bodies.items():
+        for line in lines:
+            loop, trips = _WHILE.search(line), _TRIP_COUNT.search(line)
+            if loop:
+                calls[name].append((loop.group(1), int(trips.group(1)) if trips else 1))
+            for single, several in _CALLED.findall(line):
+                for callee in [single] if single else re.findall(r"%?([\w.\-]+)", several):
+                    calls[name].append((callee, 1))
+    runs = dict.fromkeys(bodies, 0 if entry else 1)
+    if entry is None:
+        return runs
+    runs[entry] = 1
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:  # callers before callees (HLO's call graph is a DAG)
+        seen.add(name)
+        for callee, _ in calls.get(name, []):
+            if callee not in seen and callee in bodies:
+                visit(callee)
+        order.append(name)
+
+    visit(entry)
+    for name in reversed(order):
+        for callee, times in calls[name]:
+            if callee in runs:
+                runs[callee] += runs[name] * times
+    return runs
+
+
 def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
     """Every collective of ``hlo`` (``compiled.as_text()``), in order.
 
     An async ``*-start`` op is counted once, by its result (the second half of its
     output tuple for all-gather and collective-permute, which carry their operand too).
-    Groups left empty (``replica_groups={}``) span all ``num_devices``.
+    Groups left empty (``replica_groups={}``) span all ``num_devices``. An op in a
+    loop body has ``count`` = the loops' trip counts (``known_trip_count``) multiplied.
     """
+    bodies, entry = _computations(hlo)
+    runs = _runs(bodies, entry)
     found = []
-    for out, op, start, rest in _OP.findall(hlo):
-        arrays = _arrays(out)
-        if start and op in ("all-gather", "collective-permute") and len(arrays) > 1:
-            arrays = arrays[len(arrays) // 2 :]
-        iota, listed = _GROUPS_IOTA.search(rest), _GROUPS_LIST.search(rest)
-        if iota:
-            group = int(iota.group(1).split(",")[-1])
-        elif listed and listed.group(1) != "{}":
-            group = listed.group(1).count(",") + 1
-        else:
-            group = num_devices or 1
-        size = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays)
-        found.append(Collective(op, size, group, tuple(shape for _, shape in arrays)))
+    for name, lines in bodies.items():
+        for out, op, start, rest in _OP.findall("\n".join(lines)):
+            arrays = _arrays(out)
+            if start and op in ("all-gather", "collective-permute") and len(arrays) > 1:
+                arrays = arrays[len(arrays) // 2 :]
+            size = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays)
+            # A computation the call graph does not reach (a reference form not parsed
+            # here) counts once rather than not at all.
+            count = runs[name] or 1
+            shapes = tuple(shape for _, shape in arrays)
+            found.append(Collective(op, size, _group(rest, num_devices), shapes, count))
     return found
 
 

@@ -1,6 +1,6 @@
 """Train layer: TrainState, the train step, collectives, metrics and the data-parallel facade."""
 
-from shardax.train.auto import AutoPlan, Candidate, auto_plan
+from shardax.train.auto import AutoPlan, AutoPlanOptions, Candidate, auto_plan
 from shardax.train.collectives import (
     all_gather,
     all_reduce,
@@ -21,6 +21,7 @@ from shardax.train.step import MODES, TrainStep, make_train_step
 __all__ = [
     "MODES",
     "AutoPlan",
+    "AutoPlanOptions",
     "Candidate",
     "DataParallel",
     "DistributedMetrics",

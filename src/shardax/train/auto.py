@@ -7,6 +7,13 @@ that fit ``device_memory``, the one whose devices send the fewest bytes per step
 (ties: the fewest bytes per device). This sits in ``train``, not ``plan``, because it
 compiles the train step.
 
+Every candidate compiles the same ``loss_fn`` (the same model), so only the placement of
+the state differs. On a mesh with a ``"stage"`` axis the batch is still split over the
+data axis only: a model that calls ``sx.pipeline`` runs its schedule over ``"stage"``
+under every candidate, but only the ``pipeline`` candidate (``pipeline_rules``) splits the
+stacked layers there; the others replicate the state over ``"stage"``, and the report's
+reason says so.
+
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": 8})
 >>> init = lambda: sx.TrainState.from_params({"w": jnp.zeros((1024, 64))}, apply, optax.adam(1e-3))
@@ -26,8 +33,10 @@ from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardax.mesh.make import DATA_AXIS
+from shardax.parallel.pipeline import STAGE_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over, replicate
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.regex import Rule, rules
@@ -37,6 +46,41 @@ from shardax.plan.zero import zero1, zero2
 from shardax.runtime.hlo import collectives
 from shardax.train.state import TrainState
 from shardax.train.step import make_train_step
+
+Rules = Sequence[Rule] | Plan | None
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlanOptions:
+    """``make_train_step(..., plan=sx.AutoPlanOptions(...))``: :func:`auto_plan`'s
+    options for the plan the first ``step(state, batch)`` picks (``plan="auto"`` is
+    ``sx.AutoPlanOptions()``).
+
+    >>> auto = sx.AutoPlanOptions(pipeline_rules=[(r"blocks", P("stage"))])
+    >>> step = sx.make_train_step(loss_fn, mesh=mesh, plan=auto)
+    """
+
+    device_memory: float | None = None
+    min_size: int = DEFAULT_FSDP_MIN_SIZE
+    tp_rules: Rules = None
+    pipeline_rules: Rules = None
+    stage_axis: str = STAGE_AXIS
+
+    def check(self, mesh: Mesh) -> None:
+        """Raises ValueError when ``mesh`` cannot hold the candidates these options ask
+        for (``pipeline_rules`` without ``stage_axis``), before anything compiles."""
+        check_stage_axis(mesh, self.pipeline_rules, self.stage_axis)
+
+
+def check_stage_axis(mesh: Mesh, pipeline_rules: Rules, stage_axis: str) -> None:
+    """``pipeline_rules`` need ``stage_axis`` in ``mesh`` with size > 1."""
+    if pipeline_rules and mesh.shape.get(stage_axis, 1) < 2:
+        raise ValueError(
+            f"auto_plan: pipeline_rules split the stacked layers over mesh axis "
+            f"{stage_axis!r} (stage_axis), which must be in the mesh with size > 1; the "
+            f"mesh's axes are {dict(mesh.shape)}. Add it (e.g. sx.make_mesh({{'data': -1, "
+            f"{stage_axis!r}: 4}})) or drop pipeline_rules"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,17 +184,34 @@ def abstract(tree_or_init: Any) -> Any:
     return map_arrays(lambda _, x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree_or_init)
 
 
+def _as_plan(mesh: Mesh, given: Sequence[Rule] | Plan) -> Plan:
+    return given if isinstance(given, Plan) else rules(mesh, given)
+
+
 def candidate_plans(
     mesh: Mesh,
     axis: str | tuple[str, ...] = DATA_AXIS,
     min_size: int = DEFAULT_FSDP_MIN_SIZE,
-    tp_rules: Sequence[Rule] | Plan | None = None,
+    tp_rules: Rules = None,
+    pipeline_rules: Rules = None,
+    stage_axis: str = STAGE_AXIS,
 ) -> dict[str, FollowParams]:
     """replicate, zero1, zero2 and fsdp over ``axis``; ``hsdp`` (fsdp over the last of
-    several data axes, replicated over the others) when ``axis`` is a tuple; and
+    several data axes, replicated over the others) when ``axis`` is a tuple;
     ``fsdp+tp`` (``tp_rules``, regex rules or a plan such as ``sx.from_nnx``'s, and fsdp
     over ``axis`` on the dimensions they leave unsplit: :func:`shardax.plan.fsdp_over`)
-    when rules are given."""
+    when rules are given; and ``pipeline`` (``pipeline_rules``, e.g. ``[(r"blocks",
+    P("stage"))]`` or ``gpt.plan(mesh, model, "pipeline")``) when given, which needs
+    ``stage_axis`` in the mesh with size > 1.
+
+    The pipeline candidate is the rules alone: the stacked layers split over
+    ``stage_axis``, everything they leave unsplit (embeddings, head, the layers' other
+    dimensions) replicated over the data axis, i.e. pipeline × data parallelism, as
+    GPipe and Megatron compose them. FSDP over the data axis on top would gather each
+    stage's weights inside the schedule's loop, on every microbatch tick; pass
+    ``candidates=`` with ``sx.plan.fsdp_over(...)`` of the rules to measure that too.
+    """
+    check_stage_axis(mesh, pipeline_rules, stage_axis)
     plans: dict[str, Plan] = {
         "replicate": follow_params(replicate(mesh)),
         "zero1": zero1(mesh, axis, min_size),
@@ -160,8 +221,10 @@ def candidate_plans(
     if not isinstance(axis, str) and len(axis) > 1:
         plans["hsdp"] = follow_params(fsdp(mesh, axis[-1], min_size))
     if tp_rules:
-        tp = tp_rules if isinstance(tp_rules, Plan) else rules(mesh, tp_rules)
+        tp = _as_plan(mesh, tp_rules)
         plans["fsdp+tp"] = follow_params(fsdp_over(tp, axis, min_size))
+    if pipeline_rules:
+        plans["pipeline"] = follow_params(_as_plan(mesh, pipeline_rules))
     for name, plan in plans.items():
         plans[name] = dataclasses.replace(plan, name=name)
     return plans
@@ -205,6 +268,9 @@ def measure(name: str, compiled: Any, plan: Plan) -> Candidate:
     """A :class:`Candidate` from a compiled step's ``memory_analysis()`` and HLO."""
     m = compiled.memory_analysis()
     ops = collectives(compiled.as_text(), plan.mesh.size)
+    runs: Counter[str] = Counter()
+    for op in ops:
+        runs[op.op] += op.count
     return Candidate(
         name=name,
         plan=plan,
@@ -213,7 +279,7 @@ def measure(name: str, compiled: Any, plan: Plan) -> Candidate:
         alias_bytes=int(m.alias_size_in_bytes),
         temp_bytes=int(m.temp_size_in_bytes),
         collective_bytes=sum(op.sent_bytes for op in ops),
-        collectives=dict(Counter(op.op for op in ops)),
+        collectives=dict(runs),
         fits=None,
     )
 
@@ -227,7 +293,9 @@ def auto_plan(
     device_memory: float | None = None,
     axis: str | tuple[str, ...] = DATA_AXIS,
     min_size: int = DEFAULT_FSDP_MIN_SIZE,
-    tp_rules: Sequence[Rule] | Plan | None = None,
+    tp_rules: Rules = None,
+    pipeline_rules: Rules = None,
+    stage_axis: str = STAGE_AXIS,
     candidates: Mapping[str, FollowParams] | None = None,
     accumulate: int = 1,
     precision: Any = "fp32",
@@ -249,12 +317,18 @@ def auto_plan(
         axis: the data axis (or axes) the batch and the plans split over.
         min_size, tp_rules: as for ``sx.fsdp`` and ``sx.rules``; with ``tp_rules`` a
             ``fsdp+tp`` candidate joins (see :func:`candidate_plans`).
+        pipeline_rules, stage_axis: with rules that place the model's stacked layers
+            over ``stage_axis`` (regex rules or a plan, e.g.
+            ``gpt.plan(mesh, model, "pipeline")``), a ``pipeline`` candidate joins; the
+            model must run its layers with ``sx.pipeline`` (see :func:`candidate_plans`).
         candidates: ``{name: plan}`` to measure instead of :func:`candidate_plans`.
         accumulate, precision: as for ``make_train_step``.
 
     Raises:
         ValueError: no candidate fits ``device_memory`` (naming the smallest and the
-            budget), or no abstract values can be built from the arguments.
+            budget), no abstract values can be built from the arguments, or
+            ``pipeline_rules`` are given for a mesh without ``stage_axis`` (or split
+            nothing over it).
     """
     if (loss_fn is None) != (batch is None):
         raise ValueError(
@@ -276,7 +350,18 @@ def auto_plan(
                 f"auto_plan: batch must hold arrays or ShapeDtypeStructs, got {batch!r}"
             )
     budget = default_device_memory(mesh.devices.flat[0]) if device_memory is None else device_memory
-    plans = dict(candidates) if candidates else candidate_plans(mesh, axis, min_size, tp_rules)
+    plans = (
+        dict(candidates)
+        if candidates
+        else candidate_plans(mesh, axis, min_size, tp_rules, pipeline_rules, stage_axis)
+    )
+    split = {name: _split_axes(plan, state) for name, plan in plans.items()}
+    if pipeline_rules and not candidates and stage_axis not in split["pipeline"]:
+        raise ValueError(
+            f"auto_plan: pipeline_rules place no leaf of the state over mesh axis "
+            f"{stage_axis!r} (stage_axis); give rules matching the stacked layers, e.g. "
+            f"[(r'blocks', P({stage_axis!r}))]"
+        )
     measured = []
     for name, plan in plans.items():
         if loss_fn is None:
@@ -292,13 +377,46 @@ def auto_plan(
                 precision=precision,
             )
         measured.append(measure(name, compiled, plan))
-    return choose(measured, budget, "train step" if loss_fn is not None else "optimizer update")
+    what = "train step" if loss_fn is not None else "optimizer update"
+    return choose(measured, budget, what, _compared(mesh, axis, split))
 
 
-def choose(measured: Sequence[Candidate], budget: float | None, compiled: str) -> AutoPlan:
+def _split_axes(plan: Plan, state: Any) -> set[str]:
+    """The mesh axes ``plan`` splits some leaf of ``state`` over."""
+    found: set[str] = set()
+    for spec in jax.tree.leaves(plan.specs(state), is_leaf=lambda x: isinstance(x, P)):
+        for entry in spec:
+            found.update((entry,) if isinstance(entry, str) else entry or ())
+    return found
+
+
+def _compared(mesh: Mesh, axis: str | tuple[str, ...], split: dict[str, set[str]]) -> str:
+    """What the candidates share and where they differ, for a mesh with axes beyond the
+    data axis: the batch is split over the data axis only, and each other axis splits the
+    state only in the candidates named."""
+    data = (axis,) if isinstance(axis, str) else tuple(axis)
+    others = [a for a, n in mesh.shape.items() if a not in data and n > 1]
+    if not others:
+        return ""
+    parts = []
+    for a in others:
+        users = [name for name, axes in split.items() if a in axes]
+        parts.append(
+            f"{a!r} ({mesh.shape[a]}) splits the state in {', '.join(users)} only, the "
+            "others replicate it there"
+            if users
+            else f"{a!r} ({mesh.shape[a]}) splits no candidate's state"
+        )
+    return f"; batch split over {' × '.join(map(repr, data))} only; " + "; ".join(parts)
+
+
+def choose(
+    measured: Sequence[Candidate], budget: float | None, compiled: str, note: str = ""
+) -> AutoPlan:
     """Of the ``measured`` candidates that fit ``budget`` bytes per device (all of them
     when ``budget`` is None), the one that sends the fewest bytes per step (ties: the
-    fewest bytes per device). Raises ``ValueError`` when none fits."""
+    fewest bytes per device). Raises ``ValueError`` when none fits. ``note`` (what the
+    candidates share) ends the reason."""
     measured = [
         dataclasses.replace(c, fits=None if budget is None else c.total_bytes <= budget)
         for c in measured
@@ -324,6 +442,6 @@ def choose(measured: Sequence[Candidate], budget: float | None, compiled: str) -
         where = f"{len(fitting)} of {len(measured)} fit {format_bytes(budget)}"
     reason = (
         f"least communication, {format_bytes(pick.collective_bytes)} sent per device per "
-        f"step ({format_bytes(pick.total_bytes)} per device); {where}"
+        f"step ({format_bytes(pick.total_bytes)} per device); {where}{note}"
     )
     return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled)

@@ -21,7 +21,7 @@ import collections
 import inspect
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,9 @@ from shardax.train.precision import (
 from shardax.train.rng import example_keys, step_key
 from shardax.train.state import TrainState
 from shardax.train.stats import DEFAULT_STATS, STATS, check_stats, update_stats
+
+if TYPE_CHECKING:
+    from shardax.train.auto import AutoPlanOptions
 
 Mode = Literal["jit", "shard_map", "pmap", "single"]
 MODES: tuple[str, ...] = ("jit", "shard_map", "pmap", "single")
@@ -264,7 +267,13 @@ class TrainStep:
                 f"mode='single' keeps the whole state on one device, so it takes no sharding "
                 f"plan; got plan {getattr(plan, 'name', plan)!r}. Drop plan= or use mode='jit'"
             )
-        self._auto, self.auto_report = isinstance(plan, str) and plan == "auto", None
+        from shardax.train.auto import AutoPlanOptions
+
+        self._auto_options = AutoPlanOptions() if isinstance(plan, str) and plan == "auto" else plan
+        self._auto = isinstance(self._auto_options, AutoPlanOptions)
+        if self._auto:
+            self._auto_options.check(mesh)
+        self.auto_report = None
         if self._auto and mode != "jit":
             raise ValueError(
                 f"plan='auto' picks among sharded plans, which only mode='jit' runs; got "
@@ -348,6 +357,7 @@ class TrainStep:
             axis=self.data_axis,
             accumulate=self.accumulate,
             precision=self.precision,
+            **vars(self._auto_options),
         )
         self.auto_report, self.plan, self._auto = report, report.plan, False
         self._state_plan, self._plan_name = report.plan, f"auto:{report.plan.name}"
@@ -715,7 +725,7 @@ def make_train_step(
     loss_fn: LossFn,
     *,
     mesh: Mesh,
-    plan: Plan | Literal["auto"] | None = None,
+    plan: Plan | AutoPlanOptions | Literal["auto"] | None = None,
     mode: Mode = "jit",
     accumulate: int = 1,
     donate: bool = True,
@@ -749,7 +759,9 @@ def make_train_step(
             computation follows the data (:mod:`shardax.train.axis_types`).
             ``sx.zero2`` also constrains the gradients to the optimizer state's
             sharding. ``"auto"``: the first ``step(state, batch)`` picks the plan with
-            :func:`shardax.auto_plan` and places the state on it (``step.auto_report``).
+            :func:`shardax.auto_plan` and places the state on it (``step.auto_report``);
+            ``sx.AutoPlanOptions(tp_rules=..., pipeline_rules=..., device_memory=...)`` passes
+            auto_plan's options (the fsdp+tp and pipeline candidates, the budget).
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (seed 003's
             layout: the batch reshaped to (devices, per device, ...); the replicated
