@@ -8,9 +8,13 @@ small programs again, in this process and in each subprocess.
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -28,3 +32,22 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def launched_train(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, list[str]]:
+    """One ``shardax launch -n 2 --cpu-devices 2 -- shardax train`` run (MLP, 2 epochs of
+    6 steps, a profile of steps 2:3, scalars every step), shared by the tests that check
+    different things about it (test_cli: JSON and output of the processes, the curve of one
+    process; test_cli_track: one trace per process, process 0's scalars): three Python
+    processes cost more than the training. Returns the finished process, its run directory
+    and the train options it used."""
+    run = tmp_path_factory.mktemp("launched") / "run"
+    train = ["--epochs", "2", "--hidden", "32", "--batch-size", "256"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardax", "launch", "-n", "2", "--cpu-devices", "2", "--",
+         sys.executable, "-m", "shardax", "train", *train, "--run-dir", str(run),
+         "--profile-steps", "2:3", "--log-every", "1", "--json"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    return proc, run, train

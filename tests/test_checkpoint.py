@@ -29,6 +29,14 @@ def run_worker(*args, devices=8, timeout=120):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def straight_and_first(tmp_path_factory):
+    """20 steps straight (``a``) and 10 steps (``b``), each in a new process: the resume
+    test continues ``b``; the 4-device restore reads ``a``."""
+    tmp = tmp_path_factory.mktemp("workers")
+    return tmp, run_worker("train", tmp / "a", 20), run_worker("train", tmp / "b", 10)
+
+
 @pytest.fixture
 def mesh():
     return sx.make_mesh({"data": -1})
@@ -142,21 +150,20 @@ def test_missing_steps_are_clear(tmp_path, mesh):
         sx.restore_checkpoint(tmp_path, like=make_state(mesh), step=5)
 
 
-def test_exact_resume_in_a_new_process_is_bitwise(tmp_path):
+def test_exact_resume_in_a_new_process_is_bitwise(straight_and_first):
     # 20 steps straight, against 10 steps, a new process, restore, then 10 more.
-    straight = run_worker("train", tmp_path / "a", 20)
-    first = run_worker("train", tmp_path / "b", 10)
-    second = run_worker("train", tmp_path / "b", 20, "resume")
+    tmp, straight, first = straight_and_first
+    second = run_worker("train", tmp / "b", 20, "resume")
     assert first["position"] == {**first["position"], "epoch": 1, "index": 4}
     assert first["losses"] + second["losses"] == straight["losses"]
     assert second["params"] == straight["params"]
     assert second["position"] == straight["position"]
 
 
-def test_saved_with_fsdp_on_8_devices_restored_on_4_replicated(tmp_path):
-    done = run_worker("train", tmp_path, 3)
-    restored = run_worker("restore", tmp_path, devices=4)
-    assert restored["step"] == 3 and restored["replicated"] and restored["devices"] == 4
+def test_saved_with_fsdp_on_8_devices_restored_on_4_replicated(straight_and_first):
+    tmp, done, _ = straight_and_first  # saved at step 20 by 8 devices, FSDP
+    restored = run_worker("restore", tmp / "a", devices=4)
+    assert restored["step"] == 20 and restored["replicated"] and restored["devices"] == 4
     assert restored["params"] == done["params"]
 
 

@@ -253,18 +253,14 @@ def test_nan_loss_stops_at_its_step_and_saves_nothing(tmp_path, capsys):
         assert manager.all_steps() == []
 
 
-def test_train_under_launch_in_two_processes_matches_one_process(tmp_path, capsys):
-    argv = ["--epochs", "2", "--hidden", "64"]
-    proc = run_cli(
-        "launch", "-n", "2", "--cpu-devices", "2", "--",
-        sys.executable, "-m", "shardax", "train", *argv, "--run-dir", str(tmp_path / "mp"),
-        "--json", timeout=240,
-    )  # fmt: skip
+def test_train_under_launch_in_two_processes_matches_one_process(launched_train, tmp_path, capsys):
+    proc, run, argv = launched_train  # launch -n 2 --cpu-devices 2 -- shardax train --json
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "mp" / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     assert (summary["processes"], summary["devices"]) == (2, 4)
     # stdout is pure JSON: process 0's result; gloo's lines and the tables go to stderr.
     assert json.loads(proc.stdout)["history"] == summary["history"]
+    assert len(summary["history"]) == 2
     assert "[0] [Gloo]" in proc.stderr
     # Only process 0 shows progress and the result.
     assert "[0] training an MLP" in proc.stderr

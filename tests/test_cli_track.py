@@ -1,8 +1,6 @@
 """``shardax train`` tracking: --log-dir, --log-every, --log, --profile-steps, data wait."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 from test_track import read_tensorboard
@@ -98,19 +96,16 @@ def test_a_missing_backend_extra_is_named_in_one_line(tmp_path, capsys):
     assert "install it with: pip install 'shardax[wandb]'" in err
 
 
-def test_each_process_writes_its_own_trace_into_one_directory(tmp_path):
-    run = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardax", "launch", "-n", "2", "--cpu-devices", "2", "--",
-         sys.executable, "-m", "shardax", "train", *SMALL, "--epochs", "1",
-         "--run-dir", str(run), "--profile-steps", "2:3", "--log-every", "1"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+def test_each_process_writes_its_own_trace_into_one_directory(launched_train):
+    # launch -n 2 --cpu-devices 2 -- shardax train (2 epochs of 6 steps) --profile-steps 2:3
+    # --log-every 1, no --log-dir
+    proc, run, _ = launched_train
     assert proc.returncode == 0, proc.stderr[-3000:]
     # without --log-dir the trace goes to the run directory, one per process
     for rank in (0, 1):
         assert list((run / "profile" / f"process_{rank}").glob("plugins/profile/*/*.xplane.pb"))
     # process 0 alone writes the scalars: one line per step after the first, then val
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [2, 3, 4, 5, 6, 6]
-    assert not list(tmp_path.glob("**/events.out.tfevents*"))  # no --log-dir, no TensorBoard
+    steps = [2, 3, 4, 5, 6, 6, 7, 8, 9, 10, 11, 12, 12]
+    assert [json.loads(x)["step"] for x in lines] == steps
+    assert not list(run.parent.glob("**/events.out.tfevents*"))  # no --log-dir, no TensorBoard

@@ -80,10 +80,13 @@ class Ranks:
 
     def wait(self, rank: int, timeout: float) -> int:
         try:
-            return self.procs[rank].wait(timeout)
+            code = self.procs[rank].wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail(f"rank {rank} still running after {timeout} s (hang):\n{self.text(rank)}")
+        # Its last lines may still be in the pipe: the reader ends at end of file.
+        self.threads[rank].join(timeout=30)
+        return code
 
     def kill(self) -> None:
         for p in self.procs:

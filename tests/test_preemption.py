@@ -340,10 +340,10 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
     launch = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "4", "--"]
     train = [sys.executable, "-m", "shardax", "train", *SMALL, "--save-every", "5"]
 
-    def start(name: str, *argv: str) -> subprocess.Popen:
+    def start(name: str, *argv: str, log=subprocess.PIPE) -> subprocess.Popen:
         return subprocess.Popen(
             [*launch, *train, *argv, "--run-dir", str(tmp_path / f"run-{name}")],
-            stdout=subprocess.PIPE,
+            stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
             env=CLEAN_ENV,
@@ -374,19 +374,6 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
         assert manager.latest_step() == stopped
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(ckpt / str(stopped) / "state"))
 
-    # Elastic: the 2 x 4 checkpoint resumes on 1 x 8, 1 x 4 and 1 x 2 devices.
-    for data in (8, 4, 2):
-        copy = tmp_path / f"elastic{data}"
-        shutil.copytree(ckpt, copy)
-        code, summary = train_summary(
-            tmp_path, f"on{data}", "--checkpoint-dir", str(copy), "--resume",
-            "--mesh", f"data={data}",
-        )  # fmt: skip
-        assert code == 0 and summary["devices"] == data and summary["processes"] == 1
-        assert_same_history(summary["history"], straight["history"], rtol=1e-5)
-        got = final_params(copy)
-        for path in want:
-            np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-6, err_msg=path)
     # The saved position is global: the same whatever wrote it.
     with sx.CheckpointManager(ckpt) as manager:
         loader = manager.data_state(stopped)["loader"]
@@ -396,10 +383,34 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
         "index": stopped % 12,
         "batch_size": 128,
     }
+    for data in (8, 4, 2):
+        shutil.copytree(ckpt, tmp_path / f"elastic{data}")
 
-    # Exact: resumed by 2 processes again, equal to 2 processes uninterrupted, bitwise.
-    resumed = start("mp-resumed", "--checkpoint-dir", str(ckpt), "--resume")
-    out = resumed.communicate(timeout=300)[0]
+    # Exact: resumed by 2 processes again, equal to 2 processes uninterrupted, bitwise. It
+    # runs beside the elastic resumes below (in this process, on copies of the checkpoint).
+    # (Its output goes to a file: nothing reads a pipe meanwhile.)
+    log = tmp_path / "mp-resumed.log"
+    with log.open("w") as log_file:
+        resumed = start("mp-resumed", "--checkpoint-dir", str(ckpt), "--resume", log=log_file)
+    try:
+        # Elastic: the 2 x 4 checkpoint resumes on 1 x 8, 1 x 4 and 1 x 2 devices.
+        for data in (8, 4, 2):
+            copy = tmp_path / f"elastic{data}"
+            code, summary = train_summary(
+                tmp_path, f"on{data}", "--checkpoint-dir", str(copy), "--resume",
+                "--mesh", f"data={data}",
+            )  # fmt: skip
+            assert code == 0 and summary["devices"] == data and summary["processes"] == 1
+            assert_same_history(summary["history"], straight["history"], rtol=1e-5)
+            got = final_params(copy)
+            for path in want:
+                np.testing.assert_allclose(
+                    got[path], want[path], rtol=1e-5, atol=1e-6, err_msg=path
+                )
+        resumed.wait(timeout=300)
+    finally:
+        resumed.kill()
+    out = log.read_text()
     assert resumed.returncode == 0, out[-3000:]
     summary, uninterrupted = (
         json.loads((tmp_path / f"run-{name}" / "summary.json").read_text())
