@@ -204,6 +204,10 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+READER_TIMEOUT = 60.0
+"""Seconds ``supervise`` waits, after every process has ended, for their output to drain."""
+
+
 def supervise(
     procs: Sequence[subprocess.Popen[bytes]],
     *,
@@ -258,8 +262,18 @@ def supervise(
     except KeyboardInterrupt:
         stop(procs, grace)
         first_failure = 130
+    # The processes have ended; their pipes close once a process's own children have too.
+    deadline = time.monotonic() + READER_TIMEOUT
     for t in readers:
-        t.join(timeout=5)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    open_pipes = sorted({rank for rank, t in enumerate(readers) if t.is_alive()})
+    if open_pipes:
+        err.write(
+            f"shardax launch: the output of process(es) {[r % len(procs) for r in open_pipes]} "
+            f"may be cut short: a pipe is still open {READER_TIMEOUT:.0f} s after the processes "
+            "ended (a child process of theirs holds it)\n"
+        )
+        err.flush()
     if not first_failure:
         codes = [exit_code(p.returncode) for p in procs if p.returncode]
         first_failure = codes[0] if codes else 0
