@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Sequence
+
+from _common import mlp, mse, regression_batch, time_in_turns
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -45,49 +45,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     import optax
 
     import shardax as sx
 
     mesh = sx.make_mesh({"data": -1})
     sizes = [args.width] * (args.depth + 1) + [10]
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch_size, args.width)).astype(np.float32)
-    y = rng.normal(size=(args.batch_size, 10)).astype(np.float32)
-    batch = sx.distribute_batch({"x": x, "y": y}, sx.batch_sharding(mesh))
-
-    def apply_fn(params, x):
-        for i, (w, b) in enumerate(params):
-            x = x @ w + b
-            x = jax.nn.relu(x) if i < len(params) - 1 else x
-        return x
+    batch = regression_batch(mesh, args.batch_size, args.width)
+    model = mlp(sizes)
 
     def new_state():
-        keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
-        params = [
-            (jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n))
-            for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=True)
-        ]
-        return sx.TrainState.from_params(params, apply_fn, optax.adam(1e-3))
+        return model.new_state(optax.adam(1e-3))
 
-    def loss_fn(model, batch):
-        return jnp.mean((model(batch["x"]).astype(jnp.float32) - batch["y"]) ** 2)
+    loss_fn = mse
 
     steps = {p: sx.make_train_step(loss_fn, mesh=mesh, precision=p) for p in PRECISIONS}
     states = {p: steps[p].shard(new_state()) for p in PRECISIONS}
-    times: dict[str, list[float]] = {p: [] for p in PRECISIONS}
-    losses: dict[str, float] = {}
-    for round_ in range(args.warmup + args.steps):
-        for p in PRECISIONS if round_ % 2 == 0 else PRECISIONS[::-1]:
-            start = time.perf_counter()
-            states[p], metrics = steps[p](states[p], batch)
-            jax.block_until_ready((states[p], metrics))
-            if round_ >= args.warmup:
-                times[p].append(time.perf_counter() - start)
-            losses[p] = float(metrics["loss"])
-    medians = {p: statistics.median(t) for p, t in times.items()}
+    medians, outs = time_in_turns(steps, states, batch, args.steps, args.warmup)
+    losses = {p: float(out["loss"]) for p, out in outs.items()}
     return {
         "devices": mesh.size,
         "platform": jax.devices()[0].platform,

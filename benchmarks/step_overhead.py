@@ -41,12 +41,12 @@ import argparse
 import itertools
 import json
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from _common import mlp, mse, regression_batch, time_in_turns
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -114,75 +114,24 @@ def hand_step(loss: Callable, tx: Any, shardings: Any, mesh: Any, norm: bool) ->
 
 def run(args: argparse.Namespace) -> dict:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     import optax
-    from flax import nnx
 
     import shardax as sx
 
     mesh = sx.make_mesh({"data": -1})
     tx = optax.adam(1e-3)
     sizes = [args.width] * (args.depth + 1) + [10]
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch_size, args.width)).astype(np.float32)
-    y = rng.normal(size=(args.batch_size, 10)).astype(np.float32)
-    batch = sx.distribute_batch({"x": x, "y": y}, sx.batch_sharding(mesh))
+    batch = regression_batch(mesh, args.batch_size, args.width)
+    model = mlp(sizes, args.framework)
 
-    if args.framework == "pytree":
+    def new_state():
+        return model.new_state(tx)
 
-        def apply_fn(params, x):
-            for i, (w, b) in enumerate(params):
-                x = x @ w + b
-                x = jax.nn.relu(x) if i < len(params) - 1 else x
-            return x
+    def hand_init():
+        params = model.params()
+        return params, tx.init(params)
 
-        def init():
-            keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
-            return [
-                (jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n))
-                for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=True)
-            ]
-
-        def new_state():
-            return sx.TrainState.from_params(init(), apply_fn, tx)
-
-        def hand_init():
-            params = init()
-            return params, tx.init(params)
-
-        def hand_loss(params, batch):
-            return jnp.mean((apply_fn(params, batch["x"]) - batch["y"]) ** 2)
-
-    else:
-
-        class MLP(nnx.Module):
-            def __init__(self, rngs):
-                self.layers = nnx.List(
-                    [nnx.Linear(m, n, rngs=rngs) for m, n in itertools.pairwise(sizes)]
-                )
-
-            def __call__(self, x):
-                for i, layer in enumerate(self.layers):
-                    x = layer(x)
-                    x = jax.nn.relu(x) if i < len(self.layers) - 1 else x
-                return x
-
-        graphdef = nnx.graphdef(MLP(nnx.Rngs(0)))
-
-        def new_state():
-            return sx.TrainState.create(MLP(nnx.Rngs(0)), tx)
-
-        def hand_init():
-            params = nnx.state(MLP(nnx.Rngs(0)), nnx.Param)
-            return params, tx.init(params)
-
-        def hand_loss(params, batch):
-            model = nnx.merge(graphdef, params)
-            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-    def loss_fn(model, batch):
-        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    hand_loss, loss_fn = model.loss, mse
 
     plan = sx.replicate(mesh)
     steps, states = {}, {}
@@ -213,23 +162,10 @@ def run(args: argparse.Namespace) -> dict:
     steps["jit+log"] = logged
     states["jit+log"] = logged_step.shard(new_state())
 
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    losses: dict[str, float] = {}
-    names = list(steps)
-    for round_ in range(args.warmup + args.steps):
-        # Alternate the order each round, so no step always runs first or last.
-        for name in names if round_ % 2 == 0 else names[::-1]:
-            step = steps[name]
-            start = time.perf_counter()
-            states[name], out = step(states[name], batch)
-            jax.block_until_ready((states[name], out))
-            if round_ >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-            losses[name] = float(out["loss"])
-
+    medians, outs = time_in_turns(steps, states, batch, args.steps, args.warmup)
+    losses = {name: float(out["loss"]) for name, out in outs.items()}
     writer.close()
     shutil.rmtree(log_dir)
-    medians = {name: statistics.median(t) for name, t in times.items()}
     rows = [
         {
             "step": name,
@@ -250,22 +186,6 @@ def run(args: argparse.Namespace) -> dict:
         "rows": rows,
         "final_loss": losses,
     }
-
-
-def _interleaved(steps: dict, states: dict, batch, rounds: int, warmup: int) -> dict:
-    """Median seconds per step of each of ``steps``, run in turns (alternating order)."""
-    import jax
-
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    names = list(steps)
-    for round_ in range(warmup + rounds):
-        for name in names if round_ % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            states[name], out = steps[name](states[name], batch)
-            jax.block_until_ready((states[name], out))
-            if round_ >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run_gpt(args: argparse.Namespace) -> dict:
@@ -313,7 +233,7 @@ def run_gpt(args: argparse.Namespace) -> dict:
             steps[f"sx{norm}"] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, stats=stats)
             states[f"sx{norm}"] = steps[f"sx{norm}"].shard(sx.TrainState.create(make(cfg), tx))
         with jax.sharding.set_mesh(mesh):
-            medians = _interleaved(steps, states, batch, args.steps, args.warmup)
+            medians, _ = time_in_turns(steps, states, batch, args.steps, args.warmup)
         for norm in (False, True):
             hand, shardax = medians[f"hand{norm}"], medians[f"sx{norm}"]
             overhead.append(
@@ -334,7 +254,7 @@ def run_gpt(args: argparse.Namespace) -> dict:
     for name in ("fp32", "bf16"):
         steps[name] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, precision=name)
         states[name] = steps[name].shard(sx.TrainState.create(make(cfg), tx))
-    medians = _interleaved(steps, states, batch, args.steps, args.warmup)
+    medians, _ = time_in_turns(steps, states, batch, args.steps, args.warmup)
     precision = {
         "fp32_ms": 1e3 * medians["fp32"],
         "bf16_ms": 1e3 * medians["bf16"],

@@ -17,12 +17,13 @@ so alternating costs nothing extra).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
+
+from _common import mlp, mse, regression_batch
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -42,59 +43,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     import optax
-    from flax import nnx
 
     import shardax as sx
 
     mesh = sx.make_mesh({"data": -1})
-    sizes = [args.width] * 4 + [10]
-    rng = np.random.default_rng(0)
-    batch = sx.distribute_batch(
-        {
-            "x": rng.normal(size=(args.batch_size, args.width)).astype(np.float32),
-            "y": rng.normal(size=(args.batch_size, 10)).astype(np.float32),
-        },
-        sx.batch_sharding(mesh),
-    )
-
-    def mlp(layers, x):
-        for i, layer in enumerate(layers):
-            x = layer(x)
-            x = jax.nn.relu(x) if i < len(layers) - 1 else x
-        return x
-
-    if args.framework == "pytree":
-
-        def apply_fn(params, x):
-            return mlp([lambda h, w=w, b=b: h @ w + b for w, b in params], x)
-
-        def new_state(tx):
-            keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
-            params = [
-                (jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n))
-                for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=True)
-            ]
-            return sx.TrainState.from_params(params, apply_fn, tx)
-
-    else:
-
-        class MLP(nnx.Module):
-            def __init__(self, rngs):
-                self.layers = nnx.List(
-                    [nnx.Linear(m, n, rngs=rngs) for m, n in itertools.pairwise(sizes)]
-                )
-
-            def __call__(self, x):
-                return mlp(list(self.layers), x)
-
-        def new_state(tx):
-            return sx.TrainState.create(MLP(nnx.Rngs(0)), tx)
-
-    def loss_fn(model, batch):
-        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    batch = regression_batch(mesh, args.batch_size, args.width)
+    new_state = mlp([args.width] * 4 + [10], args.framework).new_state
+    loss_fn = mse
 
     step = sx.make_train_step(loss_fn, mesh=mesh)
     adam, chained = optax.adam(1e-3), optax.chain(optax.adam(1e-3))
