@@ -11,11 +11,36 @@ state and its hand-written pieces, a batch placed over the mesh, and steps timed
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+
+
+def step_parser(doc: str, *, width: int = 256, min_steps: int = 50) -> argparse.ArgumentParser:
+    """The options every step benchmark takes: ``--steps --warmup --batch-size --width
+    --json --cpu-devices``; parse with :func:`parse_steps`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100, help=f"timed rounds (>= {min_steps})")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--width", type=int, default=width, help="hidden width of the MLP")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--cpu-devices", type=int, default=8, help="simulated CPU devices with no accelerator"
+    )
+    parser.set_defaults(min_steps=min_steps)
+    return parser
+
+
+def parse_steps(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments, ``--steps`` checked against its minimum."""
+    args = parser.parse_args(argv)
+    if args.steps < args.min_steps:
+        parser.error(f"--steps must be >= {args.min_steps} for a stable median, got {args.steps}")
+    return args
 
 
 class MLP(NamedTuple):

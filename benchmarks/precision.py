@@ -18,29 +18,15 @@ import json
 import sys
 from collections.abc import Sequence
 
-from _common import mlp, mse, regression_batch, time_in_turns
+from _common import mlp, mse, parse_steps, regression_batch, step_parser, time_in_turns
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100, help="timed rounds (>= 20)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
+    parser = step_parser(__doc__, width=512, min_steps=20)
     parser.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=8,
-        help="simulated CPU devices when no accelerator is present",
-    )
-    args = parser.parse_args(argv)
-    if args.steps < 20:
-        parser.error(f"--steps must be >= 20 for a stable median, got {args.steps}")
-    return args
+    return parse_steps(parser, argv)
 
 
 def run(args: argparse.Namespace) -> dict:

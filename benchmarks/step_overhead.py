@@ -46,31 +46,17 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from _common import mlp, mse, regression_batch, time_in_turns
+from _common import mlp, mse, parse_steps, regression_batch, step_parser, time_in_turns
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = step_parser(__doc__)
     parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     parser.add_argument("--framework", choices=("pytree", "nnx"), default="pytree")
-    parser.add_argument("--steps", type=int, default=100, help="timed rounds (>= 50)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
-    parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--gpt-batch", type=int, default=16, help="GPT global batch")
-    parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
     parser.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
     parser.add_argument("--log-every", type=int, default=1, help="jit+log: write every N steps")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=8,
-        help="simulated CPU devices when no accelerator is present",
-    )
-    args = parser.parse_args(argv)
-    if args.steps < 50:
-        parser.error(f"--steps must be >= 50 for a stable median, got {args.steps}")
-    return args
+    return parse_steps(parser, argv)
 
 
 VERSUS = {

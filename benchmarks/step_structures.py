@@ -23,22 +23,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from _common import mlp, mse, regression_batch
+from _common import mlp, mse, parse_steps, regression_batch, step_parser
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = step_parser(__doc__)
     parser.add_argument("--framework", choices=("pytree", "nnx"), default="pytree")
-    parser.add_argument("--steps", type=int, default=100, help="timed rounds (>= 50)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices")
-    args = parser.parse_args(argv)
-    if args.steps < 50:
-        parser.error(f"--steps must be >= 50 for a stable median, got {args.steps}")
-    return args
+    return parse_steps(parser, argv)
 
 
 def run(args: argparse.Namespace) -> dict:
