@@ -441,3 +441,26 @@ def test_host_helpers_alone(capsys):
     got = sx.host_value({"x": x, "name": "loss"})
     assert isinstance(got["x"], np.ndarray) and got["x"].tolist() == list(range(16))
     assert got["name"] == "loss"
+
+
+def test_launch_sends_gloo_lines_to_stderr_even_when_two_interleave():
+    # gloo writes from several threads: one message can start inside another's line.
+    script = (
+        "print('[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of "
+        "connected peer ranks is : 1'); print('0 is connected to 1 peer ranks. Expected "
+        "number of connected peer ranks is : 1'); print('{\"ok\": 1}')"
+    )
+    procs = start_processes([sys.executable, "-c", script], [dict(CLEAN_ENV)])
+    out, err = io.StringIO(), io.StringIO()
+    assert supervise(procs, out=out, err=err, prefix_stdout=False) == 0
+    assert json.loads(out.getvalue()) == {"ok": 1}
+    assert err.getvalue().count("[0] ") == 2 and "0 is connected" in err.getvalue()
+
+
+def test_launch_reports_an_exception_before_a_peer_killed_by_a_signal():
+    # Both seen in one poll: the abort of rank 0 is the consequence of rank 1's exception.
+    scripts = ["import os, time; time.sleep(1); os.abort()", "import time; time.sleep(1); exit(3)"]
+    procs = [start_processes([sys.executable, "-c", s], [dict(CLEAN_ENV)])[0] for s in scripts]
+    for p in procs:
+        p.wait()  # both have ended before supervise polls them
+    assert supervise(procs, out=io.StringIO(), err=io.StringIO()) == 3  # not rank 0's 134

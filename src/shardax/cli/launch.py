@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,9 +40,12 @@ from shardax.runtime.distributed import (
     ENV_PROCESS_ID,
 )
 
-RUNTIME_CHATTER = ("[Gloo] ",)
-"""Starts of lines that the runtime's native code writes to stdout; launch sends them to
-stderr, so a program's stdout (``--json``) stays its own."""
+RUNTIME_CHATTER = re.compile(
+    r"^\[Gloo\] |\d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is"
+)
+"""Lines that the runtime's native code writes to stdout; launch sends them to stderr, so a
+program's stdout (``--json``) stays its own. gloo writes from several threads at once, so
+one message can start inside another's line: its tail is matched too."""
 
 STARTS_JAX = False
 """Read by ``shardax.cli.main``: launch sets no JAX option in its own process."""
@@ -150,7 +154,7 @@ def _forward(
         return
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
-        chatter = line.startswith(RUNTIME_CHATTER)
+        chatter = RUNTIME_CHATTER.search(line) is not None
         stream = err if chatter else out
         with lock:
             stream.write(f"[{rank}] {line}\n" if prefix or chatter else f"{line}\n")
@@ -246,10 +250,10 @@ def supervise(
     first_failure = 0
     try:
         while [p.poll() for p in procs].count(None):  # polls every process
-            failed = [p for p in procs if p.returncode not in (None, 0, PREEMPTED_EXIT_CODE)]
-            if failed:
-                first_failure = exit_code(failed[0].returncode)
-                failed_rank = procs.index(failed[0])
+            first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE))
+            if first is not None:
+                first_failure = exit_code(first.returncode)
+                failed_rank = procs.index(first)
                 with lock:
                     err.write(
                         f"shardax launch: process {failed_rank} exited with code "
@@ -275,9 +279,19 @@ def supervise(
         )
         err.flush()
     if not first_failure:
-        codes = [exit_code(p.returncode) for p in procs if p.returncode]
-        first_failure = codes[0] if codes else 0
+        first = _first_failed(procs, (None, 0))
+        first_failure = 0 if first is None else exit_code(first.returncode)
     return first_failure
+
+
+def _first_failed(
+    procs: Sequence[subprocess.Popen[bytes]], ok: tuple
+) -> subprocess.Popen[bytes] | None:
+    """The failed process to report among those seen ended at once (None if none): one
+    that exited on its own (an exception) before one killed by a signal, usually the
+    consequence (gloo aborts when its peer is gone); then the lowest rank."""
+    failed = [p for p in procs if p.returncode not in ok]
+    return min(failed, key=lambda p: p.returncode < 0) if failed else None
 
 
 def run(args: argparse.Namespace) -> int:
