@@ -86,7 +86,10 @@ def test_bad_counts_name_the_argument(call, message):
         (lambda: sx.batches({}, 4), "arrays has no leaves"),
         (lambda: sx.make_mesh(devices=[]), "devices is empty"),
         (lambda: sx.make_mesh({}), "at least one axis"),
-        (lambda: sx.replicate_across_devices({"x": np.ones(2)}, devices=[]), "devices is empty"),
+        (
+            lambda: sx.data.replicate_across_devices({"x": np.ones(2)}, devices=[]),
+            "devices is empty",
+        ),
     ],
 )
 def test_empty_inputs(call, message):
@@ -114,7 +117,7 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.make_mesh(devices=["cpu"]), TypeError, "devices must be jax.Device objects"),
         (lambda: sx.TrainState.create(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.adam), TypeError, "adam looks like an optax factory: call it, e.g. optax.adam(1e-3)"),
         (lambda: sx.shard({"w": np.ones(8)}, sx.batch_sharding(sx.make_mesh())), TypeError, "shard: plan must be a shardax Plan"),
-        (lambda: sx.validate({"w": np.ones(8)}, P("data")), TypeError, "validate: plan must be a shardax Plan"),
+        (lambda: sx.plan.validate({"w": np.ones(8)}, P("data")), TypeError, "validate: plan must be a shardax Plan"),
         (lambda: sx.place_on_device(np.ones(2), "cpu:0"), TypeError, "place_on_device: device must be a jax.Device, got 'cpu:0'"),
         (lambda: sx.distribute_batch({"x": np.ones(8)}, sx.make_mesh()), TypeError, "sharding must be a jax.sharding.Sharding"),
         (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh(), plan=sx.batch_sharding(sx.make_mesh())), TypeError, "plan must be a shardax Plan"),
@@ -122,13 +125,13 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.make_mesh(axis_types="explicit"), TypeError, "axis_types must be a jax.sharding.AxisType"),
         (lambda: sx.fsdp("mesh"), TypeError, "fsdp: mesh must be a jax.sharding.Mesh, got 'mesh'"),
         (lambda: sx.rules(None, []), TypeError, "rules: mesh must be a jax.sharding.Mesh, got None"),
-        (lambda: sx.follow_params("fsdp"), TypeError, "follow_params: plan must be a shardax Plan"),
-        (lambda: sx.init_sharded(lambda: {"w": jnp.ones(8)}, "fsdp"), TypeError, "init_sharded: plan must be a shardax Plan"),
+        (lambda: sx.plan.follow_params("fsdp"), TypeError, "follow_params: plan must be a shardax Plan"),
+        (lambda: sx.plan.init_sharded(lambda: {"w": jnp.ones(8)}, "fsdp"), TypeError, "init_sharded: plan must be a shardax Plan"),
         (lambda: sx.make_train_step(None, mesh=sx.make_mesh()), TypeError, "loss_fn must be a function loss_fn(model, batch), got None"),
         (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh()).shard({"w": np.ones(8)}), TypeError, "the train step takes a sx.TrainState"),
         (lambda: sx.batches({"x": np.ones(4)}, 2, shuffle="yes"), TypeError, "batches: shuffle must be True or False, got 'yes'"),
         (lambda: sx.save_checkpoint(None, {"w": np.ones(2)}, step=0), TypeError, "directory must be a path (str or os.PathLike), got None"),
-        (lambda: sx.validate_batch_size(True), ValueError, "batch_size must be an integer, got True (a bool)"),
+        (lambda: sx.cost.validate_batch_size(True), ValueError, "batch_size must be an integer, got True (a bool)"),
     ],
 )  # fmt: skip
 def test_wrong_types_name_what_came(call, error, message):
@@ -147,7 +150,7 @@ MIXED = {"x": np.ones((16, 3), np.float32), "y": np.ones(24, np.float32)}
     [
         lambda b, mesh: sx.distribute_batch(b, sx.batch_sharding(mesh)),
         lambda b, mesh: sx.global_batch(b, mesh),
-        lambda b, mesh: sx.shard_batch_dim(b, mesh),
+        lambda b, mesh: sx.data.shard_batch_dim(b, mesh),
         lambda b, mesh: sx.DevicePlacement().distribute_batch(b, sx.batch_sharding(mesh)),
         lambda b, mesh: next(iter(sx.prefetch_to_device([b], mesh))),
         lambda b, mesh: (s := sx.make_train_step(_loss, mesh=mesh))(s.shard(_pytree_state()), b),
@@ -204,19 +207,21 @@ def _nnx_model():
 def test_rules_that_match_nothing_are_reported(make_plan, tree, needle):
     mesh = sx.make_mesh({"data": 4, "model": 2})
     plan = make_plan(mesh)
-    assert any(needle in note for note in sx.validate(tree, plan)), sx.validate(tree, plan)
+    assert any(needle in note for note in sx.plan.validate(tree, plan)), sx.plan.validate(
+        tree, plan
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sx.shard(tree, plan)
         sx.shard(tree, plan)  # once per plan
-        sx.follow_params(plan)({"params": tree})  # the step's wrapper shares the record
+        sx.plan.follow_params(plan)({"params": tree})  # the step's wrapper shares the record
     assert len([w for w in caught if needle in str(w.message)]) == 1
 
 
 def test_matching_rules_are_quiet():
     mesh = sx.make_mesh({"data": 4, "model": 2})
     plan = sx.rules(mesh, [("^weight$", P("data"))])
-    assert sx.validate({"weight": np.ones((8, 2))}, plan) == []
+    assert sx.plan.validate({"weight": np.ones((8, 2))}, plan) == []
 
 
 # --- checkpoints --------------------------------------------------------------------------

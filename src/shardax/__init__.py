@@ -1,98 +1,75 @@
 """shardax: take a JAX training loop from one device to many devices and many hosts.
 
+The names here are what the guides use. Everything else is in its layer's namespace,
+documented there: :mod:`shardax.mesh`, :mod:`shardax.plan`, :mod:`shardax.data`,
+:mod:`shardax.parallel`, :mod:`shardax.train`, :mod:`shardax.checkpoint`,
+:mod:`shardax.runtime`, :mod:`shardax.cost` and :mod:`shardax.track`. The artifex API
+of the seed documents is :mod:`shardax.artifex`, re-exported here.
+
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": -1})
 >>> batch = sx.distribute_batch({"x": np.ones((16, 4))}, sx.batch_sharding(mesh))
 """
 
+from shardax import (  # noqa: F401 (the layer namespaces: sx.plan.validate, sx.cost, ...)
+    cost,
+    data,
+    mesh,
+    parallel,
+    plan,
+    runtime,
+    track,
+    train,
+)
+from shardax.artifex import (
+    BatchSizeRecommendation,
+    DataParallel,
+    DeviceMeshManager,
+    DevicePlacement,
+    DistributedMetrics,
+    HardwareType,
+    distribute_batch,
+    get_batch_size_recommendation,
+    place_on_device,
+)
 from shardax.checkpoint import (
-    PREEMPTED_EXIT_CODE,
     CheckpointManager,
     Preempted,
-    Restored,
-    reached_preemption,
     restore_checkpoint,
     save_checkpoint,
     watch_preemption,
 )
-from shardax.data import (
-    DevicePlacement,
-    batch_sharding,
-    batches,
-    distribute_batch,
-    global_batch,
-    place_on_device,
-    prefetch_to_device,
-    replicate_across_devices,
-    shard_batch_dim,
-    timed,
-)
-from shardax.mesh import DATA_AXIS, DeviceMeshManager, make_mesh, mesh_info
+from shardax.data import batch_sharding, batches, global_batch, prefetch_to_device
+from shardax.mesh import make_mesh
 from shardax.parallel import pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
-    ShardingReport,
-    axis_rules,
     constrain,
     describe,
-    follow_params,
     from_nnx,
     fsdp,
-    init_sharded,
     replicate,
     rules,
     shard,
-    validate,
     zero1,
     zero2,
 )
-from shardax.runtime import (
-    AgreementError,
-    BatchSizeRecommendation,
-    HardwareType,
-    check_agreement,
-    detect_hardware_type,
-    device_info,
-    get_batch_size_recommendation,
-    host_reduce,
-    host_value,
-    initialize,
-    is_main_process,
-    print0,
-    validate_batch_size,
-)
-from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE, StepWatchdog
-from shardax.track import MetricWriter, StepClock, profile_steps
+from shardax.runtime import StepWatchdog, initialize, is_main_process, print0
+from shardax.track import MetricWriter
 from shardax.train import (
-    AutoPlan,
     AutoPlanOptions,
-    DataParallel,
-    DistributedMetrics,
-    EvalStep,
-    LossScaling,
+    NonFiniteLossError,
     Precision,
     TrainState,
-    TrainStep,
-    all_gather,
-    all_reduce,
     auto_plan,
-    example_keys,
     make_eval_step,
     make_train_step,
     masked_mean,
-    reduce,
-    weighted_mean,
 )
-from shardax.train.guard import NonFiniteLossError, check_finite
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DATA_AXIS",
-    "PREEMPTED_EXIT_CODE",
-    "WATCHDOG_EXIT_CODE",
-    "AgreementError",
-    "AutoPlan",
     "AutoPlanOptions",
     "BatchSizeRecommendation",
     "CheckpointManager",
@@ -100,70 +77,42 @@ __all__ = [
     "DeviceMeshManager",
     "DevicePlacement",
     "DistributedMetrics",
-    "EvalStep",
     "HardwareType",
-    "LossScaling",
     "MetricWriter",
     "NonFiniteLossError",
     "Plan",
     "Precision",
     "Preempted",
-    "Restored",
-    "ShardingReport",
-    "StepClock",
     "StepWatchdog",
     "TrainState",
-    "TrainStep",
-    "all_gather",
-    "all_reduce",
     "auto_plan",
-    "axis_rules",
     "batch_sharding",
     "batches",
-    "check_agreement",
-    "check_finite",
     "constrain",
     "describe",
-    "detect_hardware_type",
-    "device_info",
     "distribute_batch",
-    "example_keys",
-    "follow_params",
     "from_nnx",
     "fsdp",
     "get_batch_size_recommendation",
     "global_batch",
-    "host_reduce",
-    "host_value",
-    "init_sharded",
     "initialize",
     "is_main_process",
     "make_eval_step",
     "make_mesh",
     "make_train_step",
     "masked_mean",
-    "mesh_info",
     "pipeline",
     "pipeline_1f1b",
     "place_on_device",
     "prefetch_to_device",
     "print0",
-    "profile_steps",
-    "reached_preemption",
-    "reduce",
     "remat",
     "replicate",
-    "replicate_across_devices",
     "restore_checkpoint",
     "rules",
     "save_checkpoint",
     "shard",
-    "shard_batch_dim",
-    "timed",
-    "validate",
-    "validate_batch_size",
     "watch_preemption",
-    "weighted_mean",
     "zero1",
     "zero2",
 ]

@@ -266,7 +266,7 @@ def median(values: list[float]) -> float:
 def step_flops(step: Any, state: Any, batch: Any) -> float | None:
     """FLOPs of one step over all devices, from the compiled step's ``cost_analysis()``
     (XLA counts one device's partitioned program)."""
-    from shardax.runtime.flops import compiled_flops
+    from shardax.cost.flops import compiled_flops
 
     per_device = compiled_flops(step.lower(state, batch).compile())
     devices = 1 if step.mode == "single" else step.mesh.size

@@ -330,7 +330,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     import shardax as sx
-    from shardax.runtime.flops import format_utilization, utilization
+    from shardax.cost.flops import format_utilization, utilization
 
     mesh, step = job.mesh, job.step
     is_main = jax.process_index() == 0
@@ -429,13 +429,13 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                     wait=tracker.data_wait_fraction,
                 )
             evaluate = i % job.eval_every == 0 or i == job.steps
-            preempted = sx.reached_preemption(i)  # the same step on every process
+            preempted = sx.checkpoint.reached_preemption(i)  # the same step on every process
             save = manager is not None and (i % save_every == 0 or i == job.steps or preempted)
             if not (evaluate or save or preempted):
                 continue
             done = [_host(p) for p in pending]
             for j, d in enumerate(done):  # stop at the first non-finite step, before saving
-                sx.check_finite(d["loss"], i - len(done) + j + 1)
+                sx.train.check_finite(d["loss"], i - len(done) + j + 1)
             window += done
             pending = []
             if evaluate:

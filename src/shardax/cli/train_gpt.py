@@ -68,7 +68,7 @@ def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: lis
     before anything compiles."""
     import jax
 
-    from shardax.parallel.pipeline import stage_mesh
+    from shardax.parallel.gpipe import stage_mesh
 
     _, stacked = model.layers()
     for rows in batches:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from shardax.cli.common import UsageError
-from shardax.cli.demo import load_digits, make_mlp, make_plan
+from shardax.cli.digits import load_digits
 from shardax.cli.train import (
     Job,
     build_steps,
@@ -22,6 +22,7 @@ from shardax.cli.train import (
     place,
     plot_curves,
 )
+from shardax.models.mlp import make_mlp, make_plan
 
 TARGET_ACCURACY = 0.95
 

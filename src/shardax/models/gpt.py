@@ -234,7 +234,7 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs, remat: str = "none") -> None:
-        from shardax.parallel.remat import check_policy
+        from shardax.parallel.remat_policy import check_policy
 
         self.cfg = cfg
         self.remat = check_policy(remat)
@@ -268,7 +268,7 @@ class GPT(nnx.Module):
         """``(layer_fn, stacked)``: ``stacked`` holds every block's params with a leading
         layer dimension; ``layer_fn(stacked_slice, x) -> x`` is one block, rematerialised
         by the model's policy. ``lax.scan`` (here) or ``sx.pipeline`` runs them."""
-        from shardax.parallel.remat import remat
+        from shardax.parallel.remat_policy import remat
 
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -289,7 +289,7 @@ class GPT(nnx.Module):
             x = x + self.pos(jnp.arange(seq))
         layer_fn, stacked = self.layers()
         if self.cfg.pipeline_microbatches is not None:
-            from shardax.parallel.pipeline import pipeline
+            from shardax.parallel.gpipe import pipeline
 
             x = pipeline(
                 layer_fn,

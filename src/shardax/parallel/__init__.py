@@ -1,21 +1,34 @@
-"""In-model tools, called inside a model while it is traced: remat, pipeline.
+"""In-model tools, called inside a model while it is traced: collectives, remat, pipeline.
 
-One concept per module; each module's public names are re-exported here and from
-``shardax``.
+One concept per module; each module's public names are re-exported here (the most used
+also from ``shardax``).
 """
 
+from shardax.parallel.collectives import (
+    all_gather,
+    all_reduce,
+    bound_axes,
+    reduce,
+    require_bound,
+    weighted_mean,
+)
+from shardax.parallel.gpipe import bubble, pipeline, scan_layers
 from shardax.parallel.one_f_one_b import pipeline_1f1b
-from shardax.parallel.pipeline import STAGE_AXIS, bubble, pipeline, scan_layers
-from shardax.parallel.remat import POLICIES as REMAT_POLICIES
-from shardax.parallel.remat import checkpoint_policy, remat
+from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
+from shardax.parallel.remat_policy import checkpoint_policy, remat
 
 __all__ = [
     "REMAT_POLICIES",
-    "STAGE_AXIS",
+    "all_gather",
+    "all_reduce",
+    "bound_axes",
     "bubble",
     "checkpoint_policy",
     "pipeline",
     "pipeline_1f1b",
+    "reduce",
     "remat",
+    "require_bound",
     "scan_layers",
+    "weighted_mean",
 ]

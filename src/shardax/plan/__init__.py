@@ -22,8 +22,8 @@ from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
 from shardax.plan.regex import rules
 from shardax.plan.report import Row, ShardingReport, describe, format_bytes, validate
+from shardax.plan.specs import check_spec, spec_errors
 from shardax.plan.tree import is_array, map_arrays, path_str
-from shardax.plan.validate import check_spec, spec_errors
 from shardax.plan.zero import zero1, zero2
 
 __all__ = [

@@ -44,7 +44,7 @@ def axis_rules(rules: AxisRules) -> Iterator[dict[str, Any]]:
     ``jax.jit``'s cache key: a function already traced under one mapping keeps it, so
     build a new ``jax.jit`` per mapping.
 
-    >>> with sx.axis_rules({"batch": "data", "mlp": "model"}):
+    >>> with sx.plan.axis_rules({"batch": "data", "mlp": "model"}):
     ...     print(sx.plan.current_axis_rules()["mlp"])  # in a model: sx.constrain(h, P("mlp"))
     model
     """

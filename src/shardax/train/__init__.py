@@ -1,18 +1,9 @@
-"""Train layer: TrainState, the train step, collectives, metrics and the data-parallel facade."""
+"""Train layer: TrainState, the train and eval steps, precision, auto plans, the loss rules."""
 
 from shardax.train.auto import AutoPlan, AutoPlanOptions, Candidate, auto_plan
-from shardax.train.collectives import (
-    all_gather,
-    all_reduce,
-    bound_axes,
-    reduce,
-    require_bound,
-    weighted_mean,
-)
-from shardax.train.data_parallel import DataParallel
 from shardax.train.eval import EvalStep, make_eval_step
+from shardax.train.guard import NonFiniteLossError, check_finite
 from shardax.train.loss import masked_mean
-from shardax.train.metrics import DistributedMetrics
 from shardax.train.precision import LossScaleState, LossScaling, Precision
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState
@@ -23,24 +14,18 @@ __all__ = [
     "AutoPlan",
     "AutoPlanOptions",
     "Candidate",
-    "DataParallel",
-    "DistributedMetrics",
     "EvalStep",
     "LossScaleState",
     "LossScaling",
+    "NonFiniteLossError",
     "Precision",
     "TrainState",
     "TrainStep",
-    "all_gather",
-    "all_reduce",
     "auto_plan",
-    "bound_axes",
+    "check_finite",
     "dropout",
     "example_keys",
     "make_eval_step",
     "make_train_step",
     "masked_mean",
-    "reduce",
-    "require_bound",
-    "weighted_mean",
 ]

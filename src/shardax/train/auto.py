@@ -35,15 +35,14 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardax.mesh.make import DATA_AXIS
-from shardax.parallel.pipeline import STAGE_AXIS
+from shardax.cost.hlo import collectives
+from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over, replicate
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.regex import Rule, rules
 from shardax.plan.report import format_bytes
 from shardax.plan.tree import is_array, map_arrays
 from shardax.plan.zero import zero1, zero2
-from shardax.runtime.hlo import collectives
 from shardax.train.state import TrainState
 from shardax.train.step import make_train_step
 
@@ -164,7 +163,7 @@ class AutoPlan:
 def default_device_memory(device: Any = None) -> float | None:
     """Bytes of memory of ``device`` (default: the first): its reported limit
     (``memory_stats()["bytes_limit"]``), else the hardware table's figure, else None."""
-    from shardax.runtime.hardware import HARDWARE_SPECS, detect_hardware_type
+    from shardax.cost.hardware import HARDWARE_SPECS, detect_hardware_type
 
     device = jax.devices()[0] if device is None else device
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from shardax.mesh.make import DATA_AXIS
+from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan
 from shardax.train.model import deterministic
 from shardax.train.precision import Precision, resolve

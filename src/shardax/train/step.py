@@ -31,7 +31,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDev
 
 from shardax.checks import as_count
 from shardax.data.placement import batch_sharding
-from shardax.mesh.make import DATA_AXIS
+from shardax.mesh.axes import DATA_AXIS
+from shardax.parallel.collectives import all_reduce, weighted_mean
 from shardax.plan.activation import constrain
 from shardax.plan.core import Plan, axis_size, replicate
 from shardax.plan.follow import FollowParams, follow_params
@@ -41,8 +42,6 @@ from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
 from shardax.train.axis_types import explain_axis_types, mesh_axis_type, reshard_batch
 from shardax.train.batch import check_batch, split_microbatches
-from shardax.train.collectives import weighted_mean
-from shardax.train.data_parallel import all_reduce_gradients
 from shardax.train.loss import batch_mask, valid_count
 from shardax.train.precision import (
     Precision,
@@ -571,12 +570,12 @@ class TrainStep:
         index = lax.axis_index(axis) * size + jnp.arange(size)
         grads, loss, aux, model_state, count = self._shard_update(state, batch, index, mapped=True)
         if count is None:
-            grads = all_reduce_gradients(grads, "mean", axis)
+            grads = all_reduce(grads, "mean", axis)
         else:
             weighted = jax.tree.map(lambda g: g * count.astype(g.dtype), grads)
             total = jnp.maximum(lax.psum(count, axis), 1)
             grads = jax.tree.map(
-                lambda g: g / total.astype(g.dtype), all_reduce_gradients(weighted, "sum", axis)
+                lambda g: g / total.astype(g.dtype), all_reduce(weighted, "sum", axis)
             )
         loss, aux = weighted_mean((loss, aux), count, axis)
         reduced = weighted_mean(_floating(model_state), count, axis)
