@@ -162,6 +162,30 @@ def annotated_specs(model: Any, mesh: Mesh, axis_rules: AxisRules | None = None)
     )
 
 
+def optimizer_sharding(node: Any, specs: Any, mesh: Mesh) -> Any:
+    """``specs`` (the specs of ``node``, an optimizer state's mirror of the params) with
+    the spec of flax's ``optimizer_sharding`` metadata for each NNX variable of ``node``
+    that has it (flax's optimization cookbook: the optimizer state of a variable sharded
+    otherwise than the variable). Logical names go through :func:`axis_rules`."""
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return specs
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+
+    def one(var: Any, spec: Any) -> Any:
+        names = var.get_metadata().get("optimizer_sharding") if is_var(var) else None
+        if not names:
+            return spec
+        if isinstance(names, NamedSharding):
+            names = names.spec
+        where = f"optimizer_sharding of a {type(var).__name__}"
+        new = logical_to_mesh(names, mesh, None, where)
+        return jax.tree.map(lambda _: new, spec, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    return jax.tree.map(one, node, specs, is_leaf=is_var)
+
+
 def linen_specs(variables: Any, mesh: Mesh, axis_rules: AxisRules | None = None) -> Table:
     """``{leaf path: (shape, PartitionSpec)}`` for every ``nn.Partitioned`` box (made by
     ``nn.with_partitioning`` or ``nn.with_logical_partitioning``) in ``variables``."""
