@@ -67,7 +67,7 @@ def loss_fn(model, batch):
 @nnx.jit
 def train_step(model, optimizer, batch):
     grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
-    (loss, logits), grads = grad_fn(model, batch)
+    (loss, logits), grads = grad_fn(model, batch)  # noqa: RUF059 (flax's example)
     optimizer.update(model, grads)
     return loss
 
@@ -97,7 +97,7 @@ def _plans():
         "replicate": (sx.replicate(dp), dp, P(), P()),
         "fsdp": (sx.fsdp(dp, min_size=64), dp, P(None, "data"), P(None, "data")),
         "zero1": (sx.zero1(dp, min_size=64), dp, P(), P(None, "data")),
-        "fsdp+tp": (sx.plan.fsdp_over(tp_rules, min_size=64), tp, P("data", "model"), P("data", "model")),
+        "fsdp+tp": (sx.plan.fsdp_over(tp_rules, min_size=64), tp, P("data", "model"), P("data", "model")),  # noqa: E501
     }  # fmt: skip
 
 
@@ -246,7 +246,8 @@ def test_equinox_filter_jit_loop():
         model, opt_state = eqx_loop(None)
         data = batches()
         if placed:
-            model, opt_state = sx.prepare(model, opt_state, mesh=mesh, plan=sx.fsdp(mesh, min_size=64))  # fmt: skip
+            plan = sx.fsdp(mesh, min_size=64)
+            model, opt_state = sx.prepare(model, opt_state, mesh=mesh, plan=plan)
             assert isinstance(model, eqx.nn.MLP)
             assert_sharded(model.layers[0].weight, P("data", None), mesh)
             assert_sharded(opt_state[0].mu.layers[0].weight, P("data", None), mesh)
