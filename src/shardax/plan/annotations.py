@@ -203,16 +203,23 @@ def linen_specs(variables: Any, mesh: Mesh, axis_rules: AxisRules | None = None)
 
 def found_framework(tree: Any) -> str:
     """What kind of model ``tree`` is, in words, for a warning that found no annotation."""
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: not isinstance(x, dict | list | tuple))
-    kinds = {f"{type(x).__module__}.{type(x).__qualname__}" for x in [tree, *leaves]}
-    if any(k.startswith("flax.linen") or k.startswith("flax.core.meta") for k in kinds):
+    import flax.linen as nn
+    from flax import nnx
+
+    kinds = (nnx.Module, nnx.Variable, nn.Partitioned)
+    nodes = [tree, *jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kinds))]
+    if any(isinstance(x, nn.Partitioned) for x in nodes):
         return "Flax Linen boxes (nn.Partitioned / nn.LogicallyPartitioned): use sx.from_linen"
-    if any(k.startswith("flax.nnx") for k in kinds):
+    if any(isinstance(x, nnx.Module | nnx.Variable) for x in nodes):
         return (
             "Flax NNX variables, none annotated: give them logical names with "
-            "nnx.with_partitioning(init, names), or use sx.fsdp / sx.rules"
+            "nnx.with_partitioning(init, names) and use sx.from_nnx, or use sx.fsdp / sx.rules"
         )
-    if any(k.startswith("equinox") for k in kinds):
+    try:
+        import equinox as eqx
+    except ImportError:  # pragma: no cover - equinox is an optional extra
+        eqx = None
+    if eqx is not None and isinstance(tree, eqx.Module):
         return "an Equinox module, which has no sharding annotations: use sx.fsdp or sx.rules"
     return "a plain pytree, which has no sharding annotations: use sx.fsdp or sx.rules"
 

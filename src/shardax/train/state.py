@@ -71,17 +71,24 @@ def optimizer_opt_state(optimizer: Any, params: Any) -> Any:
     model, or a ``wrt`` that selects other variables).
     """
     template = jax.eval_shape(optimizer.tx.init, params)
-    leaves, treedef = jax.tree.flatten(template)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
     values = jax.tree.leaves(optimizer.opt_state)
-    shapes = [np.shape(x) for x in values]
-    if shapes != [x.shape for x in leaves]:
-        raise ValueError(
-            f"the nnx.Optimizer's state ({len(values)} arrays) does not match its "
-            f"transformation's state for this model's params ({len(leaves)} arrays, wrt="
-            f"{optimizer.wrt!r}): build the optimizer for this model, "
-            "nnx.Optimizer(model, tx, wrt=nnx.Param)"
-        )
-    return jax.tree.unflatten(treedef, values)
+    if len(values) != len(paths):
+        why = f"{len(values)} arrays, where the transformation's state has {len(paths)}"
+    else:
+        wrong = [
+            f"opt_state/{path_str(p)} has shape {np.shape(v)}, the model's params give {t.shape}"
+            for (p, t), v in zip(paths, values, strict=True)
+            if np.shape(v) != t.shape
+        ]
+        if not wrong:
+            return jax.tree.unflatten(treedef, values)
+        why = wrong[0]
+    raise ValueError(
+        f"the nnx.Optimizer's state does not match this model's params (wrt="
+        f"{getattr(optimizer.wrt, '__name__', optimizer.wrt)}): {why}. Pass the model the "
+        "optimizer was built for, nnx.Optimizer(model, tx, wrt=nnx.Param)"
+    )
 
 
 def write_opt_state(optimizer: Any, opt_state: Any, step: Any) -> None:
