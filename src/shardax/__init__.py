@@ -46,6 +46,7 @@ from shardax.plan import (
     Plan,
     constrain,
     describe,
+    from_linen,
     from_nnx,
     fsdp,
     replicate,
@@ -65,6 +66,7 @@ from shardax.train import (
     make_eval_step,
     make_train_step,
     masked_mean,
+    prepare,
 )
 
 __version__ = "0.1.0"
@@ -91,6 +93,7 @@ __all__ = [
     "constrain",
     "describe",
     "distribute_batch",
+    "from_linen",
     "from_nnx",
     "fsdp",
     "get_batch_size_recommendation",
@@ -105,6 +108,7 @@ __all__ = [
     "pipeline_1f1b",
     "place_on_device",
     "prefetch_to_device",
+    "prepare",
     "print0",
     "remat",
     "replicate",
