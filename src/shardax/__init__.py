@@ -65,6 +65,7 @@ from shardax.train import (
     make_eval_step,
     make_train_step,
     masked_mean,
+    verify,
 )
 
 __version__ = "0.1.0"
@@ -112,6 +113,7 @@ __all__ = [
     "rules",
     "save_checkpoint",
     "shard",
+    "verify",
     "watch_preemption",
     "zero1",
     "zero2",
