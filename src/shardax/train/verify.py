@@ -342,9 +342,11 @@ def _observed(state: TrainState, out: dict[str, Any]) -> dict[str, Any]:
 
 def _fold_keys(tree: Any) -> Any:
     return jax.tree.map(
-        lambda x: jax.random.fold_in(x, 1)
-        if is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-        else x,
+        lambda x: (
+            jax.random.fold_in(x, 1)
+            if is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+            else x
+        ),
         tree,
     )
 
@@ -635,15 +637,21 @@ def verify(
                 f"sx.verify: a train step takes a sx.TrainState, got {type(state).__name__}"
             )
         default = tolerance(step.precision)
-        rtol, atol = rtol if rtol is not None else default[0], atol if atol is not None else (
-            default[1] if rtol is None else rtol * default[1] / default[0]
+        rtol, atol = (
+            rtol if rtol is not None else default[0],
+            atol
+            if atol is not None
+            else (default[1] if rtol is None else rtol * default[1] / default[0]),
         )
         by_step, diagnose, device = _verify_step(step, state, batch, steps, rtol, atol)
         what = repr(step)
     elif callable(step):
         default = _rtol_of(state if isinstance(state, tuple) else (state,))
-        rtol, atol = rtol if rtol is not None else default[0], atol if atol is not None else (
-            default[1] if rtol is None else rtol * default[1] / default[0]
+        rtol, atol = (
+            rtol if rtol is not None else default[0],
+            atol
+            if atol is not None
+            else (default[1] if rtol is None else rtol * default[1] / default[0]),
         )
         by_step, diagnose, device = _verify_fn(
             step, state, batch, steps, rtol, atol, reference, mesh
@@ -674,7 +682,9 @@ def verify(
     )
 
 
-def verify_first_batch(step: Any, state: Any, batches: Iterable[Any], **kwargs: Any) -> VerifyReport:
+def verify_first_batch(
+    step: Any, state: Any, batches: Iterable[Any], **kwargs: Any
+) -> VerifyReport:
     """:func:`verify` on the first batch of ``batches`` (for ``shardax train --verify``).
 
     A loader with ``get_state()``/``set_state()`` is put back where it was, so training
