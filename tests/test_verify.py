@@ -116,7 +116,7 @@ def test_auto_plan_picks_once_and_the_step_then_trains(mesh):
     state = make_state("pytree")
     report = sx.verify(step, state, BATCH)
     assert report.ok and step.auto_report is not None
-    new, metrics = step(state, BATCH)  # places the unplaced state on the picked plan
+    _, metrics = step(state, BATCH)  # places the unplaced state on the picked plan
     assert np.isfinite(float(metrics["loss"]))
 
 

@@ -296,6 +296,16 @@ def _out_of_memory(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
+def _on_one(device: Any, batch: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` for the reference: running out of memory is said plainly."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        if _out_of_memory(e):
+            raise _too_big(device, _batch_size(batch), e) from e
+        raise
+
+
 # -- the train step's program, with its gradients -------------------------------------------
 
 
@@ -360,18 +370,12 @@ def _verify_step(
     dstate = dist.shard(state)
     _check_fits(device, state, batch)
     rbatch = _place(batch, NamedSharding(mesh1, PartitionSpec()))
-    try:
-        rstate = ref.shard(state)
-    except Exception as e:
-        raise _too_big(device, _batch_size(batch), e) if _out_of_memory(e) else e
+    rstate = _on_one(device, batch, ref.shard, state)
     first: dict[str, Any] = {}
     by_step = []
     for k in range(1, steps + 1):
         dnew, dout = dist(dstate, batch)
-        try:
-            rnew, rout = ref(rstate, rbatch)
-        except Exception as e:
-            raise _too_big(device, _batch_size(batch), e) if _out_of_memory(e) else e
+        rnew, rout = _on_one(device, batch, ref, rstate, rbatch)
         got, want = _observed(dnew, dout), _observed(rnew, rout)
         if k == 1:
             first = {"dist": got, "ref": want}
@@ -527,18 +531,12 @@ def _verify_fn(
     def fresh() -> tuple[Any, ...]:
         return _copied(args, jnp.copy)  # the user's step may donate: never the original
 
-    try:
-        rargs = _copied(args, lambda x: jax.device_put(x, one))
-    except Exception as e:
-        raise _too_big(device, _batch_size(batch), e) if _out_of_memory(e) else e
+    rargs = _on_one(device, batch, _copied, args, lambda x: jax.device_put(x, one))
     dargs = fresh()
     by_step, first = [], {}
     for k in range(1, steps + 1):
         dargs, dout = run(fn, dargs, batch, False)
-        try:
-            rargs, rout = run(reference, rargs, rbatch, True)
-        except Exception as e:
-            raise _too_big(device, _batch_size(batch), e) if _out_of_memory(e) else e
+        rargs, rout = _on_one(device, batch, run, reference, rargs, rbatch, True)
         got = {"returned": dout, "state": _arrays(dargs)}
         want = {"returned": rout, "state": _arrays(rargs)}
         if k == 1:
