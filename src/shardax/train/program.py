@@ -6,7 +6,8 @@ owns what the train and eval steps share:
 - **placement**: ``shard(state)`` and ``init(init_fn, ...)`` put the state on the plan
   (or one device), in the precision's ``param_dtype``;
 - **the per-shard function**: binding the model to its params, the precision's casts,
-  the ``rng``/``step_rng`` keys, accumulation (:func:`~shardax.train.accumulate.microbatched`);
+  the ``rng``/``step_rng`` keys, accumulation (:func:`~shardax.train.accumulate.microbatched`),
+  BatchNorm over the global batch (:func:`~shardax.train.batchnorm.over_data_axis`);
 - **the modes**: under ``"jit"`` and ``"single"`` a shard is the whole global batch;
   under ``"shard_map"`` and ``"pmap"`` each device has its slice and the program weights
   gradients, loss, aux and model state by each device's count of real examples;

@@ -18,10 +18,10 @@ batch)`` runs it on copies of the state, placed as given and on the first device
 compares the updated state and what it returns (the gradients are seen through the
 update). The state passed in is never changed or donated.
 
->>> report = sx.verify(step, state, batch)  # doctest: +SKIP
->>> report.ok, report.cause  # doctest: +SKIP
+>>> report = sx.verify(step, state, {"x": np.ones((16, 4)), "y": np.zeros((16, 2))})
+>>> report.ok, report.cause
 (True, None)
->>> print(report)  # a short table: the worst leaves, their differences, the cause  # doctest: +SKIP
+>>> print(report)  # a short table: the worst leaves, their differences  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -615,12 +615,18 @@ def verify(
 
     Raises:
         ValueError: when the reference does not fit on one device (a smaller probe batch
-            does), or ``steps`` is not a positive integer.
+            does), ``steps`` is not a positive integer, or the job has several processes.
     """
     from shardax.train.auto import AutoStep
 
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"sx.verify: steps must be an integer >= 1, got {steps!r}")
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"sx.verify runs the reference on one device of one process, and this job has "
+            f"{jax.process_count()} processes: verify the step in a one-process run on one "
+            "host's devices first (shardax train --verify does so before a launch)"
+        )
     start = time.perf_counter()
     if isinstance(step, AutoStep):
         step = step.pick(state, batch)
