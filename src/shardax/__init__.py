@@ -67,6 +67,7 @@ from shardax.train import (
     make_train_step,
     masked_mean,
     prepare,
+    verify,
 )
 
 __version__ = "0.1.0"
@@ -116,6 +117,7 @@ __all__ = [
     "rules",
     "save_checkpoint",
     "shard",
+    "verify",
     "watch_preemption",
     "zero1",
     "zero2",

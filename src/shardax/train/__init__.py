@@ -1,4 +1,5 @@
-"""Train layer: TrainState, the train and eval steps, precision, auto plans, the loss rules."""
+"""Train layer: TrainState, the train and eval steps, precision, auto plans, the loss rules,
+verify (the step against one device)."""
 
 from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
 from shardax.train.eval import EvalStep
@@ -11,6 +12,7 @@ from shardax.train.program import MODES, Program
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
+from shardax.train.verify import VerifyReport, verify
 
 __all__ = [
     "MODES",
@@ -26,6 +28,7 @@ __all__ = [
     "Program",
     "TrainState",
     "TrainStep",
+    "VerifyReport",
     "auto_plan",
     "check_finite",
     "dropout",
@@ -34,4 +37,5 @@ __all__ = [
     "make_train_step",
     "masked_mean",
     "prepare",
+    "verify",
 ]
