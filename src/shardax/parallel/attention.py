@@ -126,7 +126,15 @@ def _take(tree: Any, order: np.ndarray, axis: int) -> Any:
     def take(x):
         if np.ndim(x) <= axis:
             return x
-        return np.take(x, order, axis) if isinstance(x, np.ndarray) else jnp.take(x, order, axis)
+        if not isinstance(x, jax.Array):
+            return np.take(np.asarray(x), order, axis)
+        index = (slice(None),) * axis + (jnp.asarray(order),)
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and jax.sharding.AxisType.Explicit in (
+            sharding.mesh.axis_types
+        ):  # Explicit axes: the result keeps the input's placement
+            return x.at[index].get(out_sharding=sharding)
+        return x[index]
 
     return jax.tree.map(take, tree)
 
