@@ -409,12 +409,38 @@ def _all_gather(cfg: _Config, q, k, v, seg, bias):
     t = q.shape[1]
     qpos = _block_positions(lax.axis_index(axis), t, c, cfg.layout)
     kpos = jnp.asarray(layout_positions(t * c, c, cfg.layout))
-    k, v = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
+    k, v = _gather_seq(k, axis), _gather_seq(v, axis)
     kseg = None if seg is None else lax.all_gather(seg, axis, axis=1, tiled=True)
     return _dense(
         q, k, v, qpos=qpos, kpos=kpos, qseg=seg, kseg=kseg, bias=bias,
         causal=cfg.causal, window=cfg.window, scale=cfg.scale, natural=False,
     )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_seq(x: jax.Array, axis: str) -> jax.Array:
+    """All-gather along the sequence (dim 1); its transpose sums each device's slice.
+
+    Written out because JAX 0.10 cannot lower ``psum_scatter`` (all_gather's own
+    transpose) of an array typed with Explicit axes inside a shard_map manual over
+    ``axis`` only; there the sum goes by all-to-all, the same bytes per device."""
+    return lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def _gather_seq_fwd(x, axis):
+    return _gather_seq(x, axis), None
+
+
+def _gather_seq_bwd(axis, _, g):
+    if all(s is None for s in jax.typeof(g).sharding.spec):
+        return (lax.psum_scatter(g, axis, scatter_dimension=1, tiled=True),)
+    c = lax.axis_size(axis)
+    parts = lax.all_to_all(g, axis, split_axis=1, concat_axis=1, tiled=True)
+    parts = parts.reshape(g.shape[0], c, g.shape[1] // c, *g.shape[2:])
+    return (parts.sum(axis=1),)
+
+
+_gather_seq.defvjp(_gather_seq_fwd, _gather_seq_bwd)
 
 
 def _ulysses(cfg: _Config, q, k, v, seg, bias):
