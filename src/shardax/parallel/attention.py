@@ -506,30 +506,41 @@ def _ring(cfg: _Config, q, k, v, seg, bias):
     return _ring_fwd(cfg, q, k, v, seg, bias)[0]
 
 
+def _zeros(x: jax.Array) -> jax.Array:
+    """fp32 zeros of ``x``'s shape with ``x``'s type (its Explicit sharding, and the
+    manual axes it varies over inside shard_map), for a scan carry."""
+    return x.astype(jnp.float32) * 0
+
+
 def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
     b, t, h, d = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, h // kh, d)
     idx, qpos, perm = _ring_setup(cfg, q)
-    o = jnp.zeros((b, kh, h // kh, t, d), jnp.float32)
-    m = jnp.full((b, kh, h // kh, t), -jnp.inf, jnp.float32)
-    l = jnp.zeros((b, kh, h // kh, t), jnp.float32)  # noqa: E741
-    block = (k, v, seg)
-    for step in range(cfg.size):
-        # Send the block on before using it, so the transfer overlaps this step's compute.
-        after = lax.ppermute(block, cfg.axis, perm) if step < cfg.size - 1 else None
+
+    def compute(acc, block, step):
+        o, m, l = acc  # noqa: E741
         kb, vb, kseg = block
         src = (idx - step) % cfg.size
         s = _scores(cfg, qg, kb, (seg, kseg), bias, qpos, src, t)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
-        l = alpha * l + p.sum(-1)  # noqa: E741
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb,
                         preferred_element_type=jnp.float32)  # fmt: skip
-        o = alpha[..., None] * o + pv
-        m = m_new
-        block = after
+        return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(-1)
+
+    def body(carry, step):
+        acc, block = carry
+        # Send the block on before using it, so the transfer overlaps this step's compute.
+        after = lax.ppermute(block, cfg.axis, perm)
+        return (compute(acc, block, step), after), None
+
+    o = _zeros(qg.transpose(0, 2, 3, 1, 4))
+    acc = (o, o[..., 0] - jnp.inf, o[..., 0])
+    # Steps 0..C-2 in a loop (one step's scores live at a time), the last without a send.
+    (acc, block), _ = lax.scan(body, (acc, (k, v, seg)), jnp.arange(cfg.size - 1))
+    o, m, l = compute(acc, block, cfg.size - 1)  # noqa: E741
     o = o / l[..., None]
     lse = m + jnp.log(l)
     out = o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
@@ -544,13 +555,9 @@ def _ring_bwd(cfg: _Config, res, g):
     do = g.reshape(b, t, kh, h // kh, d).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
     delta = (do * o).sum(-1)
     idx, qpos, perm = _ring_setup(cfg, q)
-    dq = jnp.zeros(qg.shape, jnp.float32)
-    dbias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
-    block = (k, v, seg)
-    for step in range(cfg.size):
-        after = lax.ppermute(block, cfg.axis, perm) if step < cfg.size - 1 else None
+
+    def compute(acc, block, step):
+        (dq, dbias), (dk, dv) = acc
         kb, vb, kseg = block
         src = (idx - step) % cfg.size
         s = _scores(cfg, qg, kb, (seg, kseg), bias, qpos, src, t)
@@ -565,8 +572,16 @@ def _ring_bwd(cfg: _Config, res, g):
         if bias is not None:
             dbias = _add_bias_grad(dbias, ds, src, t)
         # dK / dV travel with their block; after the last step one more hop takes them home.
-        dk, dv = lax.ppermute((dk, dv), cfg.axis, perm)
-        block = after
+        return (dq, dbias), lax.ppermute((dk, dv), cfg.axis, perm)
+
+    def body(carry, step):
+        acc, block = carry
+        after = lax.ppermute(block, cfg.axis, perm)
+        return (compute(acc, block, step), after), None
+
+    acc = ((_zeros(qg), None if bias is None else _zeros(bias)), (_zeros(k), _zeros(v)))
+    (acc, block), _ = lax.scan(body, (acc, (k, v, seg)), jnp.arange(cfg.size - 1))
+    (dq, dbias), (dk, dv) = compute(acc, block, cfg.size - 1)
     dbias = None if bias is None else dbias.astype(bias.dtype)
     return (
         dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
