@@ -24,13 +24,14 @@ import re
 
 
 def ring_permutes_lead(hlo: str) -> tuple[bool, list[tuple[int, int]]]:
-    """Whether, in the scheduled computation holding the ring's collective-permutes,
-    permute s+1 (K/V block s+1 arriving) comes before the first dot that reads block s.
+    """Whether every collective-permute that sends a K/V block on is scheduled before
+    the first dot that reads that block (so the transfer can overlap the compute).
 
-    Follows def-use in the instruction order the compiler scheduled: block 0 is the
-    first permute's operand, block s the s-th permute's result; a dot is an instruction
-    that is (or calls a fusion containing) ``dot(`` or a custom-call. Returns
-    ``(ok, [(index of permute s+1, index of block s's first dot), ...])``.
+    Reads each computation (the ring's loop body, or the unrolled entry) in the order
+    the compiler scheduled it and follows def-use from each permute's operand, not
+    through other permutes; a dot is a ``dot(`` or custom-call, or a fusion calling
+    one. Returns ``(ok, [(permute index, first dot index), ...])``; ok is False when no
+    permute feeds a dot.
     """
     bodies: dict[str, list[str]] = {}
     name = None
@@ -42,36 +43,25 @@ def ring_permutes_lead(hlo: str) -> tuple[bool, list[tuple[int, int]]]:
         elif name and line.strip() and not line.startswith("}"):
             bodies[name].append(line.strip())
     has_dot = {n for n, lines in bodies.items() if any(" dot(" in x for x in lines)}
+    pairs = []
     for lines in bodies.values():
-        permutes = [i for i, x in enumerate(lines) if "collective-permute(" in x]
-        if len(permutes) < 2:
-            continue
-        names = [re.match(r"(?:ROOT )?%?([\w.\-]+) =", x).group(1) for x in lines]
-        operands = [set(re.findall(r"%([\w.\-]+)", x.split("=", 1)[1].split("metadata")[0]))
-                    for x in lines]  # fmt: skip
-        # the K chain: permute whose operand is the previous one
-        chain = [permutes[0]]
-        while True:
-            nxt = [i for i in permutes if names[chain[-1]] in operands[i]]
-            if not nxt:
-                break
-            chain.append(nxt[0])
-        first = re.search(r"collective-permute\(%?([\w.\-]+)", lines[chain[0]]).group(1)
-        blocks = [first] + [names[i] for i in chain]
-        pairs = []
-        for s in range(len(chain)):
-            reach, first_dot = {blocks[s]}, None
-            for i, x in enumerate(lines):
-                if "collective-permute(" in x or not (operands[i] & reach):
+        names = [x.removeprefix("ROOT ").split(" =", 1)[0].lstrip("%") for x in lines]
+        uses = [set(re.findall(r"%([\w.\-]+)", x.split("=", 1)[-1].split("metadata=")[0]))
+                for x in lines]  # fmt: skip
+        for i, x in enumerate(lines):
+            sent = re.search(r"collective-permute(?:-start)?\(%?([\w.\-]+)", x)
+            if not sent:
+                continue
+            reach = {sent.group(1)}
+            for j, y in enumerate(lines):
+                if "collective-permute" in y or not uses[j] & reach:
                     continue
-                reach.add(names[i])
-                called = re.search(r"calls=%?([\w.\-]+)", x)
-                if " dot(" in x or "custom-call(" in x or (called and called.group(1) in has_dot):
-                    first_dot = i
+                reach.add(names[j])
+                called = re.search(r"calls=%?([\w.\-]+)", y)
+                if " dot(" in y or "custom-call(" in y or (called and called.group(1) in has_dot):
+                    pairs.append((i, j))
                     break
-            pairs.append((chain[s], first_dot if first_dot is not None else -1))
-        return all(p < d for p, d in pairs if d >= 0), pairs
-    return False, []
+    return bool(pairs) and all(p < d for p, d in pairs), pairs
 
 
 def main() -> None:
@@ -90,7 +80,6 @@ def main() -> None:
 
     jax.config.update("jax_num_cpu_devices", args.devices)
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -133,7 +122,7 @@ def main() -> None:
     print(f"attention block fwd+bwd, causal, B={b} T={t} H={h} K={kh} D={d} fp32; "
           f"per device")  # fmt: skip
     print(f"{'impl':<11}{'C':>3}{'temp MiB':>10}{'1/C line':>10}{'ratio':>7}"
-          f"{'sent MiB':>10}{'formula':>9}{'ring order':>12}")  # fmt: skip
+          f"{'sent MiB':>10}{'formula':>9}{'dW MiB':>8}  ring permute")  # fmt: skip
     for c in contexts:
         for impl in ["none"] if c == 1 else list(attn.IMPLS):
             compiled = compile_(c, "auto" if c == 1 else impl)
@@ -142,7 +131,9 @@ def main() -> None:
             line = base / c
             text = compiled.as_text()
             found = [x for x in collectives(text, c) if x.group == c]
-            sent = sum(x.sent_bytes for x in found)
+            # the replicated weights' gradients are all-reduced: not attention traffic
+            grads = sum(x.sent_bytes for x in found if x.op == "all-reduce")
+            sent = sum(x.sent_bytes for x in found if x.op != "all-reduce")
             formula = attn.sent_bytes(impl, qs, ks, c, 4, backward=True) if c > 1 else 0.0
             order = ""
             if impl == "ring":
@@ -151,20 +142,23 @@ def main() -> None:
                                      devices=jax.devices()[:c])  # fmt: skip
                 z = jnp.zeros((b, t, h, d))
                 with jax.set_mesh(mesh):
-                    ok, _ = ring_permutes_lead(fwd.lower(z, z, z).compile().as_text())
-                order = "leads" if ok else "LATE"
+                    ok, pairs = ring_permutes_lead(fwd.lower(z, z, z).compile().as_text())
+                order = f"{'leads' if ok else 'LATE'} ({len(pairs)})"
             row = {"impl": impl, "C": c, "temp_bytes": temp, "line_bytes": line,
                    "ratio": temp / line, "sent_bytes": sent, "formula_bytes": formula,
+                   "weight_grad_allreduce_bytes": grads,
                    "ring_permute_leads": order or None}  # fmt: skip
             rows.append(row)
-            print(f"{impl:<11}{c:>3}{temp / 2**20:>10.1f}{line / 2**20:>10.1f}"
-                  f"{temp / line:>7.2f}{sent / 2**20:>10.2f}{formula / 2**20:>9.2f}{order:>12}")  # fmt: skip
-    print("sent: collectives over the context axis in the compiled step (ring algorithms);"
-          " formula: sent_bytes(impl, backward=True)")  # fmt: skip
+            mib = [x / 2**20 for x in (temp, line, sent, formula, grads)]
+            print(f"{impl:<11}{c:>3}{mib[0]:>10.1f}{mib[1]:>10.1f}{temp / line:>7.2f}"
+                  f"{mib[2]:>10.2f}{mib[3]:>9.2f}{mib[4]:>8.2f}  {order}")  # fmt: skip
+    print("sent: the step's collectives over the context axis except the weight-gradient\n"
+          "all-reduce (dW), as ring algorithms send them; formula: sent_bytes(impl,\n"
+          "backward=True); ring permute: each K/V send scheduled before the first dot\n"
+          "reading that block (number of sends checked)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "jax": jax.__version__}, f, indent=1)
-    del np
 
 
 if __name__ == "__main__":
