@@ -8,7 +8,7 @@ each scheme. Side by side in one run:
 - temporaries per device (``compiled.memory_analysis().temp_size_in_bytes``) against
   the 1/C line from C = 1;
 - bytes each device sends per step, parsed from the compiled HLO, against each
-  scheme's formula (``shardax.parallel.attention.sent_bytes``);
+  scheme's formula (``shardax.parallel.context.sent_bytes``);
 - the ring's forward HLO: is each block's collective-permute issued before the
   previous block's first dot (so the transfer can overlap it)?
 
@@ -83,7 +83,7 @@ def main() -> None:
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import shardax.parallel.attention as attn
+    import shardax.parallel.context as attn
 
     try:  # the HLO parser is moving from runtime/ to cost/
         from shardax.cost.hlo import collectives

@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.parallel.attention import (
+from shardax.parallel.context import (
     attention,
     choose_impl,
     sequence_sharding,

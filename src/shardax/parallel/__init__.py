@@ -4,7 +4,7 @@ One concept per module; each module's public names are re-exported here and from
 ``shardax``.
 """
 
-from shardax.parallel.attention import (
+from shardax.parallel.context import (
     CONTEXT_AXIS,
     attention,
     choose_impl,

@@ -19,11 +19,10 @@ Causal load balancing: with ``layout="zigzag"`` device i holds sequence chunks i
 2C-1-i (of 2C); :func:`zigzag` reorders a batch that way and gives each token's true
 position, which the masks use.
 
->>> import jax, jax.numpy as jnp, shardax as sx
 >>> mesh = jax.make_mesh((2, 4), ("data", "context"))
 >>> q = k = v = jnp.ones((2, 16, 4, 8))
 >>> with jax.set_mesh(mesh):
-...     o = jax.jit(lambda q, k, v: sx.attention(q, k, v, causal=True, impl="ring"))(q, k, v)
+...     o = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, impl="ring"))(q, k, v)
 >>> o.shape
 (2, 16, 4, 8)
 """
@@ -146,7 +145,7 @@ def sequence_sharding(
     such axis) and over ``seq_axis`` on T: the placement :func:`attention` expects.
 
     >>> sequence_sharding(jax.make_mesh((2, 4), ("data", "context"))).spec
-    PartitionSpec('data', 'context')
+    P('data', 'context')
     """
     if seq_axis not in mesh.shape:
         raise ValueError(
