@@ -41,7 +41,7 @@ from shardax.checkpoint import (
 )
 from shardax.data import batch_sharding, batches, global_batch, prefetch_to_device
 from shardax.mesh import make_mesh
-from shardax.parallel import pipeline, pipeline_1f1b, remat
+from shardax.parallel import attention, pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
     constrain,
@@ -88,6 +88,7 @@ __all__ = [
     "Preempted",
     "StepWatchdog",
     "TrainState",
+    "attention",
     "auto_plan",
     "batch_sharding",
     "batches",
