@@ -293,3 +293,20 @@ def test_train_reports_state_memory_per_device(tmp_path, capsys):
     # FSDP over 8 devices: the two kernels (and their Adam moments) split 8 ways; the
     # biases (< 1024 elements) stay whole.
     assert sharded["state_bytes_per_device"] < replicated["state_bytes"] / 6
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["--epochs", "1", "--hidden", "32", "--batch-size", "256"], 0),
+        (["--model", "gpt", "--steps", "2", "--eval-every", "2"], 0),
+        # bf16 against an fp32 tolerance: the report names reduced precision, exit 1.
+        (["--epochs", "1", "--hidden", "32", "--precision", "bf16", "--verify-rtol", "1e-7"], 1),
+    ],
+    ids=["mlp", "gpt", "bf16-too-tight"],
+)
+def test_train_verify_checks_the_first_batch_against_one_device(argv, code, tmp_path, capsys):
+    assert cli(["train", "--verify", *argv, "--run-dir", str(tmp_path / "run")]) == code
+    out = capsys.readouterr().out
+    assert "sx.verify: ok" in out if code == 0 else "reduced precision" in out
+    assert (tmp_path / "run" / "summary.json").exists() == (code == 0)

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from shardax.cli import track, train_gpt, train_mlp  # noqa: F401 (the jobs register themselves)
 from shardax.cli.common import (
+    UsageError,
     add_json_flag,
     console,
     mesh_spec,
@@ -148,8 +150,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"S seconds dumps every thread's stack and exits with code {WATCHDOG_EXIT_CODE} "
         "(default: off)",
     )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="before training, check the distributed step against one device on the first "
+        "batch (sx.verify); a mismatch prints the report and exits with code 1",
+    )
+    parser.add_argument(
+        "--verify-rtol",
+        type=positive_float,
+        default=None,
+        help="--verify's relative tolerance (default: by --precision: fp32 1e-4, bf16 5e-2, "
+        "fp16 2e-2)",
+    )
     track.add_arguments(parser)
     add_json_flag(parser)
+
+
+def check(args: argparse.Namespace, out: Any, job: Any) -> bool:
+    """``--verify``: :func:`shardax.verify` on the job's first batch (the loader is put
+    back); prints the report and returns whether it passed."""
+    from shardax.train.verify import verify_first_batch
+
+    try:
+        report = verify_first_batch(job.step, job.state, job.loader, rtol=args.verify_rtol)
+    except ValueError as e:
+        raise UsageError(f"--verify: {e}") from None
+    if args.json and not report.ok:
+        print_json({"command": "train", "verify": report.to_dict()})
+    elif not args.json:
+        out.print(report)
+    return report.ok
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,7 +189,11 @@ def run(args: argparse.Namespace) -> int:
 
     out = console(args)
     check_model_options(args)
+    if args.verify_rtol is not None and not args.verify:
+        raise UsageError(f"--verify-rtol {args.verify_rtol} needs --verify")
     job = JOBS[args.model].make(args, out)
+    if args.verify and not check(args, out, job):
+        return 1
     summary = loop(args, out, job)
     if jax.process_index() == 0:
         directory = Path(summary["run_dir"])
