@@ -19,11 +19,11 @@ failure (1), and requeue on. A SIGTERM that arrives during a save only sets the 
 save completes first.
 
 >>> import shardax as sx
->>> manager = sx.CheckpointManager("/tmp/sx_doc_preempt")
+>>> manager = sx.CheckpointManager(tmp_path / "ckpt")
 >>> for step in range(1, 4):
-...     state = train_step(state, next(batches))
+...     state, metrics = train_step(state, next(batches))
 ...     if manager.reached_preemption(step):
-...         manager.save(step, state, batches.get_state())
+...         manager.save(step, state, data_state=batches.get_state())
 ...         raise sx.Preempted(step, manager.directory)  # exit code 75
 """
 
