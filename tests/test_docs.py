@@ -4,9 +4,10 @@
   on its earlier blocks), in this process on its 8 simulated devices, from a temporary
   working directory. A block preceded by a ``<!-- skip -->`` line is illustration only and
   is not run; keep those rare.
-- Docstrings: ``doctest`` over every module of ``src/shardax``, each module's examples in
-  one namespace: the module's globals (as doctest's default) and :func:`doctest_namespace` (``sx``, ``jax``, ``jnp``,
-  ``np``, ``optax``, ``nnx``, ``P``, a ``mesh``...). An illustrative line says
+- Docstrings: ``doctest`` over every module of ``src/shardax`` (but those of
+  :data:`DOCTEST_NOT_YET`), each module's examples in one namespace: :func:`doctest_namespace`
+  (``sx``, ``jax``, ``jnp``, ``np``, ``optax``, ``nnx``, ``P``, a ``mesh``, a small train
+  loop...) and the module's own globals, as doctest's default. An illustrative line says
   ``# doctest: +SKIP``.
 """
 
@@ -143,4 +144,3 @@ def test_docstring_examples_run(name, tmp_path, monkeypatch):
         test.globs = globs  # one namespace per module, as a page of the docs
         runner.run(test, out=failures.append, clear_globs=False)
     assert not failures, "".join(failures)
-
