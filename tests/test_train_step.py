@@ -153,7 +153,7 @@ def test_state_buffers_are_donated(mesh, mode):
 
 @pytest.mark.parametrize("mode", ["jit", "single", "shard_map", "pmap"])
 def test_donation_never_deletes_the_users_arrays(mesh, mode):
-    from shardax.train.step import unalias
+    from shardax.train.program import unalias
 
     source = make_state("pytree")  # committed to device 0, as a freshly built model is
     step = sx.make_train_step(make_loss("pytree"), mesh=mesh, mode=mode)

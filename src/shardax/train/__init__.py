@@ -1,24 +1,28 @@
 """Train layer: TrainState, the train and eval steps, precision, auto plans, the loss rules."""
 
-from shardax.train.auto import AutoPlan, AutoPlanOptions, Candidate, auto_plan
-from shardax.train.eval import EvalStep, make_eval_step
+from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
+from shardax.train.eval import EvalStep
 from shardax.train.guard import NonFiniteLossError, check_finite
-from shardax.train.loss import masked_mean
+from shardax.train.make import make_eval_step, make_train_step
+from shardax.train.masks import masked_mean
 from shardax.train.precision import LossScaleState, LossScaling, Precision
+from shardax.train.program import MODES, Program
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState
-from shardax.train.step import MODES, TrainStep, make_train_step
+from shardax.train.step import TrainStep
 
 __all__ = [
     "MODES",
     "AutoPlan",
     "AutoPlanOptions",
+    "AutoStep",
     "Candidate",
     "EvalStep",
     "LossScaleState",
     "LossScaling",
     "NonFiniteLossError",
     "Precision",
+    "Program",
     "TrainState",
     "TrainStep",
     "auto_plan",
