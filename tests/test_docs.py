@@ -14,6 +14,7 @@
 import doctest
 import importlib
 import pkgutil
+import signal
 from pathlib import Path
 
 import jax
@@ -42,6 +43,17 @@ DOCTEST_NOT_YET = (
     "shardax.train.eval",
     "shardax.train.step",
 )
+
+
+@pytest.fixture(autouse=True)
+def _leaves_sigterm_alone():
+    """A page or example that listens for SIGTERM (``reached_preemption``) must put the
+    handler back (``with sx.watch_preemption():``), or later tests see a changed process."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    after = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, before)
+    assert after == before, "the SIGTERM handler changed: wrap the loop in sx.watch_preemption()"
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:

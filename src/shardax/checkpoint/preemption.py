@@ -20,11 +20,12 @@ save completes first.
 
 >>> import shardax as sx
 >>> manager = sx.CheckpointManager(tmp_path / "ckpt")
->>> for step in range(1, 4):
-...     state, metrics = train_step(state, next(batches))
-...     if manager.reached_preemption(step):
-...         manager.save(step, state, data_state=batches.get_state())
-...         raise sx.Preempted(step, manager.directory)  # exit code 75
+>>> with sx.watch_preemption():  # listen from the first step; the old handler back after
+...     for step in range(1, 4):
+...         state, metrics = train_step(state, next(batches))
+...         if manager.reached_preemption(step):
+...             manager.save(step, state, data_state=batches.get_state())
+...             raise sx.Preempted(step, manager.directory)  # exit code 75
 """
 
 from __future__ import annotations
