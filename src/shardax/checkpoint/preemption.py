@@ -26,6 +26,7 @@ save completes first.
 ...         if manager.reached_preemption(step):
 ...             manager.save(step, state, data_state=batches.get_state())
 ...             raise sx.Preempted(step, manager.directory)  # exit code 75
+>>> manager.close()
 """
 
 from __future__ import annotations
