@@ -476,7 +476,7 @@ def slurm_env(rank: int, n: int, port: int) -> dict[str, str]:
 
 
 def jobset_env(rank: int, n: int, port: int) -> dict[str, str]:
-    """What the README's JobSet manifest gives pod ``rank``."""
+    """What the JobSet manifest of docs/guides/checkpoints.md gives pod ``rank``."""
     return {
         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
         "JAX_NUM_PROCESSES": str(n),

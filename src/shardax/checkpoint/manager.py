@@ -8,8 +8,8 @@ it was saved with.
 
 >>> import shardax as sx
 >>> state = {"w": jnp.ones((8, 4)), "step": jnp.int32(0)}
->>> sx.save_checkpoint("/tmp/sx_doc_ckpt", state, step=1, overwrite=True)
->>> sx.restore_checkpoint("/tmp/sx_doc_ckpt", like=state).step
+>>> sx.save_checkpoint(tmp_path / "ckpt", state, step=1)
+>>> sx.restore_checkpoint(tmp_path / "ckpt", like=state).step
 1
 """
 

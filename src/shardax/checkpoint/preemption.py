@@ -19,12 +19,14 @@ failure (1), and requeue on. A SIGTERM that arrives during a save only sets the 
 save completes first.
 
 >>> import shardax as sx
->>> manager = sx.CheckpointManager("/tmp/sx_doc_preempt")
->>> for step in range(1, 4):
-...     state = train_step(state, next(batches))
-...     if manager.reached_preemption(step):
-...         manager.save(step, state, batches.get_state())
-...         raise sx.Preempted(step, manager.directory)  # exit code 75
+>>> manager = sx.CheckpointManager(tmp_path / "ckpt")
+>>> with sx.watch_preemption():  # listen from the first step; the old handler back after
+...     for step in range(1, 4):
+...         state, metrics = train_step(state, next(batches))
+...         if manager.reached_preemption(step):
+...             manager.save(step, state, data_state=batches.get_state())
+...             raise sx.Preempted(step, manager.directory)  # exit code 75
+>>> manager.close()
 """
 
 from __future__ import annotations

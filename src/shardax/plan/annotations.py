@@ -321,8 +321,9 @@ def from_linen(
     >>> variables = jax.eval_shape(dense.init, jax.random.key(0), jnp.ones((1, 16)))
     >>> plan = sx.from_linen(sx.make_mesh({"data": 4, "model": 2}), variables,
     ...                      {"embed": None, "mlp": "model"})
-    >>> plan.specs(nn.unbox(variables))["params"]["kernel"]
-    PartitionSpec(None, 'model')
+    >>> specs = plan.specs(nn.unbox(variables))["params"]
+    >>> specs["kernel"]
+    P(None, 'model')
     """
     check_mesh("from_linen: mesh", mesh)
     table = linen_specs(variables, mesh, axis_rules)

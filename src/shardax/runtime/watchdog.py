@@ -18,7 +18,9 @@ dispatches asynchronously and a hang shows only when the host waits:
 ...     for step in range(1, 4):
 ...         with watchdog.step(step):
 ...             state, metrics = train_step(state, next(batches))
-...             jax.block_until_ready(metrics["loss"])
+...             loss = float(metrics["loss"])  # waits for the step's result
+>>> int(state.step)
+3
 
 Off by default: nothing is watched unless a loop creates one.
 """

@@ -13,6 +13,8 @@ and the non-trainable model state, and reads the model state back after the call
 
 >>> adapter, params, model_state = split_model(eqx.nn.Linear(2, 3, key=jax.random.key(0)))
 >>> model = adapter.bind(params, model_state, jax.random.key(1))
+>>> model(jnp.ones(2)).shape
+(3,)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ runs unchanged on every device, as accelerate's ``prepare`` does for PyTorch:
 >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 >>> model, optimizer = sx.prepare(model, optimizer, mesh=mesh, plan=sx.fsdp(mesh))
 >>> model.kernel.sharding.spec, optimizer.opt_state[0].mu["kernel"].sharding.spec
-(PartitionSpec('data', None), PartitionSpec('data', None))
+(P('data', None), P('data', None))
 
 Every object is placed as :func:`shardax.make_train_step` would place it in a
 :class:`~shardax.train.state.TrainState`: the plan sees the same paths (``params/...``,

@@ -8,7 +8,7 @@ params (``param_norm``) and no extra communication under replicating plans.
 >>> state = sx.TrainState.from_params({"w": jnp.ones(3)}, lambda p, x: x @ p["w"],
 ...                                   optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
 >>> stats = update_stats(state, {"w": jnp.full(3, 2.0)}, STATS)
->>> sorted(stats), float(stats["grad_norm"]) ** 2
+>>> sorted(stats), round(float(stats["grad_norm"]) ** 2, 4)
 (['grad_norm', 'learning_rate', 'param_norm'], 12.0)
 """
 
