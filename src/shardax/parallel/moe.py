@@ -9,12 +9,11 @@ and the tokens travel to their experts and back.
 
 >>> def swiglu(p, h):
 ...     return (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
->>> k = jax.random.split(jax.random.key(0), 4)
->>> experts = {"gate": jax.random.normal(k[0], (8, 16, 32)),
-...            "up": jax.random.normal(k[1], (8, 16, 32)),
-...            "down": jax.random.normal(k[2], (8, 32, 16))}
->>> x, router = jnp.ones((4, 10, 16)), jax.random.normal(k[3], (16, 8))
->>> y, aux = sx.moe(x, router, swiglu, experts, top_k=2)
+>>> rng = np.random.default_rng(0)
+>>> experts = {"gate": rng.normal(size=(8, 16, 32)), "up": rng.normal(size=(8, 16, 32)),
+...            "down": rng.normal(size=(8, 32, 16))}           # 8 experts, stacked
+>>> x, router = jnp.ones((4, 10, 16)), rng.normal(size=(16, 8))
+>>> y, aux = jax.jit(lambda x: sx.moe(x, router, swiglu, experts, top_k=2))(x)
 >>> y.shape, aux.tokens_per_expert.sum().item()      # 40 tokens × 2 assignments
 ((4, 10, 16), 80)
 
