@@ -347,3 +347,21 @@ def test_bad_input_is_refused_naming_the_argument(kwargs, match):
         params = jax.tree.map(lambda p: p[: router.shape[1]], params)
     with jax.set_mesh(mesh_of("data2_expert4")), pytest.raises(ValueError, match=match):
         moe(x, router, ffn, params, **kwargs)
+
+
+def test_experts_guide_runs(monkeypatch):
+    """docs/guides/experts.md: its python blocks run in order in one namespace (the
+    first, a signature sketch, only parses)."""
+    import re
+    from pathlib import Path
+
+    from shardax import parallel
+
+    for name in ("moe", "MoEAux", "capacity", "choose_dispatch"):  # until shardax exports them
+        monkeypatch.setattr(sx, name, getattr(parallel, name), raising=False)
+    guide = Path(__file__).resolve().parent.parent / "docs" / "guides" / "experts.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
+    compile(blocks[0], "experts.md block 0", "exec")
+    namespace: dict = {}
+    for i, block in enumerate(blocks[1:], 1):
+        exec(compile(block, f"experts.md block {i}", "exec"), namespace)
