@@ -241,6 +241,47 @@ def test_remat_and_fsdp_over_data():
     assert grads["experts"]["w2"].sharding.spec[0] == "expert"
 
 
+def test_trains_in_make_train_step_with_accumulation_like_one_device():
+    """sx.make_train_step (jit, data=2 × expert=4, accumulate=2) against mode='single':
+    with nothing dropped the routing groups do not matter, so losses and params agree.
+    (The balance loss is not linear in the tokens: under accumulation it is each
+    microbatch's, so it is left out of the loss here.)"""
+    import optax
+
+    mesh = mesh_of("data2_expert4")
+
+    def apply(params, x):
+        y, aux = moe(x, params["router"], ffn, params["experts"], capacity_factor=NO_DROPS)
+        return x + y, aux
+
+    def loss_fn(model, batch):
+        h, _ = model(batch["x"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    def state():
+        params = {"router": ROUTER, "experts": PARAMS}
+        return sx.TrainState.from_params(params, apply, optax.sgd(0.5))
+
+    batch = {"x": X, "y": COT}
+    plan = sx.rules(mesh, [(r"experts", P("expert"))])
+    results = []
+    for step in (
+        sx.make_train_step(loss_fn, mesh=mesh, mode="single"),
+        sx.make_train_step(
+            loss_fn, mesh=mesh, plan=plan, accumulate=2, data_axis=("data", "expert")
+        ),
+    ):
+        s, losses = step.shard(state()), []
+        for _ in range(2):
+            s, metrics = step(s, batch)
+            losses.append(float(metrics["loss"]))
+        results.append((s.params, losses))
+    (want, want_losses), (got, losses) = results
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_close(got, want)
+    assert got["experts"]["w1"].sharding.spec[0] == "expert"
+
+
 # -- placement and communication ---------------------------------------------------------
 
 
