@@ -178,6 +178,39 @@ def test_output_gradients_and_aux_equal_the_reference(mesh_name, dispatch, capac
     assert (float(aux.dropped_fraction) > 0) == (capacity_factor == DROPS)
 
 
+def test_data_only_mesh_routes_as_data_times_expert():
+    """data=8 (every expert on every device) has the 8 routing groups of data=2 × expert=4,
+    so the same drops and the same result: a model's losses agree on the two meshes."""
+    mesh = sx.make_mesh({"data": 8})
+    (want, want_grads), want_aux = expected(8, DROPS)
+    with jax.set_mesh(mesh):
+        (y, grads), aux = compiled("all_to_all", DROPS)(X, ROUTER, PARAMS)
+    assert_close(y, want)
+    assert_close(grads, want_grads)
+    check_aux(aux, want_aux)
+
+
+def test_aux_loss_gradients_equal_the_reference():
+    """d(balance_loss + z_loss)/d(router, x) against the formulas on one device."""
+    mesh = mesh_of("data2_expert4")
+    experts, _, _ = numpy_routing(X, ROUTER, 8, DROPS)
+    f = np.bincount(experts.ravel(), minlength=E) / experts.size
+
+    def ours(x, r):
+        aux = moe(x, r, ffn, PARAMS, top_k=K, capacity_factor=DROPS)[1]
+        return aux.balance_loss + aux.z_loss
+
+    def ref(x, r):
+        logits = x.reshape(-1, D) @ r
+        probs = jax.nn.softmax(logits, axis=-1)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return E * jnp.sum(f * probs.mean(0)) + jnp.mean(lse**2)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(ours, argnums=(0, 1)))(X, ROUTER)
+    assert_close(got, jax.jit(jax.value_and_grad(ref, argnums=(0, 1)))(X, ROUTER))
+
+
 def test_explicit_mesh_axes():
     mesh = mesh_of("data2_expert4", AxisType.Explicit)
     (want, want_grads), want_aux = expected(8, DROPS)
@@ -378,6 +411,7 @@ def test_module_examples_run():
         ({"router": ROUTER[:, :6]}, r"E=6 is not divisible by the size 4 of mesh axis 'expert'"),
         ({"x": X[:12]}, r"leading \(batch\) dimension 12 is not divisible by the 8 routing groups"),
         ({"axis": "experts"}, r"axis 'experts' is not in the mesh"),
+        ({"batch_axes": ("replica",)}, r"batch_axes entry 'replica' is not in the mesh"),
         ({"x": X[0, 0]}, r"x must be \(tokens, d\) or \(batch, length, d\)"),
     ],
 )
