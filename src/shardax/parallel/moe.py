@@ -146,7 +146,7 @@ def _combine(y_rows: jax.Array, rows: jax.Array, r: Routing) -> jax.Array:
     return jnp.einsum("tk,tkd->td", weight, padded[rows])
 
 
-def _gather_rows(x: jax.Array, rows: jax.Array, size: int, r: Routing) -> jax.Array:
+def _gather_rows(x: jax.Array, rows: jax.Array, size: int) -> jax.Array:
     """A ``(size, d)`` buffer whose row ``rows[t, j]`` is token t (zeros elsewhere)."""
     tokens = jnp.broadcast_to(jnp.arange(x.shape[0])[:, None], rows.shape)
     source = jnp.full(size, x.shape[0], jnp.int32).at[rows.ravel()].set(tokens.ravel(), mode="drop")
@@ -161,7 +161,7 @@ def _all_to_all(x, r, expert_fn, params, capacity, axis, n) -> jax.Array:
     """Fixed buffers: (E, C, d) per group, split by destination and exchanged."""
     num_experts = r.probs.shape[-1]
     rows = jnp.where(r.keep, r.experts * capacity + r.rank, num_experts * capacity)
-    buf = _gather_rows(x, rows, num_experts * capacity, r).reshape(num_experts, capacity, -1)
+    buf = _gather_rows(x, rows, num_experts * capacity).reshape(num_experts, capacity, -1)
     if n > 1:  # (E, C, d) -> (E/n, n·C, d): my experts' slots from every group
         buf = lax.all_to_all(buf, axis, split_axis=0, concat_axis=1, tiled=True)
     out = _run_experts(expert_fn, params, buf)
@@ -178,7 +178,7 @@ def _ragged(x, r, expert_fn, params, capacity, axis, n) -> jax.Array:
     kept = jnp.zeros(num_experts, jnp.int32).at[r.experts].add(r.keep.astype(jnp.int32))
     start = jnp.cumsum(kept) - kept  # the kept assignments, by expert then rank
     rows = jnp.where(r.keep, start[r.experts] + r.rank, total)
-    send = _gather_rows(x, rows, total, r)
+    send = _gather_rows(x, rows, total)
     me = lax.axis_index(axis)
     # Expert e's slice lands at row (e mod E/n)·n·C + me·C of device e // (E/n): the
     # receiver's buffer is (E/n, n·C, d), as the all_to_all dispatch's.
