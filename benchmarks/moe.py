@@ -19,6 +19,21 @@ dispatch, and drops against capacity_factor, side by side in one run.
 
     uv run python benchmarks/moe.py                      # 8 simulated CPU devices
     uv run python benchmarks/moe.py --json out.json
+
+Recorded (defaults: 8 SwiGLU experts, d=128, hidden 256, top-2, capacity_factor 1.25,
+32 × 64 tokens; 2-core VM under load 9–16, 8 simulated CPU devices; JAX 0.10.2 and
+0.12.0.1 gave the same bytes):
+
+- placement: 3,145,728 / 1,572,864 / 786,432 / 393,216 bytes per device on expert
+  axes 1 / 2 / 4 / 8, each exactly total / n;
+- bytes per gradient step, data=2 × expert=4, T=256 per group, C=80: all_to_all
+  983,040 (HLO, 4 all-to-alls) = formula; dense 1,585,152 (2 all-gathers, 2
+  all-to-alls, 2 reduce-scatters) = formula; ragged 783,872 by formula (not compiled);
+- step time, median of 15: dense ÷ all_to_all 6.2, 7.0, 7.5 (0.10), 7.7 (0.12); data=8
+  (experts replicated) ÷ all_to_all 1.2–1.8;
+- dropped fraction at capacity_factor 0.5 / 0.75 / 1.0 / 1.25 / 1.5 / 2.0 / 3.0: random
+  tokens 0.50 / 0.25 / 0.045 / 0.0002 / 0 / 0 / 0 (balance loss 1.001); tokens sharing a
+  direction 0.57 / 0.41 / 0.26 / 0.15 / 0.11 / 0.045 / 0 (balance loss 1.31).
 """
 
 from __future__ import annotations
