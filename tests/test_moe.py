@@ -447,3 +447,61 @@ def test_experts_guide_runs(monkeypatch):
     namespace: dict = {}
     for i, block in enumerate(blocks[1:], 1):
         exec(compile(block, f"experts.md block {i}", "exec"), namespace)
+
+
+# -- the GPT's MoE MLP -------------------------------------------------------------------
+
+
+def test_gpt_moe_trains_alike_on_data_and_data_times_expert():
+    """GPT with 4 experts in every 2nd block: 3 Adam steps on data=8 and on data=2 ×
+    expert=4 (the same 8 routing groups) give the same losses; the experts are split."""
+    import optax
+
+    from shardax.models import gpt
+    from shardax.plan.tree import path_str
+
+    cfg = gpt.GPTConfig(layers=2, d_model=32, heads=4, max_seq_len=16, experts=4, moe_every=2)
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (16, 16)), jnp.int32)
+
+    def lm_loss(model, batch):
+        logits, aux = model(batch[:, :-1], return_aux=True)
+        logp = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(logp, batch[:, 1:, None], -1).mean()
+        return nll + 1e-2 * aux.balance_loss
+
+    runs = {}
+    for spec in ({"data": 8}, {"data": 2, "expert": 4}):
+        mesh = sx.make_mesh(spec)
+        model = gpt.make_gpt(cfg)
+        plan = gpt.plan(mesh, model, "replicate")
+        step = sx.make_train_step(lm_loss, mesh=mesh, plan=plan, data_axis=tuple(spec))
+        state, losses = step.shard(sx.TrainState.create(model, optax.adam(1e-2))), []
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs[len(spec)], last = losses, state
+    np.testing.assert_allclose(runs[2], runs[1], rtol=1e-5)
+    assert runs[1][-1] < runs[1][0]
+    ups = [
+        leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(last)[0]
+        if path_str(path).endswith("moe/up/value") or path_str(path).endswith("moe/up")
+    ]
+    assert ups, "no expert weights found in the train state"
+    for leaf in ups:  # (moe layers, E, d, 4d): 1 of the 4 experts per device
+        assert leaf.addressable_shards[0].data.shape[1] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"experts": 4, "top_k": 5}, r"top_k=5 must be <= experts=4"),
+        ({"experts": 4, "moe_every": 3}, r"moe_every=3 must divide layers=2"),
+        ({"experts": -1}, r"experts must be an integer >= 0, got -1"),
+    ],
+)
+def test_gpt_moe_config_is_checked(kwargs, match):
+    from shardax.models import gpt
+
+    with pytest.raises(ValueError, match=match):
+        gpt.GPTConfig(layers=2, d_model=32, heads=4, **kwargs)
