@@ -23,7 +23,15 @@ blocks/mlp/down       (L, 4·d_model, d_model)      ("layers", "mlp", "embed")
 blocks/norm*/scale    (L, d_model)                 ("layers", "embed")
 norm/scale            (d_model,)                   ("embed",)
 head                  (d_model, vocab)             ("embed", "vocab")
+moe/router            (L/n, d_model, E)            ("layers", "embed", None)
+moe/up                (L/n, E, d_model, 4·d_model) ("layers", "expert", "embed", "mlp")
+moe/down              (L/n, E, 4·d_model, d_model) ("layers", "expert", "mlp", "embed")
 ====================  ===========================  =================================
+
+With ``GPTConfig(experts=E, moe_every=n)`` every n-th block is an MoE block, stacked in
+``moe_blocks`` (the ``moe/`` rows above), the other blocks in ``blocks``. Its MLP is E
+experts of the MLP's shape through ``sx.moe``, split over the mesh's ``"expert"`` axis
+by :func:`plan`. ``model(tokens, return_aux=True)`` also returns their ``sx.MoEAux``.
 
 :data:`AXIS_RULES` maps them onto a mesh for each plan. Tensor parallelism is Megatron's:
 q/k/v and ``mlp/up`` split their output columns (``heads``, ``mlp``) over ``model``;
@@ -294,6 +302,17 @@ class MoEBlock(nnx.Module):
         return x + y, aux
 
 
+def _stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> Any:
+    """``count`` modules from ``make`` built at once, stacked on a leading "layers" axis."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def stack(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return stack(rngs)
+
+
 class GPT(nnx.Module):
     """Byte-level decoder-only transformer: ``tokens (batch, seq) -> logits (batch, seq, 256)``.
 
@@ -331,24 +350,10 @@ class GPT(nnx.Module):
         def stack(rngs: nnx.Rngs) -> Block:
             return Block(cfg, rngs)
 
-        if cfg.experts:
-            dense = cfg.layers - cfg.moe_layers
-
-            @nnx.split_rngs(splits=cfg.moe_layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def stack_moe(rngs: nnx.Rngs) -> MoEBlock:
-                return MoEBlock(cfg, rngs)
-
-            self.moe_blocks = stack_moe(rngs)
-            if dense:
-                self.blocks = nnx.split_rngs(splits=dense)(
-                    nnx.vmap(
-                        lambda r: Block(cfg, r),
-                        in_axes=(0,),
-                        out_axes=0,
-                        transform_metadata={nnx.PARTITION_NAME: "layers"},
-                    )
-                )(rngs)
+        if cfg.experts:  # L/moe_every MoE blocks; the other blocks dense, stacked apart
+            self.moe_blocks = _stacked(lambda r: MoEBlock(cfg, r), cfg.moe_layers, rngs)
+            if cfg.layers > cfg.moe_layers:
+                self.blocks = _stacked(lambda r: Block(cfg, r), cfg.layers - cfg.moe_layers, rngs)
         else:
             self.blocks = stack(rngs)
         self.norm = _norm(cfg.d_model, rngs)
