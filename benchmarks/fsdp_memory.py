@@ -2,7 +2,7 @@
 
 Measured two ways, side by side in one run:
 - placed: bytes of the shards each device holds (``addressable_shards``) after the state
-  is created straight onto the plan with ``sx.init_sharded``;
+  is created straight onto the plan with ``sx.plan.init_sharded``;
 - compiled: ``memory_analysis()`` of the compiled train step (per-device arguments,
   outputs and temporaries of the SPMD program).
 
@@ -68,8 +68,8 @@ def main() -> None:
 
     results = {}
     for plan in (sx.replicate(mesh), sx.fsdp(mesh)):
-        plan = sx.follow_params(plan)
-        state = sx.init_sharded(init, plan, jax.random.key(0))
+        plan = sx.plan.follow_params(plan)
+        state = sx.plan.init_sharded(init, plan, jax.random.key(0))
         n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
         device = jax.devices()[0]
         placed = sum(

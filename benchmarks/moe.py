@@ -4,7 +4,7 @@ dispatch, and drops against capacity_factor, side by side in one run.
 - **placement**: expert parameters placed ``P("expert")`` on meshes data × expert; bytes
   on one device (its addressable shard) against total / E_axis;
 - **bytes sent** per training step (forward + backward of the layer) by one device, from
-  the compiled HLO's collectives (``shardax.runtime.hlo``), against each dispatch's
+  the compiled HLO's collectives (``shardax.cost.hlo``), against each dispatch's
   formula: all_to_all sends its (E, C, d) buffers out and back, and their cotangents
   back and out, ``4 · (n-1)/n · E·C·d·b``; dense all-gathers the group's tokens and
   reduce-scatters the outputs (and the transposes in the backward pass),
@@ -69,9 +69,9 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import shardax as sx
+    from shardax.cost.hlo import collectives
     from shardax.parallel import choose_dispatch, moe
-    from shardax.parallel.moe import capacity
-    from shardax.runtime.hlo import collectives
+    from shardax.parallel.experts import capacity
 
     E, K, CF, d, h = args.experts, args.top_k, args.capacity_factor, args.d, args.hidden
     rng = np.random.default_rng(0)

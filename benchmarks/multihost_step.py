@@ -5,7 +5,7 @@ Both runs train the same MLP on the same global batch with the same mesh shape; 
 number of processes differs, so the ratio is the price of the cross-process all-reduce
 (and of two controllers sharing the machine's cores). Each step is timed to
 ``block_until_ready``; the table gives medians over the timed steps, and the median of
-``sx.check_agreement`` (one all-gather of fingerprints) in each setting.
+``sx.runtime.check_agreement`` (one all-gather of fingerprints) in each setting.
 
     python benchmarks/multihost_step.py
     python benchmarks/multihost_step.py --steps 50 --width 1024 --json
@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
     agree = []
     for _ in range(5):
         start = time.perf_counter()
-        sx.check_agreement(config=vars(args), mesh=mesh)
+        sx.runtime.check_agreement(config=vars(args), mesh=mesh)
         agree.append(time.perf_counter() - start)
     sx.print0(
         json.dumps(

@@ -16,9 +16,9 @@ each run (medians over ``--runs``):
   worker thread; batches stacked per device as it requires);
 - ``shardax``: ``sx.prefetch_to_device`` (worker thread, bounded queue).
 
-Each loader's data-wait fraction (``sx.StepClock`` over the loop's input iterator: the
+Each loader's data-wait fraction (``sx.track.StepClock`` over the loop's input iterator: the
 share of wall time the loop stood blocked on ``next()``; the sync and flax loaders are
-wrapped in ``sx.timed``) is reported beside it: near 0 when input is hidden, near
+wrapped in ``sx.data.timed``) is reported beside it: near 0 when input is hidden, near
 ``T_in / (T_in + T_c)`` when it is not.
 
 ``--sync-every`` 1 (the default) reads the step's result on the host every step, as a loop
@@ -89,8 +89,8 @@ def run_loop(
 ) -> tuple[float, float]:
     """Seconds per step, from the end of the first step (pipeline filled) to the last, and
     the data-wait fraction over the same steps (0 when ``batches`` counts no wait)."""
-    timed = batches if hasattr(batches, "wait_seconds") else sx.timed(batches)
-    clock = sx.StepClock(1, input=timed)
+    timed = batches if hasattr(batches, "wait_seconds") else sx.data.timed(batches)
+    clock = sx.track.StepClock(1, input=timed)
     state = jnp.zeros(())
     start, count = None, 0
     for i, batch in enumerate(timed):

@@ -9,7 +9,7 @@ On 8 simulated CPU devices (or the accelerators present), one MLP is trained by:
   the bare step, which does the hand-written step's work;
 - ``jit+stats``: the ``jit`` step with its default statistics (grad norm; the learning
   rate when the optimizer injects one), against ``hand+norm``, which does the same work;
-- ``jit+log``: ``jit+stats`` with tracking on: ``sx.StepClock`` ticks every step and
+- ``jit+log``: ``jit+stats`` with tracking on: ``sx.track.StepClock`` ticks every step and
   ``sx.MetricWriter`` (JSONL + TensorBoard event files) gets the step's metrics and the
   clock's window every ``--log-every`` steps (default 1, the worst case).
 
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
     # jit+log: its own jit step and state, logging through the async writer.
     log_dir = tempfile.mkdtemp(prefix="shardax-step-overhead-")
     writer = sx.MetricWriter(log_dir, log_dir=log_dir)
-    clock = sx.StepClock(args.batch_size)
+    clock = sx.track.StepClock(args.batch_size)
     logged_step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode="jit")
     count = itertools.count(1)
 

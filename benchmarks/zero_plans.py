@@ -4,7 +4,7 @@ zero1 ÷ replicate step time, side by side in one run.
 - memory: ``sx.auto_plan`` compiles each plan's train step on abstract values;
   ``memory_analysis().argument_size_in_bytes`` minus this device's slice of the batch is
   the state per device, set beside the formula's params + Adam state
-  (``shardax.runtime.memory.estimate``, ZeRO stage 0/1/2/3);
+  (``shardax.cost.memory.estimate``, ZeRO stage 0/1/2/3);
 - time: replicate and zero1 steps on the same placed state, timed in turns after
   warm-up; medians and their ratio.
 
@@ -38,7 +38,7 @@ def main() -> None:
 
     import shardax as sx
     from shardax.cli.common import median, time_interleaved
-    from shardax.runtime.memory import estimate
+    from shardax.cost.memory import estimate
 
     sizes = [int(s) for s in args.sizes.split(",")]
     mesh = sx.make_mesh({"data": args.devices})

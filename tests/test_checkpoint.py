@@ -216,12 +216,12 @@ def test_nan_guard_names_step_and_nothing_is_saved(tmp_path, mesh):
     losses = [0.5, 0.25, float("nan"), 0.1]
     with pytest.raises(sx.NonFiniteLossError, match="loss is nan at step 3") as info:
         for step, loss in enumerate(losses, start=1):
-            sx.check_finite(jnp.float32(loss), step)
+            sx.train.check_finite(jnp.float32(loss), step)
             manager.save(step, state)
     assert info.value.step == 3
     assert manager.all_steps() == [1, 2]
     with pytest.raises(sx.NonFiniteLossError, match="inf at step 9"):
-        sx.check_finite(jnp.float32(np.inf), 9)
+        sx.train.check_finite(jnp.float32(np.inf), 9)
     manager.close()
 
 

@@ -17,14 +17,14 @@ def mesh():
 
 
 def test_is_nnx_module_and_static_twins_are_aliases():
-    from shardax.train import data_parallel, metrics
+    from shardax import artifex
 
     assert isinstance(sx.DataParallel(), nnx.Module)
     assert isinstance(sx.DistributedMetrics(), nnx.Module)
     for cls, module, names in [
         (
             sx.DataParallel,
-            data_parallel,
+            artifex,
             [
                 "create_data_parallel_sharding",
                 "shard_batch",
@@ -35,7 +35,7 @@ def test_is_nnx_module_and_static_twins_are_aliases():
         ),
         (
             sx.DistributedMetrics,
-            metrics,
+            artifex,
             ["all_gather", "reduce_mean", "reduce_sum", "reduce_max", "reduce_min"],
         ),
     ]:

@@ -86,7 +86,10 @@ def test_bad_counts_name_the_argument(call, message):
         (lambda: sx.batches({}, 4), "arrays has no leaves"),
         (lambda: sx.make_mesh(devices=[]), "devices is empty"),
         (lambda: sx.make_mesh({}), "at least one axis"),
-        (lambda: sx.replicate_across_devices({"x": np.ones(2)}, devices=[]), "devices is empty"),
+        (
+            lambda: sx.data.replicate_across_devices({"x": np.ones(2)}, devices=[]),
+            "devices is empty",
+        ),
     ],
 )
 def test_empty_inputs(call, message):
@@ -114,7 +117,7 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.make_mesh(devices=["cpu"]), TypeError, "devices must be jax.Device objects"),
         (lambda: sx.TrainState.create(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), optax.adam), TypeError, "adam looks like an optax factory: call it, e.g. optax.adam(1e-3)"),
         (lambda: sx.shard({"w": np.ones(8)}, sx.batch_sharding(sx.make_mesh())), TypeError, "shard: plan must be a shardax Plan"),
-        (lambda: sx.validate({"w": np.ones(8)}, P("data")), TypeError, "validate: plan must be a shardax Plan"),
+        (lambda: sx.plan.validate({"w": np.ones(8)}, P("data")), TypeError, "validate: plan must be a shardax Plan"),
         (lambda: sx.place_on_device(np.ones(2), "cpu:0"), TypeError, "place_on_device: device must be a jax.Device, got 'cpu:0'"),
         (lambda: sx.distribute_batch({"x": np.ones(8)}, sx.make_mesh()), TypeError, "sharding must be a jax.sharding.Sharding"),
         (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh(), plan=sx.batch_sharding(sx.make_mesh())), TypeError, "plan must be a shardax Plan"),
@@ -122,13 +125,13 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.make_mesh(axis_types="explicit"), TypeError, "axis_types must be a jax.sharding.AxisType"),
         (lambda: sx.fsdp("mesh"), TypeError, "fsdp: mesh must be a jax.sharding.Mesh, got 'mesh'"),
         (lambda: sx.rules(None, []), TypeError, "rules: mesh must be a jax.sharding.Mesh, got None"),
-        (lambda: sx.follow_params("fsdp"), TypeError, "follow_params: plan must be a shardax Plan"),
-        (lambda: sx.init_sharded(lambda: {"w": jnp.ones(8)}, "fsdp"), TypeError, "init_sharded: plan must be a shardax Plan"),
+        (lambda: sx.plan.follow_params("fsdp"), TypeError, "follow_params: plan must be a shardax Plan"),
+        (lambda: sx.plan.init_sharded(lambda: {"w": jnp.ones(8)}, "fsdp"), TypeError, "init_sharded: plan must be a shardax Plan"),
         (lambda: sx.make_train_step(None, mesh=sx.make_mesh()), TypeError, "loss_fn must be a function loss_fn(model, batch), got None"),
         (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh()).shard({"w": np.ones(8)}), TypeError, "the train step takes a sx.TrainState"),
         (lambda: sx.batches({"x": np.ones(4)}, 2, shuffle="yes"), TypeError, "batches: shuffle must be True or False, got 'yes'"),
         (lambda: sx.save_checkpoint(None, {"w": np.ones(2)}, step=0), TypeError, "directory must be a path (str or os.PathLike), got None"),
-        (lambda: sx.validate_batch_size(True), ValueError, "batch_size must be an integer, got True (a bool)"),
+        (lambda: sx.cost.validate_batch_size(True), ValueError, "batch_size must be an integer, got True (a bool)"),
     ],
 )  # fmt: skip
 def test_wrong_types_name_what_came(call, error, message):
@@ -147,7 +150,7 @@ MIXED = {"x": np.ones((16, 3), np.float32), "y": np.ones(24, np.float32)}
     [
         lambda b, mesh: sx.distribute_batch(b, sx.batch_sharding(mesh)),
         lambda b, mesh: sx.global_batch(b, mesh),
-        lambda b, mesh: sx.shard_batch_dim(b, mesh),
+        lambda b, mesh: sx.data.shard_batch_dim(b, mesh),
         lambda b, mesh: sx.DevicePlacement().distribute_batch(b, sx.batch_sharding(mesh)),
         lambda b, mesh: next(iter(sx.prefetch_to_device([b], mesh))),
         lambda b, mesh: (s := sx.make_train_step(_loss, mesh=mesh))(s.shard(_pytree_state()), b),
@@ -204,19 +207,21 @@ def _nnx_model():
 def test_rules_that_match_nothing_are_reported(make_plan, tree, needle):
     mesh = sx.make_mesh({"data": 4, "model": 2})
     plan = make_plan(mesh)
-    assert any(needle in note for note in sx.validate(tree, plan)), sx.validate(tree, plan)
+    assert any(needle in note for note in sx.plan.validate(tree, plan)), sx.plan.validate(
+        tree, plan
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sx.shard(tree, plan)
         sx.shard(tree, plan)  # once per plan
-        sx.follow_params(plan)({"params": tree})  # the step's wrapper shares the record
+        sx.plan.follow_params(plan)({"params": tree})  # the step's wrapper shares the record
     assert len([w for w in caught if needle in str(w.message)]) == 1
 
 
 def test_matching_rules_are_quiet():
     mesh = sx.make_mesh({"data": 4, "model": 2})
     plan = sx.rules(mesh, [("^weight$", P("data"))])
-    assert sx.validate({"weight": np.ones((8, 2))}, plan) == []
+    assert sx.plan.validate({"weight": np.ones((8, 2))}, plan) == []
 
 
 # --- checkpoints --------------------------------------------------------------------------
@@ -354,6 +359,85 @@ def test_params_that_changed_shape_name_the_leaf_and_both_shapes(mesh):
     batch = {"x": np.ones((8, 5), np.float32), "y": np.ones((8, 2), np.float32)}
     with pytest.raises(ValueError, match=r"params leaf 'w' has shape \(5, 2\).*\(4, 2\)"):
         step(step.shard(state), batch)
+
+
+# --- your own loop: the loss contract, donation, sx.prepare, TrainState and nnx.Optimizer -
+
+
+def _nnx_pair(width=4):
+    model = nnx.Linear(width, 2, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def _run_twice(mode, loss_fn, reuse):
+    """Two steps of ``loss_fn``; with ``reuse`` the second gets the first's (donated) input."""
+    mesh = sx.make_mesh({"data": 8})
+    step = sx.make_train_step(loss_fn, mesh=mesh, mode=mode)
+    state = step.shard(_pytree_state())
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32)}
+    new, _ = step(state, batch)
+    step(state if reuse else new, batch)
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        # a loss parameter the step cannot fill: refused when the step is built
+        (lambda: sx.make_train_step(lambda model, batch, rngs: 0.0, mesh=sx.make_mesh()), TypeError, "loss_fn takes 'rngs', which the step cannot fill: it passes (model, batch) and, when loss_fn asks for them by name, 'rng' (one key per example) and 'step_rng' (the step's key). Pass other values through a closure"),
+        (lambda: sx.make_train_step(lambda model, batch, *, scale: 0.0, mesh=sx.make_mesh()), TypeError, "loss_fn takes 'scale', which the step cannot fill"),
+        # an aux that is not a dict of metrics, under a mode that averages it over devices
+        (lambda: _run_twice("shard_map", lambda m, b: (_loss(m, b), m(b["x"])), False), TypeError, "with aux an array of shape (1, 2); under mode='shard_map' each device's aux is averaged over the data axis, which is meaningful only for a dict of metrics"),
+        # a state whose buffers an earlier step consumed: a Python error, not a segfault
+        (lambda: _run_twice("jit", _loss, True), ValueError, "the state's buffers were donated to an earlier step, which consumed them: use the state that step returned, or build the step with donate=False"),
+        # sx.prepare
+        (lambda: sx.prepare(), TypeError, "sx.prepare takes the objects of a training loop"),
+        (lambda: sx.prepare(_nnx_pair()[1]), TypeError, "sx.prepare: argument 0 is an nnx.Optimizer, but no NNX model among the arguments has the params it was built for"),
+        (lambda: sx.prepare(_nnx_pair(4)[0], _nnx_pair(8)[1]), TypeError, "argument 1 is an nnx.Optimizer, but no NNX model"),
+        (lambda: sx.prepare({"w": np.ones(8)}, mesh=sx.make_mesh({"data": 8}), plan=sx.fsdp(sx.make_mesh({"data": 4}))), ValueError, "sx.prepare: plan 'fsdp' is over mesh {'data': 4}, not mesh {'data': 8}"),
+        (lambda: sx.prepare({"w": np.ones(8)}, plan=sx.batch_sharding(sx.make_mesh())), TypeError, "sx.prepare: plan must be a shardax Plan"),
+        (lambda: sx.prepare({"w": np.ones(8)}, mesh="data"), TypeError, "sx.prepare: mesh must be a jax.sharding.Mesh, got 'data'"),
+        # TrainState and an nnx.Optimizer
+        (lambda: sx.TrainState.create(_nnx_pair(8)[0], _nnx_pair(4)[1]), ValueError, "the nnx.Optimizer's state does not match this model's params (wrt=Param): opt_state/0/mu/kernel/value has shape (4, 2), the model's params give (8, 2)"),
+        (lambda: sx.TrainState.create({"w": jnp.ones(2)}, _nnx_pair()[1]), TypeError, "TrainState.create: an nnx.Optimizer goes with the NNX module it was built for, got a model of type dict"),
+        (lambda: _pytree_state().write_to(_nnx_pair()[0]), TypeError, "TrainState.write_to puts values into an NNX module and its nnx.Optimizer; got a Linear for a state of a ApplyFnModel"),
+        (lambda: sx.TrainState.create(*_nnx_pair()).write_to(_nnx_pair()[0], optax.adam(1e-3)), TypeError, "TrainState.write_to: optimizer must be an nnx.Optimizer, got GradientTransformationExtraArgs"),
+    ],
+    ids=["loss-param", "loss-kwonly", "aux-shard_map", "donated", "prepare-empty", "prepare-no-model", "prepare-other-model", "prepare-mesh", "prepare-plan", "prepare-mesh-type", "create-other-model", "create-not-nnx", "write_to-pytree", "write_to-tx"],
+)  # fmt: skip
+def test_your_own_loop_refusals(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+@pytest.mark.parametrize(
+    "make_plan,needle",
+    [
+        (lambda m: sx.from_nnx(m, _linen_variables(), {"mlp": "model"}), "found Flax Linen boxes (nn.Partitioned / nn.LogicallyPartitioned): use sx.from_linen"),
+        (lambda m: sx.from_nnx(m, _eqx_model()), "found an Equinox module"),
+        (lambda m: sx.from_nnx(m, {"w": np.ones(4)}), "found a plain pytree"),
+        (lambda m: sx.from_linen(m, nnx.Linear(2, 2, rngs=nnx.Rngs(0))), "sx.from_linen: no variable of the tree has a sharding annotation, so every leaf gets the default (replicated); found Flax NNX variables, none annotated"),
+    ],
+    ids=["linen", "equinox", "pytree", "nnx-to-linen"],
+)  # fmt: skip
+def test_a_tree_with_no_annotations_is_warned_about(make_plan, needle):
+    with pytest.warns(UserWarning, match=re.escape(needle)):
+        plan = make_plan(sx.make_mesh({"data": 4, "model": 2}))
+    assert plan.specs({"w": np.ones((8, 4))})["w"] == P()
+
+
+def _linen_variables():
+    import flax.linen as nn
+    import jax
+
+    kernel = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    return {"params": {"kernel": nn.LogicallyPartitioned(kernel, ("embed", "mlp"))}}
+
+
+def _eqx_model():
+    import equinox as eqx
+    import jax
+
+    return eqx.nn.Linear(2, 2, key=jax.random.key(0))
 
 
 # --- the CLI: one line on stderr, exit code 2, no traceback --------------------------------

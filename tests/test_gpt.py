@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from shardax.cli.main import main as cli
+from shardax.cost.flops import compiled_flops
 from shardax.data.text import LMBatches, lm_batch, load_corpus, stdlib_files
 from shardax.models import gpt
-from shardax.runtime.flops import compiled_flops
 
 CFG = gpt.GPTConfig(layers=2, d_model=32, heads=4, max_seq_len=16)
 # One block is enough where the test is not about the layer stack: each extra unrolled block

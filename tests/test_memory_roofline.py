@@ -1,23 +1,38 @@
 import math
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from shardax.runtime.hardware import HARDWARE_SPECS, HardwareType
-from shardax.runtime.memory import PRECISIONS, estimate, get_precision, plan_memory
-from shardax.runtime.roofline import critical_batch_size, hardware_roofline
+import shardax as sx
+from shardax.cost.hardware import HARDWARE_SPECS, HardwareType
+from shardax.cost.memory import STATE_BYTES, estimate, plan_memory, state_bytes
+from shardax.cost.roofline import critical_batch_size, hardware_roofline
+from shardax.train.precision import PRECISIONS as POLICIES
+from shardax.train.precision import resolve
 
 
 def test_bytes_per_param_formulas():
-    assert PRECISIONS["fp32"].total == 4 + 4 + 0 + 8 == 16
-    assert PRECISIONS["mixed"].total == 2 + 2 + 4 + 8 == 16
-    assert PRECISIONS["bf16"].total == 2 + 2 + 0 + 4 == 8
-    assert (PRECISIONS["mixed"].params, PRECISIONS["mixed"].master) == (2, 4)
+    assert STATE_BYTES["fp32"].total == 4 + 4 + 0 + 8 == 16
+    assert STATE_BYTES["bf16"].total == STATE_BYTES["fp16"].total == 16
+    assert (STATE_BYTES["fp32"].compute, STATE_BYTES["bf16"].compute) == (4, 2)
+    pure_bf16 = sx.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+    assert state_bytes(pure_bf16).total == 2 + 2 + 0 + 4 == 8
 
 
-@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_one_precision_the_memory_table_takes_the_train_names():
+    """The cost table and the train policies are one set of names with the same dtypes."""
+    assert list(STATE_BYTES) == list(POLICIES)
+    for name, policy in POLICIES.items():
+        row, policy = state_bytes(name), resolve(policy)
+        assert row.params == np.dtype(policy.param_dtype).itemsize
+        assert row.compute == np.dtype(policy.compute_dtype).itemsize
+
+
+@pytest.mark.parametrize("precision", list(STATE_BYTES))
 def test_dp_fsdp_tp_pp_hybrids_divide_the_states(precision):
     p, n = 7e9, 8
-    s = PRECISIONS[precision].total
+    s = STATE_BYTES[precision].total
     rows = {
         (e.strategy, e.data, e.model, e.stage): e.total_bytes for e in plan_memory(p, n, precision)
     }
@@ -25,11 +40,11 @@ def test_dp_fsdp_tp_pp_hybrids_divide_the_states(precision):
         {
             ("DP", 8, 1, 1): s * p,
             ("ZeRO-1", 8, 1, 1): pytest.approx(
-                (PRECISIONS[precision].params + PRECISIONS[precision].grads) * p
-                + (PRECISIONS[precision].master + PRECISIONS[precision].optimizer) * p / 8
+                (STATE_BYTES[precision].params + STATE_BYTES[precision].grads) * p
+                + (STATE_BYTES[precision].master + STATE_BYTES[precision].optimizer) * p / 8
             ),
             ("ZeRO-2", 8, 1, 1): pytest.approx(
-                PRECISIONS[precision].params * p + (s - PRECISIONS[precision].params) * p / 8
+                STATE_BYTES[precision].params * p + (s - STATE_BYTES[precision].params) * p / 8
             ),
             ("FSDP", 8, 1, 1): s * p / 8,
             ("TP", 1, 8, 1): s * p / 8,
@@ -47,12 +62,12 @@ def test_dp_fsdp_tp_pp_hybrids_divide_the_states(precision):
 
 
 def test_components_sum_to_total():
-    e = estimate(1e9, "mixed", data=4, model=2, shard_data=True)
+    e = estimate(1e9, "bf16", data=4, model=2, shard_data=True)
     assert e.strategy == "FSDP×TP"
     assert (e.params_bytes, e.grads_bytes, e.master_bytes, e.optimizer_bytes) == (
-        2e9 / 8,
-        2e9 / 8,
         4e9 / 8,
+        4e9 / 8,
+        0,
         8e9 / 8,
     )
     assert e.total_bytes == 16e9 / 8
@@ -60,7 +75,7 @@ def test_components_sum_to_total():
 
 def test_seven_billion_dp_does_not_fit_an_h100_but_fsdp_does():
     memory = HARDWARE_SPECS[HardwareType.H100].memory_bytes
-    dp, zero1, zero2, fsdp = plan_memory(7e9, 8, "mixed")[:4]
+    dp, zero1, zero2, fsdp = plan_memory(7e9, 8, "bf16")[:4]
     assert dp.total_bytes > zero1.total_bytes > zero2.total_bytes > fsdp.total_bytes
     assert dp.total_bytes == 112e9 > memory
     assert fsdp.total_bytes == 14e9 < memory
@@ -88,7 +103,7 @@ def test_one_device_is_dp_only():
 
 def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="precision must be one of"):
-        get_precision("fp8")
+        state_bytes("fp8")
     with pytest.raises(ValueError, match="num_params must be > 0, got -1"):
         estimate(-1)
     with pytest.raises(ValueError, match="data must be an integer >= 1, got 0"):
@@ -126,7 +141,7 @@ def test_no_figures_no_roofline(hw):
 
 
 def test_knee_is_smallest_batch_within_tolerance_of_peak():
-    from shardax.runtime.roofline import knee_batch_size
+    from shardax.cost.roofline import knee_batch_size
 
     batches = [8, 16, 32, 64, 128]
     # Step time flat until 32 (memory-bound), then linear (compute-bound): peak from 32 on.
@@ -140,7 +155,7 @@ def test_knee_is_smallest_batch_within_tolerance_of_peak():
 
 
 def test_knee_rejects_bad_input():
-    from shardax.runtime.roofline import knee_batch_size
+    from shardax.cost.roofline import knee_batch_size
 
     with pytest.raises(ValueError, match="equal length, got 2 and 1"):
         knee_batch_size([1, 2], [1.0])

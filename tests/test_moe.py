@@ -7,7 +7,6 @@ form 8 routing groups of 16; with no mesh, one group of 128.
 
 import doctest
 import functools
-import importlib
 import math
 import types
 
@@ -19,8 +18,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.parallel.moe import capacity, choose_dispatch, moe
-from shardax.runtime.hlo import collectives
+from shardax.cost.hlo import collectives
+from shardax.parallel import experts as moe_module
+from shardax.parallel.experts import capacity, choose_dispatch, moe
 
 E, D, H, K = 8, 8, 16, 2
 BATCH, LEN = 16, 8
@@ -45,8 +45,6 @@ def _inputs():
 
 
 X, ROUTER, PARAMS, COT = _inputs()
-# The module (shardax.parallel re-exports the function moe under the same name).
-moe_module = importlib.import_module("shardax.parallel.moe")
 
 
 # -- the reference -----------------------------------------------------------------------
@@ -429,24 +427,6 @@ def test_bad_input_is_refused_naming_the_argument(kwargs, match):
         params = jax.tree.map(lambda p: p[: router.shape[1]], params)
     with jax.set_mesh(mesh_of("data2_expert4")), pytest.raises(ValueError, match=match):
         moe(x, router, ffn, params, **kwargs)
-
-
-def test_experts_guide_runs(monkeypatch):
-    """docs/guides/experts.md: its python blocks run in order in one namespace (the
-    first, a signature sketch, only parses)."""
-    import re
-    from pathlib import Path
-
-    from shardax import parallel
-
-    for name in ("moe", "MoEAux", "capacity", "choose_dispatch"):  # until shardax exports them
-        monkeypatch.setattr(sx, name, getattr(parallel, name), raising=False)
-    guide = Path(__file__).resolve().parent.parent / "docs" / "guides" / "experts.md"
-    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
-    compile(blocks[0], "experts.md block 0", "exec")
-    namespace: dict = {}
-    for i, block in enumerate(blocks[1:], 1):
-        exec(compile(block, f"experts.md block {i}", "exec"), namespace)
 
 
 # -- the GPT's MoE MLP -------------------------------------------------------------------

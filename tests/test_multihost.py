@@ -408,8 +408,10 @@ def test_initialize_after_backend_started_says_call_it_first():
 def test_check_agreement_alone_and_fingerprints():
     mesh = sx.make_mesh({"data": -1})
     params = {"w": np.zeros((64, 8), np.float32)}
-    digest = sx.check_agreement(config={"lr": 0.1}, mesh=mesh, plan=sx.fsdp(mesh)(params))
-    assert digest == sx.check_agreement(config={"lr": 0.1}, mesh=mesh, plan=sx.fsdp(mesh)(params))
+    digest = sx.runtime.check_agreement(config={"lr": 0.1}, mesh=mesh, plan=sx.fsdp(mesh)(params))
+    assert digest == sx.runtime.check_agreement(
+        config={"lr": 0.1}, mesh=mesh, plan=sx.fsdp(mesh)(params)
+    )
     fp = sx.runtime.fingerprint
     # What tells setups apart: config values, mesh shapes, plan rules and their settings.
     assert fp({"lr": 0.1}) != fp({"lr": 0.2})
@@ -425,20 +427,20 @@ def test_check_agreement_alone_and_fingerprints():
     with pytest.raises(TypeError, match=r"cannot fingerprint a .*Opaque"):
         fp({"thing": Opaque()})
     with pytest.raises(ValueError, match="pass at least one part"):
-        sx.check_agreement()
+        sx.runtime.check_agreement()
 
 
 def test_host_helpers_alone(capsys):
     assert sx.is_main_process()
     sx.print0("hello", 1)
     assert capsys.readouterr().out == "hello 1\n"
-    out = sx.host_reduce({"n": np.int64(3), "x": np.ones(2)}, "sum")
+    out = sx.runtime.host_reduce({"n": np.int64(3), "x": np.ones(2)}, "sum")
     assert out["n"] == 3 and out["x"].tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="op must be one of"):
-        sx.host_reduce(1.0, "median")
+        sx.runtime.host_reduce(1.0, "median")
     mesh = sx.make_mesh({"data": -1})
     x = sx.distribute_batch(np.arange(16.0), sx.batch_sharding(mesh))
-    got = sx.host_value({"x": x, "name": "loss"})
+    got = sx.runtime.host_value({"x": x, "name": "loss"})
     assert isinstance(got["x"], np.ndarray) and got["x"].tolist() == list(range(16))
     assert got["name"] == "loss"
 

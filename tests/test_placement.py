@@ -50,7 +50,7 @@ def test_shard_batch_dim_honours_batch_axis(mesh):
     assert {s.data.shape for s in out["seq"].addressable_shards} == {(3, 2, 5)}
     assert out["scalar"].sharding.is_fully_replicated
     with pytest.raises(ValueError, match="has no batch_axis 1"):
-        sx.shard_batch_dim({"v": np.zeros(16)}, mesh, batch_axis=1)
+        sx.data.shard_batch_dim({"v": np.zeros(16)}, mesh, batch_axis=1)
 
 
 def test_indivisible_batch_names_leaf_sizes(mesh):
@@ -70,7 +70,7 @@ def test_replicate_across_devices_full_value_everywhere():
     for s in out["w"].addressable_shards:
         np.testing.assert_array_equal(s.data, w["w"])
     some = jax.devices()[2:5]
-    out = sx.replicate_across_devices(w, devices=some)
+    out = sx.data.replicate_across_devices(w, devices=some)
     assert out["w"].devices() == set(some)
     for s in out["w"].addressable_shards:
         np.testing.assert_array_equal(s.data, w["w"])

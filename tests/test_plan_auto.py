@@ -90,7 +90,7 @@ def test_fits_nowhere_names_the_smallest_and_the_budget(report):
 def test_update_only_without_loss_fn():
     mesh = sx.make_mesh({"data": 8})
     candidates = {
-        "replicate": sx.follow_params(sx.replicate(mesh)),
+        "replicate": sx.plan.follow_params(sx.replicate(mesh)),
         "zero1": sx.zero1(mesh, min_size=256),
     }
     report = sx.auto_plan(mesh, jax.eval_shape(init), device_memory=1e9, candidates=candidates)
@@ -127,7 +127,7 @@ def test_bad_input():
 
 
 def test_hlo_collectives_and_the_ring_model():
-    from shardax.runtime.hlo import collective_bytes, collectives
+    from shardax.cost.hlo import collective_bytes, collectives
 
     hlo = "\n".join(
         [

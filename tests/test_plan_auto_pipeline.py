@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.runtime.hlo import collective_bytes, collectives
+from shardax.cost.hlo import collective_bytes, collectives
 from shardax.train.auto import candidate_plans, choose
 
 D, L, BATCH, M, STAGES = 64, 4, 16, 4, 4

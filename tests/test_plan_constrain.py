@@ -85,7 +85,7 @@ def test_logical_names_follow_axis_rules():
     ]:
         # Rules are read at trace time (like jax.set_mesh): a new function per mapping.
         f = jax.jit(lambda x: sx.constrain(x * 2.0, P("batch", "mlp")))
-        with jax.set_mesh(sx.make_mesh(shape)), sx.axis_rules(rules):
+        with jax.set_mesh(sx.make_mesh(shape)), sx.plan.axis_rules(rules):
             assert f(x).sharding.spec == expected
 
 

@@ -10,13 +10,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.runtime.hlo import collectives as hlo_collectives
+from shardax.cost.hlo import collectives as hlo_collectives
 
 PARAMS = {"w1": (64, 128), "w2": (128, 16), "b": (16,)}
 
 
 def collectives(hlo: str) -> dict[str, list[list[int]]]:
-    """op name -> for each op, the element counts of its outputs (shardax.runtime.hlo)."""
+    """op name -> for each op, the element counts of its outputs (shardax.cost.hlo)."""
     found: dict[str, list[list[int]]] = {}
     for c in hlo_collectives(hlo):
         found.setdefault(c.op, []).append([math.prod(shape) for shape in c.shapes])
@@ -39,7 +39,7 @@ def compiled_step(plan, mesh, dropout=False):
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
 
-    shardings = sx.follow_params(plan)(state)
+    shardings = sx.plan.follow_params(plan)(state)
     # A batch larger than the params, so XLA moves the params (as FSDP does).
     batch = jax.ShapeDtypeStruct((1024, 64), jnp.float32, sharding=NamedSharding(mesh, P("data")))
     jitted = jax.jit(step, in_shardings=(shardings, batch.sharding, None), out_shardings=shardings)

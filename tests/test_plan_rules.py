@@ -91,7 +91,7 @@ def test_validate_collects_every_error_and_apply_raises_the_same(mesh42):
             ("ok", P("data", "model")),
         ],
     )
-    errors = sx.validate(tree, plan)
+    errors = sx.plan.validate(tree, plan)
     assert len(errors) == 4
     text = "\n".join(errors)
     assert "'indivisible' with shape (6, 4): dimension 0 of size 6" in text
@@ -105,7 +105,7 @@ def test_validate_collects_every_error_and_apply_raises_the_same(mesh42):
     for error in errors:
         assert error in str(info.value)
     # On the "ok" leaf alone no spec errs; the four other rules are reported as matching nothing.
-    notes = sx.validate({"ok": tree["ok"]}, plan)
+    notes = sx.plan.validate({"ok": tree["ok"]}, plan)
     assert len(notes) == 4 and all("gives no leaf its spec" in n for n in notes)
 
 
@@ -114,7 +114,7 @@ def test_follow_params_shards_adam_state_like_params_whatever_the_plan(mesh42):
     state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
     # Anchored rules only name params paths, and a catch-all would break scalars.
     base = sx.rules(mesh42, [(r"^params/layers/1/kernel$", P(None, "model")), (".*", P())])
-    plan = sx.follow_params(base)
+    plan = sx.plan.follow_params(base)
     specs = plan.specs(state)
     adam = specs["opt_state"][0]
     for tree in (specs["params"], adam.mu, adam.nu):
@@ -128,7 +128,7 @@ def test_follow_params_shards_adam_state_like_params_whatever_the_plan(mesh42):
     # Without follow_params the anchored rule does not reach mu.
     assert base.specs(state)["opt_state"][0].mu["layers"][1]["kernel"] == P()
     with pytest.raises(ValueError, match="params='model': no 'model'"):
-        sx.follow_params(base, params="model").specs(state)
+        sx.plan.follow_params(base, params="model").specs(state)
 
 
 def test_init_sharded_builds_each_shard_in_place(mesh42):
@@ -136,12 +136,12 @@ def test_init_sharded_builds_each_shard_in_place(mesh42):
         return {"w": jax.random.normal(key, (64, width)), "count": jnp.zeros((), jnp.int32)}
 
     plan = sx.fsdp(mesh42, axis=("data", "model"), min_size=1)
-    state = sx.init_sharded(init, plan, jax.random.key(0), 16)
+    state = sx.plan.init_sharded(init, plan, jax.random.key(0), 16)
     assert state["w"].sharding.spec == P(("data", "model"), None)
     assert {s.data.shape for s in state["w"].addressable_shards} == {(8, 16)}
     np.testing.assert_allclose(state["w"], init(jax.random.key(0), 16)["w"], rtol=1e-6)
     with pytest.raises(ValueError, match="not divisible"):
-        sx.init_sharded(lambda: {"w": jnp.ones((6, 6))}, sx.rules(mesh42, [("w", P("data"))]))
+        sx.plan.init_sharded(lambda: {"w": jnp.ones((6, 6))}, sx.rules(mesh42, [("w", P("data"))]))
 
 
 class Annotated(nnx.Module):
@@ -178,7 +178,9 @@ def test_from_nnx_maps_logical_names_onto_any_mesh(mesh42):
     mu = tp.specs(train_state)["opt_state"][0].mu
     assert mu["down"]["kernel"].get_value() == P("model", None)
     # A mapping onto an axis the mesh lacks is reported, not guessed around.
-    errors = sx.validate(state, sx.from_nnx(dp_mesh, abstract, {"embed": None, "mlp": "model"}))
+    errors = sx.plan.validate(
+        state, sx.from_nnx(dp_mesh, abstract, {"embed": None, "mlp": "model"})
+    )
     assert errors and "'model', which is not in the mesh" in errors[0]
     with pytest.raises(ValueError, match=re.escape("logical axis 'mlp' has no entry")):
         sx.from_nnx(mesh42, abstract, {"embed": None})

@@ -191,7 +191,7 @@ def test_nnx_annotated_model_matches_single_device(mesh_shape, rules, up_spec):
     def model_loss_nnx(model, batch):
         return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
-    with sx.axis_rules(rules):  # read when the plan is built and when the step traces
+    with sx.plan.axis_rules(rules):  # read when the plan is built and when the step traces
         step = sx.make_train_step(model_loss_nnx, mesh=mesh, plan=sx.from_nnx(mesh, model))
         state = step.init(lambda: sx.TrainState.create(_build(), tx))
         sharded = train_sharded(step, state, data)

@@ -97,7 +97,7 @@ def test_fp16_loss_scaling_keeps_gradients_that_float16_would_flush(mesh):
 
 @pytest.mark.parametrize(("mode", "accumulate"), [("jit", 1), ("shard_map", 2), ("pmap", 1)])
 def test_fp16_skips_a_non_finite_step_and_adapts_the_scale(mesh, mode, accumulate):
-    scaling = sx.LossScaling(initial=2.0**10, period=2)
+    scaling = sx.train.LossScaling(initial=2.0**10, period=2)
     precision = sx.Precision(compute_dtype=jnp.float16, loss_scaling=scaling)
     step = sx.make_train_step(
         make_loss("pytree"), mesh=mesh, mode=mode, precision=precision, accumulate=accumulate
@@ -123,7 +123,7 @@ def test_fp16_skips_a_non_finite_step_and_adapts_the_scale(mesh, mode, accumulat
 
 
 def test_adjust_loss_scale_follows_the_schedule():
-    scaling = sx.LossScaling(initial=4.0, period=3, factor=2.0, minimum=1.0)
+    scaling = sx.train.LossScaling(initial=4.0, period=3, factor=2.0, minimum=1.0)
     state = LossScaleState(jnp.float32(4.0), jnp.int32(0))
     out = []
     for finite in [True, True, True, True, False, False, False, False]:
@@ -159,7 +159,7 @@ def test_bad_precisions_are_named(mesh):
         sx.make_train_step(loss_fn, mesh=mesh, precision=jnp.dtype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"Precision.compute_dtype must be a floating dtype"):
         sx.make_train_step(loss_fn, mesh=mesh, precision=sx.Precision(compute_dtype=jnp.int8))
-    bad_scaling = sx.Precision(loss_scaling=sx.LossScaling(factor=1.0))
+    bad_scaling = sx.Precision(loss_scaling=sx.train.LossScaling(factor=1.0))
     with pytest.raises(ValueError, match=r"factor > 1, got .*factor=1.0"):
         sx.make_eval_step(loss_fn, mesh=mesh, precision=bad_scaling)
     assert resolve("bf16") == sx.Precision(compute_dtype=jnp.bfloat16)

@@ -27,9 +27,9 @@ import pytest
 from test_multihost import CLEAN_ENV, LAUNCH, SCRIPT, Ranks, results
 
 import shardax as sx
-from shardax.cli.demo import make_mlp
 from shardax.cli.launch import forward_signals, free_port, start_processes, supervise
 from shardax.cli.main import main as cli
+from shardax.models.mlp import make_mlp
 from shardax.runtime.distributed import resolve_coordinates
 
 SMALL = ["--hidden", "32", "--epochs", "2", "--batch-size", "128"]  # 12 steps an epoch
@@ -93,13 +93,13 @@ def assert_same_history(got: list[dict], want: list[dict], rtol: float = 0.0) ->
 def test_sigterm_is_reported_at_the_next_step_and_handlers_come_back():
     before = signal.getsignal(signal.SIGTERM)
     with sx.watch_preemption():
-        assert not sx.reached_preemption(1)
+        assert not sx.checkpoint.reached_preemption(1)
         os.kill(os.getpid(), signal.SIGTERM)  # the handler only notes it: we live on
-        assert sx.reached_preemption(2)
-        assert sx.reached_preemption(3)  # until handled
+        assert sx.checkpoint.reached_preemption(2)
+        assert sx.checkpoint.reached_preemption(3)  # until handled
     assert signal.getsignal(signal.SIGTERM) is before
     with sx.watch_preemption():
-        assert not sx.reached_preemption(4)  # a handled notice is forgotten
+        assert not sx.checkpoint.reached_preemption(4)  # a handled notice is forgotten
     with pytest.raises(RuntimeError, match="main thread"):
         failed = []
         t = threading.Thread(target=lambda: failed.append(_capture(sx.watch_preemption)))
@@ -180,7 +180,7 @@ def test_launch_forwards_sigterm_and_exits_75_once_all_saved():
         code = supervise(procs, grace=1.0, out=out)
         t.join()
     text = out.text()
-    assert code == sx.PREEMPTED_EXIT_CODE == 75, text
+    assert code == sx.checkpoint.PREEMPTED_EXIT_CODE == 75, text
     assert sorted(line for line in text.splitlines() if "saved" in line) == [
         f"[{r}] saved" for r in range(3)
     ]
@@ -219,7 +219,7 @@ def test_train_sigterm_saves_exits_75_and_resume_is_bitwise(tmp_path, capsys, st
     sigterm_when(ckpt / "5")
     code, _ = train_summary(tmp_path, "first", "--checkpoint-dir", str(ckpt), "--save-every", "5")
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == sx.PREEMPTED_EXIT_CODE, err
+    assert code == sx.checkpoint.PREEMPTED_EXIT_CODE, err
     with sx.CheckpointManager(ckpt) as manager:
         stopped = manager.latest_step()
     assert 5 < stopped < 24, stopped  # saved at the next step boundary, mid-run
@@ -288,7 +288,7 @@ def test_gpt_sigterm_then_resume_is_bitwise(tmp_path, capsys):
     ckpt = tmp_path / "preempted"
     sigterm_when(ckpt / "2")
     code, _ = run("first", "--checkpoint-dir", str(ckpt), "--save-every", "2")
-    assert code == sx.PREEMPTED_EXIT_CODE
+    assert code == sx.checkpoint.PREEMPTED_EXIT_CODE
     with sx.CheckpointManager(ckpt) as manager:
         stopped = manager.latest_step()
     assert 2 < stopped < 12, stopped
@@ -360,7 +360,7 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
         proc.kill()
         reference.kill()
     assert reference.returncode == 0, reference_out[-3000:]
-    assert proc.returncode == sx.PREEMPTED_EXIT_CODE, out[-3000:]
+    assert proc.returncode == sx.checkpoint.PREEMPTED_EXIT_CODE, out[-3000:]
     saved = {
         line[:3]: line.split("saved step ")[1].split()[0]
         for line in out.splitlines()
@@ -441,7 +441,7 @@ def test_one_rank_hangs_both_exit_nonzero_naming_the_step():
         run.kill()
     for rank in (0, 1):
         text = run.text(rank)
-        assert codes[rank] == sx.WATCHDOG_EXIT_CODE, text[-2000:]
+        assert codes[rank] == sx.runtime.WATCHDOG_EXIT_CODE, text[-2000:]
         assert f"process {rank} of 2: step {step} did not complete within {timeout} s" in text
         assert f"step {step} " not in text.replace(f"step {step} did not", "")
     assert "in hang" in run.text(1)  # the stack dump shows where rank 1 sleeps

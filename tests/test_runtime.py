@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 import shardax as sx
-from shardax.runtime import BATCH_SIZE_TABLE, detect_hardware_type
+from shardax.cost import BATCH_SIZE_TABLE, detect_hardware_type
 
 SEED_TABLE = {  # seed 000, verbatim
     "TPU_V5E": (64, 256, 240),
@@ -86,12 +86,12 @@ def test_unknown_recommendation_says_so():
     ],
 )
 def test_validate_batch_size_messages(batch, valid, phrase):
-    ok, msg = sx.validate_batch_size(batch, sx.HardwareType.H100)
+    ok, msg = sx.cost.validate_batch_size(batch, sx.HardwareType.H100)
     assert ok is valid and phrase in msg and str(batch) in msg
 
 
 def test_validate_batch_size_without_warning_is_acceptable():
-    ok, msg = sx.validate_batch_size(100, sx.HardwareType.H100, warn_suboptimal=False)
+    ok, msg = sx.cost.validate_batch_size(100, sx.HardwareType.H100, warn_suboptimal=False)
     assert ok and "acceptable" in msg
 
 

@@ -45,7 +45,7 @@ def test_not_enough_devices_starts_with_the_seed_sentence(make, needed):
     ],
 )  # fmt: skip
 def test_validate_batch_size_gives_the_seed_messages(batch, warn, valid, message):
-    assert sx.validate_batch_size(batch, H100, warn_suboptimal=warn) == (valid, message)
+    assert sx.cost.validate_batch_size(batch, H100, warn_suboptimal=warn) == (valid, message)
     placement = sx.DevicePlacement()
     placement._hardware_type = H100  # as artifex's tests pin the hardware
     assert placement.validate_batch_size(batch, warn_suboptimal=warn) == (valid, message)

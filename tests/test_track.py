@@ -84,7 +84,7 @@ def test_profile_steps_writes_a_trace_of_the_chosen_steps(tmp_path):
         calls.append(x.shape)
         return f(x)
 
-    profiled = sx.profile_steps(step, tmp_path / "prof", 2, 3)
+    profiled = sx.track.profile_steps(step, tmp_path / "prof", 2, 3)
     x = jnp.ones((64, 64))
     for _ in range(5):
         x = profiled(x)
@@ -98,7 +98,7 @@ def test_profile_steps_writes_a_trace_of_the_chosen_steps(tmp_path):
         events = json.load(fp)["traceEvents"]
     assert any("train" in str(e.get("name", "")) for e in events)  # the step annotations
     # A second profiler may start now: the first stopped its trace.
-    with sx.profile_steps(step, tmp_path / "prof2", 1, 10) as early:
+    with sx.track.profile_steps(step, tmp_path / "prof2", 1, 10) as early:
         early(x)  # the loop ends before step 10: close() stops the trace
     assert early.trace_dir is not None and any(early.trace_dir.glob("*.xplane.pb"))
 
@@ -106,7 +106,7 @@ def test_profile_steps_writes_a_trace_of_the_chosen_steps(tmp_path):
 def test_profiled_train_step_keeps_its_attributes(tmp_path):
     mesh = sx.make_mesh({"data": -1})
     step = sx.make_train_step(lambda m, b: jnp.mean(m(b["x"]) ** 2), mesh=mesh)
-    profiled = sx.profile_steps(step, tmp_path, 1, 1)
+    profiled = sx.track.profile_steps(step, tmp_path, 1, 1)
     assert profiled.mesh is mesh and profiled.shard == step.shard
 
 
@@ -116,7 +116,7 @@ def test_parse_steps_rejects_bad_ranges(text):
         parse_steps(text)
     assert parse_steps("5:8") == (5, 8)
     with pytest.raises(ValueError, match="stop must be >= start, got 5:3"):
-        sx.profile_steps(lambda: None, "x", 5, 3)
+        sx.track.profile_steps(lambda: None, "x", 5, 3)
 
 
 def test_window_figures_and_the_input_bound_note_once():
@@ -133,7 +133,7 @@ def test_window_figures_and_the_input_bound_note_once():
     note = clock.input_bound(w)
     assert note.startswith("input-bound: 25% of the wall time over 10 steps")
     assert clock.input_bound(w) is None  # said once
-    with pytest.raises(TypeError, match=r"sx.timed\(iterable\)"):
+    with pytest.raises(TypeError, match=r"sx.data.timed\(iterable\)"):
         StepClock(1, input=iter([]))
 
 
@@ -145,7 +145,7 @@ def slow_source(n, seconds):
 
 def test_data_wait_counts_the_time_a_loop_blocks_on_input():
     # A source that sleeps and no compute: nearly all the wall time is waiting.
-    for feed in (sx.timed(slow_source(8, 0.02)), sx.prefetch_to_device(slow_source(8, 0.02))):
+    for feed in (sx.data.timed(slow_source(8, 0.02)), sx.prefetch_to_device(slow_source(8, 0.02))):
         clock = StepClock(8, input=feed)
         for _ in feed:
             clock.tick()

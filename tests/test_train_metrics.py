@@ -23,7 +23,7 @@ def expected():
 
 def test_weighted_mean_in_shard_map_matches_numpy(mesh):
     f = jax.shard_map(
-        lambda v, w: sx.weighted_mean({"m": v[0], "n": 2 * v[0]}, w[0], "data"),
+        lambda v, w: sx.parallel.weighted_mean({"m": v[0], "n": 2 * v[0]}, w[0], "data"),
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P(),
@@ -35,21 +35,25 @@ def test_weighted_mean_in_shard_map_matches_numpy(mesh):
 
 
 def test_weighted_mean_in_pmap_matches_numpy_and_equal_weights_are_pmean():
-    out = jax.pmap(lambda v, w: sx.weighted_mean(v, w, "data"), axis_name="data")(VALUES, COUNTS)
+    out = jax.pmap(lambda v, w: sx.parallel.weighted_mean(v, w, "data"), axis_name="data")(
+        VALUES, COUNTS
+    )
     np.testing.assert_allclose(out, np.full(8, expected()), rtol=1e-6)
-    out = jax.pmap(lambda v: sx.weighted_mean(v, None, "data"), axis_name="data")(VALUES)
+    out = jax.pmap(lambda v: sx.parallel.weighted_mean(v, None, "data"), axis_name="data")(VALUES)
     np.testing.assert_allclose(out, np.full(8, VALUES.mean()), rtol=1e-6)
 
 
 def test_weighted_mean_under_jit_returns_global_values(mesh):
     values = sx.distribute_batch(VALUES, sx.batch_sharding(mesh))
-    out = jax.jit(lambda v: sx.weighted_mean(sx.masked_mean(v, v > 4), jnp.float32(4)))(values)
+    out = jax.jit(lambda v: sx.parallel.weighted_mean(sx.masked_mean(v, v > 4), jnp.float32(4)))(
+        values
+    )
     np.testing.assert_allclose(out, VALUES[VALUES > 4].mean(), rtol=1e-6)
 
 
 def test_weighted_mean_with_no_weight_anywhere_is_zero(mesh):
     f = jax.shard_map(
-        lambda v: sx.weighted_mean(v[0], jnp.float32(0), "data"),
+        lambda v: sx.parallel.weighted_mean(v[0], jnp.float32(0), "data"),
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P(),
@@ -60,7 +64,7 @@ def test_weighted_mean_with_no_weight_anywhere_is_zero(mesh):
 
 def test_weighted_mean_names_an_unbound_axis(mesh):
     f = jax.shard_map(
-        lambda v: sx.weighted_mean(v[0], jnp.float32(1), "batch"),
+        lambda v: sx.parallel.weighted_mean(v[0], jnp.float32(1), "batch"),
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P(),
@@ -81,7 +85,7 @@ def test_masked_mean():
 
 
 def test_dropout_keeps_expectation_and_uses_one_key_per_example():
-    keys = sx.example_keys(jax.random.key(0), 0, jnp.arange(512))
+    keys = sx.train.example_keys(jax.random.key(0), 0, jnp.arange(512))
     out = sx.train.dropout(keys, jnp.ones((512, 16)), 0.25)
     assert set(np.unique(np.asarray(out)).tolist()) <= {0.0, float(np.float32(1) / 0.75)}
     assert abs(float(out.mean()) - 1.0) < 0.05

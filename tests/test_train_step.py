@@ -121,7 +121,7 @@ def test_per_example_keys_do_not_depend_on_devices_or_microbatches(mesh):
 
 def test_example_keys_fold_in_step_then_index():
     key = jax.random.key(3)
-    keys = sx.example_keys(key, jnp.int32(5), jnp.arange(4))
+    keys = sx.train.example_keys(key, jnp.int32(5), jnp.arange(4))
     for i in range(4):
         want = jax.random.fold_in(jax.random.fold_in(key, 5), i)
         np.testing.assert_array_equal(jax.random.key_data(keys[i]), jax.random.key_data(want))
@@ -153,7 +153,7 @@ def test_state_buffers_are_donated(mesh, mode):
 
 @pytest.mark.parametrize("mode", ["jit", "single", "shard_map", "pmap"])
 def test_donation_never_deletes_the_users_arrays(mesh, mode):
-    from shardax.train.step import unalias
+    from shardax.train.program import unalias
 
     source = make_state("pytree")  # committed to device 0, as a freshly built model is
     step = sx.make_train_step(make_loss("pytree"), mesh=mesh, mode=mode)

@@ -58,7 +58,7 @@ def main():
         with sx.prefetch_to_device(loader, mesh) as batches:
             while int(state.step) < stop:
                 state, metrics = step(state, next(batches))
-                losses.append(float(sx.check_finite(metrics["loss"], int(state.step))))
+                losses.append(float(sx.train.check_finite(metrics["loss"], int(state.step))))
             position = batches.get_state()
         sx.save_checkpoint(directory, state, step=int(state.step), data_state=position)
         params = [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)]

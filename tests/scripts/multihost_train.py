@@ -79,7 +79,7 @@ def train(plan_name: str, steps: int = 5, *, fault: str | None = None) -> dict[s
     if fault != "plan":
         config = {"plan": plan_name, "steps": steps, "lr": lr}
         if plan_name != "zero2":  # a zero plan places a train state, not bare params
-            sx.check_agreement(config=config, mesh=mesh, plan=plan(params))
+            sx.runtime.check_agreement(config=config, mesh=mesh, plan=plan(params))
     data = sx.batch_sharding(mesh, data_axis)
     start, stop = process_rows(data, GLOBAL_BATCH)
 
@@ -103,10 +103,10 @@ def train(plan_name: str, steps: int = 5, *, fault: str | None = None) -> dict[s
         seen += len(local["x"])
         batch = sx.global_batch(local, data, global_size=GLOBAL_BATCH)
         state, metrics = step(state, batch)
-        losses.append(float(sx.host_value(metrics["loss"])))
+        losses.append(float(sx.runtime.host_value(metrics["loss"])))
         sx.print0(f"step {i} loss {losses[-1]:.6f}")
     w1 = state.params["w1"]
-    whole = sx.host_value(batch["x"])  # sharded across processes: all-gathered
+    whole = sx.runtime.host_value(batch["x"])  # sharded across processes: all-gathered
     assert whole.shape == (GLOBAL_BATCH, FEATURES), whole.shape
     assert np.array_equal(whole[start:stop], local["x"]), "host_value of the batch"
     return {
@@ -115,7 +115,7 @@ def train(plan_name: str, steps: int = 5, *, fault: str | None = None) -> dict[s
         "processes": jax.process_count(),
         "losses": losses,
         "rows": [start, stop],
-        "examples_seen_all_hosts": int(sx.host_reduce(np.int64(seen), "sum")),
+        "examples_seen_all_hosts": int(sx.runtime.host_reduce(np.int64(seen), "sum")),
         "w1_spec": str(w1.sharding.spec),
         "w1_local_shards": [list(s.data.shape) for s in w1.addressable_shards],
         "nu_w1_local_shards": [
@@ -144,7 +144,7 @@ def spin(seconds: float) -> None:
     end = time.monotonic() + seconds
     i = 0
     while time.monotonic() < end:
-        print(f"spin {i} {float(sx.host_value(total(x)))}", flush=True)
+        print(f"spin {i} {float(sx.runtime.host_value(total(x)))}", flush=True)
         i += 1
         time.sleep(0.2)
 
@@ -159,13 +159,13 @@ def hang(timeout: float, at: int) -> None:
     mesh = sx.make_mesh({"data": -1})
     x = sx.shard({"x": np.ones((mesh.size, 4), np.float32)}, sx.fsdp(mesh, min_size=1))["x"]
     total = jax.jit(lambda a: a.sum())
-    float(sx.host_value(total(x)))  # compiles, before the watchdog starts
+    float(sx.runtime.host_value(total(x)))  # compiles, before the watchdog starts
     with sx.StepWatchdog(timeout) as watchdog:
         for step in range(1, at + 2):
             with watchdog.step(step):
                 if jax.process_index() == 1 and step == at:
                     time.sleep(600)
-                print(f"step {step} {float(sx.host_value(total(x)))}", flush=True)
+                print(f"step {step} {float(sx.runtime.host_value(total(x)))}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "join":  # who joined, and one collective across them
             import jax
 
-            total = sx.host_reduce(np.int64(jax.process_index() + 1), "sum")
+            total = sx.runtime.host_reduce(np.int64(jax.process_index() + 1), "sum")
             print("RESULT " + json.dumps({
                 "process": jax.process_index(),
                 "processes": jax.process_count(),

@@ -33,8 +33,8 @@ from shardax.cli.common import (
     time_step,
     write_results,
 )
-from shardax.cli.demo import make_mlp
-from shardax.runtime.flops import utilization
+from shardax.cost.flops import utilization
+from shardax.models.mlp import make_mlp
 
 MODES = ("single", "jit", "shard_map", "pmap")
 SIZES = {

@@ -24,10 +24,10 @@ def collect(mesh_pairs: list[tuple[str, int]] | None) -> dict[str, Any]:
     import jax
 
     import shardax as sx
-    from shardax.runtime.hardware import BATCH_SIZE_TABLE, HARDWARE_SPECS
-    from shardax.runtime.roofline import hardware_roofline
+    from shardax.cost.hardware import BATCH_SIZE_TABLE, HARDWARE_SPECS
+    from shardax.cost.roofline import hardware_roofline
 
-    info = sx.device_info()
+    info = sx.cost.device_info()
     hw = sx.HardwareType(info["hardware_type"])
     rec = sx.get_batch_size_recommendation(hw)
     table = []
@@ -63,7 +63,7 @@ def collect(mesh_pairs: list[tuple[str, int]] | None) -> dict[str, Any]:
             "notes": rec.notes,
         },
         "batch_size_table": table,
-        "mesh": sx.mesh_info(mesh),
+        "mesh": sx.mesh.mesh_info(mesh),
     }
 
 

@@ -1,7 +1,7 @@
 """``shardax plan``: memory per device of DP, FSDP, TP, PP and hybrids, and the roofline batch.
 
 Example: ``shardax plan --params 7e9 --devices 8 --hardware h100 --batch 1024``.
-The formulas are in :mod:`shardax.runtime.memory` and :mod:`shardax.runtime.roofline`.
+The formulas are in :mod:`shardax.cost.memory` and :mod:`shardax.cost.roofline`.
 ``--measure`` compiles each candidate plan instead (:mod:`shardax.cli.plan_measure`).
 """
 
@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardax plan``."""
     from shardax.cli.common import mesh_spec
     from shardax.cli.plan_measure import MODELS
-    from shardax.runtime.hardware import HardwareType
-    from shardax.runtime.memory import PRECISIONS
+    from shardax.cost.hardware import HardwareType
+    from shardax.cost.memory import STATE_BYTES
 
     parser.add_argument(
         "--params",
@@ -95,10 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precision",
-        choices=sorted(PRECISIONS),
-        default="mixed",
-        help="fp32: 16 B/param; mixed: bf16 compute + fp32 master and Adam, 16 B/param; "
-        "bf16: 8 B/param (default: mixed)",
+        choices=list(STATE_BYTES),
+        default="bf16",
+        help="the train policy, as for `shardax train --precision`: fp32, bf16 or fp16 keep "
+        "params and Adam in fp32 (16 B/param); bf16 and fp16 matmuls read 2-byte copies "
+        "(default: bf16)",
     )
     parser.add_argument(
         "--device-memory",
@@ -114,21 +115,21 @@ def make_plan(
     num_params: float,
     num_devices: int,
     hardware: str,
-    precision: str = "mixed",
+    precision: str = "bf16",
     batch: int | None = None,
     device_memory: float | None = None,
 ) -> dict[str, Any]:
     """The plan as plain data: one row per strategy, the roofline and the warnings."""
-    from shardax.runtime.hardware import HARDWARE_SPECS, HardwareType
-    from shardax.runtime.memory import get_precision, plan_memory
-    from shardax.runtime.roofline import hardware_roofline
+    from shardax.cost.hardware import HARDWARE_SPECS, HardwareType
+    from shardax.cost.memory import plan_memory, state_bytes
+    from shardax.cost.roofline import hardware_roofline
 
     hw = HardwareType(hardware)
-    prec = get_precision(precision)
+    prec = state_bytes(precision)
     memory = device_memory
     if memory is None and hw in HARDWARE_SPECS:
         memory = HARDWARE_SPECS[hw].memory_bytes
-    roof = hardware_roofline(hw, prec.params) if hw in HARDWARE_SPECS else None
+    roof = hardware_roofline(hw, prec.compute) if hw in HARDWARE_SPECS else None
     warnings = []
     if memory is None:
         warnings.append(
@@ -175,6 +176,7 @@ def make_plan(
             "master": prec.master,
             "optimizer": prec.optimizer,
             "total": prec.total,
+            "compute": prec.compute,
         },
         "device_memory_bytes": memory,
         "batch": batch,
@@ -275,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         import jax
 
         num_devices = num_devices or jax.device_count()
-        hardware = hardware or sx.detect_hardware_type().value
+        hardware = hardware or sx.cost.detect_hardware_type().value
     try:
         plan = make_plan(
             args.params, num_devices, hardware, args.precision, args.batch, args.device_memory

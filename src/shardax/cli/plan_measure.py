@@ -3,7 +3,7 @@
 The model is built abstractly (``jax.eval_shape``: nothing is allocated) and each
 candidate's train step is compiled for it by :func:`shardax.auto_plan`. One row per
 candidate: the compiler's bytes per device (arguments, temporaries, peak), the formula's
-params + optimizer state (:func:`shardax.runtime.memory.estimate`), the bytes each device
+params + optimizer state (:func:`shardax.cost.memory.estimate`), the bytes each device
 sends per step (from the HLO), and whether it fits; then the pick and its reason.
 
 Examples: ``shardax plan --measure --mesh data=4,model=2 --hidden 1024 --batch 512`` (the
@@ -49,7 +49,7 @@ def _mlp(args: argparse.Namespace) -> tuple[Any, Any, Any, list[tuple[str, Any]]
     import optax
 
     import shardax as sx
-    from shardax.cli.demo import make_mlp, tp_rules
+    from shardax.models.mlp import make_mlp, tp_rules
 
     def init() -> Any:
         return sx.TrainState.create(make_mlp(64, args.hidden, args.layers, 10, 0), optax.adam(1e-3))
@@ -87,7 +87,7 @@ def _gpt(args: argparse.Namespace, mesh: Any) -> tuple[Any, Any, Any, Any, Any, 
 
     import shardax as sx
     from shardax.models import gpt
-    from shardax.parallel.pipeline import stage_mesh
+    from shardax.parallel.gpipe import stage_mesh
 
     if args.params is not None:
         cfg = gpt_config(args.params, args.seq_len)
@@ -138,7 +138,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     import shardax as sx
-    from shardax.runtime.memory import estimate
+    from shardax.cost.memory import estimate
     from shardax.train.auto import candidate_plans
 
     if args.params is not None and args.model != "gpt":

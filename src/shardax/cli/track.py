@@ -119,17 +119,17 @@ class Tracker:
         except ImportError as e:
             raise UsageError(f"--log {' '.join(backends)}: {e}") from None
         self.is_main = jax.process_index() == 0
-        self.clock = sx.StepClock(examples_per_step, tokens_per_step)
+        self.clock = sx.track.StepClock(examples_per_step, tokens_per_step)
         self.done = self.calls = 0
         self.profiler: Any = None
 
     def watch(self, feed: Any) -> Any:
         """Counts the time the loop waits on ``feed`` (``sx.prefetch_to_device``'s iterator
-        or ``sx.timed(...)``) as data wait; returns ``feed``."""
+        or ``sx.data.timed(...)``) as data wait; returns ``feed``."""
         import shardax as sx
 
         clock = self.clock
-        self.clock = sx.StepClock(clock.examples_per_step, clock.tokens_per_step, input=feed)
+        self.clock = sx.track.StepClock(clock.examples_per_step, clock.tokens_per_step, input=feed)
         return feed
 
     def wrap(self, step: Any) -> Any:
@@ -138,7 +138,7 @@ class Tracker:
             return step
         import shardax as sx
 
-        self.profiler = sx.profile_steps(step, self.profile_dir, *self.profile)
+        self.profiler = sx.track.profile_steps(step, self.profile_dir, *self.profile)
         return self.profiler
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from shardax.cli.common import (
     time_interleaved,
     write_results,
 )
-from shardax.cli.demo import make_mlp
+from shardax.models.mlp import make_mlp
 
 
 def _tolerance(text: str) -> float:
@@ -78,8 +78,8 @@ def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     import optax
 
     import shardax as sx
-    from shardax.runtime.hardware import HARDWARE_SPECS
-    from shardax.runtime.roofline import hardware_roofline, knee_batch_size
+    from shardax.cost.hardware import HARDWARE_SPECS
+    from shardax.cost.roofline import hardware_roofline, knee_batch_size
 
     cpu = jax.devices()[0].platform == "cpu"
     n = args.devices or (1 if cpu else jax.device_count())
@@ -101,7 +101,7 @@ def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         sx.TrainState.create(model, optax.adam(1e-4), rng=args.seed),
     )
     rng = np.random.default_rng(args.seed)
-    hw = sx.detect_hardware_type()
+    hw = sx.cost.detect_hardware_type()
     out.print(
         f"tune-batch: MLP {layers} × {hidden} on {input_dim} inputs, {n} × "
         f"{jax.devices()[0].device_kind}, batch sizes {sizes}; warm-up {args.warmup}, "

@@ -1,6 +1,5 @@
 """Data layer: global batches, process-sharded loading, uneven batches, async prefetch."""
 
-from shardax.data.device_placement import DevicePlacement
 from shardax.data.global_batch import as_sharding, global_batch, process_grid
 from shardax.data.loader import Batches, batches
 from shardax.data.placement import (
@@ -18,7 +17,6 @@ from shardax.data.wait import Timed, timed
 __all__ = [
     "POLICIES",
     "Batches",
-    "DevicePlacement",
     "Prefetcher",
     "Timed",
     "as_sharding",

@@ -24,8 +24,8 @@ from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from shardax.checks import as_count
 from shardax.data.leaves import check_batch_leaves, sharded_dims
 from shardax.data.placement import batch_sharding, leaf_sharding
+from shardax.plan.specs import spec_axes
 from shardax.plan.tree import map_arrays
-from shardax.plan.validate import spec_axes
 
 
 def as_sharding(target: Any) -> Sharding:

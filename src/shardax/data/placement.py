@@ -22,9 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 
 from shardax.checks import as_count, check_mesh, expect_type
 from shardax.data.leaves import check_batch_leaves, sharded_dims
-from shardax.mesh.make import DATA_AXIS, make_mesh
+from shardax.mesh.axes import DATA_AXIS
+from shardax.mesh.make import make_mesh
+from shardax.plan.specs import check_spec
 from shardax.plan.tree import map_arrays
-from shardax.plan.validate import check_spec
 from shardax.runtime.processes import device_put_global
 
 

@@ -1,11 +1,24 @@
-"""Mesh layer: topology-aware meshes and their description."""
+"""Mesh layer: topology-aware meshes, the default axis names, and mesh descriptions."""
 
-from shardax.mesh.make import DATA_AXIS, MeshSpec, make_mesh, mesh_info, resolve_mesh_shape
-from shardax.mesh.manager import DeviceMeshManager
+from shardax.mesh.axes import (
+    CONTEXT_AXIS,
+    DATA_AXIS,
+    EXPERT_AXIS,
+    FSDP_AXIS,
+    MODEL_AXIS,
+    REPLICA_AXIS,
+    STAGE_AXIS,
+)
+from shardax.mesh.make import MeshSpec, make_mesh, mesh_info, resolve_mesh_shape
 
 __all__ = [
+    "CONTEXT_AXIS",
     "DATA_AXIS",
-    "DeviceMeshManager",
+    "EXPERT_AXIS",
+    "FSDP_AXIS",
+    "MODEL_AXIS",
+    "REPLICA_AXIS",
+    "STAGE_AXIS",
     "MeshSpec",
     "make_mesh",
     "mesh_info",

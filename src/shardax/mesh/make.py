@@ -11,14 +11,9 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from shardax.checks import as_count
+from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 
 MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]
-
-DATA_AXIS = "data"
-"""The one default axis name: meshes, batch shardings and collectives all use it."""
-
-REPLICA_AXIS = "replica"
-"""The replica axis of HSDP meshes (``{"replica": R, "fsdp": F}``): across processes."""
 
 
 def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:

@@ -280,7 +280,7 @@ class MoEMLP(nnx.Module):
         self.top_k, self.capacity_factor = cfg.top_k, cfg.capacity_factor
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Any]:
-        from shardax.parallel.moe import moe
+        from shardax.parallel.experts import moe
 
         experts = {"up": self.up[...], "down": self.down[...]}
         return moe(x, self.router[...], _expert, experts, top_k=self.top_k,
@@ -324,7 +324,7 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs, remat: str = "none") -> None:
-        from shardax.parallel.remat import check_policy
+        from shardax.parallel.remat_policy import check_policy
 
         self.cfg = cfg
         self.remat = check_policy(remat)
@@ -363,7 +363,7 @@ class GPT(nnx.Module):
         """``(layer_fn, stacked)``: ``stacked`` holds every block's params with a leading
         layer dimension; ``layer_fn(stacked_slice, x) -> x`` is one block, rematerialised
         by the model's policy. ``lax.scan`` (here) or ``sx.pipeline`` runs them."""
-        from shardax.parallel.remat import remat
+        from shardax.parallel.remat_policy import remat
 
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -375,7 +375,7 @@ class GPT(nnx.Module):
     def moe_layers(self) -> tuple[Callable[[Any, jax.Array], Any], Any]:
         """``(layer_fn, stacked)`` of the MoE blocks, as :meth:`layers`; ``layer_fn``
         returns ``(x, aux)``."""
-        from shardax.parallel.remat import remat
+        from shardax.parallel.remat_policy import remat
 
         graphdef, stacked = nnx.split(self.moe_blocks)
 
@@ -387,7 +387,7 @@ class GPT(nnx.Module):
     def _run_moe(self, x: jax.Array) -> tuple[jax.Array, Any]:
         """The blocks in periods of ``moe_every``: ``moe_every - 1`` dense, then one MoE;
         the MoE aux averaged over the MoE blocks (tokens per expert summed)."""
-        from shardax.parallel.moe import MoEAux
+        from shardax.parallel.experts import MoEAux
 
         n, periods = self.cfg.moe_every, self.cfg.moe_layers
         moe_fn, moe_stacked = self.moe_layers()
@@ -436,7 +436,7 @@ class GPT(nnx.Module):
             return (logits, aux) if return_aux else logits
         layer_fn, stacked = self.layers()
         if self.cfg.pipeline_microbatches is not None:
-            from shardax.parallel.pipeline import pipeline
+            from shardax.parallel.gpipe import pipeline
 
             x = pipeline(
                 layer_fn,

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from shardax.parallel.pipeline import (
+from shardax.parallel.gpipe import (
     STAGE_AXIS,
     pad_ticks,
     scan_layers,

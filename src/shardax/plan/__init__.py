@@ -5,6 +5,7 @@ from shardax.plan.annotations import (
     annotated_specs,
     axis_rules,
     current_axis_rules,
+    from_linen,
     from_nnx,
     logical_to_mesh,
 )
@@ -22,8 +23,8 @@ from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
 from shardax.plan.regex import rules
 from shardax.plan.report import Row, ShardingReport, describe, format_bytes, validate
+from shardax.plan.specs import check_spec, spec_errors
 from shardax.plan.tree import is_array, map_arrays, path_str
-from shardax.plan.validate import check_spec, spec_errors
 from shardax.plan.zero import zero1, zero2
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "describe",
     "follow_params",
     "format_bytes",
+    "from_linen",
     "from_nnx",
     "fsdp",
     "fsdp_over",

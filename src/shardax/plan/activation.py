@@ -18,8 +18,8 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardax.plan.annotations import logical_to_mesh
+from shardax.plan.specs import spec_axes, spec_errors
 from shardax.plan.tree import is_array, path_str
-from shardax.plan.validate import spec_axes, spec_errors
 
 
 def constrain(x: Any, spec: PartitionSpec | NamedSharding, mesh: Mesh | None = None) -> Any:

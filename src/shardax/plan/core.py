@@ -23,9 +23,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from shardax.checks import as_count, check_mesh
-from shardax.mesh.make import DATA_AXIS
+from shardax.mesh.axes import DATA_AXIS
+from shardax.plan.specs import spec_errors
 from shardax.plan.tree import is_array, map_arrays, path_str
-from shardax.plan.validate import spec_errors
 from shardax.runtime.processes import device_put_global
 
 AxisNames = str | tuple[str, ...]

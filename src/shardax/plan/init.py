@@ -3,7 +3,7 @@
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": 8})
 >>> init = lambda key: {"w": jax.random.normal(key, (1024, 64))}
->>> params = sx.init_sharded(init, sx.fsdp(mesh), jax.random.key(0))
+>>> params = sx.plan.init_sharded(init, sx.fsdp(mesh), jax.random.key(0))
 >>> params["w"].sharding.spec
 P('data', None)
 """

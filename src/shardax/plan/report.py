@@ -139,7 +139,7 @@ def validate(tree: Any, plan: Plan) -> list[str]:
     match no leaf (a misspelt regex, an annotation whose path or shape fits no leaf) are
     listed too; applying the plan warns about them once.
 
-    >>> sx.validate({"w": jax.ShapeDtypeStruct((6, 4), "float32")},
+    >>> sx.plan.validate({"w": jax.ShapeDtypeStruct((6, 4), "float32")},
     ...             sx.rules(mesh, [("w", P("data"))]))
     ["leaf 'w' with shape (6, 4): dimension 0 of size 6 is not divisible by ..."]
     """

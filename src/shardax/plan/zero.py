@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from shardax.mesh.make import DATA_AXIS
+from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, AxisNames, fsdp, replicate
 from shardax.plan.follow import FollowParams, ParamsSelector
 

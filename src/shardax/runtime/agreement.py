@@ -8,7 +8,7 @@ raises :class:`AgreementError` on *every* process when they differ, naming the p
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": -1})
->>> digest = sx.check_agreement(config={"lr": 1e-3}, mesh=mesh, plan=sx.fsdp(mesh))
+>>> digest = sx.runtime.check_agreement(config={"lr": 1e-3}, mesh=mesh, plan=sx.fsdp(mesh))
 >>> len(digest)
 64
 """

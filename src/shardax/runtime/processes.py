@@ -9,7 +9,7 @@ arrays are brought to every host with :func:`host_value`. Both use XLA collectiv
 >>> import shardax as sx
 >>> sx.print0("printed once, by process 0")
 printed once, by process 0
->>> float(sx.host_reduce(np.float32(2.0), "sum"))  # one process: unchanged
+>>> float(sx.runtime.host_reduce(np.float32(2.0), "sum"))  # one process: unchanged
 2.0
 """
 

@@ -80,7 +80,7 @@ class StepClock:
         if input is not None and not hasattr(input, "wait_seconds"):
             raise TypeError(
                 f"input must count its wait_seconds (sx.prefetch_to_device(...) or "
-                f"sx.timed(iterable)), got {type(input).__name__}"
+                f"sx.data.timed(iterable)), got {type(input).__name__}"
             )
         self.examples_per_step, self.tokens_per_step = examples_per_step, tokens_per_step
         self._input = input

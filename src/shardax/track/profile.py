@@ -8,7 +8,7 @@ host never overwrite each other's files. A trace is TensorBoard's profile format
 (``plugins/profile/<time>/<host>.xplane.pb``: ``tensorboard --logdir directory``, or
 xprof) plus ``perfetto_trace.json.gz`` for https://ui.perfetto.dev.
 
->>> step = sx.profile_steps(step, "runs/profile", 5, 8)
+>>> step = sx.track.profile_steps(step, "runs/profile", 5, 8)
 >>> for batch in batches:
 ...     state, metrics = step(state, batch)     # steps 5..8 traced
 >>> step.close()                                 # stops a trace a short loop left open

@@ -1,46 +1,41 @@
-"""Train layer: TrainState, the train step, collectives, metrics and the data-parallel facade."""
+"""Train layer: TrainState, the train and eval steps, precision, auto plans, the loss rules,
+verify (the step against one device)."""
 
-from shardax.train.auto import AutoPlan, AutoPlanOptions, Candidate, auto_plan
-from shardax.train.collectives import (
-    all_gather,
-    all_reduce,
-    bound_axes,
-    reduce,
-    require_bound,
-    weighted_mean,
-)
-from shardax.train.data_parallel import DataParallel
-from shardax.train.eval import EvalStep, make_eval_step
-from shardax.train.loss import masked_mean
-from shardax.train.metrics import DistributedMetrics
+from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
+from shardax.train.eval import EvalStep
+from shardax.train.guard import NonFiniteLossError, check_finite
+from shardax.train.make import make_eval_step, make_train_step
+from shardax.train.masks import masked_mean
 from shardax.train.precision import LossScaleState, LossScaling, Precision
+from shardax.train.prepare import prepare
+from shardax.train.program import MODES, Program
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState
-from shardax.train.step import MODES, TrainStep, make_train_step
+from shardax.train.step import TrainStep
+from shardax.train.verify import VerifyReport, verify
 
 __all__ = [
     "MODES",
     "AutoPlan",
     "AutoPlanOptions",
+    "AutoStep",
     "Candidate",
-    "DataParallel",
-    "DistributedMetrics",
     "EvalStep",
     "LossScaleState",
     "LossScaling",
+    "NonFiniteLossError",
     "Precision",
+    "Program",
     "TrainState",
     "TrainStep",
-    "all_gather",
-    "all_reduce",
+    "VerifyReport",
     "auto_plan",
-    "bound_axes",
+    "check_finite",
     "dropout",
     "example_keys",
     "make_eval_step",
     "make_train_step",
     "masked_mean",
-    "reduce",
-    "require_bound",
-    "weighted_mean",
+    "prepare",
+    "verify",
 ]

@@ -35,17 +35,16 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardax.mesh.make import DATA_AXIS
-from shardax.parallel.pipeline import STAGE_AXIS
+from shardax.cost.hlo import collectives
+from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over, replicate
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.regex import Rule, rules
 from shardax.plan.report import format_bytes
 from shardax.plan.tree import is_array, map_arrays
 from shardax.plan.zero import zero1, zero2
-from shardax.runtime.hlo import collectives
 from shardax.train.state import TrainState
-from shardax.train.step import make_train_step
+from shardax.train.step import TrainStep
 
 Rules = Sequence[Rule] | Plan | None
 
@@ -164,7 +163,7 @@ class AutoPlan:
 def default_device_memory(device: Any = None) -> float | None:
     """Bytes of memory of ``device`` (default: the first): its reported limit
     (``memory_stats()["bytes_limit"]``), else the hardware table's figure, else None."""
-    from shardax.runtime.hardware import HARDWARE_SPECS, detect_hardware_type
+    from shardax.cost.hardware import HARDWARE_SPECS, detect_hardware_type
 
     device = jax.devices()[0] if device is None else device
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -240,7 +239,8 @@ def _compile_step(
     plan: FollowParams, state: Any, loss_fn: Callable[..., Any], batch: Any, **step_kw: Any
 ) -> Any:
     """The train step under ``plan``, compiled for abstract ``state`` and ``batch``."""
-    step = make_train_step(loss_fn, mesh=plan.mesh, plan=plan, **step_kw)
+    step_kw = {"mode": "jit", "donate": True, **step_kw}
+    step = TrainStep(loss_fn, mesh=plan.mesh, plan=plan, **step_kw)
     return step.lower(state, batch).compile()
 
 
@@ -445,3 +445,104 @@ def choose(
         f"step ({format_bytes(pick.total_bytes)} per device); {where}{note}"
     )
     return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled)
+
+
+class AutoStep:
+    """A train step whose plan :func:`auto_plan` picks on the first ``step(state, batch)``.
+
+    ``make_train_step(..., plan="auto")`` (or ``plan=sx.AutoPlanOptions(...)``) returns
+    one. The first call compiles the candidates for that state and batch, keeps the
+    report in ``auto_report``, places the state on the winner and runs the
+    :class:`~shardax.train.step.TrainStep` built with it; later calls go straight to
+    that step. ``step.shard`` and ``step.init`` have no batch to decide with, so they
+    work only once the plan is picked.
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], options: AutoPlanOptions, **step_kw: Any):
+        mode = step_kw.get("mode", "jit")
+        if mode != "jit":
+            raise ValueError(
+                f"plan='auto' picks among sharded plans, which only mode='jit' runs; got "
+                f"mode={mode!r}"
+            )
+        # Everything the step checks (loss_fn, mesh, accumulate, ...) is checked now.
+        TrainStep(loss_fn, plan=None, **step_kw)
+        options.check(step_kw["mesh"])
+        self.loss_fn, self.options, self._step_kw = loss_fn, options, step_kw
+        self.auto_report: AutoPlan | None = None
+        self.step: TrainStep | None = None
+        self._unplaced = False  # picked, and no state placed on the plan yet
+
+    def _picked(self, what: str) -> TrainStep:
+        if self.step is None:
+            raise ValueError(
+                f"plan='auto' picks the plan by compiling the step for a state and a batch, "
+                f"and {what} has no batch to build abstract values from: pass the unplaced "
+                "state to the first step(state, batch), which places it, or pick beforehand "
+                "with sx.auto_plan(mesh, init_or_state, loss_fn=..., batch=...).plan"
+            )
+        return self.step
+
+    def pick(self, state: TrainState, batch: Any) -> TrainStep:
+        """The step with the plan picked for ``state`` and ``batch`` (compiling the
+        candidates once; ``sx.verify`` calls it). The next ``step(state, batch)`` places
+        its state on the plan, as the first call does."""
+        if self.step is None:
+            kw = self._step_kw
+            self.auto_report = auto_plan(
+                kw["mesh"],
+                state,
+                loss_fn=self.loss_fn,
+                batch=batch,
+                axis=kw["data_axis"],
+                accumulate=kw["accumulate"],
+                precision=kw["precision"],
+                **vars(self.options),
+            )
+            self.step = TrainStep(self.loss_fn, plan=self.auto_report.plan, **kw)
+            self.step.plan_name = f"auto:{self.auto_report.plan.name}"
+            self._unplaced = True
+        return self.step
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        """Picks the plan on the first call (placing ``state`` on it), then steps."""
+        step = self.pick(state, batch)
+        if self._unplaced:
+            self._unplaced = False
+            state = step.shard(state)
+        return step(state, batch)
+
+    def shard(self, state: TrainState) -> TrainState:
+        """``state`` placed on the picked plan (after the first call)."""
+        step = self._picked("step.shard(state)")
+        self._unplaced = False
+        return step.shard(state)
+
+    def init(self, init_fn: Callable[..., TrainState], *args: Any, **kwargs: Any) -> TrainState:
+        """``init_fn`` run onto the picked plan (after the first call)."""
+        return self._picked("step.init(...)").init(init_fn, *args, **kwargs)
+
+    def lower(self, state: TrainState, batch: Any) -> Any:
+        """The picked step, lowered (after the first call)."""
+        return self._picked("step.lower(...)").lower(state, batch)
+
+    @property
+    def plan(self) -> Any:
+        """The picked plan (None before the first call)."""
+        return None if self.step is None else self.step.plan
+
+    def __getattr__(self, name: str) -> Any:
+        # mode, mesh, accumulate, donate, data_axis, precision, stats: as the step's.
+        kw = self.__dict__.get("_step_kw", {})
+        if name in kw:
+            return kw[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        if self.step is not None:
+            return repr(self.step)
+        kw = self._step_kw
+        return (
+            f"TrainStep(mode='jit', plan='auto', mesh={dict(kw['mesh'].shape)}, "
+            f"accumulate={kw['accumulate']}, donate={kw['donate']})"
+        )

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.data.leaves import check_batch_leaves, shapes_text
-from shardax.train.loss import MASK_KEY
+from shardax.train.masks import MASK_KEY
 
 
 def check_batch(batch: Any, *, divisor: int, what: str) -> int:

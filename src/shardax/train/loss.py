@@ -1,55 +1,134 @@
-"""Loss helpers: means that skip padded examples or tokens.
+"""The loss contract: what ``loss_fn`` takes and returns, checked once.
 
-A batch may carry a top-level boolean ``"mask"`` leaf whose shape leads the batch's
-shape: ``(batch,)``, True for real examples, or ``(batch, seq)``, True for real tokens.
-A loss function returns the mean over the real examples (tokens) it was given;
-:func:`masked_mean` computes it, and the train step weights each shard and microbatch
-by its count of real examples (tokens), so the result is the mean over the whole
-global batch.
+``loss_fn(model, batch) -> loss | (loss, aux)``:
 
->>> masked_mean(jnp.array([1.0, 2.0, 9.0]), jnp.array([True, True, False]))
-Array(1.5, dtype=float32)
->>> masked_mean(jnp.array([[1.0, 5.0], [3.0, 9.0]]), jnp.array([[True, True], [True, False]]))
-Array(3., dtype=float32)
+- ``model`` is what the framework calls a model (an NNX or Equinox module, a bound
+  Linen module, ``partial(apply_fn, params)`` for plain pytrees);
+- ``loss`` is a scalar, the mean over the real examples of ``batch``
+  (:func:`shardax.masked_mean`);
+- ``aux`` is a dict of metrics (scalars or arrays), or anything else under ``"jit"`` and
+  ``"single"``, where it comes back as ``metrics["aux"]``;
+- two optional parameters are filled by the step: ``rng`` (one key per example) and
+  ``step_rng`` (one key per step). Any other parameter without a default is refused
+  when the step is built: pass other values through a closure or a batch field.
+
+>>> def loss_fn(model, batch, rng):
+...     return jnp.mean(model(batch["x"]))
+>>> rng_arguments(loss_fn)
+('rng',)
+>>> loss_and_aux((jnp.float32(1.0), {"accuracy": jnp.float32(0.5)}))[1]
+{'accuracy': Array(0.5, dtype=float32)}
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-MASK_KEY = "mask"
+from shardax.train.stats import STATS
+
+FILLED = ("rng", "step_rng")
+"""The ``loss_fn`` parameters the step fills: per-example keys and the step's key."""
 
 
-def batch_mask(batch: Any) -> jax.Array | None:
-    """The batch's ``"mask"`` leaf, or None when it has none."""
-    return batch.get(MASK_KEY) if isinstance(batch, dict) else None
-
-
-def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Mean of ``values`` over the entries where ``mask`` is True.
-
-    ``mask`` covers the leading axes of ``values``: ``(batch,)`` for examples,
-    ``(batch, seq)`` for tokens. Trailing axes are averaged too. With no real entry the
-    result is 0, not NaN. ``mask=None`` is the plain mean.
-    """
-    if mask is None:
-        return jnp.mean(values)
-    if mask.ndim < 1 or mask.shape != values.shape[: mask.ndim]:
-        raise ValueError(
-            "masked_mean: mask must cover the leading axes of values, (batch,) or "
-            f"(batch, seq); values have shape {values.shape}, mask has shape {mask.shape}"
+def rng_arguments(loss_fn: Callable[..., Any], what: str = "loss_fn") -> tuple[str, ...]:
+    """The parameters of :data:`FILLED` that ``loss_fn`` takes; raises ``TypeError``
+    naming any other parameter the step cannot fill (after ``model`` and ``batch``)."""
+    if not callable(loss_fn):
+        raise TypeError(f"{what} must be a function {what}(model, batch), got {loss_fn!r}")
+    try:
+        parameters = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    rest = [p for p in parameters if p.name not in FILLED]
+    required = [
+        p
+        for p in rest[2:] if p.kind in positional and p.default is inspect.Parameter.empty
+    ] + [
+        p for p in rest if p.kind == inspect.Parameter.KEYWORD_ONLY
+        and p.default is inspect.Parameter.empty
+    ]  # fmt: skip
+    if required:
+        names = ", ".join(repr(p.name) for p in required)
+        raise TypeError(
+            f"{what} takes {names}, which the step cannot fill: it passes (model, batch) "
+            f"and, when {what} asks for them by name, {FILLED[0]!r} (one key per example) "
+            f"and {FILLED[1]!r} (the step's key). Pass other values through a closure "
+            f"(functools.partial({what}, ...)) or a field of the batch"
         )
-    weights = jnp.broadcast_to(
-        mask.reshape(mask.shape + (1,) * (values.ndim - mask.ndim)), values.shape
-    )
-    total = jnp.sum(jnp.where(weights, values, 0))
-    return total / jnp.maximum(jnp.sum(weights), 1).astype(total.dtype)
+    return tuple(p.name for p in parameters if p.name in FILLED)
 
 
-def valid_count(batch: Any) -> jax.Array | None:
-    """The number of real examples or tokens (float32) of ``batch``; None without a mask."""
-    mask = batch_mask(batch)
-    return None if mask is None else jnp.sum(mask, dtype=jnp.float32)
+def loss_and_aux(out: Any) -> tuple[jax.Array, Any]:
+    """Splits ``loss`` or ``(loss, aux)``; the loss must be a scalar."""
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise TypeError(
+                f"loss_fn must return loss or (loss, aux), got a tuple of {len(out)} items"
+            )
+        loss, aux = out
+    else:
+        loss, aux = out, {}
+    if not hasattr(loss, "shape") or jnp.shape(loss) != ():
+        got = (
+            f"an array of shape {loss.shape} and dtype {loss.dtype}"
+            if hasattr(loss, "shape")
+            else f"{type(loss).__name__} {loss!r}"
+        )
+        raise TypeError(
+            "loss_fn must return a scalar loss (the mean over the real examples it was "
+            f"given), or (loss, aux); got {got}"
+        )
+    return loss, aux
+
+
+def as_metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
+    """``{"loss": loss, **aux}`` for a dict ``aux``, else ``{"loss": loss, "aux": aux}``;
+    refuses names the step reports itself."""
+    if isinstance(aux, dict):
+        if "loss" in aux:
+            raise ValueError("loss_fn's aux metrics must not have a 'loss' entry; it is the loss")
+        taken = sorted(set(aux) & set(STATS))
+        if taken:
+            raise ValueError(
+                f"loss_fn's aux metrics must not use the names {taken}: the step adds them "
+                f"(see shardax.train.stats); rename them"
+            )
+        return {"loss": loss, **aux}
+    return {"loss": loss, "aux": aux}
+
+
+def check_mapped_aux(aux: Any, mode: str) -> None:
+    """Under ``"shard_map"`` and ``"pmap"`` the aux is averaged over devices, which means
+    something only for a dict of metrics; anything else (e.g. logits) is refused."""
+    if aux is not None and not isinstance(aux, dict):
+        what = (
+            f"an array of shape {tuple(aux.shape)}"
+            if hasattr(aux, "shape") and hasattr(aux, "dtype")
+            else f"a {type(aux).__name__}"
+        )
+        raise TypeError(
+            f"loss_fn returned (loss, aux) with aux {what}; under "
+            f"mode={mode!r} each device's aux is averaged over the data axis, which is "
+            "meaningful only for a dict of metrics (e.g. {'accuracy': acc}). Return a dict "
+            "of scalar metrics, or use mode='jit', which returns any aux as metrics['aux']"
+        )
+
+
+def metric_dict(out: Any) -> dict[str, Any]:
+    """A metric function's output as a dict of floating metrics: a dict as it is, a
+    scalar as ``{"loss": out}``, ``(loss, aux)`` as the train step's metrics."""
+    metrics = out if isinstance(out, dict) else as_metrics(*loss_and_aux(out))
+    for name, value in metrics.items():
+        if not isinstance(value, int | float | np.number | np.ndarray | jax.Array):
+            raise TypeError(
+                f"metric {name!r} must be a number or an array, got "
+                f"{type(value).__name__} {value!r}"
+            )
+    return jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.result_type(float)), metrics)

@@ -110,7 +110,7 @@ def resolve(precision: str | Precision) -> Precision:
     if scaling is not None:
         if not isinstance(scaling, LossScaling):
             raise TypeError(
-                f"Precision.loss_scaling must be an sx.LossScaling or None, got {scaling!r}"
+                f"Precision.loss_scaling must be an sx.train.LossScaling or None, got {scaling!r}"
             )
         if not (scaling.initial >= scaling.minimum > 0 and scaling.factor > 1):
             raise ValueError(

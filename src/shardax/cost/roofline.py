@@ -12,7 +12,7 @@ Below ``B*`` the device waits on memory and a larger batch is nearly free; above
 step time grows with the batch. Under data parallelism ``B`` is the per-replica batch, so
 a global batch needs ``B* × data-parallel degree``.
 
->>> from shardax.runtime.hardware import HardwareType
+>>> from shardax.cost.hardware import HardwareType
 >>> round(hardware_roofline(HardwareType.H100).critical_batch)
 295
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardax.runtime.hardware import HARDWARE_SPECS, HardwareType
+from shardax.cost.hardware import HARDWARE_SPECS, HardwareType
 
 
 def critical_batch_size(

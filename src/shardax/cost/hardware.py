@@ -1,4 +1,4 @@
-"""Hardware detection, the seed's batch-size table and roofline figures.
+"""Hardware: detection, device inventory, the seed's batch-size table and datasheet figures.
 
 >>> import shardax as sx
 >>> sx.get_batch_size_recommendation(sx.HardwareType.H100).critical_batch_size
@@ -186,3 +186,32 @@ def validate_batch_size(
     if batch_size >= rec.optimal_batch_size:
         return True, f"Batch size {batch_size} is optimal {where}."
     return True, f"Batch size {batch_size} is acceptable {where}."
+
+
+def device_info(devices: Sequence[Any] | None = None) -> dict[str, Any]:
+    """Describes ``devices`` (default: all devices of all processes).
+
+    Returns a dict with ``num_devices``, ``hardware_type``, ``platforms``,
+    ``device_kinds``, ``process_count`` and ``devices`` (one dict per device with
+    ``id``, ``platform``, ``device_kind`` and ``process_index``).
+
+    >>> device_info()["num_devices"] >= 1
+    True
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    return {
+        "num_devices": len(devices),
+        "hardware_type": detect_hardware_type(devices).value,
+        "platforms": sorted({d.platform for d in devices}),
+        "device_kinds": sorted({str(d.device_kind) for d in devices}),
+        "process_count": len({d.process_index for d in devices}),
+        "devices": [
+            {
+                "id": d.id,
+                "platform": d.platform,
+                "device_kind": str(d.device_kind),
+                "process_index": d.process_index,
+            }
+            for d in devices
+        ],
+    }

@@ -50,10 +50,7 @@ from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
 from shardax.checks import as_count
-from shardax.mesh.make import DATA_AXIS
-
-EXPERT_AXIS = "expert"
-"""The default mesh axis :func:`moe` splits the experts over."""
+from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS
 
 DISPATCHES = ("auto", "all_to_all", "ragged", "dense")
 """The values of :func:`moe`'s ``dispatch``."""

@@ -28,10 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-from shardax.mesh.make import DATA_AXIS
-
-STAGE_AXIS = "stage"
-"""The default mesh axis :func:`pipeline` splits the layers over."""
+from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
 
 H = TypeVar("H")
 

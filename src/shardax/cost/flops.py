@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardax.runtime.hardware import HARDWARE_SPECS, HardwareType, detect_hardware_type
+from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, detect_hardware_type
 
 
 def compiled_flops(compiled: Any) -> float | None:

@@ -4,19 +4,22 @@ Model states only: parameters, gradients, an fp32 master copy where the precisio
 one, and Adam's two moments. Activations, which grow with the batch and depend on the
 architecture, are not counted: the headroom left is what activations may use.
 
-Bytes per parameter (Adam; ``m`` and ``v`` are the two moments):
+Bytes per parameter (Adam; ``m`` and ``v`` are the two moments), by the precision names
+of ``make_train_step(precision=...)`` and ``shardax train --precision``:
 
-============  ========  =====  ============  ===========  =====
-precision     params    grads  fp32 master   Adam m + v   total
-============  ========  =====  ============  ===========  =====
-``fp32``      4         4      0             4 + 4        16
-``mixed``     2 (bf16)  2      4             4 + 4        16
-``bf16``      2         2      0             2 + 2        8
-============  ========  =====  ============  ===========  =====
+============  ========  =====  ============  ===========  =====  ===============
+precision     params    grads  fp32 master   Adam m + v   total  matmuls read
+============  ========  =====  ============  ===========  =====  ===============
+``fp32``      4         4      0             4 + 4        16     4
+``bf16``      4         4      0             4 + 4        16     2 (bf16 copy)
+``fp16``      4         4      0             4 + 4        16     2 (fp16 copy)
+============  ========  =====  ============  ===========  =====  ===============
 
-``mixed`` is the usual mixed-precision recipe (bf16 weights and gradients for compute,
-fp32 master weights and fp32 moments for the update, as in ZeRO); it costs as much state
-as ``fp32`` but halves the bytes the matmuls read. ``bf16`` keeps everything in bf16.
+shardax's policies keep the params and Adam's moments in the state in float32 and cast
+the params to the compute dtype inside the step, so bf16 and fp16 halve the bytes the
+matmuls read (the roofline's figure) and the activations, not the model states. A
+custom :class:`shardax.Precision` with ``param_dtype=jnp.bfloat16`` keeps everything in
+bf16: 2 + 2 + 0 + 2 + 2 = 8 bytes per parameter (:func:`state_bytes` takes it too).
 
 On ``data × model`` devices, with ``S`` the bytes per parameter above and ``P`` parameters:
 
@@ -26,7 +29,7 @@ On ``data × model`` devices, with ``S`` the bytes per parameter above and ``P``
 - PP (``stage = N``, ``sx.pipeline``): each stage holds its layers, ``S·P / N``.
 - DP × TP: ``S·P / model``; FSDP × TP: ``S·P / (data·model)``; likewise DP × PP and
   FSDP × PP with ``stage`` in place of ``model``.
-- ZeRO-1 (``data = N``): the fp32 master and Adam's moments split, params and grads whole;
+- ZeRO-1 (``data = N``): the master copy (if any) and Adam's moments split, params and grads whole;
   ZeRO-2 also splits the grads (:func:`estimate` with ``zero=1`` or ``2``).
 
 These are ideal splits (every weight divisible, nothing replicated: for PP, the layers
@@ -34,27 +37,38 @@ hold all the parameters); FSDP also needs room for one gathered layer at a time,
 for its microbatches' activations, which are not counted.
 
 >>> [e.strategy for e in plan_memory(7e9, 4)]
-['DP', 'FSDP', 'TP', 'PP', 'DP×TP', 'FSDP×TP', 'DP×PP', 'FSDP×PP']
->>> plan_memory(7e9, 4, "mixed")[0].total_bytes / 1e9
+['DP', 'ZeRO-1', 'ZeRO-2', 'FSDP', 'TP', 'PP', 'DP×TP', 'FSDP×TP', 'DP×PP', 'FSDP×PP']
+>>> plan_memory(7e9, 4, "bf16")[0].total_bytes / 1e9
 112.0
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
 
 from shardax.checks import as_count
 
 
 @dataclasses.dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter of each model state, for Adam."""
+class StateBytes:
+    """Bytes per parameter of each model state under one precision policy, for Adam.
+
+    Attributes:
+        name: the policy's name (``"fp32"``, ``"bf16"``, ``"fp16"``) or ``"custom"``.
+        params, grads, master, optimizer: bytes per parameter of each state.
+        compute: bytes per parameter the matmuls read (the compute dtype's size).
+    """
 
     name: str
     params: float
     grads: float
     master: float
     optimizer: float
+    compute: float
 
     @property
     def total(self) -> float:
@@ -62,11 +76,23 @@ class Precision:
         return self.params + self.grads + self.master + self.optimizer
 
 
-PRECISIONS: dict[str, Precision] = {
-    "fp32": Precision("fp32", params=4, grads=4, master=0, optimizer=8),
-    "mixed": Precision("mixed", params=2, grads=2, master=4, optimizer=8),
-    "bf16": Precision("bf16", params=2, grads=2, master=0, optimizer=4),
+def _itemsize(dtype: Any) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def _of_policy(name: str, param_dtype: Any, compute_dtype: Any) -> StateBytes:
+    """Adam under a policy: grads and both moments in the params' dtype, no master copy."""
+    p = _itemsize(param_dtype)
+    return StateBytes(name, params=p, grads=p, master=0, optimizer=2 * p,
+                      compute=_itemsize(compute_dtype))  # fmt: skip
+
+
+STATE_BYTES: dict[str, StateBytes] = {
+    "fp32": _of_policy("fp32", np.float32, np.float32),
+    "bf16": _of_policy("bf16", np.float32, jnp.bfloat16),
+    "fp16": _of_policy("fp16", np.float32, np.float16),
 }
+"""The train policies' bytes (``shardax.train.precision.PRECISIONS``, by the same names)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,18 +123,34 @@ class MemoryEstimate:
         return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_bytes
 
 
-def get_precision(precision: str | Precision) -> Precision:
-    """The :class:`Precision` named ``precision`` (``fp32``, ``mixed`` or ``bf16``)."""
-    if isinstance(precision, Precision):
+def state_bytes(precision: Any) -> StateBytes:
+    """The bytes per parameter of ``precision``: a train policy's name (``"fp32"``,
+    ``"bf16"``, ``"fp16"``), a :class:`shardax.Precision` (its ``param_dtype`` and
+    ``compute_dtype``), or a :class:`StateBytes`.
+
+    >>> state_bytes("bf16").total, state_bytes("bf16").compute
+    (16, 2)
+    """
+    if isinstance(precision, StateBytes):
         return precision
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    return PRECISIONS[precision]
+    if isinstance(precision, str):
+        if precision not in STATE_BYTES:
+            raise ValueError(
+                f"precision must be one of {list(STATE_BYTES)} or an sx.Precision, got "
+                f"{precision!r}"
+            )
+        return STATE_BYTES[precision]
+    if hasattr(precision, "param_dtype") and hasattr(precision, "compute_dtype"):
+        return _of_policy("custom", precision.param_dtype, precision.compute_dtype)
+    raise TypeError(
+        f"precision must be one of {list(STATE_BYTES)} or an sx.Precision, got "
+        f"{type(precision).__name__} {precision!r}"
+    )
 
 
 def estimate(
     num_params: float,
-    precision: str | Precision = "mixed",
+    precision: Any = "bf16",
     *,
     data: int = 1,
     model: int = 1,
@@ -136,7 +178,7 @@ def estimate(
     )
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
-    p = get_precision(precision)
+    p = state_bytes(precision)
     zero = 3 if shard_data else zero
 
     def split(level: int) -> int:
@@ -158,7 +200,7 @@ def estimate(
 
 
 def plan_memory(
-    num_params: float, num_devices: int, precision: str | Precision = "mixed"
+    num_params: float, num_devices: int, precision: Any = "bf16"
 ) -> list[MemoryEstimate]:
     """DP, ZeRO-1, ZeRO-2, FSDP, TP and PP over all ``num_devices``, then DP×TP and
     FSDP×TP, DP×PP and FSDP×PP for every split.

@@ -1,0 +1,33 @@
+"""Cost layer: hardware figures, roofline, memory per device, HLO collectives and FLOPs.
+
+These are models of what a step costs, apart from the process runtime: datasheet
+figures (:mod:`~shardax.cost.hardware`), the roofline (:mod:`~shardax.cost.roofline`),
+model-state memory per plan (:mod:`~shardax.cost.memory`), the collectives of a compiled
+program (:mod:`~shardax.cost.hlo`) and its FLOPs (:mod:`~shardax.cost.flops`).
+"""
+
+from shardax.cost.hardware import (
+    BATCH_SIZE_TABLE,
+    HARDWARE_SPECS,
+    BatchSizeRecommendation,
+    HardwareSpec,
+    HardwareType,
+    detect_hardware_type,
+    device_info,
+    get_batch_size_recommendation,
+    hardware_type_of,
+    validate_batch_size,
+)
+
+__all__ = [
+    "BATCH_SIZE_TABLE",
+    "HARDWARE_SPECS",
+    "BatchSizeRecommendation",
+    "HardwareSpec",
+    "HardwareType",
+    "detect_hardware_type",
+    "device_info",
+    "get_batch_size_recommendation",
+    "hardware_type_of",
+    "validate_batch_size",
+]

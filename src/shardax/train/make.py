@@ -1,0 +1,138 @@
+"""``make_train_step`` and ``make_eval_step``: the two doors to the compiled steps.
+
+``plan="auto"`` (or an :class:`~shardax.train.auto.AutoPlanOptions`) gives an
+:class:`~shardax.train.auto.AutoStep`, which picks its plan on the first call; any other
+plan a :class:`~shardax.train.step.TrainStep`.
+
+>>> mesh = sx.make_mesh({"data": -1})
+>>> step = sx.make_train_step(lambda model, batch: jnp.mean(model(batch["x"])), mesh=mesh)
+>>> step.mode, step.plan.name, step.accumulate, step.donate
+('jit', 'replicate', 1, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from jax.sharding import Mesh
+
+from shardax.mesh.axes import DATA_AXIS
+from shardax.plan.core import Plan
+from shardax.train.auto import AutoPlanOptions, AutoStep
+from shardax.train.eval import EvalStep
+from shardax.train.precision import Precision, resolve
+from shardax.train.stats import DEFAULT_STATS
+from shardax.train.step import TrainStep
+
+Mode = Literal["jit", "shard_map", "pmap", "single"]
+LossFn = Callable[..., Any]
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    *,
+    mesh: Mesh,
+    plan: Plan | AutoPlanOptions | Literal["auto"] | None = None,
+    mode: Mode = "jit",
+    accumulate: int = 1,
+    donate: bool = True,
+    data_axis: str | tuple[str, ...] = DATA_AXIS,
+    precision: str | Precision = "fp32",
+    stats: Sequence[str] = DEFAULT_STATS,
+) -> TrainStep | AutoStep:
+    """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``, where ``model`` is what
+            the framework calls a model (NNX or Equinox module, bound Linen module,
+            ``partial(apply_fn, params)``) and ``loss`` is a scalar: the mean over the real
+            examples of ``batch`` (see :func:`shardax.masked_mean`). If it takes an ``rng``
+            argument it receives one key per example, ``fold_in(fold_in(rng, step), i)``
+            for example ``i`` of the global batch, the same in every mode. If it takes a
+            ``step_rng`` argument it receives one key for the step,
+            ``fold_in(rng, step)``, e.g. for ``nnx.Rngs(dropout=step_rng)``: the same
+            numbers under ``"jit"`` on any mesh and ``"single"``. With
+            ``accumulate=k`` microbatch ``j`` gets ``fold_in(step_rng, j)``; under
+            ``"shard_map"`` and ``"pmap"`` each device folds in its index, so devices
+            draw different masks (use ``rng`` for keys that no mode changes).
+        mesh: the device mesh; the batch is split over ``data_axis``.
+        plan: shardings of the state (default: replicate), wrapped in
+            :func:`shardax.follow_params` so the optimizer state follows the params.
+            ``"shard_map"`` and ``"pmap"`` support only replicating plans. ``step.init``
+            builds a state straight onto it; ``jit`` mode traces under
+            ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies, with the
+            mesh's axis types: on Explicit axes the model's own shardings
+            (``out_sharding=``, ``jax.sharding.reshard``) apply, and on Auto axes
+            computation follows the data (:mod:`shardax.train.axis_types`).
+            ``sx.zero2`` also constrains the gradients to the optimizer state's
+            sharding. ``"auto"``: the first ``step(state, batch)`` picks the plan with
+            :func:`shardax.auto_plan` and places the state on it (``step.auto_report``);
+            ``sx.AutoPlanOptions(tp_rules=..., pipeline_rules=..., device_memory=...)`` passes
+            auto_plan's options (the fsdp+tp and pipeline candidates, the budget).
+        mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
+            (per-device gradients all-reduced over the data axis), ``"pmap"`` (the seed notebook.s
+            layout: the batch reshaped to (devices, per device, ...); the replicated
+            state goes in with ``in_axes=None`` rather than stacked on a device axis, so
+            it is the same object in every mode) or ``"single"`` (the first device of
+            ``mesh``).
+        accumulate: number of microbatches the global batch is split into (``lax.scan``).
+        donate: donate the state's buffers to the step.
+        data_axis: the mesh axis the batch is split over, or a tuple of axes (HSDP:
+            ``("replica", "fsdp")`` with ``plan=sx.fsdp(mesh, axis="fsdp")``).
+        precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or an
+            :class:`shardax.Precision`. Params and optimizer state stay in the state in
+            ``param_dtype`` (float32); params and floating batch leaves are cast to
+            ``compute_dtype`` for the forward and backward passes; gradients reach the
+            optimizer in ``param_dtype``. ``"fp16"`` adds dynamic loss scaling: the
+            scale is ``state.loss_scale`` and ``metrics["loss_scale"]`` (the scale after
+            the step); a step with non-finite gradients leaves params, optimizer and
+            model state unchanged and halves the scale.
+        stats: the update statistics the step returns (:mod:`shardax.train.stats`):
+            ``"grad_norm"`` (global L2 norm of the all-reduced gradients),
+            ``"param_norm"`` (after the update) and ``"learning_rate"`` (with
+            ``optax.inject_hyperparams``). Default ``("grad_norm", "learning_rate")``;
+            ``()`` for none, e.g. to time the bare step.
+
+    Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
+    over the real examples of the whole global batch in every mode, plus ``stats``.
+    """
+    kw = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
+          "data_axis": data_axis, "precision": precision, "stats": stats}  # fmt: skip
+    if isinstance(plan, str) and plan == "auto":
+        plan = AutoPlanOptions()
+    if isinstance(plan, AutoPlanOptions):
+        return AutoStep(loss_fn, plan, **kw)
+    return TrainStep(loss_fn, plan=plan, **kw)
+
+
+def make_eval_step(
+    metric_fn: LossFn,
+    *,
+    mesh: Mesh,
+    plan: Plan | None = None,
+    mode: Mode = "jit",
+    accumulate: int = 1,
+    data_axis: str = DATA_AXIS,
+    precision: str | Precision = "fp32",
+) -> EvalStep:
+    """A compiled ``evaluate(state, batch) -> metrics`` that never changes ``state``.
+
+    Args:
+        metric_fn: ``metric_fn(model, batch)`` returning a dict of metrics, a scalar
+            loss (reported as ``"loss"``) or ``(loss, aux)`` like a train step's loss
+            function, so the training loss function serves as is. Each metric is the
+            mean over the real examples (or tokens, with a ``(batch, seq)`` mask) of the
+            batch it was given (see :func:`shardax.masked_mean`); shards and
+            microbatches are weighted by their count of real examples or tokens. It
+            may take ``rng`` and ``step_rng`` like a train step's loss function; NNX and
+            Equinox models are in inference mode (dropout off, running averages).
+        mesh, plan, mode, accumulate, data_axis: as for :func:`make_train_step`; use
+            the train step's mesh and plan to evaluate its state where it lies.
+        precision: the compute and output dtypes, as for :func:`make_train_step`
+            (without loss scaling).
+    """
+    # Loss scaling only protects gradients; evaluation has none.
+    policy = resolve(precision)._replace(loss_scaling=None)
+    return EvalStep(metric_fn, mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
+                    donate=False, data_axis=data_axis, precision=policy)  # fmt: skip
