@@ -1,5 +1,5 @@
 """In-model tools, called inside a model while it is traced: collectives, remat, pipeline,
-attention (context parallelism).
+attention (context parallelism), moe (expert parallelism).
 
 One concept per module; each module's public names are re-exported here (the most used
 also from ``shardax``).
@@ -20,6 +20,7 @@ from shardax.parallel.context import (
     unzigzag,
     zigzag,
 )
+from shardax.parallel.experts import MoEAux, capacity, choose_dispatch, moe
 from shardax.parallel.gpipe import bubble, pipeline, scan_layers
 from shardax.parallel.one_f_one_b import pipeline_1f1b
 from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
@@ -27,13 +28,17 @@ from shardax.parallel.remat_policy import checkpoint_policy, remat
 
 __all__ = [
     "REMAT_POLICIES",
+    "MoEAux",
     "all_gather",
     "all_reduce",
     "attention",
     "bound_axes",
     "bubble",
+    "capacity",
     "checkpoint_policy",
+    "choose_dispatch",
     "choose_impl",
+    "moe",
     "pipeline",
     "pipeline_1f1b",
     "reduce",
