@@ -54,7 +54,7 @@ from shardax.plan import (
     zero1,
     zero2,
 )
-from shardax.runtime import StepWatchdog, initialize, is_main_process, print0
+from shardax.runtime import StepWatchdog, compile_cache, initialize, is_main_process, print0
 from shardax.track import MetricWriter
 from shardax.train import (
     AutoPlanOptions,
@@ -88,6 +88,7 @@ __all__ = [
     "auto_plan",
     "batch_sharding",
     "batches",
+    "compile_cache",
     "constrain",
     "describe",
     "distribute_batch",
