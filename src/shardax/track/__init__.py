@@ -1,4 +1,5 @@
-"""Track layer: metrics to JSONL / TensorBoard / W&B / MLflow, step timing, profiler traces, the goodput ledger."""
+"""Track layer: metrics to JSONL / TensorBoard / W&B / MLflow, step timing, profiler traces,
+the goodput ledger."""
 
 from shardax.track.clock import INPUT_BOUND, StepClock, Window
 from shardax.track.goodput import Ledger
