@@ -444,6 +444,17 @@ def test_one_rank_hangs_both_exit_nonzero_naming_the_step():
         assert codes[rank] == sx.runtime.WATCHDOG_EXIT_CODE, text[-2000:]
         assert f"process {rank} of 2: step {step} did not complete within {timeout} s" in text
         assert f"step {step} " not in text.replace(f"step {step} did not", "")
+        # one line, before the stacks, names the rank behind, its step and its phase
+        behind = [line for line in text.splitlines() if "hang watchdog: behind:" in line]
+        assert behind, text[-2000:]
+        assert behind[0].startswith(
+            f"shardax: hang watchdog: behind: process 1 (step {step}, last completed "
+            f"{step - 1}): waiting for data for "
+        ), behind
+        assert (
+            f"process 0 (step {step}, last completed {step - 1}): waiting on device" in (behind[0])
+        )
+        assert text.index(behind[0]) < text.index("most recent call first"), text[-3000:]
     assert "in hang" in run.text(1)  # the stack dump shows where rank 1 sleeps
 
 
