@@ -30,6 +30,7 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
+from shardax.checks import as_count
 from shardax.plan.core import Plan
 from shardax.train.loss import as_metrics, loss_and_aux
 from shardax.train.precision import (
@@ -43,7 +44,6 @@ from shardax.train.precision import (
 )
 from shardax.train.program import Program
 from shardax.train.state import TrainState
-from shardax.checks import as_count
 from shardax.train.stats import DEFAULT_STATS, check_stats, every_nth
 
 
