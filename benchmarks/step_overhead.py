@@ -22,8 +22,8 @@ all alike) on the same device-resident global batch; each step is timed to
 ``block_until_ready``. The table gives the median over the warm rounds and each
 median's ratio to the row named in "versus". Goals: jit / hand <= 1.03,
 default / hand <= 1.03, jit+stats / hand+norm <= 1.03, jit+log / default <= 1.03.
-jit+stats / jit is what the grad norm costs: one more pass over the gradients on every device, which 8 simulated
-devices on a few CPU cores pay 8 times over.
+jit+stats / jit is what the grad norm costs: one more pass over the gradients on every
+device, which 8 simulated devices on a few CPU cores pay 8 times over.
 
     python benchmarks/step_overhead.py                 # table
     python benchmarks/step_overhead.py --json          # one JSON object
