@@ -164,7 +164,10 @@ def test_help_is_clear(command, capsys):
             ["train", "--mesh", "data=3,model=3"],
             "--mesh: Not enough devices: mesh requires 9 devices but only 8 available (mesh shape",
         ),
-        (["train", "--plan", "tp", "--mesh", "data=8"], "--plan tp needs a mesh with a 'model'"),
+        (
+            ["train", "--plan", "tp", "--mesh", "data=8"],
+            "plan 'tp' needs a mesh with a 'model' axis",
+        ),
         (["train", "--mode", "single", "--plan", "fsdp"], "--mode single runs on one device"),
         (["train", "--mode", "pmap", "--plan", "fsdp"], "supports only a replicating plan"),
         (["train", "--resume"], "--resume needs --checkpoint-dir"),

@@ -41,11 +41,12 @@ from shardax.checkpoint import (
 )
 from shardax.data import batch_sharding, batches, global_batch, prefetch_to_device
 from shardax.mesh import make_mesh
-from shardax.parallel import pipeline, pipeline_1f1b, remat
+from shardax.parallel import attention, pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
     constrain,
     describe,
+    from_linen,
     from_nnx,
     fsdp,
     replicate,
@@ -65,6 +66,8 @@ from shardax.train import (
     make_eval_step,
     make_train_step,
     masked_mean,
+    prepare,
+    verify,
 )
 
 __version__ = "0.1.0"
@@ -85,6 +88,7 @@ __all__ = [
     "Preempted",
     "StepWatchdog",
     "TrainState",
+    "attention",
     "auto_plan",
     "batch_sharding",
     "batches",
@@ -92,6 +96,7 @@ __all__ = [
     "constrain",
     "describe",
     "distribute_batch",
+    "from_linen",
     "from_nnx",
     "fsdp",
     "get_batch_size_recommendation",
@@ -106,6 +111,7 @@ __all__ = [
     "pipeline_1f1b",
     "place_on_device",
     "prefetch_to_device",
+    "prepare",
     "print0",
     "remat",
     "replicate",
@@ -113,6 +119,7 @@ __all__ = [
     "rules",
     "save_checkpoint",
     "shard",
+    "verify",
     "watch_preemption",
     "zero1",
     "zero2",

@@ -6,9 +6,19 @@ and whose result applies the update. It is written once, for one shard of the ba
 under ``"jit"`` and ``"single"`` the shard is the whole global batch and the
 cross-device reductions are identities; under ``"shard_map"`` and ``"pmap"`` each
 device sees its slice and the program reduces over the data axis. So every mode computes
-the same update from the same global batch, when the loss is a mean over the examples
-it was given (:func:`shardax.masked_mean` with a ``"mask"`` leaf for padded or
-token-weighted batches) and the model normalizes nothing per device (BatchNorm).
+the same update from the same global batch (up to the order of floating-point sums), when:
+
+- the loss is a mean over the examples (or tokens) it was given, and a batch whose count
+  of them differs between devices (padding, token weights) carries a ``"mask"`` leaf, by
+  which the devices are weighted (:func:`shardax.masked_mean`); without one,
+  ``"shard_map"`` and ``"pmap"`` average the devices' means with equal weights;
+- random numbers come from the ``rng`` argument (one key per example): the framework's
+  RNG (``step_rng``, Linen's ``"dropout"``, NNX ``Rngs``) folds in the device index under
+  ``"shard_map"`` and ``"pmap"``;
+- the model normalizes nothing per device, apart from NNX, Linen and Equinox BatchNorm,
+  which the step binds to the data axis (:mod:`shardax.train.batchnorm`).
+
+:func:`shardax.verify` checks it for a step, a state and a batch, and names the cause.
 
 Built by :func:`shardax.make_train_step`.
 
