@@ -10,7 +10,8 @@ or ``jax_compilation_cache_dir``, e.g. by a test suite) is kept when no director
 given.
 
 :func:`compile_stats` counts, through ``jax.monitoring`` listeners, the seconds spent
-tracing, lowering and compiling (a cache hit's compile is the time to load it) and the
+tracing, lowering and compiling (a cache hit's compile is the time to load it; nested
+spans counted once) and the
 persistent cache's requests, hits and misses, since the process started counting.
 
 >>> sx.runtime.compile_cache()              # ~/.cache/shardax/jax-compile, or $XDG_CACHE_HOME
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -122,13 +124,33 @@ class _Counter:
             ("seconds", "compiles", "cache_requests", "cache_hits", "cache_misses"), 0
         )
         self.values["seconds"] = 0.0
+        self.spans: list[tuple[float, float]] = []
 
     def on_duration(self, event: str, duration: float, **kwargs: object) -> None:
-        if event in _COMPILE_EVENTS:
-            with self.lock:
-                self.values["seconds"] += duration
-                if event == _COMPILE_EVENTS[-1]:
-                    self.values["compiles"] += 1
+        if event not in _COMPILE_EVENTS:
+            return
+        end = time.perf_counter()
+        with self.lock:
+            self._cover(end - duration, end)
+            if event == _COMPILE_EVENTS[-1]:
+                self.values["compiles"] += 1
+
+    def _cover(self, start: float, end: float) -> None:
+        """Adds ``[start, end]`` to the seconds, counting time already covered once: a
+        program compiled while another is traced or lowered (an eager operation inside
+        a traced function) reports a span inside the outer one's."""
+        spans = self.spans
+        while spans and spans[-1][0] >= start:  # inside the new span
+            s, e = spans.pop()
+            self.values["seconds"] -= e - s
+            end = max(end, e)
+        if spans and spans[-1][1] >= start:  # overlaps the one before
+            s, e = spans.pop()
+            self.values["seconds"] -= e - s
+            start, end = s, max(end, e)
+        spans.append((start, end))
+        self.values["seconds"] += end - start
+        del spans[:-64]
 
     def on_event(self, event: str, **kwargs: object) -> None:
         name = _CACHE_EVENTS.get(event)

@@ -83,12 +83,19 @@ class Ledger:
         self.bucket = bucket
         self._counters: dict[str, tuple[Callable[[], float], float]] = {}
 
-    def count(self, bucket: str, seconds: Callable[[], float]) -> None:
-        """From now on, what the monotonic counter ``seconds()`` adds is charged to
-        ``bucket`` instead of the running one."""
+    def count(self, bucket: str, seconds: Callable[[], float], since: float | None = None) -> None:
+        """What the monotonic counter ``seconds()`` adds is charged to ``bucket`` instead
+        of the running one: from now on, or from its value ``since`` (e.g. its value when
+        the ledger's session began, for what it counted before the ledger existed)."""
         _check_bucket(bucket)
         self._charge()
-        self._counters[bucket] = (seconds, float(seconds()))
+        value = float(seconds())
+        if since is not None:  # counted already, while the running bucket ran
+            buckets = self.session["buckets"]
+            moved = min(max(value - since, 0.0), buckets[self.bucket])
+            buckets[self.bucket] -= moved
+            buckets[bucket] += moved
+        self._counters[bucket] = (seconds, value)
 
     def _charge(self) -> None:
         now = time.perf_counter()
