@@ -294,6 +294,17 @@ def test_gpt_sigterm_then_resume_is_bitwise(tmp_path, capsys):
     assert 2 < stopped < 12, stopped
     code, resumed = run("resumed", "--checkpoint-dir", str(ckpt), "--save-every", "2", "--resume")
     assert code == 0 and resumed["resumed_from_step"] == stopped
+    # The goodput ledger spans both sessions; its buckets add up to their wall time.
+    sessions = sx.track.goodput.load(ckpt)["sessions"]
+    assert [s["last_step"] for s in sessions] == [stopped, 12], sessions
+    for s in sessions:
+        assert sum(s["buckets"].values()) == pytest.approx(s["end"] - s["start"], rel=0.02)
+        assert s["buckets"]["compile"] > 0 and s["buckets"]["step"] > 0
+    assert cli(["goodput", str(ckpt), "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert table["sessions"] == 2 and 0 < table["goodput"] < 1
+    assert table["wall_s"] == pytest.approx(sum(s["end"] - s["start"] for s in sessions))
+    assert resumed["goodput"]["ledger"] == str(ckpt / "goodput.json")
     # Every step's loss and every evaluation, bitwise; then the whole state.
     assert untimed(resumed["history"]) == untimed(straight["history"])
     want, got = saved_arrays(tmp_path / "a"), saved_arrays(ckpt)
