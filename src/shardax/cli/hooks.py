@@ -154,8 +154,8 @@ class Goodput(Hook):
     (:func:`shardax.runtime.compile_stats`) and the input wait moved to their buckets;
     evaluations and the blocking part of saves through :meth:`Run.phase`. Kept in
     ``goodput.json`` beside the checkpoints (else in the run directory; process 0),
-    saved with every checkpoint and at the end; its scalars go to the metric writers at
-    every evaluation. Also marks this process's phase, for the hang report."""
+    saved with every checkpoint and at the end; its scalars go to the metric writers
+    with every evaluation's. Also marks this process's phase, for the hang report."""
 
     def __init__(self, run: Run, path: Any, since: float, compiled: float = 0.0) -> None:
         from shardax.track.goodput import Ledger
@@ -173,8 +173,6 @@ class Goodput(Hook):
 
     def after_step(self, run: Run) -> None:
         self.ledger.completed(run.i)
-        if run.i % run.job.eval_every == 0 or run.last:
-            run.tracker.scalars(self.ledger.scalars())
 
     def __exit__(self, *exc: Any) -> None:
         self.ledger.close()
@@ -292,7 +290,8 @@ class Evaluation(Hook):
         if run.window_first > run.first_done + 1:  # the first window includes compilation
             run.step_seconds.append(seconds / (run.i - run.window_first + 1))
         scores = self.job.evaluate(run.state)
-        run.tracker.scalars({k.replace("_", "/", 1): v for k, v in scores.items()})
+        goodput = run.ledger.scalars() if run.ledger is not None else {}
+        run.tracker.scalars({**{k.replace("_", "/", 1): v for k, v in scores.items()}, **goodput})
         note = run.tracker.input_bound()
         if note and jax.process_index() == 0:
             self.console.print(f"[yellow]{note}[/]")
