@@ -5,10 +5,8 @@ Small shapes, one compiled function per configuration (cached): 8 experts of a t
 form 8 routing groups of 16; with no mesh, one group of 128.
 """
 
-import doctest
 import functools
 import math
-import types
 
 import jax
 import jax.numpy as jnp
@@ -383,19 +381,6 @@ def test_auto_says_which_and_why():
     assert dispatch == "dense" and "E=4" in why
     assert choose_dispatch(8, 2, 1.25, 4, "dense") == ("dense", "asked for")
     assert capacity(64, 8, 2, 1.25) == 20 and capacity(4, 8, 2, 100.0) == 4
-
-
-def shardax_with_moe():
-    """``shardax`` as it will be once ``shardax/__init__.py`` re-exports the MoE names."""
-    from shardax import parallel
-
-    return types.SimpleNamespace(**{**vars(parallel), **vars(sx)})
-
-
-def test_module_examples_run():
-    globs = {"sx": shardax_with_moe(), "jax": jax, "jnp": jnp, "np": np}
-    result = doctest.testmod(moe_module, extraglobs=globs, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0
 
 
 # -- bad input ---------------------------------------------------------------------------

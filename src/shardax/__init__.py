@@ -41,7 +41,7 @@ from shardax.checkpoint import (
 )
 from shardax.data import batch_sharding, batches, global_batch, prefetch_to_device
 from shardax.mesh import make_mesh
-from shardax.parallel import attention, pipeline, pipeline_1f1b, remat
+from shardax.parallel import attention, moe, pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
     constrain,
@@ -55,7 +55,7 @@ from shardax.plan import (
     zero1,
     zero2,
 )
-from shardax.runtime import StepWatchdog, initialize, is_main_process, print0
+from shardax.runtime import StepWatchdog, compile_cache, initialize, is_main_process, print0
 from shardax.track import MetricWriter
 from shardax.train import (
     AutoPlanOptions,
@@ -92,6 +92,7 @@ __all__ = [
     "auto_plan",
     "batch_sharding",
     "batches",
+    "compile_cache",
     "constrain",
     "describe",
     "distribute_batch",
@@ -106,6 +107,7 @@ __all__ = [
     "make_mesh",
     "make_train_step",
     "masked_mean",
+    "moe",
     "pipeline",
     "pipeline_1f1b",
     "place_on_device",

@@ -73,6 +73,7 @@ class _Notice:
 
     event = threading.Event()
     installed: ClassVar[set[int]] = set()
+    reached = False  # reached_preemption said True (any process count)
 
 
 def _multi_process() -> bool:
@@ -130,6 +131,7 @@ class PreemptionWatch:
             _Notice.installed.discard(sig)
         if self._previous:
             _Notice.event.clear()
+            _Notice.reached = False
         self._previous = {}
 
     def __enter__(self) -> PreemptionWatch:
@@ -153,8 +155,18 @@ def reached_preemption(step: int) -> bool:
     """
     if _multi_process():
         try:
-            return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+            reached = bool(multihost_utils.reached_preemption_sync_point(int(step)))
         except RuntimeError as e:
             raise RuntimeError(_SERVICE_OFF) from e
-    watch_preemption()
-    return _Notice.event.is_set()
+    else:
+        watch_preemption()
+        reached = _Notice.event.is_set()
+    _Notice.reached = _Notice.reached or reached
+    return reached
+
+
+def preemption_requested() -> bool:
+    """True once a preemption notice was seen (a single process's SIGTERM, or a
+    :func:`reached_preemption` that said True): an asynchronous save then waits for its
+    commit before returning, so the process can exit right after it."""
+    return _Notice.event.is_set() or _Notice.reached

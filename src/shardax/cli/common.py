@@ -105,6 +105,9 @@ def check_writable_dir(option: str, path: str) -> None:
         raise UsageError(f"{option} {path}: {what} (permission denied)")
 
 
+STARTED = time.time()
+"""When the CLI was imported: the start of a run's start-up in the goodput ledger."""
+
 OUTPUT_DIRS = (("--run-dir", "run_dir"), ("--checkpoint-dir", "checkpoint_dir"))
 """The options of every command that name a directory it writes to."""
 

@@ -7,6 +7,8 @@ them once (one device-to-host transfer per window, not per step) before the hook
 follow it run. Hooks are context managers: the loop enters them in order before the first step
 and exits them in reverse after the last (or on an error).
 
+- :class:`Goodput`: the goodput ledger (:mod:`shardax.track.goodput`) beside the
+  checkpoints, and each process's step and phase for the hang report;
 - :class:`Watchdog`: times each step after the first (``--step-timeout``);
 - :class:`Progress`: the progress bar, every 4 steps;
 - :class:`Preemption`: a SIGTERM makes every process stop at the same step;
@@ -23,6 +25,8 @@ import time
 from typing import Any
 
 import jax
+
+from shardax.runtime import compile_stats, status
 
 
 @dataclasses.dataclass
@@ -43,6 +47,7 @@ class Run:
         step_seconds: seconds per step of each completed window but the first.
         preempted: a SIGTERM asked this step to be the last.
         directory: the run directory (process 0; None elsewhere).
+        ledger: the goodput ledger (:class:`shardax.track.Ledger`), or None.
     """
 
     job: Any
@@ -59,6 +64,17 @@ class Run:
     step_seconds: list[float] = dataclasses.field(default_factory=list)
     preempted: bool = False
     directory: Any = None
+    ledger: Any = None
+
+    @contextlib.contextmanager
+    def phase(self, bucket: str) -> Any:
+        """The block as ``bucket`` ("eval" or "checkpoint") in the goodput ledger, and
+        as this process's phase (evaluating, saving) for the hang report."""
+        from shardax.runtime import status
+
+        status.STATUS.set(status.EVAL if bucket == "eval" else status.SAVE)
+        with self.ledger.phase(bucket) if self.ledger else contextlib.nullcontext():
+            yield
 
     @property
     def last(self) -> bool:
@@ -104,10 +120,10 @@ class Watchdog(Hook):
     dumps every thread's stack and exits (:class:`shardax.StepWatchdog`). A watched step
     waits for its loss, so the time counts the device work."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, on_fire: Any = None) -> None:
         import shardax as sx
 
-        self.watchdog = sx.StepWatchdog(timeout)
+        self.watchdog = sx.StepWatchdog(timeout, on_fire=on_fire)
         self._watched: Any = None
 
     def before_step(self, run: Run) -> None:
@@ -117,6 +133,7 @@ class Watchdog(Hook):
 
     def after_step(self, run: Run) -> None:
         if self._watched is not None:
+            self.watchdog.phase(status.DEVICE)
             jax.block_until_ready(run.pending[-1]["loss"])
             self._watched.__exit__(None, None, None)
             self._watched = None
@@ -131,9 +148,40 @@ class Watchdog(Hook):
         self.watchdog.__exit__(*exc)
 
 
+class Goodput(Hook):
+    """Every second of the run in a bucket (:class:`shardax.track.Ledger`): start-up
+    until the first step, then steps, with the compile seconds
+    (:func:`shardax.runtime.compile_stats`) and the input wait moved to their buckets;
+    evaluations and the blocking part of saves through :meth:`Run.phase`. Kept in
+    ``goodput.json`` beside the checkpoints (else in the run directory; process 0),
+    saved with every checkpoint and at the end; its scalars go to the metric writers
+    with every evaluation's. Also marks this process's phase, for the hang report."""
+
+    def __init__(self, run: Run, path: Any, since: float, compiled: float = 0.0) -> None:
+        from shardax.track.goodput import Ledger
+
+        self.ledger = run.ledger = Ledger(path, since=since)
+        self.ledger.count("compile", lambda: compile_stats().seconds, since=compiled)
+        self.ledger.count("data", lambda: run.feed.wait_seconds)
+        if run.first_done:
+            self.ledger.resumed(run.first_done)
+
+    def before_step(self, run: Run) -> None:
+        if self.ledger.bucket != "step":
+            self.ledger.switch("step")
+        status.STATUS.set(status.DISPATCH, run.i)
+
+    def after_step(self, run: Run) -> None:
+        self.ledger.completed(run.i)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.ledger.close()
+
+
 class Progress(Hook):
-    """The progress bar (process 0): step, the job's metrics text, throughput and the
-    data-wait fraction, updated every ``every`` steps and at the last."""
+    """The progress bar (process 0): step, the job's metrics text, throughput, the
+    data-wait fraction and the seconds spent compiling, updated every ``every`` steps
+    and at the last."""
 
     def __init__(self, job: Any, console: Any, first_done: int, every: int = 4) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -144,13 +192,15 @@ class Progress(Hook):
             BarColumn(),
             TextColumn("{task.fields[text]}"),
             TextColumn("{task.fields[rate]:,.0f} " + job.unit + "/s  wait {task.fields[wait]:.0%}"),
+            TextColumn("compile {task.fields[compile]:.1f}s"),
             TimeRemainingColumn(),
             console=console,
             disable=jax.process_index() != 0,
         )
         self.task = self.bar.add_task(
-            "train", total=job.steps, completed=first_done, text="", rate=0.0, wait=0.0
-        )
+            "train", total=job.steps, completed=first_done, text="", rate=0.0, wait=0.0,
+            compile=0.0,
+        )  # fmt: skip
 
     def after_step(self, run: Run) -> None:
         if run.i % self.every and not run.last:
@@ -163,6 +213,7 @@ class Progress(Hook):
             text=self.job.progress(metrics),
             rate=rate / (time.perf_counter() - run.window_start),
             wait=run.tracker.data_wait_fraction,
+            compile=compile_stats().seconds,
         )
 
     def __enter__(self) -> Progress:
@@ -231,11 +282,16 @@ class Evaluation(Hook):
     def after_step(self, run: Run) -> None:
         if not self.due(run):
             return
+        with run.phase("eval"):
+            self._evaluate(run)
+
+    def _evaluate(self, run: Run) -> None:
         seconds = time.perf_counter() - run.window_start
         if run.window_first > run.first_done + 1:  # the first window includes compilation
             run.step_seconds.append(seconds / (run.i - run.window_first + 1))
         scores = self.job.evaluate(run.state)
-        run.tracker.scalars({k.replace("_", "/", 1): v for k, v in scores.items()})
+        goodput = run.ledger.scalars() if run.ledger is not None else {}
+        run.tracker.scalars({**{k.replace("_", "/", 1): v for k, v in scores.items()}, **goodput})
         note = run.tracker.input_bound()
         if note and jax.process_index() == 0:
             self.console.print(f"[yellow]{note}[/]")
@@ -256,11 +312,17 @@ class Checkpoint(Hook):
         return run.i % self.save_every == 0 or run.last or run.preempted
 
     def after_step(self, run: Run) -> None:
+        self.run = run
         if self.due(run):
-            self.manager.save(run.i, run.state, run.data_state())
+            with run.phase("checkpoint"):  # the blocking part of an async save
+                self.manager.save(run.i, run.state, run.data_state())
+            if run.ledger is not None:
+                run.ledger.save()
 
     def __exit__(self, *exc: Any) -> None:
-        self.manager.close()
+        run = getattr(self, "run", None)
+        with run.phase("checkpoint") if run else contextlib.nullcontext():
+            self.manager.close()  # waits for the save in flight
 
 
 @contextlib.contextmanager

@@ -160,8 +160,10 @@ def build_steps(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) ->
     plan = None if args.mode == "single" else plan  # one device: no sharding plan
     options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision}
     try:
-        # The CLI logs every update statistic, param norm included.
-        step = sx.make_train_step(loss_fn, accumulate=args.accumulate, stats=STATS, **options)
+        # The CLI logs every update statistic, param norm included, computed only on the
+        # steps it logs (--log-every): the other steps pay nothing for them.
+        step = sx.make_train_step(loss_fn, accumulate=args.accumulate, stats=STATS,
+                                  stats_every=args.log_every, **options)  # fmt: skip
         return step, sx.make_eval_step(loss_fn, **options)
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None

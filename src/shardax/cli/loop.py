@@ -11,15 +11,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shardax.cli import track
-from shardax.cli.common import UsageError, run_dir, step_flops
+from shardax.cli.common import STARTED, UsageError, run_dir, step_flops
 from shardax.cli.hooks import (
     Checkpoint,
     Evaluation,
+    Goodput,
     Hook,
     MetricsWindow,
     Preemption,
@@ -70,7 +72,9 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Run, Any]:
 
     import shardax as sx
 
-    manager = sx.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
+    manager = None
+    if args.checkpoint_dir:
+        manager = sx.CheckpointManager(args.checkpoint_dir, async_save=not args.sync_save)
     try:  # a usage error closes the manager first, or orbax complains at shutdown
         state, data_state = resume(args, manager, job)
     except UsageError:
@@ -96,16 +100,25 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Run, Any]:
 
 def hooks(args: argparse.Namespace, job: Job, run: Run, out: Any, manager: Any) -> list[Hook]:
     """The hooks in the order they run after each step."""
+    from shardax.track.goodput import FILE
+
     later: list[Hook] = [Preemption(), Evaluation(job, out)]
     if manager is not None:
         later.append(Checkpoint(manager, args.save_every or job.eval_every))
-    first = [Watchdog(args.step_timeout)] if args.step_timeout else []
+    where = args.checkpoint_dir or run.directory
+    path = Path(where, FILE) if where is not None and run.directory is not None else None
+    # First in, last out: it sees every second; the compilations of start-up count too.
+    goodput = Goodput(run, path, since=STARTED, compiled=args.compile_before.seconds)
+    first: list[Hook] = [goodput]
+    if args.step_timeout:  # a hung step's time is the ledger's "hang"
+        first.append(Watchdog(args.step_timeout, lambda i: goodput.ledger.close("hang")))
     return [*first, Progress(job, out, run.first_done), later[0], MetricsWindow(later), *later[1:]]
 
 
 def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     """Runs ``job`` to ``job.steps`` and returns the summary (plain data)."""
     import shardax as sx
+    from shardax.runtime import status
 
     manager, run, tracker = start(args, job)
     describe(out, job, run.state, args)
@@ -115,6 +128,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     with run.feed, contextlib.closing(tracker), entered(hooks(args, job, run, out, manager)) as hs:
         run.window_start = time.perf_counter()
         for i in range(run.first_done + 1, job.steps + 1):
+            status.STATUS.set(status.DATA, i)
             run.i, batch = i, next(run.feed)
             if flops is None:
                 flops = step_flops(step, run.state, batch)
@@ -166,7 +180,11 @@ def summary(
 
     import shardax as sx
     from shardax.cost.flops import format_utilization, utilization
+    from shardax.runtime import compile_stats
+    from shardax.track.goodput import fraction
 
+    compiled = compile_stats() - args.compile_before
+    buckets = run.ledger.totals()
     step_seconds = run.step_seconds or [total / max(job.steps - run.first_done, 1)]
     seconds_per_step = float(np.median(step_seconds))
     use = utilization(flops, seconds_per_step, job.mesh.size if args.mode != "single" else 1)
@@ -204,6 +222,17 @@ def summary(
         ),
         "run_dir": str(run.directory) if run.directory is not None else None,
         **run.tracker.summary(),
+        "compile": {
+            "seconds": compiled.seconds,
+            "cache_hits": compiled.cache_hits,
+            "cache_misses": compiled.cache_misses,
+            "cache_dir": args.compile_cache_dir,
+        },
+        "goodput": {
+            "fraction": fraction(buckets),
+            "buckets_s": buckets,
+            "ledger": str(run.ledger.path) if run.ledger.path else None,
+        },
         "param_specs": {k: v for k, v in _flatten(specs).items() if k.startswith("params/")},
         "history": run.history,
     }

@@ -143,6 +143,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument(
+        "--sync-save",
+        action="store_true",
+        help="save checkpoints synchronously (default: asynchronously, the steps go on while "
+        "the arrays are written)",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="JAX's persistent compilation cache (default: the one JAX is configured with, "
+        "else ~/.cache/shardax/jax-compile); off: none",
+    )
+    parser.add_argument(
         "--step-timeout",
         type=positive_float,
         default=None,
@@ -187,10 +200,18 @@ def run(args: argparse.Namespace) -> int:
     """Trains, writes ``summary.json`` and ``curves.png``, prints the result."""
     import jax
 
+    from shardax.runtime import cache
+
     out = console(args)
     check_model_options(args)
     if args.verify_rtol is not None and not args.verify:
         raise UsageError(f"--verify-rtol {args.verify_rtol} needs --verify")
+    if args.compile_cache == "off":
+        cache.disable_compile_cache()
+        args.compile_cache_dir = None
+    else:
+        args.compile_cache_dir = cache.compile_cache(args.compile_cache)
+    args.compile_before = cache.compile_stats()
     job = JOBS[args.model].make(args, out)
     if args.verify and not check(args, out, job):
         return 1

@@ -40,6 +40,7 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
+from shardax.checks import as_count
 from shardax.plan.core import Plan
 from shardax.train.loss import as_metrics, loss_and_aux
 from shardax.train.precision import (
@@ -53,14 +54,14 @@ from shardax.train.precision import (
 )
 from shardax.train.program import Program
 from shardax.train.state import TrainState
-from shardax.train.stats import DEFAULT_STATS, check_stats, update_stats
+from shardax.train.stats import DEFAULT_STATS, check_stats, every_nth
 
 
 class TrainStep(Program):
     """``step(state, batch) -> (state, metrics)``; ``step.shard(state)`` places a state.
 
     Attributes: ``mode``, ``mesh``, ``plan``, ``accumulate``, ``donate``, ``data_axis``,
-    ``precision``, ``stats``; ``lower(state, batch)`` is the compiled step.
+    ``precision``, ``stats``, ``stats_every``; ``lower(state, batch)`` is the compiled step.
     """
 
     def __init__(
@@ -75,8 +76,10 @@ class TrainStep(Program):
         data_axis: str | tuple[str, ...],
         precision: str | Precision = "fp32",
         stats: Sequence[str] = DEFAULT_STATS,
+        stats_every: int = 1,
     ) -> None:
         self.stats = check_stats(stats)
+        self.stats_every = as_count("make_train_step: stats_every", stats_every)
         super().__init__(
             loss_fn,
             mesh=mesh,
@@ -114,7 +117,7 @@ class TrainStep(Program):
         metrics = as_metrics(loss, aux)
         if self._scaling is None:
             new = state.apply_gradients(grads, model_state)
-            return new, {**metrics, **update_stats(new, grads, self.stats)}
+            return new, {**metrics, **every_nth(new, grads, self.stats, self.stats_every)}
         if "loss_scale" in metrics:
             raise ValueError(
                 "loss_fn's aux metrics must not have a 'loss_scale' entry with loss scaling "
@@ -125,7 +128,7 @@ class TrainStep(Program):
         updated = state.apply_gradients(grads, model_state)
         state = select_tree(finite, updated, state.replace(step=updated.step))
         loss_scale = adjust_loss_scale(state.loss_scale, finite, self._scaling)
-        stats = update_stats(state, grads, self.stats)
+        stats = every_nth(state, grads, self.stats, self.stats_every)
         return state.replace(loss_scale=loss_scale), {
             **metrics,
             **stats,
