@@ -16,11 +16,13 @@ reason says so.
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": 8})
+>>> apply = lambda params, x: x @ params["w"]
 >>> init = lambda: sx.TrainState.from_params({"w": jnp.zeros((1024, 64))}, apply, optax.adam(1e-3))
->>> report = sx.auto_plan(mesh, init, loss_fn=loss_fn, batch={"x": jnp.zeros((64, 1024))})
->>> report.plan.name, [c.name for c in report.candidates]
-('replicate', ['replicate', 'zero1', 'zero2', 'fsdp'])
->>> print(report)  # a table: bytes per device, collective bytes, fits; and the reason
+>>> mse = lambda model, batch: jnp.mean(model(batch["x"]) ** 2)
+>>> report = sx.auto_plan(mesh, init, loss_fn=mse, batch={"x": jnp.zeros((64, 1024))})
+>>> [c.name for c in report.candidates]
+['replicate', 'zero1', 'zero2', 'fsdp']
+>>> print(report)  # bytes per device, collective bytes, fits, the reason  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -55,8 +57,11 @@ class AutoPlanOptions:
     options for the plan the first ``step(state, batch)`` picks (``plan="auto"`` is
     ``sx.AutoPlanOptions()``).
 
+    >>> stages = sx.make_mesh({"data": 2, "stage": 4})
     >>> auto = sx.AutoPlanOptions(pipeline_rules=[(r"blocks", P("stage"))])
-    >>> step = sx.make_train_step(loss_fn, mesh=mesh, plan=auto)
+    >>> step = sx.make_train_step(loss_fn, mesh=stages, plan=auto)
+    >>> step.plan is None  # picked on the first step(state, batch)
+    True
     """
 
     device_memory: float | None = None
