@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 
-def _received(value: Any) -> str:
+def received(value: Any) -> str:
     if isinstance(value, bool | np.bool_):
         return f"{value!r} (a bool)"
     if isinstance(value, numbers.Integral | float | str) or value is None:
@@ -66,7 +66,7 @@ def as_count(
         rule = "an integer" if minimum is None else f"an integer >= {minimum}"
     if also:
         rule += " or " + " or ".join(map(str, also))
-    raise ValueError(f"{name} must be {rule}, got {_received(value)}")
+    raise ValueError(f"{name} must be {rule}, got {received(value)}")
 
 
 def as_float(
@@ -97,7 +97,7 @@ def as_float(
         rule += f" > {above:g}"
     if minimum is not None:
         rule += f" >= {minimum:g}"
-    raise ValueError(f"{name} must be {rule}, got {_received(value)}")
+    raise ValueError(f"{name} must be {rule}, got {received(value)}")
 
 
 def as_bool(name: str, value: Any) -> bool:
@@ -110,7 +110,7 @@ def as_function(name: str, value: Any, expected: str = "a function") -> Any:
     """``value`` if it is callable, else ``TypeError`` naming ``name`` and what came."""
     if callable(value):
         return value
-    raise TypeError(f"{name} must be {expected}, got {_received(value)}")
+    raise TypeError(f"{name} must be {expected}, got {received(value)}")
 
 
 def expect_type(name: str, value: Any, types: Any, expected: str, hint: str = "") -> Any:
@@ -119,7 +119,7 @@ def expect_type(name: str, value: Any, types: Any, expected: str, hint: str = ""
     if isinstance(value, types):
         return value
     raise TypeError(
-        f"{name} must be {expected}, got {_received(value)}" + (f". {hint}" if hint else "")
+        f"{name} must be {expected}, got {received(value)}" + (f". {hint}" if hint else "")
     )
 
 
@@ -137,7 +137,7 @@ def parse_address(name: str, address: Any) -> tuple[str, int]:
     """
     rule = f"{name} must be 'host:port' with a port in 1..65535, e.g. '10.0.0.1:8476'"
     if not isinstance(address, str):
-        raise ValueError(f"{rule}; got {_received(address)}")
+        raise ValueError(f"{rule}; got {received(address)}")
     host, sep, port_text = address.strip().rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
