@@ -81,7 +81,10 @@ def check_layer_fn(layer_fn: Any, stacked_params: Any, x: Any, what: str = "sx.p
     and dtypes: the layers are applied in turn, so each one's output is the next's input.
     Traced abstractly (``jax.eval_shape``): nothing runs."""
     as_function(f"{what}: layer_fn", layer_fn, "a function layer_fn(layer_params, h) -> h")
-    one = jax.tree.map(lambda a: a[0], stacked_params)
+    # One layer's params as abstract values: no slicing of a leaf placed over the stages.
+    one = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), stacked_params
+    )
     out = jax.eval_shape(layer_fn, one, x)
     given = jax.eval_shape(lambda h: h, x)
     same = jax.tree.structure(out) == jax.tree.structure(given) and all(
