@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardax.checks import as_bool, as_count
+from shardax.checks import as_bool, as_count, expect_type
 
 VOCAB = 256
 """Byte-level: one token per byte value."""
@@ -330,6 +330,8 @@ def split_batch(x: jax.Array) -> jax.Array:
 def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:
     """A :class:`GPT` initialised from ``seed``, its annotations kept as logical names
     (no eager sharding: plans place it, see :func:`plan`)."""
+    expect_type("make_gpt: cfg", cfg, GPTConfig, "a GPTConfig")
+    seed = as_count("make_gpt: seed", seed, minimum=0)
     with nnx.use_eager_sharding(False):
         return GPT(cfg, nnx.Rngs(seed), remat=remat)
 

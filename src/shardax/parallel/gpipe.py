@@ -111,6 +111,9 @@ def scan_layers(layer_fn: Callable[[Any, H], H], stacked_params: Any, x: H) -> H
 
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The idle fraction of the schedule, ``(S - 1) / (repeats * M + S - 1)``."""
+    stages = as_count("bubble: stages", stages)
+    microbatches = as_count("bubble: microbatches", microbatches)
+    repeats = as_count("bubble: repeats", repeats)
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
