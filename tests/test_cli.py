@@ -159,7 +159,7 @@ def test_help_is_clear(command, capsys):
         (["train", "--plan", "zero"], "argument --plan: invalid choice: 'zero'"),
         (["train", "--mesh", "data4"], "argument --mesh: expected AXIS=SIZE pairs"),
         (["train", "--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
-        (["train", "--lr", "-1"], "argument --lr: expected a number > 0, got '-1'"),
+        (["train", "--lr", "-1"], "argument --lr: expected a finite number > 0, got '-1'"),
         (
             ["train", "--mesh", "data=3,model=3"],
             "--mesh: Not enough devices: mesh requires 9 devices but only 8 available (mesh shape",

@@ -304,7 +304,7 @@ def test_gpt_sigterm_then_resume_is_bitwise(tmp_path, capsys):
     ("argv", "message"),
     [
         (["--save-every", "0"], "argument --save-every: expected an integer >= 1, got 0"),
-        (["--step-timeout", "0"], "argument --step-timeout: expected a number > 0, got '0'"),
+        (["--step-timeout", "0"], "argument --step-timeout: expected a finite number > 0, got '0'"),
     ],
 )
 def test_train_option_errors_are_one_line(argv, message, capsys):
