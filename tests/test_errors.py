@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from shardax.cli.main import main as cli_main
+from shardax.cost.memory import estimate
 from shardax.runtime.distributed import resolve_coordinates
 from shardax.runtime.rendezvous import roll_call
 
@@ -529,7 +530,7 @@ def _counts():
         ("profile_steps start", lambda v: sx.track.profile_steps(_loss, "/tmp/sx-unused-profile", v, 3)),
         ("CheckpointManager max_to_keep", lambda v: sx.CheckpointManager("/tmp/sx-unused-ckpt", max_to_keep=v).close()),
         ("validate_batch_size", lambda v: sx.cost.validate_batch_size(v, sx.HardwareType.H100)),
-        ("cost.estimate data", lambda v: sx.cost.estimate(1e9, data=v)),
+        ("cost.estimate data", lambda v: estimate(1e9, data=v)),
     ]  # fmt: skip
 
 
@@ -596,7 +597,7 @@ STACKED, X16 = {"w": jnp.ones((4, 8, 8))}, jnp.ones((16, 8))
         # tracking
         (lambda: sx.MetricWriter("/tmp/sx-unused-run", config={"mesh": sx.make_mesh()}), TypeError, "MetricWriter: config['mesh'] must be a plain value the sinks can record"),
         (lambda: sx.MetricWriter("/tmp/sx-unused-run", backends="wandb"), TypeError, "MetricWriter: backends must be a list of names such as ['wandb']"),
-        (lambda: sx.cost.estimate("7e9"), ValueError, "num_params must be a finite number > 0, got '7e9'"),
+        (lambda: estimate("7e9"), ValueError, "num_params must be a finite number > 0, got '7e9'"),
     ],
 )  # fmt: skip
 def test_second_sweep_errors_name_argument_rule_and_value(call, error, message):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -87,19 +86,16 @@ def set_cpu_devices(n: int) -> None:
         raise UsageError(str(e)) from None
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 @contextlib.contextmanager
 def one_line_warnings(prefix: str) -> Iterator[None]:
-    """shardax's own warnings as one ``<prefix>: warning: <message>`` line on stderr,
-    without Python's file name and source line; other libraries' warnings as Python
-    shows them."""
+    """``UserWarning``s (shardax's advice, e.g. a batch larger than the data) as one
+    ``<prefix>: warning: <message>`` line on stderr, without Python's file name and
+    source line; other categories (deprecations) as Python shows them."""
     with warnings.catch_warnings():
         default = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if os.path.abspath(filename).startswith(_PACKAGE + os.sep):
+            if issubclass(category, UserWarning):
                 warning(str(message), prefix, file)
             else:
                 default(message, category, filename, lineno, file, line)
