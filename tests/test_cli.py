@@ -150,7 +150,7 @@ def test_help_is_clear(command, capsys):
     assert exc.value.code == 0
     text = capsys.readouterr().out
     assert COMMANDS[command][1] in " ".join(text.split())
-    assert "--cpu-devices" in text
+    assert ("--cpu-devices" in text) == (command != "goodput")  # goodput reads a file
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,10 @@ def test_help_is_clear(command, capsys):
             ["train", "--mesh", "data=3,model=3"],
             "--mesh: Not enough devices: mesh requires 9 devices but only 8 available (mesh shape",
         ),
-        (["train", "--plan", "tp", "--mesh", "data=8"], "--plan tp needs a mesh with a 'model'"),
+        (
+            ["train", "--plan", "tp", "--mesh", "data=8"],
+            "plan 'tp' needs a mesh with a 'model' axis",
+        ),
         (["train", "--mode", "single", "--plan", "fsdp"], "--mode single runs on one device"),
         (["train", "--mode", "pmap", "--plan", "fsdp"], "supports only a replicating plan"),
         (["train", "--resume"], "--resume needs --checkpoint-dir"),
@@ -290,3 +293,20 @@ def test_train_reports_state_memory_per_device(tmp_path, capsys):
     # FSDP over 8 devices: the two kernels (and their Adam moments) split 8 ways; the
     # biases (< 1024 elements) stay whole.
     assert sharded["state_bytes_per_device"] < replicated["state_bytes"] / 6
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["--epochs", "1", "--hidden", "32", "--batch-size", "256"], 0),
+        (["--model", "gpt", "--steps", "2", "--eval-every", "2"], 0),
+        # bf16 against an fp32 tolerance: the report names reduced precision, exit 1.
+        (["--epochs", "1", "--hidden", "32", "--precision", "bf16", "--verify-rtol", "1e-7"], 1),
+    ],
+    ids=["mlp", "gpt", "bf16-too-tight"],
+)
+def test_train_verify_checks_the_first_batch_against_one_device(argv, code, tmp_path, capsys):
+    assert cli(["train", "--verify", *argv, "--run-dir", str(tmp_path / "run")]) == code
+    out = capsys.readouterr().out
+    assert "sx.verify: ok" in out if code == 0 else "reduced precision" in out
+    assert (tmp_path / "run" / "summary.json").exists() == (code == 0)

@@ -46,6 +46,10 @@ def test_train_log_dir_writes_scalars_tensorboard_reads_and_a_trace(tmp_path, ca
     assert all(0 <= v <= 1 for _, v in scalars["perf/data_wait_fraction"])
     assert [s for s, _ in scalars["test/loss"]] == [6, 12]  # after each epoch
     assert [s for s, _ in scalars["test/accuracy"]] == [6, 12]
+    # the goodput ledger's figures with each evaluation's (compile seconds included)
+    assert [s for s, _ in scalars["goodput/fraction"]] == [6, 12]
+    assert all(0 < v < 1 for _, v in scalars["goodput/fraction"])
+    assert all(v > 0 for _, v in scalars["goodput/compile_s"])
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "train/loss" in x] == [2, 4, 6, 8, 10, 12]
     summary = json.loads((run / "summary.json").read_text())

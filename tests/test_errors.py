@@ -362,6 +362,85 @@ def test_params_that_changed_shape_name_the_leaf_and_both_shapes(mesh):
         step(step.shard(state), batch)
 
 
+# --- your own loop: the loss contract, donation, sx.prepare, TrainState and nnx.Optimizer -
+
+
+def _nnx_pair(width=4):
+    model = nnx.Linear(width, 2, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def _run_twice(mode, loss_fn, reuse):
+    """Two steps of ``loss_fn``; with ``reuse`` the second gets the first's (donated) input."""
+    mesh = sx.make_mesh({"data": 8})
+    step = sx.make_train_step(loss_fn, mesh=mesh, mode=mode)
+    state = step.shard(_pytree_state())
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32)}
+    new, _ = step(state, batch)
+    step(state if reuse else new, batch)
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        # a loss parameter the step cannot fill: refused when the step is built
+        (lambda: sx.make_train_step(lambda model, batch, rngs: 0.0, mesh=sx.make_mesh()), TypeError, "loss_fn takes 'rngs', which the step cannot fill: it passes (model, batch) and, when loss_fn asks for them by name, 'rng' (one key per example) and 'step_rng' (the step's key). Pass other values through a closure"),
+        (lambda: sx.make_train_step(lambda model, batch, *, scale: 0.0, mesh=sx.make_mesh()), TypeError, "loss_fn takes 'scale', which the step cannot fill"),
+        # an aux that is not a dict of metrics, under a mode that averages it over devices
+        (lambda: _run_twice("shard_map", lambda m, b: (_loss(m, b), m(b["x"])), False), TypeError, "with aux an array of shape (1, 2); under mode='shard_map' each device's aux is averaged over the data axis, which is meaningful only for a dict of metrics"),
+        # a state whose buffers an earlier step consumed: a Python error, not a segfault
+        (lambda: _run_twice("jit", _loss, True), ValueError, "the state's buffers were donated to an earlier step, which consumed them: use the state that step returned, or build the step with donate=False"),
+        # sx.prepare
+        (lambda: sx.prepare(), TypeError, "sx.prepare takes the objects of a training loop"),
+        (lambda: sx.prepare(_nnx_pair()[1]), TypeError, "sx.prepare: argument 0 is an nnx.Optimizer, but no NNX model among the arguments has the params it was built for"),
+        (lambda: sx.prepare(_nnx_pair(4)[0], _nnx_pair(8)[1]), TypeError, "argument 1 is an nnx.Optimizer, but no NNX model"),
+        (lambda: sx.prepare({"w": np.ones(8)}, mesh=sx.make_mesh({"data": 8}), plan=sx.fsdp(sx.make_mesh({"data": 4}))), ValueError, "sx.prepare: plan 'fsdp' is over mesh {'data': 4}, not mesh {'data': 8}"),
+        (lambda: sx.prepare({"w": np.ones(8)}, plan=sx.batch_sharding(sx.make_mesh())), TypeError, "sx.prepare: plan must be a shardax Plan"),
+        (lambda: sx.prepare({"w": np.ones(8)}, mesh="data"), TypeError, "sx.prepare: mesh must be a jax.sharding.Mesh, got 'data'"),
+        # TrainState and an nnx.Optimizer
+        (lambda: sx.TrainState.create(_nnx_pair(8)[0], _nnx_pair(4)[1]), ValueError, "the nnx.Optimizer's state does not match this model's params (wrt=Param): opt_state/0/mu/kernel/value has shape (4, 2), the model's params give (8, 2)"),
+        (lambda: sx.TrainState.create({"w": jnp.ones(2)}, _nnx_pair()[1]), TypeError, "TrainState.create: an nnx.Optimizer goes with the NNX module it was built for, got a model of type dict"),
+        (lambda: _pytree_state().write_to(_nnx_pair()[0]), TypeError, "TrainState.write_to puts values into an NNX module and its nnx.Optimizer; got a Linear for a state of a ApplyFnModel"),
+        (lambda: sx.TrainState.create(*_nnx_pair()).write_to(_nnx_pair()[0], optax.adam(1e-3)), TypeError, "TrainState.write_to: optimizer must be an nnx.Optimizer, got GradientTransformationExtraArgs"),
+    ],
+    ids=["loss-param", "loss-kwonly", "aux-shard_map", "donated", "prepare-empty", "prepare-no-model", "prepare-other-model", "prepare-mesh", "prepare-plan", "prepare-mesh-type", "create-other-model", "create-not-nnx", "write_to-pytree", "write_to-tx"],
+)  # fmt: skip
+def test_your_own_loop_refusals(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+@pytest.mark.parametrize(
+    "make_plan,needle",
+    [
+        (lambda m: sx.from_nnx(m, _linen_variables(), {"mlp": "model"}), "found Flax Linen boxes (nn.Partitioned / nn.LogicallyPartitioned): use sx.from_linen"),
+        (lambda m: sx.from_nnx(m, _eqx_model()), "found an Equinox module"),
+        (lambda m: sx.from_nnx(m, {"w": np.ones(4)}), "found a plain pytree"),
+        (lambda m: sx.from_linen(m, nnx.Linear(2, 2, rngs=nnx.Rngs(0))), "sx.from_linen: no variable of the tree has a sharding annotation, so every leaf gets the default (replicated); found Flax NNX variables, none annotated"),
+    ],
+    ids=["linen", "equinox", "pytree", "nnx-to-linen"],
+)  # fmt: skip
+def test_a_tree_with_no_annotations_is_warned_about(make_plan, needle):
+    with pytest.warns(UserWarning, match=re.escape(needle)):
+        plan = make_plan(sx.make_mesh({"data": 4, "model": 2}))
+    assert plan.specs({"w": np.ones((8, 4))})["w"] == P()
+
+
+def _linen_variables():
+    import flax.linen as nn
+    import jax
+
+    kernel = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    return {"params": {"kernel": nn.LogicallyPartitioned(kernel, ("embed", "mlp"))}}
+
+
+def _eqx_model():
+    import equinox as eqx
+    import jax
+
+    return eqx.nn.Linear(2, 2, key=jax.random.key(0))
+
+
 # --- the CLI: one line on stderr, exit code 2, no traceback --------------------------------
 # Subprocesses for what only a real process shows (the environment read at start, JAX's
 # join, orbax at shutdown), started together since each start costs seconds; the other

@@ -292,6 +292,17 @@ def test_gpt_sigterm_then_resume_is_bitwise(tmp_path, capsys):
     assert 2 < stopped < 12, stopped
     code, resumed = run("resumed", "--checkpoint-dir", str(ckpt), "--save-every", "2", "--resume")
     assert code == 0 and resumed["resumed_from_step"] == stopped
+    # The goodput ledger spans both sessions; its buckets add up to their wall time.
+    sessions = sx.track.goodput.load(ckpt)["sessions"]
+    assert [s["last_step"] for s in sessions] == [stopped, 12], sessions
+    for s in sessions:
+        assert sum(s["buckets"].values()) == pytest.approx(s["end"] - s["start"], rel=0.02)
+        assert s["buckets"]["compile"] > 0 and s["buckets"]["step"] > 0
+    assert cli(["goodput", str(ckpt), "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert table["sessions"] == 2 and 0 < table["goodput"] < 1
+    assert table["wall_s"] == pytest.approx(sum(s["end"] - s["start"] for s in sessions))
+    assert resumed["goodput"]["ledger"] == str(ckpt / "goodput.json")
     # Every step's loss and every evaluation, bitwise; then the whole state.
     assert untimed(resumed["history"]) == untimed(straight["history"])
     want, got = saved_arrays(tmp_path / "a"), saved_arrays(ckpt)
@@ -442,6 +453,17 @@ def test_one_rank_hangs_both_exit_nonzero_naming_the_step():
         assert codes[rank] == sx.runtime.WATCHDOG_EXIT_CODE, text[-2000:]
         assert f"process {rank} of 2: step {step} did not complete within {timeout} s" in text
         assert f"step {step} " not in text.replace(f"step {step} did not", "")
+        # one line, before the stacks, names the rank behind, its step and its phase
+        behind = [line for line in text.splitlines() if "hang watchdog: behind:" in line]
+        assert behind, text[-2000:]
+        assert behind[0].startswith(
+            f"shardax: hang watchdog: behind: process 1 (step {step}, last completed "
+            f"{step - 1}): waiting for data for "
+        ), behind
+        assert (
+            f"process 0 (step {step}, last completed {step - 1}): waiting on device" in (behind[0])
+        )
+        assert text.index(behind[0]) < text.index("most recent call first"), text[-3000:]
     assert "in hang" in run.text(1)  # the stack dump shows where rank 1 sleeps
 
 
@@ -474,7 +496,7 @@ def slurm_env(rank: int, n: int, port: int) -> dict[str, str]:
 
 
 def jobset_env(rank: int, n: int, port: int) -> dict[str, str]:
-    """What the README's JobSet manifest gives pod ``rank``."""
+    """What the JobSet manifest of docs/guides/checkpoints.md gives pod ``rank``."""
     return {
         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
         "JAX_NUM_PROCESSES": str(n),

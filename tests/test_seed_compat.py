@@ -1,7 +1,7 @@
 """The seed facades say what artifex's own implementation says.
 
 Found by running artifex's distributed test suite and a side-by-side comparison with
-its implementation (see the README's seed-API section): the seed's sentences come first,
+its implementation (see docs/guides/artifex.md): the seed's sentences come first,
 shardax's detail after them, so code and users matching on the seed's words keep working.
 """
 

@@ -78,9 +78,32 @@ def test_stats_picks_what_the_step_returns(stats):
     assert step.stats == stats
 
 
-def test_default_stats_are_grad_norm_and_learning_rate():
+def test_default_stats_are_the_free_learning_rate_only():
     step = sx.make_train_step(make_loss("pytree"), mesh=sx.make_mesh({"data": -1}))
-    assert step.stats == ("grad_norm", "learning_rate")
+    assert step.stats == ("learning_rate",) and step.stats_every == 1
+
+
+def test_stats_every_computes_norms_on_its_steps_in_one_program():
+    step = sx.make_train_step(
+        make_loss("pytree"), mesh=sx.make_mesh({"data": -1}), stats=STATS, stats_every=2
+    )
+    state = step.shard(make_state("pytree"))
+    seen = []
+    for i, batch in enumerate(batches(4), 1):
+        before = jax.device_get(state.params)
+        compiles = sx.runtime.compile_stats().compiles
+        state, metrics = step(state, batch)
+        if i > 1:  # the one compiled step serves both kinds of step
+            assert sx.runtime.compile_stats().compiles == compiles
+        norm = float(metrics["grad_norm"])
+        seen.append(np.isnan(norm))
+        if i % 2 == 0:
+            grads = single_device_grads(before, batch)
+            np.testing.assert_allclose(norm, numpy_norm(grads), rtol=1e-5)
+            assert np.isfinite(float(metrics["param_norm"]))
+    assert seen == [True, False, True, False]
+    with pytest.raises(ValueError, match="stats_every"):
+        sx.make_train_step(make_loss("pytree"), mesh=sx.make_mesh({"data": -1}), stats_every=0)
 
 
 @pytest.mark.parametrize(

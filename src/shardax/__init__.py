@@ -41,11 +41,12 @@ from shardax.checkpoint import (
 )
 from shardax.data import batch_sharding, batches, global_batch, prefetch_to_device
 from shardax.mesh import make_mesh
-from shardax.parallel import pipeline, pipeline_1f1b, remat
+from shardax.parallel import attention, moe, pipeline, pipeline_1f1b, remat
 from shardax.plan import (
     Plan,
     constrain,
     describe,
+    from_linen,
     from_nnx,
     fsdp,
     replicate,
@@ -54,7 +55,7 @@ from shardax.plan import (
     zero1,
     zero2,
 )
-from shardax.runtime import StepWatchdog, initialize, is_main_process, print0
+from shardax.runtime import StepWatchdog, compile_cache, initialize, is_main_process, print0
 from shardax.track import MetricWriter
 from shardax.train import (
     AutoPlanOptions,
@@ -65,6 +66,8 @@ from shardax.train import (
     make_eval_step,
     make_train_step,
     masked_mean,
+    prepare,
+    verify,
 )
 
 __version__ = "0.1.0"
@@ -85,12 +88,15 @@ __all__ = [
     "Preempted",
     "StepWatchdog",
     "TrainState",
+    "attention",
     "auto_plan",
     "batch_sharding",
     "batches",
+    "compile_cache",
     "constrain",
     "describe",
     "distribute_batch",
+    "from_linen",
     "from_nnx",
     "fsdp",
     "get_batch_size_recommendation",
@@ -101,10 +107,12 @@ __all__ = [
     "make_mesh",
     "make_train_step",
     "masked_mean",
+    "moe",
     "pipeline",
     "pipeline_1f1b",
     "place_on_device",
     "prefetch_to_device",
+    "prepare",
     "print0",
     "remat",
     "replicate",
@@ -112,6 +120,7 @@ __all__ = [
     "rules",
     "save_checkpoint",
     "shard",
+    "verify",
     "watch_preemption",
     "zero1",
     "zero2",

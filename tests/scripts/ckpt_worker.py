@@ -84,6 +84,15 @@ def main():
             for k in range(1, 10_000):
                 manager.save(k, jax.tree.map(lambda x, k=k: x + k, big))
                 print(f"saved {k}", flush=True)
+    elif mode == "async_save_loop":  # save_loop with async saves: k-1 is committed when
+        # save(k) returns (orbax's save waits for the save in flight first)
+        plan = sx.fsdp(mesh, min_size=1)
+        big = sx.shard({"a": jnp.zeros((1024, 1024)), "b": jnp.zeros((512, 512))}, plan)
+        with sx.CheckpointManager(directory, max_to_keep=2, async_save=True) as manager:
+            for k in range(1, 10_000):
+                manager.save(k, jax.tree.map(lambda x, k=k: x + k, big))
+                if k > 1:
+                    print(f"saved {k - 1}", flush=True)
     elif mode == "overwrite_loop":  # overwrites step 1 with k, forever, announcing each commit
         plan = sx.fsdp(mesh, min_size=1)
         big = sx.shard({"a": jnp.zeros((1024, 1024)), "b": jnp.zeros((512, 512))}, plan)

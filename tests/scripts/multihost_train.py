@@ -160,11 +160,15 @@ def hang(timeout: float, at: int) -> None:
     x = sx.shard({"x": np.ones((mesh.size, 4), np.float32)}, sx.fsdp(mesh, min_size=1))["x"]
     total = jax.jit(lambda a: a.sum())
     float(sx.runtime.host_value(total(x)))  # compiles, before the watchdog starts
+    from shardax.runtime import status
+
     with sx.StepWatchdog(timeout) as watchdog:
         for step in range(1, at + 2):
             with watchdog.step(step):
+                watchdog.phase(status.DATA, step)
                 if jax.process_index() == 1 and step == at:
-                    time.sleep(600)
+                    time.sleep(600)  # stuck in Python before its step
+                watchdog.phase(status.DEVICE)
                 print(f"step {step} {float(sx.runtime.host_value(total(x)))}", flush=True)
 
 

@@ -6,10 +6,17 @@ by renames). A :class:`CheckpointManager` keeps the ``max_to_keep`` highest step
 one-shot :func:`save_checkpoint` deletes none unless asked. A restore places every array
 on the sharding of ``like``, whatever sharding it was saved with.
 
+With ``async_save=True`` a save blocks only while the arrays are copied to host memory;
+orbax writes them in a background thread and commits the step (the rename) when they
+are written, so the loop goes on stepping. A step is listed, restored or counted by
+:meth:`CheckpointManager.latest_step` only once committed; the next save, a restore and
+:meth:`CheckpointManager.close` wait for the save in flight, and a save after a
+preemption notice (SIGTERM) waits for its own commit before returning.
+
 >>> import shardax as sx
 >>> state = {"w": jnp.ones((8, 4)), "step": jnp.int32(0)}
->>> sx.save_checkpoint("/tmp/sx_doc_ckpt", state, step=1, overwrite=True)
->>> sx.restore_checkpoint("/tmp/sx_doc_ckpt", like=state).step
+>>> sx.save_checkpoint(tmp_path / "ckpt", state, step=1)
+>>> sx.restore_checkpoint(tmp_path / "ckpt", like=state).step
 1
 """
 
@@ -31,7 +38,7 @@ from shardax.checkpoint.convert import (
     to_saveable,
     with_other_leaves,
 )
-from shardax.checkpoint.preemption import reached_preemption
+from shardax.checkpoint.preemption import preemption_requested, reached_preemption
 from shardax.checks import as_bool, as_count, expect_type
 from shardax.runtime import compat
 
@@ -58,6 +65,8 @@ class CheckpointManager:
     """Keeps the last ``max_to_keep`` checkpoints of a run in ``directory``.
 
     Every process of a multi-process run must call :meth:`save` and :meth:`restore`.
+    ``async_save=True``: :meth:`save` returns once the arrays are on the host and writes
+    them in the background (:meth:`wait` for the commit).
     """
 
     def __init__(
@@ -66,6 +75,7 @@ class CheckpointManager:
         max_to_keep: int | None = 3,
         *,
         create: bool = True,
+        async_save: bool = False,
     ) -> None:
         ocp = _ocp()
         self.directory = check_directory("CheckpointManager: directory", directory)
@@ -77,6 +87,8 @@ class CheckpointManager:
         if not create and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"no checkpoint directory {self.directory}")
         self._stray: set[str] = set()
+        self._displaced: list[int] = []
+        self.async_save = bool(async_save)
         swap.recover(self.directory)  # an overwrite interrupted by a crash
         # Old steps are deleted here (save), not by orbax, which deletes in the order of
         # its saves and so would drop a newer step to keep an older one just saved.
@@ -85,6 +97,7 @@ class CheckpointManager:
             None,
             create=create,
             step_name_format=_CheckpointSteps(ocp.step.standard_name_format(), self._warn_stray),
+            async_save=self.async_save,
         )
 
     def _warn_stray(self, path: Any) -> None:
@@ -98,8 +111,22 @@ class CheckpointManager:
                 stacklevel=4,
             )
 
+    def wait(self) -> None:
+        """Returns once the save in flight (``async_save=True``) is committed, and the
+        steps it displaced under ``max_to_keep`` are deleted."""
+        self._manager.wait_until_finished()
+        displaced, self._displaced = self._displaced, []
+        if displaced:
+            self._manager.reload()
+            committed = set(self._manager.all_steps())
+            for step in displaced:
+                if step in committed:
+                    self._manager.delete(step)
+
     def all_steps(self) -> list[int]:
-        """The committed steps, oldest first; interrupted saves are not among them."""
+        """The committed steps, oldest first; interrupted saves are not among them (a
+        save in flight is waited for first)."""
+        self.wait()
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
@@ -114,11 +141,16 @@ class CheckpointManager:
         A step that exists raises ``FileExistsError`` unless ``overwrite=True``, which
         replaces it atomically: the new version is saved aside and swapped in by renames,
         so a crash at any point leaves the old step or the new one, whole
-        (:mod:`shardax.checkpoint.swap`).
+        (:mod:`shardax.checkpoint.swap`); an overwrite is never asynchronous.
 
-        With ``max_to_keep``, the steps kept are the ``max_to_keep`` highest: after the
-        save the lower ones are deleted. A step lower than all of those (it would be
-        deleted at once, or cost a newer one) raises ``ValueError`` and writes nothing.
+        With ``async_save=True`` it returns once the arrays are copied to the host (the
+        state may then be donated or changed) and commits in the background, except
+        after a preemption notice, when it returns only once the step is committed.
+
+        With ``max_to_keep``, the steps kept are the ``max_to_keep`` highest: once the
+        save is committed the lower ones are deleted. A step lower than all of those (it
+        would be deleted at once, or cost a newer one) raises ``ValueError`` and writes
+        nothing.
         """
         ocp = _ocp()
         step = as_count("checkpoint step", step, minimum=0)
@@ -154,10 +186,11 @@ class CheckpointManager:
         items["data"] = ocp.args.JsonSave({"data_state": data_state, "leaves": leaves})
         args = ocp.args.Composite(**items)
         if not exists:
-            _save(self._manager, step, args)
-            for old in steps:
-                if old not in keep:
-                    self._manager.delete(old)
+            # The steps it displaces go once it is committed (see wait), never before.
+            self._displaced = [old for old in steps if old not in keep]
+            self._manager.save(step, args=args, force=True)
+            if not self.async_save or preemption_requested():
+                self.wait()
             return
         with _orbax_manager(os.path.join(self.directory, swap.STAGED), None) as staging:
             _save(staging, step, args)
@@ -175,7 +208,7 @@ class CheckpointManager:
     def data_state(self, step: int | None = None) -> Any:
         """The data state saved with ``step`` (default: the latest), without the arrays."""
         ocp = _ocp()
-        step = self._committed(step)
+        step = self._committed(step)  # (waits for a save in flight)
         return self._manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))[
             "data"
         ]["data_state"]
@@ -218,7 +251,8 @@ class CheckpointManager:
         return Restored(state, restored["data"]["data_state"], step)
 
     def close(self) -> None:
-        """Waits for pending work and releases the manager."""
+        """Waits for the save in flight and releases the manager."""
+        self.wait()
         self._manager.close()
 
     def __enter__(self) -> CheckpointManager:
@@ -241,14 +275,19 @@ def check_directory(name: str, directory: Any) -> str:
 
 
 def _orbax_manager(
-    directory: str, max_to_keep: int | None, *, create: bool = True, step_name_format: Any = None
+    directory: str,
+    max_to_keep: int | None,
+    *,
+    create: bool = True,
+    step_name_format: Any = None,
+    async_save: bool = False,
 ) -> Any:
     ocp = _ocp()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         create=create,
         cleanup_tmp_directories=True,
-        enable_async_checkpointing=False,
+        enable_async_checkpointing=async_save,
         step_name_format=step_name_format,
     )
     manager = ocp.CheckpointManager(

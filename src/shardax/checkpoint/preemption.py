@@ -19,12 +19,14 @@ failure (1), and requeue on. A SIGTERM that arrives during a save only sets the 
 save completes first.
 
 >>> import shardax as sx
->>> manager = sx.CheckpointManager("/tmp/sx_doc_preempt")
->>> for step in range(1, 4):
-...     state = train_step(state, next(batches))
-...     if manager.reached_preemption(step):
-...         manager.save(step, state, batches.get_state())
-...         raise sx.Preempted(step, manager.directory)  # exit code 75
+>>> manager = sx.CheckpointManager(tmp_path / "ckpt")
+>>> with sx.watch_preemption():  # listen from the first step; the old handler back after
+...     for step in range(1, 4):
+...         state, metrics = train_step(state, next(batches))
+...         if manager.reached_preemption(step):
+...             manager.save(step, state, data_state=batches.get_state())
+...             raise sx.Preempted(step, manager.directory)  # exit code 75
+>>> manager.close()
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class _Notice:
 
     event = threading.Event()
     installed: ClassVar[set[int]] = set()
+    reached = False  # reached_preemption said True (any process count)
 
 
 def _multi_process() -> bool:
@@ -128,6 +131,7 @@ class PreemptionWatch:
             _Notice.installed.discard(sig)
         if self._previous:
             _Notice.event.clear()
+            _Notice.reached = False
         self._previous = {}
 
     def __enter__(self) -> PreemptionWatch:
@@ -151,8 +155,18 @@ def reached_preemption(step: int) -> bool:
     """
     if _multi_process():
         try:
-            return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+            reached = bool(multihost_utils.reached_preemption_sync_point(int(step)))
         except RuntimeError as e:
             raise RuntimeError(_SERVICE_OFF) from e
-    watch_preemption()
-    return _Notice.event.is_set()
+    else:
+        watch_preemption()
+        reached = _Notice.event.is_set()
+    _Notice.reached = _Notice.reached or reached
+    return reached
+
+
+def preemption_requested() -> bool:
+    """True once a preemption notice was seen (a single process's SIGTERM, or a
+    :func:`reached_preemption` that said True): an asynchronous save then waits for its
+    commit before returning, so the process can exit right after it."""
+    return _Notice.event.is_set() or _Notice.reached

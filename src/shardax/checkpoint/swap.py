@@ -13,7 +13,7 @@ new one, whole:
 
 Only process 0 renames; every process waits for it.
 
->>> recover("/tmp/sx_doc_swap_empty")  # nothing to do in a directory without leftovers
+>>> recover(tmp_path)  # nothing to do in a directory without leftovers
 []
 """
 

@@ -13,6 +13,7 @@ import math
 import os
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -126,6 +127,9 @@ def check_writable_dir(option: str, path: str) -> None:
         what = "is not writable" if existing == target else f"cannot be created in {existing}"
         raise UsageError(f"{option} {path}: {what} (permission denied)")
 
+
+STARTED = time.time()
+"""When the CLI was imported: the start of a run's start-up in the goodput ledger."""
 
 OUTPUT_DIRS = (("--run-dir", "run_dir"), ("--checkpoint-dir", "checkpoint_dir"))
 """The options of every command that name a directory it writes to."""
@@ -294,3 +298,29 @@ def step_flops(step: Any, state: Any, batch: Any) -> float | None:
     per_device = compiled_flops(step.lower(state, batch).compile())
     devices = 1 if step.mode == "single" else step.mesh.size
     return None if per_device is None else per_device * devices
+
+
+def plot_curves(
+    history: list[dict[str, Any]], path: Any, title: str, x: str, panels: list[tuple[str, str]]
+) -> None:
+    """One panel per ``(metric, label)``: train and held-out curves against ``x``.
+
+    Each panel plots ``train_<metric>`` and the held-out ``<split>_<metric>`` entries
+    (``test_`` or ``val_``) found in ``history``.
+    """
+    plt = pyplot("train")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (metric, label) in zip(axes[0], panels, strict=True):
+        for split, style in (("train", "-"), ("val", "s-"), ("test", "s-")):
+            points = [(h[x], h[f"{split}_{metric}"]) for h in history if f"{split}_{metric}" in h]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, style, label=split, ms=4)
+        ax.set(xlabel=x, ylabel=label, title=metric)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    # Wrapped to the figure's width (about 12 characters per inch at this size).
+    fig.suptitle(textwrap.fill(title, 12 * 5 * len(panels)), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -14,8 +14,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from shardax.cli.common import UsageError
-from shardax.cli.train import Job, build_steps, check_batch_fits, make_mesh, plot_curves
+from shardax.cli.common import UsageError, plot_curves
+from shardax.cli.job import Job, build_steps, check_batch_fits, make_mesh, register
+from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
+
+OPTIONS = (
+    "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
+    "remat", "scan_layers", "data", "eval_every", "microbatches", "pipeline_repeats",
+)  # fmt: skip
+"""The options only this job reads (``shardax train --model gpt``)."""
 
 DEFAULTS = {
     "steps": 200,
@@ -75,7 +82,7 @@ def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: lis
         x = jax.ShapeDtypeStruct((rows, args.seq_len, args.d_model), "float32")
         try:
             with jax.sharding.set_mesh(mesh):
-                stage_mesh(stacked, x, args.microbatches, "stage", args.pipeline_repeats or 1)
+                stage_mesh(stacked, x, args.microbatches, STAGE_AXIS, args.pipeline_repeats or 1)
         except ValueError as e:
             raise UsageError(
                 f"--layers {args.layers} --microbatches {args.microbatches} --batch-size "
@@ -84,6 +91,7 @@ def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: lis
             ) from None
 
 
+@register("gpt", options=OPTIONS)
 def make_job(args: argparse.Namespace, out: Any) -> Job:
     """The GPT job: corpus, model, plan from the model's logical axes, validation."""
     import jax
@@ -100,17 +108,17 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
             setattr(args, name, value)
     mesh = make_mesh(args)
     if args.plan == "pipeline":
-        if "stage" not in mesh.shape:
+        if STAGE_AXIS not in mesh.shape:
             raise UsageError(
                 f"--plan pipeline needs a mesh with a 'stage' axis, got --mesh "
                 f"{','.join(f'{k}={v}' for k, v in mesh.shape.items())}; e.g. data=2,stage=4"
             )
         if args.microbatches is None:
-            args.microbatches = mesh.shape["stage"]
+            args.microbatches = mesh.shape[STAGE_AXIS]
     elif args.pipeline_repeats is not None and args.microbatches is None:
         raise UsageError("--pipeline-repeats needs --microbatches (or --plan pipeline)")
     cfg = config(args)
-    data_size = mesh.shape["data"]
+    data_size = mesh.shape[DATA_AXIS]
     check_batch_fits(args, mesh)
     try:
         corpus = load_corpus(args.data)
@@ -216,6 +224,8 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         progress=lambda m: f"loss {m['loss']:.4f}",
         summary=summary,
         estimate_flops=per_token * tokens,
+        plot=plot,
+        report=report,
     )
 
 

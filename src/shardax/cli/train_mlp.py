@@ -1,7 +1,7 @@
 """``shardax train --model mlp`` (the default): an NNX MLP on scikit-learn's digits.
 
 One evaluation per epoch on the whole test set; the history has one entry per epoch
-(loss and accuracy, train and test). The shared loop is :mod:`shardax.cli.train`.
+(loss and accuracy, train and test). The shared loop is :mod:`shardax.cli.loop`.
 """
 
 from __future__ import annotations
@@ -12,21 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from shardax.cli.common import UsageError
+from shardax.cli.common import UsageError, plot_curves
 from shardax.cli.digits import load_digits
-from shardax.cli.train import (
-    Job,
-    build_steps,
-    check_batch_fits,
-    make_mesh,
-    place,
-    plot_curves,
-)
+from shardax.cli.job import Job, build_steps, check_batch_fits, make_mesh, place, register
+from shardax.mesh.axes import DATA_AXIS
 from shardax.models.mlp import make_mlp, make_plan
 
 TARGET_ACCURACY = 0.95
 
 
+@register("mlp", options=("epochs", "hidden"))
 def make_job(args: argparse.Namespace, out: Any) -> Job:
     """The MLP job: digits, the MLP and its plan, per-epoch evaluation."""
     import jax
@@ -45,7 +40,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     args.batch_size = args.batch_size or 128
     args.lr = args.lr or 3e-3
     mesh = make_mesh(args)
-    data_size = mesh.shape["data"]
+    data_size = mesh.shape[DATA_AXIS]
     check_batch_fits(args, mesh)
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     # Each process reads its share of every global batch; the order depends on the seed
@@ -134,6 +129,8 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         items_per_step=args.batch_size,
         progress=lambda m: f"loss {m['loss']:.4f}  acc {m['accuracy']:.3f}",
         summary=summary,
+        plot=plot,
+        report=report,
     )
 
 

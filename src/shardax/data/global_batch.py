@@ -9,7 +9,7 @@ wrong number of rows gets an error naming the expected and received shapes, not 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> batch = sx.global_batch({"x": np.ones((16, 3)), "y": np.arange(16)}, mesh)
 >>> batch["x"].shape, batch["x"].sharding.spec
-((16, 3), PartitionSpec('data',))
+((16, 3), P('data',))
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the batch dimension are refused alike, before anything is placed.
 [('x', (16, 3)), ('y', (16,))]
 >>> check_batch_leaves({"x": np.ones((16, 3)), "y": np.ones(24)}, "distribute_batch", dims=(0,))
 Traceback (most recent call last):
-ValueError: distribute_batch: batch leaves disagree on the batch size (dimension 0) ...
+ValueError: distribute_batch: batch leaves disagree on the batch size (dimension 0); ...
 """
 
 from __future__ import annotations

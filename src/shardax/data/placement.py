@@ -8,7 +8,7 @@ arrays pass through unchanged.
 >>> batch = {"x": np.ones((16, 3)), "y": np.zeros(16), "scale": np.float32(2.0)}
 >>> batch = sx.distribute_batch(batch, sx.batch_sharding(mesh))
 >>> batch["x"].sharding.spec, batch["scale"].sharding.spec
-(PartitionSpec('data',), PartitionSpec())
+(P('data',), P())
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def batch_sharding(
     """The sharding that splits dimension ``batch_axis`` over mesh ``axis``.
 
     >>> batch_sharding(make_mesh()).spec
-    PartitionSpec('data',)
+    P('data',)
     """
     check_mesh("batch_sharding: mesh", mesh)
     batch_axis = as_count("batch_sharding: batch_axis", batch_axis, minimum=0)

@@ -23,7 +23,15 @@ blocks/mlp/down       (L, 4·d_model, d_model)      ("layers", "mlp", "embed")
 blocks/norm*/scale    (L, d_model)                 ("layers", "embed")
 norm/scale            (d_model,)                   ("embed",)
 head                  (d_model, vocab)             ("embed", "vocab")
+moe/router            (L/n, d_model, E)            ("layers", "embed", None)
+moe/up                (L/n, E, d_model, 4·d_model) ("layers", "expert", "embed", "mlp")
+moe/down              (L/n, E, 4·d_model, d_model) ("layers", "expert", "mlp", "embed")
 ====================  ===========================  =================================
+
+With ``GPTConfig(experts=E, moe_every=n)`` every n-th block is an MoE block, stacked in
+``moe_blocks`` (the ``moe/`` rows above), the other blocks in ``blocks``. Its MLP is E
+experts of the MLP's shape through ``sx.moe``, split over the mesh's ``"expert"`` axis
+by :func:`plan`. ``model(tokens, return_aux=True)`` also returns their ``sx.MoEAux``.
 
 :data:`AXIS_RULES` maps them onto a mesh for each plan. Tensor parallelism is Megatron's:
 q/k/v and ``mlp/up`` split their output columns (``heads``, ``mlp``) over ``model``;
@@ -39,9 +47,11 @@ runs them in a loop over the slices (or ``lax.scan``, ``GPTConfig.scan_layers``)
 ``sx.pipeline(layer_fn, stacked, x, axis="stage", ...)`` takes the same pair, with
 ``"layers"`` mapped to the ``stage`` mesh axis.
 
->>> model = make_gpt(GPTConfig(layers=2, d_model=32, heads=4, max_seq_len=16), seed=0)
->>> model(jnp.zeros((2, 16), jnp.int32)).shape
-(2, 16, 256)
+>>> cfg = GPTConfig(layers=1, d_model=16, heads=2, max_seq_len=8)
+>>> model = make_gpt(cfg, seed=0)  # doctest: +SKIP
+>>> model = nnx.eval_shape(lambda: make_gpt(cfg, seed=0))  # the same, abstract: no compute
+>>> nnx.eval_shape(lambda: make_gpt(cfg)(jnp.zeros((2, 8), jnp.int32))).shape
+(2, 8, 256)
 """
 
 from __future__ import annotations
@@ -106,6 +116,9 @@ class GPTConfig:
             microbatches: pipelined over a ``"stage"`` mesh axis (plan ``"pipeline"``),
             the plain scan without one (None: no ``sx.pipeline``).
         pipeline_repeats: ``sx.pipeline``'s ``repeats`` (> 1: the circular schedule).
+        experts: E > 0 makes the MLP of every ``moe_every``-th block (blocks
+            ``moe_every - 1, 2·moe_every - 1, ...``) a mixture of E experts (``sx.moe``,
+            ``top_k`` per token, ``capacity_factor``); 0 (default): every MLP dense.
     """
 
     layers: int = 2
@@ -118,8 +131,13 @@ class GPTConfig:
     scan_layers: bool = False
     pipeline_microbatches: int | None = None
     pipeline_repeats: int = 1
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float = 1.25
 
     def __post_init__(self) -> None:
+        self._check_experts()
         names = ("layers", "d_model", "heads", "max_seq_len", "mlp_ratio", "vocab")
         names += ("pipeline_repeats",)
         if self.pipeline_microbatches is not None:
@@ -141,6 +159,30 @@ class GPTConfig:
                 f"GPTConfig: rotary positions need an even head dim, got d_model/heads = "
                 f"{self.head_dim}"
             )
+
+    def _check_experts(self) -> None:
+        if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts < 0:
+            raise ValueError(f"GPTConfig.experts must be an integer >= 0, got {self.experts!r}")
+        if not self.experts:
+            return
+        for name in ("top_k", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.top_k > self.experts:
+            raise ValueError(f"GPTConfig: top_k={self.top_k} must be <= experts={self.experts}")
+        if self.layers % self.moe_every:
+            raise ValueError(
+                f"GPTConfig: moe_every={self.moe_every} must divide layers={self.layers} "
+                "(every moe_every-th block has the experts)"
+            )
+        if self.pipeline_microbatches is not None:
+            raise ValueError("GPTConfig: experts > 0 does not run under sx.pipeline yet")
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts: every ``moe_every``-th, 0 without."""
+        return self.layers // self.moe_every if self.experts else 0
 
     @property
     def head_dim(self) -> int:
@@ -224,6 +266,56 @@ class Block(nnx.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def _expert(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x @ p["up"]) @ p["down"]
+
+
+class MoEMLP(nnx.Module):
+    """The MLP as E experts of the dense MLP's shape, ``sx.moe`` routing each token to
+    ``top_k`` of them; the experts' leading dimension is the logical axis ``"expert"``."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
+        d, m, e = cfg.d_model, cfg.mlp_dim, cfg.experts
+        self.router = _param(rngs, (d, e), ("embed", None), d**-0.5)
+        self.up = _param(rngs, (e, d, m), ("expert", "embed", "mlp"), d**-0.5)
+        down_std = m**-0.5 / math.sqrt(2 * cfg.layers)
+        self.down = _param(rngs, (e, m, d), ("expert", "mlp", "embed"), down_std)
+        self.top_k, self.capacity_factor = cfg.top_k, cfg.capacity_factor
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, Any]:
+        from shardax.parallel.experts import moe
+
+        experts = {"up": self.up[...], "down": self.down[...]}
+        return moe(x, self.router[...], _expert, experts, top_k=self.top_k,
+                   capacity_factor=self.capacity_factor)  # fmt: skip
+
+
+class MoEBlock(nnx.Module):
+    """:class:`Block` with a :class:`MoEMLP`; returns ``(x, aux)``."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
+        self.norm1 = _norm(cfg.d_model, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.norm2 = _norm(cfg.d_model, rngs)
+        self.moe = MoEMLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, Any]:
+        x = x + self.attn(self.norm1(x))
+        y, aux = self.moe(self.norm2(x))
+        return x + y, aux
+
+
+def _stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> Any:
+    """``count`` modules from ``make`` built at once, stacked on a leading "layers" axis."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def stack(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return stack(rngs)
+
+
 class GPT(nnx.Module):
     """Byte-level decoder-only transformer: ``tokens (batch, seq) -> logits (batch, seq, 256)``.
 
@@ -261,7 +353,12 @@ class GPT(nnx.Module):
         def stack(rngs: nnx.Rngs) -> Block:
             return Block(cfg, rngs)
 
-        self.blocks = stack(rngs)
+        if cfg.experts:  # L/moe_every MoE blocks; the other blocks dense, stacked apart
+            self.moe_blocks = _stacked(lambda r: MoEBlock(cfg, r), cfg.moe_layers, rngs)
+            if cfg.layers > cfg.moe_layers:
+                self.blocks = _stacked(lambda r: Block(cfg, r), cfg.layers - cfg.moe_layers, rngs)
+        else:
+            self.blocks = stack(rngs)
         self.norm = _norm(cfg.d_model, rngs)
         self.head = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), cfg.d_model**-0.5)
 
@@ -278,7 +375,54 @@ class GPT(nnx.Module):
 
         return remat(layer_fn, policy=self.remat), stacked
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def moe_layers(self) -> tuple[Callable[[Any, jax.Array], Any], Any]:
+        """``(layer_fn, stacked)`` of the MoE blocks, as :meth:`layers`; ``layer_fn``
+        returns ``(x, aux)``."""
+        from shardax.parallel.remat_policy import remat
+
+        graphdef, stacked = nnx.split(self.moe_blocks)
+
+        def layer_fn(params: Any, x: jax.Array) -> tuple[jax.Array, Any]:
+            return nnx.merge(graphdef, params)(x)
+
+        return remat(layer_fn, policy=self.remat), stacked
+
+    def _run_moe(self, x: jax.Array) -> tuple[jax.Array, Any]:
+        """The blocks in periods of ``moe_every``: ``moe_every - 1`` dense, then one MoE;
+        the MoE aux averaged over the MoE blocks (tokens per expert summed)."""
+        from shardax.parallel.experts import MoEAux
+
+        n, periods = self.cfg.moe_every, self.cfg.moe_layers
+        moe_fn, moe_stacked = self.moe_layers()
+        dense_fn, dense = self.layers() if n > 1 else (None, None)
+        if dense is not None:  # (L - L/n, ...) -> (L/n, n - 1, ...)
+            dense = jax.tree.map(lambda a: a.reshape(periods, n - 1, *a.shape[1:]), dense)
+
+        def period(h: jax.Array, params: tuple[Any, Any]) -> tuple[jax.Array, Any]:
+            dense_p, moe_p = params
+            for j in range(n - 1):
+                h = split_batch(dense_fn(jax.tree.map(lambda a, j=j: a[j], dense_p), h))
+            h, aux = moe_fn(moe_p, h)
+            return split_batch(h), aux
+
+        x = split_batch(x)
+        if self.cfg.scan_layers:
+            x, auxes = jax.lax.scan(period, x, (dense, moe_stacked))
+        else:
+            outs = []
+            for p in range(periods):
+                x, aux = period(x, jax.tree.map(lambda a, p=p: a[p], (dense, moe_stacked)))
+                outs.append(aux)
+            auxes = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        aux = MoEAux(
+            *(jnp.mean(a, axis=0) for a in auxes[:3]), jnp.sum(auxes.tokens_per_expert, axis=0)
+        )
+        return x, aux
+
+    def __call__(self, tokens: jax.Array, return_aux: bool = False) -> Any:
+        """Logits ``(batch, seq, vocab)``; with ``return_aux``, ``(logits, aux)`` where
+        ``aux`` is the MoE blocks' ``sx.MoEAux`` (None without experts): add
+        ``α · aux.balance_loss`` to the loss."""
         seq = tokens.shape[-1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(
@@ -288,6 +432,11 @@ class GPT(nnx.Module):
         x = self.embed(tokens)
         if self.cfg.positions == "learned":
             x = x + self.pos(jnp.arange(seq))
+        aux = None
+        if self.cfg.experts:
+            x, aux = self._run_moe(x)
+            logits = self.norm(x) @ self.head[...].astype(x.dtype)
+            return (logits, aux) if return_aux else logits
         layer_fn, stacked = self.layers()
         if self.cfg.pipeline_microbatches is not None:
             from shardax.parallel.gpipe import pipeline
@@ -307,7 +456,8 @@ class GPT(nnx.Module):
             x = split_batch(x)
             for i in range(self.cfg.layers):
                 x = split_batch(layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), x))
-        return self.norm(x) @ self.head[...].astype(x.dtype)
+        logits = self.norm(x) @ self.head[...].astype(x.dtype)
+        return (logits, aux) if return_aux else logits
 
 
 def split_batch(x: jax.Array) -> jax.Array:
@@ -324,6 +474,9 @@ def split_batch(x: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "data" not in mesh.shape or "data" in mesh.manual_axes:
         return x
+    if "expert" in mesh.shape and "expert" not in mesh.manual_axes:
+        # MoE: the batch over data × expert, so the expert axis works in the dense layers too
+        return constrain(x, jax.sharding.PartitionSpec(("data", "expert")))
     return constrain(x, jax.sharding.PartitionSpec("data"))
 
 
@@ -349,6 +502,8 @@ def plan(mesh: Any, model: Any, name: str) -> Any:
     from shardax.plan.annotations import from_nnx
 
     rules = axis_rules(name)
+    if model.cfg.experts:  # the experts over the mesh's expert axis, where it has one
+        rules["expert"] = "expert" if "expert" in mesh.shape else None
     used = {axis for axis in rules.values() if axis is not None}
     missing = sorted(used - set(mesh.shape))
     if missing:
@@ -369,9 +524,10 @@ def plan(mesh: Any, model: Any, name: str) -> Any:
         "vocab": cfg.vocab,
         "embed": cfg.d_model,
         "layers": cfg.layers,
+        "expert": cfg.experts,
     }
     for logical, size in sizes.items():
-        axis = rules[logical]
+        axis = rules.get(logical)
         if axis is not None and size % mesh.shape[axis]:
             raise ValueError(
                 f"plan {name!r} splits {logical}={size} over mesh axis {axis!r} of size "

@@ -73,19 +73,18 @@ def tp_rules(num_layers: int) -> list[tuple[str, Any]]:
 
 def make_plan(name: str, mesh: Any, num_layers: int = 1) -> Any:
     """The plan ``name`` (replicate, fsdp, zero1, zero2 or tp) over ``mesh``."""
-    import shardax as sx
+    from shardax.plan import fsdp, replicate, rules, zero1, zero2
 
-    if name == "replicate":
-        return sx.replicate(mesh)
-    if name == "fsdp":
-        return sx.fsdp(mesh, min_size=1024)
-    if name in ("zero1", "zero2"):
-        return getattr(sx, name)(mesh, min_size=1024)
     if name == "tp":
         if MODEL_AXIS not in mesh.shape:
             raise ValueError(
                 f"plan 'tp' needs a mesh with a {MODEL_AXIS!r} axis, got {dict(mesh.shape)}; "
                 "e.g. {'data': -1, 'model': 2}"
             )
-        return sx.rules(mesh, tp_rules(num_layers))
-    raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {name!r}")
+        return rules(mesh, tp_rules(num_layers))
+    plans = {"replicate": lambda: replicate(mesh), "fsdp": lambda: fsdp(mesh, min_size=1024),
+             "zero1": lambda: zero1(mesh, min_size=1024),
+             "zero2": lambda: zero2(mesh, min_size=1024)}  # fmt: skip
+    if name not in plans:
+        raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {name!r}")
+    return plans[name]()

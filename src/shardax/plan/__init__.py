@@ -5,6 +5,7 @@ from shardax.plan.annotations import (
     annotated_specs,
     axis_rules,
     current_axis_rules,
+    from_linen,
     from_nnx,
     logical_to_mesh,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "describe",
     "follow_params",
     "format_bytes",
+    "from_linen",
     "from_nnx",
     "fsdp",
     "fsdp_over",

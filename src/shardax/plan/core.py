@@ -7,7 +7,7 @@ a tree gives the shardings, and :func:`shard` places a tree with it.
 >>> mesh = sx.make_mesh({"data": -1})
 >>> params = {"w": np.zeros((1024, 16), np.float32), "b": np.zeros((16,), np.float32)}
 >>> sx.fsdp(mesh, min_size=1).specs(params)["w"]
-PartitionSpec('data', None)
+P('data', None)
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def as_plan(name: str, plan: Any) -> Any:
 def replicate(mesh: Mesh) -> Plan:
     """Every leaf is copied whole onto every device of ``mesh``.
 
-    >>> replicate(make_mesh()).specs({"w": np.ones(3)})
-    {'w': PartitionSpec()}
+    >>> sx.replicate(mesh).specs({"w": np.ones(3)})
+    {'w': P()}
     """
     check_mesh("replicate: mesh", mesh)
     return Plan(mesh, lambda path, shape: PartitionSpec(), "replicate")
@@ -145,7 +145,7 @@ def fsdp_spec(shape: tuple[int, ...], axis: AxisNames, size: int, min_size: int)
     """Shards the largest dimension that ``size`` divides; replicates small leaves.
 
     >>> fsdp_spec((7, 5), "data", 8, 1), fsdp_spec((16, 64), "data", 8, 1)
-    (PartitionSpec(), PartitionSpec(None, 'data'))
+    (P(), P(None, 'data'))
     """
     if math.prod(shape) < min_size or size == 1:
         return PartitionSpec()
@@ -180,10 +180,10 @@ def fsdp_over(
     spec, and the largest of the dimensions it leaves unsplit that ``axis`` divides is
     split over ``axis`` too (leaves under ``min_size`` elements keep ``plan``'s spec).
 
-    >>> mesh = make_mesh({"data": 4, "model": 2})
-    >>> tp = rules(mesh, [("w", P(None, "model"))])
-    >>> fsdp_over(tp, min_size=1).specs({"w": np.zeros((64, 16))})["w"]
-    PartitionSpec('data', 'model')
+    >>> mesh = sx.make_mesh({"data": 4, "model": 2})
+    >>> tp = sx.rules(mesh, [("w", P(None, "model"))])
+    >>> sx.plan.fsdp_over(tp, min_size=1).specs({"w": np.zeros((64, 16))})["w"]
+    P('data', 'model')
     """
     size = axis_size(plan.mesh, axis)
 
@@ -206,7 +206,9 @@ def fsdp_over(
 def shard(tree: Any, plan: Plan) -> Any:
     """Places every array leaf of ``tree`` with ``plan``; other leaves pass through.
 
-    >>> state = shard({"w": np.ones((8, 4))}, fsdp(make_mesh(), min_size=1))
+    >>> state = sx.shard({"w": np.ones((8, 4))}, sx.fsdp(mesh, min_size=1))
+    >>> state["w"].sharding.spec
+    P('data', None)
     """
     shardings = as_plan("shard: plan", plan)(tree)
     return map_arrays(lambda _, x, s: device_put_global(x, s), tree, shardings)

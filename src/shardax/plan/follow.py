@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardax.checks import expect_type
+from shardax.plan.annotations import optimizer_sharding
 from shardax.plan.core import Plan, array_paths
 from shardax.plan.specs import spec_errors
 from shardax.plan.tree import is_array, map_arrays, path_str
@@ -122,8 +123,10 @@ class FollowParams(Plan):
         flat, outer = jax.tree_util.tree_flatten_with_path(tree, is_leaf=mirrors)
         out = []
         for path, node in flat:
-            if mirrors(node):
-                out.append(param_specs if node is params else mirror_specs)
+            if mirrors(node) and node is params:
+                out.append(param_specs)
+            elif mirrors(node):
+                out.append(optimizer_sharding(node, mirror_specs, self.mesh))
             elif is_array(node):
                 out.append(spec(path_str(path), node))
             else:

@@ -14,6 +14,9 @@ Each has no public equivalent in the supported versions:
   ``CheckpointManager._maybe_await_cleanup_tmp_directory``, which waits for the background
   deletion of unfinished ``*.orbax-checkpoint-tmp`` directories (only orbax's own ``save``
   awaits it; a manager closed without saving could delete the next save in progress).
+- ``distributed_state``: ``jax.distributed``'s global state, whose ``client`` is the
+  coordinator's key-value store (``key_value_set``, ``key_value_dir_get``), where each
+  process publishes its step and phase for the hang report (:mod:`shardax.runtime.status`).
 - ``ShardingTypeError``: the error JAX raises when an operation's output sharding does
   not follow from its inputs' types on a mesh with Explicit axes. shardax adds a note
   to it saying what to change; JAX raises it, so it can only be caught by its class.
@@ -44,6 +47,7 @@ PRIVATE_APIS: dict[str, tuple[str, str]] = {
     "OmpiCluster": ("jax._src.clusters", "OmpiCluster"),
     "ClusterEnv": ("jax._src.clusters", "ClusterEnv"),
     "ShardingTypeError": ("jax._src.core", "ShardingTypeError"),
+    "distributed_state": ("jax._src.distributed", "global_state"),
 }
 """shardax's name for each private API: (module, attribute) in JAX."""
 

@@ -6,7 +6,10 @@ forever: the coordinator's heartbeat only notices processes that died. A
 :class:`StepWatchdog` runs a thread that waits for each armed step to complete. When
 ``timeout`` seconds pass first, it dumps every thread's Python stack (``faulthandler``)
 to stderr, prints one line naming the step and the timeout, and ends the process with
-:data:`WATCHDOG_EXIT_CODE`. Under ``shardax launch`` (or a scheduler that ends a job
+:data:`WATCHDOG_EXIT_CODE`. In a multi-process run it first prints one line naming the
+processes that are behind, with their step and phase (:mod:`shardax.runtime.status`:
+every process publishes its last completed step and its phase, which the loop sets
+with :meth:`StepWatchdog.phase`). Under ``shardax launch`` (or a scheduler that ends a job
 when one task fails) the other processes are then stopped too; those stuck in a
 collective with the hung one time out on their own watchdog anyway.
 
@@ -17,8 +20,14 @@ dispatches asynchronously and a hang shows only when the host waits:
 >>> with sx.StepWatchdog(timeout=600) as watchdog:
 ...     for step in range(1, 4):
 ...         with watchdog.step(step):
-...             state, metrics = train_step(state, next(batches))
+...             watchdog.phase(status.DATA)
+...             batch = next(batches)
+...             watchdog.phase(status.DISPATCH)
+...             state, metrics = train_step(state, batch)
+...             watchdog.phase(status.DEVICE)
 ...             jax.block_until_ready(metrics["loss"])
+>>> int(state.step)
+3
 
 Off by default: nothing is watched unless a loop creates one.
 """
@@ -31,10 +40,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO
 
 from shardax.checks import as_count, as_float
+from shardax.runtime import status
 
 WATCHDOG_EXIT_CODE = 124
 """The exit code of a process the watchdog ended (as ``timeout(1)`` uses)."""
@@ -47,17 +57,25 @@ class StepWatchdog:
         timeout: seconds a step may take, > 0.
         exit_code: the process's exit code when a step times out.
         file: where the stack dump and the message go (default: ``sys.stderr``).
+        on_fire: called with the step before the process exits (e.g. to save the goodput
+            ledger with the step's time as ``hang``).
 
     Use :meth:`step` as a context manager around each step, or :meth:`arm` and
     :meth:`disarm`; :meth:`close` (or leaving the ``with`` block) stops the thread.
     """
 
     def __init__(
-        self, timeout: float, *, exit_code: int = WATCHDOG_EXIT_CODE, file: IO[str] | None = None
+        self,
+        timeout: float,
+        *,
+        exit_code: int = WATCHDOG_EXIT_CODE,
+        file: IO[str] | None = None,
+        on_fire: Callable[[int | None], None] | None = None,
     ) -> None:
         self.timeout = as_float("StepWatchdog: timeout (seconds)", timeout, above=0)
         self.exit_code = as_count("StepWatchdog: exit_code", exit_code, minimum=0, maximum=255)
         self._file = file
+        self.on_fire = on_fire
         self._cond = threading.Condition()
         self._step: int | None = None
         self._deadline: float | None = None
@@ -78,12 +96,21 @@ class StepWatchdog:
                 raise RuntimeError("StepWatchdog: arm() after close()")
             self._step, self._deadline = step, time.monotonic() + self.timeout
             self._cond.notify()
+        status.STATUS.step = step
 
     def disarm(self) -> None:
         """Stops the clock: the armed step completed."""
         with self._cond:
-            self._step, self._deadline = None, None
+            step, self._step, self._deadline = self._step, None, None
             self._cond.notify()
+        if step is not None:
+            status.STATUS.completed(step)
+
+    @staticmethod
+    def phase(phase: str, step: int | None = None) -> None:
+        """This process enters ``phase`` (:data:`shardax.runtime.status.PHASES`), for the
+        hang report."""
+        status.STATUS.set(phase, step)
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -128,6 +155,9 @@ class StepWatchdog:
         try:
             out = self._file or sys.stderr
             _flush(sys.stdout)
+            line = status.hang_line()
+            if line:
+                out.write(line + "\n")
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
             out.write(
@@ -141,6 +171,9 @@ class StepWatchdog:
                 f"shardax: hang watchdog: {self._where}step {step} did not complete within "
                 f"{self.timeout:g} s; reporting it failed ({e!r}); exiting with code {code}"
             )
+        if self.on_fire is not None:
+            with contextlib.suppress(BaseException):  # the process ends whatever it does
+                self.on_fire(step)
         try:
             os._exit(code)
         except BaseException as e:

@@ -8,11 +8,12 @@ host never overwrite each other's files. A trace is TensorBoard's profile format
 (``plugins/profile/<time>/<host>.xplane.pb``: ``tensorboard --logdir directory``, or
 xprof) plus ``perfetto_trace.json.gz`` for https://ui.perfetto.dev.
 
->>> step = sx.track.profile_steps(step, "runs/profile", 5, 8)
+>>> step = sx.track.profile_steps(step, "runs/profile", 2, 3)
 >>> for batch in batches:
-...     state, metrics = step(state, batch)     # steps 5..8 traced
+...     state, metrics = step(state, batch)     # calls 2..3 traced
 >>> step.close()                                 # stops a trace a short loop left open
->>> step.trace_dir                               # .../process_0/plugins/profile/<time>
+>>> str(step.trace_dir)                          # doctest: +ELLIPSIS
+'runs/profile/process_0/plugins/profile/...'
 """
 
 from __future__ import annotations

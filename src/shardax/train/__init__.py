@@ -1,4 +1,5 @@
-"""Train layer: TrainState, the train and eval steps, precision, auto plans, the loss rules."""
+"""Train layer: TrainState, the train and eval steps, precision, auto plans, the loss rules,
+verify (the step against one device)."""
 
 from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
 from shardax.train.eval import EvalStep
@@ -6,10 +7,12 @@ from shardax.train.guard import NonFiniteLossError, check_finite
 from shardax.train.make import make_eval_step, make_train_step
 from shardax.train.masks import masked_mean
 from shardax.train.precision import LossScaleState, LossScaling, Precision
+from shardax.train.prepare import prepare
 from shardax.train.program import MODES, Program
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
+from shardax.train.verify import VerifyReport, verify
 
 __all__ = [
     "MODES",
@@ -25,6 +28,7 @@ __all__ = [
     "Program",
     "TrainState",
     "TrainStep",
+    "VerifyReport",
     "auto_plan",
     "check_finite",
     "dropout",
@@ -32,4 +36,6 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "masked_mean",
+    "prepare",
+    "verify",
 ]

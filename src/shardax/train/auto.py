@@ -546,6 +546,7 @@ class AutoStep:
         self.loss_fn, self.options, self._step_kw = loss_fn, options, step_kw
         self.auto_report: AutoPlan | None = None
         self.step: TrainStep | None = None
+        self._unplaced = False  # picked, and no state placed on the plan yet
 
     def _picked(self, what: str) -> TrainStep:
         if self.step is None:
@@ -557,8 +558,10 @@ class AutoStep:
             )
         return self.step
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        """Picks the plan on the first call (placing ``state`` on it), then steps."""
+    def pick(self, state: TrainState, batch: Any) -> TrainStep:
+        """The step with the plan picked for ``state`` and ``batch`` (compiling the
+        candidates once; ``sx.verify`` calls it). The next ``step(state, batch)`` places
+        its state on the plan, as the first call does."""
         if self.step is None:
             kw = self._step_kw
             self.auto_report = auto_plan(
@@ -573,12 +576,22 @@ class AutoStep:
             )
             self.step = TrainStep(self.loss_fn, plan=self.auto_report.plan, **kw)
             self.step.plan_name = f"auto:{self.auto_report.plan.name}"
-            state = self.step.shard(state)
-        return self.step(state, batch)
+            self._unplaced = True
+        return self.step
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        """Picks the plan on the first call (placing ``state`` on it), then steps."""
+        step = self.pick(state, batch)
+        if self._unplaced:
+            self._unplaced = False
+            state = step.shard(state)
+        return step(state, batch)
 
     def shard(self, state: TrainState) -> TrainState:
         """``state`` placed on the picked plan (after the first call)."""
-        return self._picked("step.shard(state)").shard(state)
+        step = self._picked("step.shard(state)")
+        self._unplaced = False
+        return step.shard(state)
 
     def init(self, init_fn: Callable[..., TrainState], *args: Any, **kwargs: Any) -> TrainState:
         """``init_fn`` run onto the picked plan (after the first call)."""

@@ -8,8 +8,8 @@ never converting one into the other; when the model and the mesh disagree, the e
 JAX raises gets a note saying which to change.
 
 >>> mesh = sx.make_mesh({"data": -1}, axis_types=AxisType.Explicit)
->>> mesh_axis_type(mesh, "data")
-<AxisType.Explicit: 2>
+>>> mesh_axis_type(mesh, "data") == AxisType.Explicit
+True
 """
 
 from __future__ import annotations

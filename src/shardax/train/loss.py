@@ -137,8 +137,13 @@ def check_mapped_aux(aux: Any, mode: str) -> None:
     """Under ``"shard_map"`` and ``"pmap"`` the aux is averaged over devices, which means
     something only for a dict of metrics; anything else (e.g. logits) is refused."""
     if aux is not None and not isinstance(aux, dict):
+        what = (
+            f"an array of shape {tuple(aux.shape)}"
+            if hasattr(aux, "shape") and hasattr(aux, "dtype")
+            else f"a {type(aux).__name__}"
+        )
         raise TypeError(
-            f"loss_fn returned (loss, aux) with aux a {type(aux).__name__}; under "
+            f"loss_fn returned (loss, aux) with aux {what}; under "
             f"mode={mode!r} each device's aux is averaged over the data axis, which is "
             "meaningful only for a dict of metrics (e.g. {'accuracy': acc}). Return a dict "
             "of scalar metrics, or use mode='jit', which returns any aux as metrics['aux']"

@@ -41,6 +41,7 @@ def make_train_step(
     data_axis: str | tuple[str, ...] = DATA_AXIS,
     precision: str | Precision = "fp32",
     stats: Sequence[str] = DEFAULT_STATS,
+    stats_every: int = 1,
 ) -> TrainStep | AutoStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
@@ -92,15 +93,21 @@ def make_train_step(
         stats: the update statistics the step returns (:mod:`shardax.train.stats`):
             ``"grad_norm"`` (global L2 norm of the all-reduced gradients),
             ``"param_norm"`` (after the update) and ``"learning_rate"`` (with
-            ``optax.inject_hyperparams``). Default ``("grad_norm", "learning_rate")``;
-            ``()`` for none, e.g. to time the bare step.
+            ``optax.inject_hyperparams``). Default ``("learning_rate",)``, which is free:
+            the norms are a pass over the gradients or params each, asked for by name;
+            ``()`` for none.
+        stats_every: compute ``grad_norm`` and ``param_norm`` only on the steps whose
+            count (after the update) is a multiple of this, NaN on the others, inside
+            the same compiled step (``lax.cond``): a loop that logs every N steps asks
+            for ``stats_every=N`` and pays for the norms once per log.
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode, plus ``stats``.
     """
     donate = as_bool("make_train_step: donate", donate)
     kw = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
-          "data_axis": data_axis, "precision": precision, "stats": stats}  # fmt: skip
+          "data_axis": data_axis, "precision": precision, "stats": stats,
+          "stats_every": stats_every}  # fmt: skip
     if isinstance(plan, str) and plan == "auto":
         plan = AutoPlanOptions()
     if isinstance(plan, AutoPlanOptions):

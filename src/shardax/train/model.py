@@ -13,6 +13,8 @@ and the non-trainable model state, and reads the model state back after the call
 
 >>> adapter, params, model_state = split_model(eqx.nn.Linear(2, 3, key=jax.random.key(0)))
 >>> model = adapter.bind(params, model_state, jax.random.key(1))
+>>> model(jnp.ones(2)).shape
+(3,)
 """
 
 from __future__ import annotations
@@ -28,16 +30,19 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True)
 class NNXModel:
-    """An NNX module: its graphdef; params are ``nnx.Param``, the rest is model state."""
+    """An NNX module: its graphdef; params are the variables ``wrt`` selects (an NNX
+    filter, ``nnx.Param`` unless an ``nnx.Optimizer`` says otherwise), the rest is model
+    state."""
 
     graphdef: Any
+    wrt: Any = nnx.Param
 
     def bind(self, params: Any, model_state: Any, rng: jax.Array) -> nnx.Module:
         # copy: the state's Variables belong to the outer trace; the model mutates its own.
         return nnx.merge(self.graphdef, params, model_state, copy=True)
 
     def model_state(self, model: nnx.Module, model_state: Any) -> Any:
-        return nnx.split(model, nnx.Param, ...)[2]
+        return nnx.split(model, self.wrt, ...)[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +100,16 @@ def _is_equinox(model: Any) -> bool:
     return isinstance(model, eqx.Module)
 
 
-def split_model(model: Any) -> tuple[ModelAdapter, Any, Any]:
-    """``(adapter, params, model_state)`` of an NNX or Equinox module.
+def split_model(model: Any, wrt: Any = nnx.Param) -> tuple[ModelAdapter, Any, Any]:
+    """``(adapter, params, model_state)`` of an NNX or Equinox module (for NNX, the
+    params are the variables the filter ``wrt`` selects).
 
     Raises ``TypeError`` naming the type received for anything else, and pointing to
     ``TrainState.from_linen`` and ``TrainState.from_params``.
     """
     if isinstance(model, nnx.Module):
-        graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-        return NNXModel(graphdef), params, model_state
+        graphdef, params, model_state = nnx.split(model, wrt, ...)
+        return NNXModel(graphdef, wrt), params, model_state
     if _is_equinox(model):
         import equinox as eqx
 

@@ -81,7 +81,9 @@ class Precision(NamedTuple):
         output_dtype: the loss and the metrics are cast to it.
         loss_scaling: dynamic loss scaling settings, or None for no scaling.
 
-    >>> Precision(compute_dtype=jnp.float16, loss_scaling=LossScaling(period=500))
+    >>> policy = Precision(compute_dtype=jnp.float16, loss_scaling=LossScaling(period=500))
+    >>> policy.loss_scaling.initial, policy.param_dtype == jnp.float32
+    (32768.0, True)
     """
 
     param_dtype: Any = jnp.float32

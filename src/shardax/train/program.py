@@ -6,7 +6,8 @@ owns what the train and eval steps share:
 - **placement**: ``shard(state)`` and ``init(init_fn, ...)`` put the state on the plan
   (or one device), in the precision's ``param_dtype``;
 - **the per-shard function**: binding the model to its params, the precision's casts,
-  the ``rng``/``step_rng`` keys, accumulation (:func:`~shardax.train.accumulate.microbatched`);
+  the ``rng``/``step_rng`` keys, accumulation (:func:`~shardax.train.accumulate.microbatched`),
+  BatchNorm over the global batch (:func:`~shardax.train.batchnorm.over_data_axis`);
 - **the modes**: under ``"jit"`` and ``"single"`` a shard is the whole global batch;
   under ``"shard_map"`` and ``"pmap"`` each device has its slice and the program weights
   gradients, loss, aux and model state by each device's count of real examples;
@@ -51,6 +52,7 @@ from shardax.runtime.processes import device_put_global
 from shardax.train.accumulate import microbatched
 from shardax.train.axis_types import explain_axis_types, mesh_axis_type, reshard_batch
 from shardax.train.batch import check_batch
+from shardax.train.batchnorm import over_data_axis
 from shardax.train.loss import check_mapped_aux, rng_arguments
 from shardax.train.masks import valid_count
 from shardax.train.precision import (
@@ -359,11 +361,13 @@ class Program:
 
     # -- the per-shard function ----------------------------------------------------------
 
-    def _shard_fn(self, state: TrainState):
+    def _shard_fn(self, state: TrainState, mapped: bool = False):
         """``fn(model_state, batch, keys, rng) -> (grads, loss, aux, model_state)`` on one
         (micro)batch, in the precision's compute dtype; loss and aux come out in its
-        output dtype."""
+        output dtype. BatchNorm layers normalize over the global batch in every mode
+        (``mapped``: the data axis is bound; :mod:`shardax.train.batchnorm`)."""
         adapter, policy = state.adapter, self.precision
+        loss_fn = over_data_axis(self.loss_fn, self.data_axis, mapped)
         scale = state.loss_scale if policy.loss_scaling is not None else None
 
         def fn(model_state: Any, batch: Any, keys: Any, rng: jax.Array):
@@ -373,7 +377,7 @@ class Program:
 
             def loss(params: Any) -> tuple[jax.Array, Any]:
                 model = adapter.bind(cast_floating(params, policy.compute_dtype), model_state, rng)
-                value, aux = self.objective(self.loss_fn(self.view(model), batch, **kwargs))
+                value, aux = self.objective(loss_fn(self.view(model), batch, **kwargs))
                 value, aux = cast_floating((value, aux), policy.output_dtype)
                 new_model_state = cast_like(adapter.model_state(model, model_state), model_state)
                 return value, (aux, new_model_state)
@@ -397,7 +401,7 @@ class Program:
         split = None
         if not mapped and self.mode == "jit":
             split = lambda micro: constrain(micro, PartitionSpec(None, self.data_axis), self.mesh)  # noqa: E731
-        fn = microbatched(self._shard_fn(state), self.accumulate, split)
+        fn = microbatched(self._shard_fn(state, mapped), self.accumulate, split)
         return fn(model_state, batch, keys, rng)
 
     def _global(self, state: TrainState, batch: Any):

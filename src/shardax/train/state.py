@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from shardax.plan.tree import path_str
-from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, split_model
+from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, NNXModel, split_model
 from shardax.train.static import comparable
 
 Seed = int | jax.Array
@@ -46,6 +46,59 @@ def _key_data(rng: Seed) -> jax.Array:
             f"{expected.shape} and dtype uint32; got {got}"
         )
     return jnp.asarray(rng, jnp.uint32)
+
+
+def is_nnx_optimizer(x: Any) -> bool:
+    """True for an ``nnx.Optimizer`` (and ``nnx.ModelAndOptimizer``)."""
+    from flax import nnx
+
+    return isinstance(x, nnx.Optimizer)
+
+
+def _variables(tree: Any) -> list[Any]:
+    from flax import nnx
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return [v for v in jax.tree.leaves(tree, is_leaf=is_var) if is_var(v)]
+
+
+def optimizer_opt_state(optimizer: Any, params: Any) -> Any:
+    """The state of an ``nnx.Optimizer`` as its transformation's own state for ``params``
+    (``tx.init(params)``'s structure, with the optimizer's values): flax wraps every leaf
+    in an ``OptState`` variable, which ``tx.update`` does not take.
+
+    Raises ``ValueError`` when the optimizer was not built for these params (another
+    model, or a ``wrt`` that selects other variables).
+    """
+    template = jax.eval_shape(optimizer.tx.init, params)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    values = jax.tree.leaves(optimizer.opt_state)
+    if len(values) != len(paths):
+        why = f"{len(values)} arrays, where the transformation's state has {len(paths)}"
+    else:
+        wrong = [
+            f"opt_state/{path_str(p)} has shape {np.shape(v)}, the model's params give {t.shape}"
+            for (p, t), v in zip(paths, values, strict=True)
+            if np.shape(v) != t.shape
+        ]
+        if not wrong:
+            return jax.tree.unflatten(treedef, values)
+        why = wrong[0]
+    raise ValueError(
+        f"the nnx.Optimizer's state does not match this model's params (wrt="
+        f"{getattr(optimizer.wrt, '__name__', optimizer.wrt)}): {why}. Pass the model the "
+        "optimizer was built for, nnx.Optimizer(model, tx, wrt=nnx.Param)"
+    )
+
+
+def write_opt_state(optimizer: Any, opt_state: Any, step: Any) -> None:
+    """Puts ``opt_state`` (the transformation's structure) and ``step`` into the variables
+    of an ``nnx.Optimizer``, in place."""
+    values = iter(jax.tree.leaves(opt_state))
+    for var in _variables(optimizer.opt_state):
+        old = var.get_value()
+        var.set_value(jax.tree.map(lambda _: next(values), old))
+    optimizer.step.set_value(jnp.asarray(step).astype(optimizer.step.get_value().dtype))
 
 
 def check_tx(tx: Any) -> None:
@@ -152,11 +205,72 @@ class TrainState:
         )
 
     @classmethod
-    def create(cls, model: Any, tx: optax.GradientTransformation, *, rng: Seed = 0) -> TrainState:
+    def create(cls, model: Any, tx: Any, *, rng: Seed = 0) -> TrainState:
         """From an NNX module (``nnx.Param`` trainable) or an Equinox module (floating
-        arrays trainable). ``rng`` seeds the per-step keys (an int or a key)."""
+        arrays trainable). ``rng`` seeds the per-step keys (an int or a key).
+
+        ``tx`` is an optax transformation, or for an NNX module its ``nnx.Optimizer``
+        (or ``nnx.ModelAndOptimizer``): the state takes the optimizer's transformation,
+        its current state and step, and its ``wrt`` as the trainable variables.
+        :meth:`write_to` puts the trained values back into the model and optimizer.
+
+        >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        >>> state = TrainState.create(model, optimizer)
+        >>> state.opt_state[0].mu["kernel"].shape, int(state.step)
+        ((4, 2), 0)
+        """
+        if is_nnx_optimizer(tx):
+            return cls._from_optimizer(model, tx, rng)
         adapter, params, model_state = split_model(model)
         return cls._new(adapter, params, model_state, tx, rng)
+
+    @classmethod
+    def _from_optimizer(cls, model: Any, optimizer: Any, rng: Seed) -> TrainState:
+        from flax import nnx
+
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"TrainState.create: an nnx.Optimizer goes with the NNX module it was built "
+                f"for, got a model of type {type(model).__name__}"
+            )
+        adapter, params, model_state = split_model(model, optimizer.wrt)
+        check_tx(optimizer.tx)
+        return cls(
+            step=jnp.asarray(optimizer.step.get_value(), jnp.int32),
+            params=params,
+            opt_state=optimizer_opt_state(optimizer, params),
+            model_state=model_state,
+            rng=_key_data(rng),
+            adapter=adapter,
+            tx=optimizer.tx,
+        )
+
+    def write_to(self, model: Any, optimizer: Any = None) -> None:
+        """Puts this state's values into the user's NNX ``model`` (params and model
+        state) and, if given, its ``nnx.Optimizer`` (state and step), in place: for code
+        that expects them (evaluation, export). The model shares the state's buffers, so
+        after a later donating step call ``write_to`` again.
+
+        >>> state.write_to(model, optimizer)  # doctest: +SKIP
+        """
+        from flax import nnx
+
+        if not isinstance(self.adapter, NNXModel) or not isinstance(model, nnx.Module):
+            raise TypeError(
+                "TrainState.write_to puts values into an NNX module and its nnx.Optimizer; "
+                f"got a {type(model).__name__} for a state of a {type(self.adapter).__name__}. "
+                "For Equinox, Linen or plain pytrees read state.model or state.params"
+            )
+        nnx.update(model, self.params, self.model_state)
+        if optimizer is not None:
+            if not is_nnx_optimizer(optimizer):
+                raise TypeError(
+                    f"TrainState.write_to: optimizer must be an nnx.Optimizer, got "
+                    f"{type(optimizer).__name__}"
+                )
+            optimizer_opt_state(optimizer, self.params)  # the same structure, or an error
+            write_opt_state(optimizer, self.opt_state, self.step)
 
     @classmethod
     def from_linen(

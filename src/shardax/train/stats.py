@@ -3,12 +3,17 @@
 They are computed once inside the compiled step, from the gradients every device already
 holds after the all-reduce, so they cost a pass over the gradients (``grad_norm``) or the
 params (``param_norm``) and no extra communication under replicating plans.
-``make_train_step(stats=...)`` picks them: :data:`DEFAULT_STATS` unless told.
+``make_train_step(stats=...)`` picks them: :data:`DEFAULT_STATS` unless told, which is
+only the learning rate (a scalar the optimizer state holds already: free), so the default
+step does no work a hand-written one does not. ``stats_every=N`` computes the norms
+only on the steps whose count is a multiple of N (inside the one compiled step, under
+``lax.cond``), NaN on the others: a loop that logs every N steps pays for them once per
+log (:func:`every_nth`).
 
 >>> state = sx.TrainState.from_params({"w": jnp.ones(3)}, lambda p, x: x @ p["w"],
 ...                                   optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
 >>> stats = update_stats(state, {"w": jnp.full(3, 2.0)}, STATS)
->>> sorted(stats), float(stats["grad_norm"]) ** 2
+>>> sorted(stats), round(float(stats["grad_norm"]) ** 2, 4)
 (['grad_norm', 'learning_rate', 'param_norm'], 12.0)
 """
 
@@ -20,13 +25,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 STATS = ("grad_norm", "param_norm", "learning_rate")
 """The metric names :func:`update_stats` may add; ``loss_fn``'s aux must not use them."""
 
-DEFAULT_STATS = ("grad_norm", "learning_rate")
-"""What the train step returns unless ``stats=`` says otherwise: ``param_norm`` is a second
-pass over the params each step, so it is asked for by name."""
+DEFAULT_STATS = ("learning_rate",)
+"""What the train step returns unless ``stats=`` says otherwise: ``grad_norm`` and
+``param_norm`` are a pass over the gradients or the params, asked for by name (with
+``stats_every=`` to pay for them only at logging steps)."""
+
+NORMS = ("grad_norm", "param_norm")
+"""The statistics that cost a pass over a tree (``stats_every`` applies to them)."""
 
 _HYPERPARAMS = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
@@ -78,4 +88,22 @@ def update_stats(state: Any, grads: Any, stats: Sequence[str] = DEFAULT_STATS) -
         lr = learning_rate(state.opt_state)
         if lr is not None:
             out["learning_rate"] = lr
+    return out
+
+
+def every_nth(state: Any, grads: Any, stats: Sequence[str], every: int) -> dict[str, Any]:
+    """:func:`update_stats`, with the norms computed only when ``state.step`` (the count
+    after the update) is a multiple of ``every`` and NaN otherwise, in one program."""
+    if every == 1:
+        return update_stats(state, grads, stats)
+    out = update_stats(state, grads, [n for n in stats if n not in NORMS])
+    norms = [n for n in stats if n in NORMS]
+    if norms:
+        out.update(
+            lax.cond(
+                state.step % every == 0,
+                lambda: update_stats(state, grads, norms),
+                lambda: {n: jnp.float32(jnp.nan) for n in norms},
+            )
+        )
     return out

@@ -6,9 +6,19 @@ and whose result applies the update. It is written once, for one shard of the ba
 under ``"jit"`` and ``"single"`` the shard is the whole global batch and the
 cross-device reductions are identities; under ``"shard_map"`` and ``"pmap"`` each
 device sees its slice and the program reduces over the data axis. So every mode computes
-the same update from the same global batch, when the loss is a mean over the examples
-it was given (:func:`shardax.masked_mean` with a ``"mask"`` leaf for padded or
-token-weighted batches) and the model normalizes nothing per device (BatchNorm).
+the same update from the same global batch (up to the order of floating-point sums), when:
+
+- the loss is a mean over the examples (or tokens) it was given, and a batch whose count
+  of them differs between devices (padding, token weights) carries a ``"mask"`` leaf, by
+  which the devices are weighted (:func:`shardax.masked_mean`); without one,
+  ``"shard_map"`` and ``"pmap"`` average the devices' means with equal weights;
+- random numbers come from the ``rng`` argument (one key per example): the framework's
+  RNG (``step_rng``, Linen's ``"dropout"``, NNX ``Rngs``) folds in the device index under
+  ``"shard_map"`` and ``"pmap"``;
+- the model normalizes nothing per device, apart from NNX, Linen and Equinox BatchNorm,
+  which the step binds to the data axis (:mod:`shardax.train.batchnorm`).
+
+:func:`shardax.verify` checks it for a step, a state and a batch, and names the cause.
 
 Built by :func:`shardax.make_train_step`.
 
@@ -30,6 +40,7 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
+from shardax.checks import as_count
 from shardax.plan.core import Plan
 from shardax.train.loss import as_metrics, loss_and_aux
 from shardax.train.precision import (
@@ -43,14 +54,14 @@ from shardax.train.precision import (
 )
 from shardax.train.program import Program
 from shardax.train.state import TrainState
-from shardax.train.stats import DEFAULT_STATS, check_stats, update_stats
+from shardax.train.stats import DEFAULT_STATS, check_stats, every_nth
 
 
 class TrainStep(Program):
     """``step(state, batch) -> (state, metrics)``; ``step.shard(state)`` places a state.
 
     Attributes: ``mode``, ``mesh``, ``plan``, ``accumulate``, ``donate``, ``data_axis``,
-    ``precision``, ``stats``; ``lower(state, batch)`` is the compiled step.
+    ``precision``, ``stats``, ``stats_every``; ``lower(state, batch)`` is the compiled step.
     """
 
     def __init__(
@@ -65,8 +76,10 @@ class TrainStep(Program):
         data_axis: str | tuple[str, ...],
         precision: str | Precision = "fp32",
         stats: Sequence[str] = DEFAULT_STATS,
+        stats_every: int = 1,
     ) -> None:
         self.stats = check_stats(stats)
+        self.stats_every = as_count("make_train_step: stats_every", stats_every)
         super().__init__(
             loss_fn,
             mesh=mesh,
@@ -104,7 +117,7 @@ class TrainStep(Program):
         metrics = as_metrics(loss, aux)
         if self._scaling is None:
             new = state.apply_gradients(grads, model_state)
-            return new, {**metrics, **update_stats(new, grads, self.stats)}
+            return new, {**metrics, **every_nth(new, grads, self.stats, self.stats_every)}
         if "loss_scale" in metrics:
             raise ValueError(
                 "loss_fn's aux metrics must not have a 'loss_scale' entry with loss scaling "
@@ -115,7 +128,7 @@ class TrainStep(Program):
         updated = state.apply_gradients(grads, model_state)
         state = select_tree(finite, updated, state.replace(step=updated.step))
         loss_scale = adjust_loss_scale(state.loss_scale, finite, self._scaling)
-        stats = update_stats(state, grads, self.stats)
+        stats = every_nth(state, grads, self.stats, self.stats_every)
         return state.replace(loss_scale=loss_scale), {
             **metrics,
             **stats,

@@ -1,0 +1,179 @@
+"""The seam between ``shardax train`` and its jobs: what a job is, and what every job uses.
+
+A job (:mod:`shardax.cli.train_mlp`, :mod:`shardax.cli.train_gpt`) registers itself
+with :func:`register` under its ``--model`` name, with the options only it reads, and
+builds a :class:`Job`: its mesh, placed state, step, batches and evaluation. The
+command (:mod:`shardax.cli.train`) parses the options, builds the job and hands it to
+the loop (:mod:`shardax.cli.loop`). This module imports neither the loop nor the jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shardax.cli.common import UsageError
+from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS, STAGE_AXIS
+
+MakeJob = Callable[[argparse.Namespace, Any], "Job"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """A job under its ``--model`` name: its builder and the options only it reads."""
+
+    make: MakeJob
+    options: tuple[str, ...]
+
+
+JOBS: dict[str, Registered] = {}
+"""The registered jobs, by ``--model`` name, in registration order."""
+
+
+def register(name: str, options: tuple[str, ...] = ()) -> Callable[[MakeJob], MakeJob]:
+    """Registers ``make_job(args, console) -> Job`` as ``shardax train --model name``;
+    ``options`` (argparse dest names) are the options only this job reads: giving them to
+    another job is a usage error, not ignored."""
+
+    def decorate(make: MakeJob) -> MakeJob:
+        JOBS[name] = Registered(make, options)
+        return make
+
+    return decorate
+
+
+def check_model_options(args: argparse.Namespace) -> None:
+    """Options of another job are an error (they would be silently ignored)."""
+    for model, job in JOBS.items():
+        if model == args.model:
+            continue
+        given = [n for n in job.options if getattr(args, n, None) is not None]
+        if given:
+            flags = ", ".join("--" + n.replace("_", "-") for n in given)
+            raise UsageError(f"{flags}: only for --model {model}, got --model {args.model}")
+    if args.save_every is not None and args.checkpoint_dir is None:
+        raise UsageError(f"--save-every {args.save_every} needs --checkpoint-dir")
+
+
+def make_mesh(args: argparse.Namespace) -> Any:
+    """The mesh of ``--mesh`` (default: ``data`` over every device, plus ``model=2`` for
+    a TP plan), or the first device for ``--mode single``."""
+    import jax
+
+    import shardax as sx
+
+    if args.mode == "single":
+        if args.mesh is not None or args.plan != "replicate":
+            raise UsageError("--mode single runs on one device: drop --mesh and --plan")
+        return sx.make_mesh({DATA_AXIS: 1}, devices=jax.devices()[:1])
+    tp = "tp" in args.plan.split("+")
+    spec = args.mesh or ([(DATA_AXIS, -1), (MODEL_AXIS, 2)] if tp else [(DATA_AXIS, -1)])
+    if args.plan == "pipeline" and args.mesh is None:
+        spec = [(DATA_AXIS, -1), (STAGE_AXIS, 2)]
+    if DATA_AXIS not in dict(spec):
+        raise UsageError(f"--mesh needs a 'data' axis for the batch, got {args.mesh}")
+    try:
+        return sx.make_mesh(spec)
+    except ValueError as e:
+        raise UsageError(f"--mesh: {e}") from None
+
+
+def check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
+    """The global batch must split evenly over the data axis; the error names both sizes
+    and the ways out (a resumed run keeps its batch size, so only the mesh can change)."""
+    data_size, batch = mesh.shape[DATA_AXIS], args.batch_size
+    if batch % data_size == 0:
+        return
+    fits = [d for d in range(mesh.size, 0, -1) if batch % d == 0 and mesh.size % d == 0]
+    meshes = ", ".join(
+        f"data={d}" + (f",model={mesh.size // d}" if d < mesh.size else "") for d in fits[:3]
+    )
+    if args.resume:
+        way = (
+            f"a resumed run keeps the checkpoint's global batch (its data position counts "
+            f"batches of {batch}), so pass a --mesh whose data axis divides {batch} on these "
+            f"{mesh.size} devices ({meshes}), or run on a device count it divides"
+        )
+    else:
+        way = (
+            f"pass a --batch-size that is a multiple of {data_size}, or a --mesh whose data "
+            f"axis divides {batch} ({meshes})"
+        )
+    raise UsageError(
+        f"--batch-size {batch} is not divisible by the data axis size {data_size} of mesh "
+        f"{dict(mesh.shape)}; {way}"
+    )
+
+
+@dataclasses.dataclass
+class Job:
+    """What a model brings to the shared loop.
+
+    Attributes:
+        title: what is trained, e.g. "an MLP on digits" (printed, and the plot's title).
+        mesh: the mesh.
+        state: the placed train state.
+        step: the ``sx.make_train_step`` step.
+        loader: an iterator of process-local batches with ``get_state()``/``set_state()``.
+        steps: total steps of the run.
+        eval_every: steps between evaluations (and default checkpoints).
+        evaluate: ``state -> {name: float}`` on the held-out data.
+        records: ``(first step, per-step metrics as floats, evaluation, seconds) ->``
+            history entries (each with ``step``) for the steps since the last evaluation.
+        unit: what ``items_per_step`` counts ("examples" or "tokens").
+        items_per_step: examples or tokens in one global batch.
+        progress: ``metrics -> str`` shown on the progress bar.
+        summary: ``common summary -> job-specific entries`` (added to it).
+        estimate_flops: a FLOPs-per-step estimate from the model's sizes, if it has one.
+        plot: ``(summary, path) ->`` writes ``curves.png``.
+        report: ``(summary, console) ->`` prints the result.
+    """
+
+    title: str
+    mesh: Any
+    state: Any
+    step: Any
+    loader: Any
+    steps: int
+    eval_every: int
+    evaluate: Callable[[Any], dict[str, float]]
+    records: Callable[[int, list[dict[str, float]], dict[str, float], float], list[dict]]
+    unit: str
+    items_per_step: int
+    progress: Callable[[dict[str, float]], str]
+    summary: Callable[[dict[str, Any]], dict[str, Any]] = lambda common: {}
+    estimate_flops: float | None = None
+    plot: Callable[[dict[str, Any], Path], None] | None = None
+    report: Callable[[dict[str, Any], Any], None] | None = None
+
+
+def build_steps(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> tuple[Any, Any]:
+    """The train step (``sx.make_train_step``) and its no-update twin for validation
+    (``sx.make_eval_step``, the model in inference mode), with the CLI's mode,
+    accumulation and precision; bad combinations are usage errors naming the options."""
+    import shardax as sx
+    from shardax.train.stats import STATS
+
+    plan = None if args.mode == "single" else plan  # one device: no sharding plan
+    options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision}
+    try:
+        # The CLI logs every update statistic, param norm included, computed only on the
+        # steps it logs (--log-every): the other steps pay nothing for them.
+        step = sx.make_train_step(loss_fn, accumulate=args.accumulate, stats=STATS,
+                                  stats_every=args.log_every, **options)  # fmt: skip
+        return step, sx.make_eval_step(loss_fn, **options)
+    except ValueError as e:
+        raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
+
+
+def place(args: argparse.Namespace, step: Any, state: Any) -> Any:
+    """``step.shard(state)``, a bad plan/mode/mesh combination being a usage error."""
+    try:
+        return step.shard(state)
+    except ValueError as e:
+        raise UsageError(
+            f"--plan {args.plan} --mode {args.mode} on mesh {dict(step.mesh.shape)}: {e}"
+        ) from None

@@ -1,0 +1,723 @@
+"""Context parallelism for the user's own attention: ``sx.attention`` over a mesh axis
+that splits the sequence.
+
+``attention(q, k, v, causal=..., segment_ids=..., window=..., bias=...)`` has
+``jax.nn.dot_product_attention``'s layout (q ``(B, T, H, D)``, k and v ``(B, S, K, D)``,
+``H % K == 0``). With no mesh axis ``axis`` of size > 1 it *is*
+``jax.nn.dot_product_attention`` (cuDNN on a GPU where the mask allows). With a
+``"context"`` axis of size C > 1 the sequence dimension is split C ways and ``impl``
+picks how devices see each other's keys and values:
+
+- ``"all_gather"``: gather K/V over the axis, keep the local queries;
+- ``"ring"``: K/V blocks travel around the ring (``ppermute``, the next block sent
+  before the current one is used) and combine by an online softmax; the backward pass
+  runs the ring again, so memory per device stays O(len / C);
+- ``"ulysses"``: all-to-all from sequence-split to head-split, full-length attention
+  on H / C heads, all-to-all back (needs ``H % C == 0``).
+
+Causal load balancing: with ``layout="zigzag"`` device i holds sequence chunks i and
+2C-1-i (of 2C); :func:`zigzag` reorders a batch that way and gives each token's true
+position, which the masks use.
+
+>>> mesh = jax.make_mesh((2, 4), ("data", "context"))
+>>> q = k = v = jnp.ones((2, 16, 4, 8))
+>>> with jax.set_mesh(mesh):
+...     o = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, impl="ring"))(q, k, v)
+>>> o.shape
+(2, 16, 4, 8)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardax.mesh.axes import CONTEXT_AXIS
+
+IMPLS: tuple[str, ...] = ("all_gather", "ring", "ulysses")
+"""The context-parallel schemes; ``impl="auto"`` picks one with :func:`choose_impl`."""
+
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
+"""How the sequence is laid out over the context axis (:func:`zigzag`)."""
+
+SCORE_BYTES_LIMIT = 1 << 30
+"""``impl="auto"`` takes the ring when the scores of all_gather / ulysses would exceed
+this many bytes per device (they materialise ``H · T/C · S`` scores; the ring
+``H · (T/C)²``)."""
+
+_log = logging.getLogger("shardax")
+_NAME = "sx.attention"
+
+
+class _Config(NamedTuple):
+    """The static part of one context-parallel call (hashable: custom_vjp's nondiff arg)."""
+
+    axis: str
+    size: int  # C, devices on the context axis
+    causal: bool
+    window: tuple[int, int] | None
+    layout: str
+    scale: float
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def zigzag_order(length: int, context: int) -> np.ndarray:
+    """The original position of each token after the zig-zag reorder: the sequence cut
+    into 2C chunks, device i holding chunks i and 2C-1-i.
+
+    >>> zigzag_order(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    context = _count("context", context)
+    if length % (2 * context):
+        raise ValueError(
+            f"zigzag: length {length} is not divisible by 2 × context = {2 * context}; "
+            "pad the sequence to a multiple of it"
+        )
+    chunk = length // (2 * context)
+    chunks = [c for i in range(context) for c in (i, 2 * context - 1 - i)]
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
+
+
+def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndarray]:
+    """``(batch, positions)``: every array leaf of ``batch`` reordered along ``seq_axis``
+    for causal load balancing over ``context`` devices, and the true position of each
+    reordered token (give it to the model's position embedding; pass
+    ``layout="zigzag"`` to :func:`attention`). Segment ids in the batch are reordered
+    with it. Leaves of rank <= ``seq_axis`` pass through.
+
+    >>> batch, pos = zigzag({"tokens": np.arange(8)[None]}, 2)
+    >>> batch["tokens"].tolist(), pos.tolist()
+    ([[0, 1, 6, 7, 2, 3, 4, 5]], [0, 1, 6, 7, 2, 3, 4, 5])
+    """
+    lengths = {np.shape(x)[seq_axis] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"zigzag: batch leaves must share one length along seq_axis={seq_axis}, "
+            f"got {sorted(lengths)}"
+        )
+    order = zigzag_order(lengths.pop(), context)
+    return _take(batch, order, seq_axis), order
+
+
+def unzigzag(batch: Any, context: int, *, seq_axis: int = 1) -> Any:
+    """The inverse of :func:`zigzag`: leaves back in sequence order.
+
+    >>> unzigzag(np.array([[0, 1, 6, 7, 2, 3, 4, 5]]), 2).tolist()
+    [[0, 1, 2, 3, 4, 5, 6, 7]]
+    """
+    lengths = {np.shape(x)[seq_axis] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
+    return _take(batch, np.argsort(zigzag_order(lengths.pop(), context)), seq_axis)
+
+
+def _take(tree: Any, order: np.ndarray, axis: int) -> Any:
+    def take(x):
+        if np.ndim(x) <= axis:
+            return x
+        if not isinstance(x, jax.Array):
+            return np.take(np.asarray(x), order, axis)
+        index = (slice(None),) * axis + (jnp.asarray(order),)
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and jax.sharding.AxisType.Explicit in (
+            sharding.mesh.axis_types
+        ):  # Explicit axes: the result keeps the input's placement
+            return x.at[index].get(out_sharding=sharding)
+        return x[index]
+
+    return jax.tree.map(take, tree)
+
+
+def sequence_sharding(
+    mesh: Mesh, seq_axis: str = CONTEXT_AXIS, batch_axis: str | tuple[str, ...] | None = "data"
+) -> NamedSharding:
+    """A batch ``(B, T, ...)`` split over ``batch_axis`` on B (skipped when the mesh has no
+    such axis) and over ``seq_axis`` on T: the placement :func:`attention` expects.
+
+    >>> sequence_sharding(jax.make_mesh((2, 4), ("data", "context"))).spec
+    P('data', 'context')
+    """
+    if seq_axis not in mesh.shape:
+        raise ValueError(
+            f"sequence_sharding: seq_axis {seq_axis!r} is not in the mesh, whose axes are "
+            f"{dict(mesh.shape)}; pass seq_axis= one of them"
+        )
+    names = (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis or ())
+    names = tuple(n for n in names if n in mesh.shape)
+    batch = names[0] if len(names) == 1 else (names or None)
+    return NamedSharding(mesh, PartitionSpec(batch, seq_axis))
+
+
+def layout_positions(length: int, context: int, layout: str) -> np.ndarray:
+    """The true position of each of ``length`` tokens laid out ``layout`` over ``context``
+    devices (``arange`` for ``"contiguous"``)."""
+    if layout == "zigzag" and context > 1:
+        return zigzag_order(length, context)
+    return np.arange(length)
+
+
+def _block_positions(src: Any, block: int, context: int, layout: str) -> jax.Array:
+    """Positions of device ``src``'s ``block`` tokens (``src`` may be traced)."""
+    t = jnp.arange(block)
+    if layout == "contiguous" or context == 1:
+        return src * block + t
+    half = block // 2
+    return jnp.where(t < half, src * half + t, (2 * context - 1 - src) * half + t - half)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _count(name: str, value: Any) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{_NAME}: {name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_window(window: Any) -> tuple[int, int] | None:
+    if window is None:
+        return None
+    ok = (
+        isinstance(window, tuple | list)
+        and len(window) == 2
+        and all(isinstance(w, int | np.integer) and not isinstance(w, bool) for w in window)
+        and min(window) >= 0
+    )
+    if not ok:
+        raise ValueError(
+            f"{_NAME}: window must be (left, right), two integers >= 0 (tokens each query "
+            f"sees before and after itself), got {window!r}"
+        )
+    return int(window[0]), int(window[1])
+
+
+def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"{_NAME}: q must be (batch, q_len, heads, head_dim) and k, v (batch, kv_len, "
+            f"kv_heads, head_dim) with equal shapes, got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    (b, t, h, d), (bk, s, kh, dk) = q.shape, k.shape
+    if b != bk or d != dk or h % kh:
+        raise ValueError(
+            f"{_NAME}: q {q.shape} and k {k.shape} must share batch and head_dim, and heads "
+            f"{h} must be a multiple of kv_heads {kh} (GQA / MQA)"
+        )
+    if segment_ids is not None and (tuple(segment_ids.shape) != (b, t) or t != s):
+        raise ValueError(
+            f"{_NAME}: segment_ids must be (batch, len) = {(b, t)} with q_len == kv_len, "
+            f"got {tuple(segment_ids.shape)} (q_len {t}, kv_len {s})"
+        )
+    if bias is not None:
+        full = (b, h, t, s)
+        if bias.ndim != 4 or any(n not in (1, f) for n, f in zip(bias.shape, full, strict=True)):
+            raise ValueError(
+                f"{_NAME}: bias must be 4-D and broadcastable to (batch, heads, q_len, "
+                f"kv_len) = {full}, got {tuple(bias.shape)}"
+            )
+
+
+def context_size(axis: str = CONTEXT_AXIS) -> tuple[int, bool]:
+    """``(C, manual)``: the size of mesh axis ``axis`` in the current mesh (1 when there is
+    no mesh or no such axis) and whether it is manual here (inside shard_map over it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in mesh.axis_names:
+        if not mesh.empty and axis != CONTEXT_AXIS:
+            raise ValueError(
+                f"{_NAME}: axis {axis!r} is not in the mesh, whose axes are "
+                f"{dict(mesh.shape)}; add it to the mesh or pass axis= one of them"
+            )
+        return 1, False
+    return mesh.shape[axis], axis in mesh.manual_axes
+
+
+# --------------------------------------------------------------------------- choice
+
+
+def sent_bytes(
+    impl: str,
+    q_shape: tuple[int, ...],
+    kv_shape: tuple[int, ...],
+    context: int,
+    itemsize: int = 4,
+    *,
+    backward: bool = False,
+) -> float:
+    """Bytes one device sends for one call of scheme ``impl`` (forward, or forward and
+    backward), from the global shapes q ``(B, T, H, D)`` and k ``(B, S, K, D)``:
+
+    - all_gather: K and V gathered, ``2 (C-1)/C · B S K D``; backward reduce-scatters
+      dK and dV, the same again;
+    - ring: C-1 hops of a K/V block, ``2 (C-1)/C · B S K D``; backward sends K/V C-1
+      hops and dK/dV C hops (home again), ``(4C-2)/C · B S K D``;
+    - ulysses: all-to-all of q, k, v (kv heads repeated to H when ``K % C``) and the
+      output, ``(C-1)/C² · B T D (2H + 2K')``; backward the same again.
+    """
+    (b, t, h, d), (_, s, kh, _) = q_shape, kv_shape
+    c = context
+    if c <= 1:
+        return 0.0
+    kv = b * s * kh * d * itemsize
+    if impl == "all_gather":
+        return 2 * (c - 1) / c * kv * (2 if backward else 1)
+    if impl == "ring":
+        return 2 * (c - 1) / c * kv + ((4 * c - 2) / c * kv if backward else 0)
+    if impl == "ulysses":
+        kh = kh if kh % c == 0 else h
+        fwd = (c - 1) / c * b * (t // c) * d * (2 * h + 2 * kh) * itemsize
+        return fwd * (2 if backward else 1)
+    raise ValueError(f"sent_bytes: impl must be one of {list(IMPLS)}, got {impl!r}")
+
+
+def choose_impl(
+    q_shape: tuple[int, ...],
+    kv_shape: tuple[int, ...],
+    context: int,
+    itemsize: int = 4,
+    *,
+    score_limit: int = SCORE_BYTES_LIMIT,
+) -> tuple[str, str]:
+    """``(impl, reason)``: the scheme ``impl="auto"`` takes for global shapes q
+    ``(B, T, H, D)``, k ``(B, S, K, D)`` over ``context`` devices, and why.
+
+    The ring when all_gather's scores (``B H T/C S`` in fp32) would exceed
+    ``score_limit`` bytes per device; otherwise the one that sends fewer bytes
+    (:func:`sent_bytes`), ulysses only when ``H % C == 0``.
+
+    >>> choose_impl((1, 4096, 32, 128), (1, 4096, 8, 128), 4)[0]
+    'all_gather'
+    >>> choose_impl((1, 4096, 32, 128), (1, 4096, 32, 128), 4)[0]
+    'ulysses'
+    """
+    (b, t, h, _), s = q_shape, kv_shape[1]
+    if context <= 1:
+        return "none", f"no context axis of size > 1 (C={context}): jax.nn.dot_product_attention"
+    scores = b * h * (t // context) * s * 4
+    if scores > score_limit:
+        return "ring", (
+            f"ring: all_gather/ulysses would hold {scores / 2**20:.0f} MiB of scores per device "
+            f"(B·H·T/C·S, fp32) > {score_limit / 2**20:.0f} MiB; the ring holds (T/C)² blocks"
+        )
+    gather = sent_bytes("all_gather", q_shape, kv_shape, context, itemsize)
+    if h % context:
+        return "all_gather", (
+            f"all_gather: heads {h} not divisible by C={context} (no ulysses); sends "
+            f"{gather / 2**20:.2f} MiB per device like the ring, in one collective"
+        )
+    ulysses = sent_bytes("ulysses", q_shape, kv_shape, context, itemsize)
+    if ulysses < gather:
+        return "ulysses", (
+            f"ulysses: sends {ulysses / 2**20:.2f} MiB per device vs all_gather's "
+            f"{gather / 2**20:.2f} MiB (heads {h} divisible by C={context})"
+        )
+    return "all_gather", (
+        f"all_gather: sends {gather / 2**20:.2f} MiB per device vs ulysses' "
+        f"{ulysses / 2**20:.2f} MiB (few kv heads)"
+    )
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def _mask(
+    qpos: jax.Array,
+    kpos: jax.Array,
+    qseg: jax.Array | None,
+    kseg: jax.Array | None,
+    causal: bool,
+    window: tuple[int, int] | None,
+) -> jax.Array | None:
+    """``(B or 1, T, S)`` boolean: which key each query sees, from true positions."""
+    mask = None
+
+    def both(a, b):
+        return b if a is None else a & b
+
+    if causal:
+        mask = both(mask, kpos[None, :] <= qpos[:, None])
+    if window is not None:
+        left, right = window
+        diff = qpos[:, None] - kpos[None, :]
+        mask = both(mask, (diff <= left) & (diff >= -right))
+    if mask is not None:
+        mask = mask[None]
+    if qseg is not None:
+        mask = both(mask, qseg[:, :, None] == kseg[:, None, :])
+    return mask
+
+
+def _use_cudnn(q: jax.Array, bias: Any, segment_ids: Any, window: Any, causal: bool) -> bool:
+    """cuDNN's flash kernel: a GPU, fp16/bf16, head_dim <= 128 and a multiple of 8, and a
+    mask it takes natively (causal, a left window; no segment ids or bias)."""
+    return (
+        jax.default_backend() == "gpu"
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and q.shape[-1] <= 128
+        and q.shape[-1] % 8 == 0
+        and bias is None
+        and segment_ids is None
+        and (window is None or window[1] == 0 or causal)
+    )
+
+
+def _dense(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    qpos: Any,
+    kpos: Any,
+    qseg: Any,
+    kseg: Any,
+    bias: Any,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float,
+    natural: bool,
+) -> jax.Array:
+    """``jax.nn.dot_product_attention`` with every mask applied: as its own
+    ``is_causal`` / ``local_window_size`` when the positions are ``arange``
+    (``natural``), else as a boolean mask from the true positions."""
+    if natural:
+        mask = None if qseg is None else (qseg[:, :, None] == kseg[:, None, :])[:, None]
+        impl = "cudnn" if _use_cudnn(q, bias, qseg, window, causal) else None
+        return jax.nn.dot_product_attention(
+            q, k, v, bias, mask, scale=scale, is_causal=causal,
+            local_window_size=window, implementation=impl,
+        )  # fmt: skip
+    mask = _mask(qpos, kpos, qseg, kseg, causal, window)
+    mask = None if mask is None else mask[:, None]
+    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale)
+
+
+# --------------------------------------------------------------------------- schemes
+
+
+def _all_gather(cfg: _Config, q, k, v, seg, bias):
+    c, axis = cfg.size, cfg.axis
+    t = q.shape[1]
+    qpos = _block_positions(lax.axis_index(axis), t, c, cfg.layout)
+    kpos = jnp.asarray(layout_positions(t * c, c, cfg.layout))
+    k, v = _gather_seq(k, axis), _gather_seq(v, axis)
+    kseg = None if seg is None else lax.all_gather(seg, axis, axis=1, tiled=True)
+    return _dense(
+        q, k, v, qpos=qpos, kpos=kpos, qseg=seg, kseg=kseg, bias=bias,
+        causal=cfg.causal, window=cfg.window, scale=cfg.scale, natural=False,
+    )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_seq(x: jax.Array, axis: str) -> jax.Array:
+    """All-gather along the sequence (dim 1); its transpose sums each device's slice.
+
+    Written out because JAX 0.10 cannot lower ``psum_scatter`` (all_gather's own
+    transpose) of an array typed with Explicit axes inside a shard_map manual over
+    ``axis`` only; there the sum goes by all-to-all, the same bytes per device."""
+    return lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def _gather_seq_fwd(x, axis):
+    return _gather_seq(x, axis), None
+
+
+def _gather_seq_bwd(axis, _, g):
+    if all(s is None for s in jax.typeof(g).sharding.spec):
+        return (lax.psum_scatter(g, axis, scatter_dimension=1, tiled=True),)
+    c = lax.axis_size(axis)
+    parts = lax.all_to_all(g, axis, split_axis=1, concat_axis=1, tiled=True)
+    parts = parts.reshape(g.shape[0], c, g.shape[1] // c, *g.shape[2:])
+    return (parts.sum(axis=1),)
+
+
+_gather_seq.defvjp(_gather_seq_fwd, _gather_seq_bwd)
+
+
+def _ulysses(cfg: _Config, q, k, v, seg, bias):
+    c, axis = cfg.size, cfg.axis
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if kv_heads % c:  # MQA / few kv heads: give every query head its own copy
+        k, v = (jnp.repeat(x, heads // kv_heads, axis=2) for x in (k, v))
+
+    def to_heads(x):
+        return lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    length = q.shape[1]
+    pos = jnp.asarray(layout_positions(length, c, cfg.layout))
+    seg = None if seg is None else lax.all_gather(seg, axis, axis=1, tiled=True)
+    out = _dense(
+        q, k, v, qpos=pos, kpos=pos, qseg=seg, kseg=seg, bias=bias, causal=cfg.causal,
+        window=cfg.window, scale=cfg.scale, natural=cfg.layout == "contiguous",
+    )  # fmt: skip
+    return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _grouped_bias(bias: jax.Array | None, kv_heads: int, src: Any, block: int):
+    """Bias columns of source block ``src``, as ``(B|1, K|1, G|1, T|1, S_blk|1)``."""
+    if bias is None:
+        return None
+    if bias.shape[3] > 1:
+        bias = lax.dynamic_slice_in_dim(bias, src * block, block, axis=3)
+    b, h, t, s = bias.shape
+    if h == 1:
+        return bias.reshape(b, 1, 1, t, s)
+    return bias.reshape(b, kv_heads, h // kv_heads, t, s)
+
+
+def _scores(cfg: _Config, qg, kb, kseg, bias, qpos, src, block):
+    """Masked logits ``(B, K, G, T, S_blk)`` of local queries against block ``src``
+    (``kseg``: the queries' and the block's segment ids, or Nones)."""
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32)
+    s = s * cfg.scale
+    blk = _grouped_bias(bias, kb.shape[2], src, block)
+    if blk is not None:
+        s = s + blk.astype(jnp.float32)
+    kpos = _block_positions(src, block, cfg.size, cfg.layout)
+    mask = _mask(qpos, kpos, kseg[0], kseg[1], cfg.causal, cfg.window)
+    if mask is None:
+        return s
+    return jnp.where(mask[:, None, None], s, _NEG)
+
+
+_NEG = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _ring_setup(cfg: _Config, q):
+    t = q.shape[1]
+    idx = lax.axis_index(cfg.axis)
+    qpos = _block_positions(idx, t, cfg.size, cfg.layout)
+    perm = [(i, (i + 1) % cfg.size) for i in range(cfg.size)]
+    return idx, qpos, perm
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: _Config, q, k, v, seg, bias):
+    return _ring_fwd(cfg, q, k, v, seg, bias)[0]
+
+
+def _zeros(x: jax.Array) -> jax.Array:
+    """fp32 zeros of ``x``'s shape with ``x``'s type (its Explicit sharding, and the
+    manual axes it varies over inside shard_map), for a scan carry."""
+    return x.astype(jnp.float32) * 0
+
+
+def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, h // kh, d)
+    idx, qpos, perm = _ring_setup(cfg, q)
+
+    def compute(acc, block, step):
+        o, m, l = acc  # noqa: E741
+        kb, vb, kseg = block
+        src = (idx - step) % cfg.size
+        s = _scores(cfg, qg, kb, (seg, kseg), bias, qpos, src, t)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb,
+                        preferred_element_type=jnp.float32)  # fmt: skip
+        return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(-1)
+
+    def body(carry, step):
+        acc, block = carry
+        # Send the block on before using it, so the transfer overlaps this step's compute.
+        after = lax.ppermute(block, cfg.axis, perm)
+        return (compute(acc, block, step), after), None
+
+    o = _zeros(qg.transpose(0, 2, 3, 1, 4))
+    acc = (o, o[..., 0] - jnp.inf, o[..., 0])
+    # Steps 0..C-2 in a loop (one step's scores live at a time), the last without a send.
+    (acc, block), _ = lax.scan(body, (acc, (k, v, seg)), jnp.arange(cfg.size - 1))
+    o, m, l = compute(acc, block, cfg.size - 1)  # noqa: E741
+    o = o / l[..., None]
+    lse = m + jnp.log(l)
+    out = o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+    return out, (q, k, v, seg, bias, o, lse)
+
+
+def _ring_bwd(cfg: _Config, res, g):
+    q, k, v, seg, bias, o, lse = res
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, h // kh, d)
+    do = g.reshape(b, t, kh, h // kh, d).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
+    delta = (do * o).sum(-1)
+    idx, qpos, perm = _ring_setup(cfg, q)
+
+    def compute(acc, block, step):
+        (dq, dbias), (dk, dv) = acc
+        kb, vb, kseg = block
+        src = (idx - step) % cfg.size
+        s = _scores(cfg, qg, kb, (seg, kseg), bias, qpos, src, t)
+        p = jnp.exp(s - lse[..., None])
+        dv = dv + jnp.einsum("bkgts,bkgtd->bskd", p, do)
+        dp = jnp.einsum("bkgtd,bskd->bkgts", do, vb, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[..., None])
+        dq = dq + cfg.scale * jnp.einsum("bkgts,bskd->btkgd", ds, kb,
+                                         preferred_element_type=jnp.float32)  # fmt: skip
+        dk = dk + cfg.scale * jnp.einsum("bkgts,btkgd->bskd", ds, qg,
+                                         preferred_element_type=jnp.float32)  # fmt: skip
+        if bias is not None:
+            dbias = _add_bias_grad(dbias, ds, src, t)
+        # dK / dV travel with their block; after the last step one more hop takes them home.
+        return (dq, dbias), lax.ppermute((dk, dv), cfg.axis, perm)
+
+    def body(carry, step):
+        acc, block = carry
+        after = lax.ppermute(block, cfg.axis, perm)
+        return (compute(acc, block, step), after), None
+
+    acc = ((_zeros(qg), None if bias is None else _zeros(bias)), (_zeros(k), _zeros(v)))
+    (acc, block), _ = lax.scan(body, (acc, (k, v, seg)), jnp.arange(cfg.size - 1))
+    (dq, dbias), (dk, dv) = compute(acc, block, cfg.size - 1)
+    dbias = None if bias is None else dbias.astype(bias.dtype)
+    return (
+        dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+        None, dbias,
+    )  # fmt: skip
+
+
+def _add_bias_grad(dbias: jax.Array, ds: jax.Array, src: Any, block: int) -> jax.Array:
+    """Adds block ``src``'s logit gradient ``ds`` (B, K, G, T, S_blk), summed to the
+    bias' broadcast shape, into ``dbias`` (B|1, H|1, T|1, S|1)."""
+    bb, hb, tb, sb = dbias.shape
+    b, kh, g, t, s = ds.shape
+    ds = ds.reshape(b, kh * g, t, s)
+    axes = tuple(i for i, n in enumerate((bb, hb, tb, 1 if sb == 1 else s)) if n == 1)
+    blk = ds.sum(axes, keepdims=True) if axes else ds
+    if sb == 1:
+        return dbias + blk
+    start = src * block
+    cur = lax.dynamic_slice_in_dim(dbias, start, block, axis=3)
+    return lax.dynamic_update_slice_in_dim(dbias, cur + blk, start, axis=3)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+_SCHEMES = {"all_gather": _all_gather, "ring": _ring, "ulysses": _ulysses}
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    segment_ids: jax.Array | None = None,
+    window: tuple[int, int] | None = None,
+    bias: jax.Array | None = None,
+    scale: float | None = None,
+    axis: str = CONTEXT_AXIS,
+    impl: str = "auto",
+    layout: str = "contiguous",
+) -> jax.Array:
+    """Scaled dot-product attention, split over mesh axis ``axis`` when it has size > 1.
+
+    Args:
+      q: ``(batch, q_len, heads, head_dim)``.
+      k, v: ``(batch, kv_len, kv_heads, head_dim)``; ``heads % kv_heads == 0``.
+      causal: each query sees keys at its own position and before.
+      segment_ids: ``(batch, len)`` integers; a query sees only keys of its own segment
+        (packed sequences).
+      window: ``(left, right)``: a query at position p sees keys in ``[p-left, p+right]``.
+      bias: added to the logits, broadcastable to ``(batch, heads, q_len, kv_len)``.
+      scale: logit scale, ``1/sqrt(head_dim)`` by default.
+      axis: the mesh axis splitting the sequence (of the mesh set by ``jax.set_mesh``,
+        or bound by an enclosing ``shard_map``).
+      impl: ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"auto"`` (:func:`choose_impl`).
+      layout: ``"contiguous"`` or ``"zigzag"`` (the batch reordered by :func:`zigzag`);
+        masks use the true positions.
+
+    Every mask combines with every other and with every scheme; what a scheme cannot do
+    (ulysses with heads not divisible by C) raises a ValueError naming the sizes.
+    Under jit the arrays are global, ``(B, T, ...)`` with T split over ``axis``; inside
+    a ``shard_map`` that binds ``axis`` they are this device's block.
+
+    >>> q = jnp.ones((1, 8, 2, 4))
+    >>> attention(q, q, q, causal=True, window=(2, 0)).shape
+    (1, 8, 2, 4)
+    """
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    _check_shapes(q, k, v, segment_ids, bias)
+    window = _check_window(window)
+    if impl not in ("auto", *IMPLS):
+        raise ValueError(f"{_NAME}: impl must be 'auto' or one of {list(IMPLS)}, got {impl!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{_NAME}: layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    d = q.shape[-1]
+    scale = float(1.0 / math.sqrt(d) if scale is None else scale)
+    c, manual = context_size(axis)
+    if c == 1:
+        pos = None if q.shape[1] != k.shape[1] else jnp.arange(q.shape[1])
+        return _dense(
+            q, k, v, qpos=pos, kpos=pos, qseg=segment_ids, kseg=segment_ids, bias=bias,
+            causal=causal, window=window, scale=scale, natural=True,
+        )  # fmt: skip
+    gshape = tuple(q.shape), tuple(k.shape)
+    if manual:  # inside shard_map over axis: these are this device's blocks
+        gshape = tuple((s[0], s[1] * c, *s[2:]) for s in gshape)
+    impl = _pick(impl, gshape[0], gshape[1], c, q.dtype.itemsize, layout)
+    cfg = _Config(axis, c, bool(causal), window, layout, scale)
+    scheme = functools.partial(_SCHEMES[impl], cfg)
+    if manual:
+        return scheme(q, k, v, segment_ids, bias)
+    return _shard_mapped(scheme, impl, axis, q, k, v, segment_ids, bias)
+
+
+def _pick(impl, q_shape, kv_shape, c, itemsize, layout) -> str:
+    (_, t, h, _), s = q_shape, kv_shape[1]
+    if t != s:
+        raise ValueError(
+            f"{_NAME}: context parallelism splits one sequence, so q_len must equal kv_len; "
+            f"got q_len {t}, kv_len {s} over axis of size C={c}"
+        )
+    chunks = 2 * c if layout == "zigzag" else c
+    if t % chunks:
+        raise ValueError(
+            f"{_NAME}: sequence length {t} is not divisible by {chunks} "
+            f"({'2 × ' if layout == 'zigzag' else ''}C={c}, layout={layout!r}); pad it"
+        )
+    if impl == "auto":
+        impl, reason = choose_impl(q_shape, kv_shape, c, itemsize)
+        _log.info("%s: impl=%r: %s", _NAME, impl, reason)
+    if impl == "ulysses" and h % c:
+        raise ValueError(
+            f"{_NAME}: impl='ulysses' splits heads over the context axis, so heads must be "
+            f"divisible by C={c}; got heads {h}. Use impl='ring' or 'all_gather'"
+        )
+    return impl
+
+
+def _shard_mapped(scheme, impl, axis, q, k, v, segment_ids, bias):
+    """``scheme`` in a shard_map manual over ``axis`` only (other axes stay with the
+    compiler): q, k, v and segment ids split on the sequence, the bias on q_len
+    (ulysses: on heads)."""
+    seq = PartitionSpec(None, axis)
+    bias_spec = None
+    if bias is not None:
+        if impl == "ulysses":
+            bias_spec = PartitionSpec(None, axis) if bias.shape[1] > 1 else PartitionSpec()
+        else:
+            bias_spec = PartitionSpec(None, None, axis) if bias.shape[2] > 1 else PartitionSpec()
+    seg_spec = None if segment_ids is None else seq
+    return jax.shard_map(
+        scheme,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(seq, seq, seq, seg_spec, bias_spec),
+        out_specs=seq,
+        axis_names={axis},
+        check_vma=False,
+    )(q, k, v, segment_ids, bias)

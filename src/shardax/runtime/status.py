@@ -1,0 +1,197 @@
+"""Where each process is: its last completed step and its current phase, readable by all.
+
+Each process records, in this module's :data:`STATUS`, the step it runs, its last
+completed step and its phase (:data:`PHASES`: waiting for data, dispatching the step,
+waiting on the device, saving, evaluating). In a multi-process run a background thread
+publishes it, when it changes and at most every ``interval`` seconds, to JAX's
+distributed key-value store (the coordinator's, which ``sx.initialize`` starts), so a
+process stuck in Python, in I/O or in a collective still has an up-to-date entry. When
+a watchdog fires, :func:`hang_line` reads every entry and names the processes that are
+behind: those with the fewest completed steps, and among them those not waiting on the
+device (the others wait in a collective for them).
+
+>>> STATUS.set(DATA, step=3)       # or watchdog.phase(DATA)
+>>> batch = next(batches)
+>>> STATUS.set(DEVICE)
+>>> STATUS.completed(3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from typing import Any
+
+DATA = "waiting for data"
+DISPATCH = "dispatching"
+DEVICE = "waiting on device"
+SAVE = "saving"
+EVAL = "evaluating"
+PHASES = (DATA, DISPATCH, DEVICE, SAVE, EVAL)
+
+_PREFIX = "shardax/status/"
+
+
+def _client() -> Any:
+    """JAX's distributed runtime client, or None outside a multi-process run."""
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return None
+    from shardax.runtime import compat
+
+    return compat.private("distributed_state").client
+
+
+def _call(fn: Any, timeout: float) -> Any:
+    """``fn()`` in a thread, its result, or None when it raises or takes over ``timeout``
+    seconds (a coordinator that is gone must not hang the watchdog that reports it)."""
+    box: list[Any] = [None]
+
+    def target() -> None:
+        with contextlib.suppress(Exception):
+            box[0] = fn()
+
+    thread = threading.Thread(target=target, daemon=True, name="shardax-status-read")
+    thread.start()
+    thread.join(timeout)
+    return box[0]
+
+
+class RankStatus:
+    """This process's step and phase; published to the other processes when there are any."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.step: int | None = None
+        self.last_completed: int | None = None
+        self.phase: str | None = None
+        self.since = time.time()
+        self._version = 0
+        self._published = -1
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def set(self, phase: str, step: int | None = None) -> None:
+        """Enters ``phase`` (one of :data:`PHASES`), in ``step`` when given."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {list(PHASES)}, got {phase!r}")
+        if step is not None:
+            self.step = step
+        if phase != self.phase:
+            self.phase, self.since = phase, time.time()
+        self._version += 1
+        self._start()
+
+    def completed(self, step: int) -> None:
+        """Step ``step`` completed."""
+        self.last_completed = step
+        self._version += 1
+        self._start()
+
+    def record(self) -> dict[str, Any]:
+        return {"step": self.step, "completed": self.last_completed, "phase": self.phase,
+                "since": self.since}  # fmt: skip
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None and _client() is not None:
+                self._thread = threading.Thread(
+                    target=self._publish_loop, daemon=True, name="shardax-status"
+                )
+                self._thread.start()
+
+    def publish(self) -> None:
+        """Writes this process's record to the key-value store now."""
+        import jax
+
+        client = _client()
+        if client is None:
+            return
+        version = self._version
+        client.key_value_set(
+            f"{_PREFIX}{jax.process_index()}", json.dumps(self.record()), allow_overwrite=True
+        )
+        self._published = version
+
+    def _publish_loop(self) -> None:
+        while True:
+            if self._published != self._version:
+                try:
+                    self.publish()
+                except Exception:  # the coordinator is gone: nothing left to tell
+                    return
+            time.sleep(self.interval)
+
+    def gather(self, timeout: float = 5.0) -> dict[int, dict[str, Any]] | None:
+        """Every process's last published record, by rank (this one's current record
+        for itself); None outside a multi-process run or when the store does not answer."""
+        import jax
+
+        client = _client()
+        if client is None:
+            return None
+        _call(self.publish, timeout)
+        entries = _call(lambda: client.key_value_dir_get(_PREFIX), timeout)
+        if entries is None:
+            return None
+        out = {}
+        for key, value in entries:
+            with contextlib.suppress(ValueError):
+                out[int(key.rsplit("/", 1)[-1])] = json.loads(value)
+        out[jax.process_index()] = self.record()
+        return out
+
+
+def behind(records: dict[int, dict[str, Any]], processes: int) -> list[int]:
+    """The ranks the others wait for: those with no record, else those with the fewest
+    completed steps, and among them those not waiting on the device (if any are)."""
+    missing = [r for r in range(processes) if r not in records]
+    if missing:
+        return missing
+    done = {r: (rec.get("completed") if rec.get("completed") is not None else -1)
+            for r, rec in records.items()}  # fmt: skip
+    least = min(done.values())
+    slowest = [r for r in sorted(records) if done[r] == least]
+    working = [r for r in slowest if records[r].get("phase") != DEVICE]
+    return working or slowest
+
+
+def describe(rank: int, record: dict[str, Any] | None, now: float | None = None) -> str:
+    """``process 1 (step 3, last completed 2): waiting for data for 5.2 s``."""
+    if record is None:
+        return f"process {rank}: no status (it never reported, or it is gone)"
+    now = time.time() if now is None else now
+    phase = record.get("phase") or "starting"
+    for_s = f" for {now - record['since']:.1f} s" if record.get("since") else ""
+    return (
+        f"process {rank} (step {record.get('step')}, last completed {record.get('completed')}): "
+        f"{phase}{for_s}"
+    )
+
+
+def hang_line(status: RankStatus | None = None, timeout: float = 5.0) -> str | None:
+    """One line naming the processes that are behind, with their step and phase; None
+    outside a multi-process run or when the store does not answer."""
+    import jax
+
+    status = status or STATUS
+    records = status.gather(timeout)
+    if records is None:
+        return None
+    ranks = behind(records, jax.process_count())
+    now = time.time()
+    named = "; ".join(describe(r, records.get(r), now) for r in ranks)
+    others = [r for r in sorted(records) if r not in ranks]
+    rest = ""
+    if others:
+        rest = " | the others: " + "; ".join(describe(r, records[r], now) for r in others)
+    return f"shardax: hang watchdog: behind: {named}{rest}"
+
+
+STATUS = RankStatus()
+"""This process's status (one per process)."""

@@ -1,0 +1,158 @@
+"""The documentation runs: every ``python`` block of README.md and docs/, every ``>>>`` example.
+
+- Markdown: the ``python`` blocks of one page run in order in one namespace (a guide builds
+  on its earlier blocks), in this process on its 8 simulated devices, from a temporary
+  working directory. A block preceded by a ``<!-- skip -->`` line is illustration only and
+  is not run; keep those rare.
+- Docstrings: ``doctest`` over every module of ``src/shardax`` (but those of
+  :data:`DOCTEST_NOT_YET`), each module's examples in one namespace: :func:`doctest_namespace`
+  (``sx``, ``jax``, ``jnp``, ``np``, ``optax``, ``nnx``, ``P``, a ``mesh``, a small train
+  loop...) and the module's own globals, as doctest's default. An illustrative line says
+  ``# doctest: +SKIP``.
+"""
+
+import doctest
+import importlib
+import pkgutil
+import signal
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import shardax as sx
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted(
+    [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "guides").glob("*.md")]
+)
+SKIP_MARK = "<!-- skip -->"
+
+# Modules whose docstring examples are not run yet: the train step and the CLI are being
+# restructured (the lead's stream), and their examples are fixed there. Remove a module
+# from this list once its examples run.
+DOCTEST_NOT_YET = (
+    "shardax.__main__",  # runs the CLI on import
+    "shardax.cli",
+    "shardax.train.auto",
+    "shardax.train.eval",
+    "shardax.train.step",
+)
+
+
+@pytest.fixture(autouse=True)
+def _leaves_sigterm_alone():
+    """A page or example that listens for SIGTERM (``reached_preemption``) must put the
+    handler back (``with sx.watch_preemption():``), or later tests see a changed process."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    after = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, before)
+    assert after == before, "the SIGTERM handler changed: wrap the loop in sx.watch_preemption()"
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """``(line, source)`` of each ```` ```python ```` block not marked ``<!-- skip -->``."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            start, body = i + 1, []
+            i += 1
+            while lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            before = [ln for ln in lines[: start - 1] if ln.strip()]
+            if not (before and before[-1].strip() == SKIP_MARK):
+                blocks.append((start + 1, "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+def test_python_blocks_are_found():
+    text = "a\n<!-- skip -->\n```python\nskipped()\n```\n\n```python\nx = 1\n```\n"
+    assert python_blocks(text) == [(8, "x = 1\n")]
+    assert any(python_blocks(p.read_text()) for p in PAGES), "no python block in the docs"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_runs(page, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # checkpoints, run directories and the like land here
+    namespace = {"__name__": "__docs__"}
+    for line, source in python_blocks(page.read_text()):
+        name = f"{page.relative_to(ROOT)}:{line}"
+        exec(compile(source, name, "exec"), namespace)
+    capsys.readouterr()
+
+
+def modules() -> list[str]:
+    names = ["shardax"]
+    for info in pkgutil.walk_packages(sx.__path__, "shardax."):
+        if not info.name.startswith(DOCTEST_NOT_YET):
+            names.append(info.name)
+    return sorted(names)
+
+
+def doctest_namespace() -> dict:
+    """What every docstring example may use without defining it (CONTRIBUTING.md lists it).
+
+    Modules: ``sx``, ``jax``, ``jnp``, ``np``, ``optax``, ``nnx``, ``eqx``; ``P`` and
+    ``NamedSharding``; ``mesh``, all devices on ``"data"``; ``tmp_path``, the working
+    directory, empty. A small training loop: ``loss_fn(model, batch)``, an NNX ``model``
+    (4 -> 2), ``step`` (also ``train_step``) from ``sx.make_train_step``, its ``state``,
+    and ``batches``: ``sx.batches`` of ``{"x", "y"}``, 4 batches of 16 rows.
+    """
+    import equinox as eqx
+
+    mesh = sx.make_mesh({"data": -1})
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    step = sx.make_train_step(loss_fn, mesh=mesh)
+    rows = np.random.default_rng(0).normal(size=(64, 6)).astype(np.float32)
+    return {
+        "sx": sx,
+        "jax": jax,
+        "jnp": jnp,
+        "np": np,
+        "optax": optax,
+        "nnx": nnx,
+        "eqx": eqx,
+        "P": PartitionSpec,
+        "PartitionSpec": PartitionSpec,
+        "NamedSharding": NamedSharding,
+        "mesh": mesh,
+        "tmp_path": Path.cwd(),
+        "loss_fn": loss_fn,
+        "model": model,
+        "step": step,
+        "train_step": step,
+        "state": step.shard(sx.TrainState.create(model, optax.adam(1e-2))),
+        "batches": sx.batches({"x": rows[:, :4], "y": rows[:, 4:]}, 16),
+    }
+
+
+FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+@pytest.mark.parametrize("name", modules())
+def test_docstring_examples_run(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    tests = [t for t in finder.find(module, name) if t.examples]
+    if not tests:
+        pytest.skip("no examples")
+    # The shared namespace, then the module's globals (doctest's own default).
+    globs, failures = {**doctest_namespace(), **vars(module)}, []
+    runner = doctest.DocTestRunner(optionflags=FLAGS)
+    for test in sorted(tests, key=lambda t: t.lineno or 0):
+        test.globs = globs  # one namespace per module, as a page of the docs
+        runner.run(test, out=failures.append, clear_globs=False)
+    assert not failures, "".join(failures)
