@@ -596,6 +596,7 @@ def _counts():
         ("pipeline repeats", lambda v: sx.pipeline(layer, stacked, x, microbatches=2, repeats=v)),
         ("pipeline_1f1b microbatches", lambda v: sx.pipeline_1f1b(layer, stacked, x, head, {}, x, microbatches=v)),
         ("bubble microbatches", lambda v: sx.parallel.bubble(2, v)),
+        ("moe top_k", lambda v: sx.moe(x, jnp.ones((4, 2)), layer, {"w": jnp.ones((2, 4, 4))}, top_k=v)),
         ("GPTConfig layers", lambda v: GPTConfig(**{**tiny, "layers": v})),
         ("GPTConfig heads", lambda v: GPTConfig(**{**tiny, "heads": v})),
         ("GPTConfig pipeline_microbatches", lambda v: GPTConfig(**tiny, pipeline_microbatches=v)),
