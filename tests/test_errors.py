@@ -28,11 +28,6 @@ from shardax.runtime.distributed import resolve_coordinates
 from shardax.runtime.rendezvous import roll_call
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": 8})
-
-
 def _pytree_state():
     return sx.TrainState.from_params(
         {"w": jnp.zeros((4, 2))}, lambda p, x: x @ p["w"], optax.sgd(0.1)

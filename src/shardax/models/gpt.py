@@ -31,7 +31,7 @@ moe/down              (L/n, E, 4·d_model, d_model) ("layers", "expert", "mlp", 
 With ``GPTConfig(experts=E, moe_every=n)`` every n-th block is an MoE block, stacked in
 ``moe_blocks`` (the ``moe/`` rows above), the other blocks in ``blocks``. Its MLP is E
 experts of the MLP's shape through ``sx.moe``, split over the mesh's ``"expert"`` axis
-by :func:`plan`. ``model(tokens, return_aux=True)`` also returns their ``sx.MoEAux``.
+by :func:`plan`. ``model(tokens, return_aux=True)`` also returns their ``sx.parallel.MoEAux``.
 
 :data:`AXIS_RULES` maps them onto a mesh for each plan. Tensor parallelism is Megatron's:
 q/k/v and ``mlp/up`` split their output columns (``heads``, ``mlp``) over ``model``;
@@ -421,7 +421,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, return_aux: bool = False) -> Any:
         """Logits ``(batch, seq, vocab)``; with ``return_aux``, ``(logits, aux)`` where
-        ``aux`` is the MoE blocks' ``sx.MoEAux`` (None without experts): add
+        ``aux`` is the MoE blocks' ``sx.parallel.MoEAux`` (None without experts): add
         ``α · aux.balance_loss`` to the loss."""
         seq = tokens.shape[-1]
         if seq > self.cfg.max_seq_len:

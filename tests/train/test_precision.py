@@ -11,11 +11,6 @@ import shardax as sx
 from shardax.train.precision import LossScaleState, adjust_loss_scale, resolve
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
 def recording(tx, seen):
     """``tx``, recording the dtypes of the gradients it is given (at trace time)."""
 
