@@ -792,3 +792,16 @@ def test_cli_batch_that_does_not_divide_is_a_usage_error():
         match=r"--batch-size 128 is not divisible by the 2 data devices × --accumulate 3 = 6; use a multiple of 6, e.g. 126",
     ):
         check_batch_divides(128, 2, 3)
+
+
+def test_an_eval_step_with_another_plan_than_the_state_names_the_plan(mesh):
+    state = sx.TrainState.from_params(
+        {"w": jnp.zeros((64, 64))}, lambda p, x: x @ p["w"], optax.sgd(0.1)
+    )
+    loss = lambda model, batch: jnp.mean(model(batch["x"]) ** 2)  # noqa: E731
+    state = sx.make_train_step(loss, mesh=mesh, plan=sx.fsdp(mesh, min_size=1)).shard(state)
+    evaluate = sx.make_eval_step(loss, mesh=mesh)
+    with pytest.raises(
+        ValueError, match=r"EvalStep: the state is not placed as this step's plan 'replicate'"
+    ):
+        evaluate(state, {"x": np.ones((16, 64), np.float32)})

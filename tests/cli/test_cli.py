@@ -169,6 +169,14 @@ def test_help_is_clear(command, capsys):
             "plan 'tp' needs a mesh with a 'model' axis",
         ),
         (["train", "--mode", "single", "--plan", "fsdp"], "--mode single runs on one device"),
+        (
+            ["train", "--accumulate", "3"],
+            "--batch-size 128 is not divisible by the 8 data devices × --accumulate 3 = 24",
+        ),
+        (
+            ["train", "--model", "gpt", "--accumulate", "3"],
+            "--batch-size 16 is not divisible by the 8 data devices",
+        ),
         (["train", "--mode", "pmap", "--plan", "fsdp"], "supports only a replicating plan"),
         (["train", "--resume"], "--resume needs --checkpoint-dir"),
         (["plan"], "--params is required (or --measure to compile the built-in model)"),

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardax.cli.common import UsageError
+from shardax.cli.common import UsageError, check_batch_divides
 from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS, STAGE_AXIS
 
 MakeJob = Callable[[argparse.Namespace, Any], "Job"]
@@ -86,6 +86,7 @@ def check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
     and the ways out (a resumed run keeps its batch size, so only the mesh can change)."""
     data_size, batch = mesh.shape[DATA_AXIS], args.batch_size
     if batch % data_size == 0:
+        check_batch_divides(batch, data_size, args.accumulate)  # and the microbatches
         return
     fits = [d for d in range(mesh.size, 0, -1) if batch % d == 0 and mesh.size % d == 0]
     meshes = ", ".join(

@@ -523,7 +523,19 @@ class Program:
 
     def _call_cached(self, state: TrainState, batch: Any):
         entry = self._lookup(state)
-        out = entry.fn(state, batch)
+        try:
+            out = entry.fn(state, batch)
+        except ValueError as e:
+            if "Sharding passed to jit does not match" not in str(e):
+                raise
+            # A state placed by another plan (e.g. an eval step built with a plan other
+            # than the train step's): name both, not jit's sharding dump.
+            raise ValueError(
+                f"{type(self).__name__}: the state is not placed as this step's plan "
+                f"{self.plan_name!r} places it (it was placed by another plan or step); build "
+                "this step with the same mesh and plan as the step that placed the state, or "
+                "place it with this step's shard(state)"
+            ) from e
         # The state the next call most likely gets: the new one, or (an eval step, which
         # returns only the metrics) the same one.
         entry.last = weakref.ref(out[0] if self.returns_state else state)
