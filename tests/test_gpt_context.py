@@ -5,6 +5,7 @@ losses of ``data=8`` for the same model and batches."""
 import functools
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,8 +23,8 @@ def _run(*argv: str, root: str) -> dict:
     name = "-".join(a.strip("-").replace("=", "").replace(",", "") for a in argv) or "base"
     run_dir = f"{root}/{name}"
     assert cli(["train", "--json", *TINY, *argv, "--log-every", "1", "--run-dir", run_dir]) == 0
-    summary = json.loads(open(f"{run_dir}/summary.json").read())
-    summary["metrics.jsonl"] = open(f"{run_dir}/metrics.jsonl").read()
+    summary = json.loads(Path(run_dir, "summary.json").read_text())
+    summary["metrics.jsonl"] = Path(run_dir, "metrics.jsonl").read_text()
     return summary
 
 
