@@ -51,3 +51,30 @@ def launched_train(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path,
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     return proc, run, train
+
+
+# --- shared meshes ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    """All 8 simulated devices on one ``data`` axis."""
+    import shardax as sx
+
+    return sx.make_mesh({"data": -1})
+
+
+@pytest.fixture(scope="session")
+def mesh_2d():
+    """``data=4, model=2``: data parallelism with 2-way tensor parallelism."""
+    import shardax as sx
+
+    return sx.make_mesh({"data": 4, "model": 2})
+
+
+@pytest.fixture(scope="session")
+def stage_mesh():
+    """``data=2, stage=4``: the pipeline tests' mesh."""
+    import shardax as sx
+
+    return sx.make_mesh({"data": 2, "stage": 4})

@@ -38,10 +38,6 @@ SKIP_MARK = "<!-- skip -->"
 # from this list once its examples run.
 DOCTEST_NOT_YET = (
     "shardax.__main__",  # runs the CLI on import
-    "shardax.cli",
-    "shardax.train.auto",
-    "shardax.train.eval",
-    "shardax.train.step",
 )
 
 

@@ -23,13 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from shardax.cli.main import main as cli_main
+from shardax.cost.memory import estimate
 from shardax.runtime.distributed import resolve_coordinates
 from shardax.runtime.rendezvous import roll_call
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": 8})
 
 
 def _pytree_state():
@@ -131,7 +127,7 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh()).shard({"w": np.ones(8)}), TypeError, "the train step takes a sx.TrainState"),
         (lambda: sx.batches({"x": np.ones(4)}, 2, shuffle="yes"), TypeError, "batches: shuffle must be True or False, got 'yes'"),
         (lambda: sx.save_checkpoint(None, {"w": np.ones(2)}, step=0), TypeError, "directory must be a path (str or os.PathLike), got None"),
-        (lambda: sx.cost.validate_batch_size(True), ValueError, "batch_size must be an integer, got True (a bool)"),
+        (lambda: sx.cost.validate_batch_size(True), ValueError, "batch_size must be an integer >= 1, got True (a bool)"),
     ],
 )  # fmt: skip
 def test_wrong_types_name_what_came(call, error, message):
@@ -499,7 +495,12 @@ IN_PROCESS_CASES = {
         ["train", "--checkpoint-dir", "{file}/ck"],
         "--checkpoint-dir {file}/ck: cannot create it",
     ),
-}
+    # second sweep
+    "plan --params inf": (["plan", "--params", "inf"], "--params: expected a finite parameter count >= 1"),
+    "plan --device-memory nan": (["plan", "--params", "7e9", "--device-memory", "nan"], "--device-memory: expected a finite GiB > 0"),
+    "train --step-timeout inf": (["train", "--step-timeout", "inf"], "--step-timeout: expected a finite number > 0, got 'inf'"),
+    "launch --grace inf": (["launch", "-n", "1", "--grace", "inf", "--", "true"], "--grace: expected a finite number >= 0"),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -558,3 +559,236 @@ def test_cli_bad_options_are_one_line_and_exit_2(capsys, paths, name):
         code = e.code
     assert code == 2
     _one_error_line(capsys.readouterr().err, message.format(**paths))
+
+
+# --- second sweep: every count through checks.py ---------------------------------------
+
+
+def _counts():
+    """``(name, call(value))`` for the public doors that take a count: each must take a
+    NumPy integer as a Python one and refuse a bool with the one wording."""
+    from shardax.models.gpt import GPTConfig, make_gpt
+
+    tiny = {"layers": 1, "d_model": 8, "heads": 2, "max_seq_len": 8, "vocab": 16}
+    stacked, x = {"w": jnp.ones((2, 4, 4))}, jnp.ones((4, 4))
+
+    def head(p, h, y):
+        return jnp.mean((h - y) ** 2)
+
+    def layer(p, h):
+        return h @ p["w"]
+
+    return [
+        ("make_mesh size", lambda v: sx.make_mesh({"data": v * 4 if v is not True else v})),
+        ("batches batch_size", lambda v: sx.batches({"x": np.ones((8, 2))}, v)),
+        ("batches seed", lambda v: sx.batches({"x": np.ones((8, 2))}, 2, seed=v)),
+        ("batches num_epochs", lambda v: sx.batches({"x": np.ones((8, 2))}, 2, num_epochs=v)),
+        ("make_train_step accumulate", lambda v: sx.make_train_step(_loss, mesh=sx.make_mesh(), accumulate=v)),
+        ("fsdp min_size", lambda v: sx.fsdp(sx.make_mesh(), min_size=v)),
+        ("zero1 min_size", lambda v: sx.zero1(sx.make_mesh(), min_size=v)),
+        ("prefetch buffer_size", lambda v: sx.prefetch_to_device([], buffer_size=v)),
+        ("pipeline microbatches", lambda v: sx.pipeline(layer, stacked, x, microbatches=v)),
+        ("pipeline repeats", lambda v: sx.pipeline(layer, stacked, x, microbatches=2, repeats=v)),
+        ("pipeline_1f1b microbatches", lambda v: sx.pipeline_1f1b(layer, stacked, x, head, {}, x, microbatches=v)),
+        ("bubble microbatches", lambda v: sx.parallel.bubble(2, v)),
+        ("moe top_k", lambda v: sx.moe(x, jnp.ones((4, 2)), layer, {"w": jnp.ones((2, 4, 4))}, top_k=v)),
+        ("GPTConfig layers", lambda v: GPTConfig(**{**tiny, "layers": v})),
+        ("GPTConfig heads", lambda v: GPTConfig(**{**tiny, "heads": v})),
+        ("GPTConfig pipeline_microbatches", lambda v: GPTConfig(**tiny, pipeline_microbatches=v)),
+        ("make_gpt seed", lambda v: make_gpt(GPTConfig(**tiny), seed=v)),
+        ("LossScaling period", lambda v: sx.train.LossScaling(period=v)),
+        ("StepWatchdog timeout", lambda v: sx.StepWatchdog(v).close()),
+        ("StepWatchdog exit_code", lambda v: sx.StepWatchdog(5, exit_code=v).close()),
+        ("AutoPlanOptions min_size", lambda v: sx.AutoPlanOptions(min_size=v)),
+        ("AutoPlanOptions device_memory", lambda v: sx.AutoPlanOptions(device_memory=v)),
+        ("StepClock examples_per_step", lambda v: sx.track.StepClock(v)),
+        ("profile_steps start", lambda v: sx.track.profile_steps(_loss, "/tmp/sx-unused-profile", v, 3)),
+        ("CheckpointManager max_to_keep", lambda v: sx.CheckpointManager("/tmp/sx-unused-ckpt", max_to_keep=v).close()),
+        ("validate_batch_size", lambda v: sx.cost.validate_batch_size(v, sx.HardwareType.H100)),
+        ("cost.estimate data", lambda v: estimate(1e9, data=v)),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,call", _counts(), ids=[n for n, _ in _counts()])
+def test_numpy_integers_pass_and_bools_are_refused(name, call):
+    call(np.int64(2))
+    with pytest.raises(
+        ValueError, match=r"must be an? (integer|finite number).*, got True \(a bool\)"
+    ):
+        call(True)
+
+
+# --- second sweep: stage-2 features answer as clearly as the rest -----------------------
+
+
+def _layer(p, h):
+    return jnp.tanh(h @ p["w"])
+
+
+def _head(p, h, y):
+    return jnp.mean((h - y) ** 2)
+
+
+STACKED, X16 = {"w": jnp.ones((4, 8, 8))}, jnp.ones((16, 8))
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        # pipelines: inputs checked against each other, shapes named
+        (lambda: sx.pipeline(lambda p, h: h[:, :4], STACKED, X16, microbatches=4), ValueError, "sx.pipeline: layer_fn must return h with the structure, shape and dtype of its input (each layer's output is the next one's input); for h float32[16, 8] it returned float32[16, 4]"),
+        (lambda: sx.pipeline(lambda p, h: h.astype(jnp.bfloat16), STACKED, X16, microbatches=4), ValueError, "it returned bfloat16[16, 8]"),
+        (lambda: sx.pipeline("notfn", STACKED, X16, microbatches=4), TypeError, "sx.pipeline: layer_fn must be a function layer_fn(layer_params, h) -> h, got 'notfn'"),
+        (lambda: sx.pipeline_1f1b(_layer, STACKED, X16, lambda p, h, y: (h - y) ** 2, {}, X16, microbatches=4), ValueError, "sx.pipeline_1f1b: loss_fn(loss_params, h, targets) must return a scalar"),
+        (lambda: sx.pipeline_1f1b(_layer, STACKED, X16, _head, {}, jnp.ones((4, 8)), microbatches=4), ValueError, "sx.pipeline_1f1b: targets have 4 rows but x has 16"),
+        (lambda: sx.pipeline_1f1b(_layer, STACKED, X16, _head, {}, X16, microbatches=3), ValueError, "the batch of x (16 rows) is not divisible by microbatches=3"),
+        # precision, the watchdog, the GPT
+        (lambda: sx.train.LossScaling(initial="big"), ValueError, "LossScaling: initial must be a finite number > 0, got 'big'"),
+        (lambda: sx.train.LossScaling(initial=float("inf")), ValueError, "LossScaling: initial must be a finite number > 0, got inf"),
+        (lambda: sx.train.LossScaling(initial=0.5), ValueError, "LossScaling: initial must be >= minimum, got initial=0.5 and minimum=1"),
+        (lambda: sx.StepWatchdog(1, exit_code="x"), ValueError, "StepWatchdog: exit_code must be an integer in 0..255, got 'x'"),
+        (lambda: sx.StepWatchdog(1, exit_code=300), ValueError, "exit_code must be an integer in 0..255, got 300"),
+        (lambda: sx.models.gpt.GPTConfig(scan_layers="yes"), TypeError, "GPTConfig.scan_layers must be True or False, got 'yes'"),
+        # auto_plan and its options
+        (lambda: sx.auto_plan(sx.make_mesh(), _pytree_state(), device_memory="80GB"), ValueError, "auto_plan: device_memory must be a finite number > 0, got '80GB' (bytes per device"),
+        (lambda: sx.auto_plan(sx.make_mesh(), _pytree_state(), candidates={"mine": "fsdpp"}), ValueError, "auto_plan: candidates['mine'] must be one of the known plans ['replicate', 'zero1', 'zero2', 'fsdp']"),
+        (lambda: sx.auto_plan(sx.make_mesh(), _pytree_state(), candidates={"mine": 7}), TypeError, "auto_plan: candidates['mine'] must be a known plan's name"),
+        (lambda: sx.auto_plan(sx.make_mesh(), _pytree_state(), candidates={"mine": sx.fsdp(sx.make_mesh({"data": 4}))}), ValueError, "is over mesh {'data': 4}, not auto_plan's mesh {'data': 8}"),
+        (lambda: sx.auto_plan(sx.make_mesh(), _pytree_state(), tp_rules="w"), TypeError, "auto_plan: tp_rules (or a Plan, or None) must be a list of (regex, PartitionSpec) pairs, got 'w'"),
+        (lambda: sx.AutoPlanOptions(tp_rules=[("w", "model")]), ValueError, "AutoPlanOptions: tp_rules (or a Plan, or None): rules[0] ('w'): the spec must be a jax.sharding.PartitionSpec"),
+        (lambda: sx.AutoPlanOptions(stage_axis=3), TypeError, "AutoPlanOptions: stage_axis must be a mesh axis name, got 3"),
+        # plans, remat, masks, metrics
+        (lambda: sx.shard(_pytree_state(), sx.zero1(sx.make_mesh(), params="model")), ValueError, "params='model' selects a partial that is not a subtree of arrays of the tree"),
+        (lambda: sx.zero1(sx.make_mesh(), params=3), TypeError, "zero1: params must be a '/'-joined path such as 'params' or a function, got 3"),
+        (lambda: sx.rules(sx.make_mesh(), "w"), TypeError, "rules: rule_list must be a list of (regex, PartitionSpec) pairs, got 'w'"),
+        (lambda: sx.remat("notfn", policy="none"), TypeError, "remat: block must be a function, an NNX module or an Equinox module, got 'notfn'"),
+        (lambda: sx.masked_mean([1.0, 3.0], mask=[0.5, 0.5]), TypeError, "masked_mean: mask must be boolean (True for the real entries), got dtype float32"),
+        (lambda: (s := sx.make_train_step(_loss, mesh=sx.make_mesh()))(s.shard(_pytree_state()), {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32), "mask": [True] * 8}), ValueError, "got a list of shape (8,) (pass np.asarray(...) of it)"),
+        (lambda: (s := sx.make_train_step(lambda m, b: (_loss(m, b), {"tag": "x"}), mesh=sx.make_mesh()))(s.shard(_pytree_state()), {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32)}), TypeError, "loss_fn's aux['tag'] must be a number or a numeric array, got str 'x'"),
+        # data and the seed's hardware table
+        (lambda: sx.batches({"x": np.ones((16, 2))}, 4).set_state({}), ValueError, "batches.set_state: state must hold 'epoch' and 'index'"),
+        (lambda: sx.batches({"x": np.ones((16, 2))}, 4).set_state({"epoch": "0", "index": 0}), ValueError, "state['epoch'] must be an integer >= 0, got '0'"),
+        (lambda: sx.cost.validate_batch_size(-5, "h100"), ValueError, "validate_batch_size: batch_size must be an integer >= 1, got -5"),
+        # tracking
+        (lambda: sx.MetricWriter("/tmp/sx-unused-run", config={"mesh": sx.make_mesh()}), TypeError, "MetricWriter: config['mesh'] must be a plain value the sinks can record"),
+        (lambda: sx.MetricWriter("/tmp/sx-unused-run", backends="wandb"), TypeError, "MetricWriter: backends must be a list of names such as ['wandb']"),
+        (lambda: estimate("7e9"), ValueError, "num_params must be a finite number > 0, got '7e9'"),
+    ],
+)  # fmt: skip
+def test_second_sweep_errors_name_argument_rule_and_value(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+def test_metric_values_are_checked_when_written(tmp_path):
+    with sx.MetricWriter(tmp_path) as writer:
+        with pytest.raises(TypeError, match=r"metric 'loss' must be one number .*got 'abc'"):
+            writer.write(1, {"loss": "abc"})
+        with pytest.raises(TypeError, match=r"array of dtype float32 with shape \(3,\)"):
+            writer.write(1, {"loss": jnp.ones(3)})
+        writer.write(np.int64(2), {"a": np.float32(1), "b": jnp.ones(()), "c": np.ones(1)})
+    assert '"step": 2' in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_profile_steps_under_a_file_is_refused_when_built(paths):
+    with pytest.raises(OSError, match=r"profile_steps: directory .*is not writable"):
+        sx.track.profile_steps(_loss, paths["file"] + "/profile", 1, 2)
+
+
+def test_masked_mean_takes_lists_and_an_all_false_mask_is_zero():
+    assert float(sx.masked_mean([1.0, 3.0], [True, False])) == 1.0
+    assert float(sx.masked_mean([1.0, 3.0], [False, False])) == 0.0
+
+
+def test_a_rule_that_matches_nothing_warns_through_specs_too():
+    plan = sx.rules(sx.make_mesh({"data": 4, "model": 2}), [("wieght", P("data"))])
+    with pytest.warns(UserWarning, match=r"rules\[0\] \('wieght'"):
+        plan.specs({"weight": np.ones((8, 2))})
+
+
+# --- second sweep: checkpoints lose no step without a word -------------------------------
+
+
+def test_one_shot_save_deletes_no_step_it_did_not_write(tmp_path):
+    state = {"w": jnp.ones(2)}
+    with sx.CheckpointManager(tmp_path, max_to_keep=None) as manager:
+        for k in (1, 2, 3, 4):
+            manager.save(k, state)
+    sx.save_checkpoint(tmp_path, state, step=5)
+    assert sx.CheckpointManager(tmp_path).all_steps() == [1, 2, 3, 4, 5]
+
+
+def test_an_older_step_under_max_to_keep_keeps_what_was_there(tmp_path):
+    state = {"w": jnp.ones(2)}
+    with sx.CheckpointManager(tmp_path, max_to_keep=2) as manager:
+        manager.save(5, state)
+        manager.save(6, state)
+        with pytest.raises(
+            ValueError,
+            match=r"step 1 is lower than the 2 steps kept .*\[5, 6\].*Nothing was written",
+        ):
+            manager.save(1, state)
+        assert manager.all_steps() == [5, 6]
+        manager.save(7, state)  # the normal rotation: the lowest goes
+        assert manager.all_steps() == [6, 7]
+    with sx.CheckpointManager(tmp_path, max_to_keep=3) as manager:
+        manager.save(2, state)  # among the 3 highest: kept, nothing newer lost
+        assert manager.all_steps() == [2, 6, 7]
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda d: sx.CheckpointManager(""), ValueError, "CheckpointManager: directory must be a non-empty path, got ''"),
+        (lambda d: sx.restore_checkpoint("  ", like={"w": jnp.ones(2)}), ValueError, "must be a non-empty path"),
+        (lambda d: sx.save_checkpoint(d, {"w": jnp.ones(2)}, step=1, overwrite="no"), TypeError, "checkpoint save: overwrite must be True or False, got 'no'"),
+    ],
+)  # fmt: skip
+def test_checkpoint_paths_and_flags(tmp_path, call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call(tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+# --- second sweep: the watchdog ends the process even when its report fails -------------
+
+
+@pytest.mark.timeout(60)
+def test_a_watchdog_whose_report_fails_still_ends_the_process():
+    code = (
+        "import io, time\n"
+        "from shardax.runtime.watchdog import StepWatchdog\n"
+        "out = io.StringIO(); out.close()\n"  # writing the report raises
+        "StepWatchdog(0.5, exit_code=7, file=out).arm(3)\n"
+        "time.sleep(20); print('still running')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 7 and "still running" not in proc.stdout, proc
+    assert "step 3 did not complete within 0.5 s; reporting it failed" in proc.stderr
+
+
+# --- second sweep: the CLI --------------------------------------------------------------
+
+
+def test_cli_warnings_are_one_line(capsys):
+    from shardax.cli.main import one_line_warnings
+
+    with one_line_warnings("shardax train"):
+        warnings.simplefilter("always")
+        list(sx.batches({"x": np.ones((10, 2))}, 64, policy="pad"))
+    err = capsys.readouterr().err
+    assert err == (
+        "shardax train: warning: batches: batch_size 64 is larger than the 10 examples: "
+        "every batch is 84.4% padding\n"
+    )
+
+
+def test_cli_batch_that_does_not_divide_is_a_usage_error():
+    from shardax.cli.common import UsageError, check_batch_divides
+
+    check_batch_divides(128, 2, 4)
+    with pytest.raises(
+        UsageError,
+        match=r"--batch-size 128 is not divisible by the 2 data devices × --accumulate 3 = 6; use a multiple of 6, e.g. 126",
+    ):
+        check_batch_divides(128, 2, 3)

@@ -1,4 +1,4 @@
-"""One of 2 processes saving and restoring a checkpoint together (tests/test_checkpoint.py)."""
+"""One of 2 processes saving and restoring a checkpoint together (checkpoint/test_checkpoint.py)."""
 
 import json
 import sys

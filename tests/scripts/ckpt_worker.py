@@ -1,4 +1,4 @@
-"""Subprocess worker for tests/test_checkpoint.py: train and save, resume, restore, save in a loop.
+"""Subprocess worker for checkpoint/test_checkpoint.py: train and save, resume, restore, save.
 
 Training uses the real stack: an NNX model with dropout, ``TrainState``, ``make_train_step``
 (fsdp plan), ``sx.batches`` and ``sx.prefetch_to_device``; the checkpoint holds the state and

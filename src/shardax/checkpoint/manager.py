@@ -2,9 +2,9 @@
 
 Saves are atomic (orbax writes to a temporary directory and renames it on commit;
 leftovers of an interrupted save are cleaned up), overwrites too (saved aside, swapped in
-by renames), the last ``max_to_keep`` steps are
-kept, and a restore places every array on the sharding of ``like``, whatever sharding
-it was saved with.
+by renames). A :class:`CheckpointManager` keeps the ``max_to_keep`` highest steps; the
+one-shot :func:`save_checkpoint` deletes none unless asked. A restore places every array
+on the sharding of ``like``, whatever sharding it was saved with.
 
 With ``async_save=True`` a save blocks only while the arrays are copied to host memory;
 orbax writes them in a background thread and commits the step (the rename) when they
@@ -39,7 +39,7 @@ from shardax.checkpoint.convert import (
     with_other_leaves,
 )
 from shardax.checkpoint.preemption import preemption_requested, reached_preemption
-from shardax.checks import as_count, expect_type
+from shardax.checks import as_bool, as_count, expect_type
 from shardax.runtime import compat
 
 
@@ -78,25 +78,23 @@ class CheckpointManager:
         async_save: bool = False,
     ) -> None:
         ocp = _ocp()
-        expect_type(
-            "CheckpointManager: directory",
-            directory,
-            str | os.PathLike,
-            "a path (str or os.PathLike)",
-        )
+        self.directory = check_directory("CheckpointManager: directory", directory)
         if max_to_keep is not None:
             max_to_keep = as_count(
                 "CheckpointManager: max_to_keep (or None to keep all)", max_to_keep
             )
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.max_to_keep = max_to_keep
         if not create and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"no checkpoint directory {self.directory}")
         self._stray: set[str] = set()
+        self._displaced: list[int] = []
         self.async_save = bool(async_save)
         swap.recover(self.directory)  # an overwrite interrupted by a crash
+        # Old steps are deleted here (save), not by orbax, which deletes in the order of
+        # its saves and so would drop a newer step to keep an older one just saved.
         self._manager = _orbax_manager(
             self.directory,
-            max_to_keep,
+            None,
             create=create,
             step_name_format=_CheckpointSteps(ocp.step.standard_name_format(), self._warn_stray),
             async_save=self.async_save,
@@ -114,8 +112,16 @@ class CheckpointManager:
             )
 
     def wait(self) -> None:
-        """Returns once the save in flight (``async_save=True``) is committed."""
+        """Returns once the save in flight (``async_save=True``) is committed, and the
+        steps it displaced under ``max_to_keep`` are deleted."""
         self._manager.wait_until_finished()
+        displaced, self._displaced = self._displaced, []
+        if displaced:
+            self._manager.reload()
+            committed = set(self._manager.all_steps())
+            for step in displaced:
+                if step in committed:
+                    self._manager.delete(step)
 
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first; interrupted saves are not among them (a
@@ -140,9 +146,15 @@ class CheckpointManager:
         With ``async_save=True`` it returns once the arrays are copied to the host (the
         state may then be donated or changed) and commits in the background, except
         after a preemption notice, when it returns only once the step is committed.
+
+        With ``max_to_keep``, the steps kept are the ``max_to_keep`` highest: once the
+        save is committed the lower ones are deleted. A step lower than all of those (it
+        would be deleted at once, or cost a newer one) raises ``ValueError`` and writes
+        nothing.
         """
         ocp = _ocp()
         step = as_count("checkpoint step", step, minimum=0)
+        overwrite = as_bool("checkpoint save: overwrite", overwrite)
         check_json("data_state", data_state)
         leaves = other_leaves(state)
         check_json("state: leaf", leaves)
@@ -152,16 +164,30 @@ class CheckpointManager:
                 f"checkpoint: state has no array or number leaf to save, got {state!r:.80}; "
                 "plain values go in data_state"
             )
-        exists = step in self.all_steps()
+        steps = self.all_steps()
+        exists = step in steps
         if exists and not overwrite:
             raise FileExistsError(
                 f"checkpoint step {step} already exists in {self.directory}; pass "
                 "overwrite=True to replace it"
             )
+        keep = sorted({*steps, step})
+        if self.max_to_keep is not None:
+            keep = keep[-self.max_to_keep :]
+        if step not in keep:
+            raise ValueError(
+                f"checkpoint step {step} is lower than the {self.max_to_keep} steps kept in "
+                f"{self.directory} ({steps[-self.max_to_keep :]}, max_to_keep="
+                f"{self.max_to_keep}): it would be deleted at once, or cost a newer step. "
+                f"Save a step above {steps[-self.max_to_keep]}, or use max_to_keep=None. "
+                "Nothing was written"
+            )
         items = {"state": ocp.args.StandardSave(arrays)}
         items["data"] = ocp.args.JsonSave({"data_state": data_state, "leaves": leaves})
         args = ocp.args.Composite(**items)
         if not exists:
+            # The steps it displaces go once it is committed (see wait), never before.
+            self._displaced = [old for old in steps if old not in keep]
             self._manager.save(step, args=args, force=True)
             if not self.async_save or preemption_requested():
                 self.wait()
@@ -226,6 +252,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for the save in flight and releases the manager."""
+        self.wait()
         self._manager.close()
 
     def __enter__(self) -> CheckpointManager:
@@ -233,6 +260,18 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_directory(name: str, directory: Any) -> str:
+    """``directory`` as an absolute path; ``TypeError`` for a non-path and ``ValueError``
+    for an empty one (which would mean the working directory)."""
+    expect_type(name, directory, str | os.PathLike, "a path (str or os.PathLike)")
+    text = os.fspath(directory)
+    if not str(text).strip():
+        raise ValueError(
+            f"{name} must be a non-empty path, got {text!r} (use '.' for the working directory)"
+        )
+    return os.path.abspath(text)
 
 
 def _orbax_manager(
@@ -376,11 +415,12 @@ def save_checkpoint(
     *,
     step: int,
     data_state: Any = None,
-    max_to_keep: int | None = 3,
+    max_to_keep: int | None = None,
     overwrite: bool = False,
 ) -> None:
     """Saves ``state`` and ``data_state`` as ``step`` in ``directory``; see
-    :class:`CheckpointManager`."""
+    :class:`CheckpointManager`. It deletes no step unless ``max_to_keep`` asks it to
+    (keeping that many of the highest steps, as :meth:`CheckpointManager.save`)."""
     with CheckpointManager(directory, max_to_keep) as manager:
         manager.save(step, state, data_state, overwrite=overwrite)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -35,22 +36,31 @@ def positive_int(text: str) -> int:
 
 
 def float_type(expected: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
-    """An argparse type: a float for which ``ok`` holds, else "expected <expected>"."""
+    """An argparse type: a finite float for which ``ok`` holds, else "expected
+    <expected>" (``inf`` and ``nan`` are never a size, a rate or a number of seconds)."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = float("nan")
-        if not ok(value):
+        if not (math.isfinite(value) and ok(value)):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
 
     return parse
 
 
-positive_float = float_type("a number > 0", lambda v: v > 0)
-nonneg_float = float_type("a number >= 0", lambda v: v >= 0)
+positive_float = float_type("a finite number > 0", lambda v: v > 0)
+nonneg_float = float_type("a finite number >= 0", lambda v: v >= 0)
+
+
+def warning(message: str, prefix: str = "shardax", file: Any = None) -> None:
+    """``message`` as one ``<prefix>: warning: ...`` line on stderr (a command's warnings,
+    without Python's file name and source line)."""
+    out = file or sys.stderr
+    out.write(f"{prefix}: warning: {' '.join(str(message).splitlines())}\n")
+    out.flush()
 
 
 def nonneg_int(text: str) -> int:
@@ -75,6 +85,19 @@ def tcp_port(text: str) -> int:
             f"expected a port in 1..65535 (0 = a free one), got {text!r}"
         )
     return value
+
+
+def check_batch_divides(batch_size: int, data_devices: int, accumulate: int = 1) -> None:
+    """Raises :class:`UsageError` unless ``--batch-size`` splits evenly over the data
+    devices and ``--accumulate`` microbatches: found after parsing, once the mesh is
+    known, and answered like a bad option (one line, exit 2)."""
+    divisor = data_devices * accumulate
+    if batch_size % divisor:
+        fit = (batch_size // divisor or 1) * divisor
+        raise UsageError(
+            f"--batch-size {batch_size} is not divisible by the {data_devices} data devices × "
+            f"--accumulate {accumulate} = {divisor}; use a multiple of {divisor}, e.g. {fit}"
+        )
 
 
 def env_int(name: str, parse: Callable[[str], int], default: int) -> int:

@@ -9,12 +9,14 @@ A command module with ``STARTS_JAX = False`` (launch) gets neither.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 from shardax.checkpoint.preemption import Preempted
-from shardax.cli.common import UsageError, check_output_dirs, env_int, positive_int
+from shardax.cli.common import UsageError, check_output_dirs, env_int, positive_int, warning
 from shardax.runtime.distributed import ENV_CPU_DEVICES
 from shardax.train.guard import NonFiniteLossError
 
@@ -85,6 +87,24 @@ def set_cpu_devices(n: int) -> None:
         raise UsageError(str(e)) from None
 
 
+@contextlib.contextmanager
+def one_line_warnings(prefix: str) -> Iterator[None]:
+    """``UserWarning``s (shardax's advice, e.g. a batch larger than the data) as one
+    ``<prefix>: warning: <message>`` line on stderr, without Python's file name and
+    source line; other categories (deprecations) as Python shows them."""
+    with warnings.catch_warnings():
+        default = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, UserWarning):
+                warning(str(message), prefix, file)
+            else:
+                default(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``shardax COMMAND [OPTIONS]`` and returns its exit code."""
     args = build_parser().parse_args(argv)
@@ -95,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.cpu_devices is None:
                 args.cpu_devices = env_int(ENV_CPU_DEVICES, positive_int, DEFAULT_CPU_DEVICES)
             set_cpu_devices(args.cpu_devices)
-        return int(module.run(args) or 0)
+        with one_line_warnings(f"shardax {args.command}"):
+            return int(module.run(args) or 0)
     except UsageError as e:
         sys.stderr.write(f"shardax {args.command}: error: {e}\n")
         return 2

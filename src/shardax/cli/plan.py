@@ -22,8 +22,8 @@ from shardax.cli.common import (
 GIB = 1024**3
 
 
-_params = float_type("a parameter count such as 7e9", lambda v: v >= 1)
-_gib = float_type("GiB > 0 such as 80", lambda v: v > 0)
+_params = float_type("a finite parameter count >= 1 such as 7e9", lambda v: v >= 1)
+_gib = float_type("a finite GiB > 0 such as 80", lambda v: v > 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

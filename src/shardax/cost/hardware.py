@@ -169,7 +169,7 @@ def validate_batch_size(
     >>> validate_batch_size(64, HardwareType.H100)[0]
     True
     """
-    batch_size = as_count("validate_batch_size: batch_size", batch_size, minimum=None)
+    batch_size = as_count("validate_batch_size: batch_size", batch_size)
     hw = detect_hardware_type() if hardware_type is None else HardwareType(hardware_type)
     rec = get_batch_size_recommendation(hw)
     where = f"for {hw.value}"

@@ -50,7 +50,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from shardax.checks import as_count
+from shardax.checks import as_bool, as_count, as_float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +171,12 @@ def estimate(
     >>> estimate(1e9, "fp32", data=8, zero=1).total_bytes / 1e9  # 4 + 4 + 8 / 8
     9.0
     """
-    if not num_params > 0:
-        raise ValueError(f"num_params must be > 0, got {num_params!r}")
+    num_params = as_float("num_params", num_params, above=0)
     data, model, stage = (
         as_count(n, v) for n, v in (("data", data), ("model", model), ("stage", stage))
     )
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
+    zero = as_count("zero (a ZeRO stage)", zero, minimum=0, maximum=3)
+    shard_data = as_bool("shard_data", shard_data)
     p = state_bytes(precision)
     zero = 3 if shard_data else zero
 

@@ -154,13 +154,21 @@ class Batches(Iterator[Any]):
     def set_state(self, state: dict[str, int]) -> None:
         """Moves to ``state`` (from :meth:`get_state`, on any number of processes)."""
         mine = self.get_state()
+        expect_type("batches.set_state: state", state, dict, "a dict from get_state()")
+        missing = [key for key in ("epoch", "index") if key not in state]
+        if missing:
+            raise ValueError(
+                f"batches.set_state: state must hold 'epoch' and 'index' (as get_state() "
+                f"gives, e.g. {mine}); {', '.join(map(repr, missing))} missing from {state!r:.80}"
+            )
         for key in ("seed", "batch_size", "num_examples"):
             if key in state and int(state[key]) != mine[key]:
                 raise ValueError(
                     f"batches.set_state: the state was saved with {key}={state[key]}, but this "
                     f"loader has {key}={mine[key]}; the position would not mean the same batch"
                 )
-        epoch, index = int(state["epoch"]), int(state["index"])
+        epoch = as_count("batches.set_state: state['epoch']", state["epoch"], minimum=0)
+        index = as_count("batches.set_state: state['index']", state["index"], minimum=0)
         if epoch < 0 or not 0 <= index < self.steps_per_epoch:
             raise ValueError(
                 f"batches.set_state: epoch must be >= 0 and index in [0, {self.steps_per_epoch}),"

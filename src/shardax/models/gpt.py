@@ -71,6 +71,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardax.checks import as_bool, as_count, expect_type
+
 VOCAB = 256
 """Byte-level: one token per byte value."""
 
@@ -164,10 +166,9 @@ class GPTConfig:
         names += ("pipeline_repeats",)
         if self.pipeline_microbatches is not None:
             names += ("pipeline_microbatches",)
-        for name in names:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in names:  # NumPy integers pass, stored as Python ints
+            object.__setattr__(self, name, as_count(f"GPTConfig.{name}", getattr(self, name)))
+        object.__setattr__(self, "scan_layers", as_bool("GPTConfig.scan_layers", self.scan_layers))
         if self.d_model % self.heads:
             raise ValueError(
                 f"GPTConfig: heads={self.heads} must divide d_model={self.d_model} "
@@ -573,6 +574,8 @@ def split_batch(x: jax.Array) -> jax.Array:
 def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:
     """A :class:`GPT` initialised from ``seed``, its annotations kept as logical names
     (no eager sharding: plans place it, see :func:`plan`)."""
+    expect_type("make_gpt: cfg", cfg, GPTConfig, "a GPTConfig")
+    seed = as_count("make_gpt: seed", seed, minimum=0)
     with nnx.use_eager_sharding(False):
         return GPT(cfg, nnx.Rngs(seed), remat=remat)
 

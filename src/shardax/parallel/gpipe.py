@@ -28,49 +28,75 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
+from shardax.checks import as_count, as_function
 from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
 
 H = TypeVar("H")
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"sx.pipeline: {name} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def num_layers(stacked_params: Any) -> int:
+def num_layers(stacked_params: Any, what: str = "sx.pipeline") -> int:
     """The common leading size L of every array leaf of ``stacked_params``."""
     leaves = jax.tree_util.tree_leaves_with_path(stacked_params)
     if not leaves:
-        raise ValueError("sx.pipeline: stacked_params has no array leaves")
+        raise ValueError(f"{what}: stacked_params has no array leaves")
     sizes: dict[int, str] = {}
     for path, leaf in leaves:
         shape = jnp.shape(leaf)
         where = jax.tree_util.keystr(path) or "<root>"
         if not shape:
             raise ValueError(
-                f"sx.pipeline: every leaf of stacked_params needs a leading layer "
+                f"{what}: every leaf of stacked_params needs a leading layer "
                 f"dimension; leaf {where} is a scalar"
             )
         sizes.setdefault(shape[0], where)
     if len(sizes) > 1:
         got = ", ".join(f"{where}: {size}" for size, where in sizes.items())
         raise ValueError(
-            "sx.pipeline: the leaves of stacked_params must all have the same leading "
+            f"{what}: the leaves of stacked_params must all have the same leading "
             f"(layer) size, got {got}"
         )
     return next(iter(sizes))
 
 
-def _batch_size(x: Any) -> int:
-    sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(x)}
+def batch_size(x: Any, what: str = "sx.pipeline", name: str = "x") -> int:
+    """The common leading (batch) size of every leaf of ``x``; raises naming the shapes."""
+    shapes = [jnp.shape(leaf) for leaf in jax.tree.leaves(x)]
+    sizes = {shape[0] if shape else None for shape in shapes}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(
-            "sx.pipeline: every leaf of x needs the same leading (batch) size, got "
-            f"{[jnp.shape(leaf) for leaf in jax.tree.leaves(x)]}"
+            f"{what}: every leaf of {name} needs the same leading (batch) size, got "
+            f"{shapes or 'no leaves'}"
         )
     return sizes.pop()
+
+
+def shapes_text(tree: Any) -> str:
+    """``tree``'s leaves as ``f32[8,16]``, in a tree of the same structure."""
+    described = jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}", tree)
+    return str(described).replace("'", "")
+
+
+def check_layer_fn(layer_fn: Any, stacked_params: Any, x: Any, what: str = "sx.pipeline") -> None:
+    """Raises unless ``layer_fn(one layer's params, x)`` returns ``x``'s structure, shapes
+    and dtypes: the layers are applied in turn, so each one's output is the next's input.
+    Traced abstractly (``jax.eval_shape``): nothing runs."""
+    as_function(f"{what}: layer_fn", layer_fn, "a function layer_fn(layer_params, h) -> h")
+    # One layer's params as abstract values: no slicing of a leaf placed over the stages.
+    one = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), stacked_params
+    )
+    out = jax.eval_shape(layer_fn, one, x)
+    given = jax.eval_shape(lambda h: h, x)
+    same = jax.tree.structure(out) == jax.tree.structure(given) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(given), strict=True)
+    )
+    if not same:
+        raise ValueError(
+            f"{what}: layer_fn must return h with the structure, shape and dtype of its "
+            f"input (each layer's output is the next one's input); for h {shapes_text(given)} "
+            f"it returned {shapes_text(out)}"
+        )
 
 
 def _batch_axes(mesh: Any, axis: str) -> tuple[str, ...]:
@@ -85,6 +111,9 @@ def scan_layers(layer_fn: Callable[[Any, H], H], stacked_params: Any, x: H) -> H
 
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The idle fraction of the schedule, ``(S - 1) / (repeats * M + S - 1)``."""
+    stages = as_count("bubble: stages", stages)
+    microbatches = as_count("bubble: microbatches", microbatches)
+    repeats = as_count("bubble: repeats", repeats)
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
@@ -123,10 +152,12 @@ def pipeline(
     ``ppermute``; the stage output is broadcast to every stage with a ``psum``.
 
     Raises ValueError when L is not divisible by S·repeats, the per-shard batch not by
-    ``microbatches``, ``microbatches < S``, the stacked leaves' leading sizes differ, or
-    a non-default ``axis`` is not in the mesh.
+    ``microbatches``, ``microbatches < S``, the stacked leaves' leading sizes differ,
+    ``layer_fn``'s output differs from its input in structure, shape or dtype, or a
+    non-default ``axis`` is not in the mesh.
     """
     where = stage_mesh(stacked_params, x, microbatches, axis, repeats)
+    check_layer_fn(layer_fn, stacked_params, x)
     if where is None:
         return scan_layers(layer_fn, stacked_params, x)
     return _pipelined(layer_fn, stacked_params, x, microbatches, repeats, *where)
@@ -145,9 +176,9 @@ def stage_mesh(
 
     Checks every rule of :func:`pipeline`, raising ValueError naming the sizes.
     """
-    microbatches = _positive_int("microbatches", microbatches)
-    repeats = _positive_int("repeats", repeats)
-    layers = num_layers(stacked_params)
+    microbatches = as_count(f"{what}: microbatches", microbatches)
+    repeats = as_count(f"{what}: repeats", repeats)
+    layers = num_layers(stacked_params, what)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
@@ -176,7 +207,7 @@ def stage_mesh(
             f"{what}: microbatches={microbatches} is less than the number of stages "
             f"S={stages} (mesh axis {axis!r}); pass microbatches >= {stages}"
         )
-    batch = _batch_size(x)
+    batch = batch_size(x, what)
     batch_axes = _batch_axes(mesh, axis)
     shards = 1
     for a in batch_axes:

@@ -31,6 +31,8 @@ from typing import Any
 
 import jax
 
+from shardax.checks import received
+
 POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
 OFFLOAD = {"offload_dots_no_batch"}
 
@@ -98,6 +100,11 @@ def remat(block: Any, policy: str | Callable[..., Any] = "full", prevent_cse: bo
     (2, 3)
     """
     fn_policy = checkpoint_policy(policy)
+    if not callable(block):
+        raise TypeError(
+            f"remat: block must be a function, an NNX module or an Equinox module, got "
+            f"{received(block)}"
+        )
     if policy == "none":
         return block
     from flax import nnx
@@ -113,9 +120,4 @@ def remat(block: Any, policy: str | Callable[..., Any] = "full", prevent_cse: bo
         eqx = None
     if eqx is not None and isinstance(block, eqx.Module):
         return eqx.filter_checkpoint(block, policy=fn_policy, prevent_cse=prevent_cse)
-    if not callable(block):
-        raise TypeError(
-            f"remat: block must be a function, an NNX module or an Equinox module, got "
-            f"{type(block).__name__}"
-        )
     return jax.checkpoint(block, policy=fn_policy, prevent_cse=prevent_cse)

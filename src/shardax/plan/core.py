@@ -86,7 +86,9 @@ class Plan:
         return map_arrays(one, tree), errors
 
     def specs(self, tree: Any) -> Any:
-        """The ``PartitionSpec`` of every array leaf; raises ``ValueError`` listing all errors."""
+        """The ``PartitionSpec`` of every array leaf; raises ``ValueError`` listing all errors.
+        Rules that match no leaf are warned about, once per plan (see :meth:`notes`)."""
+        self._warn_unmatched(tree)
         specs, errors = self.resolve(tree)
         if errors:
             raise ValueError(
@@ -97,7 +99,6 @@ class Plan:
     def __call__(self, tree: Any) -> Any:
         """The ``NamedSharding`` of every array leaf; other leaves pass through. Rules
         that match no leaf are warned about, once per plan (see :meth:`notes`)."""
-        self._warn_unmatched(tree)
         return jax.tree.map(
             lambda s: NamedSharding(self.mesh, s) if isinstance(s, PartitionSpec) else s,
             self.specs(tree),

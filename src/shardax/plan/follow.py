@@ -45,7 +45,24 @@ def select(tree: Any, where: ParamsSelector) -> Any:
                 f"params={where!r}: no {part!r} in the {type(node).__name__} of the tree; pass "
                 "the path of the params subtree (e.g. 'params' or 'model') or a function"
             )
+    # An attribute that is no child of the tree (a property such as TrainState.model)
+    # would hand the plan something it cannot place: its leaves must be the tree's own.
+    own = {id(x) for x in jax.tree.leaves(tree)}
+    leaves = jax.tree.leaves(node)
+    if not leaves or not all(id(x) in own for x in leaves):
+        raise ValueError(
+            f"params={where!r} selects a {type(node).__name__} that is not a subtree of "
+            f"arrays of the tree (a computed attribute, or an empty one); pass the path of "
+            f"the params subtree, e.g. 'params'"
+        )
     return node
+
+
+def check_selector(name: str, params: Any) -> ParamsSelector:
+    """``params`` if it is a "/"-joined path or a function, else ``TypeError``."""
+    if isinstance(params, str) or callable(params):
+        return params
+    return expect_type(name, params, str, "a '/'-joined path such as 'params' or a function")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +158,7 @@ def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:
     its own path.
     """
     expect_type("follow_params: plan", plan, Plan, "a shardax Plan such as sx.fsdp(mesh)")
+    check_selector("follow_params: params", params)
     return FollowParams(
         plan.mesh,
         plan.spec_fn,

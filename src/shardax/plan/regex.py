@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
-from shardax.checks import check_mesh
+from shardax.checks import check_mesh, received
 from shardax.plan.core import Leaves, Plan
 
 Rule = tuple[str, PartitionSpec]
@@ -40,6 +41,19 @@ def _compile(rule_list: Sequence[Rule]) -> list[tuple[re.Pattern[str], Partition
     return compiled
 
 
+def check_rules(name: str, rule_list: Any) -> list[tuple[re.Pattern[str], PartitionSpec]]:
+    """``rule_list`` compiled: a list of ``(regex, PartitionSpec)`` pairs, else an error
+    naming ``name``, the rule at fault and what it is."""
+    if isinstance(rule_list, str | bytes) or not isinstance(rule_list, Sequence):
+        raise TypeError(
+            f"{name} must be a list of (regex, PartitionSpec) pairs, got {received(rule_list)}"
+        )
+    try:
+        return _compile(rule_list)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from e
+
+
 def rules(
     mesh: Mesh,
     rule_list: Sequence[Rule],
@@ -55,7 +69,7 @@ def rules(
     leaf is an error, never skipped. Rank-0 leaves are always replicated.
     """
     check_mesh("rules: mesh", mesh)
-    compiled = _compile(rule_list)
+    compiled = check_rules("rules: rule_list", rule_list)
     if isinstance(default, Plan) and default.mesh != mesh:
         raise ValueError(f"default plan {default.name!r} is on another mesh than the rules")
     if default is not None and not isinstance(default, PartitionSpec | Plan):

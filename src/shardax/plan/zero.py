@@ -22,12 +22,13 @@ from jax.sharding import Mesh
 
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, AxisNames, fsdp, replicate
-from shardax.plan.follow import FollowParams, ParamsSelector
+from shardax.plan.follow import FollowParams, ParamsSelector, check_selector
 
 
 def _zero(
     stage: int, mesh: Mesh, axis: AxisNames, min_size: int, params: ParamsSelector
 ) -> FollowParams:
+    check_selector(f"zero{stage}: params", params)
     base, mirror = replicate(mesh), fsdp(mesh, axis, min_size)
     return FollowParams(
         mesh,

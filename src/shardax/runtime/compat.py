@@ -21,7 +21,7 @@ Each has no public equivalent in the supported versions:
   not follow from its inputs' types on a mesh with Explicit axes. shardax adds a note
   to it saying what to change; JAX raises it, so it can only be caught by its class.
 
-``tests/test_compat.py`` checks each against the installed JAX and fails naming the
+``tests/runtime/test_compat.py`` checks each against the installed JAX and fails naming the
 JAX version when one moves.
 
 >>> from shardax.runtime import compat
@@ -91,7 +91,7 @@ def orbax_await_tmp_cleanup(manager: Any) -> None:
 
 def missing() -> list[str]:
     """The errors of every private API that the installed JAX or orbax-checkpoint lacks
-    (empty when all are there); ``tests/test_compat.py`` asserts it is empty."""
+    (empty when all are there); ``tests/runtime/test_compat.py`` asserts it is empty."""
     import orbax.checkpoint as ocp
 
     errors = []

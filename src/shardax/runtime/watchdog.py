@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import math
 import os
 import sys
 import threading
@@ -44,6 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO
 
+from shardax.checks import as_count, as_float
 from shardax.runtime import status
 
 WATCHDOG_EXIT_CODE = 124
@@ -72,11 +72,9 @@ class StepWatchdog:
         file: IO[str] | None = None,
         on_fire: Callable[[int | None], None] | None = None,
     ) -> None:
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise TypeError(f"StepWatchdog: timeout must be a number of seconds, got {timeout!r}")
-        if not math.isfinite(timeout) or timeout <= 0:
-            raise ValueError(f"StepWatchdog: timeout must be a number > 0 seconds, got {timeout}")
-        self.timeout, self.exit_code, self._file = float(timeout), exit_code, file
+        self.timeout = as_float("StepWatchdog: timeout (seconds)", timeout, above=0)
+        self.exit_code = as_count("StepWatchdog: exit_code", exit_code, minimum=0, maximum=255)
+        self._file = file
         self.on_fire = on_fire
         self._cond = threading.Condition()
         self._step: int | None = None
@@ -149,23 +147,53 @@ class StepWatchdog:
                 self._cond.wait(left)
 
     def _fire(self, step: int | None) -> None:
-        out = self._file or sys.stderr
-        sys.stdout.flush()
-        line = status.hang_line()
-        if line:
-            out.write(line + "\n")
-        out.flush()
-        faulthandler.dump_traceback(file=out, all_threads=True)
-        out.write(
-            f"shardax: hang watchdog: {self._where}step {step} did not complete within "
-            f"{self.timeout:g} s (--step-timeout); stacks of every thread above; exiting with "
-            f"code {self.exit_code}\n"
-        )
-        out.flush()
+        """Reports the hang and ends the process. Whatever fails on the way (a closed
+        ``file``, an unusable exit code), the process still ends: the failure is written
+        to the process's own stderr and the exit code falls back to
+        :data:`WATCHDOG_EXIT_CODE`."""
+        code = self.exit_code
+        try:
+            out = self._file or sys.stderr
+            _flush(sys.stdout)
+            line = status.hang_line()
+            if line:
+                out.write(line + "\n")
+            out.flush()
+            faulthandler.dump_traceback(file=out, all_threads=True)
+            out.write(
+                f"shardax: hang watchdog: {self._where}step {step} did not complete within "
+                f"{self.timeout:g} s (--step-timeout); stacks of every thread above; exiting "
+                f"with code {code}\n"
+            )
+            out.flush()
+        except BaseException as e:  # the report failed: say so where it can still be seen
+            _last_words(
+                f"shardax: hang watchdog: {self._where}step {step} did not complete within "
+                f"{self.timeout:g} s; reporting it failed ({e!r}); exiting with code {code}"
+            )
         if self.on_fire is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(BaseException):  # the process ends whatever it does
                 self.on_fire(step)
-        os._exit(self.exit_code)
+        try:
+            os._exit(code)
+        except BaseException as e:
+            _last_words(
+                f"shardax: hang watchdog: exit code {code!r} failed ({e!r}); exiting with "
+                f"code {WATCHDOG_EXIT_CODE}"
+            )
+            os._exit(WATCHDOG_EXIT_CODE)
+
+
+def _flush(stream: IO[str] | None) -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # closed or broken
+        stream.flush()  # type: ignore[union-attr]
+
+
+def _last_words(line: str) -> None:
+    """``line`` on the process's original stderr (file descriptor 2), whatever
+    ``sys.stderr`` has become; never raises."""
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode())
 
 
 def _process_label() -> str:

@@ -23,6 +23,8 @@ import dataclasses
 import time
 from typing import Any
 
+from shardax.checks import as_count
+
 INPUT_BOUND = 0.2
 """Data-wait fraction above which a run is called input-bound."""
 
@@ -83,7 +85,8 @@ class StepClock:
                 f"input must count its wait_seconds (sx.prefetch_to_device(...) or "
                 f"sx.data.timed(iterable)), got {type(input).__name__}"
             )
-        self.examples_per_step, self.tokens_per_step = examples_per_step, tokens_per_step
+        self.examples_per_step = as_count("StepClock: examples_per_step", examples_per_step)
+        self.tokens_per_step = as_count("StepClock: tokens_per_step", tokens_per_step, minimum=0)
         self._input = input
         self._said = False
         self.start()
@@ -99,7 +102,7 @@ class StepClock:
 
     def tick(self, steps: int = 1) -> None:
         """Marks the end of ``steps`` more steps."""
-        self._steps += steps
+        self._steps += as_count("StepClock.tick: steps", steps, minimum=0)
         self._now = time.perf_counter()
 
     def _window(self, since: tuple[float, float, int]) -> Window:

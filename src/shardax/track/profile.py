@@ -25,6 +25,9 @@ from typing import Any
 
 import jax
 
+from shardax.checks import as_count, as_function, expect_type
+from shardax.track.sinks import check_writable
+
 
 def parse_steps(text: str) -> tuple[int, int]:
     """``"A:B"`` -> ``(A, B)`` with ``1 <= A <= B``; else a ``ValueError`` saying so."""
@@ -45,15 +48,17 @@ class StepProfiler:
     def __init__(
         self, fn: Callable[..., Any], directory: str | os.PathLike[str], start: int, stop: int
     ) -> None:
-        if not callable(fn):
-            raise TypeError(f"profile_steps: fn must be callable, got {fn!r}")
-        for name, value in (("start", start), ("stop", stop)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"profile_steps: {name} must be an integer >= 1, got {value!r}")
+        as_function("profile_steps: fn", fn, "callable (e.g. a train step)")
+        expect_type("profile_steps: directory", directory, str | os.PathLike, "a path")
+        start = as_count("profile_steps: start", start)
+        stop = as_count("profile_steps: stop", stop)
         if stop < start:
             raise ValueError(f"profile_steps: stop must be >= start, got {start}:{stop}")
         self.fn, self.start, self.stop = fn, start, stop
-        self.directory = Path(directory) / f"process_{jax.process_index()}"
+        # Created and checked now, not at step ``start`` after hours of training.
+        self.directory = check_writable(
+            Path(directory) / f"process_{jax.process_index()}", "profile_steps: directory"
+        )
         self.calls = 0
         self.trace_dir: Path | None = None
         self._tracing = False

@@ -16,6 +16,8 @@ nothing and ``write`` returns at once, so the same loop runs on every host.
 
 from __future__ import annotations
 
+import json
+import numbers
 import os
 import queue
 import threading
@@ -27,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardax.checks import as_count, expect_type, received
 from shardax.track.sinks import BACKENDS, JsonlSink, Sink, check_writable, make_sink
 
 _STOP = object()
@@ -43,13 +46,52 @@ def _work(q: queue.Queue, sinks: list[Sink], errors: list[BaseException]) -> Non
                 continue  # keep draining, so nothing waits on a failed worker
             step, scalars, wall_time = item
             fetched = jax.device_get(scalars)
-            values = {k: float(np.asarray(fetched[k])) for k in scalars}  # in the given order
+            # In the given order; an array of one element counts as its element.
+            values = {k: float(np.asarray(fetched[k]).reshape(())) for k in scalars}
             for sink in sinks:
                 sink.write(step, values, wall_time)
         except BaseException as e:  # re-raised by the next write(), flush() or close()
             errors.append(e)
         finally:
             q.task_done()
+
+
+def check_scalar(name: Any, value: Any) -> None:
+    """Raises ``TypeError`` unless ``name`` is a string and ``value`` one number: a Python
+    or NumPy number, or an array (NumPy or JAX, possibly still being computed) of one
+    numeric element. Checked on the caller's thread, never waiting for the value."""
+    expect_type("MetricWriter.write: each metric name", name, str, "a string such as 'train/loss'")
+    dtype, size = getattr(value, "dtype", None), getattr(value, "size", None)
+    if isinstance(value, numbers.Real) and not isinstance(value, str):
+        return
+    numeric = dtype is not None and (np.issubdtype(dtype, np.number) or dtype == np.bool_)
+    if numeric and size == 1:
+        return
+    shape = f" with shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+    kind = received(value) if dtype is None else f"an array of dtype {dtype}{shape}"
+    raise TypeError(
+        f"MetricWriter.write: metric {name!r} must be one number (a Python or NumPy number, "
+        f"or an array of one numeric element), got {kind}"
+    )
+
+
+def check_config(config: Any) -> dict[str, Any]:
+    """``config`` as a dict, each value checked to be JSON (what every sink records):
+    else ``TypeError`` naming the key, so a bad value fails when the writer is built."""
+    if config is None:
+        return {}
+    expect_type("MetricWriter: config", config, Mapping, "a dict {name: plain value}")
+    for key, value in config.items():
+        expect_type("MetricWriter: each config key", key, str, "a string")
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"MetricWriter: config[{key!r}] must be a plain value the sinks can record "
+                f"(a string, number, bool, None, or a list or dict of them), got "
+                f"{received(value)}; pass str(...) of it ({e})"
+            ) from None
+    return dict(config)
 
 
 class MetricWriter:
@@ -78,7 +120,13 @@ class MetricWriter:
         backends: Iterable[str] | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
+        if isinstance(backends, str):
+            raise TypeError(
+                f"MetricWriter: backends must be a list of names such as [{backends!r}], got "
+                f"the string {backends!r}"
+            )
         names = list(backends) if backends is not None else (["tensorboard"] if log_dir else [])
+        config = check_config(config)
         for name in names:
             if name not in BACKENDS:
                 raise ValueError(f"backends: each must be one of {list(BACKENDS)}, got {name!r}")
@@ -97,7 +145,7 @@ class MetricWriter:
         try:
             self._sinks.append(JsonlSink(self.path))
             for name in dict.fromkeys(names):
-                self._sinks.append(make_sink(name, where, dict(config or {})))
+                self._sinks.append(make_sink(name, where, config))
         except BaseException:
             for sink in self._sinks:
                 sink.close()
@@ -121,8 +169,12 @@ class MetricWriter:
             return
         if self._closed:
             raise ValueError("MetricWriter.write: the writer is closed")
+        step = as_count("MetricWriter.write: step", step, minimum=0)
+        expect_type("MetricWriter.write: scalars", scalars, Mapping, "a dict {name: number}")
+        for name, value in scalars.items():
+            check_scalar(name, value)
         self._raise()
-        self._queue.put((int(step), dict(scalars), time.time()))
+        self._queue.put((step, dict(scalars), time.time()))
 
     def flush(self) -> None:
         """Waits until everything queued so far is written (the sinks may buffer)."""

@@ -16,11 +16,13 @@ reason says so.
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": 8})
+>>> apply = lambda params, x: x @ params["w"]
 >>> init = lambda: sx.TrainState.from_params({"w": jnp.zeros((1024, 64))}, apply, optax.adam(1e-3))
->>> report = sx.auto_plan(mesh, init, loss_fn=loss_fn, batch={"x": jnp.zeros((64, 1024))})
->>> report.plan.name, [c.name for c in report.candidates]
-('replicate', ['replicate', 'zero1', 'zero2', 'fsdp'])
->>> print(report)  # a table: bytes per device, collective bytes, fits; and the reason
+>>> mse = lambda model, batch: jnp.mean(model(batch["x"]) ** 2)
+>>> report = sx.auto_plan(mesh, init, loss_fn=mse, batch={"x": jnp.zeros((64, 1024))})
+>>> [c.name for c in report.candidates]
+['replicate', 'zero1', 'zero2', 'fsdp']
+>>> print(report)  # bytes per device, collective bytes, fits, the reason  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardax.checks import as_count, as_float, as_function, check_mesh, expect_type
 from shardax.cost.hlo import collectives
 from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over, replicate
 from shardax.plan.follow import FollowParams, follow_params
-from shardax.plan.regex import Rule, rules
+from shardax.plan.regex import Rule, check_rules, rules
 from shardax.plan.report import format_bytes
 from shardax.plan.tree import is_array, map_arrays
 from shardax.plan.zero import zero1, zero2
@@ -55,8 +58,11 @@ class AutoPlanOptions:
     options for the plan the first ``step(state, batch)`` picks (``plan="auto"`` is
     ``sx.AutoPlanOptions()``).
 
+    >>> stages = sx.make_mesh({"data": 2, "stage": 4})
     >>> auto = sx.AutoPlanOptions(pipeline_rules=[(r"blocks", P("stage"))])
-    >>> step = sx.make_train_step(loss_fn, mesh=mesh, plan=auto)
+    >>> step = sx.make_train_step(loss_fn, mesh=stages, plan=auto)
+    >>> step.plan is None  # picked on the first step(state, batch)
+    True
     """
 
     device_memory: float | None = None
@@ -65,10 +71,79 @@ class AutoPlanOptions:
     pipeline_rules: Rules = None
     stage_axis: str = STAGE_AXIS
 
+    def __post_init__(self) -> None:
+        checked = check_options(
+            "AutoPlanOptions", self.device_memory, self.min_size, self.tp_rules,
+            self.pipeline_rules, self.stage_axis,
+        )  # fmt: skip
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
     def check(self, mesh: Mesh) -> None:
         """Raises ValueError when ``mesh`` cannot hold the candidates these options ask
         for (``pipeline_rules`` without ``stage_axis``), before anything compiles."""
+        check_mesh("AutoPlanOptions: mesh", mesh)
         check_stage_axis(mesh, self.pipeline_rules, self.stage_axis)
+
+
+def check_options(
+    what: str,
+    device_memory: Any,
+    min_size: Any,
+    tp_rules: Any,
+    pipeline_rules: Any,
+    stage_axis: Any,
+) -> dict[str, Any]:
+    """The options of :func:`auto_plan` checked, NumPy numbers as Python ones; errors name
+    ``what``, the option, the rule and the value received."""
+    if device_memory is not None:
+        try:
+            device_memory = as_float(f"{what}: device_memory", device_memory, above=0)
+        except ValueError as e:
+            raise ValueError(f"{e} (bytes per device, e.g. 80 * 2**30, or None)") from None
+    for name, given in (("tp_rules", tp_rules), ("pipeline_rules", pipeline_rules)):
+        if given is not None and not isinstance(given, Plan):
+            check_rules(f"{what}: {name} (or a Plan, or None)", given)
+    return {
+        "device_memory": device_memory,
+        "min_size": as_count(f"{what}: min_size", min_size, minimum=0),
+        "stage_axis": expect_type(f"{what}: stage_axis", stage_axis, str, "a mesh axis name"),
+    }
+
+
+def check_candidates(
+    mesh: Mesh, candidates: Any, known: dict[str, FollowParams]
+) -> dict[str, FollowParams]:
+    """``candidates`` as plans the step can use: each value the name of one of the
+    ``known`` plans (renamed to its key) or a shardax Plan over ``mesh`` (the optimizer
+    state made to follow the params, as ``make_train_step`` does)."""
+    expect_type("auto_plan: candidates", candidates, Mapping, "a dict {name: plan} or None")
+    if not candidates:
+        raise ValueError("auto_plan: candidates is empty; pass None for the default plans")
+    plans: dict[str, FollowParams] = {}
+    for name, plan in candidates.items():
+        expect_type("auto_plan: each candidates key", name, str, "a name (str)")
+        where = f"auto_plan: candidates[{name!r}]"
+        if isinstance(plan, str):
+            if plan not in known:
+                raise ValueError(
+                    f"{where} must be one of the known plans {list(known)} or a shardax Plan "
+                    f"such as sx.fsdp(mesh), got {plan!r}"
+                )
+            plan = dataclasses.replace(known[plan], name=name)
+        elif isinstance(plan, Plan):
+            if plan.mesh != mesh:
+                raise ValueError(
+                    f"{where}: plan {plan.name!r} is over mesh {dict(plan.mesh.shape)}, not "
+                    f"auto_plan's mesh {dict(mesh.shape)}; build both from the same mesh"
+                )
+            plan = plan if isinstance(plan, FollowParams) else follow_params(plan)
+        else:
+            expect_type(
+                where, plan, Plan, f"a known plan's name ({', '.join(known)}) or a shardax Plan"
+            )
+        plans[name] = plan
+    return plans
 
 
 def check_stage_axis(mesh: Mesh, pipeline_rules: Rules, stage_axis: str) -> None:
@@ -330,6 +405,14 @@ def auto_plan(
             ``pipeline_rules`` are given for a mesh without ``stage_axis`` (or split
             nothing over it).
     """
+    check_mesh("auto_plan: mesh", mesh)
+    options = check_options(
+        "auto_plan", device_memory, min_size, tp_rules, pipeline_rules, stage_axis
+    )
+    device_memory, min_size = options["device_memory"], options["min_size"]
+    accumulate = as_count("auto_plan: accumulate", accumulate)
+    if loss_fn is not None:
+        as_function("auto_plan: loss_fn", loss_fn, "a function loss_fn(model, batch) or None")
     if (loss_fn is None) != (batch is None):
         raise ValueError(
             "auto_plan: pass loss_fn and batch together (to compile the whole step) or "
@@ -350,11 +433,8 @@ def auto_plan(
                 f"auto_plan: batch must hold arrays or ShapeDtypeStructs, got {batch!r}"
             )
     budget = default_device_memory(mesh.devices.flat[0]) if device_memory is None else device_memory
-    plans = (
-        dict(candidates)
-        if candidates
-        else candidate_plans(mesh, axis, min_size, tp_rules, pipeline_rules, stage_axis)
-    )
+    known = candidate_plans(mesh, axis, min_size, tp_rules, pipeline_rules, stage_axis)
+    plans = known if candidates is None else check_candidates(mesh, candidates, known)
     split = {name: _split_axes(plan, state) for name, plan in plans.items()}
     if pipeline_rules and not candidates and stage_axis not in split["pipeline"]:
         raise ValueError(

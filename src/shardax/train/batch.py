@@ -58,11 +58,17 @@ def _check_mask(batch: dict, size: int) -> None:
     shape = tuple(np.shape(mask))
     others = [shape for _, shape in check_batch_leaves({**batch, MASK_KEY: None}, "the step")]
     leads = len(shape) == 1 or any(other[: len(shape)] == shape for other in others)
-    if np.dtype(mask.dtype) != np.bool_ or not shape or shape[0] != size or not leads:
+    dtype = getattr(mask, "dtype", None)
+    got = (
+        f"dtype {dtype} and shape {shape}"
+        if dtype is not None
+        else f"a {type(mask).__name__} of shape {shape} (pass np.asarray(...) of it)"
+    )
+    if dtype is None or np.dtype(dtype) != np.bool_ or not shape or shape[0] != size or not leads:
         raise ValueError(
             f"batch[{MASK_KEY!r}] must be a boolean array whose shape leads the batch's: "
             f"(batch,) = ({size},), True for real examples, or (batch, seq) leading the shape "
-            f"of another leaf, True for real tokens; got dtype {mask.dtype} and shape {shape} "
+            f"of another leaf, True for real tokens; got {got} "
             f"(leaf shapes: {shapes_text(check_batch_leaves(batch, 'the train step'))})"
         )
 

@@ -91,6 +91,7 @@ def loss_and_aux(out: Any) -> tuple[jax.Array, Any]:
 def as_metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
     """``{"loss": loss, **aux}`` for a dict ``aux``, else ``{"loss": loss, "aux": aux}``;
     refuses names the step reports itself."""
+    check_metric_values(aux, "loss_fn's aux")
     if isinstance(aux, dict):
         if "loss" in aux:
             raise ValueError("loss_fn's aux metrics must not have a 'loss' entry; it is the loss")
@@ -102,6 +103,34 @@ def as_metrics(loss: jax.Array, aux: Any) -> dict[str, Any]:
             )
         return {"loss": loss, **aux}
     return {"loss": loss, "aux": aux}
+
+
+def _numeric(leaf: Any) -> bool:
+    if isinstance(leaf, bool | int | float | complex | np.number):
+        return True
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not hasattr(leaf, "shape"):
+        return False
+    return bool(
+        jnp.issubdtype(dtype, jnp.number)
+        or jnp.issubdtype(dtype, jnp.bool_)
+        or jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    )
+
+
+def check_metric_values(tree: Any, what: str) -> None:
+    """Raises ``TypeError`` naming the first leaf of ``tree`` (metrics, aux) that is not
+    a number or a numeric array: a string, an object, an array of strings. The step
+    returns its metrics from a compiled program, which holds numbers only."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not _numeric(leaf):
+            where = jax.tree_util.keystr(path) if path else ""
+            got = (
+                f"an array of dtype {leaf.dtype}"
+                if hasattr(leaf, "dtype")
+                else f"{type(leaf).__name__} {leaf!r:.60}"
+            )
+            raise TypeError(f"{what}{where} must be a number or a numeric array, got {got}")
 
 
 def check_mapped_aux(aux: Any, mode: str) -> None:
@@ -131,4 +160,5 @@ def metric_dict(out: Any) -> dict[str, Any]:
                 f"metric {name!r} must be a number or an array, got "
                 f"{type(value).__name__} {value!r}"
             )
+        check_metric_values(value, f"metric {name!r}")
     return jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.result_type(float)), metrics)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from jax.sharding import Mesh
 
+from shardax.checks import as_bool
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan
 from shardax.train.auto import AutoPlanOptions, AutoStep
@@ -103,6 +104,7 @@ def make_train_step(
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode, plus ``stats``.
     """
+    donate = as_bool("make_train_step: donate", donate)
     kw = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
           "data_axis": data_axis, "precision": precision, "stats": stats,
           "stats_every": stats_every}  # fmt: skip

@@ -31,12 +31,24 @@ def batch_mask(batch: Any) -> jax.Array | None:
 def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Mean of ``values`` over the entries where ``mask`` is True.
 
-    ``mask`` covers the leading axes of ``values``: ``(batch,)`` for examples,
-    ``(batch, seq)`` for tokens. Trailing axes are averaged too. With no real entry the
-    result is 0, not NaN. ``mask=None`` is the plain mean.
+    ``mask`` is boolean (as the batch's ``"mask"`` leaf the train step weights shards
+    by) and covers the leading axes of ``values``: ``(batch,)`` for examples,
+    ``(batch, seq)`` for tokens. Trailing axes are averaged too. With no real entry (an
+    all-False mask) the result is 0, not NaN. ``mask=None`` is the plain mean. A float
+    or integer mask is refused rather than read as weights or as truth values: for a
+    weighted mean use ``jnp.sum(values * w) / jnp.sum(w)``, or ``mask=w > 0`` for a mask.
+    Lists and NumPy arrays are taken as arrays.
     """
+    values = jnp.asarray(values)
     if mask is None:
         return jnp.mean(values)
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(
+            f"masked_mean: mask must be boolean (True for the real entries), got dtype "
+            f"{mask.dtype}; for weights use jnp.sum(values * w) / jnp.sum(w), or pass "
+            "mask=w > 0"
+        )
     if mask.ndim < 1 or mask.shape != values.shape[: mask.ndim]:
         raise ValueError(
             "masked_mean: mask must cover the leading axes of values, (batch,) or "

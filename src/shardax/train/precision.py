@@ -22,28 +22,45 @@ Array(4., dtype=float32)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from shardax.checks import as_count, as_float
 from shardax.plan.tree import is_array
 
 
-class LossScaling(NamedTuple):
-    """Dynamic loss scaling settings.
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling settings, checked when built.
 
     Attributes:
-        initial: the scale of the first step.
+        initial: the scale of the first step, a finite number >= ``minimum``.
         period: finite steps in a row after which the scale is multiplied by ``factor``.
-        factor: growth factor (and the divisor after a non-finite step).
-        minimum: the scale never goes below it.
+        factor: growth factor (and the divisor after a non-finite step), > 1.
+        minimum: the scale never goes below it, > 0.
     """
 
     initial: float = 2.0**15
     period: int = 2000
     factor: float = 2.0
     minimum: float = 1.0
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("initial", as_float("LossScaling: initial", self.initial, above=0))
+        put("period", as_count("LossScaling: period", self.period))
+        put("factor", as_float("LossScaling: factor", self.factor, above=1))
+        put("minimum", as_float("LossScaling: minimum", self.minimum, above=0))
+        if self.initial < self.minimum:
+            raise ValueError(
+                f"LossScaling: initial must be >= minimum, got initial={self.initial:g} and "
+                f"minimum={self.minimum:g}"
+            )
 
 
 class LossScaleState(NamedTuple):
@@ -109,18 +126,10 @@ def resolve(precision: str | Precision) -> Precision:
             )
         dtypes[field] = dtype
     scaling = precision.loss_scaling
-    if scaling is not None:
-        if not isinstance(scaling, LossScaling):
-            raise TypeError(
-                f"Precision.loss_scaling must be an sx.train.LossScaling or None, got {scaling!r}"
-            )
-        if not (scaling.initial >= scaling.minimum > 0 and scaling.factor > 1):
-            raise ValueError(
-                "LossScaling needs initial >= minimum > 0 and factor > 1, got "
-                f"initial={scaling.initial}, minimum={scaling.minimum}, factor={scaling.factor}"
-            )
-        if not isinstance(scaling.period, int) or scaling.period < 1:
-            raise ValueError(f"LossScaling.period must be an integer >= 1, got {scaling.period!r}")
+    if scaling is not None and not isinstance(scaling, LossScaling):
+        raise TypeError(
+            f"Precision.loss_scaling must be an sx.train.LossScaling or None, got {scaling!r}"
+        )
     return precision._replace(**dtypes)
 
 

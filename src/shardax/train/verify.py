@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.checks import as_count
 from shardax.plan.tree import is_array, path_str
 from shardax.train.masks import MASK_KEY
 from shardax.train.precision import Precision, policy_name, resolve, unscale
@@ -619,8 +620,7 @@ def verify(
     """
     from shardax.train.auto import AutoStep
 
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"sx.verify: steps must be an integer >= 1, got {steps!r}")
+    steps = as_count("sx.verify: steps", steps)
     if jax.process_count() > 1:
         raise ValueError(
             f"sx.verify runs the reference on one device of one process, and this job has "
@@ -640,23 +640,11 @@ def verify(
             raise TypeError(
                 f"sx.verify: a train step takes a sx.TrainState, got {type(state).__name__}"
             )
-        default = tolerance(step.precision)
-        rtol, atol = (
-            rtol if rtol is not None else default[0],
-            atol
-            if atol is not None
-            else (default[1] if rtol is None else rtol * default[1] / default[0]),
-        )
+        rtol, atol = _given(tolerance(step.precision), rtol, atol)
         by_step, diagnose, device = _verify_step(step, state, batch, steps, rtol, atol)
         what = repr(step)
     elif callable(step):
-        default = _rtol_of(state if isinstance(state, tuple) else (state,))
-        rtol, atol = (
-            rtol if rtol is not None else default[0],
-            atol
-            if atol is not None
-            else (default[1] if rtol is None else rtol * default[1] / default[0]),
-        )
+        rtol, atol = _given(_rtol_of(state if isinstance(state, tuple) else (state,)), rtol, atol)
         by_step, diagnose, device = _verify_fn(
             step, state, batch, steps, rtol, atol, reference, mesh
         )
@@ -684,6 +672,14 @@ def verify(
         compared=len(by_step[0]) if by_step else 0,
         seconds=time.perf_counter() - start,
     )
+
+
+def _given(default: tuple[float, float], rtol: Any, atol: Any) -> tuple[float, float]:
+    """``(rtol, atol)``: the given ones, else the default; a given ``rtol`` alone scales the
+    default ``atol`` with it."""
+    if atol is None:
+        atol = default[1] if rtol is None else rtol * default[1] / default[0]
+    return (default[0] if rtol is None else rtol), atol
 
 
 def verify_first_batch(

@@ -8,11 +8,6 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 
 
-@pytest.fixture
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
 def test_place_on_device_commits_numpy_pytrees():
     d = jax.devices()[3]
     out = sx.place_on_device({"a": np.ones((4, 2)), "b": [jnp.zeros(3)], "c": "tag"}, d)

@@ -28,12 +28,6 @@ from train_models import (
 
 import shardax as sx
 
-
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
 BATCH = batches(1, size=16)[0]
 
 

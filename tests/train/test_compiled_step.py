@@ -15,11 +15,6 @@ import shardax.train.program as step_module
 MODES = ("single", "jit", "shard_map", "pmap")
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
 def run(step, state, data):
     losses = []
     for batch in data:

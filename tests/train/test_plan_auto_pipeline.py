@@ -51,8 +51,9 @@ def batches(n=3):
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": 2, "stage": STAGES})
+def mesh(stage_mesh):
+    """This module's tests run on the pipeline mesh (conftest's ``stage_mesh``)."""
+    return stage_mesh
 
 
 @pytest.fixture(scope="module")

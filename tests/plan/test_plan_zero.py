@@ -57,7 +57,7 @@ def test_zero1_layout_and_optimizer_state_is_one_eighth_per_device():
     whole = sum(x.nbytes for x in opt)
     assert nbytes_on(opt, jax.devices()[0]) / whole <= 0.14
 
-    # Compiled (memory_analysis): tests/test_plan_auto.py, zero1 against replicate.
+    # Compiled (memory_analysis): tests/train/test_plan_auto.py, zero1 against replicate.
 
 
 def make_plan(name, mesh):

@@ -1,4 +1,4 @@
-"""One process of the multi-process data test: run by tests/test_global_batch.py.
+"""One process of the multi-process data test: run by tests/data/test_global_batch.py.
 
 Usage: python data_process.py PORT PROCESS_ID NUM_PROCESSES
 Prints one JSON line: this process's view of every global batch.

@@ -143,11 +143,9 @@ def test_sigterm_during_a_save_lets_it_complete(tmp_path):
 
 
 def test_step_watchdog_arguments():
-    for bad in (0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"timeout must be a number > 0 seconds"):
+    for bad in (0, -1.0, float("nan"), float("inf"), "5", True):
+        with pytest.raises(ValueError, match=r"timeout \(seconds\) must be a finite number > 0"):
             sx.StepWatchdog(bad)
-    with pytest.raises(TypeError, match="timeout must be a number of seconds, got '5'"):
-        sx.StepWatchdog("5")
     with sx.StepWatchdog(30) as watchdog:  # steps that complete in time: nothing happens
         for step in range(3):
             with watchdog.step(step):
@@ -317,7 +315,7 @@ def test_gpt_sigterm_then_resume_is_bitwise(tmp_path, capsys):
     ("argv", "message"),
     [
         (["--save-every", "0"], "argument --save-every: expected an integer >= 1, got 0"),
-        (["--step-timeout", "0"], "argument --step-timeout: expected a number > 0, got '0'"),
+        (["--step-timeout", "0"], "argument --step-timeout: expected a finite number > 0, got '0'"),
     ],
 )
 def test_train_option_errors_are_one_line(argv, message, capsys):

@@ -32,7 +32,7 @@ from shardax.runtime.distributed import (
     resolve_coordinates,
 )
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "multihost_train.py")
+SCRIPT = str(Path(__file__).parents[1] / "scripts" / "multihost_train.py")
 _spec = importlib.util.spec_from_file_location("multihost_train", SCRIPT)
 multihost_train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(multihost_train)

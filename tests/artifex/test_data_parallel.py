@@ -11,11 +11,6 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 
 
-@pytest.fixture
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
 def test_is_nnx_module_and_static_twins_are_aliases():
     from shardax import artifex
 

@@ -12,11 +12,6 @@ VALUES = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], np.float32)
 COUNTS = np.array([3, 0, 1, 4, 2, 2, 0, 5], np.float32)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
 def expected():
     return np.sum(VALUES * COUNTS) / np.sum(COUNTS)
 

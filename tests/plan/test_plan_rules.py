@@ -16,11 +16,6 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 
 
-@pytest.fixture
-def mesh42():
-    return sx.make_mesh({"data": 4, "model": 2})
-
-
 def mlp_params(sizes=(16, 32, 32, 8)):
     return {
         "layers": [
@@ -30,9 +25,9 @@ def mlp_params(sizes=(16, 32, 32, 8)):
     }
 
 
-def test_rules_first_match_wins_search_and_default(mesh42):
+def test_rules_first_match_wins_search_and_default(mesh_2d):
     plan = sx.rules(
-        mesh42,
+        mesh_2d,
         [
             (r"layers/1/kernel", P(None, "model")),  # re.search: matches inside longer paths
             (r"layers/\d+/kernel", P("data")),
@@ -54,26 +49,26 @@ def test_rules_first_match_wins_search_and_default(mesh42):
     np.testing.assert_array_equal(np.asarray(w), np.ones((32, 32)))
 
 
-def test_rules_default_plan_and_bad_rules(mesh42):
-    plan = sx.rules(mesh42, [(r"kernel", P(None, "model"))], default=sx.fsdp(mesh42, min_size=1))
+def test_rules_default_plan_and_bad_rules(mesh_2d):
+    plan = sx.rules(mesh_2d, [(r"kernel", P(None, "model"))], default=sx.fsdp(mesh_2d, min_size=1))
     specs = plan.specs({"kernel": np.ones((4, 4)), "emb": np.ones((8, 3))})
     assert specs == {"kernel": P(None, "model"), "emb": P("data", None)}
     with pytest.raises(ValueError, match=r"rules\[0\].*PartitionSpec.*\('data',\)"):
-        sx.rules(mesh42, [("w", ("data",))])
+        sx.rules(mesh_2d, [("w", ("data",))])
     with pytest.raises(ValueError, match=r"rules\[0\].*'\('.*not a valid regular expression"):
-        sx.rules(mesh42, [("(", P())])
+        sx.rules(mesh_2d, [("(", P())])
     with pytest.raises(ValueError, match="default must be"):
-        sx.rules(mesh42, [], default="data")
+        sx.rules(mesh_2d, [], default="data")
 
 
-def test_plans_accept_shape_dtype_structs_and_scalars_stay_replicated(mesh42):
+def test_plans_accept_shape_dtype_structs_and_scalars_stay_replicated(mesh_2d):
     abstract = jax.eval_shape(lambda: {"w": jnp.ones((64, 8)), "step": jnp.zeros((), jnp.int32)})
-    shardings = sx.rules(mesh42, [(".*", P("data"))])(abstract)
-    assert shardings["w"] == NamedSharding(mesh42, P("data"))
+    shardings = sx.rules(mesh_2d, [(".*", P("data"))])(abstract)
+    assert shardings["w"] == NamedSharding(mesh_2d, P("data"))
     assert shardings["step"].spec == P()
 
 
-def test_validate_collects_every_error_and_apply_raises_the_same(mesh42):
+def test_validate_collects_every_error_and_apply_raises_the_same(mesh_2d):
     tree = {
         "indivisible": jax.ShapeDtypeStruct((6, 4), jnp.float32),
         "missing": jax.ShapeDtypeStruct((8, 4), jnp.float32),
@@ -82,7 +77,7 @@ def test_validate_collects_every_error_and_apply_raises_the_same(mesh42):
         "ok": jax.ShapeDtypeStruct((8, 4), jnp.float32),
     }
     plan = sx.rules(
-        mesh42,
+        mesh_2d,
         [
             ("indivisible", P("data")),
             ("missing", P("tensor")),
@@ -109,11 +104,11 @@ def test_validate_collects_every_error_and_apply_raises_the_same(mesh42):
     assert len(notes) == 4 and all("gives no leaf its spec" in n for n in notes)
 
 
-def test_follow_params_shards_adam_state_like_params_whatever_the_plan(mesh42):
+def test_follow_params_shards_adam_state_like_params_whatever_the_plan(mesh_2d):
     params = mlp_params()
     state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
     # Anchored rules only name params paths, and a catch-all would break scalars.
-    base = sx.rules(mesh42, [(r"^params/layers/1/kernel$", P(None, "model")), (".*", P())])
+    base = sx.rules(mesh_2d, [(r"^params/layers/1/kernel$", P(None, "model")), (".*", P())])
     plan = sx.plan.follow_params(base)
     specs = plan.specs(state)
     adam = specs["opt_state"][0]
@@ -131,17 +126,17 @@ def test_follow_params_shards_adam_state_like_params_whatever_the_plan(mesh42):
         sx.plan.follow_params(base, params="model").specs(state)
 
 
-def test_init_sharded_builds_each_shard_in_place(mesh42):
+def test_init_sharded_builds_each_shard_in_place(mesh_2d):
     def init(key, width):
         return {"w": jax.random.normal(key, (64, width)), "count": jnp.zeros((), jnp.int32)}
 
-    plan = sx.fsdp(mesh42, axis=("data", "model"), min_size=1)
+    plan = sx.fsdp(mesh_2d, axis=("data", "model"), min_size=1)
     state = sx.plan.init_sharded(init, plan, jax.random.key(0), 16)
     assert state["w"].sharding.spec == P(("data", "model"), None)
     assert {s.data.shape for s in state["w"].addressable_shards} == {(8, 16)}
     np.testing.assert_allclose(state["w"], init(jax.random.key(0), 16)["w"], rtol=1e-6)
     with pytest.raises(ValueError, match="not divisible"):
-        sx.plan.init_sharded(lambda: {"w": jnp.ones((6, 6))}, sx.rules(mesh42, [("w", P("data"))]))
+        sx.plan.init_sharded(lambda: {"w": jnp.ones((6, 6))}, sx.rules(mesh_2d, [("w", P("data"))]))
 
 
 class Annotated(nnx.Module):
@@ -159,11 +154,11 @@ class Annotated(nnx.Module):
         )
 
 
-def test_from_nnx_maps_logical_names_onto_any_mesh(mesh42):
+def test_from_nnx_maps_logical_names_onto_any_mesh(mesh_2d):
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: Annotated(nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
-    tp = sx.from_nnx(mesh42, abstract, {"embed": None, "mlp": "model"})
+    tp = sx.from_nnx(mesh_2d, abstract, {"embed": None, "mlp": "model"})
     specs = tp.specs(state)
     assert specs["up"]["kernel"].get_value() == P(None, "model")
     assert specs["up"]["bias"].get_value() == P("model")
@@ -183,12 +178,12 @@ def test_from_nnx_maps_logical_names_onto_any_mesh(mesh42):
     )
     assert errors and "'model', which is not in the mesh" in errors[0]
     with pytest.raises(ValueError, match=re.escape("logical axis 'mlp' has no entry")):
-        sx.from_nnx(mesh42, abstract, {"embed": None})
+        sx.from_nnx(mesh_2d, abstract, {"embed": None})
 
 
-def test_describe_reports_bytes_per_device_as_table_and_data(mesh42):
+def test_describe_reports_bytes_per_device_as_table_and_data(mesh_2d):
     tree = {"w": jax.ShapeDtypeStruct((1024, 16), jnp.float32), "b": jnp.zeros(16, jnp.bfloat16)}
-    report = sx.describe(tree, sx.fsdp(mesh42))
+    report = sx.describe(tree, sx.fsdp(mesh_2d))
     rows = {r.path: r for r in report.rows}
     assert rows["w"].spec == P("data", None) and rows["w"].bytes_per_device == 1024 * 16
     assert (
@@ -204,7 +199,7 @@ def test_describe_reports_bytes_per_device_as_table_and_data(mesh42):
         "b": str(P()),
     }
     # Without a plan: the leaves' own shardings; NumPy leaves are unplaced.
-    placed = sx.shard({"w": np.ones((64, 8), np.float32)}, sx.fsdp(mesh42, min_size=1))
+    placed = sx.shard({"w": np.ones((64, 8), np.float32)}, sx.fsdp(mesh_2d, min_size=1))
     own = sx.describe({**placed, "host": np.ones(3, np.float32)})
     rows = {r.path: r for r in own.rows}
     assert rows["w"].spec == P("data", None) and rows["w"].bytes_per_device == 16 * 8 * 4

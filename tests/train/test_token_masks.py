@@ -17,11 +17,6 @@ from train_models import (
 import shardax as sx
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
 def run(mesh, mode, data, **kwargs):
     step = sx.make_train_step(lm_loss, mesh=mesh, mode=mode, **kwargs)
     state = step.shard(lm_state())

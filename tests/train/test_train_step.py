@@ -27,11 +27,6 @@ import shardax as sx
 MODES = ("single", "jit", "shard_map", "pmap")
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
 def train(framework, mesh, mode, data, *, loss_fn=None, **kwargs):
     step = sx.make_train_step(loss_fn or make_loss(framework), mesh=mesh, mode=mode, **kwargs)
     state = step.shard(make_state(framework))

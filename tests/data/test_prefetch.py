@@ -39,11 +39,6 @@ def endless(consumed=None, rows=8):
 
 
 @pytest.fixture
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
-@pytest.fixture
 def before():
     assert not workers(), "a previous test left a prefetch worker behind"
     return threading.active_count()

@@ -16,12 +16,7 @@ import shardax as sx
 from shardax.cli.launch import free_port
 from shardax.data.global_batch import process_grid
 
-WORKER = Path(__file__).parent / "workers" / "data_process.py"
-
-
-@pytest.fixture
-def mesh():
-    return sx.make_mesh({"data": -1})
+WORKER = Path(__file__).parents[1] / "scripts" / "data_process.py"
 
 
 def test_one_process_is_a_device_put(mesh):

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 from shardax.cli.launch import free_port
 
-WORKER = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "..", "scripts", "ckpt_worker.py")
 
 
 def run_worker(*args, devices=8, timeout=120):
@@ -35,11 +35,6 @@ def straight_and_first(tmp_path_factory):
     test continues ``b``; the 4-device restore reads ``a``."""
     tmp = tmp_path_factory.mktemp("workers")
     return tmp, run_worker("train", tmp / "a", 20), run_worker("train", tmp / "b", 10)
-
-
-@pytest.fixture
-def mesh():
-    return sx.make_mesh({"data": -1})
 
 
 def make_state(mesh):
@@ -248,7 +243,7 @@ def test_nan_guard_names_step_and_nothing_is_saved(tmp_path, mesh):
 
 def test_two_processes_save_and_restore_together(tmp_path):
     port = free_port()
-    script = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_multiprocess.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "ckpt_multiprocess.py")
     procs = [
         subprocess.Popen(
             [sys.executable, script, str(r), str(port), str(tmp_path / "ck")],

@@ -5,17 +5,11 @@ import time
 
 import grain
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 
 N = 45
-
-
-@pytest.fixture
-def mesh():
-    return sx.make_mesh({"data": -1})
 
 
 def records():

@@ -159,7 +159,7 @@ def test_help_is_clear(command, capsys):
         (["train", "--plan", "zero"], "argument --plan: invalid choice: 'zero'"),
         (["train", "--mesh", "data4"], "argument --mesh: expected AXIS=SIZE pairs"),
         (["train", "--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
-        (["train", "--lr", "-1"], "argument --lr: expected a number > 0, got '-1'"),
+        (["train", "--lr", "-1"], "argument --lr: expected a finite number > 0, got '-1'"),
         (
             ["train", "--mesh", "data=3,model=3"],
             "--mesh: Not enough devices: mesh requires 9 devices but only 8 available (mesh shape",
@@ -175,7 +175,7 @@ def test_help_is_clear(command, capsys):
         (["plan", "--measure", "--params", "1e9", "--model", "mlp"], "--params builds a GPT"),
         (["plan", "--measure", "--batch", "12"], "--batch 12 is not divisible by the data axis"),
         (["plan", "--measure", "--plans", "zero3"], "--plans zero3: zero3 not among the"),
-        (["plan", "--params", "seven"], "argument --params: expected a parameter count"),
+        (["plan", "--params", "seven"], "argument --params: expected a finite parameter count"),
         (["plan", "--params", "1e9", "--hardware", "h10"], "argument --hardware: invalid choice"),
         (["bench", "--modes", "jit,vmap"], "argument --modes: expected a comma-separated subset"),
         (["bench", "--batch-size", "12"], "--batch-size 12 is not divisible by the 8 devices"),

@@ -5,7 +5,6 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,11 +43,6 @@ def compiled_step(plan, mesh, dropout=False):
     batch = jax.ShapeDtypeStruct((1024, 64), jnp.float32, sharding=NamedSharding(mesh, P("data")))
     jitted = jax.jit(step, in_shardings=(shardings, batch.sharding, None), out_shardings=shardings)
     return jitted.lower(state, batch, jax.random.key(0)).compile().as_text()
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": 8})
 
 
 def test_fsdp_all_gathers_params_and_reduces_grads(mesh):

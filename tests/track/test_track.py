@@ -55,7 +55,10 @@ def test_bad_directories_backends_and_values_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"must be one of \['tensorboard', 'wandb', 'mlflow'\]"):
         sx.MetricWriter(tmp_path, backends=["comet"])
     w = sx.MetricWriter(tmp_path)
-    w.write(1, {"loss": "not a number"})
+    with pytest.raises(TypeError, match=r"metric 'loss' must be one number .*got 'not a number'"):
+        w.write(1, {"loss": "not a number"})  # refused on the caller's thread, at once
+    w._sinks[0]._file.close()  # a sink that fails in the worker: the next call says so
+    w.write(1, {"loss": 1.0})
     with pytest.raises(RuntimeError, match="writing metrics failed"):
         w.close()
     with pytest.raises(ValueError, match="closed"):

@@ -29,11 +29,6 @@ def snapshot(tree):
     ]
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": -1})
-
-
 def test_metrics_are_means_over_real_tokens_in_every_mode_and_the_state_is_untouched(mesh):
     batch = padded_token_batches(1, seed=3)[0]
     params = jax.tree.map(np.asarray, lm_state().params)

@@ -129,8 +129,9 @@ def train(state, step, batches):
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    return sx.make_mesh({"data": 2, "stage": 4})
+def mesh(stage_mesh):
+    """This module's tests run on the pipeline mesh (conftest's ``stage_mesh``)."""
+    return stage_mesh
 
 
 def stage_plan(mesh, pattern: str = r"blocks"):
