@@ -122,6 +122,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default with --plan pipeline: the stage axis size)",
     )
     gpt.add_argument(
+        "--attention",
+        choices=("auto", "all_gather", "ring", "ulysses"),
+        default=None,
+        help="context-parallel attention over a 'context' mesh axis (--mesh data=2,context=4): "
+        "ring, all_gather, ulysses or auto (default); without one, jax.nn.dot_product_attention",
+    )
+    gpt.add_argument(
+        "--window",
+        type=nonneg_int,
+        default=None,
+        help="sliding-window attention: each token sees itself and the L tokens before it",
+    )
+    gpt.add_argument(
+        "--pack",
+        action="store_const",
+        const=True,
+        default=None,
+        help="packed rows: documents joined with segment ids (attention stays within a "
+        "document, positions restart)",
+    )
+    gpt.add_argument(
+        "--experts",
+        type=positive_int,
+        default=None,
+        help="mixture of experts: E experts in the MLP of every --moe-every-th block, split "
+        "over an 'expert' mesh axis (--mesh data=2,expert=4) where there is one",
+    )
+    gpt.add_argument(
+        "--top-k", type=positive_int, default=None, help="experts per token (default: 2)"
+    )
+    gpt.add_argument(
+        "--moe-every", type=positive_int, default=None, help="every n-th block is MoE (1)"
+    )
+    gpt.add_argument(
+        "--capacity-factor",
+        type=positive_float,
+        default=None,
+        help="expert capacity, as a multiple of an even share of the tokens (1.25)",
+    )
+    gpt.add_argument(
         "--pipeline-repeats",
         type=positive_int,
         default=None,

@@ -6,6 +6,18 @@ every 10th file is held out for validation. Each step trains on random windows o
 fixed set of held-out windows. The history has one entry per step (``step``,
 ``train_loss``) and ``val_loss`` at evaluation steps. The loss is in nats per byte; the
 corpus's unigram entropy (the best loss without context) is printed next to it.
+
+Long sequences: ``--mesh data=2,context=4`` splits each row over the ``context`` axis
+(``--attention`` ring, all_gather, ulysses or auto); the batches are reordered zig-zag
+for causal load balance (:func:`shardax.data.text.zigzag_batch`) and carry each token's
+true position. ``--window L`` is sliding-window attention, ``--pack`` packed rows
+(segment ids, positions restarting per document).
+
+Experts: ``--experts E`` (``--top-k``, ``--moe-every``, ``--capacity-factor``) makes the
+MLPs mixtures of experts, split over an ``expert`` mesh axis where there is one. The
+loss is then the cross-entropy plus ``BALANCE_COEF`` × the load-balancing loss; the
+balance loss and the dropped fraction are aux metrics (progress bar, history,
+``summary.json``, TensorBoard ``train/balance_loss``, ``train/dropped_fraction``).
 """
 
 from __future__ import annotations
@@ -16,11 +28,12 @@ from typing import Any
 
 from shardax.cli.common import UsageError, plot_curves
 from shardax.cli.job import Job, build_steps, check_batch_fits, make_mesh, register
-from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
+from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, STAGE_AXIS
 
 OPTIONS = (
     "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
     "remat", "scan_layers", "data", "eval_every", "microbatches", "pipeline_repeats",
+    "attention", "window", "pack", "experts", "top_k", "moe_every", "capacity_factor",
 )  # fmt: skip
 """The options only this job reads (``shardax train --model gpt``)."""
 
@@ -39,6 +52,9 @@ DEFAULTS = {
 }
 EVAL_WINDOWS = 64
 WARMUP_STEPS = 10
+BALANCE_COEF = 1e-2
+"""α in ``loss = cross-entropy + α · balance_loss`` with ``--experts`` (Switch's
+load-balancing loss, 1.0 when routing is even; Switch and ST-MoE use 1e-2)."""
 
 
 def config(args: argparse.Namespace) -> Any:
@@ -55,8 +71,18 @@ def config(args: argparse.Namespace) -> Any:
             f"--heads {args.heads} must divide --d-model {args.d_model} "
             f"(remainder {args.d_model % args.heads})"
         )
+    if args.experts is None:
+        for name in ("top_k", "moe_every", "capacity_factor"):
+            if getattr(args, name) is not None:
+                raise UsageError(f"--{name.replace('_', '-')} needs --experts")
+    moe = {"experts": args.experts, "top_k": args.top_k, "moe_every": args.moe_every,
+           "capacity_factor": args.capacity_factor}  # fmt: skip
+    moe = {k: v for k, v in moe.items() if v is not None}
     try:
         return GPTConfig(
+            **moe,
+            attention=args.attention or "auto",
+            window=args.window,
             layers=args.layers,
             d_model=args.d_model,
             heads=args.heads,
@@ -68,6 +94,26 @@ def config(args: argparse.Namespace) -> Any:
         )
     except ValueError as e:
         raise UsageError(f"--d-model {args.d_model} --heads {args.heads}: {e}") from None
+
+
+def check_context(args: argparse.Namespace, mesh: Any) -> int:
+    """The context axis size C (1 without one), its rules as usage errors."""
+    context = mesh.shape.get(CONTEXT_AXIS, 1)
+    if context == 1:
+        return 1
+    if args.microbatches is not None:
+        raise UsageError(f"--mesh with a {CONTEXT_AXIS!r} axis does not run under sx.pipeline")
+    if args.seq_len % (2 * context):
+        raise UsageError(
+            f"--seq-len {args.seq_len} is not divisible by 2 × the context axis size "
+            f"{context} = {2 * context} (each device holds two chunks of a row, zig-zag)"
+        )
+    if args.attention == "ulysses" and args.heads % context:
+        raise UsageError(
+            f"--attention ulysses splits the heads over the context axis: --heads "
+            f"{args.heads} is not divisible by its size {context}; use ring or all_gather"
+        )
+    return context
 
 
 def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: list[int]) -> None:
@@ -100,7 +146,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     from flax import nnx
 
     import shardax as sx
-    from shardax.data.text import LMBatches, lm_eval_batch, load_corpus
+    from shardax.data.text import LMBatches, lm_eval_batch, load_corpus, zigzag_batch
     from shardax.models import gpt
 
     for name, value in DEFAULTS.items():
@@ -120,17 +166,26 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     cfg = config(args)
     data_size = mesh.shape[DATA_AXIS]
     check_batch_fits(args, mesh)
+    context = check_context(args, mesh)
+    layout = "zigzag" if context > 1 else "contiguous"
     try:
         corpus = load_corpus(args.data)
-        loader = LMBatches(corpus.train, args.batch_size, args.seq_len, args.seed)
+        loader = LMBatches(corpus.train, args.batch_size, args.seq_len, args.seed,
+                           pack=bool(args.pack), context=context)  # fmt: skip
         eval_rows = max(EVAL_WINDOWS // data_size, 1) * data_size
-        val = lm_eval_batch(corpus.val, eval_rows, args.seq_len)
+        val = zigzag_batch(lm_eval_batch(corpus.val, eval_rows, args.seq_len), context)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
-    def loss_fn(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        logits = model(batch["inputs"]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    def loss_fn(model: Any, batch: dict[str, jax.Array]) -> Any:
+        logits, aux = model(batch["inputs"], return_aux=True, positions=batch.get("positions"),
+                            segment_ids=batch.get("segment_ids"), layout=layout)  # fmt: skip
+        logits = logits.astype(jnp.float32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        if aux is None:
+            return ce
+        metrics = {"balance_loss": aux.balance_loss, "dropped_fraction": aux.dropped_fraction}
+        return ce + BALANCE_COEF * aux.balance_loss, metrics
 
     abstract = nnx.eval_shape(lambda: gpt.make_gpt(cfg, args.seed, remat=args.remat))
     if cfg.pipeline_microbatches is not None:
@@ -168,8 +223,13 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
 
     tokens = args.batch_size * args.seq_len
 
+    moe_keys = ("balance_loss", "dropped_fraction") if cfg.experts else ()
+
     def records(first: int, window: list[dict[str, float]], val: dict, seconds: float):
-        entries = [{"step": first + j, "train_loss": m["loss"]} for j, m in enumerate(window)]
+        entries = [
+            {"step": first + j, "train_loss": m["loss"], **{k: m[k] for k in moe_keys}}
+            for j, m in enumerate(window)
+        ]
         entries[-1].update(val, tokens_per_s=len(window) * tokens / seconds)
         return entries
 
@@ -180,7 +240,20 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
 
     def summary(common: dict[str, Any]) -> dict[str, Any]:
         evals = [h for h in common["history"] if "val_loss" in h]
+        extra: dict[str, Any] = {}
+        if cfg.experts:
+            last = common["history"][-1]
+            extra["moe"] = {
+                "experts": cfg.experts,
+                "top_k": cfg.top_k,
+                "moe_every": cfg.moe_every,
+                "capacity_factor": cfg.capacity_factor,
+                "balance_coef": BALANCE_COEF,
+                "balance_loss": last["balance_loss"],
+                "dropped_fraction": last["dropped_fraction"],
+            }
         return {
+            **extra,
             "val_loss": evals[-1]["val_loss"],
             "unigram_entropy": unigram,
             "model_config": {
@@ -192,6 +265,10 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
                 "positions": cfg.positions,
                 "remat": args.remat,
                 "scan_layers": cfg.scan_layers,
+                "attention": cfg.attention,
+                "window": cfg.window,
+                "pack": bool(args.pack),
+                "layout": layout,
             },
             "params": model_params,
             "non_embedding_params": non_embedding,
@@ -205,6 +282,12 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
                 "val_windows": eval_rows,
             },
         }
+
+    def progress(m: dict[str, float]) -> str:
+        text = f"loss {m['loss']:.4f}"
+        if cfg.experts:
+            text += f" drop {m['dropped_fraction']:.1%} balance {m['balance_loss']:.3f}"
+        return text
 
     return Job(
         title=(
@@ -221,7 +304,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         records=records,
         unit="tokens",
         items_per_step=tokens,
-        progress=lambda m: f"loss {m['loss']:.4f}",
+        progress=progress,
         summary=summary,
         estimate_flops=per_token * tokens,
         plot=plot,

@@ -11,6 +11,9 @@ goes to the validation split.
 >>> batch = lm_batch(corpus.train, batch_size=4, seq_len=32, seed=0, step=1)
 >>> batch["inputs"].shape, batch["targets"].shape
 ((4, 32), (4, 32))
+>>> packed = lm_batch(corpus.train, batch_size=4, seq_len=32, seed=0, step=1, pack=True)
+>>> sorted(packed), int(packed["positions"][0, 0]), int(packed["segment_ids"][0, 0])
+(['inputs', 'positions', 'segment_ids', 'targets'], 0, 0)
 """
 
 from __future__ import annotations
@@ -114,20 +117,49 @@ def load_corpus(
 
 
 def lm_batch(
-    data: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int
+    data: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int, pack: bool = False
 ) -> dict[str, np.ndarray]:
     """``batch_size`` random windows of ``data``: ``inputs`` and the next bytes,
     ``targets``, both int32 (batch, seq_len). A function of ``(seed, step)`` only, so a
     resumed run sees the same batches.
+
+    With ``pack``, each row joins several documents instead (:func:`pack_row`), and the
+    batch also has ``segment_ids`` (0, 1, ... per document in the row) and ``positions``
+    (restarting at 0 in each document), both int32 (batch, seq_len).
     """
     if len(data) < seq_len + 1:
         raise ValueError(
             f"--seq-len {seq_len}: the text has {len(data)} bytes, fewer than seq_len + 1"
         )
     rng = np.random.default_rng((seed, step))
+    if pack:
+        rows = [pack_row(data, seq_len, rng) for _ in range(batch_size)]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     start = rng.integers(0, len(data) - seq_len, size=batch_size)
     windows = data[start[:, None] + np.arange(seq_len + 1)].astype(np.int32)
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def pack_row(data: np.ndarray, seq_len: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One packed row of ``seq_len`` tokens: documents joined end to end until the row is
+    full (the last one cut). A document is an excerpt of ``data`` at a random place, of a
+    random length from ``max(seq_len // 8, 1)`` to ``seq_len`` tokens (the corpus is a few
+    files much longer than a row, so its own file boundaries would rarely fall inside
+    one); its targets are its own next bytes, so no target crosses a document boundary.
+    """
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("inputs", "targets", "positions")}
+    parts["segment_ids"] = []
+    filled = doc = 0
+    while filled < seq_len:
+        length = min(int(rng.integers(max(seq_len // 8, 1), seq_len + 1)), seq_len - filled)
+        start = int(rng.integers(0, len(data) - length))
+        window = data[start : start + length + 1].astype(np.int32)
+        parts["inputs"].append(window[:-1])
+        parts["targets"].append(window[1:])
+        parts["positions"].append(np.arange(length, dtype=np.int32))
+        parts["segment_ids"].append(np.full(length, doc, np.int32))
+        filled, doc = filled + length, doc + 1
+    return {k: np.concatenate(v) for k, v in parts.items()}
 
 
 def lm_eval_batch(data: np.ndarray, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
@@ -146,9 +178,22 @@ class LMBatches:
     """An endless iterator of :func:`lm_batch` batches from step ``1``: each process gets
     its rows of every global batch. ``get_state()`` / ``set_state()`` give the position
     (``{"step": steps done}``), for checkpoints.
+
+    ``pack``: packed rows with segment ids and positions (:func:`pack_row`).
+    ``context``: the size of the mesh's context axis; > 1 reorders every batch zig-zag
+    (``sx.parallel.zigzag``: device i of the axis holds chunks i and 2C-1-i of each row,
+    so that causal attention's work is even) and adds the true ``positions``.
     """
 
-    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int) -> None:
+    def __init__(
+        self,
+        data: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        pack: bool = False,
+        context: int = 1,
+    ) -> None:
         import jax
 
         processes, index = jax.process_count(), jax.process_index()
@@ -159,6 +204,12 @@ class LMBatches:
         local = batch_size // processes
         self._rows = slice(index * local, (index + 1) * local)
         self.data, self.batch_size, self.seq_len, self.seed = data, batch_size, seq_len, seed
+        self.pack, self.context = pack, context
+        if context > 1 and seq_len % (2 * context):
+            raise ValueError(
+                f"--seq-len {seq_len} is not divisible by 2 × the context axis size "
+                f"{context} = {2 * context} (each device holds two chunks of a row, zig-zag)"
+            )
         self.step = 0
         lm_batch(data, 1, seq_len, seed, 0)  # checks the text is long enough
 
@@ -167,11 +218,30 @@ class LMBatches:
 
     def __next__(self) -> dict[str, np.ndarray]:
         self.step += 1
-        batch = lm_batch(self.data, self.batch_size, self.seq_len, self.seed, self.step)
-        return {k: v[self._rows] for k, v in batch.items()}
+        batch = lm_batch(self.data, self.batch_size, self.seq_len, self.seed, self.step, self.pack)
+        batch = {k: v[self._rows] for k, v in batch.items()}
+        return zigzag_batch(batch, self.context)
 
     def get_state(self) -> dict[str, int]:
         return {"step": self.step}
 
     def set_state(self, state: dict[str, int]) -> None:
         self.step = int(state["step"])
+
+
+def zigzag_batch(batch: dict[str, np.ndarray], context: int) -> dict[str, np.ndarray]:
+    """``batch`` reordered zig-zag along the sequence for ``context`` devices
+    (``sx.parallel.zigzag``), with ``positions`` (the true position of each token, or
+    the packed rows' own positions, reordered alike); unchanged when ``context`` is 1.
+
+    >>> zigzag_batch({"inputs": np.arange(8)[None]}, 2)["positions"].tolist()
+    [[0, 1, 6, 7, 2, 3, 4, 5]]
+    """
+    if context <= 1:
+        return batch
+    from shardax.parallel.context import zigzag
+
+    rows, length = batch["inputs"].shape
+    if "positions" not in batch:
+        batch = {**batch, "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1))}
+    return zigzag(batch, context)[0]

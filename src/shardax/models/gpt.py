@@ -39,6 +39,12 @@ q/k/v and ``mlp/up`` split their output columns (``heads``, ``mlp``) over ``mode
 one all-reduce after attention and one after the MLP. FSDP shards the ``embed`` dimension
 of every weight over ``data``.
 
+**Attention is ``sx.attention``** (causal; ``GPTConfig.window`` for a sliding window;
+``segment_ids`` for packed rows), so on a GPU in bf16 it is cuDNN's flash kernel through
+``jax.nn.dot_product_attention``, and over a ``"context"`` mesh axis it is context
+parallel (``GPTConfig.attention``: ring, all_gather or ulysses), the residual stream
+split along the sequence.
+
 **Stacked layers, ready for a pipeline.** ``GPT.blocks`` is one :class:`Block` built under
 ``nnx.vmap``: each of its parameters has a leading layer dimension ``L`` (logical name
 ``"layers"``). :meth:`GPT.layers` returns ``(layer_fn, stacked)``, where ``stacked`` is
@@ -71,6 +77,10 @@ VOCAB = 256
 """Byte-level: one token per byte value."""
 
 POSITIONS = ("rotary", "learned")
+ATTENTION = ("auto", "all_gather", "ring", "ulysses")
+"""``GPTConfig.attention``: ``sx.attention``'s ``impl`` over a ``"context"`` mesh axis
+(without one every choice is ``jax.nn.dot_product_attention``, cuDNN's flash kernel on
+a GPU in bf16)."""
 
 # Logical axis -> mesh axis (None: replicated) for each --plan of `shardax train --model gpt`.
 AXIS_RULES: dict[str, dict[str, Any]] = {
@@ -119,6 +129,11 @@ class GPTConfig:
         experts: E > 0 makes the MLP of every ``moe_every``-th block (blocks
             ``moe_every - 1, 2·moe_every - 1, ...``) a mixture of E experts (``sx.moe``,
             ``top_k`` per token, ``capacity_factor``); 0 (default): every MLP dense.
+        attention: ``sx.attention``'s ``impl`` over the mesh's ``"context"`` axis
+            (``"auto"``, ``"all_gather"``, ``"ring"``, ``"ulysses"``); without a context
+            axis of size > 1 it is ``jax.nn.dot_product_attention`` whatever the choice.
+        window: sliding-window attention: each token sees itself and the ``window``
+            tokens before it (``sx.attention``'s ``window=(window, 0)``); None: all.
     """
 
     layers: int = 2
@@ -135,9 +150,18 @@ class GPTConfig:
     top_k: int = 2
     moe_every: int = 1
     capacity_factor: float = 1.25
+    attention: str = "auto"
+    window: int | None = None
 
     def __post_init__(self) -> None:
         self._check_experts()
+        if self.attention not in ATTENTION:
+            raise ValueError(
+                f"GPTConfig.attention must be one of {ATTENTION}, got {self.attention!r}"
+            )
+        w = self.window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+            raise ValueError(f"GPTConfig.window must be None or an integer >= 0, got {w!r}")
         names = ("layers", "d_model", "heads", "max_seq_len", "mlp_ratio", "vocab")
         names += ("pipeline_repeats",)
         if self.pipeline_microbatches is not None:
@@ -205,17 +229,38 @@ def _norm(d_model: int, rngs: nnx.Rngs) -> nnx.RMSNorm:
 
 
 def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
-    """Rotary position embedding of ``x`` (batch, seq, heads, head_dim) at ``positions``."""
+    """Rotary position embedding of ``x`` (batch, seq, heads, head_dim) at ``positions``,
+    ``(seq,)`` or ``(batch, seq)`` (packed rows: positions restart in each document)."""
     half = x.shape[-1] // 2
     freq = 10_000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions[:, None].astype(jnp.float32) * freq  # (seq, half)
-    sin, cos = jnp.sin(angle)[:, None, :], jnp.cos(angle)[:, None, :]
+    angle = positions[..., None].astype(jnp.float32) * freq  # ([batch,] seq, half)
+    sin, cos = jnp.sin(angle)[..., None, :], jnp.cos(angle)[..., None, :]
     a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1).astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every block's attention needs beside ``x``, for one batch.
+
+    Attributes:
+        positions: each token's true position, ``(seq,)`` or ``(batch, seq)`` (packed
+            rows restart at each document), for rotary embeddings; None: ``arange``
+            in the ``layout``.
+        segment_ids: ``(batch, seq)`` document ids of packed rows (attention stays
+            within a document), or None.
+        layout: how the sequence lies over the ``"context"`` axis: ``"contiguous"``,
+            or ``"zigzag"`` (reordered by ``sx.parallel.zigzag`` for causal load balance).
+    """
+
+    positions: Any = None
+    segment_ids: Any = None
+    layout: str = "contiguous"
+
+
 class Attention(nnx.Module):
-    """Causal multi-head self-attention; heads are the tensor-parallel dimension."""
+    """Causal multi-head self-attention through ``sx.attention``; heads are the
+    tensor-parallel dimension, the sequence the context-parallel one."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
         d, h, k = cfg.d_model, cfg.heads, cfg.head_dim
@@ -228,16 +273,31 @@ class Attention(nnx.Module):
             rngs, (h, k, d), ("heads", "kv", "embed"), std / math.sqrt(2 * cfg.layers)
         )
         self.rotary = cfg.positions == "rotary"
+        self.impl = cfg.attention
+        self.window = None if cfg.window is None else (cfg.window, 0)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, ctx: Context | None = None) -> jax.Array:
+        from shardax.parallel.context import attention
+
+        ctx = ctx or Context()
         q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
         k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
         v = jnp.einsum("btd,dhk->bthk", x, self.v[...])
         if self.rotary:
-            positions = jnp.arange(x.shape[1])
+            positions = _positions(ctx, x.shape[1])
             q, k = rotary(q, positions), rotary(k, positions)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = attention(q, k, v, causal=True, segment_ids=ctx.segment_ids, window=self.window,
+                      impl=self.impl, layout=ctx.layout)  # fmt: skip
         return jnp.einsum("bthk,hkd->btd", y, self.out[...])
+
+
+def _positions(ctx: Context, seq: int) -> jax.Array:
+    """``ctx.positions``, or the true positions of the layout over the context axis."""
+    from shardax.parallel.context import context_size, layout_positions
+
+    if ctx.positions is not None:
+        return jnp.asarray(ctx.positions)
+    return jnp.asarray(layout_positions(seq, context_size()[0], ctx.layout))
 
 
 class MLP(nnx.Module):
@@ -261,8 +321,8 @@ class Block(nnx.Module):
         self.norm2 = _norm(cfg.d_model, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.norm1(x))
+    def __call__(self, x: jax.Array, ctx: Context | None = None) -> jax.Array:
+        x = x + self.attn(self.norm1(x), ctx)
         return x + self.mlp(self.norm2(x))
 
 
@@ -299,8 +359,8 @@ class MoEBlock(nnx.Module):
         self.norm2 = _norm(cfg.d_model, rngs)
         self.moe = MoEMLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, Any]:
-        x = x + self.attn(self.norm1(x))
+    def __call__(self, x: jax.Array, ctx: Context | None = None) -> tuple[jax.Array, Any]:
+        x = x + self.attn(self.norm1(x), ctx)
         y, aux = self.moe(self.norm2(x))
         return x + y, aux
 
@@ -362,20 +422,23 @@ class GPT(nnx.Module):
         self.norm = _norm(cfg.d_model, rngs)
         self.head = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), cfg.d_model**-0.5)
 
-    def layers(self) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
+    def layers(
+        self, ctx: Context | None = None
+    ) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
         """``(layer_fn, stacked)``: ``stacked`` holds every block's params with a leading
-        layer dimension; ``layer_fn(stacked_slice, x) -> x`` is one block, rematerialised
-        by the model's policy. ``lax.scan`` (here) or ``sx.pipeline`` runs them."""
+        layer dimension; ``layer_fn(stacked_slice, x) -> x`` is one block (attending with
+        ``ctx``), rematerialised by the model's policy. ``lax.scan`` (here) or
+        ``sx.pipeline`` runs them."""
         from shardax.parallel.remat_policy import remat
 
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer_fn(params: Any, x: jax.Array) -> jax.Array:
-            return nnx.merge(graphdef, params)(x)
+            return nnx.merge(graphdef, params)(x, ctx)
 
         return remat(layer_fn, policy=self.remat), stacked
 
-    def moe_layers(self) -> tuple[Callable[[Any, jax.Array], Any], Any]:
+    def moe_layers(self, ctx: Context | None = None) -> tuple[Callable[[Any, jax.Array], Any], Any]:
         """``(layer_fn, stacked)`` of the MoE blocks, as :meth:`layers`; ``layer_fn``
         returns ``(x, aux)``."""
         from shardax.parallel.remat_policy import remat
@@ -383,18 +446,18 @@ class GPT(nnx.Module):
         graphdef, stacked = nnx.split(self.moe_blocks)
 
         def layer_fn(params: Any, x: jax.Array) -> tuple[jax.Array, Any]:
-            return nnx.merge(graphdef, params)(x)
+            return nnx.merge(graphdef, params)(x, ctx)
 
         return remat(layer_fn, policy=self.remat), stacked
 
-    def _run_moe(self, x: jax.Array) -> tuple[jax.Array, Any]:
+    def _run_moe(self, x: jax.Array, ctx: Context) -> tuple[jax.Array, Any]:
         """The blocks in periods of ``moe_every``: ``moe_every - 1`` dense, then one MoE;
         the MoE aux averaged over the MoE blocks (tokens per expert summed)."""
         from shardax.parallel.experts import MoEAux
 
         n, periods = self.cfg.moe_every, self.cfg.moe_layers
-        moe_fn, moe_stacked = self.moe_layers()
-        dense_fn, dense = self.layers() if n > 1 else (None, None)
+        moe_fn, moe_stacked = self.moe_layers(ctx)
+        dense_fn, dense = self.layers(ctx) if n > 1 else (None, None)
         if dense is not None:  # (L - L/n, ...) -> (L/n, n - 1, ...)
             dense = jax.tree.map(lambda a: a.reshape(periods, n - 1, *a.shape[1:]), dense)
 
@@ -419,25 +482,47 @@ class GPT(nnx.Module):
         )
         return x, aux
 
-    def __call__(self, tokens: jax.Array, return_aux: bool = False) -> Any:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        return_aux: bool = False,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        layout: str = "contiguous",
+    ) -> Any:
         """Logits ``(batch, seq, vocab)``; with ``return_aux``, ``(logits, aux)`` where
         ``aux`` is the MoE blocks' ``sx.parallel.MoEAux`` (None without experts): add
-        ``α · aux.balance_loss`` to the loss."""
+        ``α · aux.balance_loss`` to the loss.
+
+        ``positions`` (``(seq,)`` or ``(batch, seq)``), ``segment_ids`` (``(batch, seq)``,
+        packed documents) and ``layout`` (``"zigzag"`` for a batch reordered by
+        ``sx.parallel.zigzag``) are as in :class:`Context`; over a ``"context"`` mesh axis
+        the residual stream is split along the sequence and attention is ``sx.attention``'s
+        context-parallel scheme ``GPTConfig.attention``."""
         seq = tokens.shape[-1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(
                 f"GPT: sequence length {seq} is above the model's max_seq_len "
                 f"{self.cfg.max_seq_len}"
             )
+        ctx = Context(positions, segment_ids, layout)
+        if self.cfg.pipeline_microbatches is not None and (
+            segment_ids is not None or (positions is not None and jnp.ndim(positions) > 1)
+        ):
+            raise ValueError(
+                "GPT: sx.pipeline splits the batch into microbatches, so per-row positions "
+                "and segment ids (packed rows) are not supported with pipeline_microbatches"
+            )
         x = self.embed(tokens)
         if self.cfg.positions == "learned":
-            x = x + self.pos(jnp.arange(seq))
+            x = x + self.pos(_positions(ctx, seq))
         aux = None
         if self.cfg.experts:
-            x, aux = self._run_moe(x)
+            x, aux = self._run_moe(x, ctx)
             logits = self.norm(x) @ self.head[...].astype(x.dtype)
             return (logits, aux) if return_aux else logits
-        layer_fn, stacked = self.layers()
+        layer_fn, stacked = self.layers(ctx)
         if self.cfg.pipeline_microbatches is not None:
             from shardax.parallel.gpipe import pipeline
 
@@ -462,7 +547,9 @@ class GPT(nnx.Module):
 
 def split_batch(x: jax.Array) -> jax.Array:
     """The residual stream ``x`` (batch, seq, d_model) split by batch over the ``"data"``
-    mesh axis, when the mesh in context has one it may constrain (not inside shard_map).
+    mesh axis, when the mesh in context has one it may constrain (not inside shard_map);
+    by batch over ``("data", "expert")`` with an ``"expert"`` axis, and by sequence over
+    a ``"context"`` axis (context parallelism: each device holds T/C tokens of a row).
 
     Under ``fsdp+tp`` the weights split ``d_model`` over ``"data"``; left alone, XLA may
     follow them into the residual stream's gradients and then re-split them by batch, an
@@ -474,10 +561,14 @@ def split_batch(x: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "data" not in mesh.shape or "data" in mesh.manual_axes:
         return x
+    batch: Any = "data"
     if "expert" in mesh.shape and "expert" not in mesh.manual_axes:
         # MoE: the batch over data × expert, so the expert axis works in the dense layers too
-        return constrain(x, jax.sharding.PartitionSpec(("data", "expert")))
-    return constrain(x, jax.sharding.PartitionSpec("data"))
+        batch = ("data", "expert")
+    if "context" in mesh.shape and "context" not in mesh.manual_axes:
+        # Context parallelism: the sequence over the context axis, in every layer
+        return constrain(x, jax.sharding.PartitionSpec(batch, "context"))
+    return constrain(x, jax.sharding.PartitionSpec(batch))
 
 
 def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:

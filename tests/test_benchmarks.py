@@ -1,0 +1,38 @@
+"""benchmarks/mfu.py's CPU path: the tiny GPT in bf16, its figures reported."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def load(name):
+    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mfu_benchmark_runs_the_tiny_gpt_on_cpu(capsys):
+    mfu = load("mfu")
+    out = mfu.run(["--steps", "2", "--warmup", "1", "--layers", "1"])
+    assert out["size"] == "tiny" and out["platform"] == "cpu" and out["devices"] == 8
+    assert out["config"]["precision"] == "bf16" and out["config"]["plan"] == "fsdp"
+    assert out["tokens_per_s_per_device"] > 0 and out["mfu"] == "n/a"
+    n, cfg = out["non_embedding_params"], out["config"]
+    per_token = 6 * n + 6 * cfg["layers"] * cfg["seq_len"] * cfg["d_model"]
+    assert out["model_flops_per_step"] == per_token * cfg["batch"] * cfg["seq_len"]
+    # XLA counts the masked half of the attention, the optimizer and the rest, too.
+    assert out["xla_flops_per_step"] > out["model_flops_per_step"]
+    mfu.main(["--steps", "1", "--warmup", "1", "--layers", "1"])
+    assert "tokens/s per device" in capsys.readouterr().out
+
+
+def test_mfu_1b_config_is_about_a_billion_parameters():
+    mfu = load("mfu")
+    c = mfu.SIZES["1b"]
+    assert 1.0e9 < 12 * c["layers"] * c["d_model"] ** 2 < 1.4e9
+    assert c["d_model"] // c["heads"] == 128
+    with pytest.raises(SystemExit):
+        mfu.parser().parse_args(["--size", "7b"])
