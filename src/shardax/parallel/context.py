@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardax.mesh.axes import CONTEXT_AXIS
 
@@ -701,6 +701,19 @@ def _pick(impl, q_shape, kv_shape, c, itemsize, layout) -> str:
     return impl
 
 
+def _split_sequence(x: Any, axis: str) -> Any:
+    """``x`` with dimension 1 split over ``axis`` in its type, on an Explicit ``axis``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if x is None or mesh.axis_types[mesh.axis_names.index(axis)] != AxisType.Explicit:
+        return x
+    spec = list(jax.typeof(x).sharding.spec)
+    spec += [None] * (x.ndim - len(spec))
+    if spec[1] == axis:
+        return x
+    spec[1] = axis
+    return jax.sharding.reshard(x, PartitionSpec(*spec))
+
+
 def _shard_mapped(scheme, impl, axis, q, k, v, segment_ids, bias):
     """``scheme`` in a shard_map manual over ``axis`` only (other axes stay with the
     compiler): q, k, v and segment ids split on the sequence, the bias on q_len
@@ -713,6 +726,9 @@ def _shard_mapped(scheme, impl, axis, q, k, v, segment_ids, bias):
         else:
             bias_spec = PartitionSpec(None, None, axis) if bias.shape[2] > 1 else PartitionSpec()
     seg_spec = None if segment_ids is None else seq
+    # Explicit axes: an input whose type does not split the sequence over ``axis`` is
+    # resharded to it (shard_map does not reshard typed inputs by itself).
+    q, k, v, segment_ids = (_split_sequence(x, axis) for x in (q, k, v, segment_ids))
     return jax.shard_map(
         scheme,
         mesh=jax.sharding.get_abstract_mesh(),

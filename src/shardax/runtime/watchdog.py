@@ -17,6 +17,7 @@ Arm it around the work of a step, and wait for the step's result inside, since J
 dispatches asynchronously and a hang shows only when the host waits:
 
 >>> import shardax as sx
+>>> from shardax.runtime import status
 >>> with sx.StepWatchdog(timeout=600) as watchdog:
 ...     for step in range(1, 4):
 ...         with watchdog.step(step):
@@ -25,7 +26,7 @@ dispatches asynchronously and a hang shows only when the host waits:
 ...             watchdog.phase(status.DISPATCH)
 ...             state, metrics = train_step(state, batch)
 ...             watchdog.phase(status.DEVICE)
-...             jax.block_until_ready(metrics["loss"])
+...             _ = jax.block_until_ready(metrics["loss"])
 >>> int(state.step)
 3
 

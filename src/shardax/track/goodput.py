@@ -17,14 +17,18 @@ The ledger lives beside the checkpoints (``goodput.json``), one entry per sessio
 (process start to exit), so it spans preemptions and resumes; :meth:`Ledger.resumed`
 moves the step time of the steps a restart will compute again into ``lost``.
 
->>> ledger = Ledger(path=os.path.join(checkpoint_dir, FILE))
+>>> ledger = Ledger(path=os.path.join(tmp_path, FILE))  # beside the checkpoints
 >>> ledger.count("compile", lambda: sx.runtime.compile_stats().seconds)
->>> ledger.resumed(restored_step)
->>> for step in ...:
-...     ledger.switch("step"); ...; ledger.completed(step)
-...     with ledger.phase("checkpoint"): manager.save(...)
->>> ledger.close()                         # writes goodput.json
->>> print(table(ledger.totals()))
+>>> for step in range(1, 4):
+...     _ = ledger.switch("step")
+...     state, metrics = train_step(state, next(batches))
+...     ledger.completed(step)
+...     with ledger.phase("checkpoint"):
+...         pass  # manager.save(step, state)
+>>> ledger.close()  # writes goodput.json
+>>> buckets = load(os.path.join(tmp_path, FILE))["sessions"][0]["buckets"]
+>>> sorted(buckets) == sorted(BUCKETS) and buckets["step"] > 0
+True
 """
 
 from __future__ import annotations
