@@ -805,3 +805,15 @@ def test_an_eval_step_with_another_plan_than_the_state_names_the_plan(mesh):
         ValueError, match=r"EvalStep: the state is not placed as this step's plan 'replicate'"
     ):
         evaluate(state, {"x": np.ones((16, 64), np.float32)})
+
+
+def test_a_batch_committed_elsewhere_is_named_not_the_state(mesh):
+    state = sx.TrainState.from_params(
+        {"w": jnp.zeros((64, 64))}, lambda p, x: x @ p["w"], optax.sgd(0.1)
+    )
+    loss = lambda model, batch: jnp.mean(model(batch["x"]) ** 2)  # noqa: E731
+    step = sx.make_train_step(loss, mesh=mesh, plan=sx.fsdp(mesh, min_size=1))
+    other = sx.make_mesh({"data": 4}, devices=mesh.devices.flat[:4])
+    batch = sx.distribute_batch({"x": np.ones((16, 64), np.float32)}, sx.batch_sharding(other))
+    with pytest.raises(ValueError, match=r"TrainStep: the batch is committed to other devices"):
+        step(step.shard(state), batch)

@@ -1,7 +1,8 @@
-"""``shardax bench``: seed 003's comparison of data-parallel modes, on the devices at hand.
+"""``shardax bench``: the data-parallel modes compared, on the devices at hand.
 
 One Adam step of an MLP with a mean-squared-error loss on a synthetic batch, as in the
-seed notebook, built by :func:`shardax.make_train_step` in its four modes:
+data-parallel notebook of the seed documents, built by :func:`shardax.make_train_step` in
+its four modes:
 
 - ``single``: ``jax.jit`` on one device, the whole batch there;
 - ``jit``: ``jax.jit`` over a ``data`` mesh of all devices, state replicated, batch split;
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(SIZES),
         default="small",
         help="small: 4 × 512 MLP, batch 2048 (CPU, about a minute); "
-        "seed: 90 × 2056 MLP, batch 6912, as in seed 003 (GPU)",
+        "seed: 90 × 2056 MLP, batch 6912, as in the data-parallel notebook (GPU)",
     )
     parser.add_argument("--layers", type=positive_int, help="hidden layers (overrides --size)")
     parser.add_argument("--hidden", type=positive_int, help="hidden width (overrides --size)")

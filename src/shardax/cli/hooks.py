@@ -83,7 +83,7 @@ class Run:
 
     def flush(self) -> list[dict[str, float]]:
         """The pending metrics as host floats (one transfer), appended to the window."""
-        done = [{k: float(v) for k, v in m.items()} for m in self.pending]
+        done = [{k: float(v) for k, v in m.items()} for m in jax.device_get(self.pending)]
         self.pending = []
         self.window += done
         return done

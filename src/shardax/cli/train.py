@@ -259,12 +259,14 @@ def run(args: argparse.Namespace) -> int:
     if jax.process_index() == 0:
         directory = Path(summary["run_dir"])
         summary["plot"] = str(directory / "curves.png")
-        job.plot(summary, directory / "curves.png")
+        if job.plot is not None:
+            job.plot(summary, directory / "curves.png")
         (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if args.json:
             print_json(summary)
         else:
-            job.report(summary, out)
+            if job.report is not None:
+                job.report(summary, out)
             out.print(
                 f"{summary['data_wait_fraction']:.1%} of the time waiting for input; wrote "
                 f"{directory}/summary.json, curves.png and metrics.jsonl"

@@ -1,7 +1,7 @@
 """The digits MLP: the model ``shardax train`` fits by default, its plans and TP rules.
 
-``bench`` and ``tune-batch`` time the same MLP at other sizes on synthetic data, as
-seed 003 does. Copy it as a template for an NNX model.
+``bench`` and ``tune-batch`` time the same MLP at other sizes on synthetic data, as the
+data-parallel notebook of the seed documents does. Copy it as a template for an NNX model.
 
 >>> model = make_mlp(64, 32, 2, 10, seed=0)
 >>> model(jax.numpy.ones((4, 64))).shape

@@ -4,7 +4,8 @@ Inside ``jax.shard_map`` or ``jax.pmap`` a named axis is bound and values are
 per-device: the reductions are ``psum``/``pmean``/``pmax``/``pmin``. Under plain
 ``jax.jit`` (or eagerly) no axis is bound and values are already global, so the
 reductions of :func:`reduce` return them unchanged; naming an axis that is not bound
-while *other* axes are is an error (jax#28666).
+while *other* axes are is an error: under shard_map a
+name that is not bound would otherwise be taken as a global value.
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": -1})
@@ -117,7 +118,7 @@ def weighted_mean(tree: Any, weight: Any = None, axis_name: AxisName = None) -> 
     (default: all bound axes); ``weight=None`` gives equal weights (``pmean``). Under
     plain jit or eagerly, values are already global and are returned unchanged. So
     one metric function gives the global mean in every mode, even when shards hold
-    different numbers of real examples (jax#28666). Total weight 0 gives 0.
+    different numbers of real examples. Total weight 0 gives 0.
 
     >>> mesh = sx.make_mesh({"data": -1})
     >>> f = jax.shard_map(lambda x, w: weighted_mean(x[0], w[0], "data"), mesh=mesh,

@@ -132,7 +132,10 @@ class Ledger:
             self.switch(before)
 
     def completed(self, step: int, steps: int = 1) -> None:
-        """Step ``step`` is done (``steps`` steps since the last call)."""
+        """Step ``step`` is done (``steps`` steps since the last call). Charges the
+        running bucket up to now, so a later relabel (``close("hang")``) covers only the
+        time after this step."""
+        self._charge()
         if self.session["first_step"] is None:
             self.session["first_step"] = step - steps + 1
         self.session["last_step"] = step

@@ -31,6 +31,14 @@ ShardFn = Callable[[Any, Any, Any, jax.Array], tuple[Any, jax.Array, Any, Any]]
 over one (micro)batch; ``grads`` may be None (an evaluation)."""
 
 
+def _mean(total: jax.Array, scale: jax.Array) -> jax.Array:
+    """``total * scale`` in the total's floating dtype; an integer or boolean sum (a count
+    in the aux metrics) becomes a float32 mean rather than rounding to 0."""
+    if jnp.issubdtype(total.dtype, jnp.inexact):
+        return (total * scale.astype(total.dtype)).astype(total.dtype)
+    return total.astype(jnp.float32) * scale
+
+
 def microbatched(fn: ShardFn, k: int, constrain: Callable[[Any], Any] | None = None) -> ShardFn:
     """``fn`` over ``k`` microbatches: microbatch ``j`` holds the examples ``i`` with
     ``i % k == j`` (:func:`shardax.train.batch.split_microbatches`), and gets
@@ -63,7 +71,7 @@ def microbatched(fn: ShardFn, k: int, constrain: Callable[[Any], Any] | None = N
             body, (zeros, jnp.float32(0), model_state), (micro, micro_keys, jnp.arange(k))
         )
         scale = 1 / jnp.maximum(total, 1)
-        grads, loss, aux = jax.tree.map(lambda s: (s * scale.astype(s.dtype)).astype(s.dtype), sums)
+        grads, loss, aux = jax.tree.map(lambda s: _mean(s, scale), sums)
         return grads, loss, aux, model_state
 
     return accumulated

@@ -73,8 +73,8 @@ def make_train_step(
             ``sx.AutoPlanOptions(tp_rules=..., pipeline_rules=..., device_memory=...)`` passes
             auto_plan's options (the fsdp+tp and pipeline candidates, the budget).
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
-            (per-device gradients all-reduced over the data axis), ``"pmap"`` (the seed notebook.s
-            layout: the batch reshaped to (devices, per device, ...); the replicated
+            (per-device gradients all-reduced over the data axis), ``"pmap"`` (the
+            classic layout: the batch reshaped to (devices, per device, ...); the replicated
             state goes in with ``in_axes=None`` rather than stacked on a device axis, so
             it is the same object in every mode) or ``"single"`` (the first device of
             ``mesh``).
@@ -122,7 +122,7 @@ def make_eval_step(
     plan: Plan | None = None,
     mode: Mode = "jit",
     accumulate: int = 1,
-    data_axis: str = DATA_AXIS,
+    data_axis: str | tuple[str, ...] = DATA_AXIS,
     precision: str | Precision = "fp32",
 ) -> EvalStep:
     """A compiled ``evaluate(state, batch) -> metrics`` that never changes ``state``.

@@ -528,6 +528,13 @@ class Program:
         except ValueError as e:
             if "Sharding passed to jit does not match" not in str(e):
                 raise
+            if self._placed_as_planned(state):  # then it is the batch
+                raise ValueError(
+                    f"{type(self).__name__}: the batch is committed to other devices or "
+                    f"shardings than this step's {self.batch_sharding.spec} over mesh "
+                    f"{dict(self.mesh.shape)}; pass NumPy arrays, or place the batch with "
+                    "sx.distribute_batch(batch, sx.batch_sharding(mesh)) for this step's mesh"
+                ) from e
             # A state placed by another plan (e.g. an eval step built with a plan other
             # than the train step's): name both, not jit's sharding dump.
             raise ValueError(
@@ -540,6 +547,18 @@ class Program:
         # returns only the metrics) the same one.
         entry.last = weakref.ref(out[0] if self.returns_state else state)
         return out
+
+    def _placed_as_planned(self, state: TrainState) -> bool:
+        """Every array leaf of ``state`` has the sharding this step's plan gives it."""
+        same: list[bool] = []
+        map_arrays(
+            lambda path, x, s: same.append(
+                not isinstance(x, jax.Array) or x.sharding.is_equivalent_to(s, x.ndim)
+            ),
+            state,
+            self.state_plan(state),
+        )
+        return all(same)
 
     def _single_batch(self, batch: Any) -> Any:
         """The batch on the step's device; a batch placed over the mesh (``distribute_batch``,
