@@ -425,3 +425,13 @@ def test_single_mode_refuses_a_sharding_plan_and_bad_seeds_are_named(mesh):
     np.testing.assert_array_equal(a.rng, b.rng)
     with pytest.raises(TypeError, match=r"rng must be an integer seed.*got shape \(3,\)"):
         sx.TrainState.from_params(params, apply_fn, tx, rng=np.zeros(3, np.uint32))
+
+
+def test_accumulated_integer_aux_is_a_float_mean_not_rounded_to_zero():
+    from shardax.train.accumulate import microbatched
+
+    def fn(model_state, batch, keys, rng):
+        return None, jnp.mean(batch["x"]), {"n": jnp.int32(batch["x"].shape[0])}, model_state
+
+    _, loss, aux, _ = microbatched(fn, 2)(None, {"x": jnp.arange(8.0)}, None, jax.random.key(0))
+    assert float(loss) == 3.5 and aux["n"].dtype == jnp.float32 and float(aux["n"]) == 4.0
