@@ -75,24 +75,26 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Run, Any]:
     manager = None
     if args.checkpoint_dir:
         manager = sx.CheckpointManager(args.checkpoint_dir, async_save=not args.sync_save)
-    try:  # a usage error closes the manager first, or orbax complains at shutdown
+    # Any error before the loop starts (a usage error, a bad --log-dir) closes the manager
+    # first, or orbax complains at shutdown.
+    try:
         state, data_state = resume(args, manager, job)
-    except UsageError:
+        first_done = int(data_state["step"])
+        directory = run_dir(args.run_dir, "train") if jax.process_index() == 0 else None
+        tokens = job.items_per_step if job.unit == "tokens" else 0
+        tracker = track.Tracker(
+            args,
+            directory,
+            steps=job.steps - first_done,
+            examples_per_step=job.items_per_step if not tokens else args.batch_size,
+            tokens_per_step=tokens,
+            config={k: v for k, v in vars(args).items() if isinstance(v, int | float | str)},
+        )
+        feed = tracker.watch(sx.prefetch_to_device(job.loader, sx.batch_sharding(job.mesh)))
+    except BaseException:
         if manager is not None:
             manager.close()
         raise
-    first_done = int(data_state["step"])
-    directory = run_dir(args.run_dir, "train") if jax.process_index() == 0 else None
-    tokens = job.items_per_step if job.unit == "tokens" else 0
-    tracker = track.Tracker(
-        args,
-        directory,
-        steps=job.steps - first_done,
-        examples_per_step=job.items_per_step if not tokens else args.batch_size,
-        tokens_per_step=tokens,
-        config={k: v for k, v in vars(args).items() if isinstance(v, int | float | str)},
-    )
-    feed = tracker.watch(sx.prefetch_to_device(job.loader, sx.batch_sharding(job.mesh)))
     run = Run(job, state, first_done, list(data_state["history"]), list(data_state["window"]),
               feed, tracker, window_first=first_done + 1, directory=directory)  # fmt: skip
     return manager, run, tracker
