@@ -245,10 +245,12 @@ def supervise(
     ]
     for t in readers:
         t.daemon = True
-    for t in readers:
-        t.start()
+    started: list[threading.Thread] = []
     first_failure = 0
-    try:
+    try:  # Ctrl-C may come as soon as a process has printed, before every reader runs
+        for t in readers:
+            t.start()
+            started.append(t)
         while [p.poll() for p in procs].count(None):  # polls every process
             first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE))
             if first is not None:
@@ -268,7 +270,7 @@ def supervise(
         first_failure = 130
     # The processes have ended; their pipes close once a process's own children have too.
     deadline = time.monotonic() + READER_TIMEOUT
-    for t in readers:
+    for t in started:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
     open_pipes = sorted({rank for rank, t in enumerate(readers) if t.is_alive()})
     if open_pipes:
