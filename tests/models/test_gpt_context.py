@@ -60,23 +60,22 @@ def test_window_and_pack_change_the_loss_and_agree_across_meshes(train, flag, ca
 
 
 def test_moe_losses_equal_data_only_and_aux_metrics_are_reported(train, capsys):
-    """Dropless capacity (4 × an even share: every expert can take every token), so
-    equality does not hang on a drop decision at a near-tie, which a roundoff-level
-    difference in the gradients' all-reduce order can flip (then the losses part by
-    ~1e-4 after a few steps)."""
-    moe = ("--experts", "8", "--top-k", "2", "--capacity-factor", "4")
+    """At the default capacity (1.25), so tokens are dropped: the drops are the same on
+    both meshes (gates are ranked in steps, so roundoff cannot reorder them), and the
+    run says how many."""
+    moe = ("--experts", "8", "--top-k", "2", "--moe-every", "1")
     data = train(*moe)
     expert = train(*moe, "--mesh", "data=2,expert=4")
     assert expert["mesh"] == {"data": 2, "expert": 4}
     np.testing.assert_allclose(losses(expert), losses(data), rtol=1e-5)
+    drops = [h["dropped_fraction"] for h in expert["history"]]
+    assert drops == [h["dropped_fraction"] for h in data["history"]] and min(drops) > 0
     for h in expert["history"]:
-        assert h["dropped_fraction"] == 0.0 and 1.0 <= h["balance_loss"] < 8.0
+        assert 1.0 <= h["balance_loss"] < 8.0
     assert expert["moe"]["balance_coef"] == 0.01 and expert["moe"]["top_k"] == 2
+    assert expert["moe"]["dropped_fraction"] > 0
     assert '"train/balance_loss"' in expert["metrics.jsonl"]  # what TensorBoard gets too
     assert '"train/dropped_fraction"' in expert["metrics.jsonl"]
-    # At the default capacity (1.25) tokens are dropped, and the run says how many.
-    dropping = train("--experts", "8", "--moe-every", "1")
-    assert dropping["moe"]["dropped_fraction"] > 0
     assert re.search(r"loss \d\.\d{4} drop \d+\.\d% balance \d\.\d{3}", capsys.readouterr().err)
 
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 from shardax.cost.hlo import collectives
 from shardax.parallel import experts as moe_module
-from shardax.parallel.experts import capacity, choose_dispatch, moe
+from shardax.parallel.experts import GATE_STEPS, capacity, choose_dispatch, moe
 
 E, D, H, K = 8, 8, 16, 2
 BATCH, LEN = 16, 8
@@ -50,7 +50,8 @@ X, ROUTER, PARAMS, COT = _inputs()
 
 def numpy_routing(x, router, groups, capacity_factor, top_k=K):
     """Top-k experts, renormalised gates and the keep mask, per group, in NumPy: each
-    expert keeps its C assignments of highest gate, ties to the earlier token."""
+    expert keeps its C assignments of highest gate (in steps of 1/GATE_STEPS), ties to
+    the earlier token."""
     x = x.reshape(-1, x.shape[-1]).astype(np.float64)
     logits = x @ router
     probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -64,7 +65,7 @@ def numpy_routing(x, router, groups, capacity_factor, top_k=K):
     for g in range(groups):
         for e in range(E):
             queue = [
-                (-gates[t, j], t, j)
+                (-np.round(gates[t, j] * GATE_STEPS), t, j)
                 for t in range(g * per, (g + 1) * per)
                 for j in range(top_k)
                 if experts[t, j] == e

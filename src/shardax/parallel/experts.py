@@ -30,6 +30,9 @@ The rules, the same for every dispatch and every mesh:
   token-assignments from each group of T tokens (never more than T). An expert's
   assignments are ranked by gate, higher first, then by position in the group, earlier
   first; those ranked C or later are dropped: the lower gate first, then the later
+  position. Gates are ranked in steps of ``1 / GATE_STEPS`` (rounded), so that a
+  roundoff-level difference (another mesh sums the gradients in another order) does
+  not reorder two near-equal gates and flip a drop: gates within a step are ranked by
   position. A dropped assignment adds zero to its token's output (the residual path,
   which is the caller's, carries the token on).
 """
@@ -54,6 +57,9 @@ from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS
 
 DISPATCHES = ("auto", "all_to_all", "ragged", "dense")
 """The values of :func:`moe`'s ``dispatch``."""
+
+GATE_STEPS = 256
+"""Gates are ranked for drops in steps of ``1 / GATE_STEPS`` (module docstring)."""
 
 
 class MoEAux(NamedTuple):
@@ -105,8 +111,9 @@ def route(x: jax.Array, router_weight: jax.Array, top_k: int, capacity: int) -> 
     gates = top / top.sum(axis=-1, keepdims=True)
     num_experts = router_weight.shape[-1]
     tokens = jnp.arange(x.shape[0])[:, None]
-    # Per expert, its tokens by gate (higher first), ties by position (stable sort).
-    key = jnp.full(probs.shape, jnp.inf).at[tokens, experts].set(-lax.stop_gradient(gates))
+    # Per expert, its tokens by gate in steps (higher first), then position (stable sort).
+    step = jnp.round(lax.stop_gradient(gates) * GATE_STEPS)
+    key = jnp.full(probs.shape, jnp.inf).at[tokens, experts].set(-step)
     order = jnp.argsort(key, axis=0, stable=True)
     columns = jnp.arange(num_experts)[None, :]
     ranks = jnp.zeros_like(order).at[order, columns].set(jnp.arange(x.shape[0])[:, None])
