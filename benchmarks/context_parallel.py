@@ -84,11 +84,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import shardax.parallel.context as attn
-
-    try:  # the HLO parser is moving from runtime/ to cost/
-        from shardax.cost.hlo import collectives
-    except ImportError:
-        from shardax.cost.hlo import collectives
+    from shardax.cost.hlo import collectives
 
     b, t, h, kh, d = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
     e = h * d
