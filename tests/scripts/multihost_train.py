@@ -203,20 +203,28 @@ def main(argv: list[str] | None = None) -> int:
             import jax
 
             total = sx.runtime.host_reduce(np.int64(jax.process_index() + 1), "sum")
-            print("RESULT " + json.dumps({
+            emit({
                 "process": jax.process_index(),
                 "processes": jax.process_count(),
                 "devices": jax.device_count(),
                 "sum_of_ranks_plus_one": int(total),
-            }), flush=True)  # fmt: skip
+            })  # fmt: skip
             continue
         if mode == "hang":
             hang(args.step_timeout, args.steps)
             continue
         fault = mode if mode in ("raise", "config", "plan") else None
         result = train("dp" if fault else mode, args.steps, fault=fault)
-        print("RESULT " + json.dumps(result), flush=True)
+        emit(result)
     return 0
+
+
+def emit(result: dict) -> None:
+    """One ``RESULT {json}`` line in one write: the processes run unbuffered (launch sets
+    PYTHONUNBUFFERED), where print() writes the text and its newline apart, and the
+    runtime's C++ chatter on the same pipe could land between them."""
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
