@@ -1,9 +1,15 @@
 """Every test sees 8 simulated CPU devices, set before any JAX backend starts.
 
-The session shares one persistent compilation cache (JAX's own, in a fresh temporary
-directory deleted at the end) with the CLI and multi-process tests it starts, which
-inherit it through the environment: most of the suite's time is XLA compiling the same
-small programs again, in this process and in each subprocess.
+Most of the suite's time is XLA compiling small programs, in this process and in each
+subprocess, so:
+
+- the session shares one persistent compilation cache (JAX's own, in a fresh temporary
+  directory deleted at the end) with the CLI and multi-process tests it starts, which
+  inherit it through the environment;
+- XLA:CPU's backend (LLVM) optimizes at level 0 (``XLA_FLAGS``, inherited likewise):
+  the same HLO programs, shardings, collectives and buffer assignments, compiled in
+  about half the time and run more slowly. The tests check what is computed and where
+  it is placed, never how fast; ``benchmarks/`` keep the default level.
 """
 
 import os
@@ -13,8 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax
-import pytest
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
