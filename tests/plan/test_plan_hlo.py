@@ -70,3 +70,27 @@ def test_no_collective_permute_from_random_numbers(mesh):
     with jax.threefry_partitionable(False):
         legacy = collectives(compiled_step(sx.replicate(mesh), mesh, dropout=True))
     assert "collective-permute" in legacy
+
+
+def test_ragged_all_to_all_is_counted_by_its_output_buffer():
+    """XLA:CPU cannot compile lax.ragged_all_to_all, so the op is read from a GPU-style
+    HLO line: its output buffer (an upper bound: the sizes are data-dependent)."""
+    hlo = """HloModule m
+
+ENTRY %main (p0: f32[64,16], p1: f32[64,16], s: s32[4]) -> f32[64,16] {
+  %p0 = f32[64,16]{1,0} parameter(0)
+  %p1 = f32[64,16]{1,0} parameter(1)
+  %s = s32[4]{0} parameter(2)
+  ROOT %r = f32[64,16]{1,0} ragged-all-to-all(ARGS), channel_id=1, replica_groups={{0,1,2,3}}
+}
+""".replace(
+        "ARGS", ", ".join(["f32[64,16]{1,0} %p0", "f32[64,16]{1,0} %p1"] + ["s32[4]{0} %s"] * 4)
+    )
+    (found,) = hlo_collectives(hlo, 4)
+    assert (found.op, found.bytes, found.group, found.shapes) == (
+        "ragged-all-to-all",
+        64 * 16 * 4,
+        4,
+        ((64, 16),),
+    )
+    assert found.sent_bytes == 3 / 4 * 64 * 16 * 4

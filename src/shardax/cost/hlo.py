@@ -16,7 +16,10 @@ import dataclasses
 import math
 import re
 
-OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+OPS = (
+    "all-reduce", "all-gather", "reduce-scatter", "ragged-all-to-all", "all-to-all",
+    "collective-permute",
+)  # fmt: skip
 _OP = re.compile(
     r"= (\(.*?\)|\S+) (" + "|".join(OPS) + r")(-start)?\((.*)$",
     re.MULTILINE,
@@ -62,7 +65,9 @@ class Collective:
         """Bytes one device sends over all ``count`` runs, for ring algorithms over
         ``group`` devices: all-reduce ``2(n-1)/n·S``, all-gather and all-to-all
         ``(n-1)/n·S``, reduce-scatter ``(n-1)·S`` (its input is ``n·S``),
-        collective-permute ``S`` (each device sends its block to one neighbour)."""
+        collective-permute ``S`` (each device sends its block to one neighbour).
+        ragged-all-to-all sends as many rows as its ``send_sizes`` say, known only at
+        run time: ``(n-1)/n·S`` of its output buffer here, an upper bound."""
         n, size = self.group, self.bytes
         if self.op == "collective-permute":
             return float(size) * self.count
