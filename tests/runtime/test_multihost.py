@@ -450,13 +450,14 @@ def test_launch_sends_gloo_lines_to_stderr_even_when_two_interleave():
     script = (
         "print('[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of "
         "connected peer ranks is : 1'); print('0 is connected to 1 peer ranks. Expected "
-        "number of connected peer ranks is : 1'); print('{\"ok\": 1}')"
+        "number of connected peer ranks is : 1'); print('3 peer ranks. Expected number of "
+        "connected peer ranks is : 3'); print('{\"ok\": 1}')"
     )
     procs = start_processes([sys.executable, "-c", script], [dict(CLEAN_ENV)])
     out, err = io.StringIO(), io.StringIO()
     assert supervise(procs, out=out, err=err, prefix_stdout=False) == 0
     assert json.loads(out.getvalue()) == {"ok": 1}
-    assert err.getvalue().count("[0] ") == 2 and "0 is connected" in err.getvalue()
+    assert err.getvalue().count("[0] ") == 3 and "0 is connected" in err.getvalue()
 
 
 def test_launch_reports_an_exception_before_a_peer_killed_by_a_signal():

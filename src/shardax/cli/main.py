@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from shardax.checkpoint.preemption import Preempted
 from shardax.cli.common import UsageError, check_output_dirs, env_int, positive_int, warning
@@ -105,8 +107,19 @@ def one_line_warnings(prefix: str) -> Iterator[None]:
         yield
 
 
+def whole_lines(stream: Any) -> None:
+    """Makes ``stream`` write each line in one piece. Under ``shardax launch``
+    (``PYTHONUNBUFFERED``) ``print`` writes a text and its newline apart, and the
+    runtime's native chatter on the same pipe (gloo) can land between them, splitting a
+    JSON line; line buffering writes a line and its newline together."""
+    if isinstance(stream, io.TextIOWrapper) and not stream.line_buffering:
+        with contextlib.suppress(ValueError, io.UnsupportedOperation):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``shardax COMMAND [OPTIONS]`` and returns its exit code."""
+    whole_lines(sys.stdout)
     args = build_parser().parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
