@@ -1,9 +1,16 @@
-"""The CLI: every command in a subprocess at a small size, usage errors, and the train job.
+"""The CLI: every command at a small size, usage errors, and the train job.
 
-Subprocess tests run ``python -m shardax`` as a user would; the rest call
-``main`` in this process (8 CPU devices, as conftest sets) to keep the suite quick.
+Subprocess tests run ``python -m shardax`` as a user would, where the process is what is
+tested: ``--cpu-devices`` in a fresh process, a usage error's exit code and one line of
+stderr, and (test_train_under_launch...) ``train --json``'s pure stdout. The rest call
+``main`` in this process (8 CPU devices, as conftest sets) to keep the suite quick: each
+subprocess imports JAX, flax and the command's libraries again. The in-process ``--json``
+runs read stdout at the file-descriptor level (``capfd``), so output that native code
+writes still breaks their JSON.
 """
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -48,10 +55,15 @@ def test_info_subprocess_json():
     assert np.array(out["mesh"]["device_ids"]).shape == (2, 2)
 
 
-def test_plan_subprocess_seven_billion_on_eight_h100():
-    out = json_of(
-        run_cli("plan", "--params", "7e9", "--devices", "8", "--hardware", "h100", "--json")
-    )
+def cli_json(capfd, *argv):
+    """``main(argv)`` in this process: exit code 0 and stdout (fd 1) one JSON document."""
+    assert cli(list(argv)) == 0
+    return json.loads(capfd.readouterr().out)
+
+
+def test_plan_json_seven_billion_on_eight_h100(capfd):
+    out = cli_json(capfd, "plan", "--params", "7e9", "--devices", "8", "--hardware", "h100",
+                   "--json")  # fmt: skip
     rows = {(r["strategy"], r["data"], r["model"]): r for r in out["strategies"]}
     assert rows["DP", 8, 1]["total_bytes"] == 16 * 7e9 and rows["DP", 8, 1]["fits"] is False
     assert rows["FSDP", 8, 1]["total_bytes"] == 2 * 7e9 and rows["FSDP", 8, 1]["fits"] is True
@@ -61,8 +73,8 @@ def test_plan_subprocess_seven_billion_on_eight_h100():
     assert any("does not fit" in w for w in out["warnings"])
 
 
-def test_train_subprocess_default_reaches_95_percent(tmp_path):
-    out = json_of(run_cli("train", "--run-dir", str(tmp_path), "--json"))
+def test_train_default_reaches_95_percent(tmp_path, capfd):
+    out = cli_json(capfd, "train", "--run-dir", str(tmp_path), "--json")
     assert out["devices"] == 8 and out["mesh"] == {"data": 8}
     assert out["test_accuracy"] >= 0.95
     assert len(out["history"]) == out["epochs"]
@@ -70,17 +82,15 @@ def test_train_subprocess_default_reaches_95_percent(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:8] == PNG
 
 
-def test_bench_subprocess_small(tmp_path):
-    out = json_of(
-        run_cli(
-            "bench", "--cpu-devices", "4", "--layers", "2", "--hidden", "64",
-            "--input-dim", "32", "--batch-size", "64", "--warmup", "1", "--repeats", "2",
-            "--run-dir", str(tmp_path), "--json",
-        )
+def test_bench_small(tmp_path, capfd):
+    out = cli_json(
+        capfd, "bench", "--layers", "2", "--hidden", "64", "--input-dim", "32",
+        "--batch-size", "128", "--warmup", "1", "--repeats", "2", "--run-dir", str(tmp_path),
+        "--json",
     )  # fmt: skip
     rows = {r["mode"]: r for r in out["results"]}
     assert list(rows) == ["single", "jit", "shard_map", "pmap"]
-    assert rows["single"]["devices"] == 1 and rows["pmap"]["devices"] == 4
+    assert rows["single"]["devices"] == 1 and rows["pmap"]["devices"] == 8  # all of them
     assert rows["single"]["speedup_vs_single"] == 1.0
     for r in rows.values():
         assert len(r["times_s"]) == 2 and r["median_s"] > 0
@@ -92,13 +102,11 @@ def test_bench_subprocess_small(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG
 
 
-def test_tune_batch_subprocess_small(tmp_path):
-    out = json_of(
-        run_cli(
-            "tune-batch", "--cpu-devices", "2", "--devices", "2", "--layers", "1",
-            "--hidden", "32", "--input-dim", "16", "--batch-sizes", "8,2,32",
-            "--warmup", "1", "--repeats", "2", "--run-dir", str(tmp_path), "--json",
-        )
+def test_tune_batch_small(tmp_path, capfd):
+    out = cli_json(
+        capfd, "tune-batch", "--devices", "2", "--layers", "1", "--hidden", "32",
+        "--input-dim", "16", "--batch-sizes", "8,2,32", "--warmup", "1", "--repeats", "2",
+        "--run-dir", str(tmp_path), "--json",
     )  # fmt: skip
     assert [r["batch_size"] for r in out["results"]] == [2, 8, 32]
     assert [r["per_device"] for r in out["results"]] == [1, 4, 16]
@@ -228,29 +236,47 @@ def test_train_tp_plan_places_megatron_specs(tmp_path, capsys):
     assert out["test_accuracy"] >= 0.95
 
 
-def test_train_fsdp_shards_every_large_leaf(tmp_path, capsys):
-    out = train_json(capsys, "--plan", "fsdp", "--epochs", "2", "--run-dir", str(tmp_path))
-    specs = out["param_specs"]
+@pytest.fixture(scope="module")
+def one_epoch_runs(tmp_path_factory):
+    """Two one-epoch runs of the default MLP, shared by the tests that check different
+    things about them: ``--verify`` on the replicating plan (its printed output, and its
+    summary.json), and ``--plan fsdp --json`` (its JSON)."""
+    root = tmp_path_factory.mktemp("one_epoch")
+    verified, fsdp = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(verified):
+        code = cli(["train", "--verify", "--epochs", "1", "--run-dir", str(root / "r")])
+    assert code == 0
+    replicated = json.loads((root / "r" / "summary.json").read_text())
+    with contextlib.redirect_stdout(fsdp):
+        code = cli(["train", "--json", "--epochs", "1", "--plan", "fsdp",
+                    "--run-dir", str(root / "f")])  # fmt: skip
+    assert code == 0
+    return {"verified": verified.getvalue(), "replicated": replicated,
+            "fsdp": json.loads(fsdp.getvalue())}  # fmt: skip
+
+
+def test_train_fsdp_shards_every_large_leaf(one_epoch_runs):
+    specs = one_epoch_runs["fsdp"]["param_specs"]
     assert specs["params/layers/0/kernel/value"] == "P(None, 'data')"  # (64, 256): largest dim
     assert specs["params/out/kernel/value"] == "P('data', None)"  # (256, 10)
     assert specs["params/out/bias/value"] == "P()"  # 10 elements: replicated
 
 
 def test_resume_continues_exactly_where_it_stopped(tmp_path, capsys):
-    common = ["--hidden", "64", "--batch-size", "256"]
-    straight = train_json(capsys, *common, "--epochs", "2", "--run-dir", str(tmp_path / "a"))
+    # The default MLP, whose programs on both plans one_epoch_runs has compiled.
+    straight = train_json(capsys, "--epochs", "2", "--run-dir", str(tmp_path / "a"))
     ckpt = str(tmp_path / "ckpt")
-    train_json(capsys, *common, "--epochs", "1", "--checkpoint-dir", ckpt,
+    train_json(capsys, "--epochs", "1", "--checkpoint-dir", ckpt,
                "--run-dir", str(tmp_path / "b"))  # fmt: skip
     # Resume on another plan: the checkpoint is resharded onto FSDP shardings.
-    resumed = train_json(capsys, *common, "--epochs", "2", "--checkpoint-dir", ckpt, "--resume",
+    resumed = train_json(capsys, "--epochs", "2", "--checkpoint-dir", ckpt, "--resume",
                          "--plan", "fsdp", "--run-dir", str(tmp_path / "c"))  # fmt: skip
     assert resumed["resumed_from_epoch"] == 1
-    assert resumed["param_specs"]["params/layers/0/kernel/value"] == "P('data', None)"  # (64, 64)
+    assert resumed["param_specs"]["params/layers/0/kernel/value"] == "P(None, 'data')"  # (64, 256)
     for a, b in zip(straight["history"], resumed["history"], strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
         assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-6)
-    assert cli(["train", *common, "--checkpoint-dir", ckpt]) == 2
+    assert cli(["train", "--checkpoint-dir", ckpt]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
 
 
@@ -291,11 +317,8 @@ def test_missing_optional_dependency_names_the_extra():
     assert require("json", "demo", "train").dumps([1]) == "[1]"
 
 
-def test_train_reports_state_memory_per_device(tmp_path, capsys):
-    replicated = train_json(capsys, "--epochs", "1", "--run-dir", str(tmp_path / "r"))
-    sharded = train_json(
-        capsys, "--epochs", "1", "--plan", "fsdp", "--run-dir", str(tmp_path / "f")
-    )
+def test_train_reports_state_memory_per_device(one_epoch_runs):
+    replicated, sharded = one_epoch_runs["replicated"], one_epoch_runs["fsdp"]
     assert replicated["state_bytes"] == sharded["state_bytes"]
     assert replicated["state_bytes_per_device"] == replicated["state_bytes"]
     # FSDP over 8 devices: the two kernels (and their Adam moments) split 8 ways; the
@@ -303,18 +326,22 @@ def test_train_reports_state_memory_per_device(tmp_path, capsys):
     assert sharded["state_bytes_per_device"] < replicated["state_bytes"] / 6
 
 
-@pytest.mark.parametrize(
-    ("argv", "code"),
-    [
-        (["--epochs", "1", "--hidden", "32", "--batch-size", "256"], 0),
-        (["--model", "gpt", "--steps", "2", "--eval-every", "2"], 0),
-        # bf16 against an fp32 tolerance: the report names reduced precision, exit 1.
-        (["--epochs", "1", "--hidden", "32", "--precision", "bf16", "--verify-rtol", "1e-7"], 1),
-    ],
-    ids=["mlp", "gpt", "bf16-too-tight"],
-)
-def test_train_verify_checks_the_first_batch_against_one_device(argv, code, tmp_path, capsys):
-    assert cli(["train", "--verify", *argv, "--run-dir", str(tmp_path / "run")]) == code
-    out = capsys.readouterr().out
-    assert "sx.verify: ok" in out if code == 0 else "reduced precision" in out
-    assert (tmp_path / "run" / "summary.json").exists() == (code == 0)
+def test_train_verify_checks_the_first_batch_against_one_device_mlp(one_epoch_runs):
+    # train --verify --epochs 1 (the default MLP); the run goes on to write its summary
+    assert "sx.verify: ok" in one_epoch_runs["verified"]
+    assert one_epoch_runs["replicated"]["epochs"] == 1  # summary.json was written
+
+
+def test_train_verify_checks_the_first_batch_against_one_device_gpt(tiny_gpt_run):
+    # train --verify on a tiny GPT (conftest.py), 6 steps: the run goes on to its summary
+    printed, summary, run, _ = tiny_gpt_run
+    assert "sx.verify: ok" in printed
+    assert (run / "summary.json").exists() and summary["steps"] == 6
+
+
+def test_train_verify_too_tight_for_bf16_names_reduced_precision_and_exits_1(tmp_path, capsys):
+    # bf16 against an fp32 tolerance: the report names reduced precision, exit 1.
+    argv = ["--epochs", "1", "--hidden", "32", "--precision", "bf16", "--verify-rtol", "1e-7"]
+    assert cli(["train", "--verify", *argv, "--run-dir", str(tmp_path / "run")]) == 1
+    assert "reduced precision" in capsys.readouterr().out
+    assert not (tmp_path / "run" / "summary.json").exists()

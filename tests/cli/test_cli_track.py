@@ -11,13 +11,10 @@ from shardax.cli.train_gpt import WARMUP_STEPS
 SMALL = ["--epochs", "2", "--hidden", "32", "--batch-size", "256"]  # 6 steps an epoch
 
 
-def test_gpt_logs_tokens_per_s_the_schedules_learning_rate_and_val_loss(tmp_path, capsys):
-    tiny = ["--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len",
-            "16", "--batch-size", "8", "--steps", "6", "--eval-every", "3"]  # fmt: skip
-    argv = [*tiny, "--run-dir", str(tmp_path), "--log-dir", str(tmp_path / "tb")]
-    assert cli(["train", "--json", *argv, "--log-every", "1"]) == 0
-    summary = json.loads(capsys.readouterr().out)
-    scalars = read_tensorboard(tmp_path / "tb")
+def test_gpt_logs_tokens_per_s_the_schedules_learning_rate_and_val_loss(tiny_gpt_run):
+    # a tiny GPT, 6 steps, --eval-every 3 --log-every 1 --log-dir (conftest.py; with --verify)
+    _, summary, _, tb = tiny_gpt_run
+    scalars = read_tensorboard(tb)
     assert [s for s, _ in scalars["train/loss"]] == [2, 3, 4, 5, 6]
     assert [s for s, _ in scalars["perf/tokens_per_s"]] == [2, 3, 4, 5, 6]
     assert [s for s, _ in scalars["val/loss"]] == [3, 6]
