@@ -22,6 +22,17 @@ CFG = gpt.GPTConfig(layers=2, d_model=32, heads=4, max_seq_len=16)
 ONE_BLOCK = gpt.GPTConfig(layers=1, d_model=32, heads=4, max_seq_len=16)
 
 
+def make(cfg, remat="none"):
+    """``gpt.make_gpt(cfg, remat=remat)`` built under one ``nnx.jit``: the same model, but one
+    compiled program instead of an eager one per initialiser (seconds for each new config)."""
+    return nnx.jit(lambda: gpt.make_gpt(cfg, remat=remat))()
+
+
+def abstract(cfg):
+    """The model's shapes and annotations only (``nnx.eval_shape``), as the CLI plans it."""
+    return nnx.eval_shape(lambda: gpt.make_gpt(cfg))
+
+
 def lm_loss(model, batch):
     logits = model(batch["inputs"]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
@@ -41,7 +52,7 @@ def shard_shapes(x):
 @pytest.mark.parametrize("name", ["tp", "fsdp+tp"])
 def test_tp_plans_split_columns_then_rows(name):
     mesh = sx.make_mesh({"data": 4, "model": 2})
-    model = gpt.make_gpt(ONE_BLOCK)
+    model = make(ONE_BLOCK)
     step = sx.make_train_step(lm_loss, mesh=mesh, plan=gpt.plan(mesh, model, name))
     state = step.shard(sx.TrainState.create(model, optax.adam(1e-3)))
     p = state.params
@@ -65,7 +76,7 @@ def test_tp_plans_split_columns_then_rows(name):
     # Same numbers as one device.
     batch = tokens()
     ref = sx.make_train_step(lm_loss, mesh=mesh, mode="single")
-    ref_state = ref.shard(sx.TrainState.create(gpt.make_gpt(ONE_BLOCK), optax.adam(1e-3)))
+    ref_state = ref.shard(sx.TrainState.create(make(ONE_BLOCK), optax.adam(1e-3)))
     for _ in range(2):
         state, m = step(state, batch)
         ref_state, r = ref(ref_state, batch)
@@ -74,7 +85,7 @@ def test_tp_plans_split_columns_then_rows(name):
 
 def test_fsdp_plan_shards_embed_over_data():
     mesh = sx.make_mesh({"data": 8})
-    model = gpt.make_gpt(CFG)
+    model = abstract(CFG)
     shardings = gpt.plan(mesh, model, "fsdp")(nnx.state(model, nnx.Param))
     assert shardings["blocks"]["attn"]["q"].get_value().spec == P(None, "data", None, None)
     assert shardings["blocks"]["norm1"]["scale"].get_value().spec == P(None, "data")
@@ -82,7 +93,7 @@ def test_fsdp_plan_shards_embed_over_data():
 
 
 def test_plan_errors_name_the_sizes():
-    model = gpt.make_gpt(gpt.GPTConfig(layers=1, d_model=24, heads=3, max_seq_len=8))
+    model = abstract(gpt.GPTConfig(layers=1, d_model=24, heads=3, max_seq_len=8))
     with pytest.raises(ValueError, match=r"splits heads=3 over mesh axis 'model' of size 2"):
         gpt.plan(sx.make_mesh({"data": 4, "model": 2}), model, "tp")
     with pytest.raises(ValueError, match=r"has no 'model' axis"):
@@ -90,11 +101,11 @@ def test_plan_errors_name_the_sizes():
     with pytest.raises(ValueError, match=r"heads=5 must divide d_model=32"):
         gpt.GPTConfig(d_model=32, heads=5)
     with pytest.raises(ValueError, match=r"sequence length 32 is above the model's max_seq_len 16"):
-        gpt.make_gpt(CFG)(jnp.zeros((1, 32), jnp.int32))
+        abstract(CFG)(jnp.zeros((1, 32), jnp.int32))  # checked before any parameter is used
 
 
 def test_stacked_layers_are_a_layer_fn_and_leading_dim_params():
-    model = gpt.make_gpt(CFG)
+    model = make(CFG)
     layer_fn, stacked = model.layers()
     assert {x.shape[0] for x in jax.tree.leaves(stacked)} == {CFG.layers}
     x = model.embed(tokens()["inputs"])
@@ -102,7 +113,7 @@ def test_stacked_layers_are_a_layer_fn_and_leading_dim_params():
         x = layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), x)
     want = model.norm(x) @ model.head[...]
     np.testing.assert_allclose(model(tokens()["inputs"]), want, rtol=1e-5, atol=1e-5)
-    scanned = gpt.make_gpt(gpt.GPTConfig(**{**vars(CFG), "scan_layers": True}))
+    scanned = make(gpt.GPTConfig(**{**vars(CFG), "scan_layers": True}))
     np.testing.assert_allclose(scanned(tokens()["inputs"]), want, rtol=1e-5, atol=1e-5)
 
 
@@ -113,7 +124,7 @@ def test_remat_policies_give_the_same_loss_and_grads():
     batch = tokens()
     results = {}
     for policy in sx.parallel.REMAT_POLICIES:
-        model = gpt.make_gpt(ONE_BLOCK, remat=policy)
+        model = make(ONE_BLOCK, remat=policy)
         results[policy] = jax.jit(nnx.value_and_grad(lm_loss))(model, batch)
     loss, grads = results["none"]
     for policy, (other_loss, other_grads) in results.items():
@@ -145,10 +156,11 @@ def test_remat_wraps_functions_nnx_and_equinox_modules():
 def test_remat_lowers_compiled_temporary_memory():
     batch = tokens(batch=16, seq=16)
     # In lax.scan: XLA:CPU's scheduler keeps remat's savings only inside a loop body.
-    cfg = gpt.GPTConfig(layers=4, d_model=32, heads=4, max_seq_len=16, scan_layers=True)
+    # CFG's sizes (2 layers are a loop too), so its initialisation is compiled already.
+    cfg = gpt.GPTConfig(**{**vars(CFG), "scan_layers": True})
     temp = {}
     for policy in ("none", "full"):
-        model = gpt.make_gpt(cfg, remat=policy)
+        model = make(cfg, remat=policy)
         graphdef, params = nnx.split(model)
 
         def loss(params, batch, graphdef=graphdef):
@@ -163,16 +175,16 @@ def test_remat_lowers_compiled_temporary_memory():
 
 
 def test_compiled_flops_agree_with_the_6n_estimate():
-    cfg = gpt.GPTConfig(layers=2, d_model=64, heads=4, max_seq_len=32)
-    model = gpt.make_gpt(cfg)
+    cfg = CFG  # initialised once for the other tests; its ratio is ~1.08
+    model = make(cfg)
     graphdef, params = nnx.split(model)
-    batch = tokens(batch=8, seq=32)
+    batch = tokens(batch=8, seq=16)
 
     def grad(params, batch):
         return jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p), batch))(params)
 
     flops = compiled_flops(jax.jit(grad).lower(params, batch).compile())
-    estimate = gpt.flops_per_token(cfg, 32, gpt.param_count(model, embeddings=False)) * 8 * 32
+    estimate = gpt.flops_per_token(cfg, 16, gpt.param_count(model, embeddings=False)) * 8 * 16
     # XLA also counts softmax, norms, GELU and the loss: a few percent above the matmuls.
     assert 1.0 <= flops / estimate < 1.15
 
@@ -210,10 +222,29 @@ TINY = ["--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2",
         "--seq-len", "16", "--batch-size", "8"]  # fmt: skip
 
 
-def test_cli_gpt_json_summary(tmp_path, capsys):
-    argv = ["train", "--json", *TINY, "--eval-every", "2", "--plan", "fsdp+tp"]
-    assert cli([*argv, "--steps", "4", "--run-dir", str(tmp_path / "a")]) == 0
-    out = json.loads(capsys.readouterr().out)
+# The job's own options: the JSON summary's run is the reference the resumed runs repeat.
+JOB = ["train", "--json", *TINY, "--eval-every", "2", "--plan", "fsdp+tp"]
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """One 4-step run of JOB (its run directory, and a function that returns its JSON
+    summary from stdout), shared by the summary and resume tests."""
+    run_dir = tmp_path_factory.mktemp("gpt") / "a"
+    done = {}
+
+    def summary(capsys):
+        if not done:
+            assert cli([*JOB, "--steps", "4", "--run-dir", str(run_dir)]) == 0
+            done.update(json.loads(capsys.readouterr().out))
+        return done
+
+    return run_dir, summary
+
+
+def test_cli_gpt_json_summary(four_steps, capsys):
+    run_dir, summary = four_steps
+    out = summary(capsys)
     assert out["model"] == "gpt" and out["mesh"] == {"data": 4, "model": 2}
     assert [h["step"] for h in out["history"]] == [1, 2, 3, 4]
     assert all("train_loss" in h for h in out["history"])
@@ -224,22 +255,20 @@ def test_cli_gpt_json_summary(tmp_path, capsys):
     assert out["mfu"] == "n/a" and out["tokens_per_s"] > 0
     assert 1.0 <= out["flops_estimate_ratio"] < 1.3
     assert out["param_specs"]["params/blocks/mlp/up/value"] == "P(None, 'data', 'model')"
-    assert (tmp_path / "a" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.timeout(900)  # three CLI runs: slow only on a heavily shared machine
-def test_cli_gpt_save_every_and_resume(tmp_path, capsys):
-    argv = ["train", "--json", *TINY, "--eval-every", "2"]
-    assert cli([*argv, "--steps", "4", "--run-dir", str(tmp_path / "a")]) == 0
-    out = json.loads(capsys.readouterr().out)
+@pytest.mark.timeout(900)  # up to three CLI runs: slow only on a heavily shared machine
+def test_cli_gpt_save_every_and_resume(four_steps, tmp_path, capsys):
+    out = four_steps[1](capsys)  # 4 steps uninterrupted
     # Stop after 3 steps with a checkpoint every 2 (and at the end), resume to 4.
     ckpt = str(tmp_path / "ckpt")
     save = ["--save-every", "2", "--checkpoint-dir", ckpt]
-    assert cli([*argv, "--steps", "3", *save, "--run-dir", str(tmp_path / "b")]) == 0
+    assert cli([*JOB, "--steps", "3", *save, "--run-dir", str(tmp_path / "b")]) == 0
     capsys.readouterr()
     with sx.CheckpointManager(ckpt) as manager:
         assert manager.all_steps() == [2, 3]
-    assert cli([*argv, "--steps", "4", *save, "--resume", "--run-dir", str(tmp_path / "c")]) == 0
+    assert cli([*JOB, "--steps", "4", *save, "--resume", "--run-dir", str(tmp_path / "c")]) == 0
     resumed = json.loads(capsys.readouterr().out)
     assert resumed["resumed_from_step"] == 3
     for a, b in zip(out["history"], resumed["history"], strict=True):

@@ -111,27 +111,41 @@ def ranks():
 # --- real processes ------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(300)
-def test_two_processes_match_one_process_dp_fsdp_and_shard_map():
+PLANS = ("dp", "fsdp", "dp-shard_map", "hsdp", "zero2")
+
+
+@pytest.fixture(scope="module")
+def launched_plans():
+    """One ``shardax launch -n 2 --cpu-devices 4`` of the script training every plan in
+    PLANS for 5 steps, one after the other in the same 2 processes (starting them costs
+    more than the training), shared by the tests that check each group of plans."""
     options = ["-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "10"]
-    script = [sys.executable, SCRIPT, "--mode", "dp,fsdp,dp-shard_map"]
+    script = [sys.executable, SCRIPT, "--mode", ",".join(PLANS), "--steps", "5"]
     proc = subprocess.run(
         [*LAUNCH, "launch", *options, "--", *script],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=360,
         env=CLEAN_ENV,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     got = results(proc.stdout)
     assert sorted(got) == [0, 1]
+    for rank in (0, 1):
+        assert [r["plan"] for r in got[rank]] == list(PLANS)
+    return proc, {rank: dict(zip(PLANS, got[rank], strict=True)) for rank in (0, 1)}
+
+
+@pytest.mark.timeout(420)
+def test_two_processes_match_one_process_dp_fsdp_and_shard_map(launched_plans):
+    proc, got = launched_plans
     # Printing comes from process 0 only.
     assert "[0] step 4 loss" in proc.stdout and "[1] step" not in proc.stdout
-    for plan_index, plan in enumerate(("dp", "fsdp", "dp-shard_map")):
+    for plan in ("dp", "fsdp", "dp-shard_map"):
         reference = multihost_train.train(plan, 5)  # 1 process x 8 devices, here
         assert reference["processes"] == 1
         for rank in (0, 1):
-            r = got[rank][plan_index]
+            r = got[rank][plan]
             assert r["plan"] == plan and r["processes"] == 2 and r["process"] == rank
             np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-6)
             # Each process read only its half of every global batch of 32 ...
@@ -149,24 +163,14 @@ def test_two_processes_match_one_process_dp_fsdp_and_shard_map():
                 assert r["w1_local_shards"] == [[16, 64]] * 4
 
 
-@pytest.mark.timeout(300)
-def test_two_processes_hsdp_and_zero2_match_one_process():
+@pytest.mark.timeout(420)
+def test_two_processes_hsdp_and_zero2_match_one_process(launched_plans):
     """HSDP: the replica axis crosses the 2 processes (DCN), fsdp stays inside each."""
-    options = ["-n", "2", "--cpu-devices", "4", "--heartbeat-timeout", "10"]
-    script = [sys.executable, SCRIPT, "--mode", "hsdp,zero2", "--steps", "4"]
-    proc = subprocess.run(
-        [*LAUNCH, "launch", *options, "--", *script],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=CLEAN_ENV,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    got = results(proc.stdout)
-    for plan_index, plan in enumerate(("hsdp", "zero2")):
-        reference = multihost_train.train(plan, 4)  # 1 process x 8 devices, here
+    _, got = launched_plans
+    for plan in ("hsdp", "zero2"):
+        reference = multihost_train.train(plan, 5)  # 1 process x 8 devices, here
         for rank in (0, 1):
-            r = got[rank][plan_index]
+            r = got[rank][plan]
             assert r["plan"] == plan and r["processes"] == 2
             np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-5)
             assert r["rows"] == [16 * rank, 16 * rank + 16]
