@@ -358,12 +358,17 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
             env=CLEAN_ENV,
         )
 
+    # The uninterrupted 2-process run, beside the one that is preempted.
+    reference = start("mp-straight", "--checkpoint-dir", str(tmp_path / "mp-straight"))
     proc = start("mp", "--checkpoint-dir", str(ckpt), "--step-timeout", "300")  # never fires
     try:
         sigterm_when(ckpt / "5", pid=proc.pid)  # to launch, which forwards it to both
         out = proc.communicate(timeout=300)[0]
+        reference_out = reference.communicate(timeout=300)[0]
     finally:
         proc.kill()
+        reference.kill()
+    assert reference.returncode == 0, reference_out[-3000:]
     assert proc.returncode == sx.checkpoint.PREEMPTED_EXIT_CODE, out[-3000:]
     saved = {
         line[:3]: line.split("saved step ")[1].split()[0]
@@ -391,16 +396,11 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
         shutil.copytree(ckpt, tmp_path / f"elastic{data}")
 
     # Exact: resumed by 2 processes again, equal to 2 processes uninterrupted, bitwise. It
-    # runs beside the uninterrupted 2-process run and the elastic resumes below (in this
-    # process, on copies of the checkpoint); both 2-process runs find the programs the
-    # preempted run compiled in the cache. (Their output goes to files: nothing reads a pipe
-    # meanwhile.)
-    log, reference_log = tmp_path / "mp-resumed.log", tmp_path / "mp-straight.log"
-    with log.open("w") as log_file, reference_log.open("w") as reference_file:
+    # runs beside the elastic resumes below (in this process, on copies of the checkpoint).
+    # (Its output goes to a file: nothing reads a pipe meanwhile.)
+    log = tmp_path / "mp-resumed.log"
+    with log.open("w") as log_file:
         resumed = start("mp-resumed", "--checkpoint-dir", str(ckpt), "--resume", log=log_file)
-        reference = start(
-            "mp-straight", "--checkpoint-dir", str(tmp_path / "mp-straight"), log=reference_file
-        )
     try:
         # Elastic: the 2 x 4 checkpoint resumes on 1 x 8, 1 x 4 and 1 x 2 devices.
         for data in (8, 4, 2):
@@ -417,11 +417,8 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
                     got[path], want[path], rtol=1e-5, atol=1e-6, err_msg=path
                 )
         resumed.wait(timeout=300)
-        reference.wait(timeout=300)
     finally:
         resumed.kill()
-        reference.kill()
-    assert reference.returncode == 0, reference_log.read_text()[-3000:]
     out = log.read_text()
     assert resumed.returncode == 0, out[-3000:]
     summary, uninterrupted = (
