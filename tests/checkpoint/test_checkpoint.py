@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -18,23 +19,42 @@ from shardax.cli.launch import free_port
 WORKER = os.path.join(os.path.dirname(__file__), "..", "scripts", "ckpt_worker.py")
 
 
-def run_worker(*args, devices=8, timeout=120):
-    out = subprocess.run(
+def start_worker(*args, devices=8) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, WORKER, args[0], str(devices), *map(str, args[1:])],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def finish_workers(*procs: subprocess.Popen, timeout=120) -> list[dict]:
+    """Waits for workers started together (each under ``timeout``); their last JSON line."""
+    deadline = time.monotonic() + timeout
+    try:
+        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
 @pytest.fixture(scope="module")
-def straight_and_first(tmp_path_factory):
-    """20 steps straight (``a``) and 10 steps (``b``), each in a new process: the resume
-    test continues ``b``; the 4-device restore reads ``a``."""
+def workers(tmp_path_factory):
+    """20 steps straight (``a``) and 10 steps (``b``), each in a new process, side by side;
+    then, side by side again, ``b`` resumed to step 20 in a new process, and ``a`` restored
+    onto 4 devices, replicated, in another."""
     tmp = tmp_path_factory.mktemp("workers")
-    return tmp, run_worker("train", tmp / "a", 20), run_worker("train", tmp / "b", 10)
+    straight, first = finish_workers(
+        start_worker("train", tmp / "a", 20), start_worker("train", tmp / "b", 10)
+    )
+    second, restored = finish_workers(
+        start_worker("train", tmp / "b", 20, "resume"),
+        start_worker("restore", tmp / "a", devices=4),
+    )
+    return {"straight": straight, "first": first, "second": second, "restored": restored}
 
 
 def make_state(mesh):
@@ -145,19 +165,17 @@ def test_missing_steps_are_clear(tmp_path, mesh):
         sx.restore_checkpoint(tmp_path, like=make_state(mesh), step=5)
 
 
-def test_exact_resume_in_a_new_process_is_bitwise(straight_and_first):
+def test_exact_resume_in_a_new_process_is_bitwise(workers):
     # 20 steps straight, against 10 steps, a new process, restore, then 10 more.
-    tmp, straight, first = straight_and_first
-    second = run_worker("train", tmp / "b", 20, "resume")
+    straight, first, second = workers["straight"], workers["first"], workers["second"]
     assert first["position"] == {**first["position"], "epoch": 1, "index": 4}
     assert first["losses"] + second["losses"] == straight["losses"]
     assert second["params"] == straight["params"]
     assert second["position"] == straight["position"]
 
 
-def test_saved_with_fsdp_on_8_devices_restored_on_4_replicated(straight_and_first):
-    tmp, done, _ = straight_and_first  # saved at step 20 by 8 devices, FSDP
-    restored = run_worker("restore", tmp / "a", devices=4)
+def test_saved_with_fsdp_on_8_devices_restored_on_4_replicated(workers):
+    done, restored = workers["straight"], workers["restored"]  # saved at step 20 by 8, FSDP
     assert restored["step"] == 20 and restored["replicated"] and restored["devices"] == 4
     assert restored["params"] == done["params"]
 
@@ -167,22 +185,40 @@ def test_kill_during_save_leaves_last_complete_step(tmp_path, mode):
     # save_loop saves steps 1, 2, ... holding k; overwrite_loop saves step 1 again and
     # again, holding k, with overwrite=True; async_save_loop is save_loop with async saves
     # (printing k - 1 once save(k) returned, and k - 1 committed).
-    for delay in (1.1,) if mode == "async_save_loop" else (0.3, 1.1, 2.3):
-        directory = tmp_path / f"kill{delay}"
-        proc = subprocess.Popen(
-            [sys.executable, WORKER, mode, "8", str(directory)],
+    # The workers of the different delays run side by side, each killed by its own thread
+    # ``delay`` seconds after its first commit.
+    delays = (1.1,) if mode == "async_save_loop" else (0.3, 1.1, 2.3)
+    procs = {
+        delay: subprocess.Popen(
+            [sys.executable, WORKER, mode, "8", str(tmp_path / f"kill{delay}")],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        committed = []
-        deadline = time.monotonic() + 120
-        while not committed and time.monotonic() < deadline:  # wait for the first commit
-            committed.append(int(proc.stdout.readline().split()[1]))
-        time.sleep(delay)
+        for delay in delays
+    }
+    printed: dict[float, list[int]] = {delay: [] for delay in delays}
+
+    def kill_after_first_commit(delay: float) -> None:
+        proc, committed = procs[delay], printed[delay]
+        line = proc.stdout.readline()  # the first commit (or EOF: the worker died)
+        if line:
+            committed.append(int(line.split()[1]))
+            time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         rest = proc.communicate(timeout=30)[0]
         committed += [int(line.split()[1]) for line in rest.splitlines()]
+
+    threads = [threading.Thread(target=kill_after_first_commit, args=(d,)) for d in delays]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    for proc in procs.values():
+        proc.kill()
+    for delay in delays:
+        directory, committed = tmp_path / f"kill{delay}", printed[delay]
+        assert committed, f"{mode}, delay {delay}: no commit printed"
         seen = sorted(os.listdir(directory))
         with sx.CheckpointManager(directory, max_to_keep=2) as manager:
             latest = manager.latest_step()
