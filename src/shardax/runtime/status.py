@@ -193,5 +193,27 @@ def hang_line(status: RankStatus | None = None, timeout: float = 5.0) -> str | N
     return f"shardax: hang watchdog: behind: {named}{rest}"
 
 
+_REPORTED = "shardax/reported/"
+
+
+def leave_last(grace: float) -> None:
+    """Marks this process's hang report as written. Process 0, which hosts JAX's
+    coordination service (when it ends, the others abort at once), then waits up to
+    ``grace`` seconds for every process's mark, so each writes its own report first.
+    A no-op outside a multi-process run; never raises and never waits past ``grace``."""
+    import jax
+
+    client = _client()
+    if client is None:
+        return
+    rank, deadline = jax.process_index(), time.monotonic() + grace
+    _call(lambda: client.key_value_set(f"{_REPORTED}{rank}", "1", allow_overwrite=True), grace)
+    while rank == 0 and time.monotonic() < deadline:
+        entries = _call(lambda: client.key_value_dir_get(_REPORTED), 1.0)
+        if entries is not None and len(entries) >= jax.process_count():
+            return
+        time.sleep(0.1)
+
+
 STATUS = RankStatus()
 """This process's status (one per process)."""

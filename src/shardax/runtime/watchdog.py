@@ -9,9 +9,10 @@ to stderr, prints one line naming the step and the timeout, and ends the process
 :data:`WATCHDOG_EXIT_CODE`. In a multi-process run it first prints one line naming the
 processes that are behind, with their step and phase (:mod:`shardax.runtime.status`:
 every process publishes its last completed step and its phase, which the loop sets
-with :meth:`StepWatchdog.phase`). Under ``shardax launch`` (or a scheduler that ends a job
-when one task fails) the other processes are then stopped too; those stuck in a
-collective with the hung one time out on their own watchdog anyway.
+with :meth:`StepWatchdog.phase`); process 0 exits last, once every process has written
+its report or :data:`LEAVE_GRACE` has passed. Under ``shardax launch`` (or a scheduler
+that ends a job when one task fails) the other processes are then stopped too; those
+stuck in a collective with the hung one time out on their own watchdog anyway.
 
 Arm it around the work of a step, and wait for the step's result inside, since JAX
 dispatches asynchronously and a hang shows only when the host waits:
@@ -49,6 +50,10 @@ from shardax.runtime import status
 
 WATCHDOG_EXIT_CODE = 124
 """The exit code of a process the watchdog ended (as ``timeout(1)`` uses)."""
+
+LEAVE_GRACE = 10.0
+"""Seconds process 0 waits, after its own report, for the others' (their runtime aborts
+them as soon as process 0, the coordination service's host, ends)."""
 
 
 class StepWatchdog:
@@ -175,6 +180,8 @@ class StepWatchdog:
         if self.on_fire is not None:
             with contextlib.suppress(BaseException):  # the process ends whatever it does
                 self.on_fire(step)
+        with contextlib.suppress(BaseException):  # process 0 leaves after the others' reports
+            status.leave_last(LEAVE_GRACE)
         try:
             os._exit(code)
         except BaseException as e:
