@@ -40,9 +40,7 @@ from shardax.runtime.distributed import (
     ENV_PROCESS_ID,
 )
 
-RUNTIME_CHATTER = re.compile(
-    r"\[Gloo\] |peer ranks\. Expected number of connected peer ranks is"
-)
+RUNTIME_CHATTER = re.compile(r"\[Gloo\] |peer ranks\. Expected number of connected peer ranks is")
 """Lines that the runtime's native code writes to stdout; launch sends them to stderr, so a
 program's stdout (``--json``) stays its own. gloo writes from several threads at once, so
 one message can start inside another's line: its tail is matched too."""
