@@ -58,6 +58,21 @@ def test_unknown_batch_axis_name(mesh):
         sx.batch_sharding(mesh, "batch")
 
 
+def test_seq_axis_splits_the_sequence_too():
+    mesh = sx.make_mesh({"data": 2, "context": 4})
+    sharding = sx.batch_sharding(mesh, seq_axis="context")
+    tokens = np.arange(2 * 16).reshape(2, 16)
+    placed = sx.distribute_batch({"tokens": tokens}, sharding)["tokens"]
+    assert placed.sharding.spec == P("data", "context")
+    for shard in placed.addressable_shards:
+        rows, cols = shard.index
+        np.testing.assert_array_equal(np.asarray(shard.data), tokens[rows, cols])
+        assert np.asarray(shard.data).shape == (1, 4)
+    for bad in ("data", "seq", 1):
+        with pytest.raises(ValueError, match=r"sx.batch_sharding: seq_axis must be a mesh axis"):
+            sx.batch_sharding(mesh, seq_axis=bad)
+
+
 def test_replicate_across_devices_full_value_everywhere():
     w = {"w": np.arange(12.0).reshape(3, 4)}
     out = sx.DevicePlacement().replicate_across_devices(w)

@@ -30,12 +30,20 @@ from shardax.runtime.processes import device_put_global
 
 
 def batch_sharding(
-    mesh: Mesh, axis: str | tuple[str, ...] = DATA_AXIS, batch_axis: int = 0
+    mesh: Mesh,
+    axis: str | tuple[str, ...] = DATA_AXIS,
+    batch_axis: int = 0,
+    seq_axis: str | None = None,
 ) -> NamedSharding:
-    """The sharding that splits dimension ``batch_axis`` over mesh ``axis``.
+    """The sharding that splits dimension ``batch_axis`` over mesh ``axis``; with
+    ``seq_axis``, the next dimension (the sequence of ``(batch, seq, ...)`` leaves) over
+    that mesh axis too: the placement context parallelism (:func:`shardax.attention`)
+    expects, e.g. for a batch reordered by ``sx.parallel.zigzag``.
 
     >>> batch_sharding(make_mesh()).spec
     P('data',)
+    >>> batch_sharding(make_mesh({"data": 2, "context": 4}), seq_axis="context").spec
+    P('data', 'context')
     """
     check_mesh("batch_sharding: mesh", mesh)
     batch_axis = as_count("batch_sharding: batch_axis", batch_axis, minimum=0)
@@ -43,10 +51,17 @@ def batch_sharding(
     missing = [n for n in names if n not in mesh.shape]
     if missing:
         raise ValueError(
-            f"batch axis {axis!r} is not in the mesh, whose axes are {dict(mesh.shape)}; "
-            "pass axis= one of them"
+            f"sx.batch_sharding: axis {axis!r} is not in the mesh, whose axes are "
+            f"{dict(mesh.shape)}; pass axis= one of them"
         )
-    return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), axis))
+    if seq_axis is None:
+        return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), axis))
+    if not isinstance(seq_axis, str) or seq_axis not in mesh.shape or seq_axis in names:
+        raise ValueError(
+            f"sx.batch_sharding: seq_axis must be a mesh axis other than the batch's "
+            f"{names}, one of {dict(mesh.shape)}; got {seq_axis!r}"
+        )
+    return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), axis, seq_axis))
 
 
 def leaf_sharding(path: str, shape: tuple[int, ...], sharding: Sharding) -> Sharding:

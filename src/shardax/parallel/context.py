@@ -141,7 +141,8 @@ def sequence_sharding(
     mesh: Mesh, seq_axis: str = CONTEXT_AXIS, batch_axis: str | tuple[str, ...] | None = "data"
 ) -> NamedSharding:
     """A batch ``(B, T, ...)`` split over ``batch_axis`` on B (skipped when the mesh has no
-    such axis) and over ``seq_axis`` on T: the placement :func:`attention` expects.
+    such axis) and over ``seq_axis`` on T: the placement :func:`attention` expects
+    (``sx.batch_sharding(mesh, seq_axis=...)`` where the mesh has the batch axis).
 
     >>> sequence_sharding(jax.make_mesh((2, 4), ("data", "context"))).spec
     P('data', 'context')
