@@ -31,16 +31,6 @@ import json
 from typing import Any
 
 
-def compiled_bytes(compiled: Any) -> dict[str, int]:
-    """Per-device bytes of a compiled executable: arguments, temporaries, outputs not
-    aliased to arguments (donated state), and their sum (the peak XLA plans for)."""
-    m = compiled.memory_analysis()
-    out = max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
-    total = m.argument_size_in_bytes + m.temp_size_in_bytes + out
-    return {"arguments": m.argument_size_in_bytes, "temporaries": m.temp_size_in_bytes,
-            "outputs": out, "total": total}  # fmt: skip
-
-
 def run_job(argv: list[str], steps: int) -> dict[str, Any]:
     """Builds the GPT job from ``shardax train`` options; returns its compiled memory per
     device and the losses of ``steps`` steps."""
@@ -52,6 +42,7 @@ def run_job(argv: list[str], steps: int) -> dict[str, Any]:
     import shardax.cli.train_gpt  # registers the job
     from shardax.cli.job import JOBS
     from shardax.cli.train import add_arguments
+    from shardax.train.auto import measure
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -59,7 +50,10 @@ def run_job(argv: list[str], steps: int) -> dict[str, Any]:
     job = JOBS["gpt"].make(args, Console(quiet=True))
     batches = iter(job.loader)
     first = next(batches)
-    memory = compiled_bytes(job.step.lower(job.state, first).compile())
+    # arguments + outputs - donated aliases + temporaries, as sx.auto_plan measures plans
+    measured = measure("gpt", job.step.lower(job.state, first).compile(), job.step.plan)
+    memory = {"arguments": measured.argument_bytes, "temporaries": measured.temp_bytes,
+              "total": measured.total_bytes}  # fmt: skip
     state, losses, batch = job.state, [], first
     sharding = sx.batch_sharding(job.mesh)
     for _ in range(steps):
