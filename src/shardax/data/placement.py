@@ -51,7 +51,7 @@ def batch_sharding(
     missing = [n for n in names if n not in mesh.shape]
     if missing:
         raise ValueError(
-            f"sx.batch_sharding: axis {axis!r} is not in the mesh, whose axes are "
+            f"sx.batch_sharding: batch axis {axis!r} is not in the mesh, whose axes are "
             f"{dict(mesh.shape)}; pass axis= one of them"
         )
     if seq_axis is None:
