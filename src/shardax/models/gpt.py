@@ -293,11 +293,11 @@ class Attention(nnx.Module):
 
 def _positions(ctx: Context, seq: int) -> jax.Array:
     """``ctx.positions``, or the true positions of the layout over the context axis."""
-    from shardax.parallel.context import context_size, layout_positions
+    from shardax.parallel.context import layout_context, layout_positions
 
     if ctx.positions is not None:
         return jnp.asarray(ctx.positions)
-    return jnp.asarray(layout_positions(seq, context_size()[0], ctx.layout))
+    return jnp.asarray(layout_positions(seq, layout_context(), ctx.layout))
 
 
 class MLP(nnx.Module):

@@ -17,7 +17,9 @@ picks how devices see each other's keys and values:
 
 Causal load balancing: with ``layout="zigzag"`` device i holds sequence chunks i and
 2C-1-i (of 2C); :func:`zigzag` reorders a batch that way and gives each token's true
-position, which the masks use.
+position, which the masks use. A zig-zag batch needs the C it was reordered for: on a
+mesh without the axis, ``layout="zigzag"`` is refused, except inside :func:`laid_out_for`
+(how ``sx.verify`` runs its one-device reference on the distributed mesh's layout).
 
 >>> mesh = jax.make_mesh((2, 4), ("data", "context"))
 >>> q = k = v = jnp.ones((2, 16, 4, 8))
@@ -29,9 +31,12 @@ position, which the masks use.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -225,6 +230,38 @@ def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
                 f"{_NAME}: bias must be 4-D and broadcastable to (batch, heads, q_len, "
                 f"kv_len) = {full}, got {tuple(bias.shape)}"
             )
+
+
+_LAID_OUT: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar(
+    "shardax_laid_out_for", default={}
+)
+
+
+@contextlib.contextmanager
+def laid_out_for(mesh: Mesh) -> Iterator[None]:
+    """Within it, a run on fewer devices keeps ``mesh``'s sequence layout: where ``axis``
+    has size 1 (or is absent), ``layout="zigzag"`` means the batch was reordered for
+    ``mesh.shape[axis]`` devices, and the masks and positions use that C.
+
+    ``sx.verify`` runs its one-device reference inside it, so a zig-zag batch gives the
+    same loss and gradients there as over the context axis.
+
+    >>> with laid_out_for(jax.make_mesh((2, 4), ("data", "context"))):
+    ...     layout_context()
+    4
+    """
+    token = _LAID_OUT.set({str(k): int(v) for k, v in mesh.shape.items()})
+    try:
+        yield
+    finally:
+        _LAID_OUT.reset(token)
+
+
+def layout_context(axis: str = CONTEXT_AXIS) -> int:
+    """The C a ``layout="zigzag"`` sequence is laid out for: the size of ``axis`` in the
+    current mesh, or where that is 1, its size in an enclosing :func:`laid_out_for`."""
+    c, _ = context_size(axis)
+    return c if c > 1 else _LAID_OUT.get().get(axis, 1)
 
 
 def context_size(axis: str = CONTEXT_AXIS) -> tuple[int, bool]:
@@ -662,10 +699,13 @@ def attention(
     scale = float(1.0 / math.sqrt(d) if scale is None else scale)
     c, manual = context_size(axis)
     if c == 1:
-        pos = None if q.shape[1] != k.shape[1] else jnp.arange(q.shape[1])
+        laid = 1 if layout == "contiguous" else _zigzag_context(axis, q.shape[1], k.shape[1])
+        pos = None if q.shape[1] != k.shape[1] else jnp.asarray(
+            layout_positions(q.shape[1], laid, layout)
+        )  # fmt: skip
         return _dense(
             q, k, v, qpos=pos, kpos=pos, qseg=segment_ids, kseg=segment_ids, bias=bias,
-            causal=causal, window=window, scale=scale, natural=True,
+            causal=causal, window=window, scale=scale, natural=laid == 1,
         )  # fmt: skip
     gshape = tuple(q.shape), tuple(k.shape)
     if manual:  # inside shard_map over axis: these are this device's blocks
@@ -678,8 +718,23 @@ def attention(
     return _shard_mapped(scheme, impl, axis, q, k, v, segment_ids, bias)
 
 
-def _pick(impl, q_shape, kv_shape, c, itemsize, layout) -> str:
-    (_, t, h, _), s = q_shape, kv_shape[1]
+def _zigzag_context(axis: str, t: int, s: int) -> int:
+    """The C of a zig-zag sequence run where ``axis`` has size 1 (see :func:`laid_out_for`);
+    refused when it cannot be known: a guess would give the wrong causal mask."""
+    c = layout_context(axis)
+    if c == 1:
+        raise ValueError(
+            f"{_NAME}: layout='zigzag' needs the context axis: the rows were reordered for "
+            f"C devices, and axis {axis!r} has size 1 here, so C is unknown. Pass "
+            f"layout='contiguous' with the batch in sequence order (sx.parallel.unzigzag), "
+            f"or run on a mesh whose {axis!r} axis has size > 1"
+        )
+    _check_length(t, s, c, "zigzag")
+    return c
+
+
+def _check_length(t: int, s: int, c: int, layout: str) -> None:
+    """One sequence (q_len == kv_len), divisible into the layout's chunks."""
     if t != s:
         raise ValueError(
             f"{_NAME}: context parallelism splits one sequence, so q_len must equal kv_len; "
@@ -691,6 +746,11 @@ def _pick(impl, q_shape, kv_shape, c, itemsize, layout) -> str:
             f"{_NAME}: sequence length {t} is not divisible by {chunks} "
             f"({'2 × ' if layout == 'zigzag' else ''}C={c}, layout={layout!r}); pad it"
         )
+
+
+def _pick(impl, q_shape, kv_shape, c, itemsize, layout) -> str:
+    (_, t, h, _), s = q_shape, kv_shape[1]
+    _check_length(t, s, c, layout)
     if impl == "auto":
         impl, reason = choose_impl(q_shape, kv_shape, c, itemsize)
         _log.info("%s: impl=%r: %s", _NAME, impl, reason)

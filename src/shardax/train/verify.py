@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.checks import as_count
+from shardax.parallel.context import laid_out_for
 from shardax.plan.tree import is_array, path_str
 from shardax.train.masks import MASK_KEY
 from shardax.train.precision import Precision, policy_name, resolve, unscale
@@ -297,10 +298,15 @@ def _out_of_memory(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
-def _on_one(device: Any, batch: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` for the reference: running out of memory is said plainly."""
+def _on_one(device: Any, mesh: Mesh | None, batch: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` for the reference, on the distributed ``mesh``'s sequence layout (a
+    zig-zag batch keeps its C, :func:`~shardax.parallel.context.laid_out_for`); running
+    out of memory is said plainly."""
     try:
-        return fn(*args)
+        if mesh is None:
+            return fn(*args)
+        with laid_out_for(mesh):
+            return fn(*args)
     except Exception as e:
         if _out_of_memory(e):
             raise _too_big(device, _batch_size(batch), e) from e
@@ -371,12 +377,12 @@ def _verify_step(
     dstate = dist.shard(state)
     _check_fits(device, state, batch)
     rbatch = _place(batch, NamedSharding(mesh1, PartitionSpec()))
-    rstate = _on_one(device, batch, ref.shard, state)
+    rstate = _on_one(device, step.mesh, batch, ref.shard, state)
     first: dict[str, Any] = {}
     by_step = []
     for k in range(1, steps + 1):
         dnew, dout = dist(dstate, batch)
-        rnew, rout = _on_one(device, batch, ref, rstate, rbatch)
+        rnew, rout = _on_one(device, step.mesh, batch, ref, rstate, rbatch)
         got, want = _observed(dnew, dout), _observed(rnew, rout)
         if k == 1:
             first = {"dist": got, "ref": want}
@@ -400,7 +406,8 @@ def _verify_step(
             other = state.replace(
                 rng=jax.random.key_data(key), model_state=_fold_keys(state.model_state)
             )
-            reseeded = _observed(*ref(ref.shard(other), rbatch))["metrics"]
+            reseeded = _observed(*_on_one(device, step.mesh, batch, ref, ref.shard(other), rbatch))
+            reseeded = reseeded["metrics"]
             if any(not d.ok for d in compare(reseeded, first["ref"]["metrics"], 1, rtol, atol)):
                 return "device-folded RNG", CAUSES["device-folded RNG"]
             if not (isinstance(batch, dict) and MASK_KEY in batch):
@@ -532,12 +539,12 @@ def _verify_fn(
     def fresh() -> tuple[Any, ...]:
         return _copied(args, jnp.copy)  # the user's step may donate: never the original
 
-    rargs = _on_one(device, batch, _copied, args, lambda x: jax.device_put(x, one))
+    rargs = _on_one(device, None, batch, _copied, args, lambda x: jax.device_put(x, one))
     dargs = fresh()
     by_step, first = [], {}
     for k in range(1, steps + 1):
         dargs, dout = run(fn, dargs, batch, False)
-        rargs, rout = _on_one(device, batch, run, reference, rargs, rbatch, True)
+        rargs, rout = _on_one(device, mesh, batch, run, reference, rargs, rbatch, True)
         got = {"returned": dout, "state": _arrays(dargs)}
         want = {"returned": rout, "state": _arrays(rargs)}
         if k == 1:

@@ -1,0 +1,139 @@
+"""A user's own causal LM, written the way flax's NNX examples write one, calling
+``sx.attention`` over a context axis: it composes with ``accumulate``, FSDP over the
+data axis, TP over heads, ``sx.remat`` and ``sx.verify``, and trains as on ``data=8``.
+
+A zig-zag batch needs the C it was reordered for: without a context axis
+``layout="zigzag"`` is refused, and ``sx.verify``'s one-device reference keeps the
+distributed mesh's layout (``laid_out_for``), so it computes what the mesh computes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+from shardax.parallel.context import attention, laid_out_for, unzigzag, zigzag
+from shardax.plan.tree import path_str
+
+V, D, H, T, ROWS = 32, 32, 4, 32, 16
+
+
+class CausalLM(nnx.Module):
+    """Embedding, one pre-norm causal attention block (heads split over "model"), head."""
+
+    def __init__(self, rngs: nnx.Rngs, layout: str = "contiguous", impl: str = "ring"):
+        init = nnx.initializers.lecun_normal()
+        cols = nnx.with_partitioning(init, (None, "model"))  # q, k, v: heads over "model"
+        rows = nnx.with_partitioning(init, ("model", None))  # out: the heads come back
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.q, self.k, self.v = (
+            nnx.Linear(D, D, use_bias=False, kernel_init=cols, rngs=rngs) for _ in range(3)
+        )
+        self.out = nnx.Linear(D, D, use_bias=False, kernel_init=rows, rngs=rngs)
+        self.head = nnx.Linear(D, V, rngs=rngs)
+        self.layout, self.impl = layout, impl
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        x = x + sx.remat(self.attend)(self.norm(x))
+        return self.head(x)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        q, k, v = (f(x).reshape(b, t, H, D // H) for f in (self.q, self.k, self.v))
+        y = attention(q, k, v, causal=True, impl=self.impl, layout=self.layout)
+        return self.out(y.reshape(b, t, D))
+
+
+def loss_fn(model, batch):
+    logits = model(batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def batches(n: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, V, size=(ROWS, T + 1)).astype(np.int32)
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    return out
+
+
+def train(mesh, layout: str, data: list, impl: str = "ring"):
+    """Losses and final params of two steps: fsdp over "data" on top of the model's TP
+    annotations, two microbatches per step."""
+    with nnx.use_eager_sharding(False):
+        model = CausalLM(nnx.Rngs(0), layout, impl)
+    rules = {} if "model" in mesh.shape else {"model": None}  # data=8: replicate heads
+    plan = sx.plan.fsdp_over(sx.from_nnx(mesh, model, rules), min_size=1)
+    step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, accumulate=2)
+    state = step.shard(sx.TrainState.create(model, optax.adam(1e-2)))
+    losses = []
+    for batch in data:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return step, state, losses
+
+
+@pytest.fixture(scope="module")
+def runs():
+    data = batches(2)
+    mesh = sx.make_mesh({"data": 2, "context": 2, "model": 2})
+    zigged = [zigzag(b, 2)[0] for b in data]
+    step, state, losses = train(mesh, "zigzag", zigged)
+    _, ref_state, ref_losses = train(sx.make_mesh({"data": 8}), "contiguous", data)
+    return mesh, step, state, losses, ref_state, ref_losses, zigged
+
+
+def test_losses_and_params_equal_the_data_only_mesh(runs):
+    mesh, step, state, losses, ref_state, ref_losses, _ = runs
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_the_plan_splits_heads_over_model_and_the_rest_over_data(runs):
+    _, _, state, *_ = runs
+    specs = {path_str(p): x for p, x in jax.tree.leaves_with_path(state.params)}
+    q, out = specs["q/kernel/value"], specs["out/kernel/value"]
+    assert q.sharding.spec == P("data", "model") and out.sharding.spec == P("model", "data")
+    assert {s.data.shape for s in q.addressable_shards} == {(D // 2, D // 2)}
+    # Adam's moments follow their param
+    mu = {path_str(p): x for p, x in jax.tree.leaves_with_path(state.opt_state)}
+    assert any(p.endswith("mu/q/kernel/value") and x.sharding.spec == P("data", "model")
+               for p, x in mu.items())  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["ring", "all_gather", "ulysses"])
+def test_verify_agrees_on_a_zigzag_context_mesh(runs, impl):
+    mesh, step, *_, zigged = runs
+    with nnx.use_eager_sharding(False):
+        model = CausalLM(nnx.Rngs(0), "zigzag", impl)
+    plan = sx.plan.fsdp_over(sx.from_nnx(mesh, model), min_size=1)
+    step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, accumulate=2)
+    report = sx.verify(step, sx.TrainState.create(model, optax.adam(1e-2)), zigged[0])
+    assert report.ok, str(report)
+    assert report.steps == 1 and report.cause is None
+
+
+def test_zigzag_without_the_context_axis_is_refused_not_guessed():
+    q = jax.random.normal(jax.random.key(0), (2, 16, 2, 8))
+    with pytest.raises(ValueError, match=r"layout='zigzag' needs the context axis.*unzigzag"):
+        attention(q, q, q, causal=True, layout="zigzag")
+    with jax.set_mesh(sx.make_mesh({"data": 8})):
+        with pytest.raises(ValueError, match="axis 'context' has size 1 here"):
+            jax.jit(lambda q: attention(q, q, q, causal=True, layout="zigzag"))(q)
+    # Inside laid_out_for, one device computes what C=4 devices compute on a zig-zag batch.
+    zq, _ = zigzag(q, 4)
+    with laid_out_for(sx.make_mesh({"data": 2, "context": 4})):
+        got = attention(zq, zq, zq, causal=True, window=(5, 0), layout="zigzag")
+    want = attention(q, q, q, causal=True, window=(5, 0))
+    np.testing.assert_allclose(unzigzag(np.asarray(got), 4), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"not divisible by 8 \(2 × C=4"):
+        with laid_out_for(sx.make_mesh({"data": 2, "context": 4})):
+            attention(q[:, :12], q[:, :12], q[:, :12], layout="zigzag")
