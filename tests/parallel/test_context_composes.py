@@ -8,7 +8,6 @@ distributed mesh's layout (``laid_out_for``), so it computes what the mesh compu
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -91,7 +90,7 @@ def runs():
 
 
 def test_losses_and_params_equal_the_data_only_mesh(runs):
-    mesh, step, state, losses, ref_state, ref_losses, _ = runs
+    _, _, state, losses, ref_state, ref_losses, _ = runs
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
@@ -125,15 +124,19 @@ def test_zigzag_without_the_context_axis_is_refused_not_guessed():
     q = jax.random.normal(jax.random.key(0), (2, 16, 2, 8))
     with pytest.raises(ValueError, match=r"layout='zigzag' needs the context axis.*unzigzag"):
         attention(q, q, q, causal=True, layout="zigzag")
-    with jax.set_mesh(sx.make_mesh({"data": 8})):
-        with pytest.raises(ValueError, match="axis 'context' has size 1 here"):
-            jax.jit(lambda q: attention(q, q, q, causal=True, layout="zigzag"))(q)
+    with (
+        jax.set_mesh(sx.make_mesh({"data": 8})),
+        pytest.raises(ValueError, match="axis 'context' has size 1 here"),
+    ):
+        jax.jit(lambda q: attention(q, q, q, causal=True, layout="zigzag"))(q)
     # Inside laid_out_for, one device computes what C=4 devices compute on a zig-zag batch.
     zq, _ = zigzag(q, 4)
     with laid_out_for(sx.make_mesh({"data": 2, "context": 4})):
         got = attention(zq, zq, zq, causal=True, window=(5, 0), layout="zigzag")
     want = attention(q, q, q, causal=True, window=(5, 0))
     np.testing.assert_allclose(unzigzag(np.asarray(got), 4), want, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match=r"not divisible by 8 \(2 × C=4"):
-        with laid_out_for(sx.make_mesh({"data": 2, "context": 4})):
-            attention(q[:, :12], q[:, :12], q[:, :12], layout="zigzag")
+    with (
+        pytest.raises(ValueError, match=r"not divisible by 8 \(2 × C=4"),
+        laid_out_for(sx.make_mesh({"data": 2, "context": 4})),
+    ):
+        attention(q[:, :12], q[:, :12], q[:, :12], layout="zigzag")

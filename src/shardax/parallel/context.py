@@ -232,8 +232,8 @@ def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
             )
 
 
-_LAID_OUT: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar(
-    "shardax_laid_out_for", default={}
+_LAID_OUT: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
+    "shardax_laid_out_for", default=None
 )
 
 
@@ -261,7 +261,7 @@ def layout_context(axis: str = CONTEXT_AXIS) -> int:
     """The C a ``layout="zigzag"`` sequence is laid out for: the size of ``axis`` in the
     current mesh, or where that is 1, its size in an enclosing :func:`laid_out_for`."""
     c, _ = context_size(axis)
-    return c if c > 1 else _LAID_OUT.get().get(axis, 1)
+    return c if c > 1 else (_LAID_OUT.get() or {}).get(axis, 1)
 
 
 def context_size(axis: str = CONTEXT_AXIS) -> tuple[int, bool]:
