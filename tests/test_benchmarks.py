@@ -36,3 +36,12 @@ def test_mfu_1b_config_is_about_a_billion_parameters():
     assert c["d_model"] // c["heads"] == 128
     with pytest.raises(SystemExit):
         mfu.parser().parse_args(["--size", "7b"])
+
+
+def test_causal_ring_work_per_device_is_even_under_zigzag():
+    """The ring's own visibility rule: contiguous leaves device C-1 all the work;
+    zig-zag gives each device (2C+1)/(4C) of the full attention."""
+    ring = load("causal_ring")
+    assert ring.work_per_device(4, 64, "contiguous") == [0.25, 0.5, 0.75, 1.0]
+    assert ring.work_per_device(4, 64, "zigzag") == [9 / 16] * 4
+    assert ring.work_per_device(8, 64, "zigzag") == [17 / 32] * 8

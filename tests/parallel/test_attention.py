@@ -35,6 +35,7 @@ MASKS = {
     "causal_segment_window": (True, True, (5, 0), False, "contiguous"),
     "bias_causal": (True, False, None, True, "contiguous"),
     "zigzag_causal_segment_window": (True, True, (9, 0), False, "zigzag"),
+    "zigzag_bias_causal": (True, False, None, True, "zigzag"),
 }
 # mesh shape, heads, kv heads: GQA with kv heads divisible by C=4; MQA on C=8
 MESHES = {"data2_context4_gqa": ((2, 4), 8, 4), "context8_mqa": ((1, 8), 8, 1)}
@@ -115,7 +116,8 @@ def mesh_results(request):
     seg = jnp.asarray(SEGMENTS)
     zig = {}
     (zig["q"], zig["k"], zig["v"], zig["w"], zig["seg"]), _ = zigzag((q, k, v, w, seg), c)
-    zig["bias"] = bias  # unused by the zig-zag case
+    order = zigzag_order(T, c)
+    zig["bias"] = bias[:, :, order][:, :, :, order]  # rows and columns in the layout's order
 
     def run_all(plain, zigged):
         out = {}
@@ -162,7 +164,8 @@ def test_forward_and_gradients_equal_one_device(mesh_results, impl, mask):
     (out, grads), (ref_out, ref_grads) = got[impl, mask], want[mask]
     if MASKS[mask][4] == "zigzag":  # back to sequence order
         out = unzigzag(out, c)
-        grads = (*unzigzag(grads[:3], c), grads[3])
+        dbias = unzigzag(unzigzag(grads[3], c, seq_axis=2), c, seq_axis=3)
+        grads = (*unzigzag(grads[:3], c), dbias)
     close(out, ref_out)
     names = ("dq", "dk", "dv", "dbias") if MASKS[mask][3] else ("dq", "dk", "dv")
     for name, g, r in zip(names, grads, ref_grads, strict=False):
@@ -282,6 +285,22 @@ def test_each_scheme_compiles_to_its_collective():
     assert "all-gather" not in texts["ring"] and "all-to-all" not in texts["ring"]
     assert "all-to-all" in texts["ulysses"] and "collective-permute" not in texts["ulysses"]
     assert "all-gather" in texts["all_gather"]
+
+
+def test_the_causal_ring_skips_the_hidden_blocks():
+    """Causal (or windowed) ring: each K/V block, or under zig-zag each chunk pair, is
+    computed under a lax.cond on whether the mask hides it; without a mask, no cond."""
+    mesh = jax.make_mesh((4,), ("context",), axis_types=(AxisType.Auto,))
+    q = jnp.zeros((1, 32, 2, 8))
+
+    def hlo(**kw):
+        fn = jax.jit(jax.grad(lambda q: attention(q, q, q, impl="ring", **kw).sum()))
+        with jax.set_mesh(mesh):
+            return fn.lower(q).compile().as_text()
+
+    assert "conditional(" not in hlo()
+    for kw in ({"causal": True}, {"window": (3, 0)}, {"causal": True, "layout": "zigzag"}):
+        assert "conditional(" in hlo(**kw), kw
 
 
 def test_refusals_name_the_rule():

@@ -36,7 +36,7 @@ import contextvars
 import functools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -499,28 +499,29 @@ def _ulysses(cfg: _Config, q, k, v, seg, bias):
     return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def _grouped_bias(bias: jax.Array | None, kv_heads: int, src: Any, block: int):
-    """Bias columns of source block ``src``, as ``(B|1, K|1, G|1, T|1, S_blk|1)``."""
+def _grouped_bias(bias: jax.Array | None, kv_heads: int, rows: slice, col: Any, width: int):
+    """The bias of local query ``rows`` against the ``width`` keys from column ``col`` of
+    the laid-out sequence, as ``(B|1, K|1, G|1, T_part|1, S_part|1)``."""
     if bias is None:
         return None
+    if bias.shape[2] > 1:
+        bias = bias[:, :, rows]
     if bias.shape[3] > 1:
-        bias = lax.dynamic_slice_in_dim(bias, src * block, block, axis=3)
+        bias = lax.dynamic_slice_in_dim(bias, col, width, axis=3)
     b, h, t, s = bias.shape
     if h == 1:
         return bias.reshape(b, 1, 1, t, s)
     return bias.reshape(b, kv_heads, h // kv_heads, t, s)
 
 
-def _scores(cfg: _Config, qg, kb, kseg, bias, qpos, src, block):
-    """Masked logits ``(B, K, G, T, S_blk)`` of local queries against block ``src``
-    (``kseg``: the queries' and the block's segment ids, or Nones)."""
+def _scores(cfg: _Config, qg, kb, qseg, kseg, bias, qpos, kpos):
+    """Masked logits ``(B, K, G, T, S)`` of queries ``qg`` at ``qpos`` against keys ``kb``
+    at ``kpos`` (``bias``: their part of the bias, grouped; segment ids or Nones)."""
     s = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32)
     s = s * cfg.scale
-    blk = _grouped_bias(bias, kb.shape[2], src, block)
-    if blk is not None:
-        s = s + blk.astype(jnp.float32)
-    kpos = _block_positions(src, block, cfg.size, cfg.layout)
-    mask = _mask(qpos, kpos, kseg[0], kseg[1], cfg.causal, cfg.window)
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    mask = _mask(qpos, kpos, qseg, kseg, cfg.causal, cfg.window)
     if mask is None:
         return s
     return jnp.where(mask[:, None, None], s, _NEG)
@@ -529,12 +530,46 @@ def _scores(cfg: _Config, qg, kb, kseg, bias, qpos, src, block):
 _NEG = -0.7 * float(np.finfo(np.float32).max)
 
 
+def _parts(cfg: _Config, t: int) -> list[slice]:
+    """The parts of a device's block the ring pairs up, each a contiguous run of
+    positions: the block itself, or under ``layout="zigzag"`` with a position mask its
+    two chunks (i and 2C-1-i), so that a pair the mask hides entirely can be skipped."""
+    n = 2 if cfg.layout == "zigzag" and (cfg.causal or cfg.window is not None) else 1
+    sub = t // n
+    return [slice(i * sub, (i + 1) * sub) for i in range(n)]
+
+
+def _visible(cfg: _Config, qpos: jax.Array, kpos: jax.Array) -> Any:
+    """Whether the causal mask and the window let any query of a part (a contiguous run
+    of positions ``qpos``) see any key of another (``kpos``); True without them."""
+    visible: Any = True
+    if cfg.causal:
+        visible = kpos[0] <= qpos[-1]
+    if cfg.window is not None:
+        left, right = cfg.window
+        near = (qpos[0] - kpos[-1] <= left) & (qpos[-1] - kpos[0] >= -right)
+        visible = near if visible is True else visible & near
+    return visible
+
+
+def _unless_hidden(visible: Any, fn: Callable[..., Any], carry: Any, *args: Any) -> Any:
+    """``fn(carry, *args)``, or ``carry`` untouched (not computed) where ``visible`` is a
+    traced False: the causal ring skips the blocks above the diagonal."""
+    if visible is True:
+        return fn(carry, *args)
+    return lax.cond(visible, fn, lambda carry, *_: carry, carry, *args)
+
+
 def _ring_setup(cfg: _Config, q):
     t = q.shape[1]
     idx = lax.axis_index(cfg.axis)
     qpos = _block_positions(idx, t, cfg.size, cfg.layout)
     perm = [(i, (i + 1) % cfg.size) for i in range(cfg.size)]
-    return idx, qpos, perm
+    return idx, qpos, perm, _parts(cfg, t)
+
+
+def _part(x: jax.Array | None, part: slice) -> jax.Array | None:
+    return None if x is None else x[:, part]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -548,39 +583,77 @@ def _zeros(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) * 0
 
 
+def _online(cfg: _Config, acc, qg, kb, vb, qseg, kseg, bias, qpos, kpos):
+    """One online-softmax update of ``acc = (o, m, l)`` with a part of a K/V block."""
+    o, m, l = acc  # noqa: E741
+    s = _scores(cfg, qg, kb, qseg, kseg, bias, qpos, kpos)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    alpha = jnp.exp(m - m_new)
+    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb,
+                    preferred_element_type=jnp.float32)  # fmt: skip
+    return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(-1)
+
+
 def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
     b, t, h, d = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, h // kh, d)
-    idx, qpos, perm = _ring_setup(cfg, q)
+    idx, qpos, perm, parts = _ring_setup(cfg, q)
 
-    def compute(acc, block, step):
-        o, m, l = acc  # noqa: E741
+    def compute(accs, block, step):
         kb, vb, kseg = block
         src = (idx - step) % cfg.size
-        s = _scores(cfg, qg, kb, (seg, kseg), bias, qpos, src, t)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb,
-                        preferred_element_type=jnp.float32)  # fmt: skip
-        return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(-1)
+        kpos = _block_positions(src, t, cfg.size, cfg.layout)
+        out = []
+        for qi, acc in zip(parts, accs, strict=True):
+            for kj in parts:
+                bias_ij = _grouped_bias(bias, kh, qi, src * t + kj.start, kj.stop - kj.start)
+                acc = _unless_hidden(
+                    _visible(cfg, qpos[qi], kpos[kj]), functools.partial(_online, cfg), acc,
+                    qg[:, qi], kb[:, kj], vb[:, kj], _part(seg, qi), _part(kseg, kj), bias_ij,
+                    qpos[qi], kpos[kj],
+                )  # fmt: skip
+            out.append(acc)
+        return out
 
     def body(carry, step):
-        acc, block = carry
+        accs, block = carry
         # Send the block on before using it, so the transfer overlaps this step's compute.
         after = lax.ppermute(block, cfg.axis, perm)
-        return (compute(acc, block, step), after), None
+        return (compute(accs, block, step), after), None
 
-    o = _zeros(qg.transpose(0, 2, 3, 1, 4))
-    acc = (o, o[..., 0] - jnp.inf, o[..., 0])
+    accs = []
+    for qi in parts:
+        o = _zeros(qg[:, qi].transpose(0, 2, 3, 1, 4))
+        accs.append((o, o[..., 0] - jnp.inf, o[..., 0]))
     # Steps 0..C-2 in a loop (one step's scores live at a time), the last without a send.
-    (acc, block), _ = lax.scan(body, (acc, (k, v, seg)), jnp.arange(cfg.size - 1))
-    o, m, l = compute(acc, block, cfg.size - 1)  # noqa: E741
+    (accs, block), _ = lax.scan(body, (accs, (k, v, seg)), jnp.arange(cfg.size - 1))
+    accs = compute(accs, block, cfg.size - 1)
+    o, m, l = (jnp.concatenate(x, axis=3) for x in zip(*accs, strict=True))  # noqa: E741
     o = o / l[..., None]
     lse = m + jnp.log(l)
     out = o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
     return out, (q, k, v, seg, bias, o, lse)
+
+
+def _grads(cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, do, lse, delta,
+           where):  # fmt: skip
+    """One part pair's gradients, added to ``carry = (dq, (dk, dv), dbias)`` (``where``:
+    the pair's first row and column in the bias)."""
+    dq, (dk, dv), dbias = carry
+    s = _scores(cfg, qg, kb, qseg, kseg, bias, qpos, kpos)
+    p = jnp.exp(s - lse[..., None])
+    dv = dv + jnp.einsum("bkgts,bkgtd->bskd", p, do)
+    dp = jnp.einsum("bkgtd,bskd->bkgts", do, vb, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None])
+    dq = dq + cfg.scale * jnp.einsum("bkgts,bskd->btkgd", ds, kb,
+                                     preferred_element_type=jnp.float32)  # fmt: skip
+    dk = dk + cfg.scale * jnp.einsum("bkgts,btkgd->bskd", ds, qg,
+                                     preferred_element_type=jnp.float32)  # fmt: skip
+    if dbias is not None:
+        dbias = _add_bias_grad(dbias, ds, *where)
+    return dq, (dk, dv), dbias
 
 
 def _ring_bwd(cfg: _Config, res, g):
@@ -590,34 +663,39 @@ def _ring_bwd(cfg: _Config, res, g):
     qg = q.reshape(b, t, kh, h // kh, d)
     do = g.reshape(b, t, kh, h // kh, d).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
     delta = (do * o).sum(-1)
-    idx, qpos, perm = _ring_setup(cfg, q)
+    idx, qpos, perm, parts = _ring_setup(cfg, q)
 
     def compute(acc, block, step):
-        (dq, dbias), (dk, dv) = acc
+        (dqs, dbias), dkvs = acc
+        dqs, dkvs = list(dqs), list(dkvs)
         kb, vb, kseg = block
         src = (idx - step) % cfg.size
-        s = _scores(cfg, qg, kb, (seg, kseg), bias, qpos, src, t)
-        p = jnp.exp(s - lse[..., None])
-        dv = dv + jnp.einsum("bkgts,bkgtd->bskd", p, do)
-        dp = jnp.einsum("bkgtd,bskd->bkgts", do, vb, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[..., None])
-        dq = dq + cfg.scale * jnp.einsum("bkgts,bskd->btkgd", ds, kb,
-                                         preferred_element_type=jnp.float32)  # fmt: skip
-        dk = dk + cfg.scale * jnp.einsum("bkgts,btkgd->bskd", ds, qg,
-                                         preferred_element_type=jnp.float32)  # fmt: skip
-        if bias is not None:
-            dbias = _add_bias_grad(dbias, ds, src, t)
+        kpos = _block_positions(src, t, cfg.size, cfg.layout)
+        for i, qi in enumerate(parts):
+            for j, kj in enumerate(parts):
+                col = src * t + kj.start
+                dqs[i], dkvs[j], dbias = _unless_hidden(
+                    _visible(cfg, qpos[qi], kpos[kj]), functools.partial(_grads, cfg),
+                    (dqs[i], dkvs[j], dbias), qg[:, qi], kb[:, kj], vb[:, kj],
+                    _part(seg, qi), _part(kseg, kj),
+                    _grouped_bias(bias, kh, qi, col, kj.stop - kj.start), qpos[qi], kpos[kj],
+                    do[..., qi, :], lse[..., qi], delta[..., qi], (qi.start, col),
+                )  # fmt: skip
         # dK / dV travel with their block; after the last step one more hop takes them home.
-        return (dq, dbias), lax.ppermute((dk, dv), cfg.axis, perm)
+        return (dqs, dbias), lax.ppermute(dkvs, cfg.axis, perm)
 
     def body(carry, step):
         acc, block = carry
         after = lax.ppermute(block, cfg.axis, perm)
         return (compute(acc, block, step), after), None
 
-    acc = ((_zeros(qg), None if bias is None else _zeros(bias)), (_zeros(k), _zeros(v)))
+    dqs = [_zeros(qg[:, qi]) for qi in parts]
+    dkvs = [(_zeros(k[:, kj]), _zeros(v[:, kj])) for kj in parts]
+    acc = ((dqs, None if bias is None else _zeros(bias)), dkvs)
     (acc, block), _ = lax.scan(body, (acc, (k, v, seg)), jnp.arange(cfg.size - 1))
-    (dq, dbias), (dk, dv) = compute(acc, block, cfg.size - 1)
+    (dqs, dbias), dkvs = compute(acc, block, cfg.size - 1)
+    dq = jnp.concatenate(dqs, axis=1)
+    dk, dv = (jnp.concatenate(x, axis=1) for x in zip(*dkvs, strict=True))
     dbias = None if bias is None else dbias.astype(bias.dtype)
     return (
         dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
@@ -625,19 +703,17 @@ def _ring_bwd(cfg: _Config, res, g):
     )  # fmt: skip
 
 
-def _add_bias_grad(dbias: jax.Array, ds: jax.Array, src: Any, block: int) -> jax.Array:
-    """Adds block ``src``'s logit gradient ``ds`` (B, K, G, T, S_blk), summed to the
-    bias' broadcast shape, into ``dbias`` (B|1, H|1, T|1, S|1)."""
-    bb, hb, tb, sb = dbias.shape
+def _add_bias_grad(dbias: jax.Array, ds: jax.Array, row: int, col: Any) -> jax.Array:
+    """Adds a part pair's logit gradient ``ds`` (B, K, G, T_part, S_part), summed to the
+    bias' broadcast shape, into ``dbias`` (B|1, H|1, T|1, S|1) at ``row``, ``col``."""
+    *_, tb, sb = dbias.shape
     b, kh, g, t, s = ds.shape
     ds = ds.reshape(b, kh * g, t, s)
-    axes = tuple(i for i, n in enumerate((bb, hb, tb, 1 if sb == 1 else s)) if n == 1)
+    axes = tuple(i for i, n in enumerate(dbias.shape) if n == 1)
     blk = ds.sum(axes, keepdims=True) if axes else ds
-    if sb == 1:
-        return dbias + blk
-    start = src * block
-    cur = lax.dynamic_slice_in_dim(dbias, start, block, axis=3)
-    return lax.dynamic_update_slice_in_dim(dbias, cur + blk, start, axis=3)
+    start = (0, 0, row if tb > 1 else 0, col if sb > 1 else 0)
+    cur = lax.dynamic_slice(dbias, start, blk.shape)
+    return lax.dynamic_update_slice(dbias, cur + blk, start)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
