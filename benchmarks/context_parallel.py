@@ -42,7 +42,10 @@ def ring_permutes_lead(hlo: str) -> tuple[bool, list[tuple[int, int]]]:
             bodies[name] = []
         elif name and line.strip() and not line.startswith("}"):
             bodies[name].append(line.strip())
+    called = {n: _callees(lines) for n, lines in bodies.items()}
     has_dot = {n for n, lines in bodies.items() if any(" dot(" in x for x in lines)}
+    while grown := {n for n in bodies if n not in has_dot and called[n] & has_dot}:
+        has_dot |= grown  # through fusions and the branches of the causal ring's conds
     pairs = []
     for lines in bodies.values():
         names = [x.removeprefix("ROOT ").split(" =", 1)[0].lstrip("%") for x in lines]
@@ -57,11 +60,23 @@ def ring_permutes_lead(hlo: str) -> tuple[bool, list[tuple[int, int]]]:
                 if "collective-permute" in y or not uses[j] & reach:
                     continue
                 reach.add(names[j])
-                called = re.search(r"calls=%?([\w.\-]+)", y)
-                if " dot(" in y or "custom-call(" in y or (called and called.group(1) in has_dot):
+                if " dot(" in y or "custom-call(" in y or _callees([y]) & has_dot:
                     pairs.append((i, j))
                     break
     return bool(pairs) and all(p < d for p, d in pairs), pairs
+
+
+def _callees(lines: list[str]) -> set[str]:
+    """The computations these HLO lines call: fusions, and conditionals' branches."""
+    pattern = _CALLS + r"=\{?([^}\s,]+(?:, *%?[\w.\-]+)*)"
+    names = set()
+    for line in lines:
+        for group in re.findall(pattern, line):
+            names |= {n.strip().lstrip("%") for n in group.split(",")}
+    return names
+
+
+_CALLS = r"(?:calls|branch_computations|true_computation|false_computation)"
 
 
 def main() -> None:

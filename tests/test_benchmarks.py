@@ -1,4 +1,4 @@
-"""benchmarks/mfu.py's CPU path: the tiny GPT in bf16, its figures reported."""
+"""The benchmarks' CPU paths and the pieces they measure with (mfu, causal_ring, context_parallel)."""
 
 import importlib.util
 from pathlib import Path
@@ -45,3 +45,22 @@ def test_causal_ring_work_per_device_is_even_under_zigzag():
     assert ring.work_per_device(4, 64, "contiguous") == [0.25, 0.5, 0.75, 1.0]
     assert ring.work_per_device(4, 64, "zigzag") == [9 / 16] * 4
     assert ring.work_per_device(8, 64, "zigzag") == [17 / 32] * 8
+
+
+def test_ring_sends_each_block_before_computing_with_it():
+    """benchmarks/context_parallel.py's schedule check on the causal ring's compiled HLO,
+    where the block's compute sits in the branches of the skipping conds."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardax.parallel.context import attention
+
+    lead = load("context_parallel").ring_permutes_lead
+    mesh = jax.make_mesh((4,), ("context",), devices=jax.devices()[:4])
+    z = jnp.zeros((1, 64, 2, 8))
+    for layout in ("contiguous", "zigzag"):
+        fwd = jax.jit(lambda q, k, v, layout=layout: attention(
+            q, k, v, causal=True, impl="ring", layout=layout))  # fmt: skip
+        with jax.set_mesh(mesh):
+            ok, pairs = lead(fwd.lower(z, z, z).compile().as_text())
+        assert ok and pairs, layout

@@ -11,13 +11,16 @@ picks how devices see each other's keys and values:
 - ``"all_gather"``: gather K/V over the axis, keep the local queries;
 - ``"ring"``: K/V blocks travel around the ring (``ppermute``, the next block sent
   before the current one is used) and combine by an online softmax; the backward pass
-  runs the ring again, so memory per device stays O(len / C);
+  runs the ring again, so memory per device stays O(len / C). A block that the causal
+  mask or the window hides entirely is skipped (``lax.cond``);
 - ``"ulysses"``: all-to-all from sequence-split to head-split, full-length attention
   on H / C heads, all-to-all back (needs ``H % C == 0``).
 
 Causal load balancing: with ``layout="zigzag"`` device i holds sequence chunks i and
 2C-1-i (of 2C); :func:`zigzag` reorders a batch that way and gives each token's true
-position, which the masks use. A zig-zag batch needs the C it was reordered for: on a
+position, which the masks use. The ring then pairs chunks, not blocks, and skips the
+hidden pairs, so each device computes (2C+1)/(4C) of the full attention (contiguous:
+device i computes (i+1)/C of it). A zig-zag batch needs the C it was reordered for: on a
 mesh without the axis, ``layout="zigzag"`` is refused, except inside :func:`laid_out_for`
 (how ``sx.verify`` runs its one-device reference on the distributed mesh's layout).
 
