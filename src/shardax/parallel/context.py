@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardax.checks import public
 from shardax.mesh.axes import CONTEXT_AXIS
 
 IMPLS: tuple[str, ...] = ("all_gather", "ring", "ulysses")
@@ -81,7 +82,7 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
     context = _count("context", context)
     if length % (2 * context):
         raise ValueError(
-            f"zigzag: length {length} is not divisible by 2 × context = {2 * context}; "
+            f"length {length} is not divisible by 2 × context = {2 * context}; "
             "pad the sequence to a multiple of it"
         )
     chunk = length // (2 * context)
@@ -89,6 +90,7 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
     return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
 
 
+@public("sx.parallel.zigzag")
 def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndarray]:
     """``(batch, positions)``: every array leaf of ``batch`` reordered along ``seq_axis``
     for causal load balancing over ``context`` devices, and the true position of each
@@ -103,13 +105,13 @@ def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndar
     lengths = {np.shape(x)[seq_axis] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
     if len(lengths) != 1:
         raise ValueError(
-            f"zigzag: batch leaves must share one length along seq_axis={seq_axis}, "
-            f"got {sorted(lengths)}"
+            f"batch leaves must share one length along seq_axis={seq_axis}, got {sorted(lengths)}"
         )
     order = zigzag_order(lengths.pop(), context)
     return _take(batch, order, seq_axis), order
 
 
+@public("sx.parallel.unzigzag")
 def unzigzag(batch: Any, context: int, *, seq_axis: int = 1) -> Any:
     """The inverse of :func:`zigzag`: leaves back in sequence order.
 
@@ -137,6 +139,7 @@ def _take(tree: Any, order: np.ndarray, axis: int) -> Any:
     return jax.tree.map(take, tree)
 
 
+@public("sx.parallel.sequence_sharding")
 def sequence_sharding(
     mesh: Mesh, seq_axis: str = CONTEXT_AXIS, batch_axis: str | tuple[str, ...] | None = "data"
 ) -> NamedSharding:
@@ -149,7 +152,7 @@ def sequence_sharding(
     """
     if seq_axis not in mesh.shape:
         raise ValueError(
-            f"sequence_sharding: seq_axis {seq_axis!r} is not in the mesh, whose axes are "
+            f"seq_axis {seq_axis!r} is not in the mesh, whose axes are "
             f"{dict(mesh.shape)}; pass seq_axis= one of them"
         )
     names = (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis or ())
@@ -279,6 +282,7 @@ def sent_bytes(
     raise ValueError(f"sent_bytes: impl must be one of {list(IMPLS)}, got {impl!r}")
 
 
+@public("sx.parallel.choose_impl")
 def choose_impl(
     q_shape: tuple[int, ...],
     kv_shape: tuple[int, ...],
@@ -611,6 +615,7 @@ _SCHEMES = {"all_gather": _all_gather, "ring": _ring, "ulysses": _ulysses}
 # --------------------------------------------------------------------------- entry
 
 
+@public("sx.attention")
 def attention(
     q: jax.Array,
     k: jax.Array,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
+from shardax.checks import public
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, AxisNames, fsdp, replicate
 from shardax.plan.follow import FollowParams, ParamsSelector, check_selector
@@ -28,7 +29,7 @@ from shardax.plan.follow import FollowParams, ParamsSelector, check_selector
 def _zero(
     stage: int, mesh: Mesh, axis: AxisNames, min_size: int, params: ParamsSelector
 ) -> FollowParams:
-    check_selector(f"zero{stage}: params", params)
+    check_selector("params", params)
     base, mirror = replicate(mesh), fsdp(mesh, axis, min_size)
     return FollowParams(
         mesh,
@@ -41,6 +42,7 @@ def _zero(
     )
 
 
+@public("sx.zero1")
 def zero1(
     mesh: Mesh,
     axis: AxisNames = DATA_AXIS,
@@ -58,6 +60,7 @@ def zero1(
     return _zero(1, mesh, axis, min_size, params)
 
 
+@public("sx.zero2")
 def zero2(
     mesh: Mesh,
     axis: AxisNames = DATA_AXIS,

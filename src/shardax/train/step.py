@@ -40,7 +40,7 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from shardax.checks import as_count
+from shardax.checks import as_count, public
 from shardax.plan.core import Plan
 from shardax.train.loss import as_metrics, loss_and_aux
 from shardax.train.precision import (
@@ -57,6 +57,7 @@ from shardax.train.state import TrainState
 from shardax.train.stats import DEFAULT_STATS, check_stats, every_nth
 
 
+@public("sx.train.TrainStep")
 class TrainStep(Program):
     """``step(state, batch) -> (state, metrics)``; ``step.shard(state)`` places a state.
 
@@ -79,7 +80,7 @@ class TrainStep(Program):
         stats_every: int = 1,
     ) -> None:
         self.stats = check_stats(stats)
-        self.stats_every = as_count("make_train_step: stats_every", stats_every)
+        self.stats_every = as_count("stats_every", stats_every)
         super().__init__(
             loss_fn,
             mesh=mesh,
