@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.checks import as_count, public
 from shardax.cli.main import main as cli_main
 from shardax.cost.memory import estimate
 from shardax.runtime.distributed import resolve_coordinates
@@ -852,3 +853,61 @@ def test_a_batch_committed_elsewhere_is_named_not_the_state(mesh):
         ValueError, match=r"^sx\.train\.TrainStep: the batch is committed to other devices"
     ):
         step(step.shard(state), batch)
+
+
+# --- the door's name: shardax's own errors only, the innermost door, the same object -------
+
+
+def _step_with(loss_fn, mesh):
+    step = sx.make_train_step(loss_fn, mesh=mesh)
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32)}
+    return lambda: step(step.shard(_pytree_state()), batch)
+
+
+def test_your_own_errors_and_jaxs_are_not_named(mesh):
+    def mine(model, batch):
+        raise ValueError("my loss is broken")
+
+    def shapes(model, batch):
+        return jnp.mean(model(batch["x"]) + jnp.ones(3))
+
+    with pytest.raises(ValueError) as e:
+        _step_with(mine, mesh)()
+    assert str(e.value) == "my loss is broken"
+    with pytest.raises(ValueError) as e:
+        _step_with(shapes, mesh)()
+    assert str(e.value).startswith("Incompatible shapes for broadcasting")
+
+
+def test_the_innermost_door_names_the_error(mesh):
+    def attends(model, batch):
+        q = jnp.ones((8, 4, 2, 2))
+        return jnp.mean(sx.attention(q, q, q, impl="flash")) + _loss(model, batch)
+
+    with raises(ValueError, "sx.attention: impl must be 'auto' or one of"):
+        _step_with(attends, mesh)()
+
+
+def test_a_door_calls_from_the_library_are_named_by_the_door_the_user_called():
+    # DeviceMeshManager builds its mesh with sx.make_mesh: the error names the method.
+    manager = sx.DeviceMeshManager()
+    with raises(ValueError, "sx.DeviceMeshManager.create_hybrid_mesh: Not enough devices"):
+        manager.create_hybrid_mesh(data_parallel_size=4, model_parallel_size=4)
+
+
+def test_a_named_error_is_the_same_object():
+    @public("sx.count")
+    def count(value):
+        try:
+            return as_count("n", value)
+        except ValueError as e:
+            e.add_note("a note")
+            raise
+
+    with pytest.raises(ValueError) as caught:
+        count(True)
+    error = caught.value
+    assert error.args == ("sx.count: n must be an integer >= 1, got True (a bool)",)
+    assert error.__notes__ == ["a note"] and caught.traceback[-1].name == "as_count"
+    with pytest.raises(TypeError, match=r"^\S*count\(\) got an unexpected keyword"):
+        count(1, size=2)  # the call never got in: Python's own message

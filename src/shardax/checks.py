@@ -17,6 +17,7 @@ ValueError: batch_size must be an integer >= 1, got True (a bool)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -239,6 +240,9 @@ def _entry_class(cls: type, name: str) -> None:
             if _ours(value.fget):
                 door = _door(_unwrap(value.fget), label)
                 setattr(cls, attr, property(door, value.fset, value.fdel, value.__doc__))
+        elif getattr(value, "__code__", None) is _CONTEXT_MANAGER and _ours(value.__wrapped__):
+            door = _door(_unwrap(value.__wrapped__), label)  # a door on the generator
+            setattr(cls, attr, contextlib.contextmanager(door))
         elif inspect.isfunction(value) and _ours(value):
             setattr(cls, attr, _door(_unwrap(value), label))
 
@@ -316,3 +320,4 @@ def _door(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 _DOOR_CODES = frozenset(_door(fn, "").__code__ for fn in (lambda: None, lambda: (yield)))
+_CONTEXT_MANAGER = contextlib.contextmanager(lambda: (yield)).__code__
