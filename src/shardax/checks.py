@@ -166,9 +166,9 @@ def parse_address(name: str, address: Any) -> tuple[str, int]:
 T = TypeVar("T")
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-# shardax's own clients, which call the library as a user does: the CLI and the reference
-# models (templates written against the public API). A door they call names its errors.
-_CLIENTS = tuple(_PACKAGE + folder + os.sep for folder in ("cli", "models"))
+# The reference models are templates written against the public API: they call doors as a
+# user does. (The CLI does not: it names its own options in its one-line errors.)
+_CLIENTS = _PACKAGE + "models" + os.sep
 # The methods that answer with the class's own name; other public methods add their own.
 _DUNDERS = frozenset(
     ("__init__", "__post_init__", "__call__", "__iter__", "__next__", "__enter__", "__exit__")
@@ -181,12 +181,13 @@ def public(name: str) -> Callable[[T], T]:
 
     Only shardax's own errors with a plain message are named: what the user's code or JAX
     raises passes untouched, and so does a message another door named already (the
-    innermost wins: ``sx.attention`` inside a train step's loss). A call from shardax's
-    library itself is not a door's (the door the user called names the error); the CLI
-    and the reference models call doors as a user does. On a class, every public method
-    is a door named ``name.method``; ``__init__``, ``__post_init__``, ``__call__``,
-    ``__iter__``, ``__next__``, ``__enter__`` and ``__exit__`` are named ``name``. The
-    class and its functions stay the same objects otherwise; nothing runs without an error.
+    innermost wins: ``sx.attention`` inside a train step's loss). A call from shardax
+    itself is not a door's (the door the user called names the error); one from the
+    reference models is, as they are written like the user's code. On a class, each public
+    method (a context-manager one too) is a door named ``name.method``; ``__init__``,
+    ``__post_init__``, ``__call__``, ``__iter__``, ``__next__``, ``__enter__`` and
+    ``__exit__`` are named ``name``. Classes and functions stay the same objects otherwise,
+    and nothing more runs unless an error passes.
 
     >>> @public("sx.double")
     ... def double(n):
@@ -265,7 +266,7 @@ def _in_shardax(code: CodeType) -> bool:
 
 
 def _from_library(caller: FrameType | None) -> bool:
-    """Whether ``caller`` is shardax's library (not the CLI, a model, or the user's code);
+    """Whether ``caller`` is shardax's own code (not a reference model or the user's code);
     generated code (a dataclass's ``__init__``) is passed over for the frame that called it."""
     while caller is not None and caller.f_code.co_filename == "<string>":
         caller = caller.f_back
