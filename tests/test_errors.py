@@ -620,9 +620,16 @@ def _counts():
         ("pipeline_1f1b microbatches", "sx.pipeline_1f1b", lambda v: sx.pipeline_1f1b(layer, stacked, x, head, {}, x, microbatches=v)),
         ("bubble microbatches", "sx.parallel.bubble", lambda v: sx.parallel.bubble(2, v)),
         ("moe top_k", "sx.moe", lambda v: sx.moe(x, jnp.ones((4, 2)), layer, {"w": jnp.ones((2, 4, 4))}, top_k=v)),
+        ("moe capacity_factor", "sx.moe", lambda v: sx.moe(x, jnp.ones((4, 2)), layer, {"w": jnp.ones((2, 4, 4))}, capacity_factor=v)),
+        ("attention scale", "sx.attention", lambda v: sx.attention(*[jnp.ones((2, 8, 2, 4))] * 3, scale=v)),
+        ("zigzag context", "sx.parallel.zigzag", lambda v: sx.parallel.zigzag({"x": np.ones((1, 8))}, v)),
         ("GPTConfig layers", None, lambda v: GPTConfig(**{**tiny, "layers": v})),
         ("GPTConfig heads", None, lambda v: GPTConfig(**{**tiny, "heads": v})),
         ("GPTConfig pipeline_microbatches", None, lambda v: GPTConfig(**tiny, pipeline_microbatches=v)),
+        ("GPTConfig window", None, lambda v: GPTConfig(**tiny, window=v)),
+        ("GPTConfig experts", None, lambda v: GPTConfig(**tiny, experts=v)),
+        ("GPTConfig top_k", None, lambda v: GPTConfig(**tiny, experts=4, top_k=v)),
+        ("GPTConfig moe_every", None, lambda v: GPTConfig(**{**tiny, "layers": 2}, experts=2, moe_every=v)),
         ("make_gpt seed", None, lambda v: make_gpt(GPTConfig(**tiny), seed=v)),
         ("LossScaling period", "sx.train.LossScaling", lambda v: sx.train.LossScaling(period=v)),
         ("StepWatchdog timeout", "sx.StepWatchdog", lambda v: sx.StepWatchdog(v).close()),
@@ -775,6 +782,7 @@ def test_an_older_step_under_max_to_keep_keeps_what_was_there(tmp_path):
         (lambda d: sx.CheckpointManager(""), ValueError, "sx.CheckpointManager: directory must be a non-empty path, got ''"),
         (lambda d: sx.restore_checkpoint("  ", like={"w": jnp.ones(2)}), ValueError, "sx.restore_checkpoint: must be a non-empty path"),
         (lambda d: sx.save_checkpoint(d, {"w": jnp.ones(2)}, step=1, overwrite="no"), TypeError, "sx.save_checkpoint: overwrite must be True or False, got 'no'"),
+        (lambda d: sx.CheckpointManager(d, async_save="no"), TypeError, "sx.CheckpointManager: async_save must be True or False, got 'no'"),
     ],
 )  # fmt: skip
 def test_checkpoint_paths_and_flags(tmp_path, call, error, message):
@@ -911,3 +919,10 @@ def test_a_named_error_is_the_same_object():
     assert error.__notes__ == ["a note"] and caught.traceback[-1].name == "as_count"
     with pytest.raises(TypeError, match=r"^\S*count\(\) got an unexpected keyword"):
         count(1, size=2)  # the call never got in: Python's own message
+
+
+def test_attention_windows_take_numpy_integers_and_refuse_bools():
+    q = jnp.ones((2, 8, 2, 4))
+    sx.attention(q, q, q, window=(np.int64(2), np.uint8(0)))
+    with raises(ValueError, "sx.attention: window must be (left, right), two integers >= 0"):
+        sx.attention(q, q, q, window=(True, 0))

@@ -88,7 +88,7 @@ class CheckpointManager:
             raise FileNotFoundError(f"no checkpoint directory {self.directory}")
         self._stray: set[str] = set()
         self._displaced: list[int] = []
-        self.async_save = bool(async_save)
+        self.async_save = as_bool("async_save", async_save)
         swap.recover(self.directory)  # an overwrite interrupted by a crash
         # Old steps are deleted here (save), not by orbax, which deletes in the order of
         # its saves and so would drop a newer step to keep an older one just saved.

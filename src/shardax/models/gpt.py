@@ -159,9 +159,9 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.attention must be one of {ATTENTION}, got {self.attention!r}"
             )
-        w = self.window
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
-            raise ValueError(f"GPTConfig.window must be None or an integer >= 0, got {w!r}")
+        if self.window is not None:
+            window = as_count("GPTConfig.window (or None)", self.window, minimum=0)
+            object.__setattr__(self, "window", window)
         names = ("layers", "d_model", "heads", "max_seq_len", "mlp_ratio", "vocab")
         names += ("pipeline_repeats",)
         if self.pipeline_microbatches is not None:
@@ -185,14 +185,12 @@ class GPTConfig:
             )
 
     def _check_experts(self) -> None:
-        if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts < 0:
-            raise ValueError(f"GPTConfig.experts must be an integer >= 0, got {self.experts!r}")
+        experts = as_count("GPTConfig.experts", self.experts, minimum=0)
+        object.__setattr__(self, "experts", experts)
         if not self.experts:
             return
         for name in ("top_k", "moe_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, as_count(f"GPTConfig.{name}", getattr(self, name)))
         if self.top_k > self.experts:
             raise ValueError(f"GPTConfig: top_k={self.top_k} must be <= experts={self.experts}")
         if self.layers % self.moe_every:

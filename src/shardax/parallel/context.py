@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from shardax.checks import public
+from shardax.checks import as_count, as_float, public
 from shardax.mesh.axes import CONTEXT_AXIS
 
 IMPLS: tuple[str, ...] = ("all_gather", "ring", "ulysses")
@@ -79,7 +79,7 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
     >>> zigzag_order(8, 2).tolist()
     [0, 1, 6, 7, 2, 3, 4, 5]
     """
-    context = _count("context", context)
+    context = as_count("context", context)
     if length % (2 * context):
         raise ValueError(
             f"length {length} is not divisible by 2 × context = {2 * context}; "
@@ -181,27 +181,18 @@ def _block_positions(src: Any, block: int, context: int, layout: str) -> jax.Arr
 # --------------------------------------------------------------------------- checks
 
 
-def _count(name: str, value: Any) -> int:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{_NAME}: {name} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
 def _check_window(window: Any) -> tuple[int, int] | None:
     if window is None:
         return None
-    ok = (
-        isinstance(window, tuple | list)
-        and len(window) == 2
-        and all(isinstance(w, int | np.integer) and not isinstance(w, bool) for w in window)
-        and min(window) >= 0
+    try:
+        if isinstance(window, tuple | list) and len(window) == 2:
+            return as_count("left", window[0], minimum=0), as_count("right", window[1], minimum=0)
+    except ValueError:
+        pass
+    raise ValueError(
+        f"{_NAME}: window must be (left, right), two integers >= 0 (tokens each query "
+        f"sees before and after itself), got {window!r}"
     )
-    if not ok:
-        raise ValueError(
-            f"{_NAME}: window must be (left, right), two integers >= 0 (tokens each query "
-            f"sees before and after itself), got {window!r}"
-        )
-    return int(window[0]), int(window[1])
 
 
 def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
@@ -664,7 +655,7 @@ def attention(
     if layout not in LAYOUTS:
         raise ValueError(f"{_NAME}: layout must be one of {list(LAYOUTS)}, got {layout!r}")
     d = q.shape[-1]
-    scale = float(1.0 / math.sqrt(d) if scale is None else scale)
+    scale = 1.0 / math.sqrt(d) if scale is None else as_float("scale", scale)
     c, manual = context_size(axis)
     if c == 1:
         pos = None if q.shape[1] != k.shape[1] else jnp.arange(q.shape[1])

@@ -42,7 +42,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -52,7 +51,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-from shardax.checks import as_count, public
+from shardax.checks import as_count, as_float, public
 from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS
 
 DISPATCHES = ("auto", "all_to_all", "ragged", "dense")
@@ -306,13 +305,6 @@ def choose_dispatch(
 # -- checks and mesh ---------------------------------------------------------------------
 
 
-def _check_factor(capacity_factor: Any) -> float:
-    ok = isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
-    if ok and capacity_factor > 0 and math.isfinite(capacity_factor):
-        return float(capacity_factor)
-    raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor!r}")
-
-
 def _check_experts(expert_params: Any, size: int, what: str) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(expert_params)
     if not leaves:
@@ -426,7 +418,7 @@ def moe(
             f"top_k must be <= the number of experts E={num_experts} "
             f"(router_weight.shape[1]), got {top_k}"
         )
-    capacity_factor = _check_factor(capacity_factor)
+    capacity_factor = as_float("capacity_factor", capacity_factor, above=0)
     where = _where(axis, batch_axes)
     n = where.n
     if num_experts % n:
