@@ -218,7 +218,7 @@ class Program:
         accumulate: int,
         donate: bool,
         data_axis: str | tuple[str, ...],
-        precision: str | Precision,
+        precision: str | Precision = "fp32",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
