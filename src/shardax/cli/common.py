@@ -301,13 +301,24 @@ def step_flops(step: Any, state: Any, batch: Any) -> float | None:
 
 
 def plot_curves(
-    history: list[dict[str, Any]], path: Any, title: str, x: str, panels: list[tuple[str, str]]
+    summary: dict[str, Any],
+    path: Any,
+    what: str,
+    x: str,
+    panels: list[tuple[str, str]],
+    note: str = "",
 ) -> None:
-    """One panel per ``(metric, label)``: train and held-out curves against ``x``.
+    """One panel per ``(metric, label)``: train and held-out curves against ``x``, titled
+    ``what`` on the run's devices, mesh and plan (then ``note``).
 
     Each panel plots ``train_<metric>`` and the held-out ``<split>_<metric>`` entries
-    (``test_`` or ``val_``) found in ``history``.
+    (``test_`` or ``val_``) found in the ``summary``'s history.
     """
+    history = summary["history"]
+    title = (
+        f"{what}, {summary['devices']} × {summary['platform']}, mesh {summary['mesh']}, "
+        f"plan {summary['plan']}" + (f"; {note}" if note else "")
+    )
     plt = pyplot("train")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (metric, label) in zip(axes[0], panels, strict=True):

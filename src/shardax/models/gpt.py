@@ -310,18 +310,31 @@ class MLP(nnx.Module):
         return jax.nn.gelu(x @ self.up[...]) @ self.down[...]
 
 
-class Block(nnx.Module):
-    """One pre-norm transformer layer: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+class _PreNorm(nnx.Module):
+    """The attention half of a pre-norm layer, which :class:`Block` and :class:`MoEBlock`
+    share: ``x + attn(norm1(x))``, and ``norm2`` of it for their MLP half."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
         self.norm1 = _norm(cfg.d_model, rngs)
         self.attn = Attention(cfg, rngs)
         self.norm2 = _norm(cfg.d_model, rngs)
+
+    def attend(self, x: jax.Array, ctx: Context | None) -> tuple[jax.Array, jax.Array]:
+        """``(x + attn(norm1(x)), norm2 of that)``: the residual and the MLP's input."""
+        x = x + self.attn(self.norm1(x), ctx)
+        return x, self.norm2(x)
+
+
+class Block(_PreNorm):
+    """One pre-norm transformer layer: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
+        super().__init__(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, ctx: Context | None = None) -> jax.Array:
-        x = x + self.attn(self.norm1(x), ctx)
-        return x + self.mlp(self.norm2(x))
+        x, h = self.attend(x, ctx)
+        return x + self.mlp(h)
 
 
 def _expert(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -348,18 +361,16 @@ class MoEMLP(nnx.Module):
                    capacity_factor=self.capacity_factor)  # fmt: skip
 
 
-class MoEBlock(nnx.Module):
+class MoEBlock(_PreNorm):
     """:class:`Block` with a :class:`MoEMLP`; returns ``(x, aux)``."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
-        self.norm1 = _norm(cfg.d_model, rngs)
-        self.attn = Attention(cfg, rngs)
-        self.norm2 = _norm(cfg.d_model, rngs)
+        super().__init__(cfg, rngs)
         self.moe = MoEMLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, ctx: Context | None = None) -> tuple[jax.Array, Any]:
-        x = x + self.attn(self.norm1(x), ctx)
-        y, aux = self.moe(self.norm2(x))
+        x, h = self.attend(x, ctx)
+        y, aux = self.moe(h)
         return x + y, aux
 
 
