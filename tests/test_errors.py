@@ -896,7 +896,7 @@ def test_the_innermost_door_names_the_error(mesh):
         _step_with(attends, mesh)()
 
 
-def test_a_door_calls_from_the_library_are_named_by_the_door_the_user_called():
+def test_a_call_from_the_library_is_named_by_the_door_the_user_called():
     # DeviceMeshManager builds its mesh with sx.make_mesh: the error names the method.
     manager = sx.DeviceMeshManager()
     with raises(ValueError, "sx.DeviceMeshManager.create_hybrid_mesh: Not enough devices"):

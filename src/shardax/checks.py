@@ -204,7 +204,7 @@ def public(name: str) -> Callable[[T], T]:
 
     def decorate(obj: Any) -> Any:
         if isinstance(obj, type):
-            _entry_class(obj, name)
+            _public_class(obj, name)
             obj.__sx_public__ = name
             return obj
         return _door(obj, name)
@@ -223,7 +223,7 @@ def public_name(obj: Any) -> str | None:
     return None
 
 
-def _entry_class(cls: type, name: str) -> None:
+def _public_class(cls: type, name: str) -> None:
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else ()
     for attr in dir(cls):
         if (attr.startswith("_") and attr not in _DUNDERS) or attr in fields:
