@@ -1,4 +1,4 @@
-"""The benchmarks' CPU paths and the pieces they measure with (mfu, causal_ring, context_parallel)."""
+"""The benchmarks' CPU paths, and the pieces they measure with (mfu, causal_ring, ring order)."""
 
 import importlib.util
 from pathlib import Path

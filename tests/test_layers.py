@@ -7,9 +7,14 @@ track, checks. Only the CLI and the package's ``__init__`` import ``shardax`` it
 """
 
 import ast
+import dataclasses
+import enum
+import importlib
+import inspect
 import pathlib
 
 import shardax as sx
+from shardax.checks import public_name
 
 SRC = pathlib.Path(sx.__file__).parent
 LAYERS = ["cli", "artifex", "models", "checkpoint", "train", "data", "parallel", "plan",
@@ -109,6 +114,60 @@ def test_the_seed_api_is_importable_from_shardax_and_lives_in_one_module():
 
     for name in artifex.__all__:
         assert getattr(sx, name) is getattr(artifex, name)
+
+
+def public_callables() -> dict[str, object]:
+    """Every public function and class by the name a user writes: ``sx.<name>`` for
+    ``shardax.__all__``, ``sx.<layer>.<name>`` for the rest of a layer's ``__all__``
+    (exceptions, enums and constants aside: they run no code of shardax's)."""
+    found = {}
+    spaces = [("sx", sx)] + [
+        (f"sx.{layer}", importlib.import_module(f"shardax.{layer}"))
+        for layer in LAYERS
+        if (SRC / layer / "__init__.py").exists() and layer not in ("cli", "models")
+    ]
+    for prefix, space in spaces:
+        for name in space.__all__:
+            obj = getattr(space, name)
+            plain = inspect.isclass(obj) and issubclass(obj, BaseException | enum.Enum)
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and not plain:
+                found.setdefault(id(obj), (f"{prefix}.{name}", obj))
+    return dict(found.values())
+
+
+def methods(cls: type) -> list[str]:
+    """The methods of ``cls`` that run shardax's code: public ones, and the constructor,
+    call and iteration dunders (the dataclass fields and generated code aside)."""
+    dunders = ("__init__", "__post_init__", "__call__", "__iter__", "__next__", "__enter__")
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    out = []
+    for attr in dir(cls):
+        if (attr.startswith("_") and attr not in (*dunders, "__exit__")) or attr in fields:
+            continue
+        raw = inspect.getattr_static(cls, attr)
+        fn = raw.fget if isinstance(raw, property) else getattr(raw, "__func__", raw)
+        code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+        if code is not None and code.co_filename.startswith(str(SRC)):
+            out.append(attr)
+    return out
+
+
+def test_every_public_callable_names_its_errors():
+    """Each public function and method is a door (``shardax.checks.public``) named as the
+    user writes it, so that shardax's errors in a call of it start with that name."""
+    wrong = []
+    for name, obj in public_callables().items():
+        if public_name(obj) != name:
+            wrong.append(f"{name}: {public_name(obj)}")
+        for attr in methods(obj) if inspect.isclass(obj) else []:
+            raw = inspect.getattr_static(obj, attr)
+            got = public_name(raw.fget if isinstance(raw, property) else getattr(obj, attr))
+            if not (got == name or (got or "").startswith(f"{name}.")):
+                wrong.append(f"{name}.{attr}: {got}")
+    assert not wrong, "not named as the user writes them:\n" + "\n".join(wrong)
+    assert {"sx.fsdp", "sx.TrainState", "sx.train.TrainStep", "sx.data.Batches"} <= set(
+        public_callables()
+    )
 
 
 PUBLIC = [

@@ -28,6 +28,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, Sharding
 
+from shardax.checks import public
 from shardax.cost.hardware import (
     BatchSizeRecommendation,
     HardwareType,
@@ -88,6 +89,7 @@ def facade(*fns: Callable[..., Any]) -> Callable[[T], T]:
 # -- DeviceMeshManager ----------------------------------------------------------------
 
 
+@public("sx.DeviceMeshManager")
 class DeviceMeshManager:
     """Creates device meshes for data, model and hybrid parallelism.
 
@@ -150,6 +152,7 @@ class DeviceMeshManager:
 # -- DevicePlacement ------------------------------------------------------------------
 
 
+@public("sx.DevicePlacement")
 class DevicePlacement:
     """Places pytrees on devices and gives hardware-aware batch-size advice.
 
@@ -221,16 +224,19 @@ class DevicePlacement:
 # -- DataParallel ---------------------------------------------------------------------
 
 
+@public("sx.DataParallel.create_data_parallel_sharding")
 def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:
     """The sharding that splits dimension 0 over ``data_axis``."""
     return batch_sharding(mesh, data_axis)
 
 
+@public("sx.DataParallel.shard_batch")
 def shard_batch(batch: Any, sharding: NamedSharding) -> Any:
     """Places ``batch`` with ``sharding`` (scalars replicated)."""
     return distribute_batch(batch, sharding)
 
 
+@public("sx.DataParallel.shard_model_state")
 def shard_model_state(
     state: Any, mesh: Mesh, param_sharding: Literal["replicate", "shard"] = "replicate"
 ) -> Any:
@@ -248,11 +254,13 @@ def shard_model_state(
     raise ValueError(f"param_sharding must be 'replicate' or 'shard', got {param_sharding!r}")
 
 
+@public("sx.DataParallel.replicate_params")
 def replicate_params(params: Any, mesh: Mesh) -> Any:
     """Copies ``params`` whole onto every device of ``mesh``."""
     return shard(params, replicate(mesh))
 
 
+@public("sx.DataParallel.all_reduce_gradients")
 def all_reduce_gradients(
     gradients: Any, reduce_type: Literal["mean", "sum"] = "mean", axis_name: str = "batch"
 ) -> Any:
@@ -269,6 +277,7 @@ def all_reduce_gradients(
     return all_reduce(gradients, reduce_type, axis_name)
 
 
+@public("sx.DataParallel")
 @facade(
     create_data_parallel_sharding,
     shard_batch,
@@ -292,31 +301,37 @@ class DataParallel(nnx.Module):
 # -- DistributedMetrics ---------------------------------------------------------------
 
 
+@public("sx.DistributedMetrics.all_gather")
 def all_gather(metrics: Any, axis_name: str | None = "batch") -> Any:
     """Stacks ``metrics`` from every device along ``axis_name`` on a leading axis."""
     return _all_gather(metrics, axis_name)
 
 
+@public("sx.DistributedMetrics.reduce_mean")
 def reduce_mean(metrics: Any, axis_name: str | None = "batch") -> Any:
     """Means ``metrics`` across ``axis_name`` (None: every bound axis)."""
     return reduce(metrics, "mean", axis_name)
 
 
+@public("sx.DistributedMetrics.reduce_sum")
 def reduce_sum(metrics: Any, axis_name: str | None = "batch") -> Any:
     """Sums ``metrics`` across ``axis_name`` (None: every bound axis)."""
     return reduce(metrics, "sum", axis_name)
 
 
+@public("sx.DistributedMetrics.reduce_max")
 def reduce_max(metrics: Any, axis_name: str | None = "batch") -> Any:
     """Maximum of ``metrics`` across ``axis_name`` (None: every bound axis)."""
     return reduce(metrics, "max", axis_name)
 
 
+@public("sx.DistributedMetrics.reduce_min")
 def reduce_min(metrics: Any, axis_name: str | None = "batch") -> Any:
     """Minimum of ``metrics`` across ``axis_name`` (None: every bound axis)."""
     return reduce(metrics, "min", axis_name)
 
 
+@public("sx.DistributedMetrics.reduce_custom")
 def reduce_custom(
     metrics: dict[str, Any],
     reduce_fn: dict[str, str | None] | None = None,
@@ -333,6 +348,7 @@ def reduce_custom(
     }
 
 
+@public("sx.DistributedMetrics.collect_from_devices")
 def collect_from_devices(metrics: dict[str, Any]) -> dict[str, Any]:
     """Splits pmap outputs (leading device axis) into per-device lists, outside pmap."""
     return {
@@ -340,6 +356,7 @@ def collect_from_devices(metrics: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@public("sx.DistributedMetrics")
 @facade(
     all_gather,
     reduce_mean,

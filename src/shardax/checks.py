@@ -2,7 +2,9 @@
 
 Every public door that takes a count, a type or a coordinator address checks it here, so
 the same bad value gets the same answer everywhere, naming the argument, the rule and the
-value received. This module imports nothing from shardax (every layer may use it).
+value received; :func:`public` marks the doors, so that their errors start with the name
+the user called (``sx.fsdp: ...``). This module imports nothing from shardax (every layer
+may use it).
 
 >>> as_count("batch_size", np.int64(4))
 4
@@ -15,9 +17,17 @@ ValueError: batch_size must be an integer >= 1, got True (a bool)
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import inspect
 import math
 import numbers
-from typing import Any
+import os
+import sys
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any, TypeVar
 
 import numpy as np
 from jax.sharding import Mesh
@@ -149,3 +159,166 @@ def parse_address(name: str, address: Any) -> tuple[str, int]:
     if not 1 <= port <= 65535:
         raise ValueError(f"{rule}; got {address!r}, whose port {port} is out of range")
     return host, port
+
+
+# -- doors: the public names, whose errors start with the name the user called -----------
+
+T = TypeVar("T")
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The reference models are templates written against the public API: they call doors as a
+# user does. (The CLI does not: it names its own options in its one-line errors.)
+_CLIENTS = _PACKAGE + "models" + os.sep
+# The methods that answer with the class's own name; other public methods add their own.
+_DUNDERS = frozenset(
+    ("__init__", "__post_init__", "__call__", "__iter__", "__next__", "__enter__", "__exit__")
+)
+
+
+def public(name: str) -> Callable[[T], T]:
+    """Marks a public door: an error that shardax raises in a call of it starts with
+    ``name`` (``"sx.fsdp"`` gives ``sx.fsdp: mesh must be ...``), the same object re-raised.
+
+    Only shardax's own errors with a plain message are named: what the user's code or JAX
+    raises passes untouched, and so does a message another door named already (the
+    innermost wins: ``sx.attention`` inside a train step's loss). A call from shardax
+    itself is not a door's (the door the user called names the error); one from the
+    reference models is, as they are written like the user's code. On a class, each public
+    method (a context-manager one too) is a door named ``name.method``; ``__init__``,
+    ``__post_init__``, ``__call__``, ``__iter__``, ``__next__``, ``__enter__`` and
+    ``__exit__`` are named ``name``. Classes and functions stay the same objects otherwise,
+    and nothing more runs unless an error passes.
+
+    >>> @public("sx.double")
+    ... def double(n):
+    ...     return 2 * as_count("n", n)
+    >>> double("2")
+    Traceback (most recent call last):
+    ValueError: sx.double: n must be an integer >= 1, got '2'
+    >>> public("sx.call")(lambda f: f())(lambda: 1 / 0)  # the caller's own error
+    Traceback (most recent call last):
+    ZeroDivisionError: division by zero
+    >>> public_name(double)
+    'sx.double'
+    """
+
+    def decorate(obj: Any) -> Any:
+        if isinstance(obj, type):
+            _public_class(obj, name)
+            obj.__sx_public__ = name
+            return obj
+        return _door(obj, name)
+
+    return decorate
+
+
+def public_name(obj: Any) -> str | None:
+    """The name :func:`public` gave ``obj`` (a function, or a wrapper of one), else None."""
+    if isinstance(obj, type):
+        return obj.__dict__.get("__sx_public__")
+    while obj is not None:
+        if getattr(obj, "__code__", None) in _DOOR_CODES:
+            return obj.__sx_public__
+        obj = getattr(obj, "__wrapped__", None)
+    return None
+
+
+def _public_class(cls: type, name: str) -> None:
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else ()
+    for attr in dir(cls):
+        if (attr.startswith("_") and attr not in _DUNDERS) or attr in fields:
+            continue
+        owner = next(c for c in cls.__mro__ if attr in c.__dict__)
+        label = name if attr in _DUNDERS else f"{name}.{attr}"
+        value = owner.__dict__[attr]
+        if isinstance(value, staticmethod):
+            if public_name(value.__func__) is None and _ours(value.__func__):
+                setattr(cls, attr, staticmethod(_door(value.__func__, label)))
+        elif isinstance(value, classmethod):
+            if _ours(value.__func__):
+                setattr(cls, attr, classmethod(_door(_unwrap(value.__func__), label)))
+        elif isinstance(value, property):
+            if _ours(value.fget):
+                door = _door(_unwrap(value.fget), label)
+                setattr(cls, attr, property(door, value.fset, value.fdel, value.__doc__))
+        elif getattr(value, "__code__", None) is _CONTEXT_MANAGER and _ours(value.__wrapped__):
+            door = _door(_unwrap(value.__wrapped__), label)  # a door on the generator
+            setattr(cls, attr, contextlib.contextmanager(door))
+        elif inspect.isfunction(value) and _ours(value):
+            setattr(cls, attr, _door(_unwrap(value), label))
+
+
+def _ours(fn: Any) -> bool:
+    """Whether ``fn`` is shardax's own code (not generated by dataclasses, not a library's)."""
+    code = getattr(_unwrap(fn), "__code__", None)
+    return code is not None and _in_shardax(code)
+
+
+def _unwrap(fn: Any) -> Any:
+    """``fn`` without the doors around it (a method a subclass names again)."""
+    while getattr(fn, "__code__", None) in _DOOR_CODES:
+        fn = fn.__wrapped__
+    return fn
+
+
+def _in_shardax(code: CodeType) -> bool:
+    return code.co_filename.startswith(_PACKAGE)
+
+
+def _from_library(caller: FrameType | None) -> bool:
+    """Whether ``caller`` is shardax's own code (not a reference model or the user's code);
+    generated code (a dataclass's ``__init__``) is passed over for the frame that called it."""
+    while caller is not None and caller.f_code.co_filename == "<string>":
+        caller = caller.f_back
+    path = caller.f_code.co_filename if caller is not None else ""
+    return path.startswith(_PACKAGE) and not path.startswith(_CLIENTS)
+
+
+def _label(error: Exception, name: str, caller: FrameType | None) -> None:
+    """Prefixes ``error``'s message with ``name`` if shardax's library raised it with a plain
+    message in a call from outside the library, and no inner door named it already."""
+    args = error.args
+    if isinstance(error, Warning | StopIteration | StopAsyncIteration) or _from_library(caller):
+        return  # a call from the library: the door the user called names it
+    if len(args) != 1 or not isinstance(args[0], str) or args[0].startswith("sx."):
+        return
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or tb.tb_frame.f_code in _DOOR_CODES or not _from_library(tb.tb_frame):
+        return  # not the library's own error, or the call never got in (a wrong signature)
+    try:
+        plain = str(error) == args[0]
+    except Exception:
+        return
+    if plain:
+        error.args = (f"{name}: {args[0]}",)
+
+
+def _door(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def door(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return (yield from fn(*args, **kwargs))
+            except Exception as e:
+                _label(e, name, sys._getframe(1))
+                raise
+
+    else:
+
+        @functools.wraps(fn)
+        def door(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                _label(e, name, sys._getframe(1))
+                raise
+
+    door.__sx_public__ = name  # type: ignore[attr-defined]
+    return door
+
+
+_DOOR_CODES = frozenset(_door(fn, "").__code__ for fn in (lambda: None, lambda: (yield)))
+_CONTEXT_MANAGER = contextlib.contextmanager(lambda: (yield)).__code__

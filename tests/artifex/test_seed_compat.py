@@ -1,8 +1,10 @@
+# ruff: noqa: E501  (a table of cases, one per line)
 """The seed facades say what artifex's own implementation says.
 
 Found by running artifex's distributed test suite and a side-by-side comparison with
-its implementation (see docs/guides/artifex.md): the seed's sentences come first,
-shardax's detail after them, so code and users matching on the seed's words keep working.
+its implementation (see docs/guides/artifex.md): the seed's sentences come first after the
+name of the method called (``sx.DeviceMeshManager.create_device_mesh: ``), shardax's detail
+after them, so code and users matching on the seed's words keep working.
 """
 
 import re
@@ -16,19 +18,20 @@ H100 = sx.HardwareType.H100  # min 64, critical 298, optimal 320
 
 
 @pytest.mark.parametrize(
-    "make,needed",
+    "make,needed,method",
     [
-        (lambda m: m.create_device_mesh([("data", 5)]), 5),
-        (lambda m: m.create_device_mesh({"data": 3, "model": 2}), 6),
-        (lambda m: m.create_data_parallel_mesh(num_devices=8), 8),
-        (lambda m: m.create_model_parallel_mesh(num_devices=100), 100),
-        (lambda m: m.create_hybrid_mesh(data_parallel_size=2, model_parallel_size=3), 6),
+        (lambda m: m.create_device_mesh([("data", 5)]), 5, "create_device_mesh"),
+        (lambda m: m.create_device_mesh({"data": 3, "model": 2}), 6, "create_device_mesh"),
+        (lambda m: m.create_data_parallel_mesh(num_devices=8), 8, "create_data_parallel_mesh"),
+        (lambda m: m.create_model_parallel_mesh(num_devices=100), 100, "create_model_parallel_mesh"),
+        (lambda m: m.create_hybrid_mesh(data_parallel_size=2, model_parallel_size=3), 6, "create_hybrid_mesh"),
     ],
-)
-def test_not_enough_devices_starts_with_the_seed_sentence(make, needed):
+)  # fmt: skip
+def test_not_enough_devices_starts_with_the_seed_sentence(make, needed, method):
     manager = sx.DeviceMeshManager(devices=jax.devices()[:4])
     seed = f"Not enough devices: mesh requires {needed} devices but only 4 available"
-    with pytest.raises(ValueError, match="^" + re.escape(seed) + r" \(mesh shape \{"):
+    door = f"sx.DeviceMeshManager.{method}: "
+    with pytest.raises(ValueError, match="^" + re.escape(door + seed) + r" \(mesh shape \{"):
         make(manager)
 
 

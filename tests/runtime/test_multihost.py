@@ -203,11 +203,16 @@ def test_a_process_raises_every_process_exits_nonzero_promptly():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("fault", "expected"),
+    ("fault", "door", "expected"),
     [
-        ("config", ["'config' (processes [1] differ from process 0; 1 leaf differs", "lr: {lr}"]),
+        (
+            "config",
+            "sx.runtime.check_agreement",
+            ["'config' (processes [1] differ from process 0; 1 leaf differs", "lr: {lr}"],
+        ),
         (
             "plan",  # no explicit check: the train step's own, in step.shard
+            "sx.train.TrainStep.shard",
             [
                 "'state_shardings' (processes [1] differ from process 0; 4 leaves differ",
                 "params/w1: {w1}",
@@ -217,13 +222,13 @@ def test_a_process_raises_every_process_exits_nonzero_promptly():
     ],
     ids=["config-by-check_agreement", "plan-by-train-step"],
 )
-def test_mismatch_raises_on_every_process(ranks, fault, expected):
+def test_mismatch_raises_on_every_process(ranks, fault, door, expected):
     run = ranks([sys.executable, SCRIPT, "--mode", fault], 2, cpu_devices=4)
     local = [{"lr": 0.1, "w1": "P()"}, {"lr": 0.11, "w1": "P(None, 'data')"}]
     for rank in (0, 1):
         assert run.wait(rank, timeout=90) == 1, run.text(rank)
         text = run.text(rank)
-        assert "AgreementError: check_agreement: the processes disagree on " in text, text
+        assert f"AgreementError: {door}: the processes disagree on " in text, text
         assert f"differ, on process {rank}: " in text or f"differs, on process {rank}: " in text
         for needle in expected:
             assert needle.format(**local[rank]) in text, (needle, text[-2000:])

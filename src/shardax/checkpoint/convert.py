@@ -108,7 +108,7 @@ def abstract_saveable(like: Any) -> dict[str, Any]:
         sharding = getattr(x, "sharding", None)
         if sharding is None:
             raise ValueError(
-                f"restore: leaf {path_str(path)!r} of `like` has no sharding; give `like` "
+                f"leaf {path_str(path)!r} of `like` has no sharding; give `like` "
                 "concrete arrays, or ShapeDtypeStructs with sharding= (e.g. from a plan)"
             )
         if is_prng_key(x):

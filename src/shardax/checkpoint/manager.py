@@ -39,7 +39,7 @@ from shardax.checkpoint.convert import (
     with_other_leaves,
 )
 from shardax.checkpoint.preemption import preemption_requested, reached_preemption
-from shardax.checks import as_bool, as_count, expect_type
+from shardax.checks import as_bool, as_count, expect_type, public
 from shardax.runtime import compat
 
 
@@ -53,6 +53,7 @@ def _ocp() -> Any:
     return ocp
 
 
+@public("sx.checkpoint.Restored")
 class Restored(NamedTuple):
     """What a restore gives back."""
 
@@ -61,6 +62,7 @@ class Restored(NamedTuple):
     step: int
 
 
+@public("sx.CheckpointManager")
 class CheckpointManager:
     """Keeps the last ``max_to_keep`` checkpoints of a run in ``directory``.
 
@@ -78,17 +80,15 @@ class CheckpointManager:
         async_save: bool = False,
     ) -> None:
         ocp = _ocp()
-        self.directory = check_directory("CheckpointManager: directory", directory)
+        self.directory = check_directory("directory", directory)
         if max_to_keep is not None:
-            max_to_keep = as_count(
-                "CheckpointManager: max_to_keep (or None to keep all)", max_to_keep
-            )
+            max_to_keep = as_count("max_to_keep (or None to keep all)", max_to_keep)
         self.max_to_keep = max_to_keep
         if not create and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"no checkpoint directory {self.directory}")
         self._stray: set[str] = set()
         self._displaced: list[int] = []
-        self.async_save = bool(async_save)
+        self.async_save = as_bool("async_save", async_save)
         swap.recover(self.directory)  # an overwrite interrupted by a crash
         # Old steps are deleted here (save), not by orbax, which deletes in the order of
         # its saves and so would drop a newer step to keep an older one just saved.
@@ -154,14 +154,14 @@ class CheckpointManager:
         """
         ocp = _ocp()
         step = as_count("checkpoint step", step, minimum=0)
-        overwrite = as_bool("checkpoint save: overwrite", overwrite)
+        overwrite = as_bool("overwrite", overwrite)
         check_json("data_state", data_state)
         leaves = other_leaves(state)
         check_json("state: leaf", leaves)
         arrays = to_saveable(state)
         if not arrays:
             raise ValueError(
-                f"checkpoint: state has no array or number leaf to save, got {state!r:.80}; "
+                f"state has no array or number leaf to save, got {state!r:.80}; "
                 "plain values go in data_state"
             )
         steps = self.all_steps()
@@ -235,7 +235,7 @@ class CheckpointManager:
         """
         ocp = _ocp()
         if step is not None:
-            step = as_count("restore: step (or None for the latest)", step, minimum=0)
+            step = as_count("step (or None for the latest)", step, minimum=0)
         step = self._committed(step)
         target = abstract_saveable(like)
         saved = self._manager.item_metadata(step)["state"]
@@ -409,6 +409,7 @@ def check_same_tree(saved: dict[str, Any], target: dict[str, Any], step: int) ->
         raise ValueError(f"checkpoint step {step}: {differ[0]}{more}")
 
 
+@public("sx.save_checkpoint")
 def save_checkpoint(
     directory: str | os.PathLike[str],
     state: Any,
@@ -425,6 +426,7 @@ def save_checkpoint(
         manager.save(step, state, data_state, overwrite=overwrite)
 
 
+@public("sx.restore_checkpoint")
 def restore_checkpoint(
     directory: str | os.PathLike[str], like: Any, step: int | None = None
 ) -> Restored:

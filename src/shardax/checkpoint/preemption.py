@@ -38,6 +38,8 @@ from typing import Any, ClassVar
 import jax
 from jax.experimental import multihost_utils
 
+from shardax.checks import public
+
 PREEMPTED_EXIT_CODE = 75
 """The exit code of a run that saved and stopped on a preemption notice (``EX_TEMPFAIL``)."""
 
@@ -80,6 +82,7 @@ def _multi_process() -> bool:
     return jax.distributed.is_initialized()
 
 
+@public("sx.watch_preemption")
 def watch_preemption(signals: tuple[int, ...] = (signal.SIGTERM,)) -> PreemptionWatch:
     """Starts listening for preemption notices; :func:`reached_preemption` does it on its
     first call, so call this to listen from before the first step, or to stop listening
@@ -98,7 +101,7 @@ def watch_preemption(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Preemption
     if _multi_process():
         if tuple(signals) != (signal.SIGTERM,):
             raise ValueError(
-                f"watch_preemption: in a multi-process run JAX's preemption service listens "
+                f"in a multi-process run JAX's preemption service listens "
                 f"for SIGTERM only, got signals={signals}"
             )
         if not jax.config.jax_enable_preemption_service:
@@ -110,7 +113,7 @@ def watch_preemption(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Preemption
             continue
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError(
-                "watch_preemption: signal handlers can only be installed from the main "
+                "signal handlers can only be installed from the main "
                 "thread; call sx.watch_preemption() there before starting the loop"
             )
         previous[sig] = signal.signal(sig, _on_signal)
@@ -145,6 +148,7 @@ def _on_signal(signum: int, frame: Any) -> None:
     _Notice.event.set()
 
 
+@public("sx.checkpoint.reached_preemption")
 def reached_preemption(step: int) -> bool:
     """True when the loop should save ``step`` and stop: a preemption notice arrived and,
     with several processes, ``step`` is the step every process agreed on.

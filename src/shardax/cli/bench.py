@@ -25,10 +25,13 @@ from shardax.cli.common import (
     UsageError,
     add_json_flag,
     console,
+    machine,
     median,
     nonneg_int,
     positive_int,
     pyplot,
+    rows_table,
+    save_figure,
     step_flops,
     time_interleaved,
     time_step,
@@ -57,31 +60,70 @@ def _modes(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardax bench``."""
-    parser.add_argument(
-        "--size",
-        choices=sorted(SIZES),
-        default="small",
-        help="small: 4 × 512 MLP, batch 2048 (CPU, about a minute); "
+    add_mlp_arguments(
+        parser,
+        "small: 4 × 512 MLP, batch 2048 (CPU, about a minute); "
         "seed: 90 × 2056 MLP, batch 6912, as in the data-parallel notebook (GPU)",
     )
-    parser.add_argument("--layers", type=positive_int, help="hidden layers (overrides --size)")
-    parser.add_argument("--hidden", type=positive_int, help="hidden width (overrides --size)")
-    parser.add_argument("--input-dim", type=positive_int, help="input width (overrides --size)")
     parser.add_argument("--batch-size", type=positive_int, help="global batch (overrides --size)")
     parser.add_argument(
         "--modes", type=_modes, default=list(MODES), help=f"subset of {','.join(MODES)}"
     )
-    parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps per mode")
-    parser.add_argument("--repeats", type=positive_int, default=9, help="timed steps per mode")
     parser.add_argument(
         "--sequential",
         action="store_true",
         help="time one mode after another, holding one mode's state at a time (less memory); "
         "default: modes timed in turns, so background load falls on all alike",
     )
+    add_timing_arguments(parser, warmup=3, repeats=9, each="mode", name="bench")
+
+
+def add_mlp_arguments(parser: argparse.ArgumentParser, size_help: str) -> None:
+    """``--size`` (one of :data:`SIZES`) and the overrides of its MLP's shape."""
+    parser.add_argument("--size", choices=sorted(SIZES), default="small", help=size_help)
+    parser.add_argument("--layers", type=positive_int, help="hidden layers (overrides --size)")
+    parser.add_argument("--hidden", type=positive_int, help="hidden width (overrides --size)")
+    parser.add_argument("--input-dim", type=positive_int, help="input width (overrides --size)")
+
+
+def add_timing_arguments(
+    parser: argparse.ArgumentParser, *, warmup: int, repeats: int, each: str, name: str
+) -> None:
+    """``--warmup`` and ``--repeats`` steps per ``each``, ``--seed``, and where the
+    ``<name>.json`` and ``<name>.png`` go (``--run-dir``, ``--json``)."""
+    parser.add_argument(
+        "--warmup", type=positive_int, default=warmup, help=f"untimed steps per {each}"
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=repeats, help=f"timed steps per {each}"
+    )
     parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed")
-    parser.add_argument("--run-dir", default=None, help="where to write bench.json and bench.png")
+    parser.add_argument(
+        "--run-dir", default=None, help=f"where to write {name}.json and {name}.png"
+    )
     add_json_flag(parser)
+
+
+def mlp_shape(args: argparse.Namespace) -> tuple[int, int, int, int, int]:
+    """``(layers, hidden, input_dim, output_dim, batch)`` of ``--size``, overrides applied."""
+    layers, hidden, input_dim, output_dim, batch = SIZES[args.size]
+    return (
+        args.layers or layers,
+        args.hidden or hidden,
+        args.input_dim or input_dim,
+        output_dim,
+        getattr(args, "batch_size", None) or batch,
+    )
+
+
+def random_batch(rng: Any, rows: int, input_dim: int, output_dim: int) -> dict[str, Any]:
+    """``rows`` examples of random inputs ``"x"`` and all-ones targets ``"y"`` (float32)."""
+    import numpy as np
+
+    return {
+        "x": rng.standard_normal((rows, input_dim), np.float32),
+        "y": np.ones((rows, output_dim), np.float32),
+    }
 
 
 def mse_loss(model: Any, batch: dict[str, Any]) -> Any:
@@ -125,22 +167,14 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
 
     import shardax as sx
 
-    layers, hidden, input_dim, output_dim, batch = SIZES[args.size]
-    layers = args.layers or layers
-    hidden = args.hidden or hidden
-    input_dim = args.input_dim or input_dim
-    batch = args.batch_size or batch
+    layers, hidden, input_dim, output_dim, batch = mlp_shape(args)
     mesh = sx.make_mesh({"data": -1})
     if batch % mesh.size:
         raise UsageError(f"--batch-size {batch} is not divisible by the {mesh.size} devices")
     model = make_mlp(input_dim, hidden, layers, output_dim, args.seed)
     state = sx.TrainState.create(model, optax.adam(1e-4), rng=args.seed)
     num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(state.params))
-    rng = np.random.default_rng(args.seed)
-    data = {
-        "x": rng.standard_normal((batch, input_dim), np.float32),
-        "y": np.ones((batch, output_dim), np.float32),
-    }
+    data = random_batch(np.random.default_rng(args.seed), batch, input_dim, output_dim)
     one = sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
     out.print(
         f"bench: MLP {layers} × {hidden} on {input_dim} inputs ({num_params / 1e6:.1f} M params), "
@@ -188,8 +222,7 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         r["speedup_vs_single"] = None if base is None else base / r["median_s"]
     return {
         "command": "bench",
-        "platform": jax.devices()[0].platform,
-        "device_kind": str(jax.devices()[0].device_kind),
+        **machine(),
         "devices": mesh.size,
         "size": args.size,
         "layers": layers,
@@ -205,29 +238,27 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
 
 def render(result: dict[str, Any], out: Any) -> None:
     """The table of median step times and speedups."""
-    from rich.table import Table
-
-    table = Table(
-        title=f"train-step time, {result['devices']} × {result['device_kind']}, MLP "
+    columns = {
+        "mode": lambda r: r["mode"],
+        "devices": lambda r: str(r["devices"]),
+        "median ms": _shown("median_s", ".2f", scale=1e3),
+        "min ms": _shown("min_s", ".2f", scale=1e3),
+        "max ms": _shown("max_s", ".2f", scale=1e3),
+        "speedup vs single": _shown("speedup_vs_single", ".2f", unit="×"),
+        "FLOPs/step": _shown("flops_per_step", ".3g"),
+        "TFLOP/s per device": _shown("tflops_per_s_per_device", ".3g"),
+        "MFU": lambda r: r["mfu"] if isinstance(r["mfu"], str) else f"{r['mfu']:.1%}",
+    }
+    title = (
+        f"train-step time, {result['devices']} × {result['device_kind']}, MLP "
         f"{result['layers']} × {result['hidden']}, batch {result['batch_size']}"
     )
-    columns = ("mode", "devices", "median ms", "min ms", "max ms", "speedup vs single")
-    for col in (*columns, "FLOPs/step", "TFLOP/s per device", "MFU"):
-        table.add_column(col, justify="right")
-    for r in result["results"]:
-        speed = r["speedup_vs_single"]
-        table.add_row(
-            r["mode"],
-            str(r["devices"]),
-            f"{r['median_s'] * 1e3:.2f}",
-            f"{r['min_s'] * 1e3:.2f}",
-            f"{r['max_s'] * 1e3:.2f}",
-            "—" if speed is None else f"{speed:.2f}×",
-            "—" if r["flops_per_step"] is None else f"{r['flops_per_step']:.3g}",
-            "—" if r["tflops_per_s_per_device"] is None else f"{r['tflops_per_s_per_device']:.3g}",
-            r["mfu"] if isinstance(r["mfu"], str) else f"{r['mfu']:.1%}",
-        )
-    out.print(table)
+    out.print(rows_table(title, columns, result["results"]))
+
+
+def _shown(key: str, spec: str, *, scale: float = 1, unit: str = "") -> Any:
+    """How a row shows ``row[key]``: scaled, formatted by ``spec``, "—" for None."""
+    return lambda row: "—" if row[key] is None else f"{row[key] * scale:{spec}}{unit}"
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
@@ -249,9 +280,7 @@ def plot(result: dict[str, Any], path: Any) -> None:
         f"{result['hidden']}, batch {result['batch_size']}",
     )
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

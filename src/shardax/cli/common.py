@@ -15,7 +15,7 @@ import statistics
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -301,13 +301,24 @@ def step_flops(step: Any, state: Any, batch: Any) -> float | None:
 
 
 def plot_curves(
-    history: list[dict[str, Any]], path: Any, title: str, x: str, panels: list[tuple[str, str]]
+    summary: dict[str, Any],
+    path: Any,
+    what: str,
+    x: str,
+    panels: list[tuple[str, str]],
+    note: str = "",
 ) -> None:
-    """One panel per ``(metric, label)``: train and held-out curves against ``x``.
+    """One panel per ``(metric, label)``: train and held-out curves against ``x``, titled
+    ``what`` on the run's devices, mesh and plan (then ``note``).
 
     Each panel plots ``train_<metric>`` and the held-out ``<split>_<metric>`` entries
-    (``test_`` or ``val_``) found in ``history``.
+    (``test_`` or ``val_``) found in the ``summary``'s history.
     """
+    history = summary["history"]
+    title = (
+        f"{what}, {summary['devices']} × {summary['platform']}, mesh {summary['mesh']}, "
+        f"plan {summary['plan']}" + (f"; {note}" if note else "")
+    )
     plt = pyplot("train")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (metric, label) in zip(axes[0], panels, strict=True):
@@ -321,6 +332,41 @@ def plot_curves(
         ax.legend()
     # Wrapped to the figure's width (about 12 characters per inch at this size).
     fig.suptitle(textwrap.fill(title, 12 * 5 * len(panels)), fontsize=10)
+    save_figure(plt, fig, path)
+
+
+def machine() -> dict[str, str]:
+    """What a result was measured on: the ``platform`` and ``device_kind`` of the devices."""
+    import jax
+
+    first = jax.devices()[0]
+    return {"platform": first.platform, "device_kind": str(first.device_kind)}
+
+
+def save_figure(plt: Any, fig: Any, path: Any) -> None:
+    """Lays ``fig`` out, writes it to ``path`` (PNG, 110 dpi) and closes it."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def rows_table(
+    title: str,
+    columns: dict[str, Callable[[dict[str, Any]], str]],
+    rows: Sequence[dict[str, Any]],
+    caption: str | None = None,
+    *,
+    left: int = 0,
+    style: Callable[[dict[str, Any]], str | None] = lambda row: None,
+) -> Any:
+    """A rich ``Table`` with a line per row: ``columns`` maps each column's header to how
+    a row shows in it. Right-aligned (numbers) but the first ``left`` columns; ``style``
+    gives a row's style."""
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i < left else "right")
+    for row in rows:
+        table.add_row(*(show(row) for show in columns.values()), style=style(row))
+    return table

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from shardax.cli import track
-from shardax.cli.common import STARTED, UsageError, run_dir, step_flops
+from shardax.cli.common import STARTED, UsageError, machine, run_dir, step_flops
 from shardax.cli.hooks import (
     Checkpoint,
     Evaluation,
@@ -199,8 +199,7 @@ def summary(
         "model": args.model,
         "devices": job.mesh.size,
         "processes": jax.process_count(),
-        "platform": jax.devices()[0].platform,
-        "device_kind": str(jax.devices()[0].device_kind),
+        **machine(),
         "mesh": dict(job.mesh.shape),
         "plan": args.plan,
         "mode": args.mode,

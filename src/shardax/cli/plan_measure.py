@@ -25,7 +25,15 @@ import dataclasses
 import math
 from typing import Any
 
-from shardax.cli.common import UsageError, console, pyplot, write_results
+from shardax.cli.common import (
+    UsageError,
+    console,
+    machine,
+    pyplot,
+    rows_table,
+    save_figure,
+    write_results,
+)
 
 GIB = 1024**3
 MODELS = ("mlp", "gpt")
@@ -196,7 +204,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "params": num_params,
         "batch": args.batch,
         "mesh": dict(mesh.shape),
-        "device_kind": jax.devices()[0].device_kind,
+        **machine(),
         "jax": jax.__version__,
         "device_memory_bytes": report.device_memory,
         "pick": report.name,
@@ -207,30 +215,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(result: dict[str, Any], out: Any) -> None:
     """The table of candidates and the pick."""
-    from rich.table import Table
-
     from shardax.plan.report import format_bytes as fb
 
-    table = Table(
-        title=f"{result['model']} ({result['params'] / 1e6:.2f} M params, Adam fp32), batch "
-        f"{result['batch']}, mesh {result['mesh']}: compiled per device",
-        caption="arguments = state + batch slice; formula = params + Adam state, "
-        "runtime/memory.py; sent = bytes per device per step from the HLO's collectives",
+    columns = {
+        "plan": lambda r: ("[bold]" if r["name"] == result["pick"] else "") + r["name"],
+        "arguments": lambda r: fb(r["argument_bytes"]),
+        "formula": lambda r: (
+            "n/a" if r["formula"] is None else fb(r["formula"]["params_and_optimizer_bytes"])
+        ),
+        "temporaries": lambda r: fb(r["temp_bytes"]),
+        "peak": lambda r: fb(r["total_bytes"]),
+        "sent": lambda r: fb(r["collective_bytes"]),
+        "fits": lambda r: {None: "?", True: "yes", False: "[red]no[/]"}[r["fits"]],
+    }
+    title = (
+        f"{result['model']} ({result['params'] / 1e6:.2f} M params, Adam fp32), batch "
+        f"{result['batch']}, mesh {result['mesh']}: compiled per device"
     )
-    for col in ("plan", "arguments", "formula", "temporaries", "peak", "sent", "fits"):
-        table.add_column(col, justify="left" if col == "plan" else "right")
-    for r in result["candidates"]:
-        f = r["formula"]
-        table.add_row(
-            ("[bold]" if r["name"] == result["pick"] else "") + r["name"],
-            fb(r["argument_bytes"]),
-            "n/a" if f is None else fb(f["params_and_optimizer_bytes"]),
-            fb(r["temp_bytes"]),
-            fb(r["total_bytes"]),
-            fb(r["collective_bytes"]),
-            {None: "?", True: "yes", False: "[red]no[/]"}[r["fits"]],
-        )
-    out.print(table)
+    caption = (
+        "arguments = state + batch slice; formula = params + Adam state, "
+        "runtime/memory.py; sent = bytes per device per step from the HLO's collectives"
+    )
+    out.print(rows_table(title, columns, result["candidates"], caption, left=1))
     out.print(f"pick: [bold]{result['pick']}[/]: {result['reason']}")
 
 
@@ -255,9 +261,7 @@ def plot(result: dict[str, Any], path: Any) -> None:
     for ax in (mem, comm):
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"{result['model']}, batch {result['batch']}, mesh {result['mesh']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -314,15 +314,11 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
 
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Train and validation loss per step, with the unigram entropy for reference."""
-    plot_curves(
-        summary["history"],
-        path,
-        f"GPT ({summary['params']:,} params), {summary['devices']} × {summary['platform']}, "
-        f"mesh {summary['mesh']}, plan {summary['plan']}; unigram entropy "
-        f"{summary['unigram_entropy']:.2f}",
-        x="step",
-        panels=[("loss", "cross-entropy (nats/byte)")],
+    what, note = (
+        f"GPT ({summary['params']:,} params)",
+        f"unigram entropy {summary['unigram_entropy']:.2f}",
     )
+    plot_curves(summary, path, what, "step", [("loss", "cross-entropy (nats/byte)")], note)
 
 
 def report(summary: dict[str, Any], out: Any) -> None:

@@ -136,14 +136,8 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
 
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Loss and accuracy per epoch, train and test."""
-    plot_curves(
-        summary["history"],
-        path,
-        f"MLP on digits, {summary['devices']} × {summary['platform']}, mesh "
-        f"{summary['mesh']}, plan {summary['plan']}",
-        x="epoch",
-        panels=[("loss", "cross-entropy loss"), ("accuracy", "accuracy")],
-    )
+    panels = [("loss", "cross-entropy loss"), ("accuracy", "accuracy")]
+    plot_curves(summary, path, "MLP on digits", "epoch", panels)
 
 
 def report(summary: dict[str, Any], out: Any) -> None:

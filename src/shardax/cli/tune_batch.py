@@ -14,16 +14,24 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardax.cli.bench import SIZES, Stepper, mse_loss
+from shardax.cli.bench import (
+    Stepper,
+    add_mlp_arguments,
+    add_timing_arguments,
+    mlp_shape,
+    mse_loss,
+    random_batch,
+)
 from shardax.cli.common import (
     UsageError,
-    add_json_flag,
     console,
     int_list,
+    machine,
     median,
-    nonneg_int,
     positive_int,
     pyplot,
+    rows_table,
+    save_figure,
     time_interleaved,
     write_results,
 )
@@ -48,12 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="global batch sizes to try, e.g. 64,128,256 (default: devices × 1, 2, 4, … 2048)",
     )
-    parser.add_argument(
-        "--size", choices=sorted(SIZES), default="small", help="MLP size, as in shardax bench"
-    )
-    parser.add_argument("--layers", type=positive_int, help="hidden layers (overrides --size)")
-    parser.add_argument("--hidden", type=positive_int, help="hidden width (overrides --size)")
-    parser.add_argument("--input-dim", type=positive_int, help="input width (overrides --size)")
+    add_mlp_arguments(parser, "MLP size, as in shardax bench")
     parser.add_argument(
         "--devices",
         type=positive_int,
@@ -64,11 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tolerance", type=_tolerance, default=0.1, help="knee: within this of peak (0.1)"
     )
-    parser.add_argument("--warmup", type=positive_int, default=2, help="untimed steps per size")
-    parser.add_argument("--repeats", type=positive_int, default=7, help="timed steps per size")
-    parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed")
-    parser.add_argument("--run-dir", default=None, help="where to write tune.json and tune.png")
-    add_json_flag(parser)
+    add_timing_arguments(parser, warmup=2, repeats=7, each="size", name="tune")
 
 
 def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
@@ -91,9 +90,7 @@ def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     if bad:
         raise UsageError(f"--batch-sizes {bad} are not divisible by the {n} devices")
     sizes = sorted(set(sizes))
-    layers, hidden, input_dim, output_dim, _ = SIZES[args.size]
-    layers, hidden = args.layers or layers, args.hidden or hidden
-    input_dim = args.input_dim or input_dim
+    layers, hidden, input_dim, output_dim, _ = mlp_shape(args)
     model = make_mlp(input_dim, hidden, layers, output_dim, args.seed)
     # One state, threaded through the steps of every size: memory for one copy only.
     stepper = Stepper(
@@ -110,10 +107,7 @@ def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     data = sx.batch_sharding(mesh)
     fns = []
     for b in sizes:
-        batch = {
-            "x": rng.standard_normal((b, input_dim), np.float32),
-            "y": np.ones((b, output_dim), np.float32),
-        }
+        batch = random_batch(rng, b, input_dim, output_dim)
         fns.append(stepper.bind(sx.distribute_batch(batch, data)))
     all_times = time_interleaved(fns, args.warmup, args.repeats)
     del fns
@@ -136,8 +130,7 @@ def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     roof = hardware_roofline(hw).critical_batch if hw in HARDWARE_SPECS else None
     return {
         "command": "tune-batch",
-        "platform": jax.devices()[0].platform,
-        "device_kind": str(jax.devices()[0].device_kind),
+        **machine(),
         "hardware": hw.value,
         "devices": n,
         "layers": layers,
@@ -158,26 +151,23 @@ def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
 
 def render(result: dict[str, Any], out: Any) -> None:
     """The throughput table and the knee beside the table's critical batch."""
-    from rich.table import Table
-
     peak = result["peak_examples_per_s"]
-    table = Table(
-        title=f"throughput, {result['devices']} × {result['device_kind']}",
-        caption="spread: half the min–max range of the timed steps, relative to the median",
+    knee = result["knee_batch_size"]
+    columns = {
+        "batch": lambda r: str(r["batch_size"]) + (" ◀ knee" if r["batch_size"] == knee else ""),
+        "per device": lambda r: str(r["per_device"]),
+        "median ms": lambda r: f"{r['median_s'] * 1e3:.2f}",
+        "spread": lambda r: f"±{(max(r['times_s']) - min(r['times_s'])) / 2 / r['median_s']:.0%}",
+        "examples/s": lambda r: f"{r['examples_per_s']:,.0f}",
+        "of peak": lambda r: f"{r['examples_per_s'] / peak:.0%}",
+    }
+    table = rows_table(
+        f"throughput, {result['devices']} × {result['device_kind']}",
+        columns,
+        result["results"],
+        "spread: half the min–max range of the timed steps, relative to the median",
+        style=lambda r: "bold green" if r["batch_size"] == knee else None,
     )
-    for col in ("batch", "per device", "median ms", "spread", "examples/s", "of peak"):
-        table.add_column(col, justify="right")
-    for r in result["results"]:
-        knee = r["batch_size"] == result["knee_batch_size"]
-        table.add_row(
-            str(r["batch_size"]) + (" ◀ knee" if knee else ""),
-            str(r["per_device"]),
-            f"{r['median_s'] * 1e3:.2f}",
-            f"±{(max(r['times_s']) - min(r['times_s'])) / 2 / r['median_s']:.0%}",
-            f"{r['examples_per_s']:,.0f}",
-            f"{r['examples_per_s'] / peak:.0%}",
-            style="bold green" if knee else None,
-        )
     out.print(table)
     roof = result["roofline_critical_batch"]
     out.print(
@@ -228,9 +218,7 @@ def plot(result: dict[str, Any], path: Any) -> None:
     )
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from shardax.checks import as_count
+from shardax.checks import as_count, public
 
 
 class HardwareType(Enum):
@@ -30,6 +30,7 @@ class HardwareType(Enum):
     UNKNOWN = "unknown"
 
 
+@public("sx.BatchSizeRecommendation")
 @dataclasses.dataclass(frozen=True)
 class BatchSizeRecommendation:
     """Hardware-specific batch size recommendations.
@@ -70,6 +71,7 @@ _UNKNOWN = _R(
 )
 
 
+@public("sx.cost.HardwareSpec")
 @dataclasses.dataclass(frozen=True)
 class HardwareSpec:
     """Public datasheet figures of one accelerator, for roofline estimates.
@@ -101,6 +103,7 @@ HARDWARE_SPECS: dict[HardwareType, HardwareSpec] = {
 }
 
 
+@public("sx.cost.detect_hardware_type")
 def detect_hardware_type(devices: Sequence[Any] | None = None) -> HardwareType:
     """Detects the hardware type of the first device (default: ``jax.devices()``).
 
@@ -116,6 +119,7 @@ def detect_hardware_type(devices: Sequence[Any] | None = None) -> HardwareType:
     return hardware_type_of(devices[0].platform, devices[0].device_kind)
 
 
+@public("sx.cost.hardware_type_of")
 def hardware_type_of(platform: str, device_kind: str) -> HardwareType:
     """Maps a device's ``platform`` and ``device_kind`` to a :class:`HardwareType`."""
     platform, kind = platform.lower(), str(device_kind or "").lower()
@@ -140,6 +144,7 @@ def hardware_type_of(platform: str, device_kind: str) -> HardwareType:
     return HardwareType.UNKNOWN
 
 
+@public("sx.get_batch_size_recommendation")
 def get_batch_size_recommendation(
     hardware_type: HardwareType | None = None,
 ) -> BatchSizeRecommendation:
@@ -156,6 +161,7 @@ def get_batch_size_recommendation(
     return BATCH_SIZE_TABLE.get(hw, _UNKNOWN)
 
 
+@public("sx.cost.validate_batch_size")
 def validate_batch_size(
     batch_size: int,
     hardware_type: HardwareType | None = None,
@@ -169,7 +175,7 @@ def validate_batch_size(
     >>> validate_batch_size(64, HardwareType.H100)[0]
     True
     """
-    batch_size = as_count("validate_batch_size: batch_size", batch_size)
+    batch_size = as_count("batch_size", batch_size)
     hw = detect_hardware_type() if hardware_type is None else HardwareType(hardware_type)
     rec = get_batch_size_recommendation(hw)
     where = f"for {hw.value}"
@@ -188,6 +194,7 @@ def validate_batch_size(
     return True, f"Batch size {batch_size} is acceptable {where}."
 
 
+@public("sx.cost.device_info")
 def device_info(devices: Sequence[Any] | None = None) -> dict[str, Any]:
     """Describes ``devices`` (default: all devices of all processes).
 

@@ -21,13 +21,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 
-from shardax.checks import as_count
+from shardax.checks import as_count, public
 from shardax.data.leaves import check_batch_leaves, sharded_dims
 from shardax.data.placement import batch_sharding, leaf_sharding
 from shardax.plan.specs import spec_axes
 from shardax.plan.tree import map_arrays
 
 
+@public("sx.data.as_sharding")
 def as_sharding(target: Any) -> Sharding:
     """A ``Sharding`` from a device, a sharding, a mesh (its batch sharding) or None.
 
@@ -48,6 +49,7 @@ def as_sharding(target: Any) -> Sharding:
     )
 
 
+@public("sx.data.process_grid")
 def process_grid(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
     """How many processes split each of ``ndim`` dimensions under ``sharding``.
 
@@ -76,18 +78,19 @@ def _check_share(
     d = sharded[0]
     if global_size % grid[d]:
         raise ValueError(
-            f"global_batch: global_size {global_size} is not divisible by the {grid[d]} "
+            f"global_size {global_size} is not divisible by the {grid[d]} "
             f"processes that split dimension {d} of leaf {path!r}"
         )
     share = global_size // grid[d]
     if shape[d] != share:
         expected = (*shape[:d], share, *shape[d + 1 :])
         raise ValueError(
-            f"global_batch: leaf {path!r} has local shape {shape}, expected {expected} "
+            f"leaf {path!r} has local shape {shape}, expected {expected} "
             f"(global batch {global_size} split over {grid[d]} process(es))"
         )
 
 
+@public("sx.global_batch")
 def global_batch(local_batch: Any, sharding: Any, global_size: int | None = None) -> Any:
     """Places this process's ``local_batch`` as one global array per leaf with ``sharding``.
 
@@ -106,8 +109,8 @@ def global_batch(local_batch: Any, sharding: Any, global_size: int | None = None
     """
     sharding = as_sharding(sharding)
     if global_size is not None:
-        global_size = as_count("global_batch: global_size", global_size)
-    check_batch_leaves(local_batch, "global_batch", dims=sharded_dims(sharding))
+        global_size = as_count("global_size", global_size)
+    check_batch_leaves(local_batch, dims=sharded_dims(sharding))
     multi = jax.process_count() > 1
 
     def one(path: str, x: Any) -> Any:

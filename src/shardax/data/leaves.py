@@ -5,11 +5,11 @@
 JAX cannot hold (strings, objects) is named by its path, and leaves that disagree on
 the batch dimension are refused alike, before anything is placed.
 
->>> check_batch_leaves({"x": np.ones((16, 3)), "y": np.ones(16)}, "distribute_batch", dims=(0,))
+>>> check_batch_leaves({"x": np.ones((16, 3)), "y": np.ones(16)}, dims=(0,))
 [('x', (16, 3)), ('y', (16,))]
->>> check_batch_leaves({"x": np.ones((16, 3)), "y": np.ones(24)}, "distribute_batch", dims=(0,))
+>>> sx.distribute_batch({"x": np.ones((16, 3)), "y": np.ones(24)}, sx.batch_sharding(mesh))
 Traceback (most recent call last):
-ValueError: distribute_batch: batch leaves disagree on the batch size (dimension 0); ...
+ValueError: sx.distribute_batch: batch leaves disagree on the batch size (dimension 0); ...
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def shapes_text(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> str:
 
 
 def check_batch_leaves(
-    tree: Any, where: str, *, dims: Sequence[int] = (), arrays_only: bool = False
+    tree: Any, *, dims: Sequence[int] = (), arrays_only: bool = False
 ) -> list[tuple[str, tuple[int, ...]]]:
     """``(path, shape)`` of every array leaf of ``tree``, after checking that
 
@@ -47,8 +47,6 @@ def check_batch_leaves(
     - with ``arrays_only``, every leaf is an array (Python lists and numbers are named);
     - every leaf with a dimension ``d`` in ``dims`` has the same size there as the others
       (a ``ValueError`` lists every leaf's shape).
-
-    ``where`` starts every message (the function the user called).
     """
     leaves = []
     for key, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -57,7 +55,7 @@ def check_batch_leaves(
             if arrays_only:
                 hint = " (convert lists with np.asarray)" if key and _in_list(key) else ""
                 raise TypeError(
-                    f"{where}: batch leaf {path or '<root>'!r} is a {type(leaf).__name__} "
+                    f"batch leaf {path or '<root>'!r} is a {type(leaf).__name__} "
                     f"({leaf!r}), not an array; every batch leaf must be a NumPy or JAX "
                     f"array with a leading batch dimension{hint}"
                 )
@@ -65,7 +63,7 @@ def check_batch_leaves(
         # Extended dtypes (PRNG keys) have no NumPy kind; bfloat16 & co. have kind "V".
         if getattr(leaf.dtype, "kind", "V") in _NOT_JAX_KINDS:
             raise TypeError(
-                f"{where}: leaf {path or '<root>'!r} has dtype {np.dtype(leaf.dtype)} "
+                f"leaf {path or '<root>'!r} has dtype {np.dtype(leaf.dtype)} "
                 f"(shape {np.shape(leaf)}), which a JAX array cannot hold; keep strings and "
                 "objects out of the tree, or encode them as numbers (e.g. class ids)"
             )
@@ -74,7 +72,7 @@ def check_batch_leaves(
         sizes = {shape[d] for _, shape in leaves if len(shape) > d}
         if len(sizes) > 1:
             raise ValueError(
-                f"{where}: batch leaves disagree on the batch size (dimension {d}); they must "
+                f"batch leaves disagree on the batch size (dimension {d}); they must "
                 f"all have the same size there. Received {shapes_text(leaves)}"
             )
     return leaves

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardax.checks import as_count, expect_type
+from shardax.checks import as_count, expect_type, public
 from shardax.data.policy import MASK, check_policy, num_batches, pad_batch
 from shardax.plan.tree import is_array, path_str
 
@@ -34,20 +34,21 @@ def _num_examples(arrays: Any) -> int:
     """The leading dimension shared by every leaf of ``arrays``; raises naming them if not."""
     leaves = jax.tree_util.tree_leaves_with_path(arrays)
     if not leaves:
-        raise ValueError("batches: arrays has no leaves")
+        raise ValueError("arrays has no leaves")
     sizes = {}
     for path, x in leaves:
         if not (is_array(x) or hasattr(x, "__getitem__")) or np.ndim(x) == 0:
             raise ValueError(
-                f"batches: leaf {path_str(path)!r} must be an array with a leading example "
+                f"leaf {path_str(path)!r} must be an array with a leading example "
                 f"dimension, got {type(x).__name__} of shape {np.shape(x)}"
             )
         sizes[path_str(path)] = np.shape(x)[0]
     if len(set(sizes.values())) > 1:
-        raise ValueError(f"batches: the leaves of arrays differ in their number of rows: {sizes}")
+        raise ValueError(f"the leaves of arrays differ in their number of rows: {sizes}")
     return next(iter(sizes.values()))
 
 
+@public("sx.data.Batches")
 class Batches(Iterator[Any]):
     """The iterator :func:`batches` returns; ``get_state()`` / ``set_state()`` give its
     position ``{"epoch", "index"}`` (index = the next batch of that epoch)."""
@@ -65,38 +66,38 @@ class Batches(Iterator[Any]):
         process_count: int,
     ) -> None:
         check_policy(policy)
-        expect_type("batches: shuffle", shuffle, bool, "True or False")
-        batch_size = as_count("batches: batch_size", batch_size)
-        seed = as_count("batches: seed", seed, minimum=0)
-        process_count = as_count("batches: process_count", process_count)
-        process_index = as_count("batches: process_index", process_index, minimum=0)
+        expect_type("shuffle", shuffle, bool, "True or False")
+        batch_size = as_count("batch_size", batch_size)
+        seed = as_count("seed", seed, minimum=0)
+        process_count = as_count("process_count", process_count)
+        process_index = as_count("process_index", process_index, minimum=0)
         if num_epochs is not None:
-            num_epochs = as_count("batches: num_epochs (or None for no end)", num_epochs)
+            num_epochs = as_count("num_epochs (or None for no end)", num_epochs)
         if not 0 <= process_index < process_count:
             raise ValueError(
-                f"batches: process_index must be in [0, process_count), got process_index="
+                f"process_index must be in [0, process_count), got process_index="
                 f"{process_index} and process_count={process_count}"
             )
         if batch_size % process_count:
             raise ValueError(
-                f"batches: the global batch_size {batch_size} is not divisible by "
+                f"the global batch_size {batch_size} is not divisible by "
                 f"process_count {process_count}; each process reads an equal share"
             )
         if policy == "pad" and (not isinstance(arrays, dict) or MASK in arrays):
             raise ValueError(
-                "batches: policy='pad' adds a top-level 'mask' leaf, so arrays must be a dict "
+                "policy='pad' adds a top-level 'mask' leaf, so arrays must be a dict "
                 f"without one, got {type(arrays).__name__}"
                 + (f" with keys {sorted(arrays)}" if isinstance(arrays, dict) else "")
             )
         self.num_examples = _num_examples(arrays)
         if self.num_examples == 0:
             raise ValueError(
-                "batches: arrays has 0 examples (every leaf has 0 rows); there is nothing to batch"
+                "arrays has 0 examples (every leaf has 0 rows); there is nothing to batch"
             )
         self.steps_per_epoch = num_batches(self.num_examples, batch_size, policy)
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"batches: batch_size {batch_size} is larger than the {self.num_examples} "
+                f"batch_size {batch_size} is larger than the {self.num_examples} "
                 f"examples, so policy={policy!r} leaves no batch; use a smaller batch_size or "
                 "policy='pad'"
             )
@@ -154,29 +155,30 @@ class Batches(Iterator[Any]):
     def set_state(self, state: dict[str, int]) -> None:
         """Moves to ``state`` (from :meth:`get_state`, on any number of processes)."""
         mine = self.get_state()
-        expect_type("batches.set_state: state", state, dict, "a dict from get_state()")
+        expect_type("state", state, dict, "a dict from get_state()")
         missing = [key for key in ("epoch", "index") if key not in state]
         if missing:
             raise ValueError(
-                f"batches.set_state: state must hold 'epoch' and 'index' (as get_state() "
+                f"state must hold 'epoch' and 'index' (as get_state() "
                 f"gives, e.g. {mine}); {', '.join(map(repr, missing))} missing from {state!r:.80}"
             )
         for key in ("seed", "batch_size", "num_examples"):
             if key in state and int(state[key]) != mine[key]:
                 raise ValueError(
-                    f"batches.set_state: the state was saved with {key}={state[key]}, but this "
+                    f"the state was saved with {key}={state[key]}, but this "
                     f"loader has {key}={mine[key]}; the position would not mean the same batch"
                 )
-        epoch = as_count("batches.set_state: state['epoch']", state["epoch"], minimum=0)
-        index = as_count("batches.set_state: state['index']", state["index"], minimum=0)
+        epoch = as_count("state['epoch']", state["epoch"], minimum=0)
+        index = as_count("state['index']", state["index"], minimum=0)
         if epoch < 0 or not 0 <= index < self.steps_per_epoch:
             raise ValueError(
-                f"batches.set_state: epoch must be >= 0 and index in [0, {self.steps_per_epoch}),"
+                f"epoch must be >= 0 and index in [0, {self.steps_per_epoch}),"
                 f" got epoch={epoch}, index={index}"
             )
         self._epoch, self._index = epoch, index
 
 
+@public("sx.batches")
 def batches(
     arrays: Any,
     batch_size: int,

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from shardax.checks import as_count, check_mesh, expect_type
+from shardax.checks import as_count, check_mesh, expect_type, public
 from shardax.data.leaves import check_batch_leaves, sharded_dims
 from shardax.mesh.axes import DATA_AXIS
 from shardax.mesh.make import make_mesh
@@ -29,6 +29,7 @@ from shardax.plan.tree import map_arrays
 from shardax.runtime.processes import device_put_global
 
 
+@public("sx.batch_sharding")
 def batch_sharding(
     mesh: Mesh,
     axis: str | tuple[str, ...] = DATA_AXIS,
@@ -45,25 +46,26 @@ def batch_sharding(
     >>> batch_sharding(make_mesh({"data": 2, "context": 4}), seq_axis="context").spec
     P('data', 'context')
     """
-    check_mesh("batch_sharding: mesh", mesh)
-    batch_axis = as_count("batch_sharding: batch_axis", batch_axis, minimum=0)
+    check_mesh("mesh", mesh)
+    batch_axis = as_count("batch_axis", batch_axis, minimum=0)
     names = (axis,) if isinstance(axis, str) else tuple(axis)
     missing = [n for n in names if n not in mesh.shape]
     if missing:
         raise ValueError(
-            f"sx.batch_sharding: batch axis {axis!r} is not in the mesh, whose axes are "
+            f"batch axis {axis!r} is not in the mesh, whose axes are "
             f"{dict(mesh.shape)}; pass axis= one of them"
         )
     if seq_axis is None:
         return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), axis))
     if not isinstance(seq_axis, str) or seq_axis not in mesh.shape or seq_axis in names:
         raise ValueError(
-            f"sx.batch_sharding: seq_axis must be a mesh axis other than the batch's "
+            f"seq_axis must be a mesh axis other than the batch's "
             f"{names}, one of {dict(mesh.shape)}; got {seq_axis!r}"
         )
     return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), axis, seq_axis))
 
 
+@public("sx.data.leaf_sharding")
 def leaf_sharding(path: str, shape: tuple[int, ...], sharding: Sharding) -> Sharding:
     """Fits ``sharding`` to one leaf: scalars are replicated and trailing ``None``
     entries beyond the leaf's rank are dropped; any other mismatch is an error."""
@@ -79,6 +81,7 @@ def leaf_sharding(path: str, shape: tuple[int, ...], sharding: Sharding) -> Shar
     return sharding if spec == sharding.spec else NamedSharding(sharding.mesh, spec)
 
 
+@public("sx.distribute_batch")
 def distribute_batch(data: Any, sharding: Sharding) -> Any:
     """Places every array leaf of ``data`` with ``sharding`` (scalars replicated).
 
@@ -86,18 +89,19 @@ def distribute_batch(data: Any, sharding: Sharding) -> Any:
     or when leaves disagree on a dimension that ``sharding`` splits (the batch size).
     """
     sharding = expect_type(
-        "distribute_batch: sharding",
+        "sharding",
         sharding,
         Sharding,
         "a jax.sharding.Sharding",
         "For a mesh, pass sx.batch_sharding(mesh)",
     )
-    check_batch_leaves(data, "distribute_batch", dims=sharded_dims(sharding))
+    check_batch_leaves(data, dims=sharded_dims(sharding))
     return map_arrays(
         lambda path, x: device_put_global(x, leaf_sharding(path, np.shape(x), sharding)), data
     )
 
 
+@public("sx.place_on_device")
 def place_on_device(data: Any, device: Any | None = None) -> Any:
     """Commits every array leaf of ``data`` to ``device`` (default: first local device).
 
@@ -106,17 +110,18 @@ def place_on_device(data: Any, device: Any | None = None) -> Any:
     """
     device = jax.local_devices()[0] if device is None else device
     expect_type(
-        "place_on_device: device",
+        "device",
         device,
         jax.Device,
         "a jax.Device",
         "Pick one from jax.devices() or jax.local_devices()",
     )
-    check_batch_leaves(data, "place_on_device")
+    check_batch_leaves(data)
     target = SingleDeviceSharding(device)
     return map_arrays(lambda _, x: jax.device_put(x, target), data)
 
 
+@public("sx.data.replicate_across_devices")
 def replicate_across_devices(data: Any, devices: Sequence[Any] | None = None) -> Any:
     """Copies every array leaf of ``data`` whole onto each of ``devices`` (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
@@ -124,21 +129,20 @@ def replicate_across_devices(data: Any, devices: Sequence[Any] | None = None) ->
     return distribute_batch(data, NamedSharding(mesh, PartitionSpec()))
 
 
+@public("sx.data.shard_batch_dim")
 def shard_batch_dim(data: Any, mesh: Mesh, batch_axis: int = 0, mesh_axis: str = DATA_AXIS) -> Any:
     """Splits dimension ``batch_axis`` of every array leaf over ``mesh_axis``.
 
     Scalars are replicated. A leaf whose rank does not reach ``batch_axis`` is an error.
     """
-    batch_axis = as_count("shard_batch_dim: batch_axis", batch_axis, minimum=0)
+    batch_axis = as_count("batch_axis", batch_axis, minimum=0)
     sharding = batch_sharding(mesh, mesh_axis, batch_axis)
-    check_batch_leaves(data, "shard_batch_dim", dims=(batch_axis,))
+    check_batch_leaves(data, dims=(batch_axis,))
 
     def one(path: str, x: Any) -> Any:
         shape = np.shape(x)
         if 0 < len(shape) <= batch_axis:
-            raise ValueError(
-                f"shard_batch_dim: leaf {path!r} with shape {shape} has no batch_axis {batch_axis}"
-            )
+            raise ValueError(f"leaf {path!r} with shape {shape} has no batch_axis {batch_axis}")
         return device_put_global(x, leaf_sharding(path, shape, sharding))
 
     return map_arrays(one, data)

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardax.checks import public
 from shardax.plan.tree import path_str
 
 POLICIES = ("error", "drop", "pad")
@@ -64,6 +65,7 @@ def batch_size_of(batch: Any) -> int:
     return next(iter(sizes.values()))
 
 
+@public("sx.data.pad_batch")
 def pad_batch(batch: dict[str, Any], batch_size: int, real: int | None = None) -> dict[str, Any]:
     """Pads every array leaf of the dict ``batch`` with zeros to ``batch_size`` rows and adds
     ``batch["mask"]``, True for the first ``real`` rows (default: the rows it had)."""
@@ -89,6 +91,7 @@ def pad_batch(batch: dict[str, Any], batch_size: int, real: int | None = None) -
     return out
 
 
+@public("sx.data.fit_batch")
 def fit_batch(batch: Any, batch_size: int, policy: str) -> Any | None:
     """``batch`` made to have ``batch_size`` examples under ``policy``; None means drop it.
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import jax
 
-from shardax.checks import as_count
+from shardax.checks import as_count, public
 from shardax.data.global_batch import as_sharding, global_batch
 from shardax.data.policy import batch_size_of, check_policy, fit_batch
 
@@ -115,6 +115,7 @@ def _placer(sharding: Any, policy: str | None, batch_size: int | None) -> Callab
     return place
 
 
+@public("sx.data.Prefetcher")
 class Prefetcher(Iterator[Any]):
     """The iterator :func:`prefetch_to_device` returns: ``close()``, context manager,
     ``get_state()``, ``wait_seconds``. See the module docstring for the guarantees."""
@@ -217,6 +218,7 @@ def _close_all() -> None:
         prefetcher.close()
 
 
+@public("sx.prefetch_to_device")
 def prefetch_to_device(
     iterable: Iterable[Any],
     target: Any = None,
@@ -244,10 +246,10 @@ def prefetch_to_device(
     manager. Every ``break`` out of a named iterator should be followed by ``close()``, or
     use ``with``.
     """
-    buffer_size = as_count("prefetch_to_device: buffer_size", buffer_size)
+    buffer_size = as_count("buffer_size", buffer_size)
     if policy is not None:
         check_policy(policy)
     if batch_size is not None:
-        batch_size = as_count("prefetch_to_device: batch_size", batch_size)
+        batch_size = as_count("batch_size", batch_size)
     place = _placer(as_sharding(target), policy, batch_size)
     return Prefetcher(iterable, place, buffer_size)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shardax.checks import as_count
+
 DEFAULT_MAX_BYTES = 2 * 2**20
 
 
@@ -226,7 +228,7 @@ class LMBatches:
         return {"step": self.step}
 
     def set_state(self, state: dict[str, int]) -> None:
-        self.step = int(state["step"])
+        self.step = as_count("state['step']", state["step"], minimum=0)
 
 
 def zigzag_batch(batch: dict[str, np.ndarray], context: int) -> dict[str, np.ndarray]:

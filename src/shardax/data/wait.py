@@ -16,7 +16,10 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from shardax.checks import public
 
+
+@public("sx.data.Timed")
 class Timed(Iterator[Any]):
     """``iterable``'s items, in order; ``wait_seconds`` is the time spent in its ``next()``."""
 
@@ -39,6 +42,7 @@ class Timed(Iterator[Any]):
         return self._source.get_state()  # type: ignore[attr-defined]
 
 
+@public("sx.data.timed")
 def timed(iterable: Iterable[Any]) -> Timed:
     """Wraps ``iterable`` so that ``wait_seconds`` counts the time ``next()`` blocks."""
     return Timed(iterable)

@@ -10,12 +10,13 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from shardax.checks import as_count
+from shardax.checks import as_count, public
 from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 
 MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]
 
 
+@public("sx.mesh.resolve_mesh_shape")
 def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
     """Validates ``spec`` and fills a ``-1`` size with the remaining devices.
 
@@ -62,6 +63,7 @@ def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
     return shape
 
 
+@public("sx.make_mesh")
 def make_mesh(
     spec: MeshSpec | None = None,
     *,
@@ -90,11 +92,11 @@ def make_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
-        raise ValueError("make_mesh: devices is empty; pass at least one device, or None for all")
+        raise ValueError("devices is empty; pass at least one device, or None for all")
     bad = [d for d in devices if not isinstance(d, jax.Device)]
     if bad:
         raise TypeError(
-            f"make_mesh: devices must be jax.Device objects (e.g. jax.devices()[:4]), got "
+            f"devices must be jax.Device objects (e.g. jax.devices()[:4]), got "
             f"{type(bad[0]).__name__} {bad[0]!r}"
         )
     shape = resolve_mesh_shape({DATA_AXIS: -1} if spec is None else spec, len(devices))
@@ -102,7 +104,7 @@ def make_mesh(
         axis_types = (axis_types,) * len(shape)
     if isinstance(axis_types, str) or not all(isinstance(t, AxisType) for t in axis_types):
         raise TypeError(
-            "make_mesh: axis_types must be a jax.sharding.AxisType (e.g. AxisType.Explicit) or "
+            "axis_types must be a jax.sharding.AxisType (e.g. AxisType.Explicit) or "
             f"one per axis, got {axis_types!r}"
         )
     axis_types = tuple(axis_types)
@@ -159,6 +161,7 @@ def _hybrid_grid(shape: dict[str, int], devices: Sequence[Any], dcn_axis: str) -
     )
 
 
+@public("sx.mesh.mesh_info")
 def mesh_info(mesh: Mesh) -> dict[str, Any]:
     """``{"total_devices": N, "axes": {name: size}}`` plus axis types and device ids.
 

@@ -159,9 +159,9 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.attention must be one of {ATTENTION}, got {self.attention!r}"
             )
-        w = self.window
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
-            raise ValueError(f"GPTConfig.window must be None or an integer >= 0, got {w!r}")
+        if self.window is not None:
+            window = as_count("GPTConfig.window (or None)", self.window, minimum=0)
+            object.__setattr__(self, "window", window)
         names = ("layers", "d_model", "heads", "max_seq_len", "mlp_ratio", "vocab")
         names += ("pipeline_repeats",)
         if self.pipeline_microbatches is not None:
@@ -185,14 +185,12 @@ class GPTConfig:
             )
 
     def _check_experts(self) -> None:
-        if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts < 0:
-            raise ValueError(f"GPTConfig.experts must be an integer >= 0, got {self.experts!r}")
+        experts = as_count("GPTConfig.experts", self.experts, minimum=0)
+        object.__setattr__(self, "experts", experts)
         if not self.experts:
             return
         for name in ("top_k", "moe_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, as_count(f"GPTConfig.{name}", getattr(self, name)))
         if self.top_k > self.experts:
             raise ValueError(f"GPTConfig: top_k={self.top_k} must be <= experts={self.experts}")
         if self.layers % self.moe_every:
@@ -312,18 +310,31 @@ class MLP(nnx.Module):
         return jax.nn.gelu(x @ self.up[...]) @ self.down[...]
 
 
-class Block(nnx.Module):
-    """One pre-norm transformer layer: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+class _PreNorm(nnx.Module):
+    """The attention half of a pre-norm layer, which :class:`Block` and :class:`MoEBlock`
+    share: ``x + attn(norm1(x))``, and ``norm2`` of it for their MLP half."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
         self.norm1 = _norm(cfg.d_model, rngs)
         self.attn = Attention(cfg, rngs)
         self.norm2 = _norm(cfg.d_model, rngs)
+
+    def attend(self, x: jax.Array, ctx: Context | None) -> tuple[jax.Array, jax.Array]:
+        """``(x + attn(norm1(x)), norm2 of that)``: the residual and the MLP's input."""
+        x = x + self.attn(self.norm1(x), ctx)
+        return x, self.norm2(x)
+
+
+class Block(_PreNorm):
+    """One pre-norm transformer layer: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
+        super().__init__(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, ctx: Context | None = None) -> jax.Array:
-        x = x + self.attn(self.norm1(x), ctx)
-        return x + self.mlp(self.norm2(x))
+        x, h = self.attend(x, ctx)
+        return x + self.mlp(h)
 
 
 def _expert(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -350,18 +361,16 @@ class MoEMLP(nnx.Module):
                    capacity_factor=self.capacity_factor)  # fmt: skip
 
 
-class MoEBlock(nnx.Module):
+class MoEBlock(_PreNorm):
     """:class:`Block` with a :class:`MoEMLP`; returns ``(x, aux)``."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
-        self.norm1 = _norm(cfg.d_model, rngs)
-        self.attn = Attention(cfg, rngs)
-        self.norm2 = _norm(cfg.d_model, rngs)
+        super().__init__(cfg, rngs)
         self.moe = MoEMLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, ctx: Context | None = None) -> tuple[jax.Array, Any]:
-        x = x + self.attn(self.norm1(x), ctx)
-        y, aux = self.moe(self.norm2(x))
+        x, h = self.attend(x, ctx)
+        y, aux = self.moe(h)
         return x + y, aux
 
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shardax.checks import public
 from shardax.plan.tree import is_array
 
 AxisName = str | Sequence[str] | None
@@ -37,6 +38,7 @@ _REDUCERS: dict[str, Callable[..., Any]] = {
 }
 
 
+@public("sx.parallel.bound_axes")
 def bound_axes() -> dict[str, int]:
     """The named axes bound here (by shard_map or pmap), with their sizes."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -49,6 +51,7 @@ def _names(axis_name: AxisName) -> tuple[str, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
+@public("sx.parallel.require_bound")
 def require_bound(axis_name: AxisName, caller: str) -> tuple[str, ...]:
     """The axis names in ``axis_name``; raises ``NameError`` naming any that is unbound."""
     names = _names(axis_name)
@@ -73,6 +76,7 @@ def _check_reduce_type(reduce_type: str) -> None:
         )
 
 
+@public("sx.parallel.reduce")
 def reduce(tree: Any, reduce_type: ReduceType = "mean", axis_name: AxisName = None) -> Any:
     """Reduces every array leaf of ``tree`` across ``axis_name`` (default: all bound axes).
 
@@ -87,6 +91,7 @@ def reduce(tree: Any, reduce_type: ReduceType = "mean", axis_name: AxisName = No
     return jax.tree.map(lambda x: op(x, names) if is_array(x) else x, tree)
 
 
+@public("sx.parallel.all_reduce")
 def all_reduce(tree: Any, reduce_type: ReduceType = "mean", axis_name: AxisName = "data") -> Any:
     """Strict all-reduce: ``axis_name`` must be bound (inside shard_map or pmap).
 
@@ -99,6 +104,7 @@ def all_reduce(tree: Any, reduce_type: ReduceType = "mean", axis_name: AxisName 
     return jax.tree.map(lambda x: op(x, names) if is_array(x) else x, tree)
 
 
+@public("sx.parallel.all_gather")
 def all_gather(tree: Any, axis_name: AxisName = None) -> Any:
     """Stacks every array leaf across ``axis_name`` on a new leading axis.
 
@@ -111,6 +117,7 @@ def all_gather(tree: Any, axis_name: AxisName = None) -> Any:
     return jax.tree.map(lambda x: lax.all_gather(x, names) if is_array(x) else x, tree)
 
 
+@public("sx.parallel.weighted_mean")
 def weighted_mean(tree: Any, weight: Any = None, axis_name: AxisName = None) -> Any:
     """The mean over all shards of each leaf, shard ``i`` weighted by ``weight_i``.
 

@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardax.checks import as_count, as_float, public
 from shardax.mesh.axes import CONTEXT_AXIS
 
 IMPLS: tuple[str, ...] = ("all_gather", "ring", "ulysses")
@@ -86,10 +87,10 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
     >>> zigzag_order(8, 2).tolist()
     [0, 1, 6, 7, 2, 3, 4, 5]
     """
-    context = _count("context", context)
+    context = as_count("context", context)
     if length % (2 * context):
         raise ValueError(
-            f"zigzag: length {length} is not divisible by 2 × context = {2 * context}; "
+            f"length {length} is not divisible by 2 × context = {2 * context}; "
             "pad the sequence to a multiple of it"
         )
     chunk = length // (2 * context)
@@ -97,6 +98,7 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
     return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
 
 
+@public("sx.parallel.zigzag")
 def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndarray]:
     """``(batch, positions)``: every array leaf of ``batch`` reordered along ``seq_axis``
     for causal load balancing over ``context`` devices, and the true position of each
@@ -111,13 +113,13 @@ def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndar
     lengths = {np.shape(x)[seq_axis] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
     if len(lengths) != 1:
         raise ValueError(
-            f"zigzag: batch leaves must share one length along seq_axis={seq_axis}, "
-            f"got {sorted(lengths)}"
+            f"batch leaves must share one length along seq_axis={seq_axis}, got {sorted(lengths)}"
         )
     order = zigzag_order(lengths.pop(), context)
     return _take(batch, order, seq_axis), order
 
 
+@public("sx.parallel.unzigzag")
 def unzigzag(batch: Any, context: int, *, seq_axis: int = 1) -> Any:
     """The inverse of :func:`zigzag`: leaves back in sequence order.
 
@@ -145,6 +147,7 @@ def _take(tree: Any, order: np.ndarray, axis: int) -> Any:
     return jax.tree.map(take, tree)
 
 
+@public("sx.parallel.sequence_sharding")
 def sequence_sharding(
     mesh: Mesh, seq_axis: str = CONTEXT_AXIS, batch_axis: str | tuple[str, ...] | None = "data"
 ) -> NamedSharding:
@@ -157,7 +160,7 @@ def sequence_sharding(
     """
     if seq_axis not in mesh.shape:
         raise ValueError(
-            f"sequence_sharding: seq_axis {seq_axis!r} is not in the mesh, whose axes are "
+            f"seq_axis {seq_axis!r} is not in the mesh, whose axes are "
             f"{dict(mesh.shape)}; pass seq_axis= one of them"
         )
     names = (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis or ())
@@ -186,51 +189,42 @@ def _block_positions(src: Any, block: int, context: int, layout: str) -> jax.Arr
 # --------------------------------------------------------------------------- checks
 
 
-def _count(name: str, value: Any) -> int:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{_NAME}: {name} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
 def _check_window(window: Any) -> tuple[int, int] | None:
     if window is None:
         return None
-    ok = (
-        isinstance(window, tuple | list)
-        and len(window) == 2
-        and all(isinstance(w, int | np.integer) and not isinstance(w, bool) for w in window)
-        and min(window) >= 0
+    try:
+        if isinstance(window, tuple | list) and len(window) == 2:
+            return as_count("left", window[0], minimum=0), as_count("right", window[1], minimum=0)
+    except ValueError:
+        pass
+    raise ValueError(
+        f"window must be (left, right), two integers >= 0 (tokens each query "
+        f"sees before and after itself), got {window!r}"
     )
-    if not ok:
-        raise ValueError(
-            f"{_NAME}: window must be (left, right), two integers >= 0 (tokens each query "
-            f"sees before and after itself), got {window!r}"
-        )
-    return int(window[0]), int(window[1])
 
 
 def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(
-            f"{_NAME}: q must be (batch, q_len, heads, head_dim) and k, v (batch, kv_len, "
+            f"q must be (batch, q_len, heads, head_dim) and k, v (batch, kv_len, "
             f"kv_heads, head_dim) with equal shapes, got q {q.shape}, k {k.shape}, v {v.shape}"
         )
     (b, t, h, d), (bk, s, kh, dk) = q.shape, k.shape
     if b != bk or d != dk or h % kh:
         raise ValueError(
-            f"{_NAME}: q {q.shape} and k {k.shape} must share batch and head_dim, and heads "
+            f"q {q.shape} and k {k.shape} must share batch and head_dim, and heads "
             f"{h} must be a multiple of kv_heads {kh} (GQA / MQA)"
         )
     if segment_ids is not None and (tuple(segment_ids.shape) != (b, t) or t != s):
         raise ValueError(
-            f"{_NAME}: segment_ids must be (batch, len) = {(b, t)} with q_len == kv_len, "
+            f"segment_ids must be (batch, len) = {(b, t)} with q_len == kv_len, "
             f"got {tuple(segment_ids.shape)} (q_len {t}, kv_len {s})"
         )
     if bias is not None:
         full = (b, h, t, s)
         if bias.ndim != 4 or any(n not in (1, f) for n, f in zip(bias.shape, full, strict=True)):
             raise ValueError(
-                f"{_NAME}: bias must be 4-D and broadcastable to (batch, heads, q_len, "
+                f"bias must be 4-D and broadcastable to (batch, heads, q_len, "
                 f"kv_len) = {full}, got {tuple(bias.shape)}"
             )
 
@@ -274,7 +268,7 @@ def context_size(axis: str = CONTEXT_AXIS) -> tuple[int, bool]:
     if mesh.empty or axis not in mesh.axis_names:
         if not mesh.empty and axis != CONTEXT_AXIS:
             raise ValueError(
-                f"{_NAME}: axis {axis!r} is not in the mesh, whose axes are "
+                f"axis {axis!r} is not in the mesh, whose axes are "
                 f"{dict(mesh.shape)}; add it to the mesh or pass axis= one of them"
             )
         return 1, False
@@ -319,6 +313,7 @@ def sent_bytes(
     raise ValueError(f"sent_bytes: impl must be one of {list(IMPLS)}, got {impl!r}")
 
 
+@public("sx.parallel.choose_impl")
 def choose_impl(
     q_shape: tuple[int, ...],
     kv_shape: tuple[int, ...],
@@ -727,6 +722,7 @@ _SCHEMES = {"all_gather": _all_gather, "ring": _ring, "ulysses": _ulysses}
 # --------------------------------------------------------------------------- entry
 
 
+@public("sx.attention")
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -771,11 +767,11 @@ def attention(
     _check_shapes(q, k, v, segment_ids, bias)
     window = _check_window(window)
     if impl not in ("auto", *IMPLS):
-        raise ValueError(f"{_NAME}: impl must be 'auto' or one of {list(IMPLS)}, got {impl!r}")
+        raise ValueError(f"impl must be 'auto' or one of {list(IMPLS)}, got {impl!r}")
     if layout not in LAYOUTS:
-        raise ValueError(f"{_NAME}: layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     d = q.shape[-1]
-    scale = float(1.0 / math.sqrt(d) if scale is None else scale)
+    scale = 1.0 / math.sqrt(d) if scale is None else as_float("scale", scale)
     c, manual = context_size(axis)
     if c == 1:
         laid = 1 if layout == "contiguous" else _zigzag_context(axis, q.shape[1], k.shape[1])
@@ -803,7 +799,7 @@ def _zigzag_context(axis: str, t: int, s: int) -> int:
     c = layout_context(axis)
     if c == 1:
         raise ValueError(
-            f"{_NAME}: layout='zigzag' needs the context axis: the rows were reordered for "
+            f"layout='zigzag' needs the context axis: the rows were reordered for "
             f"C devices, and axis {axis!r} has size 1 here, so C is unknown. Pass "
             f"layout='contiguous' with the batch in sequence order (sx.parallel.unzigzag), "
             f"or run on a mesh whose {axis!r} axis has size > 1"
@@ -816,13 +812,13 @@ def _check_length(t: int, s: int, c: int, layout: str) -> None:
     """One sequence (q_len == kv_len), divisible into the layout's chunks."""
     if t != s:
         raise ValueError(
-            f"{_NAME}: context parallelism splits one sequence, so q_len must equal kv_len; "
+            f"context parallelism splits one sequence, so q_len must equal kv_len; "
             f"got q_len {t}, kv_len {s} over axis of size C={c}"
         )
     chunks = 2 * c if layout == "zigzag" else c
     if t % chunks:
         raise ValueError(
-            f"{_NAME}: sequence length {t} is not divisible by {chunks} "
+            f"sequence length {t} is not divisible by {chunks} "
             f"({'2 × ' if layout == 'zigzag' else ''}C={c}, layout={layout!r}); pad it"
         )
 
@@ -835,7 +831,7 @@ def _pick(impl, q_shape, kv_shape, c, itemsize, layout) -> str:
         _log.info("%s: impl=%r: %s", _NAME, impl, reason)
     if impl == "ulysses" and h % c:
         raise ValueError(
-            f"{_NAME}: impl='ulysses' splits heads over the context axis, so heads must be "
+            f"impl='ulysses' splits heads over the context axis, so heads must be "
             f"divisible by C={c}; got heads {h}. Use impl='ring' or 'all_gather'"
         )
     return impl

@@ -42,7 +42,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -52,7 +51,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-from shardax.checks import as_count
+from shardax.checks import as_count, as_float, public
 from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS
 
 DISPATCHES = ("auto", "all_to_all", "ragged", "dense")
@@ -62,6 +61,7 @@ GATE_STEPS = 256
 """Gates are ranked for drops in steps of ``1 / GATE_STEPS`` (module docstring)."""
 
 
+@public("sx.parallel.MoEAux")
 class MoEAux(NamedTuple):
     """What :func:`moe` measures, over all the tokens of the call (every group).
 
@@ -78,6 +78,7 @@ class MoEAux(NamedTuple):
     tokens_per_expert: jax.Array  # (E,) int32: token-assignments routed to each expert
 
 
+@public("sx.parallel.capacity")
 def capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
     """Token-assignments each expert takes from a group of ``tokens`` tokens:
     ``ceil(capacity_factor · tokens · top_k / num_experts)``, at most ``tokens``.
@@ -254,6 +255,7 @@ def ragged_support(platform: str) -> tuple[bool, str]:
     return True, f"XLA:{platform.upper()} compiles ragged_all_to_all"
 
 
+@public("sx.parallel.choose_dispatch")
 def choose_dispatch(
     num_experts: int,
     top_k: int,
@@ -276,14 +278,14 @@ def choose_dispatch(
     ('all_to_all', 'dense')
     """
     if dispatch not in DISPATCHES:
-        raise ValueError(f"sx.moe: dispatch must be one of {list(DISPATCHES)}, got {dispatch!r}")
+        raise ValueError(f"dispatch must be one of {list(DISPATCHES)}, got {dispatch!r}")
     dense_cost = num_experts / (top_k * capacity_factor)
     bound = f"2·top_k·capacity_factor={2 * top_k * capacity_factor:g}"
     if dispatch == "ragged" and axis_size > 1:
         ok, why = ragged_support(platform or jax.default_backend())
         if not ok:
             raise ValueError(
-                f"sx.moe: dispatch='ragged' needs lax.ragged_all_to_all, and {why}; pass "
+                f"dispatch='ragged' needs lax.ragged_all_to_all, and {why}; pass "
                 "dispatch='all_to_all' (fixed capacity buffers) or 'dense'"
             )
         return "ragged", f"asked for; {why}"
@@ -303,25 +305,16 @@ def choose_dispatch(
 # -- checks and mesh ---------------------------------------------------------------------
 
 
-def _check_factor(capacity_factor: Any) -> float:
-    ok = isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
-    if ok and capacity_factor > 0 and math.isfinite(capacity_factor):
-        return float(capacity_factor)
-    raise ValueError(
-        f"sx.moe: capacity_factor must be a finite number > 0, got {capacity_factor!r}"
-    )
-
-
 def _check_experts(expert_params: Any, size: int, what: str) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(expert_params)
     if not leaves:
-        raise ValueError("sx.moe: expert_params has no array leaves")
+        raise ValueError("expert_params has no array leaves")
     for path, leaf in leaves:
         shape = jnp.shape(leaf)
         if not shape or shape[0] != size:
             where = jax.tree_util.keystr(path) or "<root>"
             raise ValueError(
-                f"sx.moe: every leaf of expert_params needs the leading {what} dimension "
+                f"every leaf of expert_params needs the leading {what} dimension "
                 f"{size}; leaf {where} has shape {shape}"
             )
 
@@ -343,15 +336,14 @@ def _where(axis: str, batch_axes: tuple[str, ...] | None) -> _Where:
         return _Where(mesh, 1, (), (), 1)
     if axis not in mesh.axis_names and axis != EXPERT_AXIS:
         raise ValueError(
-            f"sx.moe: axis {axis!r} is not in the mesh, whose axes are {dict(mesh.shape)}; "
+            f"axis {axis!r} is not in the mesh, whose axes are {dict(mesh.shape)}; "
             "add it to the mesh or pass axis= one of them"
         )
     batch = (DATA_AXIS,) if batch_axes is None else tuple(batch_axes)
     for name in batch:
         if name not in mesh.axis_names and batch_axes is not None:
             raise ValueError(
-                f"sx.moe: batch_axes entry {name!r} is not in the mesh, whose axes are "
-                f"{dict(mesh.shape)}"
+                f"batch_axes entry {name!r} is not in the mesh, whose axes are {dict(mesh.shape)}"
             )
     batch = tuple(a for a in (*batch, axis) if a in mesh.axis_names)
     batch = tuple(dict.fromkeys(batch))
@@ -365,6 +357,7 @@ def _where(axis: str, batch_axes: tuple[str, ...] | None) -> _Where:
 # -- the layer ---------------------------------------------------------------------------
 
 
+@public("sx.moe")
 def moe(
     x: jax.Array,
     router_weight: jax.Array,
@@ -412,27 +405,25 @@ def moe(
     divisible by the groups, an unknown dispatch, or ``"ragged"`` where XLA cannot.
     """
     if jnp.ndim(x) not in (2, 3):
-        raise ValueError(
-            f"sx.moe: x must be (tokens, d) or (batch, length, d), got shape {jnp.shape(x)}"
-        )
+        raise ValueError(f"x must be (tokens, d) or (batch, length, d), got shape {jnp.shape(x)}")
     if jnp.ndim(router_weight) != 2 or router_weight.shape[0] != x.shape[-1]:
         raise ValueError(
-            f"sx.moe: router_weight must be (d, E) with d = x.shape[-1] = {x.shape[-1]}, got "
+            f"router_weight must be (d, E) with d = x.shape[-1] = {x.shape[-1]}, got "
             f"shape {jnp.shape(router_weight)}"
         )
     num_experts = router_weight.shape[1]
-    top_k = as_count("sx.moe: top_k", top_k)
+    top_k = as_count("top_k", top_k)
     if top_k > num_experts:
         raise ValueError(
-            f"sx.moe: top_k must be <= the number of experts E={num_experts} "
+            f"top_k must be <= the number of experts E={num_experts} "
             f"(router_weight.shape[1]), got {top_k}"
         )
-    capacity_factor = _check_factor(capacity_factor)
+    capacity_factor = as_float("capacity_factor", capacity_factor, above=0)
     where = _where(axis, batch_axes)
     n = where.n
     if num_experts % n:
         raise ValueError(
-            f"sx.moe: the number of experts E={num_experts} is not divisible by the size "
+            f"the number of experts E={num_experts} is not divisible by the size "
             f"{n} of mesh axis {axis!r}"
         )
     inside = n > 1 and axis in where.mesh.manual_axes
@@ -443,7 +434,7 @@ def moe(
     )
     if x.shape[0] % where.groups:
         raise ValueError(
-            f"sx.moe: x's leading (batch) dimension {x.shape[0]} is not divisible by the "
+            f"x's leading (batch) dimension {x.shape[0]} is not divisible by the "
             f"{where.groups} routing groups (mesh axes {list(where.wrap)})"
         )
     dispatch, _ = choose_dispatch(num_experts, top_k, capacity_factor, n, dispatch)

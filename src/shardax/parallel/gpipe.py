@@ -28,44 +28,42 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-from shardax.checks import as_count, as_function
+from shardax.checks import as_count, as_function, public
 from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
 
 H = TypeVar("H")
 
 
-def num_layers(stacked_params: Any, what: str = "sx.pipeline") -> int:
+def num_layers(stacked_params: Any) -> int:
     """The common leading size L of every array leaf of ``stacked_params``."""
     leaves = jax.tree_util.tree_leaves_with_path(stacked_params)
     if not leaves:
-        raise ValueError(f"{what}: stacked_params has no array leaves")
+        raise ValueError("stacked_params has no array leaves")
     sizes: dict[int, str] = {}
     for path, leaf in leaves:
         shape = jnp.shape(leaf)
         where = jax.tree_util.keystr(path) or "<root>"
         if not shape:
             raise ValueError(
-                f"{what}: every leaf of stacked_params needs a leading layer "
+                f"every leaf of stacked_params needs a leading layer "
                 f"dimension; leaf {where} is a scalar"
             )
         sizes.setdefault(shape[0], where)
     if len(sizes) > 1:
         got = ", ".join(f"{where}: {size}" for size, where in sizes.items())
         raise ValueError(
-            f"{what}: the leaves of stacked_params must all have the same leading "
-            f"(layer) size, got {got}"
+            f"the leaves of stacked_params must all have the same leading (layer) size, got {got}"
         )
     return next(iter(sizes))
 
 
-def batch_size(x: Any, what: str = "sx.pipeline", name: str = "x") -> int:
+def batch_size(x: Any, name: str = "x") -> int:
     """The common leading (batch) size of every leaf of ``x``; raises naming the shapes."""
     shapes = [jnp.shape(leaf) for leaf in jax.tree.leaves(x)]
     sizes = {shape[0] if shape else None for shape in shapes}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(
-            f"{what}: every leaf of {name} needs the same leading (batch) size, got "
-            f"{shapes or 'no leaves'}"
+            f"every leaf of {name} needs the same leading (batch) size, got {shapes or 'no leaves'}"
         )
     return sizes.pop()
 
@@ -76,11 +74,11 @@ def shapes_text(tree: Any) -> str:
     return str(described).replace("'", "")
 
 
-def check_layer_fn(layer_fn: Any, stacked_params: Any, x: Any, what: str = "sx.pipeline") -> None:
+def check_layer_fn(layer_fn: Any, stacked_params: Any, x: Any) -> None:
     """Raises unless ``layer_fn(one layer's params, x)`` returns ``x``'s structure, shapes
     and dtypes: the layers are applied in turn, so each one's output is the next's input.
     Traced abstractly (``jax.eval_shape``): nothing runs."""
-    as_function(f"{what}: layer_fn", layer_fn, "a function layer_fn(layer_params, h) -> h")
+    as_function("layer_fn", layer_fn, "a function layer_fn(layer_params, h) -> h")
     # One layer's params as abstract values: no slicing of a leaf placed over the stages.
     one = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), stacked_params
@@ -93,7 +91,7 @@ def check_layer_fn(layer_fn: Any, stacked_params: Any, x: Any, what: str = "sx.p
     )
     if not same:
         raise ValueError(
-            f"{what}: layer_fn must return h with the structure, shape and dtype of its "
+            f"layer_fn must return h with the structure, shape and dtype of its "
             f"input (each layer's output is the next one's input); for h {shapes_text(given)} "
             f"it returned {shapes_text(out)}"
         )
@@ -104,19 +102,22 @@ def _batch_axes(mesh: Any, axis: str) -> tuple[str, ...]:
     return tuple(a for a in (DATA_AXIS,) if a in mesh.axis_names and a != axis)
 
 
+@public("sx.parallel.scan_layers")
 def scan_layers(layer_fn: Callable[[Any, H], H], stacked_params: Any, x: H) -> H:
     """The L layers applied in order with ``lax.scan``: what :func:`pipeline` computes."""
     return lax.scan(lambda h, p: (layer_fn(p, h), None), x, stacked_params)[0]
 
 
+@public("sx.parallel.bubble")
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The idle fraction of the schedule, ``(S - 1) / (repeats * M + S - 1)``."""
-    stages = as_count("bubble: stages", stages)
-    microbatches = as_count("bubble: microbatches", microbatches)
-    repeats = as_count("bubble: repeats", repeats)
+    stages = as_count("stages", stages)
+    microbatches = as_count("microbatches", microbatches)
+    repeats = as_count("repeats", repeats)
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
+@public("sx.pipeline")
 def pipeline(
     layer_fn: Callable[[Any, H], H],
     stacked_params: Any,
@@ -169,16 +170,14 @@ def stage_mesh(
     microbatches: int,
     axis: str,
     repeats: int = 1,
-    *,
-    what="sx.pipeline",
 ) -> tuple[Any, str, int, tuple[str, ...]] | None:
     """``(mesh, axis, S, batch_axes)`` to pipeline over, or None for the plain scan.
 
     Checks every rule of :func:`pipeline`, raising ValueError naming the sizes.
     """
-    microbatches = as_count(f"{what}: microbatches", microbatches)
-    repeats = as_count(f"{what}: repeats", repeats)
-    layers = num_layers(stacked_params, what)
+    microbatches = as_count("microbatches", microbatches)
+    repeats = as_count("repeats", repeats)
+    layers = num_layers(stacked_params)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
@@ -186,7 +185,7 @@ def stage_mesh(
         if axis == STAGE_AXIS:
             return None
         raise ValueError(
-            f"{what}: axis {axis!r} is not in the mesh, whose axes are "
+            f"axis {axis!r} is not in the mesh, whose axes are "
             f"{dict(mesh.shape)}; add it to the mesh or pass axis= one of them"
         )
     stages = mesh.shape[axis]
@@ -194,20 +193,20 @@ def stage_mesh(
         return None
     if axis in mesh.manual_axes:
         raise ValueError(
-            f"{what}: axis {axis!r} is already manual (inside shard_map or pmap over "
+            f"axis {axis!r} is already manual (inside shard_map or pmap over "
             "it); call it from a jit-mode step (sx.make_train_step(mode='jit'))"
         )
     if layers % (stages * repeats):
         raise ValueError(
-            f"{what}: the number of layers L={layers} is not divisible by stages "
+            f"the number of layers L={layers} is not divisible by stages "
             f"S={stages} (mesh axis {axis!r}) × repeats={repeats} = {stages * repeats}"
         )
     if microbatches < stages:
         raise ValueError(
-            f"{what}: microbatches={microbatches} is less than the number of stages "
+            f"microbatches={microbatches} is less than the number of stages "
             f"S={stages} (mesh axis {axis!r}); pass microbatches >= {stages}"
         )
-    batch = batch_size(x, what)
+    batch = batch_size(x)
     batch_axes = _batch_axes(mesh, axis)
     shards = 1
     for a in batch_axes:
@@ -215,7 +214,7 @@ def stage_mesh(
     if batch % (shards * microbatches):
         where = f"batch {batch} / {' × '.join(batch_axes)} {shards}" if shards > 1 else batch
         raise ValueError(
-            f"{what}: the batch on each data shard ({where}"
+            f"the batch on each data shard ({where}"
             f"{'' if shards == 1 else f' = {batch / shards:g}'}) is not divisible by "
             f"microbatches={microbatches}"
         )

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from shardax.checks import as_count, as_function
+from shardax.checks import as_count, as_function, public
 from shardax.parallel.gpipe import (
     STAGE_AXIS,
     batch_size,
@@ -66,6 +66,7 @@ def _mean_over_microbatches(
     return jnp.mean(lax.map(one, (micro, targets)))
 
 
+@public("sx.pipeline_1f1b")
 def pipeline_1f1b(
     layer_fn: Callable[[Any, Any], Any],
     stacked_params: Any,
@@ -93,8 +94,7 @@ def pipeline_1f1b(
     batch. Without a stage axis it is the same mean computed with plain scans.
     Gradients reach ``stacked_params``, ``x`` and ``loss_params``.
     """
-    what = "sx.pipeline_1f1b"
-    where = stage_mesh(stacked_params, x, microbatches, axis, what=what)
+    where = stage_mesh(stacked_params, x, microbatches, axis)
     _check_inputs(layer_fn, stacked_params, x, loss_fn, loss_params, targets, microbatches)
     if where is None:
         return _mean_over_microbatches(
@@ -122,27 +122,24 @@ def _check_inputs(
 ) -> None:
     """The inputs checked against each other, naming the shapes: the batch rows of ``x``
     and ``targets``, ``layer_fn`` keeping ``h``'s shape, and a scalar loss per microbatch."""
-    what = "sx.pipeline_1f1b"
-    m = as_count(f"{what}: microbatches", microbatches)
-    rows = batch_size(x, what)
+    m = as_count("microbatches", microbatches)
+    rows = batch_size(x)
     if rows % m:
-        raise ValueError(
-            f"{what}: the batch of x ({rows} rows) is not divisible by microbatches={m}"
-        )
-    target_rows = batch_size(targets, what, "targets")
+        raise ValueError(f"the batch of x ({rows} rows) is not divisible by microbatches={m}")
+    target_rows = batch_size(targets, "targets")
     if target_rows != rows:
         raise ValueError(
-            f"{what}: targets have {target_rows} rows but x has {rows}; they must hold one "
+            f"targets have {target_rows} rows but x has {rows}; they must hold one "
             f"row per example (targets {shapes_text(jax.eval_shape(lambda t: t, targets))}, x "
             f"{shapes_text(jax.eval_shape(lambda h: h, x))})"
         )
-    check_layer_fn(layer_fn, stacked_params, x, what)
-    as_function(f"{what}: loss_fn", loss_fn, "a function loss_fn(loss_params, h, targets) -> loss")
+    check_layer_fn(layer_fn, stacked_params, x)
+    as_function("loss_fn", loss_fn, "a function loss_fn(loss_params, h, targets) -> loss")
     one = jax.tree.map(lambda a: a[: rows // m], (x, targets))
     loss = jax.eval_shape(loss_fn, loss_params, *one)
     if not (hasattr(loss, "shape") and loss.shape == ()):
         raise ValueError(
-            f"{what}: loss_fn(loss_params, h, targets) must return a scalar, the mean loss of "
+            f"loss_fn(loss_params, h, targets) must return a scalar, the mean loss of "
             f"one microbatch (its gradient starts the backward pass); it returned "
             f"{shapes_text(loss)} for a microbatch of {rows // m} rows. Average it, e.g. jnp.mean"
         )

@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-from shardax.checks import received
+from shardax.checks import public, received
 
 POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
 OFFLOAD = {"offload_dots_no_batch"}
@@ -54,6 +54,7 @@ def _host_memory_kind() -> str | None:
     return "pinned_host" if "pinned_host" in kinds else None
 
 
+@public("sx.parallel.checkpoint_policy")
 def checkpoint_policy(policy: str | Callable[..., Any]) -> Callable[..., Any] | None:
     """The ``jax.checkpoint`` policy of ``policy`` (None for ``"none"``: no remat).
 
@@ -80,6 +81,7 @@ def checkpoint_policy(policy: str | Callable[..., Any]) -> Callable[..., Any] | 
     }.get(policy)
 
 
+@public("sx.remat")
 def remat(block: Any, policy: str | Callable[..., Any] = "full", prevent_cse: bool = True) -> Any:
     """``block`` with its activations rematerialised by ``policy`` (see the table above).
 
@@ -102,8 +104,7 @@ def remat(block: Any, policy: str | Callable[..., Any] = "full", prevent_cse: bo
     fn_policy = checkpoint_policy(policy)
     if not callable(block):
         raise TypeError(
-            f"remat: block must be a function, an NNX module or an Equinox module, got "
-            f"{received(block)}"
+            f"block must be a function, an NNX module or an Equinox module, got {received(block)}"
         )
     if policy == "none":
         return block

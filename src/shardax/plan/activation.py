@@ -17,11 +17,13 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardax.checks import public
 from shardax.plan.annotations import logical_to_mesh
 from shardax.plan.specs import spec_axes, spec_errors
 from shardax.plan.tree import is_array, path_str
 
 
+@public("sx.constrain")
 def constrain(x: Any, spec: PartitionSpec | NamedSharding, mesh: Mesh | None = None) -> Any:
     """Constrains every array leaf of ``x`` to ``spec`` where a global view exists.
 
@@ -39,7 +41,7 @@ def constrain(x: Any, spec: PartitionSpec | NamedSharding, mesh: Mesh | None = N
     if isinstance(spec, NamedSharding):
         mesh, spec = spec.mesh, spec.spec
     if not isinstance(spec, PartitionSpec):
-        raise ValueError(f"constrain: spec must be a PartitionSpec or NamedSharding, got {spec!r}")
+        raise ValueError(f"spec must be a PartitionSpec or NamedSharding, got {spec!r}")
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and len(context.manual_axes) == len(context.axis_names):
         return x  # inside shard_map or pmap over every axis: values are per-device
@@ -61,7 +63,7 @@ def constrain(x: Any, spec: PartitionSpec | NamedSharding, mesh: Mesh | None = N
             return leaf
         errors = spec_errors(path_str(path), tuple(leaf.shape), spec, target)
         if errors:
-            raise ValueError("constrain: " + "\n".join(errors))
+            raise ValueError("\n".join(errors))
         sharding = NamedSharding(mesh, spec) if mesh is not None else spec
         if used & explicit:
             return jax.sharding.reshard(leaf, sharding)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.checks import check_mesh
+from shardax.checks import check_mesh, public
 from shardax.plan.core import Leaves, Plan
 from shardax.plan.tree import path_str
 
@@ -39,6 +39,7 @@ _AXIS_RULES: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Context
 
 
 @contextlib.contextmanager
+@public("sx.plan.axis_rules")
 def axis_rules(rules: AxisRules) -> Iterator[dict[str, Any]]:
     """Sets the logical-to-mesh axis mapping for :func:`from_nnx` and :func:`constrain`.
 
@@ -57,11 +58,13 @@ def axis_rules(rules: AxisRules) -> Iterator[dict[str, Any]]:
         _AXIS_RULES.reset(token)
 
 
+@public("sx.plan.current_axis_rules")
 def current_axis_rules() -> dict[str, Any] | None:
     """The mapping set by the innermost :func:`axis_rules`, or ``None``."""
     return _AXIS_RULES.get()
 
 
+@public("sx.plan.logical_to_mesh")
 def logical_to_mesh(
     spec: Any, mesh: Any, rules: AxisRules | None = None, where: str = "spec"
 ) -> PartitionSpec:
@@ -146,6 +149,7 @@ def _box_rules(box: Any, axis_rules: AxisRules | None) -> AxisRules | None:
     return dict(own) if own and current_axis_rules() is None else None
 
 
+@public("sx.plan.annotated_specs")
 def annotated_specs(model: Any, mesh: Mesh, axis_rules: AxisRules | None = None) -> Table:
     """``{leaf path: (shape, PartitionSpec)}`` for every annotated NNX variable in ``model``.
 
@@ -272,6 +276,7 @@ def _annotation_plan(
     return Plan(mesh, spec_fn, name, unmatched=unmatched)
 
 
+@public("sx.from_nnx")
 def from_nnx(
     mesh: Mesh,
     model: Any,
@@ -293,11 +298,12 @@ def from_nnx(
     With logical names, build the model with ``nnx.use_eager_sharding(False)`` (flax
     otherwise shards variables at creation and needs its own mesh and rules).
     """
-    check_mesh("from_nnx: mesh", mesh)
+    check_mesh("mesh", mesh)
     table = annotated_specs(model, mesh, axis_rules)
     return _annotation_plan("from_nnx", mesh, table, default, model)
 
 
+@public("sx.from_linen")
 def from_linen(
     mesh: Mesh,
     variables: Any,
@@ -325,6 +331,6 @@ def from_linen(
     >>> specs["kernel"]
     P(None, 'model')
     """
-    check_mesh("from_linen: mesh", mesh)
+    check_mesh("mesh", mesh)
     table = linen_specs(variables, mesh, axis_rules)
     return _annotation_plan("from_linen", mesh, table, default, variables)

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from shardax.checks import as_count, check_mesh
+from shardax.checks import as_count, check_mesh, public
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.specs import spec_errors
 from shardax.plan.tree import is_array, map_arrays, path_str
@@ -43,6 +43,7 @@ def array_paths(tree: Any) -> Leaves:
     ]
 
 
+@public("sx.Plan")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A named sharding rule over a mesh. Call it on a tree to get its shardings."""
@@ -120,16 +121,18 @@ def as_plan(name: str, plan: Any) -> Any:
     )
 
 
+@public("sx.replicate")
 def replicate(mesh: Mesh) -> Plan:
     """Every leaf is copied whole onto every device of ``mesh``.
 
     >>> sx.replicate(mesh).specs({"w": np.ones(3)})
     {'w': P()}
     """
-    check_mesh("replicate: mesh", mesh)
+    check_mesh("mesh", mesh)
     return Plan(mesh, lambda path, shape: PartitionSpec(), "replicate")
 
 
+@public("sx.plan.axis_size")
 def axis_size(mesh: Mesh, axis: AxisNames) -> int:
     """The number of devices along ``axis`` (a name or a tuple of names) of ``mesh``."""
     names = (axis,) if isinstance(axis, str) else tuple(axis)
@@ -141,6 +144,7 @@ def axis_size(mesh: Mesh, axis: AxisNames) -> int:
     return math.prod(mesh.shape[n] for n in names)
 
 
+@public("sx.plan.fsdp_spec")
 def fsdp_spec(shape: tuple[int, ...], axis: AxisNames, size: int, min_size: int) -> PartitionSpec:
     """Shards the largest dimension that ``size`` divides; replicates small leaves.
 
@@ -161,18 +165,20 @@ def fsdp_spec(shape: tuple[int, ...], axis: AxisNames, size: int, min_size: int)
 DEFAULT_FSDP_MIN_SIZE = 1024
 
 
+@public("sx.fsdp")
 def fsdp(mesh: Mesh, axis: AxisNames = DATA_AXIS, min_size: int = DEFAULT_FSDP_MIN_SIZE) -> Plan:
     """Fully sharded data parallelism: each leaf split on its largest divisible dimension.
 
     Leaves with fewer than ``min_size`` elements, and leaves with no dimension that
     the axis size divides, are replicated.
     """
-    check_mesh("fsdp: mesh", mesh)
-    min_size = as_count("fsdp: min_size", min_size, minimum=0)
+    check_mesh("mesh", mesh)
+    min_size = as_count("min_size", min_size, minimum=0)
     size = axis_size(mesh, axis)
     return Plan(mesh, lambda path, shape: fsdp_spec(shape, axis, size, min_size), "fsdp")
 
 
+@public("sx.plan.fsdp_over")
 def fsdp_over(
     plan: Plan, axis: AxisNames = DATA_AXIS, min_size: int = DEFAULT_FSDP_MIN_SIZE
 ) -> Plan:
@@ -203,6 +209,7 @@ def fsdp_over(
     return Plan(plan.mesh, spec_fn, f"fsdp+{plan.name}")
 
 
+@public("sx.shard")
 def shard(tree: Any, plan: Plan) -> Any:
     """Places every array leaf of ``tree`` with ``plan``; other leaves pass through.
 
@@ -210,5 +217,5 @@ def shard(tree: Any, plan: Plan) -> Any:
     >>> state["w"].sharding.spec
     P('data', None)
     """
-    shardings = as_plan("shard: plan", plan)(tree)
+    shardings = as_plan("plan", plan)(tree)
     return map_arrays(lambda _, x, s: device_put_global(x, s), tree, shardings)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from shardax.checks import expect_type
+from shardax.checks import expect_type, public
 from shardax.plan.annotations import optimizer_sharding
 from shardax.plan.core import Plan, array_paths
 from shardax.plan.specs import spec_errors
@@ -65,6 +65,7 @@ def check_selector(name: str, params: Any) -> ParamsSelector:
     return expect_type(name, params, str, "a '/'-joined path such as 'params' or a function")
 
 
+@public("sx.plan.FollowParams")
 @dataclasses.dataclass(frozen=True)
 class FollowParams(Plan):
     """A plan whose params subtree, and every subtree of the same structure and shapes
@@ -146,6 +147,7 @@ class FollowParams(Plan):
         return map_arrays(one, params)
 
 
+@public("sx.plan.follow_params")
 def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:
     """Wraps ``plan`` so optimizer state is sharded like the params, whatever the plan.
 
@@ -157,8 +159,8 @@ def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:
     rank-0 leaves (``count``) are replicated; any other leaf gets ``plan``'s spec for
     its own path.
     """
-    expect_type("follow_params: plan", plan, Plan, "a shardax Plan such as sx.fsdp(mesh)")
-    check_selector("follow_params: params", params)
+    expect_type("plan", plan, Plan, "a shardax Plan such as sx.fsdp(mesh)")
+    check_selector("params", params)
     return FollowParams(
         plan.mesh,
         plan.spec_fn,

@@ -15,10 +15,12 @@ from typing import Any
 
 import jax
 
+from shardax.checks import public
 from shardax.plan.core import Plan, as_plan
 from shardax.plan.tree import is_array
 
 
+@public("sx.plan.init_sharded")
 def init_sharded(
     init_fn: Callable[..., Any], plan: Plan | Callable[[Any], Any], *args: Any, **kwargs: Any
 ) -> Any:
@@ -31,7 +33,7 @@ def init_sharded(
     only its own shards (random initialisers included, as ``jax_threefry_partitionable``
     is on by default).
     """
-    as_plan("init_sharded: plan", plan)
+    as_plan("plan", plan)
     leaves, treedef = jax.tree.flatten((args, kwargs))
     arrays = [i for i, x in enumerate(leaves) if is_array(x)]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
-from shardax.checks import check_mesh, received
+from shardax.checks import check_mesh, public, received
 from shardax.plan.core import Leaves, Plan
 
 Rule = tuple[str, PartitionSpec]
@@ -54,6 +54,7 @@ def check_rules(name: str, rule_list: Any) -> list[tuple[re.Pattern[str], Partit
         raise ValueError(f"{name}: {e}") from e
 
 
+@public("sx.rules")
 def rules(
     mesh: Mesh,
     rule_list: Sequence[Rule],
@@ -68,8 +69,8 @@ def rules(
     (e.g. ``fsdp(mesh)``), or ``None`` to replicate. A matched spec that cannot shard its
     leaf is an error, never skipped. Rank-0 leaves are always replicated.
     """
-    check_mesh("rules: mesh", mesh)
-    compiled = check_rules("rules: rule_list", rule_list)
+    check_mesh("mesh", mesh)
+    compiled = check_rules("rule_list", rule_list)
     if isinstance(default, Plan) and default.mesh != mesh:
         raise ValueError(f"default plan {default.name!r} is on another mesh than the rules")
     if default is not None and not isinstance(default, PartitionSpec | Plan):

@@ -20,10 +20,12 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from shardax.checks import public
 from shardax.plan.core import Plan, as_plan
 from shardax.plan.tree import map_arrays
 
 
+@public("sx.plan.format_bytes")
 def format_bytes(n: float) -> str:
     """``1536`` -> ``'1.50 KiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -33,6 +35,7 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+@public("sx.plan.Row")
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One array leaf: ``spec`` is ``None`` for a leaf not placed on a mesh."""
@@ -45,6 +48,7 @@ class Row:
     bytes: int
 
 
+@public("sx.plan.ShardingReport")
 @dataclasses.dataclass(frozen=True)
 class ShardingReport:
     """Rows of :func:`describe`; print it for a table, or read ``rows`` as data."""
@@ -114,6 +118,7 @@ def _row(path: str, leaf: Any, sharding: Sharding | None) -> Row:
     return Row(path, shape, dtype.name, spec, per_device, nbytes)
 
 
+@public("sx.describe")
 def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
     """A :class:`ShardingReport` of every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s).
 
@@ -122,7 +127,7 @@ def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
     """
     rows: list[Row] = []
     if plan is not None:
-        as_plan("describe: plan", plan)
+        as_plan("plan", plan)
     if plan is None:
         map_arrays(lambda p, x: rows.append(_row(p, x, getattr(x, "sharding", None))), tree)
     else:
@@ -131,6 +136,7 @@ def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
     return ShardingReport(tuple(rows), title)
 
 
+@public("sx.plan.validate")
 def validate(tree: Any, plan: Plan) -> list[str]:
     """Dry run: every error ``plan`` would raise on ``tree``, without allocating anything.
 
@@ -143,5 +149,5 @@ def validate(tree: Any, plan: Plan) -> list[str]:
     ...             sx.rules(mesh, [("w", P("data"))]))
     ["leaf 'w' with shape (6, 4): dimension 0 of size 6 is not divisible by ..."]
     """
-    as_plan("validate: plan", plan)
+    as_plan("plan", plan)
     return plan.resolve(tree)[1] + plan.notes(tree)

@@ -13,6 +13,8 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
+from shardax.checks import public
+
 
 def spec_axes(entry: Any) -> tuple[str, ...]:
     """The mesh axis names in one entry of a ``PartitionSpec``."""
@@ -21,6 +23,7 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+@public("sx.plan.spec_errors")
 def spec_errors(path: str, shape: tuple[int, ...], spec: Any, mesh: Mesh) -> list[str]:
     """Every reason ``spec`` cannot shard an array of ``shape`` on ``mesh`` (empty if none).
 
@@ -63,6 +66,7 @@ def spec_errors(path: str, shape: tuple[int, ...], spec: Any, mesh: Mesh) -> lis
     return errors
 
 
+@public("sx.plan.check_spec")
 def check_spec(path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:
     """Raises ``ValueError`` with every message of :func:`spec_errors`, if there is any."""
     errors = spec_errors(path, shape, spec, mesh)

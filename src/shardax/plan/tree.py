@@ -8,17 +8,22 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardax.checks import public
 
+
+@public("sx.plan.is_array")
 def is_array(x: Any) -> bool:
     """True for ``jax.Array``, NumPy arrays and scalars, and ``jax.ShapeDtypeStruct``."""
     return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
 
 
+@public("sx.plan.path_str")
 def path_str(path: tuple[Any, ...]) -> str:
     """A key path joined by "/", for example ``layers/0/kernel``."""
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
+@public("sx.plan.map_arrays")
 def map_arrays(fn: Callable[[str, Any], Any], tree: Any, *rest: Any) -> Any:
     """Maps ``fn(path, leaf, *rest_leaves)`` over array leaves; other leaves pass through.
 

@@ -18,29 +18,19 @@ dimension); scalars (``count``) and the params stay replicated.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
+
 from jax.sharding import Mesh
 
+from shardax.checks import public
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, AxisNames, fsdp, replicate
 from shardax.plan.follow import FollowParams, ParamsSelector, check_selector
 
 
-def _zero(
-    stage: int, mesh: Mesh, axis: AxisNames, min_size: int, params: ParamsSelector
-) -> FollowParams:
-    check_selector(f"zero{stage}: params", params)
-    base, mirror = replicate(mesh), fsdp(mesh, axis, min_size)
-    return FollowParams(
-        mesh,
-        base.spec_fn,
-        f"zero{stage}",
-        base,
-        params,
-        mirror=mirror,
-        shard_grads=stage == 2,
-    )
-
-
+@public("sx.zero1")
 def zero1(
     mesh: Mesh,
     axis: AxisNames = DATA_AXIS,
@@ -55,20 +45,19 @@ def zero1(
     (an all-gather of the updated params per step). Leaves below ``min_size`` elements,
     or with no dimension the axis divides, stay replicated. Only ``mode="jit"``.
     """
-    return _zero(1, mesh, axis, min_size, params)
+    check_selector("params", params)
+    base, mirror = replicate(mesh), fsdp(mesh, axis, min_size)
+    return FollowParams(mesh, base.spec_fn, "zero1", base, params, mirror=mirror)
 
 
-def zero2(
-    mesh: Mesh,
-    axis: AxisNames = DATA_AXIS,
-    min_size: int = DEFAULT_FSDP_MIN_SIZE,
-    params: ParamsSelector = "params",
-) -> FollowParams:
-    """ZeRO-2: as :func:`zero1`, and ``make_train_step`` constrains the gradients to the
-    optimizer state's sharding before the update, so each device keeps only its slice
-    of the reduced gradients (a reduce-scatter where the backend emits one).
+@public("sx.zero2")
+@functools.wraps(zero1, assigned=(), updated=())  # zero1's signature, for inspect and help
+def zero2(*args: Any, **kwargs: Any) -> FollowParams:
+    """ZeRO-2: :func:`zero1` (the same arguments), and ``make_train_step`` constrains the
+    gradients to the optimizer state's sharding before the update, so each device keeps
+    only its slice of the reduced gradients (a reduce-scatter where the backend emits one).
 
     >>> sx.zero2(mesh).shard_grads
     True
     """
-    return _zero(2, mesh, axis, min_size, params)
+    return dataclasses.replace(zero1(*args, **kwargs), name="zero2", shard_grads=True)

@@ -28,6 +28,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.checks import public
+
 
 class AgreementError(RuntimeError):
     """The processes of a multi-process run disagree on their setup."""
@@ -81,12 +83,13 @@ def _canon(x: Any) -> Any:
     text = repr(x)
     if " at 0x" in text:
         raise TypeError(
-            f"check_agreement: cannot fingerprint a {type(x).__qualname__} the same way in "
+            f"cannot fingerprint a {type(x).__qualname__} the same way in "
             f"every process (its repr holds a memory address: {text[:80]}); pass plain data"
         )
     return text
 
 
+@public("sx.runtime.fingerprint")
 def fingerprint(value: Any) -> str:
     """The SHA-256 hex digest of ``value``'s setup description (shapes, specs, config).
 
@@ -148,6 +151,7 @@ def _short(leaf: Any) -> str:
     return _describe(leaf, 80)
 
 
+@public("sx.runtime.check_agreement")
 def check_agreement(**parts: Any) -> str:
     """Raises :class:`AgreementError` on every process unless all processes pass equal parts.
 
@@ -160,7 +164,7 @@ def check_agreement(**parts: Any) -> str:
         The fingerprint of all the parts together (SHA-256 hex digest).
     """
     if not parts:
-        raise ValueError("check_agreement: pass at least one part, e.g. config=..., mesh=...")
+        raise ValueError("pass at least one part, e.g. config=..., mesh=...")
     digests = {name: fingerprint(value) for name, value in sorted(parts.items())}
     overall = fingerprint(digests)
     if jax.process_count() == 1:
@@ -173,7 +177,7 @@ def check_agreement(**parts: Any) -> str:
     me = jax.process_index()
     if not (everyone[:, 4:] == everyone[0, 4:]).all():
         raise AgreementError(
-            f"check_agreement: the processes passed different parts; process {me} passed "
+            f"the processes passed different parts; process {me} passed "
             f"{sorted(digests)}. Call it with the same keywords on every process."
         )
     differ = _gather_differ(np.stack([_words(d) for d in digests.values()]))
@@ -185,7 +189,7 @@ def check_agreement(**parts: Any) -> str:
             )
             problems.append(f"{name!r} (processes {procs} differ from process 0{where})")
     raise AgreementError(
-        "check_agreement: the processes disagree on " + "; ".join(problems) + ". Every "
+        "the processes disagree on " + "; ".join(problems) + ". Every "
         "process must build the same mesh, plan and config: check each process's "
         "command line and environment."
     )

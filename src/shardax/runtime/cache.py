@@ -32,6 +32,8 @@ from pathlib import Path
 
 import jax
 
+from shardax.checks import public
+
 ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
 
 _COMPILE_EVENTS = (
@@ -58,6 +60,7 @@ def configured_dir() -> str | None:
     return jax.config.jax_compilation_cache_dir or os.environ.get(ENV_DIR) or None
 
 
+@public("sx.compile_cache")
 def compile_cache(
     directory: str | os.PathLike[str] | None = None, *, min_compile_seconds: float = 0.0
 ) -> str:
@@ -90,11 +93,13 @@ def compile_cache(
     return path
 
 
+@public("sx.runtime.disable_compile_cache")
 def disable_compile_cache() -> None:
     """Turns JAX's persistent compilation cache off for this process (``--compile-cache off``)."""
     jax.config.update("jax_enable_compilation_cache", False)
 
 
+@public("sx.runtime.CompileStats")
 @dataclasses.dataclass(frozen=True)
 class CompileStats:
     """Seconds spent compiling (trace + lower + XLA compile or cache load) and the
@@ -175,6 +180,7 @@ def count_compiles() -> None:
             jax.monitoring.register_event_listener(_counter.on_event)
 
 
+@public("sx.runtime.compile_stats")
 def compile_stats() -> CompileStats:
     """What was compiled since counting started (the first call starts it)."""
     count_compiles()

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardax.checks import as_count, parse_address
+from shardax.checks import as_count, parse_address, public
 from shardax.runtime import compat
 from shardax.runtime.rendezvous import roll_call
 
@@ -80,6 +80,7 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
+@public("sx.runtime.resolve_coordinates")
 def resolve_coordinates(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -120,9 +121,7 @@ def resolve_coordinates(
             if v is None
         ]
         if missing:
-            raise ValueError(
-                f"initialize: the shardax launch environment is incomplete; missing {missing}"
-            )
+            raise ValueError(f"the shardax launch environment is incomplete; missing {missing}")
         return checked_coordinates(ProcessCoordinates("shardax launch", *merged))  # type: ignore[arg-type]
     if env.get(ENV_JAX_COORDINATOR):
         return checked_coordinates(_jax_environment(given, env))
@@ -135,7 +134,7 @@ def resolve_coordinates(
     if any(v is not None for v in given):
         missing = [n for n, v in zip(names, given, strict=True) if v is None]
         raise ValueError(
-            f"initialize: got {dict(zip(names, given, strict=True))} but no cluster environment "
+            f"got {dict(zip(names, given, strict=True))} but no cluster environment "
             f"(SLURM, Open MPI, shardax launch) supplies the missing {missing}; pass all three"
         )
     return None
@@ -160,7 +159,7 @@ def _jax_environment(
     missing = [w for w, v in zip(wanted, merged, strict=True) if v is None]
     if missing:
         raise ValueError(
-            f"initialize: ${ENV_JAX_COORDINATOR} is set ({env[ENV_JAX_COORDINATOR]!r}) but "
+            f"${ENV_JAX_COORDINATOR} is set ({env[ENV_JAX_COORDINATOR]!r}) but "
             f"the environment lacks {missing}"
         )
     return ProcessCoordinates("jax environment", *merged)  # type: ignore[arg-type]
@@ -173,7 +172,7 @@ def checked_coordinates(coords: ProcessCoordinates) -> ProcessCoordinates:
     under ``shardax launch``)."""
     env = coords.source == "shardax launch"
     names = [
-        f"initialize: {n}" + (f" (${e})" if env else "")
+        f"{n}" + (f" (${e})" if env else "")
         for n, e in (
             ("coordinator_address", ENV_COORDINATOR),
             ("num_processes", ENV_NUM_PROCESSES),
@@ -192,6 +191,7 @@ def checked_coordinates(coords: ProcessCoordinates) -> ProcessCoordinates:
     return coords._replace(num_processes=count, process_id=rank)
 
 
+@public("sx.runtime.backend_started")
 def backend_started() -> bool:
     """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
     return compat.backends_are_initialized()
@@ -206,6 +206,7 @@ def _hard_exit_on_uncaught(exc_type: type[BaseException], exc: BaseException, tb
     os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
 
+@public("sx.initialize")
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -260,7 +261,7 @@ def initialize(
         wrong = {k: v for k, v in asked.items() if v is not None and v != have[k]}
         if wrong:
             raise ValueError(
-                f"initialize: called again with {wrong}, but this process already runs as "
+                f"called again with {wrong}, but this process already runs as "
                 f"{have}; a process joins one run, once"
             )
         return joined
@@ -273,7 +274,7 @@ def initialize(
     if cpu_devices is None:
         cpu_devices = _env_int(os.environ, ENV_CPU_DEVICES)
     if cpu_devices is not None:
-        cpu_devices = as_count(f"initialize: cpu_devices (or ${ENV_CPU_DEVICES})", cpu_devices)
+        cpu_devices = as_count(f"cpu_devices (or ${ENV_CPU_DEVICES})", cpu_devices)
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     coords = resolve_coordinates(
         coordinator_address,
@@ -289,12 +290,10 @@ def initialize(
     if heartbeat_timeout_seconds is None:
         heartbeat_timeout_seconds = 100  # JAX's default
     heartbeat_timeout_seconds = as_count(
-        f"initialize: heartbeat_timeout_seconds (or ${ENV_HEARTBEAT}, seconds)",
+        f"heartbeat_timeout_seconds (or ${ENV_HEARTBEAT}, seconds)",
         heartbeat_timeout_seconds,
     )
-    initialization_timeout = as_count(
-        "initialize: initialization_timeout (seconds)", initialization_timeout
-    )
+    initialization_timeout = as_count("initialization_timeout (seconds)", initialization_timeout)
     if jax.config.jax_cpu_collectives_implementation is None:
         # Cross-process collectives between CPU devices; gloo needs no extra install.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -22,9 +22,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from shardax.checks import public
+
 _HOST_REDUCERS = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min}
 
 
+@public("sx.runtime.device_put_global")
 def device_put_global(tree: Any, shardings: Any) -> Any:
     """``jax.device_put(tree, shardings)`` that also works for host values across processes.
 
@@ -42,17 +45,20 @@ def device_put_global(tree: Any, shardings: Any) -> Any:
     return jax.device_put(jax.tree.map(canonical, tree), shardings)
 
 
+@public("sx.is_main_process")
 def is_main_process() -> bool:
     """True on process 0, the one that prints, logs and draws progress bars."""
     return jax.process_index() == 0
 
 
+@public("sx.print0")
 def print0(*args: Any, **kwargs: Any) -> None:
     """``print`` on process 0 only; the other processes print nothing."""
     if is_main_process():
         builtins.print(*args, **kwargs)
 
 
+@public("sx.runtime.host_reduce")
 def host_reduce(tree: Any, op: Literal["mean", "sum", "max", "min"] = "mean") -> Any:
     """Reduces host values (NumPy or Python numbers) of the same shape over every process.
 
@@ -60,7 +66,7 @@ def host_reduce(tree: Any, op: Literal["mean", "sum", "max", "min"] = "mean") ->
     the same NumPy result. With one process the values come back unchanged as NumPy.
     """
     if op not in _HOST_REDUCERS:
-        raise ValueError(f"host_reduce: op must be one of {sorted(_HOST_REDUCERS)}, got {op!r}")
+        raise ValueError(f"op must be one of {sorted(_HOST_REDUCERS)}, got {op!r}")
     fn = _HOST_REDUCERS[op]
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
@@ -68,6 +74,7 @@ def host_reduce(tree: Any, op: Literal["mean", "sum", "max", "min"] = "mean") ->
     return jax.tree.map(lambda x: fn(x, axis=0), gathered)
 
 
+@public("sx.runtime.host_value")
 def host_value(tree: Any) -> Any:
     """Every ``jax.Array`` leaf of ``tree`` as a NumPy array on every process.
 

@@ -43,7 +43,7 @@ def _serve(address: str, port: int, num_processes: int, timeout: float) -> None:
         )
     except OSError as e:
         raise OSError(
-            f"initialize: process 0 cannot listen on port {port} of the coordinator address "
+            f"process 0 cannot listen on port {port} of the coordinator address "
             f"{address}: {e.strerror}; pick a free port"
         ) from None
     peers: dict[int, socket.socket] = {}
@@ -55,7 +55,7 @@ def _serve(address: str, port: int, num_processes: int, timeout: float) -> None:
             except TimeoutError:
                 missing = sorted(set(range(1, num_processes)) - set(peers))
                 raise TimeoutError(
-                    f"initialize: process 0 of {num_processes} waited {timeout:g} s "
+                    f"process 0 of {num_processes} waited {timeout:g} s "
                     f"(initialization_timeout) at coordinator {address} for processes "
                     f"{missing}, which never joined; start every process with the same "
                     "address and process count"
@@ -80,7 +80,7 @@ def _serve(address: str, port: int, num_processes: int, timeout: float) -> None:
             if problem:
                 conn.sendall(f"error {problem}\n".encode())
                 conn.close()
-                raise ValueError(f"initialize: at coordinator {address}: {problem}")
+                raise ValueError(f"at coordinator {address}: {problem}")
             peers[rank] = conn
         for conn in peers.values():
             conn.sendall(b"go\n")
@@ -104,7 +104,7 @@ def _join(address: str, host: str, port: int, rank: int, count: int, timeout: fl
         except OSError:
             if _deadline_left(deadline) <= 0:
                 raise TimeoutError(
-                    f"initialize: process {rank} of {count} could not reach coordinator "
+                    f"process {rank} of {count} could not reach coordinator "
                     f"{address} within {timeout:g} s (initialization_timeout): process 0 never "
                     "started there, or the address is wrong"
                 ) from None
@@ -116,10 +116,10 @@ def _join(address: str, host: str, port: int, rank: int, count: int, timeout: fl
         except OSError:
             answer = ""
     if answer.startswith("error "):
-        raise ValueError(f"initialize: at coordinator {address}: {answer[6:]}")
+        raise ValueError(f"at coordinator {address}: {answer[6:]}")
     if answer != "go":
         raise TimeoutError(
-            f"initialize: process {rank} of {count} reached coordinator {address}, but the "
+            f"process {rank} of {count} reached coordinator {address}, but the "
             f"other processes did not all join within {timeout:g} s (initialization_timeout)"
         )
 

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO
 
-from shardax.checks import as_count, as_float
+from shardax.checks import as_count, as_float, public
 from shardax.runtime import status
 
 WATCHDOG_EXIT_CODE = 124
@@ -56,6 +56,7 @@ LEAVE_GRACE = 10.0
 them as soon as process 0, the coordination service's host, ends)."""
 
 
+@public("sx.StepWatchdog")
 class StepWatchdog:
     """Ends the process when an armed step takes longer than ``timeout`` seconds.
 
@@ -78,8 +79,8 @@ class StepWatchdog:
         file: IO[str] | None = None,
         on_fire: Callable[[int | None], None] | None = None,
     ) -> None:
-        self.timeout = as_float("StepWatchdog: timeout (seconds)", timeout, above=0)
-        self.exit_code = as_count("StepWatchdog: exit_code", exit_code, minimum=0, maximum=255)
+        self.timeout = as_float("timeout (seconds)", timeout, above=0)
+        self.exit_code = as_count("exit_code", exit_code, minimum=0, maximum=255)
         self._file = file
         self.on_fire = on_fire
         self._cond = threading.Condition()
@@ -99,7 +100,7 @@ class StepWatchdog:
             self._thread.start()
         with self._cond:
             if self._closed:
-                raise RuntimeError("StepWatchdog: arm() after close()")
+                raise RuntimeError("arm() after close()")
             self._step, self._deadline = step, time.monotonic() + self.timeout
             self._cond.notify()
         status.STATUS.step = step

@@ -23,12 +23,13 @@ import dataclasses
 import time
 from typing import Any
 
-from shardax.checks import as_count
+from shardax.checks import as_count, public
 
 INPUT_BOUND = 0.2
 """Data-wait fraction above which a run is called input-bound."""
 
 
+@public("sx.track.Window")
 @dataclasses.dataclass(frozen=True)
 class Window:
     """A stretch of steps: their count, wall seconds, seconds waiting for input, and the
@@ -68,6 +69,7 @@ class Window:
         return out
 
 
+@public("sx.track.StepClock")
 class StepClock:
     """Counts steps, wall time and input wait; ``lap()`` gives the window since the last
     lap, ``total()`` the whole run since ``start()`` (or construction).
@@ -85,8 +87,8 @@ class StepClock:
                 f"input must count its wait_seconds (sx.prefetch_to_device(...) or "
                 f"sx.data.timed(iterable)), got {type(input).__name__}"
             )
-        self.examples_per_step = as_count("StepClock: examples_per_step", examples_per_step)
-        self.tokens_per_step = as_count("StepClock: tokens_per_step", tokens_per_step, minimum=0)
+        self.examples_per_step = as_count("examples_per_step", examples_per_step)
+        self.tokens_per_step = as_count("tokens_per_step", tokens_per_step, minimum=0)
         self._input = input
         self._said = False
         self.start()
@@ -102,7 +104,7 @@ class StepClock:
 
     def tick(self, steps: int = 1) -> None:
         """Marks the end of ``steps`` more steps."""
-        self._steps += as_count("StepClock.tick: steps", steps, minimum=0)
+        self._steps += as_count("steps", steps, minimum=0)
         self._now = time.perf_counter()
 
     def _window(self, since: tuple[float, float, int]) -> Window:

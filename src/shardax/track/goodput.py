@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from shardax.checks import public
+
 BUCKETS = ("startup", "compile", "data", "step", "eval", "checkpoint", "hang", "lost")
 """Where wall time goes; ``step`` is the productive one."""
 
@@ -53,6 +55,7 @@ def _empty() -> dict[str, float]:
     return dict.fromkeys(BUCKETS, 0.0)
 
 
+@public("sx.track.Ledger")
 class Ledger:
     """One session's buckets, and the sessions before it read from ``path``.
 

@@ -25,10 +25,11 @@ from typing import Any
 
 import jax
 
-from shardax.checks import as_count, as_function, expect_type
+from shardax.checks import as_count, as_function, expect_type, public
 from shardax.track.sinks import check_writable
 
 
+@public("sx.track.parse_steps")
 def parse_steps(text: str) -> tuple[int, int]:
     """``"A:B"`` -> ``(A, B)`` with ``1 <= A <= B``; else a ``ValueError`` saying so."""
     first, sep, last = text.partition(":")
@@ -41,6 +42,7 @@ def parse_steps(text: str) -> tuple[int, int]:
     return start, stop
 
 
+@public("sx.track.StepProfiler")
 class StepProfiler:
     """The wrapped step: calls ``fn``, tracing calls ``start`` to ``stop``. Other
     attributes (``shard``, ``init``, ``mesh``, ...) are ``fn``'s."""
@@ -48,16 +50,17 @@ class StepProfiler:
     def __init__(
         self, fn: Callable[..., Any], directory: str | os.PathLike[str], start: int, stop: int
     ) -> None:
-        as_function("profile_steps: fn", fn, "callable (e.g. a train step)")
-        expect_type("profile_steps: directory", directory, str | os.PathLike, "a path")
-        start = as_count("profile_steps: start", start)
-        stop = as_count("profile_steps: stop", stop)
+        as_function("fn", fn, "callable (e.g. a train step)")
+        expect_type("directory", directory, str | os.PathLike, "a path")
+        start = as_count("start", start)
+        stop = as_count("stop", stop)
         if stop < start:
-            raise ValueError(f"profile_steps: stop must be >= start, got {start}:{stop}")
+            raise ValueError(f"stop must be >= start, got {start}:{stop}")
         self.fn, self.start, self.stop = fn, start, stop
         # Created and checked now, not at step ``start`` after hours of training.
+        # An OSError with an errno keeps its own format (no door prefix): name the door here.
         self.directory = check_writable(
-            Path(directory) / f"process_{jax.process_index()}", "profile_steps: directory"
+            Path(directory) / f"process_{jax.process_index()}", "sx.track.profile_steps: directory"
         )
         self.calls = 0
         self.trace_dir: Path | None = None
@@ -101,6 +104,7 @@ class StepProfiler:
         return getattr(self.fn, name)
 
 
+@public("sx.track.profile_steps")
 def profile_steps(
     fn: Callable[..., Any], directory: str | os.PathLike[str], start: int, stop: int
 ) -> StepProfiler:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardax.checks import public
+
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 """The optional sinks, by the name of the extra that installs each."""
 
@@ -33,6 +35,7 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
+@public("sx.track.check_writable")
 def check_writable(directory: str | os.PathLike[str], what: str = "directory") -> Path:
     """Creates ``directory`` and checks that a file can be written in it; else an
     ``OSError`` whose message names ``what``, the path and the reason."""

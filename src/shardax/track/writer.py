@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardax.checks import as_count, expect_type, received
+from shardax.checks import as_count, expect_type, public, received
 from shardax.track.sinks import BACKENDS, JsonlSink, Sink, check_writable, make_sink
 
 _STOP = object()
@@ -60,7 +60,7 @@ def check_scalar(name: Any, value: Any) -> None:
     """Raises ``TypeError`` unless ``name`` is a string and ``value`` one number: a Python
     or NumPy number, or an array (NumPy or JAX, possibly still being computed) of one
     numeric element. Checked on the caller's thread, never waiting for the value."""
-    expect_type("MetricWriter.write: each metric name", name, str, "a string such as 'train/loss'")
+    expect_type("each metric name", name, str, "a string such as 'train/loss'")
     dtype, size = getattr(value, "dtype", None), getattr(value, "size", None)
     if isinstance(value, numbers.Real) and not isinstance(value, str):
         return
@@ -70,7 +70,7 @@ def check_scalar(name: Any, value: Any) -> None:
     shape = f" with shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
     kind = received(value) if dtype is None else f"an array of dtype {dtype}{shape}"
     raise TypeError(
-        f"MetricWriter.write: metric {name!r} must be one number (a Python or NumPy number, "
+        f"metric {name!r} must be one number (a Python or NumPy number, "
         f"or an array of one numeric element), got {kind}"
     )
 
@@ -80,20 +80,21 @@ def check_config(config: Any) -> dict[str, Any]:
     else ``TypeError`` naming the key, so a bad value fails when the writer is built."""
     if config is None:
         return {}
-    expect_type("MetricWriter: config", config, Mapping, "a dict {name: plain value}")
+    expect_type("config", config, Mapping, "a dict {name: plain value}")
     for key, value in config.items():
-        expect_type("MetricWriter: each config key", key, str, "a string")
+        expect_type("each config key", key, str, "a string")
         try:
             json.dumps(value, allow_nan=True)
         except (TypeError, ValueError) as e:
             raise TypeError(
-                f"MetricWriter: config[{key!r}] must be a plain value the sinks can record "
+                f"config[{key!r}] must be a plain value the sinks can record "
                 f"(a string, number, bool, None, or a list or dict of them), got "
                 f"{received(value)}; pass str(...) of it ({e})"
             ) from None
     return dict(config)
 
 
+@public("sx.MetricWriter")
 class MetricWriter:
     """Scalars to JSONL, TensorBoard, W&B or MLflow, from process 0, asynchronously.
 
@@ -122,7 +123,7 @@ class MetricWriter:
     ) -> None:
         if isinstance(backends, str):
             raise TypeError(
-                f"MetricWriter: backends must be a list of names such as [{backends!r}], got "
+                f"backends must be a list of names such as [{backends!r}], got "
                 f"the string {backends!r}"
             )
         names = list(backends) if backends is not None else (["tensorboard"] if log_dir else [])
@@ -168,9 +169,9 @@ class MetricWriter:
         if not self.active:
             return
         if self._closed:
-            raise ValueError("MetricWriter.write: the writer is closed")
-        step = as_count("MetricWriter.write: step", step, minimum=0)
-        expect_type("MetricWriter.write: scalars", scalars, Mapping, "a dict {name: number}")
+            raise ValueError("the writer is closed")
+        step = as_count("step", step, minimum=0)
+        expect_type("scalars", scalars, Mapping, "a dict {name: number}")
         for name, value in scalars.items():
             check_scalar(name, value)
         self._raise()
@@ -195,7 +196,7 @@ class MetricWriter:
 
     def _raise(self) -> None:
         if self._errors:
-            raise RuntimeError(f"MetricWriter: writing metrics failed: {self._errors[0]!r}") from (
+            raise RuntimeError(f"writing metrics failed: {self._errors[0]!r}") from (
                 self._errors[0]
             )
 

@@ -37,7 +37,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardax.checks import as_count, as_float, as_function, check_mesh, expect_type
+from shardax.checks import as_count, as_float, as_function, check_mesh, expect_type, public
 from shardax.cost.hlo import collectives
 from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over, replicate
@@ -52,6 +52,7 @@ from shardax.train.step import TrainStep
 Rules = Sequence[Rule] | Plan | None
 
 
+@public("sx.AutoPlanOptions")
 @dataclasses.dataclass(frozen=True)
 class AutoPlanOptions:
     """``make_train_step(..., plan=sx.AutoPlanOptions(...))``: :func:`auto_plan`'s
@@ -73,21 +74,19 @@ class AutoPlanOptions:
 
     def __post_init__(self) -> None:
         checked = check_options(
-            "AutoPlanOptions", self.device_memory, self.min_size, self.tp_rules,
-            self.pipeline_rules, self.stage_axis,
-        )  # fmt: skip
+            self.device_memory, self.min_size, self.tp_rules, self.pipeline_rules, self.stage_axis
+        )
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
     def check(self, mesh: Mesh) -> None:
         """Raises ValueError when ``mesh`` cannot hold the candidates these options ask
         for (``pipeline_rules`` without ``stage_axis``), before anything compiles."""
-        check_mesh("AutoPlanOptions: mesh", mesh)
+        check_mesh("mesh", mesh)
         check_stage_axis(mesh, self.pipeline_rules, self.stage_axis)
 
 
 def check_options(
-    what: str,
     device_memory: Any,
     min_size: Any,
     tp_rules: Any,
@@ -95,19 +94,19 @@ def check_options(
     stage_axis: Any,
 ) -> dict[str, Any]:
     """The options of :func:`auto_plan` checked, NumPy numbers as Python ones; errors name
-    ``what``, the option, the rule and the value received."""
+    the option, the rule and the value received."""
     if device_memory is not None:
         try:
-            device_memory = as_float(f"{what}: device_memory", device_memory, above=0)
+            device_memory = as_float("device_memory", device_memory, above=0)
         except ValueError as e:
             raise ValueError(f"{e} (bytes per device, e.g. 80 * 2**30, or None)") from None
     for name, given in (("tp_rules", tp_rules), ("pipeline_rules", pipeline_rules)):
         if given is not None and not isinstance(given, Plan):
-            check_rules(f"{what}: {name} (or a Plan, or None)", given)
+            check_rules(f"{name} (or a Plan, or None)", given)
     return {
         "device_memory": device_memory,
-        "min_size": as_count(f"{what}: min_size", min_size, minimum=0),
-        "stage_axis": expect_type(f"{what}: stage_axis", stage_axis, str, "a mesh axis name"),
+        "min_size": as_count("min_size", min_size, minimum=0),
+        "stage_axis": expect_type("stage_axis", stage_axis, str, "a mesh axis name"),
     }
 
 
@@ -117,13 +116,13 @@ def check_candidates(
     """``candidates`` as plans the step can use: each value the name of one of the
     ``known`` plans (renamed to its key) or a shardax Plan over ``mesh`` (the optimizer
     state made to follow the params, as ``make_train_step`` does)."""
-    expect_type("auto_plan: candidates", candidates, Mapping, "a dict {name: plan} or None")
+    expect_type("candidates", candidates, Mapping, "a dict {name: plan} or None")
     if not candidates:
-        raise ValueError("auto_plan: candidates is empty; pass None for the default plans")
+        raise ValueError("candidates is empty; pass None for the default plans")
     plans: dict[str, FollowParams] = {}
     for name, plan in candidates.items():
-        expect_type("auto_plan: each candidates key", name, str, "a name (str)")
-        where = f"auto_plan: candidates[{name!r}]"
+        expect_type("each candidates key", name, str, "a name (str)")
+        where = f"candidates[{name!r}]"
         if isinstance(plan, str):
             if plan not in known:
                 raise ValueError(
@@ -150,13 +149,14 @@ def check_stage_axis(mesh: Mesh, pipeline_rules: Rules, stage_axis: str) -> None
     """``pipeline_rules`` need ``stage_axis`` in ``mesh`` with size > 1."""
     if pipeline_rules and mesh.shape.get(stage_axis, 1) < 2:
         raise ValueError(
-            f"auto_plan: pipeline_rules split the stacked layers over mesh axis "
+            f"pipeline_rules split the stacked layers over mesh axis "
             f"{stage_axis!r} (stage_axis), which must be in the mesh with size > 1; the "
             f"mesh's axes are {dict(mesh.shape)}. Add it (e.g. sx.make_mesh({{'data': -1, "
             f"{stage_axis!r}: 4}})) or drop pipeline_rules"
         )
 
 
+@public("sx.train.Candidate")
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One compiled candidate: its plan and the compiler's figures, per device."""
@@ -182,6 +182,7 @@ class Candidate:
         return {**out, "total_bytes": self.total_bytes}
 
 
+@public("sx.train.AutoPlan")
 @dataclasses.dataclass(frozen=True)
 class AutoPlan:
     """What :func:`auto_plan` measured, and its pick. Print it for a table."""
@@ -359,6 +360,7 @@ def measure(name: str, compiled: Any, plan: Plan) -> Candidate:
     )
 
 
+@public("sx.auto_plan")
 def auto_plan(
     mesh: Mesh,
     abstract_state_or_init: Any,
@@ -405,40 +407,36 @@ def auto_plan(
             ``pipeline_rules`` are given for a mesh without ``stage_axis`` (or split
             nothing over it).
     """
-    check_mesh("auto_plan: mesh", mesh)
-    options = check_options(
-        "auto_plan", device_memory, min_size, tp_rules, pipeline_rules, stage_axis
-    )
+    check_mesh("mesh", mesh)
+    options = check_options(device_memory, min_size, tp_rules, pipeline_rules, stage_axis)
     device_memory, min_size = options["device_memory"], options["min_size"]
-    accumulate = as_count("auto_plan: accumulate", accumulate)
+    accumulate = as_count("accumulate", accumulate)
     if loss_fn is not None:
-        as_function("auto_plan: loss_fn", loss_fn, "a function loss_fn(model, batch) or None")
+        as_function("loss_fn", loss_fn, "a function loss_fn(model, batch) or None")
     if (loss_fn is None) != (batch is None):
         raise ValueError(
-            "auto_plan: pass loss_fn and batch together (to compile the whole step) or "
+            "pass loss_fn and batch together (to compile the whole step) or "
             f"neither (the update alone); got loss_fn={loss_fn!r} and batch of type "
             f"{type(batch).__name__}"
         )
     state = abstract(abstract_state_or_init)
     if not isinstance(state, TrainState):
         raise ValueError(
-            "auto_plan: abstract_state_or_init must be a shardax TrainState (of arrays or "
+            "abstract_state_or_init must be a shardax TrainState (of arrays or "
             "ShapeDtypeStructs) or a function of no arguments returning one, so abstract "
             f"values can be built; got {type(abstract_state_or_init).__name__}"
         )
     if batch is not None:
         batch = abstract(batch)
         if not any(is_array(x) for x in jax.tree.leaves(batch)):
-            raise ValueError(
-                f"auto_plan: batch must hold arrays or ShapeDtypeStructs, got {batch!r}"
-            )
+            raise ValueError(f"batch must hold arrays or ShapeDtypeStructs, got {batch!r}")
     budget = default_device_memory(mesh.devices.flat[0]) if device_memory is None else device_memory
     known = candidate_plans(mesh, axis, min_size, tp_rules, pipeline_rules, stage_axis)
     plans = known if candidates is None else check_candidates(mesh, candidates, known)
     split = {name: _split_axes(plan, state) for name, plan in plans.items()}
     if pipeline_rules and not candidates and stage_axis not in split["pipeline"]:
         raise ValueError(
-            f"auto_plan: pipeline_rules place no leaf of the state over mesh axis "
+            f"pipeline_rules place no leaf of the state over mesh axis "
             f"{stage_axis!r} (stage_axis); give rules matching the stacked layers, e.g. "
             f"[(r'blocks', P({stage_axis!r}))]"
         )
@@ -505,7 +503,7 @@ def choose(
     if not fitting:
         best = min(measured, key=lambda c: c.total_bytes)
         raise ValueError(
-            f"auto_plan: no plan fits device_memory {format_bytes(budget or 0)} "
+            f"no plan fits device_memory {format_bytes(budget or 0)} "
             f"({budget:.0f} bytes) per device; the smallest, {best.name!r}, needs "
             f"{format_bytes(best.total_bytes)} ({best.total_bytes} bytes: arguments "
             f"{best.argument_bytes} + outputs {best.output_bytes} - aliased "
@@ -527,6 +525,7 @@ def choose(
     return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled)
 
 
+@public("sx.train.AutoStep")
 class AutoStep:
     """A train step whose plan :func:`auto_plan` picks on the first ``step(state, batch)``.
 

@@ -26,11 +26,11 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
     """
     if isinstance(batch, dict) and MASK_KEY in batch:
         # The mask is checked against the other leaves' size first, with its own message.
-        rest = check_batch_leaves({**batch, MASK_KEY: None}, "the train step", arrays_only=True)
+        rest = check_batch_leaves({**batch, MASK_KEY: None}, arrays_only=True)
         sizes = {shape[0] for _, shape in rest if shape}
         if len(sizes) == 1:
             _check_mask(batch, *sizes)
-    leaves = check_batch_leaves(batch, "the train step", dims=(0,), arrays_only=True)
+    leaves = check_batch_leaves(batch, dims=(0,), arrays_only=True)
     if not leaves:
         raise ValueError(f"the train step: the batch has no array leaves, got {batch!r}")
     for path, shape in leaves:
@@ -56,7 +56,7 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
 def _check_mask(batch: dict, size: int) -> None:
     mask = batch[MASK_KEY]
     shape = tuple(np.shape(mask))
-    others = [shape for _, shape in check_batch_leaves({**batch, MASK_KEY: None}, "the step")]
+    others = [shape for _, shape in check_batch_leaves({**batch, MASK_KEY: None})]
     leads = len(shape) == 1 or any(other[: len(shape)] == shape for other in others)
     dtype = getattr(mask, "dtype", None)
     got = (
@@ -69,7 +69,7 @@ def _check_mask(batch: dict, size: int) -> None:
             f"batch[{MASK_KEY!r}] must be a boolean array whose shape leads the batch's: "
             f"(batch,) = ({size},), True for real examples, or (batch, seq) leading the shape "
             f"of another leaf, True for real tokens; got {got} "
-            f"(leaf shapes: {shapes_text(check_batch_leaves(batch, 'the train step'))})"
+            f"(leaf shapes: {shapes_text(check_batch_leaves(batch))})"
         )
 
 

@@ -26,12 +26,14 @@ from typing import Any
 
 import jax
 
+from shardax.checks import public
 from shardax.train.loss import metric_dict
 from shardax.train.model import deterministic
 from shardax.train.program import Program
 from shardax.train.state import TrainState
 
 
+@public("sx.train.EvalStep")
 class EvalStep(Program):
     """``evaluate(state, batch) -> metrics``; ``evaluate.shard(state)`` places a state.
 

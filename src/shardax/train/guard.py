@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardax.checks import public
+
 
 class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; ``step`` is the step that produced it."""
@@ -20,6 +22,7 @@ class NonFiniteLossError(FloatingPointError):
         self.step, self.value = step, value
 
 
+@public("sx.train.check_finite")
 def check_finite(loss: Any, step: int) -> float:
     """Returns ``loss`` as a float, or raises :class:`NonFiniteLossError` naming ``step``.
 

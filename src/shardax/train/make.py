@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from jax.sharding import Mesh
 
-from shardax.checks import as_bool
+from shardax.checks import as_bool, public
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan
 from shardax.train.auto import AutoPlanOptions, AutoStep
@@ -30,6 +30,7 @@ Mode = Literal["jit", "shard_map", "pmap", "single"]
 LossFn = Callable[..., Any]
 
 
+@public("sx.make_train_step")
 def make_train_step(
     loss_fn: LossFn,
     *,
@@ -104,7 +105,7 @@ def make_train_step(
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode, plus ``stats``.
     """
-    donate = as_bool("make_train_step: donate", donate)
+    donate = as_bool("donate", donate)
     kw = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
           "data_axis": data_axis, "precision": precision, "stats": stats,
           "stats_every": stats_every}  # fmt: skip
@@ -115,6 +116,7 @@ def make_train_step(
     return TrainStep(loss_fn, plan=plan, **kw)
 
 
+@public("sx.make_eval_step")
 def make_eval_step(
     metric_fn: LossFn,
     *,

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardax.checks import public
+
 MASK_KEY = "mask"
 
 
@@ -28,6 +30,7 @@ def batch_mask(batch: Any) -> jax.Array | None:
     return batch.get(MASK_KEY) if isinstance(batch, dict) else None
 
 
+@public("sx.masked_mean")
 def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Mean of ``values`` over the entries where ``mask`` is True.
 
@@ -45,13 +48,13 @@ def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
         raise TypeError(
-            f"masked_mean: mask must be boolean (True for the real entries), got dtype "
+            f"mask must be boolean (True for the real entries), got dtype "
             f"{mask.dtype}; for weights use jnp.sum(values * w) / jnp.sum(w), or pass "
             "mask=w > 0"
         )
     if mask.ndim < 1 or mask.shape != values.shape[: mask.ndim]:
         raise ValueError(
-            "masked_mean: mask must cover the leading axes of values, (batch,) or "
+            "mask must cover the leading axes of values, (batch,) or "
             f"(batch, seq); values have shape {values.shape}, mask has shape {mask.shape}"
         )
     weights = jnp.broadcast_to(

@@ -120,7 +120,7 @@ def split_model(model: Any, wrt: Any = nnx.Param) -> tuple[ModelAdapter, Any, An
     if hasattr(model, "init") and hasattr(model, "apply"):
         hint = " For a Flax Linen module use TrainState.from_linen(module, variables, tx)."
     raise TypeError(
-        f"TrainState.create: model must be a flax.nnx.Module or an equinox.Module, got "
+        f"model must be a flax.nnx.Module or an equinox.Module, got "
         f"{type(model).__module__}.{type(model).__qualname__}.{hint} For plain params use "
         "TrainState.from_params(params, apply_fn, tx)."
     )

@@ -28,10 +28,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from shardax.checks import as_count, as_float
+from shardax.checks import as_count, as_float, public
 from shardax.plan.tree import is_array
 
 
+@public("sx.train.LossScaling")
 @dataclasses.dataclass(frozen=True)
 class LossScaling:
     """Dynamic loss scaling settings, checked when built.
@@ -52,17 +53,18 @@ class LossScaling:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("initial", as_float("LossScaling: initial", self.initial, above=0))
-        put("period", as_count("LossScaling: period", self.period))
-        put("factor", as_float("LossScaling: factor", self.factor, above=1))
-        put("minimum", as_float("LossScaling: minimum", self.minimum, above=0))
+        put("initial", as_float("initial", self.initial, above=0))
+        put("period", as_count("period", self.period))
+        put("factor", as_float("factor", self.factor, above=1))
+        put("minimum", as_float("minimum", self.minimum, above=0))
         if self.initial < self.minimum:
             raise ValueError(
-                f"LossScaling: initial must be >= minimum, got initial={self.initial:g} and "
+                f"initial must be >= minimum, got initial={self.initial:g} and "
                 f"minimum={self.minimum:g}"
             )
 
 
+@public("sx.train.LossScaleState")
 class LossScaleState(NamedTuple):
     """The loss scale carried in the train state."""
 
@@ -70,6 +72,7 @@ class LossScaleState(NamedTuple):
     good_steps: jax.Array  # i32[], finite steps since the scale last changed
 
 
+@public("sx.Precision")
 class Precision(NamedTuple):
     """A mixed-precision policy for ``make_train_step(..., precision=...)``.
 

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from shardax.checks import public
 from shardax.data.placement import batch_sharding
 from shardax.data.prefetch import prefetch_to_device
 from shardax.mesh.axes import DATA_AXIS
@@ -154,7 +155,7 @@ class _Preparer:
         if own is not None:
             return own
         raise TypeError(
-            f"sx.prepare: argument {i} is an nnx.Optimizer, but no NNX model among the "
+            f"argument {i} is an nnx.Optimizer, but no NNX model among the "
             "arguments has the params it was built for; pass the model with it: "
             "model, optimizer = sx.prepare(model, optimizer, ...)"
         )
@@ -228,6 +229,7 @@ def _has_arrays(obj: Any) -> bool:
     return any(is_array(x) for x in jax.tree.leaves(obj))
 
 
+@public("sx.prepare")
 def prepare(
     *objects: Any,
     mesh: Mesh | None = None,
@@ -271,12 +273,12 @@ def prepare(
     if mesh is None:
         mesh = make_mesh({data_axis: -1} if isinstance(data_axis, str) else None)
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"sx.prepare: mesh must be a jax.sharding.Mesh, got {mesh!r}")
-    plan = replicate(mesh) if plan is None else as_plan("sx.prepare: plan", plan)
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
+    plan = replicate(mesh) if plan is None else as_plan("plan", plan)
     plan_mesh = getattr(plan, "mesh", mesh)
     if plan_mesh != mesh:
         raise ValueError(
-            f"sx.prepare: plan {getattr(plan, 'name', plan)!r} is over mesh "
+            f"plan {getattr(plan, 'name', plan)!r} is over mesh "
             f"{dict(plan_mesh.shape)}, not mesh {dict(mesh.shape)}; build both from one mesh"
         )
     if isinstance(plan, Plan) and not isinstance(plan, FollowParams):

@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from shardax.checks import as_count
+from shardax.checks import as_count, public
 from shardax.data.placement import batch_sharding
 from shardax.parallel.collectives import all_reduce, weighted_mean
 from shardax.plan.activation import constrain
@@ -198,6 +198,7 @@ class _Compiled:
         self.last: weakref.ref[Any] | None = None
 
 
+@public("sx.train.Program")
 class Program:
     """``program(state, batch)`` compiled for ``mesh`` in ``mode`` (see the module doc).
 
@@ -217,7 +218,7 @@ class Program:
         accumulate: int,
         donate: bool,
         data_axis: str | tuple[str, ...],
-        precision: str | Precision,
+        precision: str | Precision = "fp32",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
@@ -530,7 +531,7 @@ class Program:
                 raise
             if self._placed_as_planned(state):  # then it is the batch
                 raise ValueError(
-                    f"{type(self).__name__}: the batch is committed to other devices or "
+                    f"the batch is committed to other devices or "
                     f"shardings than this step's {self.batch_sharding.spec} over mesh "
                     f"{dict(self.mesh.shape)}; pass NumPy arrays, or place the batch with "
                     "sx.distribute_batch(batch, sx.batch_sharding(mesh)) for this step's mesh"
@@ -538,7 +539,7 @@ class Program:
             # A state placed by another plan (e.g. an eval step built with a plan other
             # than the train step's): name both, not jit's sharding dump.
             raise ValueError(
-                f"{type(self).__name__}: the state is not placed as this step's plan "
+                f"the state is not placed as this step's plan "
                 f"{self.plan_name!r} places it (it was placed by another plan or step); build "
                 "this step with the same mesh and plan as the step that placed the state, or "
                 "place it with this step's shard(state)"

@@ -13,12 +13,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from shardax.checks import public
+
 
 def step_key(key: jax.Array, step: jax.Array) -> jax.Array:
     """The key of one step: ``fold_in(key, step)``."""
     return jax.random.fold_in(key, step)
 
 
+@public("sx.train.example_keys")
 def example_keys(key: jax.Array, step: jax.Array, index: jax.Array) -> jax.Array:
     """A typed key per example: ``fold_in(step_key(key, step), index[i])``.
 
@@ -28,6 +31,7 @@ def example_keys(key: jax.Array, step: jax.Array, index: jax.Array) -> jax.Array
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(index)
 
 
+@public("sx.train.dropout")
 def dropout(keys: jax.Array, x: jax.Array, rate: float) -> jax.Array:
     """Inverted dropout with one key per example (leading axis of ``x``).
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shardax.checks import public
 from shardax.plan.tree import path_str
 from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, NNXModel, split_model
 from shardax.train.static import comparable
@@ -112,7 +113,7 @@ def check_tx(tx: Any) -> None:
         name = getattr(tx, "__name__", "it")
         hint = f"; {name} looks like an optax factory: call it, e.g. optax.{name}(1e-3)"
     raise TypeError(
-        f"TrainState: tx must be an optax.GradientTransformation (with init and update), "
+        f"tx must be an optax.GradientTransformation (with init and update), "
         f"got {type(tx).__name__} {tx!r}{hint}"
     )
 
@@ -148,6 +149,7 @@ def check_opt_state(params: Any, opt_state: Any) -> None:
                 )
 
 
+@public("sx.TrainState")
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["step", "params", "opt_state", "model_state", "rng", "loss_scale"],
@@ -231,7 +233,7 @@ class TrainState:
 
         if not isinstance(model, nnx.Module):
             raise TypeError(
-                f"TrainState.create: an nnx.Optimizer goes with the NNX module it was built "
+                f"an nnx.Optimizer goes with the NNX module it was built "
                 f"for, got a model of type {type(model).__name__}"
             )
         adapter, params, model_state = split_model(model, optimizer.wrt)
@@ -258,7 +260,7 @@ class TrainState:
 
         if not isinstance(self.adapter, NNXModel) or not isinstance(model, nnx.Module):
             raise TypeError(
-                "TrainState.write_to puts values into an NNX module and its nnx.Optimizer; "
+                "sx.TrainState.write_to puts values into an NNX module and its nnx.Optimizer; "
                 f"got a {type(model).__name__} for a state of a {type(self.adapter).__name__}. "
                 "For Equinox, Linen or plain pytrees read state.model or state.params"
             )
@@ -266,8 +268,7 @@ class TrainState:
         if optimizer is not None:
             if not is_nnx_optimizer(optimizer):
                 raise TypeError(
-                    f"TrainState.write_to: optimizer must be an nnx.Optimizer, got "
-                    f"{type(optimizer).__name__}"
+                    f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}"
                 )
             optimizer_opt_state(optimizer, self.params)  # the same structure, or an error
             write_opt_state(optimizer, self.opt_state, self.step)
@@ -281,8 +282,7 @@ class TrainState:
         variables = dict(variables)
         if "params" not in variables:
             raise ValueError(
-                f"TrainState.from_linen: variables need a 'params' collection, got "
-                f"collections {sorted(variables)}"
+                f"variables need a 'params' collection, got collections {sorted(variables)}"
             )
         params = variables.pop("params")
         return cls._new(LinenModel(module), params, variables, tx, rng)
@@ -299,7 +299,7 @@ class TrainState:
         """From plain params and ``apply_fn(params, *inputs)``; the loss function gets
         ``functools.partial(apply_fn, params)`` as its model."""
         if not callable(apply_fn):
-            raise TypeError(f"TrainState.from_params: apply_fn must be callable, got {apply_fn!r}")
+            raise TypeError(f"apply_fn must be callable, got {apply_fn!r}")
         return cls._new(ApplyFnModel(apply_fn), params, None, tx, rng)
 
     @property

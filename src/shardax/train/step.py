@@ -38,13 +38,11 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
-from shardax.checks import as_count
-from shardax.plan.core import Plan
+from shardax.checks import as_count, public
 from shardax.train.loss import as_metrics, loss_and_aux
 from shardax.train.precision import (
-    Precision,
     adjust_loss_scale,
     all_finite,
     policy_name,
@@ -57,6 +55,7 @@ from shardax.train.state import TrainState
 from shardax.train.stats import DEFAULT_STATS, check_stats, every_nth
 
 
+@public("sx.train.TrainStep")
 class TrainStep(Program):
     """``step(state, batch) -> (state, metrics)``; ``step.shard(state)`` places a state.
 
@@ -68,28 +67,16 @@ class TrainStep(Program):
         self,
         loss_fn: Callable[..., Any],
         *,
-        mesh: Mesh,
-        plan: Plan | None,
-        mode: str,
-        accumulate: int,
-        donate: bool,
-        data_axis: str | tuple[str, ...],
-        precision: str | Precision = "fp32",
         stats: Sequence[str] = DEFAULT_STATS,
         stats_every: int = 1,
+        **program: Any,
     ) -> None:
+        """``stats`` and ``stats_every`` as :func:`shardax.make_train_step` takes them; the
+        other keywords (``mesh``, ``plan``, ``mode``, ...) are
+        :class:`~shardax.train.program.Program`'s."""
         self.stats = check_stats(stats)
-        self.stats_every = as_count("make_train_step: stats_every", stats_every)
-        super().__init__(
-            loss_fn,
-            mesh=mesh,
-            plan=plan,
-            mode=mode,
-            accumulate=accumulate,
-            donate=donate,
-            data_axis=data_axis,
-            precision=precision,
-        )
+        self.stats_every = as_count("stats_every", stats_every)
+        super().__init__(loss_fn, **program)
         self._scaling = self.precision.loss_scaling
 
     # -- the step protocol -------------------------------------------------------------

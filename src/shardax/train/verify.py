@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.checks import as_count
+from shardax.checks import as_count, public
 from shardax.parallel.context import laid_out_for
 from shardax.plan.tree import is_array, path_str
 from shardax.train.masks import MASK_KEY
@@ -157,6 +157,7 @@ def compare(got: Any, want: Any, step: int, rtol: float, atol: float) -> list[Le
 # -- the report ----------------------------------------------------------------------------
 
 
+@public("sx.train.VerifyReport")
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
     """What :func:`verify` compared, and its verdict. ``print(report)`` is a short table.
@@ -577,6 +578,7 @@ def _verify_fn(
 # -- verify ----------------------------------------------------------------------------------
 
 
+@public("sx.verify")
 def verify(
     step: Any,
     state: Any,
@@ -627,7 +629,7 @@ def verify(
     """
     from shardax.train.auto import AutoStep
 
-    steps = as_count("sx.verify: steps", steps)
+    steps = as_count("steps", steps)
     if jax.process_count() > 1:
         raise ValueError(
             f"sx.verify runs the reference on one device of one process, and this job has "
@@ -640,13 +642,11 @@ def verify(
     if isinstance(step, TrainStep):
         if reference is not None or mesh is not None:
             raise TypeError(
-                "sx.verify: reference= and mesh= are for your own step function; a train "
+                "reference= and mesh= are for your own step function; a train "
                 "step's reference is its own program on its mesh's first device"
             )
         if not isinstance(state, TrainState):
-            raise TypeError(
-                f"sx.verify: a train step takes a sx.TrainState, got {type(state).__name__}"
-            )
+            raise TypeError(f"a train step takes a sx.TrainState, got {type(state).__name__}")
         rtol, atol = _given(tolerance(step.precision), rtol, atol)
         by_step, diagnose, device = _verify_step(step, state, batch, steps, rtol, atol)
         what = repr(step)
@@ -658,7 +658,7 @@ def verify(
         what = getattr(step, "__name__", type(step).__name__)
     else:
         raise TypeError(
-            f"sx.verify: step must be a train step (sx.make_train_step) or your own step "
+            f"step must be a train step (sx.make_train_step) or your own step "
             f"function, got {type(step).__name__}"
         )
     ok, first_step, diffs = _verdict(by_step, rtol, atol)
