@@ -151,15 +151,20 @@ class Job:
     report: Callable[[dict[str, Any], Any], None] | None = None
 
 
-def build_steps(args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any) -> tuple[Any, Any]:
+def build_steps(
+    args: argparse.Namespace, loss_fn: Any, mesh: Any, plan: Any, seq_axis: str | None = None
+) -> tuple[Any, Any]:
     """The train step (``sx.make_train_step``) and its no-update twin for validation
     (``sx.make_eval_step``, the model in inference mode), with the CLI's mode,
-    accumulation and precision; bad combinations are usage errors naming the options."""
+    accumulation and precision (and ``seq_axis`` under ``--mode jit``: the batch's
+    sequences split over it); bad combinations are usage errors naming the options."""
     import shardax as sx
     from shardax.train.stats import STATS
 
     plan = None if args.mode == "single" else plan  # one device: no sharding plan
     options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision}
+    if seq_axis is not None and args.mode == "jit":
+        options["seq_axis"] = seq_axis
     try:
         # The CLI logs every update statistic, param norm included, computed only on the
         # steps it logs (--log-every): the other steps pay nothing for them.

@@ -90,7 +90,10 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Run, Any]:
             tokens_per_step=tokens,
             config={k: v for k, v in vars(args).items() if isinstance(v, int | float | str)},
         )
-        feed = tracker.watch(sx.prefetch_to_device(job.loader, sx.batch_sharding(job.mesh)))
+        # The step's own placement: rows over data (and the sequence, with its seq_axis).
+        seq = getattr(job.step, "seq_axis", None)
+        sharding = sx.batch_sharding(job.mesh, seq_axis=seq)
+        feed = tracker.watch(sx.prefetch_to_device(job.loader, sharding))
     except BaseException:
         if manager is not None:
             manager.close()

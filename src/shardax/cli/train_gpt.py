@@ -206,7 +206,9 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     # inject_hyperparams: the schedule's rate is in the state, so the step reports it.
     adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
     tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
-    step, evaluate_step = build_steps(args, loss_fn, mesh, plan)
+    # Over a context axis each device receives its part of every row (P("data", "context")).
+    seq_axis = CONTEXT_AXIS if context > 1 else None
+    step, evaluate_step = build_steps(args, loss_fn, mesh, plan, seq_axis)
 
     def init() -> Any:
         return sx.TrainState.create(gpt.make_gpt(cfg, args.seed, args.remat), tx, rng=args.seed)
@@ -216,7 +218,8 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 
-    val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh))
+    seq = getattr(evaluate_step, "seq_axis", None)
+    val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh, seq_axis=seq))
 
     def evaluate(state: Any) -> dict[str, float]:
         return {"val_loss": float(evaluate_step(state, val_batch)["loss"])}

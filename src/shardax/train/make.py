@@ -43,6 +43,7 @@ def make_train_step(
     precision: str | Precision = "fp32",
     stats: Sequence[str] = DEFAULT_STATS,
     stats_every: int = 1,
+    seq_axis: str | None = None,
 ) -> TrainStep | AutoStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
@@ -101,6 +102,13 @@ def make_train_step(
             count (after the update) is a multiple of this, NaN on the others, inside
             the same compiled step (``lax.cond``): a loop that logs every N steps asks
             for ``stats_every=N`` and pays for the norms once per log.
+        seq_axis: a mesh axis (e.g. ``"context"``) that splits dimension 1 of every
+            batch leaf of rank >= 2, the sequence, besides the rows over ``data_axis``
+            (``"jit"`` mode): each device then receives only its part of each sequence,
+            as ``sx.attention`` over that axis computes it. The step places NumPy
+            batches so itself (``step.place_batch``) and takes batches placed with
+            ``sx.batch_sharding(mesh, seq_axis=...)``; the sequence must divide by the
+            axis size. Default None: the rows alone are split.
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode, plus ``stats``.
@@ -108,7 +116,7 @@ def make_train_step(
     donate = as_bool("donate", donate)
     kw = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
           "data_axis": data_axis, "precision": precision, "stats": stats,
-          "stats_every": stats_every}  # fmt: skip
+          "stats_every": stats_every, "seq_axis": seq_axis}  # fmt: skip
     if isinstance(plan, str) and plan == "auto":
         plan = AutoPlanOptions()
     if isinstance(plan, AutoPlanOptions):
@@ -126,6 +134,7 @@ def make_eval_step(
     accumulate: int = 1,
     data_axis: str | tuple[str, ...] = DATA_AXIS,
     precision: str | Precision = "fp32",
+    seq_axis: str | None = None,
 ) -> EvalStep:
     """A compiled ``evaluate(state, batch) -> metrics`` that never changes ``state``.
 
@@ -138,7 +147,8 @@ def make_eval_step(
             microbatches are weighted by their count of real examples or tokens. It
             may take ``rng`` and ``step_rng`` like a train step's loss function; NNX and
             Equinox models are in inference mode (dropout off, running averages).
-        mesh, plan, mode, accumulate, data_axis: as for :func:`make_train_step`; use
+        mesh, plan, mode, accumulate, data_axis, seq_axis: as for
+            :func:`make_train_step`; use
             the train step's mesh and plan to evaluate its state where it lies.
         precision: the compute and output dtypes, as for :func:`make_train_step`
             (without loss scaling).
@@ -146,4 +156,5 @@ def make_eval_step(
     # Loss scaling only protects gradients; evaluation has none.
     policy = resolve(precision)._replace(loss_scaling=None)
     return EvalStep(metric_fn, mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
-                    donate=False, data_axis=data_axis, precision=policy)  # fmt: skip
+                    donate=False, data_axis=data_axis, precision=policy,
+                    seq_axis=seq_axis)  # fmt: skip

@@ -46,7 +46,7 @@ from shardax.plan.activation import constrain
 from shardax.plan.core import Plan, axis_size, replicate
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
-from shardax.plan.tree import is_array, map_arrays
+from shardax.plan.tree import is_array, map_arrays, path_str
 from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
 from shardax.train.accumulate import microbatched
@@ -219,6 +219,7 @@ class Program:
         donate: bool,
         data_axis: str | tuple[str, ...],
         precision: str | Precision = "fp32",
+        seq_axis: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
@@ -267,6 +268,14 @@ class Program:
         self._donate_argnums = (0,) if donate else ()
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_sharding = batch_sharding(mesh, data_axis)
+        self.seq_axis, self._seq_sharding = seq_axis, None
+        if seq_axis is not None:
+            if mode != "jit":
+                raise ValueError(
+                    f"seq_axis splits the batch's sequence dimension under mode='jit' only; "
+                    f"got mode={mode!r}"
+                )
+            self._seq_sharding = batch_sharding(mesh, data_axis, seq_axis=seq_axis)
         names = (data_axis,) if isinstance(data_axis, str) else data_axis
         self._explicit = any(mesh_axis_type(mesh, n) == AxisType.Explicit for n in names)
         self._compiled: collections.OrderedDict[Any, _Compiled] = collections.OrderedDict()
@@ -401,9 +410,18 @@ class Program:
         keys = example_keys(key, state.step, index) if "rng" in self._filled else None
         split = None
         if not mapped and self.mode == "jit":
-            split = lambda micro: constrain(micro, PartitionSpec(None, self.data_axis), self.mesh)  # noqa: E731
+            split = self._split_microbatches
         fn = microbatched(self._shard_fn(state, mapped), self.accumulate, split)
         return fn(model_state, batch, keys, rng)
+
+    def _split_microbatches(self, micro: Any) -> Any:
+        """Microbatches ``(accumulate, rows, ...)``: rows over the data axis (and with
+        ``seq_axis``, the sequence of each ``(rows, seq, ...)`` leaf over it)."""
+        spec = PartitionSpec(None, self.data_axis)
+        if self.seq_axis is None:
+            return constrain(micro, spec, self.mesh)
+        seq = PartitionSpec(None, self.data_axis, self.seq_axis)
+        return jax.tree.map(lambda x: constrain(x, seq if x.ndim >= 3 else spec, self.mesh), micro)
 
     def _global(self, state: TrainState, batch: Any):
         """jit and single: the shard is the whole global batch."""
@@ -475,10 +493,15 @@ class Program:
             call = lambda state, batch: pmapped(state, self._pmap_batch(batch))  # noqa: E731
             self._lower = lambda state, batch: pmapped.lower(state, self._pmap_batch(batch))
         else:
-            call = self._call_cached
+            call, seq = self._call_cached, self.seq_axis is not None
+            if seq:  # jit only
+                cached = call
+                call = lambda state, batch: cached(state, self.place_batch(batch))  # noqa: E731
             if mode == "jit":
                 call = _under_mesh(call, mesh)
-            self._lower = _under_mesh(lambda s, b: self._lookup(s).fn.lower(s, b), mesh)
+            self._lower = _under_mesh(
+                lambda s, b: self._lookup(s).fn.lower(s, self.place_batch(b) if seq else b), mesh
+            )
         if mode != "single" and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
             call = _bounded(call, CPU_MAX_IN_FLIGHT, self._metrics_of)
         return call
@@ -495,12 +518,13 @@ class Program:
                 out_specs=self._out(PartitionSpec(), PartitionSpec()),
                 check_vma=False,
             )
-        if self._explicit:
+        if self._explicit and self.seq_axis is None:
             # A NumPy batch's type is unsharded inside jit; the split belongs in its type.
             fn = reshard_batch(fn, self.batch_sharding)
         return jax.jit(
             explain_axis_types(fn, self.mesh),
-            in_shardings=(shardings, self.batch_sharding),
+            # with seq_axis the batch comes placed (place_batch), leaf by leaf
+            in_shardings=(shardings, self.batch_sharding if self.seq_axis is None else None),
             out_shardings=self._out(shardings, self._replicated),
             donate_argnums=self._donate_argnums,
         )
@@ -574,6 +598,36 @@ class Program:
             batch,
         )
 
+    def place_batch(self, batch: Any) -> Any:
+        """``batch`` placed as this step takes it under ``"jit"``: rows over the data axis,
+        and with ``seq_axis`` dimension 1 of each leaf of rank >= 2 over that axis
+        (``sx.batch_sharding(mesh, seq_axis=...)``). The step calls it itself; a loop may
+        call it ahead (prefetching). Leaves already placed so pass untouched.
+
+        >>> step.place_batch({"x": np.ones((16, 4))})["x"].sharding.spec  # doctest: +SKIP
+        PartitionSpec('data',)
+        """
+
+        def place(path: str, x: Any) -> Any:
+            if not hasattr(x, "ndim") or x.ndim == 0:
+                return x
+            target = self.batch_sharding
+            if self._seq_sharding is not None and x.ndim >= 2:
+                target = self._seq_sharding
+                size = axis_size(self.mesh, self.seq_axis)
+                if x.shape[1] % size:
+                    raise ValueError(
+                        f"batch leaf {path or '<root>'!r} has {x.shape[1]} positions along "
+                        f"dimension 1 (the sequence), not divisible by seq_axis "
+                        f"{self.seq_axis!r} of size {size}; pad the sequence to a multiple "
+                        f"of {size}"
+                    )
+            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+                return x
+            return device_put_global(x, target)
+
+        return jax.tree_util.tree_map_with_path(lambda p, x: place(path_str(p), x), batch)
+
     def _pmap_batch(self, batch: Any) -> Any:
         n = self._devices
         return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
@@ -601,5 +655,6 @@ class Program:
         return (
             f"{type(self).__name__}(mode={self.mode!r}, plan={self.plan_name!r}, "
             f"mesh={dict(self.mesh.shape)}, accumulate={self.accumulate}, donate={self.donate}, "
-            f"precision={policy_name(self.precision)!r})"
+            f"precision={policy_name(self.precision)!r}"
+            + (f", seq_axis={self.seq_axis!r})" if self.seq_axis is not None else ")")
         )

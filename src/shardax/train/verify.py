@@ -341,6 +341,7 @@ class _Probe(TrainStep):
             data_axis=step.data_axis,
             precision=step.precision,
             stats=(),
+            seq_axis=None if one else step.seq_axis,
         )
 
 
