@@ -18,6 +18,7 @@ device (the others wait in a collective for them).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import threading
@@ -73,6 +74,7 @@ class RankStatus:
         self._published = -1
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._stop = threading.Event()
 
     def set(self, phase: str, step: int | None = None) -> None:
         """Enters ``phase`` (one of :data:`PHASES`), in ``step`` when given."""
@@ -104,6 +106,11 @@ class RankStatus:
                     target=self._publish_loop, daemon=True, name="shardax-status"
                 )
                 self._thread.start()
+                # Registered after JAX's own exit handler, so it runs first: the thread
+                # is joined before the distributed runtime shuts down. A daemon thread
+                # still inside a runtime call when the interpreter finalizes is killed
+                # there, and that aborts the process (exit 134, not its own code).
+                atexit.register(self.stop)
 
     def publish(self) -> None:
         """Writes this process's record to the key-value store now."""
@@ -119,13 +126,21 @@ class RankStatus:
         self._published = version
 
     def _publish_loop(self) -> None:
-        while True:
+        while not self._stop.is_set():
             if self._published != self._version:
                 try:
                     self.publish()
                 except Exception:  # the coordinator is gone: nothing left to tell
                     return
-            time.sleep(self.interval)
+            self._stop.wait(self.interval)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops publishing and joins the thread (at most ``timeout`` seconds); at exit
+        this runs by itself."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def gather(self, timeout: float = 5.0) -> dict[int, dict[str, Any]] | None:
         """Every process's last published record, by rank (this one's current record
