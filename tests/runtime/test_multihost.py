@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -197,7 +198,11 @@ def test_a_process_raises_every_process_exits_nonzero_promptly():
     assert code == 1, text
     assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
     assert "[1] RuntimeError: deliberate failure on process 1 at step 2" in text
-    assert "process 1 exited with code 1; stopping the others" in text
+    # Rank 1 is named: seen to exit first, or (when rank 0's collective fails first and
+    # rank 1 waits in the runtime's shutdown) as the process that raised first.
+    assert re.search(
+        r"process (1 exited with code 1|0 exited with code \d+ after process 1 raised)", text
+    ), text
     assert elapsed < 60, elapsed
 
 
@@ -476,3 +481,19 @@ def test_launch_reports_an_exception_before_a_peer_killed_by_a_signal():
     for p in procs:
         p.wait()  # both have ended before supervise polls them
     assert supervise(procs, out=io.StringIO(), err=io.StringIO()) == 3  # not rank 0's 134
+
+
+def test_launch_names_the_process_that_raised_first():
+    """Rank 1 raises first, then waits (as in the runtime's shutdown barrier); rank 0's
+    collective fails after it, and rank 0 is seen to exit first: launch names both."""
+    scripts = [
+        "import time; time.sleep(1.0); raise RuntimeError('a collective mismatch')",
+        "import atexit, time; atexit.register(time.sleep, 3); time.sleep(0.2); "
+        "raise RuntimeError('the cause')",
+    ]
+    procs = [start_processes([sys.executable, "-c", s], [dict(CLEAN_ENV)])[0] for s in scripts]
+    err = io.StringIO()
+    assert supervise(procs, out=err, err=err) == 1
+    text = err.getvalue()
+    assert "process 0 exited with code 1 after process 1 raised (its traceback is above)" in text
+    assert text.index("the cause") < text.index("a collective mismatch")

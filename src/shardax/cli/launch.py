@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import signal
@@ -145,6 +146,7 @@ def _forward(
     lock: threading.Lock,
     *,
     prefix: bool = True,
+    raised: dict[int, float] | None = None,
 ) -> None:
     """Copies ``pipe``'s lines to ``out`` (after ``[rank] `` if ``prefix``); runtime chatter
     goes to ``err``, always prefixed."""
@@ -154,10 +156,15 @@ def _forward(
         line = raw.decode(errors="replace").rstrip("\n")
         chatter = RUNTIME_CHATTER.search(line) is not None
         stream = err if chatter else out
+        if raised is not None and line.startswith(_TRACEBACK):
+            raised.setdefault(rank, time.monotonic())
         with lock:
             stream.write(f"[{rank}] {line}\n" if prefix or chatter else f"{line}\n")
             stream.flush()
     pipe.close()
+
+
+_TRACEBACK = "Traceback (most recent call last):"
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -231,16 +238,20 @@ def supervise(
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     lock = threading.Lock()
+    raised: dict[int, float] = {}  # rank -> when it printed its first Python traceback
     readers = [
         threading.Thread(
-            target=_forward, args=(r, p.stdout, out, err, lock), kwargs={"prefix": prefix_stdout}
+            target=_forward,
+            args=(r, p.stdout, out, err, lock),
+            kwargs={"prefix": prefix_stdout, "raised": raised},
         )
         for r, p in enumerate(procs)
     ]
     readers += [
-        threading.Thread(target=_forward, args=(r, p.stderr, err, err, lock))
+        threading.Thread(target=_forward, args=(r, p.stderr, err, err, lock),
+                         kwargs={"raised": raised})
         for r, p in enumerate(procs)
-    ]
+    ]  # fmt: skip
     for t in readers:
         t.daemon = True
     started: list[threading.Thread] = []
@@ -250,14 +261,18 @@ def supervise(
             t.start()
             started.append(t)
         while [p.poll() for p in procs].count(None):  # polls every process
-            first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE))
+            first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE), raised)
             if first is not None:
                 first_failure = exit_code(first.returncode)
                 failed_rank = procs.index(first)
+                cause = min(raised, key=raised.__getitem__) if raised else failed_rank
+                after = "" if cause == failed_rank else (
+                    f" after process {cause} raised (its traceback is above)"
+                )  # fmt: skip
                 with lock:
                     err.write(
                         f"shardax launch: process {failed_rank} exited with code "
-                        f"{first_failure}; stopping the others\n"
+                        f"{first_failure}{after}; stopping the others\n"
                     )
                     err.flush()
                 stop(procs, grace)
@@ -279,19 +294,25 @@ def supervise(
         )
         err.flush()
     if not first_failure:
-        first = _first_failed(procs, (None, 0))
+        first = _first_failed(procs, (None, 0), raised)
         first_failure = 0 if first is None else exit_code(first.returncode)
     return first_failure
 
 
 def _first_failed(
-    procs: Sequence[subprocess.Popen[bytes]], ok: tuple
+    procs: Sequence[subprocess.Popen[bytes]], ok: tuple, raised: dict[int, float] | None = None
 ) -> subprocess.Popen[bytes] | None:
     """The failed process to report among those seen ended at once (None if none): one
     that exited on its own (an exception) before one killed by a signal, usually the
-    consequence (gloo aborts when its peer is gone); then the lowest rank."""
-    failed = [p for p in procs if p.returncode not in ok]
-    return min(failed, key=lambda p: p.returncode < 0) if failed else None
+    consequence (gloo aborts when its peer is gone); then the one that printed a Python
+    traceback first (its peers' collectives fail after it, and they may all end at once,
+    waiting for each other in the runtime's shutdown); then the lowest rank."""
+    raised = raised or {}
+    failed = [(r, p) for r, p in enumerate(procs) if p.returncode not in ok]
+    if not failed:
+        return None
+    key = lambda rp: (rp[1].returncode < 0, raised.get(rp[0], math.inf), rp[0])  # noqa: E731
+    return min(failed, key=key)[1]
 
 
 def run(args: argparse.Namespace) -> int:
