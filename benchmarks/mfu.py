@@ -17,8 +17,9 @@ Two FLOP counts, side by side:
   XLA emits (the optimizer, norms, the masked half of an XLA attention), but a custom
   call such as cuDNN's attention may count as zero.
 
-MFU is achieved FLOP/s over the dense bf16 peak of ``shardax.cost.HARDWARE_SPECS``
-(n/a on CPU or an unknown device). ``--size auto`` (default) is ``1b`` on an accelerator
+MFU is achieved FLOP/s over the dense bf16 peak of the device's datasheet
+(``shardax.cost.device_spec``: an H100 SXM or H200 is 989 TFLOP/s; n/a on CPU or an
+unknown device). ``--size auto`` (default) is ``1b`` on an accelerator
 and ``tiny`` on CPU, where this is a smoke test, no figure.
 
     uv run python benchmarks/mfu.py                  # 1B on the GPU/TPU, tiny on CPU

@@ -808,6 +808,26 @@ def test_a_watchdog_whose_report_fails_still_ends_the_process():
     assert "step 3 did not complete within 0.5 s; reporting it failed" in proc.stderr
 
 
+@pytest.mark.timeout(60)
+def test_a_watchdog_whose_on_fire_hangs_or_raises_still_ends_the_process():
+    for on_fire, said in (
+        ("lambda step: time.sleep(60)", "on_fire did not return within 0.5 s; exiting without it"),
+        ("lambda step: 1 / 0", "on_fire raised ZeroDivisionError('division by zero'); exiting"),
+    ):
+        code = (
+            "import io, time\n"
+            "import shardax.runtime.watchdog as w\n"
+            "w.ON_FIRE_GRACE = 0.5\n"
+            f"w.StepWatchdog(0.5, exit_code=7, file=io.StringIO(), on_fire={on_fire}).arm(3)\n"
+            "time.sleep(20); print('still running')\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=50
+        )
+        assert proc.returncode == 7 and "still running" not in proc.stdout, proc
+        assert f"shardax: hang watchdog: {said}" in proc.stderr, proc.stderr
+
+
 # --- second sweep: the CLI --------------------------------------------------------------
 
 

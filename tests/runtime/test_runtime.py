@@ -1,10 +1,12 @@
 import dataclasses
 from types import SimpleNamespace
 
+import jax
 import pytest
 
 import shardax as sx
 from shardax.cost import BATCH_SIZE_TABLE, detect_hardware_type
+from shardax.cost.flops import utilization
 
 SEED_TABLE = {  # seed 000, verbatim
     "TPU_V5E": (64, 256, 240),
@@ -69,6 +71,33 @@ def test_cpu_is_detected_as_cpu():
 def test_unlisted_accelerators_are_unknown_never_a_neighbour(platform, kind, expected):
     device = SimpleNamespace(platform=platform, device_kind=kind)
     assert detect_hardware_type([device]) is sx.HardwareType[expected]
+
+
+@pytest.mark.parametrize(
+    "platform,kind,tflops,memory_gb",
+    [
+        ("gpu", "NVIDIA H200", 989, 141),  # not in the seed's enum: UNKNOWN, yet measured
+        ("cuda", "NVIDIA H100 80GB HBM3", 989, 85.90),  # the enum's H100 (80 GiB)
+        ("gpu", "NVIDIA H100 PCIe", 756, 80),  # an H100, but not the SXM part's peak
+        ("gpu", "NVIDIA B200", 2250, 180),
+        ("tpu", "TPU v6 lite", 918, 34.36),
+    ],
+)
+def test_device_spec_knows_kinds_beyond_the_enum(platform, kind, tflops, memory_gb, monkeypatch):
+    device = SimpleNamespace(platform=platform, device_kind=kind)
+    spec = sx.cost.device_spec(device)
+    assert spec.peak_flops == tflops * 1e12
+    assert spec.memory_bytes / 1e9 == pytest.approx(memory_gb, rel=1e-3)
+    # MFU on 8 of them (as the first of jax.devices() there): half the peak is 50%.
+    monkeypatch.setattr(jax, "devices", lambda *backend: [device])
+    use = utilization(tflops * 1e12 * 8 / 2, 1.0, devices=8)
+    assert use["peak_tflops_per_device"] == tflops and use["mfu"] == pytest.approx(0.5)
+
+
+def test_device_spec_of_a_cpu_or_an_unlisted_accelerator_is_none():
+    assert sx.cost.device_spec(jax.devices()[0]) is None
+    assert sx.cost.device_spec(SimpleNamespace(platform="gpu", device_kind="RTX 4090")) is None
+    assert utilization(1e12, 1.0, devices=8)["mfu"] == "n/a"
 
 
 def test_unknown_recommendation_says_so():

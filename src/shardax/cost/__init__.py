@@ -8,12 +8,14 @@ program (:mod:`~shardax.cost.hlo`) and its FLOPs (:mod:`~shardax.cost.flops`).
 
 from shardax.cost.hardware import (
     BATCH_SIZE_TABLE,
+    DEVICE_KIND_SPECS,
     HARDWARE_SPECS,
     BatchSizeRecommendation,
     HardwareSpec,
     HardwareType,
     detect_hardware_type,
     device_info,
+    device_spec,
     get_batch_size_recommendation,
     hardware_type_of,
     validate_batch_size,
@@ -21,12 +23,14 @@ from shardax.cost.hardware import (
 
 __all__ = [
     "BATCH_SIZE_TABLE",
+    "DEVICE_KIND_SPECS",
     "HARDWARE_SPECS",
     "BatchSizeRecommendation",
     "HardwareSpec",
     "HardwareType",
     "detect_hardware_type",
     "device_info",
+    "device_spec",
     "get_batch_size_recommendation",
     "hardware_type_of",
     "validate_batch_size",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, detect_hardware_type
+from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, device_spec
 
 
 def compiled_flops(compiled: Any) -> float | None:
@@ -39,13 +39,14 @@ def utilization(
     """Achieved TFLOP/s per device and MFU of a step of ``flops_per_step`` FLOPs (over all
     ``devices``) that takes ``step_seconds``.
 
-    MFU is achieved FLOP/s over the dense bf16 peak of the hardware table
-    (:data:`shardax.runtime.HARDWARE_SPECS`); ``"n/a"`` where the peak is not known (CPU,
-    unknown accelerators). Returns ``flops_per_step``, ``tflops_per_s_per_device``,
-    ``peak_tflops_per_device`` (or "n/a") and ``mfu``.
+    MFU is achieved FLOP/s over the dense bf16 peak of ``hardware``
+    (:data:`~shardax.cost.HARDWARE_SPECS`) or, by default, of the first device
+    (:func:`~shardax.cost.device_spec`, which also knows kinds such as the H200);
+    ``"n/a"`` where the peak is not known (CPU, unknown accelerators). Returns
+    ``flops_per_step``, ``tflops_per_s_per_device``, ``peak_tflops_per_device`` (or
+    "n/a") and ``mfu``.
     """
-    hw = detect_hardware_type() if hardware is None else HardwareType(hardware)
-    spec = HARDWARE_SPECS.get(hw)
+    spec = device_spec() if hardware is None else HARDWARE_SPECS.get(HardwareType(hardware))
     if flops_per_step is None or not step_seconds > 0:
         achieved = None
     else:

@@ -103,6 +103,46 @@ HARDWARE_SPECS: dict[HardwareType, HardwareSpec] = {
 }
 
 
+# Accelerators outside the seed's HardwareType enum, by the device kind JAX reports
+# (lower case, matched as a substring, first match wins: the more specific kinds first).
+# Dense bf16 FLOP/s without sparsity, HBM bytes/s, HBM bytes, from the vendors' datasheets.
+DEVICE_KIND_SPECS: tuple[tuple[str, str, HardwareSpec], ...] = (
+    ("gpu", "h100 pcie", HardwareSpec(756e12, 2000e9, 80e9)),
+    ("gpu", "h100 nvl", HardwareSpec(835e12, 3900e9, 94e9)),
+    ("gpu", "gh200", HardwareSpec(989e12, 4000e9, 96e9)),
+    ("gpu", "h200", HardwareSpec(989e12, 4800e9, 141e9)),
+    ("gpu", "h800", HardwareSpec(989e12, 3350e9, 80e9)),
+    ("gpu", "b200", HardwareSpec(2250e12, 8000e9, 180e9)),
+    ("tpu", "v6 lite", HardwareSpec(918e12, 1640e9, 32 * GiB)),
+    ("tpu", "v6e", HardwareSpec(918e12, 1640e9, 32 * GiB)),
+)
+
+
+@public("sx.cost.device_spec")
+def device_spec(device: Any = None) -> HardwareSpec | None:
+    """Datasheet figures of ``device`` (default: the first of ``jax.devices()``), or None
+    where they are not known (a CPU, an accelerator in no table).
+
+    The device kind is looked up first in :data:`DEVICE_KIND_SPECS` (accelerators the
+    seed's :class:`HardwareType` does not name, such as the H200), then through
+    :func:`detect_hardware_type` in :data:`HARDWARE_SPECS`.
+
+    >>> from types import SimpleNamespace
+    >>> device_spec(SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")).peak_flops
+    989000000000000.0
+    >>> device_spec(jax.devices("cpu")[0]) is None
+    True
+    """
+    device = jax.devices()[0] if device is None else device
+    platform = str(device.platform).lower()
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    kind = str(device.device_kind or "").lower()
+    for on, name, spec in DEVICE_KIND_SPECS:
+        if on == platform and name in kind:
+            return spec
+    return HARDWARE_SPECS.get(hardware_type_of(device.platform, device.device_kind))
+
+
 @public("sx.cost.detect_hardware_type")
 def detect_hardware_type(devices: Sequence[Any] | None = None) -> HardwareType:
     """Detects the hardware type of the first device (default: ``jax.devices()``).

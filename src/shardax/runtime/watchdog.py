@@ -51,6 +51,10 @@ from shardax.runtime import status
 WATCHDOG_EXIT_CODE = 124
 """The exit code of a process the watchdog ended (as ``timeout(1)`` uses)."""
 
+ON_FIRE_GRACE = 10.0
+"""Seconds the watchdog gives ``on_fire`` before it ends the process without it (a
+callback stuck on a hung filesystem or collective must not keep a hung process alive)."""
+
 LEAVE_GRACE = 10.0
 """Seconds process 0 waits, after its own report, for the others' (their runtime aborts
 them as soon as process 0, the coordination service's host, ends)."""
@@ -65,7 +69,8 @@ class StepWatchdog:
         exit_code: the process's exit code when a step times out.
         file: where the stack dump and the message go (default: ``sys.stderr``).
         on_fire: called with the step before the process exits (e.g. to save the goodput
-            ledger with the step's time as ``hang``).
+            ledger with the step's time as ``hang``); given :data:`ON_FIRE_GRACE` seconds,
+            after which the process exits without it.
 
     Use :meth:`step` as a context manager around each step, or :meth:`arm` and
     :meth:`disarm`; :meth:`close` (or leaving the ``with`` block) stops the thread.
@@ -178,9 +183,9 @@ class StepWatchdog:
                 f"shardax: hang watchdog: {self._where}step {step} did not complete within "
                 f"{self.timeout:g} s; reporting it failed ({e!r}); exiting with code {code}"
             )
-        if self.on_fire is not None:
-            with contextlib.suppress(BaseException):  # the process ends whatever it does
-                self.on_fire(step)
+        if self.on_fire is not None:  # the process ends whatever it does, or if it hangs
+            with contextlib.suppress(BaseException):
+                _call_within(self.on_fire, step, ON_FIRE_GRACE)
         with contextlib.suppress(BaseException):  # process 0 leaves after the others' reports
             status.leave_last(LEAVE_GRACE)
         try:
@@ -191,6 +196,29 @@ class StepWatchdog:
                 f"code {WATCHDOG_EXIT_CODE}"
             )
             os._exit(WATCHDOG_EXIT_CODE)
+
+
+def _call_within(fn: Callable[[int | None], None], step: int | None, seconds: float) -> None:
+    """Runs ``fn(step)`` on a daemon thread for at most ``seconds``; says so on stderr
+    when it raised or did not return in time."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(step)
+        except BaseException as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="shardax-watchdog-on-fire", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        _last_words(
+            f"shardax: hang watchdog: on_fire did not return within {seconds:g} s; exiting "
+            "without it"
+        )
+    elif failed:
+        _last_words(f"shardax: hang watchdog: on_fire raised {failed[0]!r}; exiting anyway")
 
 
 def _flush(stream: IO[str] | None) -> None:

@@ -239,13 +239,13 @@ class AutoPlan:
 def default_device_memory(device: Any = None) -> float | None:
     """Bytes of memory of ``device`` (default: the first): its reported limit
     (``memory_stats()["bytes_limit"]``), else the hardware table's figure, else None."""
-    from shardax.cost.hardware import HARDWARE_SPECS, detect_hardware_type
+    from shardax.cost.hardware import device_spec
 
     device = jax.devices()[0] if device is None else device
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
-    spec = HARDWARE_SPECS.get(detect_hardware_type([device]))
+    spec = device_spec(device)
     return None if spec is None else float(spec.memory_bytes)
 
 
