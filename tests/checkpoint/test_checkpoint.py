@@ -301,6 +301,7 @@ def test_two_processes_save_and_restore_together(tmp_path):
     for r in results:
         assert r["step"] == 3 and r["data"] == {"epoch": 1} and r["replicated"]
         assert r["local"] == [expect, expect]  # each process holds the whole value, twice
+        assert r["kept"] == [2]  # step 1 deleted once both processes had listed it
     # Both processes wrote their own shards: not process 0 alone.
     state_dir = tmp_path / "ck" / "3" / "state"
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(state_dir))

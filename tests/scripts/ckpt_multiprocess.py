@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 
 import jax
 import numpy as np
@@ -20,6 +21,26 @@ like = sx.shard({"w": np.zeros((8, 4)), "step": np.int32(0)}, sx.replicate(mesh)
 restored = sx.restore_checkpoint(directory, like=like)
 w = restored.state["w"]
 local = [np.asarray(s.data).tolist() for s in w.addressable_shards]
+
+# max_to_keep: a save displaces a step, which process 0 deletes. Process 1 reads each
+# listed step's metadata slowly: the step must still be there when it does.
+from shardax.checkpoint import manager as ckpt_manager  # noqa: E402
+
+find_step = ckpt_manager._CheckpointSteps.find_step
+
+
+def slow_find_step(self, base_path, step):
+    if rank == 1:
+        time.sleep(1.0)
+    return find_step(self, base_path, step)
+
+
+ckpt_manager._CheckpointSteps.find_step = slow_find_step
+with sx.CheckpointManager(f"{directory}-kept", max_to_keep=1) as manager:
+    manager.save(1, state)
+    manager.save(2, state)
+    kept = manager.all_steps()
+
 print(
     json.dumps(
         {
@@ -28,6 +49,7 @@ print(
             "data": restored.data_state,
             "local": local,
             "replicated": w.sharding.is_fully_replicated,
+            "kept": kept,
         }
     )
 )
