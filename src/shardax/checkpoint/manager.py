@@ -27,9 +27,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from shardax.checkpoint import swap
 from shardax.checkpoint.convert import (
@@ -121,11 +119,10 @@ class CheckpointManager:
         if displaced:
             self._manager.reload()
             committed = set(self._manager.all_steps())
-            if jax.process_count() > 1:
-                # Every process has listed the steps before process 0 deletes any: a step
-                # listed by one process and gone before it reads its metadata fails that
-                # process's reload ("No step path found").
-                multihost_utils.sync_global_devices(f"shardax checkpoint: listed {displaced}")
+            # Every process has listed the steps before process 0 deletes any: a step
+            # listed by one process and gone before it reads its metadata fails that
+            # process's reload ("No step path found").
+            swap.sync_processes(f"shardax-checkpoint-listed-{displaced}")
             for step in displaced:
                 if step in committed:
                     self._manager.delete(step)

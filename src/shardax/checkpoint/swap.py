@@ -30,7 +30,8 @@ REPLACED = ".replaced-"
 """Prefix of a step directory moved aside while its new version is swapped in."""
 
 
-def _sync(name: str) -> None:
+def sync_processes(name: str) -> None:
+    """Returns once every process has reached it (``name`` must match); nothing with one."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -54,7 +55,7 @@ def recover(directory: str) -> list[str]:
             elif name == STAGED:
                 shutil.rmtree(path)
                 done.append(f"deleted {name}")
-    _sync("shardax-checkpoint-recover")
+    sync_processes("shardax-checkpoint-recover")
     return done
 
 
@@ -67,4 +68,4 @@ def swap_in(directory: str, step: int) -> None:
         os.rename(os.path.join(directory, STAGED, str(step)), target)
         shutil.rmtree(aside)
         shutil.rmtree(os.path.join(directory, STAGED))
-    _sync("shardax-checkpoint-swap")
+    sync_processes("shardax-checkpoint-swap")

@@ -46,6 +46,28 @@ RUNTIME_CHATTER = re.compile(r"\[Gloo\] |peer ranks\. Expected number of connect
 program's stdout (``--json``) stays its own. gloo writes from several threads at once, so
 one message can start inside another's line: its tail is matched too."""
 
+
+def runtime_chatter(line: str, pending: int) -> tuple[bool, int]:
+    """Whether ``line``, of one process's stdout, is the runtime's chatter, and how many
+    of gloo's messages are unfinished after it (``pending``: before it).
+
+    gloo's threads each write ``[Gloo] Rank r is connected to n peer ranks. Expected
+    number of connected peer ranks is : n`` and a newline, in pieces, so a message can
+    start inside another's line and end on a later one: the rest of its line, down to a
+    bare ``3``. Every line ends one message.
+
+    >>> runtime_chatter("[Gloo] Rank 2 is connected to 3 peer ranks. Expected number of "
+    ...                 "connected peer ranks is : [Gloo] Rank 3 is connected to ...: 3", 0)
+    (True, 1)
+    >>> runtime_chatter("3", 1), runtime_chatter("3", 0)
+    ((True, 0), (False, 0))
+    """
+    starts = line.count("[Gloo] ")
+    if not (starts or pending or RUNTIME_CHATTER.search(line)):
+        return False, 0
+    return True, max(pending + starts - 1, 0)
+
+
 STARTS_JAX = False
 """Read by ``shardax.cli.main``: launch sets no JAX option in its own process."""
 
@@ -152,9 +174,10 @@ def _forward(
     goes to ``err``, always prefixed."""
     if pipe is None:
         return
+    pending = 0  # gloo's messages begun and not yet ended (see runtime_chatter)
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
-        chatter = RUNTIME_CHATTER.search(line) is not None
+        chatter, pending = runtime_chatter(line, pending)
         stream = err if chatter else out
         if raised is not None and line.startswith(_TRACEBACK):
             raised.setdefault(rank, time.monotonic())
