@@ -78,8 +78,11 @@ def test_unlisted_accelerators_are_unknown_never_a_neighbour(platform, kind, exp
     [
         ("gpu", "NVIDIA H200", 989, 141),  # not in the seed's enum: UNKNOWN, yet measured
         ("cuda", "NVIDIA H100 80GB HBM3", 989, 85.90),  # the enum's H100 (80 GiB)
-        ("gpu", "NVIDIA H100 PCIe", 756, 80),  # an H100, but not the SXM part's peak
+        ("gpu", "NVIDIA H100 PCIe", 756, 85.90),  # an H100, but not the SXM part's peak
+        ("gpu", "NVIDIA H200 NVL", 835, 141),  # not the H200 SXM's
+        ("gpu", "NVIDIA GH200 480GB", 989, 96),
         ("gpu", "NVIDIA B200", 2250, 180),
+        ("gpu", "NVIDIA GB200", 2500, 186),  # not the B200's
         ("tpu", "TPU v6 lite", 918, 34.36),
     ],
 )

@@ -66,7 +66,10 @@ class Restored(NamedTuple):
 class CheckpointManager:
     """Keeps the last ``max_to_keep`` checkpoints of a run in ``directory``.
 
-    Every process of a multi-process run must call :meth:`save` and :meth:`restore`.
+    Every process of a multi-process run must make the same calls, in the same order:
+    :meth:`save`, :meth:`restore`, and :meth:`wait`, :meth:`all_steps`,
+    :meth:`latest_step`, :meth:`data_state` and :meth:`close`, which wait for a save in
+    flight and the deletions it brings, and so synchronise the processes.
     ``async_save=True``: :meth:`save` returns once the arrays are on the host and writes
     them in the background (:meth:`wait` for the commit).
     """

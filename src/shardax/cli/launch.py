@@ -52,21 +52,27 @@ def runtime_chatter(line: str, pending: int) -> tuple[bool, int]:
     of gloo's messages are unfinished after it (``pending``: before it).
 
     gloo's threads each write ``[Gloo] Rank r is connected to n peer ranks. Expected
-    number of connected peer ranks is : n`` and a newline, in pieces, so a message can
-    start inside another's line and end on a later one: the rest of its line, down to a
-    bare ``3``. Every line ends one message.
+    number of connected peer ranks is : n`` and a newline, in pieces. Where one thread's
+    message lands inside another's line, its rest follows on a later line: a tail that
+    still holds ``peer ranks. Expected``, or only the final number. A bare number is
+    chatter only while a message is unfinished; any other line is the program's own.
 
-    >>> runtime_chatter("[Gloo] Rank 2 is connected to 3 peer ranks. Expected number of "
-    ...                 "connected peer ranks is : [Gloo] Rank 3 is connected to ...: 3", 0)
+    >>> expected = "peer ranks. Expected number of connected peer ranks is : "
+    >>> runtime_chatter(f"[Gloo] Rank 2 is connected to 3 {expected}[Gloo] Rank 3 "
+    ...                 f"is connected to 3 {expected}3", 0)
     (True, 1)
-    >>> runtime_chatter("3", 1), runtime_chatter("3", 0)
-    ((True, 0), (False, 0))
+    >>> runtime_chatter('{"ok": 1}', 1), runtime_chatter("3", 1), runtime_chatter("3", 0)
+    ((False, 1), (True, 0), (False, 0))
     """
     starts = line.count("[Gloo] ")
-    if not (starts or pending or RUNTIME_CHATTER.search(line)):
-        return False, 0
-    return True, max(pending + starts - 1, 0)
+    if starts or RUNTIME_CHATTER.search(line):  # each such line ends one message
+        return True, max(pending + starts - 1, 0)
+    if pending and _NUMBER.fullmatch(line):
+        return True, pending - 1
+    return False, pending
 
+
+_NUMBER = re.compile(r"\s*\d+\s*")
 
 STARTS_JAX = False
 """Read by ``shardax.cli.main``: launch sets no JAX option in its own process."""

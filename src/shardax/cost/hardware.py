@@ -103,15 +103,20 @@ HARDWARE_SPECS: dict[HardwareType, HardwareSpec] = {
 }
 
 
-# Accelerators outside the seed's HardwareType enum, by the device kind JAX reports
-# (lower case, matched as a substring, first match wins: the more specific kinds first).
-# Dense bf16 FLOP/s without sparsity, HBM bytes/s, HBM bytes, from the vendors' datasheets.
+# Device kinds the seed's HardwareType enum does not tell apart or does not name, by the
+# kind JAX reports (lower case, matched as a substring; first match wins, so the more
+# specific kinds come first). Dense bf16 FLOP/s without sparsity, HBM bytes/s, HBM bytes,
+# from the vendors' datasheets.
 DEVICE_KIND_SPECS: tuple[tuple[str, str, HardwareSpec], ...] = (
-    ("gpu", "h100 pcie", HardwareSpec(756e12, 2000e9, 80e9)),
+    ("gpu", "h100 pcie", HardwareSpec(756e12, 2000e9, 80 * GiB)),
     ("gpu", "h100 nvl", HardwareSpec(835e12, 3900e9, 94e9)),
+    ("gpu", "h800 pcie", HardwareSpec(756e12, 2000e9, 80 * GiB)),
+    ("gpu", "h800", HardwareSpec(989e12, 3350e9, 80 * GiB)),
+    ("gpu", "gh200 144g", HardwareSpec(989e12, 4900e9, 144e9)),
     ("gpu", "gh200", HardwareSpec(989e12, 4000e9, 96e9)),
+    ("gpu", "h200 nvl", HardwareSpec(835e12, 4800e9, 141e9)),
     ("gpu", "h200", HardwareSpec(989e12, 4800e9, 141e9)),
-    ("gpu", "h800", HardwareSpec(989e12, 3350e9, 80e9)),
+    ("gpu", "gb200", HardwareSpec(2500e12, 8000e9, 186e9)),
     ("gpu", "b200", HardwareSpec(2250e12, 8000e9, 180e9)),
     ("tpu", "v6 lite", HardwareSpec(918e12, 1640e9, 32 * GiB)),
     ("tpu", "v6e", HardwareSpec(918e12, 1640e9, 32 * GiB)),

@@ -69,8 +69,9 @@ class StepWatchdog:
         exit_code: the process's exit code when a step times out.
         file: where the stack dump and the message go (default: ``sys.stderr``).
         on_fire: called with the step before the process exits (e.g. to save the goodput
-            ledger with the step's time as ``hang``); given :data:`ON_FIRE_GRACE` seconds,
-            after which the process exits without it.
+            ledger with the step's time as ``hang``), on a thread of its own; given
+            :data:`ON_FIRE_GRACE` seconds, after which the process exits without it. It
+            must not call this watchdog's methods (their lock is held meanwhile).
 
     Use :meth:`step` as a context manager around each step, or :meth:`arm` and
     :meth:`disarm`; :meth:`close` (or leaving the ``with`` block) stops the thread.
