@@ -72,7 +72,7 @@ def runtime_chatter(line: str, pending: int) -> tuple[bool, int]:
     return False, pending
 
 
-_NUMBER = re.compile(r"\s*\d+\s*")
+_NUMBER = re.compile(r"\d+")  # as gloo writes it: a JSON number of the program is indented
 
 STARTS_JAX = False
 """Read by ``shardax.cli.main``: launch sets no JAX option in its own process."""
