@@ -145,7 +145,7 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh()).shard({"w": np.ones(8)}), TypeError, "sx.train.TrainStep.shard: the train step takes a sx.TrainState"),
         (lambda: sx.batches({"x": np.ones(4)}, 2, shuffle="yes"), TypeError, "sx.batches: shuffle must be True or False, got 'yes'"),
         (lambda: sx.save_checkpoint(None, {"w": np.ones(2)}, step=0), TypeError, "sx.save_checkpoint: directory must be a path (str or os.PathLike), got None"),
-        (lambda: sx.cost.validate_batch_size(True), ValueError, "sx.cost.validate_batch_size: batch_size must be an integer >= 1, got True (a bool)"),
+        (lambda: sx.cost.validate_batch_size(True), ValueError, "sx.cost.validate_batch_size: batch_size must be an integer, got True (a bool)"),
     ],
 )  # fmt: skip
 def test_wrong_types_name_what_came(call, error, message):
@@ -704,7 +704,8 @@ STACKED, X16 = {"w": jnp.ones((4, 8, 8))}, jnp.ones((16, 8))
         # data and the seed's hardware table
         (lambda: sx.batches({"x": np.ones((16, 2))}, 4).set_state({}), ValueError, "sx.data.Batches.set_state: state must hold 'epoch' and 'index'"),
         (lambda: sx.batches({"x": np.ones((16, 2))}, 4).set_state({"epoch": "0", "index": 0}), ValueError, "sx.data.Batches.set_state: state['epoch'] must be an integer >= 0, got '0'"),
-        (lambda: sx.cost.validate_batch_size(-5, "h100"), ValueError, "sx.cost.validate_batch_size: batch_size must be an integer >= 1, got -5"),
+        (lambda: sx.cost.validate_batch_size("8", "h100"), ValueError, "sx.cost.validate_batch_size: batch_size must be an integer, got '8'"),
+        (lambda: sx.DevicePlacement().validate_batch_size(8.0), ValueError, "sx.DevicePlacement.validate_batch_size: batch_size must be an integer, got 8.0"),
         # tracking
         (lambda: sx.MetricWriter("/tmp/sx-unused-run", config={"mesh": sx.make_mesh()}), TypeError, "sx.MetricWriter: config['mesh'] must be a plain value the sinks can record"),
         (lambda: sx.MetricWriter("/tmp/sx-unused-run", backends="wandb"), TypeError, "sx.MetricWriter: backends must be a list of names such as ['wandb']"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, device_spec
+from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, as_hardware_type, device_spec
 
 
 def compiled_flops(compiled: Any) -> float | None:
@@ -46,7 +46,11 @@ def utilization(
     ``flops_per_step``, ``tflops_per_s_per_device``, ``peak_tflops_per_device`` (or
     "n/a") and ``mfu``.
     """
-    spec = device_spec() if hardware is None else HARDWARE_SPECS.get(HardwareType(hardware))
+    spec = (
+        device_spec()
+        if hardware is None
+        else HARDWARE_SPECS.get(as_hardware_type("hardware", hardware))
+    )
     if flops_per_step is None or not step_seconds > 0:
         achieved = None
     else:

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from shardax.checks import as_count, public
+from shardax.checks import as_bool, as_count, public, received
 
 
 class HardwareType(Enum):
@@ -28,6 +28,22 @@ class HardwareType(Enum):
     V100 = "v100"
     CPU = "cpu"
     UNKNOWN = "unknown"
+
+
+def as_hardware_type(name: str, value: Any) -> HardwareType:
+    """``value`` as a :class:`HardwareType` (a member or its value, ``"h100"``), else
+    ``ValueError`` naming ``name``, the value received and the known values.
+
+    >>> as_hardware_type("hardware_type", "h100")
+    <HardwareType.H100: 'h100'>
+    """
+    try:
+        return HardwareType(value)
+    except ValueError:
+        known = ", ".join(repr(h.value) for h in HardwareType)
+        raise ValueError(
+            f"{name} must be a HardwareType or one of its values ({known}), got {received(value)}"
+        ) from None
 
 
 @public("sx.BatchSizeRecommendation")
@@ -202,7 +218,11 @@ def get_batch_size_recommendation(
         BatchSizeRecommendation with hardware-specific values. For
         ``HardwareType.UNKNOWN`` its ``notes`` say the values are guesses.
     """
-    hw = detect_hardware_type() if hardware_type is None else HardwareType(hardware_type)
+    hw = (
+        detect_hardware_type()
+        if hardware_type is None
+        else as_hardware_type("hardware_type", hardware_type)
+    )
     return BATCH_SIZE_TABLE.get(hw, _UNKNOWN)
 
 
@@ -216,18 +236,29 @@ def validate_batch_size(
 
     The message is the seed's: it says "below minimum recommended", "below critical
     size", "optimal" or "acceptable", naming the size, the threshold and the hardware.
+    Any integer is judged, as the seed judges it: 0 or a negative size is
+    ``(False, "... below minimum recommended ...")``. Only a value that is not an
+    integer (a string, a float, a bool) raises ``ValueError`` naming ``batch_size``.
 
     >>> validate_batch_size(64, HardwareType.H100)[0]
     True
+    >>> validate_batch_size(0, HardwareType.CPU)[0]
+    False
     """
-    batch_size = as_count("batch_size", batch_size)
-    hw = detect_hardware_type() if hardware_type is None else HardwareType(hardware_type)
+    batch_size = as_count("batch_size", batch_size, minimum=None)
+    warn_suboptimal = as_bool("warn_suboptimal", warn_suboptimal)
+    hw = (
+        detect_hardware_type()
+        if hardware_type is None
+        else as_hardware_type("hardware_type", hardware_type)
+    )
     rec = get_batch_size_recommendation(hw)
     where = f"for {hw.value}"
     if batch_size < rec.min_batch_size:
         return False, (
             f"Batch size {batch_size} is below minimum recommended {rec.min_batch_size} {where}. "
             "Performance will be significantly degraded."
+            + (" A batch holds at least 1 example." if batch_size < 1 else "")
         )
     if batch_size < rec.critical_batch_size and warn_suboptimal:
         return True, (

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardax.cost.hardware import HARDWARE_SPECS, HardwareType
+from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, as_hardware_type
 
 
 def critical_batch_size(
@@ -72,7 +72,7 @@ def hardware_roofline(hardware: HardwareType | str, bytes_per_param: float = 2.0
     Raises ``ValueError`` naming the hardware when it has no datasheet figures (CPU,
     unknown accelerators): their critical batch must be measured (``shardax tune-batch``).
     """
-    hw = HardwareType(hardware)
+    hw = as_hardware_type("hardware", hardware)
     if hw not in HARDWARE_SPECS:
         known = ", ".join(h.value for h in HARDWARE_SPECS)
         raise ValueError(
