@@ -74,9 +74,14 @@ def test_place_on_device_returns_the_pytree_on_that_device():
     for leaf in jax.tree.leaves(placed):
         assert isinstance(leaf, jax.Array) and leaf.sharding == SingleDeviceSharding(devices[0])
     assert sx.DevicePlacement(devices[3]).place_on_device(data)["images"].devices() == {devices[3]}
-    assert sx.DevicePlacement().place_on_device(data, devices[5])["labels"].devices() == {devices[5]}
+    assert sx.DevicePlacement().place_on_device(data, devices[5])["labels"].devices() == {
+        devices[5]
+    }
     np.testing.assert_array_equal(placed["images"], data["images"])
-    with pytest.raises(TypeError, match=r"^sx\.DevicePlacement\.place_on_device: device must be a jax\.Device, got 'gpu0'"):
+    with pytest.raises(
+        TypeError,
+        match=r"^sx\.DevicePlacement\.place_on_device: device must be a jax\.Device, got 'gpu0'",
+    ):
         sx.DevicePlacement().place_on_device(data, "gpu0")
 
 
@@ -90,7 +95,10 @@ def test_distribute_batch_returns_the_pytree_with_that_sharding():
         assert distributed["images"].sharding.spec == P("data", None)
         assert distributed["labels"].sharding.spec == P("data")
         assert len(distributed["images"].addressable_shards) == 8
-    with pytest.raises(TypeError, match=r"^sx\.DevicePlacement\.distribute_batch: sharding must be a jax\.sharding\.Sharding, got 'data'"):
+    with pytest.raises(
+        TypeError,
+        match=r"^sx\.DevicePlacement\.distribute_batch: sharding must be a jax\.sharding\.Sharding, got 'data'",
+    ):
         sx.DevicePlacement().distribute_batch(batch, "data")
 
 
@@ -103,7 +111,9 @@ def test_replicate_across_devices_copies_to_all_or_the_given_devices():
         np.testing.assert_array_equal(shard.data, weights["layer1"])
     two = sx.DevicePlacement().replicate_across_devices(weights, devices=jax.devices()[:2])
     assert two["layer2"].sharding.device_set == set(jax.devices()[:2])
-    with pytest.raises(ValueError, match=r"^sx\.DevicePlacement\.replicate_across_devices: devices is empty"):
+    with pytest.raises(
+        ValueError, match=r"^sx\.DevicePlacement\.replicate_across_devices: devices is empty"
+    ):
         sx.DevicePlacement().replicate_across_devices(weights, devices=[])
 
 
@@ -111,12 +121,22 @@ def test_shard_batch_dim_splits_the_batch_axis_over_the_mesh_axis():
     mesh = _seed_mesh()
     batch = {"images": jnp.ones((16, 4, 4, 3)), "labels": jnp.zeros((16,), jnp.int32)}
     sharded = sx.DevicePlacement().shard_batch_dim(batch, mesh)  # batch_axis=0, mesh_axis="data"
-    assert sharded["images"].sharding.spec == P("data") and sharded["labels"].sharding.spec == P("data")
+    assert sharded["images"].sharding.spec == P("data") and sharded["labels"].sharding.spec == P(
+        "data"
+    )
     assert sharded["images"].addressable_shards[0].data.shape == (2, 4, 4, 3)
-    assert sx.DevicePlacement().shard_batch_dim({"x": jnp.ones((3, 16))}, mesh, batch_axis=1)["x"].sharding.spec == P(None, "data")
-    with pytest.raises(ValueError, match=r"^sx\.DevicePlacement\.shard_batch_dim: leaf 'x' with shape \(5, 2\): dimension 0 of size 5 is not divisible"):
+    assert sx.DevicePlacement().shard_batch_dim({"x": jnp.ones((3, 16))}, mesh, batch_axis=1)[
+        "x"
+    ].sharding.spec == P(None, "data")
+    with pytest.raises(
+        ValueError,
+        match=r"^sx\.DevicePlacement\.shard_batch_dim: leaf 'x' with shape \(5, 2\): dimension 0 of size 5 is not divisible",
+    ):
         sx.DevicePlacement().shard_batch_dim({"x": jnp.ones((5, 2))}, mesh)
-    with pytest.raises(ValueError, match=r"^sx\.DevicePlacement\.shard_batch_dim: batch axis 'batch' is not in the mesh"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sx\.DevicePlacement\.shard_batch_dim: batch axis 'batch' is not in the mesh",
+    ):
         sx.DevicePlacement().shard_batch_dim(batch, mesh, mesh_axis="batch")
 
 
@@ -130,16 +150,24 @@ def test_prefetch_to_device_returns_an_iterator_of_placed_data_in_order():
     out = list(prefetched)
     assert [float(b["batch"][0, 0]) for b in out] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert all(b["batch"].devices() == {jax.devices()[0]} for b in out)
-    with pytest.raises(ValueError, match=r"^sx\.DevicePlacement\.prefetch_to_device: buffer_size must be an integer >= 1, got 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sx\.DevicePlacement\.prefetch_to_device: buffer_size must be an integer >= 1, got 0",
+    ):
         sx.DevicePlacement().prefetch_to_device(data_generator(), buffer_size=0)
 
 
 @pytest.mark.parametrize("name", SEED_TABLE)
 def test_get_batch_size_recommendation_is_the_seed_table(name):
     hw = sx.HardwareType[name]
-    for rec in (sx.DevicePlacement().get_batch_size_recommendation(hw), sx.get_batch_size_recommendation(hw)):
+    for rec in (
+        sx.DevicePlacement().get_batch_size_recommendation(hw),
+        sx.get_batch_size_recommendation(hw),
+    ):
         assert isinstance(rec, sx.BatchSizeRecommendation)
-        assert (rec.min_batch_size, rec.optimal_batch_size, rec.critical_batch_size) == SEED_TABLE[name]
+        assert (rec.min_batch_size, rec.optimal_batch_size, rec.critical_batch_size) == SEED_TABLE[
+            name
+        ]
 
 
 def test_get_batch_size_recommendation_defaults_to_the_detected_hardware():
@@ -149,7 +177,10 @@ def test_get_batch_size_recommendation_defaults_to_the_detected_hardware():
     placement = sx.DevicePlacement()
     placement._hardware_type = sx.HardwareType.H100  # as artifex's tests pin the hardware
     assert placement.get_batch_size_recommendation().critical_batch_size == 298
-    with pytest.raises(ValueError, match=r"^sx\.get_batch_size_recommendation: hardware_type must be a HardwareType or one of its values \('tpu_v5e', .*\), got 'b200'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sx\.get_batch_size_recommendation: hardware_type must be a HardwareType or one of its values \('tpu_v5e', .*\), got 'b200'$",
+    ):
         sx.get_batch_size_recommendation("b200")
 
 
@@ -178,21 +209,28 @@ def test_validate_batch_size_wrong_type_raises_naming_the_argument(value):
     pattern = rf"^sx\.DevicePlacement\.validate_batch_size: batch_size must be an integer, got {re.escape(repr(value))}"
     with pytest.raises(ValueError, match=pattern):
         sx.DevicePlacement().validate_batch_size(value)
-    with pytest.raises(TypeError, match=r"^sx\.DevicePlacement\.validate_batch_size: warn_suboptimal must be True or False, got 'no'"):
+    with pytest.raises(
+        TypeError,
+        match=r"^sx\.DevicePlacement\.validate_batch_size: warn_suboptimal must be True or False, got 'no'",
+    ):
         sx.DevicePlacement().validate_batch_size(64, warn_suboptimal="no")
 
 
 def test_get_device_info_has_the_documented_keys():
     info = sx.DevicePlacement().get_device_info()
     assert {"num_devices", "hardware_type", "platforms", "device_kinds", "devices"} <= set(info)
-    assert info["num_devices"] == 8 and info["hardware_type"] == "cpu" and info["platforms"] == ["cpu"]
+    assert (
+        info["num_devices"] == 8 and info["hardware_type"] == "cpu" and info["platforms"] == ["cpu"]
+    )
     assert [d["id"] for d in info["devices"]] == [d.id for d in jax.devices()]
     assert all({"id", "platform", "device_kind"} <= set(d) for d in info["devices"])
 
 
 def test_place_on_device_function_uses_the_first_device_or_the_given_one():
     assert sx.place_on_device(jnp.ones(3)).devices() == {jax.devices()[0]}
-    assert sx.place_on_device({"x": np.ones(3)}, jax.devices()[2])["x"].devices() == {jax.devices()[2]}
+    assert sx.place_on_device({"x": np.ones(3)}, jax.devices()[2])["x"].devices() == {
+        jax.devices()[2]
+    }
 
 
 # --- 001: DeviceMeshManager, DataParallel ------------------------------------------------
@@ -205,14 +243,30 @@ def test_data_parallel_sharding_and_shard_batch_instance_and_static():
     assert dict(manager.create_device_mesh({"data": 4}).shape) == {"data": 4}
     dp = sx.DataParallel()
     assert isinstance(dp, nnx.Module)
-    for sharding in (dp.create_data_parallel_sharding(mesh), sx.DataParallel.create_data_parallel_sharding_static(mesh)):
-        assert isinstance(sharding, NamedSharding) and sharding.spec == P("data") and sharding.mesh == mesh
+    for sharding in (
+        dp.create_data_parallel_sharding(mesh),
+        sx.DataParallel.create_data_parallel_sharding_static(mesh),
+    ):
+        assert (
+            isinstance(sharding, NamedSharding)
+            and sharding.spec == P("data")
+            and sharding.mesh == mesh
+        )
     sharding = dp.create_data_parallel_sharding(mesh)
     batch = {"inputs": jnp.ones((32, 784)), "targets": jnp.zeros((32,))}
-    for sharded in (dp.shard_batch(batch, sharding), sx.DataParallel.shard_batch_static(batch, sharding)):
-        assert {k: v.sharding.spec for k, v in sharded.items()} == {"inputs": P("data"), "targets": P("data")}
+    for sharded in (
+        dp.shard_batch(batch, sharding),
+        sx.DataParallel.shard_batch_static(batch, sharding),
+    ):
+        assert {k: v.sharding.spec for k, v in sharded.items()} == {
+            "inputs": P("data"),
+            "targets": P("data"),
+        }
         np.testing.assert_array_equal(sharded["inputs"], batch["inputs"])
-    with pytest.raises(ValueError, match=r"^sx\.DataParallel\.create_data_parallel_sharding: batch axis 'batch' is not in the mesh"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sx\.DataParallel\.create_data_parallel_sharding: batch axis 'batch' is not in the mesh",
+    ):
         dp.create_data_parallel_sharding(mesh, "batch")
 
 
@@ -231,7 +285,10 @@ def test_shard_model_state_and_replicate_params_keep_values_and_structure(mesh):
     assert sharded["kernel"][...].sharding.spec == P(None, "data")
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError, match=r"^sx\.DataParallel\.shard_model_state: param_sharding must be 'replicate' or 'shard', got 'bogus'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sx\.DataParallel\.shard_model_state: param_sharding must be 'replicate' or 'shard', got 'bogus'",
+    ):
         dp.shard_model_state(state, mesh, param_sharding="bogus")
 
 
@@ -239,13 +296,20 @@ def test_shard_model_state_and_replicate_params_keep_values_and_structure(mesh):
 def test_all_reduce_gradients_in_pmap_instance_and_static(reduce_type, expected):
     dp = sx.DataParallel()
     for reduce in (dp.all_reduce_gradients, sx.DataParallel.all_reduce_gradients_static):
-        out = jax.pmap(lambda g, r=reduce: r({"g": g}, reduce_type=reduce_type), axis_name="batch")(jnp.arange(8.0))
+        out = jax.pmap(lambda g, r=reduce: r({"g": g}, reduce_type=reduce_type), axis_name="batch")(
+            jnp.arange(8.0)
+        )
         np.testing.assert_array_equal(out["g"], np.full(8, expected))
 
 
 @pytest.mark.parametrize("reduce_type", ["max", "MEAN", None])
 def test_all_reduce_gradients_raises_value_error_as_documented(reduce_type):
     seed = f"Unsupported reduce_type: {reduce_type}. Use 'mean' or 'sum'"
-    for reduce in (sx.DataParallel().all_reduce_gradients, sx.DataParallel.all_reduce_gradients_static):
-        with pytest.raises(ValueError, match="^" + re.escape(f"sx.DataParallel.all_reduce_gradients: {seed}")):
+    for reduce in (
+        sx.DataParallel().all_reduce_gradients,
+        sx.DataParallel.all_reduce_gradients_static,
+    ):
+        with pytest.raises(
+            ValueError, match="^" + re.escape(f"sx.DataParallel.all_reduce_gradients: {seed}")
+        ):
             reduce({"g": jnp.ones(2)}, reduce_type=reduce_type)
