@@ -11,6 +11,9 @@ of the seed documents is :mod:`shardax.artifex`, re-exported here.
 >>> batch = sx.distribute_batch({"x": np.ones((16, 4))}, sx.batch_sharding(mesh))
 """
 
+import warnings
+from typing import Any
+
 from shardax import (  # noqa: F401 (the layer namespaces: sx.plan.validate, sx.cost, ...)
     cost,
     data,
@@ -125,3 +128,58 @@ __all__ = [
     "zero1",
     "zero2",
 ]
+
+# Names that left the top level, by their new home (relative to ``shardax``). They keep
+# working for a release: ``sx.init_sharded`` warns and returns ``sx.plan.init_sharded``.
+_MOVED = {
+    "AgreementError": "runtime.AgreementError",
+    "Auto": "AutoPlanOptions",
+    "AutoPlan": "train.AutoPlan",
+    "DATA_AXIS": "mesh.DATA_AXIS",
+    "EvalStep": "train.EvalStep",
+    "LossScaling": "train.LossScaling",
+    "PREEMPTED_EXIT_CODE": "checkpoint.PREEMPTED_EXIT_CODE",
+    "Restored": "checkpoint.Restored",
+    "ShardingReport": "plan.ShardingReport",
+    "StepClock": "track.StepClock",
+    "TrainStep": "train.TrainStep",
+    "WATCHDOG_EXIT_CODE": "runtime.WATCHDOG_EXIT_CODE",
+    "all_gather": "parallel.all_gather",
+    "all_reduce": "parallel.all_reduce",
+    "axis_rules": "plan.axis_rules",
+    "check_agreement": "runtime.check_agreement",
+    "check_finite": "train.check_finite",
+    "detect_hardware_type": "cost.detect_hardware_type",
+    "device_info": "cost.device_info",
+    "example_keys": "train.example_keys",
+    "follow_params": "plan.follow_params",
+    "host_reduce": "runtime.host_reduce",
+    "host_value": "runtime.host_value",
+    "init_sharded": "plan.init_sharded",
+    "mesh_info": "mesh.mesh_info",
+    "profile_steps": "track.profile_steps",
+    "reached_preemption": "checkpoint.reached_preemption",
+    "reduce": "parallel.reduce",
+    "replicate_across_devices": "data.replicate_across_devices",
+    "shard_batch_dim": "data.shard_batch_dim",
+    "timed": "data.timed",
+    "validate": "plan.validate",
+    "validate_batch_size": "cost.validate_batch_size",
+    "weighted_mean": "parallel.weighted_mean",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A moved name: ``DeprecationWarning`` naming its new home, then the object there."""
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'shardax' has no attribute {name!r}")
+    warnings.warn(
+        f"sx.{name} is now sx.{home}; the old name goes in a later release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    obj: Any = globals()[home.split(".")[0]]
+    for part in home.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj
