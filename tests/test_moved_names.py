@@ -70,18 +70,19 @@ def test_old_name_warns_names_its_home_and_is_the_same_object(old, new):
 
 
 def test_from_import_of_an_old_name_warns_too():
-    with pytest.warns(DeprecationWarning, match=r"^sx\.init_sharded is now sx\.plan\.init_sharded;"):
+    moved = r"^sx\.init_sharded is now sx\.plan\.init_sharded;"
+    with pytest.warns(DeprecationWarning, match=moved):
         from shardax import init_sharded
     assert init_sharded is sx.plan.init_sharded
 
 
 def test_the_table_is_the_module_s_and_new_names_are_silent():
-    assert MOVED == {k: f"sx.{v}" for k, v in sx._MOVED.items()}
+    assert {k: f"sx.{v}" for k, v in sx._MOVED.items()} == MOVED
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for name in sx.__all__:
             getattr(sx, name)
-    with pytest.raises(AttributeError, match="^module 'shardax' has no attribute 'init_shardd'$"):
+    with pytest.raises(AttributeError, match=r"^module 'shardax' has no attribute 'init_shardd'$"):
         sx.init_shardd  # noqa: B018
 
 
