@@ -15,16 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardax.plan.tree import is_array, path_str
+from shardax.plan.tree import is_array, is_key, path_str
 
 
 def _key(entry: Any) -> str:
     return jax.tree_util.keystr((entry,), simple=True)
-
-
-def is_prng_key(x: Any) -> bool:
-    """True for a typed PRNG key array (``jax.random.key``) or its ShapeDtypeStruct."""
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _is_number(x: Any) -> bool:
@@ -93,7 +88,7 @@ def to_saveable(tree: Any) -> dict[str, Any]:
     def one(x: Any) -> Any:
         if _is_number(x):
             return np.asarray(x)
-        return jax.random.key_data(x) if is_prng_key(x) else x
+        return jax.random.key_data(x) if is_key(x) else x
 
     return nest([(p, one(x)) for p, x in array_leaves(tree)])
 
@@ -111,7 +106,7 @@ def abstract_saveable(like: Any) -> dict[str, Any]:
                 f"leaf {path_str(path)!r} of `like` has no sharding; give `like` "
                 "concrete arrays, or ShapeDtypeStructs with sharding= (e.g. from a plan)"
             )
-        if is_prng_key(x):
+        if is_key(x):
             shape = jax.eval_shape(jax.random.key_data, x).shape
             return jax.ShapeDtypeStruct(shape, np.uint32, sharding=sharding)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -130,7 +125,7 @@ def from_saveable(like: Any, restored: dict[str, Any]) -> Any:
         value = flat[key]
         if _is_number(x):
             return type(x)(np.asarray(value).item())
-        if is_prng_key(x):
+        if is_key(x):
             return jax.random.wrap_key_data(value, impl=jax.random.key_impl(x))
         return value
 

@@ -24,7 +24,7 @@ from shardax.plan.init import init_sharded
 from shardax.plan.regex import rules
 from shardax.plan.report import Row, ShardingReport, describe, format_bytes, validate
 from shardax.plan.specs import check_spec, spec_errors
-from shardax.plan.tree import is_array, map_arrays, path_str
+from shardax.plan.tree import dtype_name, is_array, is_key, itemsize, map_arrays, path_str
 from shardax.plan.zero import zero1, zero2
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "constrain",
     "current_axis_rules",
     "describe",
+    "dtype_name",
     "follow_params",
     "format_bytes",
     "from_linen",
@@ -49,6 +50,8 @@ __all__ = [
     "fsdp_spec",
     "init_sharded",
     "is_array",
+    "is_key",
+    "itemsize",
     "logical_to_mesh",
     "map_arrays",
     "path_str",

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from shardax.checks import as_count, check_mesh, public
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.specs import spec_errors
-from shardax.plan.tree import is_array, map_arrays, path_str
+from shardax.plan.tree import is_array, is_key, map_arrays, path_str
 from shardax.runtime.processes import device_put_global
 
 AxisNames = str | tuple[str, ...]
@@ -41,6 +41,13 @@ def array_paths(tree: Any) -> Leaves:
         for p, x in jax.tree_util.tree_leaves_with_path(tree)
         if is_array(x)
     ]
+
+
+def leaf_spec(spec_fn: SpecFn, path: str, leaf: Any) -> PartitionSpec:
+    """``spec_fn(path, shape)`` for an array leaf, replicated without asking for a rank-0
+    leaf (a step count, a scalar) and for a typed PRNG key (a generator's state)."""
+    shape = tuple(np.shape(leaf))
+    return spec_fn(path, shape) if shape and not is_key(leaf) else PartitionSpec()
 
 
 @public("sx.Plan")
@@ -74,14 +81,14 @@ class Plan:
     def resolve(self, tree: Any) -> tuple[Any, list[str]]:
         """The ``PartitionSpec`` of every array leaf, and every error found checking them.
 
-        Rank-0 leaves (step counts, scalars) are always replicated, whatever ``spec_fn``.
+        Rank-0 leaves (step counts, scalars) and typed PRNG keys (``nnx.Rngs`` state) are
+        always replicated, whatever ``spec_fn``.
         """
         errors: list[str] = []
 
         def one(path: str, leaf: Any) -> PartitionSpec:
-            shape = tuple(np.shape(leaf))
-            spec = self.spec_fn(path, shape) if shape else PartitionSpec()
-            errors.extend(spec_errors(path, shape, spec, self.mesh))
+            spec = leaf_spec(self.spec_fn, path, leaf)
+            errors.extend(spec_errors(path, tuple(np.shape(leaf)), spec, self.mesh))
             return spec
 
         return map_arrays(one, tree), errors

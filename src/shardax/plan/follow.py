@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 from shardax.checks import expect_type, public
 from shardax.plan.annotations import optimizer_sharding
-from shardax.plan.core import Plan, array_paths
+from shardax.plan.core import Plan, array_paths, leaf_spec
 from shardax.plan.specs import spec_errors
 from shardax.plan.tree import is_array, map_arrays, path_str
 
@@ -95,9 +95,8 @@ class FollowParams(Plan):
         base, errors = self.base, []
 
         def spec(path: str, leaf: Any) -> PartitionSpec:
-            shape = tuple(np.shape(leaf))
-            s = base.spec_fn(path, shape) if shape else PartitionSpec()
-            errors.extend(spec_errors(path, shape, s, self.mesh))
+            s = leaf_spec(base.spec_fn, path, leaf)
+            errors.extend(spec_errors(path, tuple(np.shape(leaf)), s, self.mesh))
             return s
 
         params = select(tree, self.params)
@@ -141,8 +140,7 @@ class FollowParams(Plan):
         prefix = f"{self.params}/" if isinstance(self.params, str) else ""
 
         def one(path: str, leaf: Any) -> PartitionSpec:
-            shape = tuple(np.shape(leaf))
-            return plan.spec_fn(prefix + path, shape) if shape else PartitionSpec()
+            return leaf_spec(plan.spec_fn, prefix + path, leaf)
 
         return map_arrays(one, params)
 

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from shardax.checks import public
 from shardax.plan.core import Plan, as_plan
-from shardax.plan.tree import map_arrays
+from shardax.plan.tree import dtype_name, itemsize, map_arrays
 
 
 @public("sx.plan.format_bytes")
@@ -109,13 +109,13 @@ class ShardingReport:
 
 def _row(path: str, leaf: Any, sharding: Sharding | None) -> Row:
     shape = tuple(int(d) for d in np.shape(leaf))
-    dtype = np.dtype(leaf.dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
+    size, dtype = itemsize(leaf), dtype_name(leaf)
+    nbytes = math.prod(shape) * size
     if sharding is None:
-        return Row(path, shape, dtype.name, None, nbytes, nbytes)
-    per_device = math.prod(sharding.shard_shape(shape)) * dtype.itemsize
+        return Row(path, shape, dtype, None, nbytes, nbytes)
+    per_device = math.prod(sharding.shard_shape(shape)) * size
     spec = sharding.spec if isinstance(sharding, NamedSharding) else None
-    return Row(path, shape, dtype.name, spec, per_device, nbytes)
+    return Row(path, shape, dtype, spec, per_device, nbytes)
 
 
 @public("sx.describe")

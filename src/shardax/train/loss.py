@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardax.plan.tree import is_key
 from shardax.train.stats import STATS
 
 FILLED = ("rng", "step_rng")
@@ -112,9 +113,7 @@ def _numeric(leaf: Any) -> bool:
     if dtype is None or not hasattr(leaf, "shape"):
         return False
     return bool(
-        jnp.issubdtype(dtype, jnp.number)
-        or jnp.issubdtype(dtype, jnp.bool_)
-        or jnp.issubdtype(dtype, jax.dtypes.prng_key)
+        jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_) or is_key(leaf)
     )
 
 

@@ -46,7 +46,7 @@ from shardax.plan.activation import constrain
 from shardax.plan.core import Plan, axis_size, replicate
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
-from shardax.plan.tree import is_array, map_arrays, path_str
+from shardax.plan.tree import is_array, is_key, map_arrays, path_str
 from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
 from shardax.train.accumulate import microbatched
@@ -84,13 +84,9 @@ def _floating(tree: Any) -> Any:
     )
 
 
-def _is_key(x: Any) -> bool:
-    return is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _map_keys(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
     """``fn`` applied to every typed PRNG key leaf of ``tree``."""
-    return jax.tree.map(lambda x: fn(x) if _is_key(x) else x, tree)
+    return jax.tree.map(lambda x: fn(x) if is_key(x) else x, tree)
 
 
 _fresh_copy = jax.jit(lambda tree: tree)
@@ -456,7 +452,7 @@ class Program:
         )
         # Keys come back unfolded: the state is the same on every device.
         model_state = jax.tree.map(
-            lambda new, old: old if _is_key(old) else new, model_state, state.model_state
+            lambda new, old: old if is_key(old) else new, model_state, state.model_state
         )
         return self.finish(state, grads, loss, aux, model_state)
 

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from shardax.checks import public
-from shardax.plan.tree import path_str
+from shardax.plan.tree import is_key, path_str
 from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, NNXModel, split_model
 from shardax.train.static import comparable
 
@@ -37,7 +37,7 @@ def _key_data(rng: Seed) -> jax.Array:
         hasattr(rng, "dtype") and np.ndim(rng) == 0 and jnp.issubdtype(rng.dtype, jnp.integer)
     ):
         return jax.random.key_data(jax.random.key(int(rng)))
-    if hasattr(rng, "dtype") and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    if is_key(rng):
         return jax.random.key_data(rng)
     expected = jax.random.key_data(jax.random.key(0))
     if not hasattr(rng, "dtype") or rng.dtype != expected.dtype or rng.shape != expected.shape:
