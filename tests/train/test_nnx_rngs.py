@@ -169,10 +169,14 @@ def test_make_train_step_and_checkpoint_round_trip(name, mesh, tmp_path):
     # Saved and restored onto the state's own shardings: keys exact, still keys.
     sx.save_checkpoint(tmp_path / "fn", state, step=STEPS)
     restored = sx.restore_checkpoint(tmp_path / "fn", like=state).state
+    abstract = jax.tree.map(  # no arrays: ShapeDtypeStructs with shardings, keys too
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    from_abstract = sx.restore_checkpoint(tmp_path / "fn", like=abstract).state
     with sx.CheckpointManager(tmp_path / "manager") as manager:
         manager.save(STEPS, {"model": nnx.state(model)})
         from_manager = manager.restore({"model": nnx.state(model)}).state["model"]
-    for got, want in ((restored, state), (from_manager, nnx.state(model))):
+    for got, want in ((restored, state), (from_abstract, state), (from_manager, nnx.state(model))):
         assert keys_of(got).keys() == keys_of(want).keys()
         for path, data in keys_of(want).items():
             np.testing.assert_array_equal(keys_of(got)[path], data)

@@ -114,6 +114,14 @@ def abstract_saveable(like: Any) -> dict[str, Any]:
     return nest([(p, one(p, x)) for p, x in array_leaves(like)])
 
 
+def key_impl(x: Any) -> Any:
+    """The PRNG implementation of a typed key array, or of a ShapeDtypeStruct of one
+    (``jax.random.key_impl`` takes arrays only; traced, it sees the abstract key)."""
+    found: list[Any] = []
+    jax.eval_shape(lambda k: found.append(jax.random.key_impl(k)), x)
+    return found[0]
+
+
 def from_saveable(like: Any, restored: dict[str, Any]) -> Any:
     """Puts the restored arrays back into the structure of ``like``."""
     flat = flat_paths(restored)
@@ -126,7 +134,7 @@ def from_saveable(like: Any, restored: dict[str, Any]) -> Any:
         if _is_number(x):
             return type(x)(np.asarray(value).item())
         if is_key(x):
-            return jax.random.wrap_key_data(value, impl=jax.random.key_impl(x))
+            return jax.random.wrap_key_data(value, impl=key_impl(x))
         return value
 
     return jax.tree_util.tree_map_with_path(one, like)
