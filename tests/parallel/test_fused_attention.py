@@ -267,3 +267,25 @@ def test_tpu_falls_back_by_name(tpu_meshes, caplog):
         text = _compiled(mesh, spec, SHAPES, causal=True, impl="all_gather", compile=False)
     assert attention_kernel(text) == "dense"
     assert "positions offset per device" in caplog.records[0].getMessage()
+
+
+@pytest.mark.compile_only("gpu")
+def test_gpt_in_bf16_compiles_to_cudnn_on_h100(h100_meshes):
+    """The GPT (bf16, as `shardax train --model gpt` runs on a GPU) takes cuDNN's kernel."""
+    from flax import nnx
+
+    from shardax.models import gpt
+
+    mesh, spec = h100_meshes["jit"]
+    cfg = gpt.GPTConfig(layers=1, d_model=128, heads=2, max_seq_len=128)
+    graph, params = nnx.split(nnx.eval_shape(lambda: gpt.make_gpt(cfg, 0)))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+    tokens = jax.ShapeDtypeStruct((8, 128), jnp.int32, sharding=NamedSharding(mesh, spec))
+
+    def loss(params, tokens):
+        logits = nnx.merge(graph, params)(tokens)
+        return logits.astype(jnp.float32).mean()
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+    assert attention_kernels(text)["cudnn"] >= 2
