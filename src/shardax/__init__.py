@@ -42,6 +42,7 @@ from shardax.checkpoint import (
     save_checkpoint,
     watch_preemption,
 )
+from shardax.cost import target
 from shardax.data import batch_sharding, batches, global_batch, prefetch_to_device
 from shardax.mesh import make_mesh
 from shardax.parallel import attention, moe, pipeline, pipeline_1f1b, remat
@@ -123,6 +124,7 @@ __all__ = [
     "rules",
     "save_checkpoint",
     "shard",
+    "target",
     "verify",
     "watch_preemption",
     "zero1",

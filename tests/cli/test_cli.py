@@ -337,6 +337,9 @@ def test_train_verify_checks_the_first_batch_against_one_device_gpt(tiny_gpt_run
     printed, summary, run, _ = tiny_gpt_run
     assert "sx.verify: ok" in printed
     assert (run / "summary.json").exists() and summary["steps"] == 6
+    # On CPU: fp32 by default, and the step compiled to dense attention, said and recorded.
+    assert summary["precision"] == "fp32" and summary["attention_kernel"] == "dense"
+    assert "attention kernel: dense (read from the compiled step)" in printed
 
 
 def test_train_verify_too_tight_for_bf16_names_reduced_precision_and_exits_1(tmp_path, capsys):

@@ -290,14 +290,25 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
-def step_flops(step: Any, state: Any, batch: Any) -> float | None:
+def step_flops(step: Any, state: Any, batch: Any, *, with_attention: bool = False) -> Any:
     """FLOPs of one step over all devices, from the compiled step's ``cost_analysis()``
-    (XLA counts one device's partitioned program)."""
+    (XLA counts one device's partitioned program); with ``with_attention``, also the
+    attention kernel it compiled to (``"cudnn"``, ``"splash"`` or ``"dense"``, read from
+    the compiled HLO: :func:`shardax.cost.hlo.attention_kernel`)."""
     from shardax.cost.flops import compiled_flops
+    from shardax.cost.hlo import attention_kernel
 
-    per_device = compiled_flops(step.lower(state, batch).compile())
+    compiled = step.lower(state, batch).compile()
+    per_device = compiled_flops(compiled)
     devices = 1 if step.mode == "single" else step.mesh.size
-    return None if per_device is None else per_device * devices
+    flops = None if per_device is None else per_device * devices
+    if not with_attention:
+        return flops
+    try:
+        kernel = attention_kernel(compiled.as_text())
+    except Exception:  # a program without text (some modes): unknown, not a failure
+        kernel = None
+    return flops, kernel
 
 
 def plot_curves(

@@ -129,14 +129,14 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     describe(out, job, run.state, args)
     step = tracker.wrap(job.step)
     began = time.perf_counter()
-    flops = None
+    flops = kernel = None
     with run.feed, contextlib.closing(tracker), entered(hooks(args, job, run, out, manager)) as hs:
         run.window_start = time.perf_counter()
         for i in range(run.first_done + 1, job.steps + 1):
             status.STATUS.set(status.DATA, i)
             run.i, batch = i, next(run.feed)
             if flops is None:
-                flops = step_flops(step, run.state, batch)
+                flops, kernel = step_flops(step, run.state, batch, with_attention=True)
             for hook in hs:
                 hook.before_step(run)
             run.state, metrics = step(run.state, batch)
@@ -146,7 +146,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                 hook.after_step(run)
             if run.preempted:
                 raise sx.Preempted(run.i, args.checkpoint_dir)
-    return summary(args, out, job, run, time.perf_counter() - began, flops, manager)
+    return summary(args, out, job, run, time.perf_counter() - began, flops, manager, kernel)
 
 
 def describe(out: Any, job: Job, state: Any, args: argparse.Namespace) -> None:
@@ -179,8 +179,10 @@ def summary(
     total: float,
     flops: float | None,
     manager: Any,
+    kernel: str | None = None,
 ) -> dict[str, Any]:
-    """The run's summary: settings, timing, utilization, placement and history."""
+    """The run's summary: settings, timing, utilization, placement and history
+    (``attention_kernel``: the fused attention kernel the step compiled to, or dense)."""
     import jax
 
     import shardax as sx
@@ -221,6 +223,7 @@ def summary(
         f"{job.unit}_per_s": job.items_per_step / seconds_per_step,
         **use,
         "flops_estimate_per_step": job.estimate_flops,
+        "attention_kernel": kernel,
         "flops_estimate_ratio": (
             flops / job.estimate_flops if flops and job.estimate_flops else None
         ),

@@ -13,6 +13,12 @@ for causal load balance (:func:`shardax.data.text.zigzag_batch`) and carry each 
 true position. ``--window L`` is sliding-window attention, ``--pack`` packed rows
 (segment ids, positions restarting per document).
 
+Attention takes the platform's fused kernel (cuDNN on a GPU, splash attention on a TPU;
+:func:`shardax.parallel.choose_kernel`): on a GPU or TPU ``--precision`` defaults to bf16
+for it (fp32 on CPU). The kernel the step compiled to (``cudnn``, ``splash`` or
+``dense``, read from the compiled HLO) is printed and is the summary's
+``attention_kernel``.
+
 Experts: ``--experts E`` (``--top-k``, ``--moe-every``, ``--capacity-factor``) makes the
 MLPs mixtures of experts, split over an ``expert`` mesh axis where there is one. The
 loss is then the cross-entropy plus ``BALANCE_COEF`` × the load-balancing loss; the
@@ -327,6 +333,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def report(summary: dict[str, Any], out: Any) -> None:
     """Validation loss against the unigram entropy, time and throughput."""
     ok = summary["val_loss"] < summary["unigram_entropy"]
+    if summary.get("attention_kernel"):
+        out.print(f"attention kernel: {summary['attention_kernel']} (read from the compiled step)")
     out.print(
         f"validation loss [bold {'green' if ok else 'red'}]{summary['val_loss']:.4f}[/] "
         f"nats/byte (unigram entropy of the corpus: {summary['unigram_entropy']:.4f}) in "

@@ -180,3 +180,40 @@ def collective_bytes(hlo: str, num_devices: int | None = None) -> float:
     """Bytes one device sends per run of ``hlo``, summed over its collectives
     (:attr:`Collective.sent_bytes`)."""
     return sum(c.sent_bytes for c in collectives(hlo, num_devices))
+
+
+# HLO (custom_call_target="...") and StableHLO (stablehlo.custom_call @...) text
+_CUSTOM_CALL = re.compile(
+    r'^.*(?:custom_call_target="([^"]*)"|custom_call @([\w$.\-]+)).*$', re.MULTILINE
+)
+
+
+def attention_kernels(hlo: str) -> dict[str, int]:
+    """How many fused attention kernel calls HLO text holds (compiled, or the lowered
+    StableHLO: the kernel is chosen while tracing): ``"cudnn"``
+    (cuDNN's ``__cudnn$fmha*`` custom calls, forward and backward) and ``"splash"``
+    (Mosaic ``tpu_custom_call``s of Pallas' splash attention). Neither: attention, if
+    any, is dense (:func:`attention_kernel`).
+
+    >>> attention_kernels('%c = bf16[2] custom-call(), custom_call_target="__cudnn$fmhaSoftmax"')
+    {'cudnn': 1, 'splash': 0}
+    """
+    found = {"cudnn": 0, "splash": 0}
+    for line in _CUSTOM_CALL.finditer(hlo):
+        target = line.group(1) or line.group(2)
+        if target.startswith("__cudnn$fmha"):
+            found["cudnn"] += 1
+        elif target == "tpu_custom_call" and "splash" in line.group(0):
+            found["splash"] += 1
+    return found
+
+
+def attention_kernel(hlo: str) -> str:
+    """The attention kernel compiled HLO text uses: ``"cudnn"``, ``"splash"`` or
+    ``"dense"`` (no fused attention call).
+
+    >>> attention_kernel("%d = f32[8,8]{1,0} dot(f32[8,4]{1,0} %a, f32[4,8]{1,0} %b)")
+    'dense'
+    """
+    counts = attention_kernels(hlo)
+    return max(counts, key=counts.__getitem__) if any(counts.values()) else "dense"

@@ -278,6 +278,9 @@ class Attention(nnx.Module):
         from shardax.parallel.context import attention
 
         ctx = ctx or Context()
+        # In the params' dtype (the compute dtype: bf16 under precision="bf16"): the
+        # norm before may give float32, and cuDNN's fused attention takes bf16 only.
+        x = x.astype(self.q[...].dtype)
         q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
         k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
         v = jnp.einsum("btd,dhk->bthk", x, self.v[...])

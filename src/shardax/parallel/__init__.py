@@ -21,12 +21,15 @@ from shardax.parallel.context import (
     zigzag,
 )
 from shardax.parallel.experts import MoEAux, capacity, choose_dispatch, moe
+from shardax.parallel.fused import KERNELS as ATTENTION_KERNELS
+from shardax.parallel.fused import choose_kernel
 from shardax.parallel.gpipe import bubble, pipeline, scan_layers
 from shardax.parallel.one_f_one_b import pipeline_1f1b
 from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
 from shardax.parallel.remat_policy import checkpoint_policy, remat
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "REMAT_POLICIES",
     "MoEAux",
     "all_gather",
@@ -38,6 +41,7 @@ __all__ = [
     "checkpoint_policy",
     "choose_dispatch",
     "choose_impl",
+    "choose_kernel",
     "moe",
     "pipeline",
     "pipeline_1f1b",

@@ -50,6 +50,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from shardax.checks import as_count, as_float, public
 from shardax.mesh.axes import CONTEXT_AXIS
+from shardax.parallel import fused
 
 IMPLS: tuple[str, ...] = ("all_gather", "ring", "ulysses")
 """The context-parallel schemes; ``impl="auto"`` picks one with :func:`choose_impl`."""
@@ -75,6 +76,7 @@ class _Config(NamedTuple):
     window: tuple[int, int] | None
     layout: str
     scale: float
+    kernel: str = "auto"  # sx.attention's kernel= (shardax.parallel.fused)
 
 
 # --------------------------------------------------------------------------- layout
@@ -391,20 +393,6 @@ def _mask(
     return mask
 
 
-def _use_cudnn(q: jax.Array, bias: Any, segment_ids: Any, window: Any, causal: bool) -> bool:
-    """cuDNN's flash kernel: a GPU, fp16/bf16, head_dim <= 128 and a multiple of 8, and a
-    mask it takes natively (causal, a left window; no segment ids or bias)."""
-    return (
-        jax.default_backend() == "gpu"
-        and q.dtype in (jnp.bfloat16, jnp.float16)
-        and q.shape[-1] <= 128
-        and q.shape[-1] % 8 == 0
-        and bias is None
-        and segment_ids is None
-        and (window is None or window[1] == 0 or causal)
-    )
-
-
 def _dense(
     q: jax.Array,
     k: jax.Array,
@@ -419,20 +407,41 @@ def _dense(
     window: tuple[int, int] | None,
     scale: float,
     natural: bool,
+    kernel: str = "auto",
 ) -> jax.Array:
-    """``jax.nn.dot_product_attention`` with every mask applied: as its own
+    """Attention over whole (or this device's) blocks with every mask applied, by the
+    kernel :func:`shardax.parallel.fused.pick` takes: cuDNN's fused attention, splash
+    attention, or ``jax.nn.dot_product_attention``'s XLA path. The masks are its own
     ``is_causal`` / ``local_window_size`` when the positions are ``arange``
-    (``natural``), else as a boolean mask from the true positions."""
+    (``natural``), else a boolean mask from the true positions."""
+    masks = fused.masks_of(causal, window, qseg, bias, natural)
+    chosen = fused.pick(kernel, q.dtype, q.shape[-1], masks, q.shape[1], k.shape[1])
+    if chosen == "splash":  # natural positions, no bias (pick's rules)
+        return fused.splash(q, k, v, qseg, causal=causal, window=window, scale=scale)
+    if chosen == "cudnn" and jax.sharding.get_abstract_mesh().manual_axes:
+        # Inside a context scheme's shard_map: cuDNN's partitioner takes no partly
+        # manual arrays, so its call is made manual over the other axes too.
+        def local(q, k, v, qseg, kseg, qpos, kpos):
+            return _xla_or_cudnn(q, k, v, qpos, kpos, qseg, kseg, None, causal, window,
+                                 scale, natural, "cudnn")  # fmt: skip
+
+        return fused.all_manual(local, (q, k, v), (qseg, kseg), (qpos, kpos))
+    return _xla_or_cudnn(q, k, v, qpos, kpos, qseg, kseg, bias, causal, window, scale,
+                         natural, "cudnn" if chosen == "cudnn" else None)  # fmt: skip
+
+
+def _xla_or_cudnn(q, k, v, qpos, kpos, qseg, kseg, bias, causal, window, scale, natural,
+                  impl):  # fmt: skip
+    """``jax.nn.dot_product_attention`` with ``implementation=impl`` and the masks."""
     if natural:
         mask = None if qseg is None else (qseg[:, :, None] == kseg[:, None, :])[:, None]
-        impl = "cudnn" if _use_cudnn(q, bias, qseg, window, causal) else None
         return jax.nn.dot_product_attention(
             q, k, v, bias, mask, scale=scale, is_causal=causal,
             local_window_size=window, implementation=impl,
         )  # fmt: skip
     mask = _mask(qpos, kpos, qseg, kseg, causal, window)
     mask = None if mask is None else mask[:, None]
-    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale)
+    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation=impl)
 
 
 # --------------------------------------------------------------------------- schemes
@@ -448,6 +457,7 @@ def _all_gather(cfg: _Config, q, k, v, seg, bias):
     return _dense(
         q, k, v, qpos=qpos, kpos=kpos, qseg=seg, kseg=kseg, bias=bias,
         causal=cfg.causal, window=cfg.window, scale=cfg.scale, natural=False,
+        kernel=cfg.kernel,
     )  # fmt: skip
 
 
@@ -493,6 +503,7 @@ def _ulysses(cfg: _Config, q, k, v, seg, bias):
     out = _dense(
         q, k, v, qpos=pos, kpos=pos, qseg=seg, kseg=seg, bias=bias, causal=cfg.causal,
         window=cfg.window, scale=cfg.scale, natural=cfg.layout == "contiguous",
+        kernel=cfg.kernel,
     )  # fmt: skip
     return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
@@ -736,6 +747,7 @@ def attention(
     axis: str = CONTEXT_AXIS,
     impl: str = "auto",
     layout: str = "contiguous",
+    kernel: str = "auto",
 ) -> jax.Array:
     """Scaled dot-product attention, split over mesh axis ``axis`` when it has size > 1.
 
@@ -753,6 +765,12 @@ def attention(
       impl: ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"auto"`` (:func:`choose_impl`).
       layout: ``"contiguous"`` or ``"zigzag"`` (the batch reordered by :func:`zigzag`);
         masks use the true positions.
+      kernel: ``"auto"``: the platform's fused kernel where it can compute this
+        attention (cuDNN on a GPU, splash attention on a TPU;
+        :func:`shardax.parallel.choose_kernel`), else the dense path, which a GPU or TPU
+        logs once per reason; ``"dense"``, ``"cudnn"`` or ``"splash"`` force one (a
+        ValueError names what it cannot do; splash off a TPU runs in Pallas' interpret
+        mode, for tests). ``impl="ring"`` computes its blocks as einsums.
 
     Every mask combines with every other and with every scheme; what a scheme cannot do
     (ulysses with heads not divisible by C) raises a ValueError naming the sizes.
@@ -770,6 +788,8 @@ def attention(
         raise ValueError(f"impl must be 'auto' or one of {list(IMPLS)}, got {impl!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    if kernel not in ("auto", *fused.KERNELS):
+        raise ValueError(f"kernel must be 'auto' or one of {list(fused.KERNELS)}, got {kernel!r}")
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else as_float("scale", scale)
     c, manual = context_size(axis)
@@ -780,17 +800,34 @@ def attention(
         )  # fmt: skip
         return _dense(
             q, k, v, qpos=pos, kpos=pos, qseg=segment_ids, kseg=segment_ids, bias=bias,
-            causal=causal, window=window, scale=scale, natural=laid == 1,
+            causal=causal, window=window, scale=scale, natural=laid == 1, kernel=kernel,
         )  # fmt: skip
     gshape = tuple(q.shape), tuple(k.shape)
     if manual:  # inside shard_map over axis: these are this device's blocks
         gshape = tuple((s[0], s[1] * c, *s[2:]) for s in gshape)
     impl = _pick(impl, gshape[0], gshape[1], c, q.dtype.itemsize, layout)
-    cfg = _Config(axis, c, bool(causal), window, layout, scale)
+    if impl == "ring":
+        _ring_kernel(kernel)
+    cfg = _Config(axis, c, bool(causal), window, layout, scale, kernel)
     scheme = functools.partial(_SCHEMES[impl], cfg)
     if manual:
         return scheme(q, k, v, segment_ids, bias)
     return _shard_mapped(scheme, impl, axis, q, k, v, segment_ids, bias)
+
+
+def _ring_kernel(kernel: str) -> None:
+    """The ring computes its blocks as einsums (an online softmax over K/V blocks): a
+    fused kernel named is refused, and on a GPU or TPU the choice is said once."""
+    if kernel in ("cudnn", "splash"):
+        raise ValueError(
+            f"kernel={kernel!r} cannot compute impl='ring': the ring runs its blocks as "
+            "einsums (an online softmax); use impl='all_gather' or 'ulysses' for a fused kernel"
+        )
+    if kernel == "auto" and fused.platform() in ("gpu", "cuda", "tpu"):
+        fused.say_once(
+            "impl='ring' computes its blocks as einsums (an online softmax, O((T/C)²) "
+            "scores per step); impl='all_gather' or 'ulysses' take the fused kernel"
+        )
 
 
 def _zigzag_context(axis: str, t: int, s: int) -> int:
