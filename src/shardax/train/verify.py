@@ -622,13 +622,14 @@ def _verify_step(
 # -- a user's own step function -----------------------------------------------------------
 
 
-def _is_graph(tree: Any) -> bool:
+def _node_type() -> type:
     from flax import nnx
 
-    return any(
-        isinstance(x, nnx.Object)
-        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Object))
-    )
+    return getattr(nnx, "Pytree", nnx.Object)  # flax 0.12: Module and Optimizer are Pytrees
+
+
+def _is_graph(tree: Any) -> bool:
+    return bool(_objects(tree, _node_type()))
 
 
 def _objects(args: Any, kind: type) -> list[Any]:
@@ -678,6 +679,10 @@ def _recording(tx: Any) -> Any:
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def _shapes(tree: Any) -> list[tuple[int, ...]]:
+    return [np.shape(x) for x in jax.tree.leaves(tree)]
+
+
 def _recorded(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     """``(optimizer, model)`` for each ``nnx.Optimizer`` in a copy of the state, its
     transformation made to record the gradients (in the copy only)."""
@@ -689,12 +694,12 @@ def _recorded(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     modules = [m for m in _objects(args, nnx.Module) if not isinstance(m, nnx.Optimizer)]
     out = []
     for opt in _objects(args, nnx.Optimizer):
-        want = jax.tree.structure(nnx.as_pure(opt.opt_state))
+        want = _shapes(nnx.as_pure(opt.opt_state))
         for model in [getattr(opt, "model", None), *modules]:
             if not isinstance(model, nnx.Module):
                 continue
             params = nnx.as_pure(nnx.state(model, opt.wrt))
-            if jax.tree.structure(jax.eval_shape(opt.tx.init, params)) != want:
+            if _shapes(jax.eval_shape(opt.tx.init, params)) != want:
                 continue
             zeros = to_opt_state(jax.tree.map(jnp.zeros_like, params))
             opt.opt_state = nnx.data((opt.opt_state, zeros))
@@ -745,7 +750,11 @@ def _split_out(out: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
 
 
 def _rtol_of(args: Any) -> tuple[float, float]:
-    dtypes = {jnp.dtype(x.dtype) for x in jax.tree.leaves(_arrays(args)) if hasattr(x, "dtype")}
+    dtypes = {
+        jnp.dtype(x.dtype)
+        for x in jax.tree.leaves(_arrays(args))
+        if hasattr(x, "dtype") and not _is_key(x)
+    }
     if jnp.dtype(jnp.float16) in dtypes:
         return TOLERANCES["fp16"]
     if jnp.dtype(jnp.bfloat16) in dtypes:
@@ -757,7 +766,7 @@ def _has_batchnorm(args: Any) -> bool:
     from flax import nnx
 
     if _is_graph(args):
-        objs = jax.tree.leaves(args, is_leaf=lambda x: isinstance(x, nnx.Object))
+        objs = _objects(args, _node_type())
         if any(
             isinstance(m, nnx.BatchNorm)
             for o in objs
@@ -811,7 +820,9 @@ def _verify_fn(
         return _split_out(f(*start, data), start)
 
     def put_one(x: jax.Array) -> jax.Array:
-        return jax.device_put(x, one)
+        # a copy: device_put reuses the buffer of a replicated array's shard on the
+        # device, and the user's step may donate it
+        return jnp.copy(jax.device_put(x, one))
 
     def on_one(f: Callable[..., Any], *a: Any) -> Any:
         return _on_one(device, mesh, batch, f, *a)
@@ -918,9 +929,9 @@ def _recorded_pairs(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     for opt in _objects(args, nnx.Optimizer):
         if not isinstance(opt.opt_state, tuple):
             continue
-        structure = jax.tree.structure(nnx.as_pure(opt.opt_state)[1])
+        shapes = _shapes(nnx.as_pure(opt.opt_state)[1])
         for model in [getattr(opt, "model", None), *modules]:
-            if isinstance(model, nnx.Module) and structure == jax.tree.structure(
+            if isinstance(model, nnx.Module) and shapes == _shapes(
                 nnx.as_pure(nnx.state(model, opt.wrt))
             ):
                 out.append((opt, model))
