@@ -501,9 +501,10 @@ def test_zoo_has_no_false_alarm(mesh, model, tx, mode):
     loss = dropout_rng_loss if model == "dropout_rng" else ce_loss
     batch = token_batch() if model == "tied_embed" else image_batch()
     step = sx.make_train_step(loss, mesh=mesh, mode=mode)
-    report = sx.verify(step, zoo_state(model, OPTIMIZERS[tx]()), batch, steps=2)
+    steps = 2 if (model, mode) in (("conv_bn", "jit"), ("mlp_bn", "pmap")) else 1
+    report = sx.verify(step, zoo_state(model, OPTIMIZERS[tx]()), batch, steps=steps)
     assert report.ok, str(report)
-    assert any(d.path.startswith("grads/") for d in report.diffs) or report.compared > 0
+    assert report.compared > 0 and "distributed gradients" in report.judged
 
 
 def own_conv_bn_loop(mesh, place: str):
