@@ -274,7 +274,9 @@ def test_own_nnx_step_with_placed_objects(mesh):
     batch = sx.distribute_batch(BATCH, sx.batch_sharding(mesh))
     report = sx.verify(nnx_train_step, (model, optimizer), batch, steps=2)
     assert report.ok, str(report)
-    assert any(d.path.startswith("state/") for d in report.diffs)
+    # the optimizer's gradients against one device's, its update against the optimizer
+    # applied to the distributed gradients
+    assert any(d.path.startswith("optimizer/0/") for d in report.diffs)
     for x, y in zip(leaves(nnx.state(model)), before, strict=True):  # not donated, not changed
         np.testing.assert_array_equal(x, y)
 
@@ -306,7 +308,11 @@ def test_own_shard_map_step_with_batchnorm_needs_a_reference_and_names_the_cause
         def per_device(variables, batch):
             return jax.lax.pmean(grads_of(variables, batch), "data")
 
-        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        # check_vma=False: the gradients of the replicated params are each device's own
+        # (with it, JAX sums them over the devices before the pmean)
+        mapped = jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False
+        )
         return update(variables, mapped(variables, batch))
 
     @jax.jit
@@ -327,3 +333,285 @@ def test_bad_arguments_are_named(mesh):
         TypeError, match=r"train step \(sx.make_train_step\) or your own step function, got int"
     ):
         sx.verify(3, make_state("pytree"), BATCH)
+
+
+# -- the model zoo: no false alarm from rounding noise, the right cause for real faults ---
+#
+# A bias before BatchNorm has a gradient of rounding noise (~1e-9, its sign set by the order
+# of the sums) that Adam, AdamW and Lion turn into a step of ±lr. verify compares the
+# gradients with one device's and the update with the optimizer applied to the distributed
+# gradients, so that noise is no difference.
+
+ROWS, PIXELS, CHANNELS = 16, 4, 2
+
+
+def image_batch(size: int = ROWS) -> dict:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(size, PIXELS, PIXELS, CHANNELS)).astype(np.float32)
+    return {"x": x, "y": (x.mean((1, 2, 3)) > 0).astype(np.int32)}
+
+
+def token_batch(size: int = ROWS) -> dict:
+    tokens = np.random.default_rng(4).integers(0, 11, size=(size, 5)).astype(np.int32)
+    return {"x": tokens, "y": np.roll(tokens, -1, axis=1)}
+
+
+class ConvBN(nnx.Module):
+    """CIFAR-style: a conv with a bias, BatchNorm, relu, pooled, a linear head."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.conv = nnx.Conv(CHANNELS, 8, (3, 3), rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.head(nnx.relu(self.norm(self.conv(x))).mean((1, 2)))
+
+
+class Normed(nnx.Module):
+    """An MLP with a bias before a norm layer (BatchNorm, LayerNorm or RMSNorm)."""
+
+    def __init__(self, norm: str, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(PIXELS * PIXELS * CHANNELS, 16, rngs=rngs)
+        kinds = {"batch": nnx.BatchNorm, "layer": nnx.LayerNorm, "rms": nnx.RMSNorm}
+        self.norm = kinds[norm](16, rngs=rngs)
+        self.head = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.head(nnx.relu(self.norm(self.linear(x.reshape(x.shape[0], -1)))))
+
+
+class Tied(nnx.Module):
+    """Embeddings tied to the output projection."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(11, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.embed.attend(self.norm(self.embed(tokens)))
+
+
+class DroppedNNX(nnx.Module):
+    """nnx.Dropout with its own nnx.Rngs: typed key leaves in the model state."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.net = Normed("layer", rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.net(self.drop(x))
+
+
+class LinenConvBN(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nn.BatchNorm(use_running_average=False)(nn.Conv(8, (3, 3))(x))
+        return nn.Dense(2)(nn.relu(h).mean((1, 2)))
+
+
+class EqxBN(eqx.Module):
+    """Equinox's stateful example, small: a Linear with a bias, BatchNorm, a head."""
+
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+    state: eqx.nn.State
+
+    def __init__(self, key: jax.Array) -> None:
+        k1, k2 = jax.random.split(key)
+        self.linear = eqx.nn.Linear(PIXELS * PIXELS * CHANNELS, 16, key=k1)
+        self.norm = eqx.nn.BatchNorm(16, "batch", mode="batch")
+        self.head = eqx.nn.Linear(16, 2, key=k2)
+        self.state = eqx.nn.State(self.norm)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.vmap(self.linear)(x.reshape(x.shape[0], -1))
+        norm = jax.vmap(self.norm, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        return jax.vmap(self.head)(jax.nn.relu(norm(h, self.state)[0]))
+
+
+def ce_loss(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def mlp_apply(params, x):
+    return jnp.tanh(x.reshape(x.shape[0], -1) @ params["w"] + params["b"]) @ params["out"]
+
+
+def dropout_rng_loss(model, batch, rng):
+    """Dropout with the step's rng argument: one key per example, the same in every mode."""
+    logits = model(sx.train.dropout(rng, batch["x"], 0.3))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def zoo_state(name: str, tx) -> sx.TrainState:
+    if name == "linen_conv_bn":
+        variables = LinenConvBN().init(jax.random.key(0), image_batch(2)["x"])
+        return sx.TrainState.from_linen(LinenConvBN(), variables, tx)
+    if name == "equinox_bn":
+        return sx.TrainState.create(EqxBN(jax.random.key(0)), tx)
+    if name == "dropout_rng":
+        k1, k2 = jax.random.split(jax.random.key(0))
+        params = {
+            "w": jax.random.normal(k1, (PIXELS * PIXELS * CHANNELS, 16)) / 6,
+            "b": jnp.zeros(16),
+            "out": jax.random.normal(k2, (16, 2)) / 4,
+        }
+        return sx.TrainState.from_params(params, mlp_apply, tx)
+    models = {
+        "conv_bn": lambda: ConvBN(nnx.Rngs(0)),
+        "mlp_bn": lambda: Normed("batch", nnx.Rngs(0)),
+        "layernorm": lambda: Normed("layer", nnx.Rngs(0)),
+        "rmsnorm": lambda: Normed("rms", nnx.Rngs(0)),
+        "tied_embed": lambda: Tied(nnx.Rngs(0)),
+        "nnx_dropout": lambda: DroppedNNX(nnx.Rngs(0, dropout=1)),
+    }
+    return sx.TrainState.create(models[name](), tx)
+
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=1e-2),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "lion": lambda: optax.lion(1e-4),
+    "adafactor": lambda: optax.adafactor(1e-2),
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "tx", "mode"),
+    [
+        ("conv_bn", "adam", "jit"),
+        ("conv_bn", "adamw", "shard_map"),
+        ("mlp_bn", "lion", "pmap"),
+        ("mlp_bn", "adamw", "jit"),
+        ("layernorm", "adafactor", "shard_map"),
+        ("rmsnorm", "sgd_momentum", "jit"),
+        ("tied_embed", "adamw", "shard_map"),
+        ("dropout_rng", "adam", "pmap"),
+        ("nnx_dropout", "adam", "jit"),
+        ("linen_conv_bn", "adam", "shard_map"),
+        ("equinox_bn", "adamw", "jit"),
+        ("equinox_bn", "lion", "pmap"),
+    ],
+)
+def test_zoo_has_no_false_alarm(mesh, model, tx, mode):
+    loss = dropout_rng_loss if model == "dropout_rng" else ce_loss
+    batch = token_batch() if model == "tied_embed" else image_batch()
+    step = sx.make_train_step(loss, mesh=mesh, mode=mode)
+    steps = 2 if (model, mode) in (("conv_bn", "jit"), ("mlp_bn", "pmap")) else 1
+    report = sx.verify(step, zoo_state(model, OPTIMIZERS[tx]()), batch, steps=steps)
+    assert report.ok, str(report)
+    assert report.compared > 0 and "distributed gradients" in report.judged
+
+
+def own_conv_bn_loop(mesh, place: str):
+    """The nnx.Optimizer loop as flax's examples write it, placed with sx.prepare or with
+    plain jax.device_put."""
+    model = ConvBN(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    if place == "prepare":
+        model, optimizer = sx.prepare(model, optimizer, mesh=mesh)
+    else:
+        graphdef, state = nnx.split((model, optimizer))
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        model, optimizer = nnx.merge(graphdef, jax.device_put(state, replicated))
+    return model, optimizer
+
+
+@nnx.jit
+def conv_train_step(model, optimizer, batch):
+    def loss_fn(model):
+        return ce_loss(model, batch)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("place", ["prepare", "device_put"])
+def test_own_nnx_optimizer_loop_with_batchnorm_and_adam_has_no_false_alarm(mesh, place):
+    model, optimizer = own_conv_bn_loop(mesh, place)
+    batch = sx.distribute_batch(image_batch(), sx.batch_sharding(mesh))
+    report = sx.verify(conv_train_step, (model, optimizer), batch, steps=2)
+    assert report.ok, str(report)
+    assert any(d.path.startswith("optimizer/0/grads/") for d in report.diffs)
+
+
+def test_own_step_with_nnx_rngs_compares_the_keys_by_their_data(mesh):
+    model = DroppedNNX(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    model, optimizer = sx.prepare(model, optimizer, mesh=mesh)
+    batch = sx.distribute_batch(image_batch(), sx.batch_sharding(mesh))
+    report = sx.verify(conv_train_step, (model, optimizer), batch)
+    assert report.ok, str(report)
+    keys = [d for d in report.diffs if "key" in d.path]
+    assert report.compared > 0 and all(d.limit == 0 for d in keys)
+
+
+def test_accumulation_that_changes_the_update_is_named(mesh):
+    """BatchNorm normalizes each microbatch: the step's accumulation is not one device over
+    the whole batch, and the reference never accumulates."""
+    step = sx.make_train_step(ce_loss, mesh=mesh, accumulate=2)
+    report = sx.verify(step, zoo_state("mlp_bn", optax.sgd(0.1)), image_batch())
+    assert not report.ok and report.cause == "accumulation changes the update", str(report)
+    assert "first difference" in str(report)
+
+
+def graph_loss(model, batch):
+    """A graph batch: each row is a node, its sender indexes the whole batch's nodes."""
+    params = model()
+    messages = batch["nodes"][batch["senders"]] @ params["w"]
+    pred = jnp.tanh(batch["nodes"] @ params["self"] + messages)
+    return sx.masked_mean(((pred - batch["y"]) ** 2).sum(-1), batch.get("mask"))
+
+
+def graph_state() -> sx.TrainState:
+    k1, k2 = jax.random.split(jax.random.key(2))
+    params = {"w": jax.random.normal(k1, (3, 2)), "self": jax.random.normal(k2, (3, 2))}
+    return sx.TrainState.from_params(params, lambda p: p, optax.adam(1e-2))
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_rows_that_are_not_independent_examples_are_named(mesh, mask):
+    rng = np.random.default_rng(5)
+    batch = {
+        "nodes": rng.normal(size=(ROWS, 3)).astype(np.float32),
+        "senders": rng.permutation(ROWS).astype(np.int32),
+        "y": rng.normal(size=(ROWS, 2)).astype(np.float32),
+    }
+    if mask:
+        batch["mask"] = np.arange(ROWS) % 5 != 0
+    state = graph_state()
+    assert sx.verify(sx.make_train_step(graph_loss, mesh=mesh), state, batch).ok  # jit: whole
+    report = sx.verify(sx.make_train_step(graph_loss, mesh=mesh, mode="shard_map"), state, batch)
+    assert not report.ok and report.cause == "rows are not independent examples", str(report)
+
+
+def test_no_known_cause_says_what_it_compared_and_where(mesh):
+    """An Equinox jit step (as Equinox's examples write it) whose loss depends on how many
+    devices hold the batch: a jit step has no per-device means, and none is named."""
+    model = eqx.nn.MLP(IN, OUT, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
+    optim = optax.sgd(0.1)
+
+    def make_step(model, opt_state, batch):
+        # a bug: the loss depends on how many devices hold the batch
+        return jitted_step(model, opt_state, batch, len(batch["x"].sharding.device_set))
+
+    @eqx.filter_jit
+    def jitted_step(model, opt_state, batch, spread):
+        def loss_fn(model):
+            return spread * jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        updates, opt_state = optim.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    opt_state = optim.init(eqx.filter(model, eqx.is_array))
+    batch = sx.distribute_batch(BATCH, sx.batch_sharding(mesh))
+    report = sx.verify(make_step, (model, opt_state), batch)
+    assert not report.ok and report.cause is None, str(report)
+    assert "Compared what the step returned" in report.hint
+    assert report.worst.where() in report.hint and "distributed" in report.hint

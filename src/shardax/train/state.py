@@ -118,10 +118,13 @@ def check_tx(tx: Any) -> None:
     )
 
 
-def check_opt_state(params: Any, opt_state: Any) -> None:
+def check_opt_state(params: Any, opt_state: Any, tx: Any = None) -> None:
     """Raises ``ValueError`` naming the leaf and both shapes when a subtree of
     ``opt_state`` shaped like ``params`` (Adam's ``mu``, ``nu``...) no longer matches
     their shapes: the params changed shape after the optimizer was initialised.
+
+    With ``tx``, a subtree whose shapes are what ``tx.init(params)`` gives there (the
+    factored moments of Adafactor mirror the params' structure, not their shapes) is right.
 
     Runs when the step is traced (shapes are static), so it costs nothing per step.
     """
@@ -135,8 +138,17 @@ def check_opt_state(params: Any, opt_state: Any) -> None:
 
     flat = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=mirrors)[0]
     params_leaves = jax.tree_util.tree_leaves_with_path(params)
+    expected: dict[Any, Any] = {}
+    if tx is not None:
+        fresh = jax.eval_shape(tx.init, params)
+        expected = dict(jax.tree_util.tree_flatten_with_path(fresh, is_leaf=mirrors)[0])
     for opt_path, node in flat:
         if not mirrors(node):
+            continue
+        like = expected.get(opt_path)
+        if like is not None and [np.shape(x) for x in jax.tree.leaves(like)] == [
+            np.shape(x) for x in jax.tree.leaves(node)
+        ]:
             continue
         for (path, p), o in zip(params_leaves, jax.tree.leaves(node), strict=True):
             if np.shape(p) != np.shape(o):
@@ -309,7 +321,7 @@ class TrainState:
 
     def apply_gradients(self, grads: Any, model_state: Any = None) -> TrainState:
         """One optimizer update; ``model_state`` replaces the model state if given."""
-        check_opt_state(self.params, self.opt_state)
+        check_opt_state(self.params, self.opt_state, self.tx)
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         return dataclasses.replace(
             self,

@@ -111,16 +111,20 @@ class TrainStep(Program):
                 f"(precision={policy_name(self.precision)!r}); the step reports the scale there"
             )
         grads = unscale(grads, state.loss_scale)
+        state = self.update(state, grads, model_state)
+        stats = every_nth(state, grads, self.stats, self.stats_every)
+        return state, {**metrics, **stats, "loss_scale": state.loss_scale.scale}
+
+    def update(self, state: TrainState, grads: Any, model_state: Any) -> TrainState:
+        """The state after the optimizer's update with the (unscaled) ``grads``; with loss
+        scaling, non-finite gradients change nothing but the step count and the scale.
+        :func:`shardax.verify` applies it on one device to the distributed gradients."""
+        if self._scaling is None:
+            return state.apply_gradients(grads, model_state)
         finite = all_finite(grads)
         updated = state.apply_gradients(grads, model_state)
         state = select_tree(finite, updated, state.replace(step=updated.step))
-        loss_scale = adjust_loss_scale(state.loss_scale, finite, self._scaling)
-        stats = every_nth(state, grads, self.stats, self.stats_every)
-        return state.replace(loss_scale=loss_scale), {
-            **metrics,
-            **stats,
-            "loss_scale": loss_scale.scale,
-        }
+        return state.replace(loss_scale=adjust_loss_scale(state.loss_scale, finite, self._scaling))
 
     def _shard_grads(self, grads: Any) -> Any:
         """zero2: the gradients constrained to the optimizer state's sharding."""

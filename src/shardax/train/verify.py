@@ -1,22 +1,29 @@
 """``sx.verify``: the distributed step against one device, leaf by leaf, with the likely cause.
 
-``verify(step, state, batch)`` runs the step's program on its mesh and the same program
-on the mesh's first device (a one-device mesh with the same axis names and types, so a
-model's own sharding annotations still apply), from the same state and batch, for
-``steps`` steps, and compares after each step:
+``verify(step, state, batch)`` runs the step on its mesh and, for the reference, on the
+mesh's first device (a one-device mesh with the same axis names and types, so a model's
+own sharding annotations still apply) over the whole batch in one go, from the same
+state, and compares what distribution can change:
 
-- the loss and the aux metrics;
-- the gradients (unscaled, before the optimizer), leaf by leaf;
-- the updated params, optimizer state and non-trainable model state.
+- the loss and the aux metrics, the gradients (unscaled, before the optimizer) and the
+  non-trainable model state, each against one device's, at a tolerance for the order of
+  floating-point sums;
+- the update: the distributed params and optimizer state against the optimizer applied,
+  on one device, to the *distributed* gradients. The optimizer's normalisation (Adam,
+  Lion, Adafactor) may turn a gradient of rounding noise (a bias before BatchNorm, ~1e-9,
+  its sign set by the order of the sums) into a step of ±lr; judged this way that noise is
+  no difference, while a wrong update still is: the update must be the optimizer's, and
+  the gradients it is applied to must be one device's.
 
-For a :class:`~shardax.train.step.TrainStep` (or a ``plan="auto"`` step) both sides are
-the step's own program (its loss function, plan, mode, accumulation and precision),
-built without donation and returning the gradients beside the update: two
-compilations, one distributed and one reference step per verified step. For your own
-step function (the keep-your-loop path), ``verify(train_step, (model, optimizer),
-batch)`` runs it on copies of the state, placed as given and on the first device, and
-compares the updated state and what it returns (the gradients are seen through the
-update). The state passed in is never changed or donated.
+Each step starts both sides from the same state (the distributed one), so a difference
+is the step's own. For a :class:`~shardax.train.step.TrainStep` (or a ``plan="auto"``
+step) both sides run the step's program (its loss function, plan, mode and precision),
+built without donation; the reference never accumulates: one device, the whole batch.
+For your own step function (the keep-your-loop path), ``verify(train_step, (model,
+optimizer), batch)`` runs it on copies of the state, placed as given and on the first
+device; an ``nnx.Optimizer`` among them hands verify the gradients (its transformation
+records them), otherwise the update is compared as it is. The state passed in is never
+changed or donated.
 
 >>> report = sx.verify(step, state, {"x": np.ones((16, 4)), "y": np.zeros((16, 2))})
 >>> report.ok, report.cause
@@ -39,8 +46,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.checks import as_count, public
 from shardax.parallel.context import laid_out_for
+from shardax.plan.core import axis_size
 from shardax.plan.tree import is_array, path_str
-from shardax.train.masks import MASK_KEY
+from shardax.train.masks import valid_count
 from shardax.train.precision import Precision, policy_name, resolve, unscale
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
@@ -56,22 +64,46 @@ so elements near zero do not raise false alarms."""
 
 CAUSES: dict[str, str] = {
     "per-device BatchNorm statistics": (
-        "each device normalizes with the statistics of its own slice of the batch. "
-        "sx.make_train_step binds the data axis for Flax NNX, Linen and Equinox "
-        "BatchNorm in every mode; in your own shard_map/pmap step set the layers' "
-        "axis_name to the data axis, or use jit"
+        "each device normalizes with the statistics of its own slice of the batch (the "
+        "distributed result is each device's slice run alone, and no weighting of those "
+        "gives one device's). sx.make_train_step binds the data axis for Flax NNX, Linen "
+        "and Equinox BatchNorm in every mode; in your own shard_map/pmap step set the "
+        "layers' axis_name to the data axis, or use jit; a statistic of your own over the "
+        "batch must reduce over the data axis"
     ),
     "per-device means weighted equally": (
         "under shard_map/pmap each device's loss is a mean over its own count (tokens, "
-        "weights), and without a 'mask' leaf in the batch the step averages the devices "
-        "with equal weights. Add batch['mask'] (booleans, shape (batch,) or (batch, seq), "
+        "weights), and the devices are averaged with equal weights (the distributed result "
+        "is the mean of the devices' slices run alone, and weighting them by their counts "
+        "gives one device's). Add batch['mask'] (booleans, shape (batch,) or (batch, seq), "
         "True where the loss counts); the loss can stay as it is. Or use mode='jit'"
+    ),
+    "rows are not independent examples": (
+        "the batch's rows refer to each other (a graph batch whose senders/receivers index "
+        "the whole batch, pairs or in-batch negatives): reordering the rows changes one "
+        "device's loss, and each device sees only its slice of them. Split the batch into "
+        "independent examples (one graph per row, padded), or use mode='jit', where the "
+        "step sees the whole batch"
     ),
     "device-folded RNG": (
         "under shard_map/pmap each device folds its index into the framework's RNG "
         "(step_rng, Linen's 'dropout' stream, NNX Rngs), by design, so dropout masks "
         "differ from one device's. Take the rng argument (one key per example, the same "
         "in every mode), use mode='jit', or verify with dropout off"
+    ),
+    "accumulation changes the update": (
+        "one device running the step's own accumulation over the whole batch gives the "
+        "distributed result, and one device over the whole batch in one go does not: the "
+        "loss is not a mean over independent examples, so microbatches change it (BatchNorm "
+        "normalizes each microbatch; a per-microbatch mean over a count the step cannot see "
+        "needs batch['mask']). Use accumulate=1, or make the loss a masked mean over "
+        "independent examples"
+    ),
+    "update not the optimizer's": (
+        "the gradients agree with one device's, but the distributed params or optimizer "
+        "state are not what the optimizer computes from them: the update itself is wrong "
+        "(a sharded optimizer state, a reduction in the transformation over a sharded "
+        "leaf, donation or aliasing)"
     ),
     "reduced precision": (
         "the differences are within what the reduced-precision compute dtype rounds "
@@ -96,7 +128,8 @@ SHOWN = 6
 class LeafDiff:
     """One leaf's difference at one step: ``max_abs`` (largest absolute difference),
     ``max_rel`` (that over ``scale``, the reference leaf's largest magnitude), ``limit``
-    (the tolerance ``atol + rtol * scale``)."""
+    (the tolerance ``atol + rtol * scale``); ``index``, ``got`` and ``want``: where the
+    largest difference is, the distributed value and the reference's there."""
 
     path: str
     step: int
@@ -104,6 +137,9 @@ class LeafDiff:
     max_rel: float
     limit: float
     scale: float
+    index: tuple[int, ...] = ()
+    got: float = 0.0
+    want: float = 0.0
 
     def within(self, rtol: float, atol: float) -> bool:
         """Whether the leaf is within another tolerance."""
@@ -118,6 +154,18 @@ class LeafDiff:
         """The difference over the tolerance (above 1: the leaf differs)."""
         return self.max_abs / self.limit if self.limit > 0 else float(self.max_abs > 0) * np.inf
 
+    def where(self) -> str:
+        """``path[index]: got (distributed) vs want (one device), step k``."""
+        at = f"[{', '.join(map(str, self.index))}]" if self.index else ""
+        return (
+            f"{self.path}{at} at step {self.step}: {self.got:.6g} distributed, "
+            f"{self.want:.6g} on one device"
+        )
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
 
 def _numeric(x: Any) -> bool:
     if not is_array(x) or isinstance(x, str):
@@ -126,9 +174,15 @@ def _numeric(x: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
 
 
+def _values(x: Any) -> np.ndarray:
+    """A leaf as float64 NumPy: a typed PRNG key by its key data."""
+    if _is_key(x):
+        x = jax.random.key_data(x)
+    return np.asarray(x, np.float64)
+
+
 def _diff(path: str, step: int, got: Any, want: Any, rtol: float, atol: float) -> LeafDiff:
-    a = np.asarray(got, np.float64)
-    b = np.asarray(want, np.float64)
+    a, b = _values(got), _values(want)
     if a.shape != b.shape:
         return LeafDiff(path, step, np.inf, np.inf, atol, 0.0)
     scale = float(np.max(np.abs(b))) if b.size else 0.0
@@ -136,19 +190,27 @@ def _diff(path: str, step: int, got: Any, want: Any, rtol: float, atol: float) -
         return LeafDiff(path, step, 0.0, 0.0, atol, 0.0)
     nan = np.isnan(a) != np.isnan(b)
     err = np.where(np.isnan(a) & np.isnan(b), 0.0, np.abs(a - b))
-    max_abs = np.inf if nan.any() else float(np.max(err))
+    err = np.where(nan, np.inf, err)
+    flat = int(np.argmax(err))
+    index = tuple(int(i) for i in np.unravel_index(flat, a.shape)) if a.ndim else ()
+    max_abs = float(err.flat[flat])
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
-    return LeafDiff(path, step, max_abs, max_rel, atol + rtol * scale, scale)
+    exact = _is_key(want) or jnp.issubdtype(np.asarray(want).dtype, jnp.integer)
+    limit = 0.0 if exact else atol + rtol * scale
+    return LeafDiff(
+        path, step, max_abs, max_rel, limit, scale, index, float(a.flat[flat]), float(b.flat[flat])
+    )
 
 
 def compare(got: Any, want: Any, step: int, rtol: float, atol: float) -> list[LeafDiff]:
-    """The differences of the numeric leaves of two trees of one structure (PRNG keys
-    and other leaves are skipped); paths are joined by "/"."""
+    """The differences of the numeric leaves of two trees of one structure; typed PRNG
+    keys are compared by their key data, and integer leaves (and keys) exactly. Paths
+    are joined by "/"."""
     want_leaves = dict(jax.tree_util.tree_leaves_with_path(want))
     out = []
     for path, x in jax.tree_util.tree_leaves_with_path(got):
         y = want_leaves.get(path)
-        if y is None or not _numeric(x) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if y is None or not (_is_key(x) or _numeric(x)):
             continue
         out.append(_diff(path_str(path), step, x, y, rtol, atol))
     return out
@@ -173,6 +235,7 @@ class VerifyReport:
             ones), worst first.
         steps, rtol, atol: what was compared, and the tolerance.
         what: the distributed side (the step's repr, or the function's name).
+        judged: what was compared, in words (which leaves against what).
         reference: the device the reference ran on.
         compared: the number of leaves compared per step.
         seconds: wall time of the verification, compilations included.
@@ -188,6 +251,7 @@ class VerifyReport:
     rtol: float
     atol: float
     what: str
+    judged: str
     reference: str
     compared: int
     seconds: float
@@ -216,11 +280,13 @@ class VerifyReport:
                 "ok" if d.ok else "[red]differs[/]",
             )
         more = len(self.diffs) - SHOWN
-        caption = [f"{self.what} against {self.reference}",
+        caption = [f"{self.what} against {self.reference}: {self.judged}",
                    f"{self.compared} leaves × {self.steps} step(s), rtol={self.rtol:g}, "
                    f"atol={self.atol:g}, {self.seconds:.1f} s"]  # fmt: skip
         if more > 0:
             caption.append(f"{more} more leaves differ")
+        if not self.ok and self.worst is not None:
+            caption.append(f"first difference: {self.worst.where()}")
         if not self.ok:
             caption.append(f"likely cause: {self.cause or 'not named'}: {self.hint}")
         table.caption = "\n".join(caption)
@@ -266,7 +332,7 @@ def _tree_bytes(tree: Any) -> int:
     return sum(
         int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
         for x in jax.tree.leaves(tree)
-        if is_array(x) and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+        if is_array(x) and not _is_key(x)
     )
 
 
@@ -314,6 +380,102 @@ def _on_one(device: Any, mesh: Mesh | None, batch: Any, fn: Callable[..., Any], 
         raise
 
 
+# -- evidence for the causes ----------------------------------------------------------------
+
+
+def _close(got: Any, want: Any, rtol: float, atol: float) -> bool:
+    return all(d.ok for d in compare(got, want, 1, rtol, atol))
+
+
+def _floats(tree: Any) -> Any:
+    """``tree`` with None in place of every leaf that is not a floating array."""
+    return jax.tree.map(
+        lambda x: x if _numeric(x) and jnp.issubdtype(x.dtype, jnp.inexact) else None, tree
+    )
+
+
+def _vector(tree: Any) -> np.ndarray:
+    parts = [_values(x).ravel() for x in jax.tree.leaves(_floats(tree))]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def _rows(batch: Any, fn: Callable[[np.ndarray], np.ndarray]) -> Any:
+    return jax.tree.map(lambda x: fn(np.asarray(x)) if is_array(x) and np.ndim(x) else x, batch)
+
+
+def _slices(batch: Any, n: int) -> list[Any]:
+    """The batch's rows in ``n`` equal consecutive slices: what each device holds."""
+    size = _batch_size(batch) // n
+    return [_rows(batch, lambda x, i=i: x[i * size : (i + 1) * size]) for i in range(n)]
+
+
+def _weighted(trees: list[Any], weights: list[float]) -> Any:
+    w = np.asarray(weights, np.float64) / max(float(np.sum(weights)), 1e-30)
+    return jax.tree.map(
+        lambda *xs: sum(wi * _values(x) for wi, x in zip(w, xs, strict=True)),
+        *[_floats(t) for t in trees],
+    )
+
+
+def _weights_explain(parts: list[Any], whole: Any, rtol: float) -> bool | None:
+    """Whether some weighting of the slices' results gives the whole batch's (least
+    squares over the loss and every gradient element); None when too few numbers."""
+    a = np.stack([_vector(p) for p in parts], axis=1)
+    b = _vector(whole)
+    if b.size <= 2 * a.shape[1]:
+        return None
+    w, *_ = np.linalg.lstsq(a, b, rcond=None)
+    return bool(np.linalg.norm(a @ w - b) <= min(10 * rtol, 1e-2) * np.linalg.norm(b))
+
+
+def _per_device(
+    run_slice: Callable[[Any], Any],
+    reordered: Callable[[], Any] | None,
+    batch: Any,
+    n: int,
+    got: Any,
+    want: Any,
+    rtol: float,
+    atol: float,
+    batchnorm: bool,
+) -> tuple[str, str] | None:
+    """The cause, when the distributed result is each device's slice run alone on one
+    device and averaged as the step averages devices (by their mask counts, or equally):
+    a weighting of the slices that gives one device's result names per-device means;
+    otherwise the rows are coupled, through statistics over the batch (BatchNorm) or, when
+    reordering the rows changes one device's loss, as rows that refer to each other."""
+    if n < 2 or _batch_size(batch) % n:
+        return None
+    slices = _slices(batch, n)
+    parts = [run_slice(b) for b in slices]
+    counts = [1.0 if valid_count(b) is None else float(valid_count(b)) for b in slices]
+    if not _close(_weighted(parts, counts), _floats(got), rtol, atol):
+        return None
+    if _weights_explain(parts, want, rtol):
+        return "per-device means weighted equally", CAUSES["per-device means weighted equally"]
+    if not batchnorm and reordered is not None:
+        loss = {k: v for k, v in want.items() if k in ("metrics", "returned")}
+        if not _close(reordered(), loss, rtol, atol):
+            return "rows are not independent examples", CAUSES["rows are not independent examples"]
+    return "per-device BatchNorm statistics", CAUSES["per-device BatchNorm statistics"]
+
+
+def _precision_hint(name: str) -> str:
+    return CAUSES["reduced precision"].replace("the reduced-precision compute dtype", name)
+
+
+def _unnamed(judged: str, worst: LeafDiff) -> str:
+    return (
+        f"no known cause fits. Compared {judged}; the first difference is "
+        f"{worst.where()}. Look at that leaf (a layer that communicates, a custom "
+        "collective, a sharding annotation) and see the guide 'Is my sharded run right?'"
+    )
+
+
+def _update_only(bad: list[LeafDiff], update: tuple[str, ...]) -> bool:
+    return bool(bad) and all(d.path.split("/")[0] in update for d in bad)
+
+
 # -- the train step's program, with its gradients -------------------------------------------
 
 
@@ -328,15 +490,16 @@ class _Probe(TrainStep):
         return new, {"metrics": metrics, "grads": grads}
 
     @classmethod
-    def like(cls, step: TrainStep, mesh: Mesh | None = None) -> _Probe:
-        """The probe of ``step`` (``mesh``: the step's config on another mesh, replicated)."""
+    def like(cls, step: TrainStep, mesh: Mesh | None = None, accumulate: int = 1) -> _Probe:
+        """The probe of ``step``; with ``mesh``, the reference: jit on that (one-device)
+        mesh, replicated, with ``accumulate`` (one device over the whole batch: 1)."""
         one = mesh is not None
         return cls(
             step.loss_fn,
             mesh=mesh if one else step.mesh,
             plan=None if one else step.plan,
             mode="jit" if one else step.mode,
-            accumulate=step.accumulate,
+            accumulate=accumulate if one else step.accumulate,
             donate=False,
             data_axis=step.data_axis,
             precision=step.precision,
@@ -349,107 +512,142 @@ def _place(batch: Any, sharding: Any) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, sharding) if is_array(x) else x, batch)
 
 
-def _observed(state: TrainState, out: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "metrics": out["metrics"],
-        "grads": out["grads"],
-        "params": state.params,
-        "opt_state": state.opt_state,
-        "model_state": state.model_state,
-    }
+def _reduced(state: TrainState, out: dict[str, Any]) -> dict[str, Any]:
+    """What distribution can change: the metrics, the gradients, the model state."""
+    return {"metrics": out["metrics"], "grads": out["grads"], "model_state": state.model_state}
+
+
+def _updated(state: TrainState) -> dict[str, Any]:
+    return {"params": state.params, "opt_state": state.opt_state, "loss_scale": state.loss_scale}
+
+
+_UPDATE = ("params", "opt_state", "loss_scale")
+_STEP_JUDGED = (
+    "the loss, aux metrics, gradients and model state against one device's over the whole "
+    "batch; the params and optimizer state against the optimizer applied on one device to "
+    "the distributed gradients"
+)
 
 
 def _fold_keys(tree: Any) -> Any:
-    return jax.tree.map(
-        lambda x: (
-            jax.random.fold_in(x, 1)
-            if is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-            else x
-        ),
-        tree,
-    )
+    return jax.tree.map(lambda x: jax.random.fold_in(x, 1) if _is_key(x) else x, tree)
 
 
 def _verify_step(
     step: TrainStep, state: TrainState, batch: Any, steps: int, rtol: float, atol: float
-) -> tuple[list[list[LeafDiff]], Callable[[LeafDiff], tuple[str | None, str]], str]:
+) -> tuple[list[list[LeafDiff]], Callable[[LeafDiff], tuple[str | None, str]], str, str]:
     mesh1 = one_device_mesh(step.mesh)
     device = mesh1.devices.flat[0]
+    one = NamedSharding(mesh1, PartitionSpec())
     dist, ref = _Probe.like(step), _Probe.like(step, mesh1)
     dstate = dist.shard(state)
     _check_fits(device, state, batch)
-    rbatch = _place(batch, NamedSharding(mesh1, PartitionSpec()))
-    rstate = _on_one(device, step.mesh, batch, ref.shard, state)
-    first: dict[str, Any] = {}
-    by_step = []
+    rbatch = _place(batch, one)
+    update = jax.jit(ref.update)
+
+    def on_one(fn: Callable[..., Any], *args: Any) -> Any:
+        def under(*args: Any) -> Any:
+            with jax.sharding.set_mesh(mesh1):
+                return fn(*args)
+
+        return _on_one(device, step.mesh, batch, under, *args)
+
+    by_step, runs = [], []
     for k in range(1, steps + 1):
+        rstart = on_one(ref.shard, dstate)  # both sides start from the same state
         dnew, dout = dist(dstate, batch)
-        rnew, rout = _on_one(device, step.mesh, batch, ref, rstate, rbatch)
-        got, want = _observed(dnew, dout), _observed(rnew, rout)
-        if k == 1:
-            first = {"dist": got, "ref": want}
+        rnew, rout = on_one(ref, rstart, rbatch)
+        grads, model_state = _place((dout["grads"], dnew.model_state), one)
+        expected = on_one(update, rstart, grads, model_state)
+        got = {**_reduced(dnew, dout), **_updated(dnew)}
+        want = {**_reduced(rnew, rout), **_updated(expected)}
         by_step.append(compare(got, want, k, rtol, atol))
-        dstate, rstate = dnew, rnew
+        runs.append((dstate, rstart, got, want))
+        dstate = dnew
 
     def diagnose(worst: LeafDiff) -> tuple[str | None, str]:
+        dstart, rstart, got, want = runs[worst.step - 1]
+        bad = [d for d in by_step[worst.step - 1] if not d.ok]
         if jnp.dtype(step.precision.compute_dtype).itemsize < 4 and worst.within(
             *tolerance(step.precision)
         ):
             return "reduced precision", _precision_hint(policy_name(step.precision))
-        again = _observed(*dist(dist.shard(state), batch))
-        if any(not d.ok for d in compare(again, first["dist"], 1, rtol, atol)):
+        dnew, dout = dist(dstart, batch)
+        if not _close({**_reduced(dnew, dout), **_updated(dnew)}, got, rtol, atol):
             return "non-determinism", CAUSES["non-determinism"]
+        if _update_only(bad, _UPDATE):
+            return "update not the optimizer's", CAUSES["update not the optimizer's"]
+        loss_and_grads = {k: want[k] for k in ("metrics", "grads")}
+        if step.accumulate > 1:
+            same = _Probe.like(step, mesh1, accumulate=step.accumulate)
+            anew, aout = on_one(same, rstart, rbatch)
+            if _close(_reduced(dnew, dout), _reduced(anew, aout), rtol, atol):
+                return "accumulation changes the update", CAUSES["accumulation changes the update"]
         if step.mode in ("shard_map", "pmap"):
-            loss = compare(first["dist"]["metrics"], first["ref"]["metrics"], 1, rtol, atol)
-            if all(d.ok for d in loss):
-                return None, _UNNAMED
-            # Another seed for the framework's RNG: does the reference's loss change?
-            key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)
-            other = state.replace(
-                rng=jax.random.key_data(key), model_state=_fold_keys(state.model_state)
+            # Another seed for the framework's RNG: does one device's loss change?
+            key = jax.random.fold_in(jax.random.wrap_key_data(rstart.rng), 1)
+            other = rstart.replace(
+                rng=jax.random.key_data(key), model_state=_fold_keys(rstart.model_state)
             )
-            reseeded = _observed(*_on_one(device, step.mesh, batch, ref, ref.shard(other), rbatch))
-            reseeded = reseeded["metrics"]
-            if any(not d.ok for d in compare(reseeded, first["ref"]["metrics"], 1, rtol, atol)):
+            if not _close(on_one(ref, other, rbatch)[1]["metrics"], want["metrics"], rtol, atol):
                 return "device-folded RNG", CAUSES["device-folded RNG"]
-            if not (isinstance(batch, dict) and MASK_KEY in batch):
-                return "per-device means weighted equally", CAUSES[
-                    "per-device means weighted equally"
-                ]
-        return None, _UNNAMED
 
-    return by_step, diagnose, str(device)
+            def run_slice(part: Any) -> Any:
+                out = on_one(ref, rstart, _place(part, one))[1]
+                return {"metrics": out["metrics"], "grads": out["grads"]}
 
+            def reordered() -> Any:
+                flipped = _place(_rows(batch, lambda x: x[::-1]), one)
+                return {"metrics": on_one(ref, rstart, flipped)[1]["metrics"]}
 
-def _precision_hint(name: str) -> str:
-    return CAUSES["reduced precision"].replace("the reduced-precision compute dtype", name)
+            n = axis_size(step.mesh, step.data_axis)
+            found = _per_device(
+                run_slice,
+                None if "rng" in step._filled else reordered,
+                batch,
+                n,
+                {k: got[k] for k in ("metrics", "grads")},
+                loss_and_grads,
+                rtol,
+                atol,
+                batchnorm=False,
+            )
+            if found is not None:
+                return found
+        return None, _unnamed(_STEP_JUDGED, worst)
 
-
-_UNNAMED = (
-    "no known cause fits; look at the first leaf that differs (a layer that "
-    "communicates, a custom collective, a sharding annotation) and see the guide "
-    "'Is my sharded run right?'"
-)
+    return by_step, diagnose, str(device), _STEP_JUDGED
 
 
 # -- a user's own step function -----------------------------------------------------------
 
 
-def _is_graph(tree: Any) -> bool:
+def _node_type() -> type:
     from flax import nnx
 
-    return any(
-        isinstance(x, nnx.Object)
-        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Object))
-    )
+    return getattr(nnx, "Pytree", nnx.Object)  # flax 0.12: Module and Optimizer are Pytrees
 
 
-def _arrays(args: tuple[Any, ...]) -> Any:
-    """The array leaves of the state (NNX objects through ``nnx.state``), as a pytree."""
+def _is_graph(tree: Any) -> bool:
+    return bool(_objects(tree, _node_type()))
+
+
+def _objects(args: Any, kind: type) -> list[Any]:
+    return [
+        x
+        for x in jax.tree.leaves(args, is_leaf=lambda x: isinstance(x, kind))
+        if isinstance(x, kind)
+    ]
+
+
+def _arrays(args: tuple[Any, ...], which: Any = None) -> Any:
+    """The array leaves of the state (NNX objects through ``nnx.state``, ``which``: a
+    variable filter), as a pytree."""
     if _is_graph(args):
         from flax import nnx
 
-        return nnx.to_pure_dict(nnx.state(args))
+        state = nnx.state(args) if which is None else nnx.state(args, which)
+        return nnx.to_pure_dict(state)
     return args
 
 
@@ -465,6 +663,69 @@ def _copied(args: tuple[Any, ...], put: Callable[[jax.Array], jax.Array]) -> tup
         graphdef, state = nnx.split(args)
         return nnx.merge(graphdef, jax.tree.map(one, state))
     return jax.tree.map(one, args)
+
+
+def _recording(tx: Any) -> Any:
+    """``tx``, whose state also holds the last gradients it was given."""
+    import optax
+
+    def init(params: Any) -> Any:
+        return tx.init(params), jax.tree.map(jnp.zeros_like, params)
+
+    def update(grads: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        updates, inner = tx.update(grads, state[0], params, **extra)
+        return updates, (inner, grads)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _shapes(tree: Any) -> list[tuple[int, ...]]:
+    return [np.shape(x) for x in jax.tree.leaves(tree)]
+
+
+def _recorded(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
+    """``(optimizer, model)`` for each ``nnx.Optimizer`` in a copy of the state, its
+    transformation made to record the gradients (in the copy only)."""
+    from flax import nnx
+    from flax.nnx.training.optimizer import to_opt_state
+
+    if not _is_graph(args):
+        return []
+    modules = [m for m in _objects(args, nnx.Module) if not isinstance(m, nnx.Optimizer)]
+    out = []
+    for opt in _objects(args, nnx.Optimizer):
+        want = _shapes(nnx.as_pure(opt.opt_state))
+        for model in [getattr(opt, "model", None), *modules]:
+            if not isinstance(model, nnx.Module):
+                continue
+            params = nnx.as_pure(nnx.state(model, opt.wrt))
+            if _shapes(jax.eval_shape(opt.tx.init, params)) != want:
+                continue
+            zeros = to_opt_state(jax.tree.map(jnp.zeros_like, params))
+            opt.opt_state = nnx.data((opt.opt_state, zeros))
+            opt.tx = _recording(opt.tx)
+            out.append((opt, model))
+            break
+    return out
+
+
+def _optimizer_view(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """Each recorded optimizer's gradients, params and (inner) state, by its position."""
+    from flax import nnx
+
+    out = {}
+    for i, (opt, model) in enumerate(pairs):
+        inner, grads = nnx.as_pure(opt.opt_state)
+        params = nnx.as_pure(nnx.state(model, opt.wrt))
+        out[str(i)] = {"grads": grads, "params": params, "opt_state": inner}
+    return out
+
+
+def _expected_update(tx: Any, params: Any, opt_state: Any, grads: Any) -> dict[str, Any]:
+    import optax
+
+    updates, new = tx.update(grads, opt_state, params)
+    return {"params": optax.apply_updates(params, updates), "opt_state": new}
 
 
 def _mesh_of(tree: Any) -> Mesh | None:
@@ -489,7 +750,11 @@ def _split_out(out: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
 
 
 def _rtol_of(args: Any) -> tuple[float, float]:
-    dtypes = {jnp.dtype(x.dtype) for x in jax.tree.leaves(_arrays(args)) if hasattr(x, "dtype")}
+    dtypes = {
+        jnp.dtype(x.dtype)
+        for x in jax.tree.leaves(_arrays(args))
+        if hasattr(x, "dtype") and not _is_key(x)
+    }
     if jnp.dtype(jnp.float16) in dtypes:
         return TOLERANCES["fp16"]
     if jnp.dtype(jnp.bfloat16) in dtypes:
@@ -501,7 +766,7 @@ def _has_batchnorm(args: Any) -> bool:
     from flax import nnx
 
     if _is_graph(args):
-        objs = jax.tree.leaves(args, is_leaf=lambda x: isinstance(x, nnx.Object))
+        objs = _objects(args, _node_type())
         if any(
             isinstance(m, nnx.BatchNorm)
             for o in objs
@@ -511,6 +776,22 @@ def _has_batchnorm(args: Any) -> bool:
             return True
     paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(_arrays(args))]
     return any("batch_stats" in p or "BatchNorm" in p for p in paths)
+
+
+def _fn_judged(recorded: bool) -> str:
+    if recorded:
+        return (
+            "what the step returned, the gradients its nnx.Optimizer was given and the "
+            "non-trainable state against one device's over the whole batch; the params and "
+            "optimizer state against the optimizer applied on one device to the distributed "
+            "gradients"
+        )
+    return (
+        "what the step returned and the updated state against one device's over the whole "
+        "batch (no nnx.Optimizer in the state: the update is compared as it is, so an "
+        "optimizer that normalises, like Adam, can amplify rounding noise; sx.make_train_step "
+        "or an nnx.Optimizer lets verify judge the update from the gradients)"
+    )
 
 
 def _verify_fn(
@@ -538,42 +819,133 @@ def _verify_fn(
                 return _split_out(f(*start, data), start)
         return _split_out(f(*start, data), start)
 
-    def fresh() -> tuple[Any, ...]:
-        return _copied(args, jnp.copy)  # the user's step may donate: never the original
+    def put_one(x: jax.Array) -> jax.Array:
+        # a copy: device_put reuses the buffer of a replicated array's shard on the
+        # device, and the user's step may donate it
+        return jnp.copy(jax.device_put(x, one))
 
-    rargs = _on_one(device, None, batch, _copied, args, lambda x: jax.device_put(x, one))
-    dargs = fresh()
-    by_step, first = [], {}
+    def on_one(f: Callable[..., Any], *a: Any) -> Any:
+        return _on_one(device, mesh, batch, f, *a)
+
+    dargs = _copied(args, jnp.copy)  # the user's step may donate: never the original
+    recorded = bool(_recorded(dargs))
+    judged = _fn_judged(recorded)
+    rest: Any = None
+    if recorded:
+        from flax import nnx
+        from flax.nnx.training.optimizer import OptState
+
+        wrt = nnx.Any(OptState, *[opt.wrt for opt, _ in _recorded_pairs(dargs)])
+        rest = nnx.Not(wrt)
+
+    def observe(start: tuple[Any, ...], out: Any) -> dict[str, Any]:
+        seen = {"returned": out, "state": _arrays(start, rest)}
+        if recorded:
+            seen["optimizer"] = _optimizer_view(_recorded_pairs(start))
+        return seen
+
+    def step_from(start: tuple[Any, ...], data: Any, on_one_device: bool, f: Callable[..., Any]):
+        copy = _copied(start, put_one if on_one_device else jnp.copy)
+        if on_one_device:
+            new, out = on_one(run, f, copy, data, True)
+        else:
+            new, out = run(f, copy, data, False)
+        return observe(new, out)
+
+    by_step, runs = [], []
     for k in range(1, steps + 1):
+        dstart = _copied(dargs, jnp.copy)
+        before = on_one(_copied, dargs, put_one) if recorded else ()
+        view = _optimizer_view(_recorded_pairs(before)) if recorded else {}
         dargs, dout = run(fn, dargs, batch, False)
-        rargs, rout = _on_one(device, mesh, batch, run, reference, rargs, rbatch, True)
-        got = {"returned": dout, "state": _arrays(dargs)}
-        want = {"returned": rout, "state": _arrays(rargs)}
-        if k == 1:
-            first = {"dist": got, "ref": want}
+        got = observe(dargs, dout)
+        want = step_from(dstart, rbatch, True, reference)
+        if recorded:
+            for i, (opt, _) in enumerate(_recorded_pairs(before)):
+                inner_tx = opt.tx
+                start_view = view[str(i)]
+                grads = _place(got["optimizer"][str(i)]["grads"], one)
+                expected = on_one(
+                    jax.jit(lambda p, s, g, tx=inner_tx: _expected_update(tx, p, s, g)),
+                    start_view["params"],
+                    (start_view["opt_state"], start_view["grads"]),
+                    grads,
+                )
+                expected["opt_state"] = expected["opt_state"][0]
+                want["optimizer"][str(i)].update(expected)
         by_step.append(compare(got, want, k, rtol, atol))
+        runs.append((dstart, got, want))
 
     def diagnose(worst: LeafDiff) -> tuple[str | None, str]:
+        dstart, got, want = runs[worst.step - 1]
+        bad = [d for d in by_step[worst.step - 1] if not d.ok]
         default = _rtol_of(args)
         if default != TOLERANCES["fp32"] and worst.within(*default):
             return "reduced precision", _precision_hint("the state's dtype")
-        again = run(fn, fresh(), batch, False)
-        redo = {"returned": again[1], "state": _arrays(again[0])}
-        if any(not d.ok for d in compare(redo, first["dist"], 1, rtol, atol)):
+        if not _close(step_from(dstart, batch, False, fn), got, rtol, atol):
             return "non-determinism", CAUSES["non-determinism"]
-        returned = compare(first["dist"]["returned"], first["ref"]["returned"], 1, rtol, atol)
-        if all(d.ok for d in returned):
-            return None, _UNNAMED
-        if _has_batchnorm(args):
-            return "per-device BatchNorm statistics", CAUSES["per-device BatchNorm statistics"]
-        if not (isinstance(batch, dict) and MASK_KEY in batch):
-            return "per-device means weighted equally", (
-                "if your step maps over devices (shard_map, pmap): "
-                + CAUSES["per-device means weighted equally"]
-            )
-        return None, _UNNAMED
+        if recorded and all(
+            d.path.startswith("optimizer/") and d.path.split("/")[2] in ("params", "opt_state")
+            for d in bad
+        ):
+            return "update not the optimizer's", CAUSES["update not the optimizer's"]
+        keep = ("returned", "optimizer") if recorded else ("returned", "state")
 
-    return by_step, diagnose, str(device)
+        def picked(seen: dict[str, Any]) -> dict[str, Any]:
+            out = {k: seen[k] for k in keep}
+            if recorded:
+                out["optimizer"] = {i: {"grads": v["grads"]} for i, v in out["optimizer"].items()}
+            return out
+
+        def run_slice(part: Any) -> Any:
+            return picked(step_from(dstart, _place(part, one), True, reference))
+
+        def reordered() -> Any:
+            flipped = _place(_rows(batch, lambda x: x[::-1]), one)
+            return {"returned": step_from(dstart, flipped, True, reference)["returned"]}
+
+        n = _devices_over_rows(batch, mesh)
+        batchnorm = _has_batchnorm(args)
+        try:
+            found = _per_device(
+                run_slice, reordered, batch, n, picked(got), picked(want), rtol, atol, batchnorm
+            )
+        except Exception:  # the step may not run on a slice (a fixed batch size)
+            found = None
+        if found is not None:
+            return found
+        return None, _unnamed(judged, worst)
+
+    return by_step, diagnose, str(device), judged
+
+
+def _recorded_pairs(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
+    """``(optimizer, model)`` for the recording optimizers of a copy (made from a copy
+    that :func:`_recorded` instrumented: the instrumentation is copied with it)."""
+    from flax import nnx
+
+    modules = [m for m in _objects(args, nnx.Module) if not isinstance(m, nnx.Optimizer)]
+    out = []
+    for opt in _objects(args, nnx.Optimizer):
+        if not isinstance(opt.opt_state, tuple):
+            continue
+        shapes = _shapes(nnx.as_pure(opt.opt_state)[1])
+        for model in [getattr(opt, "model", None), *modules]:
+            if isinstance(model, nnx.Module) and shapes == _shapes(
+                nnx.as_pure(nnx.state(model, opt.wrt))
+            ):
+                out.append((opt, model))
+                break
+    return out
+
+
+def _devices_over_rows(batch: Any, mesh: Mesh | None) -> int:
+    """The number of slices the batch's rows are split in: by the placement of a placed
+    batch, else over the whole mesh."""
+    for x in jax.tree.leaves(batch):
+        if isinstance(x, jax.Array) and x.ndim:
+            return x.shape[0] // max(x.sharding.shard_shape(x.shape)[0], 1)
+    return mesh.size if mesh is not None else 1
 
 
 # -- verify ----------------------------------------------------------------------------------
@@ -649,11 +1021,11 @@ def verify(
         if not isinstance(state, TrainState):
             raise TypeError(f"a train step takes a sx.TrainState, got {type(state).__name__}")
         rtol, atol = _given(tolerance(step.precision), rtol, atol)
-        by_step, diagnose, device = _verify_step(step, state, batch, steps, rtol, atol)
+        by_step, diagnose, device, judged = _verify_step(step, state, batch, steps, rtol, atol)
         what = repr(step)
     elif callable(step):
         rtol, atol = _given(_rtol_of(state if isinstance(state, tuple) else (state,)), rtol, atol)
-        by_step, diagnose, device = _verify_fn(
+        by_step, diagnose, device, judged = _verify_fn(
             step, state, batch, steps, rtol, atol, reference, mesh
         )
         what = getattr(step, "__name__", type(step).__name__)
@@ -676,6 +1048,7 @@ def verify(
         rtol=rtol,
         atol=atol,
         what=what,
+        judged=judged,
         reference=device,
         compared=len(by_step[0]) if by_step else 0,
         seconds=time.perf_counter() - start,
