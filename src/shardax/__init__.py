@@ -3,7 +3,7 @@
 The names here are what the guides use. Everything else is in its layer's namespace,
 documented there: :mod:`shardax.mesh`, :mod:`shardax.plan`, :mod:`shardax.data`,
 :mod:`shardax.parallel`, :mod:`shardax.train`, :mod:`shardax.checkpoint`,
-:mod:`shardax.runtime`, :mod:`shardax.cost` and :mod:`shardax.track`. The artifex API
+:mod:`shardax.runtime`, :mod:`shardax.cost`, :mod:`shardax.track` and :mod:`shardax.loop`. The artifex API
 of the seed documents is :mod:`shardax.artifex`, re-exported here.
 
 >>> import shardax as sx
@@ -14,6 +14,7 @@ of the seed documents is :mod:`shardax.artifex`, re-exported here.
 from shardax import (  # noqa: F401 (the layer namespaces: sx.plan.validate, sx.cost, ...)
     cost,
     data,
+    loop,
     mesh,
     parallel,
     plan,
