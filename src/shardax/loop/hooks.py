@@ -5,7 +5,8 @@ A :class:`~shardax.loop.Run` calls every hook, in order: :meth:`Hook.start` on e
 when the loop ends normally, and :meth:`Hook.close` (in reverse order) on exit, error or
 not. A hook says with :meth:`Hook.due` that it acts after this step and needs the step
 metrics on the host; the :class:`MetricsWindow` then fetches every step's metrics since
-the last fetch in one transfer, before the hooks after it run.
+the last fetch in one transfer, before the hooks after it run. Each method gets the
+:class:`~shardax.loop.Run` (``run``).
 
 - :class:`Goodput`: the goodput ledger (:class:`shardax.track.Ledger`);
 - :class:`Watchdog`: the hang watchdog (:class:`shardax.StepWatchdog`) and its report;
@@ -21,16 +22,13 @@ the last fetch in one transfer, before the hooks after it run.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from shardax.checks import as_float, public
 from shardax.loop.schedule import itstime
 from shardax.runtime import status
-
-if TYPE_CHECKING:
-    from shardax.loop.run import Run
 
 
 @public("sx.loop.Hook")
@@ -43,23 +41,23 @@ class Hook:
 
     every: int | None = None
 
-    def due(self, run: Run) -> bool:
+    def due(self, run: Any) -> bool:
         """Acts after step ``run.step`` and needs its metrics on the host."""
         return False
 
-    def start(self, run: Run) -> None:
+    def start(self, run: Any) -> None:
         """On entering the run (the state restored, before the first step)."""
 
-    def before_step(self, run: Run) -> None:
+    def before_step(self, run: Any) -> None:
         """Before step ``run.step`` (its batch is fetched)."""
 
-    def after_step(self, run: Run) -> None:
+    def after_step(self, run: Any) -> None:
         """After step ``run.step`` (the metrics flushed if a hook was due)."""
 
-    def finish(self, run: Run) -> None:
+    def finish(self, run: Any) -> None:
         """After the last step of a run that ended without an error."""
 
-    def close(self, run: Run) -> None:
+    def close(self, run: Any) -> None:
         """On leaving the run, error or not (hooks close in reverse order)."""
 
 
@@ -79,7 +77,7 @@ class Goodput(Hook):
     ) -> None:  # fmt: skip
         self.path, self.since, self.compiled = path, since, compiled
 
-    def start(self, run: Run) -> None:
+    def start(self, run: Any) -> None:
         from shardax.runtime import compile_stats
         from shardax.track.goodput import Ledger
 
@@ -89,14 +87,14 @@ class Goodput(Hook):
         if run.first:
             self.ledger.resumed(run.first)
 
-    def before_step(self, run: Run) -> None:
+    def before_step(self, run: Any) -> None:
         if self.ledger.bucket != "step":
             self.ledger.switch("step")
 
-    def after_step(self, run: Run) -> None:
+    def after_step(self, run: Any) -> None:
         self.ledger.completed(run.step)
 
-    def close(self, run: Run) -> None:
+    def close(self, run: Any) -> None:
         self.ledger.close()
 
 
@@ -114,7 +112,7 @@ class Watchdog(Hook):
         self.on_fire = on_fire
         self._armed = False
 
-    def start(self, run: Run) -> None:
+    def start(self, run: Any) -> None:
         from shardax.runtime.watchdog import StepWatchdog
 
         def hang(step: int | None) -> None:
@@ -123,19 +121,19 @@ class Watchdog(Hook):
 
         self.watchdog = StepWatchdog(self.timeout, on_fire=self.on_fire or hang)
 
-    def before_step(self, run: Run) -> None:
+    def before_step(self, run: Any) -> None:
         if run.step > run.first + 1:
             self.watchdog.arm(run.step)
             self._armed = True
 
-    def after_step(self, run: Run) -> None:
+    def after_step(self, run: Any) -> None:
         if self._armed:
             self.watchdog.phase(status.DEVICE)
             jax.block_until_ready(run.pending[-1][1])
             self.watchdog.disarm()
             self._armed = False
 
-    def close(self, run: Run) -> None:
+    def close(self, run: Any) -> None:
         if self._armed:
             self.watchdog.disarm()
         self.watchdog.close()
@@ -147,20 +145,20 @@ class Preemption(Hook):
     (:func:`shardax.checkpoint.reached_preemption`); the :class:`Checkpoints` hook saves
     it, then the run raises :class:`shardax.Preempted` (exit code 75)."""
 
-    def start(self, run: Run) -> None:
+    def start(self, run: Any) -> None:
         from shardax.checkpoint.preemption import watch_preemption
 
         self.watch = watch_preemption()
 
-    def after_step(self, run: Run) -> None:
+    def after_step(self, run: Any) -> None:
         from shardax.checkpoint.preemption import reached_preemption
 
         run.preempted = reached_preemption(run.step)  # the same step everywhere
 
-    def due(self, run: Run) -> bool:
+    def due(self, run: Any) -> bool:
         return run.preempted
 
-    def close(self, run: Run) -> None:
+    def close(self, run: Any) -> None:
         self.watch.close()
 
 
@@ -171,12 +169,12 @@ class MetricsWindow(Hook):
     fetched step's loss must be finite before anything is logged, evaluated or saved
     (:func:`shardax.train.check_finite` names the step)."""
 
-    def after_step(self, run: Run) -> None:
+    def after_step(self, run: Any) -> None:
         later = run.hooks[run.hooks.index(self) + 1 :]
         if any([hook.due(run) for hook in later]):
             run.flush()
 
-    def finish(self, run: Run) -> None:
+    def finish(self, run: Any) -> None:
         run.flush()
 
 
@@ -195,15 +193,15 @@ class Progress(Hook):
         return [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                 TextColumn("{task.fields[text]}"), TimeRemainingColumn()]  # fmt: skip
 
-    def fields(self, run: Run) -> dict[str, Any]:
+    def fields(self, run: Any) -> dict[str, Any]:
         """The bar's fields after a fetch (default: the last fetched metrics as text)."""
         metrics = run.flushed[-1][1]
         return {"text": "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())}
 
-    def due(self, run: Run) -> bool:
+    def due(self, run: Any) -> bool:
         return bool(self.every) and itstime(run.step, self.every)
 
-    def start(self, run: Run) -> None:
+    def start(self, run: Any) -> None:
         from rich.progress import Progress as Bar
 
         self.bar = Bar(*self.columns(), console=self.console,
@@ -216,11 +214,11 @@ class Progress(Hook):
         """The numeric fields :meth:`fields` fills (shown as 0 until the first fetch)."""
         return ()
 
-    def after_step(self, run: Run) -> None:
+    def after_step(self, run: Any) -> None:
         fields = self.fields(run) if run.flushed else {}
         self.bar.update(self.task, total=run.total, completed=run.step, **fields)
 
-    def close(self, run: Run) -> None:
+    def close(self, run: Any) -> None:
         self.bar.__exit__(None, None, None)
 
 
@@ -233,14 +231,14 @@ class Logging(Hook):
     def __init__(self, every: int | None = 10) -> None:
         self.every = every
 
-    def due(self, run: Run) -> bool:
+    def due(self, run: Any) -> bool:
         return run.writer is not None and itstime(run.step, self.every, run.total)
 
-    def after_step(self, run: Run) -> None:
+    def after_step(self, run: Any) -> None:
         if self.due(run):
             self.log(run)
 
-    def log(self, run: Run) -> None:
+    def log(self, run: Any) -> None:
         step, metrics = run.flushed[-1]
         run.writer.write(step, {f"train/{k}": v for k, v in metrics.items()})
 
@@ -255,25 +253,25 @@ class Evaluation(Hook):
         self.evaluate, self.every = evaluate, every
         self.done_at: int | None = None
 
-    def due(self, run: Run) -> bool:
+    def due(self, run: Any) -> bool:
         return itstime(run.step, self.every, run.total)
 
-    def after_step(self, run: Run) -> None:
+    def after_step(self, run: Any) -> None:
         if self.due(run):
             self.run(run)
 
-    def finish(self, run: Run) -> None:
+    def finish(self, run: Any) -> None:
         if self.done_at != run.step and run.step > run.first:
             self.run(run)
 
-    def run(self, run: Run) -> None:
+    def run(self, run: Any) -> None:
         with run.phase("eval"):
             scores = dict(self.evaluate(run.state))
         self.done_at = run.step
         run.scores = scores
         self.record(run, scores)
 
-    def record(self, run: Run, scores: dict[str, Any]) -> None:
+    def record(self, run: Any, scores: dict[str, Any]) -> None:
         """Writes the scores and the goodput figures to ``run.writer``."""
         if run.writer is not None:
             goodput = run.ledger.scalars() if run.ledger is not None else {}
@@ -291,18 +289,18 @@ class Checkpoints(Hook):
         self.every = every
         self.saved_at: int | None = None
 
-    def due(self, run: Run) -> bool:
+    def due(self, run: Any) -> bool:
         return itstime(run.step, self.every, run.total) or run.preempted
 
-    def after_step(self, run: Run) -> None:
+    def after_step(self, run: Any) -> None:
         if self.due(run):
             self.save(run)
 
-    def finish(self, run: Run) -> None:
+    def finish(self, run: Any) -> None:
         if self.saved_at != run.step and run.step > run.first:
             self.save(run)
 
-    def save(self, run: Run) -> None:
+    def save(self, run: Any) -> None:
         from shardax.loop.state import saveable
 
         with run.phase("checkpoint"):  # the blocking part of an async save
@@ -311,6 +309,6 @@ class Checkpoints(Hook):
         if run.ledger is not None:
             run.ledger.save()
 
-    def close(self, run: Run) -> None:
+    def close(self, run: Any) -> None:
         with run.phase("checkpoint"):
             run.manager.wait()  # the save in flight

@@ -246,7 +246,7 @@ class Run:
         get = getattr(self.feed, "get_state", None)
         loader = None
         if callable(get):
-            with contextlib.suppress(TypeError):  # a source without get_state()
+            with contextlib.suppress(TypeError, AttributeError):  # a source without get_state()
                 loader = get()
         extra = self._extra() if self._extra is not None else {}
         return {**extra, "step": self.step, "loader": loader}
