@@ -77,20 +77,20 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
         with sx.loop.run((model, optimizer), checkpoints=ckpt, every=every, steps=steps,
                          watchdog=watchdog) as run:  # fmt: skip
             for batch in run.batches(loader, mesh):
-                loss = train_step(model, optimizer, batch)
                 poke(run)
+                loss = train_step(model, optimizer, batch)
                 run.after_step((model, optimizer), loss)
                 losses[run.step] = loss
         params = nnx.state(model, nnx.Param)
     else:
         step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.fsdp(mesh, min_size=1))
-        state = step.shard(sx.TrainState.create(Net(nnx.Rngs(0)), optax.adam(1e-2), rng=1))
+        state = step.init(lambda: sx.TrainState.create(Net(nnx.Rngs(0)), optax.adam(1e-2), rng=1))
         with sx.loop.run(state, checkpoints=ckpt, every=every, steps=steps,
                          watchdog=watchdog) as run:  # fmt: skip
             state = run.state
             for batch in run.batches(loader, mesh):
-                state, metrics = step(state, batch)
                 poke(run)
+                state, metrics = step(state, batch)
                 run.after_step(state, metrics)
                 losses[run.step] = metrics["loss"]
         params = state.params

@@ -59,11 +59,17 @@ class Preempted(Exception):
             what, then = f"saved step {step} to {directory}", "continue it with --resume"
         else:
             what, then = f"stopped after step {step}, saving nothing", "no checkpoint directory"
-        super().__init__(
+        # Its arguments are its args (a notice, not an error a door prefixes), its text
+        # the message.
+        super().__init__(step, directory)
+        self.message = (
             f"preempted (SIGTERM): {what}; exiting with code {PREEMPTED_EXIT_CODE} so the "
             f"scheduler requeues the job; {then}"
         )
         self.step, self.directory = step, directory
+
+    def __str__(self) -> str:
+        return self.message
 
 
 _SERVICE_OFF = (

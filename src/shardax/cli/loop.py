@@ -101,10 +101,10 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Any, Any, Any, Recor
 
 def hooks(args: argparse.Namespace, record: Record, out: Any, manager: Any, path: Any) -> list:
     """The hooks in the order they run after each step."""
-    # First in, last out: it sees every second; the compilations of start-up count too.
-    first: list[Hook] = [Goodput(path, since=STARTED, compiled=args.compile_before.seconds)]
-    if args.step_timeout:  # a hung step's time is the ledger's "hang"
-        first.append(Watchdog(args.step_timeout))
+    # The watchdog first: a step is completed (in the ledger too) once its result is.
+    first: list[Hook] = [Watchdog(args.step_timeout)] if args.step_timeout else []
+    # The ledger counts from the process's start: the compilations of start-up count too.
+    first.append(Goodput(path, since=STARTED, compiled=args.compile_before.seconds))
     later: list[Hook] = [Log(record.tracker), History(record, out)]
     if manager is not None:
         later.append(Checkpoints(args.save_every or record.job.eval_every))

@@ -286,7 +286,8 @@ def run(
             metrics every ``every["log"]`` steps, the scores and goodput figures.
         progress: show a progress bar (process 0).
         goodput: keep the goodput ledger (``goodput.json`` in the checkpoint directory,
-            which ``shardax goodput`` reads), or a path for it; False: none.
+            which ``shardax goodput`` reads; written by process 0), or a path for it;
+            False: none.
         data_state: ``() -> dict`` of JSON values saved with each checkpoint.
         resume: resume from the latest checkpoint (default), or start afresh.
         exit_on_preemption: end the process with code 75 after the SIGTERM save.
@@ -309,16 +310,18 @@ def run(
         from shardax.track import MetricWriter
 
         writer = owned.enter_context(MetricWriter(writer))
-    hooks: list[Hook] = []
+    # The watchdog first: a step counts as completed (in the ledger too) once it waited
+    # for the step's result.
+    hooks: list[Hook] = [Watchdog(watchdog)] if watchdog is not None else []
     if goodput:
         from shardax.track.goodput import FILE
 
         where = goodput if not isinstance(goodput, bool) else None
         if where is None and manager is not None:
             where = os.path.join(manager.directory, FILE)
+        if jax.process_index() != 0:
+            where = None  # process 0 keeps the ledger; the others count in memory
         hooks.append(Goodput(where))
-    if watchdog is not None:
-        hooks.append(Watchdog(watchdog))
     hooks += [Preemption(), MetricsWindow()]
     if progress:
         hooks.append(Progress())
