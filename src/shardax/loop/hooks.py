@@ -17,6 +17,23 @@ the last fetch in one transfer, before the hooks after it run. Each method gets 
 - :class:`Evaluation`: evaluates the state every N steps and at the end;
 - :class:`Checkpoints`: saves every N steps, at the end and on preemption, with the data
   position (:class:`shardax.CheckpointManager`).
+
+A hook of one's own: its schedule (:func:`shardax.loop.itstime`) and its action; being due,
+it gets every step's metrics since the last fetch, fetched once:
+
+>>> class Show(sx.loop.Hook):
+...     every = 2
+...     def due(self, run):
+...         return sx.loop.itstime(run.step, self.every)
+...     def after_step(self, run):
+...         if self.due(run):
+...             print(run.step, [step for step, _ in run.flushed])
+>>> with sx.loop.Run(state, [sx.loop.MetricsWindow(), Show()]) as run:
+...     for batch in run.batches(batches, steps=4):
+...         state, metrics = train_step(state, batch)
+...         run.after_step(state, metrics)
+2 [1, 2]
+4 [3, 4]
 """
 
 from __future__ import annotations
