@@ -211,7 +211,7 @@ class CheckpointManager:
             "CheckpointManager.reached_preemption is deprecated and goes in the next release; "
             "call sx.checkpoint.reached_preemption(step), or let sx.loop.run save on SIGTERM",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=3,  # the caller's line (the door is one frame)
         )
         return reached_preemption(step)
 

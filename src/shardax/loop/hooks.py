@@ -146,7 +146,8 @@ class Watchdog(Hook):
     def after_step(self, run: Any) -> None:
         if self._armed:
             self.watchdog.phase(status.DEVICE)
-            jax.block_until_ready(run.pending[-1][1])
+            ready = run.pending[-1][1] if run.pending else {}
+            jax.block_until_ready(ready or run.state)  # the step's result, on the device
             self.watchdog.disarm()
             self._armed = False
 
