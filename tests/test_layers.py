@@ -1,7 +1,7 @@
 """The package's rules as tests: imports point down the layer list, and close no cycle.
 
 The layers, top to bottom (a module may import its own layer and those below it):
-cli, artifex, models, checkpoint, train, data, parallel, plan, mesh, cost, runtime,
+cli, artifex, loop, models, checkpoint, train, data, parallel, plan, mesh, cost, runtime,
 track, checks. Only the CLI and the package's ``__init__`` import ``shardax`` itself
 (which pulls in every layer).
 """
@@ -17,7 +17,7 @@ import shardax as sx
 from shardax.checks import public_name
 
 SRC = pathlib.Path(sx.__file__).parent
-LAYERS = ["cli", "artifex", "models", "checkpoint", "train", "data", "parallel", "plan",
+LAYERS = ["cli", "artifex", "loop", "models", "checkpoint", "train", "data", "parallel", "plan",
           "mesh", "cost", "runtime", "track", "checks"]  # fmt: skip
 
 

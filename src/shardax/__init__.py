@@ -3,8 +3,8 @@
 The names here are what the guides use. Everything else is in its layer's namespace,
 documented there: :mod:`shardax.mesh`, :mod:`shardax.plan`, :mod:`shardax.data`,
 :mod:`shardax.parallel`, :mod:`shardax.train`, :mod:`shardax.checkpoint`,
-:mod:`shardax.runtime`, :mod:`shardax.cost` and :mod:`shardax.track`. The artifex API
-of the seed documents is :mod:`shardax.artifex`, re-exported here.
+:mod:`shardax.runtime`, :mod:`shardax.cost`, :mod:`shardax.track` and :mod:`shardax.loop`.
+The artifex API of the seed documents is :mod:`shardax.artifex`, re-exported here.
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": -1})
@@ -17,6 +17,7 @@ from typing import Any
 from shardax import (  # noqa: F401 (the layer namespaces: sx.plan.validate, sx.cost, ...)
     cost,
     data,
+    loop,
     mesh,
     parallel,
     plan,

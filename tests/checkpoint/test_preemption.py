@@ -137,7 +137,9 @@ def test_sigterm_during_a_save_lets_it_complete(tmp_path):
         stop.set()
         t.join()
         assert manager.all_steps() == [1, 2]
-        assert manager.reached_preemption(2)  # noted, and reported after the save
+        assert sx.checkpoint.reached_preemption(2)  # noted, and reported after the save
+        with pytest.warns(DeprecationWarning, match=r"sx\.checkpoint\.reached_preemption"):
+            assert manager.reached_preemption(2)  # the old spelling, for one release
         got = manager.restore(state)
         assert got.step == 2 and float(got.state["w"][0, 0]) == 2.0
 

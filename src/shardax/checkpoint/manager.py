@@ -205,11 +205,14 @@ class CheckpointManager:
         self._manager.reload()
 
     def reached_preemption(self, step: int) -> bool:
-        """True when the loop should save ``step`` and stop (see
-        :func:`shardax.checkpoint.preemption.reached_preemption`): a SIGTERM arrived and,
-        with several processes, ``step`` is the step they all agreed on. Call it after
-        every step on every process; then ``save`` and raise :class:`Preempted`.
-        """
+        """Deprecated: call :func:`shardax.checkpoint.reached_preemption` (the one
+        preemption API), or let :func:`shardax.loop.run` save and stop on a SIGTERM."""
+        warnings.warn(
+            "CheckpointManager.reached_preemption is deprecated and goes in the next release; "
+            "call sx.checkpoint.reached_preemption(step), or let sx.loop.run save on SIGTERM",
+            DeprecationWarning,
+            stacklevel=3,  # the caller's line (the door is one frame)
+        )
         return reached_preemption(step)
 
     def data_state(self, step: int | None = None) -> Any:

@@ -13,7 +13,9 @@ and stop:
 - in a single process, a Python SIGTERM handler (installed by the first call, or by
   :func:`watch_preemption`) sets a flag that the next call reports.
 
-The loop then saves and exits with :data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``:
+This is the one preemption API (:func:`shardax.loop.run` calls it after every step,
+saves and exits 75 by itself). The loop then saves and exits with
+:data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``:
 "temporary failure, try again"), which a scheduler can tell from success (0) and from
 failure (1), and requeue on. A SIGTERM that arrives during a save only sets the flag: the
 save completes first.
@@ -23,7 +25,7 @@ save completes first.
 >>> with sx.watch_preemption():  # listen from the first step; the old handler back after
 ...     for step in range(1, 4):
 ...         state, metrics = train_step(state, next(batches))
-...         if manager.reached_preemption(step):
+...         if sx.checkpoint.reached_preemption(step):
 ...             manager.save(step, state, data_state=batches.get_state())
 ...             raise sx.Preempted(step, manager.directory)  # exit code 75
 >>> manager.close()
@@ -57,11 +59,17 @@ class Preempted(Exception):
             what, then = f"saved step {step} to {directory}", "continue it with --resume"
         else:
             what, then = f"stopped after step {step}, saving nothing", "no checkpoint directory"
-        super().__init__(
+        # Its arguments are its args (a notice, not an error a door prefixes), its text
+        # the message.
+        super().__init__(step, directory)
+        self.message = (
             f"preempted (SIGTERM): {what}; exiting with code {PREEMPTED_EXIT_CODE} so the "
             f"scheduler requeues the job; {then}"
         )
         self.step, self.directory = step, directory
+
+    def __str__(self) -> str:
+        return self.message
 
 
 _SERVICE_OFF = (

@@ -1,9 +1,10 @@
-"""The training loop of ``shardax train``: one step at a time, with ordered hooks.
+"""The training loop of ``shardax train``: the library's loop (:mod:`shardax.loop`).
 
-:func:`loop` resumes (when asked), builds the hooks (:mod:`shardax.cli.hooks`), runs
-the job's steps and returns the run's summary. Everything else a run does (progress,
-the metrics window and NaN guard, evaluation, checkpoints, preemption, the watchdog)
-is a hook with its own schedule.
+:func:`loop` resumes (when asked), builds the hooks (the library's, and the command's
+own in :mod:`shardax.cli.hooks`), runs the job's steps and returns the run's summary.
+Everything a run does around its steps (progress, the metrics window and NaN guard,
+evaluation, checkpoints, preemption, the watchdog, the goodput ledger, logging) is a
+hook with its own schedule.
 """
 
 from __future__ import annotations
@@ -18,32 +19,24 @@ import numpy as np
 
 from shardax.cli import track
 from shardax.cli.common import STARTED, UsageError, machine, run_dir, step_flops
-from shardax.cli.hooks import (
-    Checkpoint,
-    Evaluation,
-    Goodput,
-    Hook,
-    MetricsWindow,
-    Preemption,
-    Progress,
-    Run,
-    Watchdog,
-    entered,
-)
+from shardax.cli.hooks import Bar, History, Log, Record
 from shardax.cli.job import Job
+from shardax.loop import Checkpoints, Goodput, Hook, MetricsWindow, Preemption, Run, Watchdog
 
 
-def resume(args: argparse.Namespace, manager: Any, job: Job) -> tuple[Any, dict[str, Any]]:
-    """The state and data state (steps done, history, loader position, the metrics of
-    the steps since the last evaluation) to start from; the loader is moved there."""
-    fresh = {"step": 0, "history": [], "loader": None, "window": []}
+def resume(args: argparse.Namespace, manager: Any, job: Job) -> Any:
+    """The checkpoint to continue from (``Restored``: state, data state with the steps
+    done, history and the metrics since the last evaluation), the loader moved there;
+    or False."""
+    from shardax.checkpoint import Restored
+
     if not args.resume:
         if manager is not None and manager.latest_step() is not None:
             raise UsageError(
                 f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; pass "
                 "--resume to continue from them, or choose an empty directory"
             )
-        return job.state, fresh
+        return False
     if manager is None:
         raise UsageError("--resume needs --checkpoint-dir")
     if manager.latest_step() is None:
@@ -52,7 +45,7 @@ def resume(args: argparse.Namespace, manager: Any, job: Job) -> tuple[Any, dict[
         restored = manager.restore(like=job.state)
     except ValueError as e:
         raise UsageError(f"--resume: the checkpoint does not fit this model: {e}") from None
-    data_state = {**fresh, **restored.data_state}
+    data_state = {"step": 0, "history": [], "loader": None, "window": [], **restored.data_state}
     if data_state["step"] >= job.steps:
         raise UsageError(
             f"--resume: the checkpoint has done {data_state['step']} steps, as many as this "
@@ -63,11 +56,13 @@ def resume(args: argparse.Namespace, manager: Any, job: Job) -> tuple[Any, dict[
             job.loader.set_state(data_state["loader"])
         except ValueError as e:
             raise UsageError(f"--resume: {e}") from None
-    return restored.state, data_state
+    # The loader is moved already (its prefetch starts from there).
+    return Restored(restored.state, {**data_state, "loader": None}, restored.step)
 
 
-def start(args: argparse.Namespace, job: Job) -> tuple[Any, Run, Any]:
-    """The checkpoint manager (or None), the :class:`Run` to continue, and the tracker."""
+def start(args: argparse.Namespace, job: Job) -> tuple[Any, Any, Any, Any, Record]:
+    """The checkpoint manager (or None), the checkpoint to resume from (or False), the
+    run directory, the placed batches and the :class:`Record` to continue."""
     import jax
 
     import shardax as sx
@@ -78,7 +73,8 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Run, Any]:
     # Any error before the loop starts (a usage error, a bad --log-dir) closes the manager
     # first, or orbax complains at shutdown.
     try:
-        state, data_state = resume(args, manager, job)
+        restored = resume(args, manager, job)
+        data_state = restored.data_state if restored else {"step": 0}
         first_done = int(data_state["step"])
         directory = run_dir(args.run_dir, "train") if jax.process_index() == 0 else None
         tokens = job.items_per_step if job.unit == "tokens" else 0
@@ -98,55 +94,47 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Run, Any]:
         if manager is not None:
             manager.close()
         raise
-    run = Run(job, state, first_done, list(data_state["history"]), list(data_state["window"]),
-              feed, tracker, window_first=first_done + 1, directory=directory)  # fmt: skip
-    return manager, run, tracker
+    record = Record(job, tracker, list(data_state.get("history", [])),
+                    list(data_state.get("window", [])), window_first=first_done + 1)  # fmt: skip
+    return manager, restored, directory, feed, record
 
 
-def hooks(args: argparse.Namespace, job: Job, run: Run, out: Any, manager: Any) -> list[Hook]:
+def hooks(args: argparse.Namespace, record: Record, out: Any, manager: Any, path: Any) -> list:
     """The hooks in the order they run after each step."""
-    from shardax.track.goodput import FILE
-
-    later: list[Hook] = [Preemption(), Evaluation(job, out)]
+    # The watchdog first: a step is completed (in the ledger too) once its result is.
+    first: list[Hook] = [Watchdog(args.step_timeout)] if args.step_timeout else []
+    # The ledger counts from the process's start: the compilations of start-up count too.
+    first.append(Goodput(path, since=STARTED, compiled=args.compile_before.seconds))
+    later: list[Hook] = [Log(record.tracker), History(record, out)]
     if manager is not None:
-        later.append(Checkpoint(manager, args.save_every or job.eval_every))
-    where = args.checkpoint_dir or run.directory
-    path = Path(where, FILE) if where is not None and run.directory is not None else None
-    # First in, last out: it sees every second; the compilations of start-up count too.
-    goodput = Goodput(run, path, since=STARTED, compiled=args.compile_before.seconds)
-    first: list[Hook] = [goodput]
-    if args.step_timeout:  # a hung step's time is the ledger's "hang"
-        first.append(Watchdog(args.step_timeout, lambda i: goodput.ledger.close("hang")))
-    return [*first, Progress(job, out, run.first_done), later[0], MetricsWindow(later), *later[1:]]
+        later.append(Checkpoints(args.save_every or record.job.eval_every))
+    return [*first, Preemption(), MetricsWindow(), Bar(record, out), *later]
 
 
 def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     """Runs ``job`` to ``job.steps`` and returns the summary (plain data)."""
-    import shardax as sx
-    from shardax.runtime import status
+    from shardax.track.goodput import FILE
 
-    manager, run, tracker = start(args, job)
-    describe(out, job, run.state, args)
-    step = tracker.wrap(job.step)
-    began = time.perf_counter()
-    flops = kernel = None
-    with run.feed, contextlib.closing(tracker), entered(hooks(args, job, run, out, manager)) as hs:
-        run.window_start = time.perf_counter()
-        for i in range(run.first_done + 1, job.steps + 1):
-            status.STATUS.set(status.DATA, i)
-            run.i, batch = i, next(run.feed)
+    manager, restored, directory, feed, record = start(args, job)
+    where = args.checkpoint_dir or directory
+    path = Path(where, FILE) if where is not None and directory is not None else None
+    run = Run(job.state, hooks(args, record, out, manager, path), manager=manager,
+              total=job.steps, resume=restored, data_state=record.data_state,
+              writer=record.tracker.writer, exit_on_preemption=False)  # fmt: skip
+    describe(out, job, restored.state if restored else job.state, args)
+    step = record.tracker.wrap(job.step)
+    began, flops, kernel = time.perf_counter(), None, None
+    closing = manager if manager is not None else contextlib.nullcontext()
+    with closing, feed, contextlib.closing(record.tracker), run:
+        record.window_start = time.perf_counter()
+        for batch in run.batches(feed):
             if flops is None:
                 flops, kernel = step_flops(step, run.state, batch, with_attention=True)
-            for hook in hs:
-                hook.before_step(run)
-            run.state, metrics = step(run.state, batch)
-            run.pending.append(metrics)
-            tracker.step(run.i, metrics)
-            for hook in hs:
-                hook.after_step(run)
-            if run.preempted:
-                raise sx.Preempted(run.i, args.checkpoint_dir)
-    return summary(args, out, job, run, time.perf_counter() - began, flops, manager, kernel)
+            state, metrics = step(run.state, batch)
+            run.after_step(state, metrics)
+    return summary(
+        args, out, job, run, record, directory, time.perf_counter() - began, flops, kernel
+    )
 
 
 def describe(out: Any, job: Job, state: Any, args: argparse.Namespace) -> None:
@@ -176,9 +164,10 @@ def summary(
     out: Any,
     job: Job,
     run: Run,
+    record: Record,
+    directory: Any,
     total: float,
     flops: float | None,
-    manager: Any,
     kernel: str | None = None,
 ) -> dict[str, Any]:
     """The run's summary: settings, timing, utilization, placement and history
@@ -192,7 +181,7 @@ def summary(
 
     compiled = compile_stats() - args.compile_before
     buckets = run.ledger.totals()
-    step_seconds = run.step_seconds or [total / max(job.steps - run.first_done, 1)]
+    step_seconds = record.step_seconds or [total / max(job.steps - run.first, 1)]
     seconds_per_step = float(np.median(step_seconds))
     use = utilization(flops, seconds_per_step, job.mesh.size if args.mode != "single" else 1)
     if jax.process_index() == 0:
@@ -213,11 +202,11 @@ def summary(
         "batch_size": args.batch_size,
         "seed": args.seed,
         "steps": job.steps,
-        "resumed_from_step": run.first_done,
+        "resumed_from_step": run.first,
         "state_bytes": described.total_bytes,
         "state_bytes_per_device": described.total_bytes_per_device,
         "checkpoint_dir": args.checkpoint_dir,
-        "save_every": (args.save_every or job.eval_every) if manager is not None else None,
+        "save_every": (args.save_every or job.eval_every) if run.manager is not None else None,
         "seconds": total,
         "seconds_per_step": seconds_per_step,
         f"{job.unit}_per_s": job.items_per_step / seconds_per_step,
@@ -227,8 +216,8 @@ def summary(
         "flops_estimate_ratio": (
             flops / job.estimate_flops if flops and job.estimate_flops else None
         ),
-        "run_dir": str(run.directory) if run.directory is not None else None,
-        **run.tracker.summary(),
+        "run_dir": str(directory) if directory is not None else None,
+        **record.tracker.summary(),
         "compile": {
             "seconds": compiled.seconds,
             "cache_hits": compiled.cache_hits,
@@ -241,9 +230,9 @@ def summary(
             "ledger": str(run.ledger.path) if run.ledger.path else None,
         },
         "param_specs": {k: v for k, v in _flatten(specs).items() if k.startswith("params/")},
-        "history": run.history,
+        "history": record.history,
     }
-    return {**common, **job.summary(common), "history": run.history}
+    return {**common, **job.summary(common), "history": record.history}
 
 
 def _spec_text(x: Any) -> str:

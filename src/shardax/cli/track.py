@@ -3,9 +3,10 @@
 A job builds one :class:`Tracker` before training (so a bad ``--log-dir``, a missing
 extra or a profile range past the end is a usage error before the first step), hands it
 its input iterator (:meth:`Tracker.watch`), wraps its step with :meth:`Tracker.wrap`,
-calls :meth:`Tracker.step` after every step and :meth:`Tracker.scalars` for validation
-figures, and adds :meth:`Tracker.summary` to its summary. Scalars go to ``metrics.jsonl``
-in the run directory always, to TensorBoard event files in ``--log-dir``, and to W&B /
+calls :meth:`Tracker.step` after every step (the loop's logging hook writes its timing
+scalars with the train metrics) and :meth:`Tracker.scalars` for validation figures, and
+adds :meth:`Tracker.summary` to its summary. Scalars go to ``metrics.jsonl`` in the run
+directory always, to TensorBoard event files in ``--log-dir``, and to W&B /
 MLflow with ``--log wandb|mlflow``.
 """
 
@@ -141,23 +142,23 @@ class Tracker:
         self.profiler = sx.track.profile_steps(step, self.profile_dir, *self.profile)
         return self.profiler
 
-    def step(self, step: int, metrics: dict[str, Any]) -> None:
+    def step(self, step: int, ready: Any) -> dict[str, float] | None:
         """After each step (``step``: the global step number): counts it, and every
-        ``--log-every`` steps queues the train metrics and the window's timing. The clock
-        starts after this run's first (compiling) step."""
+        ``--log-every`` steps returns the window's timing scalars (the loop writes them
+        with the train metrics it fetched). The clock starts after this run's first
+        (compiling) step, once ``ready`` (the step's output) is."""
         import jax
-        import numpy as np
 
         self.done = step
         self.calls += 1
         if self.calls == 1:
-            jax.block_until_ready(metrics)
+            jax.block_until_ready(ready)
             self.clock.start()
-            return
+            return None
         self.clock.tick()
         if step % self.every == 0:
-            scalars = {f"train/{k}": v for k, v in metrics.items() if np.ndim(v) == 0}
-            self.writer.write(step, {**scalars, **self.clock.lap().scalars()})
+            return self.clock.lap().scalars()
+        return None
 
     def scalars(self, scalars: dict[str, Any]) -> None:
         """Queues ``scalars`` (e.g. ``{"val/loss": ...}``) at the current step."""

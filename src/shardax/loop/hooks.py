@@ -1,0 +1,332 @@
+"""The hooks a run calls around each step; each owns one concern and its own schedule.
+
+A :class:`~shardax.loop.Run` calls every hook, in order: :meth:`Hook.start` on entry,
+:meth:`Hook.before_step` and :meth:`Hook.after_step` around each step, :meth:`Hook.finish`
+when the loop ends normally, and :meth:`Hook.close` (in reverse order) on exit, error or
+not. A hook says with :meth:`Hook.due` that it acts after this step and needs the step
+metrics on the host; the :class:`MetricsWindow` then fetches every step's metrics since
+the last fetch in one transfer, before the hooks after it run. Each method gets the
+:class:`~shardax.loop.Run` (``run``).
+
+- :class:`Goodput`: the goodput ledger (:class:`shardax.track.Ledger`);
+- :class:`Watchdog`: the hang watchdog (:class:`shardax.StepWatchdog`) and its report;
+- :class:`Preemption`: a SIGTERM makes every process stop at the same step;
+- :class:`MetricsWindow`: one host transfer per window, and the NaN guard;
+- :class:`Progress`: the progress bar (rich, process 0);
+- :class:`Logging`: train metrics to a :class:`shardax.MetricWriter`;
+- :class:`Evaluation`: evaluates the state every N steps and at the end;
+- :class:`Checkpoints`: saves every N steps, at the end and on preemption, with the data
+  position (:class:`shardax.CheckpointManager`).
+
+A hook of one's own: its schedule (:func:`shardax.loop.itstime`) and its action; being due,
+it gets every step's metrics since the last fetch, fetched once:
+
+>>> class Show(sx.loop.Hook):
+...     every = 2
+...     def due(self, run):
+...         return sx.loop.itstime(run.step, self.every)
+...     def after_step(self, run):
+...         if self.due(run):
+...             print(run.step, [step for step, _ in run.flushed])
+>>> with sx.loop.Run(state, [sx.loop.MetricsWindow(), Show()]) as run:
+...     for batch in run.batches(batches, steps=4):
+...         state, metrics = train_step(state, batch)
+...         run.after_step(state, metrics)
+2 [1, 2]
+4 [3, 4]
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from shardax.checks import as_float, public
+from shardax.loop.schedule import itstime
+from shardax.runtime import status
+
+
+@public("sx.loop.Hook")
+class Hook:
+    """A part of the loop with its own schedule; every method is optional.
+
+    ``every``: the hook's interval in steps (None: only at the last step), read by
+    :meth:`due` through :func:`shardax.loop.itstime`.
+    """
+
+    every: int | None = None
+
+    def due(self, run: Any) -> bool:
+        """Acts after step ``run.step`` and needs its metrics on the host."""
+        return False
+
+    def start(self, run: Any) -> None:
+        """On entering the run (the state restored, before the first step)."""
+
+    def before_step(self, run: Any) -> None:
+        """Before step ``run.step`` (its batch is fetched)."""
+
+    def after_step(self, run: Any) -> None:
+        """After step ``run.step`` (the metrics flushed if a hook was due)."""
+
+    def finish(self, run: Any) -> None:
+        """After the last step of a run that ended without an error."""
+
+    def close(self, run: Any) -> None:
+        """On leaving the run, error or not (hooks close in reverse order)."""
+
+
+@public("sx.loop.Goodput")
+class Goodput(Hook):
+    """Every second of the run in a bucket (:class:`shardax.track.Ledger`): start-up
+    until the first step, then steps, with the compile seconds and the input wait moved
+    to their buckets; evaluations and the blocking part of saves through
+    :meth:`Run.phase`. Kept in ``path`` (``<checkpoint dir>/goodput.json``, which
+    ``shardax goodput`` reads; None: in memory), saved with every checkpoint and at the
+    end. ``since``: the session's start (a ``time.time()``; default: now);
+    ``compiled``: the compile seconds counted before ``since``."""
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, since: float | None = None,
+        compiled: float | None = None,
+    ) -> None:  # fmt: skip
+        self.path, self.since, self.compiled = path, since, compiled
+
+    def start(self, run: Any) -> None:
+        from shardax.runtime import compile_stats
+        from shardax.track.goodput import Ledger
+
+        self.ledger = run.ledger = Ledger(self.path, since=self.since)
+        self.ledger.count("compile", lambda: compile_stats().seconds, since=self.compiled)
+        self.ledger.count("data", lambda: getattr(run.feed, "wait_seconds", 0.0))
+        if run.first:
+            self.ledger.resumed(run.first)
+
+    def before_step(self, run: Any) -> None:
+        if self.ledger.bucket != "step":
+            self.ledger.switch("step")
+
+    def after_step(self, run: Any) -> None:
+        self.ledger.completed(run.step)
+
+    def close(self, run: Any) -> None:
+        self.ledger.close()
+
+
+@public("sx.loop.Watchdog")
+class Watchdog(Hook):
+    """A step after the session's first (which compiles) that takes longer than
+    ``timeout`` seconds ends the process with code 124, after a line naming the
+    processes behind, with their step and phase, and every thread's stack
+    (:class:`shardax.StepWatchdog`). A watched step waits for its metrics, so the time
+    counts the device work. ``on_fire(step)`` runs first (default: the goodput ledger
+    saved with the hung step's time as ``hang``)."""
+
+    def __init__(self, timeout: float, on_fire: Any = None) -> None:
+        self.timeout = as_float("watchdog (seconds)", timeout, above=0)
+        self.on_fire = on_fire
+        self._armed = False
+
+    def start(self, run: Any) -> None:
+        from shardax.runtime.watchdog import StepWatchdog
+
+        def hang(step: int | None) -> None:
+            if run.ledger is not None:
+                run.ledger.close("hang")
+
+        self.watchdog = StepWatchdog(self.timeout, on_fire=self.on_fire or hang)
+
+    def before_step(self, run: Any) -> None:
+        if run.step > run.first + 1:
+            self.watchdog.arm(run.step)
+            self._armed = True
+
+    def after_step(self, run: Any) -> None:
+        if self._armed:
+            self.watchdog.phase(status.DEVICE)
+            ready = run.pending[-1][1] if run.pending else {}
+            jax.block_until_ready(ready or run.state)  # the step's result, on the device
+            self.watchdog.disarm()
+            self._armed = False
+
+    def close(self, run: Any) -> None:
+        if self._armed:
+            self.watchdog.disarm()
+        self.watchdog.close()
+
+
+@public("sx.loop.Preemption")
+class Preemption(Hook):
+    """From the first step on, a SIGTERM makes every process stop at the same step
+    (:func:`shardax.checkpoint.reached_preemption`); the :class:`Checkpoints` hook saves
+    it, then the run raises :class:`shardax.Preempted` (exit code 75)."""
+
+    def start(self, run: Any) -> None:
+        from shardax.checkpoint.preemption import watch_preemption
+
+        self.watch = watch_preemption()
+
+    def after_step(self, run: Any) -> None:
+        from shardax.checkpoint.preemption import reached_preemption
+
+        run.preempted = reached_preemption(run.step)  # the same step everywhere
+
+    def due(self, run: Any) -> bool:
+        return run.preempted
+
+    def close(self, run: Any) -> None:
+        self.watch.close()
+
+
+@public("sx.loop.MetricsWindow")
+class MetricsWindow(Hook):
+    """When a later hook is due, fetches the metrics of every step since the last fetch
+    in one device-to-host transfer (:meth:`Run.flush`), and is the NaN guard: each
+    fetched step's loss must be finite before anything is logged, evaluated or saved
+    (:func:`shardax.train.check_finite` names the step)."""
+
+    def after_step(self, run: Any) -> None:
+        later = run.hooks[run.hooks.index(self) + 1 :]
+        if any([hook.due(run) for hook in later]):
+            run.flush()
+
+    def finish(self, run: Any) -> None:
+        run.flush()
+
+
+@public("sx.loop.Progress")
+class Progress(Hook):
+    """A progress bar (rich; process 0): the step each step, and the metrics of the
+    last step fetched whenever the window is (so it adds no transfer of its own), or
+    every ``every`` steps when given."""
+
+    def __init__(self, every: int | None = None, console: Any = None) -> None:
+        self.every, self.console = every, console
+
+    def columns(self) -> list[Any]:
+        from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+
+        return [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                TextColumn("{task.fields[text]}"), TimeRemainingColumn()]  # fmt: skip
+
+    def fields(self, run: Any) -> dict[str, Any]:
+        """The bar's fields after a fetch (default: the last fetched metrics as text)."""
+        metrics = run.flushed[-1][1]
+        return {"text": "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())}
+
+    def due(self, run: Any) -> bool:
+        return bool(self.every) and itstime(run.step, self.every)
+
+    def start(self, run: Any) -> None:
+        from rich.progress import Progress as Bar
+
+        self.bar = Bar(*self.columns(), console=self.console,
+                       disable=jax.process_index() != 0)  # fmt: skip
+        self.task = self.bar.add_task("train", total=run.total, completed=run.first,
+                                      **dict.fromkeys(self.blank(), 0.0), text="")  # fmt: skip
+        self.bar.__enter__()
+
+    def blank(self) -> tuple[str, ...]:
+        """The numeric fields :meth:`fields` fills (shown as 0 until the first fetch)."""
+        return ()
+
+    def after_step(self, run: Any) -> None:
+        fields = self.fields(run) if run.flushed else {}
+        self.bar.update(self.task, total=run.total, completed=run.step, **fields)
+
+    def close(self, run: Any) -> None:
+        self.bar.__exit__(None, None, None)
+
+
+@public("sx.loop.Logging")
+class Logging(Hook):
+    """Every ``every`` steps and at the last, the step's scalar metrics as
+    ``train/<name>`` to ``run.writer`` (a :class:`shardax.MetricWriter`), from the
+    fetched window: no transfer of its own."""
+
+    def __init__(self, every: int | None = 10) -> None:
+        self.every = every
+
+    def due(self, run: Any) -> bool:
+        return run.writer is not None and itstime(run.step, self.every, run.total)
+
+    def after_step(self, run: Any) -> None:
+        if self.due(run):
+            self.log(run)
+
+    def log(self, run: Any) -> None:
+        step, metrics = run.flushed[-1]
+        run.writer.write(step, {f"train/{k}": v for k, v in metrics.items()})
+
+
+@public("sx.loop.Evaluation")
+class Evaluation(Hook):
+    """Every ``every`` steps and at the last: ``evaluate(state) -> {name: number}``
+    in the ledger's ``eval`` bucket; the scores (with the goodput figures) go to
+    ``run.writer`` and to ``run.scores``."""
+
+    def __init__(self, evaluate: Any, every: int | None = None) -> None:
+        self.evaluate, self.every = evaluate, every
+        self.done_at: int | None = None
+
+    def due(self, run: Any) -> bool:
+        return itstime(run.step, self.every, run.total)
+
+    def after_step(self, run: Any) -> None:
+        if self.due(run):
+            self.run(run)
+
+    def finish(self, run: Any) -> None:
+        if self.done_at != run.step and run.step > run.first:
+            self.run(run)
+
+    def run(self, run: Any) -> None:
+        with run.phase("eval"):
+            scores = dict(self.evaluate(run.state))
+        self.done_at = run.step
+        run.scores = scores
+        self.record(run, scores)
+
+    def record(self, run: Any, scores: dict[str, Any]) -> None:
+        """Writes the scores and the goodput figures to ``run.writer``."""
+        if run.writer is not None:
+            goodput = run.ledger.scalars() if run.ledger is not None else {}
+            run.writer.write(run.step, {**scores, **goodput})
+
+
+@public("sx.loop.Checkpoints")
+class Checkpoints(Hook):
+    """Every ``every`` steps, at the last and on preemption: saves the state with the
+    data position (:meth:`Run.data_state`) through ``run.manager``
+    (:class:`shardax.CheckpointManager`), in the ledger's ``checkpoint`` bucket, and the
+    ledger beside it. On closing, waits for the save in flight."""
+
+    def __init__(self, every: int | None = None) -> None:
+        self.every = every
+        self.saved_at: int | None = None
+
+    def due(self, run: Any) -> bool:
+        return itstime(run.step, self.every, run.total) or run.preempted
+
+    def after_step(self, run: Any) -> None:
+        if self.due(run):
+            self.save(run)
+
+    def finish(self, run: Any) -> None:
+        if self.saved_at != run.step and run.step > run.first:
+            self.save(run)
+
+    def save(self, run: Any) -> None:
+        from shardax.loop.state import saveable
+
+        with run.phase("checkpoint"):  # the blocking part of an async save
+            run.manager.save(run.step, saveable(run.state), run.data_state())
+        self.saved_at = run.step
+        if run.ledger is not None:
+            run.ledger.save()
+
+    def close(self, run: Any) -> None:
+        with run.phase("checkpoint"):
+            run.manager.wait()  # the save in flight

@@ -1,0 +1,141 @@
+"""``sx.loop.run`` on a user's own loop (tests/scripts/user_loop.py): an ``nnx.Optimizer``
+loop kept with ``sx.prepare``, and a ``sx.make_train_step`` loop.
+
+As with ``shardax train``: a SIGTERM saves and the process exits 75 (a real signal, in a
+subprocess); resuming gives bitwise the losses and params of the uninterrupted run;
+``shardax goodput`` reads the ledger the run kept; a stuck rank is named (two real
+processes on 127.0.0.1). Every subprocess runs under a wall-clock timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_multihost import CLEAN_ENV, Ranks
+
+import shardax as sx
+from shardax.cli.main import main as cli
+
+WORKER = str(Path(__file__).parents[1] / "scripts" / "user_loop.py")
+_spec = importlib.util.spec_from_file_location("user_loop", WORKER)
+user_loop = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(user_loop)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("flavour", ["nnx", "step"])
+def test_sigterm_saves_exits_75_resume_is_bitwise_and_goodput_reads_the_ledger(
+    flavour, tmp_path, capsys
+):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, WORKER, flavour, str(ckpt), "--sigterm-at", "6", "--cpu-devices", "8"],
+        capture_output=True, text=True, env=CLEAN_ENV, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == sx.checkpoint.PREEMPTED_EXIT_CODE == 75, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"preempted (SIGTERM): saved step 6 to {ckpt}; exiting with code 75 so the scheduler "
+        "requeues the job; continue it with --resume"
+    )
+    with sx.CheckpointManager(ckpt) as manager:
+        assert manager.all_steps() == [4, 6]  # every 4 steps, and at the SIGTERM's step
+        assert manager.data_state()["step"] == 6
+    resumed = user_loop.train(flavour, str(ckpt), 12)  # this process, 8 devices as there
+    straight = user_loop.train(flavour, str(tmp_path / "straight"), 12)
+    assert list(resumed["losses"]) == [str(s) for s in range(7, 13)]
+    want = straight["losses"]
+    assert resumed["losses"] == {k: want[k] for k in resumed["losses"]}  # bitwise
+    assert "RESULT" not in proc.stdout  # it exited at the save
+    for got, expected in zip(resumed["params"], straight["params"], strict=True):
+        np.testing.assert_array_equal(np.array(got), np.array(expected))
+    capsys.readouterr()
+    assert cli(["goodput", str(ckpt), "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert table["sessions"] == 2 and table["last_step"] == 12 and 0 < table["goodput"] < 1
+    sessions = sx.track.goodput.load(ckpt)["sessions"]
+    assert [(s["first_step"], s["last_step"]) for s in sessions] == [(1, 6), (7, 12)]
+    assert all(s["buckets"]["compile"] > 0 and s["buckets"]["checkpoint"] > 0 for s in sessions)
+
+
+@pytest.mark.timeout(180)
+def test_a_stuck_rank_is_named_by_the_watchdog(tmp_path):
+    timeout, at = 5, 3
+    cmd = [sys.executable, WORKER, "step", str(tmp_path / "ckpt"), "--steps", "6",
+           "--hang-at", str(at), "--watchdog", str(timeout)]  # fmt: skip
+    run = Ranks(cmd, 2, cpu_devices=2)
+    try:
+        codes = [run.wait(r, timeout=150) for r in (0, 1)]
+    finally:
+        run.kill()
+    for rank in (0, 1):
+        text = run.text(rank)
+        assert codes[rank] == sx.runtime.WATCHDOG_EXIT_CODE, text[-3000:]
+        assert f"process {rank} of 2: step {at} did not complete within {timeout} s" in text
+        behind = [line for line in text.splitlines() if "hang watchdog: behind:" in line]
+        assert behind and behind[0].startswith(
+            f"shardax: hang watchdog: behind: process 1 (step {at}, last completed {at - 1}): "
+            "dispatching for "
+        ), text[-3000:]
+    # the hung step's time is the ledger's "hang" (process 0 keeps it, beside the checkpoints)
+    sessions = sx.track.goodput.load(tmp_path / "ckpt")["sessions"]
+    assert sessions[0]["last_step"] == at - 1 and sessions[0]["buckets"]["hang"] > 0
+
+
+# --- the driver and its hooks, in this process --------------------------------------------
+
+
+def test_itstime_is_the_one_schedule():
+    assert [s for s in range(1, 11) if sx.loop.itstime(s, 4, total=10)] == [4, 8, 10]
+    assert [s for s in range(1, 6) if sx.loop.itstime(s, None)] == []
+    assert sx.loop.itstime(5, None, total=5)
+    with pytest.raises(ValueError, match="every must be an integer >= 1, got -2"):
+        sx.loop.itstime(4, -2)
+
+
+def test_metrics_reach_the_host_once_per_window_and_the_nan_guard_names_the_step(tmp_path):
+    seen = []
+
+    class Seen(sx.loop.Hook):  # records what each step had on the host
+        def after_step(self, run):
+            seen.append((run.step, [s for s, _ in run.flushed], len(run.pending)))
+
+    losses = [1.0, 0.5, np.nan, 0.25, 0.2]
+    hooks = [sx.loop.MetricsWindow(), sx.loop.Logging(every=2), Seen()]
+    writer = sx.MetricWriter(tmp_path)
+    with (
+        pytest.raises(sx.NonFiniteLossError, match="step 3"),
+        writer,
+        sx.loop.Run({"w": jnp.ones(2)}, hooks, writer=writer) as run,
+    ):
+        for batch in run.batches(iter(losses)):
+            run.after_step({"w": jnp.ones(2)}, {"loss": jnp.float32(batch)})
+    # step 2 fetched steps 1 and 2 in one transfer; step 3 waited for step 4's window
+    assert seen == [(1, [], 1), (2, [1, 2], 0), (3, [], 1)]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/loss"]) for r in rows] == [(2, 0.5)]
+
+
+def test_evaluation_and_a_save_at_the_end_of_a_loader_with_no_total(tmp_path):
+    calls = []
+
+    def evaluate(state):
+        calls.append(float(state["w"][0]))
+        return {"val/w": state["w"][0]}
+
+    with sx.loop.run({"w": jnp.zeros(2)}, checkpoints=tmp_path / "c", evaluate=evaluate,
+                     every={"eval": 2}, writer=tmp_path) as run:  # fmt: skip
+        state = run.state
+        for batch in run.batches(iter(range(5))):
+            state = {"w": state["w"] + batch}
+            run.after_step(state, jnp.float32(batch))
+    assert calls == [1.0, 6.0, 10.0]  # steps 2 and 4, and at the loader's end
+    assert sx.CheckpointManager(tmp_path / "c").all_steps() == [5]
+    with pytest.raises(ValueError, match=r"every takes the keys \['save', 'eval', 'log'\], got"):
+        sx.loop.run({}, every={"safe": 3})
