@@ -29,6 +29,7 @@ implement:
 from __future__ import annotations
 
 import collections
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -293,6 +294,7 @@ class Program:
         names = (data_axis,) if isinstance(data_axis, str) else data_axis
         self._explicit = any(mesh_axis_type(mesh, n) == AxisType.Explicit for n in names)
         self._compiled: collections.OrderedDict[Any, _Compiled] = collections.OrderedDict()
+        self._warned_rng = False
         self._device = SingleDeviceSharding(mesh.devices.flat[0])
         self._call = self._mode_call()
 
@@ -392,6 +394,7 @@ class Program:
         (``mapped``: the data axis is bound; :mod:`shardax.train.batchnorm`)."""
         adapter, policy = state.adapter, self.precision
         stateful = self._check_stateful(adapter, mapped)
+        self._check_model_rng(state.model_state, mapped)
         loss_fn = over_data_axis(self.loss_fn, self.data_axis, mapped)
         scale = state.loss_scale if policy.loss_scaling is not None else None
 
@@ -446,6 +449,39 @@ class Program:
                 "accumulate=1, where its statistics are over the whole global batch"
             )
         return stateful
+
+    def _check_model_rng(self, model_state: Any, mapped: bool) -> None:
+        """Randomness the model draws from its own generators (an ``nnx.Rngs``: typed
+        keys in the model state) is one device's only under ``mode="jit"`` with
+        ``accumulate=1``: refused with accumulation (each microbatch would advance the
+        generator once), named in a warning under shard_map and pmap (each device draws
+        from its own folded key, by design)."""
+        if not (mapped or self.accumulate > 1):
+            return
+        flat = jax.tree_util.tree_flatten_with_path(model_state)[0]
+        keys = [f"model_state/{path_str(p).removesuffix('/value')}" for p, x in flat if is_key(x)]
+        if not keys:
+            return
+        where = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        way_out = (
+            "Take the step's keys instead: add an 'rng' (one key per example) or 'step_rng' "
+            "parameter to loss_fn and pass it to the model (e.g. nnx.Rngs(noise=step_rng) "
+            "or rngs=... at call time)"
+        )
+        if self.accumulate > 1:
+            raise ValueError(
+                f"the model draws from its own random generator ({where}), which "
+                f"accumulate={self.accumulate} would advance once per microbatch: the "
+                f"result would not be one device's. {way_out}, or use accumulate=1"
+            )
+        if not self._warned_rng:
+            self._warned_rng = True
+            warnings.warn(
+                f"the model draws from its own random generator ({where}); under "
+                f"mode={self.mode!r} each device draws from its own folded key, so the "
+                f"numbers are not one device's. {way_out}, or use mode='jit'",
+                stacklevel=2,
+            )
 
     def _shard_update(self, state: TrainState, batch: Any, index: jax.Array, mapped: bool):
         """Gradients, loss, aux and model state of one shard: means over its real examples."""
