@@ -7,6 +7,8 @@ from its own ``nnx.Rngs`` (``self.rngs.noise()``). Each goes through ``sx.descri
 key leaves (``key<fry>``) named, placed replicated and restored exactly.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,3 +191,23 @@ def test_make_train_step_and_checkpoint_round_trip(name, mesh, tmp_path):
     _, going_on = step(state, batches()[0])
     _, resumed = step(restored, batches()[0])
     assert float(resumed["loss"]) == float(going_on["loss"])
+
+
+def test_model_rng_under_accumulate_is_refused_and_under_shard_map_named(mesh):
+    """The VAE draws its noise from its own nnx.Rngs: accumulate=2 would advance them once
+    per microbatch (refused, naming the key and the way out); shard_map folds them per
+    device (a warning naming them); jit with accumulate=1 is one device's (no word)."""
+    state = sx.TrainState.create(VAE(nnx.Rngs(0, noise=1)), optax.adam(1e-2))
+    batch = batches()[0]
+    accumulated = sx.make_train_step(vae_loss, mesh=mesh, accumulate=2)
+    with pytest.raises(
+        ValueError, match=r"model_state/rngs/noise/key\).*accumulate=2(?s:.*)'step_rng'"
+    ):
+        accumulated(accumulated.shard(state), batch)
+    mapped = sx.make_train_step(vae_loss, mesh=mesh, mode="shard_map")
+    with pytest.warns(UserWarning, match=r"model_state/rngs/noise/key\).*mode='shard_map'"):
+        mapped(mapped.shard(state), batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jitted = sx.make_train_step(vae_loss, mesh=mesh)
+        jitted(jitted.shard(state), batch)

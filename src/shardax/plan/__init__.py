@@ -21,6 +21,7 @@ from shardax.plan.core import (
 )
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
+from shardax.plan.placed import planned, record
 from shardax.plan.regex import rules
 from shardax.plan.report import Row, ShardingReport, describe, format_bytes, validate
 from shardax.plan.specs import check_spec, spec_errors
@@ -55,6 +56,8 @@ __all__ = [
     "logical_to_mesh",
     "map_arrays",
     "path_str",
+    "planned",
+    "record",
     "replicate",
     "rules",
     "shard",

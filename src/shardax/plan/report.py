@@ -17,12 +17,14 @@ import io
 import math
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from shardax.checks import public
 from shardax.plan.core import Plan, as_plan
-from shardax.plan.tree import dtype_name, itemsize, map_arrays
+from shardax.plan.placed import planned_leaves
+from shardax.plan.tree import dtype_name, is_array, itemsize, map_arrays, path_str
 
 
 @public("sx.plan.format_bytes")
@@ -46,6 +48,9 @@ class Row:
     spec: PartitionSpec | None
     bytes_per_device: int
     bytes: int
+    #: the spec :func:`shardax.prepare` placed the leaf on, where it has left it since
+    #: (``None`` where the leaf is on its plan, or was not placed by ``prepare``)
+    planned: PartitionSpec | None = None
 
 
 @public("sx.plan.ShardingReport")
@@ -70,31 +75,34 @@ class ShardingReport:
     def to_dicts(self) -> list[dict[str, Any]]:
         """The rows as dicts, specs as strings (for JSON or a DataFrame)."""
         return [
-            {**dataclasses.asdict(r), "spec": None if r.spec is None else str(r.spec)}
+            {
+                **dataclasses.asdict(r),
+                "spec": None if r.spec is None else str(r.spec),
+                "planned": None if r.planned is None else str(r.planned),
+            }
             for r in self.rows
         ]
 
     def __rich__(self) -> Any:
         from rich.table import Table
 
-        table = Table(title=self.title)
-        for name, justify in [
-            ("path", "left"),
-            ("shape", "right"),
-            ("dtype", "left"),
-            ("spec", "left"),
-            ("per device", "right"),
-        ]:
+        moved = [r for r in self.rows if r.planned is not None]
+        title = self.title + (f" ({len(moved)} off their plan)" if moved else "")
+        table = Table(title=title)
+        columns = [("path", "left"), ("shape", "right"), ("dtype", "left"), ("spec", "left")]
+        columns += [("plan", "left")] if moved else []
+        for name, justify in [*columns, ("per device", "right")]:
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
         for r in self.rows:
             spec = "-" if r.spec is None else str(tuple(r.spec))
-            table.add_row(r.path, str(r.shape), r.dtype, spec, format_bytes(r.bytes_per_device))
+            plan = [] if not moved else ["" if r.planned is None else str(tuple(r.planned))]
+            table.add_row(
+                r.path, str(r.shape), r.dtype, spec, *plan, format_bytes(r.bytes_per_device)
+            )
         table.add_section()
         table.add_row(
             f"total ({len(self.rows)} arrays, {format_bytes(self.total_bytes)})",
-            "",
-            "",
-            "",
+            *[""] * (len(columns) - 1),
             format_bytes(self.total_bytes_per_device),
         )
         return table
@@ -107,7 +115,7 @@ class ShardingReport:
         return out.getvalue().rstrip()
 
 
-def _row(path: str, leaf: Any, sharding: Sharding | None) -> Row:
+def _row(path: str, leaf: Any, sharding: Sharding | None, want: Sharding | None = None) -> Row:
     shape = tuple(int(d) for d in np.shape(leaf))
     size, dtype = itemsize(leaf), dtype_name(leaf)
     nbytes = math.prod(shape) * size
@@ -115,7 +123,10 @@ def _row(path: str, leaf: Any, sharding: Sharding | None) -> Row:
         return Row(path, shape, dtype, None, nbytes, nbytes)
     per_device = math.prod(sharding.shard_shape(shape)) * size
     spec = sharding.spec if isinstance(sharding, NamedSharding) else None
-    return Row(path, shape, dtype, spec, per_device, nbytes)
+    planned = None
+    if isinstance(want, NamedSharding) and not sharding.is_equivalent_to(want, len(shape)):
+        planned = want.spec
+    return Row(path, shape, dtype, spec, per_device, nbytes, planned)
 
 
 @public("sx.describe")
@@ -123,13 +134,18 @@ def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
     """A :class:`ShardingReport` of every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s).
 
     With ``plan``, the specs are the plan's (raising its errors, as applying it would);
-    without, each leaf's own ``sharding`` (``None`` for NumPy or unsharded leaves).
+    without, each leaf's own ``sharding`` (``None`` for NumPy or unsharded leaves), and
+    for a leaf :func:`shardax.prepare` placed that has left its plan since (a user's jit
+    step picked another layout), the plan's spec too (``Row.planned``, a "plan" column).
     """
     rows: list[Row] = []
     if plan is not None:
         as_plan("plan", plan)
     if plan is None:
-        map_arrays(lambda p, x: rows.append(_row(p, x, getattr(x, "sharding", None))), tree)
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        for (path, x), want in zip(flat, planned_leaves(tree), strict=True):
+            if is_array(x):
+                rows.append(_row(path_str(path), x, getattr(x, "sharding", None), want))
     else:
         map_arrays(lambda p, x, s: rows.append(_row(p, x, s)), tree, plan(tree))
     title = f"sharding ({plan.name} on mesh {dict(plan.mesh.shape)})" if plan else "sharding"

@@ -4,6 +4,7 @@ verify (the step against one device)."""
 from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
 from shardax.train.eval import EvalStep
 from shardax.train.guard import NonFiniteLossError, check_finite
+from shardax.train.keep import keep_plan
 from shardax.train.make import make_eval_step, make_train_step
 from shardax.train.masks import masked_mean
 from shardax.train.precision import LossScaleState, LossScaling, Precision
@@ -33,6 +34,7 @@ __all__ = [
     "check_finite",
     "dropout",
     "example_keys",
+    "keep_plan",
     "make_eval_step",
     "make_train_step",
     "masked_mean",

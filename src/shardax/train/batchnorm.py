@@ -100,12 +100,13 @@ def over_data_axis(
     data = _names(data_axis)
 
     @functools.wraps(loss_fn)
-    def bound(model: Any, batch: Any, **kwargs: Any) -> Any:
+    def bound(model: Any, *args: Any, **kwargs: Any) -> Any:
+        # args: (batch,), or (state, batch) for an Equinox model with its eqx.nn.State
         if isinstance(model, nnx.Module):
             _bind_nnx(model, data, mapped)
         elif _is_equinox(model):
             model = _bind_equinox(model, data, mapped)
         with _bind_linen(data, mapped):
-            return loss_fn(model, batch, **kwargs)
+            return loss_fn(model, *args, **kwargs)
 
     return bound

@@ -36,6 +36,21 @@ from shardax.train.stats import STATS
 FILLED = ("rng", "step_rng")
 """The ``loss_fn`` parameters the step fills: per-example keys and the step's key."""
 
+STATE = "state"
+"""The name of ``loss_fn``'s second parameter when it takes the model's Equinox state:
+``loss_fn(model, state, batch) -> (loss | (loss, aux), new_state)``."""
+
+
+def takes_state(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn``'s second parameter is named ``state``: Equinox's stateful
+    contract, ``loss_fn(model, state, batch) -> (out, new_state)``."""
+    try:
+        names = [p.name for p in inspect.signature(loss_fn).parameters.values()]
+    except (TypeError, ValueError):
+        return False
+    names = [n for n in names if n not in FILLED]
+    return len(names) >= 3 and names[1] == STATE
+
 
 def rng_arguments(loss_fn: Callable[..., Any], what: str = "loss_fn") -> tuple[str, ...]:
     """The parameters of :data:`FILLED` that ``loss_fn`` takes; raises ``TypeError``
@@ -48,9 +63,10 @@ def rng_arguments(loss_fn: Callable[..., Any], what: str = "loss_fn") -> tuple[s
         return ()
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     rest = [p for p in parameters if p.name not in FILLED]
+    leading = 3 if takes_state(loss_fn) else 2
     required = [
         p
-        for p in rest[2:] if p.kind in positional and p.default is inspect.Parameter.empty
+        for p in rest[leading:] if p.kind in positional and p.default is inspect.Parameter.empty
     ] + [
         p for p in rest if p.kind == inspect.Parameter.KEYWORD_ONLY
         and p.default is inspect.Parameter.empty

@@ -47,14 +47,20 @@ class NNXModel:
 
 @dataclasses.dataclass(frozen=True)
 class EquinoxModel:
-    """An Equinox module: its static part (everything that is not an array)."""
+    """An Equinox module: its static part (everything that is not an array).
+
+    ``stateful``: the model comes with an ``eqx.nn.State`` (``eqx.nn.make_with_state``);
+    the model state is then ``{"model": arrays, "state": state}``, and the loss function
+    takes the state and returns the new one (:data:`shardax.train.loss.STATE`)."""
 
     static: Any
+    stateful: bool = False
 
     def bind(self, params: Any, model_state: Any, rng: jax.Array) -> Any:
         import equinox as eqx
 
-        return eqx.combine(params, model_state, self.static)
+        arrays = model_state["model"] if self.stateful else model_state
+        return eqx.combine(params, arrays, self.static)
 
     def model_state(self, model: Any, model_state: Any) -> Any:
         return model_state
@@ -98,6 +104,31 @@ def _is_equinox(model: Any) -> bool:
     except ImportError:  # pragma: no cover - equinox is an optional extra
         return False
     return isinstance(model, eqx.Module)
+
+
+def is_stateful(adapter: Any) -> bool:
+    """Whether ``adapter`` carries an Equinox ``eqx.nn.State`` in its model state."""
+    return getattr(adapter, "stateful", False)
+
+
+def split_stateful(model: Any, state: Any) -> tuple[ModelAdapter, Any, Any]:
+    """``(adapter, params, model_state)`` of an Equinox module and its ``eqx.nn.State``:
+    the model state is ``{"model": the module's other arrays, "state": state}``."""
+    import equinox as eqx
+
+    if not _is_equinox(model):
+        raise TypeError(
+            f"state= is the eqx.nn.State of an Equinox module (eqx.nn.make_with_state), "
+            f"but the model is a {type(model).__name__}; NNX and Linen keep their state "
+            "in the model"
+        )
+    if not isinstance(state, eqx.nn.State):
+        raise TypeError(
+            f"state must be an eqx.nn.State (from eqx.nn.make_with_state), got "
+            f"{type(state).__name__}"
+        )
+    adapter, params, arrays = split_model(model)
+    return EquinoxModel(adapter.static, stateful=True), params, {"model": arrays, "state": state}
 
 
 def split_model(model: Any, wrt: Any = nnx.Param) -> tuple[ModelAdapter, Any, Any]:

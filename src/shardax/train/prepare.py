@@ -36,6 +36,7 @@ from shardax.mesh.axes import DATA_AXIS
 from shardax.mesh.make import make_mesh
 from shardax.plan.core import Plan, as_plan, replicate
 from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.placed import record
 from shardax.plan.tree import is_array
 from shardax.runtime.processes import device_put_global
 from shardax.train.state import TrainState, is_nnx_optimizer, optimizer_opt_state
@@ -229,6 +230,19 @@ def _has_arrays(obj: Any) -> bool:
     return any(is_array(x) for x in jax.tree.leaves(obj))
 
 
+def _record_plan(placed: list[Any]) -> None:
+    """Records each placed object's shardings as its plan (for :func:`shardax.keep_plan`
+    and :func:`shardax.describe`): the object, and a train state's params and optimizer
+    state, which a step may return on their own."""
+    for obj in placed:
+        if _is_loader(obj) and not _is_train_state(obj):
+            continue
+        record(obj)
+        if _is_train_state(obj) or isinstance(obj, TrainState):
+            record(obj.params)
+            record(obj.opt_state)
+
+
 @public("sx.prepare")
 def prepare(
     *objects: Any,
@@ -284,4 +298,5 @@ def prepare(
     if isinstance(plan, Plan) and not isinstance(plan, FollowParams):
         plan = follow_params(plan)
     out = _Preparer(objects, mesh, plan, data_axis).run()
+    _record_plan(out)
     return out[0] if len(objects) == 1 else tuple(out)

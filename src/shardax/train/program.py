@@ -29,6 +29,7 @@ implement:
 from __future__ import annotations
 
 import collections
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -53,8 +54,9 @@ from shardax.train.accumulate import microbatched
 from shardax.train.axis_types import explain_axis_types, mesh_axis_type, reshard_batch
 from shardax.train.batch import check_batch
 from shardax.train.batchnorm import over_data_axis
-from shardax.train.loss import check_mapped_aux, rng_arguments
+from shardax.train.loss import check_mapped_aux, rng_arguments, takes_state
 from shardax.train.masks import valid_count
+from shardax.train.model import is_stateful
 from shardax.train.precision import (
     Precision,
     cast_floating,
@@ -90,6 +92,23 @@ def _map_keys(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
 
 
 _fresh_copy = jax.jit(lambda tree: tree)
+
+
+def _stateful_out(out: Any, old: Any) -> tuple[Any, Any]:
+    """``(loss | (loss, aux), new_state)`` from a stateful loss function, checked."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            "loss_fn(model, state, batch) must return (loss, new_state) or "
+            f"((loss, aux), new_state), got {type(out).__name__}"
+        )
+    new = out[1]
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise TypeError(
+            "loss_fn(model, state, batch) must return (loss, new_state) with new_state an "
+            f"eqx.nn.State like the one it was given; got a {type(new).__name__} "
+            "as the second item"
+        )
+    return out
 
 
 def _buffers(x: jax.Array) -> set[int]:
@@ -275,6 +294,7 @@ class Program:
         names = (data_axis,) if isinstance(data_axis, str) else data_axis
         self._explicit = any(mesh_axis_type(mesh, n) == AxisType.Explicit for n in names)
         self._compiled: collections.OrderedDict[Any, _Compiled] = collections.OrderedDict()
+        self._warned_rng = False
         self._device = SingleDeviceSharding(mesh.devices.flat[0])
         self._call = self._mode_call()
 
@@ -373,6 +393,8 @@ class Program:
         output dtype. BatchNorm layers normalize over the global batch in every mode
         (``mapped``: the data axis is bound; :mod:`shardax.train.batchnorm`)."""
         adapter, policy = state.adapter, self.precision
+        stateful = self._check_stateful(adapter, mapped)
+        self._check_model_rng(state.model_state, mapped)
         loss_fn = over_data_axis(self.loss_fn, self.data_axis, mapped)
         scale = state.loss_scale if policy.loss_scaling is not None else None
 
@@ -383,14 +405,83 @@ class Program:
 
             def loss(params: Any) -> tuple[jax.Array, Any]:
                 model = adapter.bind(cast_floating(params, policy.compute_dtype), model_state, rng)
-                value, aux = self.objective(loss_fn(self.view(model), batch, **kwargs))
+                if stateful:
+                    out, new = _stateful_out(
+                        loss_fn(self.view(model), model_state["state"], batch, **kwargs),
+                        model_state["state"],
+                    )
+                    new_model_state = {**model_state, "state": new}
+                else:
+                    out = loss_fn(self.view(model), batch, **kwargs)
+                    new_model_state = adapter.model_state(model, model_state)
+                value, aux = self.objective(out)
                 value, aux = cast_floating((value, aux), policy.output_dtype)
-                new_model_state = cast_like(adapter.model_state(model, model_state), model_state)
+                new_model_state = cast_like(new_model_state, model_state)
                 return value, (aux, new_model_state)
 
             return self.differentiate(loss, state.params, scale)
 
         return fn
+
+    def _check_stateful(self, adapter: Any, mapped: bool) -> bool:
+        """Whether the state carries an Equinox ``eqx.nn.State``; refuses a loss function
+        that does not take it (or takes one the state lacks), and the modes where its
+        batch statistics would be one device's or one microbatch's."""
+        stateful, wants = is_stateful(adapter), takes_state(self.loss_fn)
+        if stateful and not wants:
+            raise TypeError(
+                "the state carries an eqx.nn.State (TrainState.create(..., state=...)), so "
+                "loss_fn must take it as its second parameter, named 'state', and return "
+                "the new one: loss_fn(model, state, batch) -> (loss, new_state)"
+            )
+        if wants and not stateful:
+            raise TypeError(
+                "loss_fn(model, state, batch) takes an Equinox state, but the train state "
+                "has none: build it with sx.TrainState.create(model, tx, state=state) "
+                "(model, state = eqx.nn.make_with_state(Model)(...))"
+            )
+        if stateful and (mapped or self.accumulate > 1):
+            how = f"mode={self.mode!r}" if mapped else f"accumulate={self.accumulate}"
+            raise ValueError(
+                f"an eqx.nn.State (BatchNorm, SpectralNorm) is not supported with {how}: "
+                "each device (or microbatch) would update it from its own slice of the "
+                "batch, and the result would not be one device's. Use mode='jit' and "
+                "accumulate=1, where its statistics are over the whole global batch"
+            )
+        return stateful
+
+    def _check_model_rng(self, model_state: Any, mapped: bool) -> None:
+        """Randomness the model draws from its own generators (an ``nnx.Rngs``: typed
+        keys in the model state) is one device's only under ``mode="jit"`` with
+        ``accumulate=1``: refused with accumulation (each microbatch would advance the
+        generator once), named in a warning under shard_map and pmap (each device draws
+        from its own folded key, by design)."""
+        if not (mapped or self.accumulate > 1):
+            return
+        flat = jax.tree_util.tree_flatten_with_path(model_state)[0]
+        keys = [f"model_state/{path_str(p).removesuffix('/value')}" for p, x in flat if is_key(x)]
+        if not keys:
+            return
+        where = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        way_out = (
+            "Take the step's keys instead: add an 'rng' (one key per example) or 'step_rng' "
+            "parameter to loss_fn and pass it to the model (e.g. nnx.Rngs(noise=step_rng) "
+            "or rngs=... at call time)"
+        )
+        if self.accumulate > 1:
+            raise ValueError(
+                f"the model draws from its own random generator ({where}), which "
+                f"accumulate={self.accumulate} would advance once per microbatch: the "
+                f"result would not be one device's. {way_out}, or use accumulate=1"
+            )
+        if not self._warned_rng:
+            self._warned_rng = True
+            warnings.warn(
+                f"the model draws from its own random generator ({where}); under "
+                f"mode={self.mode!r} each device draws from its own folded key, so the "
+                f"numbers are not one device's. {way_out}, or use mode='jit'",
+                stacklevel=2,
+            )
 
     def _shard_update(self, state: TrainState, batch: Any, index: jax.Array, mapped: bool):
         """Gradients, loss, aux and model state of one shard: means over its real examples."""

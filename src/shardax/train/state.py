@@ -25,7 +25,14 @@ import optax
 
 from shardax.checks import public
 from shardax.plan.tree import is_key, path_str
-from shardax.train.model import ApplyFnModel, LinenModel, ModelAdapter, NNXModel, split_model
+from shardax.train.model import (
+    ApplyFnModel,
+    LinenModel,
+    ModelAdapter,
+    NNXModel,
+    split_model,
+    split_stateful,
+)
 from shardax.train.static import comparable
 
 Seed = int | jax.Array
@@ -219,9 +226,15 @@ class TrainState:
         )
 
     @classmethod
-    def create(cls, model: Any, tx: Any, *, rng: Seed = 0) -> TrainState:
+    def create(cls, model: Any, tx: Any, *, rng: Seed = 0, state: Any = None) -> TrainState:
         """From an NNX module (``nnx.Param`` trainable) or an Equinox module (floating
         arrays trainable). ``rng`` seeds the per-step keys (an int or a key).
+
+        ``state``: the ``eqx.nn.State`` of an Equinox module built with
+        ``eqx.nn.make_with_state`` (BatchNorm, SpectralNorm): the step then calls
+        ``loss_fn(model, state, batch)``, which returns ``(loss, new_state)`` or
+        ``((loss, aux), new_state)``, and keeps the new state
+        (``state.model_state["state"]``).
 
         ``tx`` is an optax transformation, or for an NNX module its ``nnx.Optimizer``
         (or ``nnx.ModelAndOptimizer``): the state takes the optimizer's transformation,
@@ -236,6 +249,8 @@ class TrainState:
         """
         if is_nnx_optimizer(tx):
             return cls._from_optimizer(model, tx, rng)
+        if state is not None:
+            return cls._new(*split_stateful(model, state), tx, rng)
         adapter, params, model_state = split_model(model)
         return cls._new(adapter, params, model_state, tx, rng)
 
