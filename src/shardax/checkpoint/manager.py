@@ -11,7 +11,11 @@ orbax writes them in a background thread and commits the step (the rename) when 
 are written, so the loop goes on stepping. A step is listed, restored or counted by
 :meth:`CheckpointManager.latest_step` only once committed; the next save, a restore and
 :meth:`CheckpointManager.close` wait for the save in flight, and a save after a
-preemption notice (SIGTERM) waits for its own commit before returning.
+preemption notice (SIGTERM) waits for its own commit before returning. A save still in
+flight when the script ends is finished before the process exits (or, if it fails, said
+so on stderr). A save that fails (a read-only or full disk) raises ``OSError`` naming the
+step, the directory and the cause, and leaves no orbax thread behind. One manager at a
+time writes into a directory (:mod:`shardax.checkpoint.lock`).
 
 >>> import shardax as sx
 >>> state = {"w": jnp.ones((8, 4)), "step": jnp.int32(0)}
@@ -22,11 +26,14 @@ preemption notice (SIGTERM) waits for its own commit before returning.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from shardax.checkpoint import swap
@@ -38,6 +45,7 @@ from shardax.checkpoint.convert import (
     to_saveable,
     with_other_leaves,
 )
+from shardax.checkpoint.lock import DirectoryLock
 from shardax.checkpoint.preemption import preemption_requested, reached_preemption
 from shardax.checks import as_bool, as_count, expect_type, public
 from shardax.runtime import compat
@@ -71,7 +79,10 @@ class CheckpointManager:
     :meth:`latest_step`, :meth:`data_state` and :meth:`close`, which wait for a save in
     flight and the deletions it brings, and so synchronise the processes.
     ``async_save=True``: :meth:`save` returns once the arrays are on the host and writes
-    them in the background (:meth:`wait` for the commit).
+    them in the background (:meth:`wait` for the commit; a save not waited for is
+    finished when the script ends). From its first save until :meth:`close` the manager
+    holds the directory's writer lock: a second manager saving there raises
+    ``RuntimeError`` naming the first.
     """
 
     def __init__(
@@ -83,6 +94,7 @@ class CheckpointManager:
         async_save: bool = False,
     ) -> None:
         ocp = _ocp()
+        _quiet_orbax_save_errors()
         self.directory = check_directory("directory", directory)
         if max_to_keep is not None:
             max_to_keep = as_count("max_to_keep (or None to keep all)", max_to_keep)
@@ -91,6 +103,8 @@ class CheckpointManager:
             raise FileNotFoundError(f"no checkpoint directory {self.directory}")
         self._stray: set[str] = set()
         self._displaced: list[int] = []
+        self._lock: DirectoryLock | None = None
+        self._in_flight: tuple[int, set[str]] | None = None  # (step, orbax operation ids)
         self.async_save = as_bool("async_save", async_save)
         swap.recover(self.directory)  # an overwrite interrupted by a crash
         # Old steps are deleted here (save), not by orbax, which deletes in the order of
@@ -116,8 +130,25 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Returns once the save in flight (``async_save=True``) is committed, and the
-        steps it displaced under ``max_to_keep`` are deleted."""
-        self._manager.wait_until_finished()
+        steps it displaced under ``max_to_keep`` are deleted. A save that failed raises
+        ``OSError`` naming the step, the directory and the cause; the steps committed
+        before it are kept."""
+        in_flight, self._in_flight = self._in_flight, None
+        _UNFINISHED.discard(self)
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._displaced = []
+            if in_flight is None:
+                raise
+            step, operations = in_flight
+            compat.orbax_release_save(operations)  # else they block the exit for 300 s
+            raise OSError(
+                f"checkpoint step {step} was not saved in {self.directory}: "
+                f"{getattr(e, 'strerror', None) or e}"
+                + (f" ({e.filename})" if getattr(e, "filename", None) else "")
+                + f". Nothing of step {step} was committed; the steps saved before it are kept"
+            ) from e
         displaced, self._displaced = self._displaced, []
         if displaced:
             self._manager.reload()
@@ -171,6 +202,7 @@ class CheckpointManager:
                 f"state has no array or number leaf to save, got {state!r:.80}; "
                 "plain values go in data_state"
             )
+        self._take_lock()  # before reading the steps another writer could change
         steps = self.all_steps()
         exists = step in steps
         if exists and not overwrite:
@@ -195,7 +227,11 @@ class CheckpointManager:
         if not exists:
             # The steps it displaces go once it is committed (see wait), never before.
             self._displaced = [old for old in steps if old not in keep]
+            before = compat.orbax_save_operations()
             self._manager.save(step, args=args, force=True)
+            self._in_flight = (step, compat.orbax_save_operations() - before)
+            if self.async_save:
+                _finish_at_exit(self)
             if not self.async_save or preemption_requested():
                 self.wait()
             return
@@ -257,16 +293,75 @@ class CheckpointManager:
         state = with_other_leaves(state, restored["data"].get("leaves", {}))
         return Restored(state, restored["data"]["data_state"], step)
 
+    def _take_lock(self) -> None:
+        if self._lock is None and jax.process_index() == 0:
+            self._lock = DirectoryLock(self.directory)
+
     def close(self) -> None:
-        """Waits for the save in flight and releases the manager."""
-        self.wait()
-        self._manager.close()
+        """Waits for the save in flight and releases the manager and the directory."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _finish_at_exit(self) -> None:
+        if self._in_flight is None:
+            return
+        step = self._in_flight[0]
+        try:
+            self.close()
+        except Exception as e:
+            print(f"shardax: {e}", file=sys.stderr, flush=True)
+        else:
+            print(
+                f"shardax: finished saving checkpoint step {step} in {self.directory} at exit "
+                "(call CheckpointManager.close() or wait() to finish it yourself)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _OrbaxErrors(logging.Filter):
+    """Drops orbax-checkpoint's error logs, each with its traceback (tens of lines per
+    thread of a failed save): shardax raises the failure itself, naming the step, the
+    directory and the cause, with orbax's error chained to it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        path = record.pathname.replace(os.sep, "/")
+        return record.levelno < logging.ERROR or "/orbax/checkpoint/" not in path
+
+
+def _quiet_orbax_save_errors() -> None:
+    absl = logging.getLogger("absl")  # orbax logs through absl, which logs here
+    if not any(isinstance(f, _OrbaxErrors) for f in absl.filters):
+        absl.addFilter(_OrbaxErrors())
+
+
+_UNFINISHED: set[CheckpointManager] = set()
+"""The async managers with a save in flight, finished at exit."""
+
+
+def _finish_at_exit(manager: CheckpointManager) -> None:
+    # Registered at the first async save, after the executors orbax's save uses, so that
+    # it runs before they stop taking work (the hooks run last registered, first).
+    if not _UNFINISHED and not getattr(_finish_at_exit, "registered", False):
+        compat.before_thread_shutdown(_finish_saves_at_exit)
+        _finish_at_exit.registered = True  # type: ignore[attr-defined]
+    _UNFINISHED.add(manager)
+
+
+def _finish_saves_at_exit() -> None:
+    for manager in list(_UNFINISHED):
+        manager._finish_at_exit()
 
 
 def check_directory(name: str, directory: Any) -> str:
