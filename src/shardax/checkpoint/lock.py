@@ -12,7 +12,7 @@ multi-process run takes it (the processes of one run save together).
 >>> DirectoryLock(str(tmp_path))
 Traceback (most recent call last):
 ...
-RuntimeError: checkpoint directory ... is being written by another CheckpointManager ... (pid ...)
+RuntimeError: checkpoint directory ... is being written by another CheckpointManager ... (pid ...); ...
 >>> lock.release()
 """
 
