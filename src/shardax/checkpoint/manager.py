@@ -39,6 +39,7 @@ import numpy as np
 from shardax.checkpoint import swap
 from shardax.checkpoint.convert import (
     abstract_saveable,
+    array_leaves,
     flat_paths,
     from_saveable,
     other_leaves,
@@ -48,6 +49,7 @@ from shardax.checkpoint.convert import (
 from shardax.checkpoint.lock import DirectoryLock
 from shardax.checkpoint.preemption import preemption_requested, reached_preemption
 from shardax.checks import as_bool, as_count, expect_type, public
+from shardax.plan.tree import path_str
 from shardax.runtime import compat
 
 
@@ -196,6 +198,7 @@ class CheckpointManager:
         check_json("data_state", data_state)
         leaves = other_leaves(state)
         check_json("state: leaf", leaves)
+        check_not_donated(state)
         arrays = to_saveable(state)
         if not arrays:
             raise ValueError(
@@ -439,6 +442,26 @@ class _CheckpointSteps:
         if not self._ours(metadata):
             raise ValueError(f"no shardax checkpoint for step {step} in {base_path}")
         return metadata
+
+
+def check_not_donated(state: Any) -> None:
+    """Raises ``ValueError`` naming the first leaf of ``state`` whose buffer was deleted
+    (donated to a jitted step), before anything is written."""
+    deleted = sorted(
+        (
+            path_str(path)
+            for path, leaf in array_leaves(state)
+            if isinstance(leaf, jax.Array) and leaf.is_deleted()
+        ),
+        key=_params_first,
+    )
+    if deleted:
+        more = f" (and {len(deleted) - 1} more)" if len(deleted) > 1 else ""
+        raise ValueError(
+            f"state leaf {deleted[0]!r}{more} has been deleted: its buffer was "
+            "donated to a step (donate=True, donate_argnums) that consumed it. Save the "
+            "state the step returned, not the one passed into it. Nothing was written"
+        )
 
 
 def check_json(name: str, value: Any, path: str = "") -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from shardax.cli.common import UsageError
 from shardax.runtime import compile_stats, status
 
 
@@ -160,7 +161,10 @@ class Goodput(Hook):
     def __init__(self, run: Run, path: Any, since: float, compiled: float = 0.0) -> None:
         from shardax.track.goodput import Ledger
 
-        self.ledger = run.ledger = Ledger(path, since=since)
+        try:
+            self.ledger = run.ledger = Ledger(path, since=since)
+        except ValueError as e:  # an unreadable goodput.json
+            raise UsageError(str(e)) from None
         self.ledger.count("compile", lambda: compile_stats().seconds, since=compiled)
         self.ledger.count("data", lambda: run.feed.wait_seconds)
         if run.first_done:

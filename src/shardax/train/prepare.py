@@ -229,6 +229,28 @@ def _has_arrays(obj: Any) -> bool:
     return any(is_array(x) for x in jax.tree.leaves(obj))
 
 
+def _check_placeable(i: int, obj: Any) -> None:
+    """Raises ``TypeError`` for an argument :func:`prepare` cannot place: no arrays in it
+    and not a loader (a Linen module, a number, a string, an object). An empty pytree
+    (``optax.sgd``'s ``EmptyState``, None) has nothing to place and passes."""
+    leaves = jax.tree.leaves(obj)
+    if not leaves or _has_arrays(obj) or _is_loader(obj):
+        return
+    from flax import linen
+
+    if isinstance(obj, linen.Module):
+        raise TypeError(
+            f"objects[{i}] is the Linen module {type(obj).__name__}, which holds no arrays: "
+            "pass its variables (variables = model.init(key, x)) or a flax.training "
+            "TrainState, and keep calling model.apply in your step"
+        )
+    raise TypeError(
+        f"objects[{i}] must be a model, an optimizer or its state, a train state, a "
+        f"pytree of arrays or an iterable of batches, got {type(obj).__name__} "
+        f"{obj!r:.60}, which holds no array to place"
+    )
+
+
 @public("sx.prepare")
 def prepare(
     *objects: Any,
@@ -283,5 +305,7 @@ def prepare(
         )
     if isinstance(plan, Plan) and not isinstance(plan, FollowParams):
         plan = follow_params(plan)
+    for i, obj in enumerate(objects):
+        _check_placeable(i, obj)
     out = _Preparer(objects, mesh, plan, data_axis).run()
     return out[0] if len(objects) == 1 else tuple(out)
