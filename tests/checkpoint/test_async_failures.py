@@ -100,3 +100,29 @@ def test_another_process_writing_the_directory_is_named(tmp_path):
     finally:
         holder.communicate("\n", timeout=LIMIT)
     assert holder.returncode == 0
+
+
+def _small_files():  # in the child: files over 64 KiB fail, as on a full disk
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+
+
+def test_the_cli_says_a_full_disk_in_one_line(tmp_path):
+    ck = str(tmp_path / "ck")
+    argv = ["train", "--epochs", "1", "--save-every", "4", "--hidden", "256"]
+    argv += ["--cpu-devices", "2", "--compile-cache", "off", "--checkpoint-dir", ck]
+    argv += ["--run-dir", str(tmp_path / "run")]
+    out = subprocess.run(
+        [sys.executable, "-m", "shardax", *argv],
+        preexec_fn=_small_files,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT * 2,
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [out.stderr.strip()], out.stderr[-3000:]
+    assert out.stderr.startswith(f"shardax train: error: checkpoint step 4 was not saved in {ck}: ")
+    assert "File too large" in out.stderr
