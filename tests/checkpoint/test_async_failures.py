@@ -60,12 +60,18 @@ def test_a_save_that_runs_out_of_space_raises_naming_the_directory_and_exits(tmp
     _failed_save(out, directory, "File too large")
 
 
-def test_a_save_never_waited_for_is_finished_at_exit(tmp_path):
+def test_a_save_never_waited_for_is_finished_at_exit_or_reported(tmp_path):
     directory = str(tmp_path / "ck")
     out = run_worker("unwaited", directory)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"finished saving checkpoint step 2 in {directory} at exit" in out.stderr
-    assert sorted(os.listdir(directory)) == ["1", "2"]
+    if sys.version_info < (3, 12):
+        assert f"finished saving checkpoint step 2 in {directory} at exit" in out.stderr
+        assert sorted(os.listdir(directory)) == ["1", "2"]
+    else:  # no thread starts once the script has ended, and orbax needs new ones
+        assert f"shardax: checkpoint step 2 was not saved in {directory}: " in out.stderr
+        assert "The script ended with this asynchronous save in flight" in out.stderr
+        assert "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert "1" in os.listdir(directory) and "2" not in os.listdir(directory)
 
 
 def test_a_second_manager_in_the_directory_is_refused_and_no_step_is_lost(tmp_path):

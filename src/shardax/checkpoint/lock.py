@@ -64,6 +64,9 @@ class DirectoryLock:
             os.close(self._fd)  # closing the only descriptor releases the flock
             self._fd = None
 
+    def __del__(self) -> None:  # a manager dropped without close()
+        self.release()
+
 
 def _holder(inode: int) -> str | None:
     """The pid holding a ``flock`` on ``inode``, from ``/proc/locks`` (Linux), or None."""

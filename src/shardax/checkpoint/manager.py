@@ -12,10 +12,11 @@ are written, so the loop goes on stepping. A step is listed, restored or counted
 :meth:`CheckpointManager.latest_step` only once committed; the next save, a restore and
 :meth:`CheckpointManager.close` wait for the save in flight, and a save after a
 preemption notice (SIGTERM) waits for its own commit before returning. A save still in
-flight when the script ends is finished before the process exits (or, if it fails, said
-so on stderr). A save that fails (a read-only or full disk) raises ``OSError`` naming the
-step, the directory and the cause, and leaves no orbax thread behind. One manager at a
-time writes into a directory (:mod:`shardax.checkpoint.lock`).
+flight when the script ends is finished before the process exits or, where that cannot
+be (Python 3.12+ starts no thread then, and orbax needs some), reported on stderr. A
+save that fails (a read-only or full disk) raises ``OSError`` naming the step, the
+directory and the cause, and leaves no orbax thread behind. One manager at a time
+writes into a directory (:mod:`shardax.checkpoint.lock`).
 
 >>> import shardax as sx
 >>> state = {"w": jnp.ones((8, 4)), "step": jnp.int32(0)}
@@ -317,7 +318,14 @@ class CheckpointManager:
         try:
             self.close()
         except Exception as e:
-            print(f"shardax: {e}", file=sys.stderr, flush=True)
+            # Python 3.12+ starts no thread once the script has ended, and orbax needs new
+            # ones to finish a save: then the save is reported, never silently dropped.
+            print(
+                f"shardax: {e}. The script ended with this asynchronous save in flight: "
+                "call CheckpointManager.wait() or close() (or use a with block) before it ends",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             print(
                 f"shardax: finished saving checkpoint step {step} in {self.directory} at exit "
@@ -356,7 +364,7 @@ _UNFINISHED: set[CheckpointManager] = set()
 def _finish_at_exit(manager: CheckpointManager) -> None:
     # Registered at the first async save, after the executors orbax's save uses, so that
     # it runs before they stop taking work (the hooks run last registered, first).
-    if not _UNFINISHED and not getattr(_finish_at_exit, "registered", False):
+    if not getattr(_finish_at_exit, "registered", False):
         compat.before_thread_shutdown(_finish_saves_at_exit)
         _finish_at_exit.registered = True  # type: ignore[attr-defined]
     _UNFINISHED.add(manager)
