@@ -59,7 +59,7 @@ class DirectoryLock:
 
     def release(self) -> None:
         """Gives the lock back."""
-        if self._fd is not None:
+        if getattr(self, "_fd", None) is not None:  # (None when __init__ failed)
             _HELD.pop(self._key, None)
             os.close(self._fd)  # closing the only descriptor releases the flock
             self._fd = None
