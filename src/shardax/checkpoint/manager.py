@@ -342,19 +342,53 @@ class CheckpointManager:
 
 
 class _OrbaxErrors(logging.Filter):
-    """Drops orbax-checkpoint's error logs, each with its traceback (tens of lines per
-    thread of a failed save): shardax raises the failure itself, naming the step, the
-    directory and the cause, with orbax's error chained to it."""
+    """Drops the error logs of a failed orbax-checkpoint save, each with its traceback
+    (tens of lines per thread, and one per write that fails after the first): orbax's
+    own, and asyncio's "Task exception was never retrieved" for orbax's write tasks.
+    shardax raises the failure itself, naming the step, the directory and the cause,
+    with orbax's error chained to it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        path = record.pathname.replace(os.sep, "/")
-        return record.levelno < logging.ERROR or "/orbax/checkpoint/" not in path
+        if record.levelno < logging.ERROR:
+            return True
+        if "/orbax/checkpoint/" in record.pathname.replace(os.sep, "/"):
+            return False
+        return not (record.name == "asyncio" and "/orbax/checkpoint/" in _message(record))
+
+
+def _message(record: logging.LogRecord) -> str:
+    try:
+        return record.getMessage().replace(os.sep, "/")
+    except Exception:  # a record whose arguments do not format: keep it
+        return ""
+
+
+def _late_completions(previous: Any) -> Any:
+    """An unraisable hook that drops asyncio's "Event loop is closed" raised where a
+    native callback (tensorstore's) reports a write finishing after the failed save's
+    loop was closed: harmless, and one traceback per write. Anything else goes to
+    ``previous``."""
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if not (
+            isinstance(error, RuntimeError)
+            and str(error) == "Event loop is closed"
+            and unraisable.object is None
+        ):
+            previous(unraisable)
+
+    hook.shardax_late_completions = True  # type: ignore[attr-defined]
+    return hook
 
 
 def _quiet_orbax_save_errors() -> None:
-    absl = logging.getLogger("absl")  # orbax logs through absl, which logs here
-    if not any(isinstance(f, _OrbaxErrors) for f in absl.filters):
-        absl.addFilter(_OrbaxErrors())
+    for name in ("absl", "asyncio"):  # orbax logs through absl, which logs here
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
+            logger.addFilter(_OrbaxErrors())
+    if not getattr(sys.unraisablehook, "shardax_late_completions", False):
+        sys.unraisablehook = _late_completions(sys.unraisablehook)
 
 
 _UNFINISHED: set[CheckpointManager] = set()

@@ -179,11 +179,18 @@ class Ledger:
         if self.path is None:
             return
         data = {"version": _VERSION, "sessions": [*self.previous, self.session]}
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, self.path)
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a full or read-only disk
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise OSError(
+                e.errno, f"goodput ledger {self.path} could not be written: {e.strerror}"
+            ) from e
 
     def close(self, running_as: str | None = None) -> None:
         """Ends the session and saves it; ``running_as`` relabels the running interval
