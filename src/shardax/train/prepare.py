@@ -233,8 +233,10 @@ def _check_placeable(i: int, obj: Any) -> None:
     """Raises ``TypeError`` for an argument :func:`prepare` cannot place: no arrays in it
     and not a loader (a Linen module, a number, a string, an object). An empty pytree
     (``optax.sgd``'s ``EmptyState``, None) has nothing to place and passes."""
+    if _is_loader(obj):
+        return
     leaves = jax.tree.leaves(obj)
-    if not leaves or _has_arrays(obj) or _is_loader(obj):
+    if not leaves or _has_arrays(obj):
         return
     from flax import linen
 
