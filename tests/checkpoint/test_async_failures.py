@@ -108,12 +108,14 @@ def test_another_process_writing_the_directory_is_named(tmp_path):
     assert holder.returncode == 0
 
 
-def _small_files():  # in the child: files over 64 KiB fail, as on a full disk
-    import resource
-    import signal
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+# The CLI with files over 64 KiB failing, as on a full disk (set in the child itself: a
+# preexec_fn would fork this multithreaded process).
+SMALL_FILES = """
+import resource, runpy, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+runpy.run_module("shardax", run_name="__main__")
+"""
 
 
 def test_the_cli_says_a_full_disk_in_one_line(tmp_path):
@@ -122,8 +124,7 @@ def test_the_cli_says_a_full_disk_in_one_line(tmp_path):
     argv += ["--cpu-devices", "2", "--compile-cache", "off", "--checkpoint-dir", ck]
     argv += ["--run-dir", str(tmp_path / "run")]
     out = subprocess.run(
-        [sys.executable, "-m", "shardax", *argv],
-        preexec_fn=_small_files,
+        [sys.executable, "-c", SMALL_FILES, *argv],
         capture_output=True,
         text=True,
         timeout=LIMIT * 2,
