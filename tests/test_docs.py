@@ -14,6 +14,7 @@
 import doctest
 import importlib
 import pkgutil
+import re
 import signal
 from pathlib import Path
 
@@ -73,6 +74,25 @@ def test_python_blocks_are_found():
     text = "a\n<!-- skip -->\n```python\nskipped()\n```\n\n```python\nx = 1\n```\n"
     assert python_blocks(text) == [(8, "x = 1\n")]
     assert any(python_blocks(p.read_text()) for p in PAGES), "no python block in the docs"
+
+
+SX_NAME = re.compile(r"(?<![\w.])sx\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+
+
+def test_every_sx_name_in_the_docs_resolves():
+    """``sx.a.b`` in prose or code resolves from ``import shardax as sx`` (a module that
+    lacks the next name fails; a class's method is not checked further)."""
+    broken = set()
+    for page in [*PAGES, ROOT / "README.md"]:
+        for name in SX_NAME.findall(page.read_text()):
+            obj = sx
+            for part in name.split("."):
+                if not hasattr(obj, part):
+                    if isinstance(obj, type(sx)):
+                        broken.add(f"{page.relative_to(ROOT)}: sx.{name}")
+                    break
+                obj = getattr(obj, part)
+    assert not broken, sorted(broken)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

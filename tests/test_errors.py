@@ -15,6 +15,7 @@ import sys
 import threading
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -527,6 +528,14 @@ IN_PROCESS_CASES = {
     "plan --device-memory nan": (["plan", "--params", "7e9", "--device-memory", "nan"], "--device-memory: expected a finite GiB > 0"),
     "train --step-timeout inf": (["train", "--step-timeout", "inf"], "--step-timeout: expected a finite number > 0, got 'inf'"),
     "launch --grace inf": (["launch", "-n", "1", "--grace", "inf", "--", "true"], "--grace: expected a finite number >= 0"),
+    # third sweep
+    "train --compile-cache a file": (["train", "--compile-cache", "{file}"], "--compile-cache {file}: exists and is not a directory"),
+    "train --run-dir of an earlier run": (["train", "--run-dir", "{earlier}"], "--run-dir {earlier}: holds an earlier run (summary.json), which this one would overwrite and mix with its own; pass --resume"),
+    "plan --plans ''": (["plan", "--measure", "--plans", ""], "--plans: expected comma-separated plan names such as zero1,fsdp, got ''"),
+    "plan --measure --devices": (["plan", "--measure", "--devices", "64"], "--devices 64: only without --measure"),
+    "plan --measure --hardware": (["plan", "--measure", "--hardware", "h100"], "--hardware h100: only without --measure"),
+    "goodput of a corrupt ledger": (["goodput", "{corrupt}"], "goodput ledger {corrupt}/goodput.json is not a ledger shardax can read: Expecting value"),
+    "goodput of a negative bucket": (["goodput", "{negative}"], "session 0 bucket 'step' must be a number of seconds >= 0, got -5.0"),
 }  # fmt: skip
 
 
@@ -535,7 +544,19 @@ def paths(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "a-file").write_text("not a directory")
     (tmp / "empty").mkdir()
-    return {"file": str(tmp / "a-file"), "empty": str(tmp / "empty")}
+    (tmp / "earlier").mkdir()
+    (tmp / "earlier" / "summary.json").write_text("{}")
+    for name, text in (("corrupt", "not json"), ("negative", NEGATIVE_LEDGER)):
+        (tmp / name).mkdir()
+        (tmp / name / "goodput.json").write_text(text)
+    names = {"file": "a-file", "empty": "empty", "earlier": "earlier"}
+    return {
+        name: str(tmp / path)
+        for name, path in {**names, "corrupt": "corrupt", "negative": "negative"}.items()
+    }
+
+
+NEGATIVE_LEDGER = '{"version": 1, "sessions": [{"start": 0, "end": 1, "buckets": {"step": -5.0, "startup": 0.5}}]}'
 
 
 def _one_error_line(err, message):
@@ -947,3 +968,99 @@ def test_attention_windows_take_numpy_integers_and_refuse_bools():
     sx.attention(q, q, q, window=(np.int64(2), np.uint8(0)))
     with raises(ValueError, "sx.attention: window must be (left, right), two integers >= 0"):
         sx.attention(q, q, q, window=(True, 0))
+
+
+# --- third sweep: silently accepted or unclear ------------------------------------------
+
+
+def _linen_dense():
+    import flax.linen as nn
+
+    return nn.Dense(4)
+
+
+def _donated_state():
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh(), donate=True)
+    state = step.shard(_pytree_state())
+    step(state, {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32)})
+    return state  # consumed by the step
+
+
+def _all_false_mask_step():
+    step = sx.make_train_step(
+        lambda m, b: sx.masked_mean(jnp.mean((m(b["x"]) - b["y"]) ** 2, -1), b["mask"]),
+        mesh=sx.make_mesh(),
+    )
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32)}
+    return step(step.shard(_pytree_state()), {**batch, "mask": np.zeros(8, bool)})
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: sx.prepare(_linen_dense()), TypeError, "sx.prepare: objects[0] is the Linen module Dense, which holds no arrays: pass its variables"),
+        (lambda: sx.prepare(object(), 42, "text"), TypeError, "sx.prepare: objects[0] must be a model, an optimizer or its state, a train state, a pytree of arrays or an iterable of batches, got object"),
+        (lambda: sx.prepare({"w": jnp.ones(2)}, 42), TypeError, "sx.prepare: objects[1] must be a model, an optimizer or its state, a train state, a pytree of arrays or an iterable of batches, got int 42"),
+        (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), lambda p, t: jnp.sum(t @ p), jnp.ones((2, 4, 4))), ValueError, "sx.moe: expert_fn must map one expert's tokens (n, d) to outputs (n, d_out), got outputs of shape () for tokens of shape"),
+        (lambda: sx.save_checkpoint("/tmp/sx-unused-ckpt", _donated_state(), step=1), ValueError, "sx.save_checkpoint: state leaf 'params/w' (and 2 more) has been deleted: its buffer was donated to a step"),
+        (_all_false_mask_step, ValueError, "sx.train.TrainStep: batch['mask'] is all False, shape (8,): the batch has no real example"),
+    ],
+)  # fmt: skip
+def test_third_sweep_errors_name_argument_rule_and_value(call, error, message):
+    with raises(error, message):
+        call()
+    assert not os.path.exists("/tmp/sx-unused-ckpt/1")
+
+
+def test_prepare_passes_an_empty_optimizer_state():
+    params = {"w": jnp.ones((8, 4))}
+    placed, opt_state = sx.prepare(params, optax.sgd(0.1).init(params))
+    assert placed["w"].sharding.is_fully_replicated and opt_state == optax.sgd(0.1).init(params)
+
+
+def test_compile_cache_under_a_file_is_refused_before_jax_is_touched(tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    (tmp_path / "f").write_text("")
+    with raises(
+        NotADirectoryError,
+        "sx.compile_cache: directory must be a directory for the compiled programs, got",
+    ):
+        sx.compile_cache(tmp_path / "f")
+    assert jax.config.jax_compilation_cache_dir == before
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("not json", "Expecting value"),
+        ('{"sessions": [{"buckets": {"step": -1}}]}', "session 0 bucket 'step' must be a number of seconds >= 0, got -1"),
+        ('{"sessions": [{"buckets": {"step": NaN}}]}', "session 0 bucket 'step' must be a number of seconds >= 0, got nan"),
+        ('{"sessions": [{"buckets": {"stepz": 1}}]}', "session 0 has bucket 'stepz', not one of"),
+        ('{"sessions": [{}]}', 'session 0 has no "buckets" object'),
+        ("[]", 'it must be a JSON object with a "sessions" list'),
+    ],
+)  # fmt: skip
+def test_an_unreadable_goodput_ledger_is_named_with_the_way_out(tmp_path, text, message):
+    from shardax.track.goodput import FILE
+
+    (tmp_path / FILE).write_text(text)
+    with raises(
+        ValueError,
+        f"sx.track.Ledger: goodput ledger {tmp_path / FILE} is not a ledger shardax can read: {message}",
+    ):
+        sx.track.Ledger(tmp_path / FILE)
+    with pytest.raises(ValueError, match="Delete it \\(or move it aside\\) to start a new one"):
+        sx.track.Ledger(tmp_path / FILE)
+
+
+def test_gpt_resume_with_another_batch_size_is_refused_naming_the_option():
+    from shardax.data.text import LMBatches
+
+    data = np.arange(4096, dtype=np.uint8)
+    saved = LMBatches(data, 16, 32, seed=0).get_state()
+    with pytest.raises(
+        ValueError,
+        match=r"^the checkpoint was saved with --batch-size 16, but this run has --batch-size 32",
+    ):
+        LMBatches(data, 32, 32, seed=0).set_state(saved)
+    LMBatches(data, 16, 32, seed=0).set_state({"step": 3})  # a state saved before these keys

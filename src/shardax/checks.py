@@ -300,10 +300,12 @@ def _door(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
         @functools.wraps(fn)
         def door(*args: Any, **kwargs: Any) -> Any:
+            thrown: list[BaseException] = []  # raised by the caller (a with block's body)
             try:
-                return (yield from fn(*args, **kwargs))
+                return (yield from _noting_thrown(fn(*args, **kwargs), thrown))
             except Exception as e:
-                _label(e, name, sys._getframe(1))
+                if not any(e is t for t in thrown):
+                    _label(e, name, sys._getframe(1))
                 raise
 
     else:
@@ -318,6 +320,26 @@ def _door(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
     door.__sx_public__ = name  # type: ignore[attr-defined]
     return door
+
+
+def _noting_thrown(gen: Any, thrown: list[BaseException]) -> Any:
+    """``yield from gen``, noting each exception thrown in from outside (the body of a
+    ``with`` block around a context manager): it is the caller's, not the door's."""
+    try:
+        value = next(gen)
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:
+                gen.close()
+                raise
+            except BaseException as e:
+                thrown.append(e)
+                value = gen.throw(e)
+            else:
+                value = gen.send(sent)
+    except StopIteration as stop:
+        return stop.value
 
 
 _DOOR_CODES = frozenset(_door(fn, "").__code__ for fn in (lambda: None, lambda: (yield)))

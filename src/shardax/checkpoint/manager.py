@@ -11,7 +11,12 @@ orbax writes them in a background thread and commits the step (the rename) when 
 are written, so the loop goes on stepping. A step is listed, restored or counted by
 :meth:`CheckpointManager.latest_step` only once committed; the next save, a restore and
 :meth:`CheckpointManager.close` wait for the save in flight, and a save after a
-preemption notice (SIGTERM) waits for its own commit before returning.
+preemption notice (SIGTERM) waits for its own commit before returning. A save still in
+flight when the script ends is finished before the process exits or, where that cannot
+be (Python 3.12+ starts no thread then, and orbax needs some), reported on stderr. A
+save that fails (a read-only or full disk) raises ``OSError`` naming the step, the
+directory and the cause, and leaves no orbax thread behind. One manager at a time
+writes into a directory (:mod:`shardax.checkpoint.lock`).
 
 >>> import shardax as sx
 >>> state = {"w": jnp.ones((8, 4)), "step": jnp.int32(0)}
@@ -22,24 +27,30 @@ preemption notice (SIGTERM) waits for its own commit before returning.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from shardax.checkpoint import swap
 from shardax.checkpoint.convert import (
     abstract_saveable,
+    array_leaves,
     flat_paths,
     from_saveable,
     other_leaves,
     to_saveable,
     with_other_leaves,
 )
+from shardax.checkpoint.lock import DirectoryLock
 from shardax.checkpoint.preemption import preemption_requested, reached_preemption
 from shardax.checks import as_bool, as_count, expect_type, public
+from shardax.plan.tree import path_str
 from shardax.runtime import compat
 
 
@@ -71,7 +82,10 @@ class CheckpointManager:
     :meth:`latest_step`, :meth:`data_state` and :meth:`close`, which wait for a save in
     flight and the deletions it brings, and so synchronise the processes.
     ``async_save=True``: :meth:`save` returns once the arrays are on the host and writes
-    them in the background (:meth:`wait` for the commit).
+    them in the background (:meth:`wait` for the commit; a save not waited for is
+    finished when the script ends). From its first save until :meth:`close` the manager
+    holds the directory's writer lock: a second manager saving there raises
+    ``RuntimeError`` naming the first.
     """
 
     def __init__(
@@ -83,6 +97,7 @@ class CheckpointManager:
         async_save: bool = False,
     ) -> None:
         ocp = _ocp()
+        _quiet_orbax_save_errors()
         self.directory = check_directory("directory", directory)
         if max_to_keep is not None:
             max_to_keep = as_count("max_to_keep (or None to keep all)", max_to_keep)
@@ -91,6 +106,8 @@ class CheckpointManager:
             raise FileNotFoundError(f"no checkpoint directory {self.directory}")
         self._stray: set[str] = set()
         self._displaced: list[int] = []
+        self._lock: DirectoryLock | None = None
+        self._in_flight: tuple[int, set[str]] | None = None  # (step, orbax operation ids)
         self.async_save = as_bool("async_save", async_save)
         swap.recover(self.directory)  # an overwrite interrupted by a crash
         # Old steps are deleted here (save), not by orbax, which deletes in the order of
@@ -116,8 +133,25 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Returns once the save in flight (``async_save=True``) is committed, and the
-        steps it displaced under ``max_to_keep`` are deleted."""
-        self._manager.wait_until_finished()
+        steps it displaced under ``max_to_keep`` are deleted. A save that failed raises
+        ``OSError`` naming the step, the directory and the cause; the steps committed
+        before it are kept."""
+        in_flight, self._in_flight = self._in_flight, None
+        _UNFINISHED.discard(self)
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._displaced = []
+            if in_flight is None:
+                raise
+            step, operations = in_flight
+            compat.orbax_release_save(operations)  # else they block the exit for 300 s
+            raise OSError(
+                f"checkpoint step {step} was not saved in {self.directory}: "
+                f"{getattr(e, 'strerror', None) or e}"
+                + (f" ({e.filename})" if getattr(e, "filename", None) else "")
+                + f". Nothing of step {step} was committed; the steps saved before it are kept"
+            ) from e
         displaced, self._displaced = self._displaced, []
         if displaced:
             self._manager.reload()
@@ -165,12 +199,14 @@ class CheckpointManager:
         check_json("data_state", data_state)
         leaves = other_leaves(state)
         check_json("state: leaf", leaves)
+        check_not_donated(state)
         arrays = to_saveable(state)
         if not arrays:
             raise ValueError(
                 f"state has no array or number leaf to save, got {state!r:.80}; "
                 "plain values go in data_state"
             )
+        self._take_lock()  # before reading the steps another writer could change
         steps = self.all_steps()
         exists = step in steps
         if exists and not overwrite:
@@ -195,7 +231,11 @@ class CheckpointManager:
         if not exists:
             # The steps it displaces go once it is committed (see wait), never before.
             self._displaced = [old for old in steps if old not in keep]
+            before = compat.orbax_save_operations()
             self._manager.save(step, args=args, force=True)
+            self._in_flight = (step, compat.orbax_save_operations() - before)
+            if self.async_save:
+                _finish_at_exit(self)
             if not self.async_save or preemption_requested():
                 self.wait()
             return
@@ -260,16 +300,116 @@ class CheckpointManager:
         state = with_other_leaves(state, restored["data"].get("leaves", {}))
         return Restored(state, restored["data"]["data_state"], step)
 
+    def _take_lock(self) -> None:
+        if self._lock is None and jax.process_index() == 0:
+            self._lock = DirectoryLock(self.directory)
+
     def close(self) -> None:
-        """Waits for the save in flight and releases the manager."""
-        self.wait()
-        self._manager.close()
+        """Waits for the save in flight and releases the manager and the directory."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _finish_at_exit(self) -> None:
+        if self._in_flight is None:
+            return
+        step = self._in_flight[0]
+        try:
+            self.close()
+        except Exception as e:
+            # Python 3.12+ starts no thread once the script has ended, and orbax needs new
+            # ones to finish a save: then the save is reported, never silently dropped.
+            print(
+                f"shardax: {e}. The script ended with this asynchronous save in flight: "
+                "call CheckpointManager.wait() or close() (or use a with block) before it ends",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print(
+                f"shardax: finished saving checkpoint step {step} in {self.directory} at exit "
+                "(call CheckpointManager.close() or wait() to finish it yourself)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _OrbaxErrors(logging.Filter):
+    """Drops the error logs of a failed orbax-checkpoint save, each with its traceback
+    (tens of lines per thread, and one per write that fails after the first): orbax's
+    own, and asyncio's "Task exception was never retrieved" for orbax's write tasks.
+    shardax raises the failure itself, naming the step, the directory and the cause,
+    with orbax's error chained to it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if "/orbax/checkpoint/" in record.pathname.replace(os.sep, "/"):
+            return False
+        return not (record.name == "asyncio" and "/orbax/checkpoint/" in _message(record))
+
+
+def _message(record: logging.LogRecord) -> str:
+    try:
+        return record.getMessage().replace(os.sep, "/")
+    except Exception:  # a record whose arguments do not format: keep it
+        return ""
+
+
+def _late_completions(previous: Any) -> Any:
+    """An unraisable hook that drops asyncio's "Event loop is closed" raised where a
+    native callback (tensorstore's) reports a write finishing after the failed save's
+    loop was closed: harmless, and one traceback per write. Anything else goes to
+    ``previous``."""
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if not (
+            isinstance(error, RuntimeError)
+            and str(error) == "Event loop is closed"
+            and unraisable.object is None
+        ):
+            previous(unraisable)
+
+    hook.shardax_late_completions = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _quiet_orbax_save_errors() -> None:
+    for name in ("absl", "asyncio"):  # orbax logs through absl, which logs here
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
+            logger.addFilter(_OrbaxErrors())
+    if not getattr(sys.unraisablehook, "shardax_late_completions", False):
+        sys.unraisablehook = _late_completions(sys.unraisablehook)
+
+
+_UNFINISHED: set[CheckpointManager] = set()
+"""The async managers with a save in flight, finished at exit."""
+
+
+def _finish_at_exit(manager: CheckpointManager) -> None:
+    # Registered at the first async save, after the executors orbax's save uses, so that
+    # it runs before they stop taking work (the hooks run last registered, first).
+    if not getattr(_finish_at_exit, "registered", False):
+        compat.before_thread_shutdown(_finish_saves_at_exit)
+        _finish_at_exit.registered = True  # type: ignore[attr-defined]
+    _UNFINISHED.add(manager)
+
+
+def _finish_saves_at_exit() -> None:
+    for manager in list(_UNFINISHED):
+        manager._finish_at_exit()
 
 
 def check_directory(name: str, directory: Any) -> str:
@@ -347,6 +487,26 @@ class _CheckpointSteps:
         if not self._ours(metadata):
             raise ValueError(f"no shardax checkpoint for step {step} in {base_path}")
         return metadata
+
+
+def check_not_donated(state: Any) -> None:
+    """Raises ``ValueError`` naming the first leaf of ``state`` whose buffer was deleted
+    (donated to a jitted step), before anything is written."""
+    deleted = sorted(
+        (
+            path_str(path)
+            for path, leaf in array_leaves(state)
+            if isinstance(leaf, jax.Array) and leaf.is_deleted()
+        ),
+        key=_params_first,
+    )
+    if deleted:
+        more = f" (and {len(deleted) - 1} more)" if len(deleted) > 1 else ""
+        raise ValueError(
+            f"state leaf {deleted[0]!r}{more} has been deleted: its buffer was "
+            "donated to a step (donate=True, donate_argnums) that consumed it. Save the "
+            "state the step returned, not the one passed into it. Nothing was written"
+        )
 
 
 def check_json(name: str, value: Any, path: str = "") -> None:

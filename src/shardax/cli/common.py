@@ -131,15 +131,47 @@ def check_writable_dir(option: str, path: str) -> None:
 STARTED = time.time()
 """When the CLI was imported: the start of a run's start-up in the goodput ledger."""
 
-OUTPUT_DIRS = (("--run-dir", "run_dir"), ("--checkpoint-dir", "checkpoint_dir"))
+OUTPUT_DIRS = (
+    ("--run-dir", "run_dir"),
+    ("--checkpoint-dir", "checkpoint_dir"),
+    ("--compile-cache", "compile_cache"),
+)
 """The options of every command that name a directory it writes to."""
+
+RUN_FILES = ("summary.json", "metrics.jsonl", "goodput.json")
+"""What ``shardax train`` writes into its run directory."""
 
 
 def check_output_dirs(args: argparse.Namespace) -> None:
-    """:func:`check_writable_dir` for every output directory option in ``args``."""
+    """:func:`check_writable_dir` for every output directory option in ``args``, and a
+    ``--run-dir`` of ``shardax train`` that holds an earlier run is refused (its summary,
+    metrics and goodput would be overwritten or mixed) unless it is ``--resume``d."""
     for option, attr in OUTPUT_DIRS:
-        if getattr(args, attr, None):
-            check_writable_dir(option, getattr(args, attr))
+        value = getattr(args, attr, None)
+        if value and value != "off":
+            check_writable_dir(option, value)
+    if args.command == "train" and args.run_dir and not args.resume:
+        earlier = [f for f in RUN_FILES if (Path(args.run_dir) / f).exists()]
+        if earlier:
+            raise UsageError(
+                f"--run-dir {args.run_dir}: holds an earlier run ({', '.join(earlier)}), "
+                "which this one would overwrite and mix with its own; pass --resume to "
+                "continue that run, or name a new --run-dir (without one, each run gets "
+                "runs/train-<time>)"
+            )
+
+
+def off_or_dir(text: str) -> str:
+    """An argparse type: ``off`` (in any case) or a directory path.
+
+    >>> off_or_dir("OFF"), off_or_dir("cache")
+    ('off', 'cache')
+    """
+    if text.strip().lower() == "off":
+        return "off"
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a directory or 'off', got ''")
+    return text
 
 
 def int_list(text: str) -> list[int]:

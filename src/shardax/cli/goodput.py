@@ -51,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     from shardax.track import goodput
 
     path = find_ledger(args.directory)
-    sessions = goodput.load(path)["sessions"]
+    try:
+        sessions = goodput.load(path)["sessions"]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     buckets = goodput.totals(sessions)
     wall = sum(buckets.values())
     if args.png:

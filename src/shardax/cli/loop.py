@@ -103,6 +103,13 @@ def hooks(args: argparse.Namespace, record: Record, out: Any, manager: Any, path
     """The hooks in the order they run after each step."""
     # The watchdog first: a step is completed (in the ledger too) once its result is.
     first: list[Hook] = [Watchdog(args.step_timeout)] if args.step_timeout else []
+    if path is not None:  # a corrupt goodput.json is one line, before the run starts
+        from shardax.track.goodput import load
+
+        try:
+            load(path)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     # The ledger counts from the process's start: the compilations of start-up count too.
     first.append(Goodput(path, since=STARTED, compiled=args.compile_before.seconds))
     later: list[Hook] = [Log(record.tracker), History(record, out)]

@@ -139,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as e:
         sys.stderr.write(f"shardax {args.command}: {e}\n")
         return e.exit_code
+    except OSError as e:  # a full or read-only disk: the first failure says why
+        while isinstance(e.__context__, OSError):
+            e = e.__context__
+        sys.stderr.write(f"shardax {args.command}: error: {e}\n")
+        return 1
 
 
 if __name__ == "__main__":

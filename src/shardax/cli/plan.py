@@ -26,6 +26,21 @@ _params = float_type("a finite parameter count >= 1 such as 7e9", lambda v: v >=
 _gib = float_type("a finite GiB > 0 such as 80", lambda v: v > 0)
 
 
+def plan_names(text: str) -> list[str]:
+    """An argparse type: comma-separated plan names, at least one.
+
+    >>> plan_names("zero1, fsdp")
+    ['zero1', 'fsdp']
+    """
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated plan names such as zero1,fsdp, got {text!r} (leave "
+            "--plans out for every candidate)"
+        )
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardax plan``."""
     from shardax.cli.common import mesh_spec
@@ -66,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--plans",
-        type=lambda text: [p.strip() for p in text.split(",") if p.strip()],
+        type=plan_names,
         default=None,
         help="with --measure: the candidates to compile, e.g. zero1,fsdp (default: all)",
     )
@@ -96,10 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision",
         choices=list(STATE_BYTES),
-        default="bf16",
+        default=None,
         help="the train policy, as for `shardax train --precision`: fp32, bf16 or fp16 keep "
         "params and Adam in fp32 (16 B/param); bf16 and fp16 matmuls read 2-byte copies "
-        "(default: bf16)",
+        "(default: bf16; with --measure, fp32 as `shardax train`)",
     )
     parser.add_argument(
         "--device-memory",
@@ -262,6 +277,15 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         from shardax.cli import plan_measure
 
+        for option, value in (("--devices", args.devices), ("--hardware", args.hardware)):
+            if value is not None:
+                raise UsageError(
+                    f"{option} {value}: only without --measure, which compiles on the devices "
+                    "at hand (choose them with --cpu-devices and --mesh)"
+                )
+        if args.precision is None:
+            args.precision = "fp32"
+
         if args.model is None:
             args.model = "gpt" if args.params is not None else "mlp"
         if args.batch is None:
@@ -271,6 +295,8 @@ def run(args: argparse.Namespace) -> int:
         return plan_measure.run(args)
     if args.params is None:
         raise UsageError("--params is required (or --measure to compile the built-in model)")
+    if args.precision is None:
+        args.precision = "bf16"
     num_devices = args.devices
     hardware = args.hardware
     if num_devices is None or hardware is None:

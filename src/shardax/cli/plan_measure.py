@@ -185,7 +185,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             )
         plans = {name: plans[name] for name in args.plans}
     report = sx.auto_plan(
-        mesh, init, loss_fn=loss_fn, batch=batch, device_memory=memory, candidates=plans
+        mesh,
+        init,
+        loss_fn=loss_fn,
+        batch=batch,
+        device_memory=memory,
+        candidates=plans,
+        precision=args.precision,
     )
     rows = []
     for c in report.candidates:
@@ -204,6 +210,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "params": num_params,
         "batch": args.batch,
         "mesh": dict(mesh.shape),
+        "precision": args.precision,
         **machine(),
         "jax": jax.__version__,
         "device_memory_bytes": report.device_memory,

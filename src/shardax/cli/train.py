@@ -26,6 +26,7 @@ from shardax.cli.common import (
     console,
     mesh_spec,
     nonneg_int,
+    off_or_dir,
     positive_float,
     positive_int,
     print_json,
@@ -191,6 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile-cache",
+        type=off_or_dir,
         default=None,
         metavar="DIR|off",
         help="JAX's persistent compilation cache (default: the one JAX is configured with, "

@@ -225,9 +225,27 @@ class LMBatches:
         return zigzag_batch(batch, self.context)
 
     def get_state(self) -> dict[str, int]:
-        return {"step": self.step}
+        return {
+            "step": self.step,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "pack": int(self.pack),
+        }
 
     def set_state(self, state: dict[str, int]) -> None:
+        """Moves to ``state``; a state saved with other batches (another batch size,
+        sequence length, seed or packing) raises ``ValueError`` naming the option."""
+        mine = self.get_state()
+        for key in ("batch_size", "seq_len", "seed", "pack"):
+            if key in state and int(state[key]) != mine[key]:
+                option = "--" + key.replace("_", "-")
+                raise ValueError(
+                    f"the checkpoint was saved with {option} {state[key]}, but this run has "
+                    f"{option} {mine[key]}: its step {state['step']} would not continue the "
+                    f"same batches. Resume with {option} {state[key]}, or start from a new "
+                    "--checkpoint-dir"
+                )
         self.step = as_count("state['step']", state["step"], minimum=0)
 
 

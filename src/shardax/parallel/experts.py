@@ -158,6 +158,25 @@ def _gather_rows(x: jax.Array, rows: jax.Array, size: int) -> jax.Array:
     return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[source]
 
 
+def _checked(expert_fn: Callable) -> Callable:
+    """``expert_fn``, whose output for tokens ``(n, d)`` must be ``(n, d_out)``: anything
+    else (a scalar, a reduced or reshaped output) raises ``ValueError`` saying so, not an
+    ``IndexError`` deep in the combine."""
+
+    def one_expert(params: Any, tokens: jax.Array) -> jax.Array:
+        out = expert_fn(params, tokens)
+        shape = jnp.shape(out)
+        if len(shape) != 2 or shape[0] != tokens.shape[0]:
+            raise ValueError(
+                "expert_fn must map one expert's tokens (n, d) to outputs (n, d_out), got "
+                f"outputs of shape {shape} for tokens of shape {tuple(tokens.shape)}"
+                + (" (a scalar: it reduced over the tokens)" if not shape else "")
+            )
+        return out
+
+    return one_expert
+
+
 def _run_experts(expert_fn: Callable, params: Any, buffers: jax.Array) -> jax.Array:
     return jax.vmap(expert_fn)(params, buffers)
 
@@ -438,6 +457,7 @@ def moe(
             f"{where.groups} routing groups (mesh axes {list(where.wrap)})"
         )
     dispatch, _ = choose_dispatch(num_experts, top_k, capacity_factor, n, dispatch)
+    expert_fn = _checked(expert_fn)
     tokens = x.shape[0] // where.groups * (x.shape[1] if x.ndim == 3 else 1)
     cap = capacity(tokens, num_experts, top_k, capacity_factor)
     run = (

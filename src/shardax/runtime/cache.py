@@ -32,7 +32,7 @@ from pathlib import Path
 
 import jax
 
-from shardax.checks import public
+from shardax.checks import expect_type, public
 
 ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
 
@@ -78,8 +78,14 @@ def compile_cache(
     """
     if min_compile_seconds < 0:
         raise ValueError(f"min_compile_seconds must be >= 0, got {min_compile_seconds}")
+    if directory is not None:
+        expect_type("directory", directory, str | os.PathLike, "a path (str or os.PathLike)")
     path = os.path.abspath(os.fspath(directory) if directory is not None else
                            configured_dir() or default_dir())  # fmt: skip
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(
+            f"directory must be a directory for the compiled programs, got {path}, which is a file"
+        )
     os.makedirs(path, exist_ok=True)
     changed = jax.config.jax_compilation_cache_dir != path
     jax.config.update("jax_compilation_cache_dir", path)

@@ -34,6 +34,7 @@ JAX version when one moves.
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Any
 
 import jax
@@ -89,6 +90,61 @@ def orbax_await_tmp_cleanup(manager: Any) -> None:
     _orbax_tmp_cleanup(type(manager))(manager)
 
 
+ORBAX_SIGNALING_THREAD = ("orbax.checkpoint._src.futures.future", "_SignalingThread")
+"""orbax-checkpoint's private thread class behind each piece of an async save."""
+
+
+def _orbax_signaling() -> tuple[Any, type]:
+    module, name = ORBAX_SIGNALING_THREAD
+    try:
+        futures = importlib.import_module(module)
+        thread_class = getattr(futures, name)
+        futures.set_signals  # noqa: B018 - checked here, used by orbax_release_save
+    except (ImportError, AttributeError) as e:
+        from importlib.metadata import version
+
+        raise ImportError(
+            f"shardax uses {module}.{name} and set_signals, which orbax-checkpoint "
+            f"{version('orbax-checkpoint')} does not have; see shardax/runtime/compat.py"
+        ) from e
+    return futures, thread_class
+
+
+def orbax_save_operations() -> set[str]:
+    """The operation ids of orbax's save threads alive now (an async save's pieces share
+    one id)."""
+    _, thread_class = _orbax_signaling()
+    return {
+        str(t._operation_id)
+        for t in threading.enumerate()
+        if isinstance(t, thread_class) and t.is_alive()
+    }
+
+
+def orbax_release_save(operations: set[str], timeout: float = 10.0) -> None:
+    """Cancels orbax's save threads of ``operations`` (a failed save) and sends the signals
+    they wait for, so they end instead of blocking the process's exit for 300 s."""
+    futures, thread_class = _orbax_signaling()
+    threads = [
+        t
+        for t in threading.enumerate()
+        if isinstance(t, thread_class) and str(t._operation_id) in operations
+    ]
+    for t in threads:
+        t._cancelled = True
+        futures.set_signals(t._receive_signals, operation_id=t._operation_id)
+    for t in threads:
+        threading.Thread.join(t, timeout)  # orbax's own join raises the saved error
+
+
+def before_thread_shutdown(fn: Any) -> None:
+    """Runs ``fn()`` at exit, before the interpreter joins its non-daemon threads and
+    while orbax's executors still take work (Python's ``threading._register_atexit``)."""
+    import concurrent.futures.thread  # noqa: F401 - its hook, registered first, runs last
+
+    threading._register_atexit(fn)
+
+
 def missing() -> list[str]:
     """The errors of every private API that the installed JAX or orbax-checkpoint lacks
     (empty when all are there); ``tests/runtime/test_compat.py`` asserts it is empty."""
@@ -104,6 +160,12 @@ def missing() -> list[str]:
         _orbax_tmp_cleanup(ocp.CheckpointManager)
     except ImportError as e:
         errors.append(str(e))
+    try:
+        _orbax_signaling()
+    except ImportError as e:
+        errors.append(str(e))
+    if not callable(getattr(threading, "_register_atexit", None)):
+        errors.append("shardax uses threading._register_atexit, which this Python lacks")
     return errors
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -178,11 +179,18 @@ class Ledger:
         if self.path is None:
             return
         data = {"version": _VERSION, "sessions": [*self.previous, self.session]}
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, self.path)
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a full or read-only disk
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise OSError(
+                e.errno, f"goodput ledger {self.path} could not be written: {e.strerror}"
+            ) from e
 
     def close(self, running_as: str | None = None) -> None:
         """Ends the session and saves it; ``running_as`` relabels the running interval
@@ -200,7 +208,9 @@ def _check_bucket(bucket: str) -> None:
 
 def load(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     """The ledger at ``path`` (a file, or a directory holding :data:`FILE`); an empty
-    one when there is none."""
+    one when there is none. A file that is not a ledger (not JSON, a session without
+    buckets, a bucket that is not a number of seconds >= 0) raises ``ValueError`` naming
+    the file and the entry."""
     if path is None:
         return {"version": _VERSION, "sessions": []}
     path = os.fspath(path)
@@ -208,11 +218,38 @@ def load(path: str | os.PathLike[str] | None) -> dict[str, Any]:
         path = os.path.join(path, FILE)
     if not os.path.exists(path):
         return {"version": _VERSION, "sessions": []}
-    with open(path) as f:
-        data = json.load(f)
-    for s in data["sessions"]:
-        s["buckets"] = {**_empty(), **s["buckets"]}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        sessions = data["sessions"] if isinstance(data, dict) else None
+        if not isinstance(sessions, list):
+            raise ValueError('it must be a JSON object with a "sessions" list')
+        for i, s in enumerate(sessions):
+            s["buckets"] = {**_empty(), **_check_buckets(s, i)}
+            for key in ("first_step", "last_step"):
+                s.setdefault(key, None)
+            s.setdefault("steps", 0)
+    except ValueError as e:  # json.JSONDecodeError too
+        raise ValueError(
+            f"goodput ledger {path} is not a ledger shardax can read: {e}. Delete it (or "
+            "move it aside) to start a new one; the checkpoints do not depend on it"
+        ) from None
     return data
+
+
+def _check_buckets(session: Any, i: int) -> dict[str, float]:
+    buckets = session.get("buckets") if isinstance(session, dict) else None
+    if not isinstance(buckets, dict):
+        raise ValueError(f'session {i} has no "buckets" object')
+    for name, seconds in buckets.items():
+        if name not in BUCKETS:
+            raise ValueError(f"session {i} has bucket {name!r}, not one of {list(BUCKETS)}")
+        number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+        if not number or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(
+                f"session {i} bucket {name!r} must be a number of seconds >= 0, got {seconds!r}"
+            )
+    return buckets
 
 
 def totals(sessions: list[dict[str, Any]]) -> dict[str, float]:

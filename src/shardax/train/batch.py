@@ -22,7 +22,8 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
     Every array leaf needs the same leading dimension, divisible by ``divisor``
     (``what`` says where the divisor comes from). A top-level ``"mask"`` leaf must be
     boolean, with a shape that leads the batch's: ``(batch,)``, or ``(batch, seq)``
-    leading the shape of another leaf.
+    leading the shape of another leaf; a host (NumPy) mask must have a True entry (a
+    device mask is not read back, which would wait for the device).
     """
     if isinstance(batch, dict) and MASK_KEY in batch:
         # The mask is checked against the other leaves' size first, with its own message.
@@ -70,6 +71,12 @@ def _check_mask(batch: dict, size: int) -> None:
             f"(batch,) = ({size},), True for real examples, or (batch, seq) leading the shape "
             f"of another leaf, True for real tokens; got {got} "
             f"(leaf shapes: {shapes_text(check_batch_leaves(batch))})"
+        )
+    if isinstance(mask, np.ndarray) and not mask.any():
+        raise ValueError(
+            f"batch[{MASK_KEY!r}] is all False, shape {shape}: the batch has no real "
+            "example, so its loss would read 0.0 with no gradient. Leave such batches out "
+            "of the data (a batch of padding only)"
         )
 
 

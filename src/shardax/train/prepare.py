@@ -243,6 +243,30 @@ def _record_plan(placed: list[Any]) -> None:
             record(obj.opt_state)
 
 
+def _check_placeable(i: int, obj: Any) -> None:
+    """Raises ``TypeError`` for an argument :func:`prepare` cannot place: no arrays in it
+    and not a loader (a Linen module, a number, a string, an object). An empty pytree
+    (``optax.sgd``'s ``EmptyState``, None) has nothing to place and passes."""
+    if _is_loader(obj):
+        return
+    leaves = jax.tree.leaves(obj)
+    if not leaves or _has_arrays(obj):
+        return
+    from flax import linen
+
+    if isinstance(obj, linen.Module):
+        raise TypeError(
+            f"objects[{i}] is the Linen module {type(obj).__name__}, which holds no arrays: "
+            "pass its variables (variables = model.init(key, x)) or a flax.training "
+            "TrainState, and keep calling model.apply in your step"
+        )
+    raise TypeError(
+        f"objects[{i}] must be a model, an optimizer or its state, a train state, a "
+        f"pytree of arrays or an iterable of batches, got {type(obj).__name__} "
+        f"{obj!r:.60}, which holds no array to place"
+    )
+
+
 @public("sx.prepare")
 def prepare(
     *objects: Any,
@@ -297,6 +321,8 @@ def prepare(
         )
     if isinstance(plan, Plan) and not isinstance(plan, FollowParams):
         plan = follow_params(plan)
+    for i, obj in enumerate(objects):
+        _check_placeable(i, obj)
     out = _Preparer(objects, mesh, plan, data_axis).run()
     _record_plan(out)
     return out[0] if len(objects) == 1 else tuple(out)

@@ -1,0 +1,65 @@
+"""Subprocess worker for checkpoint/test_async_failures.py: async saves that fail or are
+never waited for. Each mode prints what happened; the test checks that the process ends.
+
+    python ckpt_failures.py MODE DIRECTORY [MOUNTPOINT]
+
+``readonly`` turns the directory read-only after the first save: ``chmod`` for a user,
+a remount of the tmpfs at MOUNTPOINT for root (whom ``chmod`` does not stop).
+"""
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 1)
+
+import jax.numpy as jnp  # noqa: E402
+
+import shardax as sx  # noqa: E402
+
+mode, directory = sys.argv[1], sys.argv[2]
+small = {"w": jnp.ones((4,))}
+big = {"w": jax.random.normal(jax.random.key(0), (512, 512))}  # 1 MiB, incompressible
+manager = sx.CheckpointManager(directory, async_save=True)
+manager.save(1, small)
+manager.wait()
+
+if mode == "readonly":  # the step's directory cannot be made
+    if len(sys.argv) > 3:
+        subprocess.run(["mount", "-o", "remount,ro", sys.argv[3]], check=True)
+    else:
+        os.chmod(directory, 0o555)
+elif mode == "full":  # a write fails half-way (as a full disk): files over 64 KiB fail
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+
+if mode in ("readonly", "full"):
+    manager.save(2, big)
+    try:
+        manager.wait()
+    except OSError as e:
+        print(f"wait: {e}", flush=True)
+    print(f"steps: {manager.all_steps()}", flush=True)
+    manager.close()
+elif mode == "unwaited":
+    manager.save(2, big)  # the script ends with the save in flight
+elif mode == "second":
+    other = sx.CheckpointManager(directory, async_save=True)
+    try:
+        other.save(2, {"w": jnp.zeros((4,))})
+    except RuntimeError as e:
+        print(f"second: {e}", flush=True)
+    manager.save(2, big)
+    manager.close()
+    print(f"steps: {other.all_steps()}", flush=True)
+    other.save(3, small)  # the first manager closed: the directory is free
+    other.close()
+elif mode == "hold":  # another process holds the directory while this one saves
+    print("holding", flush=True)
+    sys.stdin.readline()
+    manager.close()
+print("end", flush=True)
