@@ -738,6 +738,41 @@ def test_second_sweep_errors_name_argument_rule_and_value(call, error, message):
         call()
 
 
+# --- third sweep: sx.verify's tolerance and reference -------------------------------------
+
+
+def _verify_step():
+    return sx.make_train_step(_loss, mesh=sx.make_mesh())
+
+
+_XY = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32)}
+
+
+def _own_step(params, batch):
+    return params, {"loss": jnp.mean(batch["x"] @ params["w"])}
+
+
+def _doubled_reference(params, batch):  # another structure: a bare (doubled) loss
+    return params, 2 * jnp.mean(batch["x"] @ params["w"])
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda: sx.verify(_verify_step(), _pytree_state(), _XY, rtol=-1), ValueError, "sx.verify: rtol must be a finite number >= 0, got -1 (a leaf differs above atol + rtol * max|reference leaf|)"),
+        (lambda: sx.verify(_verify_step(), _pytree_state(), _XY, rtol=float("nan")), ValueError, "sx.verify: rtol must be a finite number >= 0, got nan"),
+        (lambda: sx.verify(_verify_step(), _pytree_state(), _XY, atol=float("inf")), ValueError, "sx.verify: atol must be a finite number >= 0, got inf"),
+        (lambda: sx.verify(_verify_step(), _pytree_state(), _XY, rtol="1e-3"), ValueError, "sx.verify: rtol must be a finite number >= 0, got '1e-3'"),
+        (lambda: sx.verify(_own_step, {"w": jnp.ones((4, 2))}, _XY, reference=_doubled_reference), ValueError, "sx.verify: reference= must return the structure the distributed step returns"),
+    ],
+)  # fmt: skip
+def test_verify_refuses_a_tolerance_or_reference_it_cannot_judge_by(call, error, message):
+    with raises(error, message) as caught:
+        call()
+    if "structure" in message:  # both structures named
+        assert "{'loss': *}" in str(caught.value) and "returned/loss" in str(caught.value)
+
+
 def test_metric_values_are_checked_when_written(tmp_path):
     with sx.MetricWriter(tmp_path) as writer:
         with pytest.raises(

@@ -37,13 +37,10 @@ BATCH = batches(1, size=16)[0]
 @pytest.mark.parametrize(
     ("framework", "mode", "plan", "kwargs"),
     [
-        ("nnx", "jit", "fsdp", {"steps": 2}),
-        ("nnx", "shard_map", None, {"steps": 2}),
-        ("nnx", "pmap", None, {"accumulate": 2}),
+        ("nnx", "jit", "fsdp", {"steps": 2, "accumulate": 2}),
         ("linen", "jit", "zero2", {}),
         ("linen", "shard_map", None, {"accumulate": 2}),
-        ("equinox", "jit", "zero1", {"accumulate": 2}),
-        ("equinox", "pmap", None, {}),
+        ("equinox", "jit", "zero1", {}),
         ("pytree", "jit", None, {"precision": "bf16"}),
         ("pytree", "shard_map", None, {"precision": "fp16", "steps": 2}),
     ],
@@ -58,10 +55,12 @@ def test_plans_and_modes_pass(mesh, framework, mode, plan, kwargs):
     report = sx.verify(step, state, batches(1, size=16, mask=True)[0], steps=steps)
     assert report.ok, str(report)
     assert report.cause is None and report.first_step is None and report.compared > 0
-    # The state it was given is unchanged, and still usable by the (donating) step.
+    # The state it was given is unchanged, and (once: a compilation) still usable by the
+    # donating step.
     for x, y in zip(leaves(state), before, strict=True):
         np.testing.assert_array_equal(x, y)
-    step(state, BATCH)
+    if framework == "linen" and mode == "shard_map":
+        step(state, BATCH)
 
 
 def test_report_prints_a_table_and_names_the_worst_leaf(mesh):
@@ -102,7 +101,7 @@ def test_pipeline_gpt_and_its_cost_is_two_compilations():
     with count_compiles() as compiles:
         report = sx.verify(step, state, batch)
     assert report.ok, str(report)
-    assert len(compiles) <= 2 + 2  # the two step programs (and at most two tiny copies)
+    assert len(compiles) <= 2, len(compiles)  # the two step programs, nothing else
 
 
 def test_auto_plan_picks_once_and_the_step_then_trains(mesh):
@@ -138,25 +137,11 @@ def test_per_device_token_mean_without_a_mask_is_named(mesh):
     assert sx.verify(step, lm_state(), {**batch, "mask": data["mask"]}).ok
 
 
-class Dropped(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.mlp = NNXMLP(rngs)
-        self.drop = nnx.Dropout(0.5, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.mlp(self.drop(x))
-
-
 def test_dropout_from_framework_rng_under_shard_map_is_named(mesh):
-    def loss_fn(model, batch):
-        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-    state = sx.TrainState.create(Dropped(nnx.Rngs(0, dropout=1)), optax.sgd(0.1))
-    step = sx.make_train_step(loss_fn, mesh=mesh, mode="shard_map")
-    report = sx.verify(step, state, BATCH)
+    # the zoo's nnx_dropout (which passes under jit): the same reference program
+    step = sx.make_train_step(ce_loss, mesh=mesh, mode="shard_map")
+    report = sx.verify(step, zoo_state("nnx_dropout", OPTIMIZERS["adam"]()), image_batch())
     assert not report.ok and report.cause == "device-folded RNG", str(report)
-    # Under jit the same model draws the same masks as one device.
-    assert sx.verify(sx.make_train_step(loss_fn, mesh=mesh), state, BATCH).ok
 
 
 def test_bf16_against_a_too_tight_tolerance_is_reduced_precision(mesh):
@@ -174,16 +159,8 @@ def test_reference_that_does_not_fit_says_so():
     assert _out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: while allocating"))
 
 
-# -- BatchNorm: the global batch in every mode, three frameworks ----------------------------
-
-
-class NNXNorm(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.linear = nnx.Linear(IN, OUT, rngs=rngs)
-        self.norm = nnx.BatchNorm(OUT, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.norm(self.linear(x))
+# -- BatchNorm: the global batch in every mode, three frameworks (the zoo below: NNX,
+# Linen and Equinox BatchNorm under jit, shard_map and pmap) -------------------------------
 
 
 class LinenNorm(nn.Module):
@@ -192,45 +169,8 @@ class LinenNorm(nn.Module):
         return nn.BatchNorm(use_running_average=False)(nn.Dense(OUT)(x))
 
 
-class EqxNorm(eqx.Module):
-    """An Equinox BatchNorm and its eqx.nn.State, vmapped over the examples ("batch")."""
-
-    linear: eqx.nn.Linear
-    norm: eqx.nn.BatchNorm
-    state: eqx.nn.State
-
-    def __init__(self, key: jax.Array) -> None:
-        self.linear = eqx.nn.Linear(IN, OUT, key=key)
-        self.norm = eqx.nn.BatchNorm(OUT, "batch", mode="batch")
-        self.state = eqx.nn.State(self.norm)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.vmap(self.linear)(x)
-        vmapped = jax.vmap(self.norm, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
-        return vmapped(h, self.state)[0]
-
-
-def norm_state(framework: str) -> sx.TrainState:
-    if framework == "nnx":
-        return sx.TrainState.create(NNXNorm(nnx.Rngs(0)), optax.sgd(0.1))
-    if framework == "linen":
-        variables = LinenNorm().init(jax.random.key(0), jnp.ones((2, IN)))
-        return sx.TrainState.from_linen(LinenNorm(), variables, optax.sgd(0.1))
-    return sx.TrainState.create(EqxNorm(jax.random.key(0)), optax.sgd(0.1))
-
-
 def norm_loss(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
-@pytest.mark.parametrize(
-    ("framework", "mode"),
-    [("nnx", "shard_map"), ("nnx", "pmap"), ("linen", "shard_map"), ("equinox", "shard_map")],
-)
-def test_batchnorm_normalizes_over_the_global_batch_in_mapped_modes(mesh, framework, mode):
-    step = sx.make_train_step(norm_loss, mesh=mesh, mode=mode)
-    report = sx.verify(step, norm_state(framework), BATCH, steps=2 if framework == "nnx" else 1)
-    assert report.ok, str(report)
 
 
 def test_batchnorm_written_for_pmap_runs_under_jit(mesh):
@@ -279,6 +219,59 @@ def test_own_nnx_step_with_placed_objects(mesh):
     assert any(d.path.startswith("optimizer/0/") for d in report.diffs)
     for x, y in zip(leaves(nnx.state(model)), before, strict=True):  # not donated, not changed
         np.testing.assert_array_equal(x, y)
+
+
+@nnx.jit(static_argnums=3)
+def repeated_update_step(model, optimizer, batch, times):
+    def loss_fn(model):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    for _ in range(times):
+        optimizer.update(model, grads)
+    return loss
+
+
+def test_an_update_that_is_not_the_optimizers_is_named(mesh):
+    """A step whose update depends on the placement (a learning rate scaled by the device
+    count, done by applying the update once per extra device group): the gradients are one
+    device's, the params and optimizer state are neither one device's nor the optimizer's."""
+
+    def scaled_step(model, optimizer, batch):
+        spread = len(batch["x"].sharding.device_set)
+        return repeated_update_step(model, optimizer, batch, 2 if spread > 1 else 1)
+
+    model, optimizer = nnx_objects(mesh)
+    batch = sx.distribute_batch(BATCH, sx.batch_sharding(mesh))
+    report = sx.verify(scaled_step, (model, optimizer), batch)
+    assert not report.ok and report.cause == "update not the optimizer's", str(report)
+    assert report.worst.path.startswith("optimizer/0/"), str(report)
+    assert all("/grads/" not in d.path for d in report.diffs)
+
+
+COUNTER = [0]
+
+
+@jax.jit
+def counted_step(params, batch, count):
+    def loss(params):
+        return count * jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+
+def test_a_step_that_reads_a_global_counter_is_named_impure_on_cpu(mesh):
+    def impure_step(params, batch):
+        COUNTER[0] += 1  # a bug: the loss depends on how often the step ran
+        return counted_step(params, batch, jnp.float32(COUNTER[0]))
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = jax.device_put({"w": jnp.ones((IN, OUT))}, replicated)
+    batch = sx.distribute_batch(BATCH, sx.batch_sharding(mesh))
+    report = sx.verify(impure_step, params, batch)
+    assert not report.ok and report.cause == "impure step", str(report)
+    assert "Python global" in report.hint and "xla_gpu" not in report.hint
 
 
 def test_own_shard_map_step_with_batchnorm_needs_a_reference_and_names_the_cause(mesh):
@@ -480,28 +473,30 @@ OPTIMIZERS = {
 }
 
 
+# A covering design, not the product: every model, optimizer and mode at least once, and
+# BatchNorm with Adam in every mode.
 @pytest.mark.parametrize(
     ("model", "tx", "mode"),
     [
         ("conv_bn", "adam", "jit"),
-        ("conv_bn", "adamw", "shard_map"),
-        ("mlp_bn", "lion", "pmap"),
-        ("mlp_bn", "adamw", "jit"),
-        ("layernorm", "adafactor", "shard_map"),
-        ("rmsnorm", "sgd_momentum", "jit"),
-        ("tied_embed", "adamw", "shard_map"),
-        ("dropout_rng", "adam", "pmap"),
-        ("nnx_dropout", "adam", "jit"),
+        ("mlp_bn", "adam", "pmap"),
         ("linen_conv_bn", "adam", "shard_map"),
+        ("mlp_bn", "adamw", "shard_map"),
         ("equinox_bn", "adamw", "jit"),
         ("equinox_bn", "lion", "pmap"),
+        ("equinox_bn", "sgd_momentum", "shard_map"),
+        ("layernorm", "adafactor", "shard_map"),
+        ("rmsnorm", "sgd_momentum", "pmap"),
+        ("tied_embed", "adamw", "jit"),
+        ("dropout_rng", "adam", "pmap"),
+        ("nnx_dropout", "adam", "jit"),
     ],
 )
 def test_zoo_has_no_false_alarm(mesh, model, tx, mode):
     loss = dropout_rng_loss if model == "dropout_rng" else ce_loss
     batch = token_batch() if model == "tied_embed" else image_batch()
     step = sx.make_train_step(loss, mesh=mesh, mode=mode)
-    steps = 2 if (model, mode) in (("conv_bn", "jit"), ("mlp_bn", "pmap")) else 1
+    steps = 2 if (model, tx) in (("conv_bn", "adam"), ("mlp_bn", "adam")) else 1
     report = sx.verify(step, zoo_state(model, OPTIMIZERS[tx]()), batch, steps=steps)
     assert report.ok, str(report)
     assert report.compared > 0 and "distributed gradients" in report.judged
@@ -554,8 +549,8 @@ def test_own_step_with_nnx_rngs_compares_the_keys_by_their_data(mesh):
 def test_accumulation_that_changes_the_update_is_named(mesh):
     """BatchNorm normalizes each microbatch: the step's accumulation is not one device over
     the whole batch, and the reference never accumulates."""
-    step = sx.make_train_step(ce_loss, mesh=mesh, accumulate=2)
-    report = sx.verify(step, zoo_state("mlp_bn", optax.sgd(0.1)), image_batch())
+    step = sx.make_train_step(ce_loss, mesh=mesh, accumulate=2)  # the zoo's mlp_bn, adamw
+    report = sx.verify(step, zoo_state("mlp_bn", OPTIMIZERS["adamw"]()), image_batch())
     assert not report.ok and report.cause == "accumulation changes the update", str(report)
     assert "first difference" in str(report)
 
@@ -574,20 +569,22 @@ def graph_state() -> sx.TrainState:
     return sx.TrainState.from_params(params, lambda p: p, optax.adam(1e-2))
 
 
-@pytest.mark.parametrize("mask", [False, True])
-def test_rows_that_are_not_independent_examples_are_named(mesh, mask):
+def test_rows_that_are_not_independent_examples_are_named(mesh):
     rng = np.random.default_rng(5)
     batch = {
         "nodes": rng.normal(size=(ROWS, 3)).astype(np.float32),
         "senders": rng.permutation(ROWS).astype(np.int32),
         "y": rng.normal(size=(ROWS, 2)).astype(np.float32),
     }
-    if mask:
-        batch["mask"] = np.arange(ROWS) % 5 != 0
     state = graph_state()
-    assert sx.verify(sx.make_train_step(graph_loss, mesh=mesh), state, batch).ok  # jit: whole
-    report = sx.verify(sx.make_train_step(graph_loss, mesh=mesh, mode="shard_map"), state, batch)
+    step = sx.make_train_step(graph_loss, mesh=mesh, mode="shard_map")
+    report = sx.verify(step, state, batch)
     assert not report.ok and report.cause == "rows are not independent examples", str(report)
+    # A mask does not make them independent; under jit the step sees the whole batch.
+    batch["mask"] = np.arange(ROWS) % 5 != 0
+    report = sx.verify(step, state, batch)
+    assert not report.ok and report.cause == "rows are not independent examples", str(report)
+    assert sx.verify(sx.make_train_step(graph_loss, mesh=mesh), state, batch).ok
 
 
 def test_no_known_cause_says_what_it_compared_and_where(mesh):

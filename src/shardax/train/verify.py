@@ -8,12 +8,14 @@ state, and compares what distribution can change:
 - the loss and the aux metrics, the gradients (unscaled, before the optimizer) and the
   non-trainable model state, each against one device's, at a tolerance for the order of
   floating-point sums;
-- the update: the distributed params and optimizer state against the optimizer applied,
-  on one device, to the *distributed* gradients. The optimizer's normalisation (Adam,
+- the update: the distributed params and optimizer state against one device's and,
+  where they differ, against the optimizer applied, on one device, to the *distributed*
+  gradients (a leaf passes when it matches either). The optimizer's normalisation (Adam,
   Lion, Adafactor) may turn a gradient of rounding noise (a bias before BatchNorm, ~1e-9,
   its sign set by the order of the sums) into a step of ±lr; judged this way that noise is
-  no difference, while a wrong update still is: the update must be the optimizer's, and
-  the gradients it is applied to must be one device's.
+  no difference, while a wrong update still is: the update must be one device's or the
+  optimizer's, and the gradients it is applied to must be one device's. The second
+  program is built only when the first comparison fails.
 
 Each step starts both sides from the same state (the distributed one), so a difference
 is the step's own. For a :class:`~shardax.train.step.TrainStep` (or a ``plan="auto"``
@@ -36,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.checks import as_count, public
+from shardax.checks import as_count, as_float, public
 from shardax.parallel.context import laid_out_for
 from shardax.plan.core import axis_size
 from shardax.plan.tree import is_array, path_str
@@ -113,6 +116,12 @@ CAUSES: dict[str, str] = {
         "the distributed step gives different results for the same input twice "
         "(atomics, scatter-adds, autotuning); on GPU try "
         "XLA_FLAGS=--xla_gpu_deterministic_ops=true"
+    ),
+    "impure step": (
+        "the distributed step gives different results for the same input twice, and XLA "
+        "on this platform is deterministic: the step likely reads state outside its "
+        "arguments (a Python global or counter, the time, a NumPy random draw, a host "
+        "callback). Make it a function of its arguments (pass a step count or a key in)"
     ),
 }
 """The causes ``verify`` can name, and what to do about each."""
@@ -460,6 +469,14 @@ def _per_device(
     return "per-device BatchNorm statistics", CAUSES["per-device BatchNorm statistics"]
 
 
+def _rerun_differs(device: Any) -> tuple[str, str]:
+    """The cause when the same step on the same input gives another result: XLA's own
+    non-determinism on GPU, else a step that reads state outside its arguments."""
+    if getattr(device, "platform", "") in ("gpu", "cuda", "rocm"):
+        return "non-determinism", CAUSES["non-determinism"]
+    return "impure step", CAUSES["impure step"]
+
+
 def _precision_hint(name: str) -> str:
     return CAUSES["reduced precision"].replace("the reduced-precision compute dtype", name)
 
@@ -524,8 +541,8 @@ def _updated(state: TrainState) -> dict[str, Any]:
 _UPDATE = ("params", "opt_state", "loss_scale")
 _STEP_JUDGED = (
     "the loss, aux metrics, gradients and model state against one device's over the whole "
-    "batch; the params and optimizer state against the optimizer applied on one device to "
-    "the distributed gradients"
+    "batch; the params and optimizer state against one device's, or, where they differ, "
+    "against the optimizer applied on one device to the distributed gradients"
 )
 
 
@@ -533,17 +550,44 @@ def _fold_keys(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.random.fold_in(x, 1) if _is_key(x) else x, tree)
 
 
+def _either(first: list[LeafDiff], second: list[LeafDiff], which: Callable[[str], bool]):
+    """Leaf by leaf (both lists in one order), the closer of two references for the
+    leaves ``which`` selects, the first's for the others."""
+    return [
+        min(a, b, key=lambda d: d.ratio) if which(a.path) else a
+        for a, b in zip(first, second, strict=True)
+    ]
+
+
+_PROBES: weakref.WeakKeyDictionary[TrainStep, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _probes(step: TrainStep) -> dict[Any, Any]:
+    """The programs verify builds for ``step``, kept while the step lives: verifying it
+    again (another batch, more steps) compiles nothing new for the same shapes."""
+    cached = _PROBES.get(step)
+    if cached is None:
+        mesh1 = one_device_mesh(step.mesh)
+        ref = _Probe.like(step, mesh1)
+        cached = _PROBES[step] = {
+            "mesh1": mesh1,
+            "dist": _Probe.like(step),
+            "ref": ref,
+            "update": jax.jit(ref.update),
+        }
+    return cached
+
+
 def _verify_step(
     step: TrainStep, state: TrainState, batch: Any, steps: int, rtol: float, atol: float
 ) -> tuple[list[list[LeafDiff]], Callable[[LeafDiff], tuple[str | None, str]], str, str]:
-    mesh1 = one_device_mesh(step.mesh)
+    probes = _probes(step)
+    mesh1, dist, ref, update = probes["mesh1"], probes["dist"], probes["ref"], probes["update"]
     device = mesh1.devices.flat[0]
     one = NamedSharding(mesh1, PartitionSpec())
-    dist, ref = _Probe.like(step), _Probe.like(step, mesh1)
     dstate = dist.shard(state)
     _check_fits(device, state, batch)
     rbatch = _place(batch, one)
-    update = jax.jit(ref.update)
 
     def on_one(fn: Callable[..., Any], *args: Any) -> Any:
         def under(*args: Any) -> Any:
@@ -552,16 +596,24 @@ def _verify_step(
 
         return _on_one(device, step.mesh, batch, under, *args)
 
+    def in_update(path: str) -> bool:
+        return path.split("/")[0] in _UPDATE
+
     by_step, runs = [], []
     for k in range(1, steps + 1):
         rstart = on_one(ref.shard, dstate)  # both sides start from the same state
         dnew, dout = dist(dstate, batch)
         rnew, rout = on_one(ref, rstart, rbatch)
-        grads, model_state = _place((dout["grads"], dnew.model_state), one)
-        expected = on_one(update, rstart, grads, model_state)
         got = {**_reduced(dnew, dout), **_updated(dnew)}
-        want = {**_reduced(rnew, rout), **_updated(expected)}
-        by_step.append(compare(got, want, k, rtol, atol))
+        want = {**_reduced(rnew, rout), **_updated(rnew)}
+        diffs = compare(got, want, k, rtol, atol)
+        if any(not d.ok for d in diffs if in_update(d.path)):
+            # The optimizer may amplify rounding noise in the gradients (Adam, Lion):
+            # judge the update from the distributed gradients, on one device.
+            grads, model_state = _place((dout["grads"], dnew.model_state), one)
+            want = {**want, **_updated(on_one(update, rstart, grads, model_state))}
+            diffs = _either(diffs, compare(got, want, k, rtol, atol), in_update)
+        by_step.append(diffs)
         runs.append((dstate, rstart, got, want))
         dstate = dnew
 
@@ -574,12 +626,14 @@ def _verify_step(
             return "reduced precision", _precision_hint(policy_name(step.precision))
         dnew, dout = dist(dstart, batch)
         if not _close({**_reduced(dnew, dout), **_updated(dnew)}, got, rtol, atol):
-            return "non-determinism", CAUSES["non-determinism"]
+            return _rerun_differs(device)
         if _update_only(bad, _UPDATE):
             return "update not the optimizer's", CAUSES["update not the optimizer's"]
         loss_and_grads = {k: want[k] for k in ("metrics", "grads")}
         if step.accumulate > 1:
-            same = _Probe.like(step, mesh1, accumulate=step.accumulate)
+            same = probes.get("accumulated")
+            if same is None:
+                same = probes["accumulated"] = _Probe.like(step, mesh1, step.accumulate)
             anew, aout = on_one(same, rstart, rbatch)
             if _close(_reduced(dnew, dout), _reduced(anew, aout), rtol, atol):
                 return "accumulation changes the update", CAUSES["accumulation changes the update"]
@@ -728,6 +782,37 @@ def _expected_update(tx: Any, params: Any, opt_state: Any, grads: Any) -> dict[s
     return {"params": optax.apply_updates(params, updates), "opt_state": new}
 
 
+_expected_jit = jax.jit(_expected_update, static_argnums=0)
+
+
+def _fresh(x: Any) -> Any:
+    """A copy of an array in a buffer of its own (no compilation for a placed array)."""
+    if isinstance(x, jax.Array):  # an uncommitted array stays uncommitted
+        return jax.device_put(x, x.sharding if x.committed else None, may_alias=False)
+    return jnp.copy(x)
+
+
+def _shown(tree: Any) -> str:
+    text = str(jax.tree.structure(tree))
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _check_structure(got: Any, want: Any, given: bool) -> None:
+    """Refuses a reference (or a one-device run) that returned another structure than the
+    distributed step: its leaves could not be compared."""
+    if jax.tree.structure(got) == jax.tree.structure(want):
+        return
+    paths = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(got)}
+    other = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(want)}
+    only = sorted(paths - other)[:3] or sorted(other - paths)[:3]
+    who = "reference=" if given else "the step on one device"
+    raise ValueError(
+        f"{who} must return the structure the distributed step returns (its state and what "
+        f"else it returns), so that every leaf is compared; the step gave {_shown(got)} and "
+        f"{who} gave {_shown(want)} (first differing leaves: {', '.join(only) or '-'})"
+    )
+
+
 def _mesh_of(tree: Any) -> Mesh | None:
     for x in jax.tree.leaves(tree):
         sharding = getattr(x, "sharding", None)
@@ -783,8 +868,8 @@ def _fn_judged(recorded: bool) -> str:
         return (
             "what the step returned, the gradients its nnx.Optimizer was given and the "
             "non-trainable state against one device's over the whole batch; the params and "
-            "optimizer state against the optimizer applied on one device to the distributed "
-            "gradients"
+            "optimizer state against one device's, or, where they differ, against the "
+            "optimizer applied on one device to the distributed gradients"
         )
     return (
         "what the step returned and the updated state against one device's over the whole "
@@ -811,6 +896,7 @@ def _verify_fn(
     one = NamedSharding(mesh1, PartitionSpec()) if mesh1 is not None else device
     _check_fits(device, _arrays(args), batch)
     rbatch = _place(batch, one)
+    given = reference is not None
     reference = fn if reference is None else reference
 
     def run(f: Callable[..., Any], start: tuple[Any, ...], data: Any, on_one: bool):
@@ -822,12 +908,12 @@ def _verify_fn(
     def put_one(x: jax.Array) -> jax.Array:
         # a copy: device_put reuses the buffer of a replicated array's shard on the
         # device, and the user's step may donate it
-        return jnp.copy(jax.device_put(x, one))
+        return jax.device_put(x, one, may_alias=False)
 
     def on_one(f: Callable[..., Any], *a: Any) -> Any:
         return _on_one(device, mesh, batch, f, *a)
 
-    dargs = _copied(args, jnp.copy)  # the user's step may donate: never the original
+    dargs = _copied(args, _fresh)  # the user's step may donate: never the original
     recorded = bool(_recorded(dargs))
     judged = _fn_judged(recorded)
     rest: Any = None
@@ -845,35 +931,45 @@ def _verify_fn(
         return seen
 
     def step_from(start: tuple[Any, ...], data: Any, on_one_device: bool, f: Callable[..., Any]):
-        copy = _copied(start, put_one if on_one_device else jnp.copy)
+        copy = _copied(start, put_one if on_one_device else _fresh)
         if on_one_device:
             new, out = on_one(run, f, copy, data, True)
         else:
             new, out = run(f, copy, data, False)
         return observe(new, out)
 
+    def in_update(path: str) -> bool:
+        parts = path.split("/")
+        return parts[0] == "optimizer" and len(parts) > 2 and parts[2] in ("params", "opt_state")
+
     by_step, runs = [], []
     for k in range(1, steps + 1):
-        dstart = _copied(dargs, jnp.copy)
+        dstart = _copied(dargs, _fresh)
         before = on_one(_copied, dargs, put_one) if recorded else ()
-        view = _optimizer_view(_recorded_pairs(before)) if recorded else {}
         dargs, dout = run(fn, dargs, batch, False)
         got = observe(dargs, dout)
         want = step_from(dstart, rbatch, True, reference)
-        if recorded:
+        _check_structure(got, want, given)
+        diffs = compare(got, want, k, rtol, atol)
+        if recorded and any(not d.ok for d in diffs if in_update(d.path)):
+            # The optimizer may amplify rounding noise in the gradients (Adam, Lion):
+            # judge the update from the distributed gradients, on one device.
+            view = _optimizer_view(_recorded_pairs(before))
+            want = {**want, "optimizer": dict(want["optimizer"])}
             for i, (opt, _) in enumerate(_recorded_pairs(before)):
-                inner_tx = opt.tx
                 start_view = view[str(i)]
                 grads = _place(got["optimizer"][str(i)]["grads"], one)
                 expected = on_one(
-                    jax.jit(lambda p, s, g, tx=inner_tx: _expected_update(tx, p, s, g)),
+                    _expected_jit,
+                    opt.tx,
                     start_view["params"],
                     (start_view["opt_state"], start_view["grads"]),
                     grads,
                 )
                 expected["opt_state"] = expected["opt_state"][0]
-                want["optimizer"][str(i)].update(expected)
-        by_step.append(compare(got, want, k, rtol, atol))
+                want["optimizer"][str(i)] = {**want["optimizer"][str(i)], **expected}
+            diffs = _either(diffs, compare(got, want, k, rtol, atol), in_update)
+        by_step.append(diffs)
         runs.append((dstart, got, want))
 
     def diagnose(worst: LeafDiff) -> tuple[str | None, str]:
@@ -883,7 +979,7 @@ def _verify_fn(
         if default != TOLERANCES["fp32"] and worst.within(*default):
             return "reduced precision", _precision_hint("the state's dtype")
         if not _close(step_from(dstart, batch, False, fn), got, rtol, atol):
-            return "non-determinism", CAUSES["non-determinism"]
+            return _rerun_differs(device)
         if recorded and all(
             d.path.startswith("optimizer/") and d.path.split("/")[2] in ("params", "opt_state")
             for d in bad
@@ -1057,7 +1153,14 @@ def verify(
 
 def _given(default: tuple[float, float], rtol: Any, atol: Any) -> tuple[float, float]:
     """``(rtol, atol)``: the given ones, else the default; a given ``rtol`` alone scales the
-    default ``atol`` with it."""
+    default ``atol`` with it. Each must be a finite number >= 0: a negative or NaN one
+    would fail every leaf, an infinite one pass every leaf."""
+    rule = " (a leaf differs above atol + rtol * max|reference leaf|)"
+    try:
+        rtol = None if rtol is None else as_float("rtol", rtol, minimum=0)
+        atol = None if atol is None else as_float("atol", atol, minimum=0)
+    except ValueError as e:
+        raise ValueError(f"{e}{rule}") from None
     if atol is None:
         atol = default[1] if rtol is None else rtol * default[1] / default[0]
     return (default[0] if rtol is None else rtol), atol
