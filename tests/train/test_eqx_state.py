@@ -127,3 +127,24 @@ def test_loss_fn_and_state_must_agree(mesh):
         stateful(stateful.shard(without), data(1)[0])
     with pytest.raises(TypeError, match=r"must be an eqx\.nn\.State"):
         sx.TrainState.create(model, TX, state={"a": 1})
+
+
+def test_donated_step_with_the_state_written_back_from_aux(mesh):
+    """The state returned as aux and written back by hand into the train state, which the
+    next step donates (was: BlockHostUntilReady() on a donated buffer, from the step's own
+    wait on the metrics of 4 steps back)."""
+
+    def aux_loss(model, state, batch):
+        loss, state = loss_fn(model, state, batch)
+        return (loss, {"state": state}), state
+
+    model, state = eqx.nn.make_with_state(Net)(jax.random.key(0), "batch")
+    step = sx.make_train_step(aux_loss, mesh=mesh, donate=True)
+    s = step.shard(sx.TrainState.create(model, TX, state=state))
+    losses = []
+    for batch in data() * 2:
+        s, metrics = step(s, batch)
+        s = s.replace(model_state={**s.model_state, "state": metrics["state"]})
+        losses.append(float(metrics["loss"]))
+    assert s.model_state["state"].get(model.bn.batch_counter) == 8
+    np.testing.assert_allclose(losses[:4], equinox_loop("batch")[0], rtol=1e-5)

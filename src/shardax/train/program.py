@@ -177,16 +177,23 @@ def check_data_axis(data_axis: Any, mesh: Mesh, mode: str) -> str | tuple[str, .
     return data_axis if isinstance(data_axis, str) or len(names) > 1 else names[0]
 
 
+def _alive(tree: Any) -> list[jax.Array]:
+    """The arrays of ``tree`` not deleted (donated) since."""
+    return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted()]
+
+
 def _bounded(call: Callable[..., Any], depth: int, metrics: Callable[[Any], Any]):
     """``call``, waiting for the result of the call ``depth`` back before returning
-    (for the ``metrics`` of its output: the state may be donated by then)."""
+    (for the ``metrics`` of its output: the state may be donated by then). A metric the
+    user wrote back into the state (an aux returned as model state) may be donated too:
+    the wait skips it, the later step that consumed it is waited for in its turn."""
     pending: collections.deque[Any] = collections.deque()
 
     def bounded(state: Any, batch: Any) -> Any:
         out = call(state, batch)
         pending.append(metrics(out))
         if len(pending) > depth:
-            jax.block_until_ready(pending.popleft())
+            jax.block_until_ready(_alive(pending.popleft()))
         return out
 
     return bounded
