@@ -2,6 +2,8 @@
 stateful example writes it: ``TrainState.create(model, tx, state=state)`` and
 ``loss_fn(model, state, batch) -> (loss, new_state)``."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -148,3 +150,27 @@ def test_donated_step_with_the_state_written_back_from_aux(mesh):
         losses.append(float(metrics["loss"]))
     assert s.model_state["state"].get(model.bn.batch_counter) == 8
     np.testing.assert_allclose(losses[:4], equinox_loop("batch")[0], rtol=1e-5)
+
+
+def test_prepare_places_the_state_with_its_model():
+    """Keep-your-loop: sx.prepare(model, state, opt_state) sees the eqx.nn.State where a
+    TrainState holds it (model_state/state/...), not as another model's params."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = sx.make_mesh({"data": 4, "model": 2})
+    model, state = eqx.nn.make_with_state(Net)(jax.random.key(0), "ema")
+    opt_state = TX.init(eqx.filter(model, eqx.is_inexact_array))
+    rules = [(r"lin/weight", P("model", None)), (r"out/weight", P(None, "model"))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # was: each rule "gives no leaf its spec", twice
+        model, state, opt_state = sx.prepare(
+            model, state, opt_state, mesh=mesh, plan=sx.rules(mesh, rules)
+        )
+    assert model.lin.weight.sharding.spec == P("model", None)
+    assert opt_state[0].mu.lin.weight.sharding.spec == P("model", None)
+    assert isinstance(state, eqx.nn.State)
+    for leaf in jax.tree.leaves(state):
+        assert leaf.sharding.mesh == mesh and leaf.sharding.is_fully_replicated
+    with pytest.warns(UserWarning, match=r"'model_state/state/1/0'") as caught:
+        sx.prepare(state, mesh=mesh, plan=sx.rules(mesh, [(r"nothing", P())]))
+    assert "params/" not in str(caught[0].message)
