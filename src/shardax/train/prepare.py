@@ -100,8 +100,11 @@ def _place(view: Any, plan: Any) -> Any:
 class _Preparer:
     """Places the objects of one :func:`prepare` call; ``out`` holds the results in order."""
 
-    def __init__(self, objects: tuple[Any, ...], mesh: Mesh, plan: Any, data_axis: Any) -> None:
+    def __init__(
+        self, objects: tuple[Any, ...], mesh: Mesh, plan: Any, data_axis: Any, batch_spec: Any
+    ) -> None:
         self.objects, self.mesh, self.plan, self.data_axis = objects, mesh, plan, data_axis
+        self.batch_spec = batch_spec
         self.out: list[Any] = list(objects)
         self.done: set[int] = set()
 
@@ -122,8 +125,7 @@ class _Preparer:
             elif _is_train_state(obj):
                 self._set(i, self._train_state(obj))
             elif _is_loader(obj):
-                sharding = batch_sharding(self.mesh, self.data_axis)
-                self._set(i, prefetch_to_device(obj, sharding))
+                self._set(i, self._loader(obj))
         # Equinox models and pytrees, each with the optimizer states among the rest.
         for i, obj in enumerate(objs):
             if i in self.done or _is_eqx_state(obj):
@@ -136,6 +138,13 @@ class _Preparer:
                 plan = getattr(self.plan, "base", None) or self.plan
                 self._set(i, _place({"model_state": {"state": obj}}, plan)["model_state"]["state"])
         return self.out
+
+    def _loader(self, loader: Any) -> Any:
+        """Batches prefetched onto the mesh: rows over the data axis, or as the
+        ``batch_spec`` says for batches whose leaves are not examples."""
+        if self.batch_spec is not None:
+            return prefetch_to_device(loader, self.mesh, batch_spec=self.batch_spec)
+        return prefetch_to_device(loader, batch_sharding(self.mesh, self.data_axis))
 
     def _set(self, i: int, value: Any) -> None:
         self.out[i] = value
@@ -290,6 +299,7 @@ def prepare(
     mesh: Mesh | None = None,
     plan: Plan | Any = None,
     data_axis: str | tuple[str, ...] = DATA_AXIS,
+    batch_spec: Any = None,
 ) -> Any:
     """Places the objects of a training loop on ``mesh`` with ``plan``, and returns them:
     the same objects, or objects of the same types, in the same order (one object alone
@@ -321,6 +331,9 @@ def prepare(
         ``sx.rules``, ``sx.from_nnx``, ``sx.from_linen``); default: replicate. It sees
         the paths a :class:`TrainState` would have (``params/...``).
       data_axis: the mesh axis (or axes) the batches are split over.
+      batch_spec: for batches whose leaves are not examples (a graph batch), how each
+        leaf is split: a ``PartitionSpec`` (``P()``: not split) or a pytree of them
+        (:mod:`shardax.data.spec`).
     """
     if not objects:
         raise TypeError(
@@ -340,6 +353,6 @@ def prepare(
         )
     if isinstance(plan, Plan) and not isinstance(plan, FollowParams):
         plan = follow_params(plan)
-    out = _Preparer(objects, mesh, plan, data_axis).run()
+    out = _Preparer(objects, mesh, plan, data_axis, batch_spec).run()
     _record_plan(out)
     return out[0] if len(objects) == 1 else tuple(out)
