@@ -18,8 +18,8 @@ one device's numbers: XLA sees the whole batch. ``"shard_map"``, ``"pmap"`` and
 >>> mesh = sx.make_mesh({"data": -1})
 >>> graphs = {"nodes": np.ones((192, 4)), "senders": np.zeros(512, np.int32)}
 >>> placed = place_by_spec(graphs, mesh, P())
->>> placed["nodes"].sharding.spec, placed["senders"].shape
-(PartitionSpec(), (512,))
+>>> placed["nodes"].sharding.spec == P(), placed["senders"].shape
+(True, (512,))
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ def batch_shardings(batch: Any, mesh: Mesh, batch_spec: Any) -> Any:
     of the batch), each fitted to its leaf (checked: a split dimension divides by its
     axes, the leaf is named otherwise).
 
-    >>> batch_shardings({"x": np.ones((6, 2))}, sx.make_mesh({"data": -1}), P())["x"].spec
-    PartitionSpec()
+    >>> mesh = sx.make_mesh({"data": -1})
+    >>> batch_shardings({"x": np.ones((6, 2))}, mesh, P())["x"].spec == P()
+    True
     """
     check_batch_spec(batch_spec)
     try:
