@@ -12,6 +12,7 @@ from shardax.data.placement import (
 )
 from shardax.data.policy import POLICIES, fit_batch, pad_batch
 from shardax.data.prefetch import Prefetcher, prefetch_to_device
+from shardax.data.spec import batch_shardings
 from shardax.data.wait import Timed, timed
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Timed",
     "as_sharding",
     "batch_sharding",
+    "batch_shardings",
     "batches",
     "distribute_batch",
     "fit_batch",

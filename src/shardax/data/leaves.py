@@ -73,7 +73,10 @@ def check_batch_leaves(
         if len(sizes) > 1:
             raise ValueError(
                 f"batch leaves disagree on the batch size (dimension {d}); they must "
-                f"all have the same size there. Received {shapes_text(leaves)}"
+                f"all have the same size there. Received {shapes_text(leaves)}. A batch "
+                "whose leaves are not examples (a graph batch: nodes, edges, graphs) "
+                "says how each leaf is split instead: batch_spec=P() (not split) or one "
+                "spec per field (shardax.data.spec)"
             )
     return leaves
 

@@ -226,6 +226,7 @@ def prefetch_to_device(
     *,
     policy: str | None = None,
     batch_size: int | None = None,
+    batch_spec: Any = None,
 ) -> Prefetcher:
     """Yields the batches of ``iterable`` in order, placed on ``target`` by a background
     thread that keeps up to ``buffer_size`` of them ready.
@@ -241,6 +242,9 @@ def prefetch_to_device(
       batch_size: the fixed (process-local) batch size for ``policy``; default: the size
         of the first batch. With many processes, each decides for its own slice, so they
         must agree on which batches are short; ``sx.batches`` decides globally.
+      batch_spec: for batches whose leaves are not examples (a graph batch), how each
+        leaf is split over the ``target`` mesh: a ``PartitionSpec`` (``P()``: not
+        split) or a pytree of them (:mod:`shardax.data.spec`); not with ``policy``.
 
     Returns a :class:`Prefetcher`: an iterator with ``close()``, usable as a context
     manager. Every ``break`` out of a named iterator should be followed by ``close()``, or
@@ -251,5 +255,28 @@ def prefetch_to_device(
         check_policy(policy)
     if batch_size is not None:
         batch_size = as_count("batch_size", batch_size)
-    place = _placer(as_sharding(target), policy, batch_size)
+    if batch_spec is not None:
+        place = _spec_placer(target, batch_spec, policy)
+    else:
+        place = _placer(as_sharding(target), policy, batch_size)
     return Prefetcher(iterable, place, buffer_size)
+
+
+def _spec_placer(target: Any, batch_spec: Any, policy: str | None) -> Callable[[Any], Any]:
+    """Places each batch leaf by leaf as ``batch_spec`` says, over the mesh ``target``."""
+    from jax.sharding import Mesh
+
+    from shardax.data.spec import check_batch_spec, place_by_spec
+
+    check_batch_spec(batch_spec)
+    if not isinstance(target, Mesh):
+        raise TypeError(
+            f"with batch_spec, target must be the Mesh the specs name, got "
+            f"{type(target).__name__}: {target!r}"
+        )
+    if policy is not None:
+        raise ValueError(
+            f"policy={policy!r} pads or drops rows as examples, but batch_spec says the "
+            "batch's leaves are not examples; fit such batches before prefetching"
+        )
+    return lambda batch: jax.block_until_ready(place_by_spec(batch, target, batch_spec))

@@ -44,6 +44,7 @@ def make_train_step(
     stats: Sequence[str] = DEFAULT_STATS,
     stats_every: int = 1,
     seq_axis: str | None = None,
+    batch_spec: Any = None,
 ) -> TrainStep | AutoStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
@@ -109,6 +110,12 @@ def make_train_step(
             batches so itself (``step.place_batch``) and takes batches placed with
             ``sx.batch_sharding(mesh, seq_axis=...)``; the sequence must divide by the
             axis size. Default None: the rows alone are split.
+        batch_spec: for a batch whose leaves are not examples (a graph batch: nodes,
+            edges and graphs of different counts), how each leaf is split: a
+            ``PartitionSpec`` for every leaf (``P()``: not split, whole on every device)
+            or a pytree of them, a prefix of the batch (:mod:`shardax.data.spec`). The
+            step places the batch so; ``"jit"`` and ``"single"`` only, ``accumulate=1``.
+            Default None: every leaf's rows are examples, split over ``data_axis``.
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode, plus ``stats``.
@@ -116,7 +123,8 @@ def make_train_step(
     donate = as_bool("donate", donate)
     kw = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
           "data_axis": data_axis, "precision": precision, "stats": stats,
-          "stats_every": stats_every, "seq_axis": seq_axis}  # fmt: skip
+          "stats_every": stats_every, "seq_axis": seq_axis,
+          "batch_spec": batch_spec}  # fmt: skip
     if isinstance(plan, str) and plan == "auto":
         plan = AutoPlanOptions()
     if isinstance(plan, AutoPlanOptions):
@@ -135,6 +143,7 @@ def make_eval_step(
     data_axis: str | tuple[str, ...] = DATA_AXIS,
     precision: str | Precision = "fp32",
     seq_axis: str | None = None,
+    batch_spec: Any = None,
 ) -> EvalStep:
     """A compiled ``evaluate(state, batch) -> metrics`` that never changes ``state``.
 
@@ -147,7 +156,7 @@ def make_eval_step(
             microbatches are weighted by their count of real examples or tokens. It
             may take ``rng`` and ``step_rng`` like a train step's loss function; NNX and
             Equinox models are in inference mode (dropout off, running averages).
-        mesh, plan, mode, accumulate, data_axis, seq_axis: as for
+        mesh, plan, mode, accumulate, data_axis, seq_axis, batch_spec: as for
             :func:`make_train_step`; use
             the train step's mesh and plan to evaluate its state where it lies.
         precision: the compute and output dtypes, as for :func:`make_train_step`
@@ -157,4 +166,4 @@ def make_eval_step(
     policy = resolve(precision)._replace(loss_scaling=None)
     return EvalStep(metric_fn, mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
                     donate=False, data_axis=data_axis, precision=policy,
-                    seq_axis=seq_axis)  # fmt: skip
+                    seq_axis=seq_axis, batch_spec=batch_spec)  # fmt: skip

@@ -100,8 +100,11 @@ def _place(view: Any, plan: Any) -> Any:
 class _Preparer:
     """Places the objects of one :func:`prepare` call; ``out`` holds the results in order."""
 
-    def __init__(self, objects: tuple[Any, ...], mesh: Mesh, plan: Any, data_axis: Any) -> None:
+    def __init__(
+        self, objects: tuple[Any, ...], mesh: Mesh, plan: Any, data_axis: Any, batch_spec: Any
+    ) -> None:
         self.objects, self.mesh, self.plan, self.data_axis = objects, mesh, plan, data_axis
+        self.batch_spec = batch_spec
         self.out: list[Any] = list(objects)
         self.done: set[int] = set()
 
@@ -122,13 +125,26 @@ class _Preparer:
             elif _is_train_state(obj):
                 self._set(i, self._train_state(obj))
             elif _is_loader(obj):
-                sharding = batch_sharding(self.mesh, self.data_axis)
-                self._set(i, prefetch_to_device(obj, sharding))
+                self._set(i, self._loader(obj))
         # Equinox models and pytrees, each with the optimizer states among the rest.
         for i, obj in enumerate(objs):
-            if i not in self.done and (_is_equinox(obj) or _has_arrays(obj)):
+            if i in self.done or _is_eqx_state(obj):
+                continue
+            if _is_equinox(obj) or _has_arrays(obj):
                 self._params(i)
+        for i, obj in enumerate(objs):  # an eqx.nn.State without its model
+            if i not in self.done and _is_eqx_state(obj):
+                # no params to follow: the plan's own specs for model_state/state/...
+                plan = getattr(self.plan, "base", None) or self.plan
+                self._set(i, _place({"model_state": {"state": obj}}, plan)["model_state"]["state"])
         return self.out
+
+    def _loader(self, loader: Any) -> Any:
+        """Batches prefetched onto the mesh: rows over the data axis, or as the
+        ``batch_spec`` says for batches whose leaves are not examples."""
+        if self.batch_spec is not None:
+            return prefetch_to_device(loader, self.mesh, batch_spec=self.batch_spec)
+        return prefetch_to_device(loader, batch_sharding(self.mesh, self.data_axis))
 
     def _set(self, i: int, value: Any) -> None:
         self.out[i] = value
@@ -199,6 +215,7 @@ class _Preparer:
             params, model_state = eqx.partition(arrays, eqx.is_inexact_array)
             # optax states are built on eqx.filter(model, eqx.is_array) or is_inexact_array
             candidates = [params, arrays]
+            state_at = self._state_of(obj)
         opt_states: list[int] = []
         for j, other in enumerate(self.objects):
             if j in self.done or _is_equinox(other) or not _has_arrays(other):
@@ -210,6 +227,9 @@ class _Preparer:
                     params, model_state = arrays, None
         if static is None:
             params = obj
+        elif state_at is not None:
+            # as TrainState.create(model, tx, state=state) holds it: model_state/state/...
+            model_state = {"model": model_state, "state": self.objects[state_at]}
         view = {
             "params": params,
             "model_state": model_state,
@@ -219,11 +239,41 @@ class _Preparer:
         if static is not None:
             import equinox as eqx
 
-            self.out[i] = eqx.combine(placed["params"], placed["model_state"], static)
+            rest = placed["model_state"]
+            if state_at is not None:
+                self._set(state_at, rest["state"])
+                rest = rest["model"]
+            self.out[i] = eqx.combine(placed["params"], rest, static)
         else:
             self.out[i] = placed["params"]
         for j, value in zip(opt_states, placed["opt_state"], strict=True):
             self._set(j, value)
+
+    def _state_of(self, model: Any) -> int | None:
+        """The index of the first unplaced ``eqx.nn.State`` among the arguments, when
+        ``model`` has stateful layers (an ``eqx.nn.StateIndex``): the model's state, as
+        ``eqx.nn.make_with_state`` returns it."""
+        import equinox as eqx
+
+        def is_index(x: Any) -> bool:
+            return isinstance(x, eqx.nn.StateIndex)
+
+        if not any(is_index(x) for x in jax.tree.leaves(model, is_leaf=is_index)):
+            return None
+        for j, obj in enumerate(self.objects):
+            if j not in self.done and _is_eqx_state(obj):
+                self.done.add(j)
+                return j
+        return None
+
+
+def _is_eqx_state(x: Any) -> bool:
+    """An Equinox ``eqx.nn.State`` (``eqx.nn.make_with_state``'s second result)."""
+    try:
+        import equinox as eqx
+    except ImportError:  # pragma: no cover - equinox is an optional extra
+        return False
+    return isinstance(x, eqx.nn.State)
 
 
 def _has_arrays(obj: Any) -> bool:
@@ -273,6 +323,7 @@ def prepare(
     mesh: Mesh | None = None,
     plan: Plan | Any = None,
     data_axis: str | tuple[str, ...] = DATA_AXIS,
+    batch_spec: Any = None,
 ) -> Any:
     """Places the objects of a training loop on ``mesh`` with ``plan``, and returns them:
     the same objects, or objects of the same types, in the same order (one object alone
@@ -288,7 +339,9 @@ def prepare(
       as a jitted step returns it), and shardax :class:`TrainState`.
     - **Equinox** modules and **plain pytrees** (params, ``optax`` states): an argument
       holding a subtree with the structure and shapes of a model's or pytree's params
-      (Adam's ``mu``) is that model's optimizer state, and follows it.
+      (Adam's ``mu``) is that model's optimizer state, and follows it. An
+      ``eqx.nn.State`` (``eqx.nn.make_with_state``) is placed with its model, where a
+      :class:`TrainState` holds it: the plan sees ``model_state/state/...``.
     - **batches**: any iterable of batches that is not a pytree (a generator, a loader)
       becomes :func:`shardax.prefetch_to_device` with the batch split over ``data_axis``:
       each process yields its own slice and gets global batches. A list is a pytree:
@@ -302,6 +355,9 @@ def prepare(
         ``sx.rules``, ``sx.from_nnx``, ``sx.from_linen``); default: replicate. It sees
         the paths a :class:`TrainState` would have (``params/...``).
       data_axis: the mesh axis (or axes) the batches are split over.
+      batch_spec: for batches whose leaves are not examples (a graph batch), how each
+        leaf is split: a ``PartitionSpec`` (``P()``: not split) or a pytree of them
+        (:mod:`shardax.data.spec`).
     """
     if not objects:
         raise TypeError(
@@ -323,6 +379,6 @@ def prepare(
         plan = follow_params(plan)
     for i, obj in enumerate(objects):
         _check_placeable(i, obj)
-    out = _Preparer(objects, mesh, plan, data_axis).run()
+    out = _Preparer(objects, mesh, plan, data_axis, batch_spec).run()
     _record_plan(out)
     return out[0] if len(objects) == 1 else tuple(out)

@@ -41,7 +41,9 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from shardax.checks import as_count, public
+from shardax.data.leaves import check_batch_leaves
 from shardax.data.placement import batch_sharding
+from shardax.data.spec import batch_shardings, check_batch_spec, place_by_spec
 from shardax.parallel.collectives import all_reduce, weighted_mean
 from shardax.plan.activation import constrain
 from shardax.plan.core import Plan, axis_size, replicate
@@ -177,16 +179,23 @@ def check_data_axis(data_axis: Any, mesh: Mesh, mode: str) -> str | tuple[str, .
     return data_axis if isinstance(data_axis, str) or len(names) > 1 else names[0]
 
 
+def _alive(tree: Any) -> list[jax.Array]:
+    """The arrays of ``tree`` not deleted (donated) since."""
+    return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted()]
+
+
 def _bounded(call: Callable[..., Any], depth: int, metrics: Callable[[Any], Any]):
     """``call``, waiting for the result of the call ``depth`` back before returning
-    (for the ``metrics`` of its output: the state may be donated by then)."""
+    (for the ``metrics`` of its output: the state may be donated by then). A metric the
+    user wrote back into the state (an aux returned as model state) may be donated too:
+    the wait skips it, the later step that consumed it is waited for in its turn."""
     pending: collections.deque[Any] = collections.deque()
 
     def bounded(state: Any, batch: Any) -> Any:
         out = call(state, batch)
         pending.append(metrics(out))
         if len(pending) > depth:
-            jax.block_until_ready(pending.popleft())
+            jax.block_until_ready(_alive(pending.popleft()))
         return out
 
     return bounded
@@ -235,6 +244,7 @@ class Program:
         data_axis: str | tuple[str, ...],
         precision: str | Precision = "fp32",
         seq_axis: str | None = None,
+        batch_spec: Any = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
@@ -291,12 +301,39 @@ class Program:
                     f"got mode={mode!r}"
                 )
             self._seq_sharding = batch_sharding(mesh, data_axis, seq_axis=seq_axis)
+        self.batch_spec = self._check_batch_spec(batch_spec)
         names = (data_axis,) if isinstance(data_axis, str) else data_axis
         self._explicit = any(mesh_axis_type(mesh, n) == AxisType.Explicit for n in names)
         self._compiled: collections.OrderedDict[Any, _Compiled] = collections.OrderedDict()
         self._warned_rng = False
         self._device = SingleDeviceSharding(mesh.devices.flat[0])
         self._call = self._mode_call()
+
+    def _check_batch_spec(self, batch_spec: Any) -> Any:
+        """A batch whose leaves are not examples (:mod:`shardax.data.spec`) is placed as
+        it says under ``"jit"`` and ``"single"``; the modes that split rows as examples
+        refuse it."""
+        batch_spec = check_batch_spec(batch_spec)
+        if batch_spec is None:
+            return None
+        how = [f"mode={self.mode!r}"] if self.mode in ("shard_map", "pmap") else []
+        how += [f"accumulate={self.accumulate}"] if self.accumulate > 1 else []
+        how += [f"seq_axis={self.seq_axis!r}"] if self.seq_axis is not None else []
+        if "rng" in self._filled:
+            raise ValueError(
+                f"loss_fn takes 'rng' (one key per example), but batch_spec={batch_spec!r} "
+                "says the batch's leaves are not examples; take 'step_rng' (one key for "
+                "the step) instead"
+            )
+        if how:
+            raise ValueError(
+                f"batch_spec={batch_spec!r} says the batch's leaves are not examples (a "
+                f"graph batch, say), but {' and '.join(how)} splits every leaf's rows as if "
+                "they were: each device or microbatch would get rows of every leaf that "
+                "do not make whole examples, and train a different model. Use mode='jit' "
+                "(any split, computed as one device would) with accumulate=1"
+            )
+        return batch_spec
 
     # -- the step protocol (implemented by TrainStep and EvalStep) -----------------------
 
@@ -512,7 +549,7 @@ class Program:
 
     def _global(self, state: TrainState, batch: Any):
         """jit and single: the shard is the whole global batch."""
-        size = jax.tree.leaves(batch)[0].shape[0]
+        size = jax.tree.leaves(batch)[0].shape[0] if self.batch_spec is None else 1
         grads, loss, aux, model_state = self._shard_update(
             state, batch, jnp.arange(size), mapped=False
         )
@@ -580,7 +617,8 @@ class Program:
             call = lambda state, batch: pmapped(state, self._pmap_batch(batch))  # noqa: E731
             self._lower = lambda state, batch: pmapped.lower(state, self._pmap_batch(batch))
         else:
-            call, seq = self._call_cached, self.seq_axis is not None
+            call = self._call_cached
+            seq = self.seq_axis is not None or self.batch_spec is not None
             if seq:  # jit only
                 cached = call
                 call = lambda state, batch: cached(state, self.place_batch(batch))  # noqa: E731
@@ -605,13 +643,13 @@ class Program:
                 out_specs=self._out(PartitionSpec(), PartitionSpec()),
                 check_vma=False,
             )
-        if self._explicit and self.seq_axis is None:
+        if self._explicit and not self._placed_batch:
             # A NumPy batch's type is unsharded inside jit; the split belongs in its type.
             fn = reshard_batch(fn, self.batch_sharding)
         return jax.jit(
             explain_axis_types(fn, self.mesh),
-            # with seq_axis the batch comes placed (place_batch), leaf by leaf
-            in_shardings=(shardings, self.batch_sharding if self.seq_axis is None else None),
+            # with seq_axis or batch_spec the batch comes placed (place_batch), leaf by leaf
+            in_shardings=(shardings, None if self._placed_batch else self.batch_sharding),
             out_shardings=self._out(shardings, self._replicated),
             donate_argnums=self._donate_argnums,
         )
@@ -685,6 +723,11 @@ class Program:
             batch,
         )
 
+    @property
+    def _placed_batch(self) -> bool:
+        """Whether the jit program takes the batch placed leaf by leaf (place_batch)."""
+        return self.seq_axis is not None or self.batch_spec is not None
+
     def place_batch(self, batch: Any) -> Any:
         """``batch`` placed as this step takes it under ``"jit"``: rows over the data axis,
         and with ``seq_axis`` dimension 1 of each leaf of rank >= 2 over that axis
@@ -693,7 +736,11 @@ class Program:
 
         >>> step.place_batch({"x": np.ones((16, 4))})["x"].sharding.spec  # doctest: +SKIP
         PartitionSpec('data',)
+
+        With ``batch_spec``, each leaf is placed as it says (:mod:`shardax.data.spec`).
         """
+        if self.batch_spec is not None:
+            return place_by_spec(batch, self.mesh, self.batch_spec)
 
         def place(path: str, x: Any) -> Any:
             if not hasattr(x, "ndim") or x.ndim == 0:
@@ -730,13 +777,22 @@ class Program:
         >>> compiled = step.lower(state, batch).compile()  # doctest: +SKIP
         >>> compiled.memory_analysis().argument_size_in_bytes  # doctest: +SKIP
         """
-        check_batch(batch, divisor=self._divisor, what=self._what)
+        self._check_batch(batch)
         return self._lower(state, batch)
 
     def __call__(self, state: TrainState, batch: Any) -> Any:
         check_state(state)
-        check_batch(batch, divisor=self._divisor, what=self._what)
+        self._check_batch(batch)
         return self._call(self._with_loss_scale(state), batch)
+
+    def _check_batch(self, batch: Any) -> None:
+        """A list of examples (:func:`~shardax.train.batch.check_batch`), or with a
+        ``batch_spec`` arrays placed as it says (checked as they are placed)."""
+        if self.batch_spec is None:
+            check_batch(batch, divisor=self._divisor, what=self._what)
+        else:
+            check_batch_leaves(batch, arrays_only=True)
+            batch_shardings(batch, self.mesh, self.batch_spec)
 
     def __repr__(self) -> str:
         return (
