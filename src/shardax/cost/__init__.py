@@ -3,9 +3,12 @@
 These are models of what a step costs, apart from the process runtime: datasheet
 figures (:mod:`~shardax.cost.hardware`), the roofline (:mod:`~shardax.cost.roofline`),
 model-state memory per plan (:mod:`~shardax.cost.memory`), the collectives of a compiled
-program (:mod:`~shardax.cost.hlo`) and its FLOPs (:mod:`~shardax.cost.flops`).
+program (:mod:`~shardax.cost.hlo`) and its FLOPs (:mod:`~shardax.cost.flops`), and a
+compiled step's cost per device with a predicted step time (:func:`~shardax.cost.estimate`,
+:mod:`~shardax.cost.predict`).
 """
 
+from shardax.cost.estimate import Estimate, estimate
 from shardax.cost.hardware import (
     BATCH_SIZE_TABLE,
     DEVICE_KIND_SPECS,
@@ -26,11 +29,13 @@ __all__ = [
     "DEVICE_KIND_SPECS",
     "HARDWARE_SPECS",
     "BatchSizeRecommendation",
+    "Estimate",
     "HardwareSpec",
     "HardwareType",
     "detect_hardware_type",
     "device_info",
     "device_spec",
+    "estimate",
     "get_batch_size_recommendation",
     "hardware_type_of",
     "validate_batch_size",

@@ -52,13 +52,16 @@ class Collective:
     """One collective op: its name, the bytes of its result on one device, the number
     of devices in each of its groups, its result's array shapes (several when XLA
     combined ops into one), and how many times it runs per execution (its loops' trip
-    counts multiplied; 1 outside loops)."""
+    counts multiplied; 1 outside loops), and its groups as lists of the program's device
+    indices (``mesh.devices.flat`` order; a collective-permute's source-target pairs; empty
+    where the HLO's form is not parsed here)."""
 
     op: str
     bytes: int
     group: int
     shapes: tuple[tuple[int, ...], ...] = ()
     count: int = 1
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def sent_bytes(self) -> float:
@@ -96,6 +99,49 @@ def _group(rest: str, num_devices: int | None) -> int:
         sizes = {name: int(n) for name, n in _AXIS.findall(mesh.group(1))}
         return math.prod(sizes.get(name, 1) for name, _ in _AXIS.findall(mesh.group(2)))
     return num_devices or 1
+
+
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LISTED = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
+
+
+def replica_groups(rest: str, num_devices: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The device groups of a collective, from the text after its op name: listed
+    (``{{0,1},{2,3}}``, or a permute's ``source_target_pairs``), iota
+    (``[2,4]<=[4,2]T(1,0)``), or ``mesh[...] {axes}``; empty groups span all
+    ``num_devices``; ``()`` where the form is not known.
+
+    >>> replica_groups("x), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add")
+    ((0, 2, 4, 6), (1, 3, 5, 7))
+    >>> replica_groups("x), source_target_pairs={{0,1},{1,0}}")
+    ((0, 1), (1, 0))
+    """
+    import numpy as np
+
+    iota, listed, mesh = (p.search(rest) for p in (_IOTA, _LISTED, _GROUPS_MESH))
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape[0], -1))
+    if listed:
+        rows = re.findall(r"\{([\d,]*)\}", listed.group(1))
+        groups = tuple(tuple(int(i) for i in r.split(",") if i) for r in rows)
+        if groups and any(groups):
+            return groups
+        return (tuple(range(num_devices)),) if num_devices else ()
+    if mesh and ", device_ids=" not in mesh.group(0):
+        axes = _AXIS.findall(mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        chosen = [names.index(a) for a, _ in _AXIS.findall(mesh.group(2)) if a in names]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        rest_axes = [i for i in range(len(sizes)) if i not in chosen]
+        ids = ids.transpose(rest_axes + chosen)
+        size = math.prod(sizes[i] for i in chosen)
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(-1, size))
+    return ()
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
@@ -172,7 +218,8 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
             # here) counts once rather than not at all.
             count = runs[name] or 1
             shapes = tuple(shape for _, shape in arrays)
-            found.append(Collective(op, size, _group(rest, num_devices), shapes, count))
+            groups = replica_groups(rest, num_devices)
+            found.append(Collective(op, size, _group(rest, num_devices), shapes, count, groups))
     return found
 
 
