@@ -59,7 +59,6 @@ from shardax.cost.predict import (
 HEADROOM = 0.1
 """The share of HBM a plan must leave free to count as fitting with headroom (the
 allocator's fragmentation, the runtime's own buffers, collectives' scratch)."""
-LINK_FIELDS = {"intra-host": "intra_host_bandwidth", "inter-host": "inter_host_bandwidth"}
 
 
 @public("sx.cost.Estimate")
@@ -321,13 +320,26 @@ def default_tokens(batch: Any) -> float:
     return float(leaves[0].shape[0]) if leaves else 0.0
 
 
-def link_bandwidths(spec: Any, links: Mapping[str, float] | None) -> dict[str, float | None]:
-    """Bytes/s per link: ``links`` where given, else the datasheet's fields
-    (:data:`LINK_FIELDS`); the inter-slice link (DCN) as the inter-host one."""
+def link_bandwidths(
+    spec: Any, links: Mapping[str, float] | None, platform: str = "gpu"
+) -> dict[str, float | None]:
+    """Bytes/s per link: ``links`` where given, else the datasheet's ``ici_bandwidth``
+    (NVLink within a GPU host; ICI anywhere within a TPU slice, across its hosts too) and
+    ``dcn_bandwidth`` (InfiniBand between GPU hosts, DCN between TPU slices).
+
+    >>> from types import SimpleNamespace as NS
+    >>> link_bandwidths(NS(ici_bandwidth=4.5e11, dcn_bandwidth=5e10), None)["inter-host"]
+    50000000000.0
+    >>> link_bandwidths(NS(ici_bandwidth=4.5e11, dcn_bandwidth=5e10), None, "tpu")["inter-host"]
+    450000000000.0
+    """
+    ici, dcn = getattr(spec, "ici_bandwidth", None), getattr(spec, "dcn_bandwidth", None)
+    tpu = platform == "tpu"
     out: dict[str, float | None] = {
-        link: getattr(spec, field, None) for link, field in LINK_FIELDS.items()
+        "intra-host": ici,
+        "inter-host": ici if tpu else dcn,
+        "inter-slice": dcn,
     }
-    out["inter-slice"] = getattr(spec, "inter_slice_bandwidth", None) or out["inter-host"]
     out.update(links or {})
     return out
 
@@ -395,7 +407,7 @@ def analyse(
             cost = cost[0] if cost else None
         accessed = (cost or {}).get("bytes accessed")
         hbm_traffic = float(accessed) if accessed else float(args + outs + 2 * temp)
-        bandwidths = link_bandwidths(spec, links)
+        bandwidths = link_bandwidths(spec, links, str(devices[0].platform).lower())
         sent: dict[str, float] = {}
         for r in rows:
             sent[r["link"]] = sent.get(r["link"], 0.0) + r["sent_bytes"]

@@ -4,7 +4,10 @@ Each candidate plan's train step is compiled for abstract values (``jax.ShapeDty
 nothing allocated): ``memory_analysis()`` gives its bytes per device (arguments +
 outputs - donated aliases + temporaries) and the HLO its collectives. Of the candidates
 that fit ``device_memory``, the one whose devices send the fewest bytes per step wins
-(ties: the fewest bytes per device). This sits in ``train``, not ``plan``, because it
+(ties: the fewest bytes per device). On devices with a datasheet (GPUs, TPUs, and the
+compile-only devices of ``sx.target``), each candidate also gets a *predicted* step time
+(:mod:`shardax.cost.predict`), and the fastest predicted of those that fit with 10%
+headroom wins. This sits in ``train``, not ``plan``, because it
 compiles the train step.
 
 Every candidate compiles the same ``loss_fn`` (the same model), so only the placement of
@@ -170,6 +173,7 @@ class Candidate:
     collective_bytes: float
     collectives: dict[str, int]
     fits: bool | None
+    predicted_s: float | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -177,7 +181,8 @@ class Candidate:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        """The figures as plain data (the plan by name)."""
+        """The figures as plain data (the plan by name); ``predicted_s`` is a prediction
+        (:mod:`shardax.cost.predict`, with overlap), None without a datasheet."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "plan"}
         return {**out, "total_bytes": self.total_bytes}
 
@@ -212,27 +217,50 @@ class AutoPlan:
         from rich.table import Table
 
         table = Table(title=f"candidate plans, compiled ({self.compiled}), per device")
-        for col in ("plan", "arguments", "temporaries", "total", "collective bytes", "fits"):
-            table.add_column(col, justify="left" if col == "plan" else "right")
+        predicted = any(c.predicted_s is not None for c in self.candidates)
+        cols = ["plan", "arguments", "temporaries", "total", "collective bytes", "fits"]
+        cols += ["predicted step (s)", "why"] if predicted else []
+        for col in cols:
+            table.add_column(col, justify="left" if col in ("plan", "why") else "right")
+        why = self.reasons()
         for c in self.candidates:
             mark = "[bold]" if c.plan is self.plan else ""
             fits = {None: "?", True: "yes", False: "[red]no[/]"}[c.fits]
-            table.add_row(
+            cells = [
                 f"{mark}{c.name}",
                 format_bytes(c.argument_bytes),
                 format_bytes(c.temp_bytes),
                 format_bytes(c.total_bytes),
                 format_bytes(c.collective_bytes),
                 fits,
-            )
+            ]
+            if predicted:
+                t = "n/a" if c.predicted_s is None else f"{c.predicted_s:.3f}"
+                cells += [t, why[c.name]]
+            table.add_row(*cells)
         table.caption = f"pick: {self.name}: {self.reason}"
         return table
+
+    def reasons(self) -> dict[str, str]:
+        """One line per candidate: why it ranks where it does."""
+        pick = next(c for c in self.candidates if c.plan is self.plan)
+        out = {}
+        for c in self.candidates:
+            if c.plan is self.plan:
+                out[c.name] = "picked"
+            elif c.fits is False:
+                out[c.name] = f"does not fit: {format_bytes(c.total_bytes)} per device"
+            elif c.predicted_s is not None and pick.predicted_s:
+                out[c.name] = f"predicted {c.predicted_s / pick.predicted_s - 1:+.0%} slower"
+            else:
+                out[c.name] = f"sends {format_bytes(c.collective_bytes)} per step"
+        return out
 
     def __str__(self) -> str:
         from rich.console import Console
 
         out = io.StringIO()
-        Console(file=out, width=120, force_terminal=False).print(self)
+        Console(file=out, width=140, force_terminal=False).print(self)
         return out.getvalue().rstrip()
 
 
@@ -360,6 +388,21 @@ def measure(name: str, compiled: Any, plan: Plan) -> Candidate:
     )
 
 
+def predicted(candidate: Candidate, compiled: Any, batch: Any) -> Candidate:
+    """``candidate`` with its predicted step time (:func:`shardax.cost.estimate.analyse`,
+    with overlap) where the mesh's devices have a datasheet (a GPU, a TPU, a target)."""
+    from shardax.cost.estimate import analyse
+    from shardax.cost.hardware import device_spec
+
+    mesh = candidate.plan.mesh
+    if device_spec(mesh.devices.flat[0]) is None:
+        return candidate
+    report = analyse(compiled, mesh, batch=batch)
+    if report.prediction is None:
+        return candidate
+    return dataclasses.replace(candidate, predicted_s=report.prediction.overlapped_s)
+
+
 @public("sx.auto_plan")
 def auto_plan(
     mesh: Mesh,
@@ -454,7 +497,7 @@ def auto_plan(
                 accumulate=accumulate,
                 precision=precision,
             )
-        measured.append(measure(name, compiled, plan))
+        measured.append(predicted(measure(name, compiled, plan), compiled, batch))
     what = "train step" if loss_fn is not None else "optimizer update"
     return choose(measured, budget, what, _compared(mesh, axis, split))
 
@@ -493,13 +536,29 @@ def choose(
 ) -> AutoPlan:
     """Of the ``measured`` candidates that fit ``budget`` bytes per device (all of them
     when ``budget`` is None), the one that sends the fewest bytes per step (ties: the
-    fewest bytes per device). Raises ``ValueError`` when none fits. ``note`` (what the
-    candidates share) ends the reason."""
+    fewest bytes per device). Where every candidate has a predicted step time (devices
+    with a datasheet: GPUs, TPUs, compile-only targets), the fastest predicted of those
+    that fit with :data:`shardax.cost.estimate.HEADROOM` to spare instead. Raises
+    ``ValueError`` when none fits. ``note`` (what the candidates share) ends the reason."""
     measured = [
         dataclasses.replace(c, fits=None if budget is None else c.total_bytes <= budget)
         for c in measured
     ]
     fitting = [c for c in measured if c.fits is not False]
+    timed = all(c.predicted_s is not None for c in measured)
+    if timed and budget is not None:  # a datasheet: fit with headroom, then fastest
+        from shardax.cost.estimate import HEADROOM
+
+        roomy = [c for c in fitting if c.total_bytes <= budget * (1 - HEADROOM)]
+        if roomy:
+            pick = min(roomy, key=lambda c: (c.predicted_s, c.total_bytes))
+            reason = (
+                f"fastest predicted step, {pick.predicted_s:.3f} s (a prediction: "
+                f"compute, HBM and links from the datasheet), of the {len(roomy)} of "
+                f"{len(measured)} that fit {format_bytes(budget)} with "
+                f"{HEADROOM:.0%} headroom ({format_bytes(pick.total_bytes)} per device){note}"
+            )
+            return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled)
     if not fitting:
         best = min(measured, key=lambda c: c.total_bytes)
         raise ValueError(
