@@ -39,6 +39,7 @@ from shardax.checkpoint import (
     save_checkpoint,
     watch_preemption,
 )
+from shardax.cost import target
 from shardax.cost.estimate import estimate
 from shardax.data import batch_sharding, batches, global_batch, prefetch_to_device
 from shardax.mesh import make_mesh
@@ -122,6 +123,7 @@ __all__ = [
     "rules",
     "save_checkpoint",
     "shard",
+    "target",
     "verify",
     "watch_preemption",
     "zero1",

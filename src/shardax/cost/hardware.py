@@ -71,20 +71,58 @@ _UNKNOWN = _R(
 )
 
 
+@public("sx.cost.GpuArch")
+@dataclasses.dataclass(frozen=True)
+class GpuArch:
+    """What XLA's GPU compiler needs to know of a GPU beyond its datasheet row: the
+    fields of the target configs that :func:`shardax.cost.target` compiles for
+    (:func:`shardax.cost.gpu_target_config`).
+
+    Attributes:
+        compute_capability: CUDA compute capability, ``(major, minor)``.
+        sm_count: streaming multiprocessors.
+        clock_ghz: boost clock in GHz.
+        l2_cache_bytes: L2 cache bytes.
+        shared_memory_per_sm: shared memory bytes per multiprocessor.
+        shared_memory_per_block_optin: shared memory bytes a block may opt in to.
+        fpus_per_sm: FP32 units per multiprocessor.
+    """
+
+    compute_capability: tuple[int, int]
+    sm_count: int
+    clock_ghz: float
+    l2_cache_bytes: int
+    shared_memory_per_sm: int
+    shared_memory_per_block_optin: int
+    fpus_per_sm: int = 128
+
+
 @public("sx.cost.HardwareSpec")
 @dataclasses.dataclass(frozen=True)
 class HardwareSpec:
-    """Public datasheet figures of one accelerator, for roofline estimates.
+    """Public datasheet figures of one accelerator, for roofline estimates and targets.
 
     Attributes:
-        peak_flops: dense bf16 FLOP/s of one device.
+        peak_flops: dense bf16 FLOP/s of one device (no sparsity).
         hbm_bandwidth: bytes/s of one device's high-bandwidth memory.
         memory_bytes: bytes of memory on one device.
+        ici_bandwidth: bytes/s one way per device over the fast links: NVLink within a
+            GPU host, ICI within a TPU slice (the datasheets' bidirectional figure halved).
+            None where not known.
+        dcn_bandwidth: bytes/s one way per device over the slower network: InfiniBand
+            between GPU hosts (the NIC bandwidth of a reference 8-GPU server, per GPU),
+            DCN between TPU slices. None where not known.
+        source: where the figures come from.
+        gpu: the GPU's compiler description (:class:`GpuArch`) for GPU targets, else None.
     """
 
     peak_flops: float
     hbm_bandwidth: float
     memory_bytes: float
+    ici_bandwidth: float | None = None
+    dcn_bandwidth: float | None = None
+    source: str = ""
+    gpu: GpuArch | None = None
 
     @property
     def critical_intensity(self) -> float:
@@ -93,34 +131,61 @@ class HardwareSpec:
 
 
 GiB = 1024**3
+KiB = 1024
+MiB = 1024**2
+# Link figures are per device and one way: NVLink 4 (H100, H200) 900 GB/s bidirectional ->
+# 450e9; NVLink 5 (B200) 1.8 TB/s -> 900e9; NVLink 3 (A100) 600 GB/s -> 300e9. Between hosts
+# the reference servers (DGX H100/H200/B200: eight 400 Gb/s ConnectX-7; DGX A100: eight
+# 200 Gb/s HDR) give each GPU one NIC: 50e9 and 25e9 bytes/s. TPU ICI: the Cloud TPU pages'
+# bidirectional per-chip figure halved; DCN: the per-host NICs over the host's chips.
+_H100 = "NVIDIA H100 SXM datasheet; DGX H100 user guide (8x ConnectX-7 400 Gb/s)"
+_A100 = "NVIDIA A100 80GB SXM datasheet; DGX A100 user guide (8x HDR 200 Gb/s)"
+_V4 = "cloud.google.com/tpu/docs/v4"
+_V5E = "cloud.google.com/tpu/docs/v5e (ICI 400 GB/s bidirectional; 2x100 Gb/s NICs per 8 chips)"
+_V5P = "cloud.google.com/tpu/docs/v5p (ICI 1200 GB/s bidirectional; DCN 50 Gb/s per chip)"
+_V6E = "cloud.google.com/tpu/docs/v6e (ICI 800 GB/s bidirectional; 4x200 Gb/s NICs per 8 chips)"
 HARDWARE_SPECS: dict[HardwareType, HardwareSpec] = {
-    HardwareType.TPU_V5E: HardwareSpec(197e12, 819e9, 16 * GiB),
-    HardwareType.TPU_V5P: HardwareSpec(459e12, 2765e9, 95 * GiB),
-    HardwareType.TPU_V4: HardwareSpec(275e12, 1228e9, 32 * GiB),
-    HardwareType.H100: HardwareSpec(989e12, 3350e9, 80 * GiB),
-    HardwareType.A100: HardwareSpec(312e12, 2039e9, 80 * GiB),
-    HardwareType.V100: HardwareSpec(125e12, 900e9, 16 * GiB),
-}
+    HardwareType.TPU_V5E: HardwareSpec(197e12, 819e9, 16 * GiB, 200e9, 3.125e9, _V5E),
+    HardwareType.TPU_V5P: HardwareSpec(459e12, 2765e9, 95 * GiB, 600e9, 6.25e9, _V5P),
+    HardwareType.TPU_V4: HardwareSpec(275e12, 1228e9, 32 * GiB, _V4),
+    HardwareType.H100: HardwareSpec(
+        989e12, 3350e9, 80 * GiB, 450e9, 50e9, _H100,
+        GpuArch((9, 0), 132, 1.98, 50 * MiB, 228 * KiB, 227 * KiB),
+    ),
+    HardwareType.A100: HardwareSpec(
+        312e12, 2039e9, 80 * GiB, 300e9, 25e9, _A100,
+        GpuArch((8, 0), 108, 1.41, 40 * MiB, 164 * KiB, 163 * KiB, fpus_per_sm=64),
+    ),
+    HardwareType.V100: HardwareSpec(125e12, 900e9, 16 * GiB, source="NVIDIA V100 SXM2 datasheet"),
+}  # fmt: skip
 
 
 # Device kinds the seed's HardwareType enum does not tell apart or does not name, by the
 # kind JAX reports (lower case, matched as a substring; first match wins, so the more
 # specific kinds come first). Dense bf16 FLOP/s without sparsity, HBM bytes/s, HBM bytes,
-# from the vendors' datasheets.
+# from the vendors' datasheets (each row names its source).
+_H200 = "NVIDIA H200 SXM datasheet; DGX H200 user guide (8x ConnectX-7 400 Gb/s)"
+_B200 = "NVIDIA DGX/HGX B200 datasheet (per GPU: 1/8 of the 8-GPU figures; 8x ConnectX-7 400 Gb/s)"
 DEVICE_KIND_SPECS: tuple[tuple[str, str, HardwareSpec], ...] = (
-    ("gpu", "h100 pcie", HardwareSpec(756e12, 2000e9, 80 * GiB)),
-    ("gpu", "h100 nvl", HardwareSpec(835e12, 3900e9, 94e9)),
-    ("gpu", "h800 pcie", HardwareSpec(756e12, 2000e9, 80 * GiB)),
-    ("gpu", "h800", HardwareSpec(989e12, 3350e9, 80 * GiB)),
-    ("gpu", "gh200 144g", HardwareSpec(989e12, 4900e9, 144e9)),
-    ("gpu", "gh200", HardwareSpec(989e12, 4000e9, 96e9)),
-    ("gpu", "h200 nvl", HardwareSpec(835e12, 4800e9, 141e9)),
-    ("gpu", "h200", HardwareSpec(989e12, 4800e9, 141e9)),
-    ("gpu", "gb200", HardwareSpec(2500e12, 8000e9, 186e9)),
-    ("gpu", "b200", HardwareSpec(2250e12, 8000e9, 180e9)),
-    ("tpu", "v6 lite", HardwareSpec(918e12, 1640e9, 32 * GiB)),
-    ("tpu", "v6e", HardwareSpec(918e12, 1640e9, 32 * GiB)),
-)
+    ("gpu", "h100 pcie", HardwareSpec(756e12, 2000e9, 80 * GiB, source="H100 PCIe datasheet")),
+    ("gpu", "h100 nvl", HardwareSpec(835e12, 3900e9, 94e9, source="NVIDIA H100 NVL datasheet")),
+    ("gpu", "h800 pcie", HardwareSpec(756e12, 2000e9, 80 * GiB, source="H800 PCIe datasheet")),
+    ("gpu", "h800", HardwareSpec(989e12, 3350e9, 80 * GiB, source="NVIDIA H800 SXM datasheet")),
+    ("gpu", "gh200 144g", HardwareSpec(989e12, 4900e9, 144e9, source="NVIDIA GH200 datasheet")),
+    ("gpu", "gh200", HardwareSpec(989e12, 4000e9, 96e9, source="NVIDIA GH200 datasheet")),
+    ("gpu", "h200 nvl", HardwareSpec(835e12, 4800e9, 141e9, source="NVIDIA H200 NVL datasheet")),
+    ("gpu", "h200", HardwareSpec(
+        989e12, 4800e9, 141e9, 450e9, 50e9, _H200,
+        GpuArch((9, 0), 132, 1.98, 50 * MiB, 228 * KiB, 227 * KiB),
+    )),
+    ("gpu", "gb200", HardwareSpec(2500e12, 8000e9, 186e9, source="NVIDIA GB200 NVL72 datasheet")),
+    ("gpu", "b200", HardwareSpec(
+        2250e12, 8000e9, 180e9, 900e9, 50e9, _B200,
+        GpuArch((10, 0), 148, 1.965, 126 * MiB, 228 * KiB, 227 * KiB),
+    )),
+    ("tpu", "v6 lite", HardwareSpec(918e12, 1640e9, 32 * GiB, 400e9, 12.5e9, _V6E)),
+    ("tpu", "v6e", HardwareSpec(918e12, 1640e9, 32 * GiB, 400e9, 12.5e9, _V6E)),
+)  # fmt: skip
 
 
 @public("sx.cost.device_spec")

@@ -11,14 +11,16 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from shardax.checks import as_count, public
+from shardax.cost.target import Target
 from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 
 MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]
 
 
 @public("sx.mesh.resolve_mesh_shape")
-def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
-    """Validates ``spec`` and fills a ``-1`` size with the remaining devices.
+def resolve_mesh_shape(spec: MeshSpec, num_devices: int, *, of: str = "") -> dict[str, int]:
+    """Validates ``spec`` and fills a ``-1`` size with the remaining devices; ``of`` names
+    where the devices come from in the errors (e.g. ``"of target '8xH100'"``).
 
     >>> resolve_mesh_shape({"data": -1, "model": 2}, 8)
     {'data': 4, 'model': 2}
@@ -51,7 +53,8 @@ def resolve_mesh_shape(spec: MeshSpec, num_devices: int) -> dict[str, int]:
     if known > num_devices:
         raise ValueError(
             f"Not enough devices: mesh requires {known} devices but only {num_devices} "
-            f"available (mesh shape {shape})"
+            f"available{' ' + of if of else ''} (mesh shape {shape})"
+            + ("; choose a larger target or a smaller mesh" if of else "")
         )
     if fills:
         if num_devices % known:
@@ -76,8 +79,10 @@ def make_mesh(
     Args:
         spec: axis sizes as a dict or a list of ``(name, size)`` pairs; one size may
             be ``-1`` for "the remaining devices". Default: ``{"data": -1}``.
-        devices: the devices to use (default: all devices of all processes). A mesh
-            smaller than the devices uses the first ones (one process only).
+        devices: the devices to use (default: all devices of all processes), or a
+            compile-only :func:`shardax.target` (``sx.target("2x8xH100")``), whose hosts
+            and TPU slices the hybrid layout follows. A mesh smaller than the devices uses
+            the first ones (one process only).
         axis_types: ``AxisType.Auto`` (default: computation follows the data, as in
             the seeds) or ``AxisType.Explicit``; one for all axes, or one per axis.
         dcn_axis: with devices in several processes (or TPU slices), the axis split
@@ -90,6 +95,7 @@ def make_mesh(
     >>> mesh.axis_names
     ('data',)
     """
+    target_devices = devices
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices is empty; pass at least one device, or None for all")
@@ -99,7 +105,8 @@ def make_mesh(
             f"devices must be jax.Device objects (e.g. jax.devices()[:4]), got "
             f"{type(bad[0]).__name__} {bad[0]!r}"
         )
-    shape = resolve_mesh_shape({DATA_AXIS: -1} if spec is None else spec, len(devices))
+    of = f"of target {target_devices!r}" if isinstance(target_devices, Target) else ""
+    shape = resolve_mesh_shape({DATA_AXIS: -1} if spec is None else spec, len(devices), of=of)
     if isinstance(axis_types, AxisType):
         axis_types = (axis_types,) * len(shape)
     if isinstance(axis_types, str) or not all(isinstance(t, AxisType) for t in axis_types):

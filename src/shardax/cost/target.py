@@ -1,0 +1,432 @@
+"""Targets: compile-only devices of a GPU node or cluster, or of a TPU slice, on any machine.
+
+``sx.target("8xH100")`` gives the devices of a cluster you do not have, for compiling a step
+ahead of time (``step.lower(state, batch).compile()`` with abstract inputs): their memory
+per device, FLOPs and collectives, without an accelerator. Through JAX's
+``jax.experimental.topologies``, with JAX's CUDA plugin (``pip install
+'shardax[gpu-compile]'``) or libtpu (``pip install 'shardax[tpu-compile]'``); both need
+JAX >= 0.12 (Python 3.12+) and Linux.
+
+Names:
+
+- GPUs: ``"<GPUs per host>x<GPU>"`` (one host) or ``"<hosts>x<GPUs per host>x<GPU>"``, for
+  the GPUs of :data:`GPU_KINDS` (H100, H200, B200, A100-80GB). A single number above
+  :data:`GPUS_PER_HOST` (8, the GPUs of an HGX/DGX server) is split into hosts of 8:
+  ``"64xH100"`` is 8 hosts of 8; ``"4xH100"`` is one host of 4.
+- TPU slices as Google Cloud names them: ``"v5p-N"`` counts TensorCores (2 per chip, so
+  ``"v5p-128"`` is 64 chips), ``"v5e-N"``/``"v5litepod-N"`` and ``"v6e-N"`` count chips.
+  ``"Kx<slice>"`` is K slices over the data-center network (multislice): ``"2xv5p-128"``.
+
+>>> sx.target("8xH100")  # doctest: +SKIP
+Target('8xH100': 8 x NVIDIA H100 80GB HBM3, 1 host x 8)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.resources
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+
+from shardax.checks import public
+from shardax.cost.hardware import HardwareSpec, device_spec
+from shardax.runtime import compat
+
+GPUS_PER_HOST = 8
+"""GPUs per host when a GPU target's name gives only a total (HGX/DGX servers hold 8)."""
+
+GPU_KINDS: dict[str, str] = {
+    "H100": "NVIDIA H100 80GB HBM3",
+    "H200": "NVIDIA H200",
+    "B200": "NVIDIA B200",
+    "A100-80GB": "NVIDIA A100-SXM4-80GB",
+}
+"""The GPUs of a GPU target's name, and the device kind their devices report (SXM parts)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuFamily:
+    """A TPU generation as Cloud names its slices: ``prefix`` (libtpu's topology name),
+    ``kind`` (the device kind), ``cores_per_chip`` (what a slice name counts: 2 on v5p,
+    whose names count TensorCores; 1 on v5e/v6e, whose names count chips) and the
+    ``topologies`` of single slices by chip count (Cloud's documented shapes)."""
+
+    prefix: str
+    kind: str
+    cores_per_chip: int
+    topologies: dict[int, str]
+
+
+_TORUS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+             256: "16x16"}  # fmt: skip
+TPU_FAMILIES: dict[str, TpuFamily] = {
+    # cloud.google.com/tpu/docs/v5p: slice shapes 2x2x1 (4 chips) to 16x16x24 (6144 chips).
+    "v5p": TpuFamily("v5p", "TPU v5", 2, {
+        4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+        256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16",
+        6144: "16x16x24"}),
+    # cloud.google.com/tpu/docs/v5e and /v6e: 2D slices of 1 to 256 chips.
+    "v5e": TpuFamily("v5e", "TPU v5 lite", 1, _TORUS_2D),
+    "v5litepod": TpuFamily("v5e", "TPU v5 lite", 1, _TORUS_2D),
+    "v6e": TpuFamily("v6e", "TPU v6 lite", 1, _TORUS_2D),
+}  # fmt: skip
+"""The TPU generations of a TPU target's name (``"v5litepod"`` is v5e's Cloud name)."""
+
+GPU_EXTRA = "pip install 'shardax[gpu-compile]'"
+TPU_EXTRA = "pip install 'shardax[tpu-compile]'"
+_EXAMPLES = "'8xH100', '2x8xH200', '64xB200', '8xA100-80GB', 'v5p-128', 'v5e-16', '2xv5p-128'"
+
+
+@public("sx.cost.Target")
+@dataclasses.dataclass(frozen=True)
+class Target(Sequence):
+    """Compile-only devices of a named GPU cluster or TPU slice(s); a sequence of devices,
+    so ``sx.make_mesh(spec, devices=target)`` takes it.
+
+    Attributes:
+        name: the name it was made from (``"8xH100"``).
+        platform: ``"gpu"`` or ``"tpu"``.
+        devices: the compile-only ``jax.Device`` objects, host by host (each device's
+            ``process_index`` is its host; ``slice_index`` its TPU slice).
+        spec: the device's datasheet row (:func:`shardax.cost.device_spec`).
+        hosts: hosts in all (processes of a launch).
+        devices_per_host: devices on each host.
+        slices: TPU slices (1 for GPUs and single-slice TPUs).
+        topology: what ``jax.experimental.topologies.get_topology_desc`` was given.
+    """
+
+    name: str
+    platform: str
+    devices: tuple[Any, ...]
+    spec: HardwareSpec
+    hosts: int
+    devices_per_host: int
+    slices: int
+    topology: str
+
+    @property
+    def device_kind(self) -> str:
+        """The kind the devices report (``"NVIDIA H100 80GB HBM3"``, ``"TPU v5"``)."""
+        return str(self.devices[0].device_kind)
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.devices[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.devices)
+
+    def __repr__(self) -> str:
+        slices = f"{self.slices} slices x " if self.slices > 1 else ""
+        hosts = f"{self.hosts} host{'s' if self.hosts > 1 else ''}"
+        return (
+            f"Target({self.name!r}: {len(self)} x {self.device_kind}, {slices}{hosts} x "
+            f"{self.devices_per_host})"
+        )
+
+
+@public("sx.cost.known_targets")
+def known_targets() -> list[str]:
+    """Examples of every kind of name :func:`target` takes (the rules are in its doc).
+
+    >>> "v5p-128" in known_targets()
+    True
+    """
+    gpus = [f"{n}x{g}" for g in GPU_KINDS for n in (8,)] + ["2x4xH100", "64xH100"]
+    tpus = []
+    for family, info in TPU_FAMILIES.items():
+        tpus += [f"{family}-{c * info.cores_per_chip}" for c in sorted(info.topologies)]
+    return gpus + tpus + ["2xv5p-128"]
+
+
+def _unknown(name: str, why: str) -> ValueError:
+    families = ", ".join(
+        f"{f}-N (N in {sorted(c * i.cores_per_chip for c in i.topologies)})"
+        for f, i in TPU_FAMILIES.items()
+    )
+    return ValueError(
+        f"name must name a GPU cluster '<GPUs per host>x<GPU>' or '<hosts>x<GPUs per host>"
+        f"x<GPU>' with GPU one of {sorted(GPU_KINDS)}, or a TPU slice {families}, with "
+        f"'<K>x' before a TPU slice for K slices (e.g. {_EXAMPLES}); {why}, got {name!r}"
+    )
+
+
+@public("sx.cost.parse_target")
+def parse_target(name: str) -> dict[str, Any]:
+    """What a target's name means, without building devices: ``platform``, ``kind``,
+    ``hosts``/``devices_per_host`` (GPUs) or ``family``/``chips``/``slices`` (TPUs).
+
+    >>> parse_target("64xH100")["hosts"], parse_target("v5p-128")["chips"]
+    (8, 64)
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str such as '8xH100' or 'v5p-128', got {name!r}")
+    text = name.strip()
+    gpu = re.fullmatch(r"(?:(\d+)x)?(\d+)x([A-Za-z0-9-]+)", text)
+    if gpu and gpu.group(3).upper() in {g.upper() for g in GPU_KINDS}:
+        model = next(g for g in GPU_KINDS if g.upper() == gpu.group(3).upper())
+        hosts, per_host = (int(gpu.group(1)), int(gpu.group(2))) if gpu.group(1) else (1, 0)
+        if not gpu.group(1):
+            total = int(gpu.group(2))
+            if total <= GPUS_PER_HOST:
+                per_host = total
+            elif total % GPUS_PER_HOST:
+                raise _unknown(name, f"{total} GPUs do not fill hosts of {GPUS_PER_HOST}; "
+                               f"write '<hosts>x<GPUs per host>x{model}'")  # fmt: skip
+            else:
+                hosts, per_host = total // GPUS_PER_HOST, GPUS_PER_HOST
+        if hosts < 1 or per_host < 1:
+            raise _unknown(name, "the counts must be >= 1")
+        return {"platform": "gpu", "model": model, "kind": GPU_KINDS[model], "hosts": hosts,
+                "devices_per_host": per_host}  # fmt: skip
+    tpu = re.fullmatch(r"(?:(\d+)x)?([a-z0-9]+)-(\d+)", text.lower())
+    if tpu and tpu.group(2) in TPU_FAMILIES:
+        info = TPU_FAMILIES[tpu.group(2)]
+        slices, count = int(tpu.group(1) or 1), int(tpu.group(3))
+        chips, odd = divmod(count, info.cores_per_chip)
+        if odd or chips not in info.topologies:
+            unit = "TensorCores (2 per chip)" if info.cores_per_chip == 2 else "chips"
+            sizes = sorted(c * info.cores_per_chip for c in info.topologies)
+            raise _unknown(name, f"{tpu.group(2)}-N counts {unit} and N must be one of {sizes}")
+        if slices < 1:
+            raise _unknown(name, "the number of slices must be >= 1")
+        topology = f"{info.prefix}:{info.topologies[chips]}"
+        return {"platform": "tpu", "family": tpu.group(2), "kind": info.kind, "chips": chips,
+                "slices": slices, "topology": topology}  # fmt: skip
+    raise _unknown(name, "this is neither")
+
+
+@public("sx.cost.gpu_target_config")
+def gpu_target_config(kind: str, spec: HardwareSpec) -> str:
+    """XLA's ``GpuTargetConfigProto`` in text form for a GPU of ``kind`` whose datasheet row
+    is ``spec`` (its :class:`~shardax.cost.GpuArch` and memory figures): what the files of
+    ``shardax/cost/targets/`` hold, one field per line.
+
+    >>> h100 = device_spec(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3"))
+    >>> "  core_count: 132" in gpu_target_config("NVIDIA H100 80GB HBM3", h100).splitlines()
+    True
+    """
+    arch = spec.gpu
+    if arch is None:
+        raise ValueError(f"spec must have a GpuArch (spec.gpu) to describe {kind!r}, got {spec}")
+    major, minor = arch.compute_capability
+    fields = [
+        ("threads_per_block_limit", 1024),
+        ("threads_per_warp", 32),
+        ("shared_memory_per_block", 48 * 1024),
+        ("shared_memory_per_core", arch.shared_memory_per_sm),
+        ("threads_per_core_limit", 2048),
+        ("core_count", arch.sm_count),
+        ("fpus_per_core", arch.fpus_per_sm),
+        ("block_dim_limit_x", 2**31 - 1),
+        ("block_dim_limit_y", 65535),
+        ("block_dim_limit_z", 65535),
+        ("memory_bandwidth", int(spec.hbm_bandwidth)),
+        ("l2_cache_size", arch.l2_cache_bytes),
+        ("clock_rate_ghz", arch.clock_ghz),
+        ("device_memory_size", int(spec.memory_bytes)),
+        ("shared_memory_per_block_optin", arch.shared_memory_per_block_optin),
+    ]
+    lines = [
+        f"# {kind}: written by shardax.cost.target.gpu_target_config from shardax's datasheet",
+        "# row (shardax/cost/hardware.py); regenerate with write_gpu_target_configs().",
+        "gpu_device_info {",
+        *(f"  {k}: {v}" for k, v in fields),
+        "  cuda_compute_capability {",
+        f"    major: {major}",
+        *([f"    minor: {minor}"] if minor else []),
+        "  }",
+        "  registers_per_core_limit: 65536",
+        "  registers_per_block_limit: 65536",
+        "}",
+        'platform_name: "CUDA"',
+        "dnn_version_info {",
+        "  major: 9",
+        "  minor: 8",
+        "}",
+        f'device_description_str: "{kind}"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def gpu_config_file(model: str) -> str:
+    """The file name of ``model``'s target config in ``shardax/cost/targets/``.
+
+    >>> gpu_config_file("A100-80GB")
+    'a100-80gb.txtpb'
+    """
+    return f"{model.lower()}.txtpb"
+
+
+@public("sx.cost.gpu_target_configs")
+def gpu_target_configs() -> dict[str, str]:
+    """``{file name: text}`` of every GPU of :data:`GPU_KINDS`, from the datasheet table."""
+    return {
+        gpu_config_file(model): gpu_target_config(kind, _spec("gpu", kind))
+        for model, kind in GPU_KINDS.items()
+    }
+
+
+def write_gpu_target_configs(directory: str | os.PathLike | None = None) -> list[str]:
+    """Writes :func:`gpu_target_configs` to ``directory`` (default: the package's
+    ``targets/``); returns the paths written. Run after changing a GPU's datasheet row."""
+    from pathlib import Path
+
+    folder = Path(directory) if directory is not None else Path(__file__).parent / "targets"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for file, text in gpu_target_configs().items():
+        (folder / file).write_text(text)
+        paths.append(str(folder / file))
+    return paths
+
+
+def _spec(platform: str, kind: str) -> HardwareSpec:
+    spec = device_spec(SimpleNamespace(platform=platform, device_kind=kind))
+    assert spec is not None, kind  # every kind of GPU_KINDS / TPU_FAMILIES has a row
+    return spec
+
+
+def _require_jax_012(name: str) -> None:
+    version = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2])
+    if version < (0, 12):
+        raise RuntimeError(
+            f"target {name!r} needs JAX >= 0.12 (Python 3.12+) to compile for devices that are "
+            f"not present; this is JAX {jax.__version__} on Python {sys.version.split()[0]}. "
+            "Use Python 3.12+, then pip install 'shardax[gpu-compile]' or "
+            "'shardax[tpu-compile]'"
+        )
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` (dotted, e.g. ``"jax_plugins.xla_cuda12"``) can be imported."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def _cuda_driver_present() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def prepare_cuda_plugin() -> str | None:
+    """Lets JAX's CUDA plugin register its compiler on a machine without an NVIDIA driver.
+
+    The plugin checks the CUDA libraries when JAX first looks for backends; without a
+    driver the check fails and the plugin registers nothing, so no GPU target can be made.
+    The check is skipped when ``JAX_PLATFORMS`` names platforms without CUDA, or when
+    ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` is set. This sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``
+    only where that is safe: JAX's backends have not started, neither variable is set, and
+    no driver (``libcuda.so.1``) can be loaded, so there is no GPU whose libraries the check
+    would protect (JAX then falls back to the CPU, as it would anyway). Returns the variable
+    it set, or None.
+    """
+    if compat.backends_are_initialized() or os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"):
+        return None
+    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or ""
+    if platforms and not {"cuda", "gpu"} & {p.strip() for p in platforms.split(",")}:
+        return None
+    if _cuda_driver_present():
+        return None
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    return "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+
+
+def _gpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
+    from jax.experimental import topologies
+
+    if not installed("jax_plugins.xla_cuda12"):
+        raise ImportError(
+            f"target {name!r} compiles for GPUs through JAX's CUDA plugin, which is not "
+            f"installed; install it with: {GPU_EXTRA} (jax-cuda12-plugin, jax-cuda12-pjrt "
+            "and nvidia-cudnn-cu12; Linux)"
+        )
+    prepare_cuda_plugin()
+    file = gpu_config_file(parsed["model"])
+    config = importlib.resources.files("shardax.cost").joinpath("targets", file).read_text()
+    topology = f"1 x {parsed['hosts']} x {parsed['devices_per_host']}"
+    try:
+        desc = topologies.get_topology_desc(
+            "", platform="cuda", topology=topology, target_config=config
+        )
+    except NotImplementedError as e:
+        raise RuntimeError(
+            f"target {name!r} needs JAX's CUDA plugin registered, and it is not: JAX's backends "
+            "started before sx.target could skip the plugin's CUDA version check, which fails "
+            "on a machine without an NVIDIA driver. Set JAX_PLATFORMS=cpu (or "
+            "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) in the environment before Python starts, or "
+            "call sx.target before the first JAX computation or jax.devices()"
+        ) from e
+    return list(desc.devices), topology
+
+
+def _tpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
+    from jax.experimental import topologies
+
+    if not installed("libtpu"):
+        raise ImportError(
+            f"target {name!r} compiles for TPUs through libtpu, which is not installed; "
+            f"install it with: {TPU_EXTRA} (libtpu; Linux)"
+        )
+    options: dict[str, Any] = {}
+    if parsed["slices"] > 1:
+        options["num_slices"] = parsed["slices"]
+    if parsed["chips"] == 8 and parsed["kind"] != "TPU v5":
+        options["chips_per_host_bounds"] = (2, 4, 1)  # v5e-8, v6e-8: one host of 8 chips
+    desc = topologies.get_topology_desc(parsed["topology"], platform="tpu", **options)
+    return list(desc.devices), parsed["topology"]
+
+
+@public("sx.target")
+def target(name: str) -> Target:
+    """Compile-only devices of the GPU cluster or TPU slice(s) ``name``, with their device
+    kind, hosts (``process_index``), TPU slices (``slice_index``) and datasheet row.
+
+    Names: ``"8xH100"`` (one host of 8), ``"2x4xH100"`` (2 hosts of 4), ``"64xH100"`` (8
+    hosts of :data:`GPUS_PER_HOST` = 8), for H100, H200, B200 and A100-80GB; TPU slices as
+    Cloud names them: ``"v5p-128"`` (v5p counts TensorCores, 2 per chip: 64 chips),
+    ``"v5e-16"`` or ``"v5litepod-16"`` and ``"v6e-16"`` (16 chips), ``"2xv5p-128"`` (two
+    slices). Each slice's chip layout is Cloud's documented shape for its size.
+
+    Needs JAX >= 0.12 (Python 3.12+) on Linux, with ``pip install 'shardax[gpu-compile]'``
+    for GPUs (JAX's CUDA plugin; no driver or GPU needed) or ``pip install
+    'shardax[tpu-compile]'`` for TPUs (libtpu). On a machine without an NVIDIA driver the
+    CUDA plugin registers only if its version check is skipped; when JAX's backends have
+    not started yet this sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` in the environment for
+    you (:func:`prepare_cuda_plugin` says when that is safe); when they have, set
+    ``JAX_PLATFORMS=cpu`` before Python starts (the error says so).
+
+    >>> target = sx.target("8xH100")  # doctest: +SKIP
+    >>> mesh = sx.make_mesh({"data": 8}, devices=target)  # doctest: +SKIP
+    >>> step.lower(abstract_state, abstract_batch).compile().memory_analysis()  # doctest: +SKIP
+    """
+    parsed = parse_target(name)
+    _require_jax_012(name)
+    make = _gpu_devices if parsed["platform"] == "gpu" else _tpu_devices
+    devices, topology = make(name, parsed)
+    hosts = len({d.process_index for d in devices})
+    return Target(
+        name=name,
+        platform=parsed["platform"],
+        devices=tuple(devices),
+        spec=_spec(parsed["platform"], str(devices[0].device_kind)),
+        hosts=hosts,
+        devices_per_host=len(devices) // hosts,
+        slices=len({getattr(d, "slice_index", 0) for d in devices}),
+        topology=topology,
+    )

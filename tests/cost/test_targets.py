@@ -1,0 +1,195 @@
+"""sx.target: names, datasheet rows, shipped GPU configs (every leg), and the compile-only
+devices themselves (``compile_only``: CI leg 3, JAX 0.12 with the compile extras)."""
+
+import importlib.resources
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+
+JAX_012 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12)
+target_module = sys.modules["shardax.cost.target"]  # sx.cost.target is the function
+
+
+# --- names (no compiler needed) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,hosts,per_host",
+    [("8xH100", 1, 8), ("4xH200", 1, 4), ("2x4xH100", 2, 4), ("64xH100", 8, 8),
+     ("16xB200", 2, 8), ("8xA100-80GB", 1, 8), ("4x8xh100", 4, 8)],
+)  # fmt: skip
+def test_gpu_names_give_hosts_of_8_unless_told(name, hosts, per_host):
+    parsed = sx.cost.parse_target(name)
+    assert (parsed["platform"], parsed["hosts"], parsed["devices_per_host"]) == (
+        "gpu",
+        hosts,
+        per_host,
+    )
+
+
+@pytest.mark.parametrize(
+    "name,chips,slices,topology",
+    [("v5p-8", 4, 1, "v5p:2x2x1"), ("v5p-128", 64, 1, "v5p:4x4x4"), ("v5e-16", 16, 1, "v5e:4x4"),
+     ("v5litepod-256", 256, 1, "v5e:16x16"), ("v6e-16", 16, 1, "v6e:4x4"),
+     ("2xv5p-128", 64, 2, "v5p:4x4x4")],
+)  # fmt: skip
+def test_tpu_names_count_as_cloud_does(name, chips, slices, topology):
+    # v5p-N counts TensorCores (2 per chip); v5e-N, v5litepod-N and v6e-N count chips.
+    parsed = sx.cost.parse_target(name)
+    assert (parsed["chips"], parsed["slices"], parsed["topology"]) == (chips, slices, topology)
+
+
+@pytest.mark.parametrize(
+    "name,part",
+    [("8xH900", "GPU one of ['A100-80GB', 'B200', 'H100', 'H200']"),
+     ("v5p-129", "v5p-N counts TensorCores (2 per chip) and N must be one of [8, 16, 32"),
+     ("v5e-3", "v5e-N counts chips and N must be one of [1, 4, 8, 16"),
+     ("12xH100", "12 GPUs do not fill hosts of 8; write '<hosts>x<GPUs per host>xH100'"),
+     ("tpu", "e.g. '8xH100'")],
+)  # fmt: skip
+def test_unknown_names_list_the_known_ones(name, part):
+    with pytest.raises(ValueError) as caught:
+        sx.target(name)
+    text = str(caught.value)
+    assert text.startswith("sx.target: name must name a GPU cluster") and part in text, text
+    assert text.endswith(f"got {name!r}")
+
+
+def test_known_targets_parse():
+    names = sx.cost.known_targets()
+    assert {"8xH100", "64xH100", "v5p-128", "v5e-16", "v6e-16", "2xv5p-128"} <= set(names)
+    assert all(sx.cost.parse_target(n)["platform"] in ("gpu", "tpu") for n in names)
+
+
+# --- the datasheet rows and the configs shipped with the package -----------------------
+
+
+def test_shipped_gpu_configs_are_the_generators_output():
+    folder = importlib.resources.files("shardax.cost").joinpath("targets")
+    shipped = {f.name: f.read_text() for f in folder.iterdir() if f.name.endswith(".txtpb")}
+    assert shipped == sx.cost.gpu_target_configs()
+    assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in shipped["h100.txtpb"]
+    assert "core_count: 148" in shipped["b200.txtpb"]
+
+
+@pytest.mark.parametrize(
+    "kind", [*sx.cost.GPU_KINDS.values(), "TPU v5", "TPU v5 lite", "TPU v6 lite"]
+)
+def test_every_target_kind_has_a_full_datasheet_row(kind):
+    from types import SimpleNamespace
+
+    platform = "tpu" if kind.startswith("TPU") else "gpu"
+    spec = sx.cost.device_spec(SimpleNamespace(platform=platform, device_kind=kind))
+    assert spec.peak_flops > 1e14 and spec.hbm_bandwidth > 5e11 and spec.memory_bytes >= 16e9
+    assert spec.ici_bandwidth > spec.dcn_bandwidth > 0 and spec.source
+    assert (spec.gpu is not None) == (platform == "gpu")
+
+
+# --- what a leg without the compilers says ------------------------------------------------
+
+
+@pytest.mark.skipif(JAX_012, reason="JAX 0.10 leg: what sx.target says there")
+def test_jax_010_says_targets_need_jax_012():
+    with pytest.raises(RuntimeError, match=r"^sx.target: target '8xH100' needs JAX >= 0.12 \(Py"):
+        sx.target("8xH100")
+
+
+@pytest.mark.skipif(
+    not JAX_012 or target_module.installed("jax_plugins.xla_cuda12"),
+    reason="JAX 0.12 without the gpu-compile extra: what sx.target says there",
+)
+def test_missing_gpu_extra_names_the_install():
+    with pytest.raises(ImportError, match=r"pip install 'shardax\[gpu-compile\]'"):
+        sx.target("8xH100")
+
+
+@pytest.mark.skipif(
+    not JAX_012 or target_module.installed("libtpu"),
+    reason="JAX 0.12 without the tpu-compile extra: what sx.target says there",
+)
+def test_missing_tpu_extra_names_the_install():
+    with pytest.raises(ImportError, match=r"pip install 'shardax\[tpu-compile\]'"):
+        sx.target("v5e-16")
+
+
+# --- compile-only devices (leg 3) -----------------------------------------------------------
+
+
+@pytest.mark.compile_only
+@pytest.mark.parametrize(
+    "name,kind,n,hosts,slices",
+    [("8xH100", "NVIDIA H100 80GB HBM3", 8, 1, 1), ("2x4xH100", "NVIDIA H100 80GB HBM3", 8, 2, 1),
+     ("16xH200", "NVIDIA H200", 16, 2, 1), ("8xB200", "NVIDIA B200", 8, 1, 1),
+     ("8xA100-80GB", "NVIDIA A100-SXM4-80GB", 8, 1, 1), ("v5e-16", "TPU v5 lite", 16, 4, 1),
+     ("v5e-8", "TPU v5 lite", 8, 1, 1), ("v5p-16", "TPU v5", 8, 2, 1),
+     ("v6e-16", "TPU v6 lite", 16, 4, 1), ("2xv5p-8", "TPU v5", 8, 2, 2)],
+)  # fmt: skip
+def test_target_devices_have_the_kind_and_hosts(name, kind, n, hosts, slices):
+    target = sx.target(name)
+    assert len(target) == n and target.device_kind == kind
+    assert (target.hosts, target.devices_per_host, target.slices) == (hosts, n // hosts, slices)
+    per_host = [d.process_index for d in target]
+    assert per_host == sorted(per_host) and len(set(per_host)) == hosts
+    assert target.spec is sx.cost.device_spec(target[0])
+
+
+@pytest.mark.compile_only
+def test_hybrid_mesh_follows_the_targets_hosts_and_slices():
+    gpu = sx.make_mesh({"replica": 2, "fsdp": 4}, devices=sx.target("2x4xH100"))
+    assert [{d.process_index for d in row} for row in gpu.devices] == [{0}, {1}]
+    tpu = sx.make_mesh({"data": 2, "fsdp": 4}, devices=sx.target("2xv5p-8"))
+    assert [{d.slice_index for d in row} for row in tpu.devices] == [{0}, {1}]
+
+
+@pytest.mark.compile_only
+def test_a_mesh_larger_than_the_target_says_so():
+    with pytest.raises(ValueError) as caught:
+        sx.make_mesh({"data": 16}, devices=sx.target("8xH100"))
+    assert str(caught.value).startswith(
+        "sx.make_mesh: Not enough devices: mesh requires 16 devices but only 8 available of "
+        "target Target('8xH100': 8 x NVIDIA H100 80GB HBM3, 1 host x 8)"
+    )
+
+
+@pytest.mark.compile_only
+@pytest.mark.parametrize("name", ["8xH100", "v5e-8"])
+def test_a_sharded_jit_compiles_for_the_target_from_abstract_inputs(name):
+    mesh = sx.make_mesh({"data": 8}, devices=sx.target(name))
+    sharding = NamedSharding(mesh, P("data"))
+    x = jax.ShapeDtypeStruct((8 * 256, 1024), jnp.bfloat16, sharding=sharding)
+    compiled = jax.jit(lambda x: (x @ x.T).sum()).lower(x).compile()
+    # Each device holds its 256 x 1024 bf16 rows of the argument.
+    assert compiled.memory_analysis().argument_size_in_bytes == 256 * 1024 * 2
+
+
+_LAPTOP = """
+    import os, jax, shardax as sx
+    {before}
+    try:
+        print(len(sx.target("8xH100")), os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"))
+    except RuntimeError as e:
+        print(e)
+"""
+
+
+@pytest.mark.compile_only("gpu")
+@pytest.mark.skipif(target_module._cuda_driver_present(), reason="a machine with an NVIDIA driver")
+@pytest.mark.parametrize(
+    "before,says",
+    [("", "8 1"), ("jax.devices()", "Set JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK")],
+)  # fmt: skip
+def test_a_laptop_needs_no_environment_until_jax_has_started(before, says):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env.pop("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", None)
+    code = textwrap.dedent(_LAPTOP.format(before=before))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert says in out.stdout, out.stdout + out.stderr[-2000:]
