@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -79,8 +80,13 @@ class Estimate:
         tokens: tokens per step over all devices.
         collectives: one dict per collective kind and link: op, link, runs, bytes sent.
         compile_s: seconds to lower and compile (measured on this machine).
-        prediction: the predicted step (None where the device has no datasheet).
+        prediction: the predicted step (None where the device has no datasheet, or
+            the compiler refused the step).
         notes: what the figures assume or could not know.
+        compile_error: the backend's out-of-memory error where it refused to compile
+            the step (libtpu does when the temporaries exceed HBM): then ``memory``
+            holds the state's bytes and the temporaries the error names, the peak is
+            their sum and the step does not fit.
     """
 
     device_kind: str
@@ -97,6 +103,7 @@ class Estimate:
     compile_s: float
     prediction: StepPrediction | None
     notes: tuple[str, ...] = ()
+    compile_error: str | None = None
 
     @property
     def headroom(self) -> float | None:
@@ -141,6 +148,9 @@ class Estimate:
         if self.headroom is not None:
             verdict = "fits" if self.fits else "[red]does not fit[/]"
             mem.caption = f"headroom {self.headroom:.1%}: {verdict} (rule: ≥ {HEADROOM:.0%} free)"
+        if self.compile_error is not None:
+            return Group(mem, f"[red]the compiler refused the step:[/] {self.compile_error}",
+                         *[f"note: {n}" for n in self.notes])  # fmt: skip
         work = Table(title=f"work per step (compiled in {self.compile_s:.1f} s)")
         work.add_column("figure")
         work.add_column("value", justify="right")
@@ -214,6 +224,71 @@ def fb(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_OOM = (  # libtpu's CompileTimeHbmOom, two wordings: (required, available)
+    re.compile(r"\(([\d.]+)\s*([KMGT]?)i?B?\) exceeds available HBM \(([\d.]+)\s*([KMGT]?)"),
+    re.compile(r"Used ([\d.]+)\s*([KMGT]?)i?B? of ([\d.]+)\s*([KMGT]?)i?B? hbm"),
+)
+
+
+def out_of_memory(error: BaseException) -> tuple[float, float] | None:
+    """``(bytes required, bytes available)`` from a backend's out-of-memory compile error
+    (``RESOURCE_EXHAUSTED``, libtpu's ``CompileTimeHbmOom``), else None.
+
+    >>> out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out "
+    ...     "of memory on HBM, the total memory required for HLO temporaries (24.00G) "
+    ...     "exceeds available HBM (15.75G)."))
+    (25769803776.0, 16911433728.0)
+    """
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        return None
+    for pattern in _OOM:
+        m = pattern.search(text)
+        if m:
+            need, nu, have, hu = m.groups()
+            return float(need) * _UNITS[nu], float(have) * _UNITS[hu]
+    return None
+
+
+def _refused(
+    step: Any, state: Any, batch: Any, mesh: Any, error: BaseException, compile_s: float,
+    tokens: float | None,
+) -> Estimate:  # fmt: skip
+    """The :class:`Estimate` of a step the compiler refused for lack of memory."""
+    need, have = out_of_memory(error) or (0.0, 0.0)
+    devices = list(mesh.devices.flat)
+    spec = device_spec(devices[0])
+    plan = getattr(step, "state_plan", None)
+    shardings = plan(state) if plan is not None else None
+    memory, n_params = _state_bytes(state, shardings)
+    state_total = sum(memory.values())
+    memory["temporaries"] = int(need)
+    memory["peak"] = state_total + int(need)
+    message = str(error).strip().splitlines()[0]
+    return Estimate(
+        device_kind=str(devices[0].device_kind),
+        devices=len(devices),
+        mesh={str(k): int(v) for k, v in mesh.shape.items()},
+        memory=memory,
+        hbm_bytes=float(spec.memory_bytes) if spec is not None else (have or None),
+        flops_hlo=0.0,
+        flops_backend=None,
+        model_flops=0.0,
+        model_flops_note="not compiled",
+        tokens=default_tokens(batch) if tokens is None else float(tokens),
+        collectives=(),
+        compile_s=compile_s,
+        prediction=None,
+        notes=(
+            f"the backend refused to compile: temporaries {fb(need)} > the {fb(have)} of "
+            "HBM it leaves for them; peak = state + those temporaries (a lower bound)",
+            "shrink the batch per device, remat more, or shard over more devices",
+        ),
+        compile_error=message,
+    )
 
 
 def _mesh_of(step: Any, leaves: list[Any]) -> Any:
@@ -482,6 +557,9 @@ def estimate(
     Raises:
         ValueError: a sharding names an axis the step's mesh lacks; the batch's rows do
             not divide over the data axis (the step says so).
+
+    A backend's out-of-memory compile error (libtpu's ``CompileTimeHbmOom``) is not
+    raised: the report says the step does not fit, with the bytes the error names.
     """
     if not hasattr(step, "lower"):
         raise TypeError(
@@ -494,8 +572,15 @@ def estimate(
     check_axes(batch, mesh, "batch")
     if getattr(step, "plan", 0) is None and hasattr(step, "pick"):  # plan="auto"
         step = step.pick(state, batch)
+    if hasattr(step, "abstract"):  # a make_train_step step: its precision's dtypes
+        state = step.abstract(state)
     start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    try:
+        compiled = step.lower(state, batch).compile()
+    except RuntimeError as e:  # jax.errors.JaxRuntimeError; only out-of-memory is a report
+        if out_of_memory(e) is None:
+            raise
+        return _refused(step, state, batch, mesh, e, time.perf_counter() - start, tokens)
     compile_s = time.perf_counter() - start
     try:
         shardings = compiled.input_shardings[0][0]
@@ -518,4 +603,4 @@ def estimate(
     )
 
 
-__all__ = ["HEADROOM", "LINKS", "Estimate", "analyse", "estimate"]
+__all__ = ["HEADROOM", "LINKS", "Estimate", "analyse", "estimate", "out_of_memory"]

@@ -174,6 +174,8 @@ class Candidate:
     collectives: dict[str, int]
     fits: bool | None
     predicted_s: float | None = None
+    refused: str | None = None
+    """The backend's out-of-memory error where it refused to compile this candidate."""
 
     @property
     def total_bytes(self) -> int:
@@ -248,6 +250,8 @@ class AutoPlan:
         for c in self.candidates:
             if c.plan is self.plan:
                 out[c.name] = "picked"
+            elif c.refused:
+                out[c.name] = f"does not fit: the compiler refused it ({c.refused})"
             elif c.fits is False:
                 out[c.name] = f"does not fit: {format_bytes(c.total_bytes)} per device"
             elif c.predicted_s is not None and pick.predicted_s:
@@ -266,11 +270,15 @@ class AutoPlan:
 
 def default_device_memory(device: Any = None) -> float | None:
     """Bytes of memory of ``device`` (default: the first): its reported limit
-    (``memory_stats()["bytes_limit"]``), else the hardware table's figure, else None."""
+    (``memory_stats()["bytes_limit"]``), else (a compile-only target device too) the
+    hardware table's figure, else None."""
     from shardax.cost.hardware import device_spec
 
     device = jax.devices()[0] if device is None else device
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    try:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    except RuntimeError:  # a compile-only target device (sx.target) has no stats
+        stats = None
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
     spec = device_spec(device)
@@ -345,7 +353,7 @@ def _compile_step(
     """The train step under ``plan``, compiled for abstract ``state`` and ``batch``."""
     step_kw = {"mode": "jit", "donate": True, **step_kw}
     step = TrainStep(loss_fn, mesh=plan.mesh, plan=plan, **step_kw)
-    return step.lower(state, batch).compile()
+    return step.lower(step.abstract(state), batch).compile()
 
 
 def _compile_update(plan: FollowParams, state: TrainState) -> Any:
@@ -385,6 +393,28 @@ def measure(name: str, compiled: Any, plan: Plan) -> Candidate:
         collective_bytes=sum(op.sent_bytes for op in ops),
         collectives=dict(runs),
         fits=None,
+    )
+
+
+def refused_candidate(name: str, plan: Plan, error: BaseException) -> Candidate | None:
+    """A :class:`Candidate` that does not fit, from a backend's out-of-memory compile
+    error (libtpu refuses a step whose temporaries exceed HBM); None for other errors."""
+    from shardax.cost.estimate import out_of_memory
+
+    oom = out_of_memory(error)
+    if oom is None:
+        return None
+    return Candidate(
+        name=name,
+        plan=plan,
+        argument_bytes=0,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=int(oom[0]),
+        collective_bytes=0.0,
+        collectives={},
+        fits=False,
+        refused=str(error).strip().splitlines()[0],
     )
 
 
@@ -485,18 +515,25 @@ def auto_plan(
         )
     measured = []
     for name, plan in plans.items():
-        if loss_fn is None:
-            compiled = _compile_update(plan, state)
-        else:
-            compiled = _compile_step(
-                plan,
-                state,
-                loss_fn,
-                batch,
-                data_axis=axis,
-                accumulate=accumulate,
-                precision=precision,
-            )
+        try:
+            if loss_fn is None:
+                compiled = _compile_update(plan, state)
+            else:
+                compiled = _compile_step(
+                    plan,
+                    state,
+                    loss_fn,
+                    batch,
+                    data_axis=axis,
+                    accumulate=accumulate,
+                    precision=precision,
+                )
+        except RuntimeError as e:  # the backend refused it for lack of memory: no fit
+            refused = refused_candidate(name, plan, e)
+            if refused is None:
+                raise
+            measured.append(refused)
+            continue
         measured.append(predicted(measure(name, compiled, plan), compiled, batch))
     what = "train step" if loss_fn is not None else "optimizer update"
     return choose(measured, budget, what, _compared(mesh, axis, split))
@@ -541,11 +578,13 @@ def choose(
     that fit with :data:`shardax.cost.estimate.HEADROOM` to spare instead. Raises
     ``ValueError`` when none fits. ``note`` (what the candidates share) ends the reason."""
     measured = [
-        dataclasses.replace(c, fits=None if budget is None else c.total_bytes <= budget)
+        dataclasses.replace(
+            c, fits=False if c.refused else None if budget is None else c.total_bytes <= budget
+        )
         for c in measured
     ]
     fitting = [c for c in measured if c.fits is not False]
-    timed = all(c.predicted_s is not None for c in measured)
+    timed = all(c.predicted_s is not None for c in measured if not c.refused)
     if timed and budget is not None:  # a datasheet: fit with headroom, then fastest
         from shardax.cost.estimate import HEADROOM
 
