@@ -112,8 +112,9 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, float, str]:
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
     n = gpt.param_count(model, embeddings=False)
     per_token = transformer_flops_per_token(n, layers, args.seq_len, args.d_model)
+    size = gpt.param_count(model) / 1e9
     what = (f"gpt {layers} x {args.d_model} ({args.heads} heads), seq {args.seq_len}, "
-            f"vocab {args.vocab}, {gpt.param_count(model) / 1e9:.3g} B params, remat {remat}")  # fmt: skip
+            f"vocab {args.vocab}, {size:.3g} B params, remat {remat}")  # fmt: skip
     return model, state, loss_fn, {"inputs": tokens, "targets": tokens}, per_token, what
 
 

@@ -263,7 +263,7 @@ def _refused(
     spec = device_spec(devices[0])
     plan = getattr(step, "state_plan", None)
     shardings = plan(state) if plan is not None else None
-    memory, n_params = _state_bytes(state, shardings)
+    memory, _ = _state_bytes(state, shardings)
     state_total = sum(memory.values())
     memory["temporaries"] = int(need)
     memory["peak"] = state_total + int(need)
