@@ -28,7 +28,8 @@ from typing import Any
 
 from shardax.cli.common import UsageError, plot_curves
 from shardax.cli.job import Job, build_steps, check_batch_fits, make_mesh, register
-from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, STAGE_AXIS
+from shardax.cli.job import data_size as job_data_size
+from shardax.mesh.axes import CONTEXT_AXIS, STAGE_AXIS
 
 OPTIONS = (
     "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
@@ -164,7 +165,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     elif args.pipeline_repeats is not None and args.microbatches is None:
         raise UsageError("--pipeline-repeats needs --microbatches (or --plan pipeline)")
     cfg = config(args)
-    data_size = mesh.shape[DATA_AXIS]
+    data_size = job_data_size(mesh)
     check_batch_fits(args, mesh)
     context = check_context(args, mesh)
     layout = "zigzag" if context > 1 else "contiguous"
