@@ -156,6 +156,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
             f"{' × '.join(data_axes)} = {rows} of mesh {dict(mesh.shape)}"
         )
     model, state, loss_fn, batch, per_token, what = _model(args)
+    params = gpt.param_count(model)
     precision = _precision(args)
     axis: Any = data_axes if len(data_axes) > 1 else DATA_AXIS
     tp = gpt.plan(mesh, model, "tp") if MODEL_AXIS in mesh.shape else None
@@ -187,6 +188,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         "hosts": target.hosts,
         "slices": target.slices,
         "model": what,
+        "params": params,
         "batch": args.batch,
         "precision": str(precision) if not isinstance(precision, str) else precision,
         "plan": name,
