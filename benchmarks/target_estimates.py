@@ -64,7 +64,7 @@ CASES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def run_case(name: str) -> dict[str, Any]:
+def run_case(name: str, per_device_batch: int | None = None) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import optax
@@ -74,7 +74,9 @@ def run_case(name: str) -> dict[str, Any]:
     from shardax.cost.flops import transformer_flops_per_token
     from shardax.models import gpt
 
-    c = CASES[name]
+    c = dict(CASES[name])
+    if per_device_batch is not None:  # e.g. the largest that fits, where the published doesn't
+        c["per_device_batch"] = per_device_batch
     mesh = sx.make_mesh(c["mesh"], devices=sx.target(c["target"]))
     cfg = gpt.GPTConfig(c["layers"], c["d_model"], c["heads"], c["seq"], vocab=c["vocab"],
                         scan_layers=True)  # fmt: skip
@@ -116,6 +118,7 @@ def run_case(name: str) -> dict[str, Any]:
         "mesh": dict(mesh.shape),
         "params": params_total,
         "global_batch": batch,
+        "per_device_batch": c["per_device_batch"],
         "seq": c["seq"],
         "precision": "bf16 params + Adam moments" if c["params_bf16"] else "fp32 params + Adam",
         "remat": c["remat"],
@@ -146,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=list(CASES))
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--per-device-batch", type=int, default=None, help="over the case's")
     args = parser.parse_args(argv)
     results = []
     for name in args.case or list(CASES):
-        r = run_case(name)
+        r = run_case(name, args.per_device_batch)
         print(r["report"], flush=True)
         print({k: v for k, v in r.items() if k not in ("report", "estimate")}, flush=True)
         results.append(r)

@@ -226,3 +226,35 @@ def test_estimate_for_an_h100_target_splits_links(h100_2x4, small_train):
     expected = formula(n, "fp32", data=4, shard_data=True)  # FSDP over a host's 4
     got = report.memory["params"] + report.memory["optimizer"]
     assert got == pytest.approx(expected.params_bytes + expected.optimizer_bytes, rel=0.1)
+
+
+OOM = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+       "memory required for HLO temporaries (24.00G) exceeds available HBM (15.75G).")  # fmt: skip
+
+
+def test_a_candidate_the_compiler_refused_does_not_fit(mesh):
+    from shardax.train.auto import refused_candidate
+
+    assert refused_candidate("x", None, RuntimeError("INVALID_ARGUMENT: bad")) is None
+    refused = refused_candidate("big", None, RuntimeError(OOM))
+    assert refused.temp_bytes == 24 * 2**30 and refused.refused.startswith("RESOURCE_EXHAUSTED")
+    cands = [_candidate("slow", 50, 3.0, mesh), dataclasses.replace(refused, plan=sx.fsdp(mesh))]
+    report = choose(cands, 100.0, "train step")
+    assert report.name == "slow"
+    assert report.reasons()["big"].startswith("does not fit: the compiler refused it")
+
+
+@pytest.mark.compile_only("tpu")
+def test_an_out_of_memory_compile_is_a_does_not_fit_report():
+    """libtpu refuses a step whose temporaries exceed HBM; sx.estimate says it does not
+    fit, with the bytes the error names, instead of raising."""
+    mesh = sx.make_mesh({"data": 4}, devices=sx.target("v5e-4"))
+    x = jax.ShapeDtypeStruct((4 * 32768, 65536), jnp.float32,
+                             sharding=NamedSharding(mesh, P("data")))  # fmt: skip
+    report = sx.estimate(jax.jit(lambda w, x: jnp.sum(jnp.exp(x) @ w.T)), x, x)
+    assert report.fits is False and report.prediction is None
+    assert report.compile_error.startswith("RESOURCE_EXHAUSTED")
+    need = report.memory["temporaries"]
+    assert need > 16e9 and report.memory["peak"] >= need  # more than the chip's 16 GB
+    assert "the compiler refused the step" in str(report)
+    assert json.loads(json.dumps(report.to_dict()))["compile_error"] == report.compile_error
