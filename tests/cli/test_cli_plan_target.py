@@ -25,8 +25,9 @@ def run(argv, capsys=None):
 
 @pytest.fixture(scope="module")
 def auto_2x4():
-    """``--plan auto`` on 2 hosts × 4 H100s (JSON), compiled once for the tests below."""
-    code, out = run(["--target", "2x4xH100", *TINY, "--json"])
+    """``--plan auto`` on 2 hosts × 4 H100s (JSON) among zero1, FSDP over all 8 and HSDP
+    (two GPU compiles cost ~15 s each here; the others are left out for time)."""
+    code, out = run(["--target", "2x4xH100", *TINY, "--plans", "zero1,fsdp,hsdp", "--json"])
     assert code == 0, out[-3000:]
     return json.loads(out)
 
@@ -37,7 +38,7 @@ def test_auto_for_a_target_ranks_with_reasons_and_picks_a_plan_that_fits(auto_2x
     assert r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["hosts"] == 2
     assert r["mesh"] == {"replica": 2, "data": 4}
     names = [c["name"] for c in r["auto"]["candidates"]]
-    assert names == ["replicate", "zero1", "zero2", "fsdp", "hsdp"]
+    assert names == ["zero1", "fsdp", "hsdp"]
     reasons = r["auto"]["reasons"]
     assert set(reasons) == set(names) and reasons[r["plan"]] == "picked"
     assert all(

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plans",
         type=lambda text: [p.strip() for p in text.split(",") if p.strip()],
         default=None,
-        help="with --measure: the candidates to compile, e.g. zero1,fsdp (default: all)",
+        help="with --measure or --target --plan auto: the candidates to compile, e.g. "
+        "zero1,fsdp (default: all)",
     )
     parser.add_argument(
         "--microbatches",

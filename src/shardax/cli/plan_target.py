@@ -163,8 +163,9 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     report = None
     try:
         if args.plan == "auto":
+            candidates = _candidates(args.plans, mesh, axis, tp)
             report = sx.auto_plan(mesh, state, loss_fn=loss_fn, batch=batch, axis=axis,
-                                  tp_rules=tp, precision=precision)  # fmt: skip
+                                  tp_rules=tp, precision=precision, candidates=candidates)  # fmt: skip
             plan, name = report.plan, report.name
         else:
             plan, name = _named_plan(args.plan, mesh, model, axis, tp), args.plan
@@ -199,6 +200,22 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         "auto": None if report is None else {**report.to_dict(), "reasons": report.reasons()},
     }
     return result, est, report
+
+
+def _candidates(names: list[str] | None, mesh: Any, axis: Any, tp: Any) -> Any:
+    """``--plans a,b``: those of :func:`shardax.train.auto.candidate_plans` (None: all)."""
+    from shardax.train.auto import candidate_plans
+
+    if not names:
+        return None
+    plans = candidate_plans(mesh, axis, tp_rules=tp)
+    unknown = [n for n in names if n not in plans]
+    if unknown:
+        raise UsageError(
+            f"--plans {','.join(names)}: {', '.join(unknown)} not among the candidates for "
+            f"mesh {dict(mesh.shape)}: {', '.join(plans)}"
+        )
+    return {n: plans[n] for n in names}
 
 
 def _named_plan(name: str, mesh: Any, model: Any, axis: Any, tp: Any) -> Any:
