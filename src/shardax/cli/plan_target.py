@@ -164,8 +164,10 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     try:
         if args.plan == "auto":
             candidates = _candidates(args.plans, mesh, axis, tp)
-            report = sx.auto_plan(mesh, state, loss_fn=loss_fn, batch=batch, axis=axis,
-                                  tp_rules=tp, precision=precision, candidates=candidates)  # fmt: skip
+            report = sx.auto_plan(
+                mesh, state, loss_fn=loss_fn, batch=batch, axis=axis, tp_rules=tp,
+                precision=precision, candidates=candidates,
+            )  # fmt: skip
             plan, name = report.plan, report.name
         else:
             plan, name = _named_plan(args.plan, mesh, model, axis, tp), args.plan
