@@ -258,3 +258,19 @@ def test_an_out_of_memory_compile_is_a_does_not_fit_report():
     assert need > 16e9 and report.memory["peak"] >= need  # more than the chip's 16 GB
     assert "the compiler refused the step" in str(report)
     assert json.loads(json.dumps(report.to_dict()))["compile_error"] == report.compile_error
+
+
+def test_async_reduce_scatter_counts_its_results_not_its_operands():
+    """XLA:GPU's reduce-scatter-start returns (operands, results): 8 × the result each;
+    counting both made a 70B's gradient reduce-scatter ~9× too large."""
+    hlo = """HloModule m
+
+ENTRY %main (p: f32[256,64]) -> f32[32,64] {
+  %p = f32[256,64]{1,0} parameter(0)
+  %rs = ((f32[256,64]{1,0}, f32[256]{0}), (f32[32,64]{1,0}, f32[32]{0})) reduce-scatter-start(%p, %p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  ROOT %d = (f32[32,64]{1,0}, f32[32]{0}) reduce-scatter-done(%rs)
+}
+"""  # noqa: E501
+    (found,) = collectives(hlo, 8)
+    assert (found.op, found.bytes, found.group) == ("reduce-scatter", (32 * 64 + 32) * 4, 8)
+    assert found.sent_bytes == 7 * (32 * 64 + 32) * 4

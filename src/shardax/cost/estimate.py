@@ -486,8 +486,14 @@ def analyse(
         sent: dict[str, float] = {}
         for r in rows:
             sent[r["link"]] = sent.get(r["link"], 0.0) + r["sent_bytes"]
+        compute = flops
+        if not flops and backend:  # e.g. TPU: its matmuls are not plain dots in the HLO
+            compute = float(backend)
+            notes.append(
+                "compute: the backend's cost_analysis() FLOPs (no matmul found in the HLO)"
+            )
         prediction = predict_step(
-            flops=flops,
+            flops=compute,
             hbm_bytes=hbm_traffic,
             link_bytes=sent,
             peak_flops=spec.peak_flops,

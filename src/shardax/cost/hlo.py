@@ -197,11 +197,17 @@ def _runs(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
     return runs
 
 
+_CARRY_OPERANDS = ("all-gather", "collective-permute", "reduce-scatter")
+"""Async ``*-start`` ops whose output tuple is ``(operands, results)``: XLA:GPU's
+``reduce-scatter-start`` too, whose operands are ``n`` times its results."""
+
+
 def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
     """Every collective of ``hlo`` (``compiled.as_text()``), in order.
 
     An async ``*-start`` op is counted once, by its result (the second half of its
-    output tuple for all-gather and collective-permute, which carry their operand too).
+    output tuple for all-gather, collective-permute and reduce-scatter, which carry their
+    operands too).
     Groups left empty (``replica_groups={}``) span all ``num_devices``. An op in a
     loop body has ``count`` = the loops' trip counts (``known_trip_count``) multiplied.
     """
@@ -211,7 +217,7 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
     for name, lines in bodies.items():
         for out, op, start, rest in _OP.findall("\n".join(lines)):
             arrays = _arrays(out)
-            if start and op in ("all-gather", "collective-permute") and len(arrays) > 1:
+            if start and op in _CARRY_OPERANDS and len(arrays) > 1:
                 arrays = arrays[len(arrays) // 2 :]
             size = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays)
             # A computation the call graph does not reach (a reference form not parsed
