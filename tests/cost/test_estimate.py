@@ -274,3 +274,18 @@ ENTRY %main (p: f32[256,64]) -> f32[32,64] {
     (found,) = collectives(hlo, 8)
     assert (found.op, found.bytes, found.group) == ("reduce-scatter", (32 * 64 + 32) * 4, 8)
     assert found.sent_bytes == 7 * (32 * 64 + 32) * 4
+
+
+@pytest.mark.compile_only("tpu")
+def test_tpu_matmuls_in_a_scan_are_counted_from_the_hlo():
+    """XLA:TPU writes matmuls as ``convolution`` and its loops carry no known trip count
+    (the condition's ``i < 3`` tells it); its cost_analysis() counts the body once."""
+    mesh = sx.make_mesh({"data": 4}, devices=sx.target("v5e-4"))
+    w = jax.ShapeDtypeStruct((3, 512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((64, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+
+    def f(w, x):
+        return jnp.sum(jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0])
+
+    compiled = jax.jit(f).lower(w, x).compile()
+    assert hlo_flops(compiled.as_text()) == 3 * 2 * 16 * 512 * 512  # 16 rows per device

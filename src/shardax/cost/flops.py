@@ -28,6 +28,8 @@ from shardax.cost.hlo import _computations, _runs
 _DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|[a-z]+\d*\[[\d,]*\]\S*) ")
 _DOT = re.compile(r"= (\S+) dot\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
 _GEMM = re.compile(r"= \(?(\w+\[[\d,]*\])\S* custom-call\(%?([\w.\-]+), .*__cublas\$\w*gemm")
+_CONV = re.compile(r"= (\S+) convolution\(%?([\w.\-]+), %?([\w.\-]+)\).*?dim_labels=(\w+)_")
+_WINDOW = re.compile(r"window=\{size=([\dx]+)")
 _CONTRACT = re.compile(r"lhs_contracting_dim(?:s|ensions)\W+([\d,\s\"]*)")
 
 
@@ -39,7 +41,8 @@ def _dims(shape: str) -> tuple[int, ...]:
 def hlo_flops(hlo: str) -> float:
     """Matmul FLOPs of one device's program per run of ``hlo`` (``compiled.as_text()``):
     ``2 · output elements · contracted size`` for every ``dot`` (and cuBLAS GEMM custom
-    call), an op in a loop body counted its trip count times. Elementwise ops, reductions
+    call, and XLA:TPU's ``convolution``: ``2 · output · lhs features · window``), an op in
+    a loop body counted its trip count times. Elementwise ops, reductions
     and attention kernels in custom calls are not counted (a transformer's FLOPs are its
     matmuls' to within a few percent).
 
@@ -57,6 +60,17 @@ def hlo_flops(hlo: str) -> float:
             if found and not found.group(2).startswith("("):
                 shapes[found.group(1)] = _dims(found.group(2))
         for line in lines:
+            conv = _CONV.search(line)
+            if conv:  # XLA:TPU's matmuls: 2 · output · lhs features · window
+                lhs = shapes.get(conv.group(2))
+                labels = conv.group(4)
+                if lhs is None or "f" not in labels or len(labels) != len(lhs):
+                    continue
+                window = _WINDOW.search(line)
+                size = math.prod(int(w) for w in window.group(1).split("x")) if window else 1
+                flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * size
+                total += flops * (runs.get(name) or 1)
+                continue
             dot, gemm = _DOT.search(line), _GEMM.search(line)
             if not (dot or gemm):
                 continue

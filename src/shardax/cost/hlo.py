@@ -35,6 +35,9 @@ _AXIS = re.compile(r"'([^']+)'(?:=(\d+))?")
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _WHILE = re.compile(r"\bwhile\(.*?\bbody=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = [su]\d+\[\]\S* constant\((\d+)\)")
+_LESS_THAN = re.compile(r"compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
 _CALLED = re.compile(
     r"\b(?:calls|to_apply|true_computation|false_computation|condition)=%?([\w.\-]+)"
     r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}"
@@ -162,16 +165,32 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     return bodies, entry
 
 
+def _condition_trips(lines: list[str]) -> int | None:
+    """A while condition's ``counter < N`` with ``N`` a constant of it (XLA:TPU's
+    compiled loops carry no ``known_trip_count``): ``N``, the trips of a loop counting
+    from 0 as ``lax.scan`` and ``fori_loop`` do; else None."""
+    constants = dict(m.groups() for m in map(_CONSTANT.match, lines) if m)
+    for line in lines:
+        found = _LESS_THAN.search(line)
+        if found and found.group(1) in constants:
+            return int(constants[found.group(1)])
+    return None
+
+
 def _runs(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
     """How many times each computation runs per execution of ``entry``: a while body
-    ``known_trip_count`` times its caller's (once when XLA does not know it), every
-    other called computation as often as its caller."""
+    ``known_trip_count`` times its caller's (else its condition's ``counter < N``; once
+    when neither tells), every other called computation as often as its caller."""
     calls: dict[str, list[tuple[str, int]]] = {name: [] for name in bodies}
     for name, lines in bodies.items():
         for line in lines:
             loop, trips = _WHILE.search(line), _TRIP_COUNT.search(line)
             if loop:
-                calls[name].append((loop.group(1), int(trips.group(1)) if trips else 1))
+                n = int(trips.group(1)) if trips else None
+                if n is None:
+                    cond = _CONDITION.search(line)
+                    n = _condition_trips(bodies.get(cond.group(1), [])) if cond else None
+                calls[name].append((loop.group(1), n or 1))
             for single, several in _CALLED.findall(line):
                 for callee in [single] if single else re.findall(r"%?([\w.\-]+)", several):
                     calls[name].append((callee, 1))
