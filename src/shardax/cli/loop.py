@@ -30,7 +30,7 @@ from shardax.cli.hooks import (
     Watchdog,
     entered,
 )
-from shardax.cli.job import Job
+from shardax.cli.job import Job, data_axes
 
 
 def resume(args: argparse.Namespace, manager: Any, job: Job) -> tuple[Any, dict[str, Any]]:
@@ -92,7 +92,7 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Run, Any]:
         )
         # The step's own placement: rows over data (and the sequence, with its seq_axis).
         seq = getattr(job.step, "seq_axis", None)
-        sharding = sx.batch_sharding(job.mesh, seq_axis=seq)
+        sharding = sx.batch_sharding(job.mesh, data_axes(job.mesh), seq_axis=seq)
         feed = tracker.watch(sx.prefetch_to_device(job.loader, sharding))
     except BaseException:
         if manager is not None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from shardax.cli.common import UsageError, plot_curves
-from shardax.cli.job import Job, build_steps, check_batch_fits, make_mesh, register
+from shardax.cli.job import Job, build_steps, check_batch_fits, data_axes, make_mesh, register
 from shardax.cli.job import data_size as job_data_size
 from shardax.mesh.axes import CONTEXT_AXIS, STAGE_AXIS
 
@@ -220,7 +220,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 
     seq = getattr(evaluate_step, "seq_axis", None)
-    val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh, seq_axis=seq))
+    val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh, data_axes(mesh), seq_axis=seq))
 
     def evaluate(state: Any) -> dict[str, float]:
         return {"val_loss": float(evaluate_step(state, val_batch)["loss"])}

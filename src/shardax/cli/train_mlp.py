@@ -14,7 +14,15 @@ import numpy as np
 
 from shardax.cli.common import UsageError, plot_curves
 from shardax.cli.digits import load_digits
-from shardax.cli.job import Job, build_steps, check_batch_fits, make_mesh, place, register
+from shardax.cli.job import (
+    Job,
+    build_steps,
+    check_batch_fits,
+    data_axes,
+    make_mesh,
+    place,
+    register,
+)
 from shardax.cli.job import data_size as job_data_size
 from shardax.models.mlp import make_mlp, make_plan
 
@@ -78,7 +86,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     # The whole test set in one batch, padded to a multiple of the data axis, with a mask.
     padded = -(-len(x_test) // data_size) * data_size
     test_batch = sx.distribute_batch(
-        pad_batch({"x": x_test, "y": y_test}, padded), sx.batch_sharding(mesh)
+        pad_batch({"x": x_test, "y": y_test}, padded), sx.batch_sharding(mesh, data_axes(mesh))
     )
     # Real rows of each step of an epoch (the last batch is padded).
     rows = np.minimum(args.batch_size, len(x_train) - args.batch_size * np.arange(steps_per_epoch))
