@@ -29,7 +29,31 @@ _DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|[a-z]+\d*\[[\d,]*\]\S*
 _DOT = re.compile(r"= (\S+) dot\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
 _GEMM = re.compile(r"= \(?(\w+\[[\d,]*\])\S* custom-call\(%?([\w.\-]+), .*__cublas\$\w*gemm")
 _CONV = re.compile(r"= (\S+) convolution\(%?([\w.\-]+), %?([\w.\-]+)\).*?dim_labels=(\w+)_")
-_WINDOW = re.compile(r"window=\{size=([\dx]+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _window_taps(line: str) -> int:
+    """The window positions a TPU ``convolution`` really sums over: its size in each
+    spatial dimension that is a plain contraction; a dimension with padding, dilation,
+    stride or reversal is XLA:TPU's way of writing a batch dimension (one tap)."""
+    found = _WINDOW.search(line)
+    if not found:
+        return 1
+    fields = dict(f.split("=", 1) for f in found.group(1).split() if "=" in f)
+    sizes = [int(v) for v in fields.get("size", "1").split("x")]
+    taps = 1
+    plain = {"pad": "0_0", "lhs_dilate": "1", "rhs_dilate": "1", "stride": "1",
+             "rhs_reversal": "0"}  # fmt: skip
+    for i, size in enumerate(sizes):
+        for key, ok in plain.items():
+            parts = fields.get(key, ok).split("x")
+            if (parts[i] if i < len(parts) else ok) != ok:
+                break
+        else:
+            taps *= size
+    return taps
+
+
 _CONTRACT = re.compile(r"lhs_contracting_dim(?:s|ensions)\W+([\d,\s\"]*)")
 
 
@@ -41,7 +65,7 @@ def _dims(shape: str) -> tuple[int, ...]:
 def hlo_flops(hlo: str) -> float:
     """Matmul FLOPs of one device's program per run of ``hlo`` (``compiled.as_text()``):
     ``2 · output elements · contracted size`` for every ``dot`` (and cuBLAS GEMM custom
-    call, and XLA:TPU's ``convolution``: ``2 · output · lhs features · window``), an op in
+    call, and XLA:TPU's ``convolution``: ``2 · output · lhs features · window taps``), an op in
     a loop body counted its trip count times. Elementwise ops, reductions
     and attention kernels in custom calls are not counted (a transformer's FLOPs are its
     matmuls' to within a few percent).
@@ -66,9 +90,8 @@ def hlo_flops(hlo: str) -> float:
                 labels = conv.group(4)
                 if lhs is None or "f" not in labels or len(labels) != len(lhs):
                     continue
-                window = _WINDOW.search(line)
-                size = math.prod(int(w) for w in window.group(1).split("x")) if window else 1
-                flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * size
+                taps = _window_taps(line)
+                flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * taps
                 total += flops * (runs.get(name) or 1)
                 continue
             dot, gemm = _DOT.search(line), _GEMM.search(line)
