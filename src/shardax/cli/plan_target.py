@@ -8,7 +8,8 @@ step time among those that fit with headroom). The model is abstract
 (``nnx.eval_shape``): nothing is allocated. The mesh, unless ``--mesh`` is given:
 ``replica`` over the hosts (GPU hosts, TPU slices) × ``data`` within one, so the plans
 include HSDP (FSDP within a host, data parallel over hosts); ``--tp M`` splits each host
-into ``data × model=M`` for a ``fsdp+tp`` candidate. Every time and MFU printed is a
+into ``data × model=M`` for a ``fsdp+tp`` candidate; ``--plans a,b`` limits auto to
+those candidates. Every time and MFU printed is a
 **prediction** (:mod:`shardax.cost.predict`), never a measurement.
 """
 
@@ -196,6 +197,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         "precision": str(precision) if not isinstance(precision, str) else precision,
         "plan": name,
         "mesh": dict(mesh.shape),
+        "fits_with_headroom": est.fits,
         "mesh_flags": flags,
         "launch": launch_command(target, train),
         "estimate": est.to_dict(),
@@ -248,6 +250,9 @@ def run(args: argparse.Namespace) -> int:
     out.print(est)
     out.print(f"plan: [bold]{result['plan']}[/] on {result['target']}; mesh flags: "
               f"[bold]{result['mesh_flags']}[/]")  # fmt: skip
+    if est.fits is False:
+        out.print("[red]does not fit[/] with 10% of HBM to spare: shrink --batch, remat more "
+                  "or add devices before launching")  # fmt: skip
     out.print(f"launch: {result['launch']}", soft_wrap=True)
     if args.png:
         out.print(f"wrote {args.png}")
