@@ -92,6 +92,16 @@ def test_fsdp_plan_shards_embed_over_data():
     assert shardings["head"].get_value().spec == P("data", None)
 
 
+def test_split_batch_splits_over_every_data_axis():
+    """HSDP: over ("replica", "data") each device holds its own rows, not the whole
+    host's batch (the residual stream of a 70B over 32 hosts would be 32× larger)."""
+    mesh = sx.make_mesh({"replica": 2, "data": 4})
+    with jax.sharding.set_mesh(mesh):
+        y = jax.jit(gpt.split_batch)(jnp.zeros((8, 4, 16)))
+    assert y.sharding.spec == P(("replica", "data"))
+    assert shard_shapes(y) == {(1, 4, 16)}
+
+
 def test_plan_errors_name_the_sizes():
     model = abstract(gpt.GPTConfig(layers=1, d_model=24, heads=3, max_seq_len=8))
     with pytest.raises(ValueError, match=r"splits heads=3 over mesh axis 'model' of size 2"):

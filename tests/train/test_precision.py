@@ -140,9 +140,16 @@ def test_param_dtype_is_where_the_state_keeps_its_params(mesh):
     precision = sx.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
     step = sx.make_train_step(make_loss("nnx"), mesh=mesh, precision=precision)
     state = step.shard(make_state("nnx"))
-    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    bf16 = {jnp.dtype(jnp.bfloat16)}
+
+    def moments(state):  # Adam's mu and nu: the optimizer state's non-scalar leaves
+        return {x.dtype for x in jax.tree.leaves(state.opt_state) if x.ndim}
+
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == bf16 == moments(state)
+    abstract = step.abstract(jax.eval_shape(lambda: make_state("nnx")))
+    assert {x.dtype for x in jax.tree.leaves(abstract.params)} == bf16 == moments(abstract)
     state, metrics = step(state, batches(1)[0])
-    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == bf16 == moments(state)
     assert metrics["loss"].dtype == jnp.float32
 
 

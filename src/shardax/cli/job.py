@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from shardax.cli.common import UsageError, check_batch_divides
-from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS, STAGE_AXIS
+from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, STAGE_AXIS
 
 MakeJob = Callable[[argparse.Namespace, Any], "Job"]
 
@@ -81,12 +82,25 @@ def make_mesh(args: argparse.Namespace) -> Any:
         raise UsageError(f"--mesh: {e}") from None
 
 
+def data_axes(mesh: Any) -> str | tuple[str, str]:
+    """The axes the batch splits over: ``data``, or ``("replica", "data")`` on an HSDP
+    mesh (``--mesh replica=HOSTS,data=8 --plan fsdp``: FSDP within a host, data parallel
+    over the hosts)."""
+    return (REPLICA_AXIS, DATA_AXIS) if REPLICA_AXIS in mesh.shape else DATA_AXIS
+
+
+def data_size(mesh: Any) -> int:
+    """The number of batch shards: the product of :func:`data_axes`' sizes."""
+    axes = data_axes(mesh)
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
 def check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
     """The global batch must split evenly over the data axis; the error names both sizes
     and the ways out (a resumed run keeps its batch size, so only the mesh can change)."""
-    data_size, batch = mesh.shape[DATA_AXIS], args.batch_size
-    if batch % data_size == 0:
-        check_batch_divides(batch, data_size, args.accumulate)  # and the microbatches
+    size, batch = data_size(mesh), args.batch_size
+    if batch % size == 0:
+        check_batch_divides(batch, size, args.accumulate)  # and the microbatches
         return
     fits = [d for d in range(mesh.size, 0, -1) if batch % d == 0 and mesh.size % d == 0]
     meshes = ", ".join(
@@ -100,11 +114,11 @@ def check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
         )
     else:
         way = (
-            f"pass a --batch-size that is a multiple of {data_size}, or a --mesh whose data "
+            f"pass a --batch-size that is a multiple of {size}, or a --mesh whose data "
             f"axis divides {batch} ({meshes})"
         )
     raise UsageError(
-        f"--batch-size {batch} is not divisible by the data axis size {data_size} of mesh "
+        f"--batch-size {batch} is not divisible by the data axis size {size} of mesh "
         f"{dict(mesh.shape)}; {way}"
     )
 
@@ -162,7 +176,8 @@ def build_steps(
     from shardax.train.stats import STATS
 
     plan = None if args.mode == "single" else plan  # one device: no sharding plan
-    options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision}
+    options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision,
+               "data_axis": data_axes(mesh)}  # fmt: skip
     if seq_axis is not None and args.mode == "jit":
         options["seq_axis"] = seq_axis
     try:

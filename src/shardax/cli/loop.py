@@ -20,7 +20,7 @@ import numpy as np
 from shardax.cli import track
 from shardax.cli.common import STARTED, UsageError, machine, run_dir, step_flops
 from shardax.cli.hooks import Bar, History, Log, Record
-from shardax.cli.job import Job
+from shardax.cli.job import Job, data_axes
 from shardax.loop import Checkpoints, Goodput, Hook, MetricsWindow, Preemption, Run, Watchdog
 
 
@@ -88,7 +88,7 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Any, Any, Any, Recor
         )
         # The step's own placement: rows over data (and the sequence, with its seq_axis).
         seq = getattr(job.step, "seq_axis", None)
-        sharding = sx.batch_sharding(job.mesh, seq_axis=seq)
+        sharding = sx.batch_sharding(job.mesh, data_axes(job.mesh), seq_axis=seq)
         feed = tracker.watch(sx.prefetch_to_device(job.loader, sharding))
     except BaseException:
         if manager is not None:

@@ -2,7 +2,9 @@
 
 Example: ``shardax plan --params 7e9 --devices 8 --hardware h100 --batch 1024``.
 The formulas are in :mod:`shardax.cost.memory` and :mod:`shardax.cost.roofline`.
-``--measure`` compiles each candidate plan instead (:mod:`shardax.cli.plan_measure`).
+``--measure`` compiles each candidate plan instead (:mod:`shardax.cli.plan_measure`);
+``--target 64xH100`` compiles the built-in GPT for a cluster this machine does not have,
+with its predicted speed, the plan and the launch command (:mod:`shardax.cli.plan_target`).
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plans",
         type=plan_names,
         default=None,
-        help="with --measure: the candidates to compile, e.g. zero1,fsdp (default: all)",
+        help="with --measure or --target --plan auto: the candidates to compile, e.g. "
+        "zero1,fsdp (default: all)",
     )
     parser.add_argument(
         "--microbatches",
@@ -93,6 +96,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "shard (default: the stage size)",
     )
     parser.add_argument("--run-dir", default=None, help="where --measure writes plan.json/png")
+    from shardax.cli.plan_target import TARGET_PLANS
+
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="compile the GPT for compile-only devices of this cluster (sx.target): e.g. "
+        "8xH100, 32x8xH200, v5p-128, 2xv5p-128 (needs JAX >= 0.12 and shardax[gpu-compile] "
+        "or shardax[tpu-compile]); prints memory, PREDICTED speed, plan and launch command",
+    )
+    parser.add_argument(
+        "--plan",
+        choices=TARGET_PLANS,
+        default="auto",
+        help="with --target: the plan, or auto (default: rank the candidates by predicted "
+        "step time among those that fit with 10%% headroom)",
+    )
+    parser.add_argument("--vocab", type=positive_int, default=32000, help="GPT vocab (--target)")
+    parser.add_argument(
+        "--remat",
+        choices=("none", "full", "dots", "dots_no_batch"),
+        default=None,
+        help="with --target: the GPT's remat policy per block (default: full)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="with --target: split each host into data x model=TP (a fsdp+tp candidate)",
+    )
+    parser.add_argument(
+        "--param-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="with --target: the params' (and Adam moments') dtype in the state; bf16: "
+        "6 bytes per parameter, as MaxText's bf16 runs (default fp32: 12)",
+    )
+    parser.add_argument("--png", default=None, help="with --target: a PNG of memory vs HBM")
     parser.add_argument(
         "--devices", type=positive_int, default=None, help="devices (default: those at hand)"
     )
@@ -274,6 +314,10 @@ def run(args: argparse.Namespace) -> int:
     """Prints the memory table and the warnings."""
     import shardax as sx
 
+    if args.target is not None:
+        from shardax.cli import plan_target
+
+        return plan_target.run(args)
     if args.measure:
         from shardax.cli import plan_measure
 

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from shardax.cli.common import UsageError, plot_curves
-from shardax.cli.job import Job, build_steps, check_batch_fits, make_mesh, register
-from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, STAGE_AXIS
+from shardax.cli.job import Job, build_steps, check_batch_fits, data_axes, make_mesh, register
+from shardax.cli.job import data_size as job_data_size
+from shardax.mesh.axes import CONTEXT_AXIS, STAGE_AXIS
 
 OPTIONS = (
     "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
@@ -170,7 +171,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     elif args.pipeline_repeats is not None and args.microbatches is None:
         raise UsageError("--pipeline-repeats needs --microbatches (or --plan pipeline)")
     cfg = config(args)
-    data_size = mesh.shape[DATA_AXIS]
+    data_size = job_data_size(mesh)
     check_batch_fits(args, mesh)
     context = check_context(args, mesh)
     layout = "zigzag" if context > 1 else "contiguous"
@@ -225,7 +226,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 
     seq = getattr(evaluate_step, "seq_axis", None)
-    val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh, seq_axis=seq))
+    val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh, data_axes(mesh), seq_axis=seq))
 
     def evaluate(state: Any) -> dict[str, float]:
         return {"val_loss": float(evaluate_step(state, val_batch)["loss"])}

@@ -14,8 +14,16 @@ import numpy as np
 
 from shardax.cli.common import UsageError, plot_curves
 from shardax.cli.digits import load_digits
-from shardax.cli.job import Job, build_steps, check_batch_fits, make_mesh, place, register
-from shardax.mesh.axes import DATA_AXIS
+from shardax.cli.job import (
+    Job,
+    build_steps,
+    check_batch_fits,
+    data_axes,
+    make_mesh,
+    place,
+    register,
+)
+from shardax.cli.job import data_size as job_data_size
 from shardax.models.mlp import make_mlp, make_plan
 
 TARGET_ACCURACY = 0.95
@@ -40,7 +48,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     args.batch_size = args.batch_size or 128
     args.lr = args.lr or 3e-3
     mesh = make_mesh(args)
-    data_size = mesh.shape[DATA_AXIS]
+    data_size = job_data_size(mesh)
     check_batch_fits(args, mesh)
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     # Each process reads its share of every global batch; the order depends on the seed
@@ -78,7 +86,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     # The whole test set in one batch, padded to a multiple of the data axis, with a mask.
     padded = -(-len(x_test) // data_size) * data_size
     test_batch = sx.distribute_batch(
-        pad_batch({"x": x_test, "y": y_test}, padded), sx.batch_sharding(mesh)
+        pad_batch({"x": x_test, "y": y_test}, padded), sx.batch_sharding(mesh, data_axes(mesh))
     )
     # Real rows of each step of an epoch (the last batch is padded).
     rows = np.minimum(args.batch_size, len(x_train) - args.batch_size * np.arange(steps_per_epoch))

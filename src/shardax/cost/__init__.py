@@ -3,10 +3,13 @@
 These are models of what a step costs, apart from the process runtime: datasheet
 figures (:mod:`~shardax.cost.hardware`), the roofline (:mod:`~shardax.cost.roofline`),
 model-state memory per plan (:mod:`~shardax.cost.memory`), the collectives of a compiled
-program (:mod:`~shardax.cost.hlo`), its FLOPs (:mod:`~shardax.cost.flops`) and targets:
-compile-only devices of a GPU cluster or TPU slice (:mod:`~shardax.cost.target`).
+program (:mod:`~shardax.cost.hlo`), its FLOPs (:mod:`~shardax.cost.flops`), targets:
+compile-only devices of a GPU cluster or TPU slice (:mod:`~shardax.cost.target`), and a
+compiled step's cost per device with a predicted step time (:func:`~shardax.cost.estimate`,
+:mod:`~shardax.cost.predict`).
 """
 
+from shardax.cost.estimate import Estimate, estimate
 from shardax.cost.hardware import (
     BATCH_SIZE_TABLE,
     DEVICE_KIND_SPECS,
@@ -42,6 +45,7 @@ __all__ = [
     "HARDWARE_SPECS",
     "TPU_FAMILIES",
     "BatchSizeRecommendation",
+    "Estimate",
     "GpuArch",
     "HardwareSpec",
     "HardwareType",
@@ -49,6 +53,7 @@ __all__ = [
     "detect_hardware_type",
     "device_info",
     "device_spec",
+    "estimate",
     "get_batch_size_recommendation",
     "gpu_target_config",
     "gpu_target_configs",

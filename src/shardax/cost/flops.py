@@ -10,13 +10,123 @@ remat) and not only the matmuls of a ``6·N·tokens`` estimate.
 128.0
 >>> utilization(1e12, 0.5, devices=8, hardware="cpu")["mfu"]
 'n/a'
+
+Where the backend gives no cost analysis (compiling for a GPU target: ``cost_analysis()``
+is None), :func:`hlo_flops` counts the matmul FLOPs of the compiled HLO text itself, and
+:func:`transformer_flops_per_token` gives the model FLOPs to compare them with.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, as_hardware_type, device_spec
+from shardax.cost.hlo import _computations, _runs
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|[a-z]+\d*\[[\d,]*\]\S*) ")
+_DOT = re.compile(r"= (\S+) dot\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
+_GEMM = re.compile(r"= \(?(\w+\[[\d,]*\])\S* custom-call\(%?([\w.\-]+), .*__cublas\$\w*gemm")
+_CONV = re.compile(r"= (\S+) convolution\(%?([\w.\-]+), %?([\w.\-]+)\).*?dim_labels=(\w+)_")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _window_taps(line: str) -> int:
+    """The window positions a TPU ``convolution`` really sums over: its size in each
+    spatial dimension that is a plain contraction; a dimension with padding, dilation,
+    stride or reversal is XLA:TPU's way of writing a batch dimension (one tap)."""
+    found = _WINDOW.search(line)
+    if not found:
+        return 1
+    fields = dict(f.split("=", 1) for f in found.group(1).split() if "=" in f)
+    sizes = [int(v) for v in fields.get("size", "1").split("x")]
+    taps = 1
+    plain = {"pad": "0_0", "lhs_dilate": "1", "rhs_dilate": "1", "stride": "1",
+             "rhs_reversal": "0"}  # fmt: skip
+    for i, size in enumerate(sizes):
+        for key, ok in plain.items():
+            parts = fields.get(key, ok).split("x")
+            if (parts[i] if i < len(parts) else ok) != ok:
+                break
+        else:
+            taps *= size
+    return taps
+
+
+_CONTRACT = re.compile(r"lhs_contracting_dim(?:s|ensions)\W+([\d,\s\"]*)")
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    inner = shape[shape.index("[") + 1 : shape.index("]")]
+    return tuple(int(d) for d in inner.split(",") if d)
+
+
+def hlo_flops(hlo: str) -> float:
+    """Matmul FLOPs of one device's program per run of ``hlo`` (``compiled.as_text()``):
+    ``2 · output elements · contracted size`` for every ``dot`` (and cuBLAS GEMM custom
+    call, and XLA:TPU's ``convolution``: ``2 · output · lhs features · window taps``), an op in
+    a loop body counted its trip count times. Elementwise ops, reductions
+    and attention kernels in custom calls are not counted (a transformer's FLOPs are its
+    matmuls' to within a few percent).
+
+    >>> hlo_flops("%a = f32[4,8]{1,0} parameter(0)\\n%b = f32[8,2]{1,0} parameter(1)\\n"
+    ...           "%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
+    128.0
+    """
+    bodies, entry = _computations(hlo)
+    runs = _runs(bodies, entry)
+    total = 0.0
+    for name, lines in bodies.items():
+        shapes: dict[str, tuple[int, ...]] = {}
+        for line in lines:
+            found = _DEF.match(line)
+            if found and not found.group(2).startswith("("):
+                shapes[found.group(1)] = _dims(found.group(2))
+        for line in lines:
+            conv = _CONV.search(line)
+            if conv:  # XLA:TPU's matmuls: 2 · output · lhs features · window
+                lhs = shapes.get(conv.group(2))
+                labels = conv.group(4)
+                if lhs is None or "f" not in labels or len(labels) != len(lhs):
+                    continue
+                taps = _window_taps(line)
+                flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * taps
+                total += flops * (runs.get(name) or 1)
+                continue
+            dot, gemm = _DOT.search(line), _GEMM.search(line)
+            if not (dot or gemm):
+                continue
+            out = _dims(dot.group(1) if dot else gemm.group(1))
+            lhs = shapes.get(dot.group(2) if dot else gemm.group(2))
+            contract = _CONTRACT.search(line)
+            if lhs is None or contract is None:
+                continue
+            axes = [int(d) for d in re.findall(r"\d+", contract.group(1))]
+            k = math.prod(lhs[a] for a in axes if a < len(lhs))
+            total += 2.0 * math.prod(out) * k * (runs.get(name) or 1)
+    return total
+
+
+def transformer_flops_per_token(
+    non_embedding_params: float,
+    layers: int,
+    seq_len: int,
+    d_model: int,
+    causal: bool = True,
+) -> float:
+    """Model training FLOPs per token of a dense decoder: ``6·N`` for the matmuls over
+    ``N`` non-embedding parameters (forward 2·N, backward 4·N), plus attention's scores
+    and weighted values, ``3 · 4·layers·seq_len·d_model``, halved when ``causal`` (the
+    masked half is not model work; MaxText and PaLM's MFU count it so).
+
+    >>> transformer_flops_per_token(100, layers=1, seq_len=4, d_model=8, causal=False)
+    984.0
+    >>> transformer_flops_per_token(100, layers=1, seq_len=4, d_model=8)
+    792.0
+    """
+    attention = 3.0 * 4 * layers * seq_len * d_model
+    return 6.0 * non_embedding_params + (attention / 2 if causal else attention)
 
 
 def compiled_flops(compiled: Any) -> float | None:

@@ -35,6 +35,9 @@ _AXIS = re.compile(r"'([^']+)'(?:=(\d+))?")
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _WHILE = re.compile(r"\bwhile\(.*?\bbody=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = [su]\d+\[\]\S* constant\((\d+)\)")
+_LESS_THAN = re.compile(r"compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
 _CALLED = re.compile(
     r"\b(?:calls|to_apply|true_computation|false_computation|condition)=%?([\w.\-]+)"
     r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}"
@@ -52,13 +55,16 @@ class Collective:
     """One collective op: its name, the bytes of its result on one device, the number
     of devices in each of its groups, its result's array shapes (several when XLA
     combined ops into one), and how many times it runs per execution (its loops' trip
-    counts multiplied; 1 outside loops)."""
+    counts multiplied; 1 outside loops), and its groups as lists of the program's device
+    indices (``mesh.devices.flat`` order; a collective-permute's source-target pairs; empty
+    where the HLO's form is not parsed here)."""
 
     op: str
     bytes: int
     group: int
     shapes: tuple[tuple[int, ...], ...] = ()
     count: int = 1
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def sent_bytes(self) -> float:
@@ -98,6 +104,49 @@ def _group(rest: str, num_devices: int | None) -> int:
     return num_devices or 1
 
 
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LISTED = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
+
+
+def replica_groups(rest: str, num_devices: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The device groups of a collective, from the text after its op name: listed
+    (``{{0,1},{2,3}}``, or a permute's ``source_target_pairs``), iota
+    (``[2,4]<=[4,2]T(1,0)``), or ``mesh[...] {axes}``; empty groups span all
+    ``num_devices``; ``()`` where the form is not known.
+
+    >>> replica_groups("x), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add")
+    ((0, 2, 4, 6), (1, 3, 5, 7))
+    >>> replica_groups("x), source_target_pairs={{0,1},{1,0}}")
+    ((0, 1), (1, 0))
+    """
+    import numpy as np
+
+    iota, listed, mesh = (p.search(rest) for p in (_IOTA, _LISTED, _GROUPS_MESH))
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape[0], -1))
+    if listed:
+        rows = re.findall(r"\{([\d,]*)\}", listed.group(1))
+        groups = tuple(tuple(int(i) for i in r.split(",") if i) for r in rows)
+        if groups and any(groups):
+            return groups
+        return (tuple(range(num_devices)),) if num_devices else ()
+    if mesh and ", device_ids=" not in mesh.group(0):
+        axes = _AXIS.findall(mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        chosen = [names.index(a) for a, _ in _AXIS.findall(mesh.group(2)) if a in names]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        rest_axes = [i for i in range(len(sizes)) if i not in chosen]
+        ids = ids.transpose(rest_axes + chosen)
+        size = math.prod(sizes[i] for i in chosen)
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(-1, size))
+    return ()
+
+
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     """``{computation: its lines}`` and the ENTRY computation's name (None for a bare
     list of ops, kept under ``""``)."""
@@ -116,16 +165,32 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     return bodies, entry
 
 
+def _condition_trips(lines: list[str]) -> int | None:
+    """A while condition's ``counter < N`` with ``N`` a constant of it (XLA:TPU's
+    compiled loops carry no ``known_trip_count``): ``N``, the trips of a loop counting
+    from 0 as ``lax.scan`` and ``fori_loop`` do; else None."""
+    constants = dict(m.groups() for m in map(_CONSTANT.match, lines) if m)
+    for line in lines:
+        found = _LESS_THAN.search(line)
+        if found and found.group(1) in constants:
+            return int(constants[found.group(1)])
+    return None
+
+
 def _runs(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
     """How many times each computation runs per execution of ``entry``: a while body
-    ``known_trip_count`` times its caller's (once when XLA does not know it), every
-    other called computation as often as its caller."""
+    ``known_trip_count`` times its caller's (else its condition's ``counter < N``; once
+    when neither tells), every other called computation as often as its caller."""
     calls: dict[str, list[tuple[str, int]]] = {name: [] for name in bodies}
     for name, lines in bodies.items():
         for line in lines:
             loop, trips = _WHILE.search(line), _TRIP_COUNT.search(line)
             if loop:
-                calls[name].append((loop.group(1), int(trips.group(1)) if trips else 1))
+                n = int(trips.group(1)) if trips else None
+                if n is None:
+                    cond = _CONDITION.search(line)
+                    n = _condition_trips(bodies.get(cond.group(1), [])) if cond else None
+                calls[name].append((loop.group(1), n or 1))
             for single, several in _CALLED.findall(line):
                 for callee in [single] if single else re.findall(r"%?([\w.\-]+)", several):
                     calls[name].append((callee, 1))
@@ -151,11 +216,17 @@ def _runs(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
     return runs
 
 
+_CARRY_OPERANDS = ("all-gather", "collective-permute", "reduce-scatter")
+"""Async ``*-start`` ops whose output tuple is ``(operands, results)``: XLA:GPU's
+``reduce-scatter-start`` too, whose operands are ``n`` times its results."""
+
+
 def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
     """Every collective of ``hlo`` (``compiled.as_text()``), in order.
 
     An async ``*-start`` op is counted once, by its result (the second half of its
-    output tuple for all-gather and collective-permute, which carry their operand too).
+    output tuple for all-gather, collective-permute and reduce-scatter, which carry their
+    operands too).
     Groups left empty (``replica_groups={}``) span all ``num_devices``. An op in a
     loop body has ``count`` = the loops' trip counts (``known_trip_count``) multiplied.
     """
@@ -165,14 +236,15 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
     for name, lines in bodies.items():
         for out, op, start, rest in _OP.findall("\n".join(lines)):
             arrays = _arrays(out)
-            if start and op in ("all-gather", "collective-permute") and len(arrays) > 1:
+            if start and op in _CARRY_OPERANDS and len(arrays) > 1:
                 arrays = arrays[len(arrays) // 2 :]
             size = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays)
             # A computation the call graph does not reach (a reference form not parsed
             # here) counts once rather than not at all.
             count = runs[name] or 1
             shapes = tuple(shape for _, shape in arrays)
-            found.append(Collective(op, size, _group(rest, num_devices), shapes, count))
+            groups = replica_groups(rest, num_devices)
+            found.append(Collective(op, size, _group(rest, num_devices), shapes, count, groups))
     return found
 
 

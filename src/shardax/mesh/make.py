@@ -88,8 +88,9 @@ def make_mesh(
         dcn_axis: with devices in several processes (or TPU slices), the axis split
             between them, over the slower network; every other axis stays inside one
             process. Its size must be a multiple of the number of processes. Default:
-            ``"data"`` if the mesh has it, else ``"replica"`` (HSDP: replicas across
-            processes, ``{"replica": 2, "fsdp": 4}`` shards inside each).
+            ``"replica"`` if the mesh has it (HSDP: replicas across processes,
+            ``{"replica": 2, "fsdp": 4}`` or the GPT's ``{"replica": 2, "data": 4}``
+            shards inside each), else ``"data"``.
 
     >>> mesh = make_mesh({"data": -1})
     >>> mesh.axis_names
@@ -126,7 +127,7 @@ def make_mesh(
             "drives its own)"
         )
     if dcn_axis is None:
-        dcn_axis = REPLICA_AXIS if DATA_AXIS not in shape and REPLICA_AXIS in shape else DATA_AXIS
+        dcn_axis = REPLICA_AXIS if REPLICA_AXIS in shape else DATA_AXIS
     grid = _hybrid_grid(shape, devices, dcn_axis)
     if grid is not None:
         return Mesh(grid, tuple(shape), axis_types=axis_types)

@@ -558,25 +558,29 @@ class GPT(nnx.Module):
 
 
 def split_batch(x: jax.Array) -> jax.Array:
-    """The residual stream ``x`` (batch, seq, d_model) split by batch over the ``"data"``
-    mesh axis, when the mesh in context has one it may constrain (not inside shard_map);
-    by batch over ``("data", "expert")`` with an ``"expert"`` axis, and by sequence over
-    a ``"context"`` axis (context parallelism: each device holds T/C tokens of a row).
+    """The residual stream ``x`` (batch, seq, d_model) split by batch over every data axis
+    of the mesh in context that it may constrain (not inside shard_map): ``"replica"``
+    (HSDP: ``{"replica": hosts, "data": 8}`` computes a different slice of the batch on
+    each host, as the step splits it), ``"data"`` and, with MoE, ``"expert"``; and by
+    sequence over a ``"context"`` axis (context parallelism: each device holds T/C tokens
+    of a row).
 
     Under ``fsdp+tp`` the weights split ``d_model`` over ``"data"``; left alone, XLA may
     follow them into the residual stream's gradients and then re-split them by batch, an
     "involuntary full rematerialization" that JAX 0.12 warns of (four of them for
     ``shardax train --model gpt --plan fsdp+tp``; one is left with this constraint).
     """
+    from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS, REPLICA_AXIS
     from shardax.plan.activation import constrain
 
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "data" not in mesh.shape or "data" in mesh.manual_axes:
+    if mesh.empty:
         return x
-    batch: Any = "data"
-    if "expert" in mesh.shape and "expert" not in mesh.manual_axes:
-        # MoE: the batch over data × expert, so the expert axis works in the dense layers too
-        batch = ("data", "expert")
+    if DATA_AXIS not in mesh.shape or DATA_AXIS in mesh.manual_axes:
+        return x
+    axes = (REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS)
+    names = tuple(a for a in axes if a in mesh.shape and a not in mesh.manual_axes)
+    batch: Any = names[0] if len(names) == 1 else names
     if "context" in mesh.shape and "context" not in mesh.manual_axes:
         # Context parallelism: the sequence over the context axis, in every layer
         return constrain(x, jax.sharding.PartitionSpec(batch, "context"))

@@ -4,7 +4,10 @@ Each candidate plan's train step is compiled for abstract values (``jax.ShapeDty
 nothing allocated): ``memory_analysis()`` gives its bytes per device (arguments +
 outputs - donated aliases + temporaries) and the HLO its collectives. Of the candidates
 that fit ``device_memory``, the one whose devices send the fewest bytes per step wins
-(ties: the fewest bytes per device). This sits in ``train``, not ``plan``, because it
+(ties: the fewest bytes per device). On devices with a datasheet (GPUs, TPUs, and the
+compile-only devices of ``sx.target``), each candidate also gets a *predicted* step time
+(:mod:`shardax.cost.predict`), and the fastest predicted of those that fit with 10%
+headroom wins. This sits in ``train``, not ``plan``, because it
 compiles the train step.
 
 Every candidate compiles the same ``loss_fn`` (the same model), so only the placement of
@@ -170,6 +173,9 @@ class Candidate:
     collective_bytes: float
     collectives: dict[str, int]
     fits: bool | None
+    predicted_s: float | None = None
+    refused: str | None = None
+    """The backend's out-of-memory error where it refused to compile this candidate."""
 
     @property
     def total_bytes(self) -> int:
@@ -177,7 +183,8 @@ class Candidate:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        """The figures as plain data (the plan by name)."""
+        """The figures as plain data (the plan by name); ``predicted_s`` is a prediction
+        (:mod:`shardax.cost.predict`, with overlap), None without a datasheet."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "plan"}
         return {**out, "total_bytes": self.total_bytes}
 
@@ -212,37 +219,66 @@ class AutoPlan:
         from rich.table import Table
 
         table = Table(title=f"candidate plans, compiled ({self.compiled}), per device")
-        for col in ("plan", "arguments", "temporaries", "total", "collective bytes", "fits"):
-            table.add_column(col, justify="left" if col == "plan" else "right")
+        predicted = any(c.predicted_s is not None for c in self.candidates)
+        cols = ["plan", "arguments", "temporaries", "total", "collective bytes", "fits"]
+        cols += ["predicted step (s)", "why"] if predicted else []
+        for col in cols:
+            table.add_column(col, justify="left" if col in ("plan", "why") else "right")
+        why = self.reasons()
         for c in self.candidates:
             mark = "[bold]" if c.plan is self.plan else ""
             fits = {None: "?", True: "yes", False: "[red]no[/]"}[c.fits]
-            table.add_row(
+            cells = [
                 f"{mark}{c.name}",
                 format_bytes(c.argument_bytes),
                 format_bytes(c.temp_bytes),
                 format_bytes(c.total_bytes),
                 format_bytes(c.collective_bytes),
                 fits,
-            )
+            ]
+            if predicted:
+                t = "n/a" if c.predicted_s is None else f"{c.predicted_s:.3f}"
+                cells += [t, why[c.name]]
+            table.add_row(*cells)
         table.caption = f"pick: {self.name}: {self.reason}"
         return table
+
+    def reasons(self) -> dict[str, str]:
+        """One line per candidate: why it ranks where it does."""
+        pick = next(c for c in self.candidates if c.plan is self.plan)
+        out = {}
+        for c in self.candidates:
+            if c.plan is self.plan:
+                out[c.name] = "picked"
+            elif c.refused:
+                out[c.name] = f"does not fit: the compiler refused it ({c.refused})"
+            elif c.fits is False:
+                out[c.name] = f"does not fit: {format_bytes(c.total_bytes)} per device"
+            elif c.predicted_s is not None and pick.predicted_s:
+                out[c.name] = f"predicted {c.predicted_s / pick.predicted_s - 1:+.0%} slower"
+            else:
+                out[c.name] = f"sends {format_bytes(c.collective_bytes)} per step"
+        return out
 
     def __str__(self) -> str:
         from rich.console import Console
 
         out = io.StringIO()
-        Console(file=out, width=120, force_terminal=False).print(self)
+        Console(file=out, width=140, force_terminal=False).print(self)
         return out.getvalue().rstrip()
 
 
 def default_device_memory(device: Any = None) -> float | None:
     """Bytes of memory of ``device`` (default: the first): its reported limit
-    (``memory_stats()["bytes_limit"]``), else the hardware table's figure, else None."""
+    (``memory_stats()["bytes_limit"]``), else (a compile-only target device too) the
+    hardware table's figure, else None."""
     from shardax.cost.hardware import device_spec
 
     device = jax.devices()[0] if device is None else device
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    try:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    except RuntimeError:  # a compile-only target device (sx.target) has no stats
+        stats = None
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
     spec = device_spec(device)
@@ -317,7 +353,7 @@ def _compile_step(
     """The train step under ``plan``, compiled for abstract ``state`` and ``batch``."""
     step_kw = {"mode": "jit", "donate": True, **step_kw}
     step = TrainStep(loss_fn, mesh=plan.mesh, plan=plan, **step_kw)
-    return step.lower(state, batch).compile()
+    return step.lower(step.abstract(state), batch).compile()
 
 
 def _compile_update(plan: FollowParams, state: TrainState) -> Any:
@@ -358,6 +394,43 @@ def measure(name: str, compiled: Any, plan: Plan) -> Candidate:
         collectives=dict(runs),
         fits=None,
     )
+
+
+def refused_candidate(name: str, plan: Plan, error: BaseException) -> Candidate | None:
+    """A :class:`Candidate` that does not fit, from a backend's out-of-memory compile
+    error (libtpu refuses a step whose temporaries exceed HBM); None for other errors."""
+    from shardax.cost.estimate import out_of_memory
+
+    oom = out_of_memory(error)
+    if oom is None:
+        return None
+    return Candidate(
+        name=name,
+        plan=plan,
+        argument_bytes=0,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=int(oom[0]),
+        collective_bytes=0.0,
+        collectives={},
+        fits=False,
+        refused=str(error).strip().splitlines()[0],
+    )
+
+
+def predicted(candidate: Candidate, compiled: Any, batch: Any) -> Candidate:
+    """``candidate`` with its predicted step time (:func:`shardax.cost.estimate.analyse`,
+    with overlap) where the mesh's devices have a datasheet (a GPU, a TPU, a target)."""
+    from shardax.cost.estimate import analyse
+    from shardax.cost.hardware import device_spec
+
+    mesh = candidate.plan.mesh
+    if device_spec(mesh.devices.flat[0]) is None:
+        return candidate
+    report = analyse(compiled, mesh, batch=batch)
+    if report.prediction is None:
+        return candidate
+    return dataclasses.replace(candidate, predicted_s=report.prediction.overlapped_s)
 
 
 @public("sx.auto_plan")
@@ -442,19 +515,26 @@ def auto_plan(
         )
     measured = []
     for name, plan in plans.items():
-        if loss_fn is None:
-            compiled = _compile_update(plan, state)
-        else:
-            compiled = _compile_step(
-                plan,
-                state,
-                loss_fn,
-                batch,
-                data_axis=axis,
-                accumulate=accumulate,
-                precision=precision,
-            )
-        measured.append(measure(name, compiled, plan))
+        try:
+            if loss_fn is None:
+                compiled = _compile_update(plan, state)
+            else:
+                compiled = _compile_step(
+                    plan,
+                    state,
+                    loss_fn,
+                    batch,
+                    data_axis=axis,
+                    accumulate=accumulate,
+                    precision=precision,
+                )
+        except RuntimeError as e:  # the backend refused it for lack of memory: no fit
+            refused = refused_candidate(name, plan, e)
+            if refused is None:
+                raise
+            measured.append(refused)
+            continue
+        measured.append(predicted(measure(name, compiled, plan), compiled, batch))
     what = "train step" if loss_fn is not None else "optimizer update"
     return choose(measured, budget, what, _compared(mesh, axis, split))
 
@@ -493,13 +573,31 @@ def choose(
 ) -> AutoPlan:
     """Of the ``measured`` candidates that fit ``budget`` bytes per device (all of them
     when ``budget`` is None), the one that sends the fewest bytes per step (ties: the
-    fewest bytes per device). Raises ``ValueError`` when none fits. ``note`` (what the
-    candidates share) ends the reason."""
+    fewest bytes per device). Where every candidate has a predicted step time (devices
+    with a datasheet: GPUs, TPUs, compile-only targets), the fastest predicted of those
+    that fit with :data:`shardax.cost.estimate.HEADROOM` to spare instead. Raises
+    ``ValueError`` when none fits. ``note`` (what the candidates share) ends the reason."""
     measured = [
-        dataclasses.replace(c, fits=None if budget is None else c.total_bytes <= budget)
+        dataclasses.replace(
+            c, fits=False if c.refused else None if budget is None else c.total_bytes <= budget
+        )
         for c in measured
     ]
     fitting = [c for c in measured if c.fits is not False]
+    timed = all(c.predicted_s is not None for c in measured if not c.refused)
+    if timed and budget is not None:  # a datasheet: fit with headroom, then fastest
+        from shardax.cost.estimate import HEADROOM
+
+        roomy = [c for c in fitting if c.total_bytes <= budget * (1 - HEADROOM)]
+        if roomy:
+            pick = min(roomy, key=lambda c: (c.predicted_s, c.total_bytes))
+            reason = (
+                f"fastest predicted step, {pick.predicted_s:.3f} s (a prediction: "
+                f"compute, HBM and links from the datasheet), of the {len(roomy)} of "
+                f"{len(measured)} that fit {format_bytes(budget)} with "
+                f"{HEADROOM:.0%} headroom ({format_bytes(pick.total_bytes)} per device){note}"
+            )
+            return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled)
     if not fitting:
         best = min(measured, key=lambda c: c.total_bytes)
         raise ValueError(

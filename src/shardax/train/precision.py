@@ -153,6 +153,26 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if _floating(x) and x.dtype != dtype else x, tree)
 
 
+def narrow_floating(tree: Any, dtype: Any) -> Any:
+    """``tree`` with every floating array leaf of one dimension or more that is wider than
+    ``dtype`` cast to it; scalars (an optimizer's count or learning rate) and narrower
+    leaves as they are. The optimizer state follows the params' ``param_dtype`` this way:
+    Adam's moments are bf16 beside bf16 params (6 bytes per parameter, not 10).
+
+    >>> tree = {"mu": jnp.ones(2), "lr": jnp.float32(0.1), "n": jnp.arange(2)}
+    >>> {k: str(v.dtype) for k, v in narrow_floating(tree, jnp.bfloat16).items()}
+    {'lr': 'float32', 'mu': 'bfloat16', 'n': 'int32'}
+    """
+    dtype = jnp.dtype(dtype)
+
+    def one(x: Any) -> Any:
+        if not _floating(x) or not jnp.ndim(x) or jnp.dtype(x.dtype).itemsize <= dtype.itemsize:
+            return x
+        return x.astype(dtype)
+
+    return jax.tree.map(one, tree)
+
+
 def cast_like(tree: Any, like: Any) -> Any:
     """``tree`` with each floating leaf cast to the dtype of the same leaf of ``like``."""
     return jax.tree.map(

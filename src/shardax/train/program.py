@@ -64,6 +64,7 @@ from shardax.train.precision import (
     cast_floating,
     cast_like,
     init_loss_scale,
+    narrow_floating,
     policy_name,
     resolve,
 )
@@ -373,6 +374,17 @@ class Program:
         placed = device_put_global(state, shardings)
         return unalias(state, placed) if self.donate else placed
 
+    def abstract(self, state: TrainState) -> TrainState:
+        """``state`` (abstract or concrete) as :meth:`shard` and :meth:`init` make it,
+        without allocating: ``jax.ShapeDtypeStruct`` leaves in the precision's dtypes
+        (params in ``param_dtype``, the optimizer's moments no wider), with a loss scale
+        under loss scaling. ``sx.estimate`` compiles for it.
+
+        >>> step.abstract(jax.eval_shape(make_state)).params  # doctest: +SKIP
+        """
+        check_state(state)
+        return jax.eval_shape(self._prepare, state)
+
     def init(self, init_fn: Callable[..., TrainState], *args: Any, **kwargs: Any) -> TrainState:
         """``init_fn(*args, **kwargs)`` (e.g. building the model and ``TrainState.create``)
         run under ``jax.jit`` straight onto the step's shardings: no leaf is ever whole on
@@ -395,10 +407,13 @@ class Program:
             return init_sharded(prepared, self.state_plan, *args, **kwargs)
 
     def _prepare(self, state: TrainState) -> TrainState:
-        """``state`` with its floating params in the precision's ``param_dtype`` and, with
-        loss scaling, a loss scale."""
-        params = cast_floating(state.params, self.precision.param_dtype)
-        return self._with_loss_scale(state.replace(params=params))
+        """``state`` with its floating params in the precision's ``param_dtype``, its
+        optimizer's moments (floating leaves of one dimension or more) no wider than it,
+        and, with loss scaling, a loss scale."""
+        dtype = self.precision.param_dtype
+        params = cast_floating(state.params, dtype)
+        opt_state = narrow_floating(state.opt_state, dtype)
+        return self._with_loss_scale(state.replace(params=params, opt_state=opt_state))
 
     def _with_loss_scale(self, state: TrainState) -> TrainState:
         scaling = self.precision.loss_scaling

@@ -1,0 +1,167 @@
+"""Predicted figures of Llama-shaped GPTs on clusters this machine does not have, beside
+the published ones (docs/results.md, "Planned for a cluster you do not have").
+
+Each case builds the built-in GPT abstractly (``nnx.eval_shape``: nothing is allocated),
+compiles its train step for a compile-only target (``sx.target``) with ``sx.estimate``,
+and writes the memory per device, the compiled FLOPs and the PREDICTED TFLOP/s per device
+and MFU, beside the published figure. Needs the compile extras on the JAX 0.12 leg::
+
+    JAX_PLATFORMS=cpu .venv-compile/bin/python benchmarks/target_estimates.py --json out.json
+    ... --case llama2-7b-8xh100    # one case
+
+The cases and their published figures' sources are in :data:`CASES`. The GPT's MLP is
+4·d wide with two matrices (Llama's SwiGLU has three, 11008/14336/28672 wide) and no
+grouped-query attention, so the shapes are close, not equal: the table gives the GPT's
+own parameter count. Model FLOPs are ``6·N + attention`` (causal halved), as MaxText
+counts them. A 70B step for 256 devices compiles in minutes on a 2-core machine, so
+these run here, not in CI (CI compiles a scaled-down shape: tests/cost/test_estimate.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+CASES: dict[str, dict[str, Any]] = {
+    "llama2-7b-8xh100": dict(
+        target="8xH100", layers=32, d_model=4096, heads=32, seq=4096, vocab=32000,
+        per_device_batch=4, mesh={"data": 8}, remat="full", params_bf16=False,
+        published={"tflops_per_device": 492.0},
+        source="MaxText configs/a3/llama_2_7b/README.md (1x A3 h100-80gb-8), 1vm.sh",
+    ),
+    "llama3.1-70b-256xh200": dict(
+        target="32x8xH200", layers=80, d_model=8192, heads=64, seq=8192, vocab=128256,
+        per_device_batch=1, mesh={"replica": 32, "data": 8}, remat="full", params_bf16=True,
+        published={"tflops_per_device": 508.0},
+        source="as issue 33 quotes it (MaxText, Llama 3.1 70B on 256 H200); the page "
+        "was not found with the search tool",
+    ),
+    "llama3-70b-128xh100": dict(
+        target="16x8xH100", layers=80, d_model=8192, heads=64, seq=8192, vocab=128256,
+        per_device_batch=2, mesh={"data": 128}, remat="full", params_bf16=True,
+        published={"tflops_per_device": 506.597},
+        source="NVIDIA NGC catalog, 'Maxtext Llama3 70B (DGXC Benchmarking)' 25.02 / "
+        "25.04.01: 128 GPUs, ici_fsdp 8 x dcn_fsdp 16, per-device batch 2, GBS 256, seq "
+        "8192, BF16; its log line 'TFLOP/s/device: 506.597'",
+    ),
+    "maxtext-16b-v5e-256": dict(
+        target="v5e-256", layers=36, d_model=6144, heads=24, seq=2048, vocab=32000,
+        per_device_batch=6, mesh={"data": 256}, remat="full", params_bf16=False,
+        published={"tflops_per_device": 120.0, "mfu": 0.6110},
+        source="MaxText MaxText/configs/v5e/README.md, 16B (emb 6144, mlp 24576, 36 "
+        "layers, 24 heads of 256, seq 2048, per-device batch 6, remat full) on 1x "
+        "v5e-256: 120 TFLOP/s/chip, 61.10% MFU",
+    ),
+    "llama3.1-8b-v6e-256": dict(
+        target="v6e-256", layers=32, d_model=4096, heads=32, seq=8192, vocab=128256,
+        per_device_batch=2, mesh={"data": 256}, remat="full", params_bf16=False,
+        published={"mfu": 0.4546, "tokens_per_s_per_device": 7207.0},
+        source="maxtext.readthedocs.io reference/models/tiering.html (v6e Gold, 256 chips)",
+    ),
+}  # fmt: skip
+
+
+def run_case(name: str, per_device_batch: int | None = None) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import shardax as sx
+    from shardax.cost.flops import transformer_flops_per_token
+    from shardax.models import gpt
+
+    c = dict(CASES[name])
+    if per_device_batch is not None:  # e.g. the largest that fits, where the published doesn't
+        c["per_device_batch"] = per_device_batch
+    mesh = sx.make_mesh(c["mesh"], devices=sx.target(c["target"]))
+    cfg = gpt.GPTConfig(c["layers"], c["d_model"], c["heads"], c["seq"], vocab=c["vocab"],
+                        scan_layers=True)  # fmt: skip
+    precision: Any = "bf16"
+    if c["params_bf16"]:  # params and Adam's moments in bf16: 6 bytes per parameter
+        precision = sx.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+
+    def make() -> Any:
+        return gpt.make_gpt(cfg, 0, remat=c["remat"])
+
+    model = nnx.eval_shape(make)
+    state = nnx.eval_shape(lambda: sx.TrainState.create(make(), optax.adam(1e-4)))
+    data_axes = tuple(a for a in ("replica", "data") if a in mesh.shape)
+    step = sx.make_train_step(
+        lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+            m(b["inputs"]).astype(jnp.float32), b["targets"]
+        ).mean(),
+        mesh=mesh,
+        plan=gpt.plan(mesh, model, "fsdp"),
+        precision=precision,
+        data_axis=data_axes if len(data_axes) > 1 else "data",
+    )
+    batch = c["per_device_batch"] * mesh.size
+    tokens = jax.ShapeDtypeStruct((batch, c["seq"]), jnp.int32)
+    n = gpt.param_count(model, embeddings=False)
+    flops = transformer_flops_per_token(n, c["layers"], c["seq"], c["d_model"]) * batch * c["seq"]
+    start = time.perf_counter()
+    report = sx.estimate(step, state, {"inputs": tokens, "targets": tokens}, model_flops=flops,
+                         model_flops_note="6N + attention, causal halved")  # fmt: skip
+    wall = time.perf_counter() - start
+    params_total = gpt.param_count(model)
+    # params + Adam's m and v: bf16 2 + 2 + 2 = 6 bytes, fp32 4 + 4 + 4 = 12; the GPT's
+    # FSDP splits them over "data" (HSDP: within a host; the replica axis holds copies)
+    bytes_per_param = 6 if c["params_bf16"] else 12
+    formula = params_total * bytes_per_param / mesh.shape["data"]
+    out: dict[str, Any] = {
+        "case": name,
+        "target": c["target"],
+        "mesh": dict(mesh.shape),
+        "params": params_total,
+        "global_batch": batch,
+        "per_device_batch": c["per_device_batch"],
+        "seq": c["seq"],
+        "precision": "bf16 params + Adam moments" if c["params_bf16"] else "fp32 params + Adam",
+        "remat": c["remat"],
+        "estimate": report.to_dict(),
+        "params_plus_optimizer_bytes": report.memory["params"] + report.memory["optimizer"],
+        "formula_params_plus_optimizer_bytes": formula,
+        "fits_with_headroom": report.fits,
+        "published": c["published"],
+        "source": c["source"],
+        "wall_s": wall,
+        "report": str(report),
+    }
+    p = report.prediction
+    if p is not None:  # None: the compiler refused the step (out of memory)
+        out["predicted_tflops_per_device"] = {
+            "overlapped": p.model_tflops_per_device(True),
+            "serial": p.model_tflops_per_device(False),
+        }
+        out["predicted_mfu"] = {"overlapped": p.mfu(True), "serial": p.mfu(False)}
+        out["predicted_tokens_per_s_per_device"] = {
+            "overlapped": p.tokens_per_s_per_device(True),
+            "serial": p.tokens_per_s_per_device(False),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", choices=list(CASES))
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--per-device-batch", type=int, default=None, help="over the case's")
+    args = parser.parse_args(argv)
+    results = []
+    for name in args.case or list(CASES):
+        r = run_case(name, args.per_device_batch)
+        print(r["report"], flush=True)
+        print({k: v for k, v in r.items() if k not in ("report", "estimate")}, flush=True)
+        results.append(r)
+        if args.json:  # after each case: a long run keeps what it has
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

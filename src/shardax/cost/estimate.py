@@ -1,0 +1,612 @@
+"""``sx.estimate``: compile a step for abstract values and predict what it costs per device.
+
+The step is lowered and compiled for its mesh, which may be a mesh of compile-only target
+devices (``sx.target("8xH100")``): nothing is allocated, so a 70B model is planned on a
+laptop. The report, per device:
+
+- memory: params, optimizer state, other state and the batch (from the state's
+  shardings), gradients (the params' dtype, sharded like the params or, under ZeRO-2,
+  like the optimizer state; they live in the temporaries), the other temporaries and the
+  compiler's peak (``memory_analysis()``), against the device's HBM, with the headroom;
+- FLOPs: matmul FLOPs counted from the compiled HLO (``cost_analysis()`` is None when
+  compiling for a GPU target), beside the model FLOPs given (``model_flops=``, e.g. the
+  GPT's ``6·N + attention``, causal halved) or ``6·N·tokens`` by default;
+- collectives: the bytes each sends per step, and over which link (within a host or
+  between hosts, from the replica groups against the devices' ``process_index`` and
+  ``slice_index``);
+- compile time;
+- a **predicted** step time from :mod:`shardax.cost.predict`'s named model, with and
+  without overlap, and from it predicted tokens/s per device and predicted MFU.
+
+Works for a ``make_train_step`` step (the plan places the abstract state) and for any
+``jax.jit`` function ``step(state, batch)`` whose abstract state carries its shardings
+(``sx.prepare`` on ``ShapeDtypeStruct``s, or the jit's ``in_shardings``).
+
+>>> step = jax.jit(lambda w, x: jnp.sum((x @ w) ** 2))
+>>> w = jax.ShapeDtypeStruct((64, 8), jnp.float32, sharding=NamedSharding(mesh, P()))
+>>> x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+>>> report = sx.estimate(step, w, x, links={"intra-host": 1e11})
+>>> report.memory["params"], report.flops_hlo  # doctest: +ELLIPSIS
+(2048, 2048.0)
+>>> report.prediction is None  # a CPU has no datasheet: figures, no predicted time
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardax.checks import public
+from shardax.cost.flops import compiled_flops, hlo_flops
+from shardax.cost.hardware import HardwareSpec, device_spec
+from shardax.cost.hlo import collectives
+from shardax.cost.predict import (
+    DEFAULT_COMPUTE_EFFICIENCY,
+    LINKS,
+    StepPrediction,
+    link_of,
+    predict_step,
+)
+
+HEADROOM = 0.1
+"""The share of HBM a plan must leave free to count as fitting with headroom (the
+allocator's fragmentation, the runtime's own buffers, collectives' scratch)."""
+
+
+@public("sx.cost.Estimate")
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What :func:`estimate` compiled and predicted, per device. Print it for a table;
+    ``to_dict()`` for JSON; ``plot(path)`` for a PNG of the memory against HBM.
+
+    Attributes:
+        device_kind, devices, mesh: the target.
+        memory: bytes per device of ``params``, ``optimizer``, ``other_state``,
+            ``batch``, ``gradients`` (inside the temporaries), ``other_temporaries``
+            and ``peak`` (the compiler's: arguments + outputs - aliased + temporaries).
+        hbm_bytes: the device's memory (None: unknown); headroom is its free share.
+        flops_hlo: matmul FLOPs per device per step counted from the compiled HLO;
+            flops_backend: the backend's ``cost_analysis()`` figure (None on GPU targets).
+        model_flops: model FLOPs per step over all devices; model_flops_note: its formula.
+        tokens: tokens per step over all devices.
+        collectives: one dict per collective kind and link: op, link, runs, bytes sent.
+        compile_s: seconds to lower and compile (measured on this machine).
+        prediction: the predicted step (None where the device has no datasheet, or
+            the compiler refused the step).
+        notes: what the figures assume or could not know.
+        compile_error: the backend's out-of-memory error where it refused to compile
+            the step (libtpu does when the temporaries exceed HBM): then ``memory``
+            holds the state's bytes and the temporaries the error names, the peak is
+            their sum and the step does not fit.
+    """
+
+    device_kind: str
+    devices: int
+    mesh: dict[str, int]
+    memory: dict[str, int]
+    hbm_bytes: float | None
+    flops_hlo: float
+    flops_backend: float | None
+    model_flops: float
+    model_flops_note: str
+    tokens: float
+    collectives: tuple[dict[str, Any], ...]
+    compile_s: float
+    prediction: StepPrediction | None
+    notes: tuple[str, ...] = ()
+    compile_error: str | None = None
+
+    @property
+    def headroom(self) -> float | None:
+        """The share of HBM the peak leaves free (negative: it does not fit)."""
+        if not self.hbm_bytes:
+            return None
+        return 1 - self.memory["peak"] / self.hbm_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """The peak fits HBM with :data:`HEADROOM` to spare (None: HBM unknown)."""
+        room = self.headroom
+        return None if room is None else room >= HEADROOM
+
+    def link_bytes(self) -> dict[str, float]:
+        """Bytes each device sends per step, per link."""
+        out: dict[str, float] = {}
+        for c in self.collectives:
+            out[c["link"]] = out.get(c["link"], 0.0) + c["sent_bytes"]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-able); predicted figures are under ``prediction``."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "prediction"}
+        out["collectives"] = [dict(c) for c in self.collectives]
+        out["notes"] = list(self.notes)
+        out.update(headroom=self.headroom, fits_with_headroom=self.fits, headroom_rule=HEADROOM)
+        out["prediction"] = None if self.prediction is None else self.prediction.to_dict()
+        return out
+
+    def __rich__(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+
+        hbm = "unknown" if not self.hbm_bytes else fb(self.hbm_bytes)
+        mem = Table(title=f"{self.devices} × {self.device_kind}, mesh {self.mesh}: memory "
+                          f"per device (compiled), HBM {hbm}")  # fmt: skip
+        mem.add_column("component")
+        mem.add_column("bytes", justify="right")
+        for name, value in self.memory.items():
+            mem.add_row(("[bold]" if name == "peak" else "") + name, fb(value))
+        if self.headroom is not None:
+            verdict = "fits" if self.fits else "[red]does not fit[/]"
+            mem.caption = f"headroom {self.headroom:.1%}: {verdict} (rule: ≥ {HEADROOM:.0%} free)"
+        if self.compile_error is not None:
+            return Group(mem, f"[red]the compiler refused the step:[/] {self.compile_error}",
+                         *[f"note: {n}" for n in self.notes])  # fmt: skip
+        work = Table(title=f"work per step (compiled in {self.compile_s:.1f} s)")
+        work.add_column("figure")
+        work.add_column("value", justify="right")
+        work.add_row("matmul FLOPs per device (HLO)", f"{self.flops_hlo:.3g}")
+        if self.flops_backend is not None:
+            work.add_row("FLOPs per device (backend)", f"{self.flops_backend:.3g}")
+        work.add_row(f"model FLOPs per device ({self.model_flops_note})",
+                     f"{self.model_flops / self.devices:.3g}")  # fmt: skip
+        for c in self.collectives:
+            work.add_row(f"{c['op']} × {c['runs']} ({c['link']})", f"{fb(c['sent_bytes'])} sent")
+        parts: list[Any] = [mem, work]
+        p = self.prediction
+        if p is not None:
+            pred = Table(title=f"PREDICTED (not measured), model {p.model}")
+            pred.add_column("predicted")
+            pred.add_column("with overlap", justify="right")
+            pred.add_column("without overlap", justify="right")
+            pred.add_row("step time (s)", f"{p.overlapped_s:.3f}", f"{p.serial_s:.3f}")
+            for label, fn, fmt in (
+                ("tokens/s per device", p.tokens_per_s_per_device, "{:,.0f}"),
+                ("model TFLOP/s per device", p.model_tflops_per_device, "{:.0f}"),
+                ("MFU", p.mfu, "{:.1%}"),
+            ):
+                pred.add_row(label, *(fmt.format(fn(o)) for o in (True, False)))
+            links = ", ".join(
+                f"{k} {'bandwidth unknown' if v is None else f'{v:.3f} s'}"
+                for k, v in p.link_s.items()
+            )
+            pred.caption = (
+                f"compute {p.compute_s:.3f} s, memory {p.memory_s:.3f} s, collectives: "
+                f"{links or 'none'}"
+            )
+            parts.append(pred)
+        parts += [f"note: {n}" for n in self.notes]
+        return Group(*parts)
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        out = io.StringIO()
+        Console(file=out, width=110, force_terminal=False).print(self)
+        return out.getvalue().rstrip()
+
+    def plot(self, path: Any) -> None:
+        """A PNG at ``path``: one bar per memory component, the peak and HBM as lines."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = [n for n in self.memory if n != "peak"]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.bar(names, [self.memory[n] / 2**30 for n in names])
+        ax.axhline(self.memory["peak"] / 2**30, color="k", ls=":", label="compiled peak")
+        if self.hbm_bytes:
+            ax.axhline(self.hbm_bytes / 2**30, color="r", ls="--", label="HBM")
+        title = f"{self.devices} × {self.device_kind}, mesh {self.mesh} (compiled)"
+        ax.set(ylabel="GiB per device", title=title)
+        ax.tick_params(axis="x", labelrotation=20)
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def fb(n: float) -> str:
+    """``1536`` -> ``'1.50 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_OOM = (  # libtpu's CompileTimeHbmOom, two wordings: (required, available)
+    re.compile(r"\(([\d.]+)\s*([KMGT]?)i?B?\) exceeds available HBM \(([\d.]+)\s*([KMGT]?)"),
+    re.compile(r"Used ([\d.]+)\s*([KMGT]?)i?B? of ([\d.]+)\s*([KMGT]?)i?B? hbm"),
+)
+
+
+def out_of_memory(error: BaseException) -> tuple[float, float] | None:
+    """``(bytes required, bytes available)`` from a backend's out-of-memory compile error
+    (``RESOURCE_EXHAUSTED``, libtpu's ``CompileTimeHbmOom``), else None.
+
+    >>> out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out "
+    ...     "of memory on HBM, the total memory required for HLO temporaries (24.00G) "
+    ...     "exceeds available HBM (15.75G)."))
+    (25769803776.0, 16911433728.0)
+    """
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        return None
+    for pattern in _OOM:
+        m = pattern.search(text)
+        if m:
+            need, nu, have, hu = m.groups()
+            return float(need) * _UNITS[nu], float(have) * _UNITS[hu]
+    return None
+
+
+def _refused(
+    step: Any, state: Any, batch: Any, mesh: Any, error: BaseException, compile_s: float,
+    tokens: float | None,
+) -> Estimate:  # fmt: skip
+    """The :class:`Estimate` of a step the compiler refused for lack of memory."""
+    need, have = out_of_memory(error) or (0.0, 0.0)
+    devices = list(mesh.devices.flat)
+    spec = device_spec(devices[0])
+    plan = getattr(step, "state_plan", None)
+    shardings = plan(state) if plan is not None else None
+    memory, _ = _state_bytes(state, shardings)
+    state_total = sum(memory.values())
+    memory["temporaries"] = int(need)
+    memory["peak"] = state_total + int(need)
+    message = str(error).strip().splitlines()[0]
+    return Estimate(
+        device_kind=str(devices[0].device_kind),
+        devices=len(devices),
+        mesh={str(k): int(v) for k, v in mesh.shape.items()},
+        memory=memory,
+        hbm_bytes=float(spec.memory_bytes) if spec is not None else (have or None),
+        flops_hlo=0.0,
+        flops_backend=None,
+        model_flops=0.0,
+        model_flops_note="not compiled",
+        tokens=default_tokens(batch) if tokens is None else float(tokens),
+        collectives=(),
+        compile_s=compile_s,
+        prediction=None,
+        notes=(
+            f"the backend refused to compile: temporaries {fb(need)} > the {fb(have)} of "
+            "HBM it leaves for them; peak = state + those temporaries (a lower bound)",
+            "shrink the batch per device, remat more, or shard over more devices",
+        ),
+        compile_error=message,
+    )
+
+
+def _mesh_of(step: Any, leaves: list[Any]) -> Any:
+    mesh = getattr(step, "mesh", None)
+    if mesh is not None:
+        return mesh
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    raise ValueError(
+        "step has no mesh and no leaf of state or batch carries a NamedSharding; pass a "
+        "make_train_step step, or abstract values placed with sx.prepare (or "
+        "jax.ShapeDtypeStruct(..., sharding=NamedSharding(mesh, spec)))"
+    )
+
+
+def check_axes(tree: Any, mesh: Any, what: str) -> None:
+    """Every NamedSharding in ``tree`` names only axes of ``mesh``; else ValueError naming
+    the leaf, the axis and the mesh's axes."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            continue
+        for entry in sharding.spec:
+            for axis in (entry,) if isinstance(entry, str) else entry or ():
+                if axis not in mesh.shape:
+                    raise ValueError(
+                        f"{what} leaf {jax.tree_util.keystr(path)} is sharded over mesh axis "
+                        f"{axis!r}, which the step's mesh {dict(mesh.shape)} lacks; place "
+                        "it with the step's mesh (sx.prepare(..., mesh=mesh)) or use its axes"
+                    )
+
+
+def _abstract(tree: Any) -> Any:
+    """Arrays as ShapeDtypeStructs (keeping their shardings); other leaves as they are."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+def _per_device(leaf: Any, sharding: Any) -> int:
+    shape = tuple(leaf.shape)
+    if sharding is not None and hasattr(sharding, "shard_shape"):
+        shape = sharding.shard_shape(shape)
+    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+
+def _kind(path: str) -> str:
+    low = path.lower()
+    if "opt_state" in low or "optimizer" in low:
+        return "optimizer"
+    if any(k in low for k in ("model_state", "rng", ".step", "loss_scale", "batch_stats")):
+        return "other_state"
+    return "params"
+
+
+def _state_bytes(state: Any, shardings: Any) -> tuple[dict[str, int], int]:
+    """Bytes per device of params, optimizer and other state, and the params' global
+    element count."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    arrays = [(jax.tree_util.keystr(p), x) for p, x in leaves if hasattr(x, "shape")]
+    flat = [s for s in jax.tree.leaves(shardings) if hasattr(s, "shard_shape")]
+    if len(flat) != len(arrays):
+        flat = [getattr(x, "sharding", None) for _, x in arrays]
+    out = {"params": 0, "optimizer": 0, "other_state": 0}
+    count = 0
+    for (path, leaf), sharding in zip(arrays, flat, strict=True):
+        kind = _kind(path)
+        out[kind] += _per_device(leaf, sharding)
+        if kind == "params":
+            count += math.prod(leaf.shape)
+    return out, count
+
+
+def _grad_bytes(step: Any, state: Any, params_bytes: int, mesh: Any) -> int:
+    """Gradients per device: as the params, or (ZeRO-2: ``plan.shard_grads``) split like
+    the optimizer state."""
+    plan = getattr(step, "plan", None)
+    if not getattr(plan, "shard_grads", False) or not hasattr(state, "params"):
+        return params_bytes
+    specs = plan.mirror_specs(state.params)
+    total = 0
+    for leaf, spec in zip(
+        jax.tree.leaves(state.params),
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
+        strict=False,
+    ):
+        total += _per_device(leaf, jax.sharding.NamedSharding(mesh, spec))
+    return total
+
+
+def default_tokens(batch: Any) -> float:
+    """Tokens per step: rows × sequence of the batch's first 2-D integer leaf (a token
+    batch), else the rows of its first leaf."""
+    leaves = [x for x in jax.tree.leaves(batch) if hasattr(x, "shape") and len(x.shape)]
+    for x in leaves:
+        if len(x.shape) == 2 and np.issubdtype(np.dtype(x.dtype), np.integer):
+            return float(x.shape[0] * x.shape[1])
+    return float(leaves[0].shape[0]) if leaves else 0.0
+
+
+def link_bandwidths(
+    spec: Any, links: Mapping[str, float] | None, platform: str = "gpu"
+) -> dict[str, float | None]:
+    """Bytes/s per link: ``links`` where given, else the datasheet's ``ici_bandwidth``
+    (NVLink within a GPU host; ICI anywhere within a TPU slice, across its hosts too) and
+    ``dcn_bandwidth`` (InfiniBand between GPU hosts, DCN between TPU slices).
+
+    >>> from types import SimpleNamespace as NS
+    >>> link_bandwidths(NS(ici_bandwidth=4.5e11, dcn_bandwidth=5e10), None)["inter-host"]
+    50000000000.0
+    >>> link_bandwidths(NS(ici_bandwidth=4.5e11, dcn_bandwidth=5e10), None, "tpu")["inter-host"]
+    450000000000.0
+    """
+    ici, dcn = getattr(spec, "ici_bandwidth", None), getattr(spec, "dcn_bandwidth", None)
+    tpu = platform == "tpu"
+    out: dict[str, float | None] = {
+        "intra-host": ici,
+        "inter-host": ici if tpu else dcn,
+        "inter-slice": dcn,
+    }
+    out.update(links or {})
+    return out
+
+
+def analyse(
+    compiled: Any,
+    mesh: Any,
+    *,
+    state: Any = None,
+    shardings: Any = None,
+    batch: Any = None,
+    tokens: float | None = None,
+    model_flops: float | None = None,
+    model_flops_note: str | None = None,
+    compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY,
+    links: Mapping[str, float] | None = None,
+    grads_bytes: int | None = None,
+    spec: HardwareSpec | None = None,
+    compile_s: float = 0.0,
+) -> Estimate:
+    """The :class:`Estimate` of an already compiled step (``auto_plan`` calls this for
+    each candidate)."""
+    devices = list(mesh.devices.flat)
+    spec = device_spec(devices[0]) if spec is None else spec
+    notes = []
+    m = compiled.memory_analysis()
+    args, outs = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
+    alias, temp = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
+    memory, n_params = _state_bytes(state, shardings) if state is not None else ({"params": 0}, 0)
+    state_total = sum(memory.values())
+    memory["batch"] = max(0, args - state_total)
+    grads = memory["params"] if grads_bytes is None else grads_bytes
+    training = memory.get("optimizer", 0) > 0  # a train step: it makes gradients
+    grads = grads if training else 0
+    memory["gradients"] = min(grads, temp)
+    memory["other_temporaries"] = temp - memory["gradients"]
+    memory["peak"] = args + outs - alias + temp
+    hlo = compiled.as_text()
+    flops = hlo_flops(hlo)
+    backend = compiled_flops(compiled)
+    tokens = default_tokens(batch) if tokens is None else float(tokens)
+    if model_flops is None:
+        model_flops = 6.0 * n_params * tokens
+        model_flops_note = "6·N·tokens, attention not counted"
+    note = model_flops_note or "given"
+    ops = collectives(hlo, len(devices))
+    grouped: dict[tuple[str, str], dict[str, Any]] = {}
+    for c in ops:
+        members = [devices[i] for i in c.groups[0] if i < len(devices)] if c.groups else devices
+        link = link_of(
+            {d.process_index for d in members}, {getattr(d, "slice_index", 0) for d in members}
+        )
+        row = grouped.setdefault((c.op, link), {"op": c.op, "link": link, "runs": 0,
+                                                "sent_bytes": 0.0})  # fmt: skip
+        row["runs"] += c.count
+        row["sent_bytes"] += c.sent_bytes
+    rows = tuple(grouped.values())
+    hbm = None if spec is None else float(spec.memory_bytes)
+    prediction = None
+    if spec is None:
+        notes.append(f"no datasheet for device kind {devices[0].device_kind!r}: no predicted time")
+    else:
+        cost = compiled.cost_analysis() if backend is not None else None
+        if isinstance(cost, list | tuple):
+            cost = cost[0] if cost else None
+        accessed = (cost or {}).get("bytes accessed")
+        hbm_traffic = float(accessed) if accessed else float(args + outs + 2 * temp)
+        bandwidths = link_bandwidths(spec, links, str(devices[0].platform).lower())
+        sent: dict[str, float] = {}
+        for r in rows:
+            sent[r["link"]] = sent.get(r["link"], 0.0) + r["sent_bytes"]
+        compute = flops
+        if not flops and backend:  # e.g. TPU: its matmuls are not plain dots in the HLO
+            compute = float(backend)
+            notes.append(
+                "compute: the backend's cost_analysis() FLOPs (no matmul found in the HLO)"
+            )
+        prediction = predict_step(
+            flops=compute,
+            hbm_bytes=hbm_traffic,
+            link_bytes=sent,
+            peak_flops=spec.peak_flops,
+            hbm_bandwidth=spec.hbm_bandwidth,
+            link_bandwidth=bandwidths,
+            compute_efficiency=compute_efficiency,
+            tokens=tokens,
+            model_flops=model_flops,
+            devices=len(devices),
+        )
+        missing = [k for k, v in prediction.link_s.items() if v is None]
+        if missing:
+            notes.append(
+                f"no bandwidth for link(s) {', '.join(missing)} in the datasheet: their "
+                "collectives are not in the predicted time; pass links={...} (bytes/s)"
+            )
+        if not accessed:
+            notes.append("HBM traffic: arguments + outputs + 2 × temporaries (no backend figure)")
+    if training:
+        notes.append("gradients: the params' bytes and sharding, part of the temporaries")
+    return Estimate(
+        device_kind=str(devices[0].device_kind),
+        devices=len(devices),
+        mesh={str(k): int(v) for k, v in mesh.shape.items()},
+        memory=memory,
+        hbm_bytes=hbm,
+        flops_hlo=flops,
+        flops_backend=backend,
+        model_flops=float(model_flops),
+        model_flops_note=note,
+        tokens=tokens,
+        collectives=rows,
+        compile_s=compile_s,
+        prediction=prediction,
+        notes=tuple(notes),
+    )
+
+
+@public("sx.estimate")
+def estimate(
+    step: Any,
+    state: Any,
+    batch: Any,
+    *,
+    tokens: float | None = None,
+    model_flops: float | None = None,
+    model_flops_note: str | None = None,
+    compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY,
+    links: Mapping[str, float] | None = None,
+) -> Estimate:
+    """Compiles ``step(state, batch)`` for abstract values and reports its cost per device.
+
+    Args:
+        step: a ``make_train_step`` step (``plan="auto"`` picks its plan first), or a
+            ``jax.jit`` function of ``(state, batch)``.
+        state, batch: abstract (``jax.ShapeDtypeStruct``, ``jax.eval_shape``,
+            ``nnx.eval_shape``) or concrete values; only shapes, dtypes and shardings
+            are used.
+        tokens: tokens per step (default: rows × sequence of a 2-D integer batch leaf).
+        model_flops: model FLOPs per step over all devices (default ``6·N·tokens``; for
+            a transformer add attention: :func:`shardax.cost.flops.transformer_flops_per_token`).
+        model_flops_note: the formula of ``model_flops``, for the report.
+        compute_efficiency: the fraction of peak the prediction assumes.
+        links: bytes/s per link (``"intra-host"``, ``"inter-host"``, ``"inter-slice"``),
+            over the datasheet's figures.
+
+    Raises:
+        ValueError: a sharding names an axis the step's mesh lacks; the batch's rows do
+            not divide over the data axis (the step says so).
+
+    A backend's out-of-memory compile error (libtpu's ``CompileTimeHbmOom``) is not
+    raised: the report says the step does not fit, with the bytes the error names.
+    """
+    if not hasattr(step, "lower"):
+        raise TypeError(
+            f"step must be a make_train_step step or a jax.jit function (with .lower), got "
+            f"{type(step).__name__}"
+        )
+    state, batch = _abstract(state), _abstract(batch)
+    mesh = _mesh_of(step, jax.tree.leaves((state, batch)))
+    check_axes(state, mesh, "state")
+    check_axes(batch, mesh, "batch")
+    if getattr(step, "plan", 0) is None and hasattr(step, "pick"):  # plan="auto"
+        step = step.pick(state, batch)
+    if hasattr(step, "abstract"):  # a make_train_step step: its precision's dtypes
+        state = step.abstract(state)
+    start = time.perf_counter()
+    try:
+        compiled = step.lower(state, batch).compile()
+    except RuntimeError as e:  # jax.errors.JaxRuntimeError; only out-of-memory is a report
+        if out_of_memory(e) is None:
+            raise
+        return _refused(step, state, batch, mesh, e, time.perf_counter() - start, tokens)
+    compile_s = time.perf_counter() - start
+    try:
+        shardings = compiled.input_shardings[0][0]
+    except (AttributeError, IndexError, TypeError):
+        shardings = None
+    memory, _ = _state_bytes(state, shardings)
+    return analyse(
+        compiled,
+        mesh,
+        state=state,
+        shardings=shardings,
+        batch=batch,
+        tokens=tokens,
+        model_flops=model_flops,
+        model_flops_note=model_flops_note,
+        compute_efficiency=compute_efficiency,
+        links=links,
+        grads_bytes=_grad_bytes(step, state, memory["params"], mesh),
+        compile_s=compile_s,
+    )
+
+
+__all__ = ["HEADROOM", "LINKS", "Estimate", "analyse", "estimate", "out_of_memory"]
