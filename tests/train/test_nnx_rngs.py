@@ -146,13 +146,13 @@ def test_prepare_and_the_users_nnx_jit_step_equal_one_device(one_device, mesh):
 def test_make_train_step_and_checkpoint_round_trip(name, mesh, tmp_path):
     model, _, loss_fn, _ = new(name)
     one = sx.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    results = {}
+    results, steps = {}, {}
     for label, m, plan in (
         ("one", one, sx.fsdp(one, min_size=64)),
         ("eight", mesh, sx.fsdp(mesh, min_size=64)),
         ("auto", mesh, "auto"),  # auto's plan functions see the keys too
     ):
-        step = sx.make_train_step(loss_fn, mesh=m, plan=plan)
+        step = steps[label] = sx.make_train_step(loss_fn, mesh=m, plan=plan)
         state = sx.TrainState.create(new(name)[0], optax.adam(1e-2))
         state = state if plan == "auto" else step.shard(state)
         for batch in batches():
@@ -186,8 +186,8 @@ def test_make_train_step_and_checkpoint_round_trip(name, mesh, tmp_path):
         for x in jax.tree.leaves(got):
             if sx.plan.is_key(x):
                 assert str(x.dtype) == "key<fry>" and x.sharding.is_fully_replicated
-    # The restored state trains on as the saved one does.
-    step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.fsdp(mesh, min_size=64))
+    # The restored state trains on as the saved one does (the "eight" step, compiled).
+    step = steps["eight"]
     _, going_on = step(state, batches()[0])
     _, resumed = step(restored, batches()[0])
     assert float(resumed["loss"]) == float(going_on["loss"])
