@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 from shardax.cost.estimate import HEADROOM, link_bandwidths
 from shardax.cost.flops import hlo_flops, transformer_flops_per_token
-from shardax.cost.hlo import collectives, replica_groups
+from shardax.cost.hlo import attention_kernel, collectives, replica_groups
 from shardax.cost.memory import estimate as formula
 from shardax.cost.predict import link_of, predict_step
 from shardax.train.auto import Candidate, choose
@@ -309,8 +309,26 @@ def test_tpu_gpt_flops_from_the_hlo_follow_6n_plus_attention():
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
 
     step = sx.make_train_step(loss_fn, mesh=mesh, plan=gpt.plan(mesh, model, "fsdp"))
-    tok = jax.ShapeDtypeStruct((16, 128), jnp.int32)
+    tok = jax.ShapeDtypeStruct((16, 96), jnp.int32)
     hlo = step.lower(state, {"inputs": tok, "targets": tok}).compile().as_text()
     n = gpt.param_count(model, embeddings=False)  # XLA computes the whole causal square
-    expected = transformer_flops_per_token(n, 2, 128, 256, causal=False) * 16 * 128 / 4
+    # 96 tokens: not a multiple of splash attention's 128-token blocks, so attention is
+    # XLA's own (its batched matmuls are convolutions too), said once by name.
+    assert attention_kernel(hlo) == "dense"
+    expected = transformer_flops_per_token(n, 2, 96, 256, causal=False) * 16 * 96 / 4
     assert hlo_flops(hlo) == pytest.approx(expected, rel=0.15)
+
+
+def test_cudnn_attention_flops_are_counted_from_its_custom_calls():
+    """cuDNN's fused attention is a custom call: 2 matmuls forward, 5 backward (scores
+    recomputed), halved under a causal mask; read from its operand shapes (BTNH)."""
+    line = (
+        "%fwd = (bf16[2,8,1024,64]{3,1,2,0}, f32[2,8,1024]{2,1,0}) custom-call(%q, %k, %v), "
+        'custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints='
+        "{bf16[2,1024,8,64]{3,2,1,0}, bf16[2,512,8,64]{3,2,1,0}, bf16[2,512,8,64]{3,2,1,0}}, "
+        'backend_config={"cudnn_fmha_backend_config": {"mask_type": "CAUSAL"}}'
+    )
+    matmul = 2 * 2 * 8 * 1024 * 512 * 64
+    assert hlo_flops(line) == 2 * matmul * 0.5
+    backward = line.replace("fmhaSoftmax", "fmhaSoftmaxBackward").replace("CAUSAL", "NO_MASK")
+    assert hlo_flops(backward) == 5 * matmul

@@ -119,14 +119,18 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, float, str]:
     return model, state, loss_fn, {"inputs": tokens, "targets": tokens}, per_token, what
 
 
-def _precision(args: argparse.Namespace) -> Any:
+def _precision(args: argparse.Namespace, platform: str) -> Any:
+    """``--param-dtype bf16``: params and moments in bf16; else ``--precision``, by
+    default what ``shardax train`` takes on the target's platform (bf16 for the GPT on a
+    GPU or TPU)."""
     import jax.numpy as jnp
 
     import shardax as sx
+    from shardax.cli.train import default_precision
 
     if args.param_dtype == "bf16":  # params and Adam's moments in bf16: 6 bytes/param
         return sx.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
-    return args.precision
+    return args.precision or default_precision("gpt", platform)
 
 
 def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
@@ -158,7 +162,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         )
     model, state, loss_fn, batch, per_token, what = _model(args)
     params = gpt.param_count(model)
-    precision = _precision(args)
+    precision = _precision(args, target.platform)
     axis: Any = data_axes if len(data_axes) > 1 else DATA_AXIS
     tp = gpt.plan(mesh, model, "tp") if MODEL_AXIS in mesh.shape else None
     report = None

@@ -62,13 +62,36 @@ def _dims(shape: str) -> tuple[int, ...]:
     return tuple(int(d) for d in inner.split(",") if d)
 
 
+_FMHA = re.compile(
+    r'custom_call_target="__cudnn\$fmha(\w*)".*?operand_layout_constraints=\{(.*?\})\}'
+)
+_SHAPE = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def _fmha_flops(line: str) -> float:
+    """cuDNN flash attention's matmul FLOPs (``__cudnn$fmha*`` custom call, BTNH layout):
+    ``2·B·N·T·S·H`` per matmul, 2 forward (scores, weighted values) and 5 backward (the
+    scores recomputed, then dV, dP, dQ, dK); halved for a causal mask, whose masked
+    blocks the kernel skips. 0 for a line that is not one."""
+    found = _FMHA.search(line)
+    if not found:
+        return 0.0
+    shapes = [tuple(int(d) for d in m.split(",") if d) for m in _SHAPE.findall(found.group(2))]
+    if len(shapes) < 2 or len(shapes[0]) != 4 or len(shapes[1]) != 4:
+        return 0.0
+    (b, t, n, h), s = shapes[0], shapes[1][1]
+    matmuls = 5 if "Backward" in found.group(1) else 2
+    causal = 0.5 if "CAUSAL" in line.upper() else 1.0
+    return 2.0 * b * n * t * s * h * matmuls * causal
+
+
 def hlo_flops(hlo: str) -> float:
     """Matmul FLOPs of one device's program per run of ``hlo`` (``compiled.as_text()``):
     ``2 · output elements · contracted size`` for every ``dot`` (and cuBLAS GEMM custom
-    call, and XLA:TPU's ``convolution``: ``2 · output · lhs features · window taps``), an op in
-    a loop body counted its trip count times. Elementwise ops, reductions
-    and attention kernels in custom calls are not counted (a transformer's FLOPs are its
-    matmuls' to within a few percent).
+    call, and XLA:TPU's ``convolution``: ``2 · output · lhs features · window taps``), and
+    cuDNN's fused attention (:func:`_fmha_flops`), an op in a loop body counted its trip
+    count times. Elementwise ops, reductions and TPU Pallas kernels (splash attention) are
+    not counted.
 
     >>> hlo_flops("%a = f32[4,8]{1,0} parameter(0)\\n%b = f32[8,2]{1,0} parameter(1)\\n"
     ...           "%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
@@ -93,6 +116,10 @@ def hlo_flops(hlo: str) -> float:
                 taps = _window_taps(line)
                 flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * taps
                 total += flops * (runs.get(name) or 1)
+                continue
+            fmha = _fmha_flops(line)
+            if fmha:
+                total += fmha * (runs.get(name) or 1)
                 continue
             dot, gemm = _DOT.search(line), _GEMM.search(line)
             if not (dot or gemm):
