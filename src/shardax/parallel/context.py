@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from shardax.checks import as_count, as_float, public
+from shardax.checks import as_bool, as_count, as_float, public
 from shardax.mesh.axes import CONTEXT_AXIS
 from shardax.parallel import fused
 
@@ -229,6 +229,32 @@ def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
                 f"bias must be 4-D and broadcastable to (batch, heads, q_len, "
                 f"kv_len) = {full}, got {tuple(bias.shape)}"
             )
+
+
+def _check_dtypes(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any) -> None:
+    """q, k and v floating and of one dtype (no silent promotion: under a context mesh
+    the blocks would travel in one dtype and combine in another); a bias floating (a
+    boolean "bias" would be added as 0/1: a mask goes in ``segment_ids``, ``causal``
+    or ``window``)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{name} must be a floating array (attention's softmax is computed in "
+                f"floating point), got dtype {x.dtype}; cast it, e.g. {name}.astype(jnp.float32)"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+        raise TypeError(
+            f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+            f"cast them to one (e.g. all to {common}, what they would promote to)"
+        )
+    if bias is not None and not jnp.issubdtype(jnp.asarray(bias).dtype, jnp.floating):
+        raise TypeError(
+            f"bias must be a floating array added to the logits, got dtype "
+            f"{jnp.asarray(bias).dtype}; a boolean mask is not a bias (it would be added "
+            "as 0/1): pass segment_ids=, causal=True or window= for masks, or a bias of "
+            "0 and -inf (jnp.where(mask, 0.0, -jnp.inf))"
+        )
 
 
 _LAID_OUT: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
@@ -783,6 +809,8 @@ def attention(
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     _check_shapes(q, k, v, segment_ids, bias)
+    _check_dtypes(q, k, v, bias)
+    causal = as_bool("causal", causal)
     window = _check_window(window)
     if impl not in ("auto", *IMPLS):
         raise ValueError(f"impl must be 'auto' or one of {list(IMPLS)}, got {impl!r}")
