@@ -77,7 +77,7 @@ def mse(model, batch):
 
 @pytest.mark.parametrize("mode", ["jit", "shard_map"])
 def test_nnx_modules_are_evaluated_in_deterministic_mode(mesh, mode):
-    step = sx.make_train_step(mse, mesh=mesh, mode=mode)
+    step = sx.make_train_step(mse, mesh=mesh, mode=mode, rng_per_device=True)
     state, _ = step(
         step.shard(sx.TrainState.create(Noisy(nnx.Rngs(0)), optax.sgd(0.1))), batches(1)[0]
     )
@@ -85,7 +85,7 @@ def test_nnx_modules_are_evaluated_in_deterministic_mode(mesh, mode):
     model = nnx.view(state.model, deterministic=True, use_running_average=True)
     expected = float(mse(model, batch))
     before = snapshot(state.model_state)
-    evaluate = sx.make_eval_step(mse, mesh=mesh, mode=mode)
+    evaluate = sx.make_eval_step(mse, mesh=mesh, mode=mode, rng_per_device=True)
     for _ in range(2):  # no dropout mask, no RNG draw, no batch statistics update
         np.testing.assert_allclose(float(evaluate(state, batch)["loss"]), expected, rtol=1e-5)
     for a, b in zip(snapshot(state.model_state), before, strict=True):

@@ -193,10 +193,11 @@ def test_make_train_step_and_checkpoint_round_trip(name, mesh, tmp_path):
     assert float(resumed["loss"]) == float(going_on["loss"])
 
 
-def test_model_rng_under_accumulate_is_refused_and_under_shard_map_named(mesh):
+def test_model_rng_under_accumulate_and_shard_map_is_refused(mesh):
     """The VAE draws its noise from its own nnx.Rngs: accumulate=2 would advance them once
     per microbatch (refused, naming the key and the way out); shard_map folds them per
-    device (a warning naming them); jit with accumulate=1 is one device's (no word)."""
+    device (refused, unless rng_per_device=True); jit with accumulate=1 is one
+    device's (no word)."""
     state = sx.TrainState.create(VAE(nnx.Rngs(0, noise=1)), optax.adam(1e-2))
     batch = batches()[0]
     accumulated = sx.make_train_step(vae_loss, mesh=mesh, accumulate=2)
@@ -205,7 +206,7 @@ def test_model_rng_under_accumulate_is_refused_and_under_shard_map_named(mesh):
     ):
         accumulated(accumulated.shard(state), batch)
     mapped = sx.make_train_step(vae_loss, mesh=mesh, mode="shard_map")
-    with pytest.warns(UserWarning, match=r"model_state/rngs/noise/key\).*mode='shard_map'"):
+    with pytest.raises(ValueError, match=r"model_state/rngs/noise/key\).*mode='shard_map'"):
         mapped(mapped.shard(state), batch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

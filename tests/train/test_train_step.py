@@ -379,7 +379,8 @@ def test_framework_rng_draws_different_masks_on_each_device(mesh, framework, mod
         for k in jax.tree.leaves(state.model_state)
         if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
     ]
-    step = sx.make_train_step(loss_fn, mesh=mesh, mode=mode)
+    # rng_per_device=True: the NNX Rngs held by the model draw per device, as asked.
+    step = sx.make_train_step(loss_fn, mesh=mesh, mode=mode, rng_per_device=True)
     state, _ = step(step.shard(state), {"x": np.ones((8, 64), np.float32)})
     unchanged = int(np.sum(leaves(state.params)[0] == before))
     assert unchanged < 8, f"{unchanged} of 64 kernel entries got no gradient"

@@ -139,7 +139,7 @@ def test_per_device_token_mean_without_a_mask_is_named(mesh):
 
 def test_dropout_from_framework_rng_under_shard_map_is_named(mesh):
     # the zoo's nnx_dropout (which passes under jit): the same reference program
-    step = sx.make_train_step(ce_loss, mesh=mesh, mode="shard_map")
+    step = sx.make_train_step(ce_loss, mesh=mesh, mode="shard_map", rng_per_device=True)
     report = sx.verify(step, zoo_state("nnx_dropout", OPTIMIZERS["adam"]()), image_batch())
     assert not report.ok and report.cause == "device-folded RNG", str(report)
 

@@ -35,7 +35,7 @@ from typing import Any
 from shardax.cli.common import UsageError, plot_curves
 from shardax.cli.job import Job, build_steps, check_batch_fits, data_axes, make_mesh, register
 from shardax.cli.job import data_size as job_data_size
-from shardax.mesh.axes import CONTEXT_AXIS, STAGE_AXIS
+from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, STAGE_AXIS
 
 OPTIONS = (
     "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
@@ -107,7 +107,21 @@ def check_context(args: argparse.Namespace, mesh: Any) -> int:
     """The context axis size C (1 without one), its rules as usage errors."""
     context = mesh.shape.get(CONTEXT_AXIS, 1)
     if context == 1:
+        if args.attention not in (None, "auto"):
+            raise UsageError(
+                f"--attention {args.attention} picks how the sequence is split over the "
+                f"mesh's {CONTEXT_AXIS!r} axis, and --mesh {_mesh_text(mesh)} has none (or of "
+                f"size 1), so plain attention would run; add {CONTEXT_AXIS}=C to --mesh, or "
+                "drop --attention"
+            )
         return 1
+    if args.mode != "jit":
+        raise UsageError(
+            f"--mesh {_mesh_text(mesh)} splits the sequence over the {CONTEXT_AXIS!r} axis, "
+            f"which the step does under --mode jit only (the batches are reordered zig-zag "
+            f"for C={context} and placed over it); got --mode {args.mode}. Use --mode jit, "
+            f"or drop {CONTEXT_AXIS}= from --mesh"
+        )
     if args.microbatches is not None:
         raise UsageError(f"--mesh with a {CONTEXT_AXIS!r} axis does not run under sx.pipeline")
     if args.seq_len % (2 * context):
@@ -121,6 +135,23 @@ def check_context(args: argparse.Namespace, mesh: Any) -> int:
             f"{args.heads} is not divisible by its size {context}; use ring or all_gather"
         )
     return context
+
+
+def _mesh_text(mesh: Any) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+
+
+def check_experts(args: argparse.Namespace, mesh: Any) -> None:
+    """An ``expert`` mesh axis splits the MoE blocks' experts: without ``--experts`` the
+    model has none, and every device on that axis would repeat the same work."""
+    if mesh.shape.get(EXPERT_AXIS, 1) > 1 and args.experts is None:
+        raise UsageError(
+            f"--mesh {_mesh_text(mesh)} has an {EXPERT_AXIS!r} axis of size "
+            f"{mesh.shape[EXPERT_AXIS]}, which splits the experts of --experts, but "
+            "--experts is not given: the devices on that axis would repeat the same work. "
+            f"Pass --experts E (a multiple of {mesh.shape[EXPERT_AXIS]}), or drop "
+            f"{EXPERT_AXIS}= from --mesh"
+        )
 
 
 def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: list[int]) -> None:
@@ -173,6 +204,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     cfg = config(args)
     data_size = job_data_size(mesh)
     check_batch_fits(args, mesh)
+    check_experts(args, mesh)
     context = check_context(args, mesh)
     layout = "zigzag" if context > 1 else "contiguous"
     try:

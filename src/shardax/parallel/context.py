@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from shardax.checks import as_count, as_float, public
+from shardax.checks import as_bool, as_count, as_float, public
 from shardax.mesh.axes import CONTEXT_AXIS
 from shardax.parallel import fused
 
@@ -100,6 +100,12 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
     return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
 
 
+ZIGZAG_KEY = "zigzag_context"
+"""The leaf :func:`zigzag` adds to a dict batch: ``(rows, seq)`` int16 filled with the C
+it was reordered for (shaped like the tokens, so it is placed and split like them). A
+train or eval step whose mesh has another C refuses the batch."""
+
+
 @public("sx.parallel.zigzag")
 def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndarray]:
     """``(batch, positions)``: every array leaf of ``batch`` reordered along ``seq_axis``
@@ -108,17 +114,57 @@ def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndar
     ``layout="zigzag"`` to :func:`attention`). Segment ids in the batch are reordered
     with it. Leaves of rank <= ``seq_axis`` pass through.
 
+    A dict batch carries its C: a ``"zigzag_context"`` leaf, ``(rows, seq)`` filled with
+    ``context``; ``sx.make_train_step`` / ``make_eval_step`` refuse a host batch whose C
+    is not the mesh's context axis size (a zig-zag batch run on another C gives wrong
+    causal masks). A batch of another type does not carry it: keep C and the mesh equal.
+
     >>> batch, pos = zigzag({"tokens": np.arange(8)[None]}, 2)
-    >>> batch["tokens"].tolist(), pos.tolist()
-    ([[0, 1, 6, 7, 2, 3, 4, 5]], [0, 1, 6, 7, 2, 3, 4, 5])
+    >>> batch["tokens"].tolist(), pos.tolist(), batch["zigzag_context"].tolist()
+    ([[0, 1, 6, 7, 2, 3, 4, 5]], [0, 1, 6, 7, 2, 3, 4, 5], [[2, 2, 2, 2, 2, 2, 2, 2]])
     """
+    context = as_count("context", context)
+    if isinstance(batch, dict) and ZIGZAG_KEY in batch:
+        raise ValueError(
+            f"batch is already reordered zig-zag (its {ZIGZAG_KEY!r} leaf); reorder the "
+            "batch in sequence order, or sx.parallel.unzigzag it first"
+        )
     lengths = {np.shape(x)[seq_axis] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
     if len(lengths) != 1:
         raise ValueError(
             f"batch leaves must share one length along seq_axis={seq_axis}, got {sorted(lengths)}"
         )
     order = zigzag_order(lengths.pop(), context)
-    return _take(batch, order, seq_axis), order
+    out = _take(batch, order, seq_axis)
+    if isinstance(out, dict):
+        rows = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
+        # (rows, seq): placed, checked and split like the other (rows, seq) leaves.
+        marker = np.full((rows.pop(), len(order)), context, np.int16)
+        out = {**out, ZIGZAG_KEY: marker}
+    return out, order
+
+
+def check_zigzag(batch: Any, mesh: Mesh, axis: str = CONTEXT_AXIS) -> None:
+    """Refuses a host batch reordered by :func:`zigzag` for another C than ``mesh``'s
+    ``axis`` (or, where that has size 1, an enclosing :func:`laid_out_for`'s). A device
+    marker is not read back (that would wait for the device)."""
+    if not isinstance(batch, dict) or ZIGZAG_KEY not in batch:
+        return
+    marker = batch[ZIGZAG_KEY]
+    if isinstance(marker, jax.Array) or np.size(marker) == 0:
+        return
+    carried = int(np.asarray(marker).reshape(-1)[0])
+    here = int(mesh.shape.get(axis, 1))
+    if here == 1:
+        here = (_LAID_OUT.get() or {}).get(axis, 1)
+    if carried != here:
+        raise ValueError(
+            f"batch[{ZIGZAG_KEY!r}] says the batch was reordered zig-zag for C={carried} "
+            f"devices, but the mesh's {axis!r} axis has size {here}: its causal masks "
+            f"would be wrong. Reorder it for C={here} (sx.parallel.unzigzag(batch, "
+            f"{carried}), then sx.parallel.zigzag(batch, {here})), or use a mesh with "
+            f"{axis}={carried}"
+        )
 
 
 @public("sx.parallel.unzigzag")
@@ -128,6 +174,8 @@ def unzigzag(batch: Any, context: int, *, seq_axis: int = 1) -> Any:
     >>> unzigzag(np.array([[0, 1, 6, 7, 2, 3, 4, 5]]), 2).tolist()
     [[0, 1, 2, 3, 4, 5, 6, 7]]
     """
+    if isinstance(batch, dict):
+        batch = {k: v for k, v in batch.items() if k != ZIGZAG_KEY}
     lengths = {np.shape(x)[seq_axis] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
     return _take(batch, np.argsort(zigzag_order(lengths.pop(), context)), seq_axis)
 
@@ -229,6 +277,32 @@ def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
                 f"bias must be 4-D and broadcastable to (batch, heads, q_len, "
                 f"kv_len) = {full}, got {tuple(bias.shape)}"
             )
+
+
+def _check_dtypes(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any) -> None:
+    """q, k and v floating and of one dtype (no silent promotion: under a context mesh
+    the blocks would travel in one dtype and combine in another); a bias floating (a
+    boolean "bias" would be added as 0/1: a mask goes in ``segment_ids``, ``causal``
+    or ``window``)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{name} must be a floating array (attention's softmax is computed in "
+                f"floating point), got dtype {x.dtype}; cast it, e.g. {name}.astype(jnp.float32)"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        common = jnp.promote_types(jnp.promote_types(q.dtype, k.dtype), v.dtype)
+        raise TypeError(
+            f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+            f"cast them to one (e.g. all to {common}, what they would promote to)"
+        )
+    if bias is not None and not jnp.issubdtype(jnp.asarray(bias).dtype, jnp.floating):
+        raise TypeError(
+            f"bias must be a floating array added to the logits, got dtype "
+            f"{jnp.asarray(bias).dtype}; a boolean mask is not a bias (it would be added "
+            "as 0/1): pass segment_ids=, causal=True or window= for masks, or a bias of "
+            "0 and -inf (jnp.where(mask, 0.0, -jnp.inf))"
+        )
 
 
 _LAID_OUT: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
@@ -783,6 +857,8 @@ def attention(
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     _check_shapes(q, k, v, segment_ids, bias)
+    _check_dtypes(q, k, v, bias)
+    causal = as_bool("causal", causal)
     window = _check_window(window)
     if impl not in ("auto", *IMPLS):
         raise ValueError(f"impl must be 'auto' or one of {list(IMPLS)}, got {impl!r}")

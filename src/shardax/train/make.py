@@ -45,6 +45,7 @@ def make_train_step(
     stats_every: int = 1,
     seq_axis: str | None = None,
     batch_spec: Any = None,
+    rng_per_device: bool = False,
 ) -> TrainStep | AutoStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
@@ -116,6 +117,11 @@ def make_train_step(
             or a pytree of them, a prefix of the batch (:mod:`shardax.data.spec`). The
             step places the batch so; ``"jit"`` and ``"single"`` only, ``accumulate=1``.
             Default None: every leaf's rows are examples, split over ``data_axis``.
+        rng_per_device: under ``"shard_map"`` and ``"pmap"``, a model that draws from
+            its own generators (an ``nnx.Rngs`` held in the model: typed keys in its
+            state) draws from a key folded with the device index, so its numbers are not
+            one device's; that is refused by name unless ``rng_per_device=True`` accepts
+            it. (Keys the step hands out, ``rng`` and ``step_rng``, need no opt-in.)
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode, plus ``stats``.
@@ -124,7 +130,7 @@ def make_train_step(
     kw = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
           "data_axis": data_axis, "precision": precision, "stats": stats,
           "stats_every": stats_every, "seq_axis": seq_axis,
-          "batch_spec": batch_spec}  # fmt: skip
+          "batch_spec": batch_spec, "rng_per_device": rng_per_device}  # fmt: skip
     if isinstance(plan, str) and plan == "auto":
         plan = AutoPlanOptions()
     if isinstance(plan, AutoPlanOptions):
@@ -144,6 +150,7 @@ def make_eval_step(
     precision: str | Precision = "fp32",
     seq_axis: str | None = None,
     batch_spec: Any = None,
+    rng_per_device: bool = False,
 ) -> EvalStep:
     """A compiled ``evaluate(state, batch) -> metrics`` that never changes ``state``.
 
@@ -156,8 +163,8 @@ def make_eval_step(
             microbatches are weighted by their count of real examples or tokens. It
             may take ``rng`` and ``step_rng`` like a train step's loss function; NNX and
             Equinox models are in inference mode (dropout off, running averages).
-        mesh, plan, mode, accumulate, data_axis, seq_axis, batch_spec: as for
-            :func:`make_train_step`; use
+        mesh, plan, mode, accumulate, data_axis, seq_axis, batch_spec, rng_per_device:
+            as for :func:`make_train_step`; use
             the train step's mesh and plan to evaluate its state where it lies.
         precision: the compute and output dtypes, as for :func:`make_train_step`
             (without loss scaling).
@@ -166,4 +173,5 @@ def make_eval_step(
     policy = resolve(precision)._replace(loss_scaling=None)
     return EvalStep(metric_fn, mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
                     donate=False, data_axis=data_axis, precision=policy,
-                    seq_axis=seq_axis, batch_spec=batch_spec)  # fmt: skip
+                    seq_axis=seq_axis, batch_spec=batch_spec,
+                    rng_per_device=rng_per_device)  # fmt: skip

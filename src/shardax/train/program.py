@@ -29,7 +29,6 @@ implement:
 from __future__ import annotations
 
 import collections
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -40,11 +39,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from shardax.checks import as_count, public
+from shardax.checks import as_bool, as_count, public
 from shardax.data.leaves import check_batch_leaves
 from shardax.data.placement import batch_sharding
 from shardax.data.spec import batch_shardings, check_batch_spec, place_by_spec
+from shardax.mesh.axes import CONTEXT_AXIS
 from shardax.parallel.collectives import all_reduce, weighted_mean
+from shardax.parallel.context import check_zigzag
 from shardax.plan.activation import constrain
 from shardax.plan.core import Plan, axis_size, replicate
 from shardax.plan.follow import FollowParams, follow_params
@@ -246,6 +247,7 @@ class Program:
         precision: str | Precision = "fp32",
         seq_axis: str | None = None,
         batch_spec: Any = None,
+        rng_per_device: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
@@ -306,7 +308,7 @@ class Program:
         names = (data_axis,) if isinstance(data_axis, str) else data_axis
         self._explicit = any(mesh_axis_type(mesh, n) == AxisType.Explicit for n in names)
         self._compiled: collections.OrderedDict[Any, _Compiled] = collections.OrderedDict()
-        self._warned_rng = False
+        self.rng_per_device = as_bool("rng_per_device", rng_per_device)
         self._device = SingleDeviceSharding(mesh.devices.flat[0])
         self._call = self._mode_call()
 
@@ -506,8 +508,8 @@ class Program:
         """Randomness the model draws from its own generators (an ``nnx.Rngs``: typed
         keys in the model state) is one device's only under ``mode="jit"`` with
         ``accumulate=1``: refused with accumulation (each microbatch would advance the
-        generator once), named in a warning under shard_map and pmap (each device draws
-        from its own folded key, by design)."""
+        generator once), and under shard_map and pmap (each device draws from its own
+        folded key) unless ``rng_per_device=True`` accepts per-device draws."""
         if not (mapped or self.accumulate > 1):
             return
         flat = jax.tree_util.tree_flatten_with_path(model_state)[0]
@@ -526,13 +528,12 @@ class Program:
                 f"accumulate={self.accumulate} would advance once per microbatch: the "
                 f"result would not be one device's. {way_out}, or use accumulate=1"
             )
-        if not self._warned_rng:
-            self._warned_rng = True
-            warnings.warn(
+        if not self.rng_per_device:
+            raise ValueError(
                 f"the model draws from its own random generator ({where}); under "
-                f"mode={self.mode!r} each device draws from its own folded key, so the "
-                f"numbers are not one device's. {way_out}, or use mode='jit'",
-                stacklevel=2,
+                f"mode={self.mode!r} each device would draw from its own folded key, so "
+                f"the numbers would not be one device's. {way_out}, or use mode='jit'; "
+                "or pass rng_per_device=True to make_train_step to accept per-device draws"
             )
 
     def _shard_update(self, state: TrainState, batch: Any, index: jax.Array, mapped: bool):
@@ -805,6 +806,7 @@ class Program:
         ``batch_spec`` arrays placed as it says (checked as they are placed)."""
         if self.batch_spec is None:
             check_batch(batch, divisor=self._divisor, what=self._what)
+            check_zigzag(batch, self.mesh, self.seq_axis or CONTEXT_AXIS)
         else:
             check_batch_leaves(batch, arrays_only=True)
             batch_shardings(batch, self.mesh, self.batch_spec)

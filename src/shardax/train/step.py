@@ -13,8 +13,9 @@ the same update from the same global batch (up to the order of floating-point su
   which the devices are weighted (:func:`shardax.masked_mean`); without one,
   ``"shard_map"`` and ``"pmap"`` average the devices' means with equal weights;
 - random numbers come from the ``rng`` argument (one key per example): the framework's
-  RNG (``step_rng``, Linen's ``"dropout"``, NNX ``Rngs``) folds in the device index under
-  ``"shard_map"`` and ``"pmap"``;
+  RNG (``step_rng``, Linen's ``"dropout"``) folds in the device index under
+  ``"shard_map"`` and ``"pmap"``, and a model holding its own NNX ``Rngs`` is refused
+  there unless ``rng_per_device=True``;
 - the model normalizes nothing per device, apart from NNX, Linen and Equinox BatchNorm,
   which the step binds to the data axis (:mod:`shardax.train.batchnorm`).
 

@@ -522,6 +522,7 @@ class _Probe(TrainStep):
             precision=step.precision,
             stats=(),
             seq_axis=None if one else step.seq_axis,
+            rng_per_device=getattr(step, "rng_per_device", False),
         )
 
 
