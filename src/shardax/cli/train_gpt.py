@@ -35,7 +35,7 @@ from typing import Any
 from shardax.cli.common import UsageError, plot_curves
 from shardax.cli.job import Job, build_steps, check_batch_fits, data_axes, make_mesh, register
 from shardax.cli.job import data_size as job_data_size
-from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, STAGE_AXIS
+from shardax.mesh.axes import CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS
 
 OPTIONS = (
     "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
