@@ -492,6 +492,14 @@ def analyse(
             notes.append(
                 "compute: the backend's cost_analysis() FLOPs (no matmul found in the HLO)"
             )
+        floor = model_flops / len(devices) if model_flops else 0.0
+        if compute < floor:  # a kernel the HLO does not show (TPU splash attention)
+            notes.append(
+                f"compute: the model's FLOPs per device ({floor:.3g}), above the HLO's count "
+                f"({compute:.3g}), which misses a kernel's work (a Pallas kernel's, as splash "
+                "attention's, is not in the HLO)"
+            )
+            compute = floor
         prediction = predict_step(
             flops=compute,
             hbm_bytes=hbm_traffic,
