@@ -226,6 +226,13 @@ def test_estimate_for_an_h100_target_splits_links(h100_2x4, small_train):
     expected = formula(n, "fp32", data=4, shard_data=True)  # FSDP over a host's 4
     got = report.memory["params"] + report.memory["optimizer"]
     assert got == pytest.approx(expected.params_bytes + expected.optimizer_bytes, rel=0.1)
+    # Model FLOPs above the HLO's count (work in a kernel the HLO does not show, as TPU
+    # splash attention's): compute is the model's, and the report says why.
+    floor = 100 * report.flops_hlo
+    above = sx.estimate(step, state, batch, model_flops=8 * floor)  # 8 devices
+    assert above.prediction.compute_s == pytest.approx(100 * p.compute_s, rel=1e-6)
+    assert not any("misses a kernel's work" in n for n in report.notes)
+    assert any("misses a kernel's work" in n for n in above.notes)
 
 
 OOM = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
