@@ -151,6 +151,13 @@ def test_param_dtype_is_where_the_state_keeps_its_params(mesh):
     state, metrics = step(state, batches(1)[0])
     assert {x.dtype for x in jax.tree.leaves(state.params)} == bf16 == moments(state)
     assert metrics["loss"].dtype == jnp.float32
+    # A transformation that computes its moments in f32 (mu_dtype) gets them back in the
+    # state's dtypes: the second step's inputs are the first's, nothing recompiles.
+    state = step.shard(make_state("nnx", optax.adam(1e-2, mu_dtype=jnp.float32)))
+    before = jax.tree.map(lambda x: x.dtype, state.opt_state)
+    for batch in batches(2):
+        state, _ = step(state, batch)
+        assert jax.tree.map(lambda x: x.dtype, state.opt_state) == before
 
 
 def test_bad_precisions_are_named(mesh):

@@ -112,8 +112,13 @@ def _orbax_signaling() -> tuple[Any, type]:
 
 def orbax_save_operations() -> set[str]:
     """The operation ids of orbax's save threads alive now (an async save's pieces share
-    one id)."""
-    _, thread_class = _orbax_signaling()
+    one id); none where orbax-checkpoint lacks its signaling thread (a save then works,
+    and only the release of a failed save's threads is lost; tests/runtime/test_compat.py
+    fails naming the version)."""
+    try:
+        _, thread_class = _orbax_signaling()
+    except ImportError:
+        return set()
     return {
         str(t._operation_id)
         for t in threading.enumerate()

@@ -46,6 +46,7 @@ from shardax.train.loss import as_metrics, loss_and_aux
 from shardax.train.precision import (
     adjust_loss_scale,
     all_finite,
+    cast_like,
     policy_name,
     scale_loss,
     select_tree,
@@ -104,7 +105,7 @@ class TrainStep(Program):
         grads = self._shard_grads(grads)
         metrics = as_metrics(loss, aux)
         if self._scaling is None:
-            new = state.apply_gradients(grads, model_state)
+            new = self.update(state, grads, model_state)
             return new, {**metrics, **every_nth(new, grads, self.stats, self.stats_every)}
         if "loss_scale" in metrics:
             raise ValueError(
@@ -119,11 +120,14 @@ class TrainStep(Program):
     def update(self, state: TrainState, grads: Any, model_state: Any) -> TrainState:
         """The state after the optimizer's update with the (unscaled) ``grads``; with loss
         scaling, non-finite gradients change nothing but the step count and the scale.
-        :func:`shardax.verify` applies it on one device to the distributed gradients."""
-        if self._scaling is None:
-            return state.apply_gradients(grads, model_state)
-        finite = all_finite(grads)
+        :func:`shardax.verify` applies it on one device to the distributed gradients. The
+        optimizer state keeps its dtypes (moments narrowed to a bf16 ``param_dtype`` stay
+        bf16 where the transformation computes in f32), so step 2 compiles nothing new."""
         updated = state.apply_gradients(grads, model_state)
+        updated = updated.replace(opt_state=cast_like(updated.opt_state, state.opt_state))
+        if self._scaling is None:
+            return updated
+        finite = all_finite(grads)
         state = select_tree(finite, updated, state.replace(step=updated.step))
         return state.replace(loss_scale=adjust_loss_scale(state.loss_scale, finite, self._scaling))
 

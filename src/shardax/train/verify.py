@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardax.checks import as_count, as_float, public
 from shardax.parallel.context import laid_out_for
 from shardax.plan.core import axis_size
-from shardax.plan.tree import is_array, path_str
+from shardax.plan.tree import is_array, is_key, path_str
 from shardax.train.masks import valid_count
 from shardax.train.precision import Precision, policy_name, resolve, unscale
 from shardax.train.state import TrainState
@@ -172,10 +172,6 @@ class LeafDiff:
         )
 
 
-def _is_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _numeric(x: Any) -> bool:
     if not is_array(x) or isinstance(x, str):
         return False
@@ -185,7 +181,7 @@ def _numeric(x: Any) -> bool:
 
 def _values(x: Any) -> np.ndarray:
     """A leaf as float64 NumPy: a typed PRNG key by its key data."""
-    if _is_key(x):
+    if is_key(x):
         x = jax.random.key_data(x)
     return np.asarray(x, np.float64)
 
@@ -204,7 +200,7 @@ def _diff(path: str, step: int, got: Any, want: Any, rtol: float, atol: float) -
     index = tuple(int(i) for i in np.unravel_index(flat, a.shape)) if a.ndim else ()
     max_abs = float(err.flat[flat])
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
-    exact = _is_key(want) or jnp.issubdtype(np.asarray(want).dtype, jnp.integer)
+    exact = is_key(want) or jnp.issubdtype(np.asarray(want).dtype, jnp.integer)
     limit = 0.0 if exact else atol + rtol * scale
     return LeafDiff(
         path, step, max_abs, max_rel, limit, scale, index, float(a.flat[flat]), float(b.flat[flat])
@@ -219,7 +215,7 @@ def compare(got: Any, want: Any, step: int, rtol: float, atol: float) -> list[Le
     out = []
     for path, x in jax.tree_util.tree_leaves_with_path(got):
         y = want_leaves.get(path)
-        if y is None or not (_is_key(x) or _numeric(x)):
+        if y is None or not (is_key(x) or _numeric(x)):
             continue
         out.append(_diff(path_str(path), step, x, y, rtol, atol))
     return out
@@ -341,7 +337,7 @@ def _tree_bytes(tree: Any) -> int:
     return sum(
         int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
         for x in jax.tree.leaves(tree)
-        if is_array(x) and not _is_key(x)
+        if is_array(x) and not is_key(x)
     )
 
 
@@ -548,7 +544,7 @@ _STEP_JUDGED = (
 
 
 def _fold_keys(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.random.fold_in(x, 1) if _is_key(x) else x, tree)
+    return jax.tree.map(lambda x: jax.random.fold_in(x, 1) if is_key(x) else x, tree)
 
 
 def _either(first: list[LeafDiff], second: list[LeafDiff], which: Callable[[str], bool]):
@@ -839,7 +835,7 @@ def _rtol_of(args: Any) -> tuple[float, float]:
     dtypes = {
         jnp.dtype(x.dtype)
         for x in jax.tree.leaves(_arrays(args))
-        if hasattr(x, "dtype") and not _is_key(x)
+        if hasattr(x, "dtype") and not is_key(x)
     }
     if jnp.dtype(jnp.float16) in dtypes:
         return TOLERANCES["fp16"]
