@@ -102,8 +102,7 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
 
 ZIGZAG_KEY = "zigzag_context"
 """The leaf :func:`zigzag` adds to a dict batch: ``(rows, seq)`` int16 filled with the C
-it was reordered for (shaped like the tokens, so it is placed and split like them). A
-train or eval step whose mesh has another C refuses the batch."""
+it was reordered for (shaped like the tokens, so it is placed and split like them). A train or eval step whose mesh has another C refuses the batch."""
 
 
 @public("sx.parallel.zigzag")
