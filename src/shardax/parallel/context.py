@@ -101,8 +101,8 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
 
 
 ZIGZAG_KEY = "zigzag_context"
-"""The leaf :func:`zigzag` adds to a dict batch: ``(rows, seq)`` int16 filled with the C
-it was reordered for (shaped like the tokens, so it is placed and split like them). A train or eval step whose mesh has another C refuses the batch."""
+"""The leaf :func:`zigzag` adds to a dict batch: ``(rows,)`` int32, the C it was
+reordered for. A train or eval step whose mesh has another C refuses the batch."""
 
 
 @public("sx.parallel.zigzag")
@@ -113,14 +113,14 @@ def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndar
     ``layout="zigzag"`` to :func:`attention`). Segment ids in the batch are reordered
     with it. Leaves of rank <= ``seq_axis`` pass through.
 
-    A dict batch carries its C: a ``"zigzag_context"`` leaf, ``(rows, seq)`` filled with
+    A dict batch carries its C: a ``"zigzag_context"`` leaf, ``(rows,)`` filled with
     ``context``; ``sx.make_train_step`` / ``make_eval_step`` refuse a host batch whose C
     is not the mesh's context axis size (a zig-zag batch run on another C gives wrong
     causal masks). A batch of another type does not carry it: keep C and the mesh equal.
 
     >>> batch, pos = zigzag({"tokens": np.arange(8)[None]}, 2)
     >>> batch["tokens"].tolist(), pos.tolist(), batch["zigzag_context"].tolist()
-    ([[0, 1, 6, 7, 2, 3, 4, 5]], [0, 1, 6, 7, 2, 3, 4, 5], [[2, 2, 2, 2, 2, 2, 2, 2]])
+    ([[0, 1, 6, 7, 2, 3, 4, 5]], [0, 1, 6, 7, 2, 3, 4, 5], [2])
     """
     context = as_count("context", context)
     if isinstance(batch, dict) and ZIGZAG_KEY in batch:
@@ -137,9 +137,7 @@ def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndar
     out = _take(batch, order, seq_axis)
     if isinstance(out, dict):
         rows = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
-        # (rows, seq): placed, checked and split like the other (rows, seq) leaves.
-        marker = np.full((rows.pop(), len(order)), context, np.int16)
-        out = {**out, ZIGZAG_KEY: marker}
+        out = {**out, ZIGZAG_KEY: np.full((rows.pop(),), context, np.int32)}
     return out, order
 
 
