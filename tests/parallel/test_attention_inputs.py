@@ -4,13 +4,10 @@ too)."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 import pytest
 from jax.sharding import AxisType
 
-import shardax as sx
-from shardax.parallel import attention, unzigzag, zigzag
+from shardax.parallel import attention
 
 Q = jnp.ones((2, 16, 4, 8))
 
@@ -46,29 +43,3 @@ def test_mixed_dtypes_are_refused_on_a_context_mesh():
         attention(Q, kb, Q, causal=True, impl="ring")
     with pytest.raises(TypeError, match="must share one dtype"):
         attention(Q, Q, kb)
-
-
-def test_a_zigzag_batch_carries_its_context_and_another_mesh_refuses_it():
-    tokens = np.arange(64).reshape(4, 16)
-    batch, _ = zigzag({"x": tokens.astype(np.float32)}, 4)
-    assert batch["zigzag_context"].tolist() == [4] * 4
-    assert set(unzigzag(batch, 4)) == {"x"}
-    np.testing.assert_array_equal(unzigzag(batch, 4)["x"], tokens)
-    with pytest.raises(ValueError, match="already reordered zig-zag"):
-        zigzag(batch, 4)
-
-    def loss_fn(model, batch):
-        return jnp.mean(model(batch["x"]) ** 2)
-
-    state = sx.TrainState.from_params({"w": jnp.ones(())}, lambda p, x: x * p["w"], optax.sgd(0.1))
-    c2 = jax.make_mesh((4, 2), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
-    step = sx.make_train_step(loss_fn, mesh=c2, seq_axis="context")
-    with pytest.raises(
-        ValueError,
-        match=r"reordered zig-zag for C=4 devices, but the mesh's 'context' axis has size 2",
-    ):
-        step(step.shard(state), batch)
-    c4 = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
-    step = sx.make_train_step(loss_fn, mesh=c4, seq_axis="context")
-    _, metrics = step(step.shard(state), batch)
-    assert np.isfinite(float(metrics["loss"]))

@@ -100,11 +100,6 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
     return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
 
 
-ZIGZAG_KEY = "zigzag_context"
-"""The leaf :func:`zigzag` adds to a dict batch: ``(rows,)`` int32, the C it was
-reordered for. A train or eval step whose mesh has another C refuses the batch."""
-
-
 @public("sx.parallel.zigzag")
 def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndarray]:
     """``(batch, positions)``: every array leaf of ``batch`` reordered along ``seq_axis``
@@ -113,55 +108,17 @@ def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndar
     ``layout="zigzag"`` to :func:`attention`). Segment ids in the batch are reordered
     with it. Leaves of rank <= ``seq_axis`` pass through.
 
-    A dict batch carries its C: a ``"zigzag_context"`` leaf, ``(rows,)`` filled with
-    ``context``; ``sx.make_train_step`` / ``make_eval_step`` refuse a host batch whose C
-    is not the mesh's context axis size (a zig-zag batch run on another C gives wrong
-    causal masks). A batch of another type does not carry it: keep C and the mesh equal.
-
     >>> batch, pos = zigzag({"tokens": np.arange(8)[None]}, 2)
-    >>> batch["tokens"].tolist(), pos.tolist(), batch["zigzag_context"].tolist()
-    ([[0, 1, 6, 7, 2, 3, 4, 5]], [0, 1, 6, 7, 2, 3, 4, 5], [2])
+    >>> batch["tokens"].tolist(), pos.tolist()
+    ([[0, 1, 6, 7, 2, 3, 4, 5]], [0, 1, 6, 7, 2, 3, 4, 5])
     """
-    context = as_count("context", context)
-    if isinstance(batch, dict) and ZIGZAG_KEY in batch:
-        raise ValueError(
-            f"batch is already reordered zig-zag (its {ZIGZAG_KEY!r} leaf); reorder the "
-            "batch in sequence order, or sx.parallel.unzigzag it first"
-        )
     lengths = {np.shape(x)[seq_axis] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
     if len(lengths) != 1:
         raise ValueError(
             f"batch leaves must share one length along seq_axis={seq_axis}, got {sorted(lengths)}"
         )
     order = zigzag_order(lengths.pop(), context)
-    out = _take(batch, order, seq_axis)
-    if isinstance(out, dict):
-        rows = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
-        out = {**out, ZIGZAG_KEY: np.full((rows.pop(),), context, np.int32)}
-    return out, order
-
-
-def check_zigzag(batch: Any, mesh: Mesh, axis: str = CONTEXT_AXIS) -> None:
-    """Refuses a host batch reordered by :func:`zigzag` for another C than ``mesh``'s
-    ``axis`` (or, where that has size 1, an enclosing :func:`laid_out_for`'s). A device
-    marker is not read back (that would wait for the device)."""
-    if not isinstance(batch, dict) or ZIGZAG_KEY not in batch:
-        return
-    marker = batch[ZIGZAG_KEY]
-    if isinstance(marker, jax.Array) or np.size(marker) == 0:
-        return
-    carried = int(np.asarray(marker).reshape(-1)[0])
-    here = int(mesh.shape.get(axis, 1))
-    if here == 1:
-        here = (_LAID_OUT.get() or {}).get(axis, 1)
-    if carried != here:
-        raise ValueError(
-            f"batch[{ZIGZAG_KEY!r}] says the batch was reordered zig-zag for C={carried} "
-            f"devices, but the mesh's {axis!r} axis has size {here}: its causal masks "
-            f"would be wrong. Reorder it for C={here} (sx.parallel.unzigzag(batch, "
-            f"{carried}), then sx.parallel.zigzag(batch, {here})), or use a mesh with "
-            f"{axis}={carried}"
-        )
+    return _take(batch, order, seq_axis), order
 
 
 @public("sx.parallel.unzigzag")
@@ -171,8 +128,6 @@ def unzigzag(batch: Any, context: int, *, seq_axis: int = 1) -> Any:
     >>> unzigzag(np.array([[0, 1, 6, 7, 2, 3, 4, 5]]), 2).tolist()
     [[0, 1, 2, 3, 4, 5, 6, 7]]
     """
-    if isinstance(batch, dict):
-        batch = {k: v for k, v in batch.items() if k != ZIGZAG_KEY}
     lengths = {np.shape(x)[seq_axis] for x in jax.tree.leaves(batch) if np.ndim(x) > seq_axis}
     return _take(batch, np.argsort(zigzag_order(lengths.pop(), context)), seq_axis)
 

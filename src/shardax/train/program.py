@@ -43,9 +43,7 @@ from shardax.checks import as_bool, as_count, public
 from shardax.data.leaves import check_batch_leaves
 from shardax.data.placement import batch_sharding
 from shardax.data.spec import batch_shardings, check_batch_spec, place_by_spec
-from shardax.mesh.axes import CONTEXT_AXIS
 from shardax.parallel.collectives import all_reduce, weighted_mean
-from shardax.parallel.context import check_zigzag
 from shardax.plan.activation import constrain
 from shardax.plan.core import Plan, axis_size, replicate
 from shardax.plan.follow import FollowParams, follow_params
@@ -806,7 +804,6 @@ class Program:
         ``batch_spec`` arrays placed as it says (checked as they are placed)."""
         if self.batch_spec is None:
             check_batch(batch, divisor=self._divisor, what=self._what)
-            check_zigzag(batch, self.mesh, self.seq_axis or CONTEXT_AXIS)
         else:
             check_batch_leaves(batch, arrays_only=True)
             batch_shardings(batch, self.mesh, self.batch_spec)
