@@ -521,14 +521,16 @@ def test_processes_join_from_scheduler_environment(scheduler):
     envs = [{**CLEAN_ENV, "SHARDAX_CPU_DEVICES": "2", **make_env(r, 2, port)} for r in range(2)]
     if scheduler == "jobset":  # (SLURM's detection is JAX's, which reads os.environ)
         assert resolve_coordinates(env=envs[1]).source == "jax environment"
-    procs = start_processes([sys.executable, SCRIPT, "--mode", "join"], envs)
-    out = _Lines()
+    # stderr apart, as `shardax launch` keeps it: gloo's C++ writes land mid-line in a
+    # merged pipe and would take a RESULT line with them into the chatter
+    procs = start_processes([sys.executable, SCRIPT, "--mode", "join"], envs, merge_stderr=False)
+    out, err = _Lines(), _Lines()
     try:
-        code = supervise(procs, grace=1.0, out=out)
+        code = supervise(procs, grace=1.0, out=out, err=err)
     finally:
         for p in procs:
             p.kill()
-    assert code == 0, out.text()[-3000:]
+    assert code == 0, out.text()[-3000:] + err.text()[-3000:]
     got = results(out.text())
     for rank in (0, 1):
         assert got[rank] == [

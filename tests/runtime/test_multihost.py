@@ -57,16 +57,20 @@ class Ranks:
     def __init__(self, cmd: list[str], n: int, **env_kw: int) -> None:
         port = free_port()
         envs = [process_env(r, n, port, base=CLEAN_ENV, **env_kw) for r in range(n)]
-        self.procs = start_processes(cmd, envs)
+        # stdout and stderr in two pipes, read line by line into one list: in one merged
+        # pipe gloo's C++ writes land inside the program's lines
+        self.procs = start_processes(cmd, envs, merge_stderr=False)
         self.lines: list[list[str]] = [[] for _ in range(n)]
         self.threads = [
-            threading.Thread(target=self._read, args=(r,), daemon=True) for r in range(n)
+            threading.Thread(target=self._read, args=(r, pipe), daemon=True)
+            for r in range(n)
+            for pipe in (self.procs[r].stdout, self.procs[r].stderr)
         ]
         for t in self.threads:
             t.start()
 
-    def _read(self, rank: int) -> None:
-        for raw in iter(self.procs[rank].stdout.readline, b""):
+    def _read(self, rank: int, pipe) -> None:
+        for raw in iter(pipe.readline, b""):
             self.lines[rank].append(raw.decode(errors="replace"))
 
     def text(self, rank: int) -> str:
@@ -85,8 +89,9 @@ class Ranks:
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail(f"rank {rank} still running after {timeout} s (hang):\n{self.text(rank)}")
-        # Its last lines may still be in the pipe: the reader ends at end of file.
-        self.threads[rank].join(timeout=30)
+        # Its last lines may still be in the pipes: the readers end at end of file.
+        for t in self.threads[2 * rank : 2 * rank + 2]:
+            t.join(timeout=30)
         return code
 
     def kill(self) -> None:
@@ -189,7 +194,7 @@ def test_two_processes_hsdp_and_zero2_match_one_process(launched_plans):
 def test_a_process_raises_every_process_exits_nonzero_promptly():
     port = free_port()
     envs = [process_env(r, 2, port, cpu_devices=4, base=CLEAN_ENV) for r in range(2)]
-    procs = start_processes([sys.executable, SCRIPT, "--mode", "raise"], envs)
+    procs = start_processes([sys.executable, SCRIPT, "--mode", "raise"], envs, merge_stderr=False)
     out = io.StringIO()
     start = time.monotonic()
     code = supervise(procs, grace=3.0, out=out, err=out)
