@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import shardax as sx
@@ -50,3 +51,46 @@ def test_model_rngs_refused_under_mapped_modes_unless_opted_in(mesh, mode):
 def test_rng_per_device_must_be_a_bool(mesh):
     with pytest.raises(TypeError, match=r"rng_per_device must be True or False, got 'yes'"):
         sx.make_train_step(own_rng_loss, mesh=mesh, mode="shard_map", rng_per_device="yes")
+
+
+class LinenDropout(nn.Module):
+    deterministic: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.Dropout(0.5, deterministic=self.deterministic)(x))
+
+
+def linen_state(deterministic=False):
+    module = LinenDropout(deterministic)
+    variables = module.init(jax.random.key(0), jnp.ones((1, 4)))
+    return sx.TrainState.from_linen(module, variables, optax.sgd(1e-2))
+
+
+@pytest.mark.parametrize(("mode", "accumulate"), [("jit", 2), ("shard_map", 1), ("pmap", 1)])
+def test_linen_make_rng_refused_where_not_one_devices(mesh, mode, accumulate):
+    state = linen_state()
+    step = sx.make_train_step(own_rng_loss, mesh=mesh, mode=mode, accumulate=accumulate)
+    where = f"accumulate={accumulate}" if accumulate > 1 else f"mode='{mode}'"
+    with pytest.raises(
+        ValueError, match=rf"make_rng\('dropout'\).*{where}.*sx.train.dropout\(rng, x, rate\)"
+    ):
+        step(step.shard(state), BATCH)
+
+
+def test_linen_make_rng_accepted_by_jit_opt_in_or_deterministic(mesh):
+    state = linen_state()
+    for step in (
+        sx.make_train_step(own_rng_loss, mesh=mesh),
+        sx.make_train_step(own_rng_loss, mesh=mesh, mode="shard_map", rng_per_device=True),
+    ):
+        _, metrics = step(step.shard(state), BATCH)
+        assert np.isfinite(float(metrics["loss"]))
+    # a module that never calls make_rng trains under accumulation, equal to one device
+    state = linen_state(deterministic=True)
+    two = sx.make_train_step(own_rng_loss, mesh=mesh, accumulate=2)
+    one = sx.make_train_step(own_rng_loss, mesh=mesh)
+    got, _ = two(two.shard(state), BATCH)
+    want, _ = one(one.shard(state), BATCH)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

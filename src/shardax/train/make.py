@@ -119,9 +119,11 @@ def make_train_step(
             Default None: every leaf's rows are examples, split over ``data_axis``.
         rng_per_device: under ``"shard_map"`` and ``"pmap"``, a model that draws from
             its own generators (an ``nnx.Rngs`` held in the model: typed keys in its
-            state) draws from a key folded with the device index, so its numbers are not
-            one device's; that is refused by name unless ``rng_per_device=True`` accepts
-            it. (Keys the step hands out, ``rng`` and ``step_rng``, need no opt-in.)
+            state; a Linen module's ``make_rng``, e.g. ``nn.Dropout``) draws from a key
+            folded with the device index, so its numbers are not one device's; that is
+            refused by name unless ``rng_per_device=True`` accepts it. With
+            ``accumulate`` > 1 such a model is refused in every mode. (Keys the step
+            hands out, ``rng`` and ``step_rng``, need no opt-in.)
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode, plus ``stats``.

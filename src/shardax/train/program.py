@@ -57,7 +57,7 @@ from shardax.train.batch import check_batch
 from shardax.train.batchnorm import over_data_axis
 from shardax.train.loss import check_mapped_aux, rng_arguments, takes_state
 from shardax.train.masks import valid_count
-from shardax.train.model import is_stateful
+from shardax.train.model import LinenModel, is_stateful
 from shardax.train.precision import (
     Precision,
     cast_floating,
@@ -210,6 +210,20 @@ def _under_mesh(call: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
             return call(state, batch)
 
     return under
+
+
+def _drawn(counters: Any) -> set[str]:
+    """The Linen rng streams a bound module drew from while tracing: flax counts
+    ``make_rng`` calls per stream name, child scopes in nested dicts."""
+    if not isinstance(counters, dict):
+        return set()
+    found: set[str] = set()
+    for name, n in counters.items():
+        if isinstance(n, dict):
+            found |= _drawn(n)
+        elif isinstance(name, str) and n:
+            found.add(name)
+    return found
 
 
 class _Compiled:
@@ -466,6 +480,8 @@ class Program:
                 else:
                     out = loss_fn(self.view(model), batch, **kwargs)
                     new_model_state = adapter.model_state(model, model_state)
+                    if isinstance(adapter, LinenModel):
+                        self._check_linen_rng(model, mapped)
                 value, aux = self.objective(out)
                 value, aux = cast_floating((value, aux), policy.output_dtype)
                 new_model_state = cast_like(new_model_state, model_state)
@@ -533,6 +549,35 @@ class Program:
                 f"the numbers would not be one device's. {way_out}, or use mode='jit'; "
                 "or pass rng_per_device=True to make_train_step to accept per-device draws"
             )
+
+    def _check_linen_rng(self, model: Any, mapped: bool) -> None:
+        """A Linen module that called ``make_rng`` (``nn.Dropout``) while tracing drew from
+        the step's bound stream, which accumulation folds per microbatch and shard_map /
+        pmap per device: refused there by name, as :meth:`_check_model_rng` refuses
+        NNX's own generators (``rng_per_device=True`` accepts per-device draws)."""
+        if not (mapped or self.accumulate > 1):
+            return
+        drawn = sorted(_drawn(getattr(getattr(model, "scope", None), "rng_counters", None)))
+        if not drawn or (mapped and self.rng_per_device and self.accumulate == 1):
+            return
+        way_out = (
+            "Draw from the step's keys instead: add an 'rng' parameter (one key per "
+            "example) to loss_fn and use sx.train.dropout(rng, x, rate), or call the "
+            "module with deterministic=True"
+        )
+        if self.accumulate > 1:
+            raise ValueError(
+                f"the Linen model draws from make_rng({', '.join(map(repr, drawn))}), "
+                f"whose key accumulate={self.accumulate} folds once per microbatch: the "
+                f"masks would not be one device's over the whole batch. {way_out}, or use "
+                "accumulate=1"
+            )
+        raise ValueError(
+            f"the Linen model draws from make_rng({', '.join(map(repr, drawn))}); under "
+            f"mode={self.mode!r} each device would draw from its own folded key, so the "
+            f"numbers would not be one device's. {way_out}, or use mode='jit'; or pass "
+            "rng_per_device=True to make_train_step to accept per-device draws"
+        )
 
     def _shard_update(self, state: TrainState, batch: Any, index: jax.Array, mapped: bool):
         """Gradients, loss, aux and model state of one shard: means over its real examples."""
