@@ -2,6 +2,7 @@
 refused by name before training, with the way out; ``rng_per_device=True`` accepts the
 per-device draws."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,3 +95,35 @@ def test_linen_make_rng_accepted_by_jit_opt_in_or_deterministic(mesh):
     want, _ = one(one.shard(state), BATCH)
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+class EqxDropout(eqx.Module):
+    lin: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+
+    def __init__(self, key):
+        self.lin, self.drop = eqx.nn.Linear(4, 4, key=key), eqx.nn.Dropout(0.5)
+
+    def __call__(self, x, key):
+        return self.lin(self.drop(x, key=key))
+
+
+def eqx_loss(model, batch):
+    return jnp.mean(jax.vmap(model)(batch["x"], batch["key"]) ** 2)
+
+
+def test_equinox_keys_in_the_batch_one_per_example_equal_one_device(mesh):
+    """Equinox's pattern: the key travels in the batch. One key per example splits with
+    its row, so every mode and accumulation draws what one device draws; a single key
+    is refused by name with the way out."""
+    state = sx.TrainState.create(EqxDropout(jax.random.key(0)), optax.sgd(0.1))
+    batch = {**BATCH, "key": jax.random.split(jax.random.key(1), 16)}
+    losses = []
+    for mode, accumulate in [("single", 1), ("jit", 2), ("shard_map", 1), ("pmap", 1)]:
+        step = sx.make_train_step(eqx_loss, mesh=mesh, mode=mode, accumulate=accumulate)
+        _, metrics = step(step.shard(state), batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, losses[0], rtol=1e-6)
+    step = sx.make_train_step(eqx_loss, mesh=mesh)
+    with pytest.raises(ValueError, match=r"batch leaf 'key' is a scalar.*jax.random.split"):
+        step(step.shard(state), {**BATCH, "key": jax.random.key(1)})

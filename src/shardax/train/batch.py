@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.data.leaves import check_batch_leaves, shapes_text
+from shardax.plan.tree import is_key, path_str
 from shardax.train.masks import MASK_KEY
 
 
@@ -39,6 +40,7 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
             raise ValueError(
                 f"the train step: batch leaf {path or '<root>'!r} is a scalar; every batch "
                 f"leaf needs a leading batch dimension (leaf shapes: {dict(leaves)})"
+                + (_KEY_HINT if path in _key_paths(batch) else "")
             )
     size = leaves[0][1][0]
     if isinstance(batch, dict) and MASK_KEY in batch:
@@ -52,6 +54,19 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
             "does not count"
         )
     return size
+
+
+_KEY_HINT = (
+    ". A random key in the batch needs one per example: jax.random.split(key, batch_size) "
+    "gives keys that travel with their rows, so 1 or N devices and any accumulation draw "
+    "the same; or take loss_fn's 'rng' (one key per example) or 'step_rng' (one per step)"
+)
+
+
+def _key_paths(batch: Any) -> set[str]:
+    """The paths (as ``check_batch_leaves`` names them) of the typed-key leaves."""
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    return {path_str(p) for p, x in flat if is_key(x)}
 
 
 def _check_mask(batch: dict, size: int) -> None:
