@@ -127,3 +127,28 @@ def test_equinox_keys_in_the_batch_one_per_example_equal_one_device(mesh):
     step = sx.make_train_step(eqx_loss, mesh=mesh)
     with pytest.raises(ValueError, match=r"batch leaf 'key' is a scalar.*jax.random.split"):
         step(step.shard(state), {**BATCH, "key": jax.random.key(1)})
+
+
+def test_model_rngs_not_drawn_from_are_no_reason_to_refuse(mesh):
+    """The VAE holds its nnx.Rngs, but this loss hands it the step's key at call time:
+    the traced step never draws from the model's own generator, so nothing is refused
+    and its count stays where it was."""
+
+    def step_rng_loss(model, batch, step_rng):
+        out = model(batch["x"], rngs=nnx.Rngs(noise=step_rng))
+        return jnp.mean((out - batch["x"]) ** 2)
+
+    state = sx.TrainState.create(VAE(nnx.Rngs(0, noise=1)), optax.sgd(1e-2))
+    for mode, accumulate in [("jit", 2), ("shard_map", 1)]:
+        step = sx.make_train_step(step_rng_loss, mesh=mesh, mode=mode, accumulate=accumulate)
+        new, metrics = step(step.shard(state), BATCH)
+        assert np.isfinite(float(metrics["loss"]))
+        assert counts(new.model_state) == counts(state.model_state) == {"default": 4, "noise": 0}
+
+
+def counts(model_state):
+    return {
+        jax.tree_util.keystr(p).split("'")[3]: int(np.asarray(x))
+        for p, x in jax.tree_util.tree_flatten_with_path(model_state)[0]
+        if "count" in jax.tree_util.keystr(p)
+    }

@@ -212,6 +212,25 @@ def _under_mesh(call: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     return under
 
 
+def _drawn_keys(before: Any, after: Any) -> list[str]:
+    """The typed-key leaves of the model's own generators (NNX ``RngStream``s: a ``key``
+    beside a ``count``) that a traced step drew from: drawing advances the stream's
+    count, so its leaf after the trace is a new value, not the one it was given.
+    Named ``model_state/<path>``; a key without a count beside it counts as drawn."""
+    flat = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(before)[0]}
+    new = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(after)[0]}
+    out = []
+    for path, x in flat.items():
+        if not is_key(x):
+            continue
+        name = path.removesuffix("/value")
+        stream = name.removesuffix("/key")
+        counts = [c for c in (f"{stream}/count/value", f"{stream}/count") if c in flat]
+        if name == stream or not counts or new.get(counts[0]) is not flat[counts[0]]:
+            out.append(f"model_state/{name}")
+    return out
+
+
 def _drawn(counters: Any) -> set[str]:
     """The Linen rng streams a bound module drew from while tracing: flax counts
     ``make_rng`` calls per stream name, child scopes in nested dicts."""
@@ -460,7 +479,6 @@ class Program:
         (``mapped``: the data axis is bound; :mod:`shardax.train.batchnorm`)."""
         adapter, policy = state.adapter, self.precision
         stateful = self._check_stateful(adapter, mapped)
-        self._check_model_rng(state.model_state, mapped)
         loss_fn = over_data_axis(self.loss_fn, self.data_axis, mapped)
         scale = state.loss_scale if policy.loss_scaling is not None else None
 
@@ -482,6 +500,7 @@ class Program:
                     new_model_state = adapter.model_state(model, model_state)
                     if isinstance(adapter, LinenModel):
                         self._check_linen_rng(model, mapped)
+                    self._check_model_rng(model_state, new_model_state, mapped)
                 value, aux = self.objective(out)
                 value, aux = cast_floating((value, aux), policy.output_dtype)
                 new_model_state = cast_like(new_model_state, model_state)
@@ -518,16 +537,17 @@ class Program:
             )
         return stateful
 
-    def _check_model_rng(self, model_state: Any, mapped: bool) -> None:
+    def _check_model_rng(self, model_state: Any, new_model_state: Any, mapped: bool) -> None:
         """Randomness the model draws from its own generators (an ``nnx.Rngs``: typed
         keys in the model state) is one device's only under ``mode="jit"`` with
         ``accumulate=1``: refused with accumulation (each microbatch would advance the
         generator once), and under shard_map and pmap (each device draws from its own
-        folded key) unless ``rng_per_device=True`` accepts per-device draws."""
+        folded key) unless ``rng_per_device=True`` accepts per-device draws. Checked
+        while tracing, after the loss: a generator the traced step did not draw from
+        (the loss passed the step's keys at call time) is no reason to refuse."""
         if not (mapped or self.accumulate > 1):
             return
-        flat = jax.tree_util.tree_flatten_with_path(model_state)[0]
-        keys = [f"model_state/{path_str(p).removesuffix('/value')}" for p, x in flat if is_key(x)]
+        keys = _drawn_keys(model_state, new_model_state)
         if not keys:
             return
         where = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
