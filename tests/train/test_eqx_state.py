@@ -174,3 +174,27 @@ def test_prepare_places_the_state_with_its_model():
     with pytest.warns(UserWarning, match=r"'model_state/state/1/0'") as caught:
         sx.prepare(state, mesh=mesh, plan=sx.rules(mesh, [(r"nothing", P())]))
     assert "params/" not in str(caught[0].message)
+
+
+def test_describe_names_each_part_and_the_state_by_its_layer():
+    """sx.describe((model, state, opt_state)) labels the parts by what they are and the
+    eqx.nn.State's entries by the layer that owns them, not by position."""
+    mesh = sx.make_mesh({"data": 8})
+    model, state = eqx.nn.make_with_state(Net)(jax.random.key(0), "ema")
+    opt_state = TX.init(eqx.filter(model, eqx.is_inexact_array))
+    placed = sx.prepare(model, state, opt_state, mesh=mesh)
+    paths = [row.path for row in sx.describe(placed).rows]
+    assert paths[:2] == ["model/lin/weight", "model/bn/weight"]
+    states = [p for p in paths if p.startswith("state/")]
+    assert states[:3] == [
+        "state/bn.ema_first_time_index",
+        "state/bn.ema_state_index/0",
+        "state/bn.ema_state_index/1",
+    ], states
+    assert any(p.startswith("state/sn.") for p in states)
+    assert paths[-1].startswith("opt_state/0/nu/")
+    # in a TrainState the same entries read model_state/state/<layer>
+    ts = sx.TrainState.create(model, TX, state=state)
+    assert "model_state/state/bn.ema_state_index/0" in [r.path for r in sx.describe(ts).rows]
+    # two models in one tuple: the parts keep their positions
+    assert sx.describe((model, model)).rows[0].path == "0/lin/weight"

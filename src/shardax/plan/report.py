@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import sys
 from typing import Any
 
 import jax
@@ -142,10 +143,10 @@ def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
     if plan is not None:
         as_plan("plan", plan)
     if plan is None:
-        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        flat = leaf_names(tree)
         for (path, x), want in zip(flat, planned_leaves(tree), strict=True):
             if is_array(x):
-                rows.append(_row(path_str(path), x, getattr(x, "sharding", None), want))
+                rows.append(_row(path, x, getattr(x, "sharding", None), want))
     else:
         map_arrays(lambda p, x, s: rows.append(_row(p, x, s)), tree, plan(tree))
     title = f"sharding ({plan.name} on mesh {dict(plan.mesh.shape)})" if plan else "sharding"
@@ -167,3 +168,63 @@ def validate(tree: Any, plan: Plan) -> list[str]:
     """
     as_plan("plan", plan)
     return plan.resolve(tree)[1] + plan.notes(tree)
+
+
+def leaf_names(tree: Any) -> list[tuple[str, Any]]:
+    """``(name, leaf)`` for each leaf of ``jax.tree.leaves(tree)``, in that order: its key
+    path, except that the entries of an Equinox ``eqx.nn.State`` are named by the layer
+    that owns them (``bn.state_index/0``, not ``1/0``) and the parts of a top-level
+    tuple or list are named by what they are (``model``, ``state``, ``optimizer``,
+    ``opt_state``) where each kind appears once, as ``sx.prepare(model, state,
+    opt_state)`` takes them.
+
+    >>> [n for n, _ in leaf_names(({"w": np.ones(2)}, np.ones(1)))]
+    ['0/w', '1']
+    """
+    parts = _part_names(tree)
+    out: list[tuple[str, Any]] = []
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_eqx_state)[0]:
+        if parts is not None and path:
+            path = (jax.tree_util.GetAttrKey(parts[path[0].idx]), *path[1:])
+        name = path_str(path)
+        if not _is_eqx_state(node):
+            out.append((name, node))
+            continue
+        values, markers = node.tree_flatten()
+        for marker, value in zip(markers, values, strict=True):
+            entry = str(marker).partition(".")[2] or str(marker)  # "Model.bn.x": bn.x
+            prefix = "/".join(p for p in (name, entry) if p)
+            for sub, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+                out.append(("/".join(p for p in (prefix, path_str(sub)) if p), leaf))
+    return out
+
+
+def _is_eqx_state(x: Any) -> bool:
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and isinstance(x, eqx.nn.State)
+
+
+def _part_names(tree: Any) -> list[str] | None:
+    """What each member of a top-level tuple or list is, when each kind appears once."""
+    if not isinstance(tree, tuple | list) or type(tree) not in (tuple, list):
+        return None
+    names = [_part_name(x) for x in tree]
+    if None in names or len(set(names)) != len(names):
+        return None
+    return names  # type: ignore[return-value]
+
+
+def _part_name(x: Any) -> str | None:
+    eqx, nnx = sys.modules.get("equinox"), sys.modules.get("flax.nnx")
+    if _is_eqx_state(x):
+        return "state"
+    if nnx is not None and isinstance(x, nnx.Optimizer):
+        return "optimizer"
+    if (eqx is not None and isinstance(x, eqx.Module)) or (
+        nnx is not None and isinstance(x, nnx.Module)
+    ):
+        return "model"
+    leaves = jax.tree.leaves(x, is_leaf=lambda n: type(n).__module__.startswith("optax"))
+    if leaves and all(type(n).__module__.startswith("optax") for n in leaves):
+        return "opt_state"
+    return None
