@@ -13,7 +13,7 @@ from shardax.train.program import MODES, Program
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
-from shardax.train.verify import VerifyReport, verify
+from shardax.train.verification import VerifyReport, verify
 
 __all__ = [
     "MODES",
