@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.cost import compile_target as target_module
 
 JAX_012 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12)
-target_module = sys.modules["shardax.cost.target"]  # sx.cost.target is the function
 
 
 # --- names (no compiler needed) ----------------------------------------------------------

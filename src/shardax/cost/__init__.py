@@ -4,11 +4,22 @@ These are models of what a step costs, apart from the process runtime: datasheet
 figures (:mod:`~shardax.cost.hardware`), the roofline (:mod:`~shardax.cost.roofline`),
 model-state memory per plan (:mod:`~shardax.cost.memory`), the collectives of a compiled
 program (:mod:`~shardax.cost.hlo`), its FLOPs (:mod:`~shardax.cost.flops`), targets:
-compile-only devices of a GPU cluster or TPU slice (:mod:`~shardax.cost.target`), and a
+compile-only devices of a GPU cluster or TPU slice (:mod:`~shardax.cost.compile_target`), and a
 compiled step's cost per device with a predicted step time (:func:`~shardax.cost.estimate`,
 :mod:`~shardax.cost.predict`).
 """
 
+from shardax.cost.compile_target import (
+    GPU_KINDS,
+    GPUS_PER_HOST,
+    TPU_FAMILIES,
+    Target,
+    gpu_target_config,
+    gpu_target_configs,
+    known_targets,
+    parse_target,
+    target,
+)
 from shardax.cost.estimate import Estimate, estimate
 from shardax.cost.hardware import (
     BATCH_SIZE_TABLE,
@@ -24,17 +35,6 @@ from shardax.cost.hardware import (
     get_batch_size_recommendation,
     hardware_type_of,
     validate_batch_size,
-)
-from shardax.cost.target import (
-    GPU_KINDS,
-    GPUS_PER_HOST,
-    TPU_FAMILIES,
-    Target,
-    gpu_target_config,
-    gpu_target_configs,
-    known_targets,
-    parse_target,
-    target,
 )
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Data layer: global batches, process-sharded loading, uneven batches, async prefetch."""
 
-from shardax.data.global_batch import as_sharding, global_batch, process_grid
+from shardax.data.assembly import as_sharding, global_batch, process_grid
 from shardax.data.loader import Batches, batches
 from shardax.data.placement import (
     batch_sharding,

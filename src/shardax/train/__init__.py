@@ -8,7 +8,7 @@ from shardax.train.keep import keep_plan
 from shardax.train.make import make_eval_step, make_train_step
 from shardax.train.masks import masked_mean
 from shardax.train.precision import LossScaleState, LossScaling, Precision
-from shardax.train.prepare import prepare
+from shardax.train.preparation import prepare
 from shardax.train.program import MODES, Program
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState

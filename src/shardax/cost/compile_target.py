@@ -238,7 +238,7 @@ def gpu_target_config(kind: str, spec: HardwareSpec) -> str:
         ("shared_memory_per_block_optin", arch.shared_memory_per_block_optin),
     ]
     lines = [
-        f"# {kind}: written by shardax.cost.target.gpu_target_config from shardax's datasheet",
+        f"# {kind}: written by shardax/cost/compile_target.py from shardax's datasheet",
         "# row (shardax/cost/hardware.py); regenerate with write_gpu_target_configs().",
         "gpu_device_info {",
         *(f"  {k}: {v}" for k, v in fields),
