@@ -44,7 +44,7 @@ from shardax.checkpoint import (
     watch_preemption,
 )
 from shardax.cost import target
-from shardax.cost.estimate import estimate
+from shardax.cost.estimation import estimate
 from shardax.data import batch_sharding, batches, global_batch, prefetch_to_device
 from shardax.mesh import make_mesh
 from shardax.parallel import attention, moe, pipeline, pipeline_1f1b, remat

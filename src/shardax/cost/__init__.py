@@ -20,7 +20,7 @@ from shardax.cost.compile_target import (
     parse_target,
     target,
 )
-from shardax.cost.estimate import Estimate, estimate
+from shardax.cost.estimation import Estimate, estimate
 from shardax.cost.hardware import (
     BATCH_SIZE_TABLE,
     DEVICE_KIND_SPECS,
