@@ -209,7 +209,7 @@ def parse_target(name: str) -> dict[str, Any]:
 @public("sx.cost.gpu_target_config")
 def gpu_target_config(kind: str, spec: HardwareSpec) -> str:
     """XLA's ``GpuTargetConfigProto`` in text form for a GPU of ``kind`` whose datasheet row
-    is ``spec`` (its :class:`~shardax.cost.GpuArch` and memory figures): what the files of
+    is ``spec`` (its :class:`~shardax.cost.hardware.GpuArch` and memory figures): what the files of
     ``shardax/cost/targets/`` hold, one field per line.
 
     >>> h100 = device_spec(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3"))
