@@ -24,7 +24,8 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 # The tests run on the CPU; naming it also lets JAX's CUDA plugin (the gpu-compile extra of
-# the compile leg) register its compiler without a GPU driver (shardax/cost/target.py).
+# the compile leg) register its compiler without a GPU driver
+# (shardax/cost/compile_target.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
@@ -54,7 +55,7 @@ COMPILE_EXTRAS = {
 
 def missing_compile_extras(kinds=("gpu", "tpu")) -> list[str]:
     """What the compile-only tests of ``kinds`` lack: JAX >= 0.12, then each extra."""
-    from shardax.cost.target import installed
+    from shardax.cost.compile_target import installed
 
     if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12):
         extras = " and ".join(f"shardax[{COMPILE_EXTRAS[k][1]}]" for k in kinds)

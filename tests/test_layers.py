@@ -12,6 +12,7 @@ import enum
 import importlib
 import inspect
 import pathlib
+import pkgutil
 
 import shardax as sx
 from shardax.checks import public_name
@@ -101,6 +102,24 @@ def test_no_import_cycle():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_layer_attribute_shadows_a_submodule():
+    """``shardax.train.verify`` is the module or the function, never the one hiding the
+    other: a layer's ``__init__`` binds no name of one of its own modules to anything else.
+    The CLI's ``main`` is the exception: ``shardax.cli:main`` is the console script's entry
+    point, and ``shardax.cli.main`` its module (not a namespace users read)."""
+    shadowed = []
+    for name in LAYERS:
+        if not (SRC / name / "__init__.py").exists():
+            continue
+        package = importlib.import_module(f"shardax.{name}")
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"shardax.{name}.{info.name}")
+            obj = getattr(package, info.name)
+            if obj is not module and (name, info.name) != ("cli", "main"):
+                shadowed.append(f"shardax.{name}.{info.name}: {obj!r} hides the module")
+    assert not shadowed, "modules shadowed in their layer:\n" + "\n".join(shadowed)
 
 
 def test_public_names_are_pinned():

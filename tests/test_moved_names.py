@@ -1,16 +1,21 @@
-"""Every public name that left ``shardax``'s top level still works for a release.
+"""Every public name that left ``shardax``'s top level, or a layer's namespace, still works
+for a release.
 
 The list is every name that was ever in ``shardax``'s top-level namespace (``__all__`` or
 imported into ``src/shardax/__init__.py``) and is no longer, found from the file's git
 history (``git log -p -- src/shardax/__init__.py``); each old spelling warns with
-``DeprecationWarning`` naming its new home and returns the very object found there.
+``DeprecationWarning`` naming its new home and returns the very object found there. The
+names a layer no longer exports (internal helpers: ``sx.plan.path_str``) warn that they are
+internal now, naming the module that holds them.
 """
 
+import importlib
 import re
 import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 
 import shardax as sx
@@ -104,3 +109,58 @@ def test_a_script_from_last_month_runs_with_a_warning():
     assert out.stdout.strip() == "('data', None)"
     assert "DeprecationWarning: sx.init_sharded is now sx.plan.init_sharded" in out.stderr
     assert "DeprecationWarning: sx.validate is now sx.plan.validate" in out.stderr
+
+
+LAYER_MOVED = {  # names that left a layer's namespace (internal now), by layer
+    "cost": "BATCH_SIZE_TABLE DEVICE_KIND_SPECS GPUS_PER_HOST GPU_KINDS HARDWARE_SPECS "
+    "TPU_FAMILIES GpuArch gpu_target_config gpu_target_configs hardware_type_of known_targets "
+    "parse_target",
+    "data": "POLICIES as_sharding batch_shardings fit_batch leaf_sharding pad_batch process_grid",
+    "mesh": "MeshSpec resolve_mesh_shape",
+    "parallel": "ATTENTION_KERNELS bound_axes checkpoint_policy require_bound scan_layers "
+    "sequence_sharding",
+    "plan": "DEFAULT_FSDP_MIN_SIZE FollowParams Row annotated_specs axis_size check_spec "
+    "current_axis_rules format_bytes fsdp_spec is_array logical_to_mesh map_arrays path_str "
+    "planned record spec_errors",
+    "runtime": "backend_started device_put_global disable_compile_cache fingerprint "
+    "resolve_coordinates",
+    "track": "BACKENDS INPUT_BOUND check_writable parse_steps",
+    "train": "LossScaleState MODES Program",
+}
+LAYER_CASES = [(layer, name) for layer, names in LAYER_MOVED.items() for name in names.split()]
+
+
+@pytest.mark.parametrize("layer,old", LAYER_CASES, ids=[".".join(case) for case in LAYER_CASES])
+def test_a_name_a_layer_no_longer_exports_warns_and_is_the_object_in_its_module(layer, old):
+    space = importlib.import_module(f"shardax.{layer}")
+    assert old not in space.__all__ and old not in vars(space)
+    home = space.__getattr__.homes[old]
+    module, _, attr = home.rpartition(".")
+    assert module.startswith(f"shardax.{layer}.")  # a module of the layer holds it
+    internal = rf"^sx\.{layer}\.{old} is internal now \({re.escape(home)}\); the old name goes"
+    with pytest.warns(DeprecationWarning, match=internal) as seen:
+        got = getattr(space, old)
+    assert got is getattr(importlib.import_module(module), attr)
+    assert seen[0].filename == __file__
+
+
+def test_each_layer_s_table_is_pinned_and_its_public_names_are_silent():
+    for layer in ("checkpoint", "loop", "cost", "data", "mesh", "parallel", "plan", "runtime",
+                  "track", "train"):  # fmt: skip
+        space = importlib.import_module(f"shardax.{layer}")
+        table = getattr(space.__dict__.get("__getattr__"), "homes", {})
+        assert sorted(table) == sorted(LAYER_MOVED.get(layer, "").split()), layer
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for name in space.__all__:
+                getattr(space, name)
+        with pytest.raises(AttributeError, match=rf"^module 'shardax\.{layer}' has no attr"):
+            space.no_such_name  # noqa: B018
+
+
+def test_from_import_of_a_name_a_layer_no_longer_exports_warns_too():
+    with pytest.warns(DeprecationWarning, match=r"^sx\.plan\.is_array is internal now"):
+        from shardax.plan import is_array
+    from shardax.plan.tree import is_array as home
+
+    assert is_array is home and is_array(np.ones(2)) and not is_array("text")

@@ -11,9 +11,6 @@ The artifex API of the seed documents is :mod:`shardax.artifex`, re-exported her
 >>> batch = sx.distribute_batch({"x": np.ones((16, 4))}, sx.batch_sharding(mesh))
 """
 
-import warnings
-from typing import Any
-
 from shardax import (  # noqa: F401 (the layer namespaces: sx.plan.validate, sx.cost, ...)
     cost,
     data,
@@ -43,8 +40,9 @@ from shardax.checkpoint import (
     save_checkpoint,
     watch_preemption,
 )
+from shardax.checks import moved as _moved
 from shardax.cost import target
-from shardax.cost.estimate import estimate
+from shardax.cost.estimation import estimate
 from shardax.data import batch_sharding, batches, global_batch, prefetch_to_device
 from shardax.mesh import make_mesh
 from shardax.parallel import attention, moe, pipeline, pipeline_1f1b, remat
@@ -176,17 +174,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """A moved name: ``DeprecationWarning`` naming its new home, then the object there."""
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module 'shardax' has no attribute {name!r}")
-    warnings.warn(
-        f"sx.{name} is now sx.{home}; the old name goes in a later release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    obj: Any = globals()[home.split(".")[0]]
-    for part in home.split(".")[1:]:
-        obj = getattr(obj, part)
-    return obj
+__getattr__ = _moved(__name__, {old: f"shardax.{home}" for old, home in _MOVED.items()})

@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
 import math
 import numbers
 import os
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
@@ -221,6 +223,46 @@ def public_name(obj: Any) -> str | None:
             return obj.__sx_public__
         obj = getattr(obj, "__wrapped__", None)
     return None
+
+
+def moved(module: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the names that left ``module``: each still works for a
+    release, warning ``DeprecationWarning`` naming its home, and is the object found there.
+
+    ``homes`` maps an old name to the dotted path of its home: a public one
+    (``"shardax.plan.init_sharded"``: ``sx.init_sharded is now sx.plan.init_sharded``) or a
+    module's (``"shardax.plan.tree.path_str"``: the name is internal now). A layer writes
+    ``__getattr__ = moved(__name__, {...})`` in its ``__init__``.
+
+    >>> old = moved("shardax.plan", {"path_str": "shardax.plan.tree.path_str"})
+    >>> with warnings.catch_warnings(record=True) as seen:
+    ...     warnings.simplefilter("always")
+    ...     path_str = old("path_str")
+    >>> path_str((jax.tree_util.DictKey("w"),))
+    'w'
+    >>> print(seen[0].message)
+    sx.plan.path_str is internal now (shardax.plan.tree.path_str); the old name goes ...
+    """
+    spelled = "sx" + module.removeprefix("shardax")
+
+    def __getattr__(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        parent, _, attr = home.rpartition(".")
+        if parent.count(".") <= 1:  # shardax or one of its layer namespaces
+            now = f"is now sx{home.removeprefix('shardax')}"
+        else:
+            now = f"is internal now ({home})"
+        warnings.warn(
+            f"{spelled}.{name} {now}; the old name goes in a later release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(parent), attr)
+
+    __getattr__.homes = dict(homes)  # type: ignore[attr-defined]
+    return __getattr__
 
 
 def _public_class(cls: type, name: str) -> None:

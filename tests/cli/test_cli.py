@@ -161,6 +161,29 @@ def test_help_is_clear(command, capsys):
     assert ("--cpu-devices" in text) == (command != "goodput")  # goodput reads a file
 
 
+def test_only_the_named_command_is_imported():
+    """``shardax --help`` lists every command and imports none; ``shardax goodput`` imports
+    goodput's module, not train's (cli/main.py's docstring)."""
+    code = (
+        "import sys\n"
+        "from shardax.cli.main import COMMANDS, main\n"
+        "for argv in (['--help'], ['goodput', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "    print('LOADED', sorted(n for n, (m, _) in COMMANDS.items() if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    listing, rest = out.split("LOADED", 1)
+    assert all(f"    {name} " in listing for name in COMMANDS), listing
+    loaded = [line for line in out.splitlines() if line.startswith("LOADED")]
+    assert loaded == ["LOADED []", "LOADED ['goodput']"], out
+    assert "--png PATH" in rest  # goodput's own options were added
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

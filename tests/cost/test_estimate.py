@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.cost.estimate import HEADROOM, link_bandwidths
+from shardax.cost.estimation import HEADROOM, link_bandwidths
 from shardax.cost.flops import hlo_flops, transformer_flops_per_token
 from shardax.cost.hlo import attention_kernel, collectives, replica_groups
 from shardax.cost.memory import estimate as formula

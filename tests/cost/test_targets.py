@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.cost import compile_target as target_module
 
 JAX_012 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12)
-target_module = sys.modules["shardax.cost.target"]  # sx.cost.target is the function
 
 
 # --- names (no compiler needed) ----------------------------------------------------------
@@ -28,7 +28,7 @@ target_module = sys.modules["shardax.cost.target"]  # sx.cost.target is the func
      ("16xB200", 2, 8), ("8xA100-80GB", 1, 8), ("4x8xh100", 4, 8)],
 )  # fmt: skip
 def test_gpu_names_give_hosts_of_8_unless_told(name, hosts, per_host):
-    parsed = sx.cost.parse_target(name)
+    parsed = target_module.parse_target(name)
     assert (parsed["platform"], parsed["hosts"], parsed["devices_per_host"]) == (
         "gpu",
         hosts,
@@ -44,7 +44,7 @@ def test_gpu_names_give_hosts_of_8_unless_told(name, hosts, per_host):
 )  # fmt: skip
 def test_tpu_names_count_as_cloud_does(name, chips, slices, topology):
     # v5p-N counts TensorCores (2 per chip); v5e-N, v5litepod-N and v6e-N count chips.
-    parsed = sx.cost.parse_target(name)
+    parsed = target_module.parse_target(name)
     assert (parsed["chips"], parsed["slices"], parsed["topology"]) == (chips, slices, topology)
 
 
@@ -65,9 +65,9 @@ def test_unknown_names_list_the_known_ones(name, part):
 
 
 def test_known_targets_parse():
-    names = sx.cost.known_targets()
+    names = target_module.known_targets()
     assert {"8xH100", "64xH100", "v5p-128", "v5e-16", "v6e-16", "2xv5p-128"} <= set(names)
-    assert all(sx.cost.parse_target(n)["platform"] in ("gpu", "tpu") for n in names)
+    assert all(target_module.parse_target(n)["platform"] in ("gpu", "tpu") for n in names)
 
 
 # --- the datasheet rows and the configs shipped with the package -----------------------
@@ -76,13 +76,13 @@ def test_known_targets_parse():
 def test_shipped_gpu_configs_are_the_generators_output():
     folder = importlib.resources.files("shardax.cost").joinpath("targets")
     shipped = {f.name: f.read_text() for f in folder.iterdir() if f.name.endswith(".txtpb")}
-    assert shipped == sx.cost.gpu_target_configs()
+    assert shipped == target_module.gpu_target_configs()
     assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in shipped["h100.txtpb"]
     assert "core_count: 148" in shipped["b200.txtpb"]
 
 
 @pytest.mark.parametrize(
-    "kind", [*sx.cost.GPU_KINDS.values(), "TPU v5", "TPU v5 lite", "TPU v6 lite"]
+    "kind", [*target_module.GPU_KINDS.values(), "TPU v5", "TPU v5 lite", "TPU v6 lite"]
 )
 def test_every_target_kind_has_a_full_datasheet_row(kind):
     from types import SimpleNamespace

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from shardax.cli.launch import free_port
-from shardax.data.global_batch import process_grid
+from shardax.data.assembly import process_grid
 
 WORKER = Path(__file__).parents[1] / "scripts" / "data_process.py"
 

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from shardax.cli.main import main as cli
+from shardax.parallel.gpipe import scan_layers
 
 IN, D, OUT, L, BATCH, STEPS = 4, 8, 2, 8, 16, 3
 
@@ -233,7 +234,7 @@ def test_pipeline_composes_with_fsdp_and_tensor_parallel_layers():
 def test_without_a_stage_axis_it_is_the_plain_scan(shape):
     params, x = make_params(), jnp.asarray(data(1)[0]["x"])
     blocks, h = params["blocks"], x @ params["embed"]
-    expect = sx.parallel.scan_layers(layer, blocks, h)
+    expect = scan_layers(layer, blocks, h)
     fn = jax.jit(lambda b, h: sx.pipeline(layer, b, h, microbatches=3))
     with jax.sharding.set_mesh(sx.make_mesh(shape)):
         got = fn(blocks, h)
@@ -300,7 +301,7 @@ def test_explicit_axes_mesh_gives_the_scan_gradients(repeats, microbatches):
         if pipelined:
             h = sx.pipeline(layer, blocks, h, microbatches=microbatches, repeats=repeats)
         else:
-            h = sx.parallel.scan_layers(layer, blocks, h)
+            h = scan_layers(layer, blocks, h)
         return jnp.sum(h**2)
 
     expect = jax.grad(loss)(blocks, h, pipelined=False)

@@ -25,6 +25,7 @@ import pytest
 import shardax as sx
 from shardax.cli import main as cli_main
 from shardax.cli.launch import exit_code, free_port, process_env, start_processes, supervise
+from shardax.runtime.agreement import fingerprint
 from shardax.runtime.distributed import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -436,7 +437,7 @@ def test_check_agreement_alone_and_fingerprints():
     assert digest == sx.runtime.check_agreement(
         config={"lr": 0.1}, mesh=mesh, plan=sx.fsdp(mesh)(params)
     )
-    fp = sx.runtime.fingerprint
+    fp = fingerprint
     # What tells setups apart: config values, mesh shapes, plan rules and their settings.
     assert fp({"lr": 0.1}) != fp({"lr": 0.2})
     assert fp(mesh) != fp(sx.make_mesh({"data": 4, "model": 2}))

@@ -5,8 +5,9 @@ import jax
 import pytest
 
 import shardax as sx
-from shardax.cost import BATCH_SIZE_TABLE, detect_hardware_type
+from shardax.cost import detect_hardware_type
 from shardax.cost.flops import utilization
+from shardax.cost.hardware import BATCH_SIZE_TABLE
 
 SEED_TABLE = {  # seed 000, verbatim
     "TPU_V5E": (64, 256, 240),

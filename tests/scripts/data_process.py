@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import shardax as sx  # noqa: E402
+from shardax.data.assembly import process_grid  # noqa: E402
 
 N = 37
 data = {"x": np.arange(N * 3, dtype=np.float32).reshape(N, 3), "y": np.arange(N)}
@@ -43,7 +44,7 @@ with sx.prefetch_to_device(loader, mesh) as it:
 mesh2 = sx.make_mesh({"data": 4, "model": 2})
 local = {"x": np.arange(8 * 3, dtype=np.float32).reshape(8, 3) + 100 * pid, "lr": np.float32(0.5)}
 placed = sx.global_batch(local, mesh2, global_size=16)
-out["grid"] = list(sx.data.process_grid(sx.batch_sharding(mesh2), 2))
+out["grid"] = list(process_grid(sx.batch_sharding(mesh2), 2))
 out["mesh2_shape"] = list(placed["x"].shape)
 out["mesh2_x"] = multihost_utils.process_allgather(placed["x"], tiled=True).tolist()
 out["lr"] = float(jax.jit(lambda b: b["lr"] * 2)(placed))

@@ -11,7 +11,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import shardax as sx
-from shardax.track import StepClock, Window, parse_steps
+from shardax.track import StepClock, Window
+from shardax.track.profile import parse_steps
 
 
 def read_tensorboard(log_dir) -> dict[str, list[tuple[int, float]]]:

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.plan.tree import path_str
 
 STEPS = 3
 
@@ -75,7 +76,7 @@ def batches():
 def keys_of(tree):
     """``{path: key data}`` of every typed key leaf of ``tree``."""
     return {
-        sx.plan.path_str(p): np.asarray(jax.random.key_data(x))
+        path_str(p): np.asarray(jax.random.key_data(x))
         for p, x in jax.tree_util.tree_leaves_with_path(tree)
         if sx.plan.is_key(x)
     }
@@ -166,7 +167,7 @@ def test_make_train_step_and_checkpoint_round_trip(name, mesh, tmp_path):
         assert keys_of(got) and keys_of(got).keys() == keys_of(one_state).keys()
         for path, x in jax.tree_util.tree_leaves_with_path(got):
             if sx.plan.is_key(x):
-                assert x.sharding.is_fully_replicated, (label, sx.plan.path_str(path))
+                assert x.sharding.is_fully_replicated, (label, path_str(path))
     state = results["eight"][0]
     # Saved and restored onto the state's own shardings: keys exact, still keys.
     sx.save_checkpoint(tmp_path / "fn", state, step=STEPS)

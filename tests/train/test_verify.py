@@ -154,7 +154,7 @@ def test_bf16_against_a_too_tight_tolerance_is_reduced_precision(mesh):
 
 
 def test_reference_that_does_not_fit_says_so():
-    from shardax.train.verify import _out_of_memory, _too_big
+    from shardax.train.verification import _out_of_memory, _too_big
 
     error = _too_big("cuda:0", 4096, RuntimeError("RESOURCE_EXHAUSTED: Out of memory"))
     assert "one device (cuda:0)" in str(error) and "smaller probe batch" in str(error)

@@ -22,6 +22,7 @@ from shardax.cli.common import STARTED, UsageError, machine, run_dir, step_flops
 from shardax.cli.hooks import Bar, History, Log, Record
 from shardax.cli.job import Job, data_axes
 from shardax.loop import Checkpoints, Goodput, Hook, MetricsWindow, Preemption, Run, Watchdog
+from shardax.plan.tree import map_arrays
 
 
 def resume(args: argparse.Namespace, manager: Any, job: Job) -> Any:
@@ -194,7 +195,7 @@ def summary(
     if jax.process_index() == 0:
         out.print(format_utilization(use))
     described = sx.describe(run.state)
-    specs = sx.plan.map_arrays(lambda p, x: _spec_text(x), run.state)
+    specs = map_arrays(lambda p, x: _spec_text(x), run.state)
     common = {
         "command": "train",
         "model": args.model,

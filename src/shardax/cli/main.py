@@ -1,9 +1,12 @@
 """Entry point: parses arguments, sets simulated CPU devices, then runs a command.
 
-Simulated CPU devices must be set before any JAX backend starts, so the commands'
-modules are imported only after ``--cpu-devices`` has been applied. Under ``shardax
-launch`` (or SLURM / Open MPI) each command also joins the multi-process run first.
-A command module with ``STARTS_JAX = False`` (launch) gets neither.
+Only the named command's module is imported, to add its options to the parser (``shardax
+--help`` lists every command from :data:`COMMANDS` without importing them). Simulated CPU
+devices must be set before any JAX backend starts: importing a command starts none, and
+``--cpu-devices`` is applied after the arguments are parsed (so a usage error comes first)
+and before the command runs. Under ``shardax launch`` (or SLURM / Open MPI) each command
+also joins the multi-process run then. A command module with ``STARTS_JAX = False``
+(launch, goodput) gets neither.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import importlib
 import io
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from shardax.checkpoint.preemption import Preempted
@@ -46,8 +49,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command; each command module adds its own options."""
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; the modules of ``commands`` (default: all) are imported
+    and add their own options, the others are listed with their help only."""
     parser = _Parser(
         prog="shardax",
         description="Take a JAX training loop from one device to many devices and many hosts.",
@@ -57,8 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Run shardax COMMAND --help for a command's options.",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    chosen = set(COMMANDS if commands is None else commands)
     for name, (module, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if name not in chosen:
+            continue
         command = importlib.import_module(module)
         if getattr(command, "STARTS_JAX", True):
             cmd.add_argument(
@@ -120,7 +127,9 @@ def whole_lines(stream: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``shardax COMMAND [OPTIONS]`` and returns its exit code."""
     whole_lines(sys.stdout)
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = next((a for a in argv if not a.startswith("-")), None)  # the command, if any
+    args = build_parser([named] if named in COMMANDS else []).parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         check_output_dirs(args)

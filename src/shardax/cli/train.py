@@ -226,7 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, out: Any, job: Any) -> bool:
     """``--verify``: :func:`shardax.verify` on the job's first batch (the loader is put
     back); prints the report and returns whether it passed."""
-    from shardax.train.verify import verify_first_batch
+    from shardax.train.verification import verify_first_batch
 
     try:
         report = verify_first_batch(job.step, job.state, job.loader, rtol=args.verify_rtol)

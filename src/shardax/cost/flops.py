@@ -177,7 +177,7 @@ def utilization(
     ``devices``) that takes ``step_seconds``.
 
     MFU is achieved FLOP/s over the dense bf16 peak of ``hardware``
-    (:data:`~shardax.cost.HARDWARE_SPECS`) or, by default, of the first device
+    (:data:`~shardax.cost.hardware.HARDWARE_SPECS`) or, by default, of the first device
     (:func:`~shardax.cost.device_spec`, which also knows kinds such as the H200);
     ``"n/a"`` where the peak is not known (CPU, unknown accelerators). Returns
     ``flops_per_step``, ``tflops_per_s_per_device``, ``peak_tflops_per_device`` (or

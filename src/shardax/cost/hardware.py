@@ -92,7 +92,7 @@ _UNKNOWN = _R(
 class GpuArch:
     """What XLA's GPU compiler needs to know of a GPU beyond its datasheet row: the
     fields of the target configs that :func:`shardax.cost.target` compiles for
-    (:func:`shardax.cost.gpu_target_config`).
+    (:func:`shardax.cost.compile_target.gpu_target_config`).
 
     Attributes:
         compute_capability: CUDA compute capability, ``(major, minor)``.

@@ -1,38 +1,44 @@
 """Data layer: global batches, process-sharded loading, uneven batches, async prefetch."""
 
-from shardax.data.global_batch import as_sharding, global_batch, process_grid
+from shardax.checks import moved as _moved
+from shardax.data.assembly import global_batch
 from shardax.data.loader import Batches, batches
 from shardax.data.placement import (
     batch_sharding,
     distribute_batch,
-    leaf_sharding,
     place_on_device,
     replicate_across_devices,
     shard_batch_dim,
 )
-from shardax.data.policy import POLICIES, fit_batch, pad_batch
 from shardax.data.prefetch import Prefetcher, prefetch_to_device
-from shardax.data.spec import batch_shardings
 from shardax.data.wait import Timed, timed
 
 __all__ = [
-    "POLICIES",
     "Batches",
     "Prefetcher",
     "Timed",
-    "as_sharding",
     "batch_sharding",
-    "batch_shardings",
     "batches",
     "distribute_batch",
-    "fit_batch",
     "global_batch",
-    "leaf_sharding",
-    "pad_batch",
     "place_on_device",
     "prefetch_to_device",
-    "process_grid",
     "replicate_across_devices",
     "shard_batch_dim",
     "timed",
 ]
+
+# Names that left this namespace (internal now, or moved), by their home; they keep
+# working for a release, with a DeprecationWarning.
+__getattr__ = _moved(
+    __name__,
+    {
+        "POLICIES": "shardax.data.policy.POLICIES",
+        "as_sharding": "shardax.data.assembly.as_sharding",
+        "batch_shardings": "shardax.data.spec.batch_shardings",
+        "fit_batch": "shardax.data.policy.fit_batch",
+        "leaf_sharding": "shardax.data.placement.leaf_sharding",
+        "pad_batch": "shardax.data.policy.pad_batch",
+        "process_grid": "shardax.data.assembly.process_grid",
+    },
+)

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 
 from shardax.checks import as_count, public
-from shardax.data.global_batch import as_sharding, global_batch
+from shardax.data.assembly import as_sharding, global_batch
 from shardax.data.policy import batch_size_of, check_policy, fit_batch
 
 __all__ = ["Prefetcher", "as_sharding", "prefetch_to_device"]

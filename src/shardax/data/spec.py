@@ -30,7 +30,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.checks import public
-from shardax.data.global_batch import global_batch
+from shardax.data.assembly import global_batch
 from shardax.data.leaves import check_batch_leaves
 from shardax.data.placement import leaf_sharding
 from shardax.plan.tree import map_arrays, path_str

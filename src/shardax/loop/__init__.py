@@ -7,6 +7,7 @@ watchdog, the goodput ledger, the metrics window and NaN guard, evaluation, prog
 logging. One predicate, :func:`itstime`, schedules them all.
 """
 
+from shardax.loop.driver import Run, run
 from shardax.loop.hooks import (
     Checkpoints,
     Evaluation,
@@ -18,7 +19,6 @@ from shardax.loop.hooks import (
     Progress,
     Watchdog,
 )
-from shardax.loop.run import Run, run
 from shardax.loop.schedule import itstime
 
 __all__ = [

@@ -11,7 +11,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from shardax.checks import as_count, public
-from shardax.cost.target import Target
+from shardax.cost.compile_target import Target
 from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 
 MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]

@@ -1,68 +1,59 @@
 """Plan layer: pytrees to pytrees of ``NamedSharding``."""
 
+from shardax.checks import moved as _moved
 from shardax.plan.activation import constrain
-from shardax.plan.annotations import (
-    annotated_specs,
-    axis_rules,
-    current_axis_rules,
-    from_linen,
-    from_nnx,
-    logical_to_mesh,
-)
-from shardax.plan.core import (
-    DEFAULT_FSDP_MIN_SIZE,
-    Plan,
-    axis_size,
-    fsdp,
-    fsdp_over,
-    fsdp_spec,
-    replicate,
-    shard,
-)
-from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.annotations import axis_rules, from_linen, from_nnx
+from shardax.plan.core import Plan, fsdp, fsdp_over, replicate, shard
+from shardax.plan.follow import follow_params
 from shardax.plan.init import init_sharded
-from shardax.plan.placed import planned, record
 from shardax.plan.regex import rules
-from shardax.plan.report import Row, ShardingReport, describe, format_bytes, validate
-from shardax.plan.specs import check_spec, spec_errors
-from shardax.plan.tree import dtype_name, is_array, is_key, itemsize, map_arrays, path_str
+from shardax.plan.report import ShardingReport, describe, validate
+from shardax.plan.tree import dtype_name, is_key, itemsize
 from shardax.plan.zero import zero1, zero2
 
 __all__ = [
-    "DEFAULT_FSDP_MIN_SIZE",
-    "FollowParams",
     "Plan",
-    "Row",
     "ShardingReport",
-    "annotated_specs",
     "axis_rules",
-    "axis_size",
-    "check_spec",
     "constrain",
-    "current_axis_rules",
     "describe",
     "dtype_name",
     "follow_params",
-    "format_bytes",
     "from_linen",
     "from_nnx",
     "fsdp",
     "fsdp_over",
-    "fsdp_spec",
     "init_sharded",
-    "is_array",
     "is_key",
     "itemsize",
-    "logical_to_mesh",
-    "map_arrays",
-    "path_str",
-    "planned",
-    "record",
     "replicate",
     "rules",
     "shard",
-    "spec_errors",
     "validate",
     "zero1",
     "zero2",
 ]
+
+# Names that left this namespace (internal now, or moved), by their home; they keep
+# working for a release, with a DeprecationWarning.
+__getattr__ = _moved(
+    __name__,
+    {
+        "DEFAULT_FSDP_MIN_SIZE": "shardax.plan.core.DEFAULT_FSDP_MIN_SIZE",
+        "FollowParams": "shardax.plan.follow.FollowParams",
+        "Row": "shardax.plan.report.Row",
+        "annotated_specs": "shardax.plan.annotations.annotated_specs",
+        "axis_size": "shardax.plan.core.axis_size",
+        "check_spec": "shardax.plan.specs.check_spec",
+        "current_axis_rules": "shardax.plan.annotations.current_axis_rules",
+        "format_bytes": "shardax.plan.report.format_bytes",
+        "fsdp_spec": "shardax.plan.core.fsdp_spec",
+        "is_array": "shardax.plan.tree.is_array",
+        "logical_to_mesh": "shardax.plan.annotations.logical_to_mesh",
+        "map_arrays": "shardax.plan.tree.map_arrays",
+        "path_str": "shardax.plan.tree.path_str",
+        "planned": "shardax.plan.placed.planned",
+        "record": "shardax.plan.placed.record",
+        "spec_errors": "shardax.plan.specs.spec_errors",
+    },
+)

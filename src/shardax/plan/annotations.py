@@ -48,7 +48,7 @@ def axis_rules(rules: AxisRules) -> Iterator[dict[str, Any]]:
     build a new ``jax.jit`` per mapping.
 
     >>> with sx.plan.axis_rules({"batch": "data", "mlp": "model"}):
-    ...     print(sx.plan.current_axis_rules()["mlp"])  # in a model: sx.constrain(h, P("mlp"))
+    ...     print(current_axis_rules()["mlp"])  # in a model: sx.constrain(h, P("mlp"))
     model
     """
     token = _AXIS_RULES.set(dict(rules))
@@ -70,7 +70,7 @@ def logical_to_mesh(
 ) -> PartitionSpec:
     """``spec``'s logical names mapped to mesh axes (names already in the mesh pass through).
 
-    >>> sx.plan.logical_to_mesh(P("batch", "mlp"), mesh, {"batch": "data", "mlp": None})
+    >>> logical_to_mesh(P("batch", "mlp"), mesh, {"batch": "data", "mlp": None})
     P('data', None)
     """
     rules = dict((current_axis_rules() or {}) if rules is None else rules)

@@ -1,32 +1,29 @@
 """Train layer: TrainState, the train and eval steps, precision, auto plans, the loss rules,
 verify (the step against one device)."""
 
+from shardax.checks import moved as _moved
 from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
 from shardax.train.eval import EvalStep
 from shardax.train.guard import NonFiniteLossError, check_finite
 from shardax.train.keep import keep_plan
 from shardax.train.make import make_eval_step, make_train_step
 from shardax.train.masks import masked_mean
-from shardax.train.precision import LossScaleState, LossScaling, Precision
-from shardax.train.prepare import prepare
-from shardax.train.program import MODES, Program
+from shardax.train.precision import LossScaling, Precision
+from shardax.train.preparation import prepare
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
-from shardax.train.verify import VerifyReport, verify
+from shardax.train.verification import VerifyReport, verify
 
 __all__ = [
-    "MODES",
     "AutoPlan",
     "AutoPlanOptions",
     "AutoStep",
     "Candidate",
     "EvalStep",
-    "LossScaleState",
     "LossScaling",
     "NonFiniteLossError",
     "Precision",
-    "Program",
     "TrainState",
     "TrainStep",
     "VerifyReport",
@@ -41,3 +38,14 @@ __all__ = [
     "prepare",
     "verify",
 ]
+
+# Names that left this namespace (internal now, or moved), by their home; they keep
+# working for a release, with a DeprecationWarning.
+__getattr__ = _moved(
+    __name__,
+    {
+        "LossScaleState": "shardax.train.precision.LossScaleState",
+        "MODES": "shardax.train.program.MODES",
+        "Program": "shardax.train.program.Program",
+    },
+)

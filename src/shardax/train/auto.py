@@ -399,7 +399,7 @@ def measure(name: str, compiled: Any, plan: Plan) -> Candidate:
 def refused_candidate(name: str, plan: Plan, error: BaseException) -> Candidate | None:
     """A :class:`Candidate` that does not fit, from a backend's out-of-memory compile
     error (libtpu refuses a step whose temporaries exceed HBM); None for other errors."""
-    from shardax.cost.estimate import out_of_memory
+    from shardax.cost.estimation import out_of_memory
 
     oom = out_of_memory(error)
     if oom is None:
@@ -419,9 +419,9 @@ def refused_candidate(name: str, plan: Plan, error: BaseException) -> Candidate 
 
 
 def predicted(candidate: Candidate, compiled: Any, batch: Any) -> Candidate:
-    """``candidate`` with its predicted step time (:func:`shardax.cost.estimate.analyse`,
+    """``candidate`` with its predicted step time (:func:`shardax.cost.estimation.analyse`,
     with overlap) where the mesh's devices have a datasheet (a GPU, a TPU, a target)."""
-    from shardax.cost.estimate import analyse
+    from shardax.cost.estimation import analyse
     from shardax.cost.hardware import device_spec
 
     mesh = candidate.plan.mesh
@@ -575,7 +575,7 @@ def choose(
     when ``budget`` is None), the one that sends the fewest bytes per step (ties: the
     fewest bytes per device). Where every candidate has a predicted step time (devices
     with a datasheet: GPUs, TPUs, compile-only targets), the fastest predicted of those
-    that fit with :data:`shardax.cost.estimate.HEADROOM` to spare instead. Raises
+    that fit with :data:`shardax.cost.estimation.HEADROOM` to spare instead. Raises
     ``ValueError`` when none fits. ``note`` (what the candidates share) ends the reason."""
     measured = [
         dataclasses.replace(
@@ -586,7 +586,7 @@ def choose(
     fitting = [c for c in measured if c.fits is not False]
     timed = all(c.predicted_s is not None for c in measured if not c.refused)
     if timed and budget is not None:  # a datasheet: fit with headroom, then fastest
-        from shardax.cost.estimate import HEADROOM
+        from shardax.cost.estimation import HEADROOM
 
         roomy = [c for c in fitting if c.total_bytes <= budget * (1 - HEADROOM)]
         if roomy:

@@ -209,7 +209,7 @@ def parse_target(name: str) -> dict[str, Any]:
 @public("sx.cost.gpu_target_config")
 def gpu_target_config(kind: str, spec: HardwareSpec) -> str:
     """XLA's ``GpuTargetConfigProto`` in text form for a GPU of ``kind`` whose datasheet row
-    is ``spec`` (its :class:`~shardax.cost.GpuArch` and memory figures): what the files of
+    is ``spec`` (its :class:`~shardax.cost.hardware.GpuArch` and memory figures): what the files of
     ``shardax/cost/targets/`` hold, one field per line.
 
     >>> h100 = device_spec(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3"))
@@ -238,7 +238,7 @@ def gpu_target_config(kind: str, spec: HardwareSpec) -> str:
         ("shared_memory_per_block_optin", arch.shared_memory_per_block_optin),
     ]
     lines = [
-        f"# {kind}: written by shardax.cost.target.gpu_target_config from shardax's datasheet",
+        f"# {kind}: written by shardax/cost/compile_target.py from shardax's datasheet",
         "# row (shardax/cost/hardware.py); regenerate with write_gpu_target_configs().",
         "gpu_device_info {",
         *(f"  {k}: {v}" for k, v in fields),
