@@ -320,12 +320,30 @@ def test_h100_falls_back_by_name(h100_meshes, caplog):
 
 
 @pytest.mark.compile_only("gpu")
-def test_h100_ring_says_einsum(h100_meshes, caplog):
+def test_h100_ring_runs_its_blocks_through_cudnn(h100_meshes, caplog):
+    """The causal ring (data=2 × context=4, blocks of T/C = 32 tokens, head_dim 64) with
+    its gradient: cuDNN's forward and backward per block, the blocks passed on by
+    collective-permute, and no dense score block left (no dot, no fp32 32×32 or, under
+    zig-zag, 16×16 scores). Segment ids, which the ring's cuDNN blocks cannot take, fall
+    back to the dense blocks, said once by name."""
     mesh, spec = h100_meshes["context"]
     with caplog.at_level(logging.WARNING, logger="shardax"):
-        text = _compiled(mesh, spec, SHAPES, causal=True, impl="ring", compile=False)
-    assert attention_kernel(text) == "dense"
-    assert "impl='ring' computes its blocks as einsums" in caplog.records[0].getMessage()
+        for layout in ("contiguous", "zigzag"):
+            text = _compiled(mesh, spec, SHAPES, causal=True, impl="ring", layout=layout)
+            calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
+            assert any("Backward" in c for c in calls), (layout, calls)
+            assert any("Backward" not in c for c in calls), (layout, calls)
+            assert "collective-permute" in text
+            assert not re.search(r" dot\(|__cublas|f32\[[0-9,]*(32,32|16,16)\]", text), layout
+        assert not caplog.records  # nothing fell back
+        for _ in range(2):
+            text = _compiled(mesh, spec, SHAPES, seg=True, impl="ring", compile=False)
+            assert attention_kernel(text) == "dense"
+    assert [r.getMessage() for r in caplog.records] == [
+        "sx.attention: dense attention, not a fused kernel: impl='ring' with cudnn "
+        "unsupported: segment ids (the ring's cuDNN blocks take causal or no mask; "
+        "impl='all_gather' or 'ulysses' take cuDNN with it)"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -356,22 +374,27 @@ def test_tpu_falls_back_by_name(tpu_meshes, caplog):
 
 
 @pytest.mark.compile_only("gpu")
-def test_gpt_in_bf16_compiles_to_cudnn_on_h100(h100_meshes):
-    """The GPT (bf16, as `shardax train --model gpt` runs on a GPU) takes cuDNN's kernel."""
+@pytest.mark.parametrize("where", ["jit", "ring"])
+def test_gpt_in_bf16_compiles_to_cudnn_on_h100(h100_meshes, where):
+    """The GPT (bf16, as `shardax train --model gpt` runs on a GPU) takes cuDNN's kernel,
+    also under `--attention ring` on a context mesh (zig-zag, as the CLI lays it out)."""
     from flax import nnx
 
     from shardax.models import gpt
 
-    mesh, spec = h100_meshes["jit"]
-    cfg = gpt.GPTConfig(layers=1, d_model=128, heads=2, max_seq_len=128)
+    mesh, spec = h100_meshes["jit" if where == "jit" else "context"]
+    attn = "auto" if where == "jit" else "ring"
+    cfg = gpt.GPTConfig(layers=1, d_model=128, heads=2, max_seq_len=128, attention=attn)
     graph, params = nnx.split(nnx.eval_shape(lambda: gpt.make_gpt(cfg, 0)))
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
     tokens = jax.ShapeDtypeStruct((8, 128), jnp.int32, sharding=NamedSharding(mesh, spec))
 
     def loss(params, tokens):
-        logits = nnx.merge(graph, params)(tokens)
+        layout = "contiguous" if where == "jit" else "zigzag"
+        logits = nnx.merge(graph, params)(tokens, layout=layout)
         return logits.astype(jnp.float32).mean()
 
     with jax.set_mesh(mesh):
         text = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
     assert attention_kernels(text)["cudnn"] >= 2
+    assert attention_kernel(text) == "cudnn"  # what `shardax train` reports

@@ -12,7 +12,9 @@ picks how devices see each other's keys and values:
 - ``"ring"``: K/V blocks travel around the ring (``ppermute``, the next block sent
   before the current one is used) and combine by an online softmax; the backward pass
   runs the ring again, so memory per device stays O(len / C). A block that the causal
-  mask or the window hides entirely is skipped (``lax.cond``);
+  mask or the window hides entirely is skipped (``lax.cond``). On a GPU each block is
+  cuDNN's fused attention (no mask or causal; its log-sum-exp combines the blocks, and
+  its backward is given the global output and log-sum-exp), elsewhere einsums;
 - ``"ulysses"``: all-to-all from sequence-split to head-split, full-length attention
   on H / C heads, all-to-all back (needs ``H % C == 0``).
 
