@@ -715,6 +715,17 @@ def _combine(acc, block):
     return o * jnp.exp(lse - new)[..., None] + ob * jnp.exp(lb - new)[..., None], new
 
 
+def _own_block_visible(cfg: _Config, first: bool, i: int, j: int) -> bool | None:
+    """Whether query part ``i`` sees key part ``j`` of the device's own block (step 0,
+    ``first``), known while tracing under causal alone: the parts lie in increasing
+    positions, so query part i sees key part j > i never, j < i wholly, j == i causally.
+    None: not known (another step, or a window); :func:`_visible` decides from the
+    positions."""
+    if not first or not cfg.causal or cfg.window is not None:
+        return None
+    return j <= i
+
+
 def _ring_steps(cfg: _Config, compute, acc, block):
     """``compute(acc, block, step, first)`` over the C steps of the ring, ``block`` sent
     on (ppermute) before it is used, so the transfer overlaps the step's compute. Step 0
@@ -751,9 +762,12 @@ def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
         for i, (qi, acc) in enumerate(zip(parts, accs, strict=True)):
             for j, kj in enumerate(parts):
                 diag = first and i == j and cfg.causal
+                seen = _own_block_visible(cfg, first, i, j)
+                if seen is False:
+                    continue
                 bias_ij = _grouped_bias(bias, kh, qi, src * t + kj.start, kj.stop - kj.start)
                 acc = _unless_hidden(
-                    True if diag else _visible(cfg, qpos[qi], kpos[kj]),
+                    _visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
                     functools.partial(update, diag=diag), acc,
                     qg[:, qi], kb[:, kj], vb[:, kj], _part(seg, qi), _part(kseg, kj), bias_ij,
                     qpos[qi], kpos[kj],
@@ -794,9 +808,12 @@ def _ring_bwd(cfg: _Config, res, g):
         for i, qi in enumerate(parts):
             for j, kj in enumerate(parts):
                 diag = first and i == j and cfg.causal
+                seen = _own_block_visible(cfg, first, i, j)
+                if seen is False:
+                    continue
                 col = src * t + kj.start
                 dqs[i], dkvs[j], dbias = _unless_hidden(
-                    True if diag else _visible(cfg, qpos[qi], kpos[kj]),
+                    _visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
                     functools.partial(update, diag=diag, where=(qi.start, col)),
                     (dqs[i], dkvs[j], dbias), qg[:, qi], kb[:, kj], vb[:, kj],
                     _part(seg, qi), _part(kseg, kj),
