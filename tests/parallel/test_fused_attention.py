@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +158,91 @@ def test_cudnn_equals_dense_on_gpu():
         _close(_loss("cudnn", **kw)(q, k, v), _loss("dense", **kw)(q, k, v), 3e-2)
 
 
+def _einsum_cudnn_fwd(q, k, v, *, scale, causal):
+    """cuDNN's forward contract (compat.cudnn_attention_fwd) in einsums: ``(out, lse)``,
+    lse ``(B, N, T)`` fp32; the stand-in for the cuDNN call where no GPU is."""
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=jnp.float32) * scale
+    if causal:
+        s = jnp.where(np.tril(np.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    return jnp.einsum("bnts,bsnd->btnd", p, v.astype(jnp.float32)).astype(q.dtype), lse
+
+
+def _einsum_cudnn_bwd(q, k, v, out, lse, dout, *, scale, causal):
+    """cuDNN's backward contract (compat.cudnn_attention_bwd) in einsums: the gradients
+    at the given ``out`` and ``lse``, P = exp(S - lse), delta = sum(dout · out)."""
+    b, _, n, d = q.shape
+    kh = k.shape[2]
+    kr, vr = (jnp.repeat(x, n // kh, axis=2).astype(jnp.float32) for x in (k, v))
+    q32, do, o = (x.astype(jnp.float32) for x in (q, dout, out))
+    s = jnp.einsum("btnd,bsnd->bnts", q32, kr) * scale
+    if causal:
+        s = jnp.where(np.tril(np.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    p = jnp.exp(s - lse[..., None])
+    delta = jnp.einsum("btnd,btnd->bnt", do, o)
+    ds = p * (jnp.einsum("btnd,bsnd->bnts", do, vr) - delta[..., None])
+    dq = scale * jnp.einsum("bnts,bsnd->btnd", ds, kr)
+    dk = scale * jnp.einsum("bnts,btnd->bsnd", ds, q32)
+    dv = jnp.einsum("bnts,btnd->bsnd", p, do)
+    dk, dv = (x.reshape(b, -1, kh, n // kh, d).sum(3) for x in (dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8)], ids=["data2_context4", "context8"])
+def test_ring_of_cudnn_blocks_equals_one_device(monkeypatch, shape):
+    """The ring with kernel="cudnn" (each K/V block's (out, lse) combined by the online
+    softmax; each block's gradients from the GLOBAL out and lse) equals one device's
+    dense attention, forward and gradients, GQA, no mask and causal in both layouts.
+    No GPU here: the two cuDNN calls (compat) are replaced by einsums keeping their
+    contract, so the ring's plumbing (peeled diagonal step, layouts, the shard_map over
+    the other axes) runs for real on the 8 CPU devices."""
+    from shardax.runtime import compat
+
+    monkeypatch.setattr(compat, "cudnn_attention_fwd", _einsum_cudnn_fwd)
+    monkeypatch.setattr(compat, "cudnn_attention_bwd", _einsum_cudnn_bwd)
+    q, k, v = _qkv(t=64, h=4, kh=2, d=16, dtype=jnp.bfloat16)
+    mesh = jax.make_mesh(shape, ("data", "context"), devices=jax.devices()[:8])
+    put = NamedSharding(mesh, P("data", "context"))
+    for causal, layout in ((False, "contiguous"), (True, "contiguous"), (True, "zigzag")):
+        kw = {"causal": causal}
+        ref = _loss("dense", **kw)(q, k, v)  # one device, fp32 softmax
+        perm = np.arange(64)
+        if layout == "zigzag":
+            perm = sx.parallel.zigzag(np.arange(64)[None], shape[1])[1]
+        args = [jax.device_put(x[:, perm], put) for x in (q, k, v)]
+        with jax.set_mesh(mesh):
+            (_, out), grads = _loss("cudnn", impl="ring", layout=layout, **kw)(*args)
+            (_, dense_out), _ = _loss("dense", impl="ring", layout=layout, **kw)(*args)
+        back = np.argsort(perm)
+        got = ((None, np.asarray(out)[:, back]), tuple(np.asarray(g)[:, back] for g in grads))
+        _close(got, ref, 3e-2)
+        # the same bf16 blocks as the dense ring, to bf16 rounding of each block's output
+        np.testing.assert_allclose(np.asarray(out, np.float32),
+                                   np.asarray(dense_out, np.float32), atol=2e-2)  # fmt: skip
+        assert out.sharding.spec[:2] == ("data", "context") or shape[0] == 1
+
+
+def test_ring_names_what_its_cudnn_blocks_cannot_do():
+    q = jnp.ones((1, 64, 2, 16), jnp.bfloat16)
+    seg = jnp.zeros((1, 64), jnp.int32)
+    mesh = jax.make_mesh((1, 8), ("data", "context"), devices=jax.devices()[:8])
+    cases = [
+        ({"segment_ids": seg}, "segment ids (the ring's cuDNN blocks take causal or no mask"),
+        ({"window": (8, 0)}, "a window (the ring's cuDNN blocks"),
+        ({"bias": jnp.zeros((1, 1, 64, 64), jnp.bfloat16)}, "an additive bias"),
+        ({"kernel": "splash"}, "splash attention gives no log-sum-exp"),
+    ]
+    with jax.set_mesh(mesh):
+        for kw, why in cases:
+            kw = {"kernel": "cudnn", **kw}
+            with pytest.raises(ValueError, match=f"kernel='{kw['kernel']}' cannot compute "
+                               f"impl='ring': {re.escape(why)}"):  # fmt: skip
+                sx.attention(q, q, q, impl="ring", **kw)
+
+
 # --------------------------------------------------------------------------- compile-only
 
 
@@ -234,12 +320,30 @@ def test_h100_falls_back_by_name(h100_meshes, caplog):
 
 
 @pytest.mark.compile_only("gpu")
-def test_h100_ring_says_einsum(h100_meshes, caplog):
+def test_h100_ring_runs_its_blocks_through_cudnn(h100_meshes, caplog):
+    """The causal ring (data=2 × context=4, blocks of T/C = 32 tokens, head_dim 64) with
+    its gradient: cuDNN's forward and backward per block, the blocks passed on by
+    collective-permute, and no dense score block left (no dot, no fp32 32×32 or, under
+    zig-zag, 16×16 scores). Segment ids, which the ring's cuDNN blocks cannot take, fall
+    back to the dense blocks, said once by name."""
     mesh, spec = h100_meshes["context"]
     with caplog.at_level(logging.WARNING, logger="shardax"):
-        text = _compiled(mesh, spec, SHAPES, causal=True, impl="ring", compile=False)
-    assert attention_kernel(text) == "dense"
-    assert "impl='ring' computes its blocks as einsums" in caplog.records[0].getMessage()
+        for layout in ("contiguous", "zigzag"):
+            text = _compiled(mesh, spec, SHAPES, causal=True, impl="ring", layout=layout)
+            calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
+            assert any("Backward" in c for c in calls), (layout, calls)
+            assert any("Backward" not in c for c in calls), (layout, calls)
+            assert "collective-permute" in text
+            assert not re.search(r" dot\(|__cublas|f32\[[0-9,]*(32,32|16,16)\]", text), layout
+        assert not caplog.records  # nothing fell back
+        for _ in range(2):
+            text = _compiled(mesh, spec, SHAPES, seg=True, impl="ring", compile=False)
+            assert attention_kernel(text) == "dense"
+    assert [r.getMessage() for r in caplog.records] == [
+        "sx.attention: dense attention, not a fused kernel: impl='ring' with cudnn "
+        "unsupported: segment ids (the ring's cuDNN blocks take causal or no mask; "
+        "impl='all_gather' or 'ulysses' take cuDNN with it)"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -270,22 +374,27 @@ def test_tpu_falls_back_by_name(tpu_meshes, caplog):
 
 
 @pytest.mark.compile_only("gpu")
-def test_gpt_in_bf16_compiles_to_cudnn_on_h100(h100_meshes):
-    """The GPT (bf16, as `shardax train --model gpt` runs on a GPU) takes cuDNN's kernel."""
+@pytest.mark.parametrize("where", ["jit", "ring"])
+def test_gpt_in_bf16_compiles_to_cudnn_on_h100(h100_meshes, where):
+    """The GPT (bf16, as `shardax train --model gpt` runs on a GPU) takes cuDNN's kernel,
+    also under `--attention ring` on a context mesh (zig-zag, as the CLI lays it out)."""
     from flax import nnx
 
     from shardax.models import gpt
 
-    mesh, spec = h100_meshes["jit"]
-    cfg = gpt.GPTConfig(layers=1, d_model=128, heads=2, max_seq_len=128)
+    mesh, spec = h100_meshes["jit" if where == "jit" else "context"]
+    attn = "auto" if where == "jit" else "ring"
+    cfg = gpt.GPTConfig(layers=1, d_model=128, heads=2, max_seq_len=128, attention=attn)
     graph, params = nnx.split(nnx.eval_shape(lambda: gpt.make_gpt(cfg, 0)))
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
     tokens = jax.ShapeDtypeStruct((8, 128), jnp.int32, sharding=NamedSharding(mesh, spec))
 
     def loss(params, tokens):
-        logits = nnx.merge(graph, params)(tokens)
+        layout = "contiguous" if where == "jit" else "zigzag"
+        logits = nnx.merge(graph, params)(tokens, layout=layout)
         return logits.astype(jnp.float32).mean()
 
     with jax.set_mesh(mesh):
         text = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
     assert attention_kernels(text)["cudnn"] >= 2
+    assert attention_kernel(text) == "cudnn"  # what `shardax train` reports

@@ -65,3 +65,22 @@ def test_orbax_tmp_cleanup_is_there_and_deletes_unfinished_saves(tmp_path, monke
     with pytest.raises(ImportError, match=r"CheckpointManager._no_such_method, which orbax"):
         compat.orbax_await_tmp_cleanup(manager)
     assert any("orbax-checkpoint" in e for e in compat.missing())
+
+
+def test_cudnn_backward_primitive_takes_the_parameters_shardax_binds():
+    """The ring's cuDNN backward binds JAX's private primitive with parameters that move
+    between versions; its shapes come out of JAX's abstract rule (no GPU needed): the
+    gradients shaped like q, k and v (GQA: 4 query heads over 2 kv heads)."""
+    q = jax.ShapeDtypeStruct((2, 32, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 16, 2, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((2, 4, 32), jnp.float32)
+    for causal in (False, True):
+        grads = jax.eval_shape(
+            lambda q, k, v, o, lse, do, c=causal: compat.cudnn_attention_bwd(
+                q, k, v, o, lse, do, scale=0.125, causal=c
+            ),
+            q, kv, kv, q, lse, q,
+        )  # fmt: skip
+        assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, kv, kv)], (
+            VERSION
+        )

@@ -12,7 +12,9 @@ picks how devices see each other's keys and values:
 - ``"ring"``: K/V blocks travel around the ring (``ppermute``, the next block sent
   before the current one is used) and combine by an online softmax; the backward pass
   runs the ring again, so memory per device stays O(len / C). A block that the causal
-  mask or the window hides entirely is skipped (``lax.cond``);
+  mask or the window hides entirely is skipped (``lax.cond``). On a GPU each block is
+  cuDNN's fused attention (no mask or causal; its log-sum-exp combines the blocks, and
+  its backward is given the global output and log-sum-exp), elsewhere einsums;
 - ``"ulysses"``: all-to-all from sequence-split to head-split, full-length attention
   on H / C heads, all-to-all back (needs ``H % C == 0``).
 
@@ -598,9 +600,7 @@ def _unless_hidden(visible: Any, fn: Callable[..., Any], carry: Any, *args: Any)
 def _ring_setup(cfg: _Config, q):
     t = q.shape[1]
     idx = lax.axis_index(cfg.axis)
-    qpos = _block_positions(idx, t, cfg.size, cfg.layout)
-    perm = [(i, (i + 1) % cfg.size) for i in range(cfg.size)]
-    return idx, qpos, perm, _parts(cfg, t)
+    return idx, _block_positions(idx, t, cfg.size, cfg.layout), _parts(cfg, t)
 
 
 def _part(x: jax.Array | None, part: slice) -> jax.Array | None:
@@ -618,64 +618,36 @@ def _zeros(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) * 0
 
 
-def _online(cfg: _Config, acc, qg, kb, vb, qseg, kseg, bias, qpos, kpos):
-    """One online-softmax update of ``acc = (o, m, l)`` with a part of a K/V block."""
-    o, m, l = acc  # noqa: E741
+# The ring's blocks. A pair of functions computes one query part against one part of a
+# K/V block (queries ``qg`` (B, T, K, G, D), keys and values (B, S, K, D)):
+#   forward:  ``(o, lse)``, the block's normalised output (B, K, G, T, D) and the
+#             log-sum-exp of its rows (B, K, G, T), both fp32;
+#   backward: the block's share of (dq, (dk, dv), dbias) added to a carry, given the
+#             GLOBAL output and log-sum-exp (P_block = exp(S - lse_global)).
+# ``diag``: the part pair lies on the causal diagonal (the same positions: the mask is
+# causal within it); other visible pairs are fully visible under causal alone.
+# The ring combines the forwards by an online softmax (:func:`_combine`) whatever the
+# pair: the dense one (einsums, every mask from the true positions) or cuDNN's
+# (no mask or causal, kernel="cudnn").
+
+
+def _dense_fwd(cfg: _Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
+    """Dense block forward: masked logits, softmax, times V (einsums)."""
+    del diag  # the masks come from the true positions
     s = _scores(cfg, qg, kb, qseg, kseg, bias, qpos, kpos)
-    m_new = jnp.maximum(m, s.max(-1))
-    p = jnp.exp(s - m_new[..., None])
-    alpha = jnp.exp(m - m_new)
+    m = s.max(-1)
+    p = jnp.exp(s - m[..., None])
+    l = p.sum(-1)  # noqa: E741
     pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb,
                     preferred_element_type=jnp.float32)  # fmt: skip
-    return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(-1)
+    return pv / l[..., None], m + jnp.log(l)
 
 
-def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
-    b, t, h, d = q.shape
-    kh = k.shape[2]
-    qg = q.reshape(b, t, kh, h // kh, d)
-    idx, qpos, perm, parts = _ring_setup(cfg, q)
-
-    def compute(accs, block, step):
-        kb, vb, kseg = block
-        src = (idx - step) % cfg.size
-        kpos = _block_positions(src, t, cfg.size, cfg.layout)
-        out = []
-        for qi, acc in zip(parts, accs, strict=True):
-            for kj in parts:
-                bias_ij = _grouped_bias(bias, kh, qi, src * t + kj.start, kj.stop - kj.start)
-                acc = _unless_hidden(
-                    _visible(cfg, qpos[qi], kpos[kj]), functools.partial(_online, cfg), acc,
-                    qg[:, qi], kb[:, kj], vb[:, kj], _part(seg, qi), _part(kseg, kj), bias_ij,
-                    qpos[qi], kpos[kj],
-                )  # fmt: skip
-            out.append(acc)
-        return out
-
-    def body(carry, step):
-        accs, block = carry
-        # Send the block on before using it, so the transfer overlaps this step's compute.
-        after = lax.ppermute(block, cfg.axis, perm)
-        return (compute(accs, block, step), after), None
-
-    accs = []
-    for qi in parts:
-        o = _zeros(qg[:, qi].transpose(0, 2, 3, 1, 4))
-        accs.append((o, o[..., 0] - jnp.inf, o[..., 0]))
-    # Steps 0..C-2 in a loop (one step's scores live at a time), the last without a send.
-    (accs, block), _ = lax.scan(body, (accs, (k, v, seg)), jnp.arange(cfg.size - 1))
-    accs = compute(accs, block, cfg.size - 1)
-    o, m, l = (jnp.concatenate(x, axis=3) for x in zip(*accs, strict=True))  # noqa: E741
-    o = o / l[..., None]
-    lse = m + jnp.log(l)
-    out = o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
-    return out, (q, k, v, seg, bias, o, lse)
-
-
-def _grads(cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, do, lse, delta,
-           where):  # fmt: skip
-    """One part pair's gradients, added to ``carry = (dq, (dk, dv), dbias)`` (``where``:
-    the pair's first row and column in the bias)."""
+def _dense_bwd(cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse,
+               delta, diag, where):  # fmt: skip
+    """Dense block backward, added to ``carry = (dq, (dk, dv), dbias)`` (``where``: the
+    pair's first row and column in the bias)."""
+    del o, diag
     dq, (dk, dv), dbias = carry
     s = _scores(cfg, qg, kb, qseg, kseg, bias, qpos, kpos)
     p = jnp.exp(s - lse[..., None])
@@ -691,6 +663,128 @@ def _grads(cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, do, ls
     return dq, (dk, dv), dbias
 
 
+def _heads(x: jax.Array, dtype: Any) -> jax.Array:
+    """(B, K, G, T, D) -> (B, T, K·G, D) in ``dtype``: the kernels' layout."""
+    b, kh, g, t, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, t, kh * g, d).astype(dtype)
+
+
+def _flash_fwd(cfg: _Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
+    """A fused kernel's block forward (``_FLASH[cfg.kernel]``): no mask, or causal on
+    the diagonal."""
+    del qseg, kseg, bias, qpos, kpos  # none (the ring's kernel choice), or the diagonal
+    b, t, kh, g, d = qg.shape
+    out, lse = _FLASH[cfg.kernel][0](qg.reshape(b, t, kh * g, d), kb, vb, scale=cfg.scale,
+                                     causal=diag)  # fmt: skip
+    out = out.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
+    return out, lse.reshape(b, t, kh, g).transpose(0, 2, 3, 1)
+
+
+def _flash_bwd(cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse,
+               delta, diag, where):  # fmt: skip
+    """A fused kernel's block backward given the global output and log-sum-exp."""
+    del qseg, kseg, bias, qpos, kpos, delta, where  # the kernel forms delta from o, do
+    dq, (dk, dv), dbias = carry
+    b, t, kh, g, d = qg.shape
+    lse = lse.transpose(0, 3, 1, 2).reshape(b, t, kh * g)
+    gq, gk, gv = _FLASH[cfg.kernel][1](
+        qg.reshape(b, t, kh * g, d), kb, vb, _heads(o, qg.dtype), lse, _heads(do, qg.dtype),
+        scale=cfg.scale, causal=diag,
+    )  # fmt: skip
+    dq = dq + gq.reshape(dq.shape).astype(jnp.float32)
+    return dq, (dk + gk.astype(jnp.float32), dv + gv.astype(jnp.float32)), dbias
+
+
+_FLASH: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "cudnn": (fused.cudnn_block, fused.cudnn_block_grads),
+}
+"""Fused kernels the ring runs its blocks with: forward ``(q, k, v, *, scale, causal)
+-> (out, lse)`` and backward ``(q, k, v, out, lse, dout, *, scale, causal) -> (dq, dk,
+dv)``, q and out ``(B, T, N, D)``, k and v ``(B, S, K, D)``, lse ``(B, T, N)`` fp32."""
+
+
+def _pair(cfg: _Config) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    return (_flash_fwd, _flash_bwd) if cfg.kernel in _FLASH else (_dense_fwd, _dense_bwd)
+
+
+def _combine(acc, block):
+    """The online softmax: ``acc = (o, lse)`` and a block's ``(o, lse)`` combined."""
+    o, lse = acc
+    ob, lb = block
+    new = jnp.logaddexp(lse, lb)
+    return o * jnp.exp(lse - new)[..., None] + ob * jnp.exp(lb - new)[..., None], new
+
+
+def _own_block_visible(cfg: _Config, first: bool, i: int, j: int) -> bool | None:
+    """Whether query part ``i`` sees key part ``j`` of the device's own block (step 0,
+    ``first``), known while tracing under causal alone: the parts lie in increasing
+    positions, so query part i sees key part j > i never, j < i wholly, j == i causally.
+    None: not known (another step, or a window); :func:`_visible` decides from the
+    positions."""
+    if not first or not cfg.causal or cfg.window is not None:
+        return None
+    return j <= i
+
+
+def _ring_steps(cfg: _Config, compute, acc, block):
+    """``compute(acc, block, step, first)`` over the C steps of the ring, ``block`` sent
+    on (ppermute) before it is used, so the transfer overlaps the step's compute. Step 0
+    (the device's own block: the causal diagonal) is traced apart (``first`` True), steps
+    1..C-2 in a loop (one step's scores live at a time), the last without a send."""
+    perm = [(i, (i + 1) % cfg.size) for i in range(cfg.size)]
+
+    def body(carry, step):
+        acc, block = carry
+        after = lax.ppermute(block, cfg.axis, perm)
+        return (compute(acc, block, step, False), after), None
+
+    after = lax.ppermute(block, cfg.axis, perm)
+    acc, block = compute(acc, block, 0, True), after
+    (acc, block), _ = lax.scan(body, (acc, block), jnp.arange(1, cfg.size - 1))
+    return compute(acc, block, cfg.size - 1, False)
+
+
+def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, h // kh, d)
+    idx, qpos, parts = _ring_setup(cfg, q)
+    block_fwd = _pair(cfg)[0]
+
+    def update(acc, *args, diag):
+        return _combine(acc, block_fwd(cfg, *args, diag))
+
+    def compute(accs, block, step, first):
+        kb, vb, kseg = block
+        src = (idx - step) % cfg.size
+        kpos = _block_positions(src, t, cfg.size, cfg.layout)
+        out = []
+        for i, (qi, acc) in enumerate(zip(parts, accs, strict=True)):
+            for j, kj in enumerate(parts):
+                diag = first and i == j and cfg.causal
+                seen = _own_block_visible(cfg, first, i, j)
+                if seen is False:
+                    continue
+                bias_ij = _grouped_bias(bias, kh, qi, src * t + kj.start, kj.stop - kj.start)
+                acc = _unless_hidden(
+                    _visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
+                    functools.partial(update, diag=diag), acc,
+                    qg[:, qi], kb[:, kj], vb[:, kj], _part(seg, qi), _part(kseg, kj), bias_ij,
+                    qpos[qi], kpos[kj],
+                )  # fmt: skip
+            out.append(acc)
+        return out
+
+    accs = []
+    for qi in parts:
+        o = _zeros(qg[:, qi].transpose(0, 2, 3, 1, 4))
+        accs.append((o, o[..., 0] - jnp.inf))
+    accs = _ring_steps(cfg, compute, accs, (k, v, seg))
+    o, lse = (jnp.concatenate(x, axis=3) for x in zip(*accs, strict=True))
+    out = o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+    return out, (q, k, v, seg, bias, o, lse)
+
+
 def _ring_bwd(cfg: _Config, res, g):
     q, k, v, seg, bias, o, lse = res
     b, t, h, d = q.shape
@@ -698,9 +792,14 @@ def _ring_bwd(cfg: _Config, res, g):
     qg = q.reshape(b, t, kh, h // kh, d)
     do = g.reshape(b, t, kh, h // kh, d).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
     delta = (do * o).sum(-1)
-    idx, qpos, perm, parts = _ring_setup(cfg, q)
+    idx, qpos, parts = _ring_setup(cfg, q)
+    perm = [(i, (i + 1) % cfg.size) for i in range(cfg.size)]
+    block_bwd = _pair(cfg)[1]
 
-    def compute(acc, block, step):
+    def update(carry, *args, diag, where):
+        return block_bwd(cfg, carry, *args, diag, where)
+
+    def compute(acc, block, step, first):
         (dqs, dbias), dkvs = acc
         dqs, dkvs = list(dqs), list(dkvs)
         kb, vb, kseg = block
@@ -708,27 +807,26 @@ def _ring_bwd(cfg: _Config, res, g):
         kpos = _block_positions(src, t, cfg.size, cfg.layout)
         for i, qi in enumerate(parts):
             for j, kj in enumerate(parts):
+                diag = first and i == j and cfg.causal
+                seen = _own_block_visible(cfg, first, i, j)
+                if seen is False:
+                    continue
                 col = src * t + kj.start
                 dqs[i], dkvs[j], dbias = _unless_hidden(
-                    _visible(cfg, qpos[qi], kpos[kj]), functools.partial(_grads, cfg),
+                    _visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
+                    functools.partial(update, diag=diag, where=(qi.start, col)),
                     (dqs[i], dkvs[j], dbias), qg[:, qi], kb[:, kj], vb[:, kj],
                     _part(seg, qi), _part(kseg, kj),
                     _grouped_bias(bias, kh, qi, col, kj.stop - kj.start), qpos[qi], kpos[kj],
-                    do[..., qi, :], lse[..., qi], delta[..., qi], (qi.start, col),
+                    o[..., qi, :], do[..., qi, :], lse[..., qi], delta[..., qi],
                 )  # fmt: skip
         # dK / dV travel with their block; after the last step one more hop takes them home.
         return (dqs, dbias), lax.ppermute(dkvs, cfg.axis, perm)
 
-    def body(carry, step):
-        acc, block = carry
-        after = lax.ppermute(block, cfg.axis, perm)
-        return (compute(acc, block, step), after), None
-
     dqs = [_zeros(qg[:, qi]) for qi in parts]
     dkvs = [(_zeros(k[:, kj]), _zeros(v[:, kj])) for kj in parts]
     acc = ((dqs, None if bias is None else _zeros(bias)), dkvs)
-    (acc, block), _ = lax.scan(body, (acc, (k, v, seg)), jnp.arange(cfg.size - 1))
-    (dqs, dbias), dkvs = compute(acc, block, cfg.size - 1)
+    (dqs, dbias), dkvs = _ring_steps(cfg, compute, acc, (k, v, seg))
     dq = jnp.concatenate(dqs, axis=1)
     dk, dv = (jnp.concatenate(x, axis=1) for x in zip(*dkvs, strict=True))
     dbias = None if bias is None else dbias.astype(bias.dtype)
@@ -796,7 +894,8 @@ def attention(
         :func:`shardax.parallel.choose_kernel`), else the dense path, which a GPU or TPU
         logs once per reason; ``"dense"``, ``"cudnn"`` or ``"splash"`` force one (a
         ValueError names what it cannot do; splash off a TPU runs in Pallas' interpret
-        mode, for tests). ``impl="ring"`` computes its blocks as einsums.
+        mode, for tests). ``impl="ring"`` runs each K/V block through cuDNN on a GPU (no
+        mask or causal; its log-sum-exp combines the blocks) and as einsums elsewhere.
 
     Every mask combines with every other and with every scheme; what a scheme cannot do
     (ulysses with heads not divisible by C) raises a ValueError naming the sizes.
@@ -835,7 +934,7 @@ def attention(
         gshape = tuple((s[0], s[1] * c, *s[2:]) for s in gshape)
     impl = _pick(impl, gshape[0], gshape[1], c, q.dtype.itemsize, layout)
     if impl == "ring":
-        _ring_kernel(kernel)
+        kernel = _ring_kernel(kernel, q.dtype, d, causal, window, segment_ids, bias)
     cfg = _Config(axis, c, bool(causal), window, layout, scale, kernel)
     scheme = functools.partial(_SCHEMES[impl], cfg)
     if manual:
@@ -843,19 +942,48 @@ def attention(
     return _shard_mapped(scheme, impl, axis, q, k, v, segment_ids, bias)
 
 
-def _ring_kernel(kernel: str) -> None:
-    """The ring computes its blocks as einsums (an online softmax over K/V blocks): a
-    fused kernel named is refused, and on a GPU or TPU the choice is said once."""
-    if kernel in ("cudnn", "splash"):
-        raise ValueError(
-            f"kernel={kernel!r} cannot compute impl='ring': the ring runs its blocks as "
-            "einsums (an online softmax); use impl='all_gather' or 'ulysses' for a fused kernel"
+def _ring_kernel(kernel: str, dtype: Any, head_dim: int, causal: bool,
+                 window: tuple[int, int] | None, segment_ids: Any, bias: Any) -> str:  # fmt: skip
+    """The kernel the ring runs its blocks with: ``"cudnn"`` (each K/V block through
+    cuDNN's fused attention, :data:`_FLASH`) where it can compute them, else ``"dense"``
+    (einsums). ``kernel="auto"`` takes cuDNN on a GPU and says once why not where it
+    cannot; a kernel named that cannot is refused, naming why."""
+    why = _ring_unsupported(kernel, dtype, head_dim, causal, window, segment_ids, bias)
+    if kernel in ("dense", "cudnn", "splash"):
+        if why is not None:
+            raise ValueError(f"kernel={kernel!r} cannot compute impl='ring': {why}")
+        return kernel
+    where = fused.platform()
+    if where in ("gpu", "cuda"):
+        why = _ring_unsupported("cudnn", dtype, head_dim, causal, window, segment_ids, bias)
+        if why is None:
+            return "cudnn"
+        fused.say_once(f"impl='ring' with cudnn unsupported: {why}")
+    elif where == "tpu":
+        fused.say_once(_ring_unsupported("splash", dtype, head_dim, causal, window, None, None))
+    return "dense"
+
+
+def _ring_unsupported(kernel, dtype, head_dim, causal, window, segment_ids, bias) -> str | None:
+    """Why the ring cannot run its blocks with ``kernel`` (None: it can)."""
+    if kernel == "dense":
+        return None
+    if kernel == "splash":
+        return (
+            "splash attention gives no log-sum-exp to combine the ring's blocks with (the "
+            "ring runs them as einsums on a TPU); impl='all_gather' or 'ulysses' take the "
+            "fused kernel"
         )
-    if kernel == "auto" and fused.platform() in ("gpu", "cuda", "tpu"):
-        fused.say_once(
-            "impl='ring' computes its blocks as einsums (an online softmax, O((T/C)²) "
-            "scores per step); impl='all_gather' or 'ulysses' take the fused kernel"
+    masks = fused.masks_of(causal, window, segment_ids, bias, True)
+    why = fused.unsupported("cudnn", dtype, head_dim, masks)
+    if why is None and (window is not None or segment_ids is not None):
+        named = " and ".join(n for n, x in (("a window", window), ("segment ids", segment_ids))
+                             if x is not None)  # fmt: skip
+        why = (
+            f"{named} (the ring's cuDNN blocks take causal or no mask; impl='all_gather' "
+            "or 'ulysses' take cuDNN with it)"
         )
+    return why
 
 
 def _zigzag_context(axis: str, t: int, s: int) -> int:

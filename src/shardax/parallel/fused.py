@@ -191,6 +191,42 @@ def pick(
     return kernel
 
 
+# --------------------------------------------------------------------------- cudnn blocks
+
+
+def cudnn_block(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+                causal: bool) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """``(out, lse)``: cuDNN's fused attention of a query block ``(B, T, N, D)`` against a
+    K/V block ``(B, S, K, D)`` (no mask, or causal: query i sees keys 0..i) and each
+    row's log-sum-exp ``(B, T, N)`` float32, in a ``shard_map`` manual over the axes not
+    manual yet (:func:`all_manual`: cuDNN's partitioner takes no partly manual arrays).
+    One block of the context ring (:mod:`shardax.parallel.context`)."""
+    from shardax.runtime import compat
+
+    def local(q, k, v):
+        out, lse = compat.cudnn_attention_fwd(q, k, v, scale=scale, causal=causal)
+        return out, lse.transpose(0, 2, 1)[..., None]  # (B, T, N, 1): split like q
+
+    out, lse = all_manual(local, (q, k, v))
+    return out, lse[..., 0]
+
+
+def cudnn_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
+                      lse: jax.Array, dout: jax.Array, *, scale: float,
+                      causal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """``(dq, dk, dv)`` of one :func:`cudnn_block` given the output ``out`` ``(B, T, N, D)``
+    and log-sum-exp ``lse`` ``(B, T, N)`` to differentiate at (the ring gives the global
+    ones: the block's exact share of the gradients) and the output's cotangent ``dout``."""
+    from shardax.runtime import compat
+
+    def local(q, k, v, out, dout, lse):
+        return compat.cudnn_attention_bwd(
+            q, k, v, out, lse[..., 0].transpose(0, 2, 1), dout, scale=scale, causal=causal
+        )
+
+    return all_manual(local, (q, k, v, out, dout, lse[..., None]))
+
+
 # --------------------------------------------------------------------------- splash
 
 
@@ -258,15 +294,19 @@ def splash(
 def all_manual(fn: Any, heads: tuple[Any, ...], rows: tuple[Any, ...] = (),
                whole: tuple[Any, ...] = ()) -> jax.Array:  # fmt: skip
     """``fn(*heads, *rows, *whole)`` in a ``shard_map`` manual over every mesh axis not
-    manual yet (of size > 1), so that a kernel the compiler cannot partition sees whole
-    per-device arrays: ``heads`` ``(B, T, H, D)`` split on the batch over the axes that
-    divide it and on the heads over the others that divide the kv heads (``heads[1]``'s),
+    manual yet (of size > 1, or any size inside a shard_map), so that a kernel the
+    compiler cannot partition sees whole per-device arrays: ``heads`` ``(B, T, H, D)``
+    split on the batch over the axes that divide it and on the heads over the others that
+    divide the kv heads (``heads[1]``'s),
     ``rows`` ``(B, ...)`` on the batch, ``whole`` replicated; None passes through. Its
     result is split like ``heads[0]``. Without such axes, ``fn`` is called as is."""
     args = (*heads, *rows, *whole)
     mesh = jax.sharding.get_abstract_mesh()
+    # Inside a shard_map, axes of size 1 too: a partly manual array is what a kernel's
+    # partitioner (cuDNN's) refuses.
     free = [] if mesh.empty else [
-        a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1
+        a for a in mesh.axis_names
+        if a not in mesh.manual_axes and (mesh.shape[a] > 1 or mesh.manual_axes)
     ]  # fmt: skip
     if not free:
         return fn(*args)

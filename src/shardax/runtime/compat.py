@@ -20,6 +20,12 @@ Each has no public equivalent in the supported versions:
 - ``ShardingTypeError``: the error JAX raises when an operation's output sharding does
   not follow from its inputs' types on a mesh with Explicit axes. shardax adds a note
   to it saying what to change; JAX raises it, so it can only be caught by its class.
+- ``cudnn_attention_fwd`` / ``cudnn_attention_bwd``: cuDNN's fused attention from
+  ``jax._src.cudnn.fused_attention_stablehlo``, the forward with its log-sum-exp
+  (``return_residual``) and the backward primitive given an output and log-sum-exp of
+  the caller's choice. The context ring runs each K/V block through them and gives the
+  backward the GLOBAL output and log-sum-exp (the flash ring backward); the public
+  ``jax.nn.dot_product_attention`` returns no log-sum-exp, and its VJP ignores one.
 
 ``tests/runtime/test_compat.py`` checks each against the installed JAX and fails naming the
 JAX version when one moves.
@@ -49,6 +55,17 @@ PRIVATE_APIS: dict[str, tuple[str, str]] = {
     "ClusterEnv": ("jax._src.clusters", "ClusterEnv"),
     "ShardingTypeError": ("jax._src.core", "ShardingTypeError"),
     "distributed_state": ("jax._src.distributed", "global_state"),
+    "cudnn_attention": ("jax._src.cudnn.fused_attention_stablehlo", "dot_product_attention"),
+    "cudnn_attention_bwd_p": (
+        "jax._src.cudnn.fused_attention_stablehlo",
+        "_dot_product_attention_bwd_p_wrapper",
+    ),
+    "cudnn_attention_bwd_impl": (
+        "jax._src.cudnn.fused_attention_stablehlo",
+        "_dot_product_attention_bwd_impl",
+    ),
+    "cudnn_mask_type": ("jax._src.cudnn.fused_attention_stablehlo", "MaskType"),
+    "cudnn_layout": ("jax._src.cudnn.fused_attention_stablehlo", "AttentionLayout"),
 }
 """shardax's name for each private API: (module, attribute) in JAX."""
 
@@ -148,6 +165,54 @@ def before_thread_shutdown(fn: Any) -> None:
     import concurrent.futures.thread  # noqa: F401 - its hook, registered first, runs last
 
     threading._register_atexit(fn)
+
+
+def cudnn_attention_fwd(q: Any, k: Any, v: Any, *, scale: float, causal: bool) -> tuple[Any, Any]:
+    """``(out, lse)``: cuDNN's fused attention of ``q`` ``(B, T, N, D)`` against ``k``,
+    ``v`` ``(B, S, K, D)`` (``N % K == 0``) with no mask or a causal one (query i sees keys
+    0..i), and the log-sum-exp of each row's scaled logits, ``(B, N, T)`` float32."""
+    mask = private("cudnn_mask_type")
+    out, lse = private("cudnn_attention")(
+        q, k, v, scale=scale, mask_type=mask.CAUSAL if causal else mask.NO_MASK,
+        qkv_layout="BTNH", return_residual=True,
+    )  # fmt: skip
+    return out, lse
+
+
+def cudnn_attention_bwd(
+    q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, *, scale: float, causal: bool
+) -> tuple[Any, Any, Any]:
+    """``(dq, dk, dv)`` of cuDNN's fused attention (shapes as :func:`cudnn_attention_fwd`)
+    given the output ``out`` and log-sum-exp ``lse`` ``(B, N, T)`` to differentiate at and
+    the output's cotangent ``dout``: the probabilities are ``exp(scale·q·kᵀ - lse)`` and
+    the softmax's row term ``sum(dout · out)``, so a global ``out`` and ``lse`` give one
+    K/V block's exact share of the gradients."""
+    import inspect
+
+    import jax.numpy as jnp
+
+    mask, layout = private("cudnn_mask_type"), private("cudnn_layout")
+    unused = jnp.zeros(0, q.dtype)  # bias, sequence lengths and offsets, page tables
+    params = {
+        "scale": scale, "seed": 42, "dropout_rate": 0.0, "variadic_args": (False, False),
+        "mask_type": mask.CAUSAL if causal else mask.NO_MASK,
+        "layout": layout.BTNH.value, "sliding_window_length": None,
+    }  # fmt: skip
+    if "score_mod" in inspect.signature(private("cudnn_attention_bwd_impl")).parameters:
+        params["score_mod"] = None  # JAX 0.12's flex attention
+    try:
+        grads = private("cudnn_attention_bwd_p").bind(
+            q, k, v, unused, unused, unused, unused, unused, unused, unused, lse, out, dout,
+            **params,
+        )  # fmt: skip
+    except TypeError as e:
+        raise ImportError(
+            f"shardax binds jax._src.cudnn.fused_attention_stablehlo's backward primitive, "
+            f"whose parameters JAX {JAX_VERSION} changed ({e}); shardax supports JAX "
+            f"{SUPPORTED}; see shardax/runtime/compat.py"
+        ) from e
+    dq, dk, dv = grads[:3]
+    return dq, dk, dv
 
 
 def missing() -> list[str]:
