@@ -8,7 +8,7 @@ fixed set of held-out windows. The history has one entry per step (``step``,
 corpus's unigram entropy (the best loss without context) is printed next to it.
 
 Long sequences: ``--mesh data=2,context=4`` splits each row over the ``context`` axis
-(``--attention`` ring, all_gather, ulysses or auto); the batches are reordered zig-zag
+(``--attention``: ``gpt.ATTENTION``); the batches are reordered zig-zag
 for causal load balance (:func:`shardax.data.text.zigzag_batch`) and carry each token's
 true position. ``--window L`` is sliding-window attention, ``--pack`` packed rows
 (segment ids, positions restarting per document).
