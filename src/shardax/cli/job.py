@@ -1,10 +1,14 @@
 """The seam between ``shardax train`` and its jobs: what a job is, and what every job uses.
 
 A job (:mod:`shardax.cli.train_mlp`, :mod:`shardax.cli.train_gpt`) registers itself
-with :func:`register` under its ``--model`` name, with the options only it reads, and
-builds a :class:`Job`: its mesh, placed state, step, batches and evaluation. The
-command (:mod:`shardax.cli.train`) parses the options, builds the job and hands it to
-the loop (:mod:`shardax.cli.loop`). This module imports neither the loop nor the jobs.
+with :func:`register` under its ``--model`` name, declaring its own options
+(:func:`option`: flag, default, ``argparse`` keywords), its defaults for the shared ones
+and the plans it builds, and builds a :class:`Job`: its mesh, placed state, step,
+batches and evaluation. The command (:mod:`shardax.cli.train`) builds its parser from
+the declarations (:func:`add_job_arguments`), refuses an option or plan the chosen job
+does not take (:func:`check_model_options`), fills in the job's defaults
+(:func:`apply_options`), builds the job and hands it to the loop
+(:mod:`shardax.cli.loop`). This module imports neither the loop nor the jobs.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ build a mesh (``--mesh``), shard the model and Adam state with a plan (``--plan`
 each global batch split over the ``data`` axis, and show a progress bar (process 0 only).
 At the end they write ``summary.json`` and ``curves.png`` to the run directory.
 
-This module is the command: its options and :func:`run`. The jobs
+This module is the command: its shared options and :func:`run`. The jobs
 (:mod:`shardax.cli.train_mlp`, :mod:`shardax.cli.train_gpt`) register with it through
-:mod:`shardax.cli.job`; the loop is :mod:`shardax.cli.loop`.
+:mod:`shardax.cli.job`, each with its own options, declared once in its module; the loop
+is :mod:`shardax.cli.loop`.
 """
 
 from __future__ import annotations
