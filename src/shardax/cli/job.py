@@ -1,10 +1,14 @@
 """The seam between ``shardax train`` and its jobs: what a job is, and what every job uses.
 
 A job (:mod:`shardax.cli.train_mlp`, :mod:`shardax.cli.train_gpt`) registers itself
-with :func:`register` under its ``--model`` name, with the options only it reads, and
-builds a :class:`Job`: its mesh, placed state, step, batches and evaluation. The
-command (:mod:`shardax.cli.train`) parses the options, builds the job and hands it to
-the loop (:mod:`shardax.cli.loop`). This module imports neither the loop nor the jobs.
+with :func:`register` under its ``--model`` name, declaring its own options
+(:func:`option`: flag, default, ``argparse`` keywords), its defaults for the shared ones
+and the plans it builds, and builds a :class:`Job`: its mesh, placed state, step,
+batches and evaluation. The command (:mod:`shardax.cli.train`) builds its parser from
+the declarations (:func:`add_job_arguments`), refuses an option or plan the chosen job
+does not take (:func:`check_model_options`), fills in the job's defaults
+(:func:`apply_options`), builds the job and hands it to the loop
+(:mod:`shardax.cli.loop`). This module imports neither the loop nor the jobs.
 """
 
 from __future__ import annotations
@@ -23,40 +27,132 @@ MakeJob = Callable[[argparse.Namespace, Any], "Job"]
 
 
 @dataclasses.dataclass(frozen=True)
+class Option:
+    """An option only some jobs take: its flag, its default and ``argparse``'s keywords.
+
+    The parser gives it ``default=None``, so that an option given is told from one left
+    out; the job's ``default`` is filled in once the job is chosen (:func:`apply_options`).
+    """
+
+    flag: str
+    default: Any = None
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        """The ``argparse`` attribute, e.g. ``"seq_len"`` for ``--seq-len``."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def option(flag: str, default: Any = None, **kwargs: Any) -> Option:
+    """An :class:`Option`: ``option("--steps", 200, type=positive_int, help="...")``.
+
+    >>> option("--seq-len", 64).dest
+    'seq_len'
+    """
+    return Option(flag, default, kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
 class Registered:
-    """A job under its ``--model`` name: its builder and the options only it reads."""
+    """A job under its ``--model`` name: its builder, the options only it and the jobs
+    declaring them take, its defaults for the command's shared options (``batch_size``,
+    ``lr``), and the ``--plan`` names it builds."""
 
     make: MakeJob
-    options: tuple[str, ...]
+    options: tuple[Option, ...]
+    defaults: dict[str, Any]
+    plans: tuple[str, ...]
 
 
 JOBS: dict[str, Registered] = {}
 """The registered jobs, by ``--model`` name, in registration order."""
 
 
-def register(name: str, options: tuple[str, ...] = ()) -> Callable[[MakeJob], MakeJob]:
-    """Registers ``make_job(args, console) -> Job`` as ``shardax train --model name``;
-    ``options`` (argparse dest names) are the options only this job reads: giving them to
-    another job is a usage error, not ignored."""
+def register(
+    name: str,
+    options: tuple[Option, ...] = (),
+    defaults: dict[str, Any] | None = None,
+    plans: tuple[str, ...] = (),
+) -> Callable[[MakeJob], MakeJob]:
+    """Registers ``make_job(args, console) -> Job`` as ``shardax train --model name``.
+
+    ``options`` are the job's own options (:func:`option`): the parser adds them, and
+    giving one to a job that does not declare it is a usage error naming the option and
+    the jobs that take it. ``defaults`` fill the command's shared options left out
+    (``{"batch_size": 16}``); ``plans`` are the ``--plan`` names the job builds."""
 
     def decorate(make: MakeJob) -> MakeJob:
-        JOBS[name] = Registered(make, options)
+        JOBS[name] = Registered(make, tuple(options), dict(defaults or {}), tuple(plans))
         return make
 
     return decorate
 
 
-def check_model_options(args: argparse.Namespace) -> None:
-    """Options of another job are an error (they would be silently ignored)."""
+def job_options() -> dict[str, Option]:
+    """Every job's options by ``dest``, each once; one flag declared twice must be
+    declared alike (the parser has one ``--flag``)."""
+    out: dict[str, Option] = {}
     for model, job in JOBS.items():
-        if model == args.model:
-            continue
-        given = [n for n in job.options if getattr(args, n, None) is not None]
-        if given:
-            flags = ", ".join("--" + n.replace("_", "-") for n in given)
-            raise UsageError(f"{flags}: only for --model {model}, got --model {args.model}")
+        for opt in job.options:
+            seen = out.setdefault(opt.dest, opt)
+            if seen.kwargs != opt.kwargs:
+                raise ValueError(f"{opt.flag} is declared differently by --model {model}")
+    return out
+
+
+def takers(dest: str) -> list[str]:
+    """The ``--model`` names whose job declares the option ``dest``."""
+    return [m for m, job in JOBS.items() if any(o.dest == dest for o in job.options)]
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The jobs' own options, one ``--model NAME`` group each (an option several jobs
+    take is in the first one's group), every default None (the jobs' come later)."""
+    added: set[str] = set()
+    job_options()  # one declaration per flag
+    for model, job in JOBS.items():
+        group = parser.add_argument_group(f"--model {model}")
+        for opt in job.options:
+            if opt.dest not in added:
+                added.add(opt.dest)
+                kwargs = dict(opt.kwargs)
+                if opt.default not in (None, False) and "help" in kwargs:
+                    kwargs["help"] += f" (default: {opt.default})"
+                group.add_argument(opt.flag, default=None, **kwargs)
+
+
+def plan_names() -> tuple[str, ...]:
+    """``--plan``'s choices: every job's plans, each once, in registration order."""
+    return tuple(dict.fromkeys(p for job in JOBS.values() for p in job.plans))
+
+
+def check_model_options(args: argparse.Namespace) -> None:
+    """An option of another job is an error (it would be silently ignored), and so is a
+    ``--plan`` the job does not build."""
+    own = {o.dest for o in JOBS[args.model].options}
+    for dest, opt in job_options().items():
+        if dest not in own and getattr(args, dest, None) is not None:
+            models = ", ".join(takers(dest))
+            raise UsageError(f"{opt.flag}: only for --model {models}, got --model {args.model}")
+    plans = JOBS[args.model].plans
+    if args.plan not in plans:
+        models = ", ".join(m for m, job in JOBS.items() if args.plan in job.plans)
+        raise UsageError(
+            f"--plan {args.plan}: only for --model {models}; --model {args.model} takes "
+            f"{', '.join(plans)}"
+        )
     if args.save_every is not None and args.checkpoint_dir is None:
         raise UsageError(f"--save-every {args.save_every} needs --checkpoint-dir")
+
+
+def apply_options(args: argparse.Namespace) -> None:
+    """Fills in the chosen job's defaults: its own options' and the shared ones' it sets."""
+    job = JOBS[args.model]
+    defaults = {**{o.dest: o.default for o in job.options}, **job.defaults}
+    for dest, value in defaults.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
 
 
 def make_mesh(args: argparse.Namespace) -> Any:

@@ -20,6 +20,8 @@ from shardax.cli.common import (
     positive_int,
     print_json,
 )
+from shardax.parallel.remat_policy import OFFLOAD
+from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
 
 GIB = 1024**3
 
@@ -115,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=positive_int, default=32000, help="GPT vocab (--target)")
     parser.add_argument(
         "--remat",
-        choices=("none", "full", "dots", "dots_no_batch"),
+        choices=[p for p in REMAT_POLICIES if p not in OFFLOAD],  # device memory only
         default=None,
         help="with --target: the GPT's remat policy per block (default: full)",
     )

@@ -20,8 +20,9 @@ from typing import Any
 
 from shardax.cli.common import UsageError, console, print_json
 from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS
+from shardax.plan.named import MESH_PLANS
 
-TARGET_PLANS = ("auto", "replicate", "zero1", "zero2", "fsdp", "hsdp", "fsdp+tp")
+TARGET_PLANS = ("auto", *MESH_PLANS, "hsdp", "fsdp+tp")
 
 
 def load_target(name: str) -> Any:

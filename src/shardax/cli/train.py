@@ -6,9 +6,10 @@ build a mesh (``--mesh``), shard the model and Adam state with a plan (``--plan`
 each global batch split over the ``data`` axis, and show a progress bar (process 0 only).
 At the end they write ``summary.json`` and ``curves.png`` to the run directory.
 
-This module is the command: its options and :func:`run`. The jobs
+This module is the command: its shared options and :func:`run`. The jobs
 (:mod:`shardax.cli.train_mlp`, :mod:`shardax.cli.train_gpt`) register with it through
-:mod:`shardax.cli.job`; the loop is :mod:`shardax.cli.loop`.
+:mod:`shardax.cli.job`, each with its own options, declared once in its module; the loop
+is :mod:`shardax.cli.loop`.
 """
 
 from __future__ import annotations
@@ -31,18 +32,21 @@ from shardax.cli.common import (
     positive_int,
     print_json,
 )
-from shardax.cli.job import JOBS, check_model_options
+from shardax.cli.job import JOBS, add_job_arguments, apply_options, check_model_options, plan_names
 from shardax.cli.loop import loop
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
+from shardax.train.precision import PRECISIONS
+from shardax.train.program import MODES
 
-MODES = ("jit", "single", "shard_map", "pmap")
-PLANS = ("replicate", "fsdp", "zero1", "zero2", "tp", "fsdp+tp", "pipeline")
-PRECISIONS = ("fp32", "bf16", "fp16")
-REMAT = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
+
+def _defaults(dest: str) -> str:
+    """``"mlp 128, gpt 16"``: each job's default for the shared option ``dest``."""
+    return ", ".join(f"{m} {job.defaults[dest]}" for m, job in JOBS.items() if dest in job.defaults)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``shardax train``."""
+    """The options of ``shardax train``: the shared ones, then each job's own
+    (:func:`shardax.cli.job.add_job_arguments`, from the jobs' declarations)."""
     parser.add_argument(
         "--model",
         choices=list(JOBS),
@@ -56,11 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="mesh axes, e.g. data=4,model=2 (default: data=-1; with a tp plan: data=-1,model=2)",
     )
+    only = {p: [m for m, job in JOBS.items() if p in job.plans] for p in plan_names()}
+    some = [f"{p}: --model {'/'.join(ms)} only" for p, ms in only.items() if len(ms) < len(JOBS)]
     parser.add_argument(
         "--plan",
-        choices=PLANS,
+        choices=plan_names(),
         default="replicate",
-        help="how to shard the model and Adam state (fsdp+tp, pipeline: --model gpt only)",
+        help=f"how to shard the model and Adam state ({', '.join(some)})",
     )
     parser.add_argument(
         "--mode",
@@ -72,103 +78,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "device. shard_map and pmap keep a whole copy of the state per device (replicate)",
     )
     parser.add_argument(
-        "--batch-size", type=positive_int, default=None, help="global batch (mlp 128, gpt 16)"
-    )
-    parser.add_argument("--lr", type=positive_float, default=None, help="peak Adam learning rate")
+        "--batch-size", type=positive_int, default=None,
+        help=f"global batch ({_defaults('batch_size')})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lr", type=positive_float, default=None,
+        help=f"peak Adam learning rate ({_defaults('lr')})",
+    )  # fmt: skip
     parser.add_argument(
         "--accumulate", type=positive_int, default=1, help="microbatches per step (default: 1)"
     )
     parser.add_argument(
         "--precision",
-        choices=PRECISIONS,
+        choices=list(PRECISIONS),
         default=None,
         help="compute precision of the forward and backward passes (default: fp32; bf16 "
         "for --model gpt on a GPU or TPU, where attention then takes the fused kernel)",
     )
     parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: 0)")
-    mlp = parser.add_argument_group("--model mlp")
-    mlp.add_argument("--epochs", type=positive_int, default=None, help="passes over the data (15)")
-    mlp.add_argument("--hidden", type=positive_int, default=None, help="hidden width (256)")
-    gpt = parser.add_argument_group("--model gpt")
-    gpt.add_argument("--steps", type=positive_int, default=None, help="training steps (200)")
-    gpt.add_argument("--layers", type=positive_int, default=None, help="transformer blocks (2)")
-    gpt.add_argument("--d-model", type=positive_int, default=None, help="model width (64)")
-    gpt.add_argument("--heads", type=positive_int, default=None, help="attention heads (4)")
-    gpt.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (64)")
-    gpt.add_argument(
-        "--max-seq-len", type=positive_int, default=None, help="the model's longest sequence (256)"
-    )
-    gpt.add_argument(
-        "--positions", choices=("rotary", "learned"), default=None, help="rotary (default)"
-    )
-    gpt.add_argument(
-        "--remat", choices=REMAT, default=None, help="activation remat policy per block (none)"
-    )
-    gpt.add_argument(
-        "--scan-layers",
-        action="store_const",
-        const=True,
-        default=None,
-        help="run the layers in lax.scan: compile time independent of depth, and remat "
-        "saves memory on XLA:CPU; compiled FLOPs then count one layer",
-    )
-    gpt.add_argument(
-        "--data", default=None, help="a text file or directory of them (default: stdlib sources)"
-    )
-    gpt.add_argument("--eval-every", type=positive_int, default=None, help="steps per eval (50)")
-    gpt.add_argument(
-        "--microbatches",
-        type=positive_int,
-        default=None,
-        help="run the blocks with sx.pipeline in this many microbatches per data shard "
-        "(default with --plan pipeline: the stage axis size)",
-    )
-    gpt.add_argument(
-        "--attention",
-        choices=("auto", "all_gather", "ring", "ulysses"),
-        default=None,
-        help="context-parallel attention over a 'context' mesh axis (--mesh data=2,context=4): "
-        "ring, all_gather, ulysses or auto (default); without one, jax.nn.dot_product_attention",
-    )
-    gpt.add_argument(
-        "--window",
-        type=nonneg_int,
-        default=None,
-        help="sliding-window attention: each token sees itself and the L tokens before it",
-    )
-    gpt.add_argument(
-        "--pack",
-        action="store_const",
-        const=True,
-        default=None,
-        help="packed rows: documents joined with segment ids (attention stays within a "
-        "document, positions restart)",
-    )
-    gpt.add_argument(
-        "--experts",
-        type=positive_int,
-        default=None,
-        help="mixture of experts: E experts in the MLP of every --moe-every-th block, split "
-        "over an 'expert' mesh axis (--mesh data=2,expert=4) where there is one",
-    )
-    gpt.add_argument(
-        "--top-k", type=positive_int, default=None, help="experts per token (default: 2)"
-    )
-    gpt.add_argument(
-        "--moe-every", type=positive_int, default=None, help="every n-th block is MoE (1)"
-    )
-    gpt.add_argument(
-        "--capacity-factor",
-        type=positive_float,
-        default=None,
-        help="expert capacity, as a multiple of an even share of the tokens (1.25)",
-    )
-    gpt.add_argument(
-        "--pipeline-repeats",
-        type=positive_int,
-        default=None,
-        help="sx.pipeline repeats: > 1 is the circular schedule (default: 1)",
-    )
+    add_job_arguments(parser)
     parser.add_argument(
         "--run-dir",
         default=None,
@@ -257,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = console(args)
     check_model_options(args)
+    apply_options(args)
     if args.verify_rtol is not None and not args.verify:
         raise UsageError(f"--verify-rtol {args.verify_rtol} needs --verify")
     if args.compile_cache == "off":

@@ -8,7 +8,7 @@ fixed set of held-out windows. The history has one entry per step (``step``,
 corpus's unigram entropy (the best loss without context) is printed next to it.
 
 Long sequences: ``--mesh data=2,context=4`` splits each row over the ``context`` axis
-(``--attention`` ring, all_gather, ulysses or auto); the batches are reordered zig-zag
+(``--attention``: ``gpt.ATTENTION``); the batches are reordered zig-zag
 for causal load balance (:func:`shardax.data.text.zigzag_batch`) and carry each token's
 true position. ``--window L`` is sliding-window attention, ``--pack`` packed rows
 (segment ids, positions restarting per document).
@@ -32,31 +32,94 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from shardax.cli.common import UsageError, plot_curves
-from shardax.cli.job import Job, build_steps, check_batch_fits, data_axes, make_mesh, register
+from shardax.cli.common import (
+    UsageError,
+    nonneg_int,
+    plot_curves,
+    positive_float,
+    positive_int,
+)
+from shardax.cli.job import (
+    Job,
+    build_steps,
+    check_batch_fits,
+    data_axes,
+    make_mesh,
+    option,
+    register,
+)
 from shardax.cli.job import data_size as job_data_size
 from shardax.mesh.axes import CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS
+from shardax.models.gpt import ATTENTION, PLANS, POSITIONS
+from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
 
 OPTIONS = (
-    "steps", "layers", "d_model", "heads", "seq_len", "max_seq_len", "positions",
-    "remat", "scan_layers", "data", "eval_every", "microbatches", "pipeline_repeats",
-    "attention", "window", "pack", "experts", "top_k", "moe_every", "capacity_factor",
-)  # fmt: skip
-"""The options only this job reads (``shardax train --model gpt``)."""
+    option("--steps", 200, type=positive_int, help="training steps"),
+    option("--layers", 2, type=positive_int, help="transformer blocks"),
+    option("--d-model", 64, type=positive_int, help="model width"),
+    option("--heads", 4, type=positive_int, help="attention heads"),
+    option("--seq-len", 64, type=positive_int, help="tokens per sequence"),
+    option("--max-seq-len", 256, type=positive_int, help="the model's longest sequence"),
+    option("--positions", "rotary", choices=POSITIONS, help="position encoding"),
+    option("--remat", "none", choices=REMAT_POLICIES, help="activation remat policy per block"),
+    option(
+        "--scan-layers",
+        False,
+        action="store_const",
+        const=True,
+        help="run the layers in lax.scan: compile time independent of depth, and remat "
+        "saves memory on XLA:CPU; compiled FLOPs then count one layer",
+    ),
+    option("--data", help="a text file or directory of them (default: stdlib sources)"),
+    option("--eval-every", 50, type=positive_int, help="steps per eval"),
+    option(
+        "--microbatches",
+        type=positive_int,
+        help="run the blocks with sx.pipeline in this many microbatches per data shard "
+        "(default with --plan pipeline: the stage axis size)",
+    ),
+    option(
+        "--attention",
+        "auto",
+        choices=ATTENTION,
+        help="context-parallel attention over a 'context' mesh axis (--mesh data=2,context=4):"
+        f" {', '.join(ATTENTION)}; without one, jax.nn.dot_product_attention",
+    ),
+    option(
+        "--window",
+        type=nonneg_int,
+        help="sliding-window attention: each token sees itself and the L tokens before it",
+    ),
+    option(
+        "--pack",
+        False,
+        action="store_const",
+        const=True,
+        help="packed rows: documents joined with segment ids (attention stays within a "
+        "document, positions restart)",
+    ),
+    option(
+        "--experts",
+        type=positive_int,
+        help="mixture of experts: E experts in the MLP of every --moe-every-th block, split "
+        "over an 'expert' mesh axis (--mesh data=2,expert=4) where there is one",
+    ),
+    option("--top-k", type=positive_int, help="experts per token (default: 2)"),
+    option("--moe-every", type=positive_int, help="every n-th block is MoE (default: 1)"),
+    option(
+        "--capacity-factor",
+        type=positive_float,
+        help="expert capacity, as a multiple of an even share of the tokens (default: 1.25)",
+    ),
+    option(
+        "--pipeline-repeats",
+        type=positive_int,
+        help="sx.pipeline repeats: > 1 is the circular schedule (default: 1)",
+    ),
+)
+"""The options only this job takes (``shardax train --model gpt``), with their defaults:
+the parser is built from them (:func:`shardax.cli.job.add_job_arguments`)."""
 
-DEFAULTS = {
-    "steps": 200,
-    "layers": 2,
-    "d_model": 64,
-    "heads": 4,
-    "seq_len": 64,
-    "max_seq_len": 256,
-    "positions": "rotary",
-    "remat": "none",
-    "eval_every": 50,
-    "batch_size": 16,
-    "lr": 3e-3,
-}
 EVAL_WINDOWS = 64
 WARMUP_STEPS = 10
 BALANCE_COEF = 1e-2
@@ -88,7 +151,7 @@ def config(args: argparse.Namespace) -> Any:
     try:
         return GPTConfig(
             **moe,
-            attention=args.attention or "auto",
+            attention=args.attention,
             window=args.window,
             layers=args.layers,
             d_model=args.d_model,
@@ -107,7 +170,7 @@ def check_context(args: argparse.Namespace, mesh: Any) -> int:
     """The context axis size C (1 without one), its rules as usage errors."""
     context = mesh.shape.get(CONTEXT_AXIS, 1)
     if context == 1:
-        if args.attention not in (None, "auto"):
+        if args.attention != "auto":
             raise UsageError(
                 f"--attention {args.attention} picks how the sequence is split over the "
                 f"mesh's {CONTEXT_AXIS!r} axis, and --mesh {_mesh_text(mesh)} has none (or of "
@@ -175,7 +238,7 @@ def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: lis
             ) from None
 
 
-@register("gpt", options=OPTIONS)
+@register("gpt", OPTIONS, defaults={"batch_size": 16, "lr": 3e-3}, plans=PLANS)
 def make_job(args: argparse.Namespace, out: Any) -> Job:
     """The GPT job: corpus, model, plan from the model's logical axes, validation."""
     import jax
@@ -187,9 +250,6 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     from shardax.data.text import LMBatches, lm_eval_batch, load_corpus, zigzag_batch
     from shardax.models import gpt
 
-    for name, value in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
     mesh = make_mesh(args)
     if args.plan == "pipeline":
         if STAGE_AXIS not in mesh.shape:
@@ -230,10 +290,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     if cfg.pipeline_microbatches is not None:
         check_pipeline(args, mesh, abstract, [args.batch_size, eval_rows])
     try:
-        if args.plan in ("zero1", "zero2"):  # optimizer state (and grads) over "data"
-            plan = getattr(sx, args.plan)(mesh)
-        else:
-            plan = gpt.plan(mesh, abstract, args.plan)
+        plan = gpt.plan(mesh, abstract, args.plan)
     except ValueError as e:
         raise UsageError(
             f"--plan {args.plan} --heads {args.heads} --d-model {args.d_model} "

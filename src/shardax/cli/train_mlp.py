@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from shardax.cli.common import UsageError, plot_curves
+from shardax.cli.common import UsageError, plot_curves, positive_int
 from shardax.cli.digits import load_digits
 from shardax.cli.job import (
     Job,
@@ -20,16 +20,24 @@ from shardax.cli.job import (
     check_batch_fits,
     data_axes,
     make_mesh,
+    option,
     place,
     register,
 )
 from shardax.cli.job import data_size as job_data_size
-from shardax.models.mlp import make_mlp, make_plan
+from shardax.models.mlp import PLANS, make_mlp, make_plan
 
 TARGET_ACCURACY = 0.95
 
 
-@register("mlp", options=("epochs", "hidden"))
+OPTIONS = (
+    option("--epochs", 15, type=positive_int, help="passes over the data"),
+    option("--hidden", 256, type=positive_int, help="hidden width"),
+)
+"""The options only this job takes (``shardax train --model mlp``), with their defaults."""
+
+
+@register("mlp", OPTIONS, defaults={"batch_size": 128, "lr": 3e-3}, plans=PLANS)
 def make_job(args: argparse.Namespace, out: Any) -> Job:
     """The MLP job: digits, the MLP and its plan, per-epoch evaluation."""
     import jax
@@ -39,14 +47,6 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     import shardax as sx
     from shardax.data.policy import pad_batch
 
-    if args.plan in ("fsdp+tp", "pipeline"):
-        raise UsageError(
-            f"--plan {args.plan}: only for --model gpt; the MLP has replicate, fsdp, tp"
-        )
-    args.epochs = args.epochs or 15
-    args.hidden = args.hidden or 256
-    args.batch_size = args.batch_size or 128
-    args.lr = args.lr or 3e-3
     mesh = make_mesh(args)
     data_size = job_data_size(mesh)
     check_batch_fits(args, mesh)

@@ -72,15 +72,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.checks import as_bool, as_count, expect_type
+from shardax.parallel.context import IMPLS
+from shardax.plan.named import MESH_PLANS
 
 VOCAB = 256
 """Byte-level: one token per byte value."""
 
 POSITIONS = ("rotary", "learned")
-ATTENTION = ("auto", "all_gather", "ring", "ulysses")
-"""``GPTConfig.attention``: ``sx.attention``'s ``impl`` over a ``"context"`` mesh axis
-(without one every choice is ``jax.nn.dot_product_attention``, cuDNN's flash kernel on
-a GPU in bf16)."""
+ATTENTION: tuple[str, ...] = ("auto", *IMPLS)
+"""``GPTConfig.attention``: ``sx.attention``'s ``impl`` over a ``"context"`` mesh axis,
+``"auto"`` or one of :data:`shardax.parallel.context.IMPLS` (without a context axis every
+choice is ``jax.nn.dot_product_attention``, cuDNN's flash kernel on a GPU in bf16)."""
 
 # Logical axis -> mesh axis (None: replicated) for each --plan of `shardax train --model gpt`.
 AXIS_RULES: dict[str, dict[str, Any]] = {
@@ -92,6 +94,10 @@ AXIS_RULES: dict[str, dict[str, Any]] = {
     "pipeline": {"layers": "stage"},
 }
 LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv", "mlp")
+PLANS: tuple[str, ...] = (*AXIS_RULES, *(p for p in MESH_PLANS if p not in AXIS_RULES))
+"""The names :func:`plan` builds (``shardax train --model gpt --plan``): those of
+:data:`AXIS_RULES`, from the model's logical axes, then the mesh's own plans
+(``MESH_PLANS`` of :mod:`shardax.plan.named`: the ZeRO plans over ``"data"``)."""
 
 
 def axis_rules(plan: str) -> dict[str, Any]:
@@ -101,7 +107,7 @@ def axis_rules(plan: str) -> dict[str, Any]:
     'model'
     """
     if plan not in AXIS_RULES:
-        raise ValueError(f"plan must be one of {list(AXIS_RULES)}, got {plan!r}")
+        raise ValueError(f"plan must be one of {list(AXIS_RULES)} for axis rules, got {plan!r}")
     return {name: AXIS_RULES[plan].get(name) for name in LOGICAL_AXES}
 
 
@@ -130,7 +136,7 @@ class GPTConfig:
             ``moe_every - 1, 2·moe_every - 1, ...``) a mixture of E experts (``sx.moe``,
             ``top_k`` per token, ``capacity_factor``); 0 (default): every MLP dense.
         attention: ``sx.attention``'s ``impl`` over the mesh's ``"context"`` axis
-            (``"auto"``, ``"all_gather"``, ``"ring"``, ``"ulysses"``); without a context
+            (one of :data:`ATTENTION`: ``"auto"`` or a scheme); without a context
             axis of size > 1 it is ``jax.nn.dot_product_attention`` whatever the choice.
         window: sliding-window attention: each token sees itself and the ``window``
             tokens before it (``sx.attention``'s ``window=(window, 0)``); None: all.
@@ -597,8 +603,9 @@ def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:
 
 
 def plan(mesh: Any, model: Any, name: str) -> Any:
-    """The plan ``name`` (replicate, fsdp, tp, fsdp+tp, pipeline) of ``model`` over
-    ``mesh``, from its annotations through :func:`axis_rules`. TP needs ``mesh``'s
+    """The plan ``name`` (one of :data:`PLANS`) of ``model`` over ``mesh``: the mesh's
+    own plans (zero1, zero2) over ``"data"``, the others from its annotations through
+    :func:`axis_rules`. TP needs ``mesh``'s
     ``model`` axis to divide the heads (and the MLP width and vocab), and ``pipeline`` its
     ``stage`` axis to divide the layers, in a model built with ``pipeline_microbatches``;
     each is checked with a clear error.
@@ -607,7 +614,12 @@ def plan(mesh: Any, model: Any, name: str) -> Any:
     >>> p = plan(mesh, model, "tp")
     """
     from shardax.plan.annotations import from_nnx
+    from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE
 
+    if name not in PLANS:
+        raise ValueError(f"plan must be one of {list(PLANS)}, got {name!r}")
+    if name not in AXIS_RULES:  # a mesh plan: the params as the model has them
+        return MESH_PLANS[name](mesh, "data", DEFAULT_FSDP_MIN_SIZE)
     rules = axis_rules(name)
     if model.cfg.experts:  # the experts over the mesh's expert axis, where it has one
         rules["expert"] = "expert" if "expert" in mesh.shape else None

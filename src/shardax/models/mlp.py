@@ -16,9 +16,12 @@ from typing import Any
 import jax
 from flax import nnx
 
-from shardax.mesh.axes import MODEL_AXIS
+from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS
+from shardax.plan.named import MESH_PLANS
 
-PLANS = ("replicate", "fsdp", "zero1", "zero2", "tp")
+PLANS: tuple[str, ...] = (*MESH_PLANS, "tp")
+"""The plans :func:`make_plan` builds: the mesh's own (``sx.plan`` ``MESH_PLANS``) and
+``tp`` (:func:`tp_rules`)."""
 
 
 class MLP(nnx.Module):
@@ -72,9 +75,15 @@ def tp_rules(num_layers: int) -> list[tuple[str, Any]]:
 
 
 def make_plan(name: str, mesh: Any, num_layers: int = 1) -> Any:
-    """The plan ``name`` (replicate, fsdp, zero1, zero2 or tp) over ``mesh``."""
-    from shardax.plan import fsdp, replicate, rules, zero1, zero2
+    """The plan ``name`` (one of :data:`PLANS`) over ``mesh``.
 
+    >>> make_plan("zero1", sx.make_mesh({"data": 8})).name
+    'zero1'
+    """
+    from shardax.plan.regex import rules
+
+    if name in MESH_PLANS:
+        return MESH_PLANS[name](mesh, DATA_AXIS, 1024)
     if name == "tp":
         if MODEL_AXIS not in mesh.shape:
             raise ValueError(
@@ -82,9 +91,4 @@ def make_plan(name: str, mesh: Any, num_layers: int = 1) -> Any:
                 "e.g. {'data': -1, 'model': 2}"
             )
         return rules(mesh, tp_rules(num_layers))
-    plans = {"replicate": lambda: replicate(mesh), "fsdp": lambda: fsdp(mesh, min_size=1024),
-             "zero1": lambda: zero1(mesh, min_size=1024),
-             "zero2": lambda: zero2(mesh, min_size=1024)}  # fmt: skip
-    if name not in plans:
-        raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {name!r}")
-    return plans[name]()
+    raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {name!r}")

@@ -43,12 +43,12 @@ from jax.sharding import PartitionSpec as P
 from shardax.checks import as_count, as_float, as_function, check_mesh, expect_type, public
 from shardax.cost.hlo import collectives
 from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
-from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over, replicate
+from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over
 from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.named import MESH_PLANS
 from shardax.plan.regex import Rule, check_rules, rules
 from shardax.plan.report import format_bytes
 from shardax.plan.tree import is_array, map_arrays
-from shardax.plan.zero import zero1, zero2
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
 
@@ -307,7 +307,8 @@ def candidate_plans(
     pipeline_rules: Rules = None,
     stage_axis: str = STAGE_AXIS,
 ) -> dict[str, FollowParams]:
-    """replicate, zero1, zero2 and fsdp over ``axis``; ``hsdp`` (fsdp over the last of
+    """The mesh's own plans (``MESH_PLANS`` of :mod:`shardax.plan.named`: replicate,
+    zero1, zero2 and fsdp) over ``axis``; ``hsdp`` (fsdp over the last of
     several data axes, replicated over the others) when ``axis`` is a tuple;
     ``fsdp+tp`` (``tp_rules``, regex rules or a plan such as ``sx.from_nnx``'s, and fsdp
     over ``axis`` on the dimensions they leave unsplit: :func:`shardax.plan.fsdp_over`)
@@ -323,12 +324,10 @@ def candidate_plans(
     ``candidates=`` with ``sx.plan.fsdp_over(...)`` of the rules to measure that too.
     """
     check_stage_axis(mesh, pipeline_rules, stage_axis)
-    plans: dict[str, Plan] = {
-        "replicate": follow_params(replicate(mesh)),
-        "zero1": zero1(mesh, axis, min_size),
-        "zero2": zero2(mesh, axis, min_size),
-        "fsdp": follow_params(fsdp(mesh, axis, min_size)),
-    }
+    plans: dict[str, Plan] = {}
+    for name, build in MESH_PLANS.items():  # replicate, zero1, zero2, fsdp
+        plan = build(mesh, axis, min_size)
+        plans[name] = plan if isinstance(plan, FollowParams) else follow_params(plan)
     if not isinstance(axis, str) and len(axis) > 1:
         plans["hsdp"] = follow_params(fsdp(mesh, axis[-1], min_size))
     if tp_rules:
