@@ -252,7 +252,9 @@ class AutoPlan:
         cols = ["plan", "arguments", "temporaries", "total", "collective bytes", "fits"]
         cols += ["predicted step (s)", "why"] if predicted else []
         for col in cols:
-            table.add_column(col, justify="left" if col in ("plan", "why") else "right")
+            table.add_column(
+                col, justify="left" if col in ("plan", "why") else "right", no_wrap=col == "plan"
+            )
         why = self.reasons()
         picked = self.name
         for c in self.candidates:
@@ -557,9 +559,11 @@ def compile_candidates(
     batch: Any,
     counts: Sequence[int] = (1,),
     budget: float | None = None,
+    limit: int | None = None,
     **step_kw: Any,
 ) -> list[Candidate]:
-    """Each plan × model variant × microbatch count compiled once and measured.
+    """Each plan × model variant × microbatch count compiled once and measured, at most
+    ``limit`` of them (None: no limit; the rest are listed as not compiled).
 
     Where the devices have a datasheet and ``budget`` is known (the ranking is by
     predicted time), a plan's remaining candidates are not compiled once they cannot
@@ -580,16 +584,20 @@ def compile_candidates(
     prune = prune and device_spec(first.devices.flat[0]) is not None
     room = None if budget is None else budget * (1 - HEADROOM)
     measured: list[Candidate] = []
+    compiled = 0
     for plan_name, plan in plans.items():
         rest = None  # why this plan's remaining candidates are not compiled
         for variant, state in states.items():
             more = None  # why this variant's larger counts are not compiled
             for k in counts:
                 name = label(plan_name, variant, k, len(counts))
+                if limit is not None and compiled >= limit and not (rest or more):
+                    more = f"the limit of {limit} compiles is reached"
                 if rest or more:
-                    measured.append(_skipped(name, plan, variant, k, rest or more or ""))
+                    measured.append(_skipped(name, plan, variant, k, more or rest or ""))
                     continue
                 c = _compile_one(name, plan, state, loss_fn, batch, k, **step_kw)
+                compiled += 1
                 c = dataclasses.replace(c, accumulate=k, variant=variant)
                 measured.append(c)
                 if not prune or c.refused:
@@ -602,10 +610,9 @@ def compile_candidates(
                         "neither remat nor microbatches shrink"
                     )
                 elif c.total_bytes <= room:
-                    why = f"{name} fits with {HEADROOM:.0%} headroom"
-                    more = f"{why}; more microbatches only add work"
+                    more = f"{name} fits; more microbatches only add work"
                     if k == counts[0] and len(states) > 1:
-                        rest = f"{why}; the later variants only add recomputation"
+                        rest = f"{name} fits; the later variants only add recomputation"
     return measured
 
 
