@@ -103,3 +103,15 @@ def test_bad_variants_are_refused_by_name():
         sx.auto_plan(mesh, {}, loss_fn=model_loss, batch=BATCH)
     with pytest.raises(ValueError, match=r"accumulate=\(1, 2\) ranks microbatch counts"):
         sx.auto_plan(mesh, init, accumulate=(1, 2))
+
+
+def test_a_seq_axis_step_lowers_for_an_abstract_batch():
+    """The context candidates of `shardax plan --target` lower a seq_axis step for
+    ShapeDtypeStructs: the batch is typed with the (data, context) sharding, not put."""
+    mesh = sx.make_mesh({"data": 4, "context": 2})
+    step = sx.make_train_step(model_loss, mesh=mesh, seq_axis="context")
+    batch = {"x": jax.ShapeDtypeStruct((8, 2, 16), jnp.float32),
+             "y": jax.ShapeDtypeStruct((8, 2, 8), jnp.float32)}  # fmt: skip
+    compiled = step.lower(step.abstract(jax.eval_shape(init)), batch).compile()
+    x_sharding = compiled.input_shardings[0][1]["x"]
+    assert x_sharding.spec == jax.sharding.PartitionSpec("data", "context")
