@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=plan_names,
         default=None,
         help="with --measure or --target --plan auto: the candidates to compile, e.g. "
-        "zero1,fsdp (default: all)",
+        "zero1,fsdp (--target also: pipeline, context; default: all)",
     )
     parser.add_argument(
         "--microbatches",
@@ -117,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remat",
         choices=("none", "full", "dots", "dots_no_batch"),
         default=None,
-        help="with --target: the GPT's remat policy per block (default: full)",
+        help="with --target: the GPT's remat policy per block (default: --plan auto ranks "
+        "none, dots_no_batch and full; a named plan takes full)",
     )
     parser.add_argument(
         "--tp",
@@ -161,7 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_gib,
         default=None,
         metavar="GIB",
-        help="memory of one device in GiB (default: the hardware's datasheet figure)",
+        help="memory of one device in GiB (default: the hardware's datasheet figure; with "
+        "--target --plan auto, the budget the candidates must fit)",
     )
     add_json_flag(parser)
 

@@ -3,8 +3,11 @@ machine does not have (:func:`shardax.target`), with its memory, predicted speed
 and launch command.
 
 Example: ``shardax plan --target 64xH100 --layers 32 --d-model 4096 --heads 32 --seq-len
-4096 --batch 256`` (``--plan auto``: the candidates are compiled and ranked by predicted
-step time among those that fit with headroom). The model is abstract
+4096 --batch 256`` (``--plan auto``: the candidates, plans × remat policies
+(:data:`REMATS`, or ``--remat``'s) × microbatch counts (:data:`COUNTS`), plus pipeline
+over hosts and context parallelism where they apply, are compiled, at most
+:data:`MAX_COMPILES` and pruned as :func:`shardax.train.auto.compile_candidates` does,
+and ranked by predicted step time among those that fit with headroom). The model is abstract
 (``nnx.eval_shape``): nothing is allocated. The mesh, unless ``--mesh`` is given:
 ``replica`` over the hosts (GPU hosts, TPU slices) × ``data`` within one, so the plans
 include HSDP (FSDP within a host, data parallel over hosts); ``--tp M`` splits each host
