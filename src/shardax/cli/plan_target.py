@@ -283,7 +283,7 @@ def _groups(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[G
     groups = []
     main = [n for n in names if n not in extra] if names else None
     if main is None or main:
-        plans = _candidates(main, mesh, _axis(axes), tp) or _candidates(None, mesh, _axis(axes), tp)
+        plans = _candidates(main, mesh, _axis(axes), tp)
         models = {r: _model(args, r)[:3] for r in remats}
         groups.append(Group(mesh, _axis(axes), plans, models, _counts(args.batch // rows)))
     if not args.mesh:
