@@ -249,34 +249,30 @@ class AutoPlan:
 
         table = Table(title=f"candidate plans, compiled ({self.compiled}), per device")
         predicted = any(c.predicted_s is not None for c in self.candidates)
-        cols = ["plan", "arguments", "temporaries", "total", "collective bytes", "fits"]
-        cols += ["predicted step (s)", "why"] if predicted else []
+        # With predictions (a datasheet) the reason column needs the room: the arguments
+        # and temporaries stay in to_dict() and the pick's estimate.
+        cols = ["plan", "total", "sent", "fits", "predicted (s)", "why"] if predicted else [
+            "plan", "arguments", "temporaries", "total", "collective bytes", "fits"
+        ]  # fmt: skip
         for col in cols:
-            table.add_column(
-                col, justify="left" if col in ("plan", "why") else "right", no_wrap=col == "plan"
-            )
+            left = col in ("plan", "why")
+            table.add_column(col, justify="left" if left else "right", no_wrap=col != "why")
         why = self.reasons()
         picked = self.name
         for c in self.candidates:
-            mark = "[bold]" if c.name == picked else ""
-            if c.skipped:
-                cells = [f"{mark}{c.name}", "-", "-", "-", "-", "-"]
-                cells += ["-", why[c.name]] if predicted else []
-                table.add_row(*cells)
-                continue
+            name = f"[bold]{c.name}[/]" if c.name == picked else c.name
             fits = {None: "?", True: "yes", False: "[red]no[/]"}[c.fits]
-            cells = [
-                f"{mark}{c.name}",
-                format_bytes(c.argument_bytes),
-                format_bytes(c.temp_bytes),
-                format_bytes(c.total_bytes),
-                format_bytes(c.collective_bytes),
-                fits,
-            ]
+            total, sent = format_bytes(c.total_bytes), format_bytes(c.collective_bytes)
+            if c.skipped:
+                fits = total = sent = "-"
             if predicted:
-                t = "n/a" if c.predicted_s is None else f"{c.predicted_s:.3f}"
-                cells += [t, why[c.name]]
-            table.add_row(*cells)
+                t = "-" if c.skipped else "n/a" if c.predicted_s is None else f"{c.predicted_s:.3f}"
+                table.add_row(name, total, sent, fits, t, why[c.name])
+            else:
+                args, temps = format_bytes(c.argument_bytes), format_bytes(c.temp_bytes)
+                if c.skipped:
+                    args = temps = "-"
+                table.add_row(name, args, temps, total, sent, fits)
         table.caption = f"pick: {self.name}: {self.reason}"
         return table
 
