@@ -251,7 +251,7 @@ class AutoPlan:
         predicted = any(c.predicted_s is not None for c in self.candidates)
         # With predictions (a datasheet) the reason column needs the room: the arguments
         # and temporaries stay in to_dict() and the pick's estimate.
-        cols = ["plan", "total", "sent", "fits", "predicted (s)", "why"] if predicted else [
+        cols = ["plan", "total", "sent", "fits", "predicted step (s)", "why"] if predicted else [
             "plan", "arguments", "temporaries", "total", "collective bytes", "fits"
         ]  # fmt: skip
         for col in cols:
