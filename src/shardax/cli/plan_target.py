@@ -311,6 +311,9 @@ def rank(args: argparse.Namespace, target: Any, mesh: Any, tp: Any, precision: A
     """Compiles every group's candidates (at most :data:`MAX_COMPILES`, pruned as
     :func:`shardax.train.auto.compile_candidates` does) and picks one; returns the
     report, the picked group, its remat policy and the number of compiles."""
+    import jax
+    import jax.numpy as jnp
+
     from shardax.train.auto import choose, compile_candidates, default_device_memory
 
     groups = _groups(args, target, mesh, tp)
@@ -318,9 +321,6 @@ def rank(args: argparse.Namespace, target: Any, mesh: Any, tp: Any, precision: A
         budget = args.device_memory * 2**30
     else:
         budget = default_device_memory(target.devices[0])
-    import jax
-    import jax.numpy as jnp
-
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
     measured: list[Any] = []
