@@ -712,6 +712,7 @@ STACKED, X16 = {"w": jnp.ones((4, 8, 8))}, jnp.ones((16, 8))
         (lambda: sx.auto_plan(sx.make_mesh(), _pytree_state(), candidates={"mine": 7}), TypeError, "sx.auto_plan: candidates['mine'] must be a known plan's name"),
         (lambda: sx.auto_plan(sx.make_mesh(), _pytree_state(), candidates={"mine": sx.fsdp(sx.make_mesh({"data": 4}))}), ValueError, "sx.auto_plan: is over mesh {'data': 4}, not auto_plan's mesh {'data': 8}"),
         (lambda: sx.auto_plan(sx.make_mesh(), _pytree_state(), tp_rules="w"), TypeError, "sx.auto_plan: tp_rules (or a Plan, or None) must be a list of (regex, PartitionSpec) pairs, got 'w'"),
+        (lambda: sx.auto_plan(sx.make_mesh(), _pytree_state(), accumulate=(1, 2)), ValueError, "sx.auto_plan: accumulate=(1, 2) ranks microbatch counts of the train step; pass loss_fn and batch"),
         (lambda: sx.AutoPlanOptions(tp_rules=[("w", "model")]), ValueError, "sx.AutoPlanOptions: tp_rules (or a Plan, or None): rules[0] ('w'): the spec must be a jax.sharding.PartitionSpec"),
         (lambda: sx.AutoPlanOptions(stage_axis=3), TypeError, "sx.AutoPlanOptions: stage_axis must be a mesh axis name, got 3"),
         # plans, remat, masks, metrics

@@ -25,9 +25,11 @@ def run(argv, capsys=None):
 
 @pytest.fixture(scope="module")
 def auto_2x4():
-    """``--plan auto`` on 2 hosts × 4 H100s (JSON) among zero1, FSDP over all 8 and HSDP
-    (two GPU compiles cost ~15 s each here; the others are left out for time)."""
-    code, out = run(["--target", "2x4xH100", *TINY, "--plans", "zero1,fsdp,hsdp", "--json"])
+    """``--plan auto`` on 2 hosts × 4 H100s (JSON) among HSDP and pipeline over the two
+    hosts, remat full, at 1 and 2 microbatches: two GPU compiles (hsdp at 1 microbatch
+    fits with headroom, so 2 is not compiled; the others are left out for time)."""
+    argv = ["--target", "2x4xH100", *TINY, "--layers", "2", "--batch", "16"]
+    code, out = run([*argv, "--plans", "hsdp,pipeline", "--remat", "full", "--json"])
     assert code == 0, out[-3000:]
     return json.loads(out)
 
@@ -36,21 +38,62 @@ def auto_2x4():
 def test_auto_for_a_target_ranks_with_reasons_and_picks_a_plan_that_fits(auto_2x4):
     r = auto_2x4
     assert r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["hosts"] == 2
-    assert r["mesh"] == {"replica": 2, "data": 4}
     names = [c["name"] for c in r["auto"]["candidates"]]
-    assert names == ["zero1", "fsdp", "hsdp"]
+    assert names == ["hsdp·full·mb1", "hsdp·full·mb2", "pipeline·full"]
     reasons = r["auto"]["reasons"]
     assert set(reasons) == set(names) and reasons[r["plan"]] == "picked"
+    assert reasons["hsdp·full·mb2"] == (
+        "not compiled: hsdp·full·mb1 fits; more microbatches only add work"
+    )
+    assert r["auto"]["compiles"] == 2
+    compiled = [c for c in r["auto"]["candidates"] if not c["skipped"]]
     assert all(
-        reasons[n].startswith(("predicted", "does not fit")) for n in names if n != r["plan"]
+        reasons[c["name"]].startswith(("predicted", "does not fit", "picked")) for c in compiled
     )
     assert "fastest predicted step" in r["auto"]["reason"]
-    picked = next(c for c in r["auto"]["candidates"] if c["name"] == r["plan"])
-    assert picked["predicted_s"] == min(c["predicted_s"] for c in r["auto"]["candidates"])
+    assert "pipeline: mesh stage=2,data=4, sx.pipeline in 4 microbatches" in r["auto"]["reason"]
+    picked = next(c for c in compiled if c["name"] == r["plan"])
+    assert picked["predicted_s"] == min(c["predicted_s"] for c in compiled)
     e = r["estimate"]
     assert e["fits_with_headroom"] and e["prediction"]["predicted_mfu_overlapped"] > 0
-    assert r["mesh_flags"].startswith("--mesh ") and "--plan " in r["mesh_flags"]
+    flags = {"hsdp·full·mb1": "--mesh replica=2,data=4 --plan fsdp --remat full",
+             "pipeline·full": "--mesh stage=2,data=4 --plan pipeline --microbatches 4 "
+                              "--remat full"}  # fmt: skip
+    assert r["mesh_flags"] == flags[r["plan"]] and r["remat"] == "full"
     assert r["launch"].startswith("srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=4 ")
+    assert r["launch"].endswith(r["mesh_flags"])
+
+
+@pytest.mark.compile_only("gpu")
+def test_auto_ranks_remat_and_microbatches_and_picks_one_that_fits():
+    """8 H100s, a budget of 1.2 MB per device: no remat at 1 microbatch does not fit, at
+    2 it does; dots_no_batch at 1 fits with headroom, so full is not compiled. Three
+    compiles; the pick is the fastest predicted of those with headroom, and its flags
+    carry its remat and microbatches."""
+    budget = 1.2e6
+    argv = ["--target", "8xH100", *TINY, "--batch", "32", "--plans", "fsdp"]
+    code, out = run([*argv, "--device-memory", str(budget / 2**30), "--json"])
+    assert code == 0, out[-3000:]
+    r = json.loads(out)
+    by = {c["name"]: c for c in r["auto"]["candidates"]}
+    assert list(by) == [f"fsdp·{m}·mb{k}" for m in ("none", "dots_no_batch", "full")
+                        for k in (1, 2, 4)]  # fmt: skip
+    compiled = [n for n, c in by.items() if not c["skipped"]]
+    assert compiled == ["fsdp·none·mb1", "fsdp·none·mb2", "fsdp·dots_no_batch·mb1"]
+    assert r["auto"]["compiles"] == 3
+    assert by["fsdp·none·mb1"]["fits"] is False and by["fsdp·none·mb1"]["total_bytes"] > budget
+    assert by["fsdp·none·mb2"]["temp_bytes"] < by["fsdp·none·mb1"]["temp_bytes"]
+    assert by["fsdp·none·mb2"]["accumulate"] == 2
+    reasons = r["auto"]["reasons"]
+    assert reasons["fsdp·full·mb1"].startswith("not compiled: fsdp·dots_no_batch·mb1 fits")
+    roomy = [n for n in compiled if by[n]["total_bytes"] <= 0.9 * budget]
+    pick = min(roomy, key=lambda n: by[n]["predicted_s"])
+    assert r["plan"] == pick and reasons[pick] == "picked"
+    c = by[pick]
+    flags = "--mesh data=8 --plan fsdp" + (f" --accumulate {c['accumulate']}"
+                                            if c["accumulate"] > 1 else "")  # fmt: skip
+    assert r["mesh_flags"] == f"{flags} --remat {c['variant']}"
+    assert r["accumulate"] == c["accumulate"] and r["remat"] == c["variant"]
     assert r["launch"].endswith(r["mesh_flags"])
 
 
@@ -64,7 +107,8 @@ def test_hsdp_on_a_target_matches_the_formula_and_crosses_hosts_once(tmp_path):
     code, out = run([*argv, "--json", "--png", str(png)])
     assert code == 0, out[-3000:]
     r = json.loads(out)
-    assert r["plan"] == "hsdp" and r["mesh_flags"] == "--mesh replica=2,data=4 --plan fsdp"
+    assert r["plan"] == "hsdp"
+    assert r["mesh_flags"] == "--mesh replica=2,data=4 --plan fsdp --remat full"
     e = r["estimate"]
     got = e["memory"]["params"] + e["memory"]["optimizer"]
     pure_bf16 = sx.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)

@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=plan_names,
         default=None,
         help="with --measure or --target --plan auto: the candidates to compile, e.g. "
-        "zero1,fsdp (default: all)",
+        "zero1,fsdp (--target also: pipeline, context; default: all)",
     )
     parser.add_argument(
         "--microbatches",
@@ -119,7 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remat",
         choices=[p for p in REMAT_POLICIES if p not in OFFLOAD],  # device memory only
         default=None,
-        help="with --target: the GPT's remat policy per block (default: full)",
+        help="with --target: the GPT's remat policy per block (default: --plan auto ranks "
+        "none, dots_no_batch and full; a named plan takes full)",
     )
     parser.add_argument(
         "--tp",
@@ -163,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_gib,
         default=None,
         metavar="GIB",
-        help="memory of one device in GiB (default: the hardware's datasheet figure)",
+        help="memory of one device in GiB (default: the hardware's datasheet figure; with "
+        "--target --plan auto, the budget the candidates must fit)",
     )
     add_json_flag(parser)
 

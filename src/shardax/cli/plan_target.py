@@ -3,8 +3,11 @@ machine does not have (:func:`shardax.target`), with its memory, predicted speed
 and launch command.
 
 Example: ``shardax plan --target 64xH100 --layers 32 --d-model 4096 --heads 32 --seq-len
-4096 --batch 256`` (``--plan auto``: the candidates are compiled and ranked by predicted
-step time among those that fit with headroom). The model is abstract
+4096 --batch 256`` (``--plan auto``: the candidates, plans × remat policies
+(:data:`REMATS`, or ``--remat``'s) × microbatch counts (:data:`COUNTS`), plus pipeline
+over hosts and context parallelism where they apply, are compiled, at most
+:data:`MAX_COMPILES` and pruned as :func:`shardax.train.auto.compile_candidates` does,
+and ranked by predicted step time among those that fit with headroom). The model is abstract
 (``nnx.eval_shape``): nothing is allocated. The mesh, unless ``--mesh`` is given:
 ``replica`` over the hosts (GPU hosts, TPU slices) × ``data`` within one, so the plans
 include HSDP (FSDP within a host, data parallel over hosts); ``--tp M`` splits each host
@@ -16,13 +19,30 @@ those candidates. Every time and MFU printed is a
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 from typing import Any
 
 from shardax.cli.common import UsageError, console, print_json
-from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS
+from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, STAGE_AXIS
 from shardax.plan.named import MESH_PLANS
 
 TARGET_PLANS = ("auto", *MESH_PLANS, "hsdp", "fsdp+tp")
+REMATS = ("none", "dots_no_batch", "full")
+"""``--plan auto``'s remat policies without ``--remat``, least to most memory-saving."""
+COUNTS = (1, 2, 4)
+"""``--plan auto``'s microbatch counts (``--accumulate``), those dividing the rows per
+data shard."""
+LONG_SEQ = 8192
+"""From this ``--seq-len`` on, ``--plan auto`` ranks a ``context`` candidate too."""
+MAX_COMPILES = 24
+"""At most this many candidates are compiled (an H100 GPT compile takes 10-25 s); the
+rest are listed as not compiled."""
+PLAN_RULES = {
+    "pipeline": "it needs 2 or more hosts whose count divides --layers, and the batch "
+    "rows per data shard divisible by the hosts",
+    "context": f"it needs --seq-len >= {LONG_SEQ}, divisible by 2 x the context axis",
+}
 
 
 def load_target(name: str) -> Any:
@@ -51,16 +71,33 @@ def default_mesh(target: Any, tp: int) -> dict[str, int]:
     return spec
 
 
-def train_flags(plan: str, mesh: dict[str, int]) -> str:
+def train_flags(
+    plan: str,
+    mesh: dict[str, int],
+    remat: str | None = None,
+    accumulate: int = 1,
+    microbatches: int | None = None,
+) -> str:
     """The ``shardax train`` flags of ``plan`` on ``mesh``: ``hsdp`` is ``--plan fsdp`` on
     a mesh with a replica axis (the GPT's FSDP splits over ``data`` only); ``fsdp`` (over
-    every data axis) and the ZeRO plans fold the replica axis into ``data``."""
+    every data axis) and the ZeRO plans fold the replica axis into ``data``; ``context``
+    is ``--plan fsdp`` on a mesh with a context axis; ``pipeline`` takes
+    ``--microbatches``. Then ``--accumulate`` (above 1) and ``--remat``.
+
+    >>> train_flags("fsdp", {"replica": 2, "data": 8}, "full", 2)
+    '--mesh data=16 --plan fsdp --accumulate 2 --remat full'
+    """
     mesh = dict(mesh)
-    if plan != "hsdp" and REPLICA_AXIS in mesh:
+    if plan not in ("hsdp", "context") and REPLICA_AXIS in mesh:
         mesh[DATA_AXIS] = mesh.pop(REPLICA_AXIS) * mesh[DATA_AXIS]
         mesh = {DATA_AXIS: mesh.pop(DATA_AXIS), **mesh}
-    name = "fsdp" if plan == "hsdp" else plan
-    return f"--mesh {','.join(f'{k}={v}' for k, v in mesh.items())} --plan {name}"
+    name = "fsdp" if plan in ("hsdp", "context") else plan
+    flags = f"--mesh {','.join(f'{k}={v}' for k, v in mesh.items())} --plan {name}"
+    if microbatches:
+        flags += f" --microbatches {microbatches}"
+    if accumulate > 1:
+        flags += f" --accumulate {accumulate}"
+    return flags + (f" --remat {remat}" if remat else "")
 
 
 def launch_command(target: Any, train: str) -> str:
@@ -82,8 +119,12 @@ def launch_command(target: Any, train: str) -> str:
     )
 
 
-def _model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, float, str]:
-    """The GPT (abstract), its abstract train state, loss, batch, model FLOPs and text."""
+def _model(
+    args: argparse.Namespace, remat: str, pipeline: int | None = None, layout: str = "contiguous"
+) -> tuple[Any, Any, Any, Any, float, str]:
+    """The GPT (abstract) with ``remat`` (and ``sx.pipeline`` in ``pipeline``
+    microbatches), its abstract train state, loss (the sequence laid out ``layout``),
+    batch, model FLOPs and text."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -96,10 +137,9 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, float, str]:
     layers = args.layers or 2
     try:
         cfg = gpt.GPTConfig(layers, args.d_model, args.heads, args.seq_len, vocab=args.vocab,
-                            scan_layers=True)  # fmt: skip
+                            scan_layers=True, pipeline_microbatches=pipeline)  # fmt: skip
     except (TypeError, ValueError) as e:
         raise UsageError(f"--layers/--d-model/--heads/--seq-len/--vocab: {e}") from None
-    remat = args.remat or "full"
 
     def make() -> Any:
         return gpt.make_gpt(cfg, 0, remat=remat)
@@ -108,7 +148,7 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, float, str]:
     state = nnx.eval_shape(lambda: sx.TrainState.create(make(), optax.adam(1e-4)))
 
     def loss_fn(m: Any, b: dict[str, Any]) -> Any:
-        logits = m(b["inputs"]).astype(jnp.float32)
+        logits = m(b["inputs"], layout=layout).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
 
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
@@ -116,7 +156,7 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, float, str]:
     per_token = transformer_flops_per_token(n, layers, args.seq_len, args.d_model)
     size = gpt.param_count(model) / 1e9
     what = (f"gpt {layers} x {args.d_model} ({args.heads} heads), seq {args.seq_len}, "
-            f"vocab {args.vocab}, {size:.3g} B params, remat {remat}")  # fmt: skip
+            f"vocab {args.vocab}, {size:.3g} B params")  # fmt: skip
     return model, state, loss_fn, {"inputs": tokens, "targets": tokens}, per_token, what
 
 
@@ -134,9 +174,189 @@ def _precision(args: argparse.Namespace, platform: str) -> Any:
     return args.precision or default_precision("gpt", platform)
 
 
+@dataclasses.dataclass
+class Group:
+    """``--plan auto``'s candidates on one mesh: its plans × the GPT under each remat
+    policy (``models``: remat -> (model, state, loss)) × the microbatch ``counts``."""
+
+    mesh: Any
+    axis: Any
+    plans: dict[str, Any]
+    models: dict[str, tuple[Any, Any, Any]]
+    counts: tuple[int, ...]
+    microbatches: int | None = None  # sx.pipeline's, for the pipeline group
+    seq_axis: str | None = None  # the context axis, for the context group
+
+    def flags(self, plan: str, remat: str, accumulate: int) -> str:
+        return train_flags(plan, dict(self.mesh.shape), remat, accumulate, self.microbatches)
+
+
+def _data_rows(mesh: Any) -> tuple[tuple[str, ...], int]:
+    axes = tuple(a for a in (REPLICA_AXIS, DATA_AXIS) if a in mesh.shape)
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def _axis(axes: tuple[str, ...]) -> Any:
+    return axes if len(axes) > 1 else DATA_AXIS
+
+
+def _counts(rows: int) -> tuple[int, ...]:
+    """The microbatch counts of :data:`COUNTS` that divide ``rows`` per data shard."""
+    return tuple(k for k in COUNTS if rows % k == 0)
+
+
+def _pipeline_group(args: argparse.Namespace, target: Any, remats: tuple[str, ...]) -> Any:
+    """``pipeline`` over hosts: a ``stage`` axis over the target's hosts (GPU hosts, TPU
+    slices) × ``data`` within one, the GPT's blocks run by ``sx.pipeline`` in the most
+    microbatches of 4S, 2S, S that divide the rows per data shard; None where it does
+    not apply (one host, layers not divisible by the hosts, no such count)."""
+    import jax
+
+    import shardax as sx
+    from shardax.models import gpt
+    from shardax.parallel.gpipe import stage_mesh
+
+    stages = target.hosts if target.platform == "gpu" else target.slices
+    layers = args.layers or 2
+    if stages < 2 or layers % stages:
+        return None
+    mesh = sx.make_mesh({STAGE_AXIS: stages, DATA_AXIS: len(target.devices) // stages},
+                        devices=target)  # fmt: skip
+    if args.batch % mesh.shape[DATA_AXIS]:
+        return None
+    rows = args.batch // mesh.shape[DATA_AXIS]
+    for micro in (4 * stages, 2 * stages, stages):
+        if rows % micro:
+            continue
+        models = {r: _model(args, r, pipeline=micro)[:3] for r in remats}
+        model = next(iter(models.values()))[0]
+        x = jax.ShapeDtypeStruct((args.batch, args.seq_len, args.d_model), "float32")
+        try:
+            with jax.sharding.set_mesh(mesh):
+                stage_mesh(model.layers()[1], x, micro, STAGE_AXIS)
+            plan = gpt.plan(mesh, model, "pipeline")
+        except ValueError:
+            continue
+        from shardax.plan.follow import follow_params
+
+        plans = {"pipeline": follow_params(plan)}
+        return Group(mesh, DATA_AXIS, plans, models, (1,), microbatches=micro)
+    return None
+
+
+def _context_group(args: argparse.Namespace, target: Any, remats: tuple[str, ...]) -> Any:
+    """``context``: for sequences of :data:`LONG_SEQ` tokens or more, a ``context`` axis
+    of C devices within a host (C the smallest power of two that leaves at most
+    LONG_SEQ / 2 tokens per device, at least 2), the GPT's context-parallel attention,
+    FSDP over ``data`` as ``shardax train --plan fsdp``; None where it does not apply."""
+    import shardax as sx
+    from shardax.models import gpt
+    from shardax.plan.follow import follow_params
+
+    within = len(target.devices) // (target.hosts if target.platform == "gpu" else target.slices)
+    groups = len(target.devices) // within
+    c = 2
+    while args.seq_len // c > LONG_SEQ // 2 and within % (2 * c) == 0:
+        c *= 2
+    if args.seq_len < LONG_SEQ or within % c or args.seq_len % (2 * c):
+        return None
+    spec = {REPLICA_AXIS: groups} if groups > 1 else {}
+    spec.update({DATA_AXIS: within // c, CONTEXT_AXIS: c})
+    mesh = sx.make_mesh(spec, devices=target)
+    axes, rows = _data_rows(mesh)
+    if args.batch % rows:
+        return None
+    models = {r: _model(args, r, layout="zigzag")[:3] for r in remats}
+    plan = gpt.plan(mesh, next(iter(models.values()))[0], "fsdp")
+    plans = {"context": follow_params(plan)}
+    return Group(mesh, _axis(axes), plans, models, _counts(args.batch // rows),
+                 seq_axis=CONTEXT_AXIS)  # fmt: skip
+
+
+def _groups(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[Group]:
+    """The candidates of ``--plan auto``: the plans on ``mesh``, then (without
+    ``--mesh``) pipeline over hosts and context parallelism where they apply; each
+    × the remat policies × the microbatch counts. ``--plans`` keeps those named."""
+    remats = (args.remat,) if args.remat else REMATS
+    axes, rows = _data_rows(mesh)
+    names = args.plans
+    extra = ("pipeline", "context")
+    groups = []
+    main = [n for n in names if n not in extra] if names else None
+    if main is None or main:
+        plans = _candidates(main, mesh, _axis(axes), tp)
+        models = {r: _model(args, r)[:3] for r in remats}
+        groups.append(Group(mesh, _axis(axes), plans, models, _counts(args.batch // rows)))
+    if not args.mesh:
+        for name, build in (("pipeline", _pipeline_group), ("context", _context_group)):
+            if names and name not in names:
+                continue
+            group = build(args, target, remats)
+            if group is None and names:
+                raise UsageError(
+                    f"--plans {','.join(names)}: {name} does not apply to {target.name} "
+                    f"with --layers {args.layers or 2} --seq-len {args.seq_len} --batch "
+                    f"{args.batch} ({PLAN_RULES[name]})"
+                )
+            if group is not None:
+                groups.append(group)
+    elif names and any(n in extra for n in names):
+        raise UsageError(
+            f"--plans {','.join(names)}: pipeline and context build their own mesh; drop "
+            "--mesh to rank them"
+        )
+    return groups
+
+
+def rank(args: argparse.Namespace, target: Any, mesh: Any, tp: Any, precision: Any) -> Any:
+    """Compiles every group's candidates (at most :data:`MAX_COMPILES`, pruned as
+    :func:`shardax.train.auto.compile_candidates` does) and picks one; returns the
+    report, the picked group, its remat policy and the number of compiles."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardax.train.auto import choose, compile_candidates, default_device_memory
+
+    groups = _groups(args, target, mesh, tp)
+    if args.device_memory is not None:
+        budget = args.device_memory * 2**30
+    else:
+        budget = default_device_memory(target.devices[0])
+    tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    measured: list[Any] = []
+    owner: dict[str, tuple[Group, str, str]] = {}
+    left = MAX_COMPILES
+    for g in groups:
+        states = {r: state for r, (_, state, _) in g.models.items()}
+        loss_fn = next(iter(g.models.values()))[2]
+        kw: dict[str, Any] = {"data_axis": g.axis, "precision": precision}
+        if g.seq_axis:
+            kw["seq_axis"] = g.seq_axis
+        found = compile_candidates(g.plans, states, loss_fn, batch, g.counts, budget,
+                                   limit=left, **kw)  # fmt: skip
+        for c in found:
+            owner[c.name] = (g, c.name.split("·")[0], c.variant)
+            measured.append(c)
+        left -= sum(not c.skipped for c in found)
+    note = "".join(
+        f"; {next(iter(g.plans))}: mesh {_mesh_text(g.mesh)}"
+        + (f", sx.pipeline in {g.microbatches} microbatches" if g.microbatches else "")
+        for g in groups[1:] if len(groups) > 1
+    )  # fmt: skip
+    report = choose(measured, budget, "train step", note)
+    return report, owner[report.name], MAX_COMPILES - left
+
+
+def _mesh_text(mesh: Any) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+
+
 def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     """Compiles and estimates; returns the result as plain data, the estimate and the
     auto report (None for a named plan)."""
+    import time
+
     import shardax as sx
     from shardax.models import gpt
 
@@ -150,35 +370,35 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         mesh = sx.make_mesh(spec, devices=target)
     except ValueError as e:
         raise UsageError(f"--mesh {spec}: {e}") from None
-    data_axes = tuple(a for a in (REPLICA_AXIS, DATA_AXIS) if a in mesh.shape)
     if DATA_AXIS not in mesh.shape:
         raise UsageError(f"--mesh needs a 'data' axis for the batch, got {dict(mesh.shape)}")
-    rows = 1
-    for a in data_axes:
-        rows *= mesh.shape[a]
+    data_axes, rows = _data_rows(mesh)
     if args.batch % rows:
         raise UsageError(
             f"--batch {args.batch} is not divisible by the data axes "
             f"{' × '.join(data_axes)} = {rows} of mesh {dict(mesh.shape)}"
         )
-    model, state, loss_fn, batch, per_token, what = _model(args)
+    remat = args.remat or "full"
+    model, state, loss_fn, batch, per_token, what = _model(args, remat)
     params = gpt.param_count(model)
     precision = _precision(args, target.platform)
-    axis: Any = data_axes if len(data_axes) > 1 else DATA_AXIS
+    axis: Any = _axis(data_axes)
     tp = gpt.plan(mesh, model, "tp") if MODEL_AXIS in mesh.shape else None
-    report = None
+    report, compiles, rank_s = None, 0, 0.0
+    group = Group(mesh, axis, {}, {}, (1,))
+    accumulate = 1
     try:
         if args.plan == "auto":
-            candidates = _candidates(args.plans, mesh, axis, tp)
-            report = sx.auto_plan(
-                mesh, state, loss_fn=loss_fn, batch=batch, axis=axis, tp_rules=tp,
-                precision=precision, candidates=candidates,
-            )  # fmt: skip
-            plan, name = report.plan, report.name
+            start = time.perf_counter()
+            report, (group, name, remat), compiles = rank(args, target, mesh, tp, precision)
+            rank_s = time.perf_counter() - start
+            plan, accumulate = report.plan, report.accumulate
+            model, state, loss_fn = group.models[remat]
         else:
             plan, name = _named_plan(args.plan, mesh, model, axis, tp), args.plan
-        step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, precision=precision,
-                                  data_axis=axis)  # fmt: skip
+        step = sx.make_train_step(loss_fn, mesh=group.mesh, plan=plan, precision=precision,
+                                  data_axis=group.axis, accumulate=accumulate,
+                                  seq_axis=group.seq_axis)  # fmt: skip
         tokens = args.batch * args.seq_len
         est = sx.estimate(step, state, batch, model_flops=per_token * tokens,
                           model_flops_note="6N + attention, causal halved")  # fmt: skip
@@ -186,28 +406,34 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         raise UsageError(
             f"--plan {args.plan} on {args.target}, mesh {dict(mesh.shape)}: {e}"
         ) from None
-    flags = train_flags(name, dict(mesh.shape))
+    flags = group.flags(name, remat, accumulate)
     train = (f"shardax train --model gpt --layers {args.layers or 2} --d-model {args.d_model} "
              f"--heads {args.heads} --seq-len {args.seq_len} --batch-size {args.batch} "
-             f"--remat {args.remat or 'full'} {flags}")  # fmt: skip
+             f"{flags}")  # fmt: skip
     result = {
         "target": target.name,
         "device_kind": target.device_kind,
         "devices": len(target.devices),
         "hosts": target.hosts,
         "slices": target.slices,
-        "model": what,
+        "model": f"{what}, remat {remat}",
         "params": params,
         "batch": args.batch,
         "precision": str(precision) if not isinstance(precision, str) else precision,
-        "plan": name,
-        "mesh": dict(mesh.shape),
+        "plan": name if report is None else report.name,
+        "remat": remat,
+        "accumulate": accumulate,
+        "microbatches": group.microbatches,
+        "mesh": dict(group.mesh.shape),
         "fits_with_headroom": est.fits,
         "mesh_flags": flags,
         "launch": launch_command(target, train),
         "estimate": est.to_dict(),
-        "auto": None if report is None else {**report.to_dict(), "reasons": report.reasons()},
+        "auto": None,
     }
+    if report is not None:
+        result["auto"] = {**report.to_dict(), "reasons": report.reasons(),
+                          "compiles": compiles, "rank_s": round(rank_s, 1)}  # fmt: skip
     return result, est, report
 
 
@@ -215,14 +441,14 @@ def _candidates(names: list[str] | None, mesh: Any, axis: Any, tp: Any) -> Any:
     """``--plans a,b``: those of :func:`shardax.train.auto.candidate_plans` (None: all)."""
     from shardax.train.auto import candidate_plans
 
-    if not names:
-        return None
     plans = candidate_plans(mesh, axis, tp_rules=tp)
+    if not names:
+        return plans
     unknown = [n for n in names if n not in plans]
     if unknown:
         raise UsageError(
             f"--plans {','.join(names)}: {', '.join(unknown)} not among the candidates for "
-            f"mesh {dict(mesh.shape)}: {', '.join(plans)}"
+            f"mesh {dict(mesh.shape)}: {', '.join(plans)}, pipeline, context"
         )
     return {n: plans[n] for n in names}
 
@@ -252,6 +478,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if report is not None:
         out.print(report)
+        auto = result["auto"]
+        out.print(f"{auto['compiles']} of {len(report.candidates)} candidates compiled in "
+                  f"{auto['rank_s']:.0f} s (at most {MAX_COMPILES}; the others could not "
+                  "win or are over the limit)")  # fmt: skip
     out.print(est)
     out.print(f"plan: [bold]{result['plan']}[/] on {result['target']}; mesh flags: "
               f"[bold]{result['mesh_flags']}[/]")  # fmt: skip

@@ -176,6 +176,13 @@ class Candidate:
     predicted_s: float | None = None
     refused: str | None = None
     """The backend's out-of-memory error where it refused to compile this candidate."""
+    accumulate: int = 1
+    """Its number of microbatches (``make_train_step``'s ``accumulate``)."""
+    variant: str | None = None
+    """The model variant's name, where :func:`auto_plan` ranked several (e.g. remat)."""
+    skipped: str | None = None
+    """Why it was not compiled (a cheaper candidate of its plan already fits with
+    headroom); its figures are then zeros."""
 
     @property
     def total_bytes(self) -> int:
@@ -199,16 +206,38 @@ class AutoPlan:
     device_memory: float | None
     reason: str
     compiled: str
+    pick: str | None = None
+    """The picked candidate's name (None: the one candidate of ``plan``)."""
+
+    @property
+    def candidate(self) -> Candidate:
+        """The picked candidate."""
+        if self.pick is not None:
+            return next(c for c in self.candidates if c.name == self.pick)
+        return next(c for c in self.candidates if c.plan is self.plan)
 
     @property
     def name(self) -> str:
-        """The picked candidate's name."""
-        return next(c.name for c in self.candidates if c.plan is self.plan)
+        """The picked candidate's name, e.g. ``"fsdp"``, or ``"fsdp·mb2"`` when several
+        microbatch counts were ranked."""
+        return self.candidate.name
+
+    @property
+    def accumulate(self) -> int:
+        """The picked candidate's microbatches (``make_train_step``'s ``accumulate``)."""
+        return self.candidate.accumulate
+
+    @property
+    def variant(self) -> str | None:
+        """The picked model variant's name (None when one model was given)."""
+        return self.candidate.variant
 
     def to_dict(self) -> dict[str, Any]:
         """Candidates, budget, pick and reason as plain data."""
         return {
             "pick": self.name,
+            "accumulate": self.accumulate,
+            "variant": self.variant,
             "reason": self.reason,
             "compiled": self.compiled,
             "device_memory_bytes": self.device_memory,
@@ -220,36 +249,42 @@ class AutoPlan:
 
         table = Table(title=f"candidate plans, compiled ({self.compiled}), per device")
         predicted = any(c.predicted_s is not None for c in self.candidates)
-        cols = ["plan", "arguments", "temporaries", "total", "collective bytes", "fits"]
-        cols += ["predicted step (s)", "why"] if predicted else []
+        # With predictions (a datasheet) the reason column needs the room: the arguments
+        # and temporaries stay in to_dict() and the pick's estimate.
+        cols = ["plan", "total", "sent", "fits", "predicted step (s)", "why"] if predicted else [
+            "plan", "arguments", "temporaries", "total", "collective bytes", "fits"
+        ]  # fmt: skip
         for col in cols:
-            table.add_column(col, justify="left" if col in ("plan", "why") else "right")
+            left = col in ("plan", "why")
+            table.add_column(col, justify="left" if left else "right", no_wrap=col != "why")
         why = self.reasons()
+        picked = self.name
         for c in self.candidates:
-            mark = "[bold]" if c.plan is self.plan else ""
+            name = f"[bold]{c.name}[/]" if c.name == picked else c.name
             fits = {None: "?", True: "yes", False: "[red]no[/]"}[c.fits]
-            cells = [
-                f"{mark}{c.name}",
-                format_bytes(c.argument_bytes),
-                format_bytes(c.temp_bytes),
-                format_bytes(c.total_bytes),
-                format_bytes(c.collective_bytes),
-                fits,
-            ]
+            total, sent = format_bytes(c.total_bytes), format_bytes(c.collective_bytes)
+            if c.skipped:
+                fits = total = sent = "-"
             if predicted:
-                t = "n/a" if c.predicted_s is None else f"{c.predicted_s:.3f}"
-                cells += [t, why[c.name]]
-            table.add_row(*cells)
+                t = "-" if c.skipped else "n/a" if c.predicted_s is None else f"{c.predicted_s:.3f}"
+                table.add_row(name, total, sent, fits, t, why[c.name])
+            else:
+                args, temps = format_bytes(c.argument_bytes), format_bytes(c.temp_bytes)
+                if c.skipped:
+                    args = temps = "-"
+                table.add_row(name, args, temps, total, sent, fits)
         table.caption = f"pick: {self.name}: {self.reason}"
         return table
 
     def reasons(self) -> dict[str, str]:
         """One line per candidate: why it ranks where it does."""
-        pick = next(c for c in self.candidates if c.plan is self.plan)
+        pick = self.candidate
         out = {}
         for c in self.candidates:
-            if c.plan is self.plan:
+            if c.name == pick.name:
                 out[c.name] = "picked"
+            elif c.skipped:
+                out[c.name] = f"not compiled: {c.skipped}"
             elif c.refused:
                 out[c.name] = f"does not fit: the compiler refused it ({c.refused})"
             elif c.fits is False:
@@ -432,6 +467,174 @@ def predicted(candidate: Candidate, compiled: Any, batch: Any) -> Candidate:
     return dataclasses.replace(candidate, predicted_s=report.prediction.overlapped_s)
 
 
+Counts = int | Sequence[int]
+
+
+def check_accumulate(accumulate: Any, mesh: Mesh, axis: Any, batch: Any) -> tuple[int, ...]:
+    """``accumulate`` (a count or a sequence of counts) as ascending distinct counts,
+    each one that splits ``batch``'s rows into microbatches even over the data ``axis``
+    (rows divisible by the axis size × the count); errors name the count and the rule."""
+    from shardax.plan.core import axis_size
+
+    many = isinstance(accumulate, Sequence) and not isinstance(accumulate, str)
+    if many:
+        if not accumulate:
+            raise ValueError("accumulate is an empty sequence; give counts such as (1, 2, 4)")
+        counts = tuple(sorted({as_count(f"accumulate[{i}]", k) for i, k in enumerate(accumulate)}))
+    else:
+        counts = (as_count("accumulate (a count, or a sequence of counts)", accumulate),)
+    if batch is None:
+        if many and counts != (1,):
+            raise ValueError(
+                f"accumulate={tuple(accumulate)!r} ranks microbatch counts of the train "
+                "step; pass loss_fn and batch, or one count"
+            )
+        return counts
+    rows = {x.shape[0] for x in jax.tree.leaves(batch) if is_array(x) and x.ndim}
+    devices = axis_size(mesh, axis)
+    for k in counts:
+        bad = [r for r in sorted(rows) if r % (devices * k)]
+        if bad:
+            given = tuple(accumulate) if many else accumulate
+            raise ValueError(
+                f"accumulate={given!r}: each count must split the batch's {bad[0]} rows into "
+                f"microbatches that divide evenly over the data axis {axis!r} of size "
+                f"{devices} (rows divisible by {devices} × count); {k} does not "
+                f"({bad[0]} % {devices * k} = {bad[0] % (devices * k)})"
+            )
+    return counts
+
+
+def _abstract_states(given: Any) -> dict[str | None, TrainState]:
+    """``{variant: abstract TrainState}``: ``{None: state}`` for one state or init, one
+    entry per name for a mapping of them."""
+    variants = isinstance(given, Mapping)
+    if variants and not given:
+        raise ValueError(
+            "abstract_state_or_init is an empty mapping; give {name: state_or_init} with at "
+            "least one entry, or one state or init"
+        )
+    items = given.items() if variants else [(None, given)]
+    states: dict[str | None, TrainState] = {}
+    for name, value in items:
+        if variants:
+            expect_type("each abstract_state_or_init key", name, str, "a variant name (str)")
+        state = abstract(value)
+        if not isinstance(state, TrainState):
+            where = f"abstract_state_or_init[{name!r}]" if variants else "abstract_state_or_init"
+            raise ValueError(
+                f"{where} must be a shardax TrainState (of arrays or ShapeDtypeStructs) or a "
+                "function of no arguments returning one, so abstract values can be built; "
+                f"got {type(value).__name__}"
+            )
+        states[name] = state
+    return states
+
+
+def label(plan: str, variant: str | None, accumulate: int, counts: int) -> str:
+    """A candidate's name: the plan, then the variant (if any), then ``mb<k>`` when
+    several microbatch counts are ranked.
+
+    >>> label("fsdp", "full", 2, counts=3)
+    'fsdp·full·mb2'
+    """
+    parts = [plan] + ([variant] if variant is not None else [])
+    return "·".join(parts + ([f"mb{accumulate}"] if counts > 1 else []))
+
+
+def _skipped(name: str, plan: Plan, variant: str | None, k: int, why: str) -> Candidate:
+    return Candidate(name, plan, 0, 0, 0, 0, 0.0, {}, None, accumulate=k, variant=variant,
+                     skipped=why)  # fmt: skip
+
+
+def compile_candidates(
+    plans: Mapping[str, FollowParams],
+    states: Mapping[str | None, TrainState],
+    loss_fn: Callable[..., Any] | None,
+    batch: Any,
+    counts: Sequence[int] = (1,),
+    budget: float | None = None,
+    limit: int | None = None,
+    **step_kw: Any,
+) -> list[Candidate]:
+    """Each plan × model variant × microbatch count compiled once and measured, at most
+    ``limit`` of them (None: no limit; the rest are listed as not compiled).
+
+    Where the devices have a datasheet and ``budget`` is known (the ranking is by
+    predicted time), a plan's remaining candidates are not compiled once they cannot
+    win; they are listed with ``skipped`` saying why:
+
+    - within a variant, the counts after the first that fits with headroom (more
+      microbatches only add per-microbatch work);
+    - the later variants (more remat: order them from least to most memory-saving),
+      once one fits with headroom at the smallest count;
+    - all the rest, once the step's arguments alone (state and batch, which neither
+      remat nor microbatches shrink) exceed ``budget``.
+    """
+    from shardax.cost.estimation import HEADROOM
+    from shardax.cost.hardware import device_spec
+
+    first = next(iter(plans.values())).mesh
+    prune = budget is not None and loss_fn is not None
+    prune = prune and device_spec(first.devices.flat[0]) is not None
+    room = None if budget is None else budget * (1 - HEADROOM)
+    measured: list[Candidate] = []
+    compiled = 0
+    for plan_name, plan in plans.items():
+        rest = None  # why this plan's remaining candidates are not compiled
+        for variant, state in states.items():
+            more = None  # why this variant's larger counts are not compiled
+            for k in counts:
+                name = label(plan_name, variant, k, len(counts))
+                if limit is not None and compiled >= limit and not (rest or more):
+                    more = f"the limit of {limit} compiles is reached"
+                if rest or more:
+                    measured.append(_skipped(name, plan, variant, k, more or rest or ""))
+                    continue
+                c = _compile_one(name, plan, state, loss_fn, batch, k, **step_kw)
+                compiled += 1
+                c = dataclasses.replace(c, accumulate=k, variant=variant)
+                measured.append(c)
+                if not prune or c.refused:
+                    continue
+                assert room is not None and budget is not None
+                if c.argument_bytes > budget:
+                    rest = (
+                        f"{name}'s arguments alone (state and batch) need "
+                        f"{format_bytes(c.argument_bytes)} > {format_bytes(budget)}, which "
+                        "neither remat nor microbatches shrink"
+                    )
+                elif c.total_bytes <= room:
+                    more = f"{name} fits; more microbatches only add work"
+                    if k == counts[0] and len(states) > 1:
+                        rest = f"{name} fits; the later variants only add recomputation"
+    return measured
+
+
+def _compile_one(
+    name: str,
+    plan: FollowParams,
+    state: TrainState,
+    loss_fn: Callable[..., Any] | None,
+    batch: Any,
+    accumulate: int,
+    **step_kw: Any,
+) -> Candidate:
+    """One candidate compiled and measured (refused for memory: a candidate that does
+    not fit; other compile errors propagate)."""
+    try:
+        if loss_fn is None:
+            compiled = _compile_update(plan, state)
+        else:
+            compiled = _compile_step(plan, state, loss_fn, batch, accumulate=accumulate, **step_kw)
+    except RuntimeError as e:  # the backend refused it for lack of memory: no fit
+        refused = refused_candidate(name, plan, e)
+        if refused is None:
+            raise
+        return refused
+    return predicted(measure(name, compiled, plan), compiled, batch)
+
+
 @public("sx.auto_plan")
 def auto_plan(
     mesh: Mesh,
@@ -446,16 +649,35 @@ def auto_plan(
     pipeline_rules: Rules = None,
     stage_axis: str = STAGE_AXIS,
     candidates: Mapping[str, FollowParams] | None = None,
-    accumulate: int = 1,
+    accumulate: Counts = 1,
     precision: Any = "fp32",
 ) -> AutoPlan:
     """Compiles every candidate plan's step and picks the one to train with.
+
+    The candidates are the plans × the model variants (one, unless a mapping is given)
+    × the microbatch counts (``accumulate``). Remat is a property of the model, not of
+    the step, so remat policies are ranked as variants: pass
+    ``{"none": init_a, "full": init_b}`` (the same model built with each policy; one
+    ``loss_fn`` serves them all). The picked candidate is ``report.name`` (e.g.
+    ``"fsdp·full·mb2"``), its plan ``report.plan``, its count ``report.accumulate`` and
+    its variant ``report.variant``.
+
+    >>> mesh = sx.make_mesh({"data": 8})
+    >>> apply = lambda params, x: x @ params["w"]
+    >>> init = lambda: sx.TrainState.from_params({"w": jnp.zeros((64, 8))}, apply, optax.sgd(0.1))
+    >>> mse = lambda model, batch: jnp.mean(model(batch["x"]) ** 2)
+    >>> report = sx.auto_plan(mesh, init, loss_fn=mse, batch={"x": jnp.zeros((32, 64))},
+    ...                       candidates={"fsdp": "fsdp"}, accumulate=(1, 2))
+    >>> [c.name for c in report.candidates], report.accumulate
+    (['fsdp·mb1', 'fsdp·mb2'], 1)
 
     Args:
         mesh: the device mesh.
         abstract_state_or_init: a :class:`shardax.TrainState` (arrays or
             ``ShapeDtypeStruct``s), or a function of no arguments returning one, run
-            under ``jax.eval_shape``.
+            under ``jax.eval_shape``; or ``{variant name: either}`` to rank model
+            variants too (e.g. remat policies), ordered from least to most
+            memory-saving (see :func:`compile_candidates` for what that order prunes).
         loss_fn, batch: with both, the whole train step (``make_train_step``) is
             compiled for ``batch``'s shapes (arrays or ``ShapeDtypeStruct``s), so
             activations and the forward pass's collectives count. With neither, only
@@ -471,18 +693,20 @@ def auto_plan(
             ``gpt.plan(mesh, model, "pipeline")``), a ``pipeline`` candidate joins; the
             model must run its layers with ``sx.pipeline`` (see :func:`candidate_plans`).
         candidates: ``{name: plan}`` to measure instead of :func:`candidate_plans`.
-        accumulate, precision: as for ``make_train_step``.
+        accumulate: as for ``make_train_step``; or a sequence of counts, e.g.
+            ``(1, 2, 4)``, each ranked (names end ``·mb<k>``). Each must split the
+            batch's rows evenly over the data axis.
+        precision: as for ``make_train_step``.
 
     Raises:
         ValueError: no candidate fits ``device_memory`` (naming the smallest and the
-            budget), no abstract values can be built from the arguments, or
-            ``pipeline_rules`` are given for a mesh without ``stage_axis`` (or split
-            nothing over it).
+            budget), no abstract values can be built from the arguments, a count of
+            ``accumulate`` does not divide the batch, or ``pipeline_rules`` are given
+            for a mesh without ``stage_axis`` (or split nothing over it).
     """
     check_mesh("mesh", mesh)
     options = check_options(device_memory, min_size, tp_rules, pipeline_rules, stage_axis)
     device_memory, min_size = options["device_memory"], options["min_size"]
-    accumulate = as_count("accumulate", accumulate)
     if loss_fn is not None:
         as_function("loss_fn", loss_fn, "a function loss_fn(model, batch) or None")
     if (loss_fn is None) != (batch is None):
@@ -491,17 +715,13 @@ def auto_plan(
             f"neither (the update alone); got loss_fn={loss_fn!r} and batch of type "
             f"{type(batch).__name__}"
         )
-    state = abstract(abstract_state_or_init)
-    if not isinstance(state, TrainState):
-        raise ValueError(
-            "abstract_state_or_init must be a shardax TrainState (of arrays or "
-            "ShapeDtypeStructs) or a function of no arguments returning one, so abstract "
-            f"values can be built; got {type(abstract_state_or_init).__name__}"
-        )
+    states = _abstract_states(abstract_state_or_init)
+    state = next(iter(states.values()))
     if batch is not None:
         batch = abstract(batch)
         if not any(is_array(x) for x in jax.tree.leaves(batch)):
             raise ValueError(f"batch must hold arrays or ShapeDtypeStructs, got {batch!r}")
+    counts = check_accumulate(accumulate, mesh, axis, batch)
     budget = default_device_memory(mesh.devices.flat[0]) if device_memory is None else device_memory
     known = candidate_plans(mesh, axis, min_size, tp_rules, pipeline_rules, stage_axis)
     plans = known if candidates is None else check_candidates(mesh, candidates, known)
@@ -512,28 +732,8 @@ def auto_plan(
             f"{stage_axis!r} (stage_axis); give rules matching the stacked layers, e.g. "
             f"[(r'blocks', P({stage_axis!r}))]"
         )
-    measured = []
-    for name, plan in plans.items():
-        try:
-            if loss_fn is None:
-                compiled = _compile_update(plan, state)
-            else:
-                compiled = _compile_step(
-                    plan,
-                    state,
-                    loss_fn,
-                    batch,
-                    data_axis=axis,
-                    accumulate=accumulate,
-                    precision=precision,
-                )
-        except RuntimeError as e:  # the backend refused it for lack of memory: no fit
-            refused = refused_candidate(name, plan, e)
-            if refused is None:
-                raise
-            measured.append(refused)
-            continue
-        measured.append(predicted(measure(name, compiled, plan), compiled, batch))
+    step_kw = {} if loss_fn is None else {"data_axis": axis, "precision": precision}
+    measured = compile_candidates(plans, states, loss_fn, batch, counts, budget, **step_kw)
     what = "train step" if loss_fn is not None else "optimizer update"
     return choose(measured, budget, what, _compared(mesh, axis, split))
 
@@ -571,19 +771,28 @@ def choose(
     measured: Sequence[Candidate], budget: float | None, compiled: str, note: str = ""
 ) -> AutoPlan:
     """Of the ``measured`` candidates that fit ``budget`` bytes per device (all of them
-    when ``budget`` is None), the one that sends the fewest bytes per step (ties: the
-    fewest bytes per device). Where every candidate has a predicted step time (devices
-    with a datasheet: GPUs, TPUs, compile-only targets), the fastest predicted of those
-    that fit with :data:`shardax.cost.estimation.HEADROOM` to spare instead. Raises
-    ``ValueError`` when none fits. ``note`` (what the candidates share) ends the reason."""
+    when ``budget`` is None), the one that sends the fewest bytes per step (ties: fewer
+    microbatches, then the fewest bytes per device). Where every candidate has a
+    predicted step time (devices with a datasheet: GPUs, TPUs, compile-only targets),
+    the fastest predicted of those that fit with
+    :data:`shardax.cost.estimation.HEADROOM` to spare instead. Candidates not compiled
+    (``skipped``) stay in the report and are never picked. Raises ``ValueError`` when
+    none fits. ``note`` (what the candidates share) ends the reason."""
     measured = [
         dataclasses.replace(
-            c, fits=False if c.refused else None if budget is None else c.total_bytes <= budget
+            c,
+            fits=None
+            if c.skipped or (budget is None and not c.refused)
+            else (not c.refused and c.total_bytes <= budget),
         )
         for c in measured
     ]
-    fitting = [c for c in measured if c.fits is not False]
-    timed = all(c.predicted_s is not None for c in measured if not c.refused)
+    compiled_ = [c for c in measured if not c.skipped]
+    count = f"{len(compiled_)} compiled" + (
+        f", {len(measured) - len(compiled_)} not" if len(compiled_) < len(measured) else ""
+    )
+    fitting = [c for c in compiled_ if c.fits is not False]
+    timed = all(c.predicted_s is not None for c in compiled_ if not c.refused)
     if timed and budget is not None:  # a datasheet: fit with headroom, then fastest
         from shardax.cost.estimation import HEADROOM
 
@@ -593,12 +802,12 @@ def choose(
             reason = (
                 f"fastest predicted step, {pick.predicted_s:.3f} s (a prediction: "
                 f"compute, HBM and links from the datasheet), of the {len(roomy)} of "
-                f"{len(measured)} that fit {format_bytes(budget)} with "
+                f"{len(measured)} candidates ({count}) that fit {format_bytes(budget)} with "
                 f"{HEADROOM:.0%} headroom ({format_bytes(pick.total_bytes)} per device){note}"
             )
-            return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled)
+            return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled, pick.name)
     if not fitting:
-        best = min(measured, key=lambda c: c.total_bytes)
+        best = min(compiled_, key=lambda c: c.total_bytes)
         raise ValueError(
             f"no plan fits device_memory {format_bytes(budget or 0)} "
             f"({budget:.0f} bytes) per device; the smallest, {best.name!r}, needs "
@@ -607,7 +816,7 @@ def choose(
             f"{best.alias_bytes} + temporaries {best.temp_bytes}). Add devices, shard over "
             "more axes, or shrink the batch"
         )
-    pick = min(fitting, key=lambda c: (round(c.collective_bytes), c.total_bytes))
+    pick = min(fitting, key=lambda c: (round(c.collective_bytes), c.accumulate, c.total_bytes))
     if budget is None:
         where = (
             "no device memory figure (pass device_memory=, or --device-memory), so all "
@@ -619,7 +828,7 @@ def choose(
         f"least communication, {format_bytes(pick.collective_bytes)} sent per device per "
         f"step ({format_bytes(pick.total_bytes)} per device); {where}{note}"
     )
-    return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled)
+    return AutoPlan(pick.plan, tuple(measured), budget, reason, compiled, pick.name)
 
 
 @public("sx.train.AutoStep")

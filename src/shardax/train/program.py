@@ -837,6 +837,8 @@ class Program:
                     )
             if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
                 return x
+            if isinstance(x, jax.ShapeDtypeStruct):  # lowering for abstract values
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
             return device_put_global(x, target)
 
         return jax.tree_util.tree_map_with_path(lambda p, x: place(path_str(p), x), batch)
