@@ -171,3 +171,23 @@ def test_the_watchdog_waits_one_step_behind_so_dispatch_runs_ahead():
     assert waited == [(2, 1), (3, 2), (4, 3), (4, 4), (6, 5), (6, 6)]
     assert run.completed == 6 and ledger.session["steps"] == 6
     assert (ledger.session["first_step"], ledger.session["last_step"]) == (1, 6)
+
+
+def test_pending_metrics_are_bounded_by_the_window_when_no_hook_is_due():
+    seen = []
+
+    class Seen(sx.loop.Hook):  # never due: nothing else fetches
+        def after_step(self, run):
+            seen.append((run.step, [s for s, _ in run.flushed], len(run.pending)))
+
+    losses = [1.0, 0.5, 0.4, 0.3, np.inf, 0.1, 0.1]
+    with (
+        pytest.raises(sx.NonFiniteLossError, match="step 5"),
+        sx.loop.Run({"w": jnp.ones(2)}, [Seen()], window=3) as run,
+    ):
+        for batch in run.batches(iter(losses)):
+            run.after_step({"w": jnp.ones(2)}, {"loss": jnp.float32(batch)})
+    # three steps at most wait on the device; each full window is fetched once and checked
+    assert seen == [(1, [], 1), (2, [], 2), (3, [1, 2, 3], 0), (4, [], 1), (5, [], 2)]
+    with pytest.raises(ValueError, match="window must be an integer >= 1, got 0"):
+        sx.loop.Run({}, [], window=0)

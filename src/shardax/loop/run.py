@@ -65,6 +65,9 @@ class Run:
         writer: the :class:`shardax.MetricWriter` the logging and evaluation hooks use.
         exit_on_preemption: after the save on a SIGTERM, end the process with exit code
             75 (else :class:`shardax.Preempted` propagates).
+        window: the most steps whose metrics wait on the device: after that many steps
+            with no fetch (no hook due), they are fetched and checked in one transfer
+            before the hooks run, so :attr:`pending` stays bounded.
 
     Attributes:
         state: the state after the last step (the restored one before the first).
@@ -88,11 +91,13 @@ class Run:
         data_state: Any = None,
         writer: Any = None,
         exit_on_preemption: bool = True,
+        window: int = 1000,
     ) -> None:
         self.state, self.hooks, self.manager, self.writer = state, list(hooks), manager, writer
         self.total = None if total is None else as_count("steps", total, minimum=0)
         self.resume, self._extra = resume, data_state
         self.exit_on_preemption = as_bool("exit_on_preemption", exit_on_preemption)
+        self.window = as_count("window", window)
         self.step = self.first = self.completed = 0
         self.restored: dict[str, Any] = {}
         self.pending: list[tuple[int, dict[str, Any]]] = []
@@ -208,6 +213,8 @@ class Run:
         scalars = {k: v for k, v in (metrics or {}).items() if np.ndim(v) == 0}
         self.pending.append((self.step, scalars))
         self.flushed = []
+        if len(self.pending) >= self.window:  # no hook was due for a whole window
+            self.flush()
         if not any(hook.waits for hook in self.hooks):
             self.done(self.step)
         for hook in self.hooks:
