@@ -170,13 +170,16 @@ class Watchdog(Hook):
             self._disarm()
 
     def _wait(self, run: Any, waits: list[tuple[int, Any]]) -> None:
-        """Waits, under the clock, for these steps' results on the device."""
-        self.watchdog.arm(waits[0][0])  # the clock names the oldest step waited for
-        self._armed = True
+        """Waits, under the clock, for these steps' results on the device: the clock this
+        step armed (its deadline kept, so every process's watchdog fires about together;
+        a hang names the earlier step while its result is computing), else a new one."""
+        if not self._armed:
+            behind = waits[0]
+            self.watchdog.arm(behind[0], lambda: _running(behind))
+            self._armed = True
         self.watchdog.phase(status.DEVICE)
         jax.block_until_ready([result for _, result in waits])
         run.done(waits[-1][0])
-        status.STATUS.step = run.step
 
     def _disarm(self) -> None:
         if self._armed:
