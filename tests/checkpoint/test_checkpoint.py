@@ -328,3 +328,33 @@ def test_an_interrupted_overwrite_leaves_a_whole_step(tmp_path, monkeypatch, sto
         assert manager.all_steps() == [1]
         np.testing.assert_array_equal(manager.restore({"a": jnp.zeros(4)}).state["a"], expected)
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+def _orbax_filters():
+    import logging
+
+    from shardax.checkpoint.manager import _OrbaxErrors
+
+    return [f for name in ("absl", "asyncio") for f in logging.getLogger(name).filters
+            if isinstance(f, _OrbaxErrors)]  # fmt: skip
+
+
+def test_orbax_log_filters_and_unraisable_hook_last_only_while_a_saving_manager_is_open(tmp_path):
+    from shardax.checkpoint.manager import _QUIET
+
+    base, hook = _QUIET.users, sys.unraisablehook  # 0 unless a manager another test opened
+    first = sx.CheckpointManager(tmp_path / "a")
+    assert _QUIET.users == base  # constructing installs nothing
+    if base == 0:
+        assert _orbax_filters() == []
+    first.save(1, {"w": jnp.ones(2)})
+    assert _QUIET.users == base + 1 and len(_orbax_filters()) == 2
+    assert sys.unraisablehook is not hook or base > 0
+    with sx.CheckpointManager(tmp_path / "b") as second:
+        second.save(1, {"w": jnp.ones(2)})
+        assert _QUIET.users == base + 2 and len(_orbax_filters()) == 2  # shared, not stacked
+    first.close()
+    first.close()  # closing twice releases once
+    assert _QUIET.users == base
+    if base == 0:  # the user's logging and unraisable hook are as before
+        assert _orbax_filters() == [] and sys.unraisablehook is hook

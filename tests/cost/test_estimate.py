@@ -339,3 +339,16 @@ def test_cudnn_attention_flops_are_counted_from_its_custom_calls():
     assert hlo_flops(line) == 2 * matmul * 0.5
     backward = line.replace("fmhaSoftmax", "fmhaSoftmaxBackward").replace("CAUSAL", "NO_MASK")
     assert hlo_flops(backward) == 5 * matmul
+
+
+def test_one_byte_formatter_serves_the_estimate_and_the_plan_reports():
+    import importlib
+
+    estimate_module = importlib.import_module(
+        "shardax.cost.estimate"
+    )  # sx.cost.estimate: a function
+
+    assert sx.plan.format_bytes is estimate_module.format_bytes  # defined once, in cost
+    assert not hasattr(estimate_module, "fb")
+    got = [sx.plan.format_bytes(n) for n in (512, 1536, 5 * 2**30, 3 * 2**40, 2**52)]
+    assert got == ["512 B", "1.50 KiB", "5.00 GiB", "3.00 TiB", "4096.00 TiB"]

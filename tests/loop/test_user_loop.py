@@ -139,3 +139,55 @@ def test_evaluation_and_a_save_at_the_end_of_a_loader_with_no_total(tmp_path):
     assert sx.CheckpointManager(tmp_path / "c").all_steps() == [5]
     with pytest.raises(ValueError, match=r"every takes the keys \['save', 'eval', 'log'\], got"):
         sx.loop.run({}, every={"safe": 3})
+
+
+class _Result:
+    """A step's output that records when the host waits for it (a pytree leaf with
+    ``block_until_ready``, as ``jax.block_until_ready`` calls on every leaf)."""
+
+    def __init__(self, step, run, waited):
+        self.step, self.run, self.waited = step, run, waited
+
+    def block_until_ready(self):
+        self.waited.append((self.run.step, self.step))
+        return self
+
+
+def test_the_watchdog_waits_one_step_behind_so_dispatch_runs_ahead():
+    waited = []
+
+    class Due(sx.loop.Hook):  # fetches after step 4: the watchdog then waits for it too
+        def due(self, run):
+            return run.step == 4
+
+    hooks = [sx.loop.Watchdog(60), sx.loop.Goodput(), Due()]
+    with sx.loop.Run({"w": jnp.ones(2)}, hooks) as run:
+        for _ in run.batches(iter(range(6))):
+            run.after_step({"w": jnp.ones(2)}, {"loss": _Result(run.step, run, waited)})
+            assert run.completed == {1: 0, 2: 1, 3: 2, 4: 4, 5: 4, 6: 5}[run.step]
+        ledger = run.ledger
+    # (step being dispatched, step waited for): step 1 compiles unwatched; each later
+    # step waits for the one before; step 4, due, for itself; the end for the last
+    assert waited == [(2, 1), (3, 2), (4, 3), (4, 4), (6, 5), (6, 6)]
+    assert run.completed == 6 and ledger.session["steps"] == 6
+    assert (ledger.session["first_step"], ledger.session["last_step"]) == (1, 6)
+
+
+def test_pending_metrics_are_bounded_by_the_window_when_no_hook_is_due():
+    seen = []
+
+    class Seen(sx.loop.Hook):  # never due: nothing else fetches
+        def after_step(self, run):
+            seen.append((run.step, [s for s, _ in run.flushed], len(run.pending)))
+
+    losses = [1.0, 0.5, 0.4, 0.3, np.inf, 0.1, 0.1]
+    with (
+        pytest.raises(sx.NonFiniteLossError, match="step 5"),
+        sx.loop.Run({"w": jnp.ones(2)}, [Seen()], window=3) as run,
+    ):
+        for batch in run.batches(iter(losses)):
+            run.after_step({"w": jnp.ones(2)}, {"loss": jnp.float32(batch)})
+    # three steps at most wait on the device; each full window is fetched once and checked
+    assert seen == [(1, [], 1), (2, [], 2), (3, [1, 2, 3], 0), (4, [], 1), (5, [], 2)]
+    with pytest.raises(ValueError, match="window must be an integer >= 1, got 0"):
+        sx.loop.Run({}, [], window=0)

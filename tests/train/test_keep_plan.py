@@ -189,9 +189,16 @@ def test_plan_holds_after_steps(framework, plan_name, mesh_2d, one_device):
         assert any("model" in str(x.sharding.spec) for x in jax.tree.leaves(state[0]))
 
 
-def test_over_the_jit_names_the_drift_once_and_puts_it_back(mesh_2d):
+def test_over_the_jit_names_the_drift_once_and_puts_it_back(mesh_2d, monkeypatch):
     """Without keep_plan under the jit, zero1's params leave their plan after one step:
-    keep_plan over the jit names each moved leaf once, and puts it back."""
+    keep_plan over the jit names each moved leaf once, and puts it back. It walks the
+    arguments and the output's structure once, not on each of the 10 steps."""
+    import shardax.train.keep as keep
+
+    walks = []
+    for name in ("variables", "_out_plan"):
+        real = getattr(keep, name)
+        monkeypatch.setattr(keep, name, lambda *a, _n=name, _f=real: walks.append(_n) or _f(*a))
     plan = sx.zero1(mesh_2d, min_size=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -200,6 +207,8 @@ def test_over_the_jit_names_the_drift_once_and_puts_it_back(mesh_2d):
     assert any("up/kernel left its plan" in m for m in messages), messages
     assert len(messages) == len(set(messages))  # once per leaf, not per step
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
+    # the model's and the optimizer's Variables, and the loss's structure: once each
+    assert sorted(walks) == ["_out_plan", "variables", "variables"], walks
 
 
 def test_describe_shows_plan_against_actual(mesh_2d):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -97,7 +98,7 @@ class CheckpointManager:
         async_save: bool = False,
     ) -> None:
         ocp = _ocp()
-        _quiet_orbax_save_errors()
+        self._quiet = False  # orbax's save-error logs filtered while this manager saves
         self.directory = check_directory("directory", directory)
         if max_to_keep is not None:
             max_to_keep = as_count("max_to_keep (or None to keep all)", max_to_keep)
@@ -197,6 +198,9 @@ class CheckpointManager:
         step = as_count("checkpoint step", step, minimum=0)
         overwrite = as_bool("overwrite", overwrite)
         check_json("data_state", data_state)
+        if not self._quiet:
+            _QUIET.acquire()
+            self._quiet = True
         leaves = other_leaves(state)
         check_json("state: leaf", leaves)
         check_not_donated(state)
@@ -313,6 +317,9 @@ class CheckpointManager:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+            if self._quiet:
+                self._quiet = False
+                _QUIET.release()
 
     def _finish_at_exit(self) -> None:
         if self._in_flight is None:
@@ -385,13 +392,45 @@ def _late_completions(previous: Any) -> Any:
     return hook
 
 
-def _quiet_orbax_save_errors() -> None:
-    for name in ("absl", "asyncio"):  # orbax logs through absl, which logs here
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
-            logger.addFilter(_OrbaxErrors())
-    if not getattr(sys.unraisablehook, "shardax_late_completions", False):
-        sys.unraisablehook = _late_completions(sys.unraisablehook)
+class _Quiet:
+    """The filters on orbax's save-error logs (:class:`_OrbaxErrors` on the ``absl`` and
+    ``asyncio`` loggers) and the unraisable hook (:func:`_late_completions`), installed
+    while at least one manager that saved is open, and removed (the previous hook put
+    back) when the last one closes, so nothing stays on the process after."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.filters: list[tuple[logging.Logger, logging.Filter]] = []
+        self.hook: Any = None
+        self.previous: Any = None
+        self.lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self.lock:
+            self.users += 1
+            if self.users > 1:
+                return
+            for name in ("absl", "asyncio"):  # orbax logs through absl, which logs here
+                logger, kept = logging.getLogger(name), _OrbaxErrors()
+                logger.addFilter(kept)
+                self.filters.append((logger, kept))
+            self.previous = sys.unraisablehook
+            self.hook = sys.unraisablehook = _late_completions(self.previous)
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            for logger, kept in self.filters:
+                logger.removeFilter(kept)
+            self.filters = []
+            if sys.unraisablehook is self.hook:  # else replaced since: left to its owner
+                sys.unraisablehook = self.previous
+            self.hook = self.previous = None
+
+
+_QUIET = _Quiet()
 
 
 _UNFINISHED: set[CheckpointManager] = set()

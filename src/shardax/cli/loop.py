@@ -102,7 +102,8 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Any, Any, Any, Recor
 
 def hooks(args: argparse.Namespace, record: Record, out: Any, manager: Any, path: Any) -> list:
     """The hooks in the order they run after each step."""
-    # The watchdog first: a step is completed (in the ledger too) once its result is.
+    # The watchdog first: a step is completed (in the ledger too) once the watchdog waited
+    # for its result, one step behind (sx.loop.Watchdog).
     first: list[Hook] = [Watchdog(args.step_timeout)] if args.step_timeout else []
     if path is not None:  # a corrupt goodput.json is one line, before the run starts
         from shardax.track.goodput import load

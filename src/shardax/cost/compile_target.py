@@ -334,7 +334,8 @@ def prepare_cuda_plugin() -> str | None:
     only where that is safe: JAX's backends have not started, neither variable is set, and
     no driver (``libcuda.so.1``) can be loaded, so there is no GPU whose libraries the check
     would protect (JAX then falls back to the CPU, as it would anyway). Returns the variable
-    it set, or None.
+    it set, or None; :func:`target` removes it again once the plugin has registered, so
+    it does not reach the rest of the program or its subprocesses.
     """
     if compat.backends_are_initialized() or os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"):
         return None
@@ -356,10 +357,10 @@ def _gpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
             f"installed; install it with: {GPU_EXTRA} (jax-cuda12-plugin, jax-cuda12-pjrt "
             "and nvidia-cudnn-cu12; Linux)"
         )
-    prepare_cuda_plugin()
     file = gpu_config_file(parsed["model"])
     config = importlib.resources.files("shardax.cost").joinpath("targets", file).read_text()
     topology = f"1 x {parsed['hosts']} x {parsed['devices_per_host']}"
+    skipped = prepare_cuda_plugin()
     try:
         desc = topologies.get_topology_desc(
             "", platform="cuda", topology=topology, target_config=config
@@ -372,6 +373,9 @@ def _gpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
             "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) in the environment before Python starts, or "
             "call sx.target before the first JAX computation or jax.devices()"
         ) from e
+    finally:  # the plugin has registered (or failed to): the check's skip is not needed now
+        if skipped is not None:
+            os.environ.pop(skipped, None)
     return list(desc.devices), topology
 
 
@@ -408,7 +412,8 @@ def target(name: str) -> Target:
     'shardax[tpu-compile]'`` for TPUs (libtpu). On a machine without an NVIDIA driver the
     CUDA plugin registers only if its version check is skipped; when JAX's backends have
     not started yet this sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` in the environment for
-    you (:func:`prepare_cuda_plugin` says when that is safe); when they have, set
+    the plugin's registration only, and removes it after (:func:`prepare_cuda_plugin` says
+    when that is safe); when they have, set
     ``JAX_PLATFORMS=cpu`` before Python starts (the error says so).
 
     >>> target = sx.target("8xH100")  # doctest: +SKIP

@@ -138,13 +138,13 @@ class Estimate:
         from rich.console import Group
         from rich.table import Table
 
-        hbm = "unknown" if not self.hbm_bytes else fb(self.hbm_bytes)
+        hbm = "unknown" if not self.hbm_bytes else format_bytes(self.hbm_bytes)
         mem = Table(title=f"{self.devices} × {self.device_kind}, mesh {self.mesh}: memory "
                           f"per device (compiled), HBM {hbm}")  # fmt: skip
         mem.add_column("component")
         mem.add_column("bytes", justify="right")
         for name, value in self.memory.items():
-            mem.add_row(("[bold]" if name == "peak" else "") + name, fb(value))
+            mem.add_row(("[bold]" if name == "peak" else "") + name, format_bytes(value))
         if self.headroom is not None:
             verdict = "fits" if self.fits else "[red]does not fit[/]"
             mem.caption = f"headroom {self.headroom:.1%}: {verdict} (rule: ≥ {HEADROOM:.0%} free)"
@@ -160,7 +160,9 @@ class Estimate:
         work.add_row(f"model FLOPs per device ({self.model_flops_note})",
                      f"{self.model_flops / self.devices:.3g}")  # fmt: skip
         for c in self.collectives:
-            work.add_row(f"{c['op']} × {c['runs']} ({c['link']})", f"{fb(c['sent_bytes'])} sent")
+            work.add_row(
+                f"{c['op']} × {c['runs']} ({c['link']})", f"{format_bytes(c['sent_bytes'])} sent"
+            )
         parts: list[Any] = [mem, work]
         p = self.prediction
         if p is not None:
@@ -217,8 +219,13 @@ class Estimate:
         plt.close(fig)
 
 
-def fb(n: float) -> str:
-    """``1536`` -> ``'1.50 KiB'``."""
+@public("sx.plan.format_bytes")  # published by sx.plan (the layer above), whose reports use it
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.50 KiB'``: the one byte formatter of shardax's reports.
+
+    >>> format_bytes(1536), format_bytes(3 * 2**40)
+    ('1.50 KiB', '3.00 TiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -283,8 +290,9 @@ def _refused(
         compile_s=compile_s,
         prediction=None,
         notes=(
-            f"the backend refused to compile: temporaries {fb(need)} > the {fb(have)} of "
-            "HBM it leaves for them; peak = state + those temporaries (a lower bound)",
+            f"the backend refused to compile: temporaries {format_bytes(need)} > the "
+            f"{format_bytes(have)} of HBM it leaves for them; peak = state + those "
+            "temporaries (a lower bound)",
             "shrink the batch per device, remat more, or shard over more devices",
         ),
         compile_error=message,

@@ -84,11 +84,14 @@ def batch_shardings(batch: Any, mesh: Mesh, batch_spec: Any) -> Any:
     )
 
 
-def place_by_spec(batch: Any, mesh: Mesh, batch_spec: Any) -> Any:
+def place_by_spec(batch: Any, mesh: Mesh, batch_spec: Any, shardings: Any = None) -> Any:
     """``batch`` placed leaf by leaf as ``batch_spec`` says (a leaf already so placed
-    passes untouched); with several processes, a split leaf is this process's part."""
-    check_batch_leaves(batch, arrays_only=True)
-    shardings = batch_shardings(batch, mesh, batch_spec)
+    passes untouched); with several processes, a split leaf is this process's part.
+    ``shardings``: :func:`batch_shardings` of a batch of this structure, computed before
+    (a step caches them per structure)."""
+    if shardings is None:
+        check_batch_leaves(batch, arrays_only=True)
+        shardings = batch_shardings(batch, mesh, batch_spec)
 
     def one(path: Any, x: Any, s: Any) -> Any:
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):

@@ -65,11 +65,16 @@ class Run:
         writer: the :class:`shardax.MetricWriter` the logging and evaluation hooks use.
         exit_on_preemption: after the save on a SIGTERM, end the process with exit code
             75 (else :class:`shardax.Preempted` propagates).
+        window: the most steps whose metrics wait on the device: after that many steps
+            with no fetch (no hook due), they are fetched and checked in one transfer
+            before the hooks run, so :attr:`pending` stays bounded.
 
     Attributes:
         state: the state after the last step (the restored one before the first).
         step: the current step (from 1); after it, the steps done.
         first: the steps done before this session (resumed from a checkpoint).
+        completed: the last step known completed (:meth:`done`): the step itself, or the
+            step before it under a :class:`~shardax.loop.Watchdog`, which waits one behind.
         restored: the checkpoint's data state (``{"step": ..., "loader": ...}``), or {}.
         flushed: ``[(step, {name: float})]`` fetched after this step (empty when no hook
             was due); ``scores``: the last evaluation's.
@@ -86,12 +91,14 @@ class Run:
         data_state: Any = None,
         writer: Any = None,
         exit_on_preemption: bool = True,
+        window: int = 1000,
     ) -> None:
         self.state, self.hooks, self.manager, self.writer = state, list(hooks), manager, writer
         self.total = None if total is None else as_count("steps", total, minimum=0)
         self.resume, self._extra = resume, data_state
         self.exit_on_preemption = as_bool("exit_on_preemption", exit_on_preemption)
-        self.step = self.first = 0
+        self.window = as_count("window", window)
+        self.step = self.first = self.completed = 0
         self.restored: dict[str, Any] = {}
         self.pending: list[tuple[int, dict[str, Any]]] = []
         self.flushed: list[tuple[int, dict[str, float]]] = []
@@ -114,6 +121,7 @@ class Run:
                 self.state = restore_into(self.state, restored.state)
                 self.restored = dict(restored.data_state or {})
                 self.step = self.first = int(self.restored.get("step", restored.step))
+                self.completed = self.first
             self._stack.__enter__()
             for hook in self.hooks:
                 hook.start(self)
@@ -205,6 +213,10 @@ class Run:
         scalars = {k: v for k, v in (metrics or {}).items() if np.ndim(v) == 0}
         self.pending.append((self.step, scalars))
         self.flushed = []
+        if len(self.pending) >= self.window:  # no hook was due for a whole window
+            self.flush()
+        if not any(hook.waits for hook in self.hooks):
+            self.done(self.step)
         for hook in self.hooks:
             hook.after_step(self)
         status.STATUS.completed(self.step)
@@ -213,6 +225,14 @@ class Run:
             raise Preempted(self.step, directory)
 
     # --- what hooks share -------------------------------------------------------------
+
+    def done(self, step: int) -> None:
+        """Steps up to ``step`` completed: :attr:`completed`, and the goodput ledger's
+        step count (each step counted once)."""
+        if step > self.completed:
+            if self.ledger is not None:
+                self.ledger.completed(step, step - self.completed)
+            self.completed = step
 
     def flush(self) -> list[tuple[int, dict[str, float]]]:
         """The metrics of the steps since the last flush, fetched in one transfer, each
@@ -310,8 +330,8 @@ def run(
         from shardax.track import MetricWriter
 
         writer = owned.enter_context(MetricWriter(writer))
-    # The watchdog first: a step counts as completed (in the ledger too) once it waited
-    # for the step's result.
+    # The watchdog first: under it a step counts as completed (in the ledger too) once it
+    # waited for the step's result, one step behind (Run.done).
     hooks: list[Hook] = [Watchdog(watchdog)] if watchdog is not None else []
     if goodput:
         from shardax.track.goodput import FILE

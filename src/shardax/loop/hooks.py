@@ -57,6 +57,9 @@ class Hook:
     """
 
     every: int | None = None
+    waits: bool = False
+    """True: the hook marks the steps completed itself (:meth:`Run.done`), once it has
+    waited for their results; else the run marks each step completed after it."""
 
     def due(self, run: Any) -> bool:
         """Acts after step ``run.step`` and needs its metrics on the host."""
@@ -108,9 +111,6 @@ class Goodput(Hook):
         if self.ledger.bucket != "step":
             self.ledger.switch("step")
 
-    def after_step(self, run: Any) -> None:
-        self.ledger.completed(run.step)
-
     def close(self, run: Any) -> None:
         self.ledger.close()
 
@@ -120,14 +120,21 @@ class Watchdog(Hook):
     """A step after the session's first (which compiles) that takes longer than
     ``timeout`` seconds ends the process with code 124, after a line naming the
     processes behind, with their step and phase, and every thread's stack
-    (:class:`shardax.StepWatchdog`). A watched step waits for its metrics, so the time
-    counts the device work. ``on_fire(step)`` runs first (default: the goodput ledger
-    saved with the hung step's time as ``hang``)."""
+    (:class:`shardax.StepWatchdog`). ``on_fire(step)`` runs first (default: the goodput
+    ledger saved with the hung step's time as ``hang``).
+
+    It waits for the device one step behind: after step N is dispatched, for step N-1's
+    result, so the device queue stays fed; a step counts as completed (:meth:`Run.done`)
+    once waited for. When a later hook is due after step N (it fetches the metrics or the
+    state anyway), it waits for step N too, and at the end for the last step."""
+
+    waits = True
 
     def __init__(self, timeout: float, on_fire: Any = None) -> None:
         self.timeout = as_float("watchdog (seconds)", timeout, above=0)
         self.on_fire = on_fire
         self._armed = False
+        self._behind: tuple[int, Any] | None = None  # a step's result not yet waited for
 
     def start(self, run: Any) -> None:
         from shardax.runtime.watchdog import StepWatchdog
@@ -140,21 +147,57 @@ class Watchdog(Hook):
 
     def before_step(self, run: Any) -> None:
         if run.step > run.first + 1:
-            self.watchdog.arm(run.step)
+            behind = self._behind
+            self.watchdog.arm(run.step, lambda: _running(behind))
             self._armed = True
 
     def after_step(self, run: Any) -> None:
+        latest = (run.step, (run.pending[-1][1] if run.pending else {}) or run.state)
+        waits = [self._behind] if self._behind is not None else []
+        if any([hook.due(run) for hook in run.hooks if hook is not self]):
+            waits.append(latest)  # the host reads this step now anyway
+            self._behind = None
+        else:
+            self._behind = latest
+        if self._armed and waits:
+            self._wait(run, waits)
+        self._disarm()
+
+    def finish(self, run: Any) -> None:
+        if self._behind is not None:
+            self._wait(run, [self._behind])
+            self._behind = None
+            self._disarm()
+
+    def _wait(self, run: Any, waits: list[tuple[int, Any]]) -> None:
+        """Waits, under the clock, for these steps' results on the device: the clock this
+        step armed (its deadline kept, so every process's watchdog fires about together;
+        a hang names the earlier step while its result is computing), else a new one."""
+        if not self._armed:
+            behind = waits[0]
+            self.watchdog.arm(behind[0], lambda: _running(behind))
+            self._armed = True
+        self.watchdog.phase(status.DEVICE)
+        jax.block_until_ready([result for _, result in waits])
+        run.done(waits[-1][0])
+
+    def _disarm(self) -> None:
         if self._armed:
-            self.watchdog.phase(status.DEVICE)
-            ready = run.pending[-1][1] if run.pending else {}
-            jax.block_until_ready(ready or run.state)  # the step's result, on the device
             self.watchdog.disarm()
             self._armed = False
 
     def close(self, run: Any) -> None:
-        if self._armed:
-            self.watchdog.disarm()
+        self._disarm()
         self.watchdog.close()
+
+
+def _running(result: tuple[int, Any] | None) -> int | None:
+    """The step of ``result`` (``(step, its arrays)``) while still computing, else None."""
+    if result is None:
+        return None
+    leaves = jax.tree.leaves(result[1])
+    ready = all(leaf.is_ready() for leaf in leaves if isinstance(leaf, jax.Array))
+    return None if ready else result[0]
 
 
 @public("sx.loop.Preemption")
@@ -324,6 +367,7 @@ class Checkpoints(Hook):
         with run.phase("checkpoint"):  # the blocking part of an async save
             run.manager.save(run.step, saveable(run.state), run.data_state())
         self.saved_at = run.step
+        run.done(run.step)  # the save fetched the step's state
         if run.ledger is not None:
             run.ledger.save()
 

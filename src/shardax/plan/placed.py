@@ -37,7 +37,8 @@ METADATA_KEY = "shardax_plan"
 _RECORDS: dict[Any, list[tuple[tuple[Any, ...], tuple[Any, ...]]]] = {}
 
 
-def _signature(leaf: Any) -> Any:
+def signature(leaf: Any) -> Any:
+    """A leaf's shape and dtype (None for a leaf that is not an array)."""
     if is_array(leaf) or isinstance(leaf, jax.core.Tracer):
         return (tuple(leaf.shape), str(leaf.dtype))
     return None
@@ -87,18 +88,18 @@ def record(tree: Any) -> None:
         return
     if jax.tree_util.treedef_is_leaf(treedef):
         return
-    signature = tuple(map(_signature, leaves))
+    sig = tuple(map(signature, leaves))
     entries = _RECORDS.setdefault(treedef, [])
-    entries[:] = [e for e in entries if e[0] != signature]
-    entries.append((signature, tuple(map(_sharding, leaves))))
+    entries[:] = [e for e in entries if e[0] != sig]
+    entries.append((sig, tuple(map(_sharding, leaves))))
 
 
 def _lookup(treedef: Any, leaves: list[Any]) -> tuple[Any, ...] | None:
     if not _hashable(treedef):
         return None
-    signature = tuple(map(_signature, leaves))
+    want = tuple(map(signature, leaves))
     for sig, shardings in _RECORDS.get(treedef, ()):
-        if sig == signature:
+        if sig == want:
             return shardings
     return None
 

@@ -23,19 +23,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from shardax.checks import public
+from shardax.cost.estimate import format_bytes
 from shardax.plan.core import Plan, as_plan
 from shardax.plan.placed import planned_leaves
 from shardax.plan.tree import dtype_name, is_array, itemsize, map_arrays, path_str
-
-
-@public("sx.plan.format_bytes")
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``'1.50 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @public("sx.plan.Row")

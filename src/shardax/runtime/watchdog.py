@@ -91,13 +91,16 @@ class StepWatchdog:
         self.on_fire = on_fire
         self._cond = threading.Condition()
         self._step: int | None = None
+        self._earlier: Callable[[], int | None] | None = None
         self._deadline: float | None = None
         self._closed = False
         self._where = ""
         self._thread: threading.Thread | None = None
 
-    def arm(self, step: int) -> None:
-        """Starts the clock: ``step`` must complete (:meth:`disarm`) within ``timeout``."""
+    def arm(self, step: int, earlier: Callable[[], int | None] | None = None) -> None:
+        """Starts the clock: ``step`` must complete (:meth:`disarm`) within ``timeout``.
+        ``earlier``: ``() -> step | None``, an earlier step still running on the device
+        (a loop that waits one step behind), named instead of ``step`` at a hang."""
         if self._thread is None:
             self._where = _process_label()
             self._thread = threading.Thread(
@@ -108,6 +111,7 @@ class StepWatchdog:
             if self._closed:
                 raise RuntimeError("arm() after close()")
             self._step, self._deadline = step, time.monotonic() + self.timeout
+            self._earlier = earlier
             self._cond.notify()
         status.STATUS.step = step
 
@@ -156,8 +160,16 @@ class StepWatchdog:
                     continue
                 left = self._deadline - time.monotonic()
                 if left <= 0:
-                    self._fire(self._step)
+                    self._fire(self._named())
                 self._cond.wait(left)
+
+    def _named(self) -> int | None:
+        """The step a hang names: the earlier one still running, else the armed one."""
+        earlier = None
+        if self._earlier is not None:
+            with contextlib.suppress(Exception):
+                earlier = self._earlier()
+        return self._step if earlier is None else earlier
 
     def _fire(self, step: int | None) -> None:
         """Reports the hang and ends the process. Whatever fails on the way (a closed

@@ -24,7 +24,8 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
     (``what`` says where the divisor comes from). A top-level ``"mask"`` leaf must be
     boolean, with a shape that leads the batch's: ``(batch,)``, or ``(batch, seq)``
     leading the shape of another leaf; a host (NumPy) mask must have a True entry (a
-    device mask is not read back, which would wait for the device).
+    device mask is not read back, which would wait for the device). A step checks the
+    first batch of each structure (:func:`batch_structure`), not every batch.
     """
     if isinstance(batch, dict) and MASK_KEY in batch:
         # The mask is checked against the other leaves' size first, with its own message.
@@ -93,6 +94,24 @@ def _check_mask(batch: dict, size: int) -> None:
             "example, so its loss would read 0.0 with no gradient. Leave such batches out "
             "of the data (a batch of padding only)"
         )
+
+
+def batch_structure(batch: Any) -> Any:
+    """What the batch checks and the batch's shardings depend on: its tree structure and
+    each leaf's type, shape and dtype (not its values); None when the structure is not
+    hashable. A step checks each new structure once and reuses the result.
+
+    >>> batch_structure({"x": np.ones((2, 3))}) == batch_structure({"x": np.zeros((2, 3))})
+    True
+    """
+    leaves, treedef = jax.tree.flatten(batch)
+    try:
+        hash(treedef)
+    except TypeError:
+        return None
+    return treedef, tuple(
+        (type(x), getattr(x, "shape", None), str(getattr(x, "dtype", None))) for x in leaves
+    )
 
 
 def split_microbatches(batch: Any, k: int) -> Any:

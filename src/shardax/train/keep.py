@@ -33,13 +33,22 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from shardax.checks import public
-from shardax.plan.placed import METADATA_KEY, is_recorded, is_variable, planned, variables
+from shardax.plan.placed import (
+    METADATA_KEY,
+    is_recorded,
+    is_variable,
+    planned,
+    planned_leaves,
+    signature,
+    variables,
+)
 
 
 def _value(var: Any) -> Any:
@@ -87,6 +96,67 @@ def _hold(
     return jax.tree_util.tree_map_with_path(go, out, shardings, is_leaf=is_node)
 
 
+class _Held:
+    """What :func:`_hold` walks, found once: each argument's planned NNX Variables (by
+    the argument object, while it lives) and each output structure's planned leaves (by
+    its treedef and leaf shapes). For a step called on concrete arrays (over the jit),
+    where the walk would otherwise run on every step."""
+
+    def __init__(self) -> None:
+        self.args: dict[int, tuple[Any, list[tuple[str, Any, Any]]]] = {}
+        self.outs: dict[Any, list[tuple[str, Any] | None]] = {}
+
+    def variables(self, where: Any, arg: Any) -> list[tuple[str, Any, Any]]:
+        key = id(arg)
+        entry = self.args.get(key)
+        if entry is not None and entry[0]() is arg:
+            return entry[1]
+        try:
+            ref = weakref.ref(arg, lambda _: self.args.pop(key, None))
+        except TypeError:  # a batch, or a tuple or dict of objects: walked each call
+            ref = None
+            if not any(map(is_variable, jax.tree.leaves(arg, is_leaf=is_variable))):
+                return []
+        found = [
+            (f"argument {where!r} {path}", var, var.get_metadata().get(METADATA_KEY))
+            for path, var in variables(arg)
+        ]
+        found = [(name, var, s) for name, var, s in found if s is not None]
+        if ref is not None:
+            self.args[key] = (ref, found)
+        return found
+
+    def hold(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, fix: Any) -> Any:
+        for where, arg in [*enumerate(args), *kwargs.items()]:
+            for name, var, sharding in self.variables(where, arg):
+                _set(var, fix(name, _value(var), sharding))
+        leaves, treedef = jax.tree.flatten(out, is_leaf=is_variable)
+        try:
+            key = (treedef, tuple(map(signature, leaves)))
+            plan = self.outs.get(key)
+        except TypeError:  # an unhashable structure
+            return _hold((), {}, out, fix)
+        if plan is None:
+            plan = self.outs[key] = _out_plan(out)
+        new = [x if w is None else fix(w[0], x, w[1]) for x, w in zip(leaves, plan, strict=True)]
+        return jax.tree.unflatten(treedef, new)
+
+
+def _out_plan(out: Any) -> list[tuple[str, Any] | None]:
+    """``(name, planned sharding)`` or None for each leaf of ``out`` (NNX Variables as
+    leaves, left alone), in flattening order: the recorded subtrees' leaves."""
+    is_node = lambda n: is_variable(n) or is_recorded(n)  # noqa: E731
+    plan: list[tuple[str, Any] | None] = []
+    for path, node in jax.tree_util.tree_flatten_with_path(out, is_leaf=is_node)[0]:
+        if is_variable(node) or not is_recorded(node):
+            plan.append(None)
+            continue
+        inner = jax.tree_util.tree_flatten_with_path(node)[0]
+        for (p, _), s in zip(inner, planned_leaves(node), strict=True):
+            plan.append(None if s is None else (f"output {_join(path, p)}", s))
+    return plan
+
+
 def _join(*paths: Any) -> str:
     from shardax.plan.tree import path_str
 
@@ -110,6 +180,7 @@ def keep_plan(step: Callable[..., Any]) -> Callable[..., Any]:
     if not callable(step):
         raise TypeError(f"step must be a callable (the user's train step), got {step!r}")
     warned: set[str] = set()
+    held = _Held()  # over the jit: what to hold, found once, not walked every step
 
     def constrain(path: str, x: Any, sharding: Any) -> Any:
         return jax.lax.with_sharding_constraint(x, sharding)
@@ -133,6 +204,8 @@ def keep_plan(step: Callable[..., Any]) -> Callable[..., Any]:
     def kept(*args: Any, **kwargs: Any) -> Any:
         traced = _traced((args, kwargs))
         out = step(*args, **kwargs)
-        return _hold(args, kwargs, out, constrain if traced else put_back)
+        if traced:  # once per trace
+            return _hold(args, kwargs, out, constrain)
+        return held.hold(args, kwargs, out, put_back)
 
     return kept

@@ -53,7 +53,7 @@ from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
 from shardax.train.accumulate import microbatched
 from shardax.train.axis_types import explain_axis_types, mesh_axis_type, reshard_batch
-from shardax.train.batch import check_batch
+from shardax.train.batch import batch_structure, check_batch
 from shardax.train.batchnorm import over_data_axis
 from shardax.train.loss import check_mapped_aux, rng_arguments, takes_state
 from shardax.train.masks import valid_count
@@ -78,6 +78,8 @@ deadlock (a 40 s rendezvous timeout, then abort) when many multi-device programs
 queued at once; waiting for the step ``CPU_MAX_IN_FLIGHT`` back keeps the queue short."""
 
 COMPILED_CACHE_SIZE = 8
+BATCH_CACHE_SIZE = 16
+"""How many batch structures a step keeps checked (and their ``batch_spec`` shardings)."""
 """Compiled programs kept per step (one per state structure), most recent first."""
 
 
@@ -339,6 +341,8 @@ class Program:
         names = (data_axis,) if isinstance(data_axis, str) else data_axis
         self._explicit = any(mesh_axis_type(mesh, n) == AxisType.Explicit for n in names)
         self._compiled: collections.OrderedDict[Any, _Compiled] = collections.OrderedDict()
+        # batch structure -> its batch_spec shardings (True without one): checked once
+        self._batches: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         self.rng_per_device = as_bool("rng_per_device", rng_per_device)
         self._device = SingleDeviceSharding(mesh.devices.flat[0])
         self._call = self._mode_call()
@@ -819,7 +823,8 @@ class Program:
         With ``batch_spec``, each leaf is placed as it says (:mod:`shardax.data.spec`).
         """
         if self.batch_spec is not None:
-            return place_by_spec(batch, self.mesh, self.batch_spec)
+            shardings = self._checked_batch(batch)
+            return place_by_spec(batch, self.mesh, self.batch_spec, shardings)
 
         def place(path: str, x: Any) -> Any:
             if not hasattr(x, "ndim") or x.ndim == 0:
@@ -867,13 +872,29 @@ class Program:
         return self._call(self._with_loss_scale(state), batch)
 
     def _check_batch(self, batch: Any) -> None:
+        self._checked_batch(batch)
+
+    def _checked_batch(self, batch: Any) -> Any:
         """A list of examples (:func:`~shardax.train.batch.check_batch`), or with a
-        ``batch_spec`` arrays placed as it says (checked as they are placed)."""
+        ``batch_spec`` arrays placed as it says: checked once per batch structure
+        (:func:`~shardax.train.batch.batch_structure`), not per step. Returns the
+        ``batch_spec`` shardings (True without one)."""
+        key = batch_structure(batch)
+        known = self._batches.get(key) if key is not None else None
+        if known is not None:
+            self._batches.move_to_end(key)
+            return known
         if self.batch_spec is None:
             check_batch(batch, divisor=self._divisor, what=self._what)
+            known = True
         else:
             check_batch_leaves(batch, arrays_only=True)
-            batch_shardings(batch, self.mesh, self.batch_spec)
+            known = batch_shardings(batch, self.mesh, self.batch_spec)
+        if key is not None:
+            self._batches[key] = known
+            if len(self._batches) > BATCH_CACHE_SIZE:
+                self._batches.popitem(last=False)
+        return known
 
     def __repr__(self) -> str:
         return (

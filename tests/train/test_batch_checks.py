@@ -1,0 +1,66 @@
+"""The step's batch checks and ``batch_spec`` shardings run once per batch structure
+(its tree, leaf types, shapes and dtypes), not on every step."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+import shardax.train.program as program
+
+
+def _loss(model, batch):
+    return sx.masked_mean(jnp.mean((model(batch["x"]) - batch["y"]) ** 2, -1), batch["mask"])
+
+
+def _batch(rows=8, mask=None):
+    rng = np.random.default_rng(rows)
+    return {"x": rng.normal(size=(rows, 4)).astype(np.float32),
+            "y": rng.normal(size=(rows, 2)).astype(np.float32),
+            "mask": np.ones(rows, bool) if mask is None else mask}  # fmt: skip
+
+
+def counting(monkeypatch, name):
+    calls = []
+    real = getattr(program, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(program, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("batch_spec", [None, P("data")])
+def test_batch_checked_and_its_shardings_computed_once_per_structure(monkeypatch, batch_spec):
+    import optax
+    from flax import nnx
+
+    checks = counting(monkeypatch, "check_batch")
+    shardings = counting(monkeypatch, "batch_shardings")
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh({"data": -1}), batch_spec=batch_spec)
+    state = step.shard(sx.TrainState.create(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
+    for _ in range(3):
+        state, metrics = step(state, _batch())
+    state, _ = step(state, _batch(16))  # a new structure: checked once more
+    state, _ = step(state, _batch(16))
+    assert np.isfinite(float(metrics["loss"]))
+    if batch_spec is None:
+        assert (len(checks), len(shardings)) == (2, 0)
+    else:  # computed for the check and reused to place the batch
+        assert (len(checks), len(shardings)) == (0, 2)
+
+
+def test_an_all_false_mask_is_refused_for_a_new_structure():
+    import optax
+    from flax import nnx
+
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh({"data": -1}))
+    state = step.shard(sx.TrainState.create(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
+    with pytest.raises(ValueError, match=r"batch\['mask'\] is all False, shape \(8,\)"):
+        step(state, _batch(mask=np.zeros(8, bool)))
+    state, _ = step(state, _batch())  # the refused structure was not remembered
+    with pytest.raises(ValueError, match=r"is all False, shape \(24,\)"):
+        step(state, _batch(24, mask=np.zeros(24, bool)))
