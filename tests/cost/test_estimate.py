@@ -342,13 +342,10 @@ def test_cudnn_attention_flops_are_counted_from_its_custom_calls():
 
 
 def test_one_byte_formatter_serves_the_estimate_and_the_plan_reports():
-    import importlib
+    from shardax.cost import estimation
+    from shardax.plan import report
 
-    estimate_module = importlib.import_module(
-        "shardax.cost.estimate"
-    )  # sx.cost.estimate: a function
-
-    assert sx.plan.format_bytes is estimate_module.format_bytes  # defined once, in cost
-    assert not hasattr(estimate_module, "fb")
-    got = [sx.plan.format_bytes(n) for n in (512, 1536, 5 * 2**30, 3 * 2**40, 2**52)]
+    assert report.format_bytes is estimation.format_bytes  # defined once, in cost
+    assert not hasattr(estimation, "fb")
+    got = [estimation.format_bytes(n) for n in (512, 1536, 5 * 2**30, 3 * 2**40, 2**52)]
     assert got == ["512 B", "1.50 KiB", "5.00 GiB", "3.00 TiB", "4096.00 TiB"]

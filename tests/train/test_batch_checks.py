@@ -53,7 +53,7 @@ def test_batch_checked_and_its_shardings_computed_once_per_structure(monkeypatch
         assert (len(checks), len(shardings)) == (0, 2)
 
 
-def test_an_all_false_mask_is_refused_for_a_new_structure():
+def test_an_all_false_host_mask_is_refused_on_every_batch():
     import optax
     from flax import nnx
 
@@ -64,3 +64,6 @@ def test_an_all_false_mask_is_refused_for_a_new_structure():
     state, _ = step(state, _batch())  # the refused structure was not remembered
     with pytest.raises(ValueError, match=r"is all False, shape \(24,\)"):
         step(state, _batch(24, mask=np.zeros(24, bool)))
+    # a structure already checked: its mask's values are still read (one pass, no wait)
+    with pytest.raises(ValueError, match=r"is all False, shape \(8,\)"):
+        step(state, _batch(mask=np.zeros(8, bool)))

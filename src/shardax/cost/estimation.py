@@ -219,7 +219,6 @@ class Estimate:
         plt.close(fig)
 
 
-@public("sx.plan.format_bytes")  # published by sx.plan (the layer above), whose reports use it
 def format_bytes(n: float) -> str:
     """``1536`` -> ``'1.50 KiB'``: the one byte formatter of shardax's reports.
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from shardax.checks import public
-from shardax.cost.estimate import format_bytes
+from shardax.cost.estimation import format_bytes
 from shardax.plan.core import Plan, as_plan
 from shardax.plan.placed import planned_leaves
 from shardax.plan.tree import dtype_name, is_array, itemsize, map_arrays, path_str

@@ -25,7 +25,8 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
     boolean, with a shape that leads the batch's: ``(batch,)``, or ``(batch, seq)``
     leading the shape of another leaf; a host (NumPy) mask must have a True entry (a
     device mask is not read back, which would wait for the device). A step checks the
-    first batch of each structure (:func:`batch_structure`), not every batch.
+    first batch of each structure (:func:`batch_structure`), and the mask's values
+    (:func:`check_mask_has_examples`) on every batch.
     """
     if isinstance(batch, dict) and MASK_KEY in batch:
         # The mask is checked against the other leaves' size first, with its own message.
@@ -88,9 +89,21 @@ def _check_mask(batch: dict, size: int) -> None:
             f"of another leaf, True for real tokens; got {got} "
             f"(leaf shapes: {shapes_text(check_batch_leaves(batch))})"
         )
-    if isinstance(mask, np.ndarray) and not mask.any():
+    check_mask_has_examples(batch)
+
+
+def check_mask_has_examples(batch: Any) -> None:
+    """Refuses a host (NumPy) ``batch["mask"]`` that is all False: a batch of padding only,
+    whose loss would read 0.0 with no gradient. Values, not structure: a step runs it on
+    every batch (one pass over the mask's booleans, no device wait); a device mask is
+    not read back.
+
+    >>> check_mask_has_examples({"x": np.ones((2, 3)), "mask": np.array([True, False])})
+    """
+    mask = batch.get(MASK_KEY) if isinstance(batch, dict) else None
+    if isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and not mask.any():
         raise ValueError(
-            f"batch[{MASK_KEY!r}] is all False, shape {shape}: the batch has no real "
+            f"batch[{MASK_KEY!r}] is all False, shape {mask.shape}: the batch has no real "
             "example, so its loss would read 0.0 with no gradient. Leave such batches out "
             "of the data (a batch of padding only)"
         )

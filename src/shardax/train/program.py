@@ -53,7 +53,7 @@ from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
 from shardax.train.accumulate import microbatched
 from shardax.train.axis_types import explain_axis_types, mesh_axis_type, reshard_batch
-from shardax.train.batch import batch_structure, check_batch
+from shardax.train.batch import batch_structure, check_batch, check_mask_has_examples
 from shardax.train.batchnorm import over_data_axis
 from shardax.train.loss import check_mapped_aux, rng_arguments, takes_state
 from shardax.train.masks import valid_count
@@ -78,9 +78,9 @@ deadlock (a 40 s rendezvous timeout, then abort) when many multi-device programs
 queued at once; waiting for the step ``CPU_MAX_IN_FLIGHT`` back keeps the queue short."""
 
 COMPILED_CACHE_SIZE = 8
+"""Compiled programs kept per step (one per state structure), most recent first."""
 BATCH_CACHE_SIZE = 16
 """How many batch structures a step keeps checked (and their ``batch_spec`` shardings)."""
-"""Compiled programs kept per step (one per state structure), most recent first."""
 
 
 def _floating(tree: Any) -> Any:
@@ -879,6 +879,7 @@ class Program:
         ``batch_spec`` arrays placed as it says: checked once per batch structure
         (:func:`~shardax.train.batch.batch_structure`), not per step. Returns the
         ``batch_spec`` shardings (True without one)."""
+        check_mask_has_examples(batch)
         key = batch_structure(batch)
         known = self._batches.get(key) if key is not None else None
         if known is not None:
