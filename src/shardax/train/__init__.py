@@ -2,6 +2,7 @@
 verify (the step against one device)."""
 
 from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
+from shardax.train.config import MODES, StepConfig
 from shardax.train.eval import EvalStep
 from shardax.train.guard import NonFiniteLossError, check_finite
 from shardax.train.keep import keep_plan
@@ -9,7 +10,7 @@ from shardax.train.make import make_eval_step, make_train_step
 from shardax.train.masks import masked_mean
 from shardax.train.precision import LossScaleState, LossScaling, Precision
 from shardax.train.prepare import prepare
-from shardax.train.program import MODES, Program
+from shardax.train.program import Program
 from shardax.train.rng import dropout, example_keys
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
@@ -27,6 +28,7 @@ __all__ = [
     "NonFiniteLossError",
     "Precision",
     "Program",
+    "StepConfig",
     "TrainState",
     "TrainStep",
     "VerifyReport",
