@@ -82,7 +82,9 @@ def _placed_as_planned(state: Any, state_plan: Any) -> bool:
     return all(same)
 
 
-def _mismatch(config: StepConfig, shard: PerShard, batches: BatchPlacement):
+def _mismatch(
+    config: StepConfig, shard: PerShard, batches: BatchPlacement, plan_name: Callable[[], str]
+):
     """The error for a jit sharding mismatch: the batch's, or the state's, named."""
 
     def error(state: Any) -> Exception:
@@ -97,7 +99,7 @@ def _mismatch(config: StepConfig, shard: PerShard, batches: BatchPlacement):
         # than the train step's): name both, not jit's sharding dump.
         return ValueError(
             f"the state is not placed as this step's plan "
-            f"{config.plan_name!r} places it (it was placed by another plan or step); build "
+            f"{plan_name()!r} places it (it was placed by another plan or step); build "
             "this step with the same mesh and plan as the step that placed the state, or "
             "place it with this step's shard(state)"
         )
@@ -137,10 +139,16 @@ def build_jit(
 
 
 def mode_program(
-    config: StepConfig, shard: PerShard, batches: BatchPlacement
+    config: StepConfig,
+    shard: PerShard,
+    batches: BatchPlacement,
+    plan_name: Callable[[], str] | None = None,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``(call, lower)``, each ``(state, batch)``, for the mode, throttled on simulated
-    CPU devices."""
+    CPU devices. ``plan_name()``: the plan's name as errors give it (the step's own,
+    ``"auto:fsdp"`` for a plan the auto step picked), by default the config's."""
+    if plan_name is None:
+        plan_name = lambda: config.plan_name  # noqa: E731
     mode, mesh, work = config.mode, config.mesh, shard.work
     donate_argnums = (0,) if config.donate else ()
     if mode == "single":
@@ -167,7 +175,7 @@ def mode_program(
         cache = CompiledCache(
             lambda state: build_jit(config, shard, batches, state),
             returns_state=work.returns_state,
-            mismatch=_mismatch(config, shard, batches),
+            mismatch=_mismatch(config, shard, batches, plan_name),
         )
         call = cache
         by_leaf = batches.by_leaf

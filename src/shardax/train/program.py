@@ -124,7 +124,9 @@ class Program:
         self._batches = BatchPlacement(config)
         self.batch_sharding = self._batches.sharding
         shard = PerShard(loss_fn, config, work, filled=self._filled, state_plan=self.state_plan)
-        self._call, self._lower = mode_program(config, shard, self._batches)
+        # The name read when an error names it (AutoStep renames its pick "auto:<plan>").
+        name = lambda: self.plan_name  # noqa: E731
+        self._call, self._lower = mode_program(config, shard, self._batches, name)
 
     # -- placement of the state ----------------------------------------------------------
 
