@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-import shardax.train.program as program
+import shardax.train.batch_placement as program
 
 
 def _loss(model, batch):

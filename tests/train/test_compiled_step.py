@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from train_models import batches, count_compiles, leaves, make_loss, make_state
 
 import shardax as sx
-import shardax.train.program as step_module
+import shardax.train.compiled as step_module
 
 MODES = ("single", "jit", "shard_map", "pmap")
 

@@ -39,10 +39,10 @@ from shardax.cli.common import (
 )
 from shardax.cost.flops import utilization
 from shardax.models.mlp import make_mlp
-from shardax.train.program import MODES as STEP_MODES
+from shardax.train.config import MODES as STEP_MODES
 
 MODES = ("single", *(m for m in STEP_MODES if m != "single"))
-"""The step's modes (``shardax.train.program.MODES``), one device first: the baseline."""
+"""The step's modes (``shardax.train.config.MODES``), one device first: the baseline."""
 SIZES = {
     # layers, hidden, input, output, batch
     "small": (4, 512, 256, 10, 2048),

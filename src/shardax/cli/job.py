@@ -272,16 +272,17 @@ def build_steps(
     from shardax.train.stats import STATS
 
     plan = None if args.mode == "single" else plan  # one device: no sharding plan
-    options = {"mesh": mesh, "plan": plan, "mode": args.mode, "precision": args.precision,
-               "data_axis": data_axes(mesh)}  # fmt: skip
-    if seq_axis is not None and args.mode == "jit":
-        options["seq_axis"] = seq_axis
+    seq_axis = seq_axis if args.mode == "jit" else None
     try:
         # The CLI logs every update statistic, param norm included, computed only on the
         # steps it logs (--log-every): the other steps pay nothing for them.
-        step = sx.make_train_step(loss_fn, accumulate=args.accumulate, stats=STATS,
-                                  stats_every=args.log_every, **options)  # fmt: skip
-        return step, sx.make_eval_step(loss_fn, **options)
+        step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=args.mode,
+                                  accumulate=args.accumulate, precision=args.precision,
+                                  data_axis=data_axes(mesh), stats=STATS,
+                                  stats_every=args.log_every, seq_axis=seq_axis)  # fmt: skip
+        # The eval step: the train step's settings, the whole batch at once.
+        evaluate = dataclasses.replace(step.config.for_eval(), accumulate=1)
+        return step, sx.train.EvalStep(loss_fn, evaluate)
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 

@@ -36,7 +36,7 @@ from shardax.cli.job import JOBS, add_job_arguments, apply_options, check_model_
 from shardax.cli.loop import loop
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
 from shardax.train.precision import PRECISIONS
-from shardax.train.program import MODES
+from shardax.train.config import MODES
 
 
 def _defaults(dest: str) -> str:

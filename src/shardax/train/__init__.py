@@ -3,6 +3,7 @@ verify (the step against one device)."""
 
 from shardax.checks import moved as _moved
 from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
+from shardax.train.config import StepConfig
 from shardax.train.eval import EvalStep
 from shardax.train.guard import NonFiniteLossError, check_finite
 from shardax.train.keep import keep_plan
@@ -24,6 +25,7 @@ __all__ = [
     "LossScaling",
     "NonFiniteLossError",
     "Precision",
+    "StepConfig",
     "TrainState",
     "TrainStep",
     "VerifyReport",
@@ -45,7 +47,7 @@ __getattr__ = _moved(
     __name__,
     {
         "LossScaleState": "shardax.train.precision.LossScaleState",
-        "MODES": "shardax.train.program.MODES",
+        "MODES": "shardax.train.config.MODES",
         "Program": "shardax.train.program.Program",
     },
 )

@@ -851,9 +851,9 @@ class AutoStep:
                 f"mode={mode!r}"
             )
         # Everything the step checks (loss_fn, mesh, accumulate, ...) is checked now.
-        TrainStep(loss_fn, plan=None, **step_kw)
-        options.check(step_kw["mesh"])
-        self.loss_fn, self.options, self._step_kw = loss_fn, options, step_kw
+        self.config = TrainStep(loss_fn, plan=None, **step_kw).config
+        options.check(self.config.mesh)
+        self.loss_fn, self.options = loss_fn, options
         self.auto_report: AutoPlan | None = None
         self.step: TrainStep | None = None
         self._unplaced = False  # picked, and no state placed on the plan yet
@@ -873,18 +873,19 @@ class AutoStep:
         candidates once; ``sx.verify`` calls it). The next ``step(state, batch)`` places
         its state on the plan, as the first call does."""
         if self.step is None:
-            kw = self._step_kw
+            config = self.config
             self.auto_report = auto_plan(
-                kw["mesh"],
+                config.mesh,
                 state,
                 loss_fn=self.loss_fn,
                 batch=batch,
-                axis=kw["data_axis"],
-                accumulate=kw["accumulate"],
-                precision=kw["precision"],
+                axis=config.data_axis,
+                accumulate=config.accumulate,
+                precision=config.precision,
                 **vars(self.options),
             )
-            self.step = TrainStep(self.loss_fn, plan=self.auto_report.plan, **kw)
+            config = dataclasses.replace(config, plan=self.auto_report.plan)
+            self.step = TrainStep(self.loss_fn, config)
             self.step.plan_name = f"auto:{self.auto_report.plan.name}"
             self._unplaced = True
         return self.step
@@ -918,16 +919,16 @@ class AutoStep:
 
     def __getattr__(self, name: str) -> Any:
         # mode, mesh, accumulate, donate, data_axis, precision, stats: as the step's.
-        kw = self.__dict__.get("_step_kw", {})
-        if name in kw:
-            return kw[name]
+        config = self.__dict__.get("config")
+        if config is not None and name in {f.name for f in dataclasses.fields(config)}:
+            return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         if self.step is not None:
             return repr(self.step)
-        kw = self._step_kw
+        config = self.config
         return (
-            f"TrainStep(mode='jit', plan='auto', mesh={dict(kw['mesh'].shape)}, "
-            f"accumulate={kw['accumulate']}, donate={kw['donate']})"
+            f"TrainStep(mode='jit', plan='auto', mesh={dict(config.mesh.shape)}, "
+            f"accumulate={config.accumulate}, donate={config.donate})"
         )

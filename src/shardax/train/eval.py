@@ -1,11 +1,12 @@
 """The eval step: the forward pass on every device, no update.
 
-:class:`EvalStep` is a :class:`~shardax.train.program.Program` whose per-shard work
-stops after the forward pass: no gradients, no optimizer, no donation, and the state is
-never written. It shares the train step's placement, modes, precision, microbatching and
-mask rules, so its metrics are means over the real examples (or tokens) of the whole
-global batch in every mode. NNX and Equinox models run in inference mode
-(:func:`shardax.train.model.deterministic`).
+:class:`EvalStep` is a :class:`~shardax.train.program.Program` whose work
+(:class:`~shardax.train.protocol.StepWork`: :func:`objective`, :func:`forward`,
+:func:`metrics_of`, the model in inference mode) stops after the forward pass: no
+gradients, no optimizer, no donation, and the state is never written. It shares the
+train step's placement, modes, precision, microbatching and mask rules, so its metrics
+are means over the real examples (or tokens) of the whole global batch in every mode.
+NNX and Equinox models run in inference mode (:func:`shardax.train.model.deterministic`).
 
 Built by :func:`shardax.make_eval_step`.
 
@@ -27,10 +28,29 @@ from typing import Any
 import jax
 
 from shardax.checks import public
+from shardax.train.config import StepConfig, as_config
 from shardax.train.loss import metric_dict
 from shardax.train.model import deterministic
 from shardax.train.program import Program
+from shardax.train.protocol import StepWork
 from shardax.train.state import TrainState
+
+
+def objective(out: Any) -> tuple[dict[str, Any], None]:
+    """The metrics: a dict, a scalar loss or ``(loss, aux)``
+    (:func:`shardax.train.loss.metric_dict`)."""
+    return metric_dict(out), None
+
+
+def forward(loss: Callable[[Any], Any], params: Any, loss_scale: Any):
+    """No gradients: the forward pass only."""
+    metrics, (aux, model_state) = loss(params)
+    return None, metrics, aux, model_state
+
+
+def metrics_of(state: TrainState, grads: Any, loss: Any, aux: Any, model_state: Any) -> Any:
+    """The metrics, means over the whole global batch."""
+    return loss
 
 
 @public("sx.train.EvalStep")
@@ -40,25 +60,19 @@ class EvalStep(Program):
     Attributes as for :class:`~shardax.train.step.TrainStep` (``donate`` is False).
     """
 
-    returns_state = False
-
-    def objective(self, out: Any) -> tuple[dict[str, Any], None]:
-        """The metrics: a dict, a scalar loss or ``(loss, aux)``
-        (:func:`shardax.train.loss.metric_dict`)."""
-        return metric_dict(out), None
-
-    def view(self, model: Any) -> Any:
-        """The model in inference mode (dropout off, batch norm on its averages)."""
-        return deterministic(model)
-
-    def differentiate(self, loss: Callable[[Any], Any], params: Any, loss_scale: Any):
-        """No gradients: the forward pass only."""
-        metrics, (aux, model_state) = loss(params)
-        return None, metrics, aux, model_state
-
-    def finish(self, state: TrainState, grads: Any, loss: Any, aux: Any, model_state: Any):
-        """The metrics, means over the whole global batch."""
-        return loss
+    def __init__(
+        self, metric_fn: Callable[..., Any], config: StepConfig | None = None, **settings: Any
+    ) -> None:
+        """``config`` (a :class:`~shardax.train.config.StepConfig`; see
+        :meth:`~shardax.train.config.StepConfig.for_eval`), or the keywords to build one."""
+        work = StepWork(
+            objective=objective,
+            differentiate=forward,
+            finish=metrics_of,
+            view=deterministic,
+            returns_state=False,
+        )
+        super().__init__(metric_fn, as_config(config, settings), work)
 
     def __call__(self, state: TrainState, batch: Any) -> dict[str, jax.Array]:
         """The metrics on the global ``batch``: means over its real examples or tokens."""

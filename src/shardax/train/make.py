@@ -17,12 +17,13 @@ from typing import Any, Literal
 
 from jax.sharding import Mesh
 
-from shardax.checks import as_bool, public
+from shardax.checks import public
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan
 from shardax.train.auto import AutoPlanOptions, AutoStep
+from shardax.train.config import StepConfig
 from shardax.train.eval import EvalStep
-from shardax.train.precision import Precision, resolve
+from shardax.train.precision import Precision
 from shardax.train.stats import DEFAULT_STATS
 from shardax.train.step import TrainStep
 
@@ -125,19 +126,21 @@ def make_train_step(
             ``accumulate`` > 1 such a model is refused in every mode. (Keys the step
             hands out, ``rng`` and ``step_rng``, need no opt-in.)
 
+    The settings are checked once, into a :class:`~shardax.train.config.StepConfig`
+    (``step.config``); ``sx.train.TrainStep(loss_fn, config)`` builds a step from one.
+
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode, plus ``stats``.
     """
-    donate = as_bool("donate", donate)
-    kw = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
-          "data_axis": data_axis, "precision": precision, "stats": stats,
-          "stats_every": stats_every, "seq_axis": seq_axis,
-          "batch_spec": batch_spec, "rng_per_device": rng_per_device}  # fmt: skip
+    settings = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
+                "data_axis": data_axis, "precision": precision, "stats": stats,
+                "stats_every": stats_every, "seq_axis": seq_axis,
+                "batch_spec": batch_spec, "rng_per_device": rng_per_device}  # fmt: skip
     if isinstance(plan, str) and plan == "auto":
         plan = AutoPlanOptions()
     if isinstance(plan, AutoPlanOptions):
-        return AutoStep(loss_fn, plan, **kw)
-    return TrainStep(loss_fn, plan=plan, **kw)
+        return AutoStep(loss_fn, plan, **settings)
+    return TrainStep(loss_fn, StepConfig(plan=plan, **settings))
 
 
 @public("sx.make_eval_step")
@@ -171,9 +174,8 @@ def make_eval_step(
         precision: the compute and output dtypes, as for :func:`make_train_step`
             (without loss scaling).
     """
-    # Loss scaling only protects gradients; evaluation has none.
-    policy = resolve(precision)._replace(loss_scaling=None)
-    return EvalStep(metric_fn, mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
-                    donate=False, data_axis=data_axis, precision=policy,
-                    seq_axis=seq_axis, batch_spec=batch_spec,
-                    rng_per_device=rng_per_device)  # fmt: skip
+    config = StepConfig(mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
+                        donate=False, data_axis=data_axis, precision=precision, stats=(),
+                        seq_axis=seq_axis, batch_spec=batch_spec,
+                        rng_per_device=rng_per_device)  # fmt: skip
+    return EvalStep(metric_fn, config.for_eval())

@@ -1,8 +1,10 @@
 """The train step: gradients, the optimizer update, loss scaling and update statistics.
 
 :class:`TrainStep` is a :class:`~shardax.train.program.Program` (placement, modes,
-accumulation, the compiled-program cache) whose per-shard work differentiates the loss
-and whose result applies the update. It is written once, for one shard of the batch:
+accumulation, the compiled-program cache) given the train step's work
+(:class:`~shardax.train.protocol.StepWork`): the loss and aux
+(:func:`~shardax.train.loss.loss_and_aux`), :func:`differentiate` and
+:meth:`TrainStep.finish`, which applies the update. It is written once, for one shard of the batch:
 under ``"jit"`` and ``"single"`` the shard is the whole global batch and the
 cross-device reductions are identities; under ``"shard_map"`` and ``"pmap"`` each
 device sees its slice and the program reduces over the data axis. So every mode computes
@@ -34,14 +36,15 @@ Built by :func:`shardax.make_train_step`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax import lax
 from jax.sharding import NamedSharding
 
-from shardax.checks import as_count, public
+from shardax.checks import public
+from shardax.train.config import StepConfig, as_config
 from shardax.train.loss import as_metrics, loss_and_aux
 from shardax.train.precision import (
     adjust_loss_scale,
@@ -53,8 +56,21 @@ from shardax.train.precision import (
     unscale,
 )
 from shardax.train.program import Program
+from shardax.train.protocol import StepWork
 from shardax.train.state import TrainState
-from shardax.train.stats import DEFAULT_STATS, check_stats, every_nth
+from shardax.train.stats import every_nth
+
+
+def differentiate(loss: Callable[[Any], Any], params: Any, loss_scale: Any):
+    """The gradients of ``loss`` at ``params`` (of the scaled loss, with loss scaling;
+    :meth:`TrainStep.finish` unscales them), the loss, its aux and the new model state."""
+
+    def scaled(params: Any) -> tuple[jax.Array, Any]:
+        value, rest = loss(params)
+        return scale_loss(value, loss_scale), (value, rest)
+
+    (_, (value, (aux, model_state))), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+    return grads, value, aux, model_state
 
 
 @public("sx.train.TrainStep")
@@ -66,37 +82,15 @@ class TrainStep(Program):
     """
 
     def __init__(
-        self,
-        loss_fn: Callable[..., Any],
-        *,
-        stats: Sequence[str] = DEFAULT_STATS,
-        stats_every: int = 1,
-        **program: Any,
+        self, loss_fn: Callable[..., Any], config: StepConfig | None = None, **settings: Any
     ) -> None:
-        """``stats`` and ``stats_every`` as :func:`shardax.make_train_step` takes them; the
-        other keywords (``mesh``, ``plan``, ``mode``, ...) are
-        :class:`~shardax.train.program.Program`'s."""
-        self.stats = check_stats(stats)
-        self.stats_every = as_count("stats_every", stats_every)
-        super().__init__(loss_fn, **program)
-        self._scaling = self.precision.loss_scaling
-
-    # -- the step protocol -------------------------------------------------------------
-
-    def objective(self, out: Any) -> tuple[jax.Array, Any]:
-        """``loss`` or ``(loss, aux)``, checked (:func:`shardax.train.loss.loss_and_aux`)."""
-        return loss_and_aux(out)
-
-    def differentiate(self, loss: Callable[[Any], Any], params: Any, loss_scale: Any):
-        """The gradients of ``loss`` at ``params`` (of the scaled loss, with loss scaling;
-        :meth:`finish` unscales them), the loss, its aux and the new model state."""
-
-        def scaled(params: Any) -> tuple[jax.Array, Any]:
-            value, rest = loss(params)
-            return scale_loss(value, loss_scale), (value, rest)
-
-        (_, (value, (aux, model_state))), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-        return grads, value, aux, model_state
+        """``config`` (a :class:`~shardax.train.config.StepConfig`), or the keywords to
+        build one from, as :func:`shardax.make_train_step` takes them."""
+        config = as_config(config, settings)
+        self.stats, self.stats_every = config.stats, config.stats_every
+        self._scaling = config.precision.loss_scaling  # type: ignore[union-attr]
+        work = StepWork(objective=loss_and_aux, differentiate=differentiate, finish=self.finish)
+        super().__init__(loss_fn, config, work)
 
     def finish(self, state: TrainState, grads: Any, loss: Any, aux: Any, model_state: Any):
         """The updated state and the metrics: the loss, the aux metrics, ``stats`` and,

@@ -507,19 +507,12 @@ class _Probe(TrainStep):
         """The probe of ``step``; with ``mesh``, the reference: jit on that (one-device)
         mesh, replicated, with ``accumulate`` (one device over the whole batch: 1)."""
         one = mesh is not None
-        return cls(
-            step.loss_fn,
-            mesh=mesh if one else step.mesh,
-            plan=None if one else step.plan,
-            mode="jit" if one else step.mode,
-            accumulate=accumulate if one else step.accumulate,
-            donate=False,
-            data_axis=step.data_axis,
-            precision=step.precision,
-            stats=(),
-            seq_axis=None if one else step.seq_axis,
-            rng_per_device=getattr(step, "rng_per_device", False),
-        )
+        config = dataclasses.replace(step.config, donate=False, stats=(), stats_every=1,
+                                     batch_spec=None)  # fmt: skip
+        if one:
+            config = dataclasses.replace(config, mesh=mesh, plan=None, mode="jit",
+                                         accumulate=accumulate, seq_axis=None)  # fmt: skip
+        return cls(step.loss_fn, config)
 
 
 def _place(batch: Any, sharding: Any) -> Any:

@@ -1,0 +1,134 @@
+"""Batch placement: how a step checks a batch and places it for its mesh and mode.
+
+A :class:`BatchPlacement` is built from a step's
+:class:`~shardax.train.config.StepConfig`:
+
+- :meth:`~BatchPlacement.check`: a list of examples divisible by the data axis size
+  (× ``accumulate``), or with a ``batch_spec`` arrays placed as it says;
+- :meth:`~BatchPlacement.place` (``"jit"``): rows over the data axis, the sequence over
+  ``seq_axis``, or each leaf as ``batch_spec`` says; the step's ``place_batch``;
+- :meth:`~BatchPlacement.on_device` (``"single"``) and :meth:`~BatchPlacement.per_device`
+  (``"pmap"``: ``(devices, per device, ...)``).
+
+>>> placement = BatchPlacement(sx.train.StepConfig(mesh=sx.make_mesh({"data": -1})))
+>>> placement.place({"x": np.ones((16, 4))})["x"].sharding.spec
+P('data',)
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+from jax.sharding import SingleDeviceSharding
+
+from shardax.data.leaves import check_batch_leaves
+from shardax.data.placement import batch_sharding
+from shardax.data.spec import batch_shardings, place_by_spec
+from shardax.plan.core import axis_size
+from shardax.plan.tree import path_str
+from shardax.runtime.processes import device_put_global
+from shardax.train.batch import batch_structure, check_batch, check_mask_has_examples
+from shardax.train.config import StepConfig
+
+
+BATCH_CACHE_SIZE = 16
+"""How many batch structures a step keeps checked (and their ``batch_spec`` shardings)."""
+
+
+class BatchPlacement:
+    """The batch checks and placements of a step built with ``config``.
+
+    Attributes: ``sharding`` (rows over the data axis), ``device`` (``"single"``'s
+    device), ``by_leaf`` (whether the jit program takes the batch placed leaf by leaf:
+    with ``seq_axis`` or ``batch_spec``).
+    """
+
+    def __init__(self, config: StepConfig) -> None:
+        mesh, mode, data_axis = config.mesh, config.mode, config.data_axis
+        self.mesh, self.seq_axis, self.batch_spec = mesh, config.seq_axis, config.batch_spec
+        self.devices = 1 if mode == "single" else axis_size(mesh, data_axis)
+        self.divisor = self.devices * config.accumulate
+        self.what = f"the data axis size {self.devices}" if mode != "single" else "1"
+        if config.accumulate > 1:
+            self.what = f"{self.what} × accumulate={config.accumulate} = {self.divisor}"
+        self.sharding = batch_sharding(mesh, data_axis)
+        self.seq_sharding = None
+        if self.seq_axis is not None:
+            self.seq_sharding = batch_sharding(mesh, data_axis, seq_axis=self.seq_axis)
+        self.device = SingleDeviceSharding(mesh.devices.flat[0])
+        self.by_leaf = self.seq_axis is not None or self.batch_spec is not None
+        # batch structure -> its batch_spec shardings (True without one): checked once
+        self._checked: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+    def check(self, batch: Any) -> Any:
+        """A list of examples (:func:`~shardax.train.batch.check_batch`), or with a
+        ``batch_spec`` arrays placed as it says: checked once per batch structure
+        (:func:`~shardax.train.batch.batch_structure`), not per step; a host mask's
+        values (:func:`~shardax.train.batch.check_mask_has_examples`) on every batch.
+        Returns the ``batch_spec`` shardings (True without one)."""
+        check_mask_has_examples(batch)
+        key = batch_structure(batch)
+        known = self._checked.get(key) if key is not None else None
+        if known is not None:
+            self._checked.move_to_end(key)
+            return known
+        if self.batch_spec is None:
+            check_batch(batch, divisor=self.divisor, what=self.what)
+            known = True
+        else:
+            check_batch_leaves(batch, arrays_only=True)
+            known = batch_shardings(batch, self.mesh, self.batch_spec)
+        if key is not None:
+            self._checked[key] = known
+            if len(self._checked) > BATCH_CACHE_SIZE:
+                self._checked.popitem(last=False)
+        return known
+
+    def place(self, batch: Any) -> Any:
+        """``batch`` placed as the step takes it under ``"jit"``: rows over the data axis,
+        and with ``seq_axis`` dimension 1 of each leaf of rank >= 2 over that axis; with
+        ``batch_spec``, each leaf as it says. Leaves already placed so pass untouched."""
+        if self.batch_spec is not None:
+            return place_by_spec(batch, self.mesh, self.batch_spec, self.check(batch))
+
+        def place(path: str, x: Any) -> Any:
+            if not hasattr(x, "ndim") or x.ndim == 0:
+                return x
+            target = self.sharding
+            if self.seq_sharding is not None and x.ndim >= 2:
+                target = self.seq_sharding
+                size = axis_size(self.mesh, self.seq_axis)
+                if x.shape[1] % size:
+                    raise ValueError(
+                        f"batch leaf {path or '<root>'!r} has {x.shape[1]} positions along "
+                        f"dimension 1 (the sequence), not divisible by seq_axis "
+                        f"{self.seq_axis!r} of size {size}; pad the sequence to a multiple "
+                        f"of {size}"
+                    )
+            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+                return x
+            if isinstance(x, jax.ShapeDtypeStruct):  # lowering for abstract values
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
+            return device_put_global(x, target)
+
+        return jax.tree_util.tree_map_with_path(lambda p, x: place(path_str(p), x), batch)
+
+    def on_device(self, batch: Any) -> Any:
+        """The batch on the step's device; a batch placed over the mesh (``distribute_batch``,
+        ``global_batch``, ``prefetch_to_device``) is gathered there."""
+        device = self.device
+        return jax.tree.map(
+            lambda x: (
+                jax.device_put(x, device)
+                if isinstance(x, jax.Array) and x.sharding != device
+                else x
+            ),
+            batch,
+        )
+
+    def per_device(self, batch: Any) -> Any:
+        """``pmap``'s layout: each leaf reshaped to ``(devices, per device, ...)``."""
+        n = self.devices
+        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)

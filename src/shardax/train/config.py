@@ -1,0 +1,191 @@
+"""The step's settings in one validated object: :class:`StepConfig`.
+
+:func:`shardax.make_train_step` and :func:`shardax.make_eval_step` build one from their
+keywords, and the step keeps it as ``step.config``. Whatever derives a variant of a step
+(the auto plan's pick, :func:`shardax.verify`'s one-device reference, the CLI's eval
+step) does it with ``dataclasses.replace(step.config, ...)``, which checks the result
+again, rather than restating each setting. A new setting is a field here and a keyword
+of the two doors.
+
+>>> import dataclasses
+>>> mesh = sx.make_mesh({"data": -1})
+>>> config = sx.train.StepConfig(mesh=mesh, accumulate=2)
+>>> config.mode, config.accumulate, config.donate, config.data_axis
+('jit', 2, True, 'data')
+>>> dataclasses.replace(config, mode="shard_map").mode
+'shard_map'
+>>> step = sx.train.TrainStep(lambda model, batch: jnp.mean(model(batch["x"])), config)
+>>> step.config is config
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from shardax.checks import as_bool, as_count, public
+from shardax.data.spec import check_batch_spec
+from shardax.mesh.axes import DATA_AXIS
+from shardax.plan.core import Plan, axis_size, replicate
+from shardax.train.precision import Precision, resolve
+from shardax.train.stats import DEFAULT_STATS, check_stats
+
+MODES: tuple[str, ...] = ("jit", "shard_map", "pmap", "single")
+
+
+def check_data_axis(data_axis: Any, mesh: Mesh, mode: str) -> str | tuple[str, ...]:
+    """``data_axis`` (a mesh axis name, or a tuple of them for HSDP), checked."""
+    names = (data_axis,) if isinstance(data_axis, str) else data_axis
+    if (
+        not isinstance(names, tuple)
+        or not names
+        or not all(isinstance(n, str) for n in names)
+        or len(set(names)) != len(names)
+    ):
+        raise ValueError(
+            f"data_axis must be a mesh axis name or a tuple of distinct names, got {data_axis!r}"
+        )
+    missing = [n for n in names if n not in mesh.shape]
+    if missing:
+        which = "" if isinstance(data_axis, str) else f": {', '.join(map(repr, missing))}"
+        raise ValueError(
+            f"data_axis {data_axis!r}{which} is not in the mesh, whose axes are {dict(mesh.shape)}"
+        )
+    if mode == "pmap" and len(names) > 1:
+        raise ValueError(
+            f"mode='pmap' maps over one axis, got data_axis {data_axis!r}; use mode='jit' or "
+            "'shard_map' to split the batch over several axes"
+        )
+    return data_axis if isinstance(data_axis, str) or len(names) > 1 else names[0]
+
+
+def as_config(config: StepConfig | None, settings: dict[str, Any]) -> StepConfig:
+    """``config``, or the :class:`StepConfig` built from ``settings`` (not both)."""
+    if config is None:
+        return StepConfig(**settings)
+    if settings:
+        raise TypeError(
+            f"pass the step's settings in config or as keywords, not both; got config and "
+            f"{sorted(settings)}"
+        )
+    if not isinstance(config, StepConfig):
+        raise TypeError(f"config must be a sx.train.StepConfig, got {type(config).__name__}")
+    return config
+
+
+def _set(config: StepConfig, **values: Any) -> None:
+    for name, value in values.items():
+        object.__setattr__(config, name, value)
+
+
+@public("sx.train.StepConfig")
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """The settings of a train or eval step, checked once when it is made.
+
+    The fields are :func:`shardax.make_train_step`'s keywords (``loss_fn`` and
+    ``plan="auto"`` aside), with its defaults; each is normalized as the step uses it:
+    ``precision`` an :class:`~shardax.Precision`, ``stats`` a tuple, ``data_axis`` a name
+    or a tuple of two or more. ``plan`` stays as given (None: replicate, see
+    :attr:`resolved_plan`). Derive a variant with ``dataclasses.replace``.
+
+    >>> config = sx.train.StepConfig(mesh=sx.make_mesh({"data": -1}), precision="bf16")
+    >>> config.precision.compute_dtype
+    dtype(bfloat16)
+    """
+
+    mesh: Mesh
+    plan: Plan | None = None
+    mode: str = "jit"
+    accumulate: int = 1
+    donate: bool = True
+    data_axis: str | tuple[str, ...] = DATA_AXIS
+    precision: str | Precision = "fp32"
+    stats: Sequence[str] = DEFAULT_STATS
+    stats_every: int = 1
+    seq_axis: str | None = None
+    batch_spec: Any = None
+    rng_per_device: bool = False
+
+    def __post_init__(self) -> None:
+        # The checks in the order the steps made them, so each error is the one it was.
+        _set(self, donate=as_bool("donate", self.donate), stats=check_stats(self.stats))
+        _set(self, stats_every=as_count("stats_every", self.stats_every))
+        mode, mesh, plan = self.mode, self.mesh, self.plan
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+        _set(self, precision=resolve(self.precision))
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        data_axis = check_data_axis(self.data_axis, mesh, mode)
+        _set(self, data_axis=data_axis, accumulate=as_count("accumulate", self.accumulate))
+        if mode == "single" and plan is not None and getattr(plan, "name", None) != "replicate":
+            raise ValueError(
+                f"mode='single' keeps the whole state on one device, so it takes no sharding "
+                f"plan; got plan {getattr(plan, 'name', plan)!r}. Drop plan= or use mode='jit'"
+            )
+        plan = self.resolved_plan
+        if not callable(plan):
+            raise TypeError(
+                f"plan must be a shardax Plan (a callable from a tree to its shardings, e.g. "
+                f"sx.fsdp(mesh)), got {plan!r}"
+            )
+        plan_mesh = getattr(plan, "mesh", mesh)
+        if plan_mesh != mesh:
+            raise ValueError(
+                f"plan {self.plan_name!r} is over mesh {dict(plan_mesh.shape)}, not the step's "
+                f"mesh {dict(mesh.shape)}; build both from the same mesh"
+            )
+        if mode == "pmap" and axis_size(mesh, data_axis) != mesh.size:
+            raise ValueError(
+                f"mode='pmap' maps over one axis, but the mesh {dict(mesh.shape)} has devices "
+                f"outside data axis {data_axis!r}; use mode='jit' for multi-axis meshes"
+            )
+        if self.seq_axis is not None and mode != "jit":
+            raise ValueError(
+                f"seq_axis splits the batch's sequence dimension under mode='jit' only; "
+                f"got mode={mode!r}"
+            )
+        _set(self, batch_spec=self._check_batch_spec())
+        _set(self, rng_per_device=as_bool("rng_per_device", self.rng_per_device))
+
+    def _check_batch_spec(self) -> Any:
+        """A batch whose leaves are not examples (:mod:`shardax.data.spec`) is placed as
+        it says under ``"jit"`` and ``"single"``; the modes that split rows as examples
+        refuse it. (Whether ``loss_fn`` takes per-example keys the step checks.)"""
+        batch_spec = check_batch_spec(self.batch_spec)
+        if batch_spec is None:
+            return None
+        how = [f"mode={self.mode!r}"] if self.mode in ("shard_map", "pmap") else []
+        how += [f"accumulate={self.accumulate}"] if self.accumulate > 1 else []
+        how += [f"seq_axis={self.seq_axis!r}"] if self.seq_axis is not None else []
+        if how:
+            raise ValueError(
+                f"batch_spec={batch_spec!r} says the batch's leaves are not examples (a "
+                f"graph batch, say), but {' and '.join(how)} splits every leaf's rows as if "
+                "they were: each device or microbatch would get rows of every leaf that "
+                "do not make whole examples, and train a different model. Use mode='jit' "
+                "(any split, computed as one device would) with accumulate=1"
+            )
+        return batch_spec
+
+    @property
+    def resolved_plan(self) -> Any:
+        """The plan the step places the state with: ``plan``, or replicate over ``mesh``."""
+        return replicate(self.mesh) if self.plan is None else self.plan
+
+    @property
+    def plan_name(self) -> str:
+        """The plan's name (its class name for a plan without one)."""
+        plan = self.resolved_plan
+        return getattr(plan, "name", type(plan).__name__)
+
+    def for_eval(self) -> StepConfig:
+        """These settings for the eval step: no donation, no update statistics and no
+        loss scaling (it only protects gradients, and evaluation has none)."""
+        precision = self.precision._replace(loss_scaling=None)  # type: ignore[union-attr]
+        return dataclasses.replace(self, donate=False, stats=(), stats_every=1, precision=precision)
