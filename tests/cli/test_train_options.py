@@ -17,8 +17,8 @@ from shardax.models import gpt, mlp
 from shardax.parallel import context
 from shardax.parallel.remat_policy import POLICIES
 from shardax.plan.named import MESH_PLANS
-from shardax.train.precision import PRECISIONS
 from shardax.train.config import MODES
+from shardax.train.precision import PRECISIONS
 
 JOB_MODULES = {"mlp": train_mlp, "gpt": train_gpt}
 SHARED_MODULES = ("cli.job", "cli.loop", "cli.hooks", "cli.common", "cli.track", "cli.train")

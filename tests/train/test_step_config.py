@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import shardax as sx
-from shardax.train.verify import _Probe, one_device_mesh
+from shardax.train.verification import _Probe, one_device_mesh
 
 
 def loss_fn(model, batch):

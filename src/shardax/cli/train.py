@@ -35,8 +35,8 @@ from shardax.cli.common import (
 from shardax.cli.job import JOBS, add_job_arguments, apply_options, check_model_options, plan_names
 from shardax.cli.loop import loop
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
-from shardax.train.precision import PRECISIONS
 from shardax.train.config import MODES
+from shardax.train.precision import PRECISIONS
 
 
 def _defaults(dest: str) -> str:

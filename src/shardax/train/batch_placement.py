@@ -32,7 +32,6 @@ from shardax.runtime.processes import device_put_global
 from shardax.train.batch import batch_structure, check_batch, check_mask_has_examples
 from shardax.train.config import StepConfig
 
-
 BATCH_CACHE_SIZE = 16
 """How many batch structures a step keeps checked (and their ``batch_spec`` shardings)."""
 
