@@ -24,8 +24,16 @@ built without donation; the reference never accumulates: one device, the whole b
 For your own step function (the keep-your-loop path), ``verify(train_step, (model,
 optimizer), batch)`` runs it on copies of the state, placed as given and on the first
 device; an ``nnx.Optimizer`` among them hands verify the gradients (its transformation
-records them), otherwise the update is compared as it is. The state passed in is never
-changed or donated.
+records them). Otherwise (an optax transformation closed over, as Equinox's examples and
+plain ``jax.jit`` steps write it) verify cannot see the gradients: where an updated leaf
+differs, the one-device step runs again on row-permuted copies of the batch (reversed,
+rolled): the same examples in another order of the sums. A leaf within twice its own
+largest spread over those runs is reduction noise the optimizer amplified, not a
+distribution difference. The floor is used only when the reorderings leave what the step
+returns unchanged (they are a symmetry of the step) and the batch's leaves share one
+leading size. A wrong update is still caught: a leaf with a real gradient (a weight)
+barely moves between reorderings, so a doubled update, unreduced gradients or per-device
+statistics exceed its floor. The state passed in is never changed or donated.
 
 >>> report = sx.verify(step, state, {"x": np.ones((16, 4)), "y": np.zeros((16, 2))})
 >>> report.ok, report.cause
