@@ -24,8 +24,16 @@ built without donation; the reference never accumulates: one device, the whole b
 For your own step function (the keep-your-loop path), ``verify(train_step, (model,
 optimizer), batch)`` runs it on copies of the state, placed as given and on the first
 device; an ``nnx.Optimizer`` among them hands verify the gradients (its transformation
-records them), otherwise the update is compared as it is. The state passed in is never
-changed or donated.
+records them). Otherwise (an optax transformation closed over, as Equinox's examples and
+plain ``jax.jit`` steps write it) verify cannot see the gradients: where an updated leaf
+differs, the one-device step runs again on row-permuted copies of the batch (reversed,
+rolled): the same examples in another order of the sums. A leaf within twice its own
+largest spread over those runs is reduction noise the optimizer amplified, not a
+distribution difference. The floor is used only when the reorderings leave what the step
+returns unchanged (they are a symmetry of the step) and the batch's leaves share one
+leading size. A wrong update is still caught: a leaf with a real gradient (a weight)
+barely moves between reorderings, so a doubled update, unreduced gradients or per-device
+statistics exceed its floor. The state passed in is never changed or donated.
 
 >>> report = sx.verify(step, state, {"x": np.ones((16, 4)), "y": np.zeros((16, 2))})
 >>> report.ok, report.cause
@@ -853,6 +861,49 @@ def _has_batchnorm(args: Any) -> bool:
     return any("batch_stats" in p or "BatchNorm" in p for p in paths)
 
 
+_PERMUTATIONS: tuple[Callable[[np.ndarray], np.ndarray], ...] = (
+    lambda x: x[::-1],
+    lambda x: np.roll(x, x.shape[0] // 2, axis=0),
+    lambda x: np.roll(x, 1, axis=0),
+)
+NOISE_MARGIN = 2.0  # a leaf within twice the reference's own spread is reduction noise
+
+
+def _rows_are_examples(batch: Any) -> bool:
+    """Whether every array of the batch has the same leading dimension (>= 2): its rows
+    can be reordered as examples (a batch of mixed leading sizes is left alone)."""
+    sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch) if is_array(x) and np.ndim(x)}
+    return len(sizes) == 1 and next(iter(sizes)) >= 2
+
+
+def _noise_floor(want: dict[str, Any], alts: list[dict[str, Any]], rtol: float, atol: float):
+    """Per leaf of the update (``state/...``), the largest difference between the reference
+    and the reference run on row-permuted copies of the batch: how far the order of the
+    sums alone moves it. None when a permutation changed what the step returned (the
+    reordering is not a symmetry of the step: no floor)."""
+    floor: dict[str, float] = {}
+    for alt in alts:
+        if not _close(alt["returned"], want["returned"], rtol, atol):
+            return None
+        for d in compare(alt["state"], want["state"], 1, rtol, atol):
+            path = f"state/{d.path}"
+            floor[path] = max(floor.get(path, 0.0), d.max_abs)
+    return floor
+
+
+def _floored(diffs: list[LeafDiff], floor: dict[str, float] | None) -> list[LeafDiff]:
+    """``diffs``, each update leaf's tolerance raised to ``NOISE_MARGIN`` times its noise
+    floor (its own tolerance kept when larger); integer leaves stay exact."""
+    if not floor:
+        return diffs
+    return [
+        dataclasses.replace(d, limit=max(d.limit, NOISE_MARGIN * floor[d.path]))
+        if d.path in floor and d.limit > 0
+        else d
+        for d in diffs
+    ]
+
+
 def _fn_judged(recorded: bool) -> str:
     if recorded:
         return (
@@ -863,9 +914,10 @@ def _fn_judged(recorded: bool) -> str:
         )
     return (
         "what the step returned and the updated state against one device's over the whole "
-        "batch (no nnx.Optimizer in the state: the update is compared as it is, so an "
-        "optimizer that normalises, like Adam, can amplify rounding noise; sx.make_train_step "
-        "or an nnx.Optimizer lets verify judge the update from the gradients)"
+        "batch; where an updated leaf differs, at a tolerance raised to twice the spread of "
+        "the one-device step itself over row-permuted copies of the batch (the same "
+        "examples, another order of the sums: rounding noise an optimizer like Adam "
+        "amplifies), used only when the permutations leave what the step returns unchanged"
     )
 
 
@@ -959,6 +1011,22 @@ def _verify_fn(
                 expected["opt_state"] = expected["opt_state"][0]
                 want["optimizer"][str(i)] = {**want["optimizer"][str(i)], **expected}
             diffs = _either(diffs, compare(got, want, k, rtol, atol), in_update)
+        elif (
+            not recorded
+            and any(not d.ok for d in diffs if d.path.startswith("state/"))
+            and _rows_are_examples(batch)
+        ):
+            # No optimizer in sight (a closed-over optax tx): the one-device step's own
+            # spread over reorderings of the rows is the update's noise floor.
+            try:
+                alts = [
+                    step_from(dstart, _place(_rows(batch, p), one), True, reference)
+                    for p in _PERMUTATIONS
+                ]
+                floor = _noise_floor(want, alts, rtol, atol)
+            except Exception:  # the step may not run on a reordered batch
+                floor = None
+            diffs = _floored(diffs, floor)
         by_step.append(diffs)
         runs.append((dstart, got, want))
 
