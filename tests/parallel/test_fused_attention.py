@@ -158,6 +158,24 @@ def test_cudnn_equals_dense_on_gpu():
         _close(_loss("cudnn", **kw)(q, k, v), _loss("dense", **kw)(q, k, v), 3e-2)
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu" or jax.device_count() < 2,
+    reason="the ring's cuDNN numerics need 2 or more GPUs (none here)",
+)
+def test_ring_of_cudnn_blocks_equals_dense_on_gpus():
+    """On real GPUs: the ring with cuDNN blocks (forward and the backward from the global
+    out and lse) against the dense path, no mask and causal in both layouts."""
+    n = 2 if jax.device_count() < 4 else 4
+    mesh = jax.make_mesh((1, n), ("data", "context"), devices=jax.devices()[:n])
+    q, k, v = _qkv(t=128 * n, d=64, dtype=jnp.bfloat16)
+    put = NamedSharding(mesh, P("data", "context"))
+    for causal, layout in ((False, "contiguous"), (True, "contiguous"), (True, "zigzag")):
+        args = [jax.device_put(x, put) for x in (q, k, v)]
+        kw = {"causal": causal, "impl": "ring", "layout": layout}
+        with jax.set_mesh(mesh):
+            _close(_loss("cudnn", **kw)(*args), _loss("dense", **kw)(*args), 3e-2)
+
+
 def _einsum_cudnn_fwd(q, k, v, *, scale, causal):
     """cuDNN's forward contract (compat.cudnn_attention_fwd) in einsums: ``(out, lse)``,
     lse ``(B, N, T)`` fp32; the stand-in for the cuDNN call where no GPU is."""
