@@ -67,3 +67,27 @@ def test_an_all_false_host_mask_is_refused_on_every_batch():
     # a structure already checked: its mask's values are still read (one pass, no wait)
     with pytest.raises(ValueError, match=r"is all False, shape \(8,\)"):
         step(state, _batch(mask=np.zeros(8, bool)))
+
+
+@pytest.mark.parametrize("mode", ["jit", "shard_map"])
+def test_a_device_mask_with_no_real_example_reads_nan_and_the_guard_stops(mode):
+    """A device mask is not read back (that would wait for the device): a global batch
+    with no real example reports a NaN loss, not an empty mean's 0.0, so the NaN guard
+    names the step; its gradients are 0."""
+    import jax
+    import optax
+    from flax import nnx
+
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh({"data": -1}), mode=mode)
+    state = step.shard(sx.TrainState.create(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
+    before = np.asarray(state.params["kernel"])
+    state, metrics = step(state, jax.device_put(_batch(mask=np.zeros(8, bool))))
+    assert np.isnan(float(metrics["loss"]))
+    np.testing.assert_array_equal(np.asarray(state.params["kernel"]), before)
+    with pytest.raises(sx.train.NonFiniteLossError, match=r"step 1.*'mask' is all False"):
+        sx.train.check_finite(metrics["loss"], step=1)
+    # one real example on one device: a finite loss
+    mask = np.zeros(8, bool)
+    mask[5] = True
+    _, metrics = step(state, jax.device_put(_batch(mask=mask)))
+    assert np.isfinite(float(metrics["loss"]))

@@ -17,7 +17,8 @@ class NonFiniteLossError(FloatingPointError):
     def __init__(self, step: int, value: float) -> None:
         super().__init__(
             f"loss is {value} at step {step}: training stopped and no checkpoint was written "
-            f"for step {step}; lower the learning rate or check the data of that step"
+            f"for step {step}; lower the learning rate or check the data of that step "
+            "(a batch whose 'mask' is all False, padding only, reads NaN)"
         )
         self.step, self.value = step, value
 

@@ -306,7 +306,16 @@ class PerShard:
         grads, loss, aux, model_state = self._shard_update(
             state, batch, jnp.arange(size), mapped=False
         )
+        loss = self._no_example_reads_nan(loss, valid_count(batch))
         return self.work.finish(state, grads, loss, aux, model_state)
+
+    def _no_example_reads_nan(self, loss: jax.Array, count: jax.Array | None) -> jax.Array:
+        """A train step over a global batch with no real example (its ``mask`` all False
+        on the device, where it is not read back) reports a NaN loss, not the 0.0 of an
+        empty mean, so the NaN guard stops the run at that step (its gradients are 0)."""
+        if count is None or not self.work.returns_state:
+            return loss
+        return jnp.where(count > 0, loss, jnp.nan).astype(loss.dtype)
 
     def mapped(self, state: TrainState, batch: Any):
         """shard_map and pmap: one device's slice, reduced over the data axis, each
@@ -327,6 +336,8 @@ class PerShard:
                 lambda g: g / total.astype(g.dtype), all_reduce(weighted, "sum", axis)
             )
         loss, aux = weighted_mean((loss, aux), count, axis)
+        if count is not None:
+            loss = self._no_example_reads_nan(loss, lax.psum(count, axis))
         reduced = weighted_mean(_floating(model_state), count, axis)
         model_state = jax.tree.map(
             lambda r, x: x if r is None else r, reduced, model_state, is_leaf=lambda x: x is None
