@@ -491,7 +491,10 @@ def test_launch_reports_an_exception_before_a_peer_killed_by_a_signal():
     procs = [start_processes([sys.executable, "-c", s], [dict(CLEAN_ENV)])[0] for s in scripts]
     for p in procs:
         p.wait()  # both have ended before supervise polls them
-    assert supervise(procs, out=io.StringIO(), err=io.StringIO()) == 3  # not rank 0's 134
+    err = io.StringIO()
+    assert supervise(procs, out=io.StringIO(), err=err) == 3  # not rank 0's 134
+    # every process ended before a poll saw one fail: the failure is still named
+    assert "process 1 exited with code 3; all have ended" in err.getvalue()
 
 
 def test_launch_names_the_process_that_raised_first():

@@ -292,18 +292,7 @@ def supervise(
         while [p.poll() for p in procs].count(None):  # polls every process
             first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE), raised)
             if first is not None:
-                first_failure = exit_code(first.returncode)
-                failed_rank = procs.index(first)
-                cause = min(raised, key=raised.__getitem__) if raised else failed_rank
-                after = "" if cause == failed_rank else (
-                    f" after process {cause} raised (its traceback is above)"
-                )  # fmt: skip
-                with lock:
-                    err.write(
-                        f"shardax launch: process {failed_rank} exited with code "
-                        f"{first_failure}{after}; stopping the others\n"
-                    )
-                    err.flush()
+                first_failure = _say_failed(procs, first, raised, err, lock, "stopping the others")
                 stop(procs, grace)
                 break
             time.sleep(poll)
@@ -324,8 +313,32 @@ def supervise(
         err.flush()
     if not first_failure:
         first = _first_failed(procs, (None, 0), raised)
-        first_failure = 0 if first is None else exit_code(first.returncode)
+        if first is not None and first.returncode == PREEMPTED_EXIT_CODE:
+            first_failure = PREEMPTED_EXIT_CODE
+        elif first is not None:  # every process ended between two polls: said here
+            first_failure = _say_failed(procs, first, raised, err, lock, "all have ended")
     return first_failure
+
+
+def _say_failed(
+    procs: Sequence[subprocess.Popen[bytes]],
+    first: subprocess.Popen[bytes],
+    raised: dict[int, float],
+    err: IO[str],
+    lock: threading.Lock,
+    then: str,
+) -> int:
+    """Writes which process failed first (and which raised first, if another) and
+    returns its exit code."""
+    code, failed_rank = exit_code(first.returncode), procs.index(first)
+    cause = min(raised, key=raised.__getitem__) if raised else failed_rank
+    after = (
+        "" if cause == failed_rank else f" after process {cause} raised (its traceback is above)"
+    )
+    with lock:
+        err.write(f"shardax launch: process {failed_rank} exited with code {code}{after}; {then}\n")
+        err.flush()
+    return code
 
 
 def _first_failed(
