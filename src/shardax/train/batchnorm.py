@@ -30,6 +30,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from shardax.train.model import is_equinox
+
 
 def _names(axis: Any) -> tuple[Any, ...]:
     if axis is None:
@@ -83,14 +85,6 @@ def _bind_linen(data: tuple[str, ...], mapped: bool) -> Iterator[None]:
         yield
 
 
-def _is_equinox(model: Any) -> bool:
-    try:
-        import equinox as eqx
-    except ImportError:  # pragma: no cover - equinox is an optional extra
-        return False
-    return isinstance(model, eqx.Module)
-
-
 def over_data_axis(
     loss_fn: Callable[..., Any], data_axis: str | tuple[str, ...], mapped: bool
 ) -> Callable[..., Any]:
@@ -104,7 +98,7 @@ def over_data_axis(
         # args: (batch,), or (state, batch) for an Equinox model with its eqx.nn.State
         if isinstance(model, nnx.Module):
             _bind_nnx(model, data, mapped)
-        elif _is_equinox(model):
+        elif is_equinox(model):
             model = _bind_equinox(model, data, mapped)
         with _bind_linen(data, mapped):
             return loss_fn(model, *args, **kwargs)

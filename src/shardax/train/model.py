@@ -98,7 +98,8 @@ class ApplyFnModel:
 ModelAdapter = NNXModel | EquinoxModel | LinenModel | ApplyFnModel
 
 
-def _is_equinox(model: Any) -> bool:
+def is_equinox(model: Any) -> bool:
+    """Whether ``model`` is an Equinox module (False where equinox is not installed)."""
     try:
         import equinox as eqx
     except ImportError:  # pragma: no cover - equinox is an optional extra
@@ -116,7 +117,7 @@ def split_stateful(model: Any, state: Any) -> tuple[ModelAdapter, Any, Any]:
     the model state is ``{"model": the module's other arrays, "state": state}``."""
     import equinox as eqx
 
-    if not _is_equinox(model):
+    if not is_equinox(model):
         raise TypeError(
             f"state= is the eqx.nn.State of an Equinox module (eqx.nn.make_with_state), "
             f"but the model is a {type(model).__name__}; NNX and Linen keep their state "
@@ -141,7 +142,7 @@ def split_model(model: Any, wrt: Any = nnx.Param) -> tuple[ModelAdapter, Any, An
     if isinstance(model, nnx.Module):
         graphdef, params, model_state = nnx.split(model, wrt, ...)
         return NNXModel(graphdef, wrt), params, model_state
-    if _is_equinox(model):
+    if is_equinox(model):
         import equinox as eqx
 
         params, rest = eqx.partition(model, eqx.is_inexact_array)
@@ -172,7 +173,7 @@ def deterministic(model: Any) -> Any:
         return nnx.view(
             model, deterministic=True, use_running_average=True, raise_if_not_found=False
         )
-    if _is_equinox(model):
+    if is_equinox(model):
         import equinox as eqx
 
         return eqx.nn.inference_mode(model)

@@ -39,6 +39,7 @@ from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.placed import record
 from shardax.plan.tree import is_array
 from shardax.runtime.processes import device_put_global
+from shardax.train.model import is_equinox
 from shardax.train.state import TrainState, is_nnx_optimizer, optimizer_opt_state
 
 
@@ -46,14 +47,6 @@ def _is_nnx_module(x: Any) -> bool:
     from flax import nnx
 
     return isinstance(x, nnx.Module)
-
-
-def _is_equinox(x: Any) -> bool:
-    try:
-        import equinox as eqx
-    except ImportError:  # pragma: no cover - equinox is an optional extra
-        return False
-    return isinstance(x, eqx.Module)
 
 
 def _is_train_state(x: Any) -> bool:
@@ -68,7 +61,7 @@ def _is_train_state(x: Any) -> bool:
 
 def _is_loader(x: Any) -> bool:
     """An iterable of batches: an iterator, or an iterable that is not a pytree node."""
-    if isinstance(x, str | bytes) or is_array(x) or _is_nnx_module(x) or _is_equinox(x):
+    if isinstance(x, str | bytes) or is_array(x) or _is_nnx_module(x) or is_equinox(x):
         return False
     if isinstance(x, Iterator):
         return True
@@ -130,7 +123,7 @@ class _Preparer:
         for i, obj in enumerate(objs):
             if i in self.done or _is_eqx_state(obj):
                 continue
-            if _is_equinox(obj) or _has_arrays(obj):
+            if is_equinox(obj) or _has_arrays(obj):
                 self._params(i)
         for i, obj in enumerate(objs):  # an eqx.nn.State without its model
             if i not in self.done and _is_eqx_state(obj):
@@ -208,7 +201,7 @@ class _Preparer:
         self.done.add(i)
         static = model_state = None
         candidates = [obj]
-        if _is_equinox(obj):
+        if is_equinox(obj):
             import equinox as eqx
 
             arrays, static = eqx.partition(obj, eqx.is_array)
@@ -218,7 +211,7 @@ class _Preparer:
             state_at = self._state_of(obj)
         opt_states: list[int] = []
         for j, other in enumerate(self.objects):
-            if j in self.done or _is_equinox(other) or not _has_arrays(other):
+            if j in self.done or is_equinox(other) or not _has_arrays(other):
                 continue
             hit = next((k for k, c in enumerate(candidates) if _mirrors(other, c)), None)
             if hit is not None:
