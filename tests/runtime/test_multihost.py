@@ -347,13 +347,17 @@ def test_launch_exits_with_first_failure_and_stops_the_others():
     assert time.monotonic() - start < 90
 
 
-def test_launch_ctrl_c_stops_every_process():
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_launch_ctrl_c_stops_every_process(inherited):
+    # "ignored": started as a non-interactive shell starts a background job (`cmd &`),
+    # with SIGINT ignored; the launcher must stop on it all the same.
     child = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
     launch = subprocess.Popen(
         [*LAUNCH, "launch", "-n", "2", "--grace", "1", "--", *PY, child],
         stdout=subprocess.PIPE,
         text=True,
         env=CLEAN_ENV,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, inherited),
     )
     pids = []
     while len(pids) < 2:

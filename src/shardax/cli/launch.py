@@ -237,6 +237,19 @@ def forward_signals(
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Within the block, SIGINT (Ctrl-C) raises KeyboardInterrupt, also where this process
+    was started with SIGINT ignored (as a non-interactive shell starts a background job,
+    and its children inherit): ``shardax launch`` promises that SIGINT stops every
+    process. The previous handler comes back afterwards. Main thread only."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def exit_code(returncode: int) -> int:
     """A shell-style exit code: a process killed by signal N gives 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -379,5 +392,5 @@ def run(args: argparse.Namespace) -> int:
         procs = start_processes(cmd, envs, merge_stderr=False)
     except OSError as e:  # not found, not executable
         raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
-    with forward_signals(procs):
+    with forward_signals(procs), interruptible():
         return supervise(procs, grace=args.grace, prefix_stdout="--json" not in cmd)
