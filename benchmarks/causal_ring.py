@@ -1,7 +1,7 @@
 """The causal ring skips what the mask hides, and zig-zag evens out what is left.
 
 ``sx.attention(impl="ring", causal=True)`` computes a K/V block (under ``layout=
-"zigzag"``, each of its two chunks against each of the queries' two) only where the
+"zigzag:C"``, each of its two chunks against each of the queries' two) only where the
 causal mask lets some query see some key; the rest is skipped with ``lax.cond``. Side
 by side in one run, over a ``"context"`` axis of C simulated CPU devices:
 
@@ -23,7 +23,8 @@ import json
 
 
 def work_per_device(context: int, length: int, layout: str) -> list[float]:
-    """The fraction of full attention each device computes in the causal ring."""
+    """The fraction of full attention each device computes in the causal ring (``layout``
+    ``"contiguous"`` or ``"zigzag"``: the ring's own layout, for ``context`` devices)."""
     import jax.numpy as jnp
 
     from shardax.parallel import context as attn
@@ -82,7 +83,7 @@ def main() -> None:
         return lambda state, batch: (state, fn(*batch))
 
     runs = {"none": (False, "contiguous"), "contiguous": (True, "contiguous"),
-            "zigzag": (True, "zigzag")}  # fmt: skip
+            "zigzag": (True, f"zigzag:{c}")}  # fmt: skip
     steps = {name: grads(*how) for name, how in runs.items()}
     times, _ = time_in_turns(steps, dict.fromkeys(steps), qkv, args.repeats, warmup=1)
     base = times["none"]

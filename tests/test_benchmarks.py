@@ -58,7 +58,7 @@ def test_ring_sends_each_block_before_computing_with_it():
     lead = load("context_parallel").ring_permutes_lead
     mesh = jax.make_mesh((4,), ("context",), devices=jax.devices()[:4])
     z = jnp.zeros((1, 64, 2, 8))
-    for layout in ("contiguous", "zigzag"):
+    for layout in ("contiguous", "zigzag:4"):
         fwd = jax.jit(lambda q, k, v, layout=layout: attention(
             q, k, v, causal=True, impl="ring", layout=layout))  # fmt: skip
         with jax.set_mesh(mesh):

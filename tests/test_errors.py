@@ -644,6 +644,7 @@ def _counts():
         ("moe capacity_factor", "sx.moe", lambda v: sx.moe(x, jnp.ones((4, 2)), layer, {"w": jnp.ones((2, 4, 4))}, capacity_factor=v)),
         ("attention scale", "sx.attention", lambda v: sx.attention(*[jnp.ones((2, 8, 2, 4))] * 3, scale=v)),
         ("zigzag context", "sx.parallel.zigzag", lambda v: sx.parallel.zigzag({"x": np.ones((1, 8))}, v)),
+        ("zigzag_layout context", "sx.parallel.zigzag_layout", lambda v: sx.parallel.zigzag_layout(v)),
         ("GPTConfig layers", None, lambda v: GPTConfig(**{**tiny, "layers": v})),
         ("GPTConfig heads", None, lambda v: GPTConfig(**{**tiny, "heads": v})),
         ("GPTConfig pipeline_microbatches", None, lambda v: GPTConfig(**tiny, pipeline_microbatches=v)),
@@ -1031,6 +1032,12 @@ def _all_false_mask_step():
     return step(step.shard(_pytree_state()), {**batch, "mask": np.zeros(8, bool)})
 
 
+def _zigzag_for_4_on_context_2():
+    q, _ = sx.parallel.zigzag(jnp.ones((2, 16, 2, 4)), 4)
+    with jax.set_mesh(sx.make_mesh({"data": 4, "context": 2})):
+        return jax.jit(lambda q: sx.attention(q, q, q, causal=True, layout="zigzag:4"))(q)
+
+
 @pytest.mark.parametrize(
     "call, error, message",
     [
@@ -1040,6 +1047,8 @@ def _all_false_mask_step():
         (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), lambda p, t: jnp.sum(t @ p), jnp.ones((2, 4, 4))), ValueError, "sx.moe: expert_fn must map one expert's tokens (n, d) to outputs (n, d_out), got outputs of shape () for tokens of shape"),
         (lambda: sx.save_checkpoint("/tmp/sx-unused-ckpt", _donated_state(), step=1), ValueError, "sx.save_checkpoint: state leaf 'params/w' (and 2 more) has been deleted: its buffer was donated to a step"),
         (_all_false_mask_step, ValueError, "sx.train.TrainStep: batch['mask'] is all False, shape (8,): the batch has no real example"),
+        (_zigzag_for_4_on_context_2, ValueError, "sx.attention: layout='zigzag:4' says the sequence was reordered for 4 devices of axis 'context', but it has size 2 here; reorder with sx.parallel.zigzag(batch, 2) and pass layout='zigzag:2'"),
+        (lambda: sx.attention(*[jnp.ones((2, 8, 2, 4))] * 3, layout="zigzag:0"), ValueError, "sx.attention: layout must be one of ['contiguous', 'zigzag'] or 'zigzag:C' with C an integer >= 1 (the context axis size the batch was reordered for, sx.parallel.zigzag_layout(C)), got 'zigzag:0'"),
     ],
 )  # fmt: skip
 def test_third_sweep_errors_name_argument_rule_and_value(call, error, message):

@@ -7,11 +7,17 @@ import json
 import re
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import shardax as sx
 from shardax.cli.main import main as cli
-from shardax.data.text import lm_batch, zigzag_batch
+from shardax.data.text import LMBatches, batch_layout, lm_batch, zigzag_batch
+from shardax.models import gpt
+from shardax.parallel import unzigzag, zigzag
 
 TINY = ["--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "4",
         "--seq-len", "32", "--batch-size", "8", "--steps", "5", "--eval-every", "5"]  # fmt: skip
@@ -44,7 +50,7 @@ def test_context_parallel_losses_equal_data_only(train, impl, capsys):
     out = train(*CONTEXT, "--attention", impl)
     assert out["mesh"] == {"data": 2, "context": 4} and len(out["history"]) == 5
     assert out["model_config"]["attention"] == impl
-    assert out["model_config"]["layout"] == "zigzag"
+    assert out["model_config"]["layout"] == "zigzag:4"  # the C the batches were reordered for
     np.testing.assert_allclose(losses(out), losses(ref), rtol=1e-5)
     capsys.readouterr()
 
@@ -106,3 +112,24 @@ def test_packed_batches_and_zigzag_positions():
     zz = zigzag_batch(batch, 4)
     assert zz["positions"][0, :4].tolist() == pos[0, :4].tolist()
     assert zz["positions"][0, 4:8].tolist() == pos[0, 28:32].tolist()
+    assert batch_layout(4) == LMBatches(data, 4, 32, 0, context=4).layout == "zigzag:4"
+    assert batch_layout(1) == LMBatches(data, 4, 32, 0).layout == "contiguous"
+
+
+def test_the_model_refuses_a_batch_reordered_for_another_context_size():
+    """A batch zig-zagged for C=4 with layout "zigzag:4": the GPT on one device gives the
+    contiguous batch's logits (its positions and mask are C=4's), and on context=2 it is
+    refused by name rather than masked wrongly."""
+    model = nnx.jit(lambda: gpt.make_gpt(gpt.GPTConfig(layers=1, d_model=16, heads=2,
+                                                       max_seq_len=16)))()  # fmt: skip
+    tokens = jnp.arange(64).reshape(4, 16) % 7
+    zz, _ = zigzag(tokens, 4)
+    want = nnx.jit(lambda m, t: m(t))(model, tokens)
+    got = nnx.jit(lambda m, t: m(t, layout="zigzag:4"))(model, zz)
+    np.testing.assert_allclose(unzigzag(np.asarray(got), 4), want, rtol=1e-5, atol=1e-5)
+    with (
+        jax.set_mesh(sx.make_mesh({"data": 4, "context": 2})),
+        pytest.raises(ValueError, match=r"layout='zigzag:4' says .* 4 devices of axis "
+                      r"'context', but it has size 2 here"),
+    ):  # fmt: skip
+        nnx.jit(lambda m, t: m(t, layout="zigzag:4"))(model, zz)

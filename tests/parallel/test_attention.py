@@ -20,13 +20,14 @@ from shardax.parallel.context import (
     sequence_sharding,
     unzigzag,
     zigzag,
+    zigzag_layout,
     zigzag_order,
 )
 
 IMPLS = ("all_gather", "ring", "ulysses")
 B, T, D = 2, 32, 8
 SEGMENTS = np.repeat([[0] * 7 + [1] * 13 + [2] * 12], B, 0).astype(np.int32)
-# name: (causal, segment ids, window, bias, layout)
+# name: (causal, segment ids, window, bias, layout); "zigzag" runs as "zigzag:C", C the mesh's
 MASKS = {
     "none": (False, False, None, False, "contiguous"),
     "causal": (True, False, None, False, "contiguous"),
@@ -92,8 +93,9 @@ def close(got, want):
     )
 
 
-def case_fn(impl, mask_name):
+def case_fn(impl, mask_name, c=1):
     causal, seg, window, has_bias, layout = MASKS[mask_name]
+    layout = zigzag_layout(c) if layout == "zigzag" else layout
 
     def fn(q, k, v, bias, segment_ids):
         return attention(
@@ -124,7 +126,7 @@ def mesh_results(request):
         for impl in IMPLS:
             for name, (_, _, _, _, layout) in MASKS.items():
                 x = zigged if layout == "zigzag" else plain
-                fn = case_fn(impl, name)
+                fn = case_fn(impl, name, c)
                 out[impl, name] = value_and_grads(
                     lambda q, k, v, b, fn=fn, s=x["seg"]: fn(q, k, v, b, s),
                     x["q"], x["k"], x["v"], x["bias"], x["w"],
@@ -299,7 +301,7 @@ def test_the_causal_ring_skips_the_hidden_blocks():
             return fn.lower(q).compile().as_text()
 
     assert "conditional(" not in hlo()
-    for kw in ({"causal": True}, {"window": (3, 0)}, {"causal": True, "layout": "zigzag"}):
+    for kw in ({"causal": True}, {"window": (3, 0)}, {"causal": True, "layout": "zigzag:4"}):
         assert "conditional(" in hlo(**kw), kw
 
 
@@ -309,8 +311,8 @@ def test_refusals_name_the_rule():
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError, match=r"heads must be divisible by C=4; got heads 6"):
             attention(q, k, v, impl="ulysses")
-        with pytest.raises(ValueError, match=r"not divisible by 8 .*zigzag"):
-            attention(q[:, :12], k[:, :12], v[:, :12], layout="zigzag")
+        with pytest.raises(ValueError, match=r"not divisible by 8 .*layout='zigzag:4'"):
+            attention(q[:, :12], k[:, :12], v[:, :12], layout="zigzag:4")
         with pytest.raises(ValueError, match="q_len must equal kv_len"):
             attention(q[:, :16], k, v)
         with pytest.raises(ValueError, match="axis 'seq' is not in the mesh"):
@@ -327,6 +329,31 @@ def test_refusals_name_the_rule():
         attention(q, k, v, bias=jnp.zeros((2, 6, 32, 16)))
     with pytest.raises(ValueError, match="multiple of kv_heads 4"):
         attention(q, jnp.zeros((2, 32, 4, 8)), jnp.zeros((2, 32, 4, 8)))
+    for bad in ("zigzag:0", "zigzag:x", "zigzag:", "zig-zag", 4):
+        with pytest.raises(ValueError, match=rf"layout must be one of .*'zigzag:C'.*got {bad!r}"):
+            attention(q, k, v, layout=bad)
+    with pytest.raises(ValueError, match=r"length 32 is not divisible by 6 \(2 × C=3, layout='zig"):
+        attention(q, k, v, causal=True, layout="zigzag:3")
+
+
+def test_a_batch_reordered_for_another_context_size_is_refused():
+    """ "zigzag:4" carries its C: on context=2 the causal mask would be another batch's."""
+    q, k, v, _, _ = inputs(4, 2)
+    (zq, zk, zv), _ = zigzag((q, k, v), 4)
+    fn = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, layout=zigzag_layout(4)))
+    with (
+        jax.set_mesh(jax.make_mesh((4, 2), ("data", "context"))),
+        pytest.raises(
+            ValueError,
+            match=r"^sx.attention: layout='zigzag:4' says the sequence was reordered for 4 "
+            r"devices of axis 'context', but it has size 2 here; reorder with "
+            r"sx.parallel.zigzag\(batch, 2\) and pass layout='zigzag:2'",
+        ),
+    ):
+        fn(zq, zk, zv)
+    # On one device (no context axis) the layout's own C gives the true positions.
+    want = reference(q, k, v, causal=True)
+    close(unzigzag(np.asarray(fn(zq, zk, zv)), 4), want)
 
 
 def test_auto_states_why_and_runs():
@@ -342,6 +369,9 @@ def test_auto_states_why_and_runs():
 
 
 def test_zigzag_helpers():
+    assert zigzag_layout(4) == "zigzag:4" and sx.parallel.zigzag_layout is zigzag_layout
+    with pytest.raises(ValueError, match="context must be an integer >= 1, got 0"):
+        zigzag_layout(0)
     assert zigzag_order(16, 4).tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
     tokens = np.arange(32).reshape(2, 16)
     batch, pos = zigzag({"tokens": tokens, "n": np.int32(3)}, 4)

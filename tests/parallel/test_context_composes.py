@@ -2,10 +2,13 @@
 ``sx.attention`` over a context axis: it composes with ``accumulate``, FSDP over the
 data axis, TP over heads, ``sx.remat`` and ``sx.verify``, and trains as on ``data=8``.
 
-A zig-zag batch needs the C it was reordered for: without a context axis
-``layout="zigzag"`` is refused, and ``sx.verify``'s one-device reference keeps the
-distributed mesh's layout (``laid_out_for``), so it computes what the mesh computes.
+A zig-zag batch needs the C it was reordered for: ``layout="zigzag:C"`` carries it, so
+one device (``sx.verify``'s reference) computes what the mesh computes; bare
+``layout="zigzag"`` (C from the mesh, warning once) is refused without a context axis,
+except in ``laid_out_for``, where sx.verify's reference keeps the mesh's layout.
 """
+
+import warnings
 
 import jax
 import numpy as np
@@ -15,6 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.parallel import context
 from shardax.parallel.context import attention, laid_out_for, unzigzag, zigzag
 from shardax.plan.tree import path_str
 
@@ -84,7 +88,7 @@ def runs():
     data = batches(2)
     mesh = sx.make_mesh({"data": 2, "context": 2, "model": 2})
     zigged = [zigzag(b, 2)[0] for b in data]
-    step, state, losses = train(mesh, "zigzag", zigged)
+    step, state, losses = train(mesh, "zigzag:2", zigged)
     _, ref_state, ref_losses = train(sx.make_mesh({"data": 8}), "contiguous", data)
     return mesh, step, state, losses, ref_state, ref_losses, zigged
 
@@ -112,7 +116,7 @@ def test_the_plan_splits_heads_over_model_and_the_rest_over_data(runs):
 def test_verify_agrees_on_a_zigzag_context_mesh(runs, impl):
     mesh, step, *_, zigged = runs
     with nnx.use_eager_sharding(False):
-        model = CausalLM(nnx.Rngs(0), "zigzag", impl)
+        model = CausalLM(nnx.Rngs(0), "zigzag:2", impl)
     plan = sx.plan.fsdp_over(sx.from_nnx(mesh, model), min_size=1)
     step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, accumulate=2)
     report = sx.verify(step, sx.TrainState.create(model, optax.adam(1e-2)), zigged[0])
@@ -120,32 +124,53 @@ def test_verify_agrees_on_a_zigzag_context_mesh(runs, impl):
     assert report.steps == 1 and report.cause is None
 
 
-def test_zigzag_without_the_context_axis_is_refused_not_guessed():
+def test_zigzag_without_the_context_axis_is_refused_not_guessed(monkeypatch):
     q = jax.random.normal(jax.random.key(0), (2, 16, 2, 8))
-    with pytest.raises(ValueError, match=r"layout='zigzag' needs the context axis.*unzigzag"):
+    with pytest.raises(ValueError, match=r"layout='zigzag' needs the context axis.*zigzag:C"):
         attention(q, q, q, causal=True, layout="zigzag")
     with (
         jax.set_mesh(sx.make_mesh({"data": 8})),
         pytest.raises(ValueError, match="axis 'context' has size 1 here"),
     ):
         jax.jit(lambda q: attention(q, q, q, causal=True, layout="zigzag"))(q)
-    # Inside laid_out_for, one device computes what C=4 devices compute on a zig-zag batch.
     zq, _ = zigzag(q, 4)
-    with laid_out_for(sx.make_mesh({"data": 2, "context": 4})):
-        got = attention(zq, zq, zq, causal=True, window=(5, 0), layout="zigzag")
     want = attention(q, q, q, causal=True, window=(5, 0))
+    # "zigzag:4" says its C: one device, and a mesh without the context axis (jit), compute
+    # what C=4 devices compute, with no laid_out_for.
+    got = attention(zq, zq, zq, causal=True, window=(5, 0), layout="zigzag:4")
+    np.testing.assert_allclose(unzigzag(np.asarray(got), 4), want, rtol=1e-5, atol=1e-6)
+    with jax.set_mesh(sx.make_mesh({"data": 8})):
+        got = jax.jit(lambda q: attention(q, q, q, causal=True, window=(5, 0), layout="zigzag:4"))(
+            zq
+        )
+    np.testing.assert_allclose(unzigzag(np.asarray(got), 4), want, rtol=1e-5, atol=1e-6)
+    # Bare "zigzag" inside laid_out_for: C=4 from the mesh, and a warning, once.
+    monkeypatch.setattr(context, "_BARE_ZIGZAG_WARNED", False)
+    with (
+        laid_out_for(sx.make_mesh({"data": 2, "context": 4})),
+        warnings.catch_warnings(record=True) as seen,
+    ):
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got = attention(zq, zq, zq, causal=True, window=(5, 0), layout="zigzag")
+    said = [w for w in seen if issubclass(w.category, FutureWarning)]
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in said]
+    assert "pass layout='zigzag:C' (sx.parallel.zigzag_layout(C))" in str(said[0].message)
     np.testing.assert_allclose(unzigzag(np.asarray(got), 4), want, rtol=1e-5, atol=1e-6)
     with (
         pytest.raises(ValueError, match=r"not divisible by 8 \(2 × C=4"),
         laid_out_for(sx.make_mesh({"data": 2, "context": 4})),
     ):
         attention(q[:, :12], q[:, :12], q[:, :12], layout="zigzag")
+    with pytest.raises(ValueError, match=r"not divisible by 8 \(2 × C=4, layout='zigzag:4'"):
+        attention(q[:, :12], q[:, :12], q[:, :12], layout="zigzag:4")
 
 
-def test_seq_axis_gives_each_device_its_part_of_each_sequence(runs):
+def test_seq_axis_gives_each_device_its_part_of_each_sequence(runs, monkeypatch):
     """make_train_step(seq_axis="context"): the batch's sequences split over the context
-    axis as well as its rows over data; the same losses, and sx.verify agrees; a batch
-    placed with sx.batch_sharding(mesh, seq_axis=...) is taken as it is."""
+    axis as well as its rows over data; the same losses, and sx.verify agrees (bare
+    layout="zigzag" here: its reference keeps the mesh's C by laid_out_for, and it warns);
+    a batch placed with sx.batch_sharding(mesh, seq_axis=...) is taken as it is."""
     mesh, _, _, losses, *_, zigged = runs
     with nnx.use_eager_sharding(False):
         model = CausalLM(nnx.Rngs(0), "zigzag")
@@ -154,7 +179,9 @@ def test_seq_axis_gives_each_device_its_part_of_each_sequence(runs):
     placed = step.place_batch(zigged[0])
     assert placed["inputs"].sharding.spec == P("data", "context")
     assert {s.data.shape for s in placed["inputs"].addressable_shards} == {(ROWS // 2, T // 2)}
-    assert sx.verify(step, sx.TrainState.create(model, optax.adam(1e-2)), zigged[0]).ok
+    monkeypatch.setattr(context, "_BARE_ZIGZAG_WARNED", False)
+    with pytest.warns(FutureWarning, match=r"layout='zigzag' takes C from the mesh"):
+        assert sx.verify(step, sx.TrainState.create(model, optax.adam(1e-2)), zigged[0]).ok
     state = step.shard(sx.TrainState.create(model, optax.adam(1e-2)))
     state, first = step(
         state, jax.device_put(zigged[0], sx.batch_sharding(mesh, seq_axis="context"))

@@ -169,7 +169,7 @@ def test_ring_of_cudnn_blocks_equals_dense_on_gpus():
     mesh = jax.make_mesh((1, n), ("data", "context"), devices=jax.devices()[:n])
     q, k, v = _qkv(t=128 * n, d=64, dtype=jnp.bfloat16)
     put = NamedSharding(mesh, P("data", "context"))
-    for causal, layout in ((False, "contiguous"), (True, "contiguous"), (True, "zigzag")):
+    for causal, layout in ((False, "contiguous"), (True, "contiguous"), (True, f"zigzag:{n}")):
         args = [jax.device_put(x, put) for x in (q, k, v)]
         kw = {"causal": causal, "impl": "ring", "layout": layout}
         with jax.set_mesh(mesh):
@@ -224,11 +224,12 @@ def test_ring_of_cudnn_blocks_equals_one_device(monkeypatch, shape):
     q, k, v = _qkv(t=64, h=4, kh=2, d=16, dtype=jnp.bfloat16)
     mesh = jax.make_mesh(shape, ("data", "context"), devices=jax.devices()[:8])
     put = NamedSharding(mesh, P("data", "context"))
-    for causal, layout in ((False, "contiguous"), (True, "contiguous"), (True, "zigzag")):
+    zig = sx.parallel.zigzag_layout(shape[1])
+    for causal, layout in ((False, "contiguous"), (True, "contiguous"), (True, zig)):
         kw = {"causal": causal}
         ref = _loss("dense", **kw)(q, k, v)  # one device, fp32 softmax
         perm = np.arange(64)
-        if layout == "zigzag":
+        if layout == zig:
             perm = sx.parallel.zigzag(np.arange(64)[None], shape[1])[1]
         args = [jax.device_put(x[:, perm], put) for x in (q, k, v)]
         with jax.set_mesh(mesh):
@@ -346,7 +347,7 @@ def test_h100_ring_runs_its_blocks_through_cudnn(h100_meshes, caplog):
     back to the dense blocks, said once by name."""
     mesh, spec = h100_meshes["context"]
     with caplog.at_level(logging.WARNING, logger="shardax"):
-        for layout in ("contiguous", "zigzag"):
+        for layout in ("contiguous", "zigzag:4"):
             text = _compiled(mesh, spec, SHAPES, causal=True, impl="ring", layout=layout)
             calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
             assert any("Backward" in c for c in calls), (layout, calls)
@@ -408,7 +409,7 @@ def test_gpt_in_bf16_compiles_to_cudnn_on_h100(h100_meshes, where):
     tokens = jax.ShapeDtypeStruct((8, 128), jnp.int32, sharding=NamedSharding(mesh, spec))
 
     def loss(params, tokens):
-        layout = "contiguous" if where == "jit" else "zigzag"
+        layout = "contiguous" if where == "jit" else "zigzag:4"
         logits = nnx.merge(graph, params)(tokens, layout=layout)
         return logits.astype(jnp.float32).mean()
 

@@ -251,6 +251,7 @@ def _context_group(args: argparse.Namespace, target: Any, remats: tuple[str, ...
     FSDP over ``data`` as ``shardax train --plan fsdp``; None where it does not apply."""
     import shardax as sx
     from shardax.models import gpt
+    from shardax.parallel.context import zigzag_layout
     from shardax.plan.follow import follow_params
 
     within = len(target.devices) // (target.hosts if target.platform == "gpu" else target.slices)
@@ -266,7 +267,7 @@ def _context_group(args: argparse.Namespace, target: Any, remats: tuple[str, ...
     axes, rows = _data_rows(mesh)
     if args.batch % rows:
         return None
-    models = {r: _model(args, r, layout="zigzag")[:3] for r in remats}
+    models = {r: _model(args, r, layout=zigzag_layout(c))[:3] for r in remats}
     plan = gpt.plan(mesh, next(iter(models.values()))[0], "fsdp")
     plans = {"context": follow_params(plan)}
     return Group(mesh, _axis(axes), plans, models, _counts(args.batch // rows),

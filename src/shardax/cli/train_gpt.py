@@ -247,7 +247,13 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     from flax import nnx
 
     import shardax as sx
-    from shardax.data.text import LMBatches, lm_eval_batch, load_corpus, zigzag_batch
+    from shardax.data.text import (
+        LMBatches,
+        batch_layout,
+        lm_eval_batch,
+        load_corpus,
+        zigzag_batch,
+    )
     from shardax.models import gpt
 
     mesh = make_mesh(args)
@@ -266,7 +272,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     check_batch_fits(args, mesh)
     check_experts(args, mesh)
     context = check_context(args, mesh)
-    layout = "zigzag" if context > 1 else "contiguous"
+    layout = batch_layout(context)  # "zigzag:C": the C the batches were reordered for
     try:
         corpus = load_corpus(args.data)
         loader = LMBatches(corpus.train, args.batch_size, args.seq_len, args.seed,

@@ -184,7 +184,8 @@ class LMBatches:
     ``pack``: packed rows with segment ids and positions (:func:`pack_row`).
     ``context``: the size of the mesh's context axis; > 1 reorders every batch zig-zag
     (``sx.parallel.zigzag``: device i of the axis holds chunks i and 2C-1-i of each row,
-    so that causal attention's work is even) and adds the true ``positions``.
+    so that causal attention's work is even) and adds the true ``positions``. ``layout``
+    is the batches' layout to attend with: ``"zigzag:C"`` (``"contiguous"`` for 1).
     """
 
     def __init__(
@@ -207,6 +208,7 @@ class LMBatches:
         self._rows = slice(index * local, (index + 1) * local)
         self.data, self.batch_size, self.seq_len, self.seed = data, batch_size, seq_len, seed
         self.pack, self.context = pack, context
+        self.layout = batch_layout(context)
         if context > 1 and seq_len % (2 * context):
             raise ValueError(
                 f"--seq-len {seq_len} is not divisible by 2 × the context axis size "
@@ -249,10 +251,23 @@ class LMBatches:
         self.step = as_count("state['step']", state["step"], minimum=0)
 
 
+def batch_layout(context: int) -> str:
+    """The layout of :func:`zigzag_batch`'s batches for ``context`` devices, to attend
+    with: ``"zigzag:C"`` (``sx.parallel.zigzag_layout``), ``"contiguous"`` for 1.
+
+    >>> batch_layout(4), batch_layout(1)
+    ('zigzag:4', 'contiguous')
+    """
+    from shardax.parallel.context import zigzag_layout
+
+    return zigzag_layout(context) if context > 1 else "contiguous"
+
+
 def zigzag_batch(batch: dict[str, np.ndarray], context: int) -> dict[str, np.ndarray]:
     """``batch`` reordered zig-zag along the sequence for ``context`` devices
     (``sx.parallel.zigzag``), with ``positions`` (the true position of each token, or
     the packed rows' own positions, reordered alike); unchanged when ``context`` is 1.
+    Attend with ``layout=batch_layout(context)`` (``"zigzag:C"``).
 
     >>> zigzag_batch({"inputs": np.arange(8)[None]}, 2)["positions"].tolist()
     [[0, 1, 6, 7, 2, 3, 4, 5]]

@@ -254,7 +254,8 @@ class Context:
         segment_ids: ``(batch, seq)`` document ids of packed rows (attention stays
             within a document), or None.
         layout: how the sequence lies over the ``"context"`` axis: ``"contiguous"``,
-            or ``"zigzag"`` (reordered by ``sx.parallel.zigzag`` for causal load balance).
+            or ``"zigzag:C"`` (reordered by ``sx.parallel.zigzag`` for C devices, for
+            causal load balance; ``sx.parallel.zigzag_layout(C)``).
     """
 
     positions: Any = None
@@ -304,7 +305,7 @@ def _positions(ctx: Context, seq: int) -> jax.Array:
 
     if ctx.positions is not None:
         return jnp.asarray(ctx.positions)
-    return jnp.asarray(layout_positions(seq, layout_context(), ctx.layout))
+    return jnp.asarray(layout_positions(seq, layout_context(layout=ctx.layout), ctx.layout))
 
 
 class MLP(nnx.Module):
@@ -514,10 +515,10 @@ class GPT(nnx.Module):
         ``α · aux.balance_loss`` to the loss.
 
         ``positions`` (``(seq,)`` or ``(batch, seq)``), ``segment_ids`` (``(batch, seq)``,
-        packed documents) and ``layout`` (``"zigzag"`` for a batch reordered by
-        ``sx.parallel.zigzag``) are as in :class:`Context`; over a ``"context"`` mesh axis
-        the residual stream is split along the sequence and attention is ``sx.attention``'s
-        context-parallel scheme ``GPTConfig.attention``."""
+        packed documents) and ``layout`` (``"zigzag:C"`` for a batch reordered by
+        ``sx.parallel.zigzag`` for C devices) are as in :class:`Context`; over a
+        ``"context"`` mesh axis the residual stream is split along the sequence and
+        attention is ``sx.attention``'s context-parallel scheme ``GPTConfig.attention``."""
         seq = tokens.shape[-1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(

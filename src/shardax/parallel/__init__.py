@@ -7,7 +7,7 @@ also from ``shardax``).
 
 from shardax.checks import moved as _moved
 from shardax.parallel.collectives import all_gather, all_reduce, reduce, weighted_mean
-from shardax.parallel.context import attention, choose_impl, unzigzag, zigzag
+from shardax.parallel.context import attention, choose_impl, unzigzag, zigzag, zigzag_layout
 from shardax.parallel.experts import MoEAux, capacity, choose_dispatch, moe
 from shardax.parallel.fused import choose_kernel
 from shardax.parallel.gpipe import bubble, pipeline
@@ -34,6 +34,7 @@ __all__ = [
     "unzigzag",
     "weighted_mean",
     "zigzag",
+    "zigzag_layout",
 ]
 
 # Names that left this namespace (internal now, or moved), by their home; they keep

@@ -18,13 +18,16 @@ picks how devices see each other's keys and values:
 - ``"ulysses"``: all-to-all from sequence-split to head-split, full-length attention
   on H / C heads, all-to-all back (needs ``H % C == 0``).
 
-Causal load balancing: with ``layout="zigzag"`` device i holds sequence chunks i and
-2C-1-i (of 2C); :func:`zigzag` reorders a batch that way and gives each token's true
-position, which the masks use. The ring then pairs chunks, not blocks, and skips the
-hidden pairs, so each device computes (2C+1)/(4C) of the full attention (contiguous:
-device i computes (i+1)/C of it). A zig-zag batch needs the C it was reordered for: on a
-mesh without the axis, ``layout="zigzag"`` is refused, except inside :func:`laid_out_for`
-(how ``sx.verify`` runs its one-device reference on the distributed mesh's layout).
+Causal load balancing: with ``layout="zigzag:C"`` (:func:`zigzag_layout`) device i holds
+sequence chunks i and 2C-1-i (of 2C); :func:`zigzag` reorders a batch that way and gives
+each token's true position, which the masks use. The ring then pairs chunks, not blocks,
+and skips the hidden pairs, so each device computes (2C+1)/(4C) of the full attention
+(contiguous: device i computes (i+1)/C of it). The layout carries the C the batch was
+reordered for: a context axis of another size > 1 is refused by name, and where the axis
+has size 1 (one device) the masks use C's true positions. Bare ``layout="zigzag"`` (C
+taken from the mesh) still works, warning once; on a mesh without the axis it is
+refused, except inside :func:`laid_out_for` (how ``sx.verify`` runs its one-device
+reference on the distributed mesh's layout).
 
 >>> mesh = jax.make_mesh((2, 4), ("data", "context"))
 >>> q = k = v = jnp.ones((2, 16, 4, 8))
@@ -41,6 +44,7 @@ import contextvars
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -58,7 +62,9 @@ IMPLS: tuple[str, ...] = ("all_gather", "ring", "ulysses")
 """The context-parallel schemes; ``impl="auto"`` picks one with :func:`choose_impl`."""
 
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
-"""How the sequence is laid out over the context axis (:func:`zigzag`)."""
+"""How the sequence is laid out over the context axis: a layout is one of these, or
+``"zigzag:C"`` (:func:`zigzag_layout`: reordered by :func:`zigzag` for C devices), read by
+:func:`parse_layout`."""
 
 SCORE_BYTES_LIMIT = 1 << 30
 """``impl="auto"`` takes the ring when the scores of all_gather / ulysses would exceed
@@ -102,13 +108,44 @@ def zigzag_order(length: int, context: int) -> np.ndarray:
     return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
 
 
+def parse_layout(layout: Any, name: str = "layout") -> tuple[str, int | None]:
+    """``(kind, C)`` of a layout: ``"contiguous"`` and ``"zigzag"`` carry no C (None),
+    ``"zigzag:C"`` carries its C; anything else raises ``ValueError`` naming ``name``.
+
+    >>> parse_layout("zigzag:4"), parse_layout("contiguous")
+    (('zigzag', 4), ('contiguous', None))
+    """
+    if isinstance(layout, str) and layout in LAYOUTS:
+        return layout, None
+    kind, sep, size = layout.partition(":") if isinstance(layout, str) else ("", "", "")
+    if kind == "zigzag" and sep and size.isdigit() and size.isascii() and int(size) >= 1:
+        return kind, int(size)
+    raise ValueError(
+        f"{name} must be one of {list(LAYOUTS)} or 'zigzag:C' with C an integer >= 1 (the "
+        f"context axis size the batch was reordered for, sx.parallel.zigzag_layout(C)), "
+        f"got {layout!r}"
+    )
+
+
+@public("sx.parallel.zigzag_layout")
+def zigzag_layout(context: int) -> str:
+    """The layout of a batch reordered by :func:`zigzag` for ``context`` devices,
+    ``"zigzag:C"``: pass it to :func:`attention` (or the model) with that batch, so that
+    a mesh whose context axis has another size refuses it rather than mask it wrongly.
+
+    >>> zigzag_layout(4)
+    'zigzag:4'
+    """
+    return f"zigzag:{as_count('context', context)}"
+
+
 @public("sx.parallel.zigzag")
 def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndarray]:
     """``(batch, positions)``: every array leaf of ``batch`` reordered along ``seq_axis``
     for causal load balancing over ``context`` devices, and the true position of each
     reordered token (give it to the model's position embedding; pass
-    ``layout="zigzag"`` to :func:`attention`). Segment ids in the batch are reordered
-    with it. Leaves of rank <= ``seq_axis`` pass through.
+    ``layout=zigzag_layout(context)``, ``"zigzag:C"``, to :func:`attention`). Segment ids
+    in the batch are reordered with it. Leaves of rank <= ``seq_axis`` pass through.
 
     >>> batch, pos = zigzag({"tokens": np.arange(8)[None]}, 2)
     >>> batch["tokens"].tolist(), pos.tolist()
@@ -176,7 +213,7 @@ def sequence_sharding(
 def layout_positions(length: int, context: int, layout: str) -> np.ndarray:
     """The true position of each of ``length`` tokens laid out ``layout`` over ``context``
     devices (``arange`` for ``"contiguous"``)."""
-    if layout == "zigzag" and context > 1:
+    if parse_layout(layout)[0] == "zigzag" and context > 1:
         return zigzag_order(length, context)
     return np.arange(length)
 
@@ -267,8 +304,9 @@ _LAID_OUT: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVa
 @contextlib.contextmanager
 def laid_out_for(mesh: Mesh) -> Iterator[None]:
     """Within it, a run on fewer devices keeps ``mesh``'s sequence layout: where ``axis``
-    has size 1 (or is absent), ``layout="zigzag"`` means the batch was reordered for
-    ``mesh.shape[axis]`` devices, and the masks and positions use that C.
+    has size 1 (or is absent), bare ``layout="zigzag"`` means the batch was reordered for
+    ``mesh.shape[axis]`` devices, and the masks and positions use that C
+    (``"zigzag:C"`` says its C itself and needs no ``laid_out_for``).
 
     ``sx.verify`` runs its one-device reference inside it, so a zig-zag batch gives the
     same loss and gradients there as over the context axis.
@@ -284,9 +322,13 @@ def laid_out_for(mesh: Mesh) -> Iterator[None]:
         _LAID_OUT.reset(token)
 
 
-def layout_context(axis: str = CONTEXT_AXIS) -> int:
-    """The C a ``layout="zigzag"`` sequence is laid out for: the size of ``axis`` in the
-    current mesh, or where that is 1, its size in an enclosing :func:`laid_out_for`."""
+def layout_context(axis: str = CONTEXT_AXIS, layout: str = "zigzag") -> int:
+    """The C a zig-zag sequence is laid out for: the C ``layout`` carries
+    (``"zigzag:C"``), else the size of ``axis`` in the current mesh, or where that is 1,
+    its size in an enclosing :func:`laid_out_for`."""
+    carried = parse_layout(layout)[1]
+    if carried is not None:
+        return carried
     c, _ = context_size(axis)
     return c if c > 1 else (_LAID_OUT.get() or {}).get(axis, 1)
 
@@ -887,8 +929,10 @@ def attention(
       axis: the mesh axis splitting the sequence (of the mesh set by ``jax.set_mesh``,
         or bound by an enclosing ``shard_map``).
       impl: ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"auto"`` (:func:`choose_impl`).
-      layout: ``"contiguous"`` or ``"zigzag"`` (the batch reordered by :func:`zigzag`);
-        masks use the true positions.
+      layout: ``"contiguous"`` or ``"zigzag:C"`` (the batch reordered by
+        :func:`zigzag` for C devices, :func:`zigzag_layout`); masks use the true
+        positions. ``axis`` of size C' > 1 with C' != C is refused; of size 1, the
+        positions are C's. Bare ``"zigzag"`` takes C from the mesh (warning once).
       kernel: ``"auto"``: the platform's fused kernel where it can compute this
         attention (cuDNN on a GPU, splash attention on a TPU;
         :func:`shardax.parallel.choose_kernel`), else the dense path, which a GPU or TPU
@@ -913,17 +957,18 @@ def attention(
     window = _check_window(window)
     if impl not in ("auto", *IMPLS):
         raise ValueError(f"impl must be 'auto' or one of {list(IMPLS)}, got {impl!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    kind, carried = parse_layout(layout)
     if kernel not in ("auto", *fused.KERNELS):
         raise ValueError(f"kernel must be 'auto' or one of {list(fused.KERNELS)}, got {kernel!r}")
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else as_float("scale", scale)
     c, manual = context_size(axis)
+    if kind == "zigzag":
+        _check_zigzag(layout, carried, c, axis)
     if c == 1:
-        laid = 1 if layout == "contiguous" else _zigzag_context(axis, q.shape[1], k.shape[1])
+        laid = 1 if kind == "contiguous" else _zigzag_context(axis, q.shape[1], k.shape[1], layout)
         pos = None if q.shape[1] != k.shape[1] else jnp.asarray(
-            layout_positions(q.shape[1], laid, layout)
+            layout_positions(q.shape[1], laid, kind)
         )  # fmt: skip
         return _dense(
             q, k, v, qpos=pos, kpos=pos, qseg=segment_ids, kseg=segment_ids, bias=bias,
@@ -935,7 +980,8 @@ def attention(
     impl = _pick(impl, gshape[0], gshape[1], c, q.dtype.itemsize, layout)
     if impl == "ring":
         kernel = _ring_kernel(kernel, q.dtype, d, causal, window, segment_ids, bias)
-    cfg = _Config(axis, c, bool(causal), window, layout, scale, kernel)
+    # "zigzag:C" checked equal to the axis: from here it is "zigzag" over this axis.
+    cfg = _Config(axis, c, bool(causal), window, kind, scale, kernel)
     scheme = functools.partial(_SCHEMES[impl], cfg)
     if manual:
         return scheme(q, k, v, segment_ids, bias)
@@ -986,18 +1032,48 @@ def _ring_unsupported(kernel, dtype, head_dim, causal, window, segment_ids, bias
     return why
 
 
-def _zigzag_context(axis: str, t: int, s: int) -> int:
-    """The C of a zig-zag sequence run where ``axis`` has size 1 (see :func:`laid_out_for`);
-    refused when it cannot be known: a guess would give the wrong causal mask."""
-    c = layout_context(axis)
-    if c == 1:
+_BARE_ZIGZAG_WARNED = False
+
+
+def _check_zigzag(layout: str, carried: int | None, c: int, axis: str) -> None:
+    """``"zigzag:C"`` on an ``axis`` of size ``c`` > 1 other than C is refused (its masks
+    would be another batch's); bare ``"zigzag"`` takes C from the mesh (or an enclosing
+    :func:`laid_out_for`), warning once."""
+    global _BARE_ZIGZAG_WARNED
+    if carried is not None:
+        if c > 1 and c != carried:
+            raise ValueError(
+                f"layout={layout!r} says the sequence was reordered for {carried} devices "
+                f"of axis {axis!r}, but it has size {c} here; reorder with "
+                f"sx.parallel.zigzag(batch, {c}) and pass layout='zigzag:{c}' (or run on "
+                f"a mesh whose {axis!r} axis has size {carried})"
+            )
+        return
+    if not _BARE_ZIGZAG_WARNED and layout_context(axis) > 1:  # (else refused below)
+        _BARE_ZIGZAG_WARNED = True
+        warnings.warn(
+            f"sx.attention: layout='zigzag' takes C from the mesh (axis {axis!r}), so a "
+            "batch reordered for another C would be masked wrongly; pass "
+            "layout='zigzag:C' (sx.parallel.zigzag_layout(C)), the C it was reordered for",
+            FutureWarning,
+            stacklevel=4,  # the caller's line (this, attention, the door)
+        )
+
+
+def _zigzag_context(axis: str, t: int, s: int, layout: str = "zigzag") -> int:
+    """The C of a zig-zag sequence run where ``axis`` has size 1: the layout's own
+    (``"zigzag:C"``), else an enclosing :func:`laid_out_for`'s; refused when it cannot be
+    known: a guess would give the wrong causal mask."""
+    c = layout_context(axis, layout)
+    if c == 1 and parse_layout(layout)[1] is None:
         raise ValueError(
             f"layout='zigzag' needs the context axis: the rows were reordered for "
             f"C devices, and axis {axis!r} has size 1 here, so C is unknown. Pass "
-            f"layout='contiguous' with the batch in sequence order (sx.parallel.unzigzag), "
-            f"or run on a mesh whose {axis!r} axis has size > 1"
+            f"layout='zigzag:C' (sx.parallel.zigzag_layout(C)) with the C it was reordered "
+            f"for, or layout='contiguous' with the batch in sequence order "
+            f"(sx.parallel.unzigzag), or run on a mesh whose {axis!r} axis has size > 1"
         )
-    _check_length(t, s, c, "zigzag")
+    _check_length(t, s, c, layout)
     return c
 
 
@@ -1008,11 +1084,12 @@ def _check_length(t: int, s: int, c: int, layout: str) -> None:
             f"context parallelism splits one sequence, so q_len must equal kv_len; "
             f"got q_len {t}, kv_len {s} over axis of size C={c}"
         )
-    chunks = 2 * c if layout == "zigzag" else c
+    zig = parse_layout(layout)[0] == "zigzag"
+    chunks = 2 * c if zig else c
     if t % chunks:
         raise ValueError(
             f"sequence length {t} is not divisible by {chunks} "
-            f"({'2 × ' if layout == 'zigzag' else ''}C={c}, layout={layout!r}); pad it"
+            f"({'2 × ' if zig else ''}C={c}, layout={layout!r}); pad it"
         )
 
 
