@@ -116,16 +116,21 @@ def check_writable_dir(option: str, path: str) -> None:
     """Raises :class:`UsageError` unless directory ``path`` exists and is writable, or
     can be created: checked before any work starts, creating nothing."""
     target = Path(path).expanduser().absolute()
+    way_out = "; name a directory this user can write (created if missing)" + (
+        ", or off for none" if option == "--compile-cache" else ""
+    )
     if target.exists() and not target.is_dir():
-        raise UsageError(f"{option} {path}: exists and is not a directory")
+        raise UsageError(f"{option} {path}: exists and is not a directory{way_out}")
     existing = target
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"{option} {path}: cannot create it, {existing} is not a directory")
+        raise UsageError(
+            f"{option} {path}: cannot create it, {existing} is not a directory{way_out}"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == target else f"cannot be created in {existing}"
-        raise UsageError(f"{option} {path}: {what} (permission denied)")
+        raise UsageError(f"{option} {path}: {what} (permission denied){way_out}")
 
 
 STARTED = time.time()
