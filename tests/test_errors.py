@@ -140,6 +140,9 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.make_mesh(axis_types="explicit"), TypeError, "sx.make_mesh: axis_types must be a jax.sharding.AxisType"),
         (lambda: sx.fsdp("mesh"), TypeError, "sx.fsdp: mesh must be a jax.sharding.Mesh, got 'mesh'"),
         (lambda: sx.rules(None, []), TypeError, "sx.rules: mesh must be a jax.sharding.Mesh, got None"),
+        # third sweep, re-run: the step doors said only the type, with no way out
+        (lambda: sx.make_train_step(_loss, mesh="data"), TypeError, "sx.make_train_step: mesh must be a jax.sharding.Mesh, got 'data'. Build one with sx.make_mesh()"),
+        (lambda: sx.make_eval_step(_loss, mesh="data"), TypeError, "sx.make_eval_step: mesh must be a jax.sharding.Mesh, got 'data'. Build one with sx.make_mesh()"),
         (lambda: sx.plan.follow_params("fsdp"), TypeError, "sx.plan.follow_params: plan must be a shardax Plan"),
         (lambda: sx.plan.init_sharded(lambda: {"w": jnp.ones(8)}, "fsdp"), TypeError, "sx.plan.init_sharded: plan must be a shardax Plan"),
         (lambda: sx.make_train_step(None, mesh=sx.make_mesh()), TypeError, "sx.make_train_step: loss_fn must be a function loss_fn(model, batch), got None"),
@@ -419,7 +422,7 @@ def _run_twice(mode, loss_fn, reuse):
         (lambda: sx.prepare(_nnx_pair(4)[0], _nnx_pair(8)[1]), TypeError, "sx.prepare: argument 1 is an nnx.Optimizer, but no NNX model"),
         (lambda: sx.prepare({"w": np.ones(8)}, mesh=sx.make_mesh({"data": 8}), plan=sx.fsdp(sx.make_mesh({"data": 4}))), ValueError, "sx.prepare: plan 'fsdp' is over mesh {'data': 4}, not mesh {'data': 8}"),
         (lambda: sx.prepare({"w": np.ones(8)}, plan=sx.batch_sharding(sx.make_mesh())), TypeError, "sx.prepare: plan must be a shardax Plan"),
-        (lambda: sx.prepare({"w": np.ones(8)}, mesh="data"), TypeError, "sx.prepare: mesh must be a jax.sharding.Mesh, got 'data'"),
+        (lambda: sx.prepare({"w": np.ones(8)}, mesh="data"), TypeError, "sx.prepare: mesh must be a jax.sharding.Mesh, got 'data'. Build one with sx.make_mesh()"),
         # TrainState and an nnx.Optimizer
         (lambda: sx.TrainState.create(_nnx_pair(8)[0], _nnx_pair(4)[1]), ValueError, "sx.TrainState.create: the nnx.Optimizer's state does not match this model's params (wrt=Param): opt_state/0/mu/kernel/value has shape (4, 2), the model's params give (8, 2)"),
         (lambda: sx.TrainState.create({"w": jnp.ones(2)}, _nnx_pair()[1]), TypeError, "sx.TrainState.create: an nnx.Optimizer goes with the NNX module it was built for, got a model of type dict"),
@@ -529,7 +532,7 @@ IN_PROCESS_CASES = {
     "train --step-timeout inf": (["train", "--step-timeout", "inf"], "--step-timeout: expected a finite number > 0, got 'inf'"),
     "launch --grace inf": (["launch", "-n", "1", "--grace", "inf", "--", "true"], "--grace: expected a finite number >= 0"),
     # third sweep
-    "train --compile-cache a file": (["train", "--compile-cache", "{file}"], "--compile-cache {file}: exists and is not a directory"),
+    "train --compile-cache a file": (["train", "--compile-cache", "{file}"], "--compile-cache {file}: exists and is not a directory; name a directory this user can write (created if missing), or off for none"),
     "train --run-dir of an earlier run": (["train", "--run-dir", "{earlier}"], "--run-dir {earlier}: holds an earlier run (summary.json), which this one would overwrite and mix with its own; pass --resume"),
     "plan --plans ''": (["plan", "--measure", "--plans", ""], "--plans: expected comma-separated plan names such as zero1,fsdp, got ''"),
     "plan --measure --devices": (["plan", "--measure", "--devices", "64"], "--devices 64: only without --measure"),
