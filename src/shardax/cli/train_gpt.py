@@ -206,8 +206,17 @@ def _mesh_text(mesh: Any) -> str:
 
 def check_experts(args: argparse.Namespace, mesh: Any) -> None:
     """An ``expert`` mesh axis splits the MoE blocks' experts: without ``--experts`` the
-    model has none, and every device on that axis would repeat the same work."""
-    if mesh.shape.get(EXPERT_AXIS, 1) > 1 and args.experts is None:
+    model has none, and every device on that axis would repeat the same work; with them,
+    its size must divide their number."""
+    size = mesh.shape.get(EXPERT_AXIS, 1)
+    if size > 1 and args.experts is not None and args.experts % size:
+        raise UsageError(
+            f"--experts {args.experts} is not divisible by the size {size} of the "
+            f"{EXPERT_AXIS!r} axis of --mesh {_mesh_text(mesh)}, which splits the experts "
+            f"evenly over its devices; use a multiple of {size} (e.g. "
+            f"{-(-args.experts // size) * size}), or change {EXPERT_AXIS}= in --mesh"
+        )
+    if size > 1 and args.experts is None:
         raise UsageError(
             f"--mesh {_mesh_text(mesh)} has an {EXPERT_AXIS!r} axis of size "
             f"{mesh.shape[EXPERT_AXIS]}, which splits the experts of --experts, but "
