@@ -1041,6 +1041,7 @@ def _all_false_mask_step():
         (lambda: sx.prepare(object(), 42, "text"), TypeError, "sx.prepare: objects[0] must be a model, an optimizer or its state, a train state, a pytree of arrays or an iterable of batches, got object"),
         (lambda: sx.prepare({"w": jnp.ones(2)}, 42), TypeError, "sx.prepare: objects[1] must be a model, an optimizer or its state, a train state, a pytree of arrays or an iterable of batches, got int 42"),
         (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), lambda p, t: jnp.sum(t @ p), jnp.ones((2, 4, 4))), ValueError, "sx.moe: expert_fn must map one expert's tokens (n, d) to outputs (n, d_out), got outputs of shape () for tokens of shape"),
+        (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), lambda p, t: (t @ p, t @ p), jnp.ones((2, 4, 4))), TypeError, "sx.moe: expert_fn must map one expert's tokens (n, d) to one array of outputs (n, d_out), got tuple of 2"),
         (lambda: sx.save_checkpoint("/tmp/sx-unused-ckpt", _donated_state(), step=1), ValueError, "sx.save_checkpoint: state leaf 'params/w' (and 2 more) has been deleted: its buffer was donated to a step"),
         (_all_false_mask_step, ValueError, "sx.train.TrainStep: batch['mask'] is all False, shape (8,): the batch has no real example"),
     ],
