@@ -538,6 +538,11 @@ IN_PROCESS_CASES = {
     "plan --measure --devices": (["plan", "--measure", "--devices", "64"], "--devices 64: only without --measure"),
     "plan --measure --hardware": (["plan", "--measure", "--hardware", "h100"], "--hardware h100: only without --measure"),
     "goodput of a corrupt ledger": (["goodput", "{corrupt}"], "goodput ledger {corrupt}/goodput.json is not a ledger shardax can read: Expecting value"),
+    # third sweep, re-run: an empty path (an unset variable) read as the option left out
+    "train --checkpoint-dir ''": (["train", "--checkpoint-dir", ""], "argument --checkpoint-dir: expected a path, got '' (an unset variable?); leave the option out for its default"),
+    "train --log-dir ''": (["train", "--log-dir", ""], "argument --log-dir: expected a path, got ''"),
+    "train --model gpt --data ''": (["train", "--model", "gpt", "--data", ""], "argument --data: expected a path, got ''"),
+    "goodput ''": (["goodput", ""], "argument directory: expected a path, got '' (an unset variable?)"),
     "goodput of a negative bucket": (["goodput", "{negative}"], "session 0 bucket 'step' must be a number of seconds >= 0, got -5.0"),
 }  # fmt: skip
 

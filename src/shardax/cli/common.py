@@ -166,6 +166,30 @@ def check_output_dirs(args: argparse.Namespace) -> None:
             )
 
 
+def path_arg(text: str) -> str:
+    """An argparse type: a non-empty path. An empty one (``--checkpoint-dir "$UNSET"``)
+    would otherwise read as the option not given (no checkpoints, the default run
+    directory or corpus) or as the working directory.
+
+    >>> path_arg("runs/a")
+    'runs/a'
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected a path, got {text!r} (an unset variable?); leave the option out "
+            "for its default"
+        )
+    return text
+
+
+def required_path(text: str) -> str:
+    """An argparse type for a positional path: :func:`path_arg` with no default to fall
+    back on."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (an unset variable?)")
+    return text
+
+
 def off_or_dir(text: str) -> str:
     """An argparse type: ``off`` (in any case) or a directory path.
 

@@ -35,6 +35,7 @@ from typing import Any
 from shardax.cli.common import (
     UsageError,
     nonneg_int,
+    path_arg,
     plot_curves,
     positive_float,
     positive_int,
@@ -70,7 +71,9 @@ OPTIONS = (
         help="run the layers in lax.scan: compile time independent of depth, and remat "
         "saves memory on XLA:CPU; compiled FLOPs then count one layer",
     ),
-    option("--data", help="a text file or directory of them (default: stdlib sources)"),
+    option(
+        "--data", type=path_arg, help="a text file or directory of them (default: stdlib sources)"
+    ),
     option("--eval-every", 50, type=positive_int, help="steps per eval"),
     option(
         "--microbatches",
