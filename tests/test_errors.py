@@ -1048,6 +1048,12 @@ def _all_false_mask_step():
         (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), lambda p, t: jnp.sum(t @ p), jnp.ones((2, 4, 4))), ValueError, "sx.moe: expert_fn must map one expert's tokens (n, d) to outputs (n, d_out), got outputs of shape () for tokens of shape"),
         (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), lambda p, t: (t @ p, t @ p), jnp.ones((2, 4, 4))), TypeError, "sx.moe: expert_fn must map one expert's tokens (n, d) to one array of outputs (n, d_out), got tuple of 2"),
         (lambda: sx.save_checkpoint("/tmp/sx-unused-ckpt", _donated_state(), step=1), ValueError, "sx.save_checkpoint: state leaf 'params/w' (and 2 more) has been deleted: its buffer was donated to a step"),
+        # an empty path: the working directory, or (Ledger) no file, without a word
+        (lambda: sx.MetricWriter(""), ValueError, "sx.MetricWriter: run_dir must be a non-empty path, got '' (use '.' for the working directory)"),
+        (lambda: sx.MetricWriter("/tmp/sx-unused-run", log_dir=""), ValueError, "sx.MetricWriter: log_dir must be a non-empty path, got ''"),
+        (lambda: sx.compile_cache(""), ValueError, "sx.compile_cache: directory must be a non-empty path, got ''"),
+        (lambda: sx.track.Ledger(""), ValueError, "sx.track.Ledger: path must be a non-empty path, got '' (None keeps the ledger in memory)"),
+        (lambda: sx.track.profile_steps(_loss, "", 1, 2), ValueError, "sx.track.profile_steps: directory must be a non-empty path, got ''"),
         (_all_false_mask_step, ValueError, "sx.train.TrainStep: batch['mask'] is all False, shape (8,): the batch has no real example"),
     ],
 )  # fmt: skip
