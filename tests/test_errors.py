@@ -140,6 +140,9 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.make_mesh(axis_types="explicit"), TypeError, "sx.make_mesh: axis_types must be a jax.sharding.AxisType"),
         (lambda: sx.fsdp("mesh"), TypeError, "sx.fsdp: mesh must be a jax.sharding.Mesh, got 'mesh'"),
         (lambda: sx.rules(None, []), TypeError, "sx.rules: mesh must be a jax.sharding.Mesh, got None"),
+        # third sweep, re-run: the step doors said only the type, with no way out
+        (lambda: sx.make_train_step(_loss, mesh="data"), TypeError, "sx.make_train_step: mesh must be a jax.sharding.Mesh, got 'data'. Build one with sx.make_mesh()"),
+        (lambda: sx.make_eval_step(_loss, mesh="data"), TypeError, "sx.make_eval_step: mesh must be a jax.sharding.Mesh, got 'data'. Build one with sx.make_mesh()"),
         (lambda: sx.plan.follow_params("fsdp"), TypeError, "sx.plan.follow_params: plan must be a shardax Plan"),
         (lambda: sx.plan.init_sharded(lambda: {"w": jnp.ones(8)}, "fsdp"), TypeError, "sx.plan.init_sharded: plan must be a shardax Plan"),
         (lambda: sx.make_train_step(None, mesh=sx.make_mesh()), TypeError, "sx.make_train_step: loss_fn must be a function loss_fn(model, batch), got None"),
@@ -419,7 +422,7 @@ def _run_twice(mode, loss_fn, reuse):
         (lambda: sx.prepare(_nnx_pair(4)[0], _nnx_pair(8)[1]), TypeError, "sx.prepare: argument 1 is an nnx.Optimizer, but no NNX model"),
         (lambda: sx.prepare({"w": np.ones(8)}, mesh=sx.make_mesh({"data": 8}), plan=sx.fsdp(sx.make_mesh({"data": 4}))), ValueError, "sx.prepare: plan 'fsdp' is over mesh {'data': 4}, not mesh {'data': 8}"),
         (lambda: sx.prepare({"w": np.ones(8)}, plan=sx.batch_sharding(sx.make_mesh())), TypeError, "sx.prepare: plan must be a shardax Plan"),
-        (lambda: sx.prepare({"w": np.ones(8)}, mesh="data"), TypeError, "sx.prepare: mesh must be a jax.sharding.Mesh, got 'data'"),
+        (lambda: sx.prepare({"w": np.ones(8)}, mesh="data"), TypeError, "sx.prepare: mesh must be a jax.sharding.Mesh, got 'data'. Build one with sx.make_mesh()"),
         # TrainState and an nnx.Optimizer
         (lambda: sx.TrainState.create(_nnx_pair(8)[0], _nnx_pair(4)[1]), ValueError, "sx.TrainState.create: the nnx.Optimizer's state does not match this model's params (wrt=Param): opt_state/0/mu/kernel/value has shape (4, 2), the model's params give (8, 2)"),
         (lambda: sx.TrainState.create({"w": jnp.ones(2)}, _nnx_pair()[1]), TypeError, "sx.TrainState.create: an nnx.Optimizer goes with the NNX module it was built for, got a model of type dict"),
@@ -529,12 +532,17 @@ IN_PROCESS_CASES = {
     "train --step-timeout inf": (["train", "--step-timeout", "inf"], "--step-timeout: expected a finite number > 0, got 'inf'"),
     "launch --grace inf": (["launch", "-n", "1", "--grace", "inf", "--", "true"], "--grace: expected a finite number >= 0"),
     # third sweep
-    "train --compile-cache a file": (["train", "--compile-cache", "{file}"], "--compile-cache {file}: exists and is not a directory"),
+    "train --compile-cache a file": (["train", "--compile-cache", "{file}"], "--compile-cache {file}: exists and is not a directory; name a directory this user can write (created if missing), or off for none"),
     "train --run-dir of an earlier run": (["train", "--run-dir", "{earlier}"], "--run-dir {earlier}: holds an earlier run (summary.json), which this one would overwrite and mix with its own; pass --resume"),
     "plan --plans ''": (["plan", "--measure", "--plans", ""], "--plans: expected comma-separated plan names such as zero1,fsdp, got ''"),
     "plan --measure --devices": (["plan", "--measure", "--devices", "64"], "--devices 64: only without --measure"),
     "plan --measure --hardware": (["plan", "--measure", "--hardware", "h100"], "--hardware h100: only without --measure"),
     "goodput of a corrupt ledger": (["goodput", "{corrupt}"], "goodput ledger {corrupt}/goodput.json is not a ledger shardax can read: Expecting value"),
+    # third sweep, re-run: an empty path (an unset variable) read as the option left out
+    "train --checkpoint-dir ''": (["train", "--checkpoint-dir", ""], "argument --checkpoint-dir: expected a path, got '' (an unset variable?); leave the option out for its default"),
+    "train --log-dir ''": (["train", "--log-dir", ""], "argument --log-dir: expected a path, got ''"),
+    "train --model gpt --data ''": (["train", "--model", "gpt", "--data", ""], "argument --data: expected a path, got ''"),
+    "goodput ''": (["goodput", ""], "argument directory: expected a path, got '' (an unset variable?)"),
     "goodput of a negative bucket": (["goodput", "{negative}"], "session 0 bucket 'step' must be a number of seconds >= 0, got -5.0"),
 }  # fmt: skip
 
@@ -1045,7 +1053,14 @@ def _zigzag_for_4_on_context_2():
         (lambda: sx.prepare(object(), 42, "text"), TypeError, "sx.prepare: objects[0] must be a model, an optimizer or its state, a train state, a pytree of arrays or an iterable of batches, got object"),
         (lambda: sx.prepare({"w": jnp.ones(2)}, 42), TypeError, "sx.prepare: objects[1] must be a model, an optimizer or its state, a train state, a pytree of arrays or an iterable of batches, got int 42"),
         (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), lambda p, t: jnp.sum(t @ p), jnp.ones((2, 4, 4))), ValueError, "sx.moe: expert_fn must map one expert's tokens (n, d) to outputs (n, d_out), got outputs of shape () for tokens of shape"),
+        (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), lambda p, t: (t @ p, t @ p), jnp.ones((2, 4, 4))), TypeError, "sx.moe: expert_fn must map one expert's tokens (n, d) to one array of outputs (n, d_out), got tuple of 2"),
         (lambda: sx.save_checkpoint("/tmp/sx-unused-ckpt", _donated_state(), step=1), ValueError, "sx.save_checkpoint: state leaf 'params/w' (and 2 more) has been deleted: its buffer was donated to a step"),
+        # an empty path: the working directory, or (Ledger) no file, without a word
+        (lambda: sx.MetricWriter(""), ValueError, "sx.MetricWriter: run_dir must be a non-empty path, got '' (use '.' for the working directory)"),
+        (lambda: sx.MetricWriter("/tmp/sx-unused-run", log_dir=""), ValueError, "sx.MetricWriter: log_dir must be a non-empty path, got ''"),
+        (lambda: sx.compile_cache(""), ValueError, "sx.compile_cache: directory must be a non-empty path, got ''"),
+        (lambda: sx.track.Ledger(""), ValueError, "sx.track.Ledger: path must be a non-empty path, got '' (None keeps the ledger in memory)"),
+        (lambda: sx.track.profile_steps(_loss, "", 1, 2), ValueError, "sx.track.profile_steps: directory must be a non-empty path, got ''"),
         (_all_false_mask_step, ValueError, "sx.train.TrainStep: batch['mask'] is all False, shape (8,): the batch has no real example"),
         (_zigzag_for_4_on_context_2, ValueError, "sx.attention: layout='zigzag:4' says the sequence was reordered for 4 devices of axis 'context', but it has size 2 here; reorder with sx.parallel.zigzag(batch, 2) and pass layout='zigzag:2'"),
         (lambda: sx.attention(*[jnp.ones((2, 8, 2, 4))] * 3, layout="zigzag:0"), ValueError, "sx.attention: layout must be one of ['contiguous', 'zigzag'] or 'zigzag:C' with C an integer >= 1 (the context axis size the batch was reordered for, sx.parallel.zigzag_layout(C)), got 'zigzag:0'"),

@@ -135,6 +135,21 @@ def expect_type(name: str, value: Any, types: Any, expected: str, hint: str = ""
     )
 
 
+def as_path(name: str, value: Any, hint: str = "use '.' for the working directory") -> str:
+    """``value`` as a path string if it is a non-empty ``str`` or ``os.PathLike``, else
+    ``TypeError`` (not a path) or ``ValueError`` (empty: it would mean the working
+    directory, or read as no path at all) naming ``name``.
+
+    >>> as_path("directory", "runs/a")
+    'runs/a'
+    """
+    expect_type(name, value, str | os.PathLike, "a path (str or os.PathLike)")
+    text = os.fspath(value)
+    if not str(text).strip():
+        raise ValueError(f"{name} must be a non-empty path, got {text!r} ({hint})")
+    return str(text)
+
+
 def check_mesh(name: str, mesh: Any) -> Any:
     """``mesh`` if it is a ``jax.sharding.Mesh``, else ``TypeError`` naming ``name``."""
     return expect_type(name, mesh, Mesh, "a jax.sharding.Mesh", "Build one with sx.make_mesh()")

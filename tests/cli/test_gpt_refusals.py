@@ -24,3 +24,13 @@ def test_expert_axis_needs_experts(capsys):
     assert cli(["train", *TINY, "--mesh", "data=2,expert=4"]) == 2
     err = capsys.readouterr().err
     assert "'expert' axis of size 4" in err and "--experts is not given" in err
+
+
+def test_experts_must_divide_over_the_expert_axis(capsys):
+    assert cli(["train", *TINY, "--mesh", "data=4,expert=2", "--experts", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "shardax train: error: --experts 3 is not divisible by the size 2 of the 'expert' "
+        "axis of --mesh data=4,expert=2, which splits the experts evenly over its devices; "
+        "use a multiple of 2 (e.g. 4), or change expert= in --mesh\n"
+    ), err

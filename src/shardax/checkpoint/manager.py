@@ -50,7 +50,7 @@ from shardax.checkpoint.convert import (
 )
 from shardax.checkpoint.lock import DirectoryLock
 from shardax.checkpoint.preemption import preemption_requested, reached_preemption
-from shardax.checks import as_bool, as_count, expect_type, public
+from shardax.checks import as_bool, as_count, as_path, public
 from shardax.plan.tree import path_str
 from shardax.runtime import compat
 
@@ -454,13 +454,7 @@ def _finish_saves_at_exit() -> None:
 def check_directory(name: str, directory: Any) -> str:
     """``directory`` as an absolute path; ``TypeError`` for a non-path and ``ValueError``
     for an empty one (which would mean the working directory)."""
-    expect_type(name, directory, str | os.PathLike, "a path (str or os.PathLike)")
-    text = os.fspath(directory)
-    if not str(text).strip():
-        raise ValueError(
-            f"{name} must be a non-empty path, got {text!r} (use '.' for the working directory)"
-        )
-    return os.path.abspath(text)
+    return os.path.abspath(as_path(name, directory))
 
 
 def _orbax_manager(

@@ -28,6 +28,7 @@ from shardax.cli.common import (
     machine,
     median,
     nonneg_int,
+    path_arg,
     positive_int,
     pyplot,
     rows_table,
@@ -101,7 +102,7 @@ def add_timing_arguments(
     )
     parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed")
     parser.add_argument(
-        "--run-dir", default=None, help=f"where to write {name}.json and {name}.png"
+        "--run-dir", type=path_arg, default=None, help=f"where to write {name}.json and {name}.png"
     )
     add_json_flag(parser)
 

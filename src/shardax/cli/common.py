@@ -116,16 +116,21 @@ def check_writable_dir(option: str, path: str) -> None:
     """Raises :class:`UsageError` unless directory ``path`` exists and is writable, or
     can be created: checked before any work starts, creating nothing."""
     target = Path(path).expanduser().absolute()
+    way_out = "; name a directory this user can write (created if missing)" + (
+        ", or off for none" if option == "--compile-cache" else ""
+    )
     if target.exists() and not target.is_dir():
-        raise UsageError(f"{option} {path}: exists and is not a directory")
+        raise UsageError(f"{option} {path}: exists and is not a directory{way_out}")
     existing = target
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"{option} {path}: cannot create it, {existing} is not a directory")
+        raise UsageError(
+            f"{option} {path}: cannot create it, {existing} is not a directory{way_out}"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == target else f"cannot be created in {existing}"
-        raise UsageError(f"{option} {path}: {what} (permission denied)")
+        raise UsageError(f"{option} {path}: {what} (permission denied){way_out}")
 
 
 STARTED = time.time()
@@ -159,6 +164,30 @@ def check_output_dirs(args: argparse.Namespace) -> None:
                 "continue that run, or name a new --run-dir (without one, each run gets "
                 "runs/train-<time>)"
             )
+
+
+def path_arg(text: str) -> str:
+    """An argparse type: a non-empty path. An empty one (``--checkpoint-dir "$UNSET"``)
+    would otherwise read as the option not given (no checkpoints, the default run
+    directory or corpus) or as the working directory.
+
+    >>> path_arg("runs/a")
+    'runs/a'
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected a path, got {text!r} (an unset variable?); leave the option out "
+            "for its default"
+        )
+    return text
+
+
+def required_path(text: str) -> str:
+    """An argparse type for a positional path: :func:`path_arg` with no default to fall
+    back on."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (an unset variable?)")
+    return text
 
 
 def off_or_dir(text: str) -> str:

@@ -13,15 +13,19 @@ import argparse
 import json
 import os
 
-from shardax.cli.common import UsageError
+from shardax.cli.common import UsageError, path_arg, required_path
 
 STARTS_JAX = False
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", help="a run directory or a checkpoint directory")
+    parser.add_argument(
+        "directory", type=required_path, help="a run directory or a checkpoint directory"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--png", default=None, metavar="PATH", help="also draw the buckets here")
+    parser.add_argument(
+        "--png", type=path_arg, default=None, metavar="PATH", help="also draw the buckets here"
+    )
 
 
 def find_ledger(directory: str) -> str:

@@ -17,6 +17,7 @@ from shardax.cli.common import (
     add_json_flag,
     console,
     float_type,
+    path_arg,
     positive_int,
     print_json,
 )
@@ -97,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --measure --model gpt and a stage axis: sx.pipeline microbatches per data "
         "shard (default: the stage size)",
     )
-    parser.add_argument("--run-dir", default=None, help="where --measure writes plan.json/png")
+    parser.add_argument(
+        "--run-dir", type=path_arg, default=None, help="where --measure writes plan.json/png"
+    )
     from shardax.cli.plan_target import TARGET_PLANS
 
     parser.add_argument(

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from shardax.cli.common import UsageError, positive_int
+from shardax.cli.common import UsageError, path_arg, positive_int
 
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 
@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The tracking options every train job takes."""
     parser.add_argument(
         "--log-dir",
+        type=path_arg,
         default=None,
         help="write TensorBoard event files here (tensorboard --logdir DIR); metrics.jsonl "
         "always goes to the run directory",

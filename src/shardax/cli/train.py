@@ -28,6 +28,7 @@ from shardax.cli.common import (
     mesh_spec,
     nonneg_int,
     off_or_dir,
+    path_arg,
     positive_float,
     positive_int,
     print_json,
@@ -99,11 +100,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser)
     parser.add_argument(
         "--run-dir",
+        type=path_arg,
         default=None,
         help="where to write summary.json and curves.png (default: runs/train-<time>)",
     )
     parser.add_argument(
         "--checkpoint-dir",
+        type=path_arg,
         default=None,
         help="save checkpoints here: every --save-every steps, else at every evaluation; and "
         f"on SIGTERM (preemption): at the next step, then exit code {PREEMPTED_EXIT_CODE}",

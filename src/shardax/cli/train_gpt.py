@@ -35,6 +35,7 @@ from typing import Any
 from shardax.cli.common import (
     UsageError,
     nonneg_int,
+    path_arg,
     plot_curves,
     positive_float,
     positive_int,
@@ -70,7 +71,9 @@ OPTIONS = (
         help="run the layers in lax.scan: compile time independent of depth, and remat "
         "saves memory on XLA:CPU; compiled FLOPs then count one layer",
     ),
-    option("--data", help="a text file or directory of them (default: stdlib sources)"),
+    option(
+        "--data", type=path_arg, help="a text file or directory of them (default: stdlib sources)"
+    ),
     option("--eval-every", 50, type=positive_int, help="steps per eval"),
     option(
         "--microbatches",
@@ -206,8 +209,17 @@ def _mesh_text(mesh: Any) -> str:
 
 def check_experts(args: argparse.Namespace, mesh: Any) -> None:
     """An ``expert`` mesh axis splits the MoE blocks' experts: without ``--experts`` the
-    model has none, and every device on that axis would repeat the same work."""
-    if mesh.shape.get(EXPERT_AXIS, 1) > 1 and args.experts is None:
+    model has none, and every device on that axis would repeat the same work; with them,
+    its size must divide their number."""
+    size = mesh.shape.get(EXPERT_AXIS, 1)
+    if size > 1 and args.experts is not None and args.experts % size:
+        raise UsageError(
+            f"--experts {args.experts} is not divisible by the size {size} of the "
+            f"{EXPERT_AXIS!r} axis of --mesh {_mesh_text(mesh)}, which splits the experts "
+            f"evenly over its devices; use a multiple of {size} (e.g. "
+            f"{-(-args.experts // size) * size}), or change {EXPERT_AXIS}= in --mesh"
+        )
+    if size > 1 and args.experts is None:
         raise UsageError(
             f"--mesh {_mesh_text(mesh)} has an {EXPERT_AXIS!r} axis of size "
             f"{mesh.shape[EXPERT_AXIS]}, which splits the experts of --experts, but "

@@ -165,6 +165,12 @@ def _checked(expert_fn: Callable) -> Callable:
 
     def one_expert(params: Any, tokens: jax.Array) -> jax.Array:
         out = expert_fn(params, tokens)
+        if not hasattr(out, "shape"):
+            raise TypeError(
+                "expert_fn must map one expert's tokens (n, d) to one array of outputs "
+                f"(n, d_out), got {type(out).__name__}"
+                + (f" of {len(out)}" if isinstance(out, tuple | list) else "")
+            )
         shape = jnp.shape(out)
         if len(shape) != 2 or shape[0] != tokens.shape[0]:
             raise ValueError(

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import jax
 
-from shardax.checks import expect_type, public
+from shardax.checks import as_path, public
 
 ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
 
@@ -79,7 +79,7 @@ def compile_cache(
     if min_compile_seconds < 0:
         raise ValueError(f"min_compile_seconds must be >= 0, got {min_compile_seconds}")
     if directory is not None:
-        expect_type("directory", directory, str | os.PathLike, "a path (str or os.PathLike)")
+        as_path("directory", directory)
     path = os.path.abspath(os.fspath(directory) if directory is not None else
                            configured_dir() or default_dir())  # fmt: skip
     if os.path.exists(path) and not os.path.isdir(path):

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from shardax.checks import public
+from shardax.checks import as_path, public
 
 BUCKETS = ("startup", "compile", "data", "step", "eval", "checkpoint", "hang", "lost")
 """Where wall time goes; ``step`` is the productive one."""
@@ -75,7 +75,9 @@ class Ledger:
         bucket: str = "startup",
     ) -> None:
         _check_bucket(bucket)
-        self.path = os.fspath(path) if path is not None else None
+        self.path = (
+            as_path("path", path, "None keeps the ledger in memory") if path is not None else None
+        )
         self.previous: list[dict[str, Any]] = load(self.path)["sessions"] if self.path else []
         now = time.time()
         start = min(since, now) if since is not None else now

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from shardax.checks import as_count, as_function, expect_type, public
+from shardax.checks import as_count, as_function, as_path, public
 from shardax.track.sinks import check_writable
 
 
@@ -51,7 +51,7 @@ class StepProfiler:
         self, fn: Callable[..., Any], directory: str | os.PathLike[str], start: int, stop: int
     ) -> None:
         as_function("fn", fn, "callable (e.g. a train step)")
-        expect_type("directory", directory, str | os.PathLike, "a path")
+        as_path("directory", directory)
         start = as_count("start", start)
         stop = as_count("stop", stop)
         if stop < start:

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardax.checks import as_count, expect_type, public, received
+from shardax.checks import as_count, as_path, expect_type, public, received
 from shardax.track.sinks import BACKENDS, JsonlSink, Sink, check_writable, make_sink
 
 _STOP = object()
@@ -132,8 +132,8 @@ class MetricWriter:
             if name not in BACKENDS:
                 raise ValueError(f"backends: each must be one of {list(BACKENDS)}, got {name!r}")
         self.active = jax.process_index() == 0
-        self.run_dir = Path(run_dir)
-        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.run_dir = Path(as_path("run_dir", run_dir))
+        self.log_dir = Path(as_path("log_dir", log_dir)) if log_dir is not None else None
         self.path = self.run_dir / "metrics.jsonl"
         self._sinks: list[Sink] = []
         self._errors: list[BaseException] = []

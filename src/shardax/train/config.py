@@ -27,7 +27,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from shardax.checks import as_bool, as_count, public
+from shardax.checks import as_bool, as_count, check_mesh, public
 from shardax.data.spec import check_batch_spec
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan, axis_size, replicate
@@ -119,8 +119,7 @@ class StepConfig:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
         _set(self, precision=resolve(self.precision))
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        check_mesh("mesh", mesh)
         data_axis = check_data_axis(self.data_axis, mesh, mode)
         _set(self, data_axis=data_axis, accumulate=as_count("accumulate", self.accumulate))
         if mode == "single" and plan is not None and getattr(plan, "name", None) != "replicate":

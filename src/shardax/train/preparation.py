@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from shardax.checks import public
+from shardax.checks import check_mesh, public
 from shardax.data.placement import batch_sharding
 from shardax.data.prefetch import prefetch_to_device
 from shardax.mesh.axes import DATA_AXIS
@@ -359,8 +359,7 @@ def prepare(
         )
     if mesh is None:
         mesh = make_mesh({data_axis: -1} if isinstance(data_axis, str) else None)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
+    check_mesh("mesh", mesh)
     plan = replicate(mesh) if plan is None else as_plan("plan", plan)
     plan_mesh = getattr(plan, "mesh", mesh)
     if plan_mesh != mesh:
