@@ -347,17 +347,20 @@ def test_launch_exits_with_first_failure_and_stops_the_others():
     assert time.monotonic() - start < 90
 
 
-@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+# As a non-interactive shell starts a background job (`cmd &`): SIGINT ignored, which
+# the launcher would inherit; it must stop on SIGINT all the same.
+IGNORING_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+
+
+@pytest.mark.parametrize("inherited", ["", IGNORING_SIGINT], ids=["default", "ignored"])
 def test_launch_ctrl_c_stops_every_process(inherited):
-    # "ignored": started as a non-interactive shell starts a background job (`cmd &`),
-    # with SIGINT ignored; the launcher must stop on it all the same.
     child = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+    launcher = [sys.executable, "-c", inherited + LAUNCH[2]]
     launch = subprocess.Popen(
-        [*LAUNCH, "launch", "-n", "2", "--grace", "1", "--", *PY, child],
+        [*launcher, "launch", "-n", "2", "--grace", "1", "--", *PY, child],
         stdout=subprocess.PIPE,
         text=True,
         env=CLEAN_ENV,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, inherited),
     )
     pids = []
     while len(pids) < 2:
