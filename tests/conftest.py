@@ -33,7 +33,12 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-CACHE_DIR = tempfile.mkdtemp(prefix="shardax-tests-jax-cache-")
+# Under pytest-xdist (pyproject's addopts) the workers share the controller's cache: each
+# inherits its environment, and only the process that made the directory deletes it.
+_OWN_CACHE = "SHARDAX_TESTS_JAX_CACHE" not in os.environ
+if _OWN_CACHE:
+    os.environ["SHARDAX_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="shardax-tests-jax-cache-")
+CACHE_DIR = os.environ["SHARDAX_TESTS_JAX_CACHE"]
 CACHE_ENV = {
     "JAX_COMPILATION_CACHE_DIR": CACHE_DIR,
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -67,10 +72,21 @@ def missing_compile_extras(kinds=("gpu", "tpu")) -> list[str]:
     ]
 
 
+# Files whose tests share a session fixture's run (tests/conftest.py, tests/cli/conftest.py):
+# one xdist group, so that the run happens once.
+SHARED_RUNS = {"tests/cli/test_cli.py": "cli", "tests/cli/test_cli_track.py": "cli"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.compile_only`` (or ``compile_only("gpu")``) tests skip, naming what is
-    missing, where the compile extras are not installed (CI legs 1 and 2); leg 3 installs
-    them and sets SHARDAX_COMPILE_TESTS=required, so there a missing extra fails instead."""
+    """Each file's tests run in one pytest-xdist worker (``--dist loadgroup`` in pyproject:
+    a module fixture's compiles then happen once), and ``@pytest.mark.compile_only`` (or
+    ``compile_only("gpu")``) tests skip, naming what is missing, where the compile extras
+    are not installed (CI legs 1 and 2); leg 3 installs them and sets
+    SHARDAX_COMPILE_TESTS=required, so there a missing extra fails instead."""
+    root = Path(str(config.rootpath))
+    for item in items:
+        file = Path(str(item.path)).relative_to(root).as_posix()
+        item.add_marker(pytest.mark.xdist_group(SHARED_RUNS.get(file, file)))
     if os.environ.get("SHARDAX_COMPILE_TESTS") == "required":
         return
     for item in items:
@@ -84,7 +100,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(CACHE_DIR, ignore_errors=True)
+    if _OWN_CACHE:
+        shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
