@@ -23,6 +23,7 @@ from test_multihost import CLEAN_ENV, Ranks
 
 import shardax as sx
 from shardax.cli.main import main as cli
+from shardax.runtime import status
 
 WORKER = str(Path(__file__).parents[1] / "scripts" / "user_loop.py")
 _spec = importlib.util.spec_from_file_location("user_loop", WORKER)
@@ -175,6 +176,8 @@ def test_the_watchdog_waits_one_step_behind_so_dispatch_runs_ahead():
         for _ in run.batches(iter(range(6))):
             run.after_step({"w": jnp.ones(2)}, {"loss": _Result(run.step, run, waited)})
             assert run.completed == {1: 0, 2: 1, 3: 2, 4: 4, 5: 4, 6: 5}[run.step]
+            # the hang report's last completed step is the one waited for, not the armed one
+            assert status.STATUS.last_completed == run.completed
         ledger = run.ledger
     # (step being dispatched, step waited for): step 1 compiles unwatched; each later
     # step waits for the one before; step 4, due, for itself; the end for the last
