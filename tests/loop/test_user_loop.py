@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from test_multihost import CLEAN_ENV, Ranks
 
 import shardax as sx
 from shardax.cli.main import main as cli
+from shardax.runtime import status
 
 WORKER = str(Path(__file__).parents[1] / "scripts" / "user_loop.py")
 _spec = importlib.util.spec_from_file_location("user_loop", WORKER)
@@ -65,10 +67,14 @@ def test_sigterm_saves_exits_75_resume_is_bitwise_and_goodput_reads_the_ledger(
 
 
 @pytest.mark.timeout(180)
-def test_a_stuck_rank_is_named_by_the_watchdog(tmp_path):
+@pytest.mark.parametrize("late", [0, 2])
+def test_a_stuck_rank_is_named_by_the_watchdog(tmp_path, late):
+    # late: process 0's watchdog fires 2 s after process 1's (as on a loaded machine);
+    # process 1 still waits for process 0's report before it leaves, so process 0 reports
+    # the hang too instead of failing in the collective process 1's exit would break
     timeout, at = 5, 3
     cmd = [sys.executable, WORKER, "step", str(tmp_path / "ckpt"), "--steps", "6",
-           "--hang-at", str(at), "--watchdog", str(timeout)]  # fmt: skip
+           "--hang-at", str(at), "--watchdog", str(timeout), "--late", str(late)]  # fmt: skip
     run = Ranks(cmd, 2, cpu_devices=2)
     try:
         codes = [run.wait(r, timeout=150) for r in (0, 1)]
@@ -77,12 +83,17 @@ def test_a_stuck_rank_is_named_by_the_watchdog(tmp_path):
     for rank in (0, 1):
         text = run.text(rank)
         assert codes[rank] == sx.runtime.WATCHDOG_EXIT_CODE, text[-3000:]
+        # process 0 is in step 4, waiting one step behind for step 3: it names step 3
         assert f"process {rank} of 2: step {at} did not complete within {timeout} s" in text
         behind = [line for line in text.splitlines() if "hang watchdog: behind:" in line]
         assert behind and behind[0].startswith(
             f"shardax: hang watchdog: behind: process 1 (step {at}, last completed {at - 1}): "
             "dispatching for "
         ), text[-3000:]
+        # process 0 dispatched step 3 but never got its result: it does not claim it
+        other = re.search(r"\| the others: process 0 \(step (\d+), last completed (\d+)\): ",
+                          behind[0])  # fmt: skip
+        assert other and int(other[1]) in (at, at + 1) and int(other[2]) == at - 1, behind[0]
     # the hung step's time is the ledger's "hang" (process 0 keeps it, beside the checkpoints)
     sessions = sx.track.goodput.load(tmp_path / "ckpt")["sessions"]
     assert sessions[0]["last_step"] == at - 1 and sessions[0]["buckets"]["hang"] > 0
@@ -165,6 +176,8 @@ def test_the_watchdog_waits_one_step_behind_so_dispatch_runs_ahead():
         for _ in run.batches(iter(range(6))):
             run.after_step({"w": jnp.ones(2)}, {"loss": _Result(run.step, run, waited)})
             assert run.completed == {1: 0, 2: 1, 3: 2, 4: 4, 5: 4, 6: 5}[run.step]
+            # the hang report's last completed step is the one waited for, not the armed one
+            assert status.STATUS.last_completed == run.completed
         ledger = run.ledger
     # (step being dispatched, step waited for): step 1 compiles unwatched; each later
     # step waits for the one before; step 4, due, for itself; the end for the last

@@ -10,7 +10,9 @@ Two flavours, each the user's loop plus the lines ``sx.loop.run`` adds:
 Run as a script it trains and prints one ``RESULT {json}`` line (the losses of this
 session's steps and the final params); ``--sigterm-at S`` sends this process SIGTERM
 during step S (the run saves S and exits 75); ``--hang-at S`` makes process 1 of a
-multi-process run (``sx.initialize()``) sleep in step S under ``--watchdog``.
+multi-process run (``sx.initialize()``) sleep in step S under ``--watchdog``, and
+``--late T`` makes process 0 sleep T seconds in step S-1, so its watchdog fires T seconds
+after process 1's (as on a loaded machine).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ DATA = {"x": ROWS[:, :8], "y": np.sin(ROWS[:, 8:])}
 
 
 def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_at: int = 0,
-          hang_at: int = 0, watchdog: float | None = None) -> dict[str, Any]:  # fmt: skip
+          hang_at: int = 0, watchdog: float | None = None,
+          late: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """Trains to ``steps`` (resuming from ``ckpt`` when it holds a checkpoint); returns
     this session's losses (by step) and the final params as lists."""
     import jax
@@ -61,6 +64,8 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
             os.kill(os.getpid(), signal.SIGTERM)
         if run.step == hang_at and jax.process_index() == 1:
             time.sleep(600)
+        if run.step == hang_at - 1 and jax.process_index() == 0:
+            time.sleep(late)
 
     every = {"save": save_every, "log": 1}
     if flavour == "nnx":
@@ -109,6 +114,7 @@ def main() -> int:
     parser.add_argument("--sigterm-at", type=int, default=0)
     parser.add_argument("--hang-at", type=int, default=0)
     parser.add_argument("--watchdog", type=float, default=None)
+    parser.add_argument("--late", type=float, default=0.0)
     parser.add_argument("--cpu-devices", type=int, default=None)
     args = parser.parse_args()
     import jax
@@ -120,7 +126,7 @@ def main() -> int:
     sx.initialize()  # a no-op alone; joins the run under shardax launch's environment
     out = train(args.flavour, args.ckpt, args.steps, save_every=args.save_every,
                 sigterm_at=args.sigterm_at, hang_at=args.hang_at,
-                watchdog=args.watchdog)  # fmt: skip
+                watchdog=args.watchdog, late=args.late)  # fmt: skip
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 

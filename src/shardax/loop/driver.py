@@ -122,6 +122,7 @@ class Run:
                 self.restored = dict(restored.data_state or {})
                 self.step = self.first = int(self.restored.get("step", restored.step))
                 self.completed = self.first
+            status.STATUS.completed(self.completed)
             self._stack.__enter__()
             for hook in self.hooks:
                 hook.start(self)
@@ -219,7 +220,6 @@ class Run:
             self.done(self.step)
         for hook in self.hooks:
             hook.after_step(self)
-        status.STATUS.completed(self.step)
         if self.preempted:
             directory = self.manager.directory if self.manager is not None else None
             raise Preempted(self.step, directory)
@@ -227,12 +227,14 @@ class Run:
     # --- what hooks share -------------------------------------------------------------
 
     def done(self, step: int) -> None:
-        """Steps up to ``step`` completed: :attr:`completed`, and the goodput ledger's
-        step count (each step counted once)."""
+        """Steps up to ``step`` completed: :attr:`completed`, the goodput ledger's step
+        count (each step counted once), and this process's last completed step in the
+        hang report (:mod:`shardax.runtime.status`)."""
         if step > self.completed:
             if self.ledger is not None:
                 self.ledger.completed(step, step - self.completed)
             self.completed = step
+            status.STATUS.completed(step)
 
     def flush(self) -> list[tuple[int, dict[str, float]]]:
         """The metrics of the steps since the last flush, fetched in one transfer, each

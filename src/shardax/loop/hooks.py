@@ -144,6 +144,13 @@ class Watchdog(Hook):
                 run.ledger.close("hang")
 
         self.watchdog = StepWatchdog(self.timeout, on_fire=self.on_fire or hang)
+        status.STATUS.probe = self._ready
+
+    def _ready(self) -> int | None:
+        """The step not yet waited for, once its result is ready (for the hang report:
+        a process stuck before its next step still shows the last step it completed)."""
+        behind = self._behind
+        return behind[0] if behind is not None and _running(behind) is None else None
 
     def before_step(self, run: Any) -> None:
         if run.step > run.first + 1:
@@ -182,12 +189,16 @@ class Watchdog(Hook):
         run.done(waits[-1][0])
 
     def _disarm(self) -> None:
+        """Stops the clock. The armed step is not recorded as completed: it may still be
+        computing (one step behind); :meth:`Run.done` records what was waited for."""
         if self._armed:
-            self.watchdog.disarm()
+            self.watchdog.disarm(completed=False)
             self._armed = False
 
     def close(self, run: Any) -> None:
         self._disarm()
+        if status.STATUS.probe == self._ready:
+            status.STATUS.probe = None
         self.watchdog.close()
 
 

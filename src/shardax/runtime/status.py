@@ -7,8 +7,9 @@ publishes it, when it changes and at most every ``interval`` seconds, to JAX's
 distributed key-value store (the coordinator's, which ``sx.initialize`` starts), so a
 process stuck in Python, in I/O or in a collective still has an up-to-date entry. When
 a watchdog fires, :func:`hang_line` reads every entry and names the processes that are
-behind: those with the fewest completed steps, and among them those not waiting on the
-device (the others wait in a collective for them).
+behind: those with the fewest completed steps, among them those in the earliest step,
+and among those the ones not waiting on the device (the others wait in a collective for
+them).
 
 >>> STATUS.set(DATA, step=3)       # or watchdog.phase(DATA)
 >>> batch = next(batches)
@@ -70,8 +71,12 @@ class RankStatus:
         self.last_completed: int | None = None
         self.phase: str | None = None
         self.since = time.time()
+        self.probe: Any = None
+        """``() -> step | None``: a later step than :attr:`last_completed` whose result
+        is ready though nothing waited for it yet (a loop that waits one step behind),
+        read whenever the record is; None: none."""
         self._version = 0
-        self._published = -1
+        self._published: tuple[int, int | None] = (-1, None)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -94,8 +99,19 @@ class RankStatus:
         self._start()
 
     def record(self) -> dict[str, Any]:
-        return {"step": self.step, "completed": self.last_completed, "phase": self.phase,
+        return {"step": self.step, "completed": self._completed(), "phase": self.phase,
                 "since": self.since}  # fmt: skip
+
+    def _completed(self) -> int | None:
+        """The last completed step: :attr:`last_completed`, or the :attr:`probe`'s."""
+        done, probe = self.last_completed, self.probe
+        if probe is not None:
+            ready = None
+            with contextlib.suppress(Exception):  # e.g. a result donated meanwhile
+                ready = probe()
+            if ready is not None and (done is None or ready > done):
+                return int(ready)
+        return done
 
     def _start(self) -> None:
         if self._thread is not None:
@@ -119,15 +135,15 @@ class RankStatus:
         client = _client()
         if client is None:
             return
-        version = self._version
+        version, record = self._version, self.record()
         client.key_value_set(
-            f"{_PREFIX}{jax.process_index()}", json.dumps(self.record()), allow_overwrite=True
+            f"{_PREFIX}{jax.process_index()}", json.dumps(record), allow_overwrite=True
         )
-        self._published = version
+        self._published = (version, record["completed"])
 
     def _publish_loop(self) -> None:
         while not self._stop.is_set():
-            if self._published != self._version:
+            if self._published != (self._version, self._completed()):
                 try:
                     self.publish()
                 except Exception:  # the coordinator is gone: nothing left to tell
@@ -164,14 +180,26 @@ class RankStatus:
 
 def behind(records: dict[int, dict[str, Any]], processes: int) -> list[int]:
     """The ranks the others wait for: those with no record, else those with the fewest
-    completed steps, and among them those not waiting on the device (if any are)."""
+    completed steps, among them those in the earliest step (a process that waits one
+    step behind is in the next step before the one it waits for completes), and among
+    those the ones not waiting on the device (if any are).
+
+    >>> behind({0: {"step": 4, "completed": 2, "phase": DISPATCH},
+    ...         1: {"step": 3, "completed": 2, "phase": DISPATCH}}, 2)
+    [1]
+    """
+
+    def number(rank: int, key: str) -> int:
+        value = records[rank].get(key)
+        return -1 if value is None else int(value)
+
     missing = [r for r in range(processes) if r not in records]
     if missing:
         return missing
-    done = {r: (rec.get("completed") if rec.get("completed") is not None else -1)
-            for r, rec in records.items()}  # fmt: skip
-    least = min(done.values())
-    slowest = [r for r in sorted(records) if done[r] == least]
+    slowest = sorted(records)
+    for key in ("completed", "step"):
+        least = min(number(r, key) for r in slowest)
+        slowest = [r for r in slowest if number(r, key) == least]
     working = [r for r in slowest if records[r].get("phase") != DEVICE]
     return working or slowest
 
@@ -209,25 +237,49 @@ def hang_line(status: RankStatus | None = None, timeout: float = 5.0) -> str | N
 
 
 _REPORTED = "shardax/reported/"
+_LEAVING = "shardax/leaving/"
+_LAST_PAUSE = 0.3
+"""Seconds process 0 still waits once every other process said it leaves (it says so
+just before it exits)."""
 
 
 def leave_last(grace: float) -> None:
-    """Marks this process's hang report as written. Process 0, which hosts JAX's
-    coordination service (when it ends, the others abort at once), then waits up to
-    ``grace`` seconds for every process's mark, so each writes its own report first.
-    A no-op outside a multi-process run; never raises and never waits past ``grace``."""
+    """Marks this process's hang report as written, then waits up to ``grace`` seconds
+    for every process's mark: a process that exits breaks the collectives the others are
+    waiting in, so they would fail with a runtime error instead of writing their own
+    report (a process whose watchdog fires later, e.g. on a loaded machine). Process 0,
+    which hosts JAX's coordination service (when it ends, the others abort at once),
+    leaves last: it also waits, within the same ``grace``, for the others to say they
+    leave. A no-op outside a multi-process run; never raises and never waits past
+    ``grace``."""
     import jax
 
     client = _client()
     if client is None:
         return
-    rank, deadline = jax.process_index(), time.monotonic() + grace
+    rank, count = jax.process_index(), jax.process_count()
+    deadline = time.monotonic() + grace
     _call(lambda: client.key_value_set(f"{_REPORTED}{rank}", "1", allow_overwrite=True), grace)
-    while rank == 0 and time.monotonic() < deadline:
-        entries = _call(lambda: client.key_value_dir_get(_REPORTED), 1.0)
-        if entries is not None and len(entries) >= jax.process_count():
-            return
-        time.sleep(0.1)
+    _await_marks(client, _REPORTED, count, deadline)
+    if rank != 0:
+        left = max(0.0, deadline - time.monotonic())
+        _call(lambda: client.key_value_set(f"{_LEAVING}{rank}", "1", allow_overwrite=True), left)
+        return
+    if count > 1 and _await_marks(client, _LEAVING, count - 1, deadline):
+        time.sleep(max(0.0, min(_LAST_PAUSE, deadline - time.monotonic())))
+
+
+def _await_marks(client: Any, prefix: str, count: int, deadline: float) -> bool:
+    """Waits until the store holds ``count`` keys under ``prefix`` (True), or until
+    ``deadline`` (a ``time.monotonic()``; False)."""
+    while True:
+        left = deadline - time.monotonic()
+        entries = _call(lambda: client.key_value_dir_get(prefix), min(1.0, max(left, 0.0)))
+        if entries is not None and len(entries) >= count:
+            return True
+        if deadline - time.monotonic() <= 0:
+            return False
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 STATUS = RankStatus()

@@ -9,8 +9,10 @@ to stderr, prints one line naming the step and the timeout, and ends the process
 :data:`WATCHDOG_EXIT_CODE`. In a multi-process run it first prints one line naming the
 processes that are behind, with their step and phase (:mod:`shardax.runtime.status`:
 every process publishes its last completed step and its phase, which the loop sets
-with :meth:`StepWatchdog.phase`); process 0 exits last, once every process has written
-its report or :data:`LEAVE_GRACE` has passed. Under ``shardax launch`` (or a scheduler
+with :meth:`StepWatchdog.phase`). No process exits before every process has written its
+report (or :data:`LEAVE_GRACE` has passed): one that ends breaks the collective the
+others wait in, which then fail with a runtime error instead of their own report; and
+process 0 exits last. Under ``shardax launch`` (or a scheduler
 that ends a job when one task fails) the other processes are then stopped too; those
 stuck in a collective with the hung one time out on their own watchdog anyway.
 
@@ -56,8 +58,8 @@ ON_FIRE_GRACE = 10.0
 callback stuck on a hung filesystem or collective must not keep a hung process alive)."""
 
 LEAVE_GRACE = 10.0
-"""Seconds process 0 waits, after its own report, for the others' (their runtime aborts
-them as soon as process 0, the coordination service's host, ends)."""
+"""Seconds a process waits, after its own report, for the others' before it exits (see
+:func:`shardax.runtime.status.leave_last`)."""
 
 
 @public("sx.StepWatchdog")
@@ -115,12 +117,14 @@ class StepWatchdog:
             self._cond.notify()
         status.STATUS.step = step
 
-    def disarm(self) -> None:
-        """Stops the clock: the armed step completed."""
+    def disarm(self, completed: bool = True) -> None:
+        """Stops the clock: the armed step completed. ``completed=False``: only the clock
+        stops, the step is not recorded as completed for the hang report (a loop that
+        waits one step behind records the steps it waited for itself)."""
         with self._cond:
             step, self._step, self._deadline = self._step, None, None
             self._cond.notify()
-        if step is not None:
+        if step is not None and completed:
             status.STATUS.completed(step)
 
     @staticmethod
@@ -199,7 +203,7 @@ class StepWatchdog:
         if self.on_fire is not None:  # the process ends whatever it does, or if it hangs
             with contextlib.suppress(BaseException):
                 _call_within(self.on_fire, step, ON_FIRE_GRACE)
-        with contextlib.suppress(BaseException):  # process 0 leaves after the others' reports
+        with contextlib.suppress(BaseException):  # after every process's report, 0 last
             status.leave_last(LEAVE_GRACE)
         try:
             os._exit(code)
