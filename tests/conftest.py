@@ -72,21 +72,40 @@ def missing_compile_extras(kinds=("gpu", "tpu")) -> list[str]:
     ]
 
 
-# Files whose tests share a session fixture's run (tests/conftest.py, tests/cli/conftest.py):
-# one xdist group, so that the run happens once.
-SHARED_RUNS = {"tests/cli/test_cli.py": "cli", "tests/cli/test_cli_track.py": "cli"}
+# pytest-xdist (``--dist loadgroup`` in pyproject) sends each test to any worker, except
+# tests that share work, which go to one worker together so that the work happens once:
+# the users of a session fixture's run (SHARED_RUNS), of a module or class fixture (by
+# file), and the tests of a file whose module-level caches (functools.cache) they share.
+SHARED_RUNS = ("launched_train", "tiny_gpt_run")
+CACHED_FILES = (
+    "tests/models/test_gpt_context.py",
+    "tests/parallel/test_moe.py",
+    "tests/train/test_train_step.py",
+)
+
+
+def xdist_group(item, root: Path) -> str | None:
+    """The group ``item`` runs in (None: any worker, on its own)."""
+    file = Path(str(item.path)).relative_to(root).as_posix()
+    if any(name in SHARED_RUNS for name in item.fixturenames):
+        return "shared-runs"
+    defs = getattr(item, "_fixtureinfo", None)
+    for fixtures in (defs.name2fixturedefs.values() if defs else ()):
+        if fixtures and fixtures[-1].scope in ("module", "class", "package"):
+            return file
+    return file if file in CACHED_FILES else None
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each file's tests run in one pytest-xdist worker (``--dist loadgroup`` in pyproject:
-    a module fixture's compiles then happen once), and ``@pytest.mark.compile_only`` (or
-    ``compile_only("gpu")``) tests skip, naming what is missing, where the compile extras
-    are not installed (CI legs 1 and 2); leg 3 installs them and sets
-    SHARDAX_COMPILE_TESTS=required, so there a missing extra fails instead."""
+    """Groups the tests for pytest-xdist (:func:`xdist_group`), and
+    ``@pytest.mark.compile_only`` (or ``compile_only("gpu")``) tests skip, naming what is
+    missing, where the compile extras are not installed (CI legs 1 and 2); leg 3 installs
+    them and sets SHARDAX_COMPILE_TESTS=required, so there a missing extra fails instead."""
     root = Path(str(config.rootpath))
     for item in items:
-        file = Path(str(item.path)).relative_to(root).as_posix()
-        item.add_marker(pytest.mark.xdist_group(SHARED_RUNS.get(file, file)))
+        group = xdist_group(item, root)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get("SHARDAX_COMPILE_TESTS") == "required":
         return
     for item in items:

@@ -356,5 +356,27 @@ def test_orbax_log_filters_and_unraisable_hook_last_only_while_a_saving_manager_
     first.close()
     first.close()  # closing twice releases once
     assert _QUIET.users == base
-    if base == 0:  # the user's logging and unraisable hook are as before
+    if base == 0 and not _QUIET.failed:  # the user's logging and unraisable hook are as before
         assert _orbax_filters() == [] and sys.unraisablehook is hook
+
+
+def test_after_a_failed_save_the_asyncio_filter_stays_once(tmp_path, monkeypatch):
+    # orbax's failed write tasks are collected (and reported by asyncio) whenever the
+    # garbage collector gets to them, which can be after the last close, at exit
+    import logging
+
+    from shardax.checkpoint.manager import _QUIET
+
+    monkeypatch.setattr(_QUIET, "failed", True)  # as CheckpointManager.wait sets it
+    for step in (1, 2):  # the second save finds the filter left and does not stack it
+        with sx.CheckpointManager(tmp_path / "a") as manager:
+            manager.save(step, {"w": jnp.ones(2)})
+            assert len(_orbax_filters()) == 2
+    try:
+        if _QUIET.users == 0:  # no manager another test left open
+            assert _orbax_filters() == logging.getLogger("asyncio").filters[-1:]
+    finally:  # put the process back for the other tests
+        if _QUIET.users == 0:
+            for logger, kept in _QUIET.filters:
+                logger.removeFilter(kept)
+            _QUIET.filters = []

@@ -147,6 +147,7 @@ class CheckpointManager:
                 raise
             step, operations = in_flight
             compat.orbax_release_save(operations)  # else they block the exit for 300 s
+            _QUIET.failed = True
             raise OSError(
                 f"checkpoint step {step} was not saved in {self.directory}: "
                 f"{getattr(e, 'strerror', None) or e}"
@@ -396,10 +397,14 @@ class _Quiet:
     """The filters on orbax's save-error logs (:class:`_OrbaxErrors` on the ``absl`` and
     ``asyncio`` loggers) and the unraisable hook (:func:`_late_completions`), installed
     while at least one manager that saved is open, and removed (the previous hook put
-    back) when the last one closes, so nothing stays on the process after."""
+    back) when the last one closes, so nothing stays on the process after; but once a
+    save failed, the ``asyncio`` filter stays: orbax's failed write tasks report "Task
+    exception was never retrieved" when they are garbage-collected, which can be after
+    the last close (at exit). It drops only those reports of orbax's own tasks."""
 
     def __init__(self) -> None:
         self.users = 0
+        self.failed = False  # a save failed in this process
         self.filters: list[tuple[logging.Logger, logging.Filter]] = []
         self.hook: Any = None
         self.previous: Any = None
@@ -411,6 +416,8 @@ class _Quiet:
             if self.users > 1:
                 return
             for name in ("absl", "asyncio"):  # orbax logs through absl, which logs here
+                if any(logger.name == name for logger, _ in self.filters):
+                    continue  # the asyncio filter a failed save left
                 logger, kept = logging.getLogger(name), _OrbaxErrors()
                 logger.addFilter(kept)
                 self.filters.append((logger, kept))
@@ -422,9 +429,11 @@ class _Quiet:
             self.users -= 1
             if self.users > 0:
                 return
+            stays = [(lg, f) for lg, f in self.filters if self.failed and lg.name == "asyncio"]
             for logger, kept in self.filters:
-                logger.removeFilter(kept)
-            self.filters = []
+                if (logger, kept) not in stays:
+                    logger.removeFilter(kept)
+            self.filters = stays
             if sys.unraisablehook is self.hook:  # else replaced since: left to its owner
                 sys.unraisablehook = self.previous
             self.hook = self.previous = None
