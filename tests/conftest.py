@@ -90,7 +90,7 @@ def xdist_group(item, root: Path) -> str | None:
     if any(name in SHARED_RUNS for name in item.fixturenames):
         return "shared-runs"
     defs = getattr(item, "_fixtureinfo", None)
-    for fixtures in (defs.name2fixturedefs.values() if defs else ()):
+    for fixtures in defs.name2fixturedefs.values() if defs else ():
         if fixtures and fixtures[-1].scope in ("module", "class", "package"):
             return file
     return file if file in CACHED_FILES else None

@@ -1063,6 +1063,8 @@ def _zigzag_for_4_on_context_2():
         (lambda: sx.track.profile_steps(_loss, "", 1, 2), ValueError, "sx.track.profile_steps: directory must be a non-empty path, got ''"),
         (_all_false_mask_step, ValueError, "sx.train.TrainStep: batch['mask'] is all False, shape (8,): the batch has no real example"),
         (_zigzag_for_4_on_context_2, ValueError, "sx.attention: layout='zigzag:4' says the sequence was reordered for 4 devices of axis 'context', but it has size 2 here; reorder with sx.parallel.zigzag(batch, 2) and pass layout='zigzag:2'"),
+        (lambda: sx.attention(*[jnp.ones((2, 8, 2, 4))] * 3, scale=-1.0), ValueError, "sx.attention: scale must be a finite number > 0, got -1.0"),
+        (lambda: sx.attention(*[jnp.ones((2, 8, 2, 4))] * 3, segment_ids=jnp.zeros((2, 8))), TypeError, "sx.attention: segment_ids must be integers (one id per token; a query sees the keys of its own id), got dtype float32; cast them with .astype(jnp.int32)"),
         (lambda: sx.attention(*[jnp.ones((2, 8, 2, 4))] * 3, layout="zigzag:0"), ValueError, "sx.attention: layout must be one of ['contiguous', 'zigzag'] or 'zigzag:C' with C an integer >= 1 (the context axis size the batch was reordered for, sx.parallel.zigzag_layout(C)), got 'zigzag:0'"),
     ],
 )  # fmt: skip

@@ -256,6 +256,11 @@ def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
             f"q {q.shape} and k {k.shape} must share batch and head_dim, and heads "
             f"{h} must be a multiple of kv_heads {kh} (GQA / MQA)"
         )
+    if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(
+            f"segment_ids must be integers (one id per token; a query sees the keys of its "
+            f"own id), got dtype {segment_ids.dtype}; cast them with .astype(jnp.int32)"
+        )
     if segment_ids is not None and (tuple(segment_ids.shape) != (b, t) or t != s):
         raise ValueError(
             f"segment_ids must be (batch, len) = {(b, t)} with q_len == kv_len, "
@@ -961,7 +966,7 @@ def attention(
     if kernel not in ("auto", *fused.KERNELS):
         raise ValueError(f"kernel must be 'auto' or one of {list(fused.KERNELS)}, got {kernel!r}")
     d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else as_float("scale", scale)
+    scale = 1.0 / math.sqrt(d) if scale is None else as_float("scale", scale, above=0)
     c, manual = context_size(axis)
     if kind == "zigzag":
         _check_zigzag(layout, carried, c, axis)
