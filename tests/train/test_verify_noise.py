@@ -133,20 +133,24 @@ def test_plain_pytree_step_with_closed_over_adam_has_no_false_alarm(mesh):
     assert report.ok, str(report)
 
 
-def test_shard_map_step_that_applies_each_devices_own_gradient_is_caught(mesh):
-    """No all-reduce: each device updates with its own gradient (and keeps device 0's)."""
+def own_shard_map_step(mesh, per_device):
+    """A user's jitted step computing ``(loss, grads)`` with ``per_device`` in their own
+    shard_map (batch split over ``data``), then the closed-over optax update."""
 
     @jax.jit
-    def unreduced_step(params, opt_state, batch):
-        def per_device(params, batch):
-            return jax.value_and_grad(loss_of)(params, batch)
-
+    def step(params, opt_state, batch):
         loss, grads = jax.shard_map(
             per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False
         )(params, batch)
         updates, opt_state = TX.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
+    return step
+
+
+def test_shard_map_step_that_applies_each_devices_own_gradient_is_caught(mesh):
+    """No all-reduce: each device updates with its own gradient (and keeps device 0's)."""
+    unreduced_step = own_shard_map_step(mesh, jax.value_and_grad(loss_of))
     batch = sx.distribute_batch(BATCH, sx.batch_sharding(mesh))
     report = sx.verify(unreduced_step, pytree_state(mesh), batch, reference=pytree_step)
     assert not report.ok, str(report)
@@ -157,17 +161,10 @@ def test_per_device_normalisation_in_own_shard_map_step_with_adam_is_caught(mesh
     step's spread over reorderings) does not hide it. (The cause is not named here: with
     Adam closed over, the slices' updates do not average to the update.)"""
 
-    @jax.jit
-    def sharded_step(params, opt_state, batch):
-        def per_device(params, batch):
-            return jax.lax.pmean(jax.value_and_grad(loss_of)(params, batch), "data")
+    def per_device(params, batch):
+        return jax.lax.pmean(jax.value_and_grad(loss_of)(params, batch), "data")
 
-        loss, grads = jax.shard_map(
-            per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False
-        )(params, batch)
-        updates, opt_state = TX.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
-
+    sharded_step = own_shard_map_step(mesh, per_device)
     batch = sx.distribute_batch(BATCH, sx.batch_sharding(mesh))
     report = sx.verify(sharded_step, pytree_state(mesh), batch, reference=pytree_step)
     assert not report.ok, str(report)
