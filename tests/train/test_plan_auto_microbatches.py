@@ -115,3 +115,55 @@ def test_a_seq_axis_step_lowers_for_an_abstract_batch():
     compiled = step.lower(step.abstract(jax.eval_shape(init)), batch).compile()
     x_sharding = compiled.input_shardings[0][1]["x"]
     assert x_sharding.spec == jax.sharding.PartitionSpec("data", "context")
+
+
+def test_candidates_compile_the_configs_step_seq_axis_and_all():
+    """With config= (as plan='auto' passes its own), each candidate is the step that
+    config makes with the candidate's plan: here the batch's sequence split over
+    'context' halves the batch bytes each device holds."""
+    mesh = sx.make_mesh({"data": 4, "context": 2})
+    batch = {"x": jax.ShapeDtypeStruct((8, 2, 16), jnp.float32),
+             "y": jax.ShapeDtypeStruct((8, 2, 8), jnp.float32)}  # fmt: skip
+    config = sx.train.StepConfig(mesh=mesh, seq_axis="context", stats=("grad_norm",))
+    kw = {"loss_fn": model_loss, "batch": batch, "candidates": {"fsdp": "fsdp"}, "min_size": 256}
+    with_config = sx.auto_plan(mesh, init, config=config, **kw).candidate
+    plain = sx.auto_plan(mesh, init, **kw).candidate
+    step = sx.make_train_step(model_loss, mesh=mesh, plan=sx.fsdp(mesh, min_size=256),
+                              seq_axis="context", stats=("grad_norm",))  # fmt: skip
+    m = step.lower(step.abstract(jax.eval_shape(init)), batch).compile().memory_analysis()
+    assert with_config.argument_bytes == m.argument_size_in_bytes
+    batch_bytes = (8 * 2 * 16 + 8 * 2 * 8) * 4
+    assert plain.argument_bytes - with_config.argument_bytes == batch_bytes // 4 - batch_bytes // 8
+    # plan="auto" hands the step's whole config over: the pick's figures are its step's.
+    auto = sx.make_train_step(model_loss, mesh=mesh, plan="auto", seq_axis="context")
+    state = jax.eval_shape(init)
+    picked = auto.pick(state, batch)
+    assert picked.config.seq_axis == "context"
+    m = picked.lower(picked.abstract(state), batch).compile().memory_analysis()
+    assert auto.auto_report.candidate.argument_bytes == m.argument_size_in_bytes
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"axis": "data"}, TypeError, "config or as keywords, not both; got config and axis"),
+        ({"precision": "bf16"}, TypeError, "not both; got config and precision"),
+        ({"config": "fsdp"}, TypeError, "config must be a sx.train.StepConfig or None, got str"),
+        ({"plan": "fsdp"}, ValueError, "config.plan is 'fsdp', but auto_plan picks the plan"),
+        ({"mode": "shard_map"}, ValueError, "only mode='jit' runs; got config.mode='shard_map'"),
+        ({"mesh": {"data": 4}}, ValueError, r"config's mesh \{'data': 4\} is not auto_plan's"),
+    ],
+)  # fmt: skip
+def test_a_config_that_cannot_be_the_auto_step_is_refused_by_name(change, error, match):
+    mesh = sx.make_mesh({"data": 8})
+    settings = {"mesh": mesh}
+    if "plan" in change:
+        settings["plan"] = sx.fsdp(mesh)
+    if "mode" in change:
+        settings["mode"] = change["mode"]
+    if "mesh" in change:
+        settings["mesh"] = sx.make_mesh(change["mesh"], devices=jax.devices()[:4])
+    kw = {k: v for k, v in change.items() if k in ("axis", "precision", "config")}
+    kw.setdefault("config", sx.train.StepConfig(**settings))
+    with pytest.raises(error, match=match):
+        sx.auto_plan(mesh, init, loss_fn=model_loss, batch=BATCH, **kw)

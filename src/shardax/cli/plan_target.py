@@ -317,6 +317,7 @@ def rank(args: argparse.Namespace, target: Any, mesh: Any, tp: Any, precision: A
     import jax.numpy as jnp
 
     from shardax.train.auto import choose, compile_candidates, default_device_memory
+    from shardax.train.config import StepConfig
 
     groups = _groups(args, target, mesh, tp)
     if args.device_memory is not None:
@@ -331,11 +332,9 @@ def rank(args: argparse.Namespace, target: Any, mesh: Any, tp: Any, precision: A
     for g in groups:
         states = {r: state for r, (_, state, _) in g.models.items()}
         loss_fn = next(iter(g.models.values()))[2]
-        kw: dict[str, Any] = {"data_axis": g.axis, "precision": precision}
-        if g.seq_axis:
-            kw["seq_axis"] = g.seq_axis
+        config = StepConfig(mesh=g.mesh, data_axis=g.axis, precision=precision, seq_axis=g.seq_axis)
         found = compile_candidates(g.plans, states, loss_fn, batch, g.counts, budget,
-                                   limit=left, **kw)  # fmt: skip
+                                   limit=left, config=config)  # fmt: skip
         for c in found:
             owner[c.name] = (g, c.name.split("·")[0], c.variant)
             measured.append(c)

@@ -49,6 +49,7 @@ from shardax.plan.named import MESH_PLANS
 from shardax.plan.regex import Rule, check_rules, rules
 from shardax.plan.report import format_bytes
 from shardax.plan.tree import is_array, map_arrays
+from shardax.train.config import StepConfig
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
 
@@ -381,12 +382,10 @@ def _with_shardings(tree: Any, shardings: Any) -> Any:
     )
 
 
-def _compile_step(
-    plan: FollowParams, state: Any, loss_fn: Callable[..., Any], batch: Any, **step_kw: Any
-) -> Any:
-    """The train step under ``plan``, compiled for abstract ``state`` and ``batch``."""
-    step_kw = {"mode": "jit", "donate": True, **step_kw}
-    step = TrainStep(loss_fn, mesh=plan.mesh, plan=plan, **step_kw)
+def _compile_step(config: StepConfig, state: Any, loss_fn: Callable[..., Any], batch: Any) -> Any:
+    """The train step with ``config`` (its plan set), compiled for abstract ``state`` and
+    ``batch``."""
+    step = TrainStep(loss_fn, config)
     return step.lower(step.abstract(state), batch).compile()
 
 
@@ -555,10 +554,12 @@ def compile_candidates(
     counts: Sequence[int] = (1,),
     budget: float | None = None,
     limit: int | None = None,
-    **step_kw: Any,
+    config: StepConfig | None = None,
 ) -> list[Candidate]:
     """Each plan × model variant × microbatch count compiled once and measured, at most
-    ``limit`` of them (None: no limit; the rest are listed as not compiled).
+    ``limit`` of them (None: no limit; the rest are listed as not compiled). With
+    ``loss_fn``, each compiles the train step of ``config`` (required then) with the
+    candidate's plan and count.
 
     Where the devices have a datasheet and ``budget`` is known (the ranking is by
     predicted time), a plan's remaining candidates are not compiled once they cannot
@@ -591,7 +592,7 @@ def compile_candidates(
                 if rest or more:
                     measured.append(_skipped(name, plan, variant, k, more or rest or ""))
                     continue
-                c = _compile_one(name, plan, state, loss_fn, batch, k, **step_kw)
+                c = _compile_one(name, plan, state, loss_fn, batch, k, config)
                 compiled += 1
                 c = dataclasses.replace(c, accumulate=k, variant=variant)
                 measured.append(c)
@@ -618,7 +619,7 @@ def _compile_one(
     loss_fn: Callable[..., Any] | None,
     batch: Any,
     accumulate: int,
-    **step_kw: Any,
+    config: StepConfig | None,
 ) -> Candidate:
     """One candidate compiled and measured (refused for memory: a candidate that does
     not fit; other compile errors propagate)."""
@@ -626,7 +627,10 @@ def _compile_one(
         if loss_fn is None:
             compiled = _compile_update(plan, state)
         else:
-            compiled = _compile_step(plan, state, loss_fn, batch, accumulate=accumulate, **step_kw)
+            if config is None:
+                raise TypeError("compiling the train step needs the step's config")
+            config = dataclasses.replace(config, plan=plan, accumulate=accumulate)
+            compiled = _compile_step(config, state, loss_fn, batch)
     except RuntimeError as e:  # the backend refused it for lack of memory: no fit
         refused = refused_candidate(name, plan, e)
         if refused is None:
@@ -643,14 +647,15 @@ def auto_plan(
     loss_fn: Callable[..., Any] | None = None,
     batch: Any = None,
     device_memory: float | None = None,
-    axis: str | tuple[str, ...] = DATA_AXIS,
+    axis: str | tuple[str, ...] | None = None,
     min_size: int = DEFAULT_FSDP_MIN_SIZE,
     tp_rules: Rules = None,
     pipeline_rules: Rules = None,
     stage_axis: str = STAGE_AXIS,
     candidates: Mapping[str, FollowParams] | None = None,
-    accumulate: Counts = 1,
-    precision: Any = "fp32",
+    accumulate: Counts | None = None,
+    precision: Any = None,
+    config: StepConfig | None = None,
 ) -> AutoPlan:
     """Compiles every candidate plan's step and picks the one to train with.
 
@@ -685,7 +690,8 @@ def auto_plan(
         device_memory: bytes per device to fit in (default: the device's reported
             limit, else the hardware table's figure; with neither, nothing is
             rejected and the report says so).
-        axis: the data axis (or axes) the batch and the plans split over.
+        axis: the data axis (or axes) the batch and the plans split over (default:
+            ``config.data_axis``, else ``"data"``).
         min_size, tp_rules: as for ``sx.fsdp`` and ``sx.rules``; with ``tp_rules`` a
             ``fsdp+tp`` candidate joins (see :func:`candidate_plans`).
         pipeline_rules, stage_axis: with rules that place the model's stacked layers
@@ -695,16 +701,29 @@ def auto_plan(
         candidates: ``{name: plan}`` to measure instead of :func:`candidate_plans`.
         accumulate: as for ``make_train_step``; or a sequence of counts, e.g.
             ``(1, 2, 4)``, each ranked (names end ``·mb<k>``). Each must split the
-            batch's rows evenly over the data axis.
-        precision: as for ``make_train_step``.
+            batch's rows evenly over the data axis. Default: ``config.accumulate``,
+            else 1.
+        precision: as for ``make_train_step`` (default: ``config``'s, else
+            ``"fp32"``).
+        config: the step's settings (:class:`~shardax.train.StepConfig`, its ``plan``
+            None): each candidate compiles the step they make, with its own plan and
+            count, so ``seq_axis``, ``stats``, ``batch_spec`` and the rest count too.
+            ``axis`` and ``precision`` then come from it and are not passed.
 
     Raises:
         ValueError: no candidate fits ``device_memory`` (naming the smallest and the
             budget), no abstract values can be built from the arguments, a count of
-            ``accumulate`` does not divide the batch, or ``pipeline_rules`` are given
-            for a mesh without ``stage_axis`` (or split nothing over it).
+            ``accumulate`` does not divide the batch, ``pipeline_rules`` are given
+            for a mesh without ``stage_axis`` (or split nothing over it), or ``config``
+            has a plan, another mode than ``"jit"``, or another mesh.
+        TypeError: ``config`` is not a ``StepConfig``, or comes with ``axis`` or
+            ``precision``.
     """
     check_mesh("mesh", mesh)
+    config = _step_config(mesh, config, axis, precision)
+    axis = config.data_axis
+    if accumulate is None:
+        accumulate = config.accumulate
     options = check_options(device_memory, min_size, tp_rules, pipeline_rules, stage_axis)
     device_memory, min_size = options["device_memory"], options["min_size"]
     if loss_fn is not None:
@@ -732,10 +751,46 @@ def auto_plan(
             f"{stage_axis!r} (stage_axis); give rules matching the stacked layers, e.g. "
             f"[(r'blocks', P({stage_axis!r}))]"
         )
-    step_kw = {} if loss_fn is None else {"data_axis": axis, "precision": precision}
-    measured = compile_candidates(plans, states, loss_fn, batch, counts, budget, **step_kw)
+    measured = compile_candidates(plans, states, loss_fn, batch, counts, budget, config=config)
     what = "train step" if loss_fn is not None else "optimizer update"
     return choose(measured, budget, what, _compared(mesh, axis, split))
+
+
+def _step_config(mesh: Mesh, config: Any, axis: Any, precision: Any) -> StepConfig:
+    """The settings each candidate's step is compiled with: ``config``, checked against
+    ``mesh``, or the one ``axis`` and ``precision`` make (not both)."""
+    if config is None:
+        return StepConfig(
+            mesh=mesh,
+            data_axis=DATA_AXIS if axis is None else axis,
+            precision="fp32" if precision is None else precision,
+        )
+    if not isinstance(config, StepConfig):
+        raise TypeError(
+            f"config must be a sx.train.StepConfig or None, got {type(config).__name__}"
+        )
+    given = [n for n, v in (("axis", axis), ("precision", precision)) if v is not None]
+    if given:
+        raise TypeError(
+            f"pass the step's settings in config or as keywords, not both; got config and "
+            f"{', '.join(given)} (config.data_axis and config.precision are used)"
+        )
+    if config.plan is not None:
+        raise ValueError(
+            f"config.plan is {config.plan_name!r}, but auto_plan picks the plan; build the "
+            "config with plan=None"
+        )
+    if config.mode != "jit":
+        raise ValueError(
+            f"auto_plan picks among sharded plans, which only mode='jit' runs; got "
+            f"config.mode={config.mode!r}"
+        )
+    if config.mesh != mesh:
+        raise ValueError(
+            f"config's mesh {dict(config.mesh.shape)} is not auto_plan's mesh "
+            f"{dict(mesh.shape)}; build both from the same mesh"
+        )
+    return config
 
 
 def _split_axes(plan: Plan, state: Any) -> set[str]:
@@ -879,9 +934,7 @@ class AutoStep:
                 state,
                 loss_fn=self.loss_fn,
                 batch=batch,
-                axis=config.data_axis,
-                accumulate=config.accumulate,
-                precision=config.precision,
+                config=config,
                 **vars(self.options),
             )
             config = dataclasses.replace(config, plan=self.auto_report.plan)
