@@ -204,3 +204,23 @@ def test_pending_metrics_are_bounded_by_the_window_when_no_hook_is_due():
     assert seen == [(1, [], 1), (2, [], 2), (3, [1, 2, 3], 0), (4, [], 1), (5, [], 2)]
     with pytest.raises(ValueError, match="window must be an integer >= 1, got 0"):
         sx.loop.Run({}, [], window=0)
+
+
+def test_a_loop_without_metrics_under_the_watchdog_survives_the_next_steps_donation(mesh):
+    """With no metrics the watchdog waits on a token of the state: the state itself is
+    donated to the next step before it is waited for, and a donated array cannot be."""
+    import optax
+
+    apply = lambda params, x: x @ params["w"]  # noqa: E731
+    loss_fn = lambda model, batch: jnp.mean((model(batch["x"]) - batch["y"]) ** 2)  # noqa: E731
+    step = sx.make_train_step(loss_fn, mesh=mesh)  # donate=True
+    state = sx.TrainState.from_params({"w": jnp.zeros((16, 4))}, apply, optax.sgd(0.1))
+    batch = {"x": np.ones((16, 16), np.float32), "y": np.ones((16, 4), np.float32)}
+    with sx.loop.run(step.shard(state), watchdog=60, goodput=False) as run:
+        for placed in run.batches([batch] * 5, mesh):
+            old = run.state
+            new, _ = step(run.state, placed)
+            assert old.params["w"].is_deleted()  # donated
+            run.after_step(new)  # no metrics
+            assert run.completed == run.step - 1 or run.step == 1
+    assert run.completed == 5 and not run.state.params["w"].is_deleted()

@@ -159,7 +159,7 @@ class Watchdog(Hook):
             self._armed = True
 
     def after_step(self, run: Any) -> None:
-        latest = (run.step, (run.pending[-1][1] if run.pending else {}) or run.state)
+        latest = (run.step, (run.pending[-1][1] if run.pending else {}) or _token(run.state))
         waits = [self._behind] if self._behind is not None else []
         if any([hook.due(run) for hook in run.hooks if hook is not self]):
             waits.append(latest)  # the host reads this step now anyway
@@ -200,6 +200,19 @@ class Watchdog(Hook):
         if status.STATUS.probe == self._ready:
             status.STATUS.probe = None
         self.watchdog.close()
+
+
+def _token(state: Any) -> Any:
+    """What to wait on for the step that made ``state`` when it gave no scalar metrics:
+    one element of its smallest array on one device, copied by a tiny op queued behind
+    the step. The state itself may be donated to the next step before it is waited for,
+    and a donated array cannot be waited on. (NNX objects updated in place, with no
+    arrays among their leaves, are returned as they are.)"""
+    arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array) and x.size]
+    if not arrays:
+        return state
+    smallest = min(arrays, key=lambda x: x.size).addressable_shards[0].data
+    return smallest.reshape(-1)[:1]
 
 
 def _running(result: tuple[int, Any] | None) -> int | None:
