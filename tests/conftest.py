@@ -96,6 +96,7 @@ def xdist_group(item, root: Path) -> str | None:
     return file if file in CACHED_FILES else None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into node ids
 def pytest_collection_modifyitems(config, items):
     """Groups the tests for pytest-xdist (:func:`xdist_group`), and
     ``@pytest.mark.compile_only`` (or ``compile_only("gpu")``) tests skip, naming what is
@@ -167,3 +168,4 @@ def stage_mesh():
     import shardax as sx
 
     return sx.make_mesh({"data": 2, "stage": 4})
+
