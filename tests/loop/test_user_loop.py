@@ -99,6 +99,18 @@ def test_a_stuck_rank_is_named_by_the_watchdog(tmp_path, late):
     assert sessions[0]["last_step"] == at - 1 and sessions[0]["buckets"]["hang"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_a_stuck_loader_is_caught_by_the_watchdog(tmp_path):
+    """The clock runs from the wait for the step's batch: one process whose loader stops
+    yielding is ended, naming the step and that it waits for data."""
+    cmd = [sys.executable, WORKER, "step", str(tmp_path / "ckpt"), "--steps", "6",
+           "--stall-data-at", "3", "--watchdog", "3"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=CLEAN_ENV)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == sx.runtime.WATCHDOG_EXIT_CODE, text[-3000:]
+    assert "step 3 did not complete within 3 s (waiting for data for step 3;" in text, text[-3000:]
+
+
 # --- the driver and its hooks, in this process --------------------------------------------
 
 

@@ -12,7 +12,8 @@ session's steps and the final params); ``--sigterm-at S`` sends this process SIG
 during step S (the run saves S and exits 75); ``--hang-at S`` makes process 1 of a
 multi-process run (``sx.initialize()``) sleep in step S under ``--watchdog``, and
 ``--late T`` makes process 0 sleep T seconds in step S-1, so its watchdog fires T seconds
-after process 1's (as on a loaded machine).
+after process 1's (as on a loaded machine); ``--stall-data-at S`` makes the loader sleep
+before it yields step S's batch.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ DATA = {"x": ROWS[:, :8], "y": np.sin(ROWS[:, 8:])}
 
 def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_at: int = 0,
           hang_at: int = 0, watchdog: float | None = None,
-          late: float = 0.0) -> dict[str, Any]:  # fmt: skip
+          late: float = 0.0, stall_data_at: int = 0) -> dict[str, Any]:  # fmt: skip
     """Trains to ``steps`` (resuming from ``ckpt`` when it holds a checkpoint); returns
     this session's losses (by step) and the final params as lists."""
     import jax
@@ -57,6 +58,8 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
 
     mesh = sx.make_mesh({"data": -1})
     loader = sx.batches(DATA, 16, shuffle=True, seed=3, num_epochs=None)
+    if stall_data_at:
+        loader = _stalling(loader, stall_data_at)
     losses: dict[int, float] = {}
 
     def poke(run: Any) -> None:  # the faults a test asks for, inside step run.step
@@ -105,6 +108,14 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
     }
 
 
+def _stalling(loader: Any, at: int) -> Any:
+    """``loader``'s batches, sleeping before the ``at``-th (a stuck reader)."""
+    for i, batch in enumerate(loader, start=1):
+        if i == at:
+            time.sleep(600)
+        yield batch
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("flavour", choices=("nnx", "step"))
@@ -115,6 +126,7 @@ def main() -> int:
     parser.add_argument("--hang-at", type=int, default=0)
     parser.add_argument("--watchdog", type=float, default=None)
     parser.add_argument("--late", type=float, default=0.0)
+    parser.add_argument("--stall-data-at", type=int, default=0)
     parser.add_argument("--cpu-devices", type=int, default=None)
     args = parser.parse_args()
     import jax
@@ -126,7 +138,8 @@ def main() -> int:
     sx.initialize()  # a no-op alone; joins the run under shardax launch's environment
     out = train(args.flavour, args.ckpt, args.steps, save_every=args.save_every,
                 sigterm_at=args.sigterm_at, hang_at=args.hang_at,
-                watchdog=args.watchdog, late=args.late)  # fmt: skip
+                watchdog=args.watchdog, late=args.late,
+                stall_data_at=args.stall_data_at)  # fmt: skip
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 

@@ -184,6 +184,8 @@ class Run:
             self.feed = feed
             while total is None or self.step < total:
                 status.STATUS.set(status.DATA, self.step + 1)
+                for hook in self.hooks:
+                    hook.before_batch(self)
                 try:
                     batch = next(feed)
                 except StopIteration:

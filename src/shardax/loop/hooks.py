@@ -68,6 +68,10 @@ class Hook:
     def start(self, run: Any) -> None:
         """On entering the run (the state restored, before the first step)."""
 
+    def before_batch(self, run: Any) -> None:
+        """Before the batch of step ``run.step + 1`` is fetched (by :meth:`Run.batches`;
+        a loop that fetches its own batches has no such call)."""
+
     def before_step(self, run: Any) -> None:
         """Before step ``run.step`` (its batch is fetched)."""
 
@@ -123,10 +127,12 @@ class Watchdog(Hook):
     (:class:`shardax.StepWatchdog`). ``on_fire(step)`` runs first (default: the goodput
     ledger saved with the hung step's time as ``hang``).
 
-    It waits for the device one step behind: after step N is dispatched, for step N-1's
-    result, so the device queue stays fed; a step counts as completed (:meth:`Run.done`)
-    once waited for. When a later hook is due after step N (it fetches the metrics or the
-    state anyway), it waits for step N too, and at the end for the last step."""
+    The clock runs from the wait for the step's batch (under :meth:`Run.batches`), so a
+    stuck loader is named too. It waits for the device one step behind: after step N is
+    dispatched, for step N-1's result, so the device queue stays fed; a step counts as
+    completed (:meth:`Run.done`) once waited for. When a later hook is due after step N
+    (it fetches the metrics or the state anyway), it waits for step N too, and at the end
+    for the last step."""
 
     waits = True
 
@@ -152,10 +158,16 @@ class Watchdog(Hook):
         behind = self._behind
         return behind[0] if behind is not None and _running(behind) is None else None
 
+    def before_batch(self, run: Any) -> None:
+        self._arm(run, run.step + 1)  # the wait for the step's batch counts too
+
     def before_step(self, run: Any) -> None:
-        if run.step > run.first + 1:
+        self._arm(run, run.step)
+
+    def _arm(self, run: Any, step: int) -> None:
+        if step > run.first + 1 and not self._armed:
             behind = self._behind
-            self.watchdog.arm(run.step, lambda: _running(behind))
+            self.watchdog.arm(step, lambda: _running(behind))
             self._armed = True
 
     def after_step(self, run: Any) -> None:
@@ -174,7 +186,7 @@ class Watchdog(Hook):
         if self._behind is not None:
             self._wait(run, [self._behind])
             self._behind = None
-            self._disarm()
+        self._disarm()  # also the clock armed for a batch the loader did not have
 
     def _wait(self, run: Any, waits: list[tuple[int, Any]]) -> None:
         """Waits, under the clock, for these steps' results on the device: the clock this

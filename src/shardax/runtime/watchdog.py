@@ -189,10 +189,12 @@ class StepWatchdog:
                 out.write(line + "\n")
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
+            mine = status.STATUS
+            doing = f"{mine.phase} for step {mine.step}; " if mine.phase else ""
             out.write(
                 f"shardax: hang watchdog: {self._where}step {step} did not complete within "
-                f"{self.timeout:g} s (--step-timeout); stacks of every thread above; exiting "
-                f"with code {code}\n"
+                f"{self.timeout:g} s ({doing}--step-timeout); stacks of every thread above; "
+                f"exiting with code {code}\n"
             )
             out.flush()
         except BaseException as e:  # the report failed: say so where it can still be seen
