@@ -168,4 +168,3 @@ def stage_mesh():
     import shardax as sx
 
     return sx.make_mesh({"data": 2, "stage": 4})
-
