@@ -362,7 +362,10 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
 
     # The uninterrupted 2-process run, then the one that is preempted: one launch at a
     # time, since two side by side (4 processes on 2 cores) once lost a gloo peer.
-    reference = start("mp-straight", "--checkpoint-dir", str(tmp_path / "mp-straight"))
+    # (Saving changes nothing it computes: it saves only at the epochs' ends, and the
+    # resumed run likewise, each save of 2 processes costing about a second.)
+    reference = start("mp-straight", "--checkpoint-dir", str(tmp_path / "mp-straight"),
+                      "--save-every", "1000")  # fmt: skip
     try:
         reference_out = reference.communicate(timeout=300)[0]
     finally:
@@ -406,7 +409,8 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
     # (Its output goes to a file: nothing reads a pipe meanwhile.)
     log = tmp_path / "mp-resumed.log"
     with log.open("w") as log_file:
-        resumed = start("mp-resumed", "--checkpoint-dir", str(ckpt), "--resume", log=log_file)
+        resumed = start("mp-resumed", "--checkpoint-dir", str(ckpt), "--resume",
+                        "--save-every", "1000", log=log_file)  # fmt: skip
     try:
         resumed.wait(timeout=300)
         # Elastic: the 2 x 4 checkpoint resumes on 1 x 8, 1 x 4 and 1 x 2 devices.
