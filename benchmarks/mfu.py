@@ -4,7 +4,9 @@ One command, on whatever accelerator JAX finds (all its devices on one ``data`` 
 FSDP over it when there are several): builds ``shardax.models.gpt`` at the size asked,
 trains it with ``sx.make_train_step(..., precision="bf16")`` on random byte tokens, and
 reports tokens/s per device and MFU. The attention is ``sx.attention``, so on a GPU in
-bf16 it is cuDNN's flash kernel (``jax.nn.dot_product_attention``).
+bf16 it is cuDNN's flash kernel (``jax.nn.dot_product_attention``); ``--kernel dense``
+forces the XLA einsums (the score matrix in memory) to measure what the fused kernel
+gains. The kernel the step compiled to is read from its HLO (``attention_kernel``).
 
 Two FLOP counts, side by side:
 
@@ -23,7 +25,8 @@ unknown device). ``--size auto`` (default) is ``1b`` on an accelerator
 and ``tiny`` on CPU, where this is a smoke test, no figure.
 
     uv run python benchmarks/mfu.py                  # 1B on the GPU/TPU, tiny on CPU
-    uv run python benchmarks/mfu.py --size 1b --batch-size 8 --seq-len 2048 --json
+    uv run python benchmarks/mfu.py --size 1b --batch-size 8 --remat dots_no_batch --json
+    uv run python benchmarks/mfu.py --kernel dense   # the same step, dense attention
 """
 
 from __future__ import annotations
@@ -33,9 +36,13 @@ import json
 import time
 from typing import Any
 
+from shardax.parallel.fused import KERNELS
+
 SIZES = {
-    # 24 × 12·d² = 1.21e9 non-embedding parameters; head_dim 128 (cuDNN's flash kernel)
-    "1b": {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 2048, "batch_per_device": 8},
+    # 24 × 12·d² = 1.21e9 non-embedding parameters; head_dim 128 (cuDNN's flash kernel).
+    # 4 sequences per device: 8 without remat ran out of an H200's 141 GB (a 94 GiB
+    # buffer); 8 with --remat dots_no_batch ran, at the same MFU (docs/results.md).
+    "1b": {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 2048, "batch_per_device": 4},
     "tiny": {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 64, "batch_per_device": 2},
 }
 
@@ -59,6 +66,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
     import shardax as sx
     from shardax.cost.flops import compiled_flops, utilization
+    from shardax.cost.hlo import attention_kernel
     from shardax.models import gpt
 
     devices = jax.devices()
@@ -71,7 +79,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     batch = args.batch_size or shape["batch_per_device"] * len(devices)
     seq = shape["seq_len"]
     cfg = gpt.GPTConfig(layers=shape["layers"], d_model=shape["d_model"], heads=shape["heads"],
-                        max_seq_len=seq, scan_layers=args.scan_layers)  # fmt: skip
+                        max_seq_len=seq, scan_layers=args.scan_layers,
+                        kernel=args.kernel)  # fmt: skip
     mesh = sx.make_mesh({"data": -1})
 
     def loss_fn(model: Any, b: dict[str, jax.Array]) -> jax.Array:
@@ -89,7 +98,11 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     tokens = rng.integers(0, 256, (batch, seq + 1)).astype(np.int32)
     data = sx.distribute_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
                                sx.batch_sharding(mesh))  # fmt: skip
-    xla = compiled_flops(step.lower(state, data).compile())
+    began = time.perf_counter()
+    compiled = step.lower(state, data).compile()
+    compile_seconds = time.perf_counter() - began
+    xla = compiled_flops(compiled)
+    kernel = attention_kernel(compiled.as_text())
     xla_total = None if xla is None else xla * len(devices)
     for _ in range(args.warmup):
         state, metrics = step(state, data)
@@ -101,7 +114,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     seconds = (time.perf_counter() - began) / args.steps
     per_token = model_flops_per_token(cfg.layers, cfg.d_model, seq, non_embedding)
     model = utilization(per_token * batch * seq, seconds, len(devices))
-    compiled = utilization(xla_total, seconds, len(devices))
+    counted = utilization(xla_total, seconds, len(devices))
     return {
         "benchmark": "mfu",
         "device": str(devices[0].device_kind),
@@ -118,7 +131,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
             "remat": args.remat,
             "precision": "bf16",
             "plan": plan_name,
+            "kernel": args.kernel,
         },
+        "attention_kernel": kernel,
+        "compile_seconds": compile_seconds,
         "params": gpt.param_count(abstract),
         "non_embedding_params": non_embedding,
         "loss": loss,
@@ -128,10 +144,10 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         "model_flops_per_step": per_token * batch * seq,
         "model_tflops_per_s_per_device": model["tflops_per_s_per_device"],
         "xla_flops_per_step": xla_total,
-        "xla_tflops_per_s_per_device": compiled["tflops_per_s_per_device"],
+        "xla_tflops_per_s_per_device": counted["tflops_per_s_per_device"],
         "peak_tflops_per_device": model["peak_tflops_per_device"],
         "mfu": model["mfu"],
-        "mfu_xla_flops": compiled["mfu"],
+        "mfu_xla_flops": counted["mfu"],
     }
 
 
@@ -143,9 +159,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None, help="global (default: 8 per device)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global (default: the size's, 4 per device for 1b)")  # fmt: skip
     p.add_argument("--remat", default="none", help="remat policy per block (default: none)")
     p.add_argument("--scan-layers", action="store_true", help="the blocks in lax.scan")
+    p.add_argument("--kernel", choices=("auto", *KERNELS), default="auto",
+                   help="sx.attention's kernel (default: auto, the platform's fused)")  # fmt: skip
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -159,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     fmt = lambda x: x if isinstance(x, str) else f"{x:.1%}"  # noqa: E731
     print(f"{out['size']} GPT ({out['params'] / 1e6:.0f}M params), bf16, {out['devices']} × "
-          f"{out['device']} (JAX {out['jax']})")  # fmt: skip
+          f"{out['device']} (JAX {out['jax']}), attention: {out['attention_kernel']}")  # fmt: skip
     print(f"  {out['tokens_per_s_per_device']:,.0f} tokens/s per device, "
           f"{out['seconds_per_step'] * 1e3:.1f} ms/step")  # fmt: skip
     print(f"  model FLOPs ({out['flops_formula']}): {out['model_tflops_per_s_per_device']:.3g} "

@@ -18,7 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from shardax.cost.estimation import HEADROOM, link_bandwidths
-from shardax.cost.flops import hlo_flops, transformer_flops_per_token
+from shardax.cost.flops import (
+    compiled_flops,
+    hlo_flops,
+    library_call_flops,
+    transformer_flops_per_token,
+)
 from shardax.cost.hlo import attention_kernel, collectives, replica_groups
 from shardax.cost.memory import estimate as formula
 from shardax.cost.predict import link_of, predict_step
@@ -61,6 +66,38 @@ def test_hlo_flops_counts_dots_and_loop_trips():
     ws = jnp.ones((5, 64, 64))
     hlo = jax.jit(looped).lower(jnp.ones((8, 64)), ws).compile().as_text()
     assert hlo_flops(hlo) == 5 * 2 * 8 * 64 * 64
+
+
+GEMM_LINE = (  # as XLA:GPU writes a cuBLAS matmul: the product and a workspace, a tuple
+    "%custom-call.3 = (bf16[64,512]{1,0}, s8[4194304]{0}) custom-call(%p.1, %p.2), "
+    'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,'
+    '"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":'
+    '["0"]}}}'
+)
+
+
+def test_cublas_gemms_count_in_the_hlo_and_beside_xla_cost_analysis():
+    """XLA:GPU's cost_analysis() counts a cuBLAS call as zero FLOPs (on an H200 it gave
+    1.22e10 for a step of 1.57e13): compiled_flops adds the library calls' matmuls."""
+    hlo = f"%p.1 = bf16[64,256]{{1,0}} parameter(0)\n{GEMM_LINE}"
+    assert hlo_flops(hlo) == library_call_flops(hlo) == 2 * 64 * 512 * 256
+    lt = hlo.replace("__cublas$gemm", "__cublas$lt$matmul")
+    assert library_call_flops(lt) == 2 * 64 * 512 * 256
+
+    class GPUCompiled:  # what a jax.stages.Compiled for a GPU answers, for this program
+        def cost_analysis(self):
+            return {"flops": 1000.0}  # the elementwise ops XLA counts
+
+        def as_text(self):
+            return hlo
+
+    assert compiled_flops(GPUCompiled()) == 1000.0 + 2 * 64 * 512 * 256
+    # On the CPU nothing is a library call: XLA's own count, unchanged.
+    compiled = jax.jit(lambda x, y: x @ y).lower(jnp.ones((32, 64)), jnp.ones((64, 16))).compile()
+    assert library_call_flops(compiled.as_text()) == 0.0
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis  # older JAX
+    assert compiled_flops(compiled) == analysis["flops"]
 
 
 def test_transformer_flops_halve_causal_attention():

@@ -110,6 +110,8 @@ def test_plan_errors_name_the_sizes():
         gpt.plan(sx.make_mesh({"data": 8}), model, "tp")
     with pytest.raises(ValueError, match=r"heads=5 must divide d_model=32"):
         gpt.GPTConfig(d_model=32, heads=5)
+    with pytest.raises(ValueError, match=r"GPTConfig.kernel must be .* got 'flash'"):
+        gpt.GPTConfig(kernel="flash")
     with pytest.raises(ValueError, match=r"sequence length 32 is above the model's max_seq_len 16"):
         abstract(CFG)(jnp.zeros((1, 32), jnp.int32))  # checked before any parameter is used
 

@@ -73,6 +73,7 @@ from flax import nnx
 
 from shardax.checks import as_bool, as_count, expect_type
 from shardax.parallel.context import IMPLS
+from shardax.parallel.fused import KERNELS
 from shardax.plan.named import MESH_PLANS
 
 VOCAB = 256
@@ -140,6 +141,10 @@ class GPTConfig:
             axis of size > 1 it is ``jax.nn.dot_product_attention`` whatever the choice.
         window: sliding-window attention: each token sees itself and the ``window``
             tokens before it (``sx.attention``'s ``window=(window, 0)``); None: all.
+        kernel: ``sx.attention``'s ``kernel``: ``"auto"`` (the platform's fused kernel
+            where it can, cuDNN on a GPU, splash on a TPU), or one of
+            :data:`shardax.parallel.fused.KERNELS` forced (``"dense"``: the XLA einsums,
+            e.g. to measure what the fused kernel gains).
     """
 
     layers: int = 2
@@ -158,12 +163,17 @@ class GPTConfig:
     capacity_factor: float = 1.25
     attention: str = "auto"
     window: int | None = None
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_experts()
         if self.attention not in ATTENTION:
             raise ValueError(
                 f"GPTConfig.attention must be one of {ATTENTION}, got {self.attention!r}"
+            )
+        if self.kernel not in ("auto", *KERNELS):
+            raise ValueError(
+                f"GPTConfig.kernel must be 'auto' or one of {KERNELS}, got {self.kernel!r}"
             )
         if self.window is not None:
             window = as_count("GPTConfig.window (or None)", self.window, minimum=0)
@@ -279,6 +289,7 @@ class Attention(nnx.Module):
         )
         self.rotary = cfg.positions == "rotary"
         self.impl = cfg.attention
+        self.kernel = cfg.kernel
         self.window = None if cfg.window is None else (cfg.window, 0)
 
     def __call__(self, x: jax.Array, ctx: Context | None = None) -> jax.Array:
@@ -295,7 +306,7 @@ class Attention(nnx.Module):
             positions = _positions(ctx, x.shape[1])
             q, k = rotary(q, positions), rotary(k, positions)
         y = attention(q, k, v, causal=True, segment_ids=ctx.segment_ids, window=self.window,
-                      impl=self.impl, layout=ctx.layout)  # fmt: skip
+                      impl=self.impl, kernel=self.kernel, layout=ctx.layout)  # fmt: skip
         return jnp.einsum("bthk,hkd->btd", y, self.out[...])
 
 

@@ -1,0 +1,68 @@
+"""sx.attention's cuDNN kernel against the dense path, numerically, on a real GPU.
+
+CI has no GPU, so these skip there (the compile-only tests check the lowering); on a
+machine with one, run them with the GPU visible (the suite defaults to the CPU):
+
+    JAX_PLATFORMS=cuda,cpu uv run pytest -n 0 tests/parallel/test_fused_attention_gpu.py
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardax as sx
+from shardax.cost.hlo import attention_kernel
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="needs a GPU (JAX_PLATFORMS=cuda,cpu); the lowering is checked compile-only",
+)
+
+B, T, H = 2, 256, 4
+MASKS = {
+    "no mask": {},
+    "causal": {"causal": True},
+    "causal, window 64": {"causal": True, "window": (64, 0)},
+    # Two packed documents per row, then padding (its own segment), as a batch would be.
+    "segment_ids": {"segment_ids": np.repeat(np.array([[1, 2, 0, 0], [1, 1, 2, 3]]), T // 4, 1)},
+    "causal, segment_ids": {
+        "causal": True,
+        "segment_ids": np.repeat(np.array([[1, 2, 3, 0], [1, 1, 1, 2]]), T // 4, 1),
+    },
+}
+
+
+def _loss(kernel: str, masks: dict, cotangent: jax.Array):
+    def loss(q, k, v):
+        out = sx.attention(q, k, v, kernel=kernel, **masks)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def _close(got: jax.Array, want: jax.Array, what: str) -> None:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    # bf16 keeps 8 mantissa bits: both paths round; 2% of the largest entry bounds them.
+    err = np.max(np.abs(got - want))
+    assert err <= 2e-2 * np.max(np.abs(want)) + 1e-3, f"{what}: max |cudnn - dense| = {err}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_cudnn_equals_dense_forward_and_gradients(name, head_dim):
+    masks = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in MASKS[name].items()}
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(s, (B, T, H, head_dim), jnp.bfloat16) for s in keys[:3])
+    cotangent = jax.random.normal(keys[3], (B, T, H, head_dim), jnp.float32)
+
+    fused, dense = _loss("auto", masks, cotangent), _loss("dense", masks, cotangent)
+    assert attention_kernel(fused.lower(q, k, v).compile().as_text()) == "cudnn", name
+    assert attention_kernel(dense.lower(q, k, v).compile().as_text()) == "dense", name
+    (_, out), grads = fused(q, k, v)
+    (_, want_out), want_grads = dense(q, k, v)
+    _close(out, want_out, f"{name} forward")
+    for which, got, want in zip("qkv", grads, want_grads, strict=True):
+        _close(got, want, f"{name} d{which}")
