@@ -75,7 +75,8 @@ class Estimate:
             and ``peak`` (the compiler's: arguments + outputs - aliased + temporaries).
         hbm_bytes: the device's memory (None: unknown); headroom is its free share.
         flops_hlo: matmul FLOPs per device per step counted from the compiled HLO;
-            flops_backend: the backend's ``cost_analysis()`` figure (None on GPU targets).
+            flops_backend: the backend's count (:func:`~shardax.cost.flops.compiled_flops`:
+            ``cost_analysis()`` with library calls and loop trips; None on GPU targets).
         model_flops: model FLOPs per step over all devices; model_flops_note: its formula.
         tokens: tokens per step over all devices.
         collectives: one dict per collective kind and link: op, link, runs, bytes sent.

@@ -101,7 +101,7 @@ def hlo_flops(hlo: str) -> float:
     ...           "%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
     128.0
     """
-    return sum((flops for _, flops in _matmuls(hlo)), 0.0)
+    return sum((flops * times for _, flops, times in _matmuls(hlo)), 0.0)
 
 
 def library_call_flops(hlo: str) -> float:
@@ -116,12 +116,25 @@ def library_call_flops(hlo: str) -> float:
     >>> library_call_flops("%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
     0.0
     """
-    return sum((flops for kind, flops in _matmuls(hlo) if kind in ("gemm", "fmha")), 0.0)
+    return sum((f * n for kind, f, n in _matmuls(hlo) if kind in ("gemm", "fmha")), 0.0)
 
 
-def _matmuls(hlo: str) -> Iterator[tuple[str, float]]:
-    """``(kind, FLOPs)`` of each matmul of ``hlo`` times its runs: ``"dot"``, ``"conv"``
-    (XLA:TPU), ``"gemm"`` (a cuBLAS custom call), ``"fmha"`` (cuDNN's attention)."""
+def loop_matmul_flops(hlo: str) -> float:
+    """The FLOPs of ``hlo``'s XLA matmuls (``dot``, ``convolution``) in loop bodies beyond
+    their first trip, which XLA's ``cost_analysis()`` leaves out: it counts a ``while``
+    body once (a ``lax.scan`` of 24 layers counts one layer).
+
+    >>> loop_matmul_flops("%a = f32[4,8]{1,0} parameter(0)\\n"
+    ...                   "%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
+    0.0
+    """
+    return sum((f * (n - 1) for kind, f, n in _matmuls(hlo) if kind in ("dot", "conv")), 0.0)
+
+
+def _matmuls(hlo: str) -> Iterator[tuple[str, float, int]]:
+    """``(kind, FLOPs of one run, runs)`` of each matmul of ``hlo``: kinds ``"dot"``,
+    ``"conv"`` (XLA:TPU), ``"gemm"`` (a cuBLAS custom call), ``"fmha"`` (cuDNN's
+    attention); runs: its computation's per run of the program (loop trips)."""
     bodies, entry = _computations(hlo)
     runs = _runs(bodies, entry)
     for name, lines in bodies.items():
@@ -140,11 +153,11 @@ def _matmuls(hlo: str) -> Iterator[tuple[str, float]]:
                     continue
                 taps = _window_taps(line)
                 flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * taps
-                yield "conv", flops * times
+                yield "conv", flops, times
                 continue
             fmha = _fmha_flops(line)
             if fmha:
-                yield "fmha", fmha * times
+                yield "fmha", fmha, times
                 continue
             dot, gemm = _DOT.search(line), _GEMM.search(line)
             if not (dot or gemm):
@@ -156,7 +169,7 @@ def _matmuls(hlo: str) -> Iterator[tuple[str, float]]:
                 continue
             axes = [int(d) for d in re.findall(r"\d+", contract.group(1))]
             k = math.prod(lhs[a] for a in axes if a < len(lhs))
-            yield ("dot" if dot else "gemm"), 2.0 * math.prod(out) * k * times
+            yield ("dot" if dot else "gemm"), 2.0 * math.prod(out) * k, times
 
 
 def transformer_flops_per_token(
@@ -185,13 +198,15 @@ def compiled_flops(compiled: Any) -> float | None:
     None when the backend gives no cost analysis: XLA's ``cost_analysis()``, plus the
     matmuls it counts as zero, cuBLAS GEMMs and cuDNN's attention on a GPU
     (:func:`library_call_flops`; measured on an H200, XLA's count alone was 0.08% of a
-    90-layer MLP step's 6·N·batch)."""
+    90-layer MLP step's 6·N·batch), and the loop trips of matmuls it counts once
+    (:func:`loop_matmul_flops`)."""
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list | tuple):  # older JAX: one dict per program
         analysis = analysis[0] if analysis else None
     if not analysis or "flops" not in analysis:
         return None
-    return float(analysis["flops"]) + library_call_flops(compiled.as_text())
+    hlo = compiled.as_text()
+    return float(analysis["flops"]) + library_call_flops(hlo) + loop_matmul_flops(hlo)
 
 
 def utilization(
