@@ -66,3 +66,47 @@ def test_cudnn_equals_dense_forward_and_gradients(name, head_dim):
     _close(out, want_out, f"{name} forward")
     for which, got, want in zip("qkv", grads, want_grads, strict=True):
         _close(got, want, f"{name} d{which}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_blocks_merged_by_their_lse_equal_whole_attention(causal):
+    """The context ring's pieces on hardware, for C = 2 blocks: cuDNN's per-block outputs
+    merged by their log-sum-exps equal whole attention, and each block's gradients at the
+    merged output and log-sum-exp (``cudnn_block_grads``) add up to the whole's."""
+    from shardax.parallel.fused import cudnn_block, cudnn_block_grads
+
+    d, c = 128, 2
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, k, v, dout = (jax.random.normal(s, (B, T, H, d), jnp.bfloat16) for s in keys)
+    scale = d**-0.5
+    qs, ks, vs, dos = (jnp.split(x, c, axis=1) for x in (q, k, v, dout))
+    # query block i sees key blocks 0..i under causal (the diagonal one causally), else all
+    seen = {i: [j for j in range(c) if not causal or j <= i] for i in range(c)}
+    diag = {(i, j): causal and i == j for i in range(c) for j in range(c)}
+    fwd = jax.jit(cudnn_block, static_argnames=("scale", "causal"))
+    bwd = jax.jit(cudnn_block_grads, static_argnames=("scale", "causal"))
+
+    outs, lses = [], []
+    for i in range(c):
+        parts = [fwd(qs[i], ks[j], vs[j], scale=scale, causal=diag[i, j]) for j in seen[i]]
+        lse = jax.nn.logsumexp(jnp.stack([part[1] for part in parts]), axis=0)
+        out = sum(o.astype(jnp.float32) * jnp.exp(o_lse - lse)[..., None] for o, o_lse in parts)
+        outs.append(out.astype(jnp.bfloat16))
+        lses.append(lse)
+
+    want, vjp = jax.vjp(lambda q, k, v: sx.attention(q, k, v, causal=causal, kernel="dense"),
+                        q, k, v)  # fmt: skip
+    want_dq, want_dk, want_dv = vjp(dout)
+    _close(jnp.concatenate(outs, 1), want, "merged forward")
+
+    dq = [jnp.zeros(qs[0].shape, jnp.float32) for _ in range(c)]
+    dk = [jnp.zeros(ks[0].shape, jnp.float32) for _ in range(c)]
+    dv = [jnp.zeros(vs[0].shape, jnp.float32) for _ in range(c)]
+    for i in range(c):
+        for j in seen[i]:
+            gq, gk, gv = bwd(qs[i], ks[j], vs[j], outs[i], lses[i], dos[i], scale=scale,
+                             causal=diag[i, j])  # fmt: skip
+            dq[i], dk[j], dv[j] = dq[i] + gq, dk[j] + gk, dv[j] + gv
+    _close(jnp.concatenate(dq, 1), want_dq, "merged dq")
+    _close(jnp.concatenate(dk, 1), want_dk, "merged dk")
+    _close(jnp.concatenate(dv, 1), want_dv, "merged dv")
