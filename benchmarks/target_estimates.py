@@ -62,7 +62,7 @@ CASES: dict[str, dict[str, Any]] = {
         source="maxtext.readthedocs.io reference/models/tiering.html (v6e Gold, 256 chips)",
     ),
     # The prediction beside a measurement of ours: benchmarks/mfu.py's 1B GPT on the
-    # H200 this project was lent (docs/results.md, "The GPT"), unrolled there.
+    # H200 this project was lent (docs/results.md, "On a GPU"), unrolled there.
     "gpt-1b-1xh200": dict(
         target="1xH200", layers=24, d_model=2048, heads=16, seq=2048, vocab=256,
         per_device_batch=4, mesh={"data": 1}, remat="none", params_bf16=False,
