@@ -120,13 +120,18 @@ def test_stacked_layers_are_a_layer_fn_and_leading_dim_params():
     model = make(CFG)
     layer_fn, stacked = model.layers()
     assert {x.shape[0] for x in jax.tree.leaves(stacked)} == {CFG.layers}
-    x = model.embed(tokens()["inputs"])
-    for i in range(CFG.layers):
-        x = layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), x)
-    want = model.norm(x) @ model.head[...]
-    np.testing.assert_allclose(model(tokens()["inputs"]), want, rtol=1e-5, atol=1e-5)
     scanned = make(gpt.GPTConfig(**{**vars(CFG), "scan_layers": True}))
-    np.testing.assert_allclose(scanned(tokens()["inputs"]), want, rtol=1e-5, atol=1e-5)
+
+    @nnx.jit  # one program, not one per op
+    def outputs(model, scanned, stacked, inputs):
+        x = model.embed(inputs)
+        for i in range(CFG.layers):
+            x = layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), x)
+        return model.norm(x) @ model.head[...], model(inputs), scanned(inputs)
+
+    want, got, got_scanned = outputs(model, scanned, stacked, tokens()["inputs"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_scanned, want, rtol=1e-5, atol=1e-5)
 
 
 # --- remat -------------------------------------------------------------------------------

@@ -222,9 +222,11 @@ def test_explicit_mesh():
 
     with jax.set_mesh(mesh):
         got = run(*jax.device_put((q, k, v, w, seg), sequence_sharding(mesh)))
-    ref_out, ref_grads = value_and_grads(
-        lambda q, k, v, b: reference(q, k, v, True, seg, (5, 0)), q, k, v, None, w
-    )
+    ref_out, ref_grads = jax.jit(
+        lambda q, k, v, w: value_and_grads(
+            lambda q, k, v, b: reference(q, k, v, True, seg, (5, 0)), q, k, v, None, w
+        )
+    )(q, k, v, w)
     for impl, (out, grads) in got.items():
         assert out.sharding.spec[:2] == ("data", "context"), impl
         assert grads[0].sharding.spec[:2] == ("data", "context"), impl
@@ -263,9 +265,11 @@ def test_inside_shard_map_and_remat():
 
     with jax.set_mesh(mesh):
         got = run(*jax.device_put((q, k, v, w, seg), NamedSharding(mesh, spec)))
-    ref_out, ref_grads = value_and_grads(
-        lambda q, k, v, b: reference(q, k, v, True, seg), q, k, v, None, w
-    )
+    ref_out, ref_grads = jax.jit(
+        lambda q, k, v, w: value_and_grads(
+            lambda q, k, v, b: reference(q, k, v, True, seg), q, k, v, None, w
+        )
+    )(q, k, v, w)
     for name, (out, grads) in got.items():
         close(out, ref_out)
         for g, r in zip(grads[:3], ref_grads[:3], strict=True):

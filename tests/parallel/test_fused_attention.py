@@ -225,16 +225,29 @@ def test_ring_of_cudnn_blocks_equals_one_device(monkeypatch, shape):
     mesh = jax.make_mesh(shape, ("data", "context"), devices=jax.devices()[:8])
     put = NamedSharding(mesh, P("data", "context"))
     zig = sx.parallel.zigzag_layout(shape[1])
-    for causal, layout in ((False, "contiguous"), (True, "contiguous"), (True, zig)):
-        kw = {"causal": causal}
-        ref = _loss("dense", **kw)(q, k, v)  # one device, fp32 softmax
-        perm = np.arange(64)
-        if layout == zig:
-            perm = sx.parallel.zigzag(np.arange(64)[None], shape[1])[1]
-        args = [jax.device_put(x[:, perm], put) for x in (q, k, v)]
-        with jax.set_mesh(mesh):
-            (_, out), grads = _loss("cudnn", impl="ring", layout=layout, **kw)(*args)
-            (_, dense_out), _ = _loss("dense", impl="ring", layout=layout, **kw)(*args)
+    cases = ((False, "contiguous"), (True, "contiguous"), (True, zig))
+    perms = [
+        sx.parallel.zigzag(np.arange(64)[None], shape[1])[1] if layout == zig else np.arange(64)
+        for _, layout in cases
+    ]
+    # one program for the references (one device, fp32 softmax), one for the rings
+    refs = jax.jit(lambda *a: {c: _loss("dense", causal=c)(*a) for c in (False, True)})(q, k, v)
+
+    @jax.jit
+    def rings(placed):
+        return [
+            [_loss(kernel, impl="ring", layout=layout, causal=causal)(*args)
+             for kernel in ("cudnn", "dense")]
+            for (causal, layout), args in zip(cases, placed, strict=True)
+        ]  # fmt: skip
+
+    placed = [[jax.device_put(x[:, perm], put) for x in (q, k, v)] for perm in perms]
+    with jax.set_mesh(mesh):
+        results = rings(placed)
+    for (causal, _), perm, (((_, out), grads), ((_, dense_out), _)) in zip(
+        cases, perms, results, strict=True
+    ):
+        ref = refs[causal]
         back = np.argsort(perm)
         got = ((None, np.asarray(out)[:, back]), tuple(np.asarray(g)[:, back] for g in grads))
         _close(got, ref, 3e-2)

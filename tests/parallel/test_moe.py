@@ -422,6 +422,7 @@ def test_gpt_moe_trains_alike_on_data_and_data_times_expert():
     """GPT with 4 experts in every 2nd block: 3 Adam steps on data=8 and on data=2 ×
     expert=4 (the same 8 routing groups) give the same losses; the experts are split."""
     import optax
+    from flax import nnx
 
     from shardax.models import gpt
     from shardax.plan.tree import path_str
@@ -435,10 +436,11 @@ def test_gpt_moe_trains_alike_on_data_and_data_times_expert():
         nll = -jnp.take_along_axis(logp, batch[:, 1:, None], -1).mean()
         return nll + 1e-2 * aux.balance_loss
 
+    make_gpt = nnx.jit(lambda: gpt.make_gpt(cfg))  # one program, not one per initialiser
     runs = {}
     for spec in ({"data": 8}, {"data": 2, "expert": 4}):
         mesh = sx.make_mesh(spec)
-        model = gpt.make_gpt(cfg)
+        model = make_gpt()
         plan = gpt.plan(mesh, model, "replicate")
         step = sx.make_train_step(lm_loss, mesh=mesh, plan=plan, data_axis=tuple(spec))
         state, losses = step.shard(sx.TrainState.create(model, optax.adam(1e-2))), []
