@@ -150,12 +150,7 @@ def test_splash_equals_dense_under_ulysses(mesh_2d):
     _close(got, ref, 2e-5)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN numerics need a GPU (none here)")
-def test_cudnn_equals_dense_on_gpu():
-    q, k, v = _qkv(t=256, d=64, dtype=jnp.bfloat16)
-    seg = jnp.asarray(np.repeat([[0] * 100 + [1] * 156], 2, axis=0), jnp.int32)
-    for kw in ({}, {"causal": True}, {"causal": True, "segment_ids": seg}):
-        _close(_loss("cudnn", **kw)(q, k, v), _loss("dense", **kw)(q, k, v), 3e-2)
+# cuDNN against the dense path on one GPU: tests/parallel/test_fused_attention_gpu.py.
 
 
 @pytest.mark.skipif(

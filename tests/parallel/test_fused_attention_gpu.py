@@ -50,12 +50,14 @@ def _close(got: jax.Array, want: jax.Array, what: str) -> None:
     assert err <= 2e-2 * np.max(np.abs(want)) + 1e-3, f"{what}: max |cudnn - dense| = {err}"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+# (head_dim, kv_heads): grouped-query attention (2 kv heads for 4) in the last
+@pytest.mark.parametrize("head_dim, kv_heads", [(64, H), (128, H), (64, 2)])
 @pytest.mark.parametrize("name", list(MASKS))
-def test_cudnn_equals_dense_forward_and_gradients(name, head_dim):
+def test_cudnn_equals_dense_forward_and_gradients(name, head_dim, kv_heads):
     masks = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in MASKS[name].items()}
     keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v = (jax.random.normal(s, (B, T, H, head_dim), jnp.bfloat16) for s in keys[:3])
+    q = jax.random.normal(keys[0], (B, T, H, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(s, (B, T, kv_heads, head_dim), jnp.bfloat16) for s in keys[1:3])
     cotangent = jax.random.normal(keys[3], (B, T, H, head_dim), jnp.float32)
 
     fused, dense = _loss("auto", masks, cotangent), _loss("dense", masks, cotangent)
