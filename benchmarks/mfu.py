@@ -15,9 +15,10 @@ Two FLOP counts, side by side:
   on average half the keys, and a flash kernel skips the masked blocks):
   ``6·N + 6·L·T·d``. N: non-embedding parameters, L layers, T sequence length,
   d model width;
-- **XLA's** ``cost_analysis()`` of the compiled step (times the devices): everything
-  XLA emits (the optimizer, norms, the masked half of an XLA attention), but a custom
-  call such as cuDNN's attention may count as zero.
+- **the compiled step's** count (``shardax.cost.flops.compiled_flops``, times the
+  devices): everything XLA emits (the optimizer, norms, the masked half of an XLA
+  attention), with the cuBLAS and cuDNN calls XLA's ``cost_analysis()`` counts as zero
+  added from the HLO.
 
 MFU is achieved FLOP/s over the dense bf16 peak of the device's datasheet
 (``shardax.cost.device_spec``: an H100 SXM or H200 is 989 TFLOP/s; n/a on CPU or an
@@ -36,12 +37,11 @@ import json
 import time
 from typing import Any
 
-from shardax.parallel.fused import KERNELS
-
 SIZES = {
     # 24 × 12·d² = 1.21e9 non-embedding parameters; head_dim 128 (cuDNN's flash kernel).
-    # 4 sequences per device: 8 without remat ran out of an H200's 141 GB (a 94 GiB
-    # buffer); 8 with --remat dots_no_batch ran, at the same MFU (docs/results.md).
+    # 4 sequences per device: 8 without remat ran out of an H200's 141 GB with the
+    # layers scanned (a 94 GiB buffer; unrolled not tried); 8 with --remat dots_no_batch
+    # ran, at the same MFU as 4 without (docs/results.md).
     "1b": {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 2048, "batch_per_device": 4},
     "tiny": {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 64, "batch_per_device": 2},
 }
@@ -100,7 +100,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
                                sx.batch_sharding(mesh))  # fmt: skip
     began = time.perf_counter()
     compiled = step.lower(state, data).compile()
-    compile_seconds = time.perf_counter() - began
+    compile_seconds = time.perf_counter() - began  # lowering and compiling
     xla = compiled_flops(compiled)
     kernel = attention_kernel(compiled.as_text())
     xla_total = None if xla is None else xla * len(devices)
@@ -152,6 +152,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
+    from shardax.parallel.fused import KERNELS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=("auto", *SIZES), default="auto",
                    help="1b on an accelerator, tiny on CPU (default: auto)")  # fmt: skip

@@ -20,6 +20,9 @@ def test_mfu_benchmark_runs_the_tiny_gpt_on_cpu(capsys):
     assert out["size"] == "tiny" and out["platform"] == "cpu" and out["devices"] == 8
     assert out["config"]["precision"] == "bf16" and out["config"]["plan"] == "fsdp"
     assert out["tokens_per_s_per_device"] > 0 and out["mfu"] == "n/a"
+    # no fused kernel on the CPU: auto compiles to the dense path, read from the HLO
+    assert out["config"]["kernel"] == "auto" and out["attention_kernel"] == "dense"
+    assert out["compile_seconds"] > 0
     n, cfg = out["non_embedding_params"], out["config"]
     per_token = 6 * n + 6 * cfg["layers"] * cfg["seq_len"] * cfg["d_model"]
     assert out["model_flops_per_step"] == per_token * cfg["batch"] * cfg["seq_len"]

@@ -103,6 +103,22 @@ def test_cublas_gemms_count_in_the_hlo_and_beside_xla_cost_analysis():
     assert compiled_flops(compiled) == analysis["flops"]
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="needs a GPU (JAX_PLATFORMS=cuda,cpu): XLA:GPU's own count is what it checks",
+)
+def test_compiled_flops_of_gpu_matmuls_plain_and_scanned_are_2mnk():
+    """compiled_flops adds what XLA:GPU's cost_analysis() leaves out (cuBLAS calls, loop
+    trips); should a JAX count them itself, this catches the double count."""
+    x, w = jnp.ones((1024, 2048), jnp.bfloat16), jnp.ones((2048, 2048), jnp.bfloat16)
+    plain = jax.jit(lambda x, w: x @ w).lower(x, w).compile()
+    assert compiled_flops(plain) == pytest.approx(2 * 1024 * 2048 * 2048, rel=0.05)
+    ws = jnp.stack([w] * 4)
+    scan = jax.jit(lambda x, ws: jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0])
+    scanned = scan.lower(x, ws).compile()
+    assert compiled_flops(scanned) == pytest.approx(4 * 2 * 1024 * 2048 * 2048, rel=0.05)
+
+
 def test_transformer_flops_halve_causal_attention():
     dense = transformer_flops_per_token(1e9, 32, 4096, 4096, causal=False)
     causal = transformer_flops_per_token(1e9, 32, 4096, 4096)

@@ -1,5 +1,6 @@
 """The reference GPT: plans from its logical axes, remat, FLOPs, the corpus, the CLI job."""
 
+import dataclasses
 import json
 
 import jax
@@ -112,6 +113,10 @@ def test_plan_errors_name_the_sizes():
         gpt.GPTConfig(d_model=32, heads=5)
     with pytest.raises(ValueError, match=r"GPTConfig.kernel must be .* got 'flash'"):
         gpt.GPTConfig(kernel="flash")
+    # the kernel reaches sx.attention: splash is refused there, naming why, at 8 tokens
+    splash = dataclasses.replace(ONE_BLOCK, kernel="splash")
+    with pytest.raises(ValueError, match=r"kernel='splash' cannot compute .* not multiples of 128"):
+        nnx.eval_shape(lambda: gpt.make_gpt(splash)(jnp.zeros((1, 8), jnp.int32)))
     with pytest.raises(ValueError, match=r"sequence length 32 is above the model's max_seq_len 16"):
         abstract(CFG)(jnp.zeros((1, 32), jnp.int32))  # checked before any parameter is used
 
