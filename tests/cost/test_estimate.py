@@ -71,6 +71,23 @@ def test_hlo_flops_counts_dots_and_loop_trips():
     assert 5 * 2 * 8 * 64 * 64 <= compiled_flops(compiled) <= 1.05 * 5 * 2 * 8 * 64 * 64
 
 
+def test_a_conditional_counts_its_costliest_branch_as_xla_does():
+    """A lax.switch in a 6-trip scan: branches of 1, 2 and 0 matmuls. A static count
+    cannot know which runs, so each trip counts the costliest (2), never all three."""
+
+    def switched(x, ws):
+        def body(h, i):
+            branches = [lambda h: h @ ws[0], lambda h: h @ ws[1] @ ws[1], jnp.tanh]
+            return jax.lax.switch(i % 3, branches, h), None
+
+        return jax.lax.scan(body, x, jnp.arange(6))[0]
+
+    compiled = jax.jit(switched).lower(jnp.ones((64, 256)), jnp.ones((2, 256, 256))).compile()
+    matmul = 2 * 64 * 256 * 256
+    assert hlo_flops(compiled.as_text()) == 6 * 2 * matmul
+    assert 6 * 2 * matmul <= compiled_flops(compiled) <= 1.01 * 6 * 2 * matmul
+
+
 GEMM_LINE = (  # as XLA:GPU writes a cuBLAS matmul: the product and a workspace, a tuple
     "%custom-call.3 = (bf16[64,512]{1,0}, s8[4194304]{0}) custom-call(%p.1, %p.2), "
     'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,'

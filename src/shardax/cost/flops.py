@@ -34,6 +34,10 @@ _GEMM = re.compile(
 )
 _CONV = re.compile(r"= (\S+) convolution\(%?([\w.\-]+), %?([\w.\-]+)\).*?dim_labels=(\w+)_")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
+_BRANCHES = re.compile(
+    r"\bbranch_computations=\{([^}]*)\}"
+    r"|\btrue_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)"
+)
 
 
 def _window_taps(line: str) -> int:
@@ -95,9 +99,9 @@ def hlo_flops(hlo: str) -> float:
     call, and XLA:TPU's ``convolution``: ``2 · output · lhs features · window taps``), and
     cuDNN's fused attention (:func:`_fmha_flops`), an op in a loop body counted its trip
     count times. Elementwise ops, reductions and TPU Pallas kernels (splash attention) are
-    not counted. Every branch of a ``conditional`` counts as run (XLA's own count takes the
-    largest): an upper bound where a branch is skipped, such as a context ring's blocks
-    that a causal mask hides.
+    not counted. A ``conditional`` counts its costliest branch, as XLA's own count does: an
+    upper bound where the branch is skipped at run time (a context ring's blocks that a
+    causal mask hides).
 
     >>> hlo_flops("%a = f32[4,8]{1,0} parameter(0)\\n%b = f32[8,2]{1,0} parameter(1)\\n"
     ...           "%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
@@ -130,49 +134,73 @@ def loop_matmul_flops(hlo: str) -> float:
     ...                   "%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
     0.0
     """
-    return sum((f * (n - 1) for kind, f, n in _matmuls(hlo) if kind in ("dot", "conv")), 0.0)
+    extra = (f * max(n - 1, 0) for kind, f, n in _matmuls(hlo) if kind in ("dot", "conv"))
+    return sum(extra, 0.0)
 
 
 def _matmuls(hlo: str) -> Iterator[tuple[str, float, int]]:
     """``(kind, FLOPs of one run, runs)`` of each matmul of ``hlo``: kinds ``"dot"``,
     ``"conv"`` (XLA:TPU), ``"gemm"`` (a cuBLAS custom call), ``"fmha"`` (cuDNN's
     attention); runs: how often its computation runs per run of the program (loop
-    trips)."""
+    trips; of a ``conditional``'s branches only the costliest, as XLA counts them)."""
     bodies, entry = _computations(hlo)
-    runs = _runs(bodies, entry)
+    own = {name: list(_own_matmuls(lines)) for name, lines in bodies.items()}
+    base = _runs(bodies, entry)
+    runs = dict(base)
     for name, lines in bodies.items():
-        times = runs.get(name) or 1
-        shapes: dict[str, tuple[int, ...]] = {}
         for line in lines:
-            found = _DEF.match(line)
-            if found and not found.group(2).startswith("("):
-                shapes[found.group(1)] = _dims(found.group(2))
-        for line in lines:
-            conv = _CONV.search(line)
-            if conv:  # XLA:TPU's matmuls: 2 · output · lhs features · window
-                lhs = shapes.get(conv.group(2))
-                labels = conv.group(4)
-                if lhs is None or "f" not in labels or len(labels) != len(lhs):
-                    continue
-                taps = _window_taps(line)
-                flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * taps
-                yield "conv", flops, times
+            found = _BRANCHES.search(line)
+            if not found or not base.get(name):
                 continue
-            fmha = _fmha_flops(line)
-            if fmha:
-                yield "fmha", fmha, times
+            names = re.findall(r"%?([\w.\-]+)", found.group(1) or "") or found.group(2, 3)
+            under = {b: _runs(bodies, b) for b in names if b in bodies}
+            cost = {
+                b: sum(f * n for c, n in r.items() for _, f in own[c]) for b, r in under.items()
+            }
+            keep = max(cost, key=cost.__getitem__, default=None)
+            for branch, reached in under.items():
+                if branch != keep:  # not run as counted: off its computations' runs
+                    for c, n in reached.items():
+                        runs[c] -= base[name] * n
+    for name, found in own.items():
+        times = max(runs[name], 0) if base.get(name) else 1  # unreached by the graph: once
+        for kind, flops in found:
+            yield kind, flops, times
+
+
+def _own_matmuls(lines: list[str]) -> Iterator[tuple[str, float]]:
+    """``(kind, FLOPs)`` of each matmul written in one computation's ``lines``."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for line in lines:
+        found = _DEF.match(line)
+        if found and not found.group(2).startswith("("):
+            shapes[found.group(1)] = _dims(found.group(2))
+    for line in lines:
+        conv = _CONV.search(line)
+        if conv:  # XLA:TPU's matmuls: 2 · output · lhs features · window
+            lhs = shapes.get(conv.group(2))
+            labels = conv.group(4)
+            if lhs is None or "f" not in labels or len(labels) != len(lhs):
                 continue
-            dot, gemm = _DOT.search(line), _GEMM.search(line)
-            if not (dot or gemm):
-                continue
-            out = _dims(dot.group(1) if dot else gemm.group(1))
-            lhs = shapes.get(dot.group(2) if dot else gemm.group(2))
-            contract = _CONTRACT.search(line)
-            if lhs is None or contract is None:
-                continue
-            axes = [int(d) for d in re.findall(r"\d+", contract.group(1))]
-            k = math.prod(lhs[a] for a in axes if a < len(lhs))
-            yield ("dot" if dot else "gemm"), 2.0 * math.prod(out) * k, times
+            taps = _window_taps(line)
+            flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * taps
+            yield "conv", flops
+            continue
+        fmha = _fmha_flops(line)
+        if fmha:
+            yield "fmha", fmha
+            continue
+        dot, gemm = _DOT.search(line), _GEMM.search(line)
+        if not (dot or gemm):
+            continue
+        out = _dims(dot.group(1) if dot else gemm.group(1))
+        lhs = shapes.get(dot.group(2) if dot else gemm.group(2))
+        contract = _CONTRACT.search(line)
+        if lhs is None or contract is None:
+            continue
+        axes = [int(d) for d in re.findall(r"\d+", contract.group(1))]
+        k = math.prod(lhs[a] for a in axes if a < len(lhs))
+        yield ("dot" if dot else "gemm"), 2.0 * math.prod(out) * k
 
 
 def transformer_flops_per_token(
