@@ -122,7 +122,7 @@ def library_call_flops(hlo: str) -> float:
     >>> library_call_flops("%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
     0.0
     """
-    return sum((f * n for kind, f, n in _matmuls(hlo) if kind in ("gemm", "fmha")), 0.0)
+    return _beyond_cost_analysis(hlo)[0]
 
 
 def loop_matmul_flops(hlo: str) -> float:
@@ -134,8 +134,18 @@ def loop_matmul_flops(hlo: str) -> float:
     ...                   "%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
     0.0
     """
-    extra = (f * max(n - 1, 0) for kind, f, n in _matmuls(hlo) if kind in ("dot", "conv"))
-    return sum(extra, 0.0)
+    return _beyond_cost_analysis(hlo)[1]
+
+
+def _beyond_cost_analysis(hlo: str) -> tuple[float, float]:
+    """``(library_call_flops, loop_matmul_flops)`` of ``hlo`` in one reading of it."""
+    library = loops = 0.0
+    for kind, flops, times in _matmuls(hlo):
+        if kind in ("gemm", "fmha"):
+            library += flops * times
+        else:
+            loops += flops * max(times - 1, 0)
+    return library, loops
 
 
 def _matmuls(hlo: str) -> Iterator[tuple[str, float, int]]:
@@ -236,8 +246,7 @@ def compiled_flops(compiled: Any) -> float | None:
         analysis = analysis[0] if analysis else None
     if not analysis or "flops" not in analysis:
         return None
-    hlo = compiled.as_text()
-    return float(analysis["flops"]) + library_call_flops(hlo) + loop_matmul_flops(hlo)
+    return float(analysis["flops"]) + sum(_beyond_cost_analysis(compiled.as_text()))
 
 
 def utilization(
