@@ -328,6 +328,10 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (m, d), ("mlp", "embed"), m**-0.5 / math.sqrt(2 * cfg.layers))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        # In the params' dtype, as Attention: the norm before gives float32, and a float32
+        # input made both matmuls float32 under precision="bf16" (two thirds of the
+        # layer's FLOPs at the TF32 rate or below, and twice the activation bytes).
+        x = x.astype(self.up[...].dtype)
         return jax.nn.gelu(x @ self.up[...]) @ self.down[...]
 
 
@@ -452,6 +456,12 @@ class GPT(nnx.Module):
         self.norm = _norm(cfg.d_model, rngs)
         self.head = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), cfg.d_model**-0.5)
 
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The head over the final norm of the residual stream ``x``, in the params' dtype
+        (the compute dtype; the loss takes them to float32), as every other matmul."""
+        head = self.head[...]
+        return self.norm(x).astype(head.dtype) @ head
+
     def layers(
         self, ctx: Context | None = None
     ) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
@@ -550,7 +560,7 @@ class GPT(nnx.Module):
         aux = None
         if self.cfg.experts:
             x, aux = self._run_moe(x, ctx)
-            logits = self.norm(x) @ self.head[...].astype(x.dtype)
+            logits = self.logits(x)
             return (logits, aux) if return_aux else logits
         layer_fn, stacked = self.layers(ctx)
         if self.cfg.pipeline_microbatches is not None:
@@ -571,7 +581,7 @@ class GPT(nnx.Module):
             x = split_batch(x)
             for i in range(self.cfg.layers):
                 x = split_batch(layer_fn(jax.tree.map(lambda a, i=i: a[i], stacked), x))
-        logits = self.norm(x) @ self.head[...].astype(x.dtype)
+        logits = self.logits(x)
         return (logits, aux) if return_aux else logits
 
 

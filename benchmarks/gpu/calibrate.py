@@ -1,0 +1,247 @@
+"""The measurements a per-op cost model prices a compiled step with, on this device.
+
+Four tables, each a list of JSON rows (``tables()`` returns them together):
+
+- ``gemm``: bf16 matrix products ``(m, k) @ (k, n)`` with fp32 accumulation, by shape:
+  the GPT's own projections at 8k tokens, their backward shapes, and a square ladder;
+  TFLOP/s is ``2·m·n·k`` over the median time.
+- ``stream``: elementwise passes over large arrays (copy, scale, a bf16 → fp32 convert),
+  GB/s counting bytes read plus bytes written.
+- ``attention``: ``jax.nn.dot_product_attention`` (cuDNN on a GPU, XLA elsewhere),
+  forward and forward + backward, causal and not; TFLOP/s counts ``4·b·s²·h·d``
+  forward (``2.5×`` that for the backward), halved when causal.
+- ``launch``: the host's dispatch of one jitted call, and the device's cost per kernel
+  in a chain of kernels XLA cannot fuse (``lax.optimization_barrier`` between them).
+
+Every time is the median of ``repeats`` calls after one warm-up; calls are dispatched
+back to back, so the host's dispatch overlaps the device's work, as in training.
+
+    python benchmarks/gpu/calibrate.py --json          # the tables of this device
+    python benchmarks/gpu/calibrate.py --quick         # the small shapes (a CPU smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+GPT_TOKENS = 8192
+"""Rows of the GPT's projections: 4 sequences of 2048 tokens, the default step."""
+
+
+def gemm_shapes(quick: bool = False) -> list[tuple[int, int, int]]:
+    """``(m, n, k)`` of the GPT's matmuls (d 2048, MLP 8192, 8k tokens: forward, then the
+    weight gradients' shapes), and a square ladder; a few small ones with ``quick``."""
+    if quick:
+        return [(256, 256, 256), (512, 256, 128)]
+    t, d, f = GPT_TOKENS, 2048, 8192
+    forward = [(t, d, d), (t, f, d), (t, d, f)]  # q/k/v/out, up, down
+    weight_grads = [(d, d, t), (d, f, t), (f, d, t)]
+    square = [(s, s, s) for s in (1024, 2048, 4096, 8192)]
+    skinny = [(t, 256, d), (2 * t, 3 * d, d)]  # the head over a 256-byte vocabulary; fused qkv
+    return forward + weight_grads + square + skinny
+
+
+def attention_shapes(quick: bool = False) -> list[tuple[int, int, int, int]]:
+    """``(batch, seq, heads, head_dim)``: the GPT's (4 × 2048, 16 heads of 128), longer
+    sequences at the same tokens, and head_dim 64."""
+    if quick:
+        return [(2, 64, 2, 32)]
+    return [(4, 2048, 16, 128), (1, 8192, 16, 128), (4, 2048, 32, 64)]
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of ``fn()`` (which returns arrays), over ``repeats`` calls
+    dispatched back to back after one warm-up; blocks on the last."""
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    out = None
+    for _ in range(repeats):
+        began = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - began)
+    del out
+    return statistics.median(times)
+
+
+def _pipelined_seconds(fn: Callable[[], Any], calls: int, rounds: int = 3) -> float:
+    """Seconds per call of ``fn`` with ``calls`` dispatched back to back (the host's
+    dispatch hidden behind the device), the median over ``rounds``."""
+    import jax
+
+    jax.block_until_ready(fn())
+    per_call = []
+    for _ in range(rounds):
+        began = time.perf_counter()
+        outs = [fn() for _ in range(calls)]
+        jax.block_until_ready(outs)
+        per_call.append((time.perf_counter() - began) / calls)
+        del outs
+    return statistics.median(per_call)
+
+
+def gemm(shapes: Sequence[tuple[int, int, int]], calls: int = 20) -> list[dict[str, Any]]:
+    """bf16 ``(m, k) @ (k, n)`` → bf16 with fp32 accumulation, per shape."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+    for m, n, k in shapes:
+        keys = jax.random.split(jax.random.key(m * 7 + n * 3 + k), 2)
+        a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
+        f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+        seconds = _pipelined_seconds(lambda f=f, a=a, b=b: f(a, b), calls)
+        rows.append({"m": m, "n": n, "k": k, "dtype": "bf16", "ms": seconds * 1e3,
+                     "tflops": 2.0 * m * n * k / seconds / 1e12})  # fmt: skip
+        del a, b
+    return rows
+
+
+def stream(elements: int, calls: int = 20) -> list[dict[str, Any]]:
+    """Elementwise passes over ``elements`` values: GB/s of bytes read plus written."""
+    import jax
+    import jax.numpy as jnp
+
+    x32 = jax.random.normal(jax.random.key(1), (elements,), jnp.float32)
+    x16 = x32.astype(jnp.bfloat16)
+    cases = [
+        ("scale fp32", jax.jit(lambda x: x * 1.0001), x32, 8),
+        ("add fp32", jax.jit(lambda x: x + x[::-1]), x32, 8),
+        ("convert bf16->fp32", jax.jit(lambda x: x.astype(jnp.float32)), x16, 6),
+        ("scale bf16", jax.jit(lambda x: x * 1.0001), x16, 4),
+    ]
+    rows = []
+    for name, f, x, bytes_per in cases:
+        seconds = _pipelined_seconds(lambda f=f, x=x: f(x), calls)
+        rows.append({"op": name, "elements": elements, "bytes": bytes_per * elements,
+                     "ms": seconds * 1e3, "gbs": bytes_per * elements / seconds / 1e9})  # fmt: skip
+    del x32, x16
+    return rows
+
+
+def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs of ``softmax(q kᵀ) v``: ``4·b·s²·h·d``, halved when causal.
+
+    >>> attention_flops(1, 4, 1, 2, causal=False)
+    128.0
+    """
+    return 4.0 * batch * seq * seq * heads * head_dim / (2 if causal else 1)
+
+
+def attention(shapes: Sequence[tuple[int, int, int, int]], calls: int = 10) -> list[dict[str, Any]]:
+    """``jax.nn.dot_product_attention`` forward and forward + backward per shape, causal
+    and not; the implementation is cuDNN on a GPU, XLA elsewhere."""
+    import jax
+    import jax.numpy as jnp
+
+    gpu = jax.devices()[0].platform == "gpu"
+    impl = "cudnn" if gpu else "xla"
+    rows = []
+    for b, s, h, d in shapes:
+        shape = {"batch": b, "seq": s, "heads": h, "head_dim": d}
+        keys = jax.random.split(jax.random.key(s + h + d), 3)
+        q, k, v = (jax.random.normal(key, (b, s, h, d), jnp.bfloat16) for key in keys)
+        for causal in (True, False):
+
+            def fwd(q, k, v, causal=causal):
+                return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+
+            def fwd_bwd(q, k, v, fwd=fwd):
+                return jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(),
+                                argnums=(0, 1, 2))(q, k, v)  # fmt: skip
+
+            flops = attention_flops(b, s, h, d, causal)
+            for name, f, work in (("fwd", fwd, flops), ("fwd+bwd", fwd_bwd, 3.5 * flops)):
+                jitted = jax.jit(f)
+                try:
+                    seconds = _pipelined_seconds(lambda j=jitted, a=(q, k, v): j(*a), calls)
+                except Exception as e:  # a kernel the device lacks: say so, keep going
+                    rows.append({**shape, "causal": causal, "pass": name, "error": str(e)[:300]})
+                    continue
+                rows.append({**shape, "causal": causal, "pass": name, "impl": impl,
+                             "ms": seconds * 1e3, "tflops": work / seconds / 1e12})  # fmt: skip
+    return rows
+
+
+def launch(chain: int = 200, calls: int = 50) -> list[dict[str, Any]]:
+    """The host's dispatch of a trivial jitted call (called and waited for one at a time),
+    and the device's time per kernel in a chain of ``chain`` unfusable kernels."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((1024,), jnp.float32)
+    one = jax.jit(lambda x: x + 1)
+
+    def chained(x, n):
+        for _ in range(n):
+            x = jax.lax.optimization_barrier(x * 1.0001 + 1)
+        return x
+
+    long, short = jax.jit(lambda x: chained(x, chain)), jax.jit(lambda x: chained(x, 1))
+    dispatch = median_seconds(lambda: one(x), calls)
+    t_long = _pipelined_seconds(lambda: long(x), 10)
+    t_short = _pipelined_seconds(lambda: short(x), 10)
+    return [
+        {"what": "dispatch of one jitted call, waited for", "us": dispatch * 1e6},
+        {
+            "what": f"per kernel, a chain of {chain} unfusable kernels in one program",
+            "us": max(t_long - t_short, 0.0) / (chain - 1) * 1e6,
+        },
+        {"what": "one program of one kernel, back to back", "us": t_short * 1e6},
+    ]
+
+
+def tables(quick: bool = False) -> dict[str, Any]:
+    """All four tables, each run on its own so one failing leaves the others; errors are
+    kept as ``{"error": ...}``."""
+    import jax
+
+    parts: dict[str, Callable[[], Any]] = {
+        "gemm": lambda: gemm(gemm_shapes(quick)),
+        "stream": lambda: stream(2**16 if quick else 2**28),
+        "attention": lambda: attention(attention_shapes(quick)),
+        "launch": lambda: launch(20 if quick else 200),
+    }
+    out: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    for name, make in parts.items():
+        began = time.perf_counter()
+        try:
+            out[name] = make()
+        except Exception as e:  # keep the session going: the other tables still count
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        out[f"{name}_seconds"] = time.perf_counter() - began
+    return out
+
+
+def summary(calib: dict[str, Any]) -> dict[str, float | None]:
+    """The two ceilings a floor is computed from: the best bf16 GEMM rate (TFLOP/s) and
+    the best stream bandwidth (GB/s) measured, None where not measured."""
+    gemms = calib.get("gemm")
+    streams = calib.get("stream")
+    return {
+        "matmul_tflops": max((r["tflops"] for r in gemms), default=None)
+        if isinstance(gemms, list) else None,
+        "bandwidth_gbs": max((r["gbs"] for r in streams), default=None)
+        if isinstance(streams, list) else None,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small shapes (a CPU smoke test)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    out = tables(args.quick)
+    print(json.dumps(out, indent=2) if args.json else json.dumps(summary(out)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The GPU session script's CPU path (benchmarks/gpu/): every piece it runs on a lent GPU,
+run here on the 8 simulated devices at the tiny shape, and the record it writes."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+GPU = Path(__file__).parents[1] / "benchmarks" / "gpu"
+
+
+@pytest.fixture(scope="module")
+def gpu_modules():
+    sys.path.insert(0, str(GPU))
+    try:
+        import calibrate
+        import jax_gpt
+        import session
+
+        yield calibrate, jax_gpt, session
+    finally:
+        sys.path.remove(str(GPU))
+
+
+def test_shardax_and_hand_written_steps_train_the_same_model(gpu_modules):
+    _, jax_gpt, session = gpu_modules
+    base = session.base_config("tiny", 8)
+    assert (base.layers, base.d_model, base.batch) == (2, 64, 16)
+    ours = jax_gpt.run(base, steps=2, warmup=1, hlo=True)
+    hand = jax_gpt.run(dataclasses.replace(base, impl="jit"), steps=2, warmup=1)
+    # One fixed batch, the same initial weights: the same first loss (bf16 compute).
+    assert ours["first_loss"] == pytest.approx(hand["first_loss"], rel=1e-2)
+    assert ours["last_loss"] < ours["first_loss"] and hand["last_loss"] < hand["first_loss"]
+    assert ours["plan"] == "fsdp" and ours["devices"] == 8 and ours["compiler_options"] == {}
+    assert ours["attention_kernel"] == "dense" and "ENTRY" in ours["hlo_text"]
+    n = ours["non_embedding_params"]
+    per_token = 6 * n + 6 * base.layers * base.seq_len * base.d_model  # causal-halved
+    assert ours["model_flops_per_step"] == per_token * base.tokens
+    assert ours["executed_flops_per_step"] > ours["model_flops_per_step"]
+    assert len(ours["step_seconds"]) == 2 and ours["mfu"] == "n/a"  # no peak on a CPU
+
+
+def test_stage4_model_runs_its_mlp_in_float32_and_is_restored(gpu_modules):
+    """The "before" row of the sweep: the GPT's MLP and head as stage 4 had them."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from shardax.models import gpt
+
+    _, jax_gpt, _ = gpu_modules
+    model = gpt.make_gpt(gpt.GPTConfig(layers=1, d_model=32, heads=2, max_seq_len=8))
+    graphdef, state = nnx.split(model)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)
+
+    def dots(version):
+        with jax_gpt.model_version(version):
+            jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(
+                bf16, jnp.zeros((1, 8), jnp.int32)
+            )
+        return [
+            str(e.outvars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "dot_general"
+        ]
+
+    assert "float32" in dots("stage4")
+    # Today every projection runs in the compute dtype (attention's scores aside).
+    assert dots("current").count("float32") <= 1
+    with pytest.raises(ValueError, match="model must be"), jax_gpt.model_version("v3"):
+        pass
+
+
+def test_calibration_tables_and_ceilings(gpu_modules):
+    calibrate, _, _ = gpu_modules
+    tables = calibrate.tables(quick=True)
+    for name in ("gemm", "stream", "attention", "launch"):
+        assert isinstance(tables[name], list) and tables[name], (name, tables[name])
+    assert all(r["tflops"] > 0 for r in tables["gemm"])
+    assert {r["pass"] for r in tables["attention"]} == {"fwd", "fwd+bwd"}
+    ceilings = calibrate.summary(tables)
+    assert ceilings["matmul_tflops"] == max(r["tflops"] for r in tables["gemm"])
+    assert ceilings["bandwidth_gbs"] > 0
+    assert calibrate.summary({"gemm": {"error": "x"}})["matmul_tflops"] is None
+
+
+def test_session_assembles_ratios_and_markdown(gpu_modules, tmp_path):
+    _, _, session = gpu_modules
+    step = {"seconds_per_step": 0.2, "tokens_per_s": 40_000.0, "mfu": 0.3, "first_loss": 5.6,
+            "last_loss": 5.2, "compile_seconds": 10.0}  # fmt: skip
+    (tmp_path / "core.json").write_text(json.dumps({
+        "device": "NVIDIA H200", "jax": "0.11.2", "shardax": step,
+        "jit": {**step, "seconds_per_step": 0.198}}))  # fmt: skip
+    (tmp_path / "torch.json").write_text(json.dumps({
+        "torch": "2.11.0", "run": {**step, "tokens_per_s": 50_000.0}}))  # fmt: skip
+    (tmp_path / "sweep.json").write_text(json.dumps([
+        {"name": "dense", "label": "x", **step, "tokens_per_s": 30_000.0},
+        {"name": "32k", "label": "y", "error": "RESOURCE_EXHAUSTED: out of memory"}]))  # fmt: skip
+    s = session.assemble(tmp_path, [{"stage": "core", "status": "ok", "seconds": 1.0}])
+    assert s["ratios"]["shardax_over_jit_step_time"] == pytest.approx(0.2 / 0.198)
+    assert s["ratios"]["shardax_over_torch_tokens_per_s"] == pytest.approx(0.8)
+    assert s["sweep"][0]["tokens_per_s_vs_default"] == pytest.approx(0.75)
+    text = session.markdown(s)
+    assert "| shardax (default) | 200.0 | 40,000 | 30.0% |" in text
+    assert "torch.compile" in text and "RESOURCE_EXHAUSTED" in text
+
+
+def test_sweep_changes_one_thing_at_a_time(gpu_modules):
+    _, _, session = gpu_modules
+    base = session.base_config("1b", 1)
+    assert (base.layers, base.d_model, base.heads, base.seq_len, base.batch) == (
+        24,
+        2048,
+        16,
+        2048,
+        4,
+    )
+    for name, config in session.sweep_configs(base):
+        changed = {f.name for f in dataclasses.fields(base)
+                   if getattr(base, f.name) != getattr(config, f.name)}  # fmt: skip
+        assert 1 <= len(changed) <= 2, (name, changed)
+    tokens = {c.tokens for _, c in session.sweep_configs(base)}
+    assert {8192, 16384, 32768} <= tokens | {base.tokens}
