@@ -3,6 +3,7 @@ verify (the step against one device)."""
 
 from shardax.checks import moved as _moved
 from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
+from shardax.train.compiler import compiler_options, gpu_options
 from shardax.train.config import StepConfig
 from shardax.train.eval import EvalStep
 from shardax.train.guard import NonFiniteLossError, check_finite
@@ -31,8 +32,10 @@ __all__ = [
     "VerifyReport",
     "auto_plan",
     "check_finite",
+    "compiler_options",
     "dropout",
     "example_keys",
+    "gpu_options",
     "keep_plan",
     "make_eval_step",
     "make_train_step",

@@ -49,6 +49,7 @@ from shardax.plan.named import MESH_PLANS
 from shardax.plan.regex import Rule, check_rules, rules
 from shardax.plan.report import format_bytes
 from shardax.plan.tree import is_array, map_arrays
+from shardax.train.compiler import describe as describe_options
 from shardax.train.config import StepConfig
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
@@ -970,6 +971,11 @@ class AutoStep:
         """The picked plan (None before the first call)."""
         return None if self.step is None else self.step.plan
 
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """The XLA options the step compiles with (the candidates too), resolved."""
+        return self.config.resolved_compiler_options
+
     def __getattr__(self, name: str) -> Any:
         # mode, mesh, accumulate, donate, data_axis, precision, stats: as the step's.
         config = self.__dict__.get("config")
@@ -981,7 +987,11 @@ class AutoStep:
         if self.step is not None:
             return repr(self.step)
         config = self.config
+        options = describe_options(
+            config.compiler_options, self.compiler_options, config.platform, config.mode
+        )
         return (
             f"TrainStep(mode='jit', plan='auto', mesh={dict(config.mesh.shape)}, "
-            f"accumulate={config.accumulate}, donate={config.donate})"
+            f"accumulate={config.accumulate}, donate={config.donate}, "
+            f"compiler_options={options})"
         )

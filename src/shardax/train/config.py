@@ -22,7 +22,7 @@ True
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jax.sharding import Mesh
@@ -31,6 +31,9 @@ from shardax.checks import as_bool, as_count, check_mesh, public
 from shardax.data.spec import check_batch_spec
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan, axis_size, replicate
+from shardax.train.compiler import check as check_compiler_options
+from shardax.train.compiler import platform_of
+from shardax.train.compiler import resolve as resolve_compiler_options
 from shardax.train.precision import Precision, resolve
 from shardax.train.stats import DEFAULT_STATS, check_stats
 
@@ -90,8 +93,10 @@ class StepConfig:
     The fields are :func:`shardax.make_train_step`'s keywords (``loss_fn`` and
     ``plan="auto"`` aside), with its defaults; each is normalized as the step uses it:
     ``precision`` an :class:`~shardax.Precision`, ``stats`` a tuple, ``data_axis`` a name
-    or a tuple of two or more. ``plan`` stays as given (None: replicate, see
-    :attr:`resolved_plan`). Derive a variant with ``dataclasses.replace``.
+    or a tuple of two or more, ``compiler_options`` ``"auto"``, ``"xla"`` or a dict.
+    ``plan`` stays as given (None: replicate, see :attr:`resolved_plan`), and so does
+    ``compiler_options`` (resolved for the mesh's platform by
+    :attr:`resolved_compiler_options`). Derive a variant with ``dataclasses.replace``.
 
     >>> config = sx.train.StepConfig(mesh=sx.make_mesh({"data": -1}), precision="bf16")
     >>> config.precision.compute_dtype
@@ -110,6 +115,7 @@ class StepConfig:
     seq_axis: str | None = None
     batch_spec: Any = None
     rng_per_device: bool = False
+    compiler_options: str | Mapping[str, Any] = "auto"
 
     def __post_init__(self) -> None:
         # The checks in the order the steps made them, so each error is the one it was.
@@ -151,6 +157,8 @@ class StepConfig:
             )
         _set(self, batch_spec=self._check_batch_spec())
         _set(self, rng_per_device=as_bool("rng_per_device", self.rng_per_device))
+        _set(self, compiler_options=check_compiler_options(self.compiler_options))
+        resolve_compiler_options(self.compiler_options, self.platform, mode)  # pmap refuses a dict
 
     def _check_batch_spec(self) -> Any:
         """A batch whose leaves are not examples (:mod:`shardax.data.spec`) is placed as
@@ -176,6 +184,17 @@ class StepConfig:
     def resolved_plan(self) -> Any:
         """The plan the step places the state with: ``plan``, or replicate over ``mesh``."""
         return replicate(self.mesh) if self.plan is None else self.plan
+
+    @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
+        return platform_of(self.mesh)
+
+    @property
+    def resolved_compiler_options(self) -> dict[str, Any]:
+        """The XLA options every jit of the step compiles with: ``compiler_options``
+        resolved for the mesh's platform and the mode (:mod:`shardax.train.compiler`)."""
+        return resolve_compiler_options(self.compiler_options, self.platform, self.mode)
 
     @property
     def plan_name(self) -> str:

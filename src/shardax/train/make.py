@@ -6,13 +6,13 @@ plan a :class:`~shardax.train.step.TrainStep`.
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> step = sx.make_train_step(lambda model, batch: jnp.mean(model(batch["x"])), mesh=mesh)
->>> step.mode, step.plan.name, step.accumulate, step.donate
-('jit', 'replicate', 1, True)
+>>> step.mode, step.plan.name, step.accumulate, step.donate, step.compiler_options
+('jit', 'replicate', 1, True, {})
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from jax.sharding import Mesh
@@ -47,6 +47,7 @@ def make_train_step(
     seq_axis: str | None = None,
     batch_spec: Any = None,
     rng_per_device: bool = False,
+    compiler_options: Literal["auto", "xla"] | Mapping[str, Any] = "auto",
 ) -> TrainStep | AutoStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
@@ -125,6 +126,13 @@ def make_train_step(
             refused by name unless ``rng_per_device=True`` accepts it. With
             ``accumulate`` > 1 such a model is refused in every mode. (Keys the step
             hands out, ``rng`` and ``step_rng``, need no opt-in.)
+        compiler_options: the XLA options every jit of the step compiles with
+            (:mod:`shardax.train.compiler`). ``"auto"`` (default): shardax's for the
+            mesh's platform: on GPUs the latency-hiding scheduler, collective pipelining
+            and combining, cuBLAS matmuls (:func:`shardax.train.gpu_options`); on CPUs and
+            TPUs none for now. ``"xla"``: XLA's defaults. A dict ``{"xla_...": value}``:
+            exactly those. The step keeps them resolved as ``step.compiler_options``;
+            under ``"pmap"`` they are none (``jax.pmap`` takes none; a dict is refused).
 
     The settings are checked once, into a :class:`~shardax.train.config.StepConfig`
     (``step.config``); ``sx.train.TrainStep(loss_fn, config)`` builds a step from one.
@@ -135,7 +143,8 @@ def make_train_step(
     settings = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
                 "data_axis": data_axis, "precision": precision, "stats": stats,
                 "stats_every": stats_every, "seq_axis": seq_axis,
-                "batch_spec": batch_spec, "rng_per_device": rng_per_device}  # fmt: skip
+                "batch_spec": batch_spec, "rng_per_device": rng_per_device,
+                "compiler_options": compiler_options}  # fmt: skip
     if isinstance(plan, str) and plan == "auto":
         plan = AutoPlanOptions()
     if isinstance(plan, AutoPlanOptions):
@@ -156,6 +165,7 @@ def make_eval_step(
     seq_axis: str | None = None,
     batch_spec: Any = None,
     rng_per_device: bool = False,
+    compiler_options: Literal["auto", "xla"] | Mapping[str, Any] = "auto",
 ) -> EvalStep:
     """A compiled ``evaluate(state, batch) -> metrics`` that never changes ``state``.
 
@@ -168,8 +178,8 @@ def make_eval_step(
             microbatches are weighted by their count of real examples or tokens. It
             may take ``rng`` and ``step_rng`` like a train step's loss function; NNX and
             Equinox models are in inference mode (dropout off, running averages).
-        mesh, plan, mode, accumulate, data_axis, seq_axis, batch_spec, rng_per_device:
-            as for :func:`make_train_step`; use
+        mesh, plan, mode, accumulate, data_axis, seq_axis, batch_spec, rng_per_device,
+        compiler_options: as for :func:`make_train_step`; use
             the train step's mesh and plan to evaluate its state where it lies.
         precision: the compute and output dtypes, as for :func:`make_train_step`
             (without loss scaling).
@@ -177,5 +187,6 @@ def make_eval_step(
     config = StepConfig(mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
                         donate=False, data_axis=data_axis, precision=precision, stats=(),
                         seq_axis=seq_axis, batch_spec=batch_spec,
-                        rng_per_device=rng_per_device)  # fmt: skip
+                        rng_per_device=rng_per_device,
+                        compiler_options=compiler_options)  # fmt: skip
     return EvalStep(metric_fn, config.for_eval())

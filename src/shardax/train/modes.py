@@ -11,6 +11,9 @@ mode and returns ``call(state, batch)`` and ``lower(state, batch)``:
   ``(devices, per device, ...)``;
 - ``"single"``: ``jax.jit`` on the mesh's first device.
 
+Each jit compiles with the step's XLA options (``config.resolved_compiler_options``,
+:mod:`shardax.train.compiler`); ``jax.pmap`` takes none, and under ``"pmap"`` they are none.
+
 On simulated CPU devices the calls are throttled (:data:`CPU_MAX_IN_FLIGHT`).
 """
 
@@ -135,6 +138,7 @@ def build_jit(
         in_shardings=(shardings, None if batches.by_leaf else batches.sharding),
         out_shardings=out(shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,) if config.donate else (),
+        compiler_options=config.resolved_compiler_options or None,
     )
 
 
@@ -157,6 +161,7 @@ def mode_program(
             in_shardings=batches.device,
             out_shardings=batches.device,
             donate_argnums=donate_argnums,
+            compiler_options=config.resolved_compiler_options or None,
         )
         call = lambda state, batch: single(state, batches.on_device(batch))  # noqa: E731
         lower = lambda state, batch: single.lower(state, batches.on_device(batch))  # noqa: E731

@@ -32,6 +32,7 @@ from shardax.plan.init import init_sharded
 from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
 from shardax.train.batch_placement import BatchPlacement
+from shardax.train.compiler import describe as describe_options
 from shardax.train.config import StepConfig
 from shardax.train.loss import rng_arguments
 from shardax.train.modes import mode_program
@@ -94,7 +95,9 @@ class Program:
 
     Attributes: ``config`` (the :class:`~shardax.train.config.StepConfig`), ``work``
     (the :class:`~shardax.train.protocol.StepWork`), ``loss_fn``, ``mode``, ``mesh``,
-    ``plan``, ``accumulate``, ``donate``, ``data_axis``, ``precision``.
+    ``plan``, ``accumulate``, ``donate``, ``data_axis``, ``precision``,
+    ``compiler_options`` (the XLA options it compiles with, resolved for the mesh's
+    platform: :mod:`shardax.train.compiler`).
     """
 
     def __init__(self, loss_fn: Callable[..., Any], config: StepConfig, work: StepWork) -> None:
@@ -114,6 +117,8 @@ class Program:
         self.data_axis, self.precision = config.data_axis, config.precision
         self.seq_axis, self.batch_spec = config.seq_axis, config.batch_spec
         self.rng_per_device = config.rng_per_device
+        # The XLA options every jit of the step compiles with (none under pmap).
+        self.compiler_options = config.resolved_compiler_options
         plan = self.plan
         # The optimizer state follows the params (Adam's mu/nu), whatever the plan.
         self.state_plan = (
@@ -235,10 +240,19 @@ class Program:
         self._batches.check(batch)
         return self._call(self._with_loss_scale(state), batch)
 
+    @property
+    def compiler_summary(self) -> str:
+        """The XLA options in a few words: ``'auto' (gpu: 12 options)``, ``'xla'``, ..."""
+        config = self.config
+        return describe_options(
+            config.compiler_options, self.compiler_options, config.platform, self.mode
+        )
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(mode={self.mode!r}, plan={self.plan_name!r}, "
             f"mesh={dict(self.mesh.shape)}, accumulate={self.accumulate}, donate={self.donate}, "
             f"precision={policy_name(self.precision)!r}"
-            + (f", seq_axis={self.seq_axis!r})" if self.seq_axis is not None else ")")
+            + (f", seq_axis={self.seq_axis!r}" if self.seq_axis is not None else "")
+            + f", compiler_options={self.compiler_summary})"
         )

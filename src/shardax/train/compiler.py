@@ -1,0 +1,264 @@
+"""The XLA compiler options a step compiles with: ``compiler_options``.
+
+The fastest JAX stacks on GPUs (MaxText, NVIDIA's JAX-Toolbox, the public H100/H200
+recipes) turn on XLA:GPU options that a pip install of JAX leaves off: the latency-hiding
+scheduler, collective pipelining and combining, cuBLAS for the matmuls. They set them with
+``XLA_FLAGS`` for the whole process; shardax compiles the step, so it sets them per step
+(``jax.jit(..., compiler_options=...)``), and :func:`shardax.make_train_step` takes
+``compiler_options``:
+
+- ``"auto"`` (the default): shardax's settings for the platform of the step's mesh: on
+  GPUs :func:`gpu_options`; on CPUs and TPUs none for now (XLA's defaults);
+- ``"xla"``: XLA's own defaults, nothing set (the way back);
+- a mapping ``{name: value}``: exactly those (names of XLA's ``DebugOptions``, starting
+  with ``"xla_"``; values bool, int, float or str).
+
+The options resolved for a step are ``step.compiler_options`` (a dict), shown in its repr.
+Under ``mode="pmap"`` they are none: ``jax.pmap`` takes no compiler options, so ``"auto"``
+resolves to ``{}`` there and a mapping is refused.
+
+One setting is not a compiler option: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:data:`ENVIRONMENT`)
+keeps the GPU's work queues in the order XLA scheduled them, which the recipes set so that
+collectives overlap compute. CUDA reads it when the GPU backend starts, so it must be in the
+environment before JAX uses the GPU: ``shardax launch`` sets it for the processes it starts,
+``shardax train`` when not set and no GPU backend has started yet; a process started
+otherwise sets it itself (``export CUDA_DEVICE_MAX_CONNECTIONS=1``, or
+:func:`set_environment` first thing).
+
+>>> sx.train.compiler_options("gpu")["xla_gpu_enable_latency_hiding_scheduler"]
+True
+>>> sx.train.compiler_options("cpu"), sx.train.compiler_options("gpu", "xla")
+({}, {})
+>>> mesh = sx.make_mesh({"data": -1})
+>>> step = sx.make_train_step(lambda model, batch: jnp.mean(model(batch["x"])), mesh=mesh,
+...                           compiler_options={"xla_cpu_enable_fast_math": False})
+>>> step.compiler_options
+{'xla_cpu_enable_fast_math': False}
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from shardax.checks import public, received
+
+AUTO, XLA = "auto", "xla"
+"""The two named settings: shardax's options for the platform, and XLA's own defaults."""
+
+Value = bool | int | float | str
+
+COMBINE_THRESHOLD_BYTES = 1 << 30
+"""The collective combine thresholds of :func:`gpu_options` (1 GiB): XLA joins the
+all-gathers (reduce-scatters, all-reduces) of a step into one up to this many bytes, so that
+the collectives of one transformer layer's bf16 weights go as one (a 30B-class layer is
+about 1 GiB: ``12 · d_model²`` parameters at ``d_model`` 6656, 2 bytes each). XLA's own
+default is far smaller (MiB). A larger model passes its own, e.g.
+``{**sx.train.compiler_options("gpu"), "xla_gpu_all_gather_combine_threshold_bytes": 2 << 30}``."""
+
+ENVIRONMENT: dict[str, str] = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+"""Environment variables the GPU settings need before JAX starts a GPU backend (CUDA
+reads them then): one hardware work queue, so that kernels and collectives run in the
+order XLA's latency-hiding scheduler put them (NVIDIA advises against it on Blackwell)."""
+
+_PIPELINED = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _jaxlib_version() -> tuple[int, int]:
+    import jaxlib
+
+    major, minor = jaxlib.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+@public("sx.train.gpu_options")
+def gpu_options(
+    *,
+    combine_threshold_bytes: int = COMBINE_THRESHOLD_BYTES,
+    jaxlib_version: tuple[int, int] | None = None,
+) -> dict[str, Value]:
+    """shardax's XLA:GPU options (``"auto"`` on GPUs), for ``jaxlib_version`` (default: the
+    installed jaxlib's). From the settings MaxText and NVIDIA's JAX-Toolbox run with:
+
+    - the latency-hiding scheduler, async collectives on the highest-priority stream, and
+      while-loop double buffering (a scanned layer's collectives overlap the previous
+      layer's compute);
+    - collective pipelining of all-gathers, reduce-scatters and all-reduces out of loops;
+      jaxlib 0.10 names these ``xla_gpu_enable_pipelined_<op>=True``, and jaxlib 0.11 and
+      later refuse those names, taking ``xla_gpu_pipeline_<op>="COLLECTIVE_PIPELINING_MODE_ON"``;
+    - collectives combined up to ``combine_threshold_bytes``, across dimensions;
+    - cuBLAS for matmuls rather than Triton (``xla_gpu_enable_triton_gemm=False``).
+
+    Every name is checked against jaxlib 0.10.2, 0.11.2 and 0.12 (``tests/train/
+    test_compiler_options.py`` compiles with the set on the installed one).
+
+    >>> options = sx.train.gpu_options(jaxlib_version=(0, 10))
+    >>> options["xla_gpu_enable_pipelined_all_gather"], len(options)
+    (True, 12)
+    >>> sx.train.gpu_options(jaxlib_version=(0, 12))["xla_gpu_pipeline_all_gather"]
+    'COLLECTIVE_PIPELINING_MODE_ON'
+    """
+    version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
+    threshold = int(combine_threshold_bytes)
+    options: dict[str, Value] = {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_enable_highest_priority_async_stream": True,
+        "xla_gpu_enable_while_loop_double_buffering": True,
+        "xla_gpu_enable_triton_gemm": False,
+        "xla_gpu_all_gather_combine_threshold_bytes": threshold,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": threshold,
+        "xla_gpu_all_reduce_combine_threshold_bytes": threshold,
+        "xla_gpu_enable_all_gather_combine_by_dim": False,
+        "xla_gpu_enable_reduce_scatter_combine_by_dim": False,
+    }
+    for op in _PIPELINED:
+        if version >= (0, 11):  # the enum generation; the booleans are "No such option"
+            options[f"xla_gpu_pipeline_{op}"] = "COLLECTIVE_PIPELINING_MODE_ON"
+        else:  # jaxlib 0.10 has the booleans only
+            options[f"xla_gpu_enable_pipelined_{op}"] = True
+    return options
+
+
+def platform_of(where: Any) -> str:
+    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) of a mesh, a device or a name."""
+    if isinstance(where, Mesh):
+        where = where.devices.flat[0]
+    platform = where if isinstance(where, str) else getattr(where, "platform", None)
+    known = ("cpu", "gpu", "tpu", "cuda", "rocm")
+    if not isinstance(platform, str) or (isinstance(where, str) and where.lower() not in known):
+        raise ValueError(
+            f"compiler options are for a platform: pass a mesh, a device or a platform name "
+            f"('gpu', 'cpu', 'tpu'), got {received(where)}"
+        )
+    platform = platform.lower()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def auto_options(platform: str) -> dict[str, Value]:
+    """What ``"auto"`` sets on ``platform``: :func:`gpu_options` on GPUs, nothing elsewhere
+    (on CPUs and TPUs XLA's defaults are shardax's for now)."""
+    return gpu_options() if platform == "gpu" else {}
+
+
+def check(value: Any, name: str = "compiler_options") -> str | dict[str, Value]:
+    """``value`` checked: ``"auto"``, ``"xla"``, or a mapping from names starting with
+    ``"xla_"`` to bool, int, float or str values (returned as a new dict).
+
+    >>> check({"xla_gpu_enable_triton_gemm": False})
+    {'xla_gpu_enable_triton_gemm': False}
+    >>> check({"gpu_enable_triton_gemm": False})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: compiler_options names XLA options, which start with 'xla_' ...; got key ...
+    """
+    if isinstance(value, str):
+        if value in (AUTO, XLA):
+            return value
+        raise ValueError(
+            f"{name} must be 'auto' (shardax's options for the mesh's platform), 'xla' "
+            f"(XLA's defaults) or a dict of XLA options, got {value!r}"
+        )
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{name} must be 'auto', 'xla' or a dict of XLA options {{name: value}}, got "
+            f"{received(value)}"
+        )
+    out: dict[str, Value] = {}
+    for key, option in value.items():
+        if not isinstance(key, str) or not key.startswith("xla_"):
+            raise ValueError(
+                f"{name} names XLA options, which start with 'xla_' (e.g. "
+                f"'xla_gpu_enable_triton_gemm'); got key {received(key)}"
+            )
+        if not isinstance(option, bool | int | float | str):
+            raise TypeError(
+                f"{name}[{key!r}] must be a bool, int, float or str (XLA takes scalars), got "
+                f"{received(option)}"
+            )
+        out[key] = option
+    return out
+
+
+def resolve(value: Any, platform: str, mode: str = "jit") -> dict[str, Value]:
+    """The options a step in ``mode`` on ``platform`` compiles with, for the setting
+    ``value`` (checked: see :func:`check`). Under ``"pmap"`` none: ``jax.pmap`` takes no
+    compiler options, so ``"auto"`` gives ``{}`` and a mapping is refused.
+
+    >>> resolve("xla", "gpu"), resolve({"xla_dump_to": "/tmp/x"}, "cpu")
+    ({}, {'xla_dump_to': '/tmp/x'})
+    >>> resolve("auto", "gpu", mode="pmap")
+    {}
+    """
+    value = check(value)
+    if value == XLA:
+        return {}
+    if mode == "pmap":
+        if isinstance(value, dict) and value:
+            raise ValueError(
+                f"mode='pmap' compiles with jax.pmap, which takes no compiler options; got "
+                f"compiler_options={value!r}. Use mode='jit' or 'shard_map' (the same "
+                "program, per-device code under shard_map), or set them in XLA_FLAGS"
+            )
+        return {}
+    return auto_options(platform) if value == AUTO else dict(value)
+
+
+def describe(value: Any, resolved: Mapping[str, Value], platform: str, mode: str) -> str:
+    """A short account of a step's options, for its repr and the run summaries:
+    ``'auto' (gpu: 12 options)``, ``'auto' (cpu: none)``, ``'xla'``, or the dict."""
+    if value == XLA:
+        return repr(XLA)
+    if value == AUTO:
+        if mode == "pmap":
+            return "'auto' (pmap: none, jax.pmap takes no compiler options)"
+        count = f"{len(resolved)} options" if resolved else "none"
+        return f"'auto' ({platform}: {count})"
+    return repr(dict(resolved))
+
+
+@public("sx.train.compiler_options")
+def compiler_options(where: Any, value: Any = AUTO) -> dict[str, Value]:
+    """The XLA options a step on ``where`` (a mesh, a device, or ``"gpu"``, ``"cpu"``,
+    ``"tpu"``) compiles with for the setting ``value`` (``"auto"``, ``"xla"`` or a dict),
+    for a ``jax.jit`` of your own, so that it compiles as shardax's steps do.
+
+    >>> fn = jax.jit(lambda x: x * 2, compiler_options=sx.train.compiler_options(mesh))
+    >>> int(fn(jnp.ones(()))), sx.train.compiler_options(jax.devices()[0])
+    (2, {})
+    >>> sorted(sx.train.compiler_options("gpu"))[:2]
+    ['xla_gpu_all_gather_combine_threshold_bytes', 'xla_gpu_all_reduce_combine_threshold_bytes']
+    """
+    return resolve(value, platform_of(where))
+
+
+def gpu_backend_started() -> bool:
+    """A GPU backend is up in this process (then CUDA has read its environment)."""
+    from shardax.runtime.compat import backends_are_initialized
+
+    if not backends_are_initialized():
+        return False
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def set_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Sets :data:`ENVIRONMENT`'s variables in ``environ`` (default ``os.environ``) where
+    they are not set, and returns those it set. For ``os.environ`` call it before JAX
+    starts a GPU backend: CUDA reads the variables then (``shardax train`` does, and skips
+    it when a GPU backend is up).
+
+    >>> env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    >>> set_environment(env), env
+    ({}, {'CUDA_DEVICE_MAX_CONNECTIONS': '8'})
+    >>> set_environment({})
+    {'CUDA_DEVICE_MAX_CONNECTIONS': '1'}
+    """
+    environ = os.environ if environ is None else environ
+    added = {k: v for k, v in ENVIRONMENT.items() if k not in environ}
+    environ.update(added)
+    return added
