@@ -337,11 +337,13 @@ class TrainState:
     def apply_gradients(self, grads: Any, model_state: Any = None) -> TrainState:
         """One optimizer update; ``model_state`` replaces the model state if given."""
         check_opt_state(self.params, self.opt_state, self.tx)
-        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        with jax.named_scope("optimizer"):  # the update's ops, by name in a profile
+            updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+            params = optax.apply_updates(self.params, updates)
         return dataclasses.replace(
             self,
             step=self.step + 1,
-            params=optax.apply_updates(self.params, updates),
+            params=params,
             opt_state=opt_state,
             model_state=self.model_state if model_state is None else model_state,
         )
