@@ -125,3 +125,13 @@ def test_set_environment_sets_only_what_is_missing():
     assert compiler.set_environment(env) == {} and env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
     env = {}
     assert compiler.set_environment(env) == compiler.ENVIRONMENT == env
+
+
+def test_estimate_records_the_options_the_step_compiled_with(mesh):
+    given = {"xla_cpu_enable_fast_math": False}
+    step = sx.make_train_step(loss_fn, mesh=mesh, compiler_options=given)
+    report = sx.estimate(step, state(), BATCH)
+    assert report.compiler_options == given == report.to_dict()["compiler_options"]
+    assert "compiler options: 1 set: xla_cpu_enable_fast_math=False" in str(report)
+    mine = sx.estimate(jax.jit(lambda w, x: jnp.sum(x @ w)), jnp.ones(3), jnp.ones((8, 3)))
+    assert mine.compiler_options is None and "compiler options: unknown" in str(mine)

@@ -88,6 +88,10 @@ class Estimate:
             the step (libtpu does when the temporaries exceed HBM): then ``memory``
             holds the state's bytes and the temporaries the error names, the peak is
             their sum and the step does not fit.
+        compiler_options: the XLA options the step compiled with (a
+            ``make_train_step`` step's ``step.compiler_options``, resolved for the
+            target's platform: on a GPU target shardax's GPU set); None for a
+            ``jax.jit`` of your own, whose options shardax does not know.
     """
 
     device_kind: str
@@ -105,6 +109,7 @@ class Estimate:
     prediction: StepPrediction | None
     notes: tuple[str, ...] = ()
     compile_error: str | None = None
+    compiler_options: dict[str, Any] | None = None
 
     @property
     def headroom(self) -> float | None:
@@ -151,6 +156,7 @@ class Estimate:
             mem.caption = f"headroom {self.headroom:.1%}: {verdict} (rule: ≥ {HEADROOM:.0%} free)"
         if self.compile_error is not None:
             return Group(mem, f"[red]the compiler refused the step:[/] {self.compile_error}",
+                         f"compiler options: {format_options(self.compiler_options)}",
                          *[f"note: {n}" for n in self.notes])  # fmt: skip
         work = Table(title=f"work per step (compiled in {self.compile_s:.1f} s)")
         work.add_column("figure")
@@ -187,6 +193,7 @@ class Estimate:
                 f"{links or 'none'}"
             )
             parts.append(pred)
+        parts.append(f"compiler options: {format_options(self.compiler_options)}")
         parts += [f"note: {n}" for n in self.notes]
         return Group(*parts)
 
@@ -218,6 +225,19 @@ class Estimate:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def format_options(options: Mapping[str, Any] | None) -> str:
+    """XLA compiler options in one line (None: unknown, ``{}``: XLA's defaults).
+
+    >>> format_options({"xla_gpu_enable_triton_gemm": False}), format_options({})
+    ('1 set: xla_gpu_enable_triton_gemm=False', "none (XLA's defaults)")
+    """
+    if options is None:
+        return "unknown (a jax.jit of your own: its own)"
+    if not options:
+        return "none (XLA's defaults)"
+    return f"{len(options)} set: " + ", ".join(f"{k}={v}" for k, v in options.items())
 
 
 def format_bytes(n: float) -> str:
@@ -585,6 +605,11 @@ def estimate(
 
     A backend's out-of-memory compile error (libtpu's ``CompileTimeHbmOom``) is not
     raised: the report says the step does not fit, with the bytes the error names.
+
+    A ``make_train_step`` step compiles with its XLA options (``step.compiler_options``),
+    which ``"auto"`` resolves for its mesh's platform, so a step on ``sx.target("8xH100")``
+    compiles with the GPU set it would run with; the report records them
+    (``compiler_options``) and prints them.
     """
     if not hasattr(step, "lower"):
         raise TypeError(
@@ -599,20 +624,25 @@ def estimate(
         step = step.pick(state, batch)
     if hasattr(step, "abstract"):  # a make_train_step step: its precision's dtypes
         state = step.abstract(state)
+    # A make_train_step step's jit carries its options, resolved for its mesh's (the
+    # target's) platform; the report records them.
+    options = getattr(step, "compiler_options", None)
+    options = dict(options) if isinstance(options, Mapping) else None
     start = time.perf_counter()
     try:
         compiled = step.lower(state, batch).compile()
     except RuntimeError as e:  # jax.errors.JaxRuntimeError; only out-of-memory is a report
         if out_of_memory(e) is None:
             raise
-        return _refused(step, state, batch, mesh, e, time.perf_counter() - start, tokens)
+        refused = _refused(step, state, batch, mesh, e, time.perf_counter() - start, tokens)
+        return dataclasses.replace(refused, compiler_options=options)
     compile_s = time.perf_counter() - start
     try:
         shardings = compiled.input_shardings[0][0]
     except (AttributeError, IndexError, TypeError):
         shardings = None
     memory, _ = _state_bytes(state, shardings)
-    return analyse(
+    report = analyse(
         compiled,
         mesh,
         state=state,
@@ -626,6 +656,7 @@ def estimate(
         grads_bytes=_grad_bytes(step, state, memory["params"], mesh),
         compile_s=compile_s,
     )
+    return dataclasses.replace(report, compiler_options=options)
 
 
 __all__ = ["HEADROOM", "LINKS", "Estimate", "analyse", "estimate", "out_of_memory"]
