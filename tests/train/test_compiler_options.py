@@ -9,6 +9,8 @@ import jaxlib
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardax as sx
 from shardax.train import compiler
@@ -133,5 +135,7 @@ def test_estimate_records_the_options_the_step_compiled_with(mesh):
     report = sx.estimate(step, state(), BATCH)
     assert report.compiler_options == given == report.to_dict()["compiler_options"]
     assert "compiler options: 1 set: xla_cpu_enable_fast_math=False" in str(report)
-    mine = sx.estimate(jax.jit(lambda w, x: jnp.sum(x @ w)), jnp.ones(3), jnp.ones((8, 3)))
+    w = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    mine = sx.estimate(jax.jit(lambda w, x: jnp.sum(x @ w)), w, x)
     assert mine.compiler_options is None and "compiler options: unknown" in str(mine)
