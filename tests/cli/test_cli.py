@@ -371,3 +371,19 @@ def test_train_verify_too_tight_for_bf16_names_reduced_precision_and_exits_1(tmp
     assert cli(["train", "--verify", *argv, "--run-dir", str(tmp_path / "run")]) == 1
     assert "reduced precision" in capsys.readouterr().out
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_train_records_the_compiler_options_and_their_environment(tiny_gpt_run):
+    """summary.json says what the step compiled with ("auto": nothing on CPUs), and the
+    environment the GPU settings need, as it was; shardax launch sets it for its processes."""
+    from shardax.cli.launch import process_env
+
+    printed, summary, _, _ = tiny_gpt_run
+    assert "XLA compiler options: 'auto' (cpu: none)" in printed
+    record = summary["compiler"]
+    assert (record["setting"], record["options"]) == ("auto", {})
+    assert record["summary"] == "'auto' (cpu: none)"
+    assert set(record["environment"]) == {"CUDA_DEVICE_MAX_CONNECTIONS"}
+    assert process_env(0, 1, 1234, base={})["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    kept = process_env(0, 1, 1234, base={"CUDA_DEVICE_MAX_CONNECTIONS": "4"})
+    assert kept["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"

@@ -1,16 +1,18 @@
 """``shardax launch -n N [--cpu-devices K] [--port P] -- CMD ...``: N local processes.
 
-Each process gets the environment that :func:`shardax.initialize` reads (coordinator
-on 127.0.0.1, the process count, its rank, its CPU device count), so the program
-joins the run with one call. The processes' stdout goes to launch's stdout, and their
-stderr (tracebacks, logs) and runtime chatter (:data:`RUNTIME_CHATTER`, which gloo
-writes to stdout) to launch's stderr, each line prefixed with the rank; when the
-command has ``--json``, stdout lines are passed on unprefixed, so stdout stays pure
-JSON. When a process fails, the others are stopped and launch exits with that first
-non-zero code; Ctrl-C stops them all. A SIGTERM (a scheduler's preemption notice) is
-forwarded to every process, which save and exit with code 75
-(:data:`PREEMPTED_EXIT_CODE`): a process that exits with 75 does not stop the others,
-and launch exits with 75 once all have ended. Launch itself never starts JAX.
+Each process gets the environment that :func:`shardax.initialize` reads (coordinator on
+127.0.0.1, the process count, its rank, its CPU device count), so the program joins the
+run with one call, and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where the environment does not
+set it (CUDA reads it when JAX starts the GPU; it lets the GPU settings of
+:mod:`shardax.train.compiler` overlap collectives with compute). The processes' stdout
+goes to launch's stdout, and their stderr (tracebacks, logs) and runtime chatter
+(:data:`RUNTIME_CHATTER`, which gloo writes to stdout) to launch's stderr, each line
+prefixed with the rank; when the command has ``--json``, stdout lines are passed on
+unprefixed, so stdout stays pure JSON. When a process fails, the others are stopped and
+launch exits with that first non-zero code; Ctrl-C stops them all. A SIGTERM (a
+scheduler's preemption notice) is forwarded to every process, which save and exit with
+code 75 (:data:`PREEMPTED_EXIT_CODE`): a process that exits with 75 does not stop the
+others, and launch exits with 75 once all have ended. Launch itself never starts JAX.
 
     $ shardax launch -n 2 --cpu-devices 4 -- python train.py
 """
@@ -40,6 +42,7 @@ from shardax.runtime.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
+from shardax.train.compiler import set_environment
 
 RUNTIME_CHATTER = re.compile(r"\[Gloo\] |peer ranks\. Expected number of connected peer ranks is")
 """Lines that the runtime's native code writes to stdout; launch sends them to stderr, so a
@@ -127,12 +130,16 @@ def process_env(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of process ``rank``: ``base`` (default ``os.environ``) plus the
-    variables :func:`shardax.initialize` reads.
+    variables :func:`shardax.initialize` reads, and those the GPU compiler settings need
+    before JAX starts (:data:`shardax.train.compiler.ENVIRONMENT`:
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``) where ``base`` does not set them.
 
-    >>> process_env(1, 2, 1234, base={})[ENV_PROCESS_ID]
-    '1'
+    >>> env = process_env(1, 2, 1234, base={})
+    >>> env[ENV_PROCESS_ID], env["CUDA_DEVICE_MAX_CONNECTIONS"]
+    ('1', '1')
     """
     env = dict(os.environ if base is None else base)
+    set_environment(env)
     env.update(
         {
             ENV_COORDINATOR: f"127.0.0.1:{port}",

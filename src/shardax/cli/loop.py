@@ -166,6 +166,7 @@ def describe(out: Any, job: Job, state: Any, args: argparse.Namespace) -> None:
         f"mesh {dict(job.mesh.shape)}, plan {args.plan}, mode {args.mode}, "
         f"batch {job.items_per_step} {job.unit}, {job.steps} steps"
     )
+    out.print(f"XLA compiler options: {getattr(job.step, 'compiler_summary', 'unknown')}")
 
 
 def summary(
@@ -222,6 +223,7 @@ def summary(
         **use,
         "flops_estimate_per_step": job.estimate_flops,
         "attention_kernel": kernel,
+        "compiler": compiler_record(job.step, getattr(args, "environment_set", {})),
         "flops_estimate_ratio": (
             flops / job.estimate_flops if flops and job.estimate_flops else None
         ),
@@ -242,6 +244,24 @@ def summary(
         "history": record.history,
     }
     return {**common, **job.summary(common), "history": record.history}
+
+
+def compiler_record(step: Any, environment_set: dict[str, str]) -> dict[str, Any]:
+    """What the step compiled with: the ``compiler_options`` setting, the XLA options it
+    resolved to, and the environment they need (:data:`shardax.train.compiler.ENVIRONMENT`)
+    as it was in this process, with the variables ``shardax train`` set itself."""
+    import os
+
+    from shardax.train.compiler import ENVIRONMENT
+
+    config = getattr(step, "config", None)
+    return {
+        "setting": getattr(config, "compiler_options", None),
+        "options": dict(getattr(step, "compiler_options", {}) or {}),
+        "summary": getattr(step, "compiler_summary", None),
+        "environment": {k: os.environ.get(k) for k in ENVIRONMENT},
+        "environment_set_by_shardax": dict(environment_set),
+    }
 
 
 def _spec_text(x: Any) -> str:

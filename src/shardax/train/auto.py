@@ -976,6 +976,14 @@ class AutoStep:
         """The XLA options the step compiles with (the candidates too), resolved."""
         return self.config.resolved_compiler_options
 
+    @property
+    def compiler_summary(self) -> str:
+        """The XLA options in a few words, as :class:`~shardax.train.program.Program`'s."""
+        config = self.config
+        return describe_options(
+            config.compiler_options, self.compiler_options, config.platform, config.mode
+        )
+
     def __getattr__(self, name: str) -> Any:
         # mode, mesh, accumulate, donate, data_axis, precision, stats: as the step's.
         config = self.__dict__.get("config")
@@ -987,11 +995,8 @@ class AutoStep:
         if self.step is not None:
             return repr(self.step)
         config = self.config
-        options = describe_options(
-            config.compiler_options, self.compiler_options, config.platform, config.mode
-        )
         return (
             f"TrainStep(mode='jit', plan='auto', mesh={dict(config.mesh.shape)}, "
             f"accumulate={config.accumulate}, donate={config.donate}, "
-            f"compiler_options={options})"
+            f"compiler_options={self.compiler_summary})"
         )
