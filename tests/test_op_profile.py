@@ -146,6 +146,7 @@ KERNELS = [
     (13, "loop_subtract_fusion", 75, 5, "loop_subtract_fusion"),
     (20, "ncclDevKernel_AllGather_RING_LL", 70, 8, "all-gather-start"),
     (13, "some_unknown_kernel", 90, 2, ""),
+    (13, "MemoryAlloc", 93, 3, ""),  # CUPTI's record of an allocation: no kernel
 ]
 
 
@@ -200,7 +201,7 @@ def test_a_gpu_shaped_trace_is_classed_by_its_hlo(tmp_path):
     assert table["traced_step_ms"] == pytest.approx(0.096)
     assert table["busy_ms_per_step"] == pytest.approx(0.082)
     assert table["overlap_ms_per_step"] == pytest.approx(0.003)
-    assert table["sum_over_step"] == pytest.approx(99 / 100)
+    assert table["sum_over_step"] == pytest.approx(99 / 100) and table["adds_up"] is True
     gemm, attention = table["classes"]["gemm"], table["classes"]["attention"]
     assert gemm["flops_per_step"] == 2 * (2 * 64 * 512 * 256)  # cuBLAS + Triton
     assert attention["flops_per_step"] == 2 * (2 * 2 * 8 * 1024 * 1024 * 64) * 0.5  # causal
@@ -210,6 +211,8 @@ def test_a_gpu_shaped_trace_is_classed_by_its_hlo(tmp_path):
     assert table["classes"]["copies"]["kernels_per_step"] == 2  # the memset and the convert
     top = {op["name"]: op for op in table["top_ops"]}
     assert top["fmha.1"]["class"] == "attention" and top["custom-call.3"]["class"] == "gemm"
+    assert top["custom-call.3"]["floor_ms_per_step"] == pytest.approx(2 * 64 * 512 * 256 / 5e11)
+    assert top["some_unknown_kernel"]["floor_ms_per_step"] is None
     assert top["loop_subtract_fusion"]["op_name"] == "optimizer/sub"
     assert top["some_unknown_kernel"]["class"] == "other"
     md = op_profile.markdown(table)

@@ -303,23 +303,12 @@ class HloIndex:
 
 
 def op_name(instr: Instr) -> str:
-    """``instr``'s metadata ``op_name``, else the longest common ``/``-prefix of those of
-    the ops it fuses (as XLA:GPU's annotations do), else the first of them."""
+    """``instr``'s metadata ``op_name``, else that of the last op it fuses which has one
+    (the fusion's root, or the nearest op to it: what XLA names a fusion after)."""
     if instr.op_name:
         return instr.op_name
-    named = [n.split("/") for _, _, n in instr.fused if n]
-    if not named:
-        return ""
-    common = []
-    for parts in zip(*named, strict=False):
-        if len(set(parts)) > 1:
-            break
-        common.append(parts[0])
-    return (
-        "/".join(common) + "/…"
-        if common and len(common) < len(named[0])
-        else ("/".join(common) or "/".join(named[0]))
-    )
+    named = [n for _, _, n in instr.fused if n]
+    return named[-1] if named else ""
 
 
 def _in_scope(op_name: str) -> bool:
@@ -396,11 +385,21 @@ def _stats(event: Any) -> dict[str, Any]:
         return {}
 
 
+_NOT_KERNELS = ("memalloc_details", "memfree_details", "memory_residency_details")
+_NOT_KERNEL_NAMES = re.compile(
+    r"^(NVTX:|Memory(Alloc|Free|Residency)$|Overhead$|UnifiedMemory$|Host(Un)?[Rr]egister$)"
+)
+
+
 def _events_of(line: Any, index: int, keep: Callable[[dict[str, Any]], bool]) -> list[Event]:
+    """The events of ``line`` that ``keep`` keeps, less CUPTI's records of allocations,
+    NVTX ranges and overhead (not kernels), and instants."""
     out = []
     for e in line.events:
         stats = _stats(e)
-        if not keep(stats):
+        if not keep(stats) or _NOT_KERNEL_NAMES.match(e.name):
+            continue
+        if any(k in stats for k in _NOT_KERNELS):
             continue
         start, duration = float(e.start_ns), float(e.duration_ns)
         if duration <= 0:
@@ -477,7 +476,10 @@ def read_events(xplane: str | Path, device: int = 0) -> tuple[list[Event], str, 
             continue
 
         def keep(stats: dict[str, Any]) -> bool:
-            return "hlo_op" in stats and int(stats.get("device_ordinal", device)) == device
+            try:
+                return "hlo_op" in stats and int(stats.get("device_ordinal", device)) == device
+            except (TypeError, ValueError):
+                return "hlo_op" in stats
 
         lines = list(plane.lines)
         events = [e for i, ln in enumerate(lines) for e in _events_of(ln, i, keep)]
@@ -521,9 +523,12 @@ def op_table(
     ``floor_ms_per_step``, ``floor_basis``, ``time_over_floor``), ``sum_ms`` (the
     classes, idle included) and ``sum_over_step`` (over ``step_seconds``: 1 when the
     traced steps took the time measured without the profiler; above by the time
-    kernels overlap on several streams),
+    kernels overlap on several streams; ``adds_up``: within 10%),
     ``busy_ms_per_step`` (the union of kernel intervals), ``overlap_ms_per_step``,
-    ``traced_step_ms`` (the traced window over ``steps``), ``top_ops`` and ``notes``.
+    ``traced_step_ms`` (the traced window over ``steps``), ``top_ops`` (the ``top`` ops
+    by time: ``name`` (the HLO instruction), ``class``, ``ms_per_step``,
+    ``floor_ms_per_step``, ``kernels_per_step``, ``kernel`` (a kernel's name),
+    ``op_name`` (its metadata, shortened)) and ``notes``.
     Never raises: what went wrong is in ``notes``, with what could be read."""
     notes: list[str] = []
     step_ms = float(step_seconds) * 1e3 if step_seconds and step_seconds > 0 else None
@@ -641,9 +646,25 @@ def _fill(
         unmapped_ms_per_step=unmapped * per,
         sum_ms=sum_ms,
         sum_over_step=sum_ms / step_ms if step_ms > 0 else None,
+        adds_up=bool(step_ms > 0 and abs(sum_ms / step_ms - 1) <= 0.1),
         other_modules={k: v * per for k, v in sorted(modules.items())},
     )
     ranked = sorted(ops.values(), key=lambda o: -o["ms_per_step"])[:top]
+    for op in ranked:
+        op["floor_ms_per_step"] = None
+        found = instr_class.get(op["name"])
+        if found is None:
+            continue
+        try:
+            instr, cls = found
+            if cls in FLOP_CLASSES and matmul_tflops:
+                amount = index.flops(instr) * index.runs_of(instr)
+                op["floor_ms_per_step"] = amount / (matmul_tflops * 1e12) * 1e3
+            elif cls not in FLOP_CLASSES and bandwidth_gbs:
+                amount = index.bytes(instr) * index.runs_of(instr)
+                op["floor_ms_per_step"] = amount / (bandwidth_gbs * 1e9) * 1e3
+        except Exception:  # one op's floor, not the table
+            pass
     out["top_ops"] = ranked
     if abs(sum_ms / step_ms - 1) > 0.1:
         notes.append(
@@ -704,13 +725,14 @@ def markdown(table: dict[str, Any]) -> str:
             " | | | | |"
         )
         if table.get("top_ops"):
-            lines += ["", "| op | class | ms/step | kernels/step | op_name |",
-                      "|---|---|---:|---:|---|"]  # fmt: skip
+            lines += ["", "| op | class | ms/step | floor ms | kernels/step | op_name |",
+                      "|---|---|---:|---:|---:|---|"]  # fmt: skip
             for op in table["top_ops"]:
                 name = str(op.get("name", "")).replace("|", "\\|")[:60]
                 op_name = str(op.get("op_name", "")).replace("|", "\\|")
                 lines.append(
                     f"| `{name}` | {op.get('class')} | {_fmt(op.get('ms_per_step'))} | "
+                    f"{_fmt(op.get('floor_ms_per_step'))} | "
                     f"{_fmt(op.get('kernels_per_step'), '.1f')} | {op_name} |"
                 )
         if table.get("notes"):
