@@ -150,6 +150,10 @@ def test_batch_larger_than_the_data_warns_once():
         (lambda: sx.batches({"x": np.ones(4)}, 2, shuffle="yes"), TypeError, "sx.batches: shuffle must be True or False, got 'yes'"),
         (lambda: sx.save_checkpoint(None, {"w": np.ones(2)}, step=0), TypeError, "sx.save_checkpoint: directory must be a path (str or os.PathLike), got None"),
         (lambda: sx.cost.validate_batch_size(True), ValueError, "sx.cost.validate_batch_size: batch_size must be an integer, got True (a bool)"),
+        # compiler_options (issue 40): the setting, a key, a value
+        (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh(), compiler_options="fast"), ValueError, "sx.make_train_step: compiler_options must be 'auto' (shardax's options for the mesh's platform), 'xla' (XLA's defaults) or a dict of XLA options, got 'fast'"),
+        (lambda: sx.make_eval_step(_loss, mesh=sx.make_mesh(), compiler_options={"gpu_x": 1}), ValueError, "sx.make_eval_step: compiler_options names XLA options, which start with 'xla_'"),
+        (lambda: sx.train.compiler_options("gpu", {"xla_x": None}), TypeError, "sx.train.compiler_options: compiler_options['xla_x'] must be a bool, int, float or str (XLA takes scalars), got None"),
     ],
 )  # fmt: skip
 def test_wrong_types_name_what_came(call, error, message):

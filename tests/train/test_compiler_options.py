@@ -124,9 +124,9 @@ def test_every_gpu_name_is_one_this_jaxlib_knows_and_the_other_generation_is_not
 
 def test_set_environment_sets_only_what_is_missing():
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
-    assert compiler.set_environment(env) == {} and env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+    assert compiler.set_gpu_environment(env) == {} and env == {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
     env = {}
-    assert compiler.set_environment(env) == compiler.ENVIRONMENT == env
+    assert compiler.set_gpu_environment(env) == compiler.ENVIRONMENT == env
 
 
 def test_estimate_records_the_options_the_step_compiled_with(mesh):

@@ -42,7 +42,7 @@ from shardax.runtime.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
-from shardax.train.compiler import set_environment
+from shardax.train.compiler import set_gpu_environment
 
 RUNTIME_CHATTER = re.compile(r"\[Gloo\] |peer ranks\. Expected number of connected peer ranks is")
 """Lines that the runtime's native code writes to stdout; launch sends them to stderr, so a
@@ -139,7 +139,7 @@ def process_env(
     ('1', '1')
     """
     env = dict(os.environ if base is None else base)
-    set_environment(env)
+    set_gpu_environment(env)
     env.update(
         {
             ENV_COORDINATOR: f"127.0.0.1:{port}",

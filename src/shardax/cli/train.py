@@ -186,11 +186,11 @@ def run(args: argparse.Namespace) -> int:
 
     from shardax.runtime import cache
     from shardax.runtime.compat import backends_are_initialized
-    from shardax.train.compiler import set_environment
+    from shardax.train.compiler import set_gpu_environment
 
     # CUDA reads CUDA_DEVICE_MAX_CONNECTIONS when JAX starts the GPU: set it (where unset)
     # while no backend is up; summary.json records what was set and what was in effect.
-    args.environment_set = {} if backends_are_initialized() else set_environment()
+    args.environment_set = {} if backends_are_initialized() else set_gpu_environment()
 
     out = console(args)
     check_model_options(args)

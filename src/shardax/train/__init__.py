@@ -3,7 +3,7 @@ verify (the step against one device)."""
 
 from shardax.checks import moved as _moved
 from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
-from shardax.train.compiler import compiler_options, gpu_options
+from shardax.train.compiler import compiler_options, gpu_options, set_gpu_environment
 from shardax.train.config import StepConfig
 from shardax.train.eval import EvalStep
 from shardax.train.guard import NonFiniteLossError, check_finite
@@ -41,6 +41,7 @@ __all__ = [
     "make_train_step",
     "masked_mean",
     "prepare",
+    "set_gpu_environment",
     "verify",
 ]
 

@@ -23,7 +23,7 @@ collectives overlap compute. CUDA reads it when the GPU backend starts, so it mu
 environment before JAX uses the GPU: ``shardax launch`` sets it for the processes it starts,
 ``shardax train`` when not set and no GPU backend has started yet; a process started
 otherwise sets it itself (``export CUDA_DEVICE_MAX_CONNECTIONS=1``, or
-:func:`set_environment` first thing).
+:func:`set_gpu_environment` first thing).
 
 >>> sx.train.compiler_options("gpu")["xla_gpu_enable_latency_hiding_scheduler"]
 True
@@ -42,7 +42,6 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
 
 from shardax.checks import public, received
@@ -234,28 +233,17 @@ def compiler_options(where: Any, value: Any = AUTO) -> dict[str, Value]:
     return resolve(value, platform_of(where))
 
 
-def gpu_backend_started() -> bool:
-    """A GPU backend is up in this process (then CUDA has read its environment)."""
-    from shardax.runtime.compat import backends_are_initialized
-
-    if not backends_are_initialized():
-        return False
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
-def set_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+@public("sx.train.set_gpu_environment")
+def set_gpu_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Sets :data:`ENVIRONMENT`'s variables in ``environ`` (default ``os.environ``) where
     they are not set, and returns those it set. For ``os.environ`` call it before JAX
     starts a GPU backend: CUDA reads the variables then (``shardax train`` does, and skips
     it when a GPU backend is up).
 
     >>> env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
-    >>> set_environment(env), env
+    >>> set_gpu_environment(env), env
     ({}, {'CUDA_DEVICE_MAX_CONNECTIONS': '8'})
-    >>> set_environment({})
+    >>> set_gpu_environment({})
     {'CUDA_DEVICE_MAX_CONNECTIONS': '1'}
     """
     environ = os.environ if environ is None else environ
