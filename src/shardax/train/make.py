@@ -178,11 +178,12 @@ def make_eval_step(
             microbatches are weighted by their count of real examples or tokens. It
             may take ``rng`` and ``step_rng`` like a train step's loss function; NNX and
             Equinox models are in inference mode (dropout off, running averages).
-        mesh, plan, mode, accumulate, data_axis, seq_axis, batch_spec, rng_per_device,
-        compiler_options: as for :func:`make_train_step`; use
+        mesh, plan, mode, accumulate, data_axis, seq_axis, batch_spec, rng_per_device:
+            as for :func:`make_train_step`; use
             the train step's mesh and plan to evaluate its state where it lies.
         precision: the compute and output dtypes, as for :func:`make_train_step`
             (without loss scaling).
+        compiler_options: the XLA options, as for :func:`make_train_step`.
     """
     config = StepConfig(mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
                         donate=False, data_axis=data_axis, precision=precision, stats=(),
