@@ -302,6 +302,22 @@ class HloIndex:
         )
 
 
+def program_flops(index: HloIndex) -> dict[str, float]:
+    """Matmul FLOPs of one run of the program per class (:data:`FLOP_CLASSES`): every
+    instruction of the computations that run (not the bodies fusions call), classified
+    and priced, times its computation's runs."""
+    fused = {i.called for i in index.by_name.values() if i.called and i.opcode == "fusion"}
+    totals = dict.fromkeys(FLOP_CLASSES, 0.0)
+    for comp, instrs in index.by_comp.items():
+        if comp in fused:
+            continue
+        for instr in instrs.values():
+            cls = classify(instr)
+            if cls in totals:
+                totals[cls] += index.flops(instr) * index.runs_of(instr)
+    return totals
+
+
 def op_name(instr: Instr) -> str:
     """``instr``'s metadata ``op_name``, else that of the last op it fuses which has one
     (the fusion's root, or the nearest op to it: what XLA names a fusion after)."""
@@ -602,7 +618,7 @@ def _fill(
         row = classes[cls]
         row["ms_per_step"] += e.self_ns * per
         row["kernels_per_step"] += 1 / steps
-        key = instr.name if instr is not None else (e.hlo_op or e.name)
+        key = instr.name if instr is not None else e.name
         op = ops.setdefault(key, {"name": key, "class": cls, "ms_per_step": 0.0,
                                   "kernels_per_step": 0.0, "kernel": e.name[:80],
                                   "op_name": _short(op_name(instr)) if instr else ""})  # fmt: skip
@@ -611,11 +627,14 @@ def _fill(
     for instr, cls in instr_class.values():
         runs = index.runs_of(instr)
         try:
-            if cls in FLOP_CLASSES:
-                classes[cls]["flops_per_step"] += index.flops(instr) * runs
             classes[cls]["bytes_per_step"] += index.bytes(instr) * runs
         except Exception as e:  # one op's price, not the table
             notes.append(f"{instr.name} not priced: {type(e).__name__}: {e}")
+    # The matmul classes' floors are the whole program's work, whether or not the trace
+    # names each kernel's instruction (XLA:GPU's command buffers run cuBLAS and cuDNN
+    # kernels under the command buffer's name).
+    for cls, flops in program_flops(index).items():
+        classes[cls]["flops_per_step"] = flops
     busy_ms, traced = busy * per, window * per
     if step_ms is None or not step_ms > 0:
         notes.append("no step time given: the traced window's is used")
