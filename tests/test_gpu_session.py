@@ -86,22 +86,27 @@ def test_calibration_tables_and_ceilings(gpu_modules):
 
 def test_session_assembles_ratios_and_markdown(gpu_modules, tmp_path):
     _, _, session = gpu_modules
-    step = {"seconds_per_step": 0.2, "tokens_per_s": 40_000.0, "mfu": 0.3, "first_loss": 5.6,
-            "last_loss": 5.2, "compile_seconds": 10.0}  # fmt: skip
+    # 8192 tokens in 0.2 s at 0.3 MFU: 296.7 TFLOP/s of a 989 TFLOP/s peak
+    step = {"seconds_per_step": 0.2, "tokens_per_s": 40_960.0, "mfu": 0.3, "first_loss": 5.6,
+            "last_loss": 5.2, "compile_seconds": 10.0, "model_flops_per_step": 5.934e13,
+            "model_tflops_per_s_per_device": 296.7,
+            "config": {"batch": 4, "seq_len": 2048}}  # fmt: skip
     (tmp_path / "core.json").write_text(json.dumps({
         "device": "NVIDIA H200", "jax": "0.11.2", "shardax": step,
         "jit": {**step, "seconds_per_step": 0.198}}))  # fmt: skip
-    (tmp_path / "torch.json").write_text(json.dumps({
-        "torch": "2.11.0", "run": {**step, "tokens_per_s": 50_000.0}}))  # fmt: skip
+    torch = {"seconds_per_step": 0.16, "tokens_per_s": 51_200.0}
+    (tmp_path / "torch.json").write_text(json.dumps({"torch": "2.11.0", "run": torch}))
     (tmp_path / "sweep.json").write_text(json.dumps([
         {"name": "dense", "label": "x", **step, "tokens_per_s": 30_000.0},
         {"name": "32k", "label": "y", "error": "RESOURCE_EXHAUSTED: out of memory"}]))  # fmt: skip
     s = session.assemble(tmp_path, [{"stage": "core", "status": "ok", "seconds": 1.0}])
     assert s["ratios"]["shardax_over_jit_step_time"] == pytest.approx(0.2 / 0.198)
     assert s["ratios"]["shardax_over_torch_tokens_per_s"] == pytest.approx(0.8)
-    assert s["sweep"][0]["tokens_per_s_vs_default"] == pytest.approx(0.75)
+    assert s["torch"]["run"]["mfu"] == pytest.approx(0.375)  # same FLOPs per token, 1.25x
+    assert s["sweep"][0]["tokens_per_s_vs_default"] == pytest.approx(30_000 / 40_960)
     text = session.markdown(s)
-    assert "| shardax (default) | 200.0 | 40,000 | 30.0% |" in text
+    assert "| shardax (default) | 200.0 | 40,960 | 30.0% |" in text
+    assert "| torch.compile | 160.0 | 51,200 | 37.5% |" in text
     assert "torch.compile" in text and "RESOURCE_EXHAUSTED" in text
 
 

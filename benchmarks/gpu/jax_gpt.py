@@ -162,6 +162,17 @@ def build_jit(c: Config) -> tuple[Any, Any, Any, dict[str, Any]]:
     )
 
 
+def _peak_gib() -> float | None:
+    """The device's peak memory in use so far in this process (GiB; None where the
+    backend keeps no statistics, as on a CPU): the high-water mark of every
+    configuration this process ran, so a configuration's own when it ran first."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
 def resolve_options(setting: Any) -> dict[str, Any]:
     """The compiler options shardax's step takes for ``setting`` on this platform (the
     hand-written step gets the same)."""
@@ -251,6 +262,7 @@ def _run(c: Config, *, steps: int, warmup: int, hlo: bool) -> dict[str, Any]:
         model_flops_per_step=flops,
         model_tflops_per_s_per_device=model["tflops_per_s_per_device"],
         mfu=model["mfu"],
+        peak_gib_so_far=_peak_gib(),
     )
     if hlo:
         compiled = lower(state, batch).compile()

@@ -66,10 +66,14 @@ def base_config(size: str, devices: int) -> Any:
 
 def sweep_configs(base: Any) -> list[tuple[str, Any]]:
     """One change at a time from ``base``, the most telling first."""
+    import shardax as sx
+
     r, b = dataclasses.replace, base.batch
+    cublas = {**sx.train.gpu_options(), "xla_gpu_enable_triton_gemm": False}
     return [
         ("before: MLP and head in fp32 (the GPT as of stage 4)", r(base, model="stage4")),
         ("compiler: XLA's defaults", r(base, compiler="xla")),
+        ("compiler: shardax's with Triton GEMMs off (the recipes')", r(base, compiler=cublas)),
         ("16k tokens per device", r(base, batch=2 * base.batch)),
         ("remat minimal (dots_no_batch)", r(base, remat="dots_no_batch")),
         ("remat full", r(base, remat="full")),
@@ -240,7 +244,8 @@ def run_stage(stage: str, args: argparse.Namespace, seconds: float, log: Any) ->
     """``stage`` in its own process, killed after ``seconds``; its output to ``log``."""
     cmd = [sys.executable, __file__, "--stage", stage, "--work", str(args.work),
            "--size", args.size, "--steps", str(args.steps),
-           "--deadline", str(time.time() + seconds), "--extra", json.dumps(args.extra)]  # fmt: skip
+           "--deadline", str(time.time() + seconds), "--extra", json.dumps(args.extra),
+           "--sweep", args.sweep]  # fmt: skip
     env = dict(os.environ)
     if stage == "torch":  # JAX in that process only for the parity check, on the CPU
         env["JAX_PLATFORMS"] = "cpu"
@@ -375,6 +380,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--extra", type=json.loads, default=[],
                    help='JSON list of extra sweep configurations first, e.g. \'[{"name": '
                         '"2 layers", "layers": 2, "compiler": "xla"}]\'')  # fmt: skip
+    p.add_argument("--sweep", default="all",
+                   help="the sweep's configurations whose name holds one of these words, "
+                        "comma-separated (default: all)")  # fmt: skip
     p.add_argument("--stage", choices=STAGES, default=None, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -386,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.stage == "torch":
             stage_torch(args.work, size, args.steps)
         else:
-            stage_sweep(args.work, size, args.steps, args.deadline, args.extra)
+            stage_sweep(args.work, size, args.steps, args.deadline, args.extra, args.sweep)
         return
     if args.out is None:
         p.error("--out is required")

@@ -89,15 +89,19 @@ def gpu_options(
     - collective pipelining of all-gathers, reduce-scatters and all-reduces out of loops;
       jaxlib 0.10 names these ``xla_gpu_enable_pipelined_<op>=True``, and jaxlib 0.11 and
       later refuse those names, taking ``xla_gpu_pipeline_<op>="COLLECTIVE_PIPELINING_MODE_ON"``;
-    - collectives combined up to ``combine_threshold_bytes``, across dimensions;
-    - cuBLAS for matmuls rather than Triton (``xla_gpu_enable_triton_gemm=False``).
+    - collectives combined up to ``combine_threshold_bytes``, across dimensions.
+
+    Triton GEMMs stay on (XLA's autotuner picks Triton or cuBLAS per matmul): the
+    recipes' ``xla_gpu_enable_triton_gemm=False`` made the 1.2B GPT's step 2.7% slower
+    on one H200 (130.3 ms against 126.8 ms, medians of 8 steps, JAX 0.11.2;
+    ``benchmarks/gpu/results/2026-11-27-h200-1``).
 
     Every name is checked against jaxlib 0.10.2, 0.11.2 and 0.12 (``tests/train/
     test_compiler_options.py`` compiles with the set on the installed one).
 
     >>> options = sx.train.gpu_options(jaxlib_version=(0, 10))
     >>> options["xla_gpu_enable_pipelined_all_gather"], len(options)
-    (True, 12)
+    (True, 11)
     >>> sx.train.gpu_options(jaxlib_version=(0, 12))["xla_gpu_pipeline_all_gather"]
     'COLLECTIVE_PIPELINING_MODE_ON'
     """
@@ -107,7 +111,6 @@ def gpu_options(
         "xla_gpu_enable_latency_hiding_scheduler": True,
         "xla_gpu_enable_highest_priority_async_stream": True,
         "xla_gpu_enable_while_loop_double_buffering": True,
-        "xla_gpu_enable_triton_gemm": False,
         "xla_gpu_all_gather_combine_threshold_bytes": threshold,
         "xla_gpu_reduce_scatter_combine_threshold_bytes": threshold,
         "xla_gpu_all_reduce_combine_threshold_bytes": threshold,
