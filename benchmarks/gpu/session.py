@@ -216,14 +216,20 @@ def parity() -> dict[str, Any]:
     return {"jax_loss": ours, "torch_loss": theirs, "relative": abs(ours - theirs) / abs(ours)}
 
 
-def stage_sweep(work: Path, size: str, steps: int, deadline: float, extra: list[dict]) -> None:
-    """The sweep, one configuration at a time while time is left."""
+def stage_sweep(
+    work: Path, size: str, steps: int, deadline: float, extra: list[dict], only: str = "all"
+) -> None:
+    """The sweep, one configuration at a time while time is left: the ``extra`` ones,
+    then those of :func:`sweep_configs` whose name holds one of ``only``'s comma-separated
+    words (``"all"``: every one), in that function's order."""
     import jax
     import jax_gpt
 
     base = base_config(size, jax.device_count())
     configs = [(e.pop("name", "extra"), dataclasses.replace(base, **e)) for e in extra]
-    configs += sweep_configs(base)
+    words = [w.strip() for w in only.split(",") if w.strip()]
+    configs += [(name, c) for name, c in sweep_configs(base)
+                if only == "all" or any(w in name for w in words)]  # fmt: skip
     rows: list[dict[str, Any]] = []
     path = work / "sweep.json"
     for name, config in configs:
