@@ -39,9 +39,9 @@ from typing import Any
 
 SIZES = {
     # 24 × 12·d² = 1.21e9 non-embedding parameters; head_dim 128 (cuDNN's flash kernel).
-    # 4 sequences per device: 8 without remat ran out of an H200's 141 GB with the
-    # layers scanned (a 94 GiB buffer; unrolled not tried); 8 with --remat dots_no_batch
-    # ran, at the same MFU as 4 without (docs/results.md).
+    # 4 sequences per device: on one H200 (docs/results.md, 2026-11-27) 4 ran at 49.9% MFU
+    # and 8 at 53.1%, but 8's peak memory is unmeasured, so 4 keeps one command for an
+    # 80 GB H100 too (before the MLP ran in bf16, 8 ran out of the H200 with scanned layers).
     "1b": {"layers": 24, "d_model": 2048, "heads": 16, "seq_len": 2048, "batch_per_device": 4},
     "tiny": {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 64, "batch_per_device": 2},
 }
