@@ -295,6 +295,9 @@ def test_estimate_for_an_h100_target_splits_links(h100_2x4, small_train):
     p = report.prediction
     assert p is not None and p.serial_s >= p.overlapped_s > 0
     assert "PREDICTED (not measured)" in str(report)
+    o = report.overlap  # from the compiled schedule, priced at the links' bandwidths
+    assert 0 <= o["exposed_s"] <= o["collective_s"] and o["collectives"] >= o["overlapped"]
+    assert "exposed collective time: " in str(report)
     n = sum(x.size for x in jax.tree.leaves(state.params))
     expected = formula(n, "fp32", data=4, shard_data=True)  # FSDP over a host's 4
     got = report.memory["params"] + report.memory["optimizer"]

@@ -16,7 +16,10 @@ laptop. The report, per device:
   ``slice_index``);
 - compile time;
 - a **predicted** step time from :mod:`shardax.cost.predict`'s named model, with and
-  without overlap, and from it predicted tokens/s per device and predicted MFU.
+  without overlap, and from it predicted tokens/s per device and predicted MFU;
+- the exposed collective time: what the compiled schedule leaves of the collectives' time
+  once the matmuls XLA scheduled between each one's start and done are taken off
+  (:mod:`shardax.cost.schedule`).
 
 Works for a ``make_train_step`` step (the plan places the abstract state) and for any
 ``jax.jit`` function ``step(state, batch)`` whose abstract state carries its shardings
@@ -48,7 +51,6 @@ import numpy as np
 from shardax.checks import public
 from shardax.cost.flops import compiled_flops, hlo_flops
 from shardax.cost.hardware import HardwareSpec, device_spec
-from shardax.cost.hlo import collectives
 from shardax.cost.predict import (
     DEFAULT_COMPUTE_EFFICIENCY,
     LINKS,
@@ -56,6 +58,7 @@ from shardax.cost.predict import (
     link_of,
     predict_step,
 )
+from shardax.cost.schedule import exposed_seconds, schedule
 
 HEADROOM = 0.1
 """The share of HBM a plan must leave free to count as fitting with headroom (the
@@ -92,6 +95,12 @@ class Estimate:
             ``make_train_step`` step's ``step.compiler_options``, resolved for the
             target's platform: on a GPU target shardax's GPU set); None for a
             ``jax.jit`` of your own, whose options shardax does not know.
+        overlap: from the compiled schedule (:mod:`shardax.cost.schedule`):
+            ``exposed_s`` (per step, the collectives' time on the wire less the matmuls
+            scheduled under each, clamped at 0 per collective), ``collective_s`` (all of
+            their time on the wire), ``collectives`` (async pairs and synchronous ops),
+            ``overlapped`` (those with matmuls between start and done) and
+            ``synchronous``; None without a prediction.
     """
 
     device_kind: str
@@ -110,6 +119,7 @@ class Estimate:
     notes: tuple[str, ...] = ()
     compile_error: str | None = None
     compiler_options: dict[str, Any] | None = None
+    overlap: dict[str, Any] | None = None
 
     @property
     def headroom(self) -> float | None:
@@ -193,6 +203,8 @@ class Estimate:
                 f"{links or 'none'}"
             )
             parts.append(pred)
+        if self.overlap is not None:
+            parts.append(exposed_line(self.overlap))
         parts.append(f"compiler options: {format_options(self.compiler_options)}")
         parts += [f"note: {n}" for n in self.notes]
         return Group(*parts)
@@ -488,20 +500,18 @@ def analyse(
         model_flops = 6.0 * n_params * tokens
         model_flops_note = "6·N·tokens, attention not counted"
     note = model_flops_note or "given"
-    ops = collectives(hlo, len(devices))
+    timed = schedule(hlo, len(devices))
     grouped: dict[tuple[str, str], dict[str, Any]] = {}
-    for c in ops:
-        members = [devices[i] for i in c.groups[0] if i < len(devices)] if c.groups else devices
-        link = link_of(
-            {d.process_index for d in members}, {getattr(d, "slice_index", 0) for d in members}
-        )
+    links_of = [_link(s.collective.groups, devices) for s in timed]
+    for s, link in zip(timed, links_of, strict=True):
+        c = s.collective
         row = grouped.setdefault((c.op, link), {"op": c.op, "link": link, "runs": 0,
                                                 "sent_bytes": 0.0})  # fmt: skip
         row["runs"] += c.count
         row["sent_bytes"] += c.sent_bytes
     rows = tuple(grouped.values())
     hbm = None if spec is None else float(spec.memory_bytes)
-    prediction = None
+    prediction = overlap = None
     if spec is None:
         notes.append(f"no datasheet for device kind {devices[0].device_kind!r}: no predicted time")
     else:
@@ -543,6 +553,7 @@ def analyse(
             model_flops=model_flops,
             devices=len(devices),
         )
+        overlap = _overlap(timed, links_of, bandwidths, compute_efficiency * spec.peak_flops)
         missing = [k for k, v in prediction.link_s.items() if v is None]
         if missing:
             notes.append(
@@ -568,6 +579,55 @@ def analyse(
         compile_s=compile_s,
         prediction=prediction,
         notes=tuple(notes),
+        overlap=overlap,
+    )
+
+
+def _link(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> str:
+    """The link a collective's first group crosses (all ``devices`` where not known)."""
+    members = [devices[i] for i in groups[0] if i < len(devices)] if groups else devices
+    return link_of(
+        {d.process_index for d in members}, {getattr(d, "slice_index", 0) for d in members}
+    )
+
+
+def _overlap(
+    timed: list[Any], links: list[str], bandwidths: Mapping[str, float | None],
+    flop_rate: float,
+) -> dict[str, Any]:  # fmt: skip
+    """:attr:`Estimate.overlap` of the scheduled collectives ``timed`` over ``links``
+    (collectives over a link of unknown bandwidth are left out, as in the prediction)."""
+    exposed = total = 0.0
+    for s, link in zip(timed, links, strict=True):
+        bandwidth = bandwidths.get(link)
+        if not bandwidth or not s.collective.count:
+            continue
+        wire = s.sent_bytes / s.collective.count / bandwidth
+        total += wire * s.collective.count
+        exposed += exposed_seconds(s, wire, flop_rate)
+    return {
+        "exposed_s": exposed,
+        "collective_s": total,
+        "collectives": len(timed),
+        "overlapped": sum(s.overlapped for s in timed),
+        "synchronous": sum(s.synchronous for s in timed),
+    }
+
+
+def exposed_line(overlap: Mapping[str, Any]) -> str:
+    """The report's line for :attr:`Estimate.overlap`.
+
+    >>> print(exposed_line({"exposed_s": 0.0021, "collective_s": 0.0105, "collectives": 9,
+    ...                     "overlapped": 6, "synchronous": 1}))
+    exposed collective time: 2.10 ms per step of 10.50 ms of collectives (6 of 9 overlap
+    matmuls, 1 synchronous; from the compiled schedule)
+    """
+    o = overlap
+    return (
+        f"exposed collective time: {o['exposed_s'] * 1e3:.2f} ms per step of "
+        f"{o['collective_s'] * 1e3:.2f} ms of collectives ({o['overlapped']} of "
+        f"{o['collectives']} overlap matmuls, {o['synchronous']} synchronous; from the "
+        "compiled schedule)"
     )
 
 

@@ -180,12 +180,18 @@ def _matmuls(hlo: str) -> Iterator[tuple[str, float, int]]:
 
 def _own_matmuls(lines: list[str]) -> Iterator[tuple[str, float]]:
     """``(kind, FLOPs)`` of each matmul written in one computation's ``lines``."""
+    return ((kind, flops) for _, kind, flops in line_matmuls(lines))
+
+
+def line_matmuls(lines: list[str]) -> Iterator[tuple[int, str, float]]:
+    """``(line index, kind, FLOPs)`` of each matmul written in one computation's ``lines``
+    (kinds as :func:`_matmuls`'s; a fusion's matmuls are in the computation it calls)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for line in lines:
         found = _DEF.match(line)
         if found and not found.group(2).startswith("("):
             shapes[found.group(1)] = _dims(found.group(2))
-    for line in lines:
+    for index, line in enumerate(lines):
         conv = _CONV.search(line)
         if conv:  # XLA:TPU's matmuls: 2 · output · lhs features · window
             lhs = shapes.get(conv.group(2))
@@ -194,11 +200,11 @@ def _own_matmuls(lines: list[str]) -> Iterator[tuple[str, float]]:
                 continue
             taps = _window_taps(line)
             flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * taps
-            yield "conv", flops
+            yield index, "conv", flops
             continue
         fmha = _fmha_flops(line)
         if fmha:
-            yield "fmha", fmha
+            yield index, "fmha", fmha
             continue
         dot, gemm = _DOT.search(line), _GEMM.search(line)
         if not (dot or gemm):
@@ -210,7 +216,7 @@ def _own_matmuls(lines: list[str]) -> Iterator[tuple[str, float]]:
             continue
         axes = [int(d) for d in re.findall(r"\d+", contract.group(1))]
         k = math.prod(lhs[a] for a in axes if a < len(lhs))
-        yield ("dot" if dot else "gemm"), 2.0 * math.prod(out) * k
+        yield index, ("dot" if dot else "gemm"), 2.0 * math.prod(out) * k
 
 
 def transformer_flops_per_token(

@@ -55,9 +55,9 @@ class Collective:
     """One collective op: its name, the bytes of its result on one device, the number
     of devices in each of its groups, its result's array shapes (several when XLA
     combined ops into one), and how many times it runs per execution (its loops' trip
-    counts multiplied; 1 outside loops), and its groups as lists of the program's device
+    counts multiplied; 1 outside loops), its groups as lists of the program's device
     indices (``mesh.devices.flat`` order; a collective-permute's source-target pairs; empty
-    where the HLO's form is not parsed here)."""
+    where the HLO's form is not parsed here), and its result arrays' dtypes (``"bf16"``)."""
 
     op: str
     bytes: int
@@ -65,6 +65,19 @@ class Collective:
     shapes: tuple[tuple[int, ...], ...] = ()
     count: int = 1
     groups: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """Result bytes of one run per dtype (``{"bf16": ..., "f32": ...}``; a combined
+        op carries several).
+
+        >>> Collective("all-gather", 0, 8, ((4, 2), (3,)), dtypes=("bf16", "f32")).bytes_by_dtype()
+        {'bf16': 16, 'f32': 12}
+        """
+        out: dict[str, int] = {}
+        for dtype, shape in zip(self.dtypes, self.shapes, strict=True):
+            out[dtype] = out.get(dtype, 0) + math.prod(shape) * DTYPE_BYTES.get(dtype, 4)
+        return out
 
     @property
     def sent_bytes(self) -> float:
@@ -177,23 +190,30 @@ def _condition_trips(lines: list[str]) -> int | None:
     return None
 
 
+def line_calls(line: str, bodies: dict[str, list[str]]) -> list[tuple[str, int]]:
+    """``(computation, times)`` that one instruction ``line`` calls per run: a while body
+    its ``known_trip_count`` times (else its condition's ``counter < N``; once when
+    neither tells), every other called computation once."""
+    calls = []
+    loop, trips = _WHILE.search(line), _TRIP_COUNT.search(line)
+    if loop:
+        n = int(trips.group(1)) if trips else None
+        if n is None:
+            cond = _CONDITION.search(line)
+            n = _condition_trips(bodies.get(cond.group(1), [])) if cond else None
+        calls.append((loop.group(1), n or 1))
+    for single, several in _CALLED.findall(line):
+        for callee in [single] if single else re.findall(r"%?([\w.\-]+)", several):
+            calls.append((callee, 1))
+    return calls
+
+
 def _runs(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
     """How many times each computation runs per execution of ``entry``: a while body
     ``known_trip_count`` times its caller's (else its condition's ``counter < N``; once
     when neither tells), every other called computation as often as its caller."""
-    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in bodies}
-    for name, lines in bodies.items():
-        for line in lines:
-            loop, trips = _WHILE.search(line), _TRIP_COUNT.search(line)
-            if loop:
-                n = int(trips.group(1)) if trips else None
-                if n is None:
-                    cond = _CONDITION.search(line)
-                    n = _condition_trips(bodies.get(cond.group(1), [])) if cond else None
-                calls[name].append((loop.group(1), n or 1))
-            for single, several in _CALLED.findall(line):
-                for callee in [single] if single else re.findall(r"%?([\w.\-]+)", several):
-                    calls[name].append((callee, 1))
+    calls = {name: [c for line in lines for c in line_calls(line, bodies)]
+             for name, lines in bodies.items()}  # fmt: skip
     runs = dict.fromkeys(bodies, 0 if entry else 1)
     if entry is None:
         return runs
@@ -234,18 +254,25 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
     runs = _runs(bodies, entry)
     found = []
     for name, lines in bodies.items():
-        for out, op, start, rest in _OP.findall("\n".join(lines)):
-            arrays = _arrays(out)
-            if start and op in _CARRY_OPERANDS and len(arrays) > 1:
-                arrays = arrays[len(arrays) // 2 :]
-            size = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays)
-            # A computation the call graph does not reach (a reference form not parsed
-            # here) counts once rather than not at all.
-            count = runs[name] or 1
-            shapes = tuple(shape for _, shape in arrays)
-            groups = replica_groups(rest, num_devices)
-            found.append(Collective(op, size, _group(rest, num_devices), shapes, count, groups))
+        # A computation the call graph does not reach (a reference form not parsed
+        # here) counts once rather than not at all.
+        for match in _OP.finditer("\n".join(lines)):
+            found.append(collective_of(match, num_devices, runs[name] or 1))
     return found
+
+
+def collective_of(match: re.Match[str], num_devices: int | None, count: int = 1) -> Collective:
+    """The :class:`Collective` of one ``_OP`` match (an op line of ``hlo``), run ``count``
+    times per execution."""
+    out, op, start, rest = match.groups()
+    arrays = _arrays(out)
+    if start and op in _CARRY_OPERANDS and len(arrays) > 1:
+        arrays = arrays[len(arrays) // 2 :]
+    size = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays)
+    shapes = tuple(shape for _, shape in arrays)
+    dtypes = tuple(dtype for dtype, _ in arrays)
+    groups = replica_groups(rest, num_devices)
+    return Collective(op, size, _group(rest, num_devices), shapes, count, groups, dtypes)
 
 
 def collective_bytes(hlo: str, num_devices: int | None = None) -> float:

@@ -6,6 +6,16 @@ A :class:`Precision` says in which dtype the state's params are kept
 dtype the loss and metrics come out (``output_dtype``). Gradients are taken with
 respect to the stored params, so they reach the optimizer in ``param_dtype``.
 
+**Where the gradients are summed across devices**, the bytes are in the dtype the backward
+pass makes them in: XLA reduces (``reduce-scatter``, ``all-reduce``) where the gradient is
+computed, before it is widened to ``param_dtype``. So under ``"bf16"`` the matmul weights'
+gradients are reduced in bfloat16 (``compute_dtype``), as PyTorch FSDP's
+``reduce_dtype=bfloat16`` does, and gradients computed in float32 (norm scales, the
+embedding's scatter) in float32. Under FSDP the weights are gathered in ``compute_dtype``
+too (the cast runs before the gather); ZeRO-1/2 gather the updated params in
+``param_dtype``. ``tests/compile/test_overlap_targets.py`` checks these dtypes in the GPT's
+compiled step for an 8xH100 target. There is no float32-reduction option yet.
+
 With float16 compute, small gradients underflow; :class:`LossScaling` multiplies the
 loss by a scale before differentiating and divides the gradients by it after. The
 scale lives in a :class:`LossScaleState` in the train state: a step whose gradients
