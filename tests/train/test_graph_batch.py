@@ -154,3 +154,66 @@ def test_without_batch_spec_the_refusal_names_it(mesh):
         step(step.shard(sx.TrainState.from_params(init(), gnn, TX)), BATCHES[0])
     with pytest.raises(TypeError, match="batch_spec must be a PartitionSpec"):
         sx.make_train_step(loss_fn, mesh=mesh, batch_spec="whole")
+
+
+# A graph batch padded to equal leaf sizes (16 nodes, 16 edges, 16 graph slots, as
+# jraph.pad_with_graphs can make it): its leaves agree on dimension 0, so only its type
+# says the rows are not examples.
+PAD = 16
+
+
+def padded_graphs(seed):
+    rng = np.random.default_rng(seed)
+    n_node = np.array([5, 4, 4, 3] + [0] * (PAD - 4), np.int32)
+    n_edge = np.array([6, 4, 3, 3] + [0] * (PAD - 4), np.int32)
+    starts = np.repeat(np.cumsum(n_node) - n_node, n_edge)
+    sizes = np.repeat(n_node, n_edge)
+    pick = lambda: (starts + rng.integers(0, 1 << 20, PAD) % sizes).astype(np.int32)  # noqa: E731
+    return GraphsTuple(
+        nodes=rng.normal(size=(PAD, 4)).astype(np.float32),
+        edges=rng.normal(size=(PAD, 3)).astype(np.float32),
+        receivers=pick(),
+        senders=pick(),
+        globals=rng.normal(size=(PAD, 1)).astype(np.float32),
+        n_node=n_node,
+        n_edge=n_edge,
+    )
+
+
+def padded_gnn(params, g):
+    messages = jnp.tanh(jnp.concatenate([g.nodes[g.senders], g.edges], axis=1) @ params["edge"])
+    incoming = jax.ops.segment_sum(messages, g.receivers, num_segments=PAD)
+    h = jnp.tanh(jnp.concatenate([g.nodes, incoming], axis=1) @ params["node"])
+    graph = jnp.repeat(jnp.arange(PAD), g.n_node, total_repeat_length=PAD)
+    pooled = jax.ops.segment_sum(h, graph, num_segments=PAD) / jnp.maximum(g.n_node, 1)[:, None]
+    real = g.n_node > 0
+    return jnp.where(real[:, None], pooled @ params["out"], g.globals)
+
+
+@pytest.mark.parametrize("how", [{"mode": "shard_map"}, {"mode": "pmap"}, {"accumulate": 2}])
+def test_a_padded_graph_batch_is_refused_where_rows_are_split(how, mesh):
+    g = padded_graphs(0)
+    assert len({leaf.shape[0] for leaf in g}) == 1  # passes the size check
+    step = sx.make_train_step(loss_fn, mesh=mesh, **how)
+    state = step.shard(sx.TrainState.from_params(init(), padded_gnn, TX))
+    with pytest.raises(ValueError, match=r"is a graph batch \(GraphsTuple.* Use mode='jit'"):
+        step(state, g)
+    # nested in a dict too, named by its path
+    with pytest.raises(ValueError, match=r"batch leaf 'graph' is a graph batch"):
+        step(state, {"graph": g, "w": np.ones(PAD, np.float32)})
+
+
+def test_a_padded_graph_batch_trains_under_jit_as_on_one_device(mesh):
+    batches = [padded_graphs(i) for i in range(2)]
+    params, opt_state, want = init(), TX.init(init()), []
+    for g in batches:  # the program's own loop
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(lambda g: padded_gnn(p, g), g))(params)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        want.append(float(loss))
+    step = sx.make_train_step(loss_fn, mesh=mesh)
+    state, got = step.shard(sx.TrainState.from_params(init(), padded_gnn, TX)), []
+    for g in batches:
+        state, metrics = step(state, g)
+        got.append(float(metrics["loss"]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

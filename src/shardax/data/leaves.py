@@ -81,5 +81,44 @@ def check_batch_leaves(
     return leaves
 
 
+# The fields that make a NamedTuple a graph batch (jraph.GraphsTuple's, by name: jraph
+# need not be installed).
+_GRAPH_FIELDS = frozenset({"senders", "receivers", "n_node", "n_edge"})
+
+
+def _not_examples_kind(node: Any) -> str | None:
+    """What ``node`` is when its array leaves are clearly not a list of examples: a graph
+    batch (a NamedTuple with ``jraph.GraphsTuple``'s fields), or a ``jax.experimental.sparse``
+    array (its leaves are nonzeros and their indices, its shape static); else None."""
+    fields = getattr(type(node), "_fields", None)
+    if isinstance(node, tuple) and fields and _GRAPH_FIELDS <= set(fields):
+        return f"a graph batch ({type(node).__name__}: nodes, edges and graphs)"
+    module = type(node).__module__ or ""
+    if module.startswith("jax.experimental.sparse") and hasattr(node, "nse"):
+        return f"a sparse array ({type(node).__name__}: nonzeros and their indices)"
+    return None
+
+
+def not_examples(tree: Any) -> list[tuple[str, str]]:
+    """``(path, what)`` of each subtree of ``tree`` whose leaves are clearly not examples
+    (:func:`_not_examples_kind`): cutting their rows would not cut whole examples,
+    whatever their sizes.
+
+    >>> import collections
+    >>> fields = "nodes edges receivers senders globals n_node n_edge"
+    >>> g = collections.namedtuple("GraphsTuple", fields)(*[np.zeros(4, np.int32)] * 7)
+    >>> not_examples({"graph": g, "y": np.ones(4)})
+    [('graph', 'a graph batch (GraphsTuple: nodes, edges and graphs)')]
+    """
+    flat = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: _not_examples_kind(x) is not None
+    )[0]
+    return [
+        (path_str(path), kind)
+        for path, node in flat
+        if (kind := _not_examples_kind(node)) is not None
+    ]
+
+
 def _in_list(key: tuple[Any, ...]) -> bool:
     return isinstance(key[-1], jax.tree_util.SequenceKey)

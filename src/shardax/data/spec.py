@@ -13,7 +13,9 @@ must divide by its mesh axes.
 ``make_train_step``, ``make_eval_step``, ``sx.prepare`` and ``sx.prefetch_to_device``
 take it as ``batch_spec=``. Under ``mode="jit"`` (and ``"single"``) any split computes
 one device's numbers: XLA sees the whole batch. ``"shard_map"``, ``"pmap"`` and
-``accumulate > 1`` split rows as examples, and refuse a ``batch_spec``.
+``accumulate > 1`` split rows as examples, and refuse a ``batch_spec``; without one they
+also refuse a batch whose type says its leaves are not examples, whatever their sizes
+(:func:`shardax.data.leaves.not_examples`: a graph batch, a sparse array).
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> graphs = {"nodes": np.ones((192, 4)), "senders": np.zeros(512, np.int32)}

@@ -4,7 +4,9 @@ A :class:`BatchPlacement` is built from a step's
 :class:`~shardax.train.config.StepConfig`:
 
 - :meth:`~BatchPlacement.check`: a list of examples divisible by the data axis size
-  (× ``accumulate``), or with a ``batch_spec`` arrays placed as it says;
+  (× ``accumulate``), or with a ``batch_spec`` arrays placed as it says; where rows are
+  split as examples (shard_map, pmap, ``accumulate``), a batch whose type says it is
+  not one (a graph batch, a sparse array) is refused, whatever its leaves' sizes;
 - :meth:`~BatchPlacement.place` (``"jit"``): rows over the data axis, the sequence over
   ``seq_axis``, or each leaf as ``batch_spec`` says; the step's ``place_batch``;
 - :meth:`~BatchPlacement.on_device` (``"single"``) and :meth:`~BatchPlacement.per_device`
@@ -23,7 +25,7 @@ from typing import Any
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from shardax.data.leaves import check_batch_leaves
+from shardax.data.leaves import check_batch_leaves, not_examples
 from shardax.data.placement import batch_sharding
 from shardax.data.spec import batch_shardings, place_by_spec
 from shardax.plan.core import axis_size
@@ -58,6 +60,9 @@ class BatchPlacement:
             self.seq_sharding = batch_sharding(mesh, data_axis, seq_axis=self.seq_axis)
         self.device = SingleDeviceSharding(mesh.devices.flat[0])
         self.by_leaf = self.seq_axis is not None or self.batch_spec is not None
+        # what splits the batch's rows as examples (shard_map, pmap, accumulate)
+        self.splits_rows = [f"mode={mode!r}"] if mode in ("shard_map", "pmap") else []
+        self.splits_rows += [f"accumulate={config.accumulate}"] if config.accumulate > 1 else []
         # batch structure -> its batch_spec shardings (True without one): checked once
         self._checked: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
@@ -74,6 +79,7 @@ class BatchPlacement:
             self._checked.move_to_end(key)
             return known
         if self.batch_spec is None:
+            self._check_examples(batch)
             check_batch(batch, divisor=self.divisor, what=self.what)
             known = True
         else:
@@ -84,6 +90,25 @@ class BatchPlacement:
             if len(self._checked) > BATCH_CACHE_SIZE:
                 self._checked.popitem(last=False)
         return known
+
+    def _check_examples(self, batch: Any) -> None:
+        """Refuses a batch whose type says its leaves are not examples (a graph batch, a
+        sparse array: :func:`~shardax.data.leaves.not_examples`) where the step splits
+        rows as examples, even when its leaves happen to agree on their size."""
+        found = not_examples(batch) if self.splits_rows else []
+        if not found:
+            return
+        path, what = found[0]
+        where = f"batch leaf {path!r} is" if path else "the batch is"
+        raise ValueError(
+            f"{where} {what}, whose rows are not examples, but "
+            f"{' and '.join(self.splits_rows)} splits every leaf's rows as if they were: "
+            "each device or microbatch would get rows that do not make whole examples "
+            "and train a different model, even where the leaves' sizes agree. Use "
+            "mode='jit' with accumulate=1 (XLA sees the whole batch; batch_spec= says "
+            "how each leaf is placed), or batch one example per row (e.g. one padded "
+            "graph per row)"
+        )
 
     def place(self, batch: Any) -> Any:
         """``batch`` placed as the step takes it under ``"jit"``: rows over the data axis,
