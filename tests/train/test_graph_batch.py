@@ -4,6 +4,7 @@ the whole batch, as flax's ogbg_molpcba example feeds it. With batch_spec= it tr
 under jit with every plan as its own one-device loop does; the modes that split rows
 as examples refuse it by name."""
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -207,7 +208,9 @@ def test_a_padded_graph_batch_trains_under_jit_as_on_one_device(mesh):
     batches = [padded_graphs(i) for i in range(2)]
     params, opt_state, want = init(), TX.init(init()), []
     for g in batches:  # the program's own loop
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(lambda g: padded_gnn(p, g), g))(params)
+        loss, grads = jax.value_and_grad(
+            lambda p, g=g: loss_fn(functools.partial(padded_gnn, p), g)
+        )(params)
         updates, opt_state = TX.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         want.append(float(loss))

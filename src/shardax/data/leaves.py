@@ -91,7 +91,7 @@ def _not_examples_kind(node: Any) -> str | None:
     batch (a NamedTuple with ``jraph.GraphsTuple``'s fields), or a ``jax.experimental.sparse``
     array (its leaves are nonzeros and their indices, its shape static); else None."""
     fields = getattr(type(node), "_fields", None)
-    if isinstance(node, tuple) and fields and _GRAPH_FIELDS <= set(fields):
+    if isinstance(node, tuple) and fields and set(fields) >= _GRAPH_FIELDS:
         return f"a graph batch ({type(node).__name__}: nodes, edges and graphs)"
     module = type(node).__module__ or ""
     if module.startswith("jax.experimental.sparse") and hasattr(node, "nse"):

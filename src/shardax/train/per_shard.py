@@ -153,7 +153,7 @@ class PerShard:
         (``mapped``: the data axis is bound; :mod:`shardax.train.batchnorm`)."""
         adapter, policy = state.adapter, self.precision
         stateful = self._check_stateful(adapter, mapped)
-        loss_fn = over_data_axis(self.loss_fn, self.data_axis, mapped)
+        loss_fn = over_data_axis(self.loss_fn, self.data_axis, mapped, self.mesh.axis_names)
         scale = state.loss_scale if policy.loss_scaling is not None else None
 
         def fn(model_state: Any, batch: Any, keys: Any, rng: jax.Array):
