@@ -32,9 +32,10 @@ def test_gpt_on_an_h100_target_compiles_with_the_gpu_set():
     plan = gpt.plan(mesh, model, "fsdp")
     step = sx.make_train_step(lm_loss, mesh=mesh, plan=plan, precision="bf16")
     assert step.compiler_options == sx.train.gpu_options() == sx.train.compiler_options(mesh)
-    assert "compiler_options='auto' (gpu: 12 options)" in repr(step)
+    assert f"compiler_options='auto' (gpu: {len(step.compiler_options)} options)" in repr(step)
     report = sx.estimate(step, state, BATCH)  # XLA:GPU compiles it with every option set
-    assert report.compiler_options == sx.train.gpu_options()
+    # (and with whatever "auto" adds for this state, e.g. sized combine thresholds)
+    assert report.compiler_options.items() >= sx.train.gpu_options().items()
     assert "xla_gpu_enable_latency_hiding_scheduler=True" in str(report)
     # ... and the options reach XLA:GPU: a name it does not know is refused by name.
     bad = sx.make_train_step(lm_loss, mesh=mesh, plan=plan, compiler_options={"xla_gpu_no": 1})
