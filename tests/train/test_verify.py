@@ -614,3 +614,39 @@ def test_no_known_cause_says_what_it_compared_and_where(mesh):
     assert not report.ok and report.cause is None, str(report)
     assert "Compared what the step returned" in report.hint
     assert report.worst.where() in report.hint and "distributed" in report.hint
+
+
+def test_leaves_whose_shapes_differ_are_named_with_their_shapes():
+    """flax's pmap examples return per-device metrics: a pmap step on 8 devices gives
+    shape (8,) where its one-device pmap reference gives (1,). The report names the leaf
+    and both shapes, not only an infinite difference."""
+
+    def per_device(params, batch):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
+        )(params)
+        grads, loss = jax.lax.pmean((grads, loss), "batch")
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return params, {"loss": loss}
+
+    def pmap_step(devices):
+        mapped = jax.pmap(per_device, axis_name="batch", devices=devices)
+
+        def step(params, batch):
+            n = len(devices)
+            copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), params)
+            sliced = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+            params, metrics = mapped(copies, sliced)
+            return jax.tree.map(lambda x: x[0], params), metrics  # metrics stay per device
+
+        return step
+
+    params = {"w": jnp.ones((IN, OUT))}
+    report = sx.verify(
+        pmap_step(jax.devices()), params, BATCH, reference=pmap_step(jax.devices()[:1])
+    )
+    assert not report.ok and report.worst.path == "returned/loss", str(report)
+    assert report.worst.shapes == ((8,), (1,))
+    assert "shape (8,) distributed, (1,) on one device" in report.worst.where()
+    assert "returned/loss: (8,) distributed, (1,) on one device" in report.hint
+    assert "shape (8,) distributed" in str(report)

@@ -146,7 +146,8 @@ class LeafDiff:
     """One leaf's difference at one step: ``max_abs`` (largest absolute difference),
     ``max_rel`` (that over ``scale``, the reference leaf's largest magnitude), ``limit``
     (the tolerance ``atol + rtol * scale``); ``index``, ``got`` and ``want``: where the
-    largest difference is, the distributed value and the reference's there."""
+    largest difference is, the distributed value and the reference's there; ``shapes``:
+    the distributed and the reference leaf's shapes where they differ (else None)."""
 
     path: str
     step: int
@@ -157,6 +158,7 @@ class LeafDiff:
     index: tuple[int, ...] = ()
     got: float = 0.0
     want: float = 0.0
+    shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def within(self, rtol: float, atol: float) -> bool:
         """Whether the leaf is within another tolerance."""
@@ -173,6 +175,9 @@ class LeafDiff:
 
     def where(self) -> str:
         """``path[index]: got (distributed) vs want (one device), step k``."""
+        if self.shapes is not None:
+            got, want = self.shapes
+            return f"{self.path} at step {self.step}: shape {got} distributed, {want} on one device"
         at = f"[{', '.join(map(str, self.index))}]" if self.index else ""
         return (
             f"{self.path}{at} at step {self.step}: {self.got:.6g} distributed, "
@@ -197,7 +202,7 @@ def _values(x: Any) -> np.ndarray:
 def _diff(path: str, step: int, got: Any, want: Any, rtol: float, atol: float) -> LeafDiff:
     a, b = _values(got), _values(want)
     if a.shape != b.shape:
-        return LeafDiff(path, step, np.inf, np.inf, atol, 0.0)
+        return LeafDiff(path, step, np.inf, np.inf, atol, 0.0, shapes=(a.shape, b.shape))
     scale = float(np.max(np.abs(b))) if b.size else 0.0
     if a.size == 0:
         return LeafDiff(path, step, 0.0, 0.0, atol, 0.0)
@@ -1191,6 +1196,8 @@ def verify(
     ok, first_step, diffs = _verdict(by_step, rtol, atol)
     worst = diffs[0] if diffs else None
     cause, hint = (None, "") if ok or worst is None else diagnose(worst)
+    if not ok and worst is not None and worst.shapes is not None:
+        cause, hint = None, _shapes_differ([d for d in diffs if d.shapes is not None])
     return VerifyReport(
         ok=ok,
         worst=worst,
@@ -1206,6 +1213,22 @@ def verify(
         reference=device,
         compared=len(by_step[0]) if by_step else 0,
         seconds=time.perf_counter() - start,
+    )
+
+
+def _shapes_differ(diffs: list[LeafDiff]) -> str:
+    """The hint for leaves whose shapes differ between the run and its reference."""
+    named = "; ".join(
+        f"{d.path}: {d.shapes[0]} distributed, {d.shapes[1]} on one device"  # type: ignore[index]
+        for d in diffs[:3]
+    )
+    more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+    return (
+        f"the run and its reference give leaves of different shapes, so their values "
+        f"cannot be compared: {named}{more}. A pmap step returns one copy per device "
+        "(a leading axis of the device count, 1 on one device): compare one copy of each "
+        "(wrap both steps to return jax.tree.map(lambda x: x[0], ...) of what is "
+        "replicated), or run the reference on as many devices"
     )
 
 
