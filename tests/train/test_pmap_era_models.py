@@ -185,3 +185,92 @@ def test_an_unbound_name_of_another_mesh_axis_is_refused(mesh_2d):
     refused = r"BatchNorm '.*BatchNorm_0' has axis_name='model'.* axes: \["
     with pytest.raises(ValueError, match=refused):
         step(state, batches(1)[0])
+
+
+# -- a Linen module with its own RNG stream (flax's seq2seq decoder: make_rng("lstm")) ------
+
+
+class NoisyDecoderCell(nn.Module):
+    """An LSTM cell that samples its next input from a stream of its own."""
+
+    features: int = 8
+    vocab: int = 5
+
+    @nn.compact
+    def __call__(self, carry, x):
+        carry, h = nn.OptimizedLSTMCell(self.features)(carry, x)
+        logits = nn.Dense(self.vocab)(h)
+        token = jax.random.categorical(self.make_rng("lstm"), logits)
+        return carry, (logits, jax.nn.one_hot(token, self.vocab))
+
+
+class Seq2Seq(nn.Module):
+    @nn.compact
+    def __call__(self, inputs):  # (batch, time, vocab)
+        cell = NoisyDecoderCell()
+        carry = nn.OptimizedLSTMCell(8, parent=None).initialize_carry(
+            jax.random.key(0), inputs[:, 0].shape
+        )
+        logits, x = [], inputs[:, 0]
+        for t in range(inputs.shape[1]):
+            carry, (step_logits, sampled) = cell(carry, x)
+            logits.append(step_logits)
+            x = jnp.where(t % 2 == 0, inputs[:, t], sampled)  # half teacher-forced
+        return jnp.stack(logits, axis=1)
+
+
+def seq_loss(model, batch):
+    logits = model(batch["inputs"])
+    return optax.softmax_cross_entropy(logits, batch["inputs"]).mean()
+
+
+def seq_batches(n=2, size=16, time=4):
+    rng = np.random.default_rng(3)
+    tokens = [rng.integers(0, 5, (size, time)) for _ in range(n)]
+    return [{"inputs": np.eye(5, dtype=np.float32)[t]} for t in tokens]
+
+
+def test_a_linen_module_with_its_own_rng_stream_trains_as_on_one_device(mesh):
+    """Each stream the module asks for is bound: "lstm" to fold_in(step_rng, crc32("lstm"))
+    (shardax.train.model.linen_rngs), the same on 8 devices as in the program's own loop on one."""
+    import zlib
+
+    model = Seq2Seq()
+    data = seq_batches()
+    variables = model.init(
+        {"params": jax.random.key(1), "lstm": jax.random.key(2)}, data[0]["inputs"]
+    )
+    key = jax.random.key(7)
+
+    params, opt_state, want = variables["params"], TX.init(variables["params"]), []
+    for i, batch in enumerate(data):  # the program's own loop, with the documented keys
+        lstm = jax.random.fold_in(jax.random.fold_in(key, i), zlib.crc32(b"lstm"))
+
+        def loss(p, batch=batch, lstm=lstm):
+            logits = model.apply({"params": p}, batch["inputs"], rngs={"lstm": lstm})
+            return optax.softmax_cross_entropy(logits, batch["inputs"]).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        want.append(float(value))
+
+    for step_mesh, mode in [(mesh, "jit"), (sx.make_mesh({"data": 1}), "single")]:
+        step = sx.make_train_step(seq_loss, mesh=step_mesh, mode=mode)
+        state = step.shard(sx.TrainState.from_linen(model, variables, TX, rng=key))
+        got = []
+        for batch in data:
+            state, metrics = step(state, batch)
+            got.append(float(metrics["loss"]))
+        np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+def test_a_linen_stream_is_refused_by_name_where_devices_would_draw_their_own(mesh):
+    model, data = Seq2Seq(), seq_batches(1)
+    variables = model.init(
+        {"params": jax.random.key(1), "lstm": jax.random.key(2)}, data[0]["inputs"]
+    )
+    step = sx.make_train_step(seq_loss, mesh=mesh, mode="shard_map")
+    state = step.shard(sx.TrainState.from_linen(model, variables, TX))
+    with pytest.raises(ValueError, match=r"make_rng\('lstm'\).*rng_per_device=True"):
+        step(state, data[0])

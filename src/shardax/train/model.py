@@ -8,7 +8,8 @@ and the non-trainable model state, and reads the model state back after the call
 - :class:`EquinoxModel`: an ``eqx.Module`` from its static part (floating arrays are
   trainable, other arrays are model state);
 - :class:`LinenModel`: a bound Linen module (collections other than "params" are model
-  state, mutable during the call; a "dropout" RNG stream is bound);
+  state, mutable during the call; every RNG stream it asks for is bound:
+  :func:`linen_rngs`);
 - :class:`ApplyFnModel`: ``functools.partial(apply_fn, params)`` for plain pytrees.
 
 >>> adapter, params, model_state = split_model(eqx.nn.Linear(2, 3, key=jax.random.key(0)))
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -66,16 +69,44 @@ class EquinoxModel:
         return model_state
 
 
+def linen_rngs(rng: jax.Array, streams: Any = ()) -> dict[str, jax.Array]:
+    """The keys of a Linen module's RNG streams at a step whose key is ``rng``
+    (``step_rng``): ``"dropout"`` is ``rng`` itself, any other stream ``name`` (a
+    ``self.make_rng(name)``) is ``fold_in(rng, zlib.crc32(name.encode()))``, so no two
+    streams draw alike.
+
+    >>> sorted(linen_rngs(jax.random.key(0), ("lstm",)))
+    ['dropout', 'lstm']
+    """
+    keys = {"dropout": rng}
+    for name in streams:
+        if name != "dropout":
+            keys[name] = jax.random.fold_in(rng, zlib.crc32(name.encode()))
+    return keys
+
+
 @dataclasses.dataclass(frozen=True)
 class LinenModel:
-    """A Linen module, bound to its variables; non-"params" collections are mutable."""
+    """A Linen module, bound to its variables; non-"params" collections are mutable.
+    Its RNG streams (:func:`linen_rngs`): ``"dropout"``, and each other stream the
+    module has asked for (``streams``: learned when a call asks for a new one)."""
 
     module: Any
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return self.__dict__.get("_streams", ())
+
+    def add_stream(self, name: str) -> None:
+        """Binds ``name`` from now on (not a field: the adapter's identity stays)."""
+        object.__setattr__(self, "_streams", (*self.streams, name))
 
     def bind(self, params: Any, model_state: Any, rng: jax.Array) -> Any:
         mutable = list(model_state) if model_state else False
         return self.module.bind(
-            {"params": params, **model_state}, rngs={"dropout": rng}, mutable=mutable
+            {"params": params, **model_state},
+            rngs=linen_rngs(rng, self.streams),
+            mutable=mutable,
         )
 
     def model_state(self, model: Any, model_state: Any) -> Any:
@@ -96,6 +127,31 @@ class ApplyFnModel:
 
 
 ModelAdapter = NNXModel | EquinoxModel | LinenModel | ApplyFnModel
+
+_NEEDS_RNG = re.compile(r'needs PRNG for "([^"]+)"')
+
+
+def call_binding_streams(
+    adapter: Any, bind: Callable[[], Any], call: Callable[[Any], Any]
+) -> tuple[Any, Any]:
+    """``(model, call(model))`` for ``model = bind()``. A Linen module that asks for an
+    RNG stream it was not bound (``self.make_rng("lstm")``: flax's ``InvalidRngError``)
+    gets it bound (:func:`linen_rngs`) and is called again, while tracing; other
+    adapters are called once."""
+    if not isinstance(adapter, LinenModel):
+        model = bind()
+        return model, call(model)
+    from flax.errors import InvalidRngError
+
+    while True:
+        model = bind()
+        try:
+            return model, call(model)
+        except InvalidRngError as e:
+            found = _NEEDS_RNG.search(str(e))
+            if found is None or found.group(1) in ("dropout", *adapter.streams):
+                raise
+            adapter.add_stream(found.group(1))
 
 
 def is_equinox(model: Any) -> bool:

@@ -35,7 +35,7 @@ from shardax.train.batchnorm import over_data_axis
 from shardax.train.config import StepConfig
 from shardax.train.loss import check_mapped_aux, takes_state
 from shardax.train.masks import valid_count
-from shardax.train.model import LinenModel, is_stateful
+from shardax.train.model import LinenModel, call_binding_streams, is_stateful
 from shardax.train.precision import cast_floating, cast_like
 from shardax.train.protocol import StepWork
 from shardax.train.rng import example_keys, step_key
@@ -162,15 +162,22 @@ class PerShard:
             kwargs = {name: kwargs[name] for name in self._filled}
 
             def loss(params: Any) -> tuple[jax.Array, Any]:
-                model = adapter.bind(cast_floating(params, policy.compute_dtype), model_state, rng)
+                def bind() -> Any:
+                    cast = cast_floating(params, policy.compute_dtype)
+                    return adapter.bind(cast, model_state, rng)
+
                 if stateful:
+                    model = bind()
                     out, new = _stateful_out(
                         loss_fn(self.work.view(model), model_state["state"], batch, **kwargs),
                         model_state["state"],
                     )
                     new_model_state = {**model_state, "state": new}
                 else:
-                    out = loss_fn(self.work.view(model), batch, **kwargs)
+                    # A Linen module's RNG streams are bound as it asks for them.
+                    model, out = call_binding_streams(
+                        adapter, bind, lambda model: loss_fn(self.work.view(model), batch, **kwargs)
+                    )
                     new_model_state = adapter.model_state(model, model_state)
                     if isinstance(adapter, LinenModel):
                         self._check_linen_rng(model, mapped)
