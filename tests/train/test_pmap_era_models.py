@@ -274,3 +274,26 @@ def test_a_linen_stream_is_refused_by_name_where_devices_would_draw_their_own(me
     state = step.shard(sx.TrainState.from_linen(model, variables, TX))
     with pytest.raises(ValueError, match=r"make_rng\('lstm'\).*rng_per_device=True"):
         step(state, data[0])
+
+
+# -- BatchNorm's running statistics under accumulate=k: one momentum step per update -------
+
+
+def test_running_statistics_take_one_momentum_step_under_accumulate(mesh):
+    """Under accumulate=2 the running mean moves once (0.9, not 0.81) and equals one
+    device's over the whole batch; the running variance is the mean of the microbatches'."""
+    batch = batches(1)[0]
+    model, variables = TinyResNet(axis_name=None), init_variables()
+    stats = {}
+    for k in (1, 2):
+        step = sx.make_train_step(loss_fn, mesh=mesh, accumulate=k)
+        state = step.shard(sx.TrainState.from_linen(model, variables, TX))
+        state, _ = step(state, batch)
+        stats[k] = state.model_state["batch_stats"]["BatchNorm_0"]
+    np.testing.assert_allclose(stats[2]["mean"], stats[1]["mean"], rtol=1e-5, atol=1e-7)
+    _, new = model.apply(variables, batch["image"][0::2], mutable=["batch_stats"])
+    _, new_odd = model.apply(variables, batch["image"][1::2], mutable=["batch_stats"])
+    var = (
+        new["batch_stats"]["BatchNorm_0"]["var"] + new_odd["batch_stats"]["BatchNorm_0"]["var"]
+    ) / 2
+    np.testing.assert_allclose(stats[2]["var"], var, rtol=1e-5)

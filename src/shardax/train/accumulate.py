@@ -3,9 +3,14 @@
 :func:`microbatched` turns a function of one batch into the same function of ``k``
 microbatches of it, summing the results weighted by each microbatch's count of real
 examples (or tokens) when the batch has a ``"mask"`` leaf, so the result is the mean over
-the whole batch either way. The model state (batch norm statistics, say) is threaded
-through the microbatches in order. This is levanter's ``microbatched``, for the
-train step's per-shard function.
+the whole batch either way. The model state (batch norm statistics, say) takes one step
+per optimizer step, as on one device: every microbatch starts from the step's model
+state, and the new one is the same weighted mean of theirs (floating leaves; other leaves
+are the last microbatch's). A BatchNorm's running mean with momentum 0.9 then moves by
+0.9 once, not 0.9**k (threading it through k microbatches took k momentum steps), and
+equals one device's; its running variance is the mean of the microbatches' variances,
+which leaves out the spread of the microbatch means. This is levanter's
+``microbatched``, for the train step's per-shard function.
 
 >>> def fn(model_state, batch, keys, rng):
 ...     return None, jnp.mean(batch["x"]), {}, model_state
@@ -39,6 +44,11 @@ def _mean(total: jax.Array, scale: jax.Array) -> jax.Array:
     return total.astype(jnp.float32) * scale
 
 
+def _floating(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
 def microbatched(fn: ShardFn, k: int, constrain: Callable[[Any], Any] | None = None) -> ShardFn:
     """``fn`` over ``k`` microbatches: microbatch ``j`` holds the examples ``i`` with
     ``i % k == j`` (:func:`shardax.train.batch.split_microbatches`), and gets
@@ -55,23 +65,33 @@ def microbatched(fn: ShardFn, k: int, constrain: Callable[[Any], Any] | None = N
         masked = batch_mask(batch) is not None
 
         def body(carry: Any, xs: Any) -> tuple[Any, None]:
-            sums, total, model_state = carry
+            sums, total, states = carry
             mb, mkeys, j = xs
-            grads, loss, aux, model_state = fn(model_state, mb, mkeys, jax.random.fold_in(rng, j))
+            grads, loss, aux, new = fn(model_state, mb, mkeys, jax.random.fold_in(rng, j))
             count = valid_count(mb) if masked else jnp.float32(1)
             sums = jax.tree.map(
                 lambda s, v: s + count.astype(v.dtype) * v, sums, (grads, loss, aux)
             )
-            return (sums, total + count, model_state), None
+            states = jax.tree.map(
+                lambda s, v: s + count.astype(v.dtype) * v if _floating(v) else v, states, new
+            )
+            return (sums, total + count, states), None
 
         first = jax.tree.map(lambda x: x[0], (micro, micro_keys))
         shapes = jax.eval_shape(lambda mb, mk: fn(model_state, mb, mk, rng), *first)
         zeros = jax.tree.map(jnp.zeros_like, shapes[:3])  # with the shardings in their types
-        (sums, total, model_state), _ = lax.scan(
-            body, (zeros, jnp.float32(0), model_state), (micro, micro_keys, jnp.arange(k))
+        states = jax.tree.map(lambda x: jnp.zeros_like(x) if _floating(x) else x, model_state)
+        (sums, total, states), _ = lax.scan(
+            body, (zeros, jnp.float32(0), states), (micro, micro_keys, jnp.arange(k))
         )
         scale = 1 / jnp.maximum(total, 1)
         grads, loss, aux = jax.tree.map(lambda s: _mean(s, scale), sums)
-        return grads, loss, aux, model_state
+        # No real example in the batch: the model state stays as it was.
+        new_state = jax.tree.map(
+            lambda s, old: jnp.where(total > 0, _mean(s, scale), old) if _floating(old) else s,
+            states,
+            model_state,
+        )
+        return grads, loss, aux, new_state
 
     return accumulated
