@@ -1130,3 +1130,47 @@ def test_gpt_resume_with_another_batch_size_is_refused_naming_the_option():
     ):
         LMBatches(data, 32, 32, seed=0).set_state(saved)
     LMBatches(data, 16, 32, seed=0).set_state({"step": 3})  # a state saved before these keys
+
+
+# --- fourth sweep: the outside programs' patterns, refused by name ------------------------
+
+
+def _graphs_tuple():
+    import collections
+
+    fields = "nodes edges receivers senders globals n_node n_edge"
+    return collections.namedtuple("GraphsTuple", fields)(*[np.zeros((8, 4), np.float32)] * 7)
+
+
+def _graph_step(**how):
+    mesh = sx.make_mesh({"data": -1})
+    step = sx.make_train_step(lambda model, g: jnp.mean(model(g.nodes)), mesh=mesh, **how)
+    return step, step.shard(_pytree_state())
+
+
+def _pmap_era_batchnorm():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.BatchNorm(use_running_average=False, axis_name="model")(nn.Dense(2)(x))
+
+    mesh = sx.make_mesh({"data": 4, "model": 2})
+    x = np.ones((8, 2), np.float32)
+    step = sx.make_train_step(lambda model, b: jnp.mean(model(b["x"])), mesh=mesh)
+    variables = Net().init(jax.random.key(0), x)
+    return step(step.shard(sx.TrainState.from_linen(Net(), variables, optax.sgd(0.1))), {"x": x})
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda: (lambda s: s[0](s[1], _graphs_tuple()))(_graph_step(mode="shard_map")), ValueError, "sx.train.TrainStep: the batch is a graph batch (GraphsTuple: nodes, edges and graphs), whose rows are not examples, but mode='shard_map' splits"),
+        (lambda: (lambda s: s[0](s[1], {"g": _graphs_tuple()}))(_graph_step(accumulate=2)), ValueError, "sx.train.TrainStep: batch leaf 'g' is a graph batch"),
+        (_pmap_era_batchnorm, ValueError, "sx.train.TrainStep: BatchNorm 'BatchNorm_0' has axis_name='model', but 'model' is a mesh axis (the mesh's axes: ['data', 'model'])"),
+    ],
+)  # fmt: skip
+def test_fourth_sweep_outside_programs_are_refused_by_name(call, error, message):
+    with raises(error, message):
+        call()
