@@ -66,11 +66,12 @@ def test_auto_for_a_target_ranks_with_reasons_and_picks_a_plan_that_fits(auto_2x
 
 @pytest.mark.compile_only("gpu")
 def test_auto_ranks_remat_and_microbatches_and_picks_one_that_fits():
-    """8 H100s, a budget of 1.2 MB per device: no remat at 1 microbatch does not fit, at
+    """8 H100s, a budget of 1.0 MB per device: no remat at 1 microbatch does not fit, at
     2 it does; dots_no_batch at 1 fits with headroom, so full is not compiled. Three
     compiles; the pick is the fastest predicted of those with headroom, and its flags
-    carry its remat and microbatches."""
-    budget = 1.2e6
+    carry its remat and microbatches. (The peaks depend on the step's compiler options,
+    "auto": 1.03 MB, 0.43 MB and 0.79 MB with the combine thresholds sized per state.)"""
+    budget = 1.0e6
     argv = ["--target", "8xH100", *TINY, "--batch", "32", "--plans", "fsdp"]
     code, out = run([*argv, "--device-memory", str(budget / 2**30), "--json"])
     assert code == 0, out[-3000:]

@@ -139,3 +139,31 @@ def test_estimate_records_the_options_the_step_compiled_with(mesh):
     x = jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=NamedSharding(mesh, P("data")))
     mine = sx.estimate(jax.jit(lambda w, x: jnp.sum(x @ w)), w, x)
     assert mine.compiler_options is None and "compiler options: unknown" in str(mine)
+
+
+def test_combine_thresholds_are_sized_from_the_state_under_auto_on_gpus():
+    """About 1/16 of the weights (in the compute dtype) per all-gather and all-reduce, 1/16
+    of a device's share per reduce-scatter, within [1 MiB, 1 GiB]; only for "auto" on a
+    GPU mesh of several devices (tests/compile/test_overlap_targets.py shows the overlap)."""
+    t = sx.train.combine_thresholds(2.4e9, 8)
+    assert t == {
+        "xla_gpu_all_gather_combine_threshold_bytes": 150_000_000,
+        "xla_gpu_all_reduce_combine_threshold_bytes": 150_000_000,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": 18_750_000,
+    }
+    assert set(sx.train.combine_thresholds(1e3, 8).values()) == {1 << 20}  # the floor
+    assert set(sx.train.combine_thresholds(1e12, 8).values()) == {1 << 30}  # the ceiling
+    params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+              "step": jax.ShapeDtypeStruct((), jnp.int32)}  # fmt: skip
+    auto = compiler.for_state(GPU, "auto", "gpu", params, jnp.bfloat16, 8)
+    assert auto == {**GPU, **sx.train.combine_thresholds(2 * 1024 * 1024, 8)}
+    for value, platform, shards in (("xla", "gpu", 8), ("auto", "cpu", 8), ("auto", "gpu", 1)):
+        assert compiler.for_state({}, value, platform, params, jnp.bfloat16, shards) == {}
+    # A dict is taken as given, thresholds or not.
+    mine = {"xla_gpu_enable_latency_hiding_scheduler": False}
+    assert compiler.for_state(mine, mine, "gpu", params, jnp.bfloat16, 8) == mine
+
+
+def test_a_step_reports_the_options_its_program_compiles_with(mesh):
+    step = sx.make_train_step(loss_fn, mesh=mesh)
+    assert step.compiler_options_for(state()) == step.compiler_options == {}  # CPU

@@ -687,6 +687,8 @@ def estimate(
     # A make_train_step step's jit carries its options, resolved for its mesh's (the
     # target's) platform; the report records them.
     options = getattr(step, "compiler_options", None)
+    if hasattr(step, "compiler_options_for"):  # with the thresholds sized for this state
+        options = step.compiler_options_for(state)
     options = dict(options) if isinstance(options, Mapping) else None
     start = time.perf_counter()
     try:

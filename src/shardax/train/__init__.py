@@ -3,7 +3,12 @@ verify (the step against one device)."""
 
 from shardax.checks import moved as _moved
 from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
-from shardax.train.compiler import compiler_options, gpu_options, set_gpu_environment
+from shardax.train.compiler import (
+    combine_thresholds,
+    compiler_options,
+    gpu_options,
+    set_gpu_environment,
+)
 from shardax.train.config import StepConfig
 from shardax.train.eval import EvalStep
 from shardax.train.guard import NonFiniteLossError, check_finite
@@ -32,6 +37,7 @@ __all__ = [
     "VerifyReport",
     "auto_plan",
     "check_finite",
+    "combine_thresholds",
     "compiler_options",
     "dropout",
     "example_keys",

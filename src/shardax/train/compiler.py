@@ -51,13 +51,21 @@ AUTO, XLA = "auto", "xla"
 
 Value = bool | int | float | str
 
-COMBINE_THRESHOLD_BYTES = 1 << 30
-"""The collective combine thresholds of :func:`gpu_options` (1 GiB): XLA joins the
-all-gathers (reduce-scatters, all-reduces) of a step into one up to this many bytes, so that
-the collectives of one transformer layer's bf16 weights go as one (a 30B-class layer is
-about 1 GiB: ``12 · d_model²`` parameters at ``d_model`` 6656, 2 bytes each). XLA's own
-default is far smaller (MiB). A larger model passes its own, e.g.
-``{**sx.train.compiler_options("gpu"), "xla_gpu_all_gather_combine_threshold_bytes": 2 << 30}``."""
+COMBINE_THRESHOLD_BYTES: int | None = None
+"""The collective combine thresholds of :func:`gpu_options` alone: None leaves XLA's own.
+Under ``"auto"`` a step sets them from the state it compiles for
+(:func:`combine_thresholds`). The recipes' fixed 1 GiB joined every layer's all-gather
+of an unrolled GPT into one at the step's start, and every gradient reduce-scatter into
+one after the backward pass, so nothing overlapped (``tests/compile/
+test_overlap_targets.py``, 8xH100)."""
+
+COMBINE_PARTS = 16
+""":func:`combine_thresholds` sizes each combined collective to about 1/16 of the step's
+weights (or of a device's gradient shard): a layer or less in a model of 16 layers or more,
+so each layer's gather can start ahead of the layer and each layer's reduction run under
+the next layer's backward pass."""
+
+_MIB, _GIB = 1 << 20, 1 << 30
 
 ENVIRONMENT: dict[str, str] = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 """Environment variables the GPU settings need before JAX starts a GPU backend (CUDA
@@ -77,7 +85,7 @@ def _jaxlib_version() -> tuple[int, int]:
 @public("sx.train.gpu_options")
 def gpu_options(
     *,
-    combine_threshold_bytes: int = COMBINE_THRESHOLD_BYTES,
+    combine_threshold_bytes: int | None = COMBINE_THRESHOLD_BYTES,
     jaxlib_version: tuple[int, int] | None = None,
 ) -> dict[str, Value]:
     """shardax's XLA:GPU options (``"auto"`` on GPUs), for ``jaxlib_version`` (default: the
@@ -89,7 +97,8 @@ def gpu_options(
     - collective pipelining of all-gathers, reduce-scatters and all-reduces out of loops;
       jaxlib 0.10 names these ``xla_gpu_enable_pipelined_<op>=True``, and jaxlib 0.11 and
       later refuse those names, taking ``xla_gpu_pipeline_<op>="COLLECTIVE_PIPELINING_MODE_ON"``;
-    - collectives combined up to ``combine_threshold_bytes``, across dimensions.
+    - collectives combined across dimensions, up to ``combine_threshold_bytes`` where
+      given (None: XLA's own thresholds; see :data:`COMBINE_THRESHOLD_BYTES`).
 
     Triton GEMMs stay on (XLA's autotuner picks Triton or cuBLAS per matmul): the
     recipes' ``xla_gpu_enable_triton_gemm=False`` made the 1.2B GPT's step 2.7% slower
@@ -101,28 +110,77 @@ def gpu_options(
 
     >>> options = sx.train.gpu_options(jaxlib_version=(0, 10))
     >>> options["xla_gpu_enable_pipelined_all_gather"], len(options)
-    (True, 11)
+    (True, 8)
     >>> sx.train.gpu_options(jaxlib_version=(0, 12))["xla_gpu_pipeline_all_gather"]
     'COLLECTIVE_PIPELINING_MODE_ON'
     """
     version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
-    threshold = int(combine_threshold_bytes)
     options: dict[str, Value] = {
         "xla_gpu_enable_latency_hiding_scheduler": True,
         "xla_gpu_enable_highest_priority_async_stream": True,
         "xla_gpu_enable_while_loop_double_buffering": True,
-        "xla_gpu_all_gather_combine_threshold_bytes": threshold,
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": threshold,
-        "xla_gpu_all_reduce_combine_threshold_bytes": threshold,
         "xla_gpu_enable_all_gather_combine_by_dim": False,
         "xla_gpu_enable_reduce_scatter_combine_by_dim": False,
     }
+    if combine_threshold_bytes is not None:
+        threshold = int(combine_threshold_bytes)
+        for op in _PIPELINED:
+            options[f"xla_gpu_{op}_combine_threshold_bytes"] = threshold
     for op in _PIPELINED:
         if version >= (0, 11):  # the enum generation; the booleans are "No such option"
             options[f"xla_gpu_pipeline_{op}"] = "COLLECTIVE_PIPELINING_MODE_ON"
         else:  # jaxlib 0.10 has the booleans only
             options[f"xla_gpu_enable_pipelined_{op}"] = True
     return options
+
+
+@public("sx.train.combine_thresholds")
+def combine_thresholds(
+    weight_bytes: float, shards: int, parts: int = COMBINE_PARTS
+) -> dict[str, int]:
+    """XLA:GPU's collective combine thresholds for a step whose floating params take
+    ``weight_bytes`` in the compute dtype, split over ``shards`` devices: an all-gather
+    or all-reduce of about ``1/parts`` of the weights, a reduce-scatter of ``1/parts`` of
+    a device's share, each between 1 MiB and 1 GiB (see :data:`COMBINE_PARTS`).
+
+    >>> t = sx.train.combine_thresholds(2.4e9, 8)  # a 1.2B model's bf16 weights, 8 GPUs
+    >>> tuple(t[f"xla_gpu_{op}_combine_threshold_bytes"] for op in ("all_gather", "reduce_scatter"))
+    (150000000, 18750000)
+    """
+    shards = max(int(shards), 1)
+
+    def clamp(x: float) -> int:
+        return int(min(max(x, _MIB), _GIB))
+
+    whole, share = clamp(weight_bytes / parts), clamp(weight_bytes / shards / parts)
+    return {
+        "xla_gpu_all_gather_combine_threshold_bytes": whole,
+        "xla_gpu_all_reduce_combine_threshold_bytes": whole,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": share,
+    }
+
+
+def for_state(
+    options: Mapping[str, Value], value: Any, platform: str, state: Any, compute_dtype: Any,
+    shards: int,
+) -> dict[str, Value]:  # fmt: skip
+    """``options`` (a step's, resolved from ``value``) with, under ``"auto"`` on a GPU
+    mesh of several devices, the :func:`combine_thresholds` of ``state``'s floating
+    params in ``compute_dtype``; otherwise ``options`` as they are."""
+    options = dict(options)
+    if value != AUTO or platform != "gpu" or shards <= 1:
+        return options
+    import jax
+    import numpy as np
+
+    params = getattr(state, "params", state)
+    itemsize = np.dtype(compute_dtype).itemsize
+    weights = sum(
+        int(np.prod(leaf.shape)) * itemsize
+        for leaf in jax.tree.leaves(params)
+        if hasattr(leaf, "shape") and np.issubdtype(getattr(leaf, "dtype", np.int32), np.floating)
+    )
+    return {**options, **combine_thresholds(weights, shards)}
 
 
 def platform_of(where: Any) -> str:

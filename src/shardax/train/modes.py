@@ -30,6 +30,7 @@ from shardax.plan.tree import map_arrays
 from shardax.train.axis_types import explain_axis_types, mesh_axis_type, reshard_batch
 from shardax.train.batch_placement import BatchPlacement
 from shardax.train.compiled import CompiledCache
+from shardax.train.compiler import for_state
 from shardax.train.config import StepConfig
 from shardax.train.per_shard import PerShard
 
@@ -138,8 +139,17 @@ def build_jit(
         in_shardings=(shardings, None if batches.by_leaf else batches.sharding),
         out_shardings=out(shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,) if config.donate else (),
-        compiler_options=config.resolved_compiler_options or None,
+        compiler_options=options_for(config, state) or None,
     )
+
+
+def options_for(config: StepConfig, state: Any) -> dict[str, Any]:
+    """The XLA options the step's program for ``state`` compiles with: the resolved
+    ``compiler_options``, and under ``"auto"`` on a GPU mesh the collective combine
+    thresholds of ``state``'s weights (:func:`shardax.train.compiler.for_state`)."""
+    return for_state(config.resolved_compiler_options, config.compiler_options,
+                     config.platform, state, config.precision.compute_dtype,
+                     config.mesh.size)  # fmt: skip
 
 
 def mode_program(

@@ -240,6 +240,17 @@ class Program:
         self._batches.check(batch)
         return self._call(self._with_loss_scale(state), batch)
 
+    def compiler_options_for(self, state: Any) -> dict[str, Any]:
+        """The XLA options the program for ``state`` compiles with: ``compiler_options``,
+        and under ``"auto"`` on a GPU mesh the collective combine thresholds sized from
+        ``state``'s weights (:func:`shardax.train.combine_thresholds`).
+
+        >>> step.compiler_options_for(state)  # doctest: +SKIP
+        """
+        from shardax.train.modes import options_for
+
+        return options_for(self.config, state)
+
     @property
     def compiler_summary(self) -> str:
         """The XLA options in a few words: ``'auto' (gpu: 12 options)``, ``'xla'``, ..."""
