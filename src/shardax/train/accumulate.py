@@ -88,7 +88,11 @@ def microbatched(fn: ShardFn, k: int, constrain: Callable[[Any], Any] | None = N
         grads, loss, aux = jax.tree.map(lambda s: _mean(s, scale), sums)
         # No real example in the batch: the model state stays as it was.
         new_state = jax.tree.map(
-            lambda s, old: jnp.where(total > 0, _mean(s, scale), old) if _floating(old) else s,
+            lambda s, old: (
+                jnp.where(total > 0, _mean(s, scale).astype(old.dtype), old)
+                if _floating(old)
+                else s
+            ),
             states,
             model_state,
         )
