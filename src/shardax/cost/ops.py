@@ -1,4 +1,4 @@
-"""The instructions of a compiled program and the class of each: what a step's time is spent on.
+r"""The instructions of a compiled program and the class of each: what a step's time is spent on.
 
 :class:`HloIndex` reads compiled HLO text (``compiled.as_text()``) into its instructions by
 name, each with its computation's runs per execution (loop trips), its matmul FLOPs and

@@ -1,0 +1,181 @@
+"""The per-op cost model against every GPU step time measured: leave-one-out accuracy.
+
+Each configuration of the 1.21B GPT measured on one NVIDIA H200 (``docs/results.md``:
+the session of 2026-11-27 and the stage-4 rows of 2026-11-26) is compiled here for a
+compile-only ``1xH200`` target (``sx.target``, no GPU needed) with the compiler options
+it ran with, and its compiled program priced by :func:`shardax.cost.opcost.price_hlo`
+with the H200's calibration (microbenchmark tables only: no step time is a calibration
+input, so every prediction is leave-one-out by construction). The table gives the
+predicted interval and point against the measured median.
+
+    UV_PROJECT_ENVIRONMENT=.venv-compile uv run --python 3.12 --extra gpu-compile \\
+        python benchmarks/cost_model_accuracy.py --hlo-dir /tmp/hlo --json accuracy.json
+
+``--hlo-dir`` keeps each compiled program's text (a 24-layer unrolled step compiles in
+25-90 s on a 2-core machine), so a second run only prices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SESSION = HERE / "gpu/results/2026-11-27-h200-1/session.json"
+STAGE4 = "measured 2026-11-26 (docs/results.md, stage 4; XLA's default options)"
+
+
+def configurations() -> list[dict[str, Any]]:
+    """Every measured configuration: ``name``, ``config`` (``jax_gpt.Config`` fields),
+    ``options`` (the compiler options it ran with), ``measured_ms`` and ``source``."""
+    session = json.loads(SESSION.read_text())
+    rows = [("default (shardax)", session["core"]["shardax"]),
+            ("hand-written jax.jit", session["core"]["jit"])]  # fmt: skip
+    rows += [(s["name"], s) for s in session["sweep"]]
+    out = []
+    for name, r in rows:
+        config = {k: v for k, v in r["config"].items() if k != "compiler"}
+        out.append(dict(name=name, config=config, options=r["compiler_options"],
+                        measured_ms=1e3 * r["seconds_per_step"],
+                        source="session.json 2026-11-27"))  # fmt: skip
+    base = dict(layers=24, d_model=2048, heads=16, seq_len=2048, batch=4, remat="none",
+                scan=False, kernel="auto", impl="shardax", model="stage4")  # fmt: skip
+    for name, change, ms in (
+        ("stage 4: default", {}, 207.0),
+        ("stage 4: attention dense", {"kernel": "dense"}, 289.0),
+        ("stage 4: layers scanned", {"scan": True}, 261.0),
+        ("stage 4: scanned, dense", {"scan": True, "kernel": "dense"}, 395.0),
+        ("stage 4: 8 x 2048, remat minimal", {"batch": 8, "remat": "dots_no_batch"}, 420.0),
+        ("stage 4: 8 x 2048, remat minimal, scanned",
+         {"batch": 8, "remat": "dots_no_batch", "scan": True}, 454.0),
+    ):  # fmt: skip
+        out.append(dict(name=name, config={**base, **change}, options={}, measured_ms=ms,
+                        source=STAGE4))  # fmt: skip
+    return out
+
+
+def compile_hlo(row: dict[str, Any]) -> str:
+    """The compiled program's text of ``row`` for a compile-only ``1xH200``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import shardax as sx
+    from shardax.models import gpt
+
+    sys.path.insert(0, str(HERE / "gpu"))
+    import jax_gpt
+
+    c = jax_gpt.Config(**row["config"], compiler=row["options"])
+    mesh = sx.make_mesh({"data": 1}, devices=sx.target("1xH200"))
+    tokens = jax.ShapeDtypeStruct((c.batch, c.seq_len), jnp.int32,
+                                  sharding=NamedSharding(mesh, PartitionSpec("data")))  # fmt: skip
+    batch = {"inputs": tokens, "targets": tokens}
+    tx = optax.adamw(**jax_gpt.ADAMW)
+    with jax_gpt.model_version(c.model):
+        cfg = jax_gpt.gpt_config(c)
+        make = lambda: gpt.make_gpt(cfg, remat=c.remat)  # noqa: E731
+        if c.impl == "shardax":
+            model = nnx.eval_shape(make)
+            plan = gpt.plan(mesh, model, "replicate")
+            step = sx.make_train_step(jax_gpt.loss_fn, mesh=mesh, plan=plan, precision="bf16",
+                                      compiler_options=row["options"])  # fmt: skip
+            state = step.abstract(nnx.eval_shape(lambda: sx.TrainState.create(make(), tx)))
+            return step.lower(state, batch).compile().as_text()
+        graphdef, params = nnx.split(nnx.eval_shape(make))
+        opt = jax.eval_shape(tx.init, params)
+        rep = NamedSharding(mesh, PartitionSpec())
+        place = lambda t: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), t
+        )
+
+        def step_fn(state: Any, batch: Any) -> Any:
+            params, opt_state = state
+
+            def loss(p: Any) -> Any:
+                cast = jax.tree.map(
+                    lambda x: x.astype(jnp.bfloat16)
+                    if jnp.issubdtype(x.dtype, jnp.floating) else x, p,
+                )  # fmt: skip
+                return jax_gpt.loss_fn(nnx.merge(graphdef, cast), batch)
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), value
+
+        jitted = jax.jit(step_fn, donate_argnums=(0,), compiler_options=row["options"] or None)
+        # under the target's mesh, as on the GPU: attention "auto" picks the GPU's kernel
+        with (getattr(jax, "set_mesh", None) or jax.sharding.use_mesh)(mesh):
+            return jitted.lower((place(params), place(opt)), batch).compile().as_text()
+
+
+def slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+
+
+def hlo_of(row: dict[str, Any], directory: Path | None) -> str:
+    """``row``'s compiled text, from ``directory`` where it was kept, else compiled (and
+    kept there)."""
+    path = None if directory is None else directory / f"{slug(row['name'])}.hlo"
+    if path is not None and path.exists():
+        return path.read_text()
+    began = time.perf_counter()
+    text = compile_hlo(row)
+    print(f"compiled {row['name']} in {time.perf_counter() - began:.0f} s", flush=True)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hlo-dir", type=Path, default=None, help="keep/reuse compiled text")
+    parser.add_argument("--json", type=Path, default=None, help="write the table here")
+    parser.add_argument("--compile-only", action="store_true", help="compile, do not price")
+    parser.add_argument("--only", action="append", help="configurations whose name has this")
+    args = parser.parse_args(argv)
+    rows = configurations()
+    if args.only:
+        rows = [r for r in rows if any(s in r["name"] for s in args.only)]
+    for row in rows:
+        text = hlo_of(row, args.hlo_dir)
+        if args.compile_only:
+            continue
+        row["prediction"] = predict(text)
+    if not args.compile_only:
+        print(markdown(rows))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+def predict(text: str) -> dict[str, Any]:
+    """The H200 calibration's price of one compiled program."""
+    from shardax.cost.calibration import H200
+    from shardax.cost.opcost import price_hlo
+
+    return price_hlo(text, H200).to_dict()
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table: predicted point and interval against measured, the error."""
+    out = ["| configuration | measured ms | predicted ms | interval ms | error | in interval |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        p, ms = r["prediction"], r["measured_ms"]
+        point, low, high = (1e3 * p[k] for k in ("step_s", "low_s", "high_s"))
+        inside = "yes" if low <= ms <= high else "no"
+        out.append(f"| {r['name']} | {ms:.1f} | {point:.1f} | {low:.1f}–{high:.1f} | "
+                   f"{point / ms - 1:+.1%} | {inside} |")  # fmt: skip
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

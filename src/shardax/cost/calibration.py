@@ -1,0 +1,196 @@
+"""Calibration tables: what one device kind's kernels measured, with where the figures came from.
+
+A :class:`Calibration` holds, for one device kind and JAX version, the microbenchmark
+tables the per-op cost model (:mod:`shardax.cost.opcost`) prices a compiled step with:
+
+- ``gemm``: bf16 ``(m, k) @ (k, n)`` rates by shape (TFLOP/s), as
+  ``benchmarks/gpu/calibrate.py`` measures them;
+- ``stream``: GB/s of elementwise passes (bytes read + written), slowest to fastest;
+- ``attention``: cuDNN fused attention, ms per call by (batch, seq, heads, head_dim,
+  causal, pass);
+- ``launch_us``: the device's cost per kernel inside one program;
+- ``dispatch_us``: one program's dispatch, back to back (a table row no longer than about
+  this measured the host, not the kernel: :func:`gemm_rows` drops it).
+
+No step time is an input: the tables are microbenchmarks only, so a step predicted with
+them is predicted "leave-one-out" by construction. :data:`CALIBRATIONS` ships one per
+kind; :func:`calibration_for` finds one for a device kind (or says none fits).
+
+>>> c = calibration_for("NVIDIA H200")
+>>> c.name
+'calibrated: H200, JAX 0.11.2, 2026-11-27'
+>>> calibration_for("NVIDIA H100 80GB HBM3").derived is not None
+True
+>>> calibration_for("TPU v5p") is None
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """One device kind's measured kernel tables (see the module).
+
+    Attributes:
+        kind: the device kind it was measured on (``"H200"``); jax: the JAX version;
+        date: when; source: the file or page the figures are from.
+        gemm: ``(m, n, k, dtype, TFLOP/s)`` rows; stream: GB/s per pass, sorted;
+        attention: ``(batch, seq, heads, head_dim, causal, pass, ms)`` rows, ``pass``
+        ``"fwd"`` or ``"fwd+bwd"``.
+        launch_us: µs per kernel in a program; dispatch_us: µs per one-kernel program.
+        peak_flops: the dense bf16 peak it was measured against (FLOP/s).
+        derived: None where measured; else how the tables were derived (scaled from
+            another kind's): then ``name`` says so.
+    """
+
+    kind: str
+    jax: str
+    date: str
+    source: str
+    gemm: tuple[tuple[int, int, int, str, float], ...]
+    stream: tuple[float, ...]
+    attention: tuple[tuple[int, int, int, int, bool, str, float], ...]
+    launch_us: float
+    dispatch_us: float
+    peak_flops: float
+    derived: str | None = None
+
+    @property
+    def name(self) -> str:
+        """``"calibrated: H200, JAX 0.11.2, 2026-11-27"`` (``"derived: ..."`` where the
+        tables were scaled from another kind's)."""
+        word = "derived" if self.derived else "calibrated"
+        return f"{word}: {self.kind}, JAX {self.jax}, {self.date}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The name and provenance (not the tables)."""
+        return {"name": self.name, "kind": self.kind, "jax": self.jax, "date": self.date,
+                "source": self.source, "derived": self.derived}  # fmt: skip
+
+
+def gemm_rows(c: Calibration) -> list[tuple[int, int, int, str, float]]:
+    """``c``'s GEMM rows that timed the kernel: a row no longer than 1.5 × the dispatch
+    of a one-kernel program timed the host's dispatch (the H200's 1024³ and 2048³ both
+    took ~40 µs), and is dropped; shapes measured twice are averaged.
+
+    >>> [r[:3] for r in gemm_rows(H200) if r[0] == r[1] == r[2]]
+    [(4096, 4096, 4096), (8192, 8192, 8192)]
+    """
+    floor = 1.5 * c.dispatch_us * 1e-3  # ms
+    seen: dict[tuple[int, int, int, str], list[float]] = {}
+    for m, n, k, dtype, tflops in c.gemm:
+        if 2.0 * m * n * k / tflops / 1e9 > floor:
+            seen.setdefault((m, n, k, dtype), []).append(tflops)
+    return [(*key, sum(v) / len(v)) for key, v in seen.items()]
+
+
+def _h200() -> Calibration:
+    # benchmarks/gpu/results/2026-11-27-h200-1/session.json, core.calibration
+    gemm = (
+        (8192, 2048, 2048, "bf16", 638.41), (8192, 8192, 2048, "bf16", 659.32),
+        (8192, 2048, 8192, "bf16", 744.07), (2048, 2048, 8192, "bf16", 653.94),
+        (2048, 8192, 8192, "bf16", 700.39), (8192, 2048, 8192, "bf16", 732.11),
+        (1024, 1024, 1024, "bf16", 53.29), (2048, 2048, 2048, "bf16", 420.38),
+        (4096, 4096, 4096, "bf16", 676.37), (8192, 8192, 8192, "bf16", 710.95),
+        (8192, 256, 2048, "bf16", 187.78), (16384, 6144, 2048, "bf16", 685.46),
+    )  # fmt: skip
+    attention = (
+        (4, 2048, 16, 128, True, "fwd", 0.17894), (4, 2048, 16, 128, True, "fwd+bwd", 0.73624),
+        (4, 2048, 16, 128, False, "fwd", 0.27142), (4, 2048, 16, 128, False, "fwd+bwd", 1.03519),
+        (1, 8192, 16, 128, True, "fwd", 0.52845), (1, 8192, 16, 128, True, "fwd+bwd", 1.96684),
+        (1, 8192, 16, 128, False, "fwd", 0.85722), (1, 8192, 16, 128, False, "fwd+bwd", 3.31285),
+        (4, 2048, 32, 64, True, "fwd", 0.22055), (4, 2048, 32, 64, True, "fwd+bwd", 0.88459),
+        (4, 2048, 32, 64, False, "fwd", 0.34628), (4, 2048, 32, 64, False, "fwd+bwd", 1.28536),
+    )  # fmt: skip
+    return Calibration(
+        kind="H200", jax="0.11.2", date="2026-11-27",
+        source="benchmarks/gpu/results/2026-11-27-h200-1/session.json (core.calibration, "
+        "benchmarks/gpu/calibrate.py on one NVIDIA H200)",
+        gemm=gemm, stream=(2859.8, 3928.2, 3977.3, 4071.7), attention=attention,
+        launch_us=0.966, dispatch_us=35.52, peak_flops=989e12,
+    )  # fmt: skip
+
+
+H200 = _h200()
+
+H100_GEMM_SCALE = 798.0 / 710.95
+"""An H100 SXM's 8192³ bf16 GEMM, ~798 TFLOP/s (random data, measured on this
+workplace's H100), over the H200's 711 measured: the H200's shape table times this."""
+H100_STREAM_SCALE = 3.0e3 / 4071.7
+"""An H100 SXM's ~3.0 TB/s copy (measured on this workplace's H100) over the H200's best
+stream pass: the H200's stream table times this."""
+
+
+def _h100() -> Calibration:
+    h200 = H200
+    return dataclasses.replace(
+        h200,
+        kind="H100",
+        source="scaled from the H200's tables (" + h200.source + ")",
+        gemm=tuple((m, n, k, d, r * H100_GEMM_SCALE) for m, n, k, d, r in h200.gemm),
+        stream=tuple(b * H100_STREAM_SCALE for b in h200.stream),
+        # attention is compute-bound: the H200's times at the GEMM ratio
+        attention=tuple((*key, ms / H100_GEMM_SCALE) for *key, ms in h200.attention),
+        peak_flops=989e12,
+        derived=(
+            "not measured: the H200's tables scaled to an H100 SXM's measured 8192³ bf16 "
+            "GEMM (~798 TFLOP/s, random data) and ~3.0 TB/s copy on this workplace's H100"
+        ),
+    )
+
+
+H100 = _h100()
+
+CALIBRATIONS: dict[str, Calibration] = {"H200": H200, "H100": H100}
+"""The shipped calibrations by kind."""
+
+_KIND = re.compile(r"\b(H100|H200|H800|H20|A100|B200|GB200|GH200)\b", re.IGNORECASE)
+
+
+def calibration_for(device_kind: str) -> Calibration | None:
+    """The shipped calibration of ``device_kind`` (``"NVIDIA H200"``, ``"H100"``), else
+    None (:func:`nearest` then says how far the nearest calibrated kind is).
+
+    >>> calibration_for("NVIDIA H200").kind
+    'H200'
+    """
+    found = _KIND.search(str(device_kind))
+    return CALIBRATIONS.get(found.group(1).upper()) if found else None
+
+
+def nearest(peak_flops: float | None, hbm_bandwidth: float | None) -> tuple[Calibration, str]:
+    """The shipped calibration closest to a device of ``peak_flops`` and ``hbm_bandwidth``
+    (its datasheet), and a sentence on how far off it is.
+
+    >>> c, why = nearest(2.25e15, 8e12)
+    >>> print(c.kind, why)
+    H200 uncalibrated: the nearest calibrated kind, H200, has 0.44× its peak FLOP/s and 0.51×
+    its HBM bandwidth
+    """
+
+    def gap(c: Calibration) -> float:
+        ratios = [c.peak_flops / peak_flops if peak_flops else 1.0,
+                  max(c.stream) * 1e9 / hbm_bandwidth if hbm_bandwidth else 1.0]  # fmt: skip
+        return sum(abs(_log(r)) for r in ratios)
+
+    measured = [c for c in CALIBRATIONS.values() if not c.derived]
+    best = min(measured, key=gap)
+    flops = f"{best.peak_flops / peak_flops:.2f}× its peak FLOP/s" if peak_flops else "?"
+    bw = (
+        f"{max(best.stream) * 1e9 / hbm_bandwidth:.2f}× its HBM bandwidth" if hbm_bandwidth else "?"
+    )
+    return best, f"uncalibrated: the nearest calibrated kind, {best.kind}, has {flops} and {bw}"
+
+
+def _log(x: float) -> float:
+    import math
+
+    return math.log(x) if x > 0 else 0.0
+
+
+__all__ = ["CALIBRATIONS", "Calibration", "calibration_for", "nearest"]

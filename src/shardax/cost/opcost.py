@@ -1,0 +1,383 @@
+r"""A per-op cost model of a compiled per-device program, priced by a calibration's tables.
+
+Model ``per-op`` (every figure a prediction). Each instruction of the computations that
+run (loop bodies by their trips; not the bodies of fusions) is classed
+(:func:`shardax.cost.ops.classify`) and priced:
+
+- **GEMMs** (``dot``, cuBLAS calls, Triton or address-computing GEMM fusions): FLOPs at the
+  rate of the calibration's measured shape nearest in ``(log m, log n, log k)``
+  (:func:`gemm_rate`), or their bytes at the stream bandwidth where that is slower; an
+  fp32 GEMM at half the bf16 rate (TF32's dense peak is half bf16's: derived, not measured);
+- **attention** (cuDNN's ``__cudnn$fmha*``): the measured kernel nearest in (seq, heads,
+  head_dim) with the same mask and pass, scaled by FLOPs (:func:`attention_seconds`);
+- **memory-bound** work (elementwise fusions, the optimizer update, copies, other
+  kernels): operand + output bytes at the calibration's median stream bandwidth;
+- **launch**: every kernel (all of the above) ``launch_us``;
+- **collectives**: per op ``latency + sent bytes / link bandwidth`` (:data:`LATENCY_S`,
+  the datasheet's links), and the time left exposed by the compiled schedule
+  (:func:`shardax.cost.schedule.exposed_seconds`, with the matmuls under each at the
+  calibrated GEMM rate).
+
+The step is the kernels in sequence (one stream) plus the exposed collectives. Its
+interval: low with GEMMs at the table's best rate, attention 20% faster, memory-bound at
+the fastest stream pass and the collectives only as exposed; high with GEMMs 15% under
+the nearest shape's rate, attention 20% slower, memory-bound at the slowest stream pass,
+launches at twice ``launch_us`` and the collectives not overlapped at all.
+
+>>> from shardax.cost.calibration import H200
+>>> hlo = '''ENTRY %main {
+...   %a = bf16[8192,2048]{1,0} parameter(0)
+...   %b = bf16[2048,8192]{1,0} parameter(1)
+...   %d = bf16[8192,8192]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+...   ROOT %e = bf16[8192,8192]{1,0} fusion(%d), kind=kLoop, calls=%f
+... }'''
+>>> cost = price_hlo(hlo, H200)
+>>> round(cost.classes["gemm"].seconds * 1e3, 3), round(cost.classes["elementwise"].seconds * 1e6)
+(0.417, 68)
+>>> cost.low_s < cost.step_s < cost.high_s
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from shardax.cost.calibration import Calibration, gemm_rows
+from shardax.cost.flops import _FMHA, _SHAPE, _fmha_flops
+from shardax.cost.hlo import DTYPE_BYTES, _arrays
+from shardax.cost.ops import HloIndex, Instr, classify
+from shardax.cost.schedule import Scheduled, exposed_seconds, schedule
+
+MODEL_NAME = "per-op"
+PRICED = ("gemm", "attention", "elementwise", "optimizer", "copies", "other")
+"""The classes of kernels priced one by one (collectives are priced from the schedule)."""
+LATENCY_S = {"intra-host": 10e-6, "inter-host": 25e-6, "inter-slice": 50e-6}
+"""Assumed (not calibrated) latency of one collective per link: NCCL's small-message
+times within an NVLink host and over InfiniBand are of this order."""
+FP32_GEMM_FACTOR = 0.5
+"""An fp32 GEMM's rate against bf16's (TF32's dense peak is half bf16's): derived."""
+_NO_KERNEL = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+    "partition-id", "replica-id", "opt-barrier", "add-dependency", "while", "call",
+    "conditional", "async-start", "async-update", "async-done", "copy-done",
+})  # fmt: skip
+_BATCH = re.compile(r'lhs_batch_dim(?:s|ensions)\W+([\d,\s"]*)')
+
+
+@dataclasses.dataclass
+class ClassCost:
+    """One class of kernels: how many per step, their seconds (point, low, high), the
+    FLOPs and bytes they were priced by."""
+
+    kernels: float = 0.0
+    seconds: float = 0.0
+    low: float = 0.0
+    high: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def add(self, runs: float, point: float, low: float, high: float, flops: float = 0.0,
+            nbytes: float = 0.0) -> None:  # fmt: skip
+        self.kernels += runs
+        self.seconds += runs * point
+        self.low += runs * low
+        self.high += runs * high
+        self.flops += runs * flops
+        self.bytes += runs * nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A compiled step priced op by op (see the module): seconds per class, launches,
+    collectives (their wire time and the part the schedule leaves exposed), the interval.
+
+    Attributes:
+        calibration: the name of the tables (``"calibrated: H200, JAX 0.11.2, ..."``),
+            or ``"uncalibrated: ..."`` with how far the nearest calibrated kind is.
+        classes: :class:`ClassCost` per class of :data:`PRICED`.
+        launch_s: kernels × the calibrated launch cost (point; high at twice).
+        collective_s: the collectives' time on the wire (latency + bytes / bandwidth).
+        exposed_s: the part of it the compiled schedule leaves exposed.
+        unpriced: custom calls the model has no table for, by target, with their count
+            per step (priced by their bytes, as memory-bound work).
+    """
+
+    calibration: str
+    classes: dict[str, ClassCost]
+    launch_s: float
+    collective_s: float
+    exposed_s: float
+    unpriced: dict[str, float]
+
+    @property
+    def kernels(self) -> float:
+        return sum(c.kernels for c in self.classes.values())
+
+    @property
+    def compute_s(self) -> float:
+        """The kernels' time in sequence, launches included."""
+        return sum(c.seconds for c in self.classes.values()) + self.launch_s
+
+    @property
+    def step_s(self) -> float:
+        """The point prediction: kernels in sequence + exposed collectives."""
+        return self.compute_s + self.exposed_s
+
+    @property
+    def low_s(self) -> float:
+        return sum(c.low for c in self.classes.values()) + self.launch_s + self.exposed_s
+
+    @property
+    def high_s(self) -> float:
+        return sum(c.high for c in self.classes.values()) + 2 * self.launch_s + self.collective_s
+
+    @property
+    def executed_flops(self) -> float:
+        """Matmul FLOPs priced (GEMMs and attention) per step."""
+        return self.classes["gemm"].flops + self.classes["attention"].flops
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-able)."""
+        return {"model": MODEL_NAME, "calibration": self.calibration,
+                "step_s": self.step_s, "low_s": self.low_s, "high_s": self.high_s,
+                "classes": {k: dataclasses.asdict(v) for k, v in self.classes.items()},
+                "launch_s": self.launch_s, "collective_s": self.collective_s,
+                "exposed_s": self.exposed_s, "unpriced": dict(self.unpriced),
+                "kernels": self.kernels, "executed_flops": self.executed_flops}  # fmt: skip
+
+
+def _distance(shape: tuple[int, ...], point: list[float]) -> float:
+    """Squared distance of a measured ``shape`` from ``point`` in log2 space."""
+    return sum((math.log2(a) - b) ** 2 for a, b in zip(shape, point, strict=True))
+
+
+def gemm_rate(c: Calibration, m: float, n: float, k: float, dtype: str = "bf16") -> float:
+    """FLOP/s of an ``(m, k) @ (k, n)`` GEMM: the rate of ``c``'s measured shape nearest in
+    ``(log m, log n, log k)`` (:func:`~shardax.cost.calibration.gemm_rows`), times
+    :data:`FP32_GEMM_FACTOR` for fp32 operands.
+
+    >>> from shardax.cost.calibration import H200
+    >>> round(gemm_rate(H200, 8192, 8192, 2048) / 1e12)
+    659
+    >>> round(gemm_rate(H200, 8000, 2000, 8100) / 1e12)  # two measurements' mean
+    738
+    """
+    rows = gemm_rows(c)
+    point = [math.log2(max(x, 1.0)) for x in (m, n, k)]
+    best = min(rows, key=lambda r: _distance(r[:3], point))
+    return best[4] * 1e12 * (FP32_GEMM_FACTOR if dtype in ("f32", "f64") else 1.0)
+
+
+def attention_seconds(c: Calibration, line: str) -> float | None:
+    """Seconds of one cuDNN fused attention call (its HLO ``line``): the measured kernel
+    of ``c`` nearest in (seq, heads, head_dim) with the same mask and pass (a backward
+    call: the table's forward + backward less its forward), scaled by the FLOPs of the
+    call over the kernel's. None for a line that is not one."""
+    found = _FMHA.search(line)
+    flops = _fmha_flops(line)
+    if not found or not flops:
+        return None
+    shapes = [tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(found.group(2))]
+    (_, t, heads, dim), s = shapes[0], shapes[1][1]
+    causal = "CAUSAL" in line.upper()
+    backward = "Backward" in found.group(1)
+    table: dict[tuple[int, int, int, int, bool], dict[str, float]] = {}
+    for b, seq, h, d, cz, which, ms in c.attention:
+        table.setdefault((b, seq, h, d, cz), {})[which] = ms
+    keys = [key for key, v in table.items() if key[4] == causal and {"fwd", "fwd+bwd"} <= set(v)]
+    if not keys:
+        return None
+    point = [math.log2(max(x, 1)) for x in (max(t, s), heads, dim)]
+    key = min(keys, key=lambda r: _distance(r[1:4], point))
+    b, seq, h, d, _ = key
+    fwd_ms = table[key]["fwd"]
+    ms = table[key]["fwd+bwd"] - fwd_ms if backward else fwd_ms
+    ref = 4.0 * b * seq * seq * h * d * (2.5 if backward else 1.0) / (2 if causal else 1)
+    return ms * 1e-3 * flops / ref
+
+
+def _gemm_shape(index: HloIndex, instr: Instr, flops: float) -> tuple[float, float, float, str]:
+    """``(m, n, k, operand dtype)`` of a GEMM instruction (or the GEMM a fusion calls)."""
+    line, comp = instr.line, instr.computation
+    if instr.called and instr.opcode == "fusion":
+        inner = [i for i in index.by_comp.get(instr.called, {}).values()
+                 if i.opcode in ("dot", "custom-call", "convolution")]  # fmt: skip
+        if inner:
+            line, comp, instr = inner[0].line, inner[0].computation, inner[0]
+    out = _arrays(instr.out)
+    dims = out[0][1] if out else ()
+    elems = math.prod(dims) if dims else 1
+    batch_found = _BATCH.search(line)
+    batch_axes = [int(x) for x in re.findall(r"\d+", batch_found.group(1))] if batch_found else []
+    batch = math.prod(dims[i] for i in batch_axes if i < len(dims)) if dims else 1
+    n = dims[-1] if dims else 1
+    m = max(elems / max(batch, 1) / max(n, 1), 1.0)
+    k = flops / (2.0 * elems) if elems else 1.0
+    operand = instr.operands[0] if instr.operands else ""
+    found = index.by_comp.get(comp, {}).get(operand) or index.by_name.get(operand)
+    types = _arrays(found.out) if found else []
+    dtype = types[0][0] if types else (out[0][0] if out else "bf16")
+    return m, n, k, dtype
+
+
+def _size(text: str) -> float:
+    return float(
+        sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in _arrays(text))
+    )
+
+
+def moved_bytes(index: HloIndex, instr: Instr) -> float:
+    """Bytes ``instr`` moves through memory: its operands' and output's sizes
+    (:meth:`~shardax.cost.ops.HloIndex.bytes`), except that an in-place update
+    (``dynamic-update-slice`` inside) moves its update twice, not the buffer it
+    updates, and a slice (``slice``, ``dynamic-slice``, ``gather`` inside) reads no more
+    of its largest operand than it writes.
+
+    >>> index = HloIndex("ENTRY %m {\\n  %p = bf16[24,64]{1,0} parameter(0)\\n"
+    ...     "  %s = bf16[1,64]{1,0} fusion(%p), kind=kLoop, calls=%f\\n}\\n%f {\\n"
+    ...     "  %q = bf16[24,64]{1,0} parameter(0)\\n  ROOT %r = bf16[1,64]{1,0} slice(%q)\\n}")
+    >>> index.bytes(index.by_name["s"]), moved_bytes(index, index.by_name["s"])
+    (3200.0, 256.0)
+    """
+    ops = {instr.opcode, *(op for op, _, _ in instr.fused)}
+    sizes = [_size(index._type(instr.computation, o)) for o in instr.operands]
+    out = _size(instr.out)
+    if not sizes:
+        return out
+    largest = max(sizes)
+    if "dynamic-update-slice" in ops:
+        return 2.0 * (sum(sizes) - largest)
+    if ops & {"slice", "dynamic-slice", "gather"} and out < largest:
+        return sum(sizes) - largest + 2.0 * out
+    return sum(sizes) + out
+
+
+def price_hlo(
+    hlo: str,
+    calibration: Calibration,
+    *,
+    name: str | None = None,
+    num_devices: int | None = None,
+    link_of: Callable[[Scheduled], str] | None = None,
+    link_bandwidth: Mapping[str, float | None] | None = None,
+) -> StepCost:
+    """Prices the compiled per-device program ``hlo`` (``compiled.as_text()``) with
+    ``calibration``'s tables (see the module). ``link_of`` names the link each
+    collective crosses (default ``"intra-host"``), ``link_bandwidth`` its bytes/s
+    (a link without one: its collectives are left out, as in the roofline's prediction);
+    ``name``: the calibration's name in the report (default: its own)."""
+    index = HloIndex(hlo)
+    c = calibration
+    rows = gemm_rows(c)
+    best_rate = max(r[4] for r in rows) * 1e12
+    bw = statistics.median(c.stream) * 1e9
+    bw_fast, bw_slow = max(c.stream) * 1e9, min(c.stream) * 1e9
+    skipped = {i.called for i in index.by_name.values() if i.called and i.opcode == "fusion"}
+    skipped |= set(re.findall(r"\bto_apply=%?([\w.\-]+)", hlo))
+    classes = {k: ClassCost() for k in PRICED}
+    unpriced: dict[str, float] = {}
+    for comp, instrs in index.by_comp.items():
+        if comp in skipped:
+            continue
+        for instr in instrs.values():
+            if instr.opcode in _NO_KERNEL:
+                continue
+            cls = classify(instr)
+            if cls == "collectives":
+                continue
+            runs = float(index.runs_of(instr))
+            nbytes = moved_bytes(index, instr)
+            mem = (nbytes / bw, nbytes / bw_fast, nbytes / bw_slow)
+            if cls == "attention":
+                t = attention_seconds(c, instr.line)
+                flops = _fmha_flops(instr.line)
+                if t is None:
+                    unpriced[instr.target or instr.opcode] = unpriced.get(instr.target, 0) + runs
+                    classes[cls].add(runs, *mem, nbytes=nbytes)
+                else:
+                    classes[cls].add(runs, t, 0.8 * t, 1.2 * t, flops, nbytes)
+                continue
+            if cls == "gemm":
+                flops = index.flops(instr)
+                if flops:
+                    m, n, k, dtype = _gemm_shape(index, instr, flops)
+                    rate = gemm_rate(c, m, n, k, dtype)
+                    scale = rate / (gemm_rate(c, m, n, k) or rate)
+                    classes[cls].add(runs, max(flops / rate, mem[0]),
+                                     max(flops / (best_rate * scale), mem[1]),
+                                     max(flops / (0.85 * rate), mem[2]), flops, nbytes)  # fmt: skip
+                    continue
+            if cls == "other" and instr.opcode == "custom-call":
+                unpriced[instr.target] = unpriced.get(instr.target, 0.0) + runs
+            classes[cls if cls in classes else "other"].add(runs, *mem, nbytes=nbytes)
+    launch = sum(v.kernels for v in classes.values()) * c.launch_us * 1e-6
+    wire = exposed = 0.0
+    for s in schedule(hlo, num_devices):
+        link = link_of(s) if link_of is not None else "intra-host"
+        bandwidth = (link_bandwidth or {}).get(link)
+        if not bandwidth or not s.collective.count:
+            continue
+        one = LATENCY_S.get(link, 0.0) + s.sent_bytes / s.collective.count / bandwidth
+        wire += one * s.collective.count
+        exposed += exposed_seconds(s, one, best_rate)
+    return StepCost(calibration=name or c.name, classes=classes, launch_s=launch,
+                    collective_s=wire, exposed_s=exposed, unpriced=unpriced)  # fmt: skip
+
+
+LABELS = {
+    "gemm": "GEMMs", "attention": "attention (fused)", "elementwise": "elementwise fusions",
+    "optimizer": "optimizer update", "copies": "copies and converts", "other": "other kernels",
+}  # fmt: skip
+
+
+def breakdown(cost: StepCost, model_flops: float | None = None) -> list[tuple[str, float, str]]:
+    """The report's rows ``(label, seconds, what it was priced by)``: one per class,
+    the GEMMs split into model work and the executed FLOPs beyond ``model_flops`` (per
+    device: remat's recomputation and other work beyond the model's), launches,
+    collectives (on the wire, and exposed).
+
+    >>> from shardax.cost.calibration import H200
+    >>> rows = breakdown(price_hlo("%d = bf16[64,64]{1,0} dot(%a, %b)", H200))
+    >>> [r[0] for r in rows][-3:]
+    ['kernel launches', 'collectives on the wire', 'collectives exposed (in the step)']
+    """
+    out = []
+    for name in PRICED:
+        k = cost.classes[name]
+        if name == "gemm" and model_flops and cost.executed_flops > model_flops and k.flops:
+            extra = min(cost.executed_flops - model_flops, k.flops) / k.flops
+            out.append(("GEMMs: model work", k.seconds * (1 - extra),
+                        f"{k.flops * (1 - extra):.3g} FLOPs, {k.kernels:.0f} kernels"))  # fmt: skip
+            out.append(("GEMMs: beyond model FLOPs (remat, recompute)", k.seconds * extra,
+                        f"{k.flops * extra:.3g} executed FLOPs"))  # fmt: skip
+            continue
+        basis = f"{k.flops:.3g} FLOPs" if k.flops else f"{k.bytes:.3g} B"
+        out.append((LABELS[name], k.seconds, f"{basis}, {k.kernels:.0f} kernels"))
+    out.append(("kernel launches", cost.launch_s, f"{cost.kernels:.0f} kernels"))
+    out.append(("collectives on the wire", cost.collective_s, "latency + bytes / link"))
+    out.append(("collectives exposed (in the step)", cost.exposed_s, "from the schedule"))
+    return out
+
+
+def format_cost(cost: StepCost, model_flops: float | None = None,
+                tokens: float | None = None) -> str:  # fmt: skip
+    """The breakdown as text: one line per row, then the step with its interval."""
+    lines = [f"{label}: {s * 1e3:.2f} ms ({basis})" for label, s, basis in
+             breakdown(cost, model_flops)]  # fmt: skip
+    step = (f"step {cost.step_s * 1e3:.1f} ms, interval {cost.low_s * 1e3:.1f}–"
+            f"{cost.high_s * 1e3:.1f} ms ({cost.calibration})")  # fmt: skip
+    if tokens:
+        step += f"; {tokens / cost.step_s:,.0f} tokens/s"
+    if cost.unpriced:
+        names = ", ".join(f"{k} × {v:.0f}" for k, v in cost.unpriced.items())
+        lines.append(f"not in the tables (priced by their bytes): {names}")
+    return "\n".join([*lines, step])
+
+
+__all__ = ["LATENCY_S", "MODEL_NAME", "ClassCost", "StepCost", "attention_seconds",
+           "breakdown", "format_cost", "gemm_rate", "price_hlo"]  # fmt: skip
