@@ -55,6 +55,7 @@ from shardax.cost.predict import (
     DEFAULT_COMPUTE_EFFICIENCY,
     LINKS,
     StepPrediction,
+    check_figures,
     link_of,
     predict_step,
 )
@@ -676,6 +677,7 @@ def estimate(
             f"step must be a make_train_step step or a jax.jit function (with .lower), got "
             f"{type(step).__name__}"
         )
+    tokens, model_flops, links = check_figures(tokens, model_flops, links)
     state, batch = _abstract(state), _abstract(batch)
     mesh = _mesh_of(step, jax.tree.leaves((state, batch)))
     check_axes(state, mesh, "state")

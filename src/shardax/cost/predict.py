@@ -41,6 +41,41 @@ assumption, stated in every report (``compute_efficiency=`` changes it)."""
 LINKS = ("intra-host", "inter-host", "inter-slice")
 
 
+def check_links(links: Mapping[str, float] | None) -> dict[str, float]:
+    """``links`` (bytes/s per link name), each name one of :data:`LINKS` and each
+    bandwidth a finite number > 0; an unknown name or a zero bandwidth would leave that
+    link's collectives out of the time without a word.
+
+    >>> check_links({"inter-host": 5e10})
+    {'inter-host': 50000000000.0}
+    """
+    if links is None:
+        return {}
+    if not isinstance(links, Mapping):
+        raise TypeError(f"links must be a dict {{link: bytes/s}}, got {type(links).__name__}")
+    for name in links:
+        if name not in LINKS:
+            raise ValueError(
+                f"links names {name!r}, which is not a link; the links are "
+                f"{', '.join(map(repr, LINKS))} ('intra-host': NVLink or ICI; 'inter-host': "
+                "InfiniBand, or ICI within a TPU slice; 'inter-slice': DCN)"
+            )
+    return {k: as_float(f"links[{k!r}] (bytes/s)", v, above=0) for k, v in links.items()}
+
+
+def check_figures(
+    tokens: Any, model_flops: Any, links: Any
+) -> tuple[float | None, float | None, dict[str, float]]:
+    """``sx.estimate``'s given figures checked: ``tokens`` and ``model_flops`` per step
+    finite and > 0 (a negative count predicted negative tokens/s and MFU), ``links`` by
+    :func:`check_links`; None stays None (the default is derived)."""
+    return (
+        None if tokens is None else as_float("tokens (per step)", tokens, above=0),
+        None if model_flops is None else as_float("model_flops (per step)", model_flops, above=0),
+        check_links(links),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class StepPrediction:
     """The predicted time of one step on one device, and what it is made of (seconds).
