@@ -12,7 +12,8 @@ Names:
 - GPUs: ``"<GPUs per host>x<GPU>"`` (one host) or ``"<hosts>x<GPUs per host>x<GPU>"``, for
   the GPUs of :data:`GPU_KINDS` (H100, H200, B200, A100-80GB). A single number above
   :data:`GPUS_PER_HOST` (8, the GPUs of an HGX/DGX server) is split into hosts of 8:
-  ``"64xH100"`` is 8 hosts of 8; ``"4xH100"`` is one host of 4.
+  ``"64xH100"`` is 8 hosts of 8; ``"4xH100"`` is one host of 4. A host holds at most
+  :data:`HOST_GPUS` of its kind (8), so ``"2x16xH100"`` is refused.
 - TPU slices as Google Cloud names them: ``"v5p-N"`` counts TensorCores (2 per chip, so
   ``"v5p-128"`` is 64 chips), ``"v5e-N"``/``"v5litepod-N"`` and ``"v6e-N"`` count chips.
   ``"Kx<slice>"`` is K slices over the data-center network (multislice): ``"2xv5p-128"``.
@@ -50,6 +51,12 @@ GPU_KINDS: dict[str, str] = {
     "A100-80GB": "NVIDIA A100-SXM4-80GB",
 }
 """The GPUs of a GPU target's name, and the device kind their devices report (SXM parts)."""
+
+HOST_GPUS: dict[str, int] = {model: GPUS_PER_HOST for model in GPU_KINDS}
+"""The GPUs of one host (one NVLink domain) of each GPU of :data:`GPU_KINDS`: 8 on the
+HGX/DGX servers of all four, whose datasheet rows (NVLink, and InfiniBand per GPU) are
+figures of such a server. A target's name may give fewer per host, never more: 16 H100s
+in one NVLink domain is no machine the figures describe."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +194,16 @@ def parse_target(name: str) -> dict[str, Any]:
                 hosts, per_host = total // GPUS_PER_HOST, GPUS_PER_HOST
         if hosts < 1 or per_host < 1:
             raise _unknown(name, "the counts must be >= 1")
+        if per_host > HOST_GPUS[model]:
+            most, total = HOST_GPUS[model], hosts * per_host
+            way = f"'<hosts>x<GPUs per host>x{model}' with at most {most} per host"
+            if total % most == 0:
+                way = f"'{total}x{model}' ({total // most} hosts of {most}), or " + way
+            raise ValueError(
+                f"name {name!r} puts {per_host} {model} GPUs on one host, but an HGX/DGX {model} "
+                f"host (one NVLink domain, the server the datasheet's figures describe) "
+                f"holds at most {most}; write {way}"
+            )
         return {"platform": "gpu", "model": model, "kind": GPU_KINDS[model], "hosts": hosts,
                 "devices_per_host": per_host}  # fmt: skip
     tpu = re.fullmatch(r"(?:(\d+)x)?([a-z0-9]+)-(\d+)", text.lower())
