@@ -123,7 +123,11 @@ def key_impl(x: Any) -> Any:
 
 
 def from_saveable(like: Any, restored: dict[str, Any]) -> Any:
-    """Puts the restored arrays back into the structure of ``like``."""
+    """Puts the restored arrays back into the structure of ``like``. A leaf of ``like``
+    that is an uncommitted ``jax.Array`` (one never placed: ``jnp.zeros``, a
+    ``jax.random.key``) comes back uncommitted on the default device, as it was, so a
+    jitted step still moves it beside its other inputs; committed to that device, it
+    would fail with JAX's "incompatible devices" beside arrays on a mesh."""
     flat = flat_paths(restored)
 
     def one(path: tuple[Any, ...], x: Any) -> Any:
@@ -133,6 +137,8 @@ def from_saveable(like: Any, restored: dict[str, Any]) -> Any:
         value = flat[key]
         if _is_number(x):
             return type(x)(np.asarray(value).item())
+        if isinstance(x, jax.Array) and not x.committed:
+            value = jax.device_put(np.asarray(value))  # uncommitted, on the default device
         if is_key(x):
             return jax.random.wrap_key_data(value, impl=key_impl(x))
         return value

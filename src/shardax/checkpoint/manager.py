@@ -460,10 +460,31 @@ def _finish_saves_at_exit() -> None:
         manager._finish_at_exit()
 
 
-def check_directory(name: str, directory: Any) -> str:
-    """``directory`` as an absolute path; ``TypeError`` for a non-path and ``ValueError``
-    for an empty one (which would mean the working directory)."""
-    return os.path.abspath(as_path(name, directory))
+def check_directory(name: str, directory: Any, *, writable: bool = False) -> str:
+    """``directory`` as an absolute path; ``TypeError`` for a non-path, ``ValueError``
+    for an empty one (which would mean the working directory), ``NotADirectoryError``
+    for a file or a path under a file, and with ``writable`` a ``PermissionError`` for a
+    directory (or, when it does not exist yet, the one it would be made in) that this
+    process cannot write, each naming ``name`` and the path."""
+    path = os.path.abspath(as_path(name, directory))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{name} must be a directory, got {path}, which is a file")
+    made_in = path
+    while not os.path.exists(made_in):
+        made_in = os.path.dirname(made_in)
+    if not os.path.isdir(made_in):
+        raise NotADirectoryError(
+            f"{name} must be a directory, got {path}, which cannot be made: {made_in} is a file"
+        )
+    if writable and not os.access(made_in, os.W_OK | os.X_OK):
+        read_only = os.statvfs(made_in).f_flag & os.ST_RDONLY
+        why = "on a read-only file system" if read_only else "not writable by this process"
+        where = "it" if made_in == path else f"{made_in}, where it would be made,"
+        raise PermissionError(
+            f"{name} must be a directory this process can write, got {path}; {where} is "
+            f"{why}. Choose another directory, or make it writable"
+        )
+    return path
 
 
 def _orbax_manager(

@@ -49,14 +49,18 @@ PREEMPTED_EXIT_CODE = 75
 class Preempted(Exception):
     """A preemption notice stopped training after ``step`` was saved to ``directory``.
 
-    ``shardax train`` turns it into one line on stderr and :data:`PREEMPTED_EXIT_CODE`.
+    ``resume``: how the loop that raised it continues from the saved step (``shardax
+    train``: ``"continue it with --resume"``; :func:`shardax.loop.run` says its own);
+    default: restore the checkpoint. ``shardax train`` turns it into one line on stderr
+    and :data:`PREEMPTED_EXIT_CODE`.
     """
 
     exit_code = PREEMPTED_EXIT_CODE
 
-    def __init__(self, step: int, directory: str | None) -> None:
+    def __init__(self, step: int, directory: str | None, resume: str | None = None) -> None:
         if directory:
-            what, then = f"saved step {step} to {directory}", "continue it with --resume"
+            what = f"saved step {step} to {directory}"
+            then = resume or "restore it to continue (sx.restore_checkpoint)"
         else:
             what, then = f"stopped after step {step}, saving nothing", "no checkpoint directory"
         # Its arguments are its args (a notice, not an error a door prefixes), its text

@@ -22,6 +22,7 @@ from shardax.cli.common import STARTED, UsageError, machine, run_dir, step_flops
 from shardax.cli.hooks import Bar, History, Log, Record
 from shardax.cli.job import Job, data_axes
 from shardax.loop import Checkpoints, Goodput, Hook, MetricsWindow, Preemption, Run, Watchdog
+from shardax.loop.driver import refuse_earlier_run
 from shardax.plan.tree import map_arrays
 
 
@@ -32,11 +33,10 @@ def resume(args: argparse.Namespace, manager: Any, job: Job) -> Any:
     from shardax.checkpoint import Restored
 
     if not args.resume:
-        if manager is not None and manager.latest_step() is not None:
-            raise UsageError(
-                f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints; pass "
-                "--resume to continue from them, or choose an empty directory"
-            )
+        try:
+            refuse_earlier_run(manager, f"--checkpoint-dir {args.checkpoint_dir}", "--resume")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         return False
     if manager is None:
         raise UsageError("--resume needs --checkpoint-dir")
@@ -129,7 +129,8 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     path = Path(where, FILE) if where is not None and directory is not None else None
     run = Run(job.state, hooks(args, record, out, manager, path), manager=manager,
               total=job.steps, resume=restored, data_state=record.data_state,
-              writer=record.tracker.writer, exit_on_preemption=False)  # fmt: skip
+              writer=record.tracker.writer, exit_on_preemption=False,
+              resume_hint="continue it with --resume")  # fmt: skip
     describe(out, job, restored.state if restored else job.state, args)
     step = record.tracker.wrap(job.step)
     began, flops, kernel = time.perf_counter(), None, None

@@ -23,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from shardax.checks import as_bool, as_count, public
+from shardax.checks import as_bool, as_count, as_function, as_path, public, received
 from shardax.loop.hooks import (
     Checkpoints,
     Evaluation,
@@ -41,7 +42,7 @@ from shardax.loop.hooks import (
     Progress,
     Watchdog,
 )
-from shardax.loop.state import restore_into, saveable
+from shardax.loop.state import check_same_state, restore_into, saveable, structure
 from shardax.runtime import status
 
 EVERY = ("save", "eval", "log")
@@ -59,7 +60,8 @@ class Run:
         manager: the :class:`shardax.CheckpointManager` to resume from and save to.
         total: the run's last step, when known (else the loader's end is).
         resume: restore the manager's latest checkpoint when there is one (True), start
-            afresh (False), or continue from a ``Restored`` the caller already has.
+            afresh (False: the manager's directory must hold no checkpoint), or continue
+            from a ``Restored`` the caller already has.
         data_state: ``() -> dict`` of JSON values saved beside the steps done and the
             loader position (restored as ``run.restored``).
         writer: the :class:`shardax.MetricWriter` the logging and evaluation hooks use.
@@ -68,6 +70,8 @@ class Run:
         window: the most steps whose metrics wait on the device: after that many steps
             with no fetch (no hook due), they are fetched and checked in one transfer
             before the hooks run, so :attr:`pending` stays bounded.
+        resume_hint: how to continue after a preemption, in the line it ends with
+            (default: this library's; ``shardax train`` says ``--resume``).
 
     Attributes:
         state: the state after the last step (the restored one before the first).
@@ -76,6 +80,9 @@ class Run:
         completed: the last step known completed (:meth:`done`): the step itself, or the
             step before it under a :class:`~shardax.loop.Watchdog`, which waits one behind.
         restored: the checkpoint's data state (``{"step": ..., "loader": ...}``), or {}.
+        handed: the step whose state :meth:`after_step` got last (None: none this
+            session); the end-of-run save is of that state, and only when it is the
+            last step's.
         flushed: ``[(step, {name: float})]`` fetched after this step (empty when no hook
             was due); ``scores``: the last evaluation's.
     """
@@ -92,13 +99,23 @@ class Run:
         writer: Any = None,
         exit_on_preemption: bool = True,
         window: int = 1000,
+        resume_hint: str | None = None,
     ) -> None:
+        from shardax.checkpoint.manager import Restored
+
         self.state, self.hooks, self.manager, self.writer = state, list(hooks), manager, writer
         self.total = None if total is None else as_count("steps", total, minimum=0)
-        self.resume, self._extra = resume, data_state
+        if not isinstance(resume, bool | Restored):
+            raise TypeError(
+                f"resume must be True (the latest checkpoint), False (start afresh) or a "
+                f"sx.checkpoint.Restored, got {received(resume)}"
+            )
+        self.resume, self._extra, self.resume_hint = resume, data_state, resume_hint
         self.exit_on_preemption = as_bool("exit_on_preemption", exit_on_preemption)
         self.window = as_count("window", window)
         self.step = self.first = self.completed = 0
+        self.handed: int | None = None
+        self._open: bool | None = None  # None: not entered yet; False: ended
         self.restored: dict[str, Any] = {}
         self.pending: list[tuple[int, dict[str, Any]]] = []
         self.flushed: list[tuple[int, dict[str, float]]] = []
@@ -114,14 +131,19 @@ class Run:
     def __enter__(self) -> Run:
         try:
             restored = self.resume
+            if restored is False and self.manager is not None:
+                where = f"the checkpoint directory {self.manager.directory}"
+                refuse_earlier_run(self.manager, where, "resume=True")
             latest = self.manager is not None and self.manager.latest_step() is not None
             if restored is True and latest:
                 restored = self.manager.restore(like=saveable(self.state))
-            if not (isinstance(restored, bool) or restored is None):
+            if not isinstance(restored, bool):
                 self.state = restore_into(self.state, restored.state)
                 self.restored = dict(restored.data_state or {})
                 self.step = self.first = int(self.restored.get("step", restored.step))
                 self.completed = self.first
+            self._structure = structure(self.state)
+            self._open = True
             status.STATUS.completed(self.completed)
             self._stack.__enter__()
             for hook in self.hooks:
@@ -136,9 +158,11 @@ class Run:
     def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
         from shardax.checkpoint.preemption import Preempted
 
+        self._open = False
         with self._owned:  # what run() opened for this run, closed last
             try:
                 if kind is None:
+                    self._check_handed()
                     for hook in self.hooks:
                         hook.finish(self)
             except BaseException:
@@ -151,6 +175,42 @@ class Run:
             raise SystemExit(error.exit_code) from None
         return False
 
+    def _check_handed(self) -> None:
+        """At the end of a run: raises when steps ran but :meth:`after_step` never got a
+        state (there is none to save), and warns when the last step's did not come (the
+        end-of-run save, which needs it, is skipped)."""
+        ran = self.step - self.first
+        if ran and self.handed is None:
+            raise RuntimeError(
+                f"the loop took {ran} batches (steps {self.first + 1}..{self.step}) but never "
+                "called run.after_step(state, metrics), so the run never had a state of "
+                "theirs: nothing was saved at the end (it would have saved the state the run "
+                f"started with as step {self.step}), and no metric was checked or logged. "
+                "Call run.after_step(state, metrics) after each step"
+            )
+        if self.handed is not None and self.handed < self.step:
+            warnings.warn(
+                f"sx.loop.Run: step {self.step}'s batch was taken but run.after_step was not "
+                f"called for it (the last state handed is step {self.handed}'s): nothing was "
+                f"saved at the end, since no state of step {self.step} exists to save with "
+                "the loader past its batch. Call run.after_step(state, metrics) after every "
+                "step, before leaving the loop",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _check_open(self, call: str) -> None:
+        if self._open is None:
+            raise RuntimeError(
+                f"the run has not started: call {call} inside its with block "
+                "(with sx.loop.run(state, ...) as run:), which restores and starts the hooks"
+            )
+        if not self._open:
+            raise RuntimeError(
+                f"the run has ended (its with block was left at step {self.step}): "
+                f"{call} after it would count, save or log nothing. Call it inside the block"
+            )
+
     # --- the loop ---------------------------------------------------------------------
 
     def batches(
@@ -159,7 +219,9 @@ class Run:
         """The batches of ``loader``, moved to the checkpoint's position first (it needs
         ``set_state``, as ``sx.batches`` has), placed and prefetched on ``mesh`` (a mesh
         or a sharding) when given, until ``steps`` (or the run's total) steps are done
-        or the loader ends."""
+        or the loader ends; a loop that gets no batch (the run is at its total already,
+        or the loader is exhausted) says so in a warning."""
+        self._check_open("run.batches()")
         total = self.total if steps is None else as_count("steps", steps, minimum=0)
         self.total = total
         position = self.restored.get("loader")
@@ -176,12 +238,22 @@ class Run:
     def _steps(self, loader: Any, mesh: Any, total: int | None) -> Iterator[Any]:
         from shardax.data import prefetch_to_device, timed
 
+        first = True
         with contextlib.ExitStack() as owned:
             if mesh is not None:
                 feed = owned.enter_context(prefetch_to_device(loader, mesh))
             else:
                 feed = loader if hasattr(loader, "wait_seconds") else timed(loader)
             self.feed = feed
+            if total is not None and self.step >= total:
+                done = f"resumed at step {self.step}" if self.step == self.first else "ran"
+                warnings.warn(
+                    f"sx.loop.Run.batches: the run {done} to its last step {total} (steps="
+                    f"{total}) already, so this loop gets no batch; pass a larger steps= "
+                    "to train further",
+                    UserWarning,
+                    stacklevel=2,
+                )
             while total is None or self.step < total:
                 status.STATUS.set(status.DATA, self.step + 1)
                 for hook in self.hooks:
@@ -189,7 +261,16 @@ class Run:
                 try:
                     batch = next(feed)
                 except StopIteration:
+                    if first:
+                        warnings.warn(
+                            f"sx.loop.Run.batches: the loader gave no batch, so this loop ran "
+                            f"0 steps (the run is at step {self.step}): it is empty or "
+                            "exhausted (an iterator a loop before used up); pass a new one",
+                            UserWarning,
+                            stacklevel=2,
+                        )
                     return
+                first = False
                 self.before_step()
                 yield batch
 
@@ -202,18 +283,20 @@ class Run:
             hook.before_step(self)
 
     def after_step(self, state: Any, metrics: Any = None) -> None:
-        """Hands the step's new ``state`` and ``metrics`` (a dict of scalars, or the
-        loss) to the hooks; raises :class:`shardax.Preempted` once a SIGTERM's step is
-        saved."""
+        """Hands the step's new ``state`` (the run's state, as the step returned it) and
+        ``metrics`` (a dict of scalars, the loss, or ``(loss, aux)`` with a dict ``aux``)
+        to the hooks; raises :class:`shardax.Preempted` once a SIGTERM's step is saved.
+        Another tree than the run's state (the metrics in its place), a metric that is
+        not one number, or a call outside the run's ``with`` block raise, naming it."""
         from shardax.checkpoint.preemption import Preempted
 
+        self._check_open("run.after_step()")
+        check_same_state(state, self.state, self._structure)
+        scalars = scalar_metrics(metrics)
         if not self._in_step:
             self.before_step()  # a loop that does not take its batches from batches()
         self._in_step = False
-        self.state = state
-        if metrics is not None and not isinstance(metrics, dict):
-            metrics = {"loss": metrics}
-        scalars = {k: v for k, v in (metrics or {}).items() if np.ndim(v) == 0}
+        self.state, self.handed = state, self.step
         self.pending.append((self.step, scalars))
         self.flushed = []
         if len(self.pending) >= self.window:  # no hook was due for a whole window
@@ -224,7 +307,13 @@ class Run:
             hook.after_step(self)
         if self.preempted:
             directory = self.manager.directory if self.manager is not None else None
-            raise Preempted(self.step, directory)
+            hint = self.resume_hint or (
+                "run the script again to continue from it (sx.loop.run resumes from the "
+                "latest checkpoint)"
+                if self.resume is not False
+                else "run it again with sx.loop.run(..., resume=True) to continue from it"
+            )
+            raise Preempted(self.step, directory, hint)
 
     # --- what hooks share -------------------------------------------------------------
 
@@ -276,6 +365,87 @@ class Run:
         return {**extra, "step": self.step, "loader": loader}
 
 
+def scalar_metrics(metrics: Any) -> dict[str, Any]:
+    """``metrics`` as ``{name: scalar}``: a dict of scalars as it is, a lone value as the
+    loss, ``(loss, aux)`` with a dict ``aux`` (the loss contract's) merged; raises naming
+    a value that is not one number (a vector loss would pass the NaN guard unchecked)."""
+    if metrics is None:
+        return {}
+    if isinstance(metrics, tuple) and len(metrics) == 2 and not isinstance(metrics[0], Mapping):
+        loss, aux = metrics
+        if not isinstance(aux, Mapping):
+            raise TypeError(
+                f"metrics (loss, aux) must have a dict of scalar metrics as aux, got aux "
+                f"{received(aux)}; pass the loss alone, or a dict of scalars {{'loss': loss, ...}}"
+            )
+        if "loss" in aux:
+            raise ValueError("metrics (loss, aux): aux has a 'loss' of its own; rename it")
+        metrics = {"loss": loss, **aux}
+    elif not isinstance(metrics, Mapping):
+        metrics = {"loss": metrics}
+    for name, value in metrics.items():
+        if value is None or isinstance(value, str | bytes) or np.ndim(value) != 0:
+            what = f"shape {np.shape(value)}" if np.ndim(value) else received(value)
+            raise ValueError(
+                f"metrics[{name!r}] must be a scalar (one number per step, which the run "
+                f"logs and, for the loss, checks finite), got {what}; reduce it (jnp.mean), "
+                "or take one device's value of a pmap step's per-device metrics ([0])"
+            )
+    return dict(metrics)
+
+
+def refuse_earlier_run(manager: Any, where: str, resume: str) -> None:
+    """Raises ``ValueError`` when a run that starts afresh would save into a directory
+    holding checkpoints (``manager``'s; None: none): its steps would mix with the earlier
+    run's, ``max_to_keep`` would delete some of either, and a resume would take the newest
+    of them, whichever run it is from. ``where`` names the directory, ``resume`` the way
+    to continue from them (``sx.loop.run``'s ``resume=True``, ``--resume``)."""
+    steps = manager.all_steps() if manager is not None else []
+    if steps:
+        shown = steps if len(steps) <= 5 else [*steps[:2], "...", steps[-1]]
+        raise ValueError(
+            f"{where} already holds checkpoints (steps {', '.join(map(str, shown))}) of an "
+            "earlier run: a run started afresh would save its steps among them and a resume "
+            f"would take the newest, whichever run it is from. Pass {resume} to continue "
+            "from them, or choose an empty directory"
+        )
+
+
+def _every(every: Any) -> dict[str, int | None]:
+    """``every`` checked: a dict of :data:`EVERY` keys to counts (None: only at the end)."""
+    if every is None:
+        return {}
+    if not isinstance(every, Mapping):
+        raise TypeError(
+            f"every must be a dict of the steps between actions, with the keys "
+            f"{list(EVERY)} (e.g. every={{'save': 1000, 'log': 50}}), got {received(every)}"
+        )
+    unknown = sorted(set(every) - set(EVERY), key=str)
+    if unknown:
+        raise ValueError(f"every takes the keys {list(EVERY)}, got {unknown}")
+    return {
+        key: None if value is None else as_count(f"every[{key!r}]", value)
+        for key, value in every.items()
+    }
+
+
+def _checkpoint_directory(checkpoints: Any) -> str | None:
+    """The directory ``checkpoints`` saves into, checked writable; None for none."""
+    from shardax.checkpoint import CheckpointManager
+    from shardax.checkpoint.manager import check_directory
+
+    if checkpoints is None:
+        return None
+    if isinstance(checkpoints, CheckpointManager):
+        return check_directory("checkpoints", checkpoints.directory, writable=True)
+    if not isinstance(checkpoints, str | os.PathLike):
+        raise TypeError(
+            "checkpoints must be a directory (str or os.PathLike) or a "
+            f"sx.CheckpointManager, got {received(checkpoints)}"
+        )
+    return check_directory("checkpoints", checkpoints, writable=True)
+
+
 @public("sx.loop.run")
 def run(
     state: Any,
@@ -297,11 +467,14 @@ def run(
     Args:
         state: the state the loop trains (a ``sx.TrainState``, a pytree, or NNX objects
             such as ``(model, optimizer)``, restored in place).
-        checkpoints: a directory or a :class:`shardax.CheckpointManager`: resume from
-            its latest step; save every ``every["save"]`` steps, at the end and on
-            SIGTERM (then exit 75), with the loader's position.
-        every: steps between ``"save"``, ``"eval"`` and ``"log"`` (default: save at
-            the end only, evaluate at the end only, log every 10 steps).
+        checkpoints: a directory (made if needed; it must be writable) or a
+            :class:`shardax.CheckpointManager`: resume from its latest step; save every
+            ``every["save"]`` steps, at the end and on SIGTERM (then exit 75), with the
+            loader's position. A restored leaf goes where the live one was (an
+            uncommitted one, such as a key never placed, stays uncommitted).
+        every: a dict of the steps between ``"save"``, ``"eval"`` and ``"log"``
+            (default, or None: save at the end only, evaluate at the end only, log every
+            10 steps).
         steps: the run's last step (else the loader's end, or ``batches(steps=)``).
         evaluate: ``state -> {name: number}``, run every ``every["eval"]`` steps.
         watchdog: seconds a step may take (after the first) before the process ends
@@ -313,27 +486,22 @@ def run(
             which ``shardax goodput`` reads; written by process 0), or a path for it;
             False: none.
         data_state: ``() -> dict`` of JSON values saved with each checkpoint.
-        resume: resume from the latest checkpoint (default), or start afresh.
+        resume: resume from the latest checkpoint (default), or start afresh (False:
+            refused when ``checkpoints`` holds checkpoints, which the new run would mix
+            with its own).
         exit_on_preemption: end the process with code 75 after the SIGTERM save.
     """
-    every = dict(every or {})
-    unknown = sorted(set(every) - set(EVERY))
-    if unknown:
-        raise ValueError(f"every takes the keys {list(EVERY)}, got {unknown}")
-    for key, value in every.items():
-        as_count(f"every[{key!r}]", value)
-    manager = checkpoints
-    if checkpoints is not None and isinstance(checkpoints, str | os.PathLike):
-        from shardax.checkpoint import CheckpointManager
-
-        manager = CheckpointManager(checkpoints)
-    owned = contextlib.ExitStack()
-    if manager is not checkpoints:
-        owned.callback(manager.close)
-    if writer is not None and isinstance(writer, str | os.PathLike):
-        from shardax.track import MetricWriter
-
-        writer = owned.enter_context(MetricWriter(writer))
+    every = _every(every)
+    resume = as_bool("resume", resume)
+    progress = as_bool("progress", progress)
+    if evaluate is not None:
+        as_function("evaluate", evaluate, "a function state -> {name: number}")
+    if data_state is not None:
+        as_function("data_state", data_state, "a function () -> dict of JSON values")
+    if not isinstance(goodput, bool):
+        goodput = as_path("goodput", goodput, "True keeps it beside the checkpoints")
+    total = None if steps is None else as_count("steps", steps, minimum=0)
+    directory = _checkpoint_directory(checkpoints)
     # The watchdog first: under it a step counts as completed (in the ledger too) once it
     # waited for the step's result, one step behind (Run.done).
     hooks: list[Hook] = [Watchdog(watchdog)] if watchdog is not None else []
@@ -341,8 +509,8 @@ def run(
         from shardax.track.goodput import FILE
 
         where = goodput if not isinstance(goodput, bool) else None
-        if where is None and manager is not None:
-            where = os.path.join(manager.directory, FILE)
+        if where is None and directory is not None:
+            where = os.path.join(directory, FILE)
         if jax.process_index() != 0:
             where = None  # process 0 keeps the ledger; the others count in memory
         hooks.append(Goodput(where))
@@ -353,11 +521,27 @@ def run(
         hooks.append(Logging(every.get("log", 10)))
     if evaluate is not None:
         hooks.append(Evaluation(evaluate, every.get("eval")))
-    if manager is not None:
+    if directory is not None:
         hooks.append(Checkpoints(every.get("save")))
-    made = Run(
-        state, hooks, manager=manager, total=steps, resume=resume, data_state=data_state,
-        writer=writer, exit_on_preemption=exit_on_preemption,
-    )  # fmt: skip
+    # Every argument is checked: now what the run opens (closed if a later one fails).
+    owned = contextlib.ExitStack()
+    try:
+        manager = checkpoints
+        if isinstance(checkpoints, str | os.PathLike):
+            from shardax.checkpoint import CheckpointManager
+
+            manager = CheckpointManager(directory)
+            owned.callback(manager.close)
+        if writer is not None and isinstance(writer, str | os.PathLike):
+            from shardax.track import MetricWriter
+
+            writer = owned.enter_context(MetricWriter(writer))
+        made = Run(
+            state, hooks, manager=manager, total=total, resume=resume, data_state=data_state,
+            writer=writer, exit_on_preemption=exit_on_preemption,
+        )  # fmt: skip
+    except BaseException:
+        owned.close()
+        raise
     made._owned = owned
     return made

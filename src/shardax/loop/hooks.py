@@ -43,7 +43,7 @@ from typing import Any
 
 import jax
 
-from shardax.checks import as_float, public
+from shardax.checks import as_float, as_function, public
 from shardax.loop.schedule import itstime
 from shardax.runtime import status
 
@@ -347,7 +347,8 @@ class Evaluation(Hook):
     ``run.writer`` and to ``run.scores``."""
 
     def __init__(self, evaluate: Any, every: int | None = None) -> None:
-        self.evaluate, self.every = evaluate, every
+        self.evaluate = as_function("evaluate", evaluate, "a function state -> {name: number}")
+        self.every = every
         self.done_at: int | None = None
 
     def due(self, run: Any) -> bool:
@@ -380,7 +381,9 @@ class Checkpoints(Hook):
     """Every ``every`` steps, at the last and on preemption: saves the state with the
     data position (:meth:`Run.data_state`) through ``run.manager``
     (:class:`shardax.CheckpointManager`), in the ledger's ``checkpoint`` bucket, and the
-    ledger beside it. On closing, waits for the save in flight."""
+    ledger beside it. At the end it saves only the state of the last step
+    (:attr:`Run.handed`), never an older one under the last step's number. On closing,
+    waits for the save in flight."""
 
     def __init__(self, every: int | None = None) -> None:
         self.every = every
@@ -394,7 +397,7 @@ class Checkpoints(Hook):
             self.save(run)
 
     def finish(self, run: Any) -> None:
-        if self.saved_at != run.step and run.step > run.first:
+        if self.saved_at != run.step and run.step > run.first and run.handed == run.step:
             self.save(run)
 
     def save(self, run: Any) -> None:
