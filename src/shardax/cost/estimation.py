@@ -49,8 +49,10 @@ import jax
 import numpy as np
 
 from shardax.checks import public
+from shardax.cost.calibration import calibration_for, nearest
 from shardax.cost.flops import compiled_flops, hlo_flops
 from shardax.cost.hardware import HardwareSpec, device_spec
+from shardax.cost.opcost import StepCost, breakdown, price_hlo
 from shardax.cost.predict import (
     DEFAULT_COMPUTE_EFFICIENCY,
     LINKS,
@@ -121,6 +123,13 @@ class Estimate:
     compile_error: str | None = None
     compiler_options: dict[str, Any] | None = None
     overlap: dict[str, Any] | None = None
+    cost: StepCost | None = None
+
+    @property
+    def interval_s(self) -> tuple[float, float] | None:
+        """The per-op model's predicted step time as ``(low, high)`` seconds (None
+        without it: a device with no datasheet, a CPU or TPU)."""
+        return None if self.cost is None else (self.cost.low_s, self.cost.high_s)
 
     @property
     def headroom(self) -> float | None:
@@ -149,6 +158,7 @@ class Estimate:
         out["notes"] = list(self.notes)
         out.update(headroom=self.headroom, fits_with_headroom=self.fits, headroom_rule=HEADROOM)
         out["prediction"] = None if self.prediction is None else self.prediction.to_dict()
+        out["cost"] = None if self.cost is None else self.cost.to_dict()
         return out
 
     def __rich__(self) -> Any:
@@ -204,11 +214,45 @@ class Estimate:
                 f"{links or 'none'}"
             )
             parts.append(pred)
+        if self.cost is not None:
+            parts.append(self._cost_table())
         if self.overlap is not None:
             parts.append(exposed_line(self.overlap))
         parts.append(f"compiler options: {format_options(self.compiler_options)}")
         parts += [f"note: {n}" for n in self.notes]
         return Group(*parts)
+
+    def _cost_table(self) -> Any:
+        from rich.table import Table
+
+        c = self.cost
+        assert c is not None
+        per_device = self.model_flops / self.devices if self.model_flops else None
+        table = Table(title=f"PREDICTED (not measured), model per-op, {c.calibration}")
+        table.add_column("class")
+        table.add_column("ms per step", justify="right")
+        table.add_column("priced by")
+        for label, seconds, basis in breakdown(c, per_device):
+            table.add_row(label, f"{seconds * 1e3:.2f}", basis)
+        low, high = c.low_s, c.high_s
+        table.add_row("[bold]step", f"[bold]{c.step_s * 1e3:.1f}",
+                      f"interval {low * 1e3:.1f}–{high * 1e3:.1f} ms")  # fmt: skip
+        caption = []
+        if self.tokens:
+            per = self.tokens / self.devices
+            caption.append(f"tokens/s per device {per / c.step_s:,.0f} ({per / high:,.0f}–"
+                           f"{per / low:,.0f})")  # fmt: skip
+        if per_device and self.prediction is not None:
+            peak = self.prediction.peak_flops
+            caption.append(f"MFU {per_device / c.step_s / peak:.1%} ({per_device / high / peak:.1%}"
+                           f"–{per_device / low / peak:.1%})")  # fmt: skip
+        caption.append(f"executed matmul FLOPs {c.executed_flops:.3g} against model "
+                       f"{per_device or 0:.3g} per device")  # fmt: skip
+        if c.unpriced:
+            names = ", ".join(f"{k} × {v:.0f}" for k, v in c.unpriced.items())
+            caption.append(f"not in the tables (priced by their bytes): {names}")
+        table.caption = "; ".join(caption)
+        return table
 
     def __str__(self) -> str:
         from rich.console import Console
@@ -512,7 +556,7 @@ def analyse(
         row["sent_bytes"] += c.sent_bytes
     rows = tuple(grouped.values())
     hbm = None if spec is None else float(spec.memory_bytes)
-    prediction = overlap = None
+    prediction = overlap = cost = None
     if spec is None:
         notes.append(f"no datasheet for device kind {devices[0].device_kind!r}: no predicted time")
     else:
@@ -555,6 +599,7 @@ def analyse(
             devices=len(devices),
         )
         overlap = _overlap(timed, links_of, bandwidths, compute_efficiency * spec.peak_flops)
+        cost = _price(hlo, devices, spec, bandwidths)
         missing = [k for k, v in prediction.link_s.items() if v is None]
         if missing:
             notes.append(
@@ -581,7 +626,26 @@ def analyse(
         prediction=prediction,
         notes=tuple(notes),
         overlap=overlap,
+        cost=cost,
     )
+
+
+def _price(
+    hlo: str, devices: list[Any], spec: HardwareSpec, bandwidths: Mapping[str, float | None]
+) -> StepCost | None:
+    """The per-op model's price of ``hlo`` (:mod:`shardax.cost.opcost`) on a GPU: with
+    the device kind's calibration, else the nearest calibrated kind's, named
+    "uncalibrated" with how far off it is; None on other platforms (no tables)."""
+    if str(devices[0].platform).lower() not in ("gpu", "cuda", "rocm"):
+        return None
+    calibration = calibration_for(str(devices[0].device_kind))
+    name = None
+    if calibration is None:
+        calibration, name = nearest(spec.peak_flops, spec.hbm_bandwidth)
+    return price_hlo(
+        hlo, calibration, name=name, num_devices=len(devices),
+        link_of=lambda s: _link(s.collective.groups, devices), link_bandwidth=bandwidths,
+    )  # fmt: skip
 
 
 def _link(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> str:

@@ -1,0 +1,130 @@
+"""The per-op cost model (cost/opcost.py) and its calibration tables (cost/calibration.py).
+
+The pure functions run on HLO text; the ``compile_only`` tests price a small GPT compiled
+for compile-only H200 and H100 devices (the full 24-layer configurations measured on the
+H200 are ``benchmarks/cost_model_accuracy.py``'s).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import shardax as sx
+from shardax.cost.calibration import H100, H200, calibration_for, gemm_rows, nearest
+from shardax.cost.opcost import attention_seconds, breakdown, gemm_rate, price_hlo
+
+GEMM = "  %d = bf16[8192,8192]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}"
+PARAMS = "  %a = bf16[8192,2048]{1,0} parameter(0)\n  %b = bf16[2048,8192]{1,0} parameter(1)\n"
+
+
+def test_calibrations_name_their_provenance():
+    assert H200.name == "calibrated: H200, JAX 0.11.2, 2026-11-27" and H200.derived is None
+    assert "session.json" in H200.source
+    assert H100.name.startswith("derived: H100") and "not measured" in H100.derived
+    assert calibration_for("NVIDIA H100 80GB HBM3") is H100 and calibration_for("cpu") is None
+    calib, why = nearest(2.25e15, 8e12)  # a B200-like datasheet: the measured H200
+    assert calib is H200 and why.startswith("uncalibrated: the nearest calibrated kind, H200")
+
+
+def test_gemm_rows_drop_dispatch_bound_rows_and_the_rate_is_the_nearest_shape():
+    shapes = {r[:3] for r in gemm_rows(H200)}
+    assert (1024, 1024, 1024) not in shapes and (2048, 2048, 2048) not in shapes
+    assert (8192, 8192, 8192) in shapes
+    assert gemm_rate(H200, 8192, 8192, 2048) == pytest.approx(659.32e12)
+    assert gemm_rate(H200, 8192, 8192, 2048, "f32") == pytest.approx(659.32e12 / 2)
+    assert gemm_rate(H100, 8192, 8192, 8192) == pytest.approx(798e12)  # scaled to its measure
+
+
+def test_a_gemm_is_priced_at_its_shape_rate_times_its_loop_trips():
+    hlo = (
+        "%body (p: bf16[8192,2048]) -> bf16[8192,8192] {\n" + PARAMS + GEMM + "\n}\n"
+        "ENTRY %main (x: bf16[8192,2048]) -> bf16[8192,8192] {\n" + PARAMS +
+        '  %w = (s32[], bf16[8192,8192]) while(%t), condition=%cond, body=%body, '
+        'backend_config={"known_trip_count":{"n":"3"}}\n}'
+    )  # fmt: skip
+    cost = price_hlo(hlo, H200)
+    gemm = cost.classes["gemm"]
+    assert gemm.kernels == 3 and gemm.flops == 3 * 2 * 8192 * 8192 * 2048
+    assert gemm.seconds == pytest.approx(gemm.flops / 659.32e12)
+    assert gemm.low < gemm.seconds < gemm.high
+    assert cost.launch_s == pytest.approx(3 * H200.launch_us * 1e-6)
+    assert cost.low_s < cost.step_s < cost.high_s
+
+
+def test_memory_bound_work_at_the_stream_bandwidth_and_remat_as_its_own_line():
+    hlo = "ENTRY %main {\n" + PARAMS + GEMM + (
+        "\n  %c = f32[8192,8192]{1,0} fusion(%d), kind=kLoop, calls=%f, "
+        'metadata={op_name="jit(step)/optimizer/add"}\n}'
+    )  # fmt: skip
+    cost = price_hlo(hlo, H200)
+    moved = 8192 * 8192 * (2 + 4)
+    assert cost.classes["optimizer"].bytes == moved
+    assert cost.classes["optimizer"].seconds == pytest.approx(moved / 3952.75e9)  # median
+    rows = dict((label, s) for label, s, _ in breakdown(cost, model_flops=cost.executed_flops / 2))
+    assert rows["GEMMs: beyond model FLOPs (remat, recompute)"] == pytest.approx(
+        rows["GEMMs: model work"]
+    )
+
+
+def test_cudnn_attention_by_its_kernel_table():
+    fwd = (
+        "%o = (bf16[4,16,2048,128]{3,1,2,0}, f32[4,16,2048]{2,1,0}) custom-call(%q, %k, %v), "
+        'custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={'
+        "bf16[4,2048,16,128]{3,2,1,0}, bf16[4,2048,16,128]{3,2,1,0}}, "
+        'backend_config={"mask_type":"CAUSAL"}'
+    )
+    assert attention_seconds(H200, fwd) == pytest.approx(0.17894e-3)  # the measured kernel
+    bwd = fwd.replace("fmhaSoftmax", "fmhaSoftmaxBackward")
+    assert attention_seconds(H200, bwd) == pytest.approx((0.73624 - 0.17894) * 1e-3)
+    assert attention_seconds(H200, "%x = f32[2] add(%a, %b)") is None
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    from shardax.models import gpt
+
+    def build(target, mesh_shape, plan, remat):
+        mesh = sx.make_mesh(mesh_shape, devices=sx.target(target))
+        cfg = gpt.GPTConfig(2, 256, 2, 256, vocab=256, scan_layers=False)
+        make = lambda: gpt.make_gpt(cfg, remat=remat)  # noqa: E731
+        model = nnx.eval_shape(make)
+        state = nnx.eval_shape(lambda: sx.TrainState.create(make(), optax.adamw(1e-4)))
+
+        def loss_fn(m, b):
+            logits = m(b["inputs"]).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+        step = sx.make_train_step(loss_fn, mesh=mesh, plan=gpt.plan(mesh, model, plan),
+                                  precision="bf16")  # fmt: skip
+        tokens = jax.ShapeDtypeStruct((4, 256), jnp.int32)
+        return sx.estimate(step, state, {"inputs": tokens, "targets": tokens})
+
+    return build
+
+
+@pytest.mark.compile_only
+def test_estimate_prices_a_gpt_on_an_h200_op_by_op(small_gpt):
+    report = small_gpt("1xH200", {"data": 1}, "replicate", "full")
+    cost = report.cost
+    assert cost is not None and cost.calibration == H200.name
+    assert cost.classes["gemm"].kernels > 0 and cost.classes["gemm"].flops > 0
+    assert cost.classes["attention"].kernels == 6  # cuDNN: 2 forward, 2 recomputed, 2 backward
+    assert cost.executed_flops == pytest.approx(report.flops_hlo)
+    assert cost.collective_s == 0 and report.interval_s == (cost.low_s, cost.high_s)
+    text = str(report)
+    shows = ("model per-op, calibrated: H200, JAX 0.11.2, 2026-11-27", "interval",
+             "GEMMs: beyond model FLOPs (remat, recompute)", "exposed collective time")  # fmt: skip
+    for shown in shows:
+        assert shown in text, shown
+    assert report.to_dict()["cost"]["calibration"] == H200.name
+
+
+@pytest.mark.compile_only
+def test_estimate_prices_the_collectives_of_fsdp_on_a_derived_h100(small_gpt):
+    report = small_gpt("2xH100", {"data": 2}, "fsdp", "none")
+    cost = report.cost
+    assert cost is not None and cost.calibration.startswith("derived: H100")
+    assert 0 < cost.exposed_s <= cost.collective_s
+    assert cost.low_s <= cost.step_s <= cost.high_s
