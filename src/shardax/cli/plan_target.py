@@ -45,6 +45,41 @@ PLAN_RULES = {
 }
 
 
+NOT_WITH_TARGET = {
+    "measure": "which compiles the built-in model on the devices at hand; --target compiles "
+    "the GPT for the target's devices",
+    "params": "which sizes the GPT by --layers, --d-model, --heads, --seq-len and --vocab",
+    "devices": "whose name gives the devices (their kind and count)",
+    "hardware": "whose name gives the devices (their kind and count)",
+    "microbatches": "whose --plan auto picks the pipeline's microbatches itself",
+    "run_dir": "which writes no run directory (--json for the result, --png for the figure)",
+}
+"""Options of ``shardax plan`` that ``--target`` would ignore, and why: each is refused."""
+
+
+def refuse_ignored(args: argparse.Namespace) -> None:
+    """A usage error naming the first option ``--target`` would ignore: those of
+    :data:`NOT_WITH_TARGET`, ``--plans`` beside a named ``--plan``, and ``--precision``
+    beside ``--param-dtype bf16`` (which sets the precision itself)."""
+    for dest, why in NOT_WITH_TARGET.items():
+        value = getattr(args, dest, None)
+        if value is not None and value is not False:
+            shown = (
+                "" if value is True else f" {value:g}" if isinstance(value, float) else f" {value}"
+            )
+            raise UsageError(f"--{dest.replace('_', '-')}{shown}: not with --target, {why}")
+    if args.plans is not None and args.plan != "auto":
+        raise UsageError(
+            f"--plans {','.join(args.plans)}: only with --plan auto (the candidates it "
+            f"ranks), got --plan {args.plan}"
+        )
+    if args.param_dtype == "bf16" and args.precision is not None:
+        raise UsageError(
+            f"--precision {args.precision}: not with --param-dtype bf16, which keeps params "
+            "and Adam's moments in bf16 and computes in bf16; give one of them"
+        )
+
+
 def load_target(name: str) -> Any:
     """``sx.target(name)``; its errors (unknown name, missing extra, JAX 0.10) as one-line
     usage errors."""
@@ -360,6 +395,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     import shardax as sx
     from shardax.models import gpt
 
+    refuse_ignored(args)
     if args.batch is None:
         raise UsageError("--target needs --batch (the global batch, in sequences)")
     if args.model not in (None, "gpt"):
