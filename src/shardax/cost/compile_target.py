@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import glob
 import importlib.resources
 import importlib.util
 import os
@@ -396,6 +397,59 @@ def _gpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
     return list(desc.devices), topology
 
 
+LIBTPU_LOCK = "/tmp/libtpu_lockfile"
+"""The lock libtpu takes when it loads, so that two processes do not drive one TPU."""
+ALLOW_MULTIPLE_LIBTPU = "ALLOW_MULTIPLE_LIBTPU_LOAD"
+
+
+def tpu_chips_attached() -> bool:
+    """Whether this machine has TPU chips: a Google PCI device (vendor ``0x1ae0``, as JAX's
+    own check reads it) or an ``/dev/accel*`` device."""
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == "0x1ae0":
+                    return True
+        except OSError:
+            continue
+    return bool(glob.glob("/dev/accel*"))
+
+
+def prepare_libtpu() -> str | None:
+    """Lets libtpu load for a compile-only target while another process has it loaded.
+
+    libtpu takes :data:`LIBTPU_LOCK` when it initialises and refuses to load while another
+    process holds it (advising ``sudo rm`` of a live process's lock). The lock guards the
+    TPU chips, which a compile-only target never drives: so this sets
+    ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` (libtpu's own switch) where no chip could be driven,
+    the variable being unset and this machine having no TPU chips
+    (:func:`tpu_chips_attached`); on a TPU machine the lock still protects the chips and
+    :func:`target` says what to do. Returns the variable it set, or None;
+    :func:`target` removes it once libtpu has loaded (the lock is read once, then), so it
+    does not reach the rest of the program or its subprocesses.
+    """
+    if os.environ.get(ALLOW_MULTIPLE_LIBTPU) is not None or tpu_chips_attached():
+        return None
+    os.environ[ALLOW_MULTIPLE_LIBTPU] = "1"
+    return ALLOW_MULTIPLE_LIBTPU
+
+
+def _libtpu_locked(name: str, error: BaseException) -> RuntimeError | None:
+    """shardax's words for libtpu's refusal to load beside another process (None for
+    another error)."""
+    if "libtpu_lockfile" not in str(error):
+        return None
+    return RuntimeError(
+        f"target {name!r} loads libtpu, which refused: another process on this machine has "
+        f"loaded it and holds its lock {LIBTPU_LOCK} (`lsof {LIBTPU_LOCK}` names it; do not "
+        "delete the file, as libtpu's own message says, while that process lives). This "
+        "machine has TPU chips, so shardax leaves the lock on. A compile-only target runs "
+        f"nothing on the TPU: to compile beside the other process, set "
+        f"{ALLOW_MULTIPLE_LIBTPU}=1 in the environment before the first sx.target (this process "
+        "must then not run on this machine's TPU), or wait until the other process ends"
+    )
+
+
 def _tpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
     from jax.experimental import topologies
 
@@ -409,7 +463,17 @@ def _tpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
         options["num_slices"] = parsed["slices"]
     if parsed["chips"] == 8 and parsed["kind"] != "TPU v5":
         options["chips_per_host_bounds"] = (2, 4, 1)  # v5e-8, v6e-8: one host of 8 chips
-    desc = topologies.get_topology_desc(parsed["topology"], platform="tpu", **options)
+    allowed = prepare_libtpu()
+    try:
+        desc = topologies.get_topology_desc(parsed["topology"], platform="tpu", **options)
+    except RuntimeError as e:  # jax.errors.JaxRuntimeError
+        locked = _libtpu_locked(name, e)
+        if locked is None:
+            raise
+        raise locked from None
+    finally:  # libtpu has loaded (or failed to): the lock is not read again
+        if allowed is not None:
+            os.environ.pop(allowed, None)
     return list(desc.devices), parsed["topology"]
 
 
