@@ -231,12 +231,17 @@ def _size(text: str) -> float:
     )
 
 
+_SLICES = frozenset({"slice", "dynamic-slice", "gather"})
+_ALIASES = frozenset({"bitcast", "reshape", "get-tuple-element"})
+
+
 def moved_bytes(index: HloIndex, instr: Instr) -> float:
-    """Bytes ``instr`` moves through memory: its operands' and output's sizes
-    (:meth:`~shardax.cost.ops.HloIndex.bytes`), except that an in-place update
-    (``dynamic-update-slice`` inside) moves its update twice, not the buffer it
-    updates, and a slice (``slice``, ``dynamic-slice``, ``gather`` inside) reads no more
-    of its largest operand than it writes.
+    """Bytes ``instr`` moves through memory: what it reads and writes. A plain op: its
+    operands' and output's sizes. A fusion, from its body: a parameter read only by
+    slices (``slice``, ``dynamic-slice``, ``gather``) counts the slices' bytes (a scan's
+    step reads one layer of the stacked weights), one only updated in place
+    (``dynamic-update-slice``'s buffer) counts nothing, and an in-place update writes
+    its update, not the buffer.
 
     >>> index = HloIndex("ENTRY %m {\\n  %p = bf16[24,64]{1,0} parameter(0)\\n"
     ...     "  %s = bf16[1,64]{1,0} fusion(%p), kind=kLoop, calls=%f\\n}\\n%f {\\n"
@@ -244,17 +249,52 @@ def moved_bytes(index: HloIndex, instr: Instr) -> float:
     >>> index.bytes(index.by_name["s"]), moved_bytes(index, index.by_name["s"])
     (3200.0, 256.0)
     """
-    ops = {instr.opcode, *(op for op, _, _ in instr.fused)}
-    sizes = [_size(index._type(instr.computation, o)) for o in instr.operands]
-    out = _size(instr.out)
-    if not sizes:
-        return out
-    largest = max(sizes)
-    if "dynamic-update-slice" in ops:
-        return 2.0 * (sum(sizes) - largest)
-    if ops & {"slice", "dynamic-slice", "gather"} and out < largest:
-        return sum(sizes) - largest + 2.0 * out
-    return sum(sizes) + out
+    body = index.by_comp.get(instr.called) if instr.called else None
+    if not body:
+        if instr.opcode == "dynamic-update-slice" and len(instr.operands) > 1:
+            return 2.0 * _size(index._type(instr.computation, instr.operands[1]))
+        if instr.opcode in _SLICES:
+            return 2.0 * _size(instr.out)
+        return index.bytes(instr)
+    users: dict[str, list[tuple[Instr, int]]] = {}
+    for op in body.values():
+        for pos, name in enumerate(op.operands):
+            users.setdefault(name, []).append((op, pos))
+
+    def reads(name: str, seen: int = 0) -> float | None:  # bytes read through slices only
+        total = 0.0
+        for op, pos in users.get(name, []):
+            if op.opcode in _ALIASES and seen < 8:
+                inner = reads(op.name, seen + 1)
+                if inner is None:
+                    return None
+                total += inner
+            elif op.opcode in _SLICES and pos == 0:
+                total += _size(op.out)
+            elif op.opcode == "dynamic-update-slice" and pos == 0:
+                continue
+            else:
+                return None
+        return total
+
+    read = 0.0
+    for op in body.values():
+        if op.opcode == "parameter":
+            sliced = reads(op.name)
+            read += _size(op.out) if sliced is None else sliced
+    roots = [op for op in body.values() if op.line.lstrip().startswith("ROOT")]
+    outs = roots[-1:] if roots else list(body.values())[-1:]
+    if outs and outs[0].opcode == "tuple":
+        outs = [body[o] for o in outs[0].operands if o in body]
+    written = 0.0
+    for op in outs:
+        while op.opcode in _ALIASES and op.operands and op.operands[0] in body:
+            op = body[op.operands[0]]
+        if op.opcode == "dynamic-update-slice" and len(op.operands) > 1:
+            written += _size(index._type(op.computation, op.operands[1]))
+        else:
+            written += _size(op.out)
+    return read + written
 
 
 def price_hlo(
@@ -285,7 +325,7 @@ def price_hlo(
         if comp in skipped:
             continue
         for instr in instrs.values():
-            if instr.opcode in _NO_KERNEL:
+            if instr.opcode in _NO_KERNEL or instr.opcode.endswith(("-done", "-update")):
                 continue
             cls = classify(instr)
             if cls == "collectives":
