@@ -23,6 +23,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, as_hardware_type, device_spec
 from shardax.cost.hlo import _computations, _runs
 
@@ -32,7 +34,14 @@ _DOT = re.compile(r"= (\S+) dot\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
 _GEMM = re.compile(
     r"= \(?(\w+\[[\d,]*\])[^=]*? custom-call\(%?([\w.\-]+), .*__cublas\$(?:\w*gemm|lt\$matmul)"
 )
-_CONV = re.compile(r"= (\S+) convolution\(%?([\w.\-]+), %?([\w.\-]+)\).*?dim_labels=(\w+)_")
+_CONV = re.compile(r"= (\S+) convolution\(([^)]*)\)")
+# cuDNN's convolutions: (result, workspace) = custom-call(operands), the forward conv's
+# window and dim_labels on the line whichever direction the call computes.
+_CUDNN_CONV = re.compile(
+    r'= (\(.*?\)|\S+) custom-call\(([^)]*)\).*custom_call_target="__cudnn\$conv(\w*)"'
+)
+_LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+_GROUP_COUNT = re.compile(r"\b(feature|batch)_group_count=(\d+)")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 _BRANCHES = re.compile(
     r"\bbranch_computations=\{([^}]*)\}"
@@ -40,26 +49,103 @@ _BRANCHES = re.compile(
 )
 
 
-def _window_taps(line: str) -> int:
-    """The window positions a TPU ``convolution`` really sums over: its size in each
-    spatial dimension that is a plain contraction; a dimension with padding, dilation,
-    stride or reversal is XLA:TPU's way of writing a batch dimension (one tap)."""
+def _window(line: str) -> list[dict[str, int]]:
+    """The window of a convolution ``line``, one dict per spatial dimension: ``size``,
+    ``stride``, ``low`` (padding), ``base`` (lhs dilation), ``dilation`` (rhs)."""
     found = _WINDOW.search(line)
-    if not found:
-        return 1
-    fields = dict(f.split("=", 1) for f in found.group(1).split() if "=" in f)
-    sizes = [int(v) for v in fields.get("size", "1").split("x")]
-    taps = 1
-    plain = {"pad": "0_0", "lhs_dilate": "1", "rhs_dilate": "1", "stride": "1",
-             "rhs_reversal": "0"}  # fmt: skip
-    for i, size in enumerate(sizes):
-        for key, ok in plain.items():
-            parts = fields.get(key, ok).split("x")
-            if (parts[i] if i < len(parts) else ok) != ok:
-                break
-        else:
-            taps *= size
-    return taps
+    fields = dict(f.split("=", 1) for f in found.group(1).split() if "=" in f) if found else {}
+    sizes = [int(v) for v in fields.get("size", "").split("x") if v]
+
+    def each(key: str, default: str) -> list[str]:
+        parts = fields.get(key, "").split("x") if key in fields else []
+        return [parts[i] if i < len(parts) else default for i in range(len(sizes))]
+
+    return [
+        {"size": size, "stride": int(stride), "low": int(pad.split("_")[0]),
+         "base": int(base), "dilation": int(dilation)}
+        for size, stride, pad, base, dilation in zip(
+            sizes, each("stride", "1"), each("pad", "0_0"), each("lhs_dilate", "1"),
+            each("rhs_dilate", "1"), strict=True,
+        )
+    ]  # fmt: skip
+
+
+def _valid_positions(inputs: int, kernel: int, outputs: int, w: dict[str, int]) -> int:
+    """The (output, kernel) position pairs of one spatial dimension that read an input
+    element (not padding, not a hole of the lhs dilation): XLA's ``HloCostAnalysis``."""
+    o = np.arange(outputs)
+    count = 0
+    for k in range(kernel):
+        at = o * w["stride"] - w["low"] + k * w["dilation"]
+        if w["base"] > 1:
+            at = np.where(at % w["base"] == 0, at // w["base"], -1)
+        count += int(np.count_nonzero((at >= 0) & (at < inputs)))
+    return count
+
+
+def conv_flops(
+    lhs: tuple[int, ...],
+    rhs: tuple[int, ...],
+    out: tuple[int, ...],
+    labels: tuple[str, str, str],
+    window: list[dict[str, int]],
+    feature_groups: int = 1,
+    batch_groups: int = 1,
+) -> float:
+    """FLOPs of a convolution of input ``lhs``, kernel ``rhs`` and output ``out`` (shapes)
+    laid out by ``labels`` (``dim_labels``: ``("b01f", "01io", "b01f")``), as XLA's own
+    count: ``2 · input features / feature groups · output features · batch / batch groups``
+    times, per spatial dimension, the (output, kernel) pairs that read an input element.
+    XLA:TPU's batched matmuls written as convolutions (a batch dimension as a window
+    whose every output reads one kernel position) count that dimension's size.
+
+    >>> conv_flops((8, 16, 16, 32), (3, 3, 32, 64), (8, 16, 16, 64), ("b01f", "01io", "b01f"),
+    ...            _window("window={size=3x3 pad=1_1x1_1}"))  # 'SAME': 14·3 + 2·2 per dim
+    69337088.0
+    """
+    lhs_l, rhs_l, out_l = labels
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    valid = 1
+    for i, c in enumerate(spatial):
+        w = window[i] if i < len(window) else {"stride": 1, "low": 0, "base": 1, "dilation": 1}
+        valid *= _valid_positions(lhs[lhs_l.index(c)], rhs[rhs_l.index(c)],
+                                  out[out_l.index(c)], w)  # fmt: skip
+    features = lhs[lhs_l.index("f")] // max(feature_groups, 1)
+    batch = lhs[lhs_l.index("b")] // max(batch_groups, 1)
+    return 2.0 * features * out[out_l.index("f")] * batch * valid
+
+
+def _conv_line_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, float] | None:
+    """``(kind, FLOPs)`` of a ``convolution`` (kind ``"conv"``) or a cuDNN convolution
+    custom call (``"cudnn-conv"``: forward, fused bias-activation, backward input or
+    filter, each the forward convolution its window and labels describe: the input is
+    the result of a backward-input call, the kernel that of a backward-filter call);
+    None for another line or operands of unknown shape."""
+    found = _CONV.search(line)
+    kind = "conv"
+    if found is None:
+        found, kind = _CUDNN_CONV.search(line), "cudnn-conv"
+    labels = _LABELS.search(line) if found else None
+    if found is None or labels is None:
+        return None
+    out = _dims(_SHAPE.search(found.group(1)).group(0))
+    names = [op.split()[-1].lstrip("%") for op in found.group(2).split(", ") if op]
+    operands = [shapes.get(name) for name in names[:2]]
+    lhs, rhs = operands + [None] * (2 - len(operands))
+    direction = found.group(3) if kind == "cudnn-conv" else ""
+    if direction == "BackwardInput":  # (output gradient, kernel) -> input gradient
+        lhs, rhs, out = out, rhs, lhs
+    elif direction == "BackwardFilter":  # (input, output gradient) -> kernel gradient
+        lhs, rhs, out = lhs, out, rhs
+    if lhs is None or rhs is None or out is None:
+        return None
+    groups = {k: int(v) for k, v in _GROUP_COUNT.findall(line)}
+    lhs_l, rhs_l, out_l = labels.groups()
+    if (len(lhs), len(rhs), len(out)) != (len(lhs_l), len(rhs_l), len(out_l)):
+        return None
+    flops = conv_flops(lhs, rhs, out, (lhs_l, rhs_l, out_l), _window(line),
+                       groups.get("feature", 1), groups.get("batch", 1))  # fmt: skip
+    return kind, flops
 
 
 _CONTRACT = re.compile(r"lhs_contracting_dim(?:s|ensions)\W+([\d,\s\"]*)")
@@ -95,10 +181,12 @@ def _fmha_flops(line: str) -> float:
 
 def hlo_flops(hlo: str) -> float:
     """Matmul FLOPs of one device's program per run of ``hlo`` (``compiled.as_text()``):
-    ``2 · output elements · contracted size`` for every ``dot`` (and cuBLAS GEMM custom
-    call, and XLA:TPU's ``convolution``: ``2 · output · lhs features · window taps``), and
-    cuDNN's fused attention (:func:`_fmha_flops`), an op in a loop body counted its trip
-    count times. Elementwise ops, reductions and TPU Pallas kernels (splash attention) are
+    ``2 · output elements · contracted size`` for every ``dot`` and cuBLAS GEMM custom
+    call; every ``convolution`` and cuDNN convolution call (forward, fused
+    bias-activation, backward input and filter) as XLA counts a convolution
+    (:func:`conv_flops`); cuDNN's fused attention (:func:`_fmha_flops`); an op in a loop
+    body counted its trip count times. Elementwise ops, reductions and custom calls of
+    other kernels (TPU Pallas' splash attention: :func:`unpriced_calls` names them) are
     not counted. A ``conditional`` counts its costliest branch, as XLA's own count does: an
     upper bound where the branch is skipped at run time (a context ring's blocks that a
     causal mask hides).
@@ -111,9 +199,9 @@ def hlo_flops(hlo: str) -> float:
 
 
 def library_call_flops(hlo: str) -> float:
-    """The FLOPs of ``hlo``'s matmuls that are library calls (cuBLAS GEMMs, cuDNN's fused
-    attention), which XLA:GPU's ``cost_analysis()`` counts as zero; 0 for a CPU or TPU
-    program.
+    """The FLOPs of ``hlo``'s matmuls that are library calls (cuBLAS GEMMs, cuDNN's
+    convolutions and fused attention), which XLA:GPU's ``cost_analysis()`` counts as zero;
+    0 for a CPU or TPU program.
 
     >>> library_call_flops("%a = bf16[4,8]{1,0} parameter(0)\\n%g = (bf16[4,2]{1,0}, s8[0]{0}) "
     ...     'custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config='
@@ -123,6 +211,57 @@ def library_call_flops(hlo: str) -> float:
     0.0
     """
     return _beyond_cost_analysis(hlo)[0]
+
+
+LIBRARY_KINDS = ("gemm", "cudnn-conv", "fmha")
+"""The matmul kinds of :func:`line_matmuls` that are library calls (custom calls)."""
+
+# Custom calls that do no matmul work: data movement, RNG, sharding and layout markers,
+# host transfers and callbacks.
+NO_MATMUL_CALLS = re.compile(
+    r"cu_threefry2x32|Sharding|SPMD\w+|LayoutConstraint|AllocateBuffer|PadToStatic|"
+    r"SliceToDynamic|MoveTo(?:Host|Device)|annotate_device_placement|\w*python\w*callback|"
+    r"__cudnn\$norm\w*|X64\w+|InspectSharding|local_sharding_constraint"
+)
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+
+
+def unpriced_calls(hlo: str) -> dict[str, int]:
+    """``{custom call target: calls}`` of ``hlo``'s custom calls whose FLOPs the count
+    (:func:`hlo_flops`) cannot price: not a cuBLAS GEMM, cuDNN convolution or attention
+    call it read, nor a call known to do no matmul (:data:`NO_MATMUL_CALLS`), e.g. a
+    Pallas or Mosaic kernel (``tpu_custom_call``, ``__gpu$xla.gpu.triton``). Calls in a
+    loop body count once per trip.
+
+    >>> unpriced_calls('%k = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call"\\n'
+    ...                '%r = u32[8]{0} custom-call(%a), custom_call_target="cu_threefry2x32"')
+    {'tpu_custom_call': 1}
+    """
+    bodies, entry = _computations(hlo)
+    runs = _runs(bodies, entry)
+    found: dict[str, int] = {}
+    for name, lines in bodies.items():
+        priced = {index for index, _, _ in line_matmuls(lines)}
+        for index, line in enumerate(lines):
+            target = _CALL_TARGET.search(line)
+            if target is None or index in priced or NO_MATMUL_CALLS.fullmatch(target.group(1)):
+                continue
+            found[target.group(1)] = found.get(target.group(1), 0) + max(runs.get(name) or 1, 1)
+    return found
+
+
+def format_unpriced(calls: dict[str, int]) -> str:
+    """The report's note for :func:`unpriced_calls` (empty when there are none).
+
+    >>> format_unpriced({"tpu_custom_call": 48})
+    'FLOPs not counted: 48 custom calls the count cannot price (tpu_custom_call × 48)'
+    """
+    if not calls:
+        return ""
+    listed = ", ".join(f"{k} × {v}" for k, v in sorted(calls.items(), key=lambda kv: -kv[1]))
+    return (
+        f"FLOPs not counted: {sum(calls.values())} custom calls the count cannot price ({listed})"
+    )
 
 
 def loop_matmul_flops(hlo: str) -> float:
@@ -141,7 +280,7 @@ def _beyond_cost_analysis(hlo: str) -> tuple[float, float]:
     """``(library_call_flops, loop_matmul_flops)`` of ``hlo`` in one reading of it."""
     library = loops = 0.0
     for kind, flops, times in _matmuls(hlo):
-        if kind in ("gemm", "fmha"):
+        if kind in LIBRARY_KINDS:
             library += flops * times
         else:
             loops += flops * max(times - 1, 0)
@@ -150,9 +289,10 @@ def _beyond_cost_analysis(hlo: str) -> tuple[float, float]:
 
 def _matmuls(hlo: str) -> Iterator[tuple[str, float, int]]:
     """``(kind, FLOPs of one run, runs)`` of each matmul of ``hlo``: kinds ``"dot"``,
-    ``"conv"`` (XLA:TPU), ``"gemm"`` (a cuBLAS custom call), ``"fmha"`` (cuDNN's
-    attention); runs: how often its computation runs per run of the program (loop
-    trips; of a ``conditional``'s branches only the costliest, as XLA counts them)."""
+    ``"conv"`` (XLA:CPU's and XLA:TPU's ``convolution``), ``"gemm"`` (a cuBLAS custom
+    call), ``"cudnn-conv"`` (a cuDNN convolution), ``"fmha"`` (cuDNN's attention);
+    runs: how often its computation runs per run of the program (loop trips; of a
+    ``conditional``'s branches only the costliest, as XLA counts them)."""
     bodies, entry = _computations(hlo)
     own = {name: list(_own_matmuls(lines)) for name, lines in bodies.items()}
     base = _runs(bodies, entry)
@@ -192,15 +332,9 @@ def line_matmuls(lines: list[str]) -> Iterator[tuple[int, str, float]]:
         if found and not found.group(2).startswith("("):
             shapes[found.group(1)] = _dims(found.group(2))
     for index, line in enumerate(lines):
-        conv = _CONV.search(line)
-        if conv:  # XLA:TPU's matmuls: 2 · output · lhs features · window
-            lhs = shapes.get(conv.group(2))
-            labels = conv.group(4)
-            if lhs is None or "f" not in labels or len(labels) != len(lhs):
-                continue
-            taps = _window_taps(line)
-            flops = 2.0 * math.prod(_dims(conv.group(1))) * lhs[labels.index("f")] * taps
-            yield index, "conv", flops
+        conv = _conv_line_flops(line, shapes)
+        if conv is not None:
+            yield index, *conv
             continue
         fmha = _fmha_flops(line)
         if fmha:
