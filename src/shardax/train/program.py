@@ -73,12 +73,59 @@ def unalias(source: Any, placed: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+ABSTRACT_INSTEAD = (
+    "build the state with step.init(...) or sx.TrainState.create(...), or, for shapes only, "
+    "compile it: step.lower(state, batch).compile() (memory_analysis(), cost_analysis()) or "
+    "sx.estimate(step, state, batch) for its memory and predicted time"
+)
+
+
+def compile_only(mesh: Any) -> str | None:
+    """The device kind of ``mesh`` when its devices are compile-only (``sx.target``'s,
+    which hold no arrays and run nothing), else None."""
+    device = mesh.devices.flat[0]
+    runtime = getattr(getattr(device, "client", None), "runtime_type", "")
+    return str(device.device_kind) if runtime == "compile_only_runtime" else None
+
+
+def refuse_compile_only(mesh: Any, what: str) -> None:
+    """A ``ValueError`` when ``mesh`` is of compile-only devices, saying what to do."""
+    kind = compile_only(mesh)
+    if kind is not None:
+        raise ValueError(
+            f"{what} runs on arrays, and the step's mesh is of compile-only devices "
+            f"({mesh.devices.size} x {kind}, from sx.target), which hold no arrays and run "
+            "nothing: compile the step for abstract inputs (jax.eval_shape, nnx.eval_shape) "
+            "with step.lower(state, batch).compile(), or sx.estimate(step, state, batch) for "
+            "its memory and predicted time; to run it, make the step on a mesh of this "
+            "machine's devices (sx.make_mesh without devices=)"
+        )
+
+
+def refuse_abstract(name: str, tree: Any, instead: str) -> None:
+    """A ``TypeError`` naming the first abstract leaf (``jax.ShapeDtypeStruct``) of
+    ``tree`` (the argument ``name``), with ``instead``: what to do."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, leaf in leaves:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            where = jax.tree_util.keystr(path) or "itself"
+            raise TypeError(
+                f"{name} holds abstract values (jax.ShapeDtypeStruct at {where}: "
+                f"{leaf.dtype}{list(leaf.shape)}), and {instead}"
+            )
+
+
 def check_state(state: Any) -> None:
     """A :class:`TrainState` whose buffers are alive (not donated to an earlier step)."""
     if not isinstance(state, TrainState):
         raise TypeError(
             f"the train step takes a sx.TrainState (sx.TrainState.create(model, tx), "
             f".from_linen or .from_params), got {type(state).__name__}"
+        )
+    if isinstance(state.step, jax.ShapeDtypeStruct):  # jax.eval_shape's, nnx.eval_shape's
+        raise TypeError(
+            f"the state holds abstract values (jax.ShapeDtypeStruct), and a step runs on "
+            f"arrays: {ABSTRACT_INSTEAD}"
         )
     # The step counter is donated with the rest: checking it costs no tree flatten.
     if isinstance(state.step, jax.Array) and state.step.is_deleted():
@@ -132,6 +179,7 @@ class Program:
         # The name read when an error names it (AutoStep renames its pick "auto:<plan>").
         name = lambda: self.plan_name  # noqa: E731
         self._call, self._lower = mode_program(config, shard, self._batches, name)
+        self._compile_only = compile_only(self.mesh) is not None
 
     # -- placement of the state ----------------------------------------------------------
 
@@ -145,6 +193,8 @@ class Program:
         (:func:`shardax.runtime.check_agreement`), so a mismatch is an error, not a hang.
         """
         check_state(state)
+        if self._compile_only:
+            refuse_compile_only(self.mesh, "shard(state)")
         state = self._prepare(state)
         if self.mode == "single":
             shardings: Any = self._batches.device
@@ -176,6 +226,9 @@ class Program:
         >>> state = step.init(lambda key: sx.TrainState.create(Model(nnx.Rngs(key)), tx),
         ...                   jax.random.key(0))  # doctest: +SKIP
         """
+
+        if self._compile_only:
+            refuse_compile_only(self.mesh, "init(init_fn, ...)")
 
         def prepared(*args: Any, **kwargs: Any) -> TrainState:
             return self._prepare(init_fn(*args, **kwargs))
@@ -237,6 +290,8 @@ class Program:
 
     def __call__(self, state: TrainState, batch: Any) -> Any:
         check_state(state)
+        if self._compile_only:
+            refuse_compile_only(self.mesh, "step(state, batch)")
         self._batches.check(batch)
         return self._call(self._with_loss_scale(state), batch)
 

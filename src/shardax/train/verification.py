@@ -61,6 +61,7 @@ from shardax.plan.core import axis_size
 from shardax.plan.tree import is_array, is_key, path_str
 from shardax.train.masks import valid_count
 from shardax.train.precision import Precision, policy_name, resolve, unscale
+from shardax.train.program import refuse_abstract, refuse_compile_only
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
 
@@ -1168,9 +1169,18 @@ def verify(
             f"{jax.process_count()} processes: verify the step in a one-process run on one "
             "host's devices first (shardax train --verify does so before a launch)"
         )
+    concrete = (
+        "sx.verify runs the step and its one-device reference on values: pass concrete ones "
+        "(the state as you train it, a probe batch of a few examples per device); for "
+        "shapes only, sx.estimate(step, state, batch) compiles from abstract ones"
+    )
+    refuse_abstract("state", state, concrete)
+    refuse_abstract("batch", batch, concrete)
     start = time.perf_counter()
     if isinstance(step, AutoStep):
         step = step.pick(state, batch)
+    if isinstance(step, TrainStep):
+        refuse_compile_only(step.mesh, "sx.verify")
     if isinstance(step, TrainStep):
         if reference is not None or mesh is not None:
             raise TypeError(
