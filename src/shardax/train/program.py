@@ -115,14 +115,16 @@ def refuse_abstract(name: str, tree: Any, instead: str) -> None:
             )
 
 
-def check_state(state: Any) -> None:
-    """A :class:`TrainState` whose buffers are alive (not donated to an earlier step)."""
+def check_state(state: Any, concrete: bool = True) -> None:
+    """A :class:`TrainState` whose buffers are alive (not donated to an earlier step) and,
+    with ``concrete``, not abstract."""
     if not isinstance(state, TrainState):
         raise TypeError(
             f"the train step takes a sx.TrainState (sx.TrainState.create(model, tx), "
             f".from_linen or .from_params), got {type(state).__name__}"
         )
-    if isinstance(state.step, jax.ShapeDtypeStruct):  # jax.eval_shape's, nnx.eval_shape's
+    # jax.eval_shape's, nnx.eval_shape's: the step counter is abstract with the rest.
+    if concrete and isinstance(state.step, jax.ShapeDtypeStruct):
         raise TypeError(
             f"the state holds abstract values (jax.ShapeDtypeStruct), and a step runs on "
             f"arrays: {ABSTRACT_INSTEAD}"
@@ -215,7 +217,7 @@ class Program:
 
         >>> step.abstract(jax.eval_shape(make_state)).params  # doctest: +SKIP
         """
-        check_state(state)
+        check_state(state, concrete=False)
         return jax.eval_shape(self._prepare, state)
 
     def init(self, init_fn: Callable[..., TrainState], *args: Any, **kwargs: Any) -> TrainState:
