@@ -12,12 +12,14 @@ plan a :class:`~shardax.train.step.TrainStep`.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from jax.sharding import Mesh
 
-from shardax.checks import public
+from shardax.checks import public, received
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan
 from shardax.train.auto import AutoPlanOptions, AutoStep
@@ -35,7 +37,7 @@ LossFn = Callable[..., Any]
 def make_train_step(
     loss_fn: LossFn,
     *,
-    mesh: Mesh,
+    mesh: Mesh | None = None,
     plan: Plan | AutoPlanOptions | Literal["auto"] | None = None,
     mode: Mode = "jit",
     accumulate: int = 1,
@@ -48,6 +50,7 @@ def make_train_step(
     batch_spec: Any = None,
     rng_per_device: bool = False,
     compiler_options: Literal["auto", "xla"] | Mapping[str, Any] = "auto",
+    config: StepConfig | None = None,
 ) -> TrainStep | AutoStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
@@ -133,6 +136,11 @@ def make_train_step(
             TPUs none for now. ``"xla"``: XLA's defaults. A dict ``{"xla_...": value}``:
             exactly those. The step keeps them resolved as ``step.compiler_options``;
             under ``"pmap"`` they are none (``jax.pmap`` takes none; a dict is refused).
+        config: the settings as one :class:`~shardax.train.config.StepConfig` (as
+            :func:`shardax.auto_plan` takes them), instead of the keywords above: with it,
+            the others stay at their defaults (``mesh`` may be the config's own; ``plan``
+            may be given where the config has none, ``"auto"`` included); a setting given
+            beside it is refused, naming it.
 
     The settings are checked once, into a :class:`~shardax.train.config.StepConfig`
     (``step.config``); ``sx.train.TrainStep(loss_fn, config)`` builds a step from one.
@@ -145,18 +153,66 @@ def make_train_step(
                 "stats_every": stats_every, "seq_axis": seq_axis,
                 "batch_spec": batch_spec, "rng_per_device": rng_per_device,
                 "compiler_options": compiler_options}  # fmt: skip
+    if config is not None:
+        config = _config_alone(config, settings, make_train_step)
+        if plan is not None and config.plan is not None and plan is not config.plan:
+            raise TypeError(
+                f"plan is given twice: plan={getattr(plan, 'name', plan)!r} and the config's "
+                f"plan {config.plan_name!r}; give one of them"
+            )
+        settings = {k: getattr(config, k) for k in settings}
+        plan = config.plan if plan is None else plan
     if isinstance(plan, str) and plan == "auto":
         plan = AutoPlanOptions()
     if isinstance(plan, AutoPlanOptions):
         return AutoStep(loss_fn, plan, **settings)
+    if config is not None:
+        return TrainStep(loss_fn, dataclasses.replace(config, plan=plan))
     return TrainStep(loss_fn, StepConfig(plan=plan, **settings))
+
+
+def _config_alone(config: Any, settings: dict[str, Any], door: Callable[..., Any]) -> StepConfig:
+    """``config``, a :class:`StepConfig`, when none of ``settings`` (the door's keywords)
+    differs from the door's default (``mesh`` may be the config's own); else a
+    ``TypeError`` naming them."""
+    if not isinstance(config, StepConfig):
+        raise TypeError(
+            f"config must be a sx.train.StepConfig (sx.train.StepConfig(mesh=..., ...)), "
+            f"got {received(config)}"
+        )
+    defaults = inspect.signature(inspect.unwrap(door)).parameters
+    given = [
+        k
+        for k, v in settings.items()
+        if not (
+            v is defaults[k].default
+            or (k == "mesh" and v is config.mesh)
+            or _equal(v, defaults[k].default)
+        )
+    ]
+    if given:
+        shown = ", ".join(f"{k}={settings[k]!r}" for k in given)
+        replace = ", ".join(f"{k}=..." for k in given)
+        raise TypeError(
+            f"config holds the step's settings, so {shown} beside it would conflict with "
+            f"them: set them in the config (dataclasses.replace(config, {replace})), or "
+            "leave config out"
+        )
+    return config
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an array's == is not one bool
+        return False
 
 
 @public("sx.make_eval_step")
 def make_eval_step(
     metric_fn: LossFn,
     *,
-    mesh: Mesh,
+    mesh: Mesh | None = None,
     plan: Plan | None = None,
     mode: Mode = "jit",
     accumulate: int = 1,
@@ -166,6 +222,7 @@ def make_eval_step(
     batch_spec: Any = None,
     rng_per_device: bool = False,
     compiler_options: Literal["auto", "xla"] | Mapping[str, Any] = "auto",
+    config: StepConfig | None = None,
 ) -> EvalStep:
     """A compiled ``evaluate(state, batch) -> metrics`` that never changes ``state``.
 
@@ -184,7 +241,15 @@ def make_eval_step(
         precision: the compute and output dtypes, as for :func:`make_train_step`
             (without loss scaling).
         compiler_options: the XLA options, as for :func:`make_train_step`.
+        config: the settings as one :class:`~shardax.train.config.StepConfig`, as for
+            :func:`make_train_step` (its ``donate`` and ``stats`` do not apply).
     """
+    if config is not None:
+        settings = {"mesh": mesh, "plan": plan, "mode": mode, "accumulate": accumulate,
+                    "data_axis": data_axis, "precision": precision, "seq_axis": seq_axis,
+                    "batch_spec": batch_spec, "rng_per_device": rng_per_device,
+                    "compiler_options": compiler_options}  # fmt: skip
+        return EvalStep(metric_fn, _config_alone(config, settings, make_eval_step).for_eval())
     config = StepConfig(mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
                         donate=False, data_axis=data_axis, precision=precision, stats=(),
                         seq_axis=seq_axis, batch_spec=batch_spec,
