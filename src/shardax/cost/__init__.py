@@ -6,7 +6,9 @@ model-state memory per plan (:mod:`~shardax.cost.memory`), the collectives of a 
 program (:mod:`~shardax.cost.hlo`), its FLOPs (:mod:`~shardax.cost.flops`), targets:
 compile-only devices of a GPU cluster or TPU slice (:mod:`~shardax.cost.compile_target`), and a
 compiled step's cost per device with a predicted step time (:func:`~shardax.cost.estimate`,
-:mod:`~shardax.cost.predict`).
+:mod:`~shardax.cost.predict`), and the per-op model of a compiled program
+(:mod:`~shardax.cost.ops`: its instructions by class; :mod:`~shardax.cost.opcost`: each
+priced by a device kind's measured tables, :mod:`~shardax.cost.calibration`).
 """
 
 from shardax.checks import moved as _moved

@@ -19,7 +19,10 @@ laptop. The report, per device:
   without overlap, and from it predicted tokens/s per device and predicted MFU;
 - the exposed collective time: what the compiled schedule leaves of the collectives' time
   once the matmuls XLA scheduled between each one's start and done are taken off
-  (:mod:`shardax.cost.schedule`).
+  (:mod:`shardax.cost.schedule`);
+- on a GPU target, the per-op model's prediction (:mod:`shardax.cost.opcost`): each
+  kernel of the compiled program priced by the device kind's calibration tables
+  (:mod:`shardax.cost.calibration`), by class, with the step's interval.
 
 Works for a ``make_train_step`` step (the plan places the abstract state) and for any
 ``jax.jit`` function ``step(state, batch)`` whose abstract state carries its shardings
@@ -104,6 +107,10 @@ class Estimate:
             their time on the wire), ``collectives`` (async pairs and synchronous ops),
             ``overlapped`` (those with matmuls between start and done) and
             ``synchronous``; None without a prediction.
+        cost: the per-op model's price of the compiled program on a GPU target
+            (:class:`~shardax.cost.opcost.StepCost`: seconds per class of kernels, launches,
+            collectives on the wire and exposed, the step with its interval, and the
+            calibration's name); None on other platforms or without a datasheet.
     """
 
     device_kind: str
