@@ -44,7 +44,8 @@ def test_sigterm_saves_exits_75_resume_is_bitwise_and_goodput_reads_the_ledger(
     assert proc.returncode == sx.checkpoint.PREEMPTED_EXIT_CODE == 75, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"preempted (SIGTERM): saved step 6 to {ckpt}; exiting with code 75 so the scheduler "
-        "requeues the job; continue it with --resume"
+        "requeues the job; run the script again to continue from it (sx.loop.run resumes "
+        "from the latest checkpoint)"
     )
     with sx.CheckpointManager(ckpt) as manager:
         assert manager.all_steps() == [4, 6]  # every 4 steps, and at the SIGTERM's step
