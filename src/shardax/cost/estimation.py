@@ -606,7 +606,7 @@ def analyse(
             devices=len(devices),
         )
         overlap = _overlap(timed, links_of, bandwidths, compute_efficiency * spec.peak_flops)
-        cost = _price(hlo, devices, spec, bandwidths)
+        cost = _price(hlo, devices, spec, bandwidths, timed)
         missing = [k for k, v in prediction.link_s.items() if v is None]
         if missing:
             notes.append(
@@ -638,7 +638,11 @@ def analyse(
 
 
 def _price(
-    hlo: str, devices: list[Any], spec: HardwareSpec, bandwidths: Mapping[str, float | None]
+    hlo: str,
+    devices: list[Any],
+    spec: HardwareSpec,
+    bandwidths: Mapping[str, float | None],
+    timed: list[Any],
 ) -> StepCost | None:
     """The per-op model's price of ``hlo`` (:mod:`shardax.cost.opcost`) on a GPU: with
     the device kind's calibration, else the nearest calibrated kind's, named
@@ -652,6 +656,7 @@ def _price(
     return price_hlo(
         hlo, calibration, name=name, num_devices=len(devices),
         link_of=lambda s: _link(s.collective.groups, devices), link_bandwidth=bandwidths,
+        scheduled=timed,
     )  # fmt: skip
 
 

@@ -305,12 +305,14 @@ def price_hlo(
     num_devices: int | None = None,
     link_of: Callable[[Scheduled], str] | None = None,
     link_bandwidth: Mapping[str, float | None] | None = None,
+    scheduled: list[Scheduled] | None = None,
 ) -> StepCost:
     """Prices the compiled per-device program ``hlo`` (``compiled.as_text()``) with
     ``calibration``'s tables (see the module). ``link_of`` names the link each
     collective crosses (default ``"intra-host"``), ``link_bandwidth`` its bytes/s
     (a link without one: its collectives are left out, as in the roofline's prediction);
-    ``name``: the calibration's name in the report (default: its own)."""
+    ``name``: the calibration's name in the report (default: its own); ``scheduled``:
+    :func:`~shardax.cost.schedule.schedule` of ``hlo`` where the caller has it."""
     index = HloIndex(hlo)
     c = calibration
     rows = gemm_rows(c)
@@ -357,7 +359,7 @@ def price_hlo(
             classes[cls if cls in classes else "other"].add(runs, *mem, nbytes=nbytes)
     launch = sum(v.kernels for v in classes.values()) * c.launch_us * 1e-6
     wire = exposed = 0.0
-    for s in schedule(hlo, num_devices):
+    for s in schedule(hlo, num_devices) if scheduled is None else scheduled:
         link = link_of(s) if link_of is not None else "intra-host"
         bandwidth = (link_bandwidth or {}).get(link)
         if not bandwidth or not s.collective.count:
