@@ -164,7 +164,7 @@ def _join(*paths: Any) -> str:
 
 
 @public("sx.keep_plan")
-def keep_plan(step: Callable[..., Any]) -> Callable[..., Any]:
+def keep_plan(step: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """Wraps the user's train step so that every leaf :func:`shardax.prepare` placed keeps
     its plan's sharding after each step. Put it under the framework's jit::
 
@@ -175,17 +175,25 @@ def keep_plan(step: Callable[..., Any]) -> Callable[..., Any]:
     Traced, it ends the step with ``jax.lax.with_sharding_constraint`` on each planned
     leaf, so the compiled step returns the plan's layouts (and holds the plan's memory).
     Called on concrete arrays (placed over the jit), it warns once naming each leaf that
-    moved and puts it back with ``jax.device_put``.
+    moved and puts it back with ``jax.device_put``. ``@sx.keep_plan()`` is the same.
+    A step none of whose arguments or outputs ``sx.prepare`` placed has nothing to hold:
+    it warns once, saying so.
     """
+    if step is None:  # @sx.keep_plan()
+        return keep_plan
     if not callable(step):
         raise TypeError(f"step must be a callable (the user's train step), got {step!r}")
     warned: set[str] = set()
     held = _Held()  # over the jit: what to hold, found once, not walked every step
+    name = getattr(step, "__name__", type(step).__name__)
+    kept_leaves = [0]  # planned leaves met by the last call
 
     def constrain(path: str, x: Any, sharding: Any) -> Any:
+        kept_leaves[0] += 1
         return jax.lax.with_sharding_constraint(x, sharding)
 
     def put_back(path: str, x: Any, sharding: Any) -> Any:
+        kept_leaves[0] += 1
         if not _moved(sharding, x):
             return x
         if path not in warned:
@@ -200,12 +208,29 @@ def keep_plan(step: Callable[..., Any]) -> Callable[..., Any]:
             )
         return jax.device_put(x, sharding)
 
+    def nothing_held() -> None:
+        if kept_leaves[0] or "" in warned:
+            return
+        warned.add("")
+        warnings.warn(
+            f"sx.keep_plan: {name} holds nothing: none of its arguments or outputs was "
+            "placed by sx.prepare (NNX variables carry their plan; other models, optimizer "
+            "states and train states are known by their structure and shapes), so no leaf "
+            "is kept on a plan. Place them first: model, optimizer = sx.prepare(model, "
+            "optimizer, mesh=mesh, plan=...)",
+            stacklevel=3,
+        )
+
     @functools.wraps(step)
     def kept(*args: Any, **kwargs: Any) -> Any:
         traced = _traced((args, kwargs))
         out = step(*args, **kwargs)
+        kept_leaves[0] = 0
         if traced:  # once per trace
-            return _hold(args, kwargs, out, constrain)
-        return held.hold(args, kwargs, out, put_back)
+            out = _hold(args, kwargs, out, constrain)
+        else:
+            out = held.hold(args, kwargs, out, put_back)
+        nothing_held()
+        return out
 
     return kept
