@@ -1174,3 +1174,106 @@ def _pmap_era_batchnorm():
 def test_fourth_sweep_outside_programs_are_refused_by_name(call, error, message):
     with raises(error, message):
         call()
+
+
+# --- fourth sweep: sx.loop, refused when the run is made or when a step is handed ---------
+
+
+def _loop(directory, body=None, steps=2, **kwargs):
+    """A run of ``steps`` steps of a two-number state over ``directory`` (None: no
+    checkpoints); ``body(run, state)`` is each step's (default: hand the state and a loss)."""
+    body = body or (lambda run, state: run.after_step(state, jnp.float32(1.0)))
+    with sx.loop.run({"w": jnp.ones(2)}, checkpoints=directory, goodput=False, **kwargs) as run:
+        for _ in run.batches(range(steps)):
+            body(run, {"w": run.state["w"] + 1})
+    return run
+
+
+class _LoopPaths:
+    """The directories a row asks for: a file, a path under it, an earlier run's
+    checkpoints, and a read-only directory (made on first use; skipped where it cannot be)."""
+
+    def __init__(self, tmp_path, request):
+        self.tmp, self.request = tmp_path, request
+        self.file = tmp_path / "file"
+        self.file.write_text("")
+
+    @property
+    def earlier(self):
+        _loop(self.tmp / "earlier", steps=1)
+        return self.tmp / "earlier"
+
+    @property
+    def read_only(self):
+        return self.request.getfixturevalue("read_only_directory")
+
+
+@pytest.fixture
+def read_only_directory(tmp_path):
+    """A directory this process cannot write: chmod for a user; for root, whom chmod does
+    not stop, a read-only tmpfs (skipped where mounting is not allowed)."""
+    if os.geteuid() != 0:
+        (tmp_path / "ro").mkdir(mode=0o555)
+        yield tmp_path / "ro"
+        os.chmod(tmp_path / "ro", 0o755)
+        return
+    (tmp_path / "mnt").mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(tmp_path / "mnt")]
+    )
+    if made.returncode != 0:
+        pytest.skip("root without the right to mount a tmpfs: no read-only directory")
+    try:
+        yield tmp_path / "mnt"
+    finally:
+        subprocess.run(["umount", "-l", str(tmp_path / "mnt")])
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        # sx.loop.run's arguments, checked when the run is made (before any step)
+        (lambda d: sx.loop.run({}, every=5), TypeError, "sx.loop.run: every must be a dict of the steps between actions, with the keys ['save', 'eval', 'log'] (e.g. every={'save': 1000, 'log': 50}), got 5"),
+        (lambda d: sx.loop.run({}, resume="no"), TypeError, "sx.loop.run: resume must be True or False, got 'no'"),
+        (lambda d: sx.loop.run({}, evaluate={"accuracy": 1.0}), TypeError, "sx.loop.run: evaluate must be a function state -> {name: number}, got {'accuracy': 1.0} (a builtins.dict)"),
+        (lambda d: sx.loop.run({}, checkpoints=d.file), NotADirectoryError, "sx.loop.run: checkpoints must be a directory, got {file}, which is a file"),
+        (lambda d: sx.loop.run({}, checkpoints=d.file / "ckpt"), NotADirectoryError, "sx.loop.run: checkpoints must be a directory, got {file}/ckpt, which cannot be made: {file} is a file"),
+        (lambda d: sx.loop.run({}, checkpoints=d.read_only / "ckpt"), PermissionError, "sx.loop.run: checkpoints must be a directory this process can write, got {read_only}/ckpt; {read_only}, where it would be made, is "),
+        # no run lost: a fresh run over an earlier run's steps, a state never handed, the
+        # metrics in the state's place, a vector loss, (loss, aux) with an array aux, late
+        (lambda d: _loop(d.earlier, resume=False), ValueError, "sx.loop.Run: the checkpoint directory {tmp}/earlier already holds checkpoints (steps 1) of an earlier run: a run started afresh would save its steps among them and a resume would take the newest, whichever run it is from. Pass resume=True to continue from them, or choose an empty directory"),
+        (lambda d: _loop(d.tmp / "c", lambda run, state: None), RuntimeError, "sx.loop.Run: the loop took 2 batches (steps 1..2) but never called run.after_step(state, metrics), so the run never had a state of theirs: nothing was saved at the end"),
+        (lambda d: _loop(d.tmp / "c", lambda run, state: run.after_step({"loss": 1.0})), TypeError, "sx.loop.Run.after_step: state must be the run's state, a dict with keys ['w'] as the run started, got a dict with keys ['loss'] (it lacks the run's leaf 'w'); call run.after_step(state, metrics) with the state the step returned"),
+        (lambda d: _loop(None, lambda run, state: run.after_step(state, {"loss": [np.nan, 1.0]})), ValueError, "sx.loop.Run.after_step: metrics['loss'] must be a scalar (one number per step, which the run logs and, for the loss, checks finite), got shape (2,); reduce it (jnp.mean)"),
+        (lambda d: _loop(None, lambda run, state: run.after_step(state, (1.0, [0.5]))), TypeError, "sx.loop.Run.after_step: metrics (loss, aux) must have a dict of scalar metrics as aux, got aux [0.5] (a builtins.list); pass the loss alone, or a dict of scalars {'loss': loss, ...}"),
+        (lambda d: _loop(None).after_step({"w": jnp.ones(2)}, 1.0), RuntimeError, "sx.loop.Run.after_step: the run has ended (its with block was left at step 2): run.after_step() after it would count, save or log nothing. Call it inside the block"),
+    ],
+    ids=["every-int", "resume-str", "evaluate-dict", "ckpt-file", "ckpt-under-file", "ckpt-read-only", "fresh-over-earlier", "never-handed", "metrics-as-state", "vector-loss", "loss-aux-array", "after-the-block"],
+)  # fmt: skip
+def test_fourth_sweep_loop_refusals(tmp_path, request, call, error, message):
+    paths = _LoopPaths(tmp_path, request)
+    with pytest.raises(error) as caught:
+        call(paths)
+    fill = {"{file}": paths.file, "{tmp}": tmp_path}
+    if "{read_only}" in message:
+        fill["{read_only}"] = paths.read_only
+    for name, path in fill.items():
+        message = message.replace(name, str(path))
+    _says(str(caught.value), message)
+    assert [s for s in (tmp_path / "c").glob("*") if s.name.isdigit()] == []  # nothing saved
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (lambda run: list(run.batches(iter([]))), "sx.loop.Run.batches: the loader gave no batch, so this loop ran 0 steps (the run is at step 0): it is empty or exhausted (an iterator a loop before used up); pass a new one"),
+        (lambda run: [run.after_step({"w": jnp.ones(2)}, 1.0) for _ in run.batches(range(3), steps=1)] + list(run.batches(range(3))), "sx.loop.Run.batches: the run ran to its last step 1 (steps=1) already, so this loop gets no batch; pass a larger steps= to train further"),
+    ],
+    ids=["exhausted-loader", "second-loop"],
+)  # fmt: skip
+def test_fourth_sweep_loop_says_when_a_loop_gets_no_batch(body, message):
+    with (
+        pytest.warns(UserWarning, match=re.escape(message)),
+        sx.loop.run({"w": jnp.ones(2)}, goodput=False) as run,
+    ):
+        body(run)
