@@ -70,6 +70,7 @@ class MoEAux(NamedTuple):
     router probability of e. It is 1.0 when routing is uniform, up to E when all tokens
     pick one expert; add ``α · balance_loss`` (α ≈ 1e-2) to the loss. ``z_loss`` is
     ST-MoE's router z-loss, the mean over tokens of ``logsumexp(logits)²`` (α ≈ 1e-3).
+    A call on no tokens (an empty batch) measures 0 for each, so the losses add nothing.
     """
 
     balance_loss: jax.Array  # () float32
@@ -134,6 +135,7 @@ def _aux_sums(r: Routing) -> tuple[jax.Array, ...]:
 def _aux(sums: tuple[jax.Array, ...], top_k: int) -> MoEAux:
     counts, prob_sum, z_sum, dropped, tokens = sums
     num_experts = counts.shape[0]
+    tokens = jnp.maximum(tokens, 1)  # no tokens: every sum is 0, and so is each mean
     f = counts / (tokens * top_k)
     p = prob_sum / tokens
     balance = num_experts * jnp.sum(lax.stop_gradient(f) * p)
