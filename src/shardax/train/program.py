@@ -288,7 +288,20 @@ class Program:
         >>> compiled.memory_analysis().argument_size_in_bytes  # doctest: +SKIP
         """
         self._batches.check(batch)
-        return self._lower(state, batch)
+        try:
+            return self._lower(state, batch)
+        except RuntimeError as e:  # a host callback lowered for a compile-only target
+            kind = compile_only(self.mesh) if "Unknown backend" in str(e) else None
+            if kind is None:
+                raise
+            raise RuntimeError(
+                f"the step calls back to the host (jax.debug.print, jax.debug.callback, "
+                f"jax.pure_callback or io_callback in the loss or model), and a callback is "
+                f"lowered for the runtime that runs it, which the step's compile-only mesh "
+                f"({self.mesh.devices.size} x {kind}, from sx.target) does not have: leave "
+                "the callback out of the step you compile for a target (behind a flag of "
+                f"your own), or lower it on this machine's devices. JAX said: {e}"
+            ) from None
 
     def __call__(self, state: TrainState, batch: Any) -> Any:
         check_state(state)
