@@ -9,14 +9,18 @@ laptop. The report, per device:
   like the optimizer state; they live in the temporaries), the other temporaries and the
   compiler's peak (``memory_analysis()``), against the device's HBM, with the headroom;
 - FLOPs: matmul FLOPs counted from the compiled HLO (``cost_analysis()`` is None when
-  compiling for a GPU target), beside the model FLOPs given (``model_flops=``, e.g. the
-  GPT's ``6·N + attention``, causal halved) or ``6·N·tokens`` by default;
+  compiling for a GPU target; custom calls it cannot price are named), beside the model
+  FLOPs given (``model_flops=``, e.g. the GPT's ``6·N + attention``, causal halved) or by
+  default (:mod:`shardax.cost.model_flops`: ``6·N·tokens`` with ``N`` without the
+  embedding lookup; for images, the compiled count, labelled so), by the convention
+  every report states;
 - collectives: the bytes each sends per step, and over which link (within a host or
   between hosts, from the replica groups against the devices' ``process_index`` and
   ``slice_index``);
 - compile time;
 - a **predicted** step time from :mod:`shardax.cost.predict`'s named model, with and
-  without overlap, and from it predicted tokens/s per device and predicted MFU;
+  without overlap, and from it predicted tokens (images, rows: what the batch holds) per
+  second per device and predicted MFU, which counts at most the FLOPs the step executes;
 - the exposed collective time: what the compiled schedule leaves of the collectives' time
   once the matmuls XLA scheduled between each one's start and done are taken off
   (:mod:`shardax.cost.schedule`);
@@ -53,8 +57,9 @@ import numpy as np
 
 from shardax.checks import public
 from shardax.cost.calibration import calibration_for, nearest
-from shardax.cost.flops import compiled_flops, hlo_flops
+from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
 from shardax.cost.hardware import HardwareSpec, device_spec
+from shardax.cost.model_flops import CONVENTION, batch_unit, default_model_flops
 from shardax.cost.opcost import StepCost, breakdown, price_hlo
 from shardax.cost.predict import (
     DEFAULT_COMPUTE_EFFICIENCY,
@@ -87,7 +92,11 @@ class Estimate:
             flops_backend: the backend's count (:func:`~shardax.cost.flops.compiled_flops`:
             ``cost_analysis()`` with library calls and loop trips; None on GPU targets).
         model_flops: model FLOPs per step over all devices; model_flops_note: its formula.
-        tokens: tokens per step over all devices.
+        tokens: tokens per step over all devices (images or rows where ``unit`` says so).
+        unit: what ``tokens`` counts: ``"tokens"``, ``"images"`` or ``"rows"``
+            (:func:`~shardax.cost.model_flops.batch_unit`).
+        unpriced_calls: custom calls the FLOP count cannot price, by target, with their
+            calls per step (:func:`~shardax.cost.flops.unpriced_calls`).
         collectives: one dict per collective kind and link: op, link, runs, bytes sent.
         compile_s: seconds to lower and compile (measured on this machine).
         prediction: the predicted step (None where the device has no datasheet, or
@@ -131,6 +140,8 @@ class Estimate:
     compiler_options: dict[str, Any] | None = None
     overlap: dict[str, Any] | None = None
     cost: StepCost | None = None
+    unit: str = "tokens"
+    unpriced_calls: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def interval_s(self) -> tuple[float, float] | None:
@@ -207,7 +218,7 @@ class Estimate:
             pred.add_column("without overlap", justify="right")
             pred.add_row("step time (s)", f"{p.overlapped_s:.3f}", f"{p.serial_s:.3f}")
             for label, fn, fmt in (
-                ("tokens/s per device", p.tokens_per_s_per_device, "{:,.0f}"),
+                (f"{self.unit}/s per device", p.tokens_per_s_per_device, "{:,.0f}"),
                 ("model TFLOP/s per device", p.model_tflops_per_device, "{:.0f}"),
                 ("MFU", p.mfu, "{:.1%}"),
             ):
@@ -235,6 +246,8 @@ class Estimate:
         c = self.cost
         assert c is not None
         per_device = self.model_flops / self.devices if self.model_flops else None
+        if per_device and not self.unpriced_calls and self.flops_hlo:
+            per_device = min(per_device, self.flops_hlo)  # MFU: at most what runs
         table = Table(title=f"PREDICTED (not measured), model per-op, {c.calibration}")
         table.add_column("class")
         table.add_column("ms per step", justify="right")
@@ -247,7 +260,7 @@ class Estimate:
         caption = []
         if self.tokens:
             per = self.tokens / self.devices
-            caption.append(f"tokens/s per device {per / c.step_s:,.0f} ({per / high:,.0f}–"
+            caption.append(f"{self.unit}/s per device {per / c.step_s:,.0f} ({per / high:,.0f}–"
                            f"{per / low:,.0f})")  # fmt: skip
         if per_device and self.prediction is not None:
             peak = self.prediction.peak_flops
@@ -370,6 +383,7 @@ def _refused(
         model_flops=0.0,
         model_flops_note="not compiled",
         tokens=default_tokens(batch) if tokens is None else float(tokens),
+        unit="tokens" if tokens is not None else batch_unit(batch),
         collectives=(),
         compile_s=compile_s,
         prediction=None,
@@ -460,6 +474,13 @@ def _state_bytes(state: Any, shardings: Any) -> tuple[dict[str, int], int]:
     return out, count
 
 
+def _param_shapes(state: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """``(path, global shape)`` of each parameter leaf of ``state`` (as :func:`_kind`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return [(jax.tree_util.keystr(p), tuple(x.shape)) for p, x in leaves
+            if hasattr(x, "shape") and _kind(jax.tree_util.keystr(p)) == "params"]  # fmt: skip
+
+
 def _grad_bytes(step: Any, state: Any, params_bytes: int, mesh: Any) -> int:
     """Gradients per device: as the params, or (ZeRO-2: ``plan.shard_grads``) split like
     the optimizer state."""
@@ -535,7 +556,7 @@ def analyse(
     m = compiled.memory_analysis()
     args, outs = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
     alias, temp = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
-    memory, n_params = _state_bytes(state, shardings) if state is not None else ({"params": 0}, 0)
+    memory, _ = _state_bytes(state, shardings) if state is not None else ({"params": 0}, 0)
     state_total = sum(memory.values())
     memory["batch"] = max(0, args - state_total)
     grads = memory["params"] if grads_bytes is None else grads_bytes
@@ -547,10 +568,21 @@ def analyse(
     hlo = compiled.as_text()
     flops = hlo_flops(hlo)
     backend = compiled_flops(compiled)
+    unpriced = unpriced_calls(hlo)
+    if unpriced:
+        notes.append(format_unpriced(unpriced))
+    unit = "tokens" if tokens is not None else batch_unit(batch)
     tokens = default_tokens(batch) if tokens is None else float(tokens)
     if model_flops is None:
-        model_flops = 6.0 * n_params * tokens
-        model_flops_note = "6·N·tokens, attention not counted"
+        executed = (flops or backend or 0.0) * len(devices)
+        params = _param_shapes(state) if state is not None else []
+        model_flops, model_flops_note, statement = default_model_flops(
+            params, batch, tokens, unit, executed
+        )
+        notes.append(f"{statement}. Convention: {CONVENTION}")
+    else:
+        notes.append(f"model FLOPs: given ({model_flops_note or 'no formula named'}). "
+                     f"Convention: {CONVENTION}")  # fmt: skip
     note = model_flops_note or "given"
     timed = schedule(hlo, len(devices))
     grouped: dict[tuple[str, str], dict[str, Any]] = {}
@@ -593,6 +625,15 @@ def analyse(
                 "splash attention's, is not in the HLO)"
             )
             compute = floor
+        # MFU counts at most the FLOPs the step executes (a model FLOP it does not run is
+        # not utilisation), where the HLO's count is whole (no unpriced kernel).
+        mfu_flops = model_flops
+        if not unpriced and model_flops > compute * len(devices) > 0:
+            notes.append(
+                f"MFU: the model's FLOPs per device ({floor:.3g}) exceed the compiled step's "
+                f"({compute:.3g}); MFU counts the executed ones"
+            )
+            mfu_flops = compute * len(devices)
         prediction = predict_step(
             flops=compute,
             hbm_bytes=hbm_traffic,
@@ -602,7 +643,7 @@ def analyse(
             link_bandwidth=bandwidths,
             compute_efficiency=compute_efficiency,
             tokens=tokens,
-            model_flops=model_flops,
+            model_flops=mfu_flops,
             devices=len(devices),
         )
         overlap = _overlap(timed, links_of, bandwidths, compute_efficiency * spec.peak_flops)
@@ -628,6 +669,8 @@ def analyse(
         model_flops=float(model_flops),
         model_flops_note=note,
         tokens=tokens,
+        unit=unit,
+        unpriced_calls=unpriced,
         collectives=rows,
         compile_s=compile_s,
         prediction=prediction,
@@ -728,9 +771,14 @@ def estimate(
         state, batch: abstract (``jax.ShapeDtypeStruct``, ``jax.eval_shape``,
             ``nnx.eval_shape``) or concrete values; only shapes, dtypes and shardings
             are used.
-        tokens: tokens per step (default: rows × sequence of a 2-D integer batch leaf).
-        model_flops: model FLOPs per step over all devices (default ``6·N·tokens``; for
-            a transformer add attention: :func:`shardax.cost.flops.transformer_flops_per_token`).
+        tokens: tokens per step (default: rows × sequence of a 2-D integer batch leaf,
+            else the rows of the first leaf: images or rows, and the report says so).
+        model_flops: model FLOPs per step over all devices, by the convention of
+            :data:`~shardax.cost.model_flops.CONVENTION` (for a transformer:
+            :func:`shardax.cost.flops.transformer_flops_per_token` × tokens). Default:
+            ``6·N·tokens`` with ``N`` without the embedding lookup, attention not counted;
+            for images, the compiled step's matmul FLOPs
+            (:func:`~shardax.cost.model_flops.default_model_flops`).
         model_flops_note: the formula of ``model_flops``, for the report.
         compute_efficiency: the fraction of peak the prediction assumes.
         links: bytes/s per link (``"intra-host"``, ``"inter-host"``, ``"inter-slice"``),
