@@ -184,8 +184,37 @@ def split_stateful(model: Any, state: Any) -> tuple[ModelAdapter, Any, Any]:
             f"state must be an eqx.nn.State (from eqx.nn.make_with_state), got "
             f"{type(state).__name__}"
         )
+    _check_own_state(model, state)
     adapter, params, arrays = split_model(model)
     return EquinoxModel(adapter.static, stateful=True), params, {"model": arrays, "state": state}
+
+
+def _check_own_state(model: Any, state: Any) -> None:
+    """A ``ValueError`` naming the mismatch when ``state`` is not ``model``'s own
+    ``eqx.nn.State``: a stateful layer of the model with no entry in it (the state of
+    another model), or entries for a model with no stateful layer."""
+    import equinox as eqx
+
+    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+    indices = [x for x in jax.tree.leaves(model, is_leaf=is_index) if is_index(x)]
+    held = sorted(map(str, getattr(state, "_state", {})))  # for the message only
+    for index in indices:
+        try:
+            state.get(index)
+        except KeyError:
+            raise ValueError(
+                f"state is not the model's eqx.nn.State: the model's stateful layer "
+                f"{index.marker!r} has no entry in it, whose entries are "
+                f"{held[:4]}{' ...' if len(held) > 4 else ''}; pass the state that "
+                f"eqx.nn.make_with_state made with this model "
+                f"({type(model).__name__})"
+            ) from None
+    if not indices and held:
+        raise ValueError(
+            f"state= is for a model with stateful layers (eqx.nn.BatchNorm, "
+            f"SpectralNorm), and this {type(model).__name__} has none, while the state "
+            f"holds {held[:4]}; leave state= out"
+        )
 
 
 def split_model(model: Any, wrt: Any = nnx.Param) -> tuple[ModelAdapter, Any, Any]:
