@@ -1180,7 +1180,7 @@ def verify(
     if isinstance(step, AutoStep):
         step = step.pick(state, batch)
     if isinstance(step, TrainStep):
-        refuse_compile_only(step.mesh, "sx.verify")
+        refuse_compile_only(step.mesh, "verifying the step")
     if isinstance(step, TrainStep):
         if reference is not None or mesh is not None:
             raise TypeError(
