@@ -1267,7 +1267,7 @@ def test_fourth_sweep_loop_refusals(tmp_path, request, call, error, message):
     "body,message",
     [
         (lambda run: list(run.batches(iter([]))), "sx.loop.Run.batches: the loader gave no batch, so this loop ran 0 steps (the run is at step 0): it is empty or exhausted (an iterator a loop before used up); pass a new one"),
-        (lambda run: [run.after_step({"w": jnp.ones(2)}, 1.0) for _ in run.batches(range(3), steps=1)] + list(run.batches(range(3))), "sx.loop.Run.batches: the run ran to its last step 1 (steps=1) already, so this loop gets no batch; pass a larger steps= to train further"),
+        (lambda run: [run.after_step({"w": jnp.ones(2)}, 1.0) for _ in run.batches(range(3), steps=1)] + list(run.batches(range(3))), "sx.loop.Run.batches: the run is at step 1 of steps=1, so this loop gets no batch; pass a larger steps= to train further"),
     ],
     ids=["exhausted-loader", "second-loop"],
 )  # fmt: skip

@@ -169,8 +169,8 @@ def test_a_loop_that_gets_no_batch_says_so(tmp_path, mesh):
         for batch in run.batches(BATCHES, steps=2):
             run.after_step(*train_step(run.state, batch))
         with pytest.warns(UserWarning, match=re.escape(
-            "sx.loop.Run.batches: the run ran to its last step 2 (steps=2) already, so this "
-            "loop gets no batch; pass a larger steps= to train further"
+            "sx.loop.Run.batches: the run is at step 2 of steps=2, so this loop gets no "
+            "batch; pass a larger steps= to train further"
         )):  # fmt: skip
             for _ in run.batches(BATCHES):
                 pytest.fail("a batch")  # pragma: no cover
@@ -203,3 +203,15 @@ def test_the_preemption_line_says_how_this_loop_continues(tmp_path, mesh):
         "requeues the job; run it again with sx.loop.run(..., resume=True) to continue from it"
     )
     assert str(sx.Preempted(3, "d")).endswith("restore it to continue (sx.restore_checkpoint)")
+
+
+def test_the_checkpoints_loader_position_moves_the_first_loop_only(tmp_path, mesh):
+    train(tmp_path, 2, mesh, every={"save": 2})  # saved after batches 0 and 1
+    firsts = []
+    with sx.loop.run(fresh(), checkpoints=tmp_path, goodput=False) as run:
+        loader = sx.batches(DATA, 8)
+        for steps in (3, 4):  # two loops over one loader: the second goes on from the first
+            for batch in run.batches(loader, steps=steps):
+                firsts.append(float(batch["x"][0, 0]))
+                run.after_step(*train_step(run.state, batch))
+    assert firsts == [DATA["x"][16, 0], DATA["x"][24, 0]]

@@ -120,7 +120,7 @@ class Run:
         self.pending: list[tuple[int, dict[str, Any]]] = []
         self.flushed: list[tuple[int, dict[str, float]]] = []
         self.scores: dict[str, Any] = {}
-        self.preempted = self._in_step = False
+        self.preempted = self._in_step = self._moved = False
         self.ledger: Any = None
         self.feed: Any = None
         self._stack = contextlib.ExitStack()
@@ -216,15 +216,15 @@ class Run:
     def batches(
         self, loader: Iterable[Any], mesh: Any = None, *, steps: int | None = None
     ) -> Iterator[Any]:
-        """The batches of ``loader``, moved to the checkpoint's position first (it needs
-        ``set_state``, as ``sx.batches`` has), placed and prefetched on ``mesh`` (a mesh
-        or a sharding) when given, until ``steps`` (or the run's total) steps are done
-        or the loader ends; a loop that gets no batch (the run is at its total already,
-        or the loader is exhausted) says so in a warning."""
+        """The batches of ``loader``, moved to the checkpoint's position first (the first
+        loop's loader, which needs ``set_state``, as ``sx.batches`` has), placed and
+        prefetched on ``mesh`` (a mesh or a sharding) when given, until ``steps`` (or the
+        run's total) steps are done or the loader ends; a loop that gets no batch (the run
+        is at its total already, or the loader is exhausted) says so in a warning."""
         self._check_open("run.batches()")
         total = self.total if steps is None else as_count("steps", steps, minimum=0)
         self.total = total
-        position = self.restored.get("loader")
+        position = None if self._moved else self.restored.get("loader")
         if position is not None:
             if not callable(getattr(loader, "set_state", None)):
                 raise TypeError(
@@ -233,6 +233,7 @@ class Run:
                     "(sx.batches) and mesh=, so it is moved before it is prefetched"
                 )
             loader.set_state(position)
+            self._moved = True  # the first loop's loader only: a later loop goes on
         return self._steps(loader, mesh, total)
 
     def _steps(self, loader: Any, mesh: Any, total: int | None) -> Iterator[Any]:
@@ -246,10 +247,10 @@ class Run:
                 feed = loader if hasattr(loader, "wait_seconds") else timed(loader)
             self.feed = feed
             if total is not None and self.step >= total:
-                done = f"resumed at step {self.step}" if self.step == self.first else "ran"
+                resumed = " (resumed from the checkpoint)" if self.step == self.first else ""
                 warnings.warn(
-                    f"sx.loop.Run.batches: the run {done} to its last step {total} (steps="
-                    f"{total}) already, so this loop gets no batch; pass a larger steps= "
+                    f"sx.loop.Run.batches: the run is at step {self.step} of steps="
+                    f"{total}{resumed}, so this loop gets no batch; pass a larger steps= "
                     "to train further",
                     UserWarning,
                     stacklevel=2,

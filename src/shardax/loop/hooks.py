@@ -359,7 +359,7 @@ class Evaluation(Hook):
             self.run(run)
 
     def finish(self, run: Any) -> None:
-        if self.done_at != run.step and run.step > run.first:
+        if self.done_at != run.step and run.step > run.first and run.handed == run.step:
             self.run(run)
 
     def run(self, run: Any) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from shardax.plan.tree import path_str
 
@@ -96,4 +97,7 @@ def _described(tree: Any) -> str:
     if has_graph_nodes(tree):
         parts = tree if isinstance(tree, tuple | list) else (tree,)
         return f"({', '.join(type(p).__qualname__ for p in parts)})"
-    return f"a {type(tree).__qualname__} of {len(jax.tree.leaves(tree))} leaves"
+    if isinstance(tree, jax.Array | np.ndarray | np.generic | int | float):
+        return f"an array of shape {np.shape(tree)}"
+    leaves = len(jax.tree.leaves(tree))
+    return f"a {type(tree).__qualname__} of {leaves} leaf" + ("" if leaves == 1 else "s")
