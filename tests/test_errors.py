@@ -548,6 +548,15 @@ IN_PROCESS_CASES = {
     "train --model gpt --data ''": (["train", "--model", "gpt", "--data", ""], "argument --data: expected a path, got ''"),
     "goodput ''": (["goodput", ""], "argument directory: expected a path, got '' (an unset variable?)"),
     "goodput of a negative bucket": (["goodput", "{negative}"], "session 0 bucket 'step' must be a number of seconds >= 0, got -5.0"),
+    # fourth sweep: plan --target refuses the options it would ignore (before any compile)
+    "plan --target --measure": (["plan", "--target", "8xH100", "--batch", "8", "--measure"], "--measure: not with --target, which compiles the built-in model on the devices at hand"),
+    "plan --target --params": (["plan", "--target", "8xH100", "--batch", "8", "--params", "7e9"], "--params 7e+09: not with --target, which sizes the GPT by --layers, --d-model, --heads, --seq-len and --vocab"),
+    "plan --target --hardware --devices": (["plan", "--target", "8xH100", "--batch", "8", "--hardware", "tpu_v5p", "--devices", "64"], "--devices 64: not with --target, whose name gives the devices"),
+    "plan --target --hardware": (["plan", "--target", "8xH100", "--batch", "8", "--hardware", "tpu_v5p"], "--hardware tpu_v5p: not with --target"),
+    "plan --target --precision --param-dtype bf16": (["plan", "--target", "8xH100", "--batch", "8", "--precision", "fp16", "--param-dtype", "bf16"], "--precision fp16: not with --param-dtype bf16, which keeps params and Adam's moments in bf16"),
+    "plan --target --plans beside --plan": (["plan", "--target", "8xH100", "--batch", "8", "--plan", "fsdp", "--plans", "zero1,fsdp"], "--plans zero1,fsdp: only with --plan auto (the candidates it ranks), got --plan fsdp"),
+    "plan --target --microbatches": (["plan", "--target", "8xH100", "--batch", "8", "--microbatches", "4"], "--microbatches 4: not with --target"),
+    "plan --target --run-dir": (["plan", "--target", "8xH100", "--batch", "8", "--run-dir", "{empty}"], "--run-dir {empty}: not with --target, which writes no run directory"),
 }  # fmt: skip
 
 
@@ -1277,3 +1286,150 @@ def test_fourth_sweep_loop_says_when_a_loop_gets_no_batch(body, message):
         sx.loop.run({"w": jnp.ones(2)}, goodput=False) as run,
     ):
         body(run)
+
+
+# --- fourth sweep: targets, estimates, the step's doors, keep_plan, moe -------------------
+
+
+def _estimate_with(**given):
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh())
+    abstract = {
+        "x": jax.ShapeDtypeStruct((8, 4), jnp.float32),
+        "y": jax.ShapeDtypeStruct((8, 2), jnp.float32),
+    }
+    return sx.estimate(step, jax.eval_shape(_pytree_state), abstract, **given)
+
+
+_XY = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32)}
+
+
+def _abstract_state_in_a_step():
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh())
+    return step(jax.eval_shape(_pytree_state), _XY)
+
+
+def _verify_with_an_abstract_batch():
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh())
+    return sx.verify(
+        step, _pytree_state(), jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _XY)
+    )
+
+
+def _eqx_state_of_another_model():
+    import equinox as eqx
+
+    class Norm(eqx.Module):
+        bn: eqx.nn.BatchNorm
+
+        def __init__(self):
+            self.bn = eqx.nn.BatchNorm(2, "batch", mode="ema")
+
+    class Other(Norm):
+        pass
+
+    model, _ = eqx.nn.make_with_state(Norm)()
+    _, other = eqx.nn.make_with_state(Other)()
+    return sx.TrainState.create(model, optax.sgd(0.1), state=other)
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda: _estimate_with(tokens=-256), ValueError, "sx.estimate: tokens (per step) must be a finite number > 0, got -256"),
+        (lambda: _estimate_with(links={"intra-host": 0}), ValueError, "sx.estimate: links['intra-host'] (bytes/s) must be a finite number > 0, got 0"),
+        (lambda: _estimate_with(links={"nvlink": 1.0}), ValueError, "sx.estimate: links names 'nvlink', which is not a link; the links are 'intra-host', 'inter-host', 'inter-slice' ('intra-host': NVLink or ICI"),
+        (lambda: sx.target("2x16xH100"), ValueError, "sx.target: name '2x16xH100' puts 16 H100 GPUs on one host, but an HGX/DGX H100 host (one NVLink domain, the server the datasheet's figures describe) holds at most 8; write '32xH100' (4 hosts of 8)"),
+        (_abstract_state_in_a_step, TypeError, "sx.train.TrainStep: the state holds abstract values (jax.ShapeDtypeStruct), and a step runs on arrays: build the state with step.init(...)"),
+        (_verify_with_an_abstract_batch, TypeError, "sx.verify: batch holds abstract values (jax.ShapeDtypeStruct at ['x']: float32[8, 4]), and sx.verify runs the step and its one-device reference on values: pass concrete ones"),
+        (lambda: sx.make_train_step(_loss, config=sx.train.StepConfig(mesh=sx.make_mesh()), accumulate=2), TypeError, "sx.make_train_step: config holds the step's settings, so accumulate=2 beside it would conflict with them: set them in the config (dataclasses.replace(config, accumulate=...))"),
+        (lambda: sx.make_train_step(_loss, config="fsdp"), TypeError, "sx.make_train_step: config must be a sx.train.StepConfig"),
+        (_eqx_state_of_another_model, ValueError, "sx.TrainState.create: state is not the model's eqx.nn.State: the model's stateful layer 'Norm.bn.ema_first_time_index' has no entry in it"),
+    ],
+)  # fmt: skip
+def test_fourth_sweep_errors_name_argument_rule_and_value(call, error, message):
+    with raises(error, message):
+        call()
+
+
+def test_fourth_sweep_inputs_that_now_work(mesh):
+    config = sx.train.StepConfig(mesh=mesh, accumulate=2)  # as sx.auto_plan takes it
+    assert sx.make_train_step(_loss, config=config).config == config
+    assert sx.make_train_step(_loss, config=config, plan="auto").config.accumulate == 2
+    assert sx.make_eval_step(_loss, config=config).accumulate == 2
+    assert sx.keep_plan() is sx.keep_plan  # @sx.keep_plan() as @sx.keep_plan
+    y, aux = sx.moe(
+        jnp.zeros((0, 4)), jnp.ones((4, 2)), lambda p, h: h @ p, jnp.ones((2, 4, 4)), top_k=1
+    )
+    assert y.shape == (0, 4) and [float(v) for v in aux[:3]] == [0.0, 0.0, 0.0]  # was NaN
+
+
+def test_keep_plan_on_a_step_with_nothing_placed_says_so():
+    @jax.jit
+    @sx.keep_plan
+    def train_step(w, x):
+        return w * x
+
+    with pytest.warns(UserWarning, match=r"^sx.keep_plan: train_step holds nothing: none of its arguments or outputs was placed by sx.prepare"):  # fmt: skip
+        train_step(jnp.ones(2), jnp.ones(2))
+
+
+def _on_target(loss_fn=_loss):
+    return sx.make_train_step(loss_fn, mesh=sx.make_mesh({"data": 8}, devices=sx.target("8xH100")))
+
+
+def _printing_loss(model, batch):
+    loss = _loss(model, batch)
+    jax.debug.print("loss {}", loss)
+    return loss
+
+
+@pytest.mark.compile_only("gpu")
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda: _on_target().shard(_pytree_state()), ValueError, "sx.train.TrainStep.shard: shard(state) runs on arrays, and the step's mesh is of compile-only devices (8 x NVIDIA H100 80GB HBM3, from sx.target), which hold no arrays and run nothing: compile the step for abstract inputs"),
+        (lambda: _on_target()(_pytree_state(), _XY), ValueError, "sx.train.TrainStep: step(state, batch) runs on arrays, and the step's mesh is of compile-only devices"),
+        (lambda: sx.verify(_on_target(), _pytree_state(), _XY), ValueError, "sx.verify: verifying the step runs on arrays, and the step's mesh is of compile-only devices"),
+        (lambda: sx.estimate(_on_target(_printing_loss), jax.eval_shape(_pytree_state), jax.eval_shape(lambda: _XY)), RuntimeError, "sx.estimate: the step calls back to the host (jax.debug.print, jax.debug.callback, jax.pure_callback or io_callback in the loss or model)"),
+    ],
+)  # fmt: skip
+def test_fourth_sweep_compile_only_targets_say_what_to_do(call, error, message):
+    with raises(error, message):
+        call()
+
+
+_HOLD_LIBTPU = "from jax.experimental import topologies as t; t.get_topology_desc('v5p:2x2x1', platform='tpu'); print('held', flush=True); input()"
+_BESIDE_IT = """
+import shardax as sx
+from shardax.cost import compile_target as ct
+attached, ct.tpu_chips_attached = ct.tpu_chips_attached, lambda: True
+try:
+    sx.target("v5p-8")
+except RuntimeError as e:
+    print(e)
+ct.tpu_chips_attached = attached
+print(sx.target("v5p-8"))
+"""
+
+
+@pytest.mark.compile_only("tpu")
+@pytest.mark.timeout(120)
+def test_libtpu_loaded_by_another_process_is_met_by_shardax():
+    """Where another process holds libtpu's lock: on a machine with TPU chips (faked),
+    shardax's message (never libtpu's `sudo rm` of a live lock); without (this one), the
+    compile-only target loads beside it."""
+    env = {k: v for k, v in os.environ.items() if k != "ALLOW_MULTIPLE_LIBTPU_LOAD"}
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LIBTPU], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = subprocess.run([sys.executable, "-c", _BESIDE_IT], capture_output=True, text=True, timeout=100, env=env)  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    refused, target = second.stdout.splitlines()[:2]
+    _says(
+        refused,
+        "sx.target: target 'v5p-8' loads libtpu, which refused: another process on this machine has loaded it and holds its lock /tmp/libtpu_lockfile",
+    )
+    assert "do not delete the file" in refused and "ALLOW_MULTIPLE_LIBTPU_LOAD=1" in refused
+    assert target.startswith("Target('v5p-8'"), second.stderr
