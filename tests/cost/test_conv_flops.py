@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.cost.estimation import analyse
 from shardax.cost.flops import hlo_flops, line_matmuls, unpriced_calls
 
 NHWC = ("NHWC", "HWIO", "NHWC")
@@ -151,19 +152,20 @@ def _resnet_step():
 
     def init():
         v = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
-        return {"params": v["params"], "stats": v["batch_stats"], "opt": tx.init(v["params"])}
+        return {"params": v["params"], "batch_stats": v["batch_stats"],
+                "opt_state": tx.init(v["params"])}  # fmt: skip
 
     def step(state, batch):
         def loss_fn(params):
-            variables = {"params": params, "batch_stats": state["stats"]}
+            variables = {"params": params, "batch_stats": state["batch_stats"]}
             logits, new = model.apply(variables, batch["image"], mutable=["batch_stats"])
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
             return loss.mean(), new["batch_stats"]
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        updates, opt = tx.update(grads, state["opt"], state["params"])
+        updates, opt = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {"params": params, "stats": stats, "opt": opt}, loss
+        return {"params": params, "batch_stats": stats, "opt_state": opt}, loss
 
     return step, jax.eval_shape(init)
 
@@ -187,8 +189,16 @@ def test_resnet_flops_on_an_h100_target_are_xla_cpu_count(h100):
     cpu = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("data",))
     analysis = jax.jit(step).lower(*_placed(state, cpu)).compile().cost_analysis()
     on_cpu = float((analysis[0] if isinstance(analysis, list) else analysis)["flops"])
-    hlo = jax.jit(step).lower(*_placed(state, h100)).compile().as_text()
+    placed, batch = _placed(state, h100)
+    compiled = jax.jit(step).lower(placed, batch).compile()
+    hlo = compiled.as_text()
     calls = _TARGET.findall(hlo)
     assert {"convForward", "convBackwardInput", "convBackwardFilter"} <= set(calls)
     assert unpriced_calls(hlo) == {}
     assert hlo_flops(hlo) == pytest.approx(on_cpu, rel=0.1)
+    # The report: images, not tokens; no 6·N·images (the compiled count, labelled).
+    report = analyse(compiled, h100, state=placed, batch=batch)
+    assert report.unit == "images" and report.tokens == 16
+    assert report.model_flops == report.flops_hlo and report.unpriced_calls == {}
+    assert "images/s per device" in str(report)
+    assert report.model_flops_note.startswith("unknown for images")

@@ -360,10 +360,12 @@ def transformer_flops_per_token(
     d_model: int,
     causal: bool = True,
 ) -> float:
-    """Model training FLOPs per token of a dense decoder: ``6·N`` for the matmuls over
-    ``N`` non-embedding parameters (forward 2·N, backward 4·N), plus attention's scores
-    and weighted values, ``3 · 4·layers·seq_len·d_model``, halved when ``causal`` (the
-    masked half is not model work; MaxText and PaLM's MFU count it so).
+    """Model training FLOPs per token of a dense decoder, by the convention MaxText, PaLM
+    and Megatron count MFU with (:data:`shardax.cost.model_flops.CONVENTION`): ``6·N``
+    for the matmuls over ``N`` parameters without the embedding lookup (a gather), the LM
+    head included (forward 2·N, backward 4·N), plus attention's scores and weighted
+    values, ``3 · 4·layers·seq_len·d_model``, halved when ``causal`` (the masked half is
+    not model work, though a dense kernel computes it).
 
     >>> transformer_flops_per_token(100, layers=1, seq_len=4, d_model=8, causal=False)
     984.0

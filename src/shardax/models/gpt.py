@@ -691,9 +691,12 @@ def param_count(model: GPT, embeddings: bool = True) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int, non_embedding_params: int) -> float:
-    """Training FLOPs per token: ``6·N`` for the matmuls over N non-embedding params
-    (forward 2·N, backward 4·N), plus attention's scores and weighted values,
-    ``6 · 2·layers·seq_len·d_model`` (dense: XLA computes the masked half too).
+    """Training FLOPs per token the dense step executes, to check the compiled count
+    against: ``6·N`` for the matmuls over N params without the embedding lookup (the head
+    in them; forward 2·N, backward 4·N), plus attention's scores and weighted values,
+    ``6 · 2·layers·seq_len·d_model`` (dense: XLA computes the masked half too). Model
+    FLOPs for MFU halve causal attention's:
+    :func:`shardax.cost.flops.transformer_flops_per_token`.
 
     >>> flops_per_token(GPTConfig(layers=1, d_model=8, heads=2), 4, 100)
     984.0
