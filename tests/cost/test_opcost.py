@@ -128,3 +128,38 @@ def test_estimate_prices_the_collectives_of_fsdp_on_a_derived_h100(small_gpt):
     assert cost is not None and cost.calibration.startswith("derived: H100")
     assert 0 < cost.exposed_s <= cost.collective_s
     assert cost.low_s <= cost.step_s <= cost.high_s
+
+
+def test_a_gpu_without_a_calibration_is_priced_by_the_nearest_and_says_so():
+    from types import SimpleNamespace as NS
+
+    from shardax.cost.estimation import _price
+    from shardax.cost.hardware import device_spec
+
+    b200 = NS(platform="gpu", device_kind="NVIDIA B200", process_index=0)
+    spec = device_spec(b200)
+    hlo = "ENTRY %main {\n" + PARAMS + GEMM + "\n}"
+    cost = _price(hlo, [b200], spec, {}, [])
+    assert cost is not None and cost.calibration.startswith(
+        "uncalibrated: the nearest calibrated kind, H200, has 0.44× its peak FLOP/s"
+    )
+    assert cost.classes["gemm"].kernels == 1
+    cpu = NS(platform="cpu", device_kind="cpu", process_index=0)
+    assert _price(hlo, [cpu], spec, {}, []) is None  # tables for GPUs only
+
+
+def test_the_accuracy_benchmark_reads_every_measured_configuration():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "cost_model_accuracy.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_cost_model_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.configurations()
+    assert len(rows) == 18 and all(r["measured_ms"] > 0 for r in rows)
+    assert rows[0]["config"]["impl"] == "shardax" and rows[1]["config"]["impl"] == "jit"
+    assert sum(r["config"]["model"] == "stage4" for r in rows) == 7
+    rows[0]["prediction"] = price_hlo("ENTRY %main {\n" + PARAMS + GEMM + "\n}", H200).to_dict()
+    line = bench.markdown(rows[:1]).splitlines()[-1]
+    assert line.startswith("| default (shardax) | 130.3 | 0.4 |") and line.endswith("| no |")
