@@ -693,13 +693,13 @@ def _price(
     if str(devices[0].platform).lower() not in ("gpu", "cuda", "rocm"):
         return None
     calibration = calibration_for(str(devices[0].device_kind))
-    name = None
-    if calibration is None:
-        calibration, name = nearest(spec.peak_flops, spec.hbm_bandwidth)
+    name, widen = None, None
+    if calibration is None:  # another kind's tables: a wider interval
+        (calibration, name), widen = nearest(spec.peak_flops, spec.hbm_bandwidth), 0.25
     return price_hlo(
         hlo, calibration, name=name, num_devices=len(devices),
         link_of=lambda s: _link(s.collective.groups, devices), link_bandwidth=bandwidths,
-        scheduled=timed,
+        scheduled=timed, widen=widen,
     )  # fmt: skip
 
 

@@ -22,7 +22,9 @@ The step is the kernels in sequence (one stream) plus the exposed collectives. I
 interval: low with GEMMs at the table's best rate, attention 20% faster, memory-bound at
 the fastest stream pass and the collectives only as exposed; high with GEMMs 15% under
 the nearest shape's rate, attention 20% slower, memory-bound at the slowest stream pass,
-launches at twice ``launch_us`` and the collectives not overlapped at all.
+launches at twice ``launch_us`` and the collectives not overlapped at all. Tables not
+measured on the device kind widen it: by 10% each side for a derived calibration (the
+H100's), by 25% for another kind's (an uncalibrated device).
 
 >>> from shardax.cost.calibration import H200
 >>> hlo = '''ENTRY %main {
@@ -105,6 +107,8 @@ class StepCost:
         exposed_s: the part of it the compiled schedule leaves exposed.
         unpriced: custom calls the model has no table for, by target, with their count
             per step (priced by their bytes, as memory-bound work).
+        widen: the share the interval is widened by on each side (tables not measured
+            on this kind).
     """
 
     calibration: str
@@ -113,6 +117,7 @@ class StepCost:
     collective_s: float
     exposed_s: float
     unpriced: dict[str, float]
+    widen: float = 0.0
 
     @property
     def kernels(self) -> float:
@@ -130,11 +135,13 @@ class StepCost:
 
     @property
     def low_s(self) -> float:
-        return sum(c.low for c in self.classes.values()) + self.launch_s + self.exposed_s
+        low = sum(c.low for c in self.classes.values()) + self.launch_s + self.exposed_s
+        return low * (1 - self.widen)
 
     @property
     def high_s(self) -> float:
-        return sum(c.high for c in self.classes.values()) + 2 * self.launch_s + self.collective_s
+        high = sum(c.high for c in self.classes.values()) + 2 * self.launch_s + self.collective_s
+        return high * (1 + self.widen)
 
     @property
     def executed_flops(self) -> float:
@@ -147,7 +154,7 @@ class StepCost:
                 "step_s": self.step_s, "low_s": self.low_s, "high_s": self.high_s,
                 "classes": {k: dataclasses.asdict(v) for k, v in self.classes.items()},
                 "launch_s": self.launch_s, "collective_s": self.collective_s,
-                "exposed_s": self.exposed_s, "unpriced": dict(self.unpriced),
+                "exposed_s": self.exposed_s, "unpriced": dict(self.unpriced), "widen": self.widen,
                 "kernels": self.kernels, "executed_flops": self.executed_flops}  # fmt: skip
 
 
@@ -306,13 +313,15 @@ def price_hlo(
     link_of: Callable[[Scheduled], str] | None = None,
     link_bandwidth: Mapping[str, float | None] | None = None,
     scheduled: list[Scheduled] | None = None,
+    widen: float | None = None,
 ) -> StepCost:
     """Prices the compiled per-device program ``hlo`` (``compiled.as_text()``) with
     ``calibration``'s tables (see the module). ``link_of`` names the link each
     collective crosses (default ``"intra-host"``), ``link_bandwidth`` its bytes/s
     (a link without one: its collectives are left out, as in the roofline's prediction);
     ``name``: the calibration's name in the report (default: its own); ``scheduled``:
-    :func:`~shardax.cost.schedule.schedule` of ``hlo`` where the caller has it."""
+    :func:`~shardax.cost.schedule.schedule` of ``hlo`` where the caller has it;
+    ``widen``: the interval's widening (default 0.1 for a derived calibration, else 0)."""
     index = HloIndex(hlo)
     c = calibration
     rows = gemm_rows(c)
@@ -367,8 +376,11 @@ def price_hlo(
         one = LATENCY_S.get(link, 0.0) + s.sent_bytes / s.collective.count / bandwidth
         wire += one * s.collective.count
         exposed += exposed_seconds(s, one, best_rate)
+    if widen is None:
+        widen = 0.1 if c.derived else 0.0
     return StepCost(calibration=name or c.name, classes=classes, launch_s=launch,
-                    collective_s=wire, exposed_s=exposed, unpriced=unpriced)  # fmt: skip
+                    collective_s=wire, exposed_s=exposed, unpriced=unpriced,
+                    widen=widen)  # fmt: skip
 
 
 LABELS = {
