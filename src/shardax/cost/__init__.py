@@ -3,7 +3,8 @@
 These are models of what a step costs, apart from the process runtime: datasheet
 figures (:mod:`~shardax.cost.hardware`), the roofline (:mod:`~shardax.cost.roofline`),
 model-state memory per plan (:mod:`~shardax.cost.memory`), the collectives of a compiled
-program (:mod:`~shardax.cost.hlo`), its FLOPs (:mod:`~shardax.cost.flops`), targets:
+program (:mod:`~shardax.cost.hlo`), its FLOPs (:mod:`~shardax.cost.flops`) beside model
+FLOPs by the common convention (:mod:`~shardax.cost.model_flops`), targets:
 compile-only devices of a GPU cluster or TPU slice (:mod:`~shardax.cost.compile_target`), and a
 compiled step's cost per device with a predicted step time (:func:`~shardax.cost.estimate`,
 :mod:`~shardax.cost.predict`), and the per-op model of a compiled program
