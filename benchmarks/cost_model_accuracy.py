@@ -150,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row["prediction"] = predict(text)
     if not args.compile_only:
+        import jax
+
+        from shardax.cost.calibration import H200
+
+        print(f"compiled with JAX {jax.__version__} for a compile-only 1xH200; priced with "
+              f"{H200.name} ({H200.source})")  # fmt: skip
         print(markdown(rows))
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1, default=str))
