@@ -59,7 +59,10 @@ _CONTROL = {
 }  # fmt: skip
 _COLLECTIVE_OPS = {*OPS, *(f"{op}-start" for op in OPS), *(f"{op}-done" for op in OPS)}
 
-_GEMM_TARGET = re.compile(r"__cublas\$|__cublasLt|\$gemm|\$matmul|__cudnn\$fusion|__triton_gemm")
+# cuDNN convolutions are GEMMs too (implicit GEMM: M = N·Ho·Wo, N = Cout, K = Cin·kh·kw).
+_GEMM_TARGET = re.compile(
+    r"__cublas\$|__cublasLt|\$gemm|\$matmul|__cudnn\$fusion|__cudnn\$conv|__triton_gemm"
+)
 _ATTENTION_TARGET = re.compile(r"__cudnn\$fmha|flash|fmha|sdpa", re.IGNORECASE)
 _SCOPE = re.compile(r"(?:^|[/(])" + SCOPE + r"(?:[/)]|$)")
 
