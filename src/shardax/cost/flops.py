@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, as_hardware_type, device_spec
-from shardax.cost.hlo import _computations, _runs
+from shardax.cost.hlo import _CALL_TARGET, _computations, _runs
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|[a-z]+\d*\[[\d,]*\]\S*) ")
 _DOT = re.compile(r"= (\S+) dot\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
@@ -223,7 +223,6 @@ NO_MATMUL_CALLS = re.compile(
     r"SliceToDynamic|MoveTo(?:Host|Device)|annotate_device_placement|\w*python\w*callback|"
     r"__cudnn\$norm\w*|X64\w+|InspectSharding|local_sharding_constraint"
 )
-_CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
 def unpriced_calls(hlo: str) -> dict[str, int]:

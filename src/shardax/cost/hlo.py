@@ -31,6 +31,10 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,]*\})")
 _GROUPS_MESH = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((?:[^()]|\([^()]*\))*\))? \{([^}]*)\}"
 )
+# One instruction's parts, shared by the modules that read compiled HLO text.
+_INSTR_NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _AXIS = re.compile(r"'([^']+)'(?:=(\d+))?")
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _WHILE = re.compile(r"\bwhile\(.*?\bbody=%?([\w.\-]+)")

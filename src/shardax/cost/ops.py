@@ -32,7 +32,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shardax.cost.flops import _own_matmuls
-from shardax.cost.hlo import DTYPE_BYTES, OPS, _arrays, _computations, _runs
+from shardax.cost.hlo import _CALL_TARGET as _TARGET
+from shardax.cost.hlo import _CALLS, DTYPE_BYTES, OPS, _arrays, _computations, _runs
+from shardax.cost.hlo import _INSTR_NAME as _INSTR
 
 CLASSES = ("gemm", "attention", "elementwise", "optimizer", "copies", "collectives", "other",
            "idle")  # fmt: skip
@@ -66,12 +68,9 @@ _GEMM_TARGET = re.compile(
 _ATTENTION_TARGET = re.compile(r"__cudnn\$fmha|flash|fmha|sdpa", re.IGNORECASE)
 _SCOPE = re.compile(r"(?:^|[/(])" + SCOPE + r"(?:[/)]|$)")
 
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
 _OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="((?:[^"\\]|\\.)*)"')
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _KIND = re.compile(r"\bkind=(k\w+)")
-_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _BACKEND_KIND = re.compile(r'"kind":"([^"]+)"')
 _MODULE = re.compile(r"^\s*HloModule\s+([\w.\-]+)", re.MULTILINE)
 

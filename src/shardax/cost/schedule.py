@@ -29,12 +29,19 @@ import re
 from collections.abc import Callable
 
 from shardax.cost.flops import line_matmuls
-from shardax.cost.hlo import _OP, Collective, _computations, _runs, collective_of, line_calls
+from shardax.cost.hlo import (
+    _CALLS,
+    _OP,
+    Collective,
+    _computations,
+    _runs,
+    collective_of,
+    line_calls,
+)
+from shardax.cost.hlo import _INSTR_NAME as _NAME
 
-_NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _OPCODE = re.compile(r" = .*? ([a-z][\w\-]*)\(")
 _OPERANDS = re.compile(r"%([\w.\-]+)")
-_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 FREE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
     "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-start", "copy-done",
