@@ -1,12 +1,14 @@
 """The measurements a per-op cost model prices a compiled step with, on this device.
 
-Four tables, each a list of JSON rows (``tables()`` returns them together):
+Six tables, each a list of JSON rows (``tables()`` returns them together):
 
 - ``gemm``: bf16 matrix products ``(m, k) @ (k, n)`` with fp32 accumulation, by shape:
   the GPT's own projections at 8k tokens, their backward shapes, and a square ladder;
   TFLOP/s is ``2·m·n·k`` over the median time.
+- ``gemm_f32``: fp32 ``(m, k) @ (k, n)`` at JAX's default precision, a few shapes.
 - ``stream``: elementwise passes over large arrays (copy, scale, a bf16 → fp32 convert),
   GB/s counting bytes read plus bytes written.
+- ``reduce``: row and column reductions of a ``(65536, 2048)`` array (a norm's shape).
 - ``attention``: ``jax.nn.dot_product_attention`` (cuDNN on a GPU, XLA elsewhere),
   forward and forward + backward, causal and not; TFLOP/s counts ``4·b·s²·h·d``
   forward (``2.5×`` that for the backward), halved when causal.
@@ -87,22 +89,61 @@ def _pipelined_seconds(fn: Callable[[], Any], calls: int, rounds: int = 3) -> fl
     return statistics.median(per_call)
 
 
-def gemm(shapes: Sequence[tuple[int, int, int]], calls: int = 20) -> list[dict[str, Any]]:
-    """bf16 ``(m, k) @ (k, n)`` → bf16 with fp32 accumulation, per shape."""
+def gemm(
+    shapes: Sequence[tuple[int, int, int]], calls: int = 20, dtype: str = "bf16"
+) -> list[dict[str, Any]]:
+    """``(m, k) @ (k, n)`` per shape: bf16 → bf16 with fp32 accumulation, or fp32 → fp32
+    at JAX's default precision (what an fp32 model's matmuls run at)."""
     import jax
     import jax.numpy as jnp
 
+    operand = {"bf16": jnp.bfloat16, "f32": jnp.float32}[dtype]
     rows = []
     for m, n, k in shapes:
         keys = jax.random.split(jax.random.key(m * 7 + n * 3 + k), 2)
-        a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-        b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
+        a = jax.random.normal(keys[0], (m, k), operand)
+        b = jax.random.normal(keys[1], (k, n), operand)
         f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
         seconds = _pipelined_seconds(lambda f=f, a=a, b=b: f(a, b), calls)
-        rows.append({"m": m, "n": n, "k": k, "dtype": "bf16", "ms": seconds * 1e3,
+        rows.append({"m": m, "n": n, "k": k, "dtype": dtype, "ms": seconds * 1e3,
                      "tflops": 2.0 * m * n * k / seconds / 1e12})  # fmt: skip
         del a, b
     return rows
+
+
+def fp32_gemm_shapes(quick: bool = False) -> list[tuple[int, int, int]]:
+    """``(m, n, k)`` of the fp32 table: the GPT's projections and two squares."""
+    if quick:
+        return [(256, 256, 256)]
+    t, d, f = GPT_TOKENS, 2048, 8192
+    return [(t, d, d), (t, f, d), (d, f, t), (4096, 4096, 4096), (8192, 8192, 8192)]
+
+
+def reduce(rows: int, width: int = 2048, calls: int = 20) -> list[dict[str, Any]]:
+    """Row reductions of a ``(rows, width)`` array (a norm's or a softmax's shape): GB/s
+    of bytes read plus written."""
+    import jax
+    import jax.numpy as jnp
+
+    x32 = jax.random.normal(jax.random.key(2), (rows, width), jnp.float32)
+    x16 = x32.astype(jnp.bfloat16)
+    cases = [
+        ("row sum fp32", jax.jit(lambda x: x.sum(-1)), x32, 4),
+        ("row sum of squares bf16->fp32",
+         jax.jit(lambda x: jnp.square(x.astype(jnp.float32)).sum(-1)), x16, 2),
+        ("rms norm bf16", jax.jit(lambda x: (x * jax.lax.rsqrt(jnp.mean(
+            jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(x.dtype)),
+         x16, 4),
+        ("column sum fp32", jax.jit(lambda x: x.sum(0)), x32, 4),
+    ]  # fmt: skip
+    out = []
+    for name, f, x, bytes_per in cases:
+        seconds = _pipelined_seconds(lambda f=f, x=x: f(x), calls)
+        n = rows * width
+        out.append({"op": name, "rows": rows, "width": width, "bytes": bytes_per * n,
+                    "ms": seconds * 1e3, "gbs": bytes_per * n / seconds / 1e9})  # fmt: skip
+    del x32, x16
+    return out
 
 
 def stream(elements: int, calls: int = 20) -> list[dict[str, Any]]:
@@ -200,13 +241,15 @@ def launch(chain: int = 200, calls: int = 50) -> list[dict[str, Any]]:
 
 
 def tables(quick: bool = False) -> dict[str, Any]:
-    """All four tables, each run on its own so one failing leaves the others; errors are
+    """All the tables, each run on its own so one failing leaves the others; errors are
     kept as ``{"error": ...}``."""
     import jax
 
     parts: dict[str, Callable[[], Any]] = {
         "gemm": lambda: gemm(gemm_shapes(quick)),
+        "gemm_f32": lambda: gemm(fp32_gemm_shapes(quick), dtype="f32"),
         "stream": lambda: stream(2**16 if quick else 2**28),
+        "reduce": lambda: reduce(64 if quick else 65536),
         "attention": lambda: attention(attention_shapes(quick)),
         "launch": lambda: launch(20 if quick else 200),
     }
