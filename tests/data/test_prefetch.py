@@ -19,6 +19,11 @@ def workers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "shardax-prefetch"]
 
 
+GONE_S = 10.0
+"""How long a worker may take to leave: generous, as CI's two cores are shared by four
+test workers (1 s once failed there); a worker that never leaves still fails."""
+
+
 def gone_within(seconds: float, before: int) -> bool:
     """True once no prefetch worker is left and the thread count is back to ``before``."""
     deadline = time.monotonic() + seconds
@@ -71,7 +76,7 @@ def test_worker_reads_ahead_on_its_own(mesh, before):
         assert len(consumed) == 5
         time.sleep(0.1)
         assert len(consumed) == 5
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
 
 
 class SourceError(Exception):
@@ -91,7 +96,7 @@ def test_source_error_raised_at_its_item_with_its_type(mesh, before):
         next(it)
     with pytest.raises(StopIteration):
         next(it)
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
 
 
 def test_placement_error_raised_at_its_item(mesh, before):
@@ -100,38 +105,38 @@ def test_placement_error_raised_at_its_item(mesh, before):
     next(it), next(it)
     with pytest.raises(ValueError, match=r"'x' with shape \(12, 2\).*size 12.*size 8"):
         next(it)
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
 
 
 def test_break_close_del_and_with_stop_the_worker(mesh, before):
     for _ in sx.prefetch_to_device(endless(), mesh):  # early break, iterator not named
         break
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
 
     it = sx.prefetch_to_device(endless(), mesh)
     next(it)
     it.close()
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
     with pytest.raises(StopIteration):
         next(it)
 
     it = sx.prefetch_to_device(endless(), mesh)
     next(it)
     del it
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
 
     with sx.prefetch_to_device(endless(), mesh) as it:
         for i, _ in enumerate(it):
             if i == 3:
                 break
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
 
 
 def test_keyboard_interrupt_in_the_loop_body(mesh, before):
     with pytest.raises(KeyboardInterrupt), sx.prefetch_to_device(endless(), mesh) as it:
         for _ in it:
             raise KeyboardInterrupt
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
 
 
 def test_keyboard_interrupt_while_waiting_for_a_batch(before):
@@ -156,7 +161,7 @@ def test_keyboard_interrupt_while_waiting_for_a_batch(before):
     finally:
         signal.signal(signal.SIGINT, previous)
     timer.join()
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
     with pytest.raises(StopIteration):
         next(it)
 
@@ -170,7 +175,7 @@ def test_slow_consumer_and_full_queue_do_not_deadlock(mesh, before):
                 break
         start = time.monotonic()
     assert time.monotonic() - start < 0.5
-    assert gone_within(1.0, before)
+    assert gone_within(GONE_S, before)
 
 
 def test_source_blocking_forever_does_not_block_close(before):
@@ -188,7 +193,7 @@ def test_source_blocking_forever_does_not_block_close(before):
     assert time.monotonic() - start < 0.5  # close() returns although the source is stuck
     assert workers() and all(t.daemon for t in workers())  # a daemon cannot block exit
     release.set()
-    assert gone_within(1.0, before)  # it leaves as soon as the source returns
+    assert gone_within(GONE_S, before)  # it leaves as soon as the source returns
 
 
 def test_policy_pads_the_short_last_batch_without_recompiling(mesh):
