@@ -3,8 +3,9 @@
 A :class:`Calibration` holds, for one device kind and JAX version, the microbenchmark
 tables the per-op cost model (:mod:`shardax.cost.opcost`) prices a compiled step with:
 
-- ``gemm``: bf16 ``(m, k) @ (k, n)`` rates by shape (TFLOP/s), as
-  ``benchmarks/gpu/calibrate.py`` measures them;
+- ``gemm``: ``(m, k) @ (k, n)`` rates by shape and operand dtype (TFLOP/s: bf16, and
+  fp32 at JAX's default precision where measured), as ``benchmarks/gpu/calibrate.py``
+  measures them;
 - ``stream``: GB/s of elementwise passes (bytes read + written), slowest to fastest;
 - ``attention``: cuDNN fused attention, ms per call by (batch, seq, heads, head_dim,
   causal, pass);
@@ -19,8 +20,8 @@ kind; :func:`calibration_for` finds one for a device kind (or says none fits).
 >>> c = calibration_for("NVIDIA H200")
 >>> c.name
 'calibrated: H200, JAX 0.11.2, 2026-11-27'
->>> calibration_for("NVIDIA H100 80GB HBM3").derived is not None
-True
+>>> calibration_for("NVIDIA H100 80GB HBM3").name
+'calibrated: H100, JAX 0.11.2, 2026-11-27'
 >>> calibration_for("TPU v5p") is None
 True
 """
@@ -118,30 +119,35 @@ def _h200() -> Calibration:
 
 H200 = _h200()
 
-H100_GEMM_SCALE = 798.0 / 710.95
-"""An H100 SXM's 8192³ bf16 GEMM, ~798 TFLOP/s (random data, measured on this
-workplace's H100), over the H200's 711 measured: the H200's shape table times this."""
-H100_STREAM_SCALE = 3.0e3 / 4071.7
-"""An H100 SXM's ~3.0 TB/s copy (measured on this workplace's H100) over the H200's best
-stream pass: the H200's stream table times this."""
-
 
 def _h100() -> Calibration:
-    h200 = H200
-    return dataclasses.replace(
-        h200,
-        kind="H100",
-        source="scaled from the H200's tables (" + h200.source + ")",
-        gemm=tuple((m, n, k, d, r * H100_GEMM_SCALE) for m, n, k, d, r in h200.gemm),
-        stream=tuple(b * H100_STREAM_SCALE for b in h200.stream),
-        # attention is compute-bound: the H200's times at the GEMM ratio
-        attention=tuple((*key, ms / H100_GEMM_SCALE) for *key, ms in h200.attention),
-        peak_flops=989e12,
-        derived=(
-            "not measured: the H200's tables scaled to an H100 SXM's measured 8192³ bf16 "
-            "GEMM (~798 TFLOP/s, random data) and ~3.0 TB/s copy on this workplace's H100"
-        ),
-    )
+    # benchmarks/gpu/results/2026-11-27-h100-1/session.json, core.calibration
+    gemm = (
+        (8192, 2048, 2048, "bf16", 638.01), (8192, 8192, 2048, "bf16", 626.54),
+        (8192, 2048, 8192, "bf16", 747.61), (2048, 2048, 8192, "bf16", 716.11),
+        (2048, 8192, 8192, "bf16", 712.25), (8192, 2048, 8192, "bf16", 748.82),
+        (1024, 1024, 1024, "bf16", 48.95), (2048, 2048, 2048, "bf16", 364.07),
+        (4096, 4096, 4096, "bf16", 695.40), (8192, 8192, 8192, "bf16", 690.42),
+        (8192, 256, 2048, "bf16", 161.09), (16384, 6144, 2048, "bf16", 661.46),
+        (8192, 2048, 2048, "f32", 317.43), (8192, 8192, 2048, "f32", 334.00),
+        (2048, 8192, 8192, "f32", 400.88), (4096, 4096, 4096, "f32", 380.11),
+        (8192, 8192, 8192, "f32", 359.75),
+    )  # fmt: skip
+    attention = (
+        (4, 2048, 16, 128, True, "fwd", 0.17361), (4, 2048, 16, 128, True, "fwd+bwd", 0.74040),
+        (4, 2048, 16, 128, False, "fwd", 0.24781), (4, 2048, 16, 128, False, "fwd+bwd", 1.03955),
+        (1, 8192, 16, 128, True, "fwd", 0.52970), (1, 8192, 16, 128, True, "fwd+bwd", 1.98829),
+        (1, 8192, 16, 128, False, "fwd", 0.85254), (1, 8192, 16, 128, False, "fwd+bwd", 3.39044),
+        (4, 2048, 32, 64, True, "fwd", 0.21516), (4, 2048, 32, 64, True, "fwd+bwd", 0.88981),
+        (4, 2048, 32, 64, False, "fwd", 0.33419), (4, 2048, 32, 64, False, "fwd+bwd", 1.28815),
+    )  # fmt: skip
+    return Calibration(
+        kind="H100", jax="0.11.2", date="2026-11-27",
+        source="benchmarks/gpu/results/2026-11-27-h100-1/session.json (core.calibration, "
+        "benchmarks/gpu/calibrate.py on one NVIDIA H100 80GB HBM3)",
+        gemm=gemm, stream=(2018.1, 2876.5, 2892.3, 2948.9), attention=attention,
+        launch_us=1.297, dispatch_us=31.54, peak_flops=989e12,
+    )  # fmt: skip
 
 
 H100 = _h100()
@@ -168,7 +174,7 @@ def nearest(peak_flops: float | None, hbm_bandwidth: float | None) -> tuple[Cali
     (its datasheet), and a sentence on how far off it is.
 
     >>> c, why = nearest(2.25e15, 8e12)
-    >>> print(c.kind, why)
+    >>> print(c.kind, why)  # doctest: +NORMALIZE_WHITESPACE
     H200 uncalibrated: the nearest calibrated kind, H200, has 0.44× its peak FLOP/s and 0.51×
     its HBM bandwidth
     """

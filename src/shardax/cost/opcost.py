@@ -7,7 +7,8 @@ run (loop bodies by their trips; not the bodies of fusions) is classed
 - **GEMMs** (``dot``, cuBLAS calls, Triton or address-computing GEMM fusions): FLOPs at the
   rate of the calibration's measured shape nearest in ``(log m, log n, log k)``
   (:func:`gemm_rate`), or their bytes at the stream bandwidth where that is slower; an
-  fp32 GEMM at half the bf16 rate (TF32's dense peak is half bf16's: derived, not measured);
+  fp32 GEMM at the calibration's measured fp32 rate (the H100 measured 0.50-0.56× bf16's),
+  or half the bf16 rate where it measured none;
 - **attention** (cuDNN's ``__cudnn$fmha*``): the measured kernel nearest in (seq, heads,
   head_dim) with the same mask and pass, scaled by FLOPs (:func:`attention_seconds`);
 - **memory-bound** work (elementwise fusions, the optimizer update, copies, other
@@ -62,7 +63,8 @@ LATENCY_S = {"intra-host": 10e-6, "inter-host": 25e-6, "inter-slice": 50e-6}
 """Assumed (not calibrated) latency of one collective per link: NCCL's small-message
 times within an NVLink host and over InfiniBand are of this order."""
 FP32_GEMM_FACTOR = 0.5
-"""An fp32 GEMM's rate against bf16's (TF32's dense peak is half bf16's): derived."""
+"""An fp32 GEMM's rate against bf16's where a calibration measured no fp32 GEMM: the H100
+measured 0.50-0.56 (median 0.53) at five shapes, JAX's default precision."""
 _NO_KERNEL = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
     "partition-id", "replica-id", "opt-barrier", "add-dependency", "while", "call",
@@ -165,8 +167,9 @@ def _distance(shape: tuple[int, ...], point: list[float]) -> float:
 
 def gemm_rate(c: Calibration, m: float, n: float, k: float, dtype: str = "bf16") -> float:
     """FLOP/s of an ``(m, k) @ (k, n)`` GEMM: the rate of ``c``'s measured shape nearest in
-    ``(log m, log n, log k)`` (:func:`~shardax.cost.calibration.gemm_rows`), times
-    :data:`FP32_GEMM_FACTOR` for fp32 operands.
+    ``(log m, log n, log k)`` (:func:`~shardax.cost.calibration.gemm_rows`) and dtype;
+    for fp32 operands where ``c`` measured none, the bf16 rate times
+    :data:`FP32_GEMM_FACTOR`.
 
     >>> from shardax.cost.calibration import H200
     >>> round(gemm_rate(H200, 8192, 8192, 2048) / 1e12)
@@ -174,10 +177,15 @@ def gemm_rate(c: Calibration, m: float, n: float, k: float, dtype: str = "bf16")
     >>> round(gemm_rate(H200, 8000, 2000, 8100) / 1e12)  # two measurements' mean
     738
     """
+    wide = dtype in ("f32", "f64")
     rows = gemm_rows(c)
+    measured = [r for r in rows if r[3] == "f32"] if wide else []
+    factor = FP32_GEMM_FACTOR if wide and not measured else 1.0
     point = [math.log2(max(x, 1.0)) for x in (m, n, k)]
-    best = min(rows, key=lambda r: _distance(r[:3], point))
-    return best[4] * 1e12 * (FP32_GEMM_FACTOR if dtype in ("f32", "f64") else 1.0)
+    best = min(
+        measured or [r for r in rows if r[3] == "bf16"], key=lambda r: _distance(r[:3], point)
+    )
+    return best[4] * 1e12 * factor
 
 
 def attention_seconds(c: Calibration, line: str) -> float | None:
