@@ -1,12 +1,13 @@
 """The per-op cost model against every GPU step time measured: leave-one-out accuracy.
 
-Each configuration of the 1.21B GPT measured on one NVIDIA H200 (``docs/results.md``:
-the session of 2026-11-27 and the stage-4 rows of 2026-11-26) is compiled here for a
-compile-only ``1xH200`` target (``sx.target``, no GPU needed) with the compiler options
-it ran with, and its compiled program priced by :func:`shardax.cost.opcost.price_hlo`
-with the H200's calibration (microbenchmark tables only: no step time is a calibration
-input, so every prediction is leave-one-out by construction). The table gives the
-predicted interval and point against the measured median.
+Each configuration of the GPT measured on one NVIDIA H200 and one H100 SXM
+(``docs/results.md``: the sessions of 2026-11-27 and the H200's stage-4 rows of
+2026-11-26) is compiled here for a compile-only ``1xH200`` or ``1xH100`` target
+(``sx.target``, no GPU needed) with the compiler options it ran with, and its compiled
+program priced by :func:`shardax.cost.opcost.price_hlo` with that card's calibration
+(microbenchmark tables only: no step time is a calibration input, so every prediction is
+leave-one-out by construction). The table gives the predicted interval and point against
+the measured median.
 
     UV_PROJECT_ENVIRONMENT=.venv-compile uv run --python 3.12 --extra gpu-compile \\
         python benchmarks/cost_model_accuracy.py --hlo-dir /tmp/hlo --json accuracy.json
@@ -25,23 +26,28 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SESSION = HERE / "gpu/results/2026-11-27-h200-1/session.json"
+SESSIONS = {"H200": HERE / "gpu/results/2026-11-27-h200-1/session.json",
+            "H100": HERE / "gpu/results/2026-11-27-h100-1/session.json"}  # fmt: skip
 STAGE4 = "measured 2026-11-26 (docs/results.md, stage 4; XLA's default options)"
 
 
 def configurations() -> list[dict[str, Any]]:
-    """Every measured configuration: ``name``, ``config`` (``jax_gpt.Config`` fields),
-    ``options`` (the compiler options it ran with), ``measured_ms`` and ``source``."""
-    session = json.loads(SESSION.read_text())
-    rows = [("default (shardax)", session["core"]["shardax"]),
-            ("hand-written jax.jit", session["core"]["jit"])]  # fmt: skip
-    rows += [(s["name"], s) for s in session["sweep"]]
+    """Every measured configuration: ``name``, ``card`` (``"H200"``), ``config``
+    (``jax_gpt.Config`` fields), ``options`` (the compiler options it ran with),
+    ``measured_ms`` and ``source``."""
     out = []
-    for name, r in rows:
-        config = {k: v for k, v in r["config"].items() if k != "compiler"}
-        out.append(dict(name=name, config=config, options=r["compiler_options"],
-                        measured_ms=1e3 * r["seconds_per_step"],
-                        source="session.json 2026-11-27"))  # fmt: skip
+    for card, path in SESSIONS.items():
+        session = json.loads(path.read_text())
+        rows = [("default (shardax)", session["core"]["shardax"]),
+                ("hand-written jax.jit", session["core"]["jit"])]  # fmt: skip
+        rows += [(s["name"], s) for s in session["sweep"] if "seconds_per_step" in s]
+        prefix = "" if card == "H200" else f"{card}: "
+        for name, r in rows:
+            config = {k: v for k, v in r["config"].items() if k != "compiler"}
+            out.append(dict(name=prefix + name, card=card, config=config,
+                            options=r["compiler_options"],
+                            measured_ms=1e3 * r["seconds_per_step"],
+                            source=f"{path.parent.name}/session.json"))  # fmt: skip
     base = dict(layers=24, d_model=2048, heads=16, seq_len=2048, batch=4, remat="none",
                 scan=False, kernel="auto", impl="shardax", model="stage4")  # fmt: skip
     for name, change, ms in (
@@ -53,13 +59,13 @@ def configurations() -> list[dict[str, Any]]:
         ("stage 4: 8 x 2048, remat minimal, scanned",
          {"batch": 8, "remat": "dots_no_batch", "scan": True}, 454.0),
     ):  # fmt: skip
-        out.append(dict(name=name, config={**base, **change}, options={}, measured_ms=ms,
-                        source=STAGE4))  # fmt: skip
+        out.append(dict(name=name, card="H200", config={**base, **change}, options={},
+                        measured_ms=ms, source=STAGE4))  # fmt: skip
     return out
 
 
 def compile_hlo(row: dict[str, Any]) -> str:
-    """The compiled program's text of ``row`` for a compile-only ``1xH200``."""
+    """The compiled program's text of ``row`` for a compile-only ``1x<card>``."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -73,7 +79,7 @@ def compile_hlo(row: dict[str, Any]) -> str:
     import jax_gpt
 
     c = jax_gpt.Config(**row["config"], compiler=row["options"])
-    mesh = sx.make_mesh({"data": 1}, devices=sx.target("1xH200"))
+    mesh = sx.make_mesh({"data": 1}, devices=sx.target(f"1x{row['card']}"))
     tokens = jax.ShapeDtypeStruct((c.batch, c.seq_len), jnp.int32,
                                   sharding=NamedSharding(mesh, PartitionSpec("data")))  # fmt: skip
     batch = {"inputs": tokens, "targets": tokens}
@@ -148,26 +154,27 @@ def main(argv: list[str] | None = None) -> int:
         text = hlo_of(row, args.hlo_dir)
         if args.compile_only:
             continue
-        row["prediction"] = predict(text)
+        row["prediction"] = predict(text, row["card"])
     if not args.compile_only:
         import jax
 
-        from shardax.cost.calibration import H200
+        from shardax.cost.calibration import CALIBRATIONS
 
-        print(f"compiled with JAX {jax.__version__} for a compile-only 1xH200; priced with "
-              f"{H200.name} ({H200.source})")  # fmt: skip
+        print(f"compiled with JAX {jax.__version__} for a compile-only 1xH200 or 1xH100; "
+              "priced with " + "; ".join(f"{c.name} ({c.source})"
+                                         for c in CALIBRATIONS.values()))  # fmt: skip
         print(markdown(rows))
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1, default=str))
     return 0
 
 
-def predict(text: str) -> dict[str, Any]:
-    """The H200 calibration's price of one compiled program."""
-    from shardax.cost.calibration import H200
+def predict(text: str, card: str = "H200") -> dict[str, Any]:
+    """``card``'s calibration's price of one compiled program."""
+    from shardax.cost.calibration import CALIBRATIONS
     from shardax.cost.opcost import price_hlo
 
-    return price_hlo(text, H200).to_dict()
+    return price_hlo(text, CALIBRATIONS[card]).to_dict()
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

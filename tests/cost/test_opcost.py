@@ -160,7 +160,8 @@ def test_the_accuracy_benchmark_reads_every_measured_configuration():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.configurations()
-    assert len(rows) == 18 and all(r["measured_ms"] > 0 for r in rows)
+    assert len(rows) == 27 and all(r["measured_ms"] > 0 for r in rows)
+    assert sum(r["card"] == "H100" for r in rows) == 9
     assert rows[0]["config"]["impl"] == "shardax" and rows[1]["config"]["impl"] == "jit"
     assert sum(r["config"]["model"] == "stage4" for r in rows) == 7
     rows[0]["prediction"] = price_hlo("ENTRY %main {\n" + PARAMS + GEMM + "\n}", H200).to_dict()
