@@ -65,6 +65,7 @@ from shardax.train import (
     AutoPlanOptions,
     NonFiniteLossError,
     Precision,
+    SearchSpace,
     TrainState,
     auto_plan,
     keep_plan,
@@ -72,6 +73,7 @@ from shardax.train import (
     make_train_step,
     masked_mean,
     prepare,
+    search_plans,
     verify,
 )
 
@@ -93,6 +95,7 @@ __all__ = [
     "Preempted",
     "StepWatchdog",
     "TrainState",
+    "SearchSpace",
     "attention",
     "auto_plan",
     "batch_sharding",
@@ -126,6 +129,7 @@ __all__ = [
     "restore_checkpoint",
     "rules",
     "save_checkpoint",
+    "search_plans",
     "shard",
     "target",
     "verify",

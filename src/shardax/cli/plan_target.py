@@ -1,25 +1,24 @@
 """``shardax plan --target``: the built-in GPT at any size, compiled for a cluster this
-machine does not have (:func:`shardax.target`), with its memory, predicted speed, plan
+machine does not have ([`shardax.target`][shardax.target]), with its memory, predicted speed, plan
 and launch command.
 
 Example: ``shardax plan --target 64xH100 --layers 32 --d-model 4096 --heads 32 --seq-len
 4096 --batch 256`` (``--plan auto``: the candidates, plans × remat policies
-(:data:`REMATS`, or ``--remat``'s) × microbatch counts (:data:`COUNTS`), plus pipeline
+(``REMATS``, or ``--remat``'s) × microbatch counts (``COUNTS``), plus pipeline
 over hosts and context parallelism where they apply, are compiled, at most
-:data:`MAX_COMPILES` and pruned as :func:`shardax.train.auto.compile_candidates` does,
+``MAX_COMPILES`` and pruned as ``shardax.train.auto.compile_candidates`` does,
 and ranked by predicted step time among those that fit with headroom). The model is abstract
 (``nnx.eval_shape``): nothing is allocated. The mesh, unless ``--mesh`` is given:
 ``replica`` over the hosts (GPU hosts, TPU slices) × ``data`` within one, so the plans
 include HSDP (FSDP within a host, data parallel over hosts); ``--tp M`` splits each host
 into ``data × model=M`` for a ``fsdp+tp`` candidate; ``--plans a,b`` limits auto to
 those candidates. Every time and MFU printed is a
-**prediction** (:mod:`shardax.cost.predict`), never a measurement.
+**prediction** (``shardax.cost.predict``), never a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 from typing import Any
 
@@ -59,7 +58,7 @@ NOT_WITH_TARGET = {
 
 def refuse_ignored(args: argparse.Namespace) -> None:
     """A usage error naming the first option ``--target`` would ignore: those of
-    :data:`NOT_WITH_TARGET`, ``--plans`` beside a named ``--plan``, and ``--precision``
+    ``NOT_WITH_TARGET``, ``--plans`` beside a named ``--plan``, and ``--precision``
     beside ``--param-dtype bf16`` (which sets the precision itself)."""
     for dest, why in NOT_WITH_TARGET.items():
         value = getattr(args, dest, None)
@@ -104,54 +103,6 @@ def default_mesh(target: Any, tp: int) -> dict[str, int]:
     if tp > 1:
         spec[MODEL_AXIS] = tp
     return spec
-
-
-def train_flags(
-    plan: str,
-    mesh: dict[str, int],
-    remat: str | None = None,
-    accumulate: int = 1,
-    microbatches: int | None = None,
-) -> str:
-    """The ``shardax train`` flags of ``plan`` on ``mesh``: ``hsdp`` is ``--plan fsdp`` on
-    a mesh with a replica axis (the GPT's FSDP splits over ``data`` only); ``fsdp`` (over
-    every data axis) and the ZeRO plans fold the replica axis into ``data``; ``context``
-    is ``--plan fsdp`` on a mesh with a context axis; ``pipeline`` takes
-    ``--microbatches``. Then ``--accumulate`` (above 1) and ``--remat``.
-
-    >>> train_flags("fsdp", {"replica": 2, "data": 8}, "full", 2)
-    '--mesh data=16 --plan fsdp --accumulate 2 --remat full'
-    """
-    mesh = dict(mesh)
-    if plan not in ("hsdp", "context") and REPLICA_AXIS in mesh:
-        mesh[DATA_AXIS] = mesh.pop(REPLICA_AXIS) * mesh[DATA_AXIS]
-        mesh = {DATA_AXIS: mesh.pop(DATA_AXIS), **mesh}
-    name = "fsdp" if plan in ("hsdp", "context") else plan
-    flags = f"--mesh {','.join(f'{k}={v}' for k, v in mesh.items())} --plan {name}"
-    if microbatches:
-        flags += f" --microbatches {microbatches}"
-    if accumulate > 1:
-        flags += f" --accumulate {accumulate}"
-    return flags + (f" --remat {remat}" if remat else "")
-
-
-def launch_command(target: Any, train: str) -> str:
-    """How to start ``train`` (a ``shardax train ...`` command) on every host of
-    ``target``: one process per GPU host with Slurm's ``srun`` (``sx.initialize`` reads
-    its environment), ``gcloud ... --worker=all`` on a TPU slice's hosts."""
-    if target.platform == "tpu":
-        hosts = len({d.process_index for d in target.devices})
-        slices = f" (each of the {target.slices} slices)" if target.slices > 1 else ""
-        return (
-            f"gcloud compute tpus tpu-vm ssh $TPU_NAME --worker=all{slices} "
-            f"--command='{train}'  # {hosts} hosts"
-        )
-    if target.hosts == 1:
-        return train
-    return (
-        f"srun --nodes={target.hosts} --ntasks-per-node=1 "
-        f"--gpus-per-node={target.devices_per_host} {train}"
-    )
 
 
 def _model(
@@ -209,23 +160,6 @@ def _precision(args: argparse.Namespace, platform: str) -> Any:
     return args.precision or default_precision("gpt", platform)
 
 
-@dataclasses.dataclass
-class Group:
-    """``--plan auto``'s candidates on one mesh: its plans × the GPT under each remat
-    policy (``models``: remat -> (model, state, loss)) × the microbatch ``counts``."""
-
-    mesh: Any
-    axis: Any
-    plans: dict[str, Any]
-    models: dict[str, tuple[Any, Any, Any]]
-    counts: tuple[int, ...]
-    microbatches: int | None = None  # sx.pipeline's, for the pipeline group
-    seq_axis: str | None = None  # the context axis, for the context group
-
-    def flags(self, plan: str, remat: str, accumulate: int) -> str:
-        return train_flags(plan, dict(self.mesh.shape), remat, accumulate, self.microbatches)
-
-
 def _data_rows(mesh: Any) -> tuple[tuple[str, ...], int]:
     axes = tuple(a for a in (REPLICA_AXIS, DATA_AXIS) if a in mesh.shape)
     return axes, math.prod(mesh.shape[a] for a in axes)
@@ -236,7 +170,7 @@ def _axis(axes: tuple[str, ...]) -> Any:
 
 
 def _counts(rows: int) -> tuple[int, ...]:
-    """The microbatch counts of :data:`COUNTS` that divide ``rows`` per data shard."""
+    """The microbatch counts of ``COUNTS`` that divide ``rows`` per data shard."""
     return tuple(k for k in COUNTS if rows % k == 0)
 
 
@@ -250,6 +184,7 @@ def _pipeline_group(args: argparse.Namespace, target: Any, remats: tuple[str, ..
     import shardax as sx
     from shardax.models import gpt
     from shardax.parallel.gpipe import stage_mesh
+    from shardax.train.auto import Layout
 
     stages = target.hosts if target.platform == "gpu" else target.slices
     layers = args.layers or 2
@@ -272,22 +207,20 @@ def _pipeline_group(args: argparse.Namespace, target: Any, remats: tuple[str, ..
             plan = gpt.plan(mesh, model, "pipeline")
         except ValueError:
             continue
-        from shardax.plan.follow import follow_params
-
-        plans = {"pipeline": follow_params(plan)}
-        return Group(mesh, DATA_AXIS, plans, models, (1,), microbatches=micro)
+        return Layout(mesh, plans={"pipeline": plan}, model=_states(models),
+                      loss_fn=_loss(models), accumulate=1, microbatches=micro)  # fmt: skip
     return None
 
 
 def _context_group(args: argparse.Namespace, target: Any, remats: tuple[str, ...]) -> Any:
-    """``context``: for sequences of :data:`LONG_SEQ` tokens or more, a ``context`` axis
+    """``context``: for sequences of ``LONG_SEQ`` tokens or more, a ``context`` axis
     of C devices within a host (C the smallest power of two that leaves at most
     LONG_SEQ / 2 tokens per device, at least 2), the GPT's context-parallel attention,
     FSDP over ``data`` as ``shardax train --plan fsdp``; None where it does not apply."""
     import shardax as sx
     from shardax.models import gpt
     from shardax.parallel.context import zigzag_layout
-    from shardax.plan.follow import follow_params
+    from shardax.train.auto import Layout
 
     within = len(target.devices) // (target.hosts if target.platform == "gpu" else target.slices)
     groups = len(target.devices) // within
@@ -299,20 +232,21 @@ def _context_group(args: argparse.Namespace, target: Any, remats: tuple[str, ...
     spec = {REPLICA_AXIS: groups} if groups > 1 else {}
     spec.update({DATA_AXIS: within // c, CONTEXT_AXIS: c})
     mesh = sx.make_mesh(spec, devices=target)
-    axes, rows = _data_rows(mesh)
+    _, rows = _data_rows(mesh)
     if args.batch % rows:
         return None
     models = {r: _model(args, r, layout=zigzag_layout(c))[:3] for r in remats}
     plan = gpt.plan(mesh, next(iter(models.values()))[0], "fsdp")
-    plans = {"context": follow_params(plan)}
-    return Group(mesh, _axis(axes), plans, models, _counts(args.batch // rows),
-                 seq_axis=CONTEXT_AXIS)  # fmt: skip
+    return Layout(mesh, plans={"context": plan}, model=_states(models), loss_fn=_loss(models),
+                  accumulate=_counts(args.batch // rows))  # fmt: skip
 
 
-def _groups(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[Group]:
+def _layouts(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[Any]:
     """The candidates of ``--plan auto``: the plans on ``mesh``, then (without
     ``--mesh``) pipeline over hosts and context parallelism where they apply; each
     × the remat policies × the microbatch counts. ``--plans`` keeps those named."""
+    from shardax.train.auto import Layout
+
     remats = (args.remat,) if args.remat else REMATS
     axes, rows = _data_rows(mesh)
     names = args.plans
@@ -322,7 +256,8 @@ def _groups(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[G
     if main is None or main:
         plans = _candidates(main, mesh, _axis(axes), tp)
         models = {r: _model(args, r)[:3] for r in remats}
-        groups.append(Group(mesh, _axis(axes), plans, models, _counts(args.batch // rows)))
+        groups.append(Layout(mesh, plans=plans, model=_states(models), loss_fn=_loss(models),
+                             accumulate=_counts(args.batch // rows)))  # fmt: skip
     if not args.mesh:
         for name, build in (("pipeline", _pipeline_group), ("context", _context_group)):
             if names and name not in names:
@@ -344,47 +279,34 @@ def _groups(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[G
     return groups
 
 
-def rank(args: argparse.Namespace, target: Any, mesh: Any, tp: Any, precision: Any) -> Any:
-    """Compiles every group's candidates (at most :data:`MAX_COMPILES`, pruned as
-    :func:`shardax.train.auto.compile_candidates` does) and picks one; returns the
-    report, the picked group, its remat policy and the number of compiles."""
+def _states(models: dict[str, tuple[Any, Any, Any]]) -> dict[str, Any]:
+    return {remat: state for remat, (_, state, _) in models.items()}
+
+
+def _loss(models: dict[str, tuple[Any, Any, Any]]) -> Any:
+    return next(iter(models.values()))[2]
+
+
+def rank(
+    args: argparse.Namespace, target: Any, mesh: Any, tp: Any, precision: Any, figures: Any
+) -> Any:
+    """The library's search ([`shardax.search_plans`][shardax.search_plans]) over the GPT's layouts,
+    at
+    most ``MAX_COMPILES`` compiles; returns its report."""
     import jax
     import jax.numpy as jnp
 
-    from shardax.train.auto import choose, compile_candidates, default_device_memory
-    from shardax.train.config import StepConfig
+    import shardax as sx
 
-    groups = _groups(args, target, mesh, tp)
-    if args.device_memory is not None:
-        budget = args.device_memory * 2**30
-    else:
-        budget = default_device_memory(target.devices[0])
+    layouts = _layouts(args, target, mesh, tp)
+    budget = None if args.device_memory is None else args.device_memory * 2**30
+    config = sx.train.StepConfig(mesh=mesh, precision=precision)
+    space = sx.SearchSpace(meshes=layouts, config=config, device_memory=budget,
+                           max_compiles=MAX_COMPILES)  # fmt: skip
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
-    measured: list[Any] = []
-    owner: dict[str, tuple[Group, str, str]] = {}
-    left = MAX_COMPILES
-    for g in groups:
-        states = {r: state for r, (_, state, _) in g.models.items()}
-        loss_fn = next(iter(g.models.values()))[2]
-        config = StepConfig(mesh=g.mesh, data_axis=g.axis, precision=precision, seq_axis=g.seq_axis)
-        found = compile_candidates(g.plans, states, loss_fn, batch, g.counts, budget,
-                                   limit=left, config=config)  # fmt: skip
-        for c in found:
-            owner[c.name] = (g, c.name.split("·")[0], c.variant)
-            measured.append(c)
-        left -= sum(not c.skipped for c in found)
-    note = "".join(
-        f"; {next(iter(g.plans))}: mesh {_mesh_text(g.mesh)}"
-        + (f", sx.pipeline in {g.microbatches} microbatches" if g.microbatches else "")
-        for g in groups[1:] if len(groups) > 1
-    )  # fmt: skip
-    report = choose(measured, budget, "train step", note)
-    return report, owner[report.name], MAX_COMPILES - left
-
-
-def _mesh_text(mesh: Any) -> str:
-    return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+    first = layouts[0]
+    return sx.search_plans(space, first.model, loss_fn=first.loss_fn, batch=batch, **figures)
 
 
 def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
@@ -420,29 +342,32 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     precision = _precision(args, target.platform)
     axis: Any = _axis(data_axes)
     tp = gpt.plan(mesh, model, "tp") if MODEL_AXIS in mesh.shape else None
-    report, compiles, rank_s = None, 0, 0.0
-    group = Group(mesh, axis, {}, {}, (1,))
-    accumulate = 1
+    from shardax.train.auto import launch_command, train_flags
+
+    figures = {"model_flops": per_token * args.batch * args.seq_len,
+               "model_flops_note": "6N + attention, causal halved"}  # fmt: skip
+    report, rank_s, microbatches = None, 0.0, None
     try:
         if args.plan == "auto":
             start = time.perf_counter()
-            report, (group, name, remat), compiles = rank(args, target, mesh, tp, precision)
+            report = rank(args, target, mesh, tp, precision, figures)
             rank_s = time.perf_counter() - start
-            plan, accumulate = report.plan, report.accumulate
-            model, state, loss_fn = group.models[remat]
+            est, name, remat = report.estimate, report.name, report.variant
+            mesh, microbatches, flags = (
+                report.candidate.mesh,
+                report.candidate.microbatches,
+                report.flags,
+            )
         else:
             plan, name = _named_plan(args.plan, mesh, model, axis, tp), args.plan
-        step = sx.make_train_step(loss_fn, mesh=group.mesh, plan=plan, precision=precision,
-                                  data_axis=group.axis, accumulate=accumulate,
-                                  seq_axis=group.seq_axis)  # fmt: skip
-        tokens = args.batch * args.seq_len
-        est = sx.estimate(step, state, batch, model_flops=per_token * tokens,
-                          model_flops_note="6N + attention, causal halved")  # fmt: skip
+            step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, precision=precision,
+                                      data_axis=axis)  # fmt: skip
+            est = sx.estimate(step, state, batch, **figures)
+            flags = train_flags(name, dict(mesh.shape), remat)
     except ValueError as e:
         raise UsageError(
             f"--plan {args.plan} on {args.target}, mesh {dict(mesh.shape)}: {e}"
         ) from None
-    flags = group.flags(name, remat, accumulate)
     train = (f"shardax train --model gpt --layers {args.layers or 2} --d-model {args.d_model} "
              f"--heads {args.heads} --seq-len {args.seq_len} --batch-size {args.batch} "
              f"{flags}")  # fmt: skip
@@ -458,23 +383,24 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         "precision": str(precision) if not isinstance(precision, str) else precision,
         "plan": name if report is None else report.name,
         "remat": remat,
-        "accumulate": accumulate,
-        "microbatches": group.microbatches,
-        "mesh": dict(group.mesh.shape),
+        "accumulate": 1 if report is None else report.accumulate,
+        "microbatches": microbatches,
+        "mesh": dict(mesh.shape),
         "fits_with_headroom": est.fits,
         "mesh_flags": flags,
-        "launch": launch_command(target, train),
+        "launch": launch_command(target.devices, train),
         "estimate": est.to_dict(),
         "auto": None,
     }
     if report is not None:
         result["auto"] = {**report.to_dict(), "reasons": report.reasons(),
-                          "compiles": compiles, "rank_s": round(rank_s, 1)}  # fmt: skip
+                          "compiles": sum(not c.skipped for c in report.candidates),
+                          "rank_s": round(rank_s, 1)}  # fmt: skip
     return result, est, report
 
 
 def _candidates(names: list[str] | None, mesh: Any, axis: Any, tp: Any) -> Any:
-    """``--plans a,b``: those of :func:`shardax.train.auto.candidate_plans` (None: all)."""
+    """``--plans a,b``: those of ``shardax.train.auto.candidate_plans`` (None: all)."""
     from shardax.train.auto import candidate_plans
 
     plans = candidate_plans(mesh, axis, tp_rules=tp)
@@ -490,7 +416,7 @@ def _candidates(names: list[str] | None, mesh: Any, axis: Any, tp: Any) -> Any:
 
 
 def _named_plan(name: str, mesh: Any, model: Any, axis: Any, tp: Any) -> Any:
-    """The candidate ``name`` of :func:`shardax.train.auto.candidate_plans`."""
+    """The candidate ``name`` of ``shardax.train.auto.candidate_plans``."""
     from shardax.train.auto import candidate_plans
 
     plans = candidate_plans(mesh, axis, tp_rules=tp)

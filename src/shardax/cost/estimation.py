@@ -120,6 +120,9 @@ class Estimate:
             (:class:`~shardax.cost.opcost.StepCost`: seconds per class of kernels, launches,
             collectives on the wire and exposed, the step with its interval, and the
             calibration's name); None on other platforms or without a datasheet.
+        compiled_bytes: the compiler's ``memory_analysis()`` as it gave it, bytes per
+            device: ``arguments``, ``outputs``, ``aliased`` (donated) and ``temporaries``
+            (None where it refused the step).
     """
 
     device_kind: str
@@ -142,6 +145,7 @@ class Estimate:
     cost: StepCost | None = None
     unit: str = "tokens"
     unpriced_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    compiled_bytes: dict[str, int] | None = None
 
     @property
     def interval_s(self) -> tuple[float, float] | None:
@@ -548,8 +552,8 @@ def analyse(
     spec: HardwareSpec | None = None,
     compile_s: float = 0.0,
 ) -> Estimate:
-    """The :class:`Estimate` of an already compiled step (``auto_plan`` calls this for
-    each candidate)."""
+    """The :class:`Estimate` of an already compiled step (``sx.estimate`` and the auto
+    plan's search call this once per compiled program)."""
     devices = list(mesh.devices.flat)
     spec = device_spec(devices[0]) if spec is None else spec
     notes = []
@@ -677,6 +681,7 @@ def analyse(
         notes=tuple(notes),
         overlap=overlap,
         cost=cost,
+        compiled_bytes={"arguments": args, "outputs": outs, "aliased": alias, "temporaries": temp},
     )
 
 

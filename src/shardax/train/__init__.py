@@ -2,7 +2,16 @@
 verify (the step against one device)."""
 
 from shardax.checks import moved as _moved
-from shardax.train.auto import AutoPlan, AutoPlanOptions, AutoStep, Candidate, auto_plan
+from shardax.train.auto import (
+    AutoPlan,
+    AutoPlanOptions,
+    AutoStep,
+    Candidate,
+    Layout,
+    SearchSpace,
+    auto_plan,
+    search_plans,
+)
 from shardax.train.compiler import (
     combine_thresholds,
     compiler_options,
@@ -28,8 +37,10 @@ __all__ = [
     "AutoStep",
     "Candidate",
     "EvalStep",
+    "Layout",
     "LossScaling",
     "NonFiniteLossError",
+    "SearchSpace",
     "Precision",
     "StepConfig",
     "TrainState",
@@ -47,6 +58,7 @@ __all__ = [
     "make_train_step",
     "masked_mean",
     "prepare",
+    "search_plans",
     "set_gpu_environment",
     "verify",
 ]

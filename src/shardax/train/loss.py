@@ -52,6 +52,20 @@ def takes_state(loss_fn: Callable[..., Any]) -> bool:
     return len(names) >= 3 and names[1] == STATE
 
 
+def check_loss_fn(loss_fn: Callable[..., Any], batch_spec: Any = None) -> tuple[str, ...]:
+    """The step keys ``loss_fn`` takes (:func:`rng_arguments`), checked against the
+    step's ``batch_spec``: a batch whose leaves are not examples has no example to give
+    an ``rng`` key each."""
+    filled = rng_arguments(loss_fn)
+    if batch_spec is not None and "rng" in filled:
+        raise ValueError(
+            f"loss_fn takes 'rng' (one key per example), but "
+            f"batch_spec={batch_spec!r} says the batch's leaves are not examples; "
+            "take 'step_rng' (one key for the step) instead"
+        )
+    return filled
+
+
 def rng_arguments(loss_fn: Callable[..., Any], what: str = "loss_fn") -> tuple[str, ...]:
     """The parameters of :data:`FILLED` that ``loss_fn`` takes; raises ``TypeError``
     naming any other parameter the step cannot fill (after ``model`` and ``batch``)."""

@@ -34,7 +34,7 @@ from shardax.runtime.processes import device_put_global
 from shardax.train.batch_placement import BatchPlacement
 from shardax.train.compiler import describe as describe_options
 from shardax.train.config import StepConfig
-from shardax.train.loss import rng_arguments
+from shardax.train.loss import check_loss_fn
 from shardax.train.modes import mode_program
 from shardax.train.per_shard import PerShard, check_replicated
 from shardax.train.precision import (
@@ -153,13 +153,7 @@ class Program:
         if not isinstance(config, StepConfig):
             raise TypeError(f"config must be a sx.train.StepConfig, got {type(config).__name__}")
         self.config, self.work = config, work
-        self._filled = rng_arguments(loss_fn)
-        if config.batch_spec is not None and "rng" in self._filled:
-            raise ValueError(
-                f"loss_fn takes 'rng' (one key per example), but "
-                f"batch_spec={config.batch_spec!r} says the batch's leaves are not examples; "
-                "take 'step_rng' (one key for the step) instead"
-            )
+        self._filled = check_loss_fn(loss_fn, config.batch_spec)
         self.loss_fn, self.mesh, self.mode = loss_fn, config.mesh, config.mode
         self.plan, self.plan_name = config.resolved_plan, config.plan_name
         self.accumulate, self.donate = config.accumulate, config.donate

@@ -1,0 +1,243 @@
+"""The search space of :func:`~shardax.search_plans`: meshes (each a :class:`Layout`,
+e.g. data × stage for a pipeline, data × context for long sequences), the plans on
+each, the model's variants (remat policies), the microbatch counts and the step's
+settings (one :class:`~shardax.train.StepConfig`), on the local devices or a target's.
+
+>>> space = sx.SearchSpace(meshes=[{"data": 2, "stage": 4}, {"data": 4, "context": 2}])
+>>> [layout.name for layout in space.layouts]
+['stage=4', 'context=2']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from shardax.checks import as_count, expect_type, public
+from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, REPLICA_AXIS, STAGE_AXIS
+from shardax.mesh.make import make_mesh
+from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan
+from shardax.plan.follow import FollowParams
+from shardax.train.auto.candidates import Group, abstract_states
+from shardax.train.auto.options import (
+    Counts,
+    Rules,
+    candidate_plans,
+    check_accumulate,
+    check_candidates,
+    check_options,
+)
+from shardax.train.config import StepConfig
+
+
+@public("sx.train.Layout")
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One mesh of a :class:`SearchSpace`, and what differs on it.
+
+    Args:
+        mesh: a ``sx.make_mesh`` spec (built on the space's devices) or a mesh. The batch
+            splits over its ``"replica"`` and ``"data"`` axes (one of them at least),
+            its sequence over ``"context"`` where it has that axis (the step's
+            ``seq_axis``); a model calling ``sx.pipeline`` runs its schedule over
+            ``"stage"``.
+        name: prefixes its candidates' names (``"stage=4:fsdp"``); default: the mesh's
+            axes beyond the data axes, where the space has several meshes.
+        plans: the plans to rank on it: names of the defaults
+            (:func:`~shardax.train.auto.options.candidate_plans`, e.g. ``("fsdp",
+            "pipeline")``) or ``{name: plan or default's name}``; None: every default.
+        model, loss_fn: its own model (a state, an init, or ``{variant: either}``) and
+            loss, where it needs others (e.g. built with ``sx.pipeline``'s microbatches);
+            None: the search's.
+        accumulate: its microbatch counts (None: the space's).
+        microbatches: ``sx.pipeline``'s microbatches in its model, for the flags.
+    """
+
+    mesh: Mesh | Mapping[str, int]
+    name: str | None = None
+    plans: Sequence[str] | Mapping[str, Plan | str] | None = None
+    model: Any = None
+    loss_fn: Callable[..., Any] | None = None
+    accumulate: Counts | None = None
+    microbatches: int | None = None
+
+    @property
+    def data_axis(self) -> str | tuple[str, ...]:
+        """The axes the batch splits over: ``"replica"`` and ``"data"``, those present."""
+        axes = tuple(a for a in (REPLICA_AXIS, DATA_AXIS) if a in self.mesh.shape)
+        if not axes:
+            raise ValueError(
+                f"a searched mesh needs a {DATA_AXIS!r} (or {REPLICA_AXIS!r}) axis to split "
+                f"the batch over, got {dict(self.mesh.shape)}"
+            )
+        return axes if len(axes) > 1 else axes[0]
+
+    @property
+    def seq_axis(self) -> str | None:
+        """``"context"`` where the mesh splits it, else None."""
+        return CONTEXT_AXIS if self.mesh.shape.get(CONTEXT_AXIS, 1) > 1 else None
+
+
+@public("sx.SearchSpace")
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """What :func:`~shardax.search_plans` ranks: the meshes × their plans × the model's
+    variants × the microbatch counts, each the train step of ``config``.
+
+    Args:
+        meshes: ``sx.make_mesh`` specs, meshes or :class:`Layout` s (default: every
+            device on ``"data"``).
+        devices: where the specs are built: a ``sx.target(...)`` (compile-only) or a
+            list of devices (default: ``jax.devices()``).
+        plans: the plans to rank, by name (e.g. ``("fsdp", "pipeline")``), on each mesh
+            that has them (None: every default plan of each mesh,
+            :func:`~shardax.train.auto.options.candidate_plans`); a Layout's own
+            ``plans`` replace them there.
+        accumulate: a microbatch count or several, e.g. ``(1, 2, 4)``; each mesh keeps
+            those that split the batch's rows over its data axes.
+        config: the step's settings (:class:`~shardax.train.StepConfig`, plan None, mode
+            ``"jit"``, any mesh): precision, stats, compiler options... Each candidate
+            compiles it with its own mesh, data axes, ``seq_axis``, plan and count.
+        device_memory: bytes per device to fit in (default: the devices' figure).
+        min_size, tp_rules, pipeline_rules, stage_axis: as ``sx.auto_plan``'s; the rules
+            join the meshes that have their axes (``pipeline_rules``: a ``stage_axis`` of
+            size > 1).
+        max_compiles: compile at most this many candidates (None: no limit); the rest
+            are listed as not compiled.
+    """
+
+    meshes: Sequence[Mapping[str, int] | Mesh | Layout] = ({DATA_AXIS: -1},)
+    devices: Any = None
+    plans: Sequence[str] | None = None
+    accumulate: Counts = 1
+    config: StepConfig | None = None
+    device_memory: float | None = None
+    min_size: int = DEFAULT_FSDP_MIN_SIZE
+    tp_rules: Rules = None
+    pipeline_rules: Rules = None
+    stage_axis: str = STAGE_AXIS
+    max_compiles: int | None = None
+
+    def __post_init__(self) -> None:
+        checked = check_options(
+            self.device_memory, self.min_size, self.tp_rules, self.pipeline_rules, self.stage_axis
+        )
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        if self.max_compiles is not None:
+            object.__setattr__(self, "max_compiles", as_count("max_compiles", self.max_compiles))
+        if self.config is not None:
+            expect_type("config", self.config, StepConfig, "a sx.train.StepConfig or None")
+            if self.config.plan is not None or self.config.mode != "jit":
+                raise ValueError(
+                    f"config has plan {self.config.plan_name!r} and mode "
+                    f"{self.config.mode!r}; the search picks the plan among sharded ones, "
+                    "so build it with plan=None and mode='jit'"
+                )
+        expect_type("meshes", self.meshes, Sequence, "a list of mesh specs, meshes or Layouts")
+        if not self.meshes or isinstance(self.meshes, str | Mapping):
+            raise ValueError(f"meshes must be a non-empty list, got {self.meshes!r}")
+        object.__setattr__(self, "meshes", tuple(self.meshes))
+        if self.plans is not None:
+            if isinstance(self.plans, str) or not all(isinstance(n, str) for n in self.plans):
+                raise TypeError(f"plans must be a list of plan names, got {self.plans!r}")
+            object.__setattr__(self, "plans", tuple(self.plans))
+
+    @property
+    def layouts(self) -> tuple[Layout, ...]:
+        """Each mesh as a :class:`Layout` with its mesh built and its name set."""
+        out = []
+        for given in self.meshes:
+            layout = given if isinstance(given, Layout) else Layout(given)
+            mesh = layout.mesh
+            if not isinstance(mesh, Mesh):
+                devices = jax.devices() if self.devices is None else self.devices
+                mesh = make_mesh(dict(mesh), devices=devices)
+            layout = dataclasses.replace(layout, mesh=mesh)
+            if layout.name is None and len(self.meshes) > 1 and not isinstance(given, Layout):
+                layout = dataclasses.replace(layout, name=_mesh_name(mesh))
+            out.append(layout)
+        return tuple(out)
+
+    def groups(self, model: Any, loss_fn: Callable[..., Any], batch: Any) -> list[Group]:
+        """The candidates of each mesh, checked, before anything compiles."""
+        groups = [self._group(layout, model, loss_fn, batch) for layout in self.layouts]
+        if self.plans is not None:
+            unknown = set(self.plans) - {n for g in groups for n in g.plans}
+            if unknown:
+                raise ValueError(
+                    f"plans {list(self.plans)}: {', '.join(sorted(unknown))} on none of the "
+                    f"meshes; each has: "
+                    + "; ".join(f"{_mesh_name(g.mesh)}: {', '.join(g.plans)}" for g in groups)
+                )
+            groups = [g for g in groups if g.plans]
+        names = [n for g in groups for n in (g.name,) if n is not None]
+        if len(set(names)) < len(names):
+            raise ValueError(f"two searched meshes have the same name: {names}; name each")
+        return groups
+
+    def _group(self, layout: Layout, model: Any, loss_fn: Any, batch: Any) -> Group:
+        mesh, axis = layout.mesh, layout.data_axis
+        assert isinstance(mesh, Mesh)
+        if self.config is None:
+            config = StepConfig(mesh=mesh, data_axis=axis, seq_axis=layout.seq_axis)
+        else:
+            config = dataclasses.replace(
+                self.config, mesh=mesh, data_axis=axis, seq_axis=layout.seq_axis
+            )
+        stages = mesh.shape.get(self.stage_axis, 1) > 1
+        tp = self.tp_rules if _over(self.tp_rules, mesh) else None
+        pipeline = self.pipeline_rules if stages else None
+        known = candidate_plans(mesh, axis, self.min_size, tp, pipeline, self.stage_axis)
+        plans = _plans(layout, mesh, known)
+        if self.plans is not None and layout.plans is None:  # those of them it has
+            plans = {n: p for n, p in plans.items() if n in self.plans}
+        accumulate = self.accumulate if layout.accumulate is None else layout.accumulate
+        counts = check_accumulate(accumulate, mesh, axis, batch)
+        states = abstract_states(model if layout.model is None else layout.model)
+        loss = loss_fn if layout.loss_fn is None else layout.loss_fn
+        return Group(plans, states, loss, config, counts, layout.name, layout.microbatches)
+
+
+def _plans(layout: Layout, mesh: Mesh, known: dict[str, FollowParams]) -> dict[str, FollowParams]:
+    """The plans ``layout`` asks for, each named by its key."""
+    given = layout.plans
+    if given is None:
+        plans = known
+    elif isinstance(given, Mapping):
+        plans = check_candidates(mesh, given, known)
+    else:
+        unknown = [n for n in given if n not in known]
+        if unknown or not given:
+            raise ValueError(
+                f"plans {list(given)}: {', '.join(map(repr, unknown)) or 'none'} not among "
+                f"the candidates for mesh {dict(mesh.shape)}: {', '.join(known)}"
+            )
+        plans = {n: known[n] for n in given}
+    return {n: dataclasses.replace(p, name=n) if p.name != n else p for n, p in plans.items()}
+
+
+def _over(rules: Rules, mesh: Mesh) -> bool:
+    """``rules`` name only axes of ``mesh`` (a plan: is over it)."""
+    if rules is None:
+        return False
+    if isinstance(rules, Plan):
+        return rules.mesh == mesh
+    axes: set[str] = set()
+    for _, spec in rules:
+        for entry in spec if isinstance(spec, P) else ():
+            axes.update((entry,) if isinstance(entry, str) else entry or ())
+    return axes <= set(mesh.axis_names)
+
+
+def _mesh_name(mesh: Mesh) -> str:
+    """The mesh's axes beyond the data axes (all of them where it has no others)."""
+    shape = dict(mesh.shape)
+    data = {REPLICA_AXIS, DATA_AXIS}
+    rest = {k: v for k, v in shape.items() if k not in data} or shape
+    return ",".join(f"{k}={v}" for k, v in rest.items())
