@@ -85,6 +85,30 @@ def _set(config: StepConfig, **values: Any) -> None:
         object.__setattr__(config, name, value)
 
 
+class from_config:
+    """A read-only attribute of an object holding a :class:`StepConfig` as ``config``:
+    reads the config's field ``name`` (default: the attribute's own name), so the
+    settings are held once, not copied onto the objects built from them.
+
+    >>> class Holder:
+    ...     accumulate = from_config()
+    ...     microbatches = from_config("accumulate")
+    ...     def __init__(self, config): self.config = config
+    >>> import shardax as sx
+    >>> Holder(StepConfig(mesh=sx.make_mesh({"data": 8}), accumulate=2)).microbatches
+    2
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.config, self.name)
+
+
 @public("sx.train.StepConfig")
 @dataclasses.dataclass(frozen=True)
 class StepConfig:

@@ -32,7 +32,7 @@ from shardax.plan.activation import constrain
 from shardax.plan.tree import is_array, is_key, map_arrays, path_str
 from shardax.train.accumulate import microbatched
 from shardax.train.batchnorm import over_data_axis
-from shardax.train.config import StepConfig
+from shardax.train.config import StepConfig, from_config
 from shardax.train.loss import check_mapped_aux, takes_state
 from shardax.train.masks import valid_count
 from shardax.train.model import LinenModel, call_binding_streams, is_stateful
@@ -131,6 +131,11 @@ class PerShard:
     ``state_plan``: the state's plan (the optimizer state following the params).
     """
 
+    # The settings, read from ``config`` (held once, not copied).
+    mesh, mode, accumulate, data_axis = from_config(), from_config(), from_config(), from_config()
+    seq_axis, batch_spec, precision = from_config(), from_config(), from_config()
+    rng_per_device, plan_name = from_config(), from_config()
+
     def __init__(
         self,
         loss_fn: Callable[..., Any],
@@ -140,11 +145,8 @@ class PerShard:
         filled: tuple[str, ...],
         state_plan: Any,
     ) -> None:
-        self.loss_fn, self.work, self._filled, self.state_plan = loss_fn, work, filled, state_plan
-        self.mesh, self.mode, self.accumulate = config.mesh, config.mode, config.accumulate
-        self.data_axis, self.seq_axis = config.data_axis, config.seq_axis
-        self.batch_spec, self.precision = config.batch_spec, config.precision
-        self.rng_per_device, self.plan_name = config.rng_per_device, config.plan_name
+        self.config, self.loss_fn, self.work = config, loss_fn, work
+        self._filled, self.state_plan = filled, state_plan
 
     def _shard_fn(self, state: TrainState, mapped: bool = False):
         """``fn(model_state, batch, keys, rng) -> (grads, loss, aux, model_state)`` on one

@@ -33,7 +33,7 @@ from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
 from shardax.train.batch_placement import BatchPlacement
 from shardax.train.compiler import describe as describe_options
-from shardax.train.config import StepConfig
+from shardax.train.config import StepConfig, from_config
 from shardax.train.loss import check_loss_fn
 from shardax.train.modes import mode_program
 from shardax.train.per_shard import PerShard, check_replicated
@@ -149,19 +149,22 @@ class Program:
     platform: :mod:`shardax.train.compiler`).
     """
 
+    # The settings, read from ``config`` (held once, not copied).
+    mesh, mode, accumulate, donate = from_config(), from_config(), from_config(), from_config()
+    data_axis, precision, seq_axis = from_config(), from_config(), from_config()
+    batch_spec, rng_per_device = from_config(), from_config()
+    plan = from_config("resolved_plan")
+    compiler_options = from_config("resolved_compiler_options")
+    """The XLA options every jit of the step compiles with (none under pmap)."""
+
     def __init__(self, loss_fn: Callable[..., Any], config: StepConfig, work: StepWork) -> None:
         if not isinstance(config, StepConfig):
             raise TypeError(f"config must be a sx.train.StepConfig, got {type(config).__name__}")
         self.config, self.work = config, work
         self._filled = check_loss_fn(loss_fn, config.batch_spec)
-        self.loss_fn, self.mesh, self.mode = loss_fn, config.mesh, config.mode
-        self.plan, self.plan_name = config.resolved_plan, config.plan_name
-        self.accumulate, self.donate = config.accumulate, config.donate
-        self.data_axis, self.precision = config.data_axis, config.precision
-        self.seq_axis, self.batch_spec = config.seq_axis, config.batch_spec
-        self.rng_per_device = config.rng_per_device
-        # The XLA options every jit of the step compiles with (none under pmap).
-        self.compiler_options = config.resolved_compiler_options
+        self.loss_fn = loss_fn
+        # The name errors show: the config's, which AutoStep renames "auto:<plan>".
+        self.plan_name = config.plan_name
         plan = self.plan
         # The optimizer state follows the params (Adam's mu/nu), whatever the plan.
         self.state_plan = (
