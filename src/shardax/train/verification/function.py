@@ -1,0 +1,222 @@
+"""Your own step function's side of verify (the keep-your-loop path).
+
+``verify(train_step, (model, optimizer), batch)`` runs the function on copies of the state,
+placed as given and on the first device (or ``reference=``, your own one-device step). A
+functional step returns the new state first (``(state, metrics)`` or ``(*state,
+metrics)``); an NNX step updates its arguments in place and returns its metrics. An
+``nnx.Optimizer`` among them hands verify the gradients
+(:mod:`~shardax.train.verification.recording`); otherwise the update is judged at its
+noise floor (:mod:`~shardax.train.verification.noise`).
+
+>>> @jax.jit
+... def sgd_step(params, batch):
+...     grads = jax.grad(lambda p: jnp.mean((batch["x"] @ p - batch["y"]) ** 2))(params)
+...     return params - 0.1 * grads, {"grad_norm": jnp.linalg.norm(grads)}
+>>> side = FunctionSide(sgd_step, jnp.ones((4, 2)), {"x": np.ones((8, 4)), "y": np.zeros((8, 2))})
+>>> run = side.step()
+>>> sorted(run.got), side.updated("state/0"), side.second(run)
+(['returned', 'state'], True, None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from shardax.plan.tree import is_key, path_str
+from shardax.train.verification.comparison import TOLERANCES
+from shardax.train.verification.noise import noise_floor
+from shardax.train.verification.per_device import Slices
+from shardax.train.verification.recording import applied, optimizer_view, recorded, recorded_pairs
+from shardax.train.verification.reference import Reference, one_device_mesh
+from shardax.train.verification.rows import devices_over_rows, rows
+from shardax.train.verification.side import Run
+from shardax.train.verification.user_state import arrays, copied, fresh, has_batchnorm, is_graph
+
+RECORDED = (
+    "what the step returned, the gradients its nnx.Optimizer was given and the "
+    "non-trainable state against one device's over the whole batch; the params and "
+    "optimizer state against one device's, or, where they differ, against the "
+    "optimizer applied on one device to the distributed gradients"
+)
+"""What verify compares for a step whose ``nnx.Optimizer`` hands it the gradients."""
+
+FLOORED = (
+    "what the step returned and the updated state against one device's over the whole "
+    "batch; where an updated leaf differs, at a tolerance raised to twice the spread of "
+    "the one-device step itself over row-permuted copies of the batch (the same "
+    "examples, another order of the sums: rounding noise an optimizer like Adam "
+    "amplifies), used only when the permutations leave what the step returns unchanged"
+)
+"""What verify compares for a step whose optimizer it cannot see."""
+
+
+def mesh_of(tree: Any) -> Mesh | None:
+    """The mesh of the first array of ``tree`` placed on a named sharding."""
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+            return sharding.mesh
+    return None
+
+
+def split_out(out: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+    """``(state after the step, what else it returned)``: a functional step returns the
+    new state first (``(state, metrics)`` or ``(*state, metrics)``); an NNX step
+    updates its arguments in place and returns its metrics."""
+    n = len(args)
+    if not is_graph(args) and isinstance(out, tuple) and len(out) > n:
+        head = out[:n]
+        if jax.tree.structure(head) == jax.tree.structure(args):
+            rest = out[n:]
+            return head, rest[0] if len(rest) == 1 else rest
+    return args, out
+
+
+def tolerance_of(args: Any) -> tuple[float, float]:
+    """``(rtol, atol)`` by the state's dtypes: the lowest precision among its leaves."""
+    dtypes = {
+        jnp.dtype(x.dtype)
+        for x in jax.tree.leaves(arrays(args))
+        if hasattr(x, "dtype") and not is_key(x)
+    }
+    if jnp.dtype(jnp.float16) in dtypes:
+        return TOLERANCES["fp16"]
+    if jnp.dtype(jnp.bfloat16) in dtypes:
+        return TOLERANCES["bf16"]
+    return TOLERANCES["fp32"]
+
+
+def _shown(tree: Any) -> str:
+    text = str(jax.tree.structure(tree))
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def check_structure(got: Any, want: Any, given: bool) -> None:
+    """Refuses a reference (or a one-device run) that returned another structure than the
+    distributed step: its leaves could not be compared."""
+    if jax.tree.structure(got) == jax.tree.structure(want):
+        return
+    paths = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(got)}
+    other = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(want)}
+    only = sorted(paths - other)[:3] or sorted(other - paths)[:3]
+    who = "reference=" if given else "the step on one device"
+    raise ValueError(
+        f"{who} must return the structure the distributed step returns (its state and what "
+        f"else it returns), so that every leaf is compared; the step gave {_shown(got)} and "
+        f"{who} gave {_shown(want)} (first differing leaves: {', '.join(only) or '-'})"
+    )
+
+
+class FunctionSide:
+    """Your own step function as a :class:`~shardax.train.verification.side.Side`;
+    ``run.start`` is a copy of the state the step started from."""
+
+    precision = "the state's dtype"
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        state: Any,
+        batch: Any,
+        reference: Callable[..., Any] | None = None,
+        mesh: Mesh | None = None,
+    ) -> None:
+        args = state if isinstance(state, tuple) else (state,)
+        mesh = mesh or mesh_of(arrays(args)) or mesh_of(batch)
+        mesh1 = one_device_mesh(mesh) if mesh is not None else None
+        self.reference = Reference.on(mesh1, mesh, batch)
+        self.reference.check_fits(arrays(args), batch)
+        self.what = getattr(fn, "__name__", type(fn).__name__)
+        self.batch, self._rbatch, self._mesh = batch, self.reference.put(batch), mesh
+        self._fn, self._ref, self._given = fn, reference or fn, reference is not None
+        self.tolerance = tolerance_of(args)
+        self._state = args
+        self._args = copied(args, fresh)  # the user's step may donate: never the original
+        self._recorded = bool(recorded(self._args))
+        self.judged = RECORDED if self._recorded else FLOORED
+        self._rest = self._not_optimized() if self._recorded else None
+
+    def _not_optimized(self) -> Any:
+        """The filter of the state's variables neither optimized nor optimizer state."""
+        from flax import nnx
+        from flax.nnx.training.optimizer import OptState
+
+        wrt = nnx.Any(OptState, *[opt.wrt for opt, _ in recorded_pairs(self._args)])
+        return nnx.Not(wrt)
+
+    def _observe(self, args: tuple[Any, ...], out: Any) -> dict[str, Any]:
+        seen = {"returned": out, "state": arrays(args, self._rest)}
+        if self._recorded:
+            seen["optimizer"] = optimizer_view(recorded_pairs(args))
+        return seen
+
+    def _distributed(self, start: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+        return split_out(self._fn(*start, self.batch), start)
+
+    def _on_one(self, start: tuple[Any, ...], batch: Any) -> dict[str, Any]:
+        """The reference step on a copy of ``start`` on the device, over ``batch``
+        (placed there)."""
+        copy = copied(start, self.reference.copy)
+        return self._observe(*self.reference(lambda: split_out(self._ref(*copy, batch), copy)))
+
+    def step(self) -> Run:
+        start = copied(self._args, fresh)
+        self._args, out = self._distributed(self._args)
+        got, want = self._observe(self._args, out), self._on_one(start, self._rbatch)
+        check_structure(got, want, self._given)
+        return Run(start, got, want)
+
+    def updated(self, path: str) -> bool:
+        if not self._recorded:
+            return path.startswith("state/")
+        parts = path.split("/")
+        return parts[0] == "optimizer" and len(parts) > 2 and parts[2] in ("params", "opt_state")
+
+    def second(self, run: Run) -> dict[str, Any] | None:
+        if not self._recorded:
+            return None
+        before = recorded_pairs(self.reference(copied, run.start, self.reference.copy))
+        grads = {i: self.reference.put(v["grads"]) for i, v in run.got["optimizer"].items()}
+        update = self.reference(applied, before, grads)
+        want = run.want["optimizer"]
+        return {**run.want, "optimizer": {i: {**want[i], **update[i]} for i in want}}
+
+    def floor(self, run: Run, rtol: float, atol: float) -> dict[str, float] | None:
+        def reference(batch: Any) -> dict[str, Any]:
+            return self._on_one(run.start, self.reference.put(batch))
+
+        return None if self._recorded else noise_floor(reference, self.batch, run.want, rtol, atol)
+
+    def rerun(self, run: Run) -> dict[str, Any]:
+        return self._observe(*self._distributed(copied(run.start, fresh)))
+
+    def accumulated(self, run: Run) -> None:
+        return None
+
+    def reseeded(self, run: Run) -> None:
+        return None
+
+    def slices(self, run: Run) -> Slices:
+        keep = ("returned", "optimizer") if self._recorded else ("returned", "state")
+
+        def picked(seen: dict[str, Any]) -> dict[str, Any]:
+            out = {k: seen[k] for k in keep}
+            if self._recorded:
+                out["optimizer"] = {i: {"grads": v["grads"]} for i, v in out["optimizer"].items()}
+            return out
+
+        def run_slice(part: Any) -> Any:
+            return picked(self._on_one(run.start, self.reference.put(part)))
+
+        def reordered() -> Any:
+            flipped = self.reference.put(rows(self.batch, lambda x: x[::-1]))
+            return {"returned": self._on_one(run.start, flipped)["returned"]}
+
+        n = devices_over_rows(self.batch, self._mesh)
+        batchnorm = has_batchnorm(self._state)
+        return Slices(run_slice, reordered, n, picked(run.got), picked(run.want), batchnorm)
