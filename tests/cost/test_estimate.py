@@ -418,10 +418,12 @@ def test_cudnn_attention_flops_are_counted_from_its_custom_calls():
 
 
 def test_one_byte_formatter_serves_the_estimate_and_the_plan_reports():
+    from shardax import _format
     from shardax.cost import estimation
     from shardax.plan import report
 
-    assert report.format_bytes is estimation.format_bytes  # defined once, in cost
+    # defined once, below both layers: the plan's report does not import cost for it
+    assert report.format_bytes is estimation.format_bytes is _format.format_bytes
     assert not hasattr(estimation, "fb")
     got = [estimation.format_bytes(n) for n in (512, 1536, 5 * 2**30, 3 * 2**40, 2**52)]
     assert got == ["512 B", "1.50 KiB", "5.00 GiB", "3.00 TiB", "4096.00 TiB"]

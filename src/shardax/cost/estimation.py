@@ -55,6 +55,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardax._format import format_bytes
 from shardax.checks import public
 from shardax.cost.calibration import calibration_for, nearest
 from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
@@ -319,19 +320,6 @@ def format_options(options: Mapping[str, Any] | None) -> str:
     if not options:
         return "none (XLA's defaults)"
     return f"{len(options)} set: " + ", ".join(f"{k}={v}" for k, v in options.items())
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``'1.50 KiB'``: the one byte formatter of shardax's reports.
-
-    >>> format_bytes(1536), format_bytes(3 * 2**40)
-    ('1.50 KiB', '3.00 TiB')
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

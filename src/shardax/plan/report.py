@@ -22,8 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from shardax._format import format_bytes
 from shardax.checks import public
-from shardax.cost.estimation import format_bytes
 from shardax.plan.core import Plan, as_plan
 from shardax.plan.placed import planned_leaves
 from shardax.plan.tree import dtype_name, is_array, itemsize, map_arrays, path_str
