@@ -18,7 +18,7 @@ state, and compares what distribution can change:
   program is built only when the first comparison fails.
 
 Each step starts both sides from the same state (the distributed one), so a difference
-is the step's own. For a :class:`~shardax.train.step.TrainStep` (or a ``plan="auto"``
+is the step's own. For a [`TrainStep`][shardax.train.TrainStep] (or a ``plan="auto"``
 step) both sides run the step's program (its loss function, plan, mode and precision),
 built without donation; the reference never accumulates: one device, the whole batch.
 For your own step function (the keep-your-loop path), ``verify(train_step, (model,
@@ -35,13 +35,13 @@ leading size. A wrong update is still caught: a leaf with a real gradient (a wei
 barely moves between reorderings, so a doubled update, unreduced gradients or per-device
 statistics exceed its floor. The state passed in is never changed or donated.
 
-The package, one concept a module: the comparison (:mod:`.comparison`) and the report
-(:mod:`.report`); the reference on one device and its memory fit (:mod:`.reference`); the
-two paths as sides of one algorithm (:mod:`.side`, :mod:`.train_step`, :mod:`.function`,
-with :mod:`.user_state` and :mod:`.recording` for your own state and its
-``nnx.Optimizer``); the noise floor (:mod:`.noise`); the causes (:mod:`.causes`, with
-:mod:`.per_device` and :mod:`.rows`); the algorithm and the entry, :func:`verify`
-(:mod:`.algorithm`).
+The package, one concept a module: the comparison (``comparison``) and the report
+(``report``); the reference on one device and its memory fit (``reference``); the
+two paths as sides of one algorithm (``side``, ``train_step``, ``function``,
+with ``user_state`` and ``recording`` for your own state and its
+``nnx.Optimizer``); the noise floor (``noise``); the causes (``causes``, with
+``per_device`` and ``rows``); the algorithm and the entry, [`verify`][shardax.verify]
+(``algorithm``).
 """
 
 from shardax.train.verification.algorithm import verify, verify_first_batch

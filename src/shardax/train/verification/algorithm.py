@@ -1,12 +1,12 @@
 """verify's one algorithm, for a train step and for your own step function alike.
 
-Step by step, a :class:`~shardax.train.verification.side.Side` (the path's adapter) runs
+Step by step, a ``Side`` (the path's adapter) runs
 the distributed step and its one-device reference from the same state, and their leaves
 are compared. Where a leaf of the update differs, it is judged a second way: against the
 optimizer applied, on one device, to the distributed gradients (the closer of the two
 references wins), or, where the side cannot see the optimizer, at its noise floor. The
 first step that differs goes through the cause ladder
-(:data:`~shardax.train.verification.causes.LADDER`), and the report says what was found.
+(``LADDER``), and the report says what was found.
 
 >>> report = verify(step, state, {"x": np.ones((16, 4)), "y": np.zeros((16, 2))})
 >>> report.ok, report.cause
@@ -55,7 +55,7 @@ def judged(side: Side, run: Run, k: int, rtol: float, atol: float) -> Judged:
 
 
 def compared(side: Side, steps: int, rtol: float, atol: float) -> list[Judged]:
-    """``steps`` steps of ``side``, each judged (:func:`judged`)."""
+    """``steps`` steps of ``side``, each judged (``judged``)."""
     return [judged(side, side.step(), k, rtol, atol) for k in range(1, steps + 1)]
 
 
@@ -72,16 +72,16 @@ def verify(
     mesh: Mesh | None = None,
 ) -> VerifyReport:
     """Runs ``step`` on its mesh and on one device from the same ``state`` and ``batch``
-    for ``steps`` steps and compares them leaf by leaf (see :mod:`shardax.train.verification`).
+    for ``steps`` steps and compares them leaf by leaf (see ``shardax.train.verification``).
 
     Args:
-        step: a train step from :func:`shardax.make_train_step` (any mode and plan,
-            ``plan="auto"`` included: it picks its plan for ``state`` and ``batch``,
-            as its first call would), or your own step function: ``fn(state, batch)``
+        step: a train step from [`shardax.make_train_step`][shardax.make_train_step] (any
+            mode and plan, ``plan="auto"`` included: it picks its plan for ``state`` and
+            ``batch``, as its first call would), or your own step function: ``fn(state, batch)``
             returning ``(new_state, metrics)``, or ``fn(*state, batch)`` when ``state``
             is a tuple, e.g. an ``@nnx.jit`` ``train_step(model, optimizer, batch)``
             that updates them in place and returns its metrics.
-        state: the step's state: a :class:`TrainState` (placed or not) for a train
+        state: the step's state: a [`TrainState`][shardax.TrainState] (placed or not) for a train
             step; for a function, what it takes (NNX objects, a flax ``TrainState``,
             a tuple of pytrees), placed as you train it (``sx.prepare``). Never
             changed, never donated: the runs start from copies.
@@ -92,7 +92,7 @@ def verify(
             state and model state; ``first_step`` is the first that differs.
         rtol, atol: the tolerance (a leaf differs above ``atol + rtol *
             max|reference leaf|``); by default from the precision's compute dtype
-            (:data:`TOLERANCES`; for a function, from the state's dtypes).
+            (``shardax.train.verification.TOLERANCES``; for a function, from the state's dtypes).
         reference: for a function only: the one-device step to compare with (default:
             the same function, run on copies of the state on the first device, under a
             one-device mesh with the same axis names). Give it when your step
@@ -101,7 +101,7 @@ def verify(
             state's or the batch's first sharded array).
 
     Returns:
-        a :class:`VerifyReport`: ``ok``, the worst leaf, the first step that
+        a [`VerifyReport`][shardax.train.VerifyReport]: ``ok``, the worst leaf, the first step that
         differed, the likely cause and how to fix it; ``print(report)`` is a table.
 
     Raises:
@@ -207,7 +207,8 @@ def _defaulted(
 def verify_first_batch(
     step: Any, state: Any, batches: Iterable[Any], **kwargs: Any
 ) -> VerifyReport:
-    """:func:`verify` on the first batch of ``batches`` (for ``shardax train --verify``).
+    """[`verify`][shardax.verify] on the first batch of ``batches`` (for ``shardax train
+    --verify``).
 
     A loader with ``get_state()``/``set_state()`` is put back where it was, so training
     then starts from the same first batch."""

@@ -1,10 +1,10 @@
 """The likely cause of a difference: a ladder of tests, each run on the evidence of a step.
 
-:data:`LADDER` lists the cause functions, most specific evidence first. Each takes the
-:class:`Evidence` of the first step that differed and returns ``(cause, hint)`` when its
+``LADDER`` lists the cause functions, most specific evidence first. Each takes the
+``Evidence`` of the first step that differed and returns ``(cause, hint)`` when its
 evidence holds, else None; the first to answer names the cause. A new cause is one
-function here, added to :data:`LADDER` (and its name and hint to :data:`CAUSES`); one that
-needs evidence a path cannot give yet asks the :class:`~shardax.train.verification.side.Side`
+function here, added to ``LADDER`` (and its name and hint to ``CAUSES``); one that
+needs evidence a path cannot give yet asks the ``Side``
 for it, and a path that cannot give it answers None.
 
 >>> from shardax.train.verification.comparison import LeafDiff
@@ -108,7 +108,7 @@ class Evidence:
 
 
 Finding = tuple[str | None, str]
-"""``(cause, hint)``: the cause's name (a key of :data:`CAUSES`, or None: not a cause
+"""``(cause, hint)``: the cause's name (a key of ``CAUSES``, or None: not a cause
 verify can name) and what it means and how to fix it."""
 
 
@@ -180,7 +180,7 @@ def device_folded_rng(evidence: Evidence) -> Finding | None:
 
 
 def per_device_slices(evidence: Evidence) -> Finding | None:
-    """The distributed result is each device's slice run alone (:mod:`.per_device`)."""
+    """The distributed result is each device's slice run alone (``per_device``)."""
     slices = evidence.side.slices(evidence.run)
     if slices is None:
         return None
@@ -215,7 +215,7 @@ def unnamed(judged: str, worst: LeafDiff) -> str:
 def diagnose(
     evidence: Evidence, ladder: Sequence[Callable[[Evidence], Finding | None]] | None = None
 ) -> Finding:
-    """The first finding of ``ladder`` (default: :data:`LADDER`, read when called), else
+    """The first finding of ``ladder`` (default: ``LADDER``, read when called), else
     no cause, with a hint that says what was compared and where it first differs."""
     for cause in LADDER if ladder is None else ladder:
         found = cause(evidence)

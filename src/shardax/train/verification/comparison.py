@@ -35,7 +35,7 @@ so elements near zero do not raise false alarms."""
 
 
 def tolerance(precision: str | Precision) -> tuple[float, float]:
-    """``(rtol, atol)`` for a precision: by its compute dtype (:data:`TOLERANCES`)."""
+    """``(rtol, atol)`` for a precision: by its compute dtype (``TOLERANCES``)."""
     dtype = jnp.dtype(resolve(precision).compute_dtype)
     name = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16"}.get(dtype, "fp32")
     return TOLERANCES[name]

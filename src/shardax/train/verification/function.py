@@ -5,8 +5,8 @@ placed as given and on the first device (or ``reference=``, your own one-device 
 functional step returns the new state first (``(state, metrics)`` or ``(*state,
 metrics)``); an NNX step updates its arguments in place and returns its metrics. An
 ``nnx.Optimizer`` among them hands verify the gradients
-(:mod:`~shardax.train.verification.recording`); otherwise the update is judged at its
-noise floor (:mod:`~shardax.train.verification.noise`).
+(``recording``); otherwise the update is judged at its
+noise floor (``noise``).
 
 >>> @jax.jit
 ... def sgd_step(params, batch):
@@ -113,7 +113,7 @@ def check_structure(got: Any, want: Any, given: bool) -> None:
 
 
 class FunctionSide:
-    """Your own step function as a :class:`~shardax.train.verification.side.Side`;
+    """Your own step function as a ``Side``;
     ``run.start`` is a copy of the state the step started from."""
 
     precision = "the state's dtype"

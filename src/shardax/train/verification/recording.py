@@ -81,7 +81,7 @@ def recorded(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
 
 def recorded_pairs(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     """``(optimizer, model)`` for the recording optimizers of a copy (made from a copy
-    that :func:`recorded` instrumented: the instrumentation is copied with it)."""
+    that ``recorded`` instrumented: the instrumentation is copied with it)."""
     from flax import nnx
 
     def fits(opt: Any, params: Any) -> bool:
@@ -114,7 +114,7 @@ _expected_jit = jax.jit(_expected_update, static_argnums=0)
 
 def applied(pairs: list[tuple[Any, Any]], grads: dict[str, Any]) -> dict[str, Any]:
     """Each recorded optimizer of ``pairs`` (of the state before a step) applied to
-    ``grads`` (by position, as :func:`optimizer_view` gives them): its params and (inner)
+    ``grads`` (by position, as ``optimizer_view`` gives them): its params and (inner)
     state after the step."""
     view = optimizer_view(pairs)
     out = {}

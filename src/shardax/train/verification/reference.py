@@ -3,7 +3,7 @@
 It runs under a one-device mesh with the distributed mesh's axis names and types (so a
 model's own sharding annotations and ``sx.constrain`` still apply) and in the distributed
 mesh's sequence layout (a zig-zag batch keeps its C,
-:func:`~shardax.parallel.context.laid_out_for`). A reference that does not fit on the
+``laid_out_for``). A reference that does not fit on the
 device, the state and batch alone or once it runs out of memory, is refused plainly.
 
 >>> ref = Reference.on(one_device_mesh(mesh), mesh, {"x": np.ones((8, 4))})
@@ -54,7 +54,7 @@ class Reference:
 
     @classmethod
     def on(cls, mesh1: Mesh | None, mesh: Mesh | None, batch: Any) -> Reference:
-        """The reference on ``mesh1`` (:func:`one_device_mesh` of ``mesh``) or, with no
+        """The reference on ``mesh1`` (``one_device_mesh`` of ``mesh``) or, with no
         mesh, on the first device."""
         if mesh1 is None:
             device = jax.devices()[0]

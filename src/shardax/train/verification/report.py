@@ -1,8 +1,8 @@
-"""The verdict of :func:`~shardax.train.verification.verify`: a report of the leaves compared.
+"""The verdict of [`verify`][shardax.verify]: a report of the leaves compared.
 
-:func:`verdict` finds the first step at which a leaf differed and its leaves, worst first
-(or, when every leaf agreed, the closest ones); :class:`VerifyReport` holds them with the
-cause and prints as a short table.
+``verdict`` finds the first step at which a leaf differed and its leaves, worst first (or,
+when every leaf agreed, the closest ones); [`VerifyReport`][shardax.train.VerifyReport] holds
+them with the cause and prints as a short table.
 
 >>> from shardax.train.verification.comparison import compare
 >>> diffs = compare({"w": np.ones(2)}, {"w": np.zeros(2)}, 1, 1e-4, 1e-6)
@@ -27,14 +27,16 @@ SHOWN = 6
 @public("sx.train.VerifyReport")
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """What :func:`verify` compared, and its verdict. ``print(report)`` is a short table.
+    """What [`verify`][shardax.verify] compared, and its verdict. ``print(report)`` is a short
+    table.
 
     Attributes:
         ok: every compared leaf is within tolerance at every step.
         worst: the leaf furthest from its tolerance (at the first step that diverged,
             if one did).
         first_step: the first step (1-based) at which a leaf differed, else None.
-        cause: the likely cause, one of :data:`CAUSES`, or None (``hint`` says what to do).
+        cause: the likely cause, one of ``shardax.train.verification.CAUSES``, or None
+            (``hint`` says what to do).
         hint: what the cause means and how to fix it (or how to look further).
         diffs: the leaves that differed at ``first_step`` (or, when ok, the closest
             ones), worst first.

@@ -1,8 +1,8 @@
 """A side: what verify's one algorithm asks of a path (a train step, or your own function).
 
-The algorithm (:mod:`~shardax.train.verification.algorithm`) runs a :class:`Side` step by
-step and compares each :class:`Run`'s ``got`` (the distributed step's leaves) with its
-``want`` (one device's); the causes (:mod:`~shardax.train.verification.causes`) ask it for
+The algorithm (``algorithm``) runs a ``Side`` step by
+step and compares each ``Run``'s ``got`` (the distributed step's leaves) with its
+``want`` (one device's); the causes (``causes``) ask it for
 more evidence. A path that cannot give some evidence answers None, and the causes that
 need it are not named for it.
 
@@ -32,7 +32,7 @@ class Run:
 
 
 class Side(Protocol):
-    """A path through :func:`~shardax.train.verification.verify`.
+    """A path through [`verify`][shardax.verify].
 
     Attributes:
         what: the distributed side, in words (the step's repr, the function's name).
@@ -64,7 +64,7 @@ class Side(Protocol):
         ...
 
     def floor(self, run: Run, rtol: float, atol: float) -> dict[str, float] | None:
-        """The update leaves' noise floor (:mod:`~shardax.train.verification.noise`), by
+        """The update leaves' noise floor (``noise``), by
         path; None when there is none."""
         ...
 

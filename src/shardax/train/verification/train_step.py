@@ -106,8 +106,8 @@ def _fold_keys(tree: Any) -> Any:
 
 
 class TrainStepSide:
-    """A :class:`~shardax.train.step.TrainStep` as a
-    :class:`~shardax.train.verification.side.Side`; ``run.start`` is ``(the distributed
+    """A [`TrainStep`][shardax.train.TrainStep] as a
+    ``Side``; ``run.start`` is ``(the distributed
     state, the reference's copy of it)``."""
 
     judged = JUDGED
