@@ -1,7 +1,8 @@
 """The GPT at 4× the sequence length in the same memory per device, with equal losses.
 
-Three runs of the ``shardax train --model gpt`` job (its model, data, plan and step), on
-8 simulated CPU devices:
+Four runs of the GPT that ``shardax train --model gpt`` trains (its model, corpus,
+replicated plan and optimizer, built here from the public API), on 8 simulated CPU
+devices:
 
 - **base**: ``--mesh data=8 --seq-len L --batch-size 8``, one row of L tokens per
   device: the longest sequence that fits a per-device budget of this run's memory;
@@ -30,38 +31,63 @@ import argparse
 import json
 from typing import Any
 
+WARMUP_STEPS = 10  # as ``shardax train --model gpt``: linear warm-up, then the peak rate
 
-def run_job(argv: list[str], steps: int) -> dict[str, Any]:
-    """Builds the GPT job from ``shardax train`` options; returns its compiled memory per
-    device and the losses of ``steps`` steps."""
+
+def run_job(run: dict[str, Any], model: dict[str, int], steps: int, lr: float = 3e-3) -> dict:
+    """The GPT of ``shardax train --model gpt`` (its corpus, model, replicated plan and
+    optimizer) from the public API: ``run`` gives ``mesh`` (None: one device, mode
+    ``"single"``), ``seq_len``, ``batch_size`` and ``attention``; ``model`` the
+    ``GPTConfig`` sizes. Returns its compiled memory per device and the losses of
+    ``steps`` steps."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
-    from rich.console import Console
+    import optax
+    from flax import nnx
 
     import shardax as sx
-    import shardax.cli.train_gpt  # registers the job
-    from shardax.cli.job import JOBS
-    from shardax.cli.train import add_arguments
+    from shardax.data.text import LMBatches, batch_layout, load_corpus
+    from shardax.models import gpt
     from shardax.train.auto import measure
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--model", "gpt", *argv])
-    job = JOBS["gpt"].make(args, Console(quiet=True))
-    batches = iter(job.loader)
+    single = run["mesh"] is None
+    mesh = sx.make_mesh(run["mesh"] or {"data": 1}, devices=jax.devices()[:1] if single else None)
+    context = mesh.shape.get("context", 1)
+    layout = batch_layout(context)
+    cfg = gpt.GPTConfig(**model, attention=run.get("attention", "auto"))
+    loader = LMBatches(load_corpus().train, run["batch_size"], run["seq_len"], 0,
+                       context=context)  # fmt: skip
+
+    def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
+        logits = model(batch["inputs"], positions=batch.get("positions"), layout=layout)
+        logits = logits.astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    schedule = optax.linear_schedule(0.0, lr, WARMUP_STEPS)
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
+    if single:
+        step = sx.make_train_step(loss_fn, mesh=mesh, mode="single")
+    else:
+        abstract = nnx.eval_shape(lambda: gpt.make_gpt(cfg, 0))
+        step = sx.make_train_step(loss_fn, mesh=mesh, plan=gpt.plan(mesh, abstract, "replicate"),
+                                  seq_axis="context" if context > 1 else None)  # fmt: skip
+    state = step.init(lambda: sx.TrainState.create(gpt.make_gpt(cfg, 0), tx, rng=0))
+    batches = iter(loader)
     first = next(batches)
     # arguments + outputs - donated aliases + temporaries, as sx.auto_plan measures plans
-    measured = measure("gpt", job.step.lower(job.state, first).compile(), job.step.plan)
+    measured = measure("gpt", step.lower(state, first).compile(), step.plan)
     memory = {"arguments": measured.argument_bytes, "temporaries": measured.temp_bytes,
               "total": measured.total_bytes}  # fmt: skip
-    state, losses, batch = job.state, [], first
-    sharding = sx.batch_sharding(job.mesh)
+    losses, batch = [], first
+    sharding = sx.batch_sharding(mesh)
     for _ in range(steps):
-        state, metrics = job.step(state, sx.distribute_batch(batch, sharding))
+        state, metrics = step(state, sx.distribute_batch(batch, sharding))
         losses.append(float(metrics["loss"]))
         batch = next(batches)
     jax.block_until_ready(state)
-    return {"argv": argv, "mesh": dict(job.mesh.shape), "memory": memory,
+    return {"run": run, "mesh": dict(mesh.shape), "memory": memory,
             "losses": np.asarray(losses).tolist()}  # fmt: skip
 
 
@@ -82,25 +108,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import numpy as np
 
     length = args.seq_len
-    common = ["--layers", str(args.layers), "--d-model", str(args.d_model),
-              "--heads", str(args.heads), "--max-seq-len", str(4 * length),
-              "--steps", str(args.steps), "--compile-cache", "off"]  # fmt: skip
+    model = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads,
+             "max_seq_len": 4 * length}  # fmt: skip
+    long = {"seq_len": 4 * length, "batch_size": 2}
     runs = {
-        "base": ["--mesh", "data=8", "--seq-len", str(length), "--batch-size", "8"],
-        "context": [
-            "--mesh",
-            "data=2,context=4",
-            "--attention",
-            args.attention,
-            "--seq-len",
-            str(4 * length),
-            "--batch-size",
-            "2",
-        ],
-        "data_only": ["--mesh", "data=2", "--seq-len", str(4 * length), "--batch-size", "2"],
-        "reference": ["--mode", "single", "--seq-len", str(4 * length), "--batch-size", "2"],
+        "base": {"mesh": {"data": 8}, "seq_len": length, "batch_size": 8},
+        "context": {"mesh": {"data": 2, "context": 4}, "attention": args.attention, **long},
+        "data_only": {"mesh": {"data": 2}, **long},
+        "reference": {"mesh": None, **long},
     }
-    results = {name: run_job([*common, *opts], args.steps) for name, opts in runs.items()}
+    results = {name: run_job(run, model, args.steps) for name, run in runs.items()}
     base = results["base"]["memory"]["total"]
     print(f"GPT layers={args.layers} d={args.d_model} heads={args.heads}, fp32, per device "
           f"(memory_analysis: arguments + temporaries + outputs not donated)")  # fmt: skip

@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     me += ["--width", str(args.width)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDAX_")}
     one = run(me, {**env, "SHARDAX_CPU_DEVICES": "8"})
-    launch = [sys.executable, "-c", "import sys; from shardax.cli import main; sys.exit(main())"]
+    launch = [sys.executable, "-m", "shardax"]  # the shardax command
     two = run([*launch, "launch", "-n", "2", "--cpu-devices", "4", "--", *me], env)
     result = {
         "one_process": one,

@@ -19,6 +19,8 @@ import itertools
 import json
 import math
 
+from _common import time_in_turns
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,7 +39,6 @@ def main() -> None:
     import optax
 
     import shardax as sx
-    from shardax.cli.common import median, time_interleaved
     from shardax.cost.memory import estimate
 
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -96,20 +97,12 @@ def main() -> None:
         )
     print(f"auto_plan pick: {report.name}: {report.reason}")
 
-    steps, calls = {}, []
+    steps, states = {}, {}
+    placed = sx.distribute_batch(batch, sx.batch_sharding(mesh))
     for name, plan in (("replicate", sx.replicate(mesh)), ("zero1", sx.zero1(mesh))):
-        step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan)
-        holder = {"state": step.init(init)}
-        placed = sx.distribute_batch(batch, sx.batch_sharding(mesh))
-
-        def call(step=step, holder=holder, placed=placed):
-            holder["state"], metrics = step(holder["state"], placed)
-            return metrics["loss"]
-
-        steps[name] = call
-        calls.append(call)
-    times = time_interleaved(calls, warmup=3, repeats=args.repeats)
-    medians = {name: median(t) for name, t in zip(steps, times, strict=True)}
+        steps[name] = sx.make_train_step(loss_fn, mesh=mesh, plan=plan)
+        states[name] = steps[name].init(init)
+    medians, _ = time_in_turns(steps, states, placed, rounds=args.repeats, warmup=3)
     ratio = medians["zero1"] / medians["replicate"]
     print(
         f"step time, median of {args.repeats} in turns: replicate "
