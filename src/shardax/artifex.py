@@ -4,7 +4,7 @@ Every name here is importable from ``shardax`` exactly as artifex spells it:
 ``DeviceMeshManager``, ``DataParallel``, ``DevicePlacement``, ``DistributedMetrics``,
 ``HardwareType``, ``BatchSizeRecommendation``, ``place_on_device``,
 ``distribute_batch`` and ``get_batch_size_recommendation``. Each class is a thin facade:
-:func:`facade` adds every plain function to a class twice, as an instance method with
+``facade`` adds every plain function to a class twice, as an instance method with
 the seed's signature (``self`` first) that calls the function, and as the ``*_static``
 twin, which *is* the function. The functions themselves live in their layers (mesh,
 data, plan, parallel, cost).
@@ -28,6 +28,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, Sharding
 
+from shardax._names import exports as _exports
 from shardax.checks import public
 from shardax.cost.hardware import (
     BatchSizeRecommendation,
@@ -38,7 +39,11 @@ from shardax.cost.hardware import (
     validate_batch_size,
 )
 from shardax.data import placement
-from shardax.data.placement import batch_sharding, distribute_batch, place_on_device
+from shardax.data.placement import (  # noqa: F401 (place_on_device: re-exported)
+    batch_sharding,
+    distribute_batch,
+    place_on_device,
+)
 from shardax.data.prefetch import prefetch_to_device
 from shardax.mesh.axes import DATA_AXIS
 from shardax.mesh.make import MeshSpec, make_mesh, mesh_info
@@ -46,17 +51,7 @@ from shardax.parallel.collectives import all_gather as _all_gather
 from shardax.parallel.collectives import all_reduce, reduce
 from shardax.plan.core import fsdp, replicate, shard
 
-__all__ = [
-    "BatchSizeRecommendation",
-    "DataParallel",
-    "DeviceMeshManager",
-    "DevicePlacement",
-    "DistributedMetrics",
-    "HardwareType",
-    "distribute_batch",
-    "get_batch_size_recommendation",
-    "place_on_device",
-]
+__all__ = _exports(__name__)
 
 T = TypeVar("T", bound=type)
 
@@ -135,7 +130,8 @@ class DeviceMeshManager:
         )
 
     def get_mesh_info(self, mesh: Mesh) -> dict[str, Any]:
-        """``total_devices`` and ``axes`` of ``mesh`` (see :func:`shardax.mesh.mesh_info`)."""
+        """``total_devices`` and ``axes`` of ``mesh`` (see
+        [`shardax.mesh.mesh_info`][shardax.mesh.mesh_info])."""
         return mesh_info(mesh)
 
     @property
@@ -170,7 +166,8 @@ class DevicePlacement:
         return placement.place_on_device(data, self.default_device if device is None else device)
 
     def distribute_batch(self, data: Any, sharding: Sharding) -> Any:
-        """Places ``data`` with ``sharding``; see :func:`shardax.distribute_batch`."""
+        """Places ``data`` with ``sharding``; see
+        [`shardax.distribute_batch`][shardax.distribute_batch]."""
         return placement.distribute_batch(data, sharding)
 
     def replicate_across_devices(self, data: Any, devices: list[Any] | None = None) -> Any:
@@ -187,7 +184,7 @@ class DevicePlacement:
         self, data_iterator: Iterator[Any], device: Any | None = None, buffer_size: int = 2
     ) -> Iterator[Any]:
         """Prefetches onto ``device`` (a Device, Sharding or Mesh; default: the default
-        device); see :func:`shardax.prefetch_to_device`."""
+        device); see [`shardax.prefetch_to_device`][shardax.prefetch_to_device]."""
         target = self.default_device if device is None else device
         return prefetch_to_device(data_iterator, target, buffer_size)
 
@@ -207,7 +204,7 @@ class DevicePlacement:
 
     def get_device_info(self) -> dict[str, Any]:
         """``num_devices``, ``hardware_type`` (this object's), ``platforms``, ``device_kinds``
-        and ``devices``; see :func:`shardax.device_info`."""
+        and ``devices``; see [`sx.cost.device_info`][shardax.cost.device_info]."""
         return {**device_info(), "hardware_type": self._hardware_type.value}
 
     @property

@@ -2,9 +2,9 @@
 
 Every public door that takes a count, a type or a coordinator address checks it here, so
 the same bad value gets the same answer everywhere, naming the argument, the rule and the
-value received; :func:`public` marks the doors, so that their errors start with the name
-the user called (``sx.fsdp: ...``). This module imports nothing from shardax (every layer
-may use it).
+value received; `public` marks the doors, so that their errors start with the name
+the user called (``sx.fsdp: ...``), a name of the public surface (``shardax._names``). This
+module imports nothing else from shardax (every layer may use it).
 
 >>> as_count("batch_size", np.int64(4))
 4
@@ -27,12 +27,14 @@ import numbers
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 import numpy as np
 from jax.sharding import Mesh
+
+from shardax import _names
 
 
 def received(value: Any) -> str:
@@ -206,6 +208,12 @@ def public(name: str) -> Callable[[T], T]:
     ``__exit__`` are named ``name``. Classes and functions stay the same objects otherwise,
     and nothing more runs unless an error passes.
 
+    ``name`` is how a user reaches the object, by the public names of ``shardax._names``; a
+    function that becomes a public class's method (the artifex facades) is
+    ``sx.<Class>.<method>``. Shardax's own object named otherwise (a helper no namespace
+    exports, or a top-level name spelled with its layer) is left as it is, not a door, and
+    noted in ``REFUSED``: no error starts with a name users cannot call.
+
     >>> @public("sx.double")
     ... def double(n):
     ...     return 2 * as_count("n", n)
@@ -220,6 +228,8 @@ def public(name: str) -> Callable[[T], T]:
     """
 
     def decorate(obj: Any) -> Any:
+        if not _named_as_users_call(obj, name):
+            return obj  # not a door: its errors name the door the user called
         if isinstance(obj, type):
             _public_class(obj, name)
             obj.__sx_public__ = name
@@ -230,7 +240,7 @@ def public(name: str) -> Callable[[T], T]:
 
 
 def public_name(obj: Any) -> str | None:
-    """The name :func:`public` gave ``obj`` (a function, or a wrapper of one), else None."""
+    """The name `public` gave ``obj`` (a function, or a wrapper of one), else None."""
     if isinstance(obj, type):
         return obj.__dict__.get("__sx_public__")
     while obj is not None:
@@ -240,16 +250,16 @@ def public_name(obj: Any) -> str | None:
     return None
 
 
-def moved(module: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+def moved(module: str) -> Callable[[str], Any]:
     """A module ``__getattr__`` for the names that left ``module``: each still works for a
     release, warning ``DeprecationWarning`` naming its home, and is the object found there.
 
-    ``homes`` maps an old name to the dotted path of its home: a public one
+    The homes are ``module``'s row of ``shardax._names.MOVED``: a public one
     (``"shardax.plan.init_sharded"``: ``sx.init_sharded is now sx.plan.init_sharded``) or a
-    module's (``"shardax.plan.tree.path_str"``: the name is internal now). A layer writes
-    ``__getattr__ = moved(__name__, {...})`` in its ``__init__``.
+    module's (``"shardax.plan.tree.path_str"``: the name is internal now). A namespace writes
+    ``__getattr__ = moved(__name__)`` in its ``__init__``.
 
-    >>> old = moved("shardax.plan", {"path_str": "shardax.plan.tree.path_str"})
+    >>> old = moved("shardax.plan")
     >>> with warnings.catch_warnings(record=True) as seen:
     ...     warnings.simplefilter("always")
     ...     path_str = old("path_str")
@@ -258,7 +268,8 @@ def moved(module: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
     >>> print(seen[0].message)
     sx.plan.path_str is internal now (shardax.plan.tree.path_str); the old name goes ...
     """
-    spelled = "sx" + module.removeprefix("shardax")
+    homes = _names.MOVED.get(module, {})
+    spelled = _names.spelled(module)
 
     def __getattr__(name: str) -> Any:
         home = homes.get(name)
@@ -266,7 +277,7 @@ def moved(module: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         parent, _, attr = home.rpartition(".")
         if parent.count(".") <= 1:  # shardax or one of its layer namespaces
-            now = f"is now sx{home.removeprefix('shardax')}"
+            now = f"is now {_names.spelled(home)}"
         else:
             now = f"is internal now ({home})"
         warnings.warn(
@@ -278,6 +289,26 @@ def moved(module: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
 
     __getattr__.homes = dict(homes)  # type: ignore[attr-defined]
     return __getattr__
+
+
+# The doors of shardax's own code that `public` refused to name (tests/test_names.py pins
+# this empty): "@public('sx.plan.is_array') on shardax.plan.tree.is_array: ...".
+REFUSED: list[str] = []
+
+
+def _named_as_users_call(obj: Any, name: str) -> bool:
+    """Whether ``name`` is how users reach ``obj``; if it is not (and ``obj`` is shardax's
+    own), the refusal is noted in ``REFUSED``."""
+    if not _ours(obj):
+        return True  # a door of a test or an example: any name
+    expected = _names.door_name(obj.__module__, obj.__name__)
+    if name == expected or (expected is None and name.rpartition(".")[0] in _names.names()):
+        return True
+    REFUSED.append(
+        f"@public({name!r}) on {obj.__module__}.{obj.__qualname__}: "
+        + (f"users call it {expected}" if expected else "no namespace exports it")
+    )
+    return False
 
 
 def _public_class(cls: type, name: str) -> None:
@@ -306,7 +337,10 @@ def _public_class(cls: type, name: str) -> None:
 
 
 def _ours(fn: Any) -> bool:
-    """Whether ``fn`` is shardax's own code (not generated by dataclasses, not a library's)."""
+    """Whether ``fn`` is shardax's own code (not generated by dataclasses, not a library's);
+    a class is if its module is shardax's."""
+    if isinstance(fn, type):
+        return fn.__module__.startswith("shardax.")
     code = getattr(_unwrap(fn), "__code__", None)
     return code is not None and _in_shardax(code)
 

@@ -1,5 +1,6 @@
 """Checkpoint layer: orbax-backed save and restore with resharding, and preemption."""
 
+from shardax._names import exports as _exports
 from shardax.checkpoint.manager import (
     CheckpointManager,
     Restored,
@@ -13,13 +14,4 @@ from shardax.checkpoint.preemption import (
     watch_preemption,
 )
 
-__all__ = [
-    "PREEMPTED_EXIT_CODE",
-    "CheckpointManager",
-    "Preempted",
-    "Restored",
-    "reached_preemption",
-    "restore_checkpoint",
-    "save_checkpoint",
-    "watch_preemption",
-]
+__all__ = _exports(__name__)

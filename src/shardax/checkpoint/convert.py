@@ -5,7 +5,7 @@ typed PRNG keys are stored as their raw ``key_data``; Python numbers (``"epoch":
 as 0-d arrays, restored as the same Python type. Static fields and graph definitions
 live in the tree structure of ``like`` and are not stored; functions as leaves (an
 Equinox activation) come from ``like``; other leaves (a string...) are stored as JSON by
-the manager (:func:`other_leaves`).
+the manager (``other_leaves``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def other_leaves(tree: Any) -> dict[str, Any]:
 
 
 def with_other_leaves(tree: Any, values: dict[str, Any]) -> Any:
-    """``tree`` with the leaves named in ``values`` (from :func:`other_leaves`) replaced."""
+    """``tree`` with the leaves named in ``values`` (from ``other_leaves``) replaced."""
     return jax.tree_util.tree_map_with_path(lambda p, x: values.get(path_str(p), x), tree)
 
 
@@ -94,7 +94,7 @@ def to_saveable(tree: Any) -> dict[str, Any]:
 
 
 def abstract_saveable(like: Any) -> dict[str, Any]:
-    """What :func:`to_saveable` of ``like`` would store, as ShapeDtypeStructs carrying the
+    """What ``to_saveable`` of ``like`` would store, as ShapeDtypeStructs carrying the
     shardings of ``like`` (concrete arrays or ShapeDtypeStructs with a sharding)."""
 
     def one(path: tuple[Any, ...], x: Any) -> Any:

@@ -2,7 +2,7 @@
 
 Two managers saving into one directory (two runs, or two managers of one script) race
 on the same step directories: orbax's renames fail in both, the step is lost, and the
-save threads wait for each other. So a :class:`~shardax.CheckpointManager` takes the
+save threads wait for each other. So a [`CheckpointManager`][shardax.CheckpointManager] takes the
 directory's lock (an exclusive ``flock`` of the directory) at its first save and gives
 it back at ``close()``. The operating system gives it back when the process dies, so a
 crash leaves no stale lock, and no file is added to the directory. Only process 0 of a
@@ -26,7 +26,7 @@ _HELD: dict[tuple[int, int], int] = {}
 
 
 class DirectoryLock:
-    """Holds the writer's lock of ``directory`` until :meth:`release`; raises
+    """Holds the writer's lock of ``directory`` until ``release``; raises
     ``RuntimeError`` naming the process that holds it, and ``OSError`` naming the
     directory when it cannot be created or opened."""
 

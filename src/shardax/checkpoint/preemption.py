@@ -2,7 +2,8 @@
 
 Schedulers send SIGTERM before they kill a job (SLURM with ``--signal=TERM@60``,
 Kubernetes at pod deletion, ``terminationGracePeriodSeconds`` later). A loop that calls
-:func:`reached_preemption` after every step learns at a step boundary that it should save
+[`reached_preemption`][shardax.checkpoint.reached_preemption] after every step learns at a step
+boundary that it should save
 and stop:
 
 - in a multi-process run (``jax.distributed`` is initialized) JAX's preemption service
@@ -11,11 +12,11 @@ and stop:
   one (``multihost_utils.reached_preemption_sync_point``). Saving at different steps
   cannot happen, whichever process got the signal;
 - in a single process, a Python SIGTERM handler (installed by the first call, or by
-  :func:`watch_preemption`) sets a flag that the next call reports.
+  [`watch_preemption`][shardax.watch_preemption]) sets a flag that the next call reports.
 
-This is the one preemption API (:func:`shardax.loop.run` calls it after every step,
+This is the one preemption API ([`shardax.loop.run`][shardax.loop.run] calls it after every step,
 saves and exits 75 by itself). The loop then saves and exits with
-:data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``:
+[`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE] (75, ``EX_TEMPFAIL``:
 "temporary failure, try again"), which a scheduler can tell from success (0) and from
 failure (1), and requeue on. A SIGTERM that arrives during a save only sets the flag: the
 save completes first.
@@ -50,9 +51,9 @@ class Preempted(Exception):
     """A preemption notice stopped training after ``step`` was saved to ``directory``.
 
     ``resume``: how the loop that raised it continues from the saved step (``shardax
-    train``: ``"continue it with --resume"``; :func:`shardax.loop.run` says its own);
+    train``: ``"continue it with --resume"``; [`shardax.loop.run`][shardax.loop.run] says its own);
     default: restore the checkpoint. ``shardax train`` turns it into one line on stderr
-    and :data:`PREEMPTED_EXIT_CODE`.
+    and [`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE].
     """
 
     exit_code = PREEMPTED_EXIT_CODE
@@ -96,7 +97,8 @@ def _multi_process() -> bool:
 
 @public("sx.watch_preemption")
 def watch_preemption(signals: tuple[int, ...] = (signal.SIGTERM,)) -> PreemptionWatch:
-    """Starts listening for preemption notices; :func:`reached_preemption` does it on its
+    """Starts listening for preemption notices;
+    [`reached_preemption`][shardax.checkpoint.reached_preemption] does it on its
     first call, so call this to listen from before the first step, or to stop listening
     afterwards: the result is a context manager that puts the previous handlers back.
 
@@ -134,7 +136,8 @@ def watch_preemption(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Preemption
 
 
 class PreemptionWatch:
-    """What :func:`watch_preemption` returns: ``close()`` (or leaving a ``with`` block)
+    """What [`watch_preemption`][shardax.watch_preemption] returns: ``close()`` (or leaving a
+    ``with`` block)
     puts back the handlers it replaced and forgets a notice that was not acted on."""
 
     def __init__(self, previous: dict[int, Any]) -> None:
@@ -183,6 +186,7 @@ def reached_preemption(step: int) -> bool:
 
 def preemption_requested() -> bool:
     """True once a preemption notice was seen (a single process's SIGTERM, or a
-    :func:`reached_preemption` that said True): an asynchronous save then waits for its
+    [`reached_preemption`][shardax.checkpoint.reached_preemption] that said True): an asynchronous
+    save then waits for its
     commit before returning, so the process can exit right after it."""
     return _Notice.event.is_set() or _Notice.reached

@@ -3,7 +3,7 @@
 The new version of step ``s`` is saved (by orbax, itself atomically) under
 ``<directory>/.staged/s``; then ``<directory>/s`` is renamed to ``<directory>/.replaced-s``,
 the staged step to ``<directory>/s``, and the replaced one deleted. Each rename is atomic,
-so a process killed at any point leaves, after :func:`recover`, either the old step or the
+so a process killed at any point leaves, after ``recover``, either the old step or the
 new one, whole:
 
 - killed while staging: ``s`` is the old step; the staged leftovers are deleted;

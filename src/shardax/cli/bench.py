@@ -1,7 +1,8 @@
 """``shardax bench``: the data-parallel modes compared, on the devices at hand.
 
 One Adam step of an MLP with a mean-squared-error loss on a synthetic batch, as in the
-data-parallel notebook of the seed documents, built by :func:`shardax.make_train_step` in
+data-parallel notebook of the seed documents, built by
+[`shardax.make_train_step`][shardax.make_train_step] in
 its four modes:
 
 - ``single``: ``jax.jit`` on one device, the whole batch there;
@@ -82,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_mlp_arguments(parser: argparse.ArgumentParser, size_help: str) -> None:
-    """``--size`` (one of :data:`SIZES`) and the overrides of its MLP's shape."""
+    """``--size`` (one of ``SIZES``) and the overrides of its MLP's shape."""
     parser.add_argument("--size", choices=sorted(SIZES), default="small", help=size_help)
     parser.add_argument("--layers", type=positive_int, help="hidden layers (overrides --size)")
     parser.add_argument("--hidden", type=positive_int, help="hidden width (overrides --size)")

@@ -88,7 +88,7 @@ def tcp_port(text: str) -> int:
 
 
 def check_batch_divides(batch_size: int, data_devices: int, accumulate: int = 1) -> None:
-    """Raises :class:`UsageError` unless ``--batch-size`` splits evenly over the data
+    """Raises ``UsageError`` unless ``--batch-size`` splits evenly over the data
     devices and ``--accumulate`` microbatches: found after parsing, once the mesh is
     known, and answered like a bad option (one line, exit 2)."""
     divisor = data_devices * accumulate
@@ -102,7 +102,7 @@ def check_batch_divides(batch_size: int, data_devices: int, accumulate: int = 1)
 
 def env_int(name: str, parse: Callable[[str], int], default: int) -> int:
     """``$name`` read with the argparse type ``parse`` (``default`` when unset); a bad
-    value is a :class:`UsageError` naming the variable."""
+    value is a ``UsageError`` naming the variable."""
     raw = os.environ.get(name, "")
     if not raw.strip():
         return default
@@ -113,7 +113,7 @@ def env_int(name: str, parse: Callable[[str], int], default: int) -> int:
 
 
 def check_writable_dir(option: str, path: str) -> None:
-    """Raises :class:`UsageError` unless directory ``path`` exists and is writable, or
+    """Raises ``UsageError`` unless directory ``path`` exists and is writable, or
     can be created: checked before any work starts, creating nothing."""
     target = Path(path).expanduser().absolute()
     way_out = "; name a directory this user can write (created if missing)" + (
@@ -148,7 +148,7 @@ RUN_FILES = ("summary.json", "metrics.jsonl", "goodput.json")
 
 
 def check_output_dirs(args: argparse.Namespace) -> None:
-    """:func:`check_writable_dir` for every output directory option in ``args``, and a
+    """``check_writable_dir`` for every output directory option in ``args``, and a
     ``--run-dir`` of ``shardax train`` that holds an earlier run is refused (its summary,
     metrics and goodput would be overwritten or mixed) unless it is ``--resume``d."""
     for option, attr in OUTPUT_DIRS:
@@ -183,7 +183,7 @@ def path_arg(text: str) -> str:
 
 
 def required_path(text: str) -> str:
-    """An argparse type for a positional path: :func:`path_arg` with no default to fall
+    """An argparse type for a positional path: ``path_arg`` with no default to fall
     back on."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (an unset variable?)")
@@ -327,7 +327,7 @@ def time_step(fn: Callable[[], Any], warmup: int = 2, repeats: int = 5) -> list[
 def time_interleaved(
     fns: list[Callable[[], Any]], warmup: int = 2, repeats: int = 5
 ) -> list[list[float]]:
-    """Like :func:`time_step` for several functions, timed in turns.
+    """Like ``time_step`` for several functions, timed in turns.
 
     Round ``r`` times every function once, so load from other processes during the
     run falls on all of them alike instead of on whichever ran at the time.
@@ -355,7 +355,7 @@ def step_flops(step: Any, state: Any, batch: Any, *, with_attention: bool = Fals
     """FLOPs of one step over all devices, from the compiled step's ``cost_analysis()``
     (XLA counts one device's partitioned program); with ``with_attention``, also the
     attention kernel it compiled to (``"cudnn"``, ``"splash"`` or ``"dense"``, read from
-    the compiled HLO: :func:`shardax.cost.hlo.attention_kernel`)."""
+    the compiled HLO: ``shardax.cost.hlo.attention_kernel``)."""
     from shardax.cost.flops import compiled_flops
     from shardax.cost.hlo import attention_kernel
 

@@ -1,6 +1,6 @@
 """``shardax goodput RUN_OR_CHECKPOINT_DIR``: where a run's wall time went.
 
-Reads the goodput ledger (:mod:`shardax.track.goodput`) that ``shardax train`` keeps
+Reads the goodput ledger (``shardax.track.goodput``) that ``shardax train`` keeps
 beside its checkpoints (``CHECKPOINT_DIR/goodput.json``, or ``RUN_DIR/goodput.json``
 without checkpoints), over every session of the run (preemptions and resumes included),
 and prints the seconds per bucket, their shares and the goodput fraction; ``--json``

@@ -1,9 +1,9 @@
-"""What ``shardax train`` adds to the library's hooks (:mod:`shardax.loop.hooks`).
+"""What ``shardax train`` adds to the library's hooks (``shardax.loop.hooks``).
 
-The loop is the library's (:class:`shardax.loop.Run`); the command adds only what is
-its own: the job's history (:class:`History`: the metrics since the last evaluation
-and the entries of ``summary.json``), the progress bar's columns (:class:`Bar`), and
-the tracker's timing scalars beside the train metrics (:class:`Log`).
+The loop is the library's ([`shardax.loop.Run`][shardax.loop.Run]); the command adds only what is
+its own: the job's history (``History``: the metrics since the last evaluation
+and the entries of ``summary.json``), the progress bar's columns (``Bar``), and
+the tracker's timing scalars beside the train metrics (``Log``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ class Record:
     """The run's record, kept in every checkpoint's data state.
 
     Attributes:
-        job: the :class:`~shardax.cli.job.Job`.
-        tracker: the :class:`~shardax.cli.track.Tracker`.
+        job: the ``Job``.
+        tracker: the ``Tracker``.
         history: the history entries so far.
         window: this evaluation window's metrics, on the host.
         window_start, window_first: when and at which step the window began.

@@ -1,14 +1,14 @@
 """The seam between ``shardax train`` and its jobs: what a job is, and what every job uses.
 
-A job (:mod:`shardax.cli.train_mlp`, :mod:`shardax.cli.train_gpt`) registers itself
-with :func:`register` under its ``--model`` name, declaring its own options
-(:func:`option`: flag, default, ``argparse`` keywords), its defaults for the shared ones
-and the plans it builds, and builds a :class:`Job`: its mesh, placed state, step,
-batches and evaluation. The command (:mod:`shardax.cli.train`) builds its parser from
-the declarations (:func:`add_job_arguments`), refuses an option or plan the chosen job
-does not take (:func:`check_model_options`), fills in the job's defaults
-(:func:`apply_options`), builds the job and hands it to the loop
-(:mod:`shardax.cli.loop`). This module imports neither the loop nor the jobs.
+A job (``shardax.cli.train_mlp``, ``shardax.cli.train_gpt``) registers itself
+with ``register`` under its ``--model`` name, declaring its own options
+(``option``: flag, default, ``argparse`` keywords), its defaults for the shared ones
+and the plans it builds, and builds a ``Job``: its mesh, placed state, step,
+batches and evaluation. The command (``shardax.cli.train``) builds its parser from
+the declarations (``add_job_arguments``), refuses an option or plan the chosen job
+does not take (``check_model_options``), fills in the job's defaults
+(``apply_options``), builds the job and hands it to the loop
+(``shardax.cli.loop``). This module imports neither the loop nor the jobs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Option:
     """An option only some jobs take: its flag, its default and ``argparse``'s keywords.
 
     The parser gives it ``default=None``, so that an option given is told from one left
-    out; the job's ``default`` is filled in once the job is chosen (:func:`apply_options`).
+    out; the job's ``default`` is filled in once the job is chosen (``apply_options``).
     """
 
     flag: str
@@ -45,7 +45,7 @@ class Option:
 
 
 def option(flag: str, default: Any = None, **kwargs: Any) -> Option:
-    """An :class:`Option`: ``option("--steps", 200, type=positive_int, help="...")``.
+    """An ``Option``: ``option("--steps", 200, type=positive_int, help="...")``.
 
     >>> option("--seq-len", 64).dest
     'seq_len'
@@ -77,7 +77,7 @@ def register(
 ) -> Callable[[MakeJob], MakeJob]:
     """Registers ``make_job(args, console) -> Job`` as ``shardax train --model name``.
 
-    ``options`` are the job's own options (:func:`option`): the parser adds them, and
+    ``options`` are the job's own options (``option``): the parser adds them, and
     giving one to a job that does not declare it is a usage error naming the option and
     the jobs that take it. ``defaults`` fill the command's shared options left out
     (``{"batch_size": 16}``); ``plans`` are the ``--plan`` names the job builds."""
@@ -186,7 +186,7 @@ def data_axes(mesh: Any) -> str | tuple[str, str]:
 
 
 def data_size(mesh: Any) -> int:
-    """The number of batch shards: the product of :func:`data_axes`' sizes."""
+    """The number of batch shards: the product of ``data_axes``' sizes."""
     axes = data_axes(mesh)
     return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 

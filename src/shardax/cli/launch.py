@@ -1,17 +1,19 @@
 """``shardax launch -n N [--cpu-devices K] [--port P] -- CMD ...``: N local processes.
 
-Each process gets the environment that :func:`shardax.initialize` reads (coordinator on
+Each process gets the environment that [`shardax.initialize`][shardax.initialize] reads (coordinator
+on
 127.0.0.1, the process count, its rank, its CPU device count), so the program joins the
 run with one call, and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where the environment does not
 set it (CUDA reads it when JAX starts the GPU; it lets the GPU settings of
-:mod:`shardax.train.compiler` overlap collectives with compute). The processes' stdout
+``shardax.train.compiler`` overlap collectives with compute). The processes' stdout
 goes to launch's stdout, and their stderr (tracebacks, logs) and runtime chatter
-(:data:`RUNTIME_CHATTER`, which gloo writes to stdout) to launch's stderr, each line
+(``RUNTIME_CHATTER``, which gloo writes to stdout) to launch's stderr, each line
 prefixed with the rank; when the command has ``--json``, stdout lines are passed on
 unprefixed, so stdout stays pure JSON. When a process fails, the others are stopped and
 launch exits with that first non-zero code; Ctrl-C stops them all. A SIGTERM (a
 scheduler's preemption notice) is forwarded to every process, which save and exit with
-code 75 (:data:`PREEMPTED_EXIT_CODE`): a process that exits with 75 does not stop the
+code 75 ([`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE]): a process that exits with
+75 does not stop the
 others, and launch exits with 75 once all have ended. Launch itself never starts JAX.
 
     $ shardax launch -n 2 --cpu-devices 4 -- python train.py
@@ -130,8 +132,9 @@ def process_env(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of process ``rank``: ``base`` (default ``os.environ``) plus the
-    variables :func:`shardax.initialize` reads, and those the GPU compiler settings need
-    before JAX starts (:data:`shardax.train.compiler.ENVIRONMENT`:
+    variables [`shardax.initialize`][shardax.initialize] reads, and those the GPU compiler settings
+    need
+    before JAX starts (``shardax.train.compiler.ENVIRONMENT``:
     ``CUDA_DEVICE_MAX_CONNECTIONS=1``) where ``base`` does not set them.
 
     >>> env = process_env(1, 2, 1234, base={})
@@ -281,7 +284,8 @@ def supervise(
 
     Returns the first non-zero exit code (in time), after stopping the other
     processes; 0 when all succeed; 130 after Ctrl-C, once all are stopped. A process
-    that exits with :data:`PREEMPTED_EXIT_CODE` saved on a preemption notice, as the
+    that exits with [`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE] saved on a
+    preemption notice, as the
     others are doing: they are left to finish, and the code is returned at the end.
     """
     out = sys.stdout if out is None else out

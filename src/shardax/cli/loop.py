@@ -1,7 +1,7 @@
-"""The training loop of ``shardax train``: the library's loop (:mod:`shardax.loop`).
+"""The training loop of ``shardax train``: the library's loop ([`shardax.loop`][shardax.loop]).
 
-:func:`loop` resumes (when asked), builds the hooks (the library's, and the command's
-own in :mod:`shardax.cli.hooks`), runs the job's steps and returns the run's summary.
+``loop`` resumes (when asked), builds the hooks (the library's, and the command's
+own in ``shardax.cli.hooks``), runs the job's steps and returns the run's summary.
 Everything a run does around its steps (progress, the metrics window and NaN guard,
 evaluation, checkpoints, preemption, the watchdog, the goodput ledger, logging) is a
 hook with its own schedule.
@@ -63,7 +63,7 @@ def resume(args: argparse.Namespace, manager: Any, job: Job) -> Any:
 
 def start(args: argparse.Namespace, job: Job) -> tuple[Any, Any, Any, Any, Record]:
     """The checkpoint manager (or None), the checkpoint to resume from (or False), the
-    run directory, the placed batches and the :class:`Record` to continue."""
+    run directory, the placed batches and the ``Record`` to continue."""
     import jax
 
     import shardax as sx
@@ -249,7 +249,7 @@ def summary(
 
 def compiler_record(step: Any, environment_set: dict[str, str]) -> dict[str, Any]:
     """What the step compiled with: the ``compiler_options`` setting, the XLA options it
-    resolved to, and the environment they need (:data:`shardax.train.compiler.ENVIRONMENT`)
+    resolved to, and the environment they need (``shardax.train.compiler.ENVIRONMENT``)
     as it was in this process, with the variables ``shardax train`` set itself."""
     import os
 

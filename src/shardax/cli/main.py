@@ -1,7 +1,7 @@
 """Entry point: parses arguments, sets simulated CPU devices, then runs a command.
 
 Only the named command's module is imported, to add its options to the parser (``shardax
---help`` lists every command from :data:`COMMANDS` without importing them). Simulated CPU
+--help`` lists every command from ``COMMANDS`` without importing them). Simulated CPU
 devices must be set before any JAX backend starts: importing a command starts none, and
 ``--cpu-devices`` is applied after the arguments are parsed (so a usage error comes first)
 and before the command runs. Under ``shardax launch`` (or SLURM / Open MPI) each command
@@ -81,7 +81,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
 
 def set_cpu_devices(n: int) -> None:
     """Asks JAX for ``n`` CPU devices and joins a multi-process run when there is one
-    (:func:`shardax.initialize`); both must happen before any backend starts. Called
+    ([`shardax.initialize`][shardax.initialize]); both must happen before any backend starts. Called
     again in a process whose backend runs (``main`` in a test), it only sets ``n``."""
     import jax
 

@@ -1,10 +1,10 @@
 """``shardax plan``: memory per device of DP, FSDP, TP, PP and hybrids, and the roofline batch.
 
 Example: ``shardax plan --params 7e9 --devices 8 --hardware h100 --batch 1024``.
-The formulas are in :mod:`shardax.cost.memory` and :mod:`shardax.cost.roofline`.
-``--measure`` compiles each candidate plan instead (:mod:`shardax.cli.plan_measure`);
+The formulas are in ``shardax.cost.memory`` and ``shardax.cost.roofline``.
+``--measure`` compiles each candidate plan instead (``shardax.cli.plan_measure``);
 ``--target 64xH100`` compiles the built-in GPT for a cluster this machine does not have,
-with its predicted speed, the plan and the launch command (:mod:`shardax.cli.plan_target`).
+with its predicted speed, the plan and the launch command (``shardax.cli.plan_target``).
 """
 
 from __future__ import annotations

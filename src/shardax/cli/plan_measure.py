@@ -1,14 +1,14 @@
 """``shardax plan --measure``: every candidate plan compiled, beside the formula's estimate.
 
 The model is built abstractly (``jax.eval_shape``: nothing is allocated) and each
-candidate's train step is compiled for it by :func:`shardax.auto_plan`. One row per
+candidate's train step is compiled for it by [`shardax.auto_plan`][shardax.auto_plan]. One row per
 candidate: the compiler's bytes per device (arguments, temporaries, peak), the formula's
-params + optimizer state (:func:`shardax.cost.memory.estimate`), the bytes each device
+params + optimizer state (``shardax.cost.memory.estimate``), the bytes each device
 sends per step (from the HLO), and whether it fits; then the pick and its reason.
 
 Examples: ``shardax plan --measure --mesh data=4,model=2 --hidden 1024 --batch 512`` (the
 digits MLP); ``shardax plan --measure --params 1e8 --seq-len 256`` (a GPT of about that
-many parameters, from :mod:`shardax.models.gpt`, built abstractly).
+many parameters, from ``shardax.models.gpt``, built abstractly).
 
 With a ``stage`` axis (``--model gpt --mesh data=2,stage=4``) the GPT is built with
 ``pipeline_microbatches`` (``--microbatches``, default the stage size) for *every*
@@ -74,7 +74,7 @@ def _mlp(args: argparse.Namespace) -> tuple[Any, Any, Any, list[tuple[str, Any]]
 
 
 def gpt_config(num_params: float, max_seq_len: int) -> Any:
-    """A :class:`GPTConfig` of about ``num_params`` parameters: ``12·L·d²`` in the blocks,
+    """A ``GPTConfig`` of about ``num_params`` parameters: ``12·L·d²`` in the blocks,
     with ``L = d / 64`` layers and 64-wide heads (``d`` a multiple of 64)."""
     from shardax.models.gpt import GPTConfig
 

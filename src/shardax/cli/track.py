@@ -1,11 +1,11 @@
 """Tracking for the train jobs: ``--log-dir``, ``--log-every``, ``--log``, ``--profile-steps``.
 
-A job builds one :class:`Tracker` before training (so a bad ``--log-dir``, a missing
+A job builds one ``Tracker`` before training (so a bad ``--log-dir``, a missing
 extra or a profile range past the end is a usage error before the first step), hands it
-its input iterator (:meth:`Tracker.watch`), wraps its step with :meth:`Tracker.wrap`,
-calls :meth:`Tracker.step` after every step (the loop's logging hook writes its timing
-scalars with the train metrics) and :meth:`Tracker.scalars` for validation figures, and
-adds :meth:`Tracker.summary` to its summary. Scalars go to ``metrics.jsonl`` in the run
+its input iterator (``Tracker.watch``), wraps its step with ``Tracker.wrap``,
+calls ``Tracker.step`` after every step (the loop's logging hook writes its timing
+scalars with the train metrics) and ``Tracker.scalars`` for validation figures, and
+adds ``Tracker.summary`` to its summary. Scalars go to ``metrics.jsonl`` in the run
 directory always, to TensorBoard event files in ``--log-dir``, and to W&B /
 MLflow with ``--log wandb|mlflow``.
 """

@@ -1,15 +1,15 @@
 """``shardax train``: a training job on all devices, with one loop for every model.
 
 ``--model mlp`` (default) fits an NNX MLP to scikit-learn's digits; ``--model gpt``
-trains the byte-level transformer of :mod:`shardax.models.gpt` on a text corpus. Both
+trains the byte-level transformer of ``shardax.models.gpt`` on a text corpus. Both
 build a mesh (``--mesh``), shard the model and Adam state with a plan (``--plan``), feed
 each global batch split over the ``data`` axis, and show a progress bar (process 0 only).
 At the end they write ``summary.json`` and ``curves.png`` to the run directory.
 
-This module is the command: its shared options and :func:`run`. The jobs
-(:mod:`shardax.cli.train_mlp`, :mod:`shardax.cli.train_gpt`) register with it through
-:mod:`shardax.cli.job`, each with its own options, declared once in its module; the loop
-is :mod:`shardax.cli.loop`.
+This module is the command: its shared options and ``run``. The jobs
+(``shardax.cli.train_mlp``, ``shardax.cli.train_gpt``) register with it through
+``shardax.cli.job``, each with its own options, declared once in its module; the loop
+is ``shardax.cli.loop``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _defaults(dest: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardax train``: the shared ones, then each job's own
-    (:func:`shardax.cli.job.add_job_arguments`, from the jobs' declarations)."""
+    (``shardax.cli.job.add_job_arguments``, from the jobs' declarations)."""
     parser.add_argument(
         "--model",
         choices=list(JOBS),
@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace, out: Any, job: Any) -> bool:
-    """``--verify``: :func:`shardax.verify` on the job's first batch (the loader is put
+    """``--verify``: [`shardax.verify`][shardax.verify] on the job's first batch (the loader is put
     back); prints the report and returns whether it passed."""
     from shardax.train.verification import verify_first_batch
 

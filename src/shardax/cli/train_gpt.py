@@ -1,4 +1,4 @@
-"""``shardax train --model gpt``: the byte-level transformer of :mod:`shardax.models.gpt`.
+"""``shardax train --model gpt``: the byte-level transformer of ``shardax.models.gpt``.
 
 The corpus is the Python standard library's sources (no download), or ``--data PATH``;
 every 10th file is held out for validation. Each step trains on random windows of
@@ -9,12 +9,13 @@ corpus's unigram entropy (the best loss without context) is printed next to it.
 
 Long sequences: ``--mesh data=2,context=4`` splits each row over the ``context`` axis
 (``--attention``: ``gpt.ATTENTION``); the batches are reordered zig-zag
-for causal load balance (:func:`shardax.data.text.zigzag_batch`) and carry each token's
+for causal load balance (``shardax.data.text.zigzag_batch``) and carry each token's
 true position. ``--window L`` is sliding-window attention, ``--pack`` packed rows
 (segment ids, positions restarting per document).
 
 Attention takes the platform's fused kernel (cuDNN on a GPU, splash attention on a TPU;
-:func:`shardax.parallel.choose_kernel`): on a GPU or TPU ``--precision`` defaults to bf16
+[`shardax.parallel.choose_kernel`][shardax.parallel.choose_kernel]): on a GPU or TPU ``--precision``
+defaults to bf16
 for it (fp32 on CPU). The kernel the step compiled to (``cudnn``, ``splash`` or
 ``dense``, read from the compiled HLO) is printed and is the summary's
 ``attention_kernel``.
@@ -121,7 +122,7 @@ OPTIONS = (
     ),
 )
 """The options only this job takes (``shardax train --model gpt``), with their defaults:
-the parser is built from them (:func:`shardax.cli.job.add_job_arguments`)."""
+the parser is built from them (``shardax.cli.job.add_job_arguments``)."""
 
 EVAL_WINDOWS = 64
 WARMUP_STEPS = 10
@@ -131,7 +132,7 @@ load-balancing loss, 1.0 when routing is even; Switch and ST-MoE use 1e-2)."""
 
 
 def config(args: argparse.Namespace) -> Any:
-    """The :class:`GPTConfig` of the options; bad sizes are usage errors naming them."""
+    """The ``GPTConfig`` of the options; bad sizes are usage errors naming them."""
     from shardax.models.gpt import GPTConfig
 
     if args.seq_len > args.max_seq_len:

@@ -1,7 +1,7 @@
 """``shardax train --model mlp`` (the default): an NNX MLP on scikit-learn's digits.
 
 One evaluation per epoch on the whole test set; the history has one entry per epoch
-(loss and accuracy, train and test). The shared loop is :mod:`shardax.cli.loop`.
+(loss and accuracy, train and test). The shared loop is ``shardax.cli.loop``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``shardax tune-batch``: measure train-step throughput over batch sizes and find the knee.
 
-For each batch size the step (:func:`shardax.make_train_step` in ``jit`` mode over a
+For each batch size the step ([`shardax.make_train_step`][shardax.make_train_step] in ``jit`` mode
+over a
 ``data`` mesh, state replicated, batch split) is compiled and warmed up; then the sizes
 are timed in turns, ``--repeats`` rounds, and throughput is the batch divided by the
 median step time. The knee is the smallest batch within ``--tolerance`` (default 10%)

@@ -1,7 +1,7 @@
 """Calibration tables: what one device kind's kernels measured, with where the figures came from.
 
-A :class:`Calibration` holds, for one device kind and JAX version, the microbenchmark
-tables the per-op cost model (:mod:`shardax.cost.opcost`) prices a compiled step with:
+A ``Calibration`` holds, for one device kind and JAX version, the microbenchmark
+tables the per-op cost model (``shardax.cost.opcost``) prices a compiled step with:
 
 - ``gemm``: ``(m, k) @ (k, n)`` rates by shape and operand dtype (TFLOP/s: bf16, and
   fp32 at JAX's default precision where measured), as ``benchmarks/gpu/calibrate.py``
@@ -11,11 +11,11 @@ tables the per-op cost model (:mod:`shardax.cost.opcost`) prices a compiled step
   causal, pass);
 - ``launch_us``: the device's cost per kernel inside one program;
 - ``dispatch_us``: one program's dispatch, back to back (a table row no longer than about
-  this measured the host, not the kernel: :func:`gemm_rows` drops it).
+  this measured the host, not the kernel: ``gemm_rows`` drops it).
 
 No step time is an input: the tables are microbenchmarks only, so a step predicted with
-them is predicted "leave-one-out" by construction. :data:`CALIBRATIONS` ships one per
-kind; :func:`calibration_for` finds one for a device kind (or says none fits).
+them is predicted "leave-one-out" by construction. ``CALIBRATIONS`` ships one per
+kind; ``calibration_for`` finds one for a device kind (or says none fits).
 
 >>> c = calibration_for("NVIDIA H200")
 >>> c.name
@@ -160,7 +160,7 @@ _KIND = re.compile(r"\b(H100|H200|H800|H20|A100|B200|GB200|GH200)\b", re.IGNOREC
 
 def calibration_for(device_kind: str) -> Calibration | None:
     """The shipped calibration of ``device_kind`` (``"NVIDIA H200"``, ``"H100"``), else
-    None (:func:`nearest` then says how far the nearest calibrated kind is).
+    None (``nearest`` then says how far the nearest calibrated kind is).
 
     >>> calibration_for("NVIDIA H200").kind
     'H200'

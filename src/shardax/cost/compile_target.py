@@ -10,10 +10,10 @@ JAX >= 0.12 (Python 3.12+) and Linux.
 Names:
 
 - GPUs: ``"<GPUs per host>x<GPU>"`` (one host) or ``"<hosts>x<GPUs per host>x<GPU>"``, for
-  the GPUs of :data:`GPU_KINDS` (H100, H200, B200, A100-80GB). A single number above
-  :data:`GPUS_PER_HOST` (8, the GPUs of an HGX/DGX server) is split into hosts of 8:
+  the GPUs of ``GPU_KINDS`` (H100, H200, B200, A100-80GB). A single number above
+  ``GPUS_PER_HOST`` (8, the GPUs of an HGX/DGX server) is split into hosts of 8:
   ``"64xH100"`` is 8 hosts of 8; ``"4xH100"`` is one host of 4. A host holds at most
-  :data:`HOST_GPUS` of its kind (8), so ``"2x16xH100"`` is refused.
+  ``HOST_GPUS`` of its kind (8), so ``"2x16xH100"`` is refused.
 - TPU slices as Google Cloud names them: ``"v5p-N"`` counts TensorCores (2 per chip, so
   ``"v5p-128"`` is 64 chips), ``"v5e-N"``/``"v5litepod-N"`` and ``"v6e-N"`` count chips.
   ``"Kx<slice>"`` is K slices over the data-center network (multislice): ``"2xv5p-128"``.
@@ -54,7 +54,7 @@ GPU_KINDS: dict[str, str] = {
 """The GPUs of a GPU target's name, and the device kind their devices report (SXM parts)."""
 
 HOST_GPUS: dict[str, int] = {model: GPUS_PER_HOST for model in GPU_KINDS}
-"""The GPUs of one host (one NVLink domain) of each GPU of :data:`GPU_KINDS`: 8 on the
+"""The GPUs of one host (one NVLink domain) of each GPU of ``GPU_KINDS``: 8 on the
 HGX/DGX servers of all four, whose datasheet rows (NVLink, and InfiniBand per GPU) are
 figures of such a server. A target's name may give fewer per host, never more: 16 H100s
 in one NVLink domain is no machine the figures describe."""
@@ -104,7 +104,7 @@ class Target(Sequence):
         platform: ``"gpu"`` or ``"tpu"``.
         devices: the compile-only ``jax.Device`` objects, host by host (each device's
             ``process_index`` is its host; ``slice_index`` its TPU slice).
-        spec: the device's datasheet row (:func:`shardax.cost.device_spec`).
+        spec: the device's datasheet row ([`shardax.cost.device_spec`][shardax.cost.device_spec]).
         hosts: hosts in all (processes of a launch).
         devices_per_host: devices on each host.
         slices: TPU slices (1 for GPUs and single-slice TPUs).
@@ -143,9 +143,8 @@ class Target(Sequence):
         )
 
 
-@public("sx.cost.known_targets")
 def known_targets() -> list[str]:
-    """Examples of every kind of name :func:`target` takes (the rules are in its doc).
+    """Examples of every kind of name [`target`][shardax.target] takes (the rules are in its doc).
 
     >>> "v5p-128" in known_targets()
     True
@@ -169,7 +168,6 @@ def _unknown(name: str, why: str) -> ValueError:
     )
 
 
-@public("sx.cost.parse_target")
 def parse_target(name: str) -> dict[str, Any]:
     """What a target's name means, without building devices: ``platform``, ``kind``,
     ``hosts``/``devices_per_host`` (GPUs) or ``family``/``chips``/``slices`` (TPUs).
@@ -224,10 +222,9 @@ def parse_target(name: str) -> dict[str, Any]:
     raise _unknown(name, "this is neither")
 
 
-@public("sx.cost.gpu_target_config")
 def gpu_target_config(kind: str, spec: HardwareSpec) -> str:
     """XLA's ``GpuTargetConfigProto`` in text form for a GPU of ``kind`` whose datasheet row
-    is ``spec`` (its :class:`~shardax.cost.hardware.GpuArch` and memory figures): what the files of
+    is ``spec`` (its ``GpuArch`` and memory figures): what the files of
     ``shardax/cost/targets/`` hold, one field per line.
 
     >>> h100 = device_spec(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3"))
@@ -286,9 +283,8 @@ def gpu_config_file(model: str) -> str:
     return f"{model.lower()}.txtpb"
 
 
-@public("sx.cost.gpu_target_configs")
 def gpu_target_configs() -> dict[str, str]:
-    """``{file name: text}`` of every GPU of :data:`GPU_KINDS`, from the datasheet table."""
+    """``{file name: text}`` of every GPU of ``GPU_KINDS``, from the datasheet table."""
     return {
         gpu_config_file(model): gpu_target_config(kind, _spec("gpu", kind))
         for model, kind in GPU_KINDS.items()
@@ -296,7 +292,7 @@ def gpu_target_configs() -> dict[str, str]:
 
 
 def write_gpu_target_configs(directory: str | os.PathLike | None = None) -> list[str]:
-    """Writes :func:`gpu_target_configs` to ``directory`` (default: the package's
+    """Writes ``gpu_target_configs`` to ``directory`` (default: the package's
     ``targets/``); returns the paths written. Run after changing a GPU's datasheet row."""
     from pathlib import Path
 
@@ -352,7 +348,7 @@ def prepare_cuda_plugin() -> str | None:
     only where that is safe: JAX's backends have not started, neither variable is set, and
     no driver (``libcuda.so.1``) can be loaded, so there is no GPU whose libraries the check
     would protect (JAX then falls back to the CPU, as it would anyway). Returns the variable
-    it set, or None; :func:`target` removes it again once the plugin has registered, so
+    it set, or None; [`target`][shardax.target] removes it again once the plugin has registered, so
     it does not reach the rest of the program or its subprocesses.
     """
     if compat.backends_are_initialized() or os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"):
@@ -418,14 +414,15 @@ def tpu_chips_attached() -> bool:
 def prepare_libtpu() -> str | None:
     """Lets libtpu load for a compile-only target while another process has it loaded.
 
-    libtpu takes :data:`LIBTPU_LOCK` when it initialises and refuses to load while another
+    libtpu takes ``LIBTPU_LOCK`` when it initialises and refuses to load while another
     process holds it (advising ``sudo rm`` of a live process's lock). The lock guards the
     TPU chips, which a compile-only target never drives: so this sets
     ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` (libtpu's own switch) where no chip could be driven,
     the variable being unset and this machine having no TPU chips
-    (:func:`tpu_chips_attached`); on a TPU machine the lock still protects the chips and
-    :func:`target` says what to do. Returns the variable it set, or None;
-    :func:`target` removes it once libtpu has loaded (the lock is read once, then), so it
+    (``tpu_chips_attached``); on a TPU machine the lock still protects the chips and
+    [`target`][shardax.target] says what to do. Returns the variable it set, or None;
+    [`target`][shardax.target] removes it once libtpu has loaded (the lock is read once, then), so
+    it
     does not reach the rest of the program or its subprocesses.
     """
     if os.environ.get(ALLOW_MULTIPLE_LIBTPU) is not None or tpu_chips_attached():
@@ -483,7 +480,7 @@ def target(name: str) -> Target:
     kind, hosts (``process_index``), TPU slices (``slice_index``) and datasheet row.
 
     Names: ``"8xH100"`` (one host of 8), ``"2x4xH100"`` (2 hosts of 4), ``"64xH100"`` (8
-    hosts of :data:`GPUS_PER_HOST` = 8), for H100, H200, B200 and A100-80GB; TPU slices as
+    hosts of ``GPUS_PER_HOST`` = 8), for H100, H200, B200 and A100-80GB; TPU slices as
     Cloud names them: ``"v5p-128"`` (v5p counts TensorCores, 2 per chip: 64 chips),
     ``"v5e-16"`` or ``"v5litepod-16"`` and ``"v6e-16"`` (16 chips), ``"2xv5p-128"`` (two
     slices). Each slice's chip layout is Cloud's documented shape for its size.
@@ -493,7 +490,7 @@ def target(name: str) -> Target:
     'shardax[tpu-compile]'`` for TPUs (libtpu). On a machine without an NVIDIA driver the
     CUDA plugin registers only if its version check is skipped; when JAX's backends have
     not started yet this sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` in the environment for
-    the plugin's registration only, and removes it after (:func:`prepare_cuda_plugin` says
+    the plugin's registration only, and removes it after (``prepare_cuda_plugin`` says
     when that is safe); when they have, set
     ``JAX_PLATFORMS=cpu`` before Python starts (the error says so).
 

@@ -11,22 +11,22 @@ laptop. The report, per device:
 - FLOPs: matmul FLOPs counted from the compiled HLO (``cost_analysis()`` is None when
   compiling for a GPU target; custom calls it cannot price are named), beside the model
   FLOPs given (``model_flops=``, e.g. the GPT's ``6·N + attention``, causal halved) or by
-  default (:mod:`shardax.cost.model_flops`: ``6·N·tokens`` with ``N`` without the
+  default (``shardax.cost.model_flops``: ``6·N·tokens`` with ``N`` without the
   embedding lookup; for images, the compiled count, labelled so), by the convention
   every report states;
 - collectives: the bytes each sends per step, and over which link (within a host or
   between hosts, from the replica groups against the devices' ``process_index`` and
   ``slice_index``);
 - compile time;
-- a **predicted** step time from :mod:`shardax.cost.predict`'s named model, with and
+- a **predicted** step time from ``shardax.cost.predict``'s named model, with and
   without overlap, and from it predicted tokens (images, rows: what the batch holds) per
   second per device and predicted MFU, which counts at most the FLOPs the step executes;
 - the exposed collective time: what the compiled schedule leaves of the collectives' time
   once the matmuls XLA scheduled between each one's start and done are taken off
-  (:mod:`shardax.cost.schedule`);
-- on a GPU target, the per-op model's prediction (:mod:`shardax.cost.opcost`): each
+  (``shardax.cost.schedule``);
+- on a GPU target, the per-op model's prediction (``shardax.cost.opcost``): each
   kernel of the compiled program priced by the device kind's calibration tables
-  (:mod:`shardax.cost.calibration`), by class, with the step's interval.
+  (``shardax.cost.calibration``), by class, with the step's interval.
 
 Works for a ``make_train_step`` step (the plan places the abstract state) and for any
 ``jax.jit`` function ``step(state, batch)`` whose abstract state carries its shardings
@@ -80,7 +80,7 @@ allocator's fragmentation, the runtime's own buffers, collectives' scratch)."""
 @public("sx.cost.Estimate")
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """What :func:`estimate` compiled and predicted, per device. Print it for a table;
+    """What [`estimate`][shardax.estimate] compiled and predicted, per device. Print it for a table;
     ``to_dict()`` for JSON; ``plot(path)`` for a PNG of the memory against HBM.
 
     Attributes:
@@ -90,14 +90,14 @@ class Estimate:
             and ``peak`` (the compiler's: arguments + outputs - aliased + temporaries).
         hbm_bytes: the device's memory (None: unknown); headroom is its free share.
         flops_hlo: matmul FLOPs per device per step counted from the compiled HLO;
-            flops_backend: the backend's count (:func:`~shardax.cost.flops.compiled_flops`:
+            flops_backend: the backend's count (``compiled_flops``:
             ``cost_analysis()`` with library calls and loop trips; None on GPU targets).
         model_flops: model FLOPs per step over all devices; model_flops_note: its formula.
         tokens: tokens per step over all devices (images or rows where ``unit`` says so).
         unit: what ``tokens`` counts: ``"tokens"``, ``"images"`` or ``"rows"``
-            (:func:`~shardax.cost.model_flops.batch_unit`).
+            (``batch_unit``).
         unpriced_calls: custom calls the FLOP count cannot price, by target, with their
-            calls per step (:func:`~shardax.cost.flops.unpriced_calls`).
+            calls per step (``unpriced_calls``).
         collectives: one dict per collective kind and link: op, link, runs, bytes sent.
         compile_s: seconds to lower and compile (measured on this machine).
         prediction: the predicted step (None where the device has no datasheet, or
@@ -111,14 +111,14 @@ class Estimate:
             ``make_train_step`` step's ``step.compiler_options``, resolved for the
             target's platform: on a GPU target shardax's GPU set); None for a
             ``jax.jit`` of your own, whose options shardax does not know.
-        overlap: from the compiled schedule (:mod:`shardax.cost.schedule`):
+        overlap: from the compiled schedule (``shardax.cost.schedule``):
             ``exposed_s`` (per step, the collectives' time on the wire less the matmuls
             scheduled under each, clamped at 0 per collective), ``collective_s`` (all of
             their time on the wire), ``collectives`` (async pairs and synchronous ops),
             ``overlapped`` (those with matmuls between start and done) and
             ``synchronous``; None without a prediction.
         cost: the per-op model's price of the compiled program on a GPU target
-            (:class:`~shardax.cost.opcost.StepCost`: seconds per class of kernels, launches,
+            (``StepCost``: seconds per class of kernels, launches,
             collectives on the wire and exposed, the step with its interval, and the
             calibration's name); None on other platforms or without a datasheet.
         compiled_bytes: the compiler's ``memory_analysis()`` as it gave it, bytes per
@@ -163,7 +163,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool | None:
-        """The peak fits HBM with :data:`HEADROOM` to spare (None: HBM unknown)."""
+        """The peak fits HBM with ``HEADROOM`` to spare (None: HBM unknown)."""
         room = self.headroom
         return None if room is None else room >= HEADROOM
 
@@ -353,7 +353,7 @@ def _refused(
     step: Any, state: Any, batch: Any, mesh: Any, error: BaseException, compile_s: float,
     tokens: float | None,
 ) -> Estimate:  # fmt: skip
-    """The :class:`Estimate` of a step the compiler refused for lack of memory."""
+    """The [`Estimate`][shardax.cost.Estimate] of a step the compiler refused for lack of memory."""
     need, have = out_of_memory(error) or (0.0, 0.0)
     devices = list(mesh.devices.flat)
     spec = device_spec(devices[0])
@@ -467,7 +467,7 @@ def _state_bytes(state: Any, shardings: Any) -> tuple[dict[str, int], int]:
 
 
 def _param_shapes(state: Any) -> list[tuple[str, tuple[int, ...]]]:
-    """``(path, global shape)`` of each parameter leaf of ``state`` (as :func:`_kind`)."""
+    """``(path, global shape)`` of each parameter leaf of ``state`` (as ``_kind``)."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     return [(jax.tree_util.keystr(p), tuple(x.shape)) for p, x in leaves
             if hasattr(x, "shape") and _kind(jax.tree_util.keystr(p)) == "params"]  # fmt: skip
@@ -540,7 +540,8 @@ def analyse(
     spec: HardwareSpec | None = None,
     compile_s: float = 0.0,
 ) -> Estimate:
-    """The :class:`Estimate` of an already compiled step (``sx.estimate`` and the auto
+    """The [`Estimate`][shardax.cost.Estimate] of an already compiled step (``sx.estimate`` and the
+    auto
     plan's search call this once per compiled program)."""
     devices = list(mesh.devices.flat)
     spec = device_spec(devices[0]) if spec is None else spec
@@ -680,7 +681,7 @@ def _price(
     bandwidths: Mapping[str, float | None],
     timed: list[Any],
 ) -> StepCost | None:
-    """The per-op model's price of ``hlo`` (:mod:`shardax.cost.opcost`) on a GPU: with
+    """The per-op model's price of ``hlo`` (``shardax.cost.opcost``) on a GPU: with
     the device kind's calibration, else the nearest calibrated kind's, named
     "uncalibrated" with how far off it is; None on other platforms (no tables)."""
     if str(devices[0].platform).lower() not in ("gpu", "cuda", "rocm"):
@@ -708,7 +709,7 @@ def _overlap(
     timed: list[Any], links: list[str], bandwidths: Mapping[str, float | None],
     flop_rate: float,
 ) -> dict[str, Any]:  # fmt: skip
-    """:attr:`Estimate.overlap` of the scheduled collectives ``timed`` over ``links``
+    """``Estimate.overlap`` of the scheduled collectives ``timed`` over ``links``
     (collectives over a link of unknown bandwidth are left out, as in the prediction)."""
     exposed = total = 0.0
     for s, link in zip(timed, links, strict=True):
@@ -728,7 +729,7 @@ def _overlap(
 
 
 def exposed_line(overlap: Mapping[str, Any]) -> str:
-    """The report's line for :attr:`Estimate.overlap`.
+    """The report's line for ``Estimate.overlap``.
 
     >>> print(exposed_line({"exposed_s": 0.0021, "collective_s": 0.0105, "collectives": 9,
     ...                     "overlapped": 6, "synchronous": 1}))
@@ -767,11 +768,11 @@ def estimate(
         tokens: tokens per step (default: rows × sequence of a 2-D integer batch leaf,
             else the rows of the first leaf: images or rows, and the report says so).
         model_flops: model FLOPs per step over all devices, by the convention of
-            :data:`~shardax.cost.model_flops.CONVENTION` (for a transformer:
-            :func:`shardax.cost.flops.transformer_flops_per_token` × tokens). Default:
+            ``CONVENTION`` (for a transformer:
+            ``shardax.cost.flops.transformer_flops_per_token`` × tokens). Default:
             ``6·N·tokens`` with ``N`` without the embedding lookup, attention not counted;
             for images, the compiled step's matmul FLOPs
-            (:func:`~shardax.cost.model_flops.default_model_flops`).
+            (``default_model_flops``).
         model_flops_note: the formula of ``model_flops``, for the report.
         compute_efficiency: the fraction of peak the prediction assumes.
         links: bytes/s per link (``"intra-host"``, ``"inter-host"``, ``"inter-slice"``),

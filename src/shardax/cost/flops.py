@@ -12,8 +12,8 @@ remat) and not only the matmuls of a ``6·N·tokens`` estimate.
 'n/a'
 
 Where the backend gives no cost analysis (compiling for a GPU target: ``cost_analysis()``
-is None), :func:`hlo_flops` counts the matmul FLOPs of the compiled HLO text itself, and
-:func:`transformer_flops_per_token` gives the model FLOPs to compare them with.
+is None), ``hlo_flops`` counts the matmul FLOPs of the compiled HLO text itself, and
+``transformer_flops_per_token`` gives the model FLOPs to compare them with.
 """
 
 from __future__ import annotations
@@ -184,9 +184,9 @@ def hlo_flops(hlo: str) -> float:
     ``2 · output elements · contracted size`` for every ``dot`` and cuBLAS GEMM custom
     call; every ``convolution`` and cuDNN convolution call (forward, fused
     bias-activation, backward input and filter) as XLA counts a convolution
-    (:func:`conv_flops`); cuDNN's fused attention (:func:`_fmha_flops`); an op in a loop
+    (``conv_flops``); cuDNN's fused attention (``_fmha_flops``); an op in a loop
     body counted its trip count times. Elementwise ops, reductions and custom calls of
-    other kernels (TPU Pallas' splash attention: :func:`unpriced_calls` names them) are
+    other kernels (TPU Pallas' splash attention: ``unpriced_calls`` names them) are
     not counted. A ``conditional`` counts its costliest branch, as XLA's own count does: an
     upper bound where the branch is skipped at run time (a context ring's blocks that a
     causal mask hides).
@@ -214,7 +214,7 @@ def library_call_flops(hlo: str) -> float:
 
 
 LIBRARY_KINDS = ("gemm", "cudnn-conv", "fmha")
-"""The matmul kinds of :func:`line_matmuls` that are library calls (custom calls)."""
+"""The matmul kinds of ``line_matmuls`` that are library calls (custom calls)."""
 
 # Custom calls that do no matmul work: data movement, RNG, sharding and layout markers,
 # host transfers and callbacks.
@@ -227,8 +227,8 @@ NO_MATMUL_CALLS = re.compile(
 
 def unpriced_calls(hlo: str) -> dict[str, int]:
     """``{custom call target: calls}`` of ``hlo``'s custom calls whose FLOPs the count
-    (:func:`hlo_flops`) cannot price: not a cuBLAS GEMM, cuDNN convolution or attention
-    call it read, nor a call known to do no matmul (:data:`NO_MATMUL_CALLS`), e.g. a
+    (``hlo_flops``) cannot price: not a cuBLAS GEMM, cuDNN convolution or attention
+    call it read, nor a call known to do no matmul (``NO_MATMUL_CALLS``), e.g. a
     Pallas or Mosaic kernel (``tpu_custom_call``, ``__gpu$xla.gpu.triton``). Calls in a
     loop body count once per trip.
 
@@ -250,7 +250,7 @@ def unpriced_calls(hlo: str) -> dict[str, int]:
 
 
 def format_unpriced(calls: dict[str, int]) -> str:
-    """The report's note for :func:`unpriced_calls` (empty when there are none).
+    """The report's note for ``unpriced_calls`` (empty when there are none).
 
     >>> format_unpriced({"tpu_custom_call": 48})
     'FLOPs not counted: 48 custom calls the count cannot price (tpu_custom_call × 48)'
@@ -324,7 +324,7 @@ def _own_matmuls(lines: list[str]) -> Iterator[tuple[str, float]]:
 
 def line_matmuls(lines: list[str]) -> Iterator[tuple[int, str, float]]:
     """``(line index, kind, FLOPs)`` of each matmul written in one computation's ``lines``
-    (kinds as :func:`_matmuls`'s; a fusion's matmuls are in the computation it calls)."""
+    (kinds as ``_matmuls``'s; a fusion's matmuls are in the computation it calls)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for line in lines:
         found = _DEF.match(line)
@@ -360,7 +360,7 @@ def transformer_flops_per_token(
     causal: bool = True,
 ) -> float:
     """Model training FLOPs per token of a dense decoder, by the convention MaxText, PaLM
-    and Megatron count MFU with (:data:`shardax.cost.model_flops.CONVENTION`): ``6·N``
+    and Megatron count MFU with (``shardax.cost.model_flops.CONVENTION``): ``6·N``
     for the matmuls over ``N`` parameters without the embedding lookup (a gather), the LM
     head included (forward 2·N, backward 4·N), plus attention's scores and weighted
     values, ``3 · 4·layers·seq_len·d_model``, halved when ``causal`` (the masked half is
@@ -378,10 +378,10 @@ def transformer_flops_per_token(
 def compiled_flops(compiled: Any) -> float | None:
     """FLOPs of one device's program in ``compiled`` (a ``jax.stages.Compiled``): XLA's
     ``cost_analysis()``, plus the matmuls it counts as zero, cuBLAS GEMMs and cuDNN's
-    attention on a GPU (:func:`library_call_flops`; on an H200 with JAX 0.11.2, XLA's
+    attention on a GPU (``library_call_flops``; on an H200 with JAX 0.11.2, XLA's
     count alone was 0.08% of a 90-layer MLP step's 6·N·batch), and the loop trips of
-    matmuls it counts once (:func:`loop_matmul_flops`). None when the backend gives no
-    cost analysis (a compile-only GPU target: use :func:`hlo_flops`)."""
+    matmuls it counts once (``loop_matmul_flops``). None when the backend gives no
+    cost analysis (a compile-only GPU target: use ``hlo_flops``)."""
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list | tuple):  # older JAX: one dict per program
         analysis = analysis[0] if analysis else None
@@ -400,8 +400,8 @@ def utilization(
     ``devices``) that takes ``step_seconds``.
 
     MFU is achieved FLOP/s over the dense bf16 peak of ``hardware``
-    (:data:`~shardax.cost.hardware.HARDWARE_SPECS`) or, by default, of the first device
-    (:func:`~shardax.cost.device_spec`, which also knows kinds such as the H200);
+    (``HARDWARE_SPECS``) or, by default, of the first device
+    ([`device_spec`][shardax.cost.device_spec], which also knows kinds such as the H200);
     ``"n/a"`` where the peak is not known (CPU, unknown accelerators). Returns
     ``flops_per_step``, ``tflops_per_s_per_device``, ``peak_tflops_per_device`` (or
     "n/a") and ``mfu``.

@@ -31,7 +31,8 @@ class HardwareType(Enum):
 
 
 def as_hardware_type(name: str, value: Any) -> HardwareType:
-    """``value`` as a :class:`HardwareType` (a member or its value, ``"h100"``), else
+    """``value`` as a [`HardwareType`][shardax.HardwareType] (a member or its value, ``"h100"``),
+    else
     ``ValueError`` naming ``name``, the value received and the known values.
 
     >>> as_hardware_type("hardware_type", "h100")
@@ -87,12 +88,11 @@ _UNKNOWN = _R(
 )
 
 
-@public("sx.cost.GpuArch")
 @dataclasses.dataclass(frozen=True)
 class GpuArch:
     """What XLA's GPU compiler needs to know of a GPU beyond its datasheet row: the
-    fields of the target configs that :func:`shardax.cost.target` compiles for
-    (:func:`shardax.cost.compile_target.gpu_target_config`).
+    fields of the target configs that [`shardax.cost.target`][shardax.target] compiles for
+    (``shardax.cost.compile_target.gpu_target_config``).
 
     Attributes:
         compute_capability: CUDA compute capability, ``(major, minor)``.
@@ -129,7 +129,7 @@ class HardwareSpec:
             between GPU hosts (the NIC bandwidth of a reference 8-GPU server, per GPU),
             DCN between TPU slices. None where not known.
         source: where the figures come from.
-        gpu: the GPU's compiler description (:class:`GpuArch`) for GPU targets, else None.
+        gpu: the GPU's compiler description (``GpuArch``) for GPU targets, else None.
     """
 
     peak_flops: float
@@ -209,9 +209,9 @@ def device_spec(device: Any = None) -> HardwareSpec | None:
     """Datasheet figures of ``device`` (default: the first of ``jax.devices()``), or None
     where they are not known (a CPU, an accelerator in no table).
 
-    The device kind is looked up first in :data:`DEVICE_KIND_SPECS` (accelerators the
-    seed's :class:`HardwareType` does not name, such as the H200), then through
-    :func:`detect_hardware_type` in :data:`HARDWARE_SPECS`.
+    The device kind is looked up first in ``DEVICE_KIND_SPECS`` (accelerators the
+    seed's [`HardwareType`][shardax.HardwareType] does not name, such as the H200), then through
+    [`detect_hardware_type`][shardax.cost.detect_hardware_type] in ``HARDWARE_SPECS``.
 
     >>> from types import SimpleNamespace
     >>> device_spec(SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")).peak_flops
@@ -245,9 +245,9 @@ def detect_hardware_type(devices: Sequence[Any] | None = None) -> HardwareType:
     return hardware_type_of(devices[0].platform, devices[0].device_kind)
 
 
-@public("sx.cost.hardware_type_of")
 def hardware_type_of(platform: str, device_kind: str) -> HardwareType:
-    """Maps a device's ``platform`` and ``device_kind`` to a :class:`HardwareType`."""
+    """Maps a device's ``platform`` and ``device_kind`` to a
+    [`HardwareType`][shardax.HardwareType]."""
     platform, kind = platform.lower(), str(device_kind or "").lower()
     if platform == "cpu":
         return HardwareType.CPU

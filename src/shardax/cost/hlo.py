@@ -1,7 +1,7 @@
 """Collectives in compiled HLO text, and the bytes each device sends for them.
 
 An op inside a loop body (``lax.scan``, ``sx.pipeline``'s ticks, gradient accumulation)
-runs once per iteration: :func:`collectives` counts it ``known_trip_count`` times.
+runs once per iteration: ``collectives`` counts it ``known_trip_count`` times.
 
 >>> hlo = "%ag = f32[64,16]{1,0} all-gather(f32[8,16]{1,0} %p), replica_groups=[1,8]<=[8]"
 >>> [(c.op, c.bytes, c.group) for c in collectives(hlo)]
@@ -266,7 +266,7 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
 
 
 def collective_of(match: re.Match[str], num_devices: int | None, count: int = 1) -> Collective:
-    """The :class:`Collective` of one ``_OP`` match (an op line of ``hlo``), run ``count``
+    """The ``Collective`` of one ``_OP`` match (an op line of ``hlo``), run ``count``
     times per execution."""
     out, op, start, rest = match.groups()
     arrays = _arrays(out)
@@ -281,7 +281,7 @@ def collective_of(match: re.Match[str], num_devices: int | None, count: int = 1)
 
 def collective_bytes(hlo: str, num_devices: int | None = None) -> float:
     """Bytes one device sends per run of ``hlo``, summed over its collectives
-    (:attr:`Collective.sent_bytes`)."""
+    (``Collective.sent_bytes``)."""
     return sum(c.sent_bytes for c in collectives(hlo, num_devices))
 
 
@@ -296,7 +296,7 @@ def attention_kernels(hlo: str) -> dict[str, int]:
     StableHLO: the kernel is chosen while tracing): ``"cudnn"``
     (cuDNN's ``__cudnn$fmha*`` custom calls, forward and backward) and ``"splash"``
     (Mosaic ``tpu_custom_call``s of Pallas' splash attention). Neither: attention, if
-    any, is dense (:func:`attention_kernel`).
+    any, is dense (``attention_kernel``).
 
     >>> attention_kernels('%c = bf16[2] custom-call(), custom_call_target="__cudnn$fmhaSoftmax"')
     {'cudnn': 1, 'splash': 0}

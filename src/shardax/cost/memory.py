@@ -18,8 +18,9 @@ precision     params    grads  fp32 master   Adam m + v   total  matmuls read
 shardax's policies keep the params and Adam's moments in the state in float32 and cast
 the params to the compute dtype inside the step, so bf16 and fp16 halve the bytes the
 matmuls read (the roofline's figure) and the activations, not the model states. A
-custom :class:`shardax.Precision` with ``param_dtype=jnp.bfloat16`` keeps everything in
-bf16: 2 + 2 + 0 + 2 + 2 = 8 bytes per parameter (:func:`state_bytes` takes it too).
+custom [`shardax.Precision`][shardax.Precision] with ``param_dtype=jnp.bfloat16`` keeps everything
+in
+bf16: 2 + 2 + 0 + 2 + 2 = 8 bytes per parameter (``state_bytes`` takes it too).
 
 On ``data × model`` devices, with ``S`` the bytes per parameter above and ``P`` parameters:
 
@@ -30,7 +31,7 @@ On ``data × model`` devices, with ``S`` the bytes per parameter above and ``P``
 - DP × TP: ``S·P / model``; FSDP × TP: ``S·P / (data·model)``; likewise DP × PP and
   FSDP × PP with ``stage`` in place of ``model``.
 - ZeRO-1 (``data = N``): the master copy (if any) and Adam's moments split, params and grads whole;
-  ZeRO-2 also splits the grads (:func:`estimate` with ``zero=1`` or ``2``).
+  ZeRO-2 also splits the grads (``estimate`` with ``zero=1`` or ``2``).
 
 These are ideal splits (every weight divisible, nothing replicated: for PP, the layers
 hold all the parameters); FSDP also needs room for one gathered layer at a time, and PP
@@ -125,8 +126,8 @@ class MemoryEstimate:
 
 def state_bytes(precision: Any) -> StateBytes:
     """The bytes per parameter of ``precision``: a train policy's name (``"fp32"``,
-    ``"bf16"``, ``"fp16"``), a :class:`shardax.Precision` (its ``param_dtype`` and
-    ``compute_dtype``), or a :class:`StateBytes`.
+    ``"bf16"``, ``"fp16"``), a [`shardax.Precision`][shardax.Precision] (its ``param_dtype`` and
+    ``compute_dtype``), or a ``StateBytes``.
 
     >>> state_bytes("bf16").total, state_bytes("bf16").compute
     (16, 2)

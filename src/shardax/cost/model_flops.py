@@ -2,15 +2,15 @@
 
 MFU divides a step's *model* FLOPs (the work the model needs, whatever the compiled
 program does besides: recomputation, the masked half of attention) by the step time and
-the peak. MaxText, PaLM and Megatron count them as :data:`CONVENTION` says: ``6·N`` per
+the peak. MaxText, PaLM and Megatron count them as ``CONVENTION`` says: ``6·N`` per
 token for the matmuls over ``N`` parameters without the embedding lookup (a gather does
 no matmul), the LM head included, plus attention's scores and weighted values with a
-causal mask halved (:func:`~shardax.cost.flops.transformer_flops_per_token`).
+causal mask halved (``transformer_flops_per_token``).
 
-Without ``model_flops=``, ``sx.estimate`` takes (:func:`default_model_flops`):
+Without ``model_flops=``, ``sx.estimate`` takes (``default_model_flops``):
 
 - a batch of token ids (a 2-D integer leaf): ``6·N·tokens``, ``N`` without the lookup
-  tables (:func:`matmul_params`), attention not counted (pass ``model_flops=``);
+  tables (``matmul_params``), attention not counted (pass ``model_flops=``);
 - a batch of feature rows (no floating leaf above two dimensions): ``6·N·rows``, each
   weight used once per row as in an MLP;
 - anything else (images, sequences of features): no formula, since a convolution or a
@@ -88,7 +88,7 @@ def default_model_flops(
     executed: float,
 ) -> tuple[float, str, str]:
     """``(model FLOPs per step, short label, statement)`` where none were given:
-    ``6·N·tokens`` (``N`` from :func:`matmul_params`), ``6·N·rows`` for feature rows, else
+    ``6·N·tokens`` (``N`` from ``matmul_params``), ``6·N·rows`` for feature rows, else
     ``executed`` (the compiled step's matmul FLOPs over all devices), labelled as such.
 
     >>> flops, label, _ = default_model_flops([("w", (4, 4))], None, 10.0, "rows", 0.0)

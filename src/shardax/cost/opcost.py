@@ -2,21 +2,21 @@ r"""A per-op cost model of a compiled per-device program, priced by a calibratio
 
 Model ``per-op`` (every figure a prediction). Each instruction of the computations that
 run (loop bodies by their trips; not the bodies of fusions) is classed
-(:func:`shardax.cost.ops.classify`) and priced:
+(``shardax.cost.ops.classify``) and priced:
 
 - **GEMMs** (``dot``, cuBLAS calls, Triton or address-computing GEMM fusions): FLOPs at the
   rate of the calibration's measured shape nearest in ``(log m, log n, log k)``
-  (:func:`gemm_rate`), or their bytes at the stream bandwidth where that is slower; an
+  (``gemm_rate``), or their bytes at the stream bandwidth where that is slower; an
   fp32 GEMM at the calibration's measured fp32 rate (the H100 measured 0.50-0.56× bf16's),
   or half the bf16 rate where it measured none;
 - **attention** (cuDNN's ``__cudnn$fmha*``): the measured kernel nearest in (seq, heads,
-  head_dim) with the same mask and pass, scaled by FLOPs (:func:`attention_seconds`);
+  head_dim) with the same mask and pass, scaled by FLOPs (``attention_seconds``);
 - **memory-bound** work (elementwise fusions, the optimizer update, copies, other
   kernels): operand + output bytes at the calibration's median stream bandwidth;
 - **launch**: every kernel (all of the above) ``launch_us``;
-- **collectives**: per op ``latency + sent bytes / link bandwidth`` (:data:`LATENCY_S`,
+- **collectives**: per op ``latency + sent bytes / link bandwidth`` (``LATENCY_S``,
   the datasheet's links), and the time left exposed by the compiled schedule
-  (:func:`shardax.cost.schedule.exposed_seconds`, with the matmuls under each at the
+  (``shardax.cost.schedule.exposed_seconds``, with the matmuls under each at the
   calibrated GEMM rate).
 
 The step is the kernels in sequence (one stream) plus the exposed collectives. Its
@@ -105,7 +105,7 @@ class StepCost:
     Attributes:
         calibration: the name of the tables (``"calibrated: H200, JAX 0.11.2, ..."``),
             or ``"uncalibrated: ..."`` with how far the nearest calibrated kind is.
-        classes: :class:`ClassCost` per class of :data:`PRICED`.
+        classes: ``ClassCost`` per class of ``PRICED``.
         launch_s: kernels × the calibrated launch cost (point; high at twice).
         collective_s: the collectives' time on the wire (latency + bytes / bandwidth).
         exposed_s: the part of it the compiled schedule leaves exposed.
@@ -169,9 +169,9 @@ def _distance(shape: tuple[int, ...], point: list[float]) -> float:
 
 def gemm_rate(c: Calibration, m: float, n: float, k: float, dtype: str = "bf16") -> float:
     """FLOP/s of an ``(m, k) @ (k, n)`` GEMM: the rate of ``c``'s measured shape nearest in
-    ``(log m, log n, log k)`` (:func:`~shardax.cost.calibration.gemm_rows`) and dtype;
+    ``(log m, log n, log k)`` (``gemm_rows``) and dtype;
     for fp32 operands where ``c`` measured none, the bf16 rate times
-    :data:`FP32_GEMM_FACTOR`.
+    ``FP32_GEMM_FACTOR``.
 
     >>> from shardax.cost.calibration import H200
     >>> round(gemm_rate(H200, 8192, 8192, 2048) / 1e12)
@@ -330,7 +330,7 @@ def price_hlo(
     collective crosses (default ``"intra-host"``), ``link_bandwidth`` its bytes/s
     (a link without one: its collectives are left out, as in the roofline's prediction);
     ``name``: the calibration's name in the report (default: its own); ``scheduled``:
-    :func:`~shardax.cost.schedule.schedule` of ``hlo`` where the caller has it;
+    ``schedule`` of ``hlo`` where the caller has it;
     ``widen``: the interval's widening (default 0.1 for a derived calibration, else 0)."""
     index = HloIndex(hlo)
     c = calibration

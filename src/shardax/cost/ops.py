@@ -1,8 +1,8 @@
 r"""The instructions of a compiled program and the class of each: what a step's time is spent on.
 
-:class:`HloIndex` reads compiled HLO text (``compiled.as_text()``) into its instructions by
+``HloIndex`` reads compiled HLO text (``compiled.as_text()``) into its instructions by
 name, each with its computation's runs per execution (loop trips), its matmul FLOPs and
-its bytes. :func:`classify` puts an instruction in one of :data:`CLASSES`:
+its bytes. ``classify`` puts an instruction in one of ``CLASSES``:
 
 - ``gemm``: ``dot``/``convolution``, cuBLAS(Lt) custom calls, fusions with a matmul inside
   (Triton GEMMs, XLA:CPU's YNNPACK dots);
@@ -15,7 +15,7 @@ its bytes. :func:`classify` puts an instruction in one of :data:`CLASSES`:
 - ``elementwise``: the other fusions and plain ops (loop, input, reduction);
 - ``other``: control flow and unknown custom calls (``idle`` is a profile's class only).
 
-The cost model (:mod:`shardax.cost.opcost`) prices each class; the GPU profile reader
+The cost model (``shardax.cost.opcost``) prices each class; the GPU profile reader
 (``benchmarks/gpu/op_profile.py``) sums a trace's kernel times into the same classes.
 
 >>> index = HloIndex("ENTRY %main {\n  %a = bf16[64,32]{1,0} parameter(0)\n"
@@ -107,7 +107,7 @@ def _close(text: str, start: int) -> int:
 
 
 def _parse_line(line: str, computation: str) -> Instr | None:
-    """``%name = type opcode(operands), attributes`` -> an :class:`Instr`, else None."""
+    """``%name = type opcode(operands), attributes`` -> an ``Instr``, else None."""
     head = _INSTR.match(line)
     if not head:
         return None
@@ -237,7 +237,7 @@ class HloIndex:
 
 
 def program_flops(index: HloIndex) -> dict[str, float]:
-    """Matmul FLOPs of one run of the program per class (:data:`FLOP_CLASSES`): every
+    """Matmul FLOPs of one run of the program per class (``FLOP_CLASSES``): every
     instruction of the computations that run (not the bodies fusions call), classified
     and priced, times its computation's runs."""
     fused = {i.called for i in index.by_name.values() if i.called and i.opcode == "fusion"}

@@ -42,7 +42,7 @@ LINKS = ("intra-host", "inter-host", "inter-slice")
 
 
 def check_links(links: Mapping[str, float] | None) -> dict[str, float]:
-    """``links`` (bytes/s per link name), each name one of :data:`LINKS` and each
+    """``links`` (bytes/s per link name), each name one of ``LINKS`` and each
     bandwidth a finite number > 0; an unknown name or a zero bandwidth would leave that
     link's collectives out of the time without a word.
 
@@ -68,7 +68,7 @@ def check_figures(
 ) -> tuple[float | None, float | None, dict[str, float]]:
     """``sx.estimate``'s given figures checked: ``tokens`` and ``model_flops`` per step
     finite and > 0 (a negative count predicted negative tokens/s and MFU), ``links`` by
-    :func:`check_links`; None stays None (the default is derived)."""
+    ``check_links``; None stays None (the default is derived)."""
     return (
         None if tokens is None else as_float("tokens (per step)", tokens, above=0),
         None if model_flops is None else as_float("model_flops (per step)", model_flops, above=0),
@@ -81,7 +81,7 @@ class StepPrediction:
     """The predicted time of one step on one device, and what it is made of (seconds).
 
     Attributes:
-        model: the model's name (:data:`MODEL_NAME`) and its assumption.
+        model: the model's name (``MODEL_NAME``) and its assumption.
         compute_s: matmul FLOPs at ``compute_efficiency`` × peak.
         memory_s: HBM bytes at HBM bandwidth.
         link_s: seconds per link (``"intra-host"``, ``"inter-host"``, ``"inter-slice"``);
@@ -158,7 +158,7 @@ def predict_step(
     model_flops: float | None = None,
     devices: int = 1,
 ) -> StepPrediction:
-    """The step time of model :data:`MODEL_NAME` (see the module) for one device's
+    """The step time of model ``MODEL_NAME`` (see the module) for one device's
     ``flops`` (matmul FLOPs per step), ``hbm_bytes`` and the bytes it sends over each link
     (``link_bytes``), on a device of ``peak_flops``, ``hbm_bandwidth`` and
     ``link_bandwidth`` (bytes/s per link name). ``tokens`` and ``model_flops`` are per

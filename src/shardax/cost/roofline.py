@@ -67,7 +67,7 @@ class Roofline:
 
 
 def hardware_roofline(hardware: HardwareType | str, bytes_per_param: float = 2.0) -> Roofline:
-    """The roofline of ``hardware`` from :data:`HARDWARE_SPECS`.
+    """The roofline of ``hardware`` from ``HARDWARE_SPECS``.
 
     Raises ``ValueError`` naming the hardware when it has no datasheet figures (CPU,
     unknown accelerators): their critical batch must be measured (``shardax tune-batch``).

@@ -4,10 +4,10 @@ A compiled module lists each computation's instructions in the order XLA schedul
 (``compiled.as_text()``). An asynchronous collective is a ``*-start`` / ``*-done`` pair (or
 an ``async-start`` / ``async-done`` pair wrapping one): what is scheduled between the two
 runs while its bytes move. A synchronous one (a plain ``all-gather(...)``) holds the stream
-until it is done. :func:`schedule` reads, for each collective, its kind, dtypes and bytes
-(:func:`shardax.cost.hlo.collective_of`), where it starts and ends in its computation, the
+until it is done. ``schedule`` reads, for each collective, its kind, dtypes and bytes
+(``shardax.cost.hlo.collective_of``), where it starts and ends in its computation, the
 compute ops and matmul FLOPs scheduled in between, and where its result is first used.
-:func:`exposed_seconds` turns one into the time a step waits for it.
+``exposed_seconds`` turns one into the time a step waits for it.
 
 >>> hlo = '''ENTRY %main (p: bf16[8,16], x: bf16[4,64]) -> bf16[4,16] {
 ...   %p = bf16[8,16]{1,0} parameter(0)
@@ -55,7 +55,7 @@ class Scheduled:
     """One collective where the schedule put it.
 
     Attributes:
-        collective: what it moves (:class:`~shardax.cost.hlo.Collective`: op, result
+        collective: what it moves (``Collective``: op, result
             bytes per device, group, shapes, runs per step, dtypes).
         name: its (start) instruction's name; computation: the computation scheduling it.
         start, done: their positions in that computation's schedule (equal for a
@@ -99,7 +99,7 @@ class Scheduled:
 
     @property
     def sent_bytes(self) -> float:
-        """Bytes one device sends per step (all runs: :attr:`Collective.sent_bytes`)."""
+        """Bytes one device sends per step (all runs: ``Collective.sent_bytes``)."""
         return self.collective.sent_bytes
 
     def to_dict(self) -> dict[str, object]:
@@ -134,7 +134,7 @@ def schedule(hlo: str, num_devices: int | None = None) -> list[Scheduled]:
     """Every collective of the scheduled module ``hlo`` (``compiled.as_text()``), in
     schedule order within each computation: async pairs with what overlaps them, and
     synchronous ops. Groups left empty span ``num_devices`` (as
-    :func:`~shardax.cost.hlo.collectives`). The order is XLA's only in a scheduled module
+    ``collectives``). The order is XLA's only in a scheduled module
     (a compiled one); the FLOPs between are matmuls only (elementwise fusions count as
     ops, not FLOPs), so the overlap they promise is a lower bound."""
     bodies, entry = _computations(hlo)

@@ -1,7 +1,7 @@
 """Global batches: each process passes its own slice, and gets one global ``jax.Array``.
 
 With one process this is a ``device_put``. With many, every process passes the rows its
-devices hold, and :func:`jax.make_array_from_process_local_data` assembles the global array
+devices hold, and ``jax.make_array_from_process_local_data`` assembles the global array
 without moving data between hosts. Shapes are checked first, so a process that passes the
 wrong number of rows gets an error naming the expected and received shapes, not a hang.
 
@@ -28,7 +28,6 @@ from shardax.plan.specs import spec_axes
 from shardax.plan.tree import map_arrays
 
 
-@public("sx.data.as_sharding")
 def as_sharding(target: Any) -> Sharding:
     """A ``Sharding`` from a device, a sharding, a mesh (its batch sharding) or None.
 
@@ -49,7 +48,6 @@ def as_sharding(target: Any) -> Sharding:
     )
 
 
-@public("sx.data.process_grid")
 def process_grid(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
     """How many processes split each of ``ndim`` dimensions under ``sharding``.
 

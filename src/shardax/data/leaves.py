@@ -1,7 +1,7 @@
 """The batch-leaf check every door that places or steps on a batch shares.
 
 ``distribute_batch``, ``global_batch``, ``shard_batch_dim``, ``prefetch_to_device``,
-``place_on_device`` and the train step all call :func:`check_batch_leaves`, so a leaf
+``place_on_device`` and the train step all call ``check_batch_leaves``, so a leaf
 JAX cannot hold (strings, objects) is named by its path, and leaves that disagree on
 the batch dimension are refused alike, before anything is placed.
 
@@ -101,7 +101,7 @@ def _not_examples_kind(node: Any) -> str | None:
 
 def not_examples(tree: Any) -> list[tuple[str, str]]:
     """``(path, what)`` of each subtree of ``tree`` whose leaves are clearly not examples
-    (:func:`_not_examples_kind`): cutting their rows would not cut whole examples,
+    (``_not_examples_kind``): cutting their rows would not cut whole examples,
     whatever their sizes.
 
     >>> import collections

@@ -3,8 +3,10 @@
 The order of an epoch depends only on ``seed`` and the epoch number, never on the number of
 processes: global batch ``i`` is rows ``order[i*B:(i+1)*B]``, and process ``p`` of ``P``
 reads only the ``p``-th of its ``P`` equal slices. So the batches that
-:func:`shardax.global_batch` assembles are the same on 1, 2 or 64 hosts, and the position
-``(epoch, index)`` (see :meth:`Batches.get_state`) resumes exactly on any number of them.
+[`shardax.global_batch`][shardax.global_batch] assembles are the same on 1, 2 or 64 hosts, and the
+position
+``(epoch, index)`` (see [`Batches.get_state`][shardax.data.Batches.get_state]) resumes exactly on
+any number of them.
 
 >>> data = {"x": np.arange(10.0)[:, None], "y": np.arange(10)}
 >>> it = batches(data, 4, shuffle=True, seed=0, policy="pad")
@@ -50,7 +52,7 @@ def _num_examples(arrays: Any) -> int:
 
 @public("sx.data.Batches")
 class Batches(Iterator[Any]):
-    """The iterator :func:`batches` returns; ``get_state()`` / ``set_state()`` give its
+    """The iterator [`batches`][shardax.batches] returns; ``get_state()`` / ``set_state()`` give its
     position ``{"epoch", "index"}`` (index = the next batch of that epoch)."""
 
     def __init__(
@@ -153,7 +155,8 @@ class Batches(Iterator[Any]):
         }
 
     def set_state(self, state: dict[str, int]) -> None:
-        """Moves to ``state`` (from :meth:`get_state`, on any number of processes)."""
+        """Moves to ``state`` (from [`get_state`][shardax.data.Batches.get_state], on any number of
+        processes)."""
         mine = self.get_state()
         expect_type("state", state, dict, "a dict from get_state()")
         missing = [key for key in ("epoch", "index") if key not in state]
@@ -203,7 +206,7 @@ def batches(
       process_index, process_count: this process's place; default ``jax.process_index()``
         and ``jax.process_count()``.
 
-    Returns a :class:`Batches` iterator with ``get_state()`` and ``set_state()``.
+    Returns a [`Batches`][shardax.data.Batches] iterator with ``get_state()`` and ``set_state()``.
     """
     return Batches(
         arrays,

@@ -38,7 +38,7 @@ def batch_sharding(
 ) -> NamedSharding:
     """The sharding that splits dimension ``batch_axis`` over mesh ``axis``; with
     ``seq_axis``, the next dimension (the sequence of ``(batch, seq, ...)`` leaves) over
-    that mesh axis too: the placement context parallelism (:func:`shardax.attention`)
+    that mesh axis too: the placement context parallelism ([`shardax.attention`][shardax.attention])
     expects, e.g. for a batch reordered by ``sx.parallel.zigzag``.
 
     >>> batch_sharding(make_mesh()).spec
@@ -65,7 +65,6 @@ def batch_sharding(
     return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), axis, seq_axis))
 
 
-@public("sx.data.leaf_sharding")
 def leaf_sharding(path: str, shape: tuple[int, ...], sharding: Sharding) -> Sharding:
     """Fits ``sharding`` to one leaf: scalars are replicated and trailing ``None``
     entries beyond the leaf's rank are dropped; any other mismatch is an error."""

@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardax.checks import public
 from shardax.plan.tree import path_str
 
 POLICIES = ("error", "drop", "pad")
@@ -28,7 +27,7 @@ MASK = "mask"
 
 
 def check_policy(policy: str) -> str:
-    """Returns ``policy`` if it is one of :data:`POLICIES`, else raises ``ValueError``."""
+    """Returns ``policy`` if it is one of ``POLICIES``, else raises ``ValueError``."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     return policy
@@ -65,7 +64,6 @@ def batch_size_of(batch: Any) -> int:
     return next(iter(sizes.values()))
 
 
-@public("sx.data.pad_batch")
 def pad_batch(batch: dict[str, Any], batch_size: int, real: int | None = None) -> dict[str, Any]:
     """Pads every array leaf of the dict ``batch`` with zeros to ``batch_size`` rows and adds
     ``batch["mask"]``, True for the first ``real`` rows (default: the rows it had)."""
@@ -91,7 +89,6 @@ def pad_batch(batch: dict[str, Any], batch_size: int, real: int | None = None) -
     return out
 
 
-@public("sx.data.fit_batch")
 def fit_batch(batch: Any, batch_size: int, policy: str) -> Any | None:
     """``batch`` made to have ``batch_size`` examples under ``policy``; None means drop it.
 

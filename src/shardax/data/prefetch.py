@@ -1,6 +1,7 @@
 """Asynchronous prefetch: a background thread places batches on devices ahead of the consumer.
 
-One worker thread reads the source, places each batch with :func:`global_batch` (so it works
+One worker thread reads the source, places each batch with [`global_batch`][shardax.global_batch]
+(so it works
 on many hosts) and waits for the transfer, and puts it in a bounded queue of ``buffer_size``
 batches. The consumer gets them in order. Nothing hangs and nothing is swallowed:
 
@@ -15,10 +16,11 @@ batches. The consumer gets them in order. Nothing hangs and nothing is swallowed
   worker exits as soon as the source returns.
 
 ``wait_seconds`` is the time the consumer has spent blocked waiting for a batch: the input
-time prefetching did not hide (see :class:`shardax.track.StepClock`).
+time prefetching did not hide (see [`shardax.track.StepClock`][shardax.track.StepClock]).
 
 If the source iterator has ``get_state()`` (``sx.batches``, grain's ``DatasetIterator``),
-:meth:`Prefetcher.get_state` is the source's state after the last batch *consumed*, not
+[`Prefetcher.get_state`][shardax.data.Prefetcher.get_state] is the source's state after the last
+batch *consumed*, not
 after the last one read ahead, so a checkpoint resumes exactly where the consumer was.
 
 >>> mesh = sx.make_mesh({"data": -1})
@@ -117,7 +119,8 @@ def _placer(sharding: Any, policy: str | None, batch_size: int | None) -> Callab
 
 @public("sx.data.Prefetcher")
 class Prefetcher(Iterator[Any]):
-    """The iterator :func:`prefetch_to_device` returns: ``close()``, context manager,
+    """The iterator [`prefetch_to_device`][shardax.prefetch_to_device] returns: ``close()``, context
+    manager,
     ``get_state()``, ``wait_seconds``. See the module docstring for the guarantees."""
 
     wait_seconds: float
@@ -238,15 +241,16 @@ def prefetch_to_device(
         ``"data"`` axis); default: the first local device.
       buffer_size: how many placed batches wait for the consumer (>= 1).
       policy: None (batches pass as they are), or ``"error"``, ``"drop"`` or ``"pad"`` for
-        batches smaller than ``batch_size``; see :mod:`shardax.data.policy`.
+        batches smaller than ``batch_size``; see ``shardax.data.policy``.
       batch_size: the fixed (process-local) batch size for ``policy``; default: the size
         of the first batch. With many processes, each decides for its own slice, so they
         must agree on which batches are short; ``sx.batches`` decides globally.
       batch_spec: for batches whose leaves are not examples (a graph batch), how each
         leaf is split over the ``target`` mesh: a ``PartitionSpec`` (``P()``: not
-        split) or a pytree of them (:mod:`shardax.data.spec`); not with ``policy``.
+        split) or a pytree of them (``shardax.data.spec``); not with ``policy``.
 
-    Returns a :class:`Prefetcher`: an iterator with ``close()``, usable as a context
+    Returns a [`Prefetcher`][shardax.data.Prefetcher]: an iterator with ``close()``, usable as a
+    context
     manager. Every ``break`` out of a named iterator should be followed by ``close()``, or
     use ``with``.
     """

@@ -15,7 +15,7 @@ take it as ``batch_spec=``. Under ``mode="jit"`` (and ``"single"``) any split co
 one device's numbers: XLA sees the whole batch. ``"shard_map"``, ``"pmap"`` and
 ``accumulate > 1`` split rows as examples, and refuse a ``batch_spec``; without one they
 also refuse a batch whose type says its leaves are not examples, whatever their sizes
-(:func:`shardax.data.leaves.not_examples`: a graph batch, a sparse array).
+(``shardax.data.leaves.not_examples``: a graph batch, a sparse array).
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> graphs = {"nodes": np.ones((192, 4)), "senders": np.zeros(512, np.int32)}
@@ -31,7 +31,6 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.checks import public
 from shardax.data.assembly import global_batch
 from shardax.data.leaves import check_batch_leaves
 from shardax.data.placement import leaf_sharding
@@ -56,7 +55,6 @@ def check_batch_spec(batch_spec: Any) -> Any:
     return batch_spec
 
 
-@public("sx.data.batch_shardings")
 def batch_shardings(batch: Any, mesh: Mesh, batch_spec: Any) -> Any:
     """One ``NamedSharding`` per array leaf of ``batch``, from ``batch_spec`` (a prefix
     of the batch), each fitted to its leaf (checked: a split dimension divides by its
@@ -89,7 +87,7 @@ def batch_shardings(batch: Any, mesh: Mesh, batch_spec: Any) -> Any:
 def place_by_spec(batch: Any, mesh: Mesh, batch_spec: Any, shardings: Any = None) -> Any:
     """``batch`` placed leaf by leaf as ``batch_spec`` says (a leaf already so placed
     passes untouched); with several processes, a split leaf is this process's part.
-    ``shardings``: :func:`batch_shardings` of a batch of this structure, computed before
+    ``shardings``: ``batch_shardings`` of a batch of this structure, computed before
     (a step caches them per structure)."""
     if shardings is None:
         check_batch_leaves(batch, arrays_only=True)

@@ -125,7 +125,7 @@ def lm_batch(
     ``targets``, both int32 (batch, seq_len). A function of ``(seed, step)`` only, so a
     resumed run sees the same batches.
 
-    With ``pack``, each row joins several documents instead (:func:`pack_row`), and the
+    With ``pack``, each row joins several documents instead (``pack_row``), and the
     batch also has ``segment_ids`` (0, 1, ... per document in the row) and ``positions``
     (restarting at 0 in each document), both int32 (batch, seq_len).
     """
@@ -177,11 +177,11 @@ def lm_eval_batch(data: np.ndarray, batch_size: int, seq_len: int) -> dict[str, 
 
 
 class LMBatches:
-    """An endless iterator of :func:`lm_batch` batches from step ``1``: each process gets
+    """An endless iterator of ``lm_batch`` batches from step ``1``: each process gets
     its rows of every global batch. ``get_state()`` / ``set_state()`` give the position
     (``{"step": steps done}``), for checkpoints.
 
-    ``pack``: packed rows with segment ids and positions (:func:`pack_row`).
+    ``pack``: packed rows with segment ids and positions (``pack_row``).
     ``context``: the size of the mesh's context axis; > 1 reorders every batch zig-zag
     (``sx.parallel.zigzag``: device i of the axis holds chunks i and 2C-1-i of each row,
     so that causal attention's work is even) and adds the true ``positions``. ``layout``
@@ -252,7 +252,7 @@ class LMBatches:
 
 
 def batch_layout(context: int) -> str:
-    """The layout of :func:`zigzag_batch`'s batches for ``context`` devices, to attend
+    """The layout of ``zigzag_batch``'s batches for ``context`` devices, to attend
     with: ``"zigzag:C"`` (``sx.parallel.zigzag_layout``), ``"contiguous"`` for 1.
 
     >>> batch_layout(4), batch_layout(1)

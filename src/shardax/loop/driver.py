@@ -1,6 +1,6 @@
-"""The driver: a run of the user's own steps, with hooks around each (:mod:`.hooks`).
+"""The driver: a run of the user's own steps, with hooks around each (``hooks``).
 
-:func:`run` builds the usual hooks from a few arguments; the user's loop keeps its
+[`run`][shardax.loop.run] builds the usual hooks from a few arguments; the user's loop keeps its
 step and adds three lines:
 
 >>> with sx.loop.run(state, checkpoints=tmp_path / "ckpt", every={"save": 2}) as run:
@@ -12,10 +12,11 @@ step and adds three lines:
 [2, 3]
 
 Entering the run restores the latest checkpoint (state, steps done and the loader's
-position); :meth:`Run.batches` moves the loader there and counts the steps;
-:meth:`Run.after_step` hands the new state and metrics to the hooks. A SIGTERM saves
+position); [`Run.batches`][shardax.loop.Run.batches] moves the loader there and counts the steps;
+[`Run.after_step`][shardax.loop.Run.after_step] hands the new state and metrics to the hooks. A
+SIGTERM saves
 at a step every process agrees on, then ends the process with exit code 75
-(:class:`shardax.Preempted`); leaving the block normally saves the last step.
+([`shardax.Preempted`][shardax.Preempted]); leaving the block normally saves the last step.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from shardax.loop.state import check_same_state, restore_into, saveable, structu
 from shardax.runtime import status
 
 EVERY = ("save", "eval", "log")
-"""The periodic actions :func:`run` schedules (``every={"save": 1000, ...}``)."""
+"""The periodic actions [`run`][shardax.loop.run] schedules (``every={"save": 1000, ...}``)."""
 
 
 @public("sx.loop.Run")
@@ -56,20 +57,22 @@ class Run:
     Args:
         state: the state to train and save: a ``sx.TrainState``, any pytree of arrays,
             or NNX objects (``(model, optimizer)``, restored in place).
-        hooks: the hooks, in the order they run after each step (:mod:`.hooks`).
-        manager: the :class:`shardax.CheckpointManager` to resume from and save to.
+        hooks: the hooks, in the order they run after each step (``hooks``).
+        manager: the [`shardax.CheckpointManager`][shardax.CheckpointManager] to resume from and
+            save to.
         total: the run's last step, when known (else the loader's end is).
         resume: restore the manager's latest checkpoint when there is one (True), start
             afresh (False: the manager's directory must hold no checkpoint), or continue
             from a ``Restored`` the caller already has.
         data_state: ``() -> dict`` of JSON values saved beside the steps done and the
             loader position (restored as ``run.restored``).
-        writer: the :class:`shardax.MetricWriter` the logging and evaluation hooks use.
+        writer: the [`shardax.MetricWriter`][shardax.MetricWriter] the logging and evaluation hooks
+            use.
         exit_on_preemption: after the save on a SIGTERM, end the process with exit code
-            75 (else :class:`shardax.Preempted` propagates).
+            75 (else [`shardax.Preempted`][shardax.Preempted] propagates).
         window: the most steps whose metrics wait on the device: after that many steps
             with no fetch (no hook due), they are fetched and checked in one transfer
-            before the hooks run, so :attr:`pending` stays bounded.
+            before the hooks run, so ``pending`` stays bounded.
         resume_hint: how to continue after a preemption, in the line it ends with
             (default: this library's; ``shardax train`` says ``--resume``).
 
@@ -77,10 +80,12 @@ class Run:
         state: the state after the last step (the restored one before the first).
         step: the current step (from 1); after it, the steps done.
         first: the steps done before this session (resumed from a checkpoint).
-        completed: the last step known completed (:meth:`done`): the step itself, or the
-            step before it under a :class:`~shardax.loop.Watchdog`, which waits one behind.
+        completed: the last step known completed ([`done`][shardax.loop.Run.done]): the step itself,
+            or the
+            step before it under a [`Watchdog`][shardax.loop.Watchdog], which waits one behind.
         restored: the checkpoint's data state (``{"step": ..., "loader": ...}``), or {}.
-        handed: the step whose state :meth:`after_step` got last (None: none this
+        handed: the step whose state [`after_step`][shardax.loop.Run.after_step] got last (None:
+            none this
             session); the end-of-run save is of that state, and only when it is the
             last step's.
         flushed: ``[(step, {name: float})]`` fetched after this step (empty when no hook
@@ -176,7 +181,8 @@ class Run:
         return False
 
     def _check_handed(self) -> None:
-        """At the end of a run: raises when steps ran but :meth:`after_step` never got a
+        """At the end of a run: raises when steps ran but
+        [`after_step`][shardax.loop.Run.after_step] never got a
         state (there is none to save), and warns when the last step's did not come (the
         end-of-run save, which needs it, is skipped)."""
         ran = self.step - self.first
@@ -276,7 +282,7 @@ class Run:
                 yield batch
 
     def before_step(self) -> None:
-        """Starts the next step (:meth:`batches` calls it for each batch)."""
+        """Starts the next step ([`batches`][shardax.loop.Run.batches] calls it for each batch)."""
         self.step += 1
         self._in_step = True
         status.STATUS.set(status.DISPATCH, self.step)
@@ -286,7 +292,8 @@ class Run:
     def after_step(self, state: Any, metrics: Any = None) -> None:
         """Hands the step's new ``state`` (the run's state, as the step returned it) and
         ``metrics`` (a dict of scalars, the loss, or ``(loss, aux)`` with a dict ``aux``)
-        to the hooks; raises :class:`shardax.Preempted` once a SIGTERM's step is saved.
+        to the hooks; raises [`shardax.Preempted`][shardax.Preempted] once a SIGTERM's step is
+        saved.
         Another tree than the run's state (the metrics in its place), a metric that is
         not one number, or a call outside the run's ``with`` block raise, naming it."""
         from shardax.checkpoint.preemption import Preempted
@@ -319,9 +326,9 @@ class Run:
     # --- what hooks share -------------------------------------------------------------
 
     def done(self, step: int) -> None:
-        """Steps up to ``step`` completed: :attr:`completed`, the goodput ledger's step
+        """Steps up to ``step`` completed: ``completed``, the goodput ledger's step
         count (each step counted once), and this process's last completed step in the
-        hang report (:mod:`shardax.runtime.status`)."""
+        hang report (``shardax.runtime.status``)."""
         if step > self.completed:
             if self.ledger is not None:
                 self.ledger.completed(step, step - self.completed)
@@ -330,7 +337,7 @@ class Run:
 
     def flush(self) -> list[tuple[int, dict[str, float]]]:
         """The metrics of the steps since the last flush, fetched in one transfer, each
-        loss checked finite; also kept as :attr:`flushed`."""
+        loss checked finite; also kept as ``flushed``."""
         from shardax.train.guard import check_finite
 
         if not self.pending:
@@ -413,7 +420,7 @@ def refuse_earlier_run(manager: Any, where: str, resume: str) -> None:
 
 
 def _every(every: Any) -> dict[str, int | None]:
-    """``every`` checked: a dict of :data:`EVERY` keys to counts (None: only at the end)."""
+    """``every`` checked: a dict of ``EVERY`` keys to counts (None: only at the end)."""
     if every is None:
         return {}
     if not isinstance(every, Mapping):
@@ -463,13 +470,15 @@ def run(
     resume: bool = True,
     exit_on_preemption: bool = True,
 ) -> Run:
-    """A :class:`Run` of the user's loop with the usual hooks; use it as a context manager.
+    """A [`Run`][shardax.loop.Run] of the user's loop with the usual hooks; use it as a context
+    manager.
 
     Args:
         state: the state the loop trains (a ``sx.TrainState``, a pytree, or NNX objects
             such as ``(model, optimizer)``, restored in place).
         checkpoints: a directory (made if needed; it must be writable) or a
-            :class:`shardax.CheckpointManager`: resume from its latest step; save every
+            [`shardax.CheckpointManager`][shardax.CheckpointManager]: resume from its latest step;
+            save every
             ``every["save"]`` steps, at the end and on SIGTERM (then exit 75), with the
             loader's position. A restored leaf goes where the live one was (an
             uncommitted one, such as a key never placed, stays uncommitted).
@@ -479,8 +488,8 @@ def run(
         steps: the run's last step (else the loader's end, or ``batches(steps=)``).
         evaluate: ``state -> {name: number}``, run every ``every["eval"]`` steps.
         watchdog: seconds a step may take (after the first) before the process ends
-            naming the processes behind (:class:`shardax.StepWatchdog`).
-        writer: a :class:`shardax.MetricWriter`, or a directory for one: the train
+            naming the processes behind ([`shardax.StepWatchdog`][shardax.StepWatchdog]).
+        writer: a [`shardax.MetricWriter`][shardax.MetricWriter], or a directory for one: the train
             metrics every ``every["log"]`` steps, the scores and goodput figures.
         progress: show a progress bar (process 0).
         goodput: keep the goodput ledger (``goodput.json`` in the checkpoint directory,

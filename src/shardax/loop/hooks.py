@@ -1,24 +1,35 @@
 """The hooks a run calls around each step; each owns one concern and its own schedule.
 
-A :class:`~shardax.loop.Run` calls every hook, in order: :meth:`Hook.start` on entry,
-:meth:`Hook.before_step` and :meth:`Hook.after_step` around each step, :meth:`Hook.finish`
-when the loop ends normally, and :meth:`Hook.close` (in reverse order) on exit, error or
-not. A hook says with :meth:`Hook.due` that it acts after this step and needs the step
-metrics on the host; the :class:`MetricsWindow` then fetches every step's metrics since
+A [`Run`][shardax.loop.Run] calls every hook, in order: [`Hook.start`][shardax.loop.Hook.start] on
+entry,
+[`Hook.before_step`][shardax.loop.Hook.before_step] and
+[`Hook.after_step`][shardax.loop.Hook.after_step] around each step,
+[`Hook.finish`][shardax.loop.Hook.finish]
+when the loop ends normally, and [`Hook.close`][shardax.loop.Hook.close] (in reverse order) on exit,
+error or
+not. A hook says with [`Hook.due`][shardax.loop.Hook.due] that it acts after this step and needs the
+step
+metrics on the host; the [`MetricsWindow`][shardax.loop.MetricsWindow] then fetches every step's
+metrics since
 the last fetch in one transfer, before the hooks after it run. Each method gets the
-:class:`~shardax.loop.Run` (``run``).
+[`Run`][shardax.loop.Run] (``run``).
 
-- :class:`Goodput`: the goodput ledger (:class:`shardax.track.Ledger`);
-- :class:`Watchdog`: the hang watchdog (:class:`shardax.StepWatchdog`) and its report;
-- :class:`Preemption`: a SIGTERM makes every process stop at the same step;
-- :class:`MetricsWindow`: one host transfer per window, and the NaN guard;
-- :class:`Progress`: the progress bar (rich, process 0);
-- :class:`Logging`: train metrics to a :class:`shardax.MetricWriter`;
-- :class:`Evaluation`: evaluates the state every N steps and at the end;
-- :class:`Checkpoints`: saves every N steps, at the end and on preemption, with the data
-  position (:class:`shardax.CheckpointManager`).
+- [`Goodput`][shardax.loop.Goodput]: the goodput ledger
+([`shardax.track.Ledger`][shardax.track.Ledger]);
+- [`Watchdog`][shardax.loop.Watchdog]: the hang watchdog
+([`shardax.StepWatchdog`][shardax.StepWatchdog]) and its report;
+- [`Preemption`][shardax.loop.Preemption]: a SIGTERM makes every process stop at the same step;
+- [`MetricsWindow`][shardax.loop.MetricsWindow]: one host transfer per window, and the NaN guard;
+- [`Progress`][shardax.loop.Progress]: the progress bar (rich, process 0);
+- [`Logging`][shardax.loop.Logging]: train metrics to a
+[`shardax.MetricWriter`][shardax.MetricWriter];
+- [`Evaluation`][shardax.loop.Evaluation]: evaluates the state every N steps and at the end;
+- [`Checkpoints`][shardax.loop.Checkpoints]: saves every N steps, at the end and on preemption, with
+the data
+  position ([`shardax.CheckpointManager`][shardax.CheckpointManager]).
 
-A hook of one's own: its schedule (:func:`shardax.loop.itstime`) and its action; being due,
+A hook of one's own: its schedule ([`shardax.loop.itstime`][shardax.loop.itstime]) and its action;
+being due,
 it gets every step's metrics since the last fetch, fetched once:
 
 >>> class Show(sx.loop.Hook):
@@ -53,12 +64,13 @@ class Hook:
     """A part of the loop with its own schedule; every method is optional.
 
     ``every``: the hook's interval in steps (None: only at the last step), read by
-    :meth:`due` through :func:`shardax.loop.itstime`.
+    [`due`][shardax.loop.Hook.due] through [`shardax.loop.itstime`][shardax.loop.itstime].
     """
 
     every: int | None = None
     waits: bool = False
-    """True: the hook marks the steps completed itself (:meth:`Run.done`), once it has
+    """True: the hook marks the steps completed itself ([`Run.done`][shardax.loop.Run.done]), once
+    it has
     waited for their results; else the run marks each step completed after it."""
 
     def due(self, run: Any) -> bool:
@@ -69,7 +81,8 @@ class Hook:
         """On entering the run (the state restored, before the first step)."""
 
     def before_batch(self, run: Any) -> None:
-        """Before the batch of step ``run.step + 1`` is fetched (by :meth:`Run.batches`;
+        """Before the batch of step ``run.step + 1`` is fetched (by
+        [`Run.batches`][shardax.loop.Run.batches];
         a loop that fetches its own batches has no such call)."""
 
     def before_step(self, run: Any) -> None:
@@ -87,10 +100,12 @@ class Hook:
 
 @public("sx.loop.Goodput")
 class Goodput(Hook):
-    """Every second of the run in a bucket (:class:`shardax.track.Ledger`): start-up
+    """Every second of the run in a bucket ([`shardax.track.Ledger`][shardax.track.Ledger]):
+    start-up
     until the first step, then steps, with the compile seconds and the input wait moved
     to their buckets; evaluations and the blocking part of saves through
-    :meth:`Run.phase`. Kept in ``path`` (``<checkpoint dir>/goodput.json``, which
+    [`Run.phase`][shardax.loop.Run.phase]. Kept in ``path`` (``<checkpoint dir>/goodput.json``,
+    which
     ``shardax goodput`` reads; None: in memory), saved with every checkpoint and at the
     end. ``since``: the session's start (a ``time.time()``; default: now);
     ``compiled``: the compile seconds counted before ``since``."""
@@ -124,13 +139,16 @@ class Watchdog(Hook):
     """A step after the session's first (which compiles) that takes longer than
     ``timeout`` seconds ends the process with code 124, after a line naming the
     processes behind, with their step and phase, and every thread's stack
-    (:class:`shardax.StepWatchdog`). ``on_fire(step)`` runs first (default: the goodput
+    ([`shardax.StepWatchdog`][shardax.StepWatchdog]). ``on_fire(step)`` runs first (default: the
+    goodput
     ledger saved with the hung step's time as ``hang``).
 
-    The clock runs from the wait for the step's batch (under :meth:`Run.batches`), so a
+    The clock runs from the wait for the step's batch (under
+    [`Run.batches`][shardax.loop.Run.batches]), so a
     stuck loader is named too. It waits for the device one step behind: after step N is
     dispatched, for step N-1's result, so the device queue stays fed; a step counts as
-    completed (:meth:`Run.done`) once waited for. When a later hook is due after step N
+    completed ([`Run.done`][shardax.loop.Run.done]) once waited for. When a later hook is due after
+    step N
     (it fetches the metrics or the state anyway), it waits for step N too, and at the end
     for the last step."""
 
@@ -202,7 +220,8 @@ class Watchdog(Hook):
 
     def _disarm(self) -> None:
         """Stops the clock. The armed step is not recorded as completed: it may still be
-        computing (one step behind); :meth:`Run.done` records what was waited for."""
+        computing (one step behind); [`Run.done`][shardax.loop.Run.done] records what was waited
+        for."""
         if self._armed:
             self.watchdog.disarm(completed=False)
             self._armed = False
@@ -239,8 +258,9 @@ def _running(result: tuple[int, Any] | None) -> int | None:
 @public("sx.loop.Preemption")
 class Preemption(Hook):
     """From the first step on, a SIGTERM makes every process stop at the same step
-    (:func:`shardax.checkpoint.reached_preemption`); the :class:`Checkpoints` hook saves
-    it, then the run raises :class:`shardax.Preempted` (exit code 75)."""
+    ([`shardax.checkpoint.reached_preemption`][shardax.checkpoint.reached_preemption]); the
+    [`Checkpoints`][shardax.loop.Checkpoints] hook saves
+    it, then the run raises [`shardax.Preempted`][shardax.Preempted] (exit code 75)."""
 
     def start(self, run: Any) -> None:
         from shardax.checkpoint.preemption import watch_preemption
@@ -262,9 +282,10 @@ class Preemption(Hook):
 @public("sx.loop.MetricsWindow")
 class MetricsWindow(Hook):
     """When a later hook is due, fetches the metrics of every step since the last fetch
-    in one device-to-host transfer (:meth:`Run.flush`), and is the NaN guard: each
+    in one device-to-host transfer ([`Run.flush`][shardax.loop.Run.flush]), and is the NaN guard:
+    each
     fetched step's loss must be finite before anything is logged, evaluated or saved
-    (:func:`shardax.train.check_finite` names the step)."""
+    ([`shardax.train.check_finite`][shardax.train.check_finite] names the step)."""
 
     def after_step(self, run: Any) -> None:
         later = run.hooks[run.hooks.index(self) + 1 :]
@@ -308,7 +329,8 @@ class Progress(Hook):
         self.bar.__enter__()
 
     def blank(self) -> tuple[str, ...]:
-        """The numeric fields :meth:`fields` fills (shown as 0 until the first fetch)."""
+        """The numeric fields [`fields`][shardax.loop.Progress.fields] fills (shown as 0 until the
+        first fetch)."""
         return ()
 
     def after_step(self, run: Any) -> None:
@@ -322,7 +344,7 @@ class Progress(Hook):
 @public("sx.loop.Logging")
 class Logging(Hook):
     """Every ``every`` steps and at the last, the step's scalar metrics as
-    ``train/<name>`` to ``run.writer`` (a :class:`shardax.MetricWriter`), from the
+    ``train/<name>`` to ``run.writer`` (a [`shardax.MetricWriter`][shardax.MetricWriter]), from the
     fetched window: no transfer of its own."""
 
     def __init__(self, every: int | None = 10) -> None:
@@ -379,10 +401,11 @@ class Evaluation(Hook):
 @public("sx.loop.Checkpoints")
 class Checkpoints(Hook):
     """Every ``every`` steps, at the last and on preemption: saves the state with the
-    data position (:meth:`Run.data_state`) through ``run.manager``
-    (:class:`shardax.CheckpointManager`), in the ledger's ``checkpoint`` bucket, and the
+    data position ([`Run.data_state`][shardax.loop.Run.data_state]) through ``run.manager``
+    ([`shardax.CheckpointManager`][shardax.CheckpointManager]), in the ledger's ``checkpoint``
+    bucket, and the
     ledger beside it. At the end it saves only the state of the last step
-    (:attr:`Run.handed`), never an older one under the last step's number. On closing,
+    (``Run.handed``), never an older one under the last step's number. On closing,
     waits for the save in flight."""
 
     def __init__(self, every: int | None = None) -> None:

@@ -55,7 +55,7 @@ def restore_into(state: Any, restored: Any) -> Any:
 
 
 def structure(state: Any) -> tuple[str, Any]:
-    """What :meth:`~shardax.loop.Run.after_step` compares with the run's state: NNX
+    """What [`after_step`][shardax.loop.Run.after_step] compares with the run's state: NNX
     objects (updated in place) by their types, any other tree by its tree structure."""
     if has_graph_nodes(state):
         parts = state if isinstance(state, tuple | list) else (state,)

@@ -16,7 +16,7 @@ MODEL_AXIS = "model"
 """The tensor-parallel axis: weights split by rules (Megatron-style TP)."""
 
 STAGE_AXIS = "stage"
-"""The pipeline axis :func:`shardax.pipeline` splits the layers over."""
+"""The pipeline axis [`shardax.pipeline`][shardax.pipeline] splits the layers over."""
 
 REPLICA_AXIS = "replica"
 """The replica axis of HSDP meshes (``{"replica": R, "fsdp": F}``): across processes."""
@@ -25,7 +25,7 @@ FSDP_AXIS = "fsdp"
 """The sharded axis of HSDP meshes, within a replica."""
 
 CONTEXT_AXIS = "context"
-"""The sequence axis of context parallelism (:func:`shardax.attention`)."""
+"""The sequence axis of context parallelism ([`shardax.attention`][shardax.attention])."""
 
 EXPERT_AXIS = "expert"
-"""The expert axis of expert parallelism (:func:`shardax.moe`)."""
+"""The expert axis of expert parallelism ([`shardax.moe`][shardax.moe])."""

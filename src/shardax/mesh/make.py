@@ -17,7 +17,6 @@ from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]
 
 
-@public("sx.mesh.resolve_mesh_shape")
 def resolve_mesh_shape(spec: MeshSpec, num_devices: int, *, of: str = "") -> dict[str, int]:
     """Validates ``spec`` and fills a ``-1`` size with the remaining devices; ``of`` names
     where the devices come from in the errors (e.g. ``"of target '8xH100'"``).
@@ -74,13 +73,13 @@ def make_mesh(
     axis_types: AxisType | Sequence[AxisType] = AxisType.Auto,
     dcn_axis: str | None = None,
 ) -> Mesh:
-    """Builds a topology-aware :class:`jax.sharding.Mesh`.
+    """Builds a topology-aware ``jax.sharding.Mesh``.
 
     Args:
         spec: axis sizes as a dict or a list of ``(name, size)`` pairs; one size may
             be ``-1`` for "the remaining devices". Default: ``{"data": -1}``.
         devices: the devices to use (default: all devices of all processes), or a
-            compile-only :func:`shardax.target` (``sx.target("2x8xH100")``), whose hosts
+            compile-only [`shardax.target`][shardax.target] (``sx.target("2x8xH100")``), whose hosts
             and TPU slices the hybrid layout follows. A mesh smaller than the devices uses
             the first ones (one process only).
         axis_types: ``AxisType.Auto`` (default: computation follows the data, as in

@@ -31,9 +31,9 @@ moe/down              (L/n, E, 4·d_model, d_model) ("layers", "expert", "mlp", 
 With ``GPTConfig(experts=E, moe_every=n)`` every n-th block is an MoE block, stacked in
 ``moe_blocks`` (the ``moe/`` rows above), the other blocks in ``blocks``. Its MLP is E
 experts of the MLP's shape through ``sx.moe``, split over the mesh's ``"expert"`` axis
-by :func:`plan`. ``model(tokens, return_aux=True)`` also returns their ``sx.parallel.MoEAux``.
+by ``plan``. ``model(tokens, return_aux=True)`` also returns their ``sx.parallel.MoEAux``.
 
-:data:`AXIS_RULES` maps them onto a mesh for each plan. Tensor parallelism is Megatron's:
+``AXIS_RULES`` maps them onto a mesh for each plan. Tensor parallelism is Megatron's:
 q/k/v and ``mlp/up`` split their output columns (``heads``, ``mlp``) over ``model``;
 ``attn/out`` and ``mlp/down`` split their input rows the same way, so each block needs
 one all-reduce after attention and one after the MLP. FSDP shards the ``embed`` dimension
@@ -45,9 +45,9 @@ of every weight over ``data``.
 parallel (``GPTConfig.attention``: ring, all_gather or ulysses), the residual stream
 split along the sequence.
 
-**Stacked layers, ready for a pipeline.** ``GPT.blocks`` is one :class:`Block` built under
+**Stacked layers, ready for a pipeline.** ``GPT.blocks`` is one ``Block`` built under
 ``nnx.vmap``: each of its parameters has a leading layer dimension ``L`` (logical name
-``"layers"``). :meth:`GPT.layers` returns ``(layer_fn, stacked)``, where ``stacked`` is
+``"layers"``). ``GPT.layers`` returns ``(layer_fn, stacked)``, where ``stacked`` is
 that state and ``layer_fn(layer_params, x) -> x`` runs one layer from one slice. The model
 runs them in a loop over the slices (or ``lax.scan``, ``GPTConfig.scan_layers``);
 ``sx.pipeline(layer_fn, stacked, x, axis="stage", ...)`` takes the same pair, with
@@ -82,7 +82,7 @@ VOCAB = 256
 POSITIONS = ("rotary", "learned")
 ATTENTION: tuple[str, ...] = ("auto", *IMPLS)
 """``GPTConfig.attention``: ``sx.attention``'s ``impl`` over a ``"context"`` mesh axis,
-``"auto"`` or one of :data:`shardax.parallel.context.IMPLS` (without a context axis every
+``"auto"`` or one of ``shardax.parallel.context.IMPLS`` (without a context axis every
 choice is ``jax.nn.dot_product_attention``, cuDNN's flash kernel on a GPU in bf16)."""
 
 # Logical axis -> mesh axis (None: replicated) for each --plan of `shardax train --model gpt`.
@@ -96,9 +96,9 @@ AXIS_RULES: dict[str, dict[str, Any]] = {
 }
 LOGICAL_AXES = ("layers", "vocab", "embed", "heads", "kv", "mlp")
 PLANS: tuple[str, ...] = (*AXIS_RULES, *(p for p in MESH_PLANS if p not in AXIS_RULES))
-"""The names :func:`plan` builds (``shardax train --model gpt --plan``): those of
-:data:`AXIS_RULES`, from the model's logical axes, then the mesh's own plans
-(``MESH_PLANS`` of :mod:`shardax.plan.named`: the ZeRO plans over ``"data"``)."""
+"""The names ``plan`` builds (``shardax train --model gpt --plan``): those of
+``AXIS_RULES``, from the model's logical axes, then the mesh's own plans
+(``MESH_PLANS`` of ``shardax.plan.named``: the ZeRO plans over ``"data"``)."""
 
 
 def axis_rules(plan: str) -> dict[str, Any]:
@@ -114,7 +114,7 @@ def axis_rules(plan: str) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """The sizes of a :class:`GPT`.
+    """The sizes of a ``GPT``.
 
     Attributes:
         layers: number of transformer blocks.
@@ -137,13 +137,13 @@ class GPTConfig:
             ``moe_every - 1, 2·moe_every - 1, ...``) a mixture of E experts (``sx.moe``,
             ``top_k`` per token, ``capacity_factor``); 0 (default): every MLP dense.
         attention: ``sx.attention``'s ``impl`` over the mesh's ``"context"`` axis
-            (one of :data:`ATTENTION`: ``"auto"`` or a scheme); without a context
+            (one of ``ATTENTION``: ``"auto"`` or a scheme); without a context
             axis of size > 1 it is ``jax.nn.dot_product_attention`` whatever the choice.
         window: sliding-window attention: each token sees itself and the ``window``
             tokens before it (``sx.attention``'s ``window=(window, 0)``); None: all.
         kernel: ``sx.attention``'s ``kernel``: ``"auto"`` (the platform's fused kernel
             where it can, cuDNN on a GPU, splash on a TPU), or one of
-            :data:`shardax.parallel.fused.KERNELS` forced (``"dense"``: the XLA einsums,
+            ``shardax.parallel.fused.KERNELS`` forced (``"dense"``: the XLA einsums,
             e.g. to measure what the fused kernel gains).
     """
 
@@ -336,7 +336,7 @@ class MLP(nnx.Module):
 
 
 class _PreNorm(nnx.Module):
-    """The attention half of a pre-norm layer, which :class:`Block` and :class:`MoEBlock`
+    """The attention half of a pre-norm layer, which ``Block`` and ``MoEBlock``
     share: ``x + attn(norm1(x))``, and ``norm2`` of it for their MLP half."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
@@ -387,7 +387,7 @@ class MoEMLP(nnx.Module):
 
 
 class MoEBlock(_PreNorm):
-    """:class:`Block` with a :class:`MoEMLP`; returns ``(x, aux)``."""
+    """``Block`` with a ``MoEMLP``; returns ``(x, aux)``."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
         super().__init__(cfg, rngs)
@@ -417,7 +417,7 @@ class GPT(nnx.Module):
         cfg: the sizes.
         rngs: parameter initialisation keys.
         remat: activation rematerialisation of each block, a policy name of
-            :func:`shardax.remat` (``"none"`` keeps every activation).
+            [`shardax.remat`][shardax.remat] (``"none"`` keeps every activation).
     """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs, remat: str = "none") -> None:
@@ -479,7 +479,7 @@ class GPT(nnx.Module):
         return remat(layer_fn, policy=self.remat), stacked
 
     def moe_layers(self, ctx: Context | None = None) -> tuple[Callable[[Any, jax.Array], Any], Any]:
-        """``(layer_fn, stacked)`` of the MoE blocks, as :meth:`layers`; ``layer_fn``
+        """``(layer_fn, stacked)`` of the MoE blocks, as ``layers``; ``layer_fn``
         returns ``(x, aux)``."""
         from shardax.parallel.remat_policy import remat
 
@@ -537,7 +537,7 @@ class GPT(nnx.Module):
 
         ``positions`` (``(seq,)`` or ``(batch, seq)``), ``segment_ids`` (``(batch, seq)``,
         packed documents) and ``layout`` (``"zigzag:C"`` for a batch reordered by
-        ``sx.parallel.zigzag`` for C devices) are as in :class:`Context`; over a
+        ``sx.parallel.zigzag`` for C devices) are as in ``Context``; over a
         ``"context"`` mesh axis the residual stream is split along the sequence and
         attention is ``sx.attention``'s context-parallel scheme ``GPTConfig.attention``."""
         seq = tokens.shape[-1]
@@ -616,8 +616,8 @@ def split_batch(x: jax.Array) -> jax.Array:
 
 
 def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:
-    """A :class:`GPT` initialised from ``seed``, its annotations kept as logical names
-    (no eager sharding: plans place it, see :func:`plan`)."""
+    """A ``GPT`` initialised from ``seed``, its annotations kept as logical names
+    (no eager sharding: plans place it, see ``plan``)."""
     expect_type("make_gpt: cfg", cfg, GPTConfig, "a GPTConfig")
     seed = as_count("make_gpt: seed", seed, minimum=0)
     with nnx.use_eager_sharding(False):
@@ -625,9 +625,9 @@ def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:
 
 
 def plan(mesh: Any, model: Any, name: str) -> Any:
-    """The plan ``name`` (one of :data:`PLANS`) of ``model`` over ``mesh``: the mesh's
+    """The plan ``name`` (one of ``PLANS``) of ``model`` over ``mesh``: the mesh's
     own plans (zero1, zero2) over ``"data"``, the others from its annotations through
-    :func:`axis_rules`. TP needs ``mesh``'s
+    ``axis_rules``. TP needs ``mesh``'s
     ``model`` axis to divide the heads (and the MLP width and vocab), and ``pipeline`` its
     ``stage`` axis to divide the layers, in a model built with ``pipeline_microbatches``;
     each is checked with a clear error.
@@ -696,7 +696,7 @@ def flops_per_token(cfg: GPTConfig, seq_len: int, non_embedding_params: int) -> 
     in them; forward 2·N, backward 4·N), plus attention's scores and weighted values,
     ``6 · 2·layers·seq_len·d_model`` (dense: XLA computes the masked half too). Model
     FLOPs for MFU halve causal attention's:
-    :func:`shardax.cost.flops.transformer_flops_per_token`.
+    ``shardax.cost.flops.transformer_flops_per_token``.
 
     >>> flops_per_token(GPTConfig(layers=1, d_model=8, heads=2), 4, 100)
     984.0

@@ -20,8 +20,8 @@ from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS
 from shardax.plan.named import MESH_PLANS
 
 PLANS: tuple[str, ...] = (*MESH_PLANS, "tp")
-"""The plans :func:`make_plan` builds: the mesh's own (``sx.plan`` ``MESH_PLANS``) and
-``tp`` (:func:`tp_rules`)."""
+"""The plans ``make_plan`` builds: the mesh's own (``sx.plan`` ``MESH_PLANS``) and
+``tp`` (``tp_rules``)."""
 
 
 class MLP(nnx.Module):
@@ -43,12 +43,12 @@ class MLP(nnx.Module):
 
 
 def make_mlp(in_dim: int, hidden: int, layers: int, out_dim: int, seed: int) -> MLP:
-    """An :class:`MLP` initialised from ``seed``."""
+    """An ``MLP`` initialised from ``seed``."""
     return MLP(in_dim, hidden, layers, out_dim, nnx.Rngs(seed))
 
 
 def tp_rules(num_layers: int) -> list[tuple[str, Any]]:
-    """Megatron-style tensor parallelism for :class:`MLP`, as ``sx.rules`` pairs.
+    """Megatron-style tensor parallelism for ``MLP``, as ``sx.rules`` pairs.
 
     Even layers split their kernel's columns (and bias) over ``model``; odd layers, and
     the output layer when it follows an even one, split the kernel's rows, so hidden
@@ -75,7 +75,7 @@ def tp_rules(num_layers: int) -> list[tuple[str, Any]]:
 
 
 def make_plan(name: str, mesh: Any, num_layers: int = 1) -> Any:
-    """The plan ``name`` (one of :data:`PLANS`) over ``mesh``.
+    """The plan ``name`` (one of ``PLANS``) over ``mesh``.
 
     >>> make_plan("zero1", sx.make_mesh({"data": 8})).name
     'zero1'

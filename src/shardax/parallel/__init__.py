@@ -5,6 +5,7 @@ One concept per module; each module's public names are re-exported here (the mos
 also from ``shardax``).
 """
 
+from shardax._names import exports as _exports
 from shardax.checks import moved as _moved
 from shardax.parallel.collectives import all_gather, all_reduce, reduce, weighted_mean
 from shardax.parallel.context import attention, choose_impl, unzigzag, zigzag, zigzag_layout
@@ -15,38 +16,7 @@ from shardax.parallel.one_f_one_b import pipeline_1f1b
 from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
 from shardax.parallel.remat_policy import remat
 
-__all__ = [
-    "REMAT_POLICIES",
-    "MoEAux",
-    "all_gather",
-    "all_reduce",
-    "attention",
-    "bubble",
-    "capacity",
-    "choose_dispatch",
-    "choose_impl",
-    "choose_kernel",
-    "moe",
-    "pipeline",
-    "pipeline_1f1b",
-    "reduce",
-    "remat",
-    "unzigzag",
-    "weighted_mean",
-    "zigzag",
-    "zigzag_layout",
-]
+__all__ = _exports(__name__)
 
-# Names that left this namespace (internal now, or moved), by their home; they keep
-# working for a release, with a DeprecationWarning.
-__getattr__ = _moved(
-    __name__,
-    {
-        "ATTENTION_KERNELS": "shardax.parallel.fused.KERNELS",
-        "bound_axes": "shardax.parallel.collectives.bound_axes",
-        "checkpoint_policy": "shardax.parallel.remat_policy.checkpoint_policy",
-        "require_bound": "shardax.parallel.collectives.require_bound",
-        "scan_layers": "shardax.parallel.gpipe.scan_layers",
-        "sequence_sharding": "shardax.parallel.context.sequence_sharding",
-    },
-)
+# Names that left this namespace keep working for a release (shardax/_names.py MOVED).
+__getattr__ = _moved(__name__)

@@ -3,7 +3,8 @@
 Inside ``jax.shard_map`` or ``jax.pmap`` a named axis is bound and values are
 per-device: the reductions are ``psum``/``pmean``/``pmax``/``pmin``. Under plain
 ``jax.jit`` (or eagerly) no axis is bound and values are already global, so the
-reductions of :func:`reduce` return them unchanged; naming an axis that is not bound
+reductions of [`reduce`][shardax.parallel.reduce] return them unchanged; naming an axis that is not
+bound
 while *other* axes are is an error: under shard_map a
 name that is not bound would otherwise be taken as a global value.
 
@@ -38,7 +39,6 @@ _REDUCERS: dict[str, Callable[..., Any]] = {
 }
 
 
-@public("sx.parallel.bound_axes")
 def bound_axes() -> dict[str, int]:
     """The named axes bound here (by shard_map or pmap), with their sizes."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -51,7 +51,6 @@ def _names(axis_name: AxisName) -> tuple[str, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
-@public("sx.parallel.require_bound")
 def require_bound(axis_name: AxisName, caller: str) -> tuple[str, ...]:
     """The axis names in ``axis_name``; raises ``NameError`` naming any that is unbound."""
     names = _names(axis_name)

@@ -55,7 +55,7 @@ from shardax.checks import as_count, as_float, public
 from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS
 
 DISPATCHES = ("auto", "all_to_all", "ragged", "dense")
-"""The values of :func:`moe`'s ``dispatch``."""
+"""The values of [`moe`][shardax.moe]'s ``dispatch``."""
 
 GATE_STEPS = 256
 """Gates are ranked for drops in steps of ``1 / GATE_STEPS`` (module docstring)."""
@@ -63,7 +63,7 @@ GATE_STEPS = 256
 
 @public("sx.parallel.MoEAux")
 class MoEAux(NamedTuple):
-    """What :func:`moe` measures, over all the tokens of the call (every group).
+    """What [`moe`][shardax.moe] measures, over all the tokens of the call (every group).
 
     ``balance_loss`` is Switch's load-balancing loss ``E · Σ_e f_e · P_e``: ``f_e`` the
     fraction of token-assignments routed to expert e (before drops), ``P_e`` the mean
@@ -124,7 +124,7 @@ def route(x: jax.Array, router_weight: jax.Array, top_k: int, capacity: int) -> 
 
 
 def _aux_sums(r: Routing) -> tuple[jax.Array, ...]:
-    """The sums over one group that :class:`MoEAux` is made of (psum-able)."""
+    """The sums over one group that [`MoEAux`][shardax.parallel.MoEAux] is made of (psum-able)."""
     num_experts = r.probs.shape[-1]
     counts = jnp.zeros(num_experts, jnp.int32).at[r.experts].add(1)
     z = jnp.square(jax.nn.logsumexp(r.logits, axis=-1))
@@ -291,7 +291,7 @@ def choose_dispatch(
     dispatch: str = "auto",
     platform: str | None = None,
 ) -> tuple[str, str]:
-    """``(dispatch, reason)``: what :func:`moe` runs for ``dispatch``, and why.
+    """``(dispatch, reason)``: what [`moe`][shardax.moe] runs for ``dispatch``, and why.
 
     ``"auto"`` picks ``"dense"`` when running every expert on every token costs at most
     twice the FLOPs of the capacity buffers (``E ≤ 2 · top_k · capacity_factor``), else
@@ -347,7 +347,7 @@ def _check_experts(expert_params: Any, size: int, what: str) -> None:
 
 
 class _Where(NamedTuple):
-    """Where :func:`moe` runs: the mesh, the expert axis size n, the batch axes the
+    """Where [`moe`][shardax.moe] runs: the mesh, the expert axis size n, the batch axes the
     groups are split over, those of them to make manual, and the axes to sum over."""
 
     mesh: Any
@@ -408,18 +408,19 @@ def moe(
             ``shard_map`` manual over ``axis``: the local E/n).
         top_k: experts per token, 1..E.
         capacity_factor: > 0; capacity per expert per group is
-            ``ceil(capacity_factor · T · top_k / E)`` (:func:`capacity`).
+            ``ceil(capacity_factor · T · top_k / E)`` ([`capacity`][shardax.parallel.capacity]).
         axis: the mesh axis the experts are split over (size n; E divisible by n).
         dispatch: ``"all_to_all"`` (fixed (E, C, d) buffers per group, ``lax.all_to_all``
             both ways), ``"ragged"`` (only kept tokens travel, ``lax.ragged_all_to_all``;
             not on XLA:CPU), ``"dense"`` (every expert on every token, one-hot einsum;
             tokens all-gathered and outputs reduce-scattered over ``axis``), or ``"auto"``
-            (:func:`choose_dispatch` says which and why). All give one result.
+            ([`choose_dispatch`][shardax.parallel.choose_dispatch] says which and why). All give one
+            result.
         batch_axes: the mesh axes the tokens' batch (leading dim of ``x``) is split over,
             one routing group per device; default ``("data",)``. ``axis`` is always one.
 
     Returns ``(y, aux)``: ``y`` has ``x``'s leading dims and ``expert_fn``'s output
-    width; ``aux`` is a :class:`MoEAux`.
+    width; ``aux`` is a [`MoEAux`][shardax.parallel.MoEAux].
 
     With no mesh, or a mesh without the default ``"expert"`` axis or where it has size 1,
     every expert is local and nothing travels. Under ``jax.set_mesh`` (``jax.jit``, Auto

@@ -4,7 +4,8 @@ JAX's Pallas splash attention on a TPU, the dense ``jax.nn.dot_product_attention
 
 The choice is made while tracing, from the platform of the mesh the arrays are on
 (``jax.set_mesh``; without one, the default backend), the dtype, the head dimension and
-the masks: :func:`choose_kernel`. A fallback to the dense path on a GPU or TPU is logged
+the masks: [`choose_kernel`][shardax.parallel.choose_kernel]. A fallback to the dense path on a GPU
+or TPU is logged
 once per distinct reason (logger ``"shardax"``, level WARNING), naming it.
 
 >>> choose_kernel("gpu", "bfloat16", 128, ("causal",))
@@ -33,7 +34,8 @@ KERNELS: tuple[str, ...] = ("dense", "cudnn", "splash")
 (GPU), JAX's Pallas splash attention (TPU)."""
 
 MASKS: tuple[str, ...] = ("causal", "window", "window_right", "segment_ids", "bias", "positions")
-"""The mask kinds :func:`choose_kernel` weighs: ``causal``; ``window`` (a left window,
+"""The mask kinds [`choose_kernel`][shardax.parallel.choose_kernel] weighs: ``causal``; ``window``
+(a left window,
 ``(left, 0)``, or any window with ``causal``); ``window_right`` (a window that looks ahead,
 without ``causal``); ``segment_ids``; an additive ``bias``; ``positions`` (the queries'
 positions are not ``0..T-1``: a context-parallel device's block or a zig-zag layout)."""
@@ -70,7 +72,7 @@ def unsupported(
     kv_len: int | None = None,
 ) -> str | None:
     """Why ``kernel`` cannot compute this attention (a sentence naming the cause), or None
-    when it can. ``masks``: kinds from :data:`MASKS`.
+    when it can. ``masks``: kinds from ``MASKS``.
 
     >>> unsupported("cudnn", "bfloat16", 72, ())
     >>> unsupported("cudnn", "bfloat16", 100, ())
@@ -133,7 +135,7 @@ def choose_kernel(
 ) -> tuple[str, str]:
     """``(kernel, reason)``: the kernel ``sx.attention`` takes on ``platform`` (``"gpu"``,
     ``"tpu"``, ``"cpu"``, ...) for inputs of ``dtype`` and ``head_dim`` under ``masks``
-    (kinds of :data:`MASKS`), and why: ``"cudnn"`` on a GPU, ``"splash"`` on a TPU, else
+    (kinds of ``MASKS``), and why: ``"cudnn"`` on a GPU, ``"splash"`` on a TPU, else
     ``"dense"``, also where the platform's kernel cannot do it (the reason names the
     cause).
 
@@ -173,7 +175,8 @@ def pick(
     q_len: int,
     kv_len: int,
 ) -> str:
-    """The kernel to run: ``kernel="auto"`` is :func:`choose_kernel`'s on the current
+    """The kernel to run: ``kernel="auto"`` is [`choose_kernel`][shardax.parallel.choose_kernel]'s
+    on the current
     platform (a fallback on a GPU or TPU said once); a named kernel is refused, naming
     why, where it cannot do this attention."""
     masks = tuple(masks)
@@ -199,8 +202,8 @@ def cudnn_block(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     """``(out, lse)``: cuDNN's fused attention of a query block ``(B, T, N, D)`` against a
     K/V block ``(B, S, K, D)`` (no mask, or causal: query i sees keys 0..i) and each
     row's log-sum-exp ``(B, T, N)`` float32, in a ``shard_map`` manual over the axes not
-    manual yet (:func:`all_manual`: cuDNN's partitioner takes no partly manual arrays).
-    One block of the context ring (:mod:`shardax.parallel.context`)."""
+    manual yet (``all_manual``: cuDNN's partitioner takes no partly manual arrays).
+    One block of the context ring (``shardax.parallel.context``)."""
     from shardax.runtime import compat
 
     def local(q, k, v):
@@ -214,7 +217,7 @@ def cudnn_block(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
 def cudnn_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
                       lse: jax.Array, dout: jax.Array, *, scale: float,
                       causal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
-    """``(dq, dk, dv)`` of one :func:`cudnn_block` given the output ``out`` ``(B, T, N, D)``
+    """``(dq, dk, dv)`` of one ``cudnn_block`` given the output ``out`` ``(B, T, N, D)``
     and log-sum-exp ``lse`` ``(B, T, N)`` to differentiate at (the ring gives the global
     ones: the block's exact share of the gradients) and the output's cotangent ``dout``."""
     from shardax.runtime import compat
@@ -266,7 +269,7 @@ def splash(
     scale: float,
 ) -> jax.Array:
     """Splash attention on global (or this device's) ``(B, T, H, D)`` arrays, in a
-    ``shard_map`` manual over every mesh axis (:func:`all_manual`: Mosaic kernels are not
+    ``shard_map`` manual over every mesh axis (``all_manual``: Mosaic kernels are not
     partitioned by the compiler). Off a TPU it runs in Pallas' interpret mode."""
     t, s = q.shape[1], k.shape[1]
     interpret = platform() != "tpu"
@@ -344,7 +347,7 @@ def masks_of(
     bias: Any,
     natural: bool,
 ) -> tuple[str, ...]:
-    """The :data:`MASKS` kinds of one ``sx.attention`` call.
+    """The ``MASKS`` kinds of one ``sx.attention`` call.
 
     >>> masks_of(True, (4, 0), None, None, True)
     ('causal', 'window')

@@ -102,9 +102,9 @@ def _batch_axes(mesh: Any, axis: str) -> tuple[str, ...]:
     return tuple(a for a in (DATA_AXIS,) if a in mesh.axis_names and a != axis)
 
 
-@public("sx.parallel.scan_layers")
 def scan_layers(layer_fn: Callable[[Any, H], H], stacked_params: Any, x: H) -> H:
-    """The L layers applied in order with ``lax.scan``: what :func:`pipeline` computes."""
+    """The L layers applied in order with ``lax.scan``: what [`pipeline`][shardax.pipeline]
+    computes."""
     return lax.scan(lambda h, p: (layer_fn(p, h), None), x, stacked_params)[0]
 
 
@@ -142,7 +142,7 @@ def pipeline(
             applies layer chunks ``s, s + S, ...`` of L/(S·r) layers each, and the idle
             fraction falls from ``(S-1)/(M+S-1)`` to ``(S-1)/(r·M+S-1)``.
 
-    The result equals :func:`scan_layers` (``lax.scan`` over the layers). With no mesh
+    The result equals ``scan_layers`` (``lax.scan`` over the layers). With no mesh
     (single-device mode), or a mesh without the default ``"stage"`` axis, or one where
     it has size 1, it *is* that scan, so one model runs on any mesh. Under a mesh where
     ``axis`` has size S > 1 (traced by ``sx.make_train_step`` in jit mode, or under
@@ -173,7 +173,7 @@ def stage_mesh(
 ) -> tuple[Any, str, int, tuple[str, ...]] | None:
     """``(mesh, axis, S, batch_axes)`` to pipeline over, or None for the plain scan.
 
-    Checks every rule of :func:`pipeline`, raising ValueError naming the sizes.
+    Checks every rule of [`pipeline`][shardax.pipeline], raising ValueError naming the sizes.
     """
     microbatches = as_count("microbatches", microbatches)
     repeats = as_count("repeats", repeats)
@@ -234,7 +234,7 @@ def split_microbatches(x: Any, m: int, mesh: Any = None, batch_axes: tuple[str, 
 
 
 def merge_microbatches(micro: Any, mesh: Any, batch_axes: tuple[str, ...]) -> Any:
-    """The inverse of :func:`split_microbatches`."""
+    """The inverse of ``split_microbatches``."""
     micro = _constrain(micro, PartitionSpec(None, batch_axes or None), mesh)
     return jax.tree.map(
         lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), micro

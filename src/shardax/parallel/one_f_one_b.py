@@ -1,6 +1,7 @@
 """The 1F1B pipeline schedule: forwards and backwards of different microbatches interleaved.
 
-GPipe (:func:`shardax.pipeline`) runs every microbatch forward, then autodiff runs them
+GPipe ([`shardax.pipeline`][shardax.pipeline]) runs every microbatch forward, then autodiff runs
+them
 all backward, so each stage keeps the activations of all M microbatches. In 1F1B each
 stage runs, on every tick, the forward of one microbatch and the backward of an earlier
 one, so a microbatch's activations die as soon as its backward is done: a stage holds
@@ -82,7 +83,7 @@ def pipeline_1f1b(
     with the layers pipelined over ``axis`` in the 1F1B schedule.
 
     Args:
-        layer_fn, stacked_params, microbatches, axis: as in :func:`shardax.pipeline`
+        layer_fn, stacked_params, microbatches, axis: as in [`shardax.pipeline`][shardax.pipeline]
             (same checks and errors; no ``repeats``).
         x: the layers' input, leading batch dimension (an array or a pytree).
         loss_fn: ``loss_fn(loss_params, h, targets) -> scalar``, the mean loss of one

@@ -54,7 +54,6 @@ def _host_memory_kind() -> str | None:
     return "pinned_host" if "pinned_host" in kinds else None
 
 
-@public("sx.parallel.checkpoint_policy")
 def checkpoint_policy(policy: str | Callable[..., Any]) -> Callable[..., Any] | None:
     """The ``jax.checkpoint`` policy of ``policy`` (None for ``"none"``: no remat).
 

@@ -41,7 +41,8 @@ _AXIS_RULES: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Context
 @contextlib.contextmanager
 @public("sx.plan.axis_rules")
 def axis_rules(rules: AxisRules) -> Iterator[dict[str, Any]]:
-    """Sets the logical-to-mesh axis mapping for :func:`from_nnx` and :func:`constrain`.
+    """Sets the logical-to-mesh axis mapping for [`from_nnx`][shardax.from_nnx] and
+    [`constrain`][shardax.constrain].
 
     It is read when a function is traced and, unlike ``jax.set_mesh``, is not part of
     ``jax.jit``'s cache key: a function already traced under one mapping keeps it, so
@@ -58,13 +59,11 @@ def axis_rules(rules: AxisRules) -> Iterator[dict[str, Any]]:
         _AXIS_RULES.reset(token)
 
 
-@public("sx.plan.current_axis_rules")
 def current_axis_rules() -> dict[str, Any] | None:
-    """The mapping set by the innermost :func:`axis_rules`, or ``None``."""
+    """The mapping set by the innermost [`axis_rules`][shardax.plan.axis_rules], or ``None``."""
     return _AXIS_RULES.get()
 
 
-@public("sx.plan.logical_to_mesh")
 def logical_to_mesh(
     spec: Any, mesh: Any, rules: AxisRules | None = None, where: str = "spec"
 ) -> PartitionSpec:
@@ -149,7 +148,6 @@ def _box_rules(box: Any, axis_rules: AxisRules | None) -> AxisRules | None:
     return dict(own) if own and current_axis_rules() is None else None
 
 
-@public("sx.plan.annotated_specs")
 def annotated_specs(model: Any, mesh: Mesh, axis_rules: AxisRules | None = None) -> Table:
     """``{leaf path: (shape, PartitionSpec)}`` for every annotated NNX variable in ``model``.
 
@@ -170,7 +168,8 @@ def optimizer_sharding(node: Any, specs: Any, mesh: Mesh) -> Any:
     """``specs`` (the specs of ``node``, an optimizer state's mirror of the params) with
     the spec of flax's ``optimizer_sharding`` metadata for each NNX variable of ``node``
     that has it (flax's optimization cookbook: the optimizer state of a variable sharded
-    otherwise than the variable). Logical names go through :func:`axis_rules`."""
+    otherwise than the variable). Logical names go through
+    [`axis_rules`][shardax.plan.axis_rules]."""
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
@@ -287,7 +286,7 @@ def from_nnx(
 
     ``axis_rules`` maps each logical name to a mesh axis, a tuple of axes, or ``None``
     (replicate); a name that is already a mesh axis may be left out. Default: the
-    mapping set by :func:`axis_rules`. A leaf gets the
+    mapping set by [`axis_rules`][shardax.plan.axis_rules]. A leaf gets the
     spec of the annotated variable whose path is the longest "/"-suffix of the leaf's
     path and whose shape is the leaf's shape, so the plan applies to the model, its
     ``nnx.state``, a train state holding it, and Adam's ``mu``/``nu`` alike. Other
@@ -311,11 +310,12 @@ def from_linen(
     default: PartitionSpec | Plan | None = None,
 ) -> Plan:
     """A plan from the ``nn.LogicallyPartitioned`` (and ``nn.Partitioned``) boxes of a
-    Linen model's variables, as :func:`from_nnx` does for NNX.
+    Linen model's variables, as [`from_nnx`][shardax.from_nnx] does for NNX.
 
     ``variables`` is ``module.init(...)``'s result (or ``jax.eval_shape`` of it, or its
     ``"params"``), built with ``nn.with_logical_partitioning(init, names)``; ``axis_rules``
-    maps the logical names to mesh axes (default: :func:`axis_rules`' mapping, else
+    maps the logical names to mesh axes (default: [`axis_rules`][shardax.plan.axis_rules]' mapping,
+    else
     the rules a box carries). The plan matches leaves by path suffix and shape, so it
     applies to the variables, their ``"params"``, a ``flax.training`` train state, a
     shardax ``TrainState`` and Adam's ``mu``/``nu``, boxed (paths ending in ``/value``)

@@ -1,7 +1,7 @@
 """Plans: a pytree (arrays or ShapeDtypeStructs) to a pytree of ``NamedSharding``.
 
 A plan is a mesh plus a rule ``spec_fn(path, shape) -> PartitionSpec``; calling it on
-a tree gives the shardings, and :func:`shard` places a tree with it.
+a tree gives the shardings, and [`shard`][shardax.shard] places a tree with it.
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": -1})
@@ -95,7 +95,8 @@ class Plan:
 
     def specs(self, tree: Any) -> Any:
         """The ``PartitionSpec`` of every array leaf; raises ``ValueError`` listing all errors.
-        Rules that match no leaf are warned about, once per plan (see :meth:`notes`)."""
+        Rules that match no leaf are warned about, once per plan (see
+        [`notes`][shardax.Plan.notes])."""
         self._warn_unmatched(tree)
         specs, errors = self.resolve(tree)
         if errors:
@@ -106,7 +107,7 @@ class Plan:
 
     def __call__(self, tree: Any) -> Any:
         """The ``NamedSharding`` of every array leaf; other leaves pass through. Rules
-        that match no leaf are warned about, once per plan (see :meth:`notes`)."""
+        that match no leaf are warned about, once per plan (see [`notes`][shardax.Plan.notes])."""
         return jax.tree.map(
             lambda s: NamedSharding(self.mesh, s) if isinstance(s, PartitionSpec) else s,
             self.specs(tree),
@@ -139,7 +140,6 @@ def replicate(mesh: Mesh) -> Plan:
     return Plan(mesh, lambda path, shape: PartitionSpec(), "replicate")
 
 
-@public("sx.plan.axis_size")
 def axis_size(mesh: Mesh, axis: AxisNames) -> int:
     """The number of devices along ``axis`` (a name or a tuple of names) of ``mesh``."""
     names = (axis,) if isinstance(axis, str) else tuple(axis)
@@ -151,7 +151,6 @@ def axis_size(mesh: Mesh, axis: AxisNames) -> int:
     return math.prod(mesh.shape[n] for n in names)
 
 
-@public("sx.plan.fsdp_spec")
 def fsdp_spec(shape: tuple[int, ...], axis: AxisNames, size: int, min_size: int) -> PartitionSpec:
     """Shards the largest dimension that ``size`` divides; replicates small leaves.
 

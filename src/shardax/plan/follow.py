@@ -65,13 +65,13 @@ def check_selector(name: str, params: Any) -> ParamsSelector:
     return expect_type(name, params, str, "a '/'-joined path such as 'params' or a function")
 
 
-@public("sx.plan.FollowParams")
 @dataclasses.dataclass(frozen=True)
 class FollowParams(Plan):
     """A plan whose params subtree, and every subtree of the same structure and shapes
     (Adam's ``mu`` and ``nu``, momentum...), gets the params' specs, or ``mirror``'s
-    specs for the params' paths when it is given (:func:`shardax.zero1`). Made by
-    :func:`follow_params`, :func:`shardax.zero1` and :func:`shardax.zero2`."""
+    specs for the params' paths when it is given ([`shardax.zero1`][shardax.zero1]). Made by
+    [`follow_params`][shardax.plan.follow_params], [`shardax.zero1`][shardax.zero1] and
+    [`shardax.zero2`][shardax.zero2]."""
 
     base: Plan | None = None
     params: ParamsSelector = "params"
@@ -79,7 +79,7 @@ class FollowParams(Plan):
     """The plan of the subtrees that mirror the params (default: ``base``'s specs)."""
     shard_grads: bool = False
     """Whether the train step constrains the gradients to the mirrors' shardings
-    (:func:`shardax.zero2`)."""
+    ([`shardax.zero2`][shardax.zero2])."""
 
     def _unmatched(self, tree: Any) -> dict[str, str]:
         # With a function selector the rules see the params' paths relative to the params.

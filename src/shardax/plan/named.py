@@ -2,7 +2,7 @@
 
 ``replicate``, ``zero1``, ``zero2`` and ``fsdp`` need no model, only the mesh, the data
 axis and a minimum size: each is ``MESH_PLANS[name](mesh, axis, min_size)``. The auto
-plan's candidates (:func:`shardax.train.auto.candidate_plans`), the reference models'
+plan's candidates (``shardax.train.auto.candidate_plans``), the reference models'
 plans (``shardax.models``) and the CLI's ``--plan`` choices take their names from here;
 a model's own plans (``tp``, ``fsdp+tp``, ``pipeline``: rules over its layers) are
 added where the model is. A new plan of this kind is its function and one line here.

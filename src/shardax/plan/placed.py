@@ -1,11 +1,13 @@
-"""What each placed leaf was planned to be: recorded when :func:`shardax.prepare` places
-a loop's objects, read back by :func:`shardax.keep_plan` (which holds the plan after the
-user's own step) and by :func:`shardax.describe` (plan against actual).
+"""What each placed leaf was planned to be: recorded when [`shardax.prepare`][shardax.prepare]
+places
+a loop's objects, read back by [`shardax.keep_plan`][shardax.keep_plan] (which holds the plan after
+the
+user's own step) and by [`shardax.describe`][shardax.describe] (plan against actual).
 
 Two records, one per kind of object:
 
 - an NNX ``Variable`` carries its planned sharding in its own metadata
-  (:data:`METADATA_KEY`), which survives ``nnx.jit``'s split and merge;
+  (``METADATA_KEY``), which survives ``nnx.jit``'s split and merge;
 - any other pytree (an Equinox module, a ``flax.training`` train state, params, an optax
   state) is recorded by structure: its treedef and leaf shapes map to its shardings, so a
   new tree of the same structure (the step's output) finds them.
@@ -27,7 +29,6 @@ from typing import Any
 import jax
 from jax.sharding import Sharding
 
-from shardax.checks import public
 from shardax.plan.tree import is_array, path_str
 
 #: The NNX ``Variable`` metadata key holding the sharding its plan gave it.
@@ -72,7 +73,6 @@ def variables(node: Any) -> list[tuple[str, Any]]:
     return [(path_str(p), v) for p, v in flat if is_variable(v)]
 
 
-@public("sx.plan.record")
 def record(tree: Any) -> None:
     """Records the shardings ``tree``'s arrays have now as their plan: NNX Variables in
     their metadata, every other pytree by structure."""
@@ -112,7 +112,6 @@ def is_recorded(node: Any) -> bool:
     return _lookup(treedef, leaves) is not None
 
 
-@public("sx.plan.planned")
 def planned(tree: Any) -> Any:
     """``tree`` with each leaf replaced by the sharding its plan gave it (``None`` where
     nothing was recorded): recorded subtrees by structure, NNX Variables by metadata."""

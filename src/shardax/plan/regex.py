@@ -62,7 +62,7 @@ def rules(
 ) -> Plan:
     """A plan from ``(regex, PartitionSpec)`` pairs; the first that matches a leaf wins.
 
-    Each regex is tried with :func:`re.search` on the leaf's path joined by "/" (for
+    Each regex is tried with ``re.search`` on the leaf's path joined by "/" (for
     example ``params/layers/0/kernel``; NNX variables end in ``/value``), so it may match
     anywhere in the path: anchor it with ``^``/``$`` to match a whole path. Leaves no
     rule matches get ``default``: a ``PartitionSpec``, another plan on the same mesh

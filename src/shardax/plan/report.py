@@ -1,5 +1,6 @@
-"""Reports on a plan before and after placing: :func:`validate` (a dry run of its errors)
-and :func:`describe` (path, shape, dtype, spec and bytes per device of every leaf).
+"""Reports on a plan before and after placing: [`validate`][shardax.plan.validate] (a dry run of its
+errors)
+and [`describe`][shardax.describe] (path, shape, dtype, spec and bytes per device of every leaf).
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": 8})
@@ -29,7 +30,6 @@ from shardax.plan.placed import planned_leaves
 from shardax.plan.tree import dtype_name, is_array, itemsize, map_arrays, path_str
 
 
-@public("sx.plan.Row")
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One array leaf: ``spec`` is ``None`` for a leaf not placed on a mesh."""
@@ -40,7 +40,7 @@ class Row:
     spec: PartitionSpec | None
     bytes_per_device: int
     bytes: int
-    #: the spec :func:`shardax.prepare` placed the leaf on, where it has left it since
+    #: the spec ``shardax.prepare`` placed the leaf on, where it has left it since
     #: (``None`` where the leaf is on its plan, or was not placed by ``prepare``)
     planned: PartitionSpec | None = None
 
@@ -48,7 +48,7 @@ class Row:
 @public("sx.plan.ShardingReport")
 @dataclasses.dataclass(frozen=True)
 class ShardingReport:
-    """Rows of :func:`describe`; print it for a table, or read ``rows`` as data."""
+    """Rows of [`describe`][shardax.describe]; print it for a table, or read ``rows`` as data."""
 
     rows: tuple[Row, ...]
     title: str = "sharding"
@@ -123,11 +123,13 @@ def _row(path: str, leaf: Any, sharding: Sharding | None, want: Sharding | None 
 
 @public("sx.describe")
 def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
-    """A :class:`ShardingReport` of every array leaf of ``tree`` (arrays or ``ShapeDtypeStruct``s).
+    """A [`ShardingReport`][shardax.plan.ShardingReport] of every array leaf of ``tree`` (arrays or
+    ``ShapeDtypeStruct``s).
 
     With ``plan``, the specs are the plan's (raising its errors, as applying it would);
     without, each leaf's own ``sharding`` (``None`` for NumPy or unsharded leaves), and
-    for a leaf :func:`shardax.prepare` placed that has left its plan since (a user's jit
+    for a leaf [`shardax.prepare`][shardax.prepare] placed that has left its plan since (a user's
+    jit
     step picked another layout), the plan's spec too (``Row.planned``, a "plan" column).
     """
     rows: list[Row] = []

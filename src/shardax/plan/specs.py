@@ -13,8 +13,6 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
-from shardax.checks import public
-
 
 def spec_axes(entry: Any) -> tuple[str, ...]:
     """The mesh axis names in one entry of a ``PartitionSpec``."""
@@ -23,7 +21,6 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-@public("sx.plan.spec_errors")
 def spec_errors(path: str, shape: tuple[int, ...], spec: Any, mesh: Mesh) -> list[str]:
     """Every reason ``spec`` cannot shard an array of ``shape`` on ``mesh`` (empty if none).
 
@@ -66,9 +63,8 @@ def spec_errors(path: str, shape: tuple[int, ...], spec: Any, mesh: Mesh) -> lis
     return errors
 
 
-@public("sx.plan.check_spec")
 def check_spec(path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:
-    """Raises ``ValueError`` with every message of :func:`spec_errors`, if there is any."""
+    """Raises ``ValueError`` with every message of ``spec_errors``, if there is any."""
     errors = spec_errors(path, shape, spec, mesh)
     if errors:
         raise ValueError("\n".join(errors))

@@ -1,8 +1,10 @@
 """Pytree helpers shared by every layer: which leaves are arrays, and their paths.
 
 A typed PRNG key array (``jax.random.key``, the state of every ``nnx.Rngs``) is an array
-leaf like any other: :func:`is_key` tells it apart, :func:`dtype_name` and
-:func:`itemsize` describe it (``key<fry>``, 8 bytes of key data per key), and every plan
+leaf like any other: [`is_key`][shardax.plan.is_key] tells it apart,
+[`dtype_name`][shardax.plan.dtype_name] and
+[`itemsize`][shardax.plan.itemsize] describe it (``key<fry>``, 8 bytes of key data per key), and
+every plan
 places it replicated (a key is a generator's state, never a weight to split).
 """
 
@@ -19,7 +21,6 @@ import numpy as np
 from shardax.checks import public
 
 
-@public("sx.plan.is_array")
 def is_array(x: Any) -> bool:
     """True for ``jax.Array``, NumPy arrays and scalars, and ``jax.ShapeDtypeStruct``."""
     return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
@@ -62,13 +63,11 @@ def _key_itemsize(dtype: Any) -> int:
     return math.prod(data.shape) * np.dtype(data.dtype).itemsize
 
 
-@public("sx.plan.path_str")
 def path_str(path: tuple[Any, ...]) -> str:
     """A key path joined by "/", for example ``layers/0/kernel``."""
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
-@public("sx.plan.map_arrays")
 def map_arrays(fn: Callable[[str, Any], Any], tree: Any, *rest: Any) -> Any:
     """Maps ``fn(path, leaf, *rest_leaves)`` over array leaves; other leaves pass through.
 

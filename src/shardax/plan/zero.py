@@ -3,7 +3,7 @@
 ZeRO stage 1 splits only the optimizer state over the data axis; stage 2 also has the
 train step constrain the gradients to that split before the update, so the gradient
 all-reduce becomes a reduce-scatter where the backend emits one; stage 3 is
-:func:`shardax.fsdp`. Each leaf of the optimizer state that mirrors a param (Adam's
+[`shardax.fsdp`][shardax.fsdp]. Each leaf of the optimizer state that mirrors a param (Adam's
 ``mu`` and ``nu``) is split as ``fsdp`` would split the param (largest divisible
 dimension); scalars (``count``) and the params stay replicated.
 
@@ -40,7 +40,8 @@ def zero1(
     """ZeRO-1: the optimizer state split over ``axis`` (a name or tuple), params replicated.
 
     A plan for a whole train state (``params`` locates the params in it, as in
-    :func:`shardax.follow_params`). Under ``make_train_step`` the update runs on each
+    [`sx.plan.follow_params`][shardax.plan.follow_params]). Under ``make_train_step`` the update
+    runs on each
     device's slice of the optimizer state and the new params come back replicated
     (an all-gather of the updated params per step). Leaves below ``min_size`` elements,
     or with no dimension the axis divides, stay replicated. Only ``mode="jit"``.
@@ -53,7 +54,7 @@ def zero1(
 @public("sx.zero2")
 @functools.wraps(zero1, assigned=(), updated=())  # zero1's signature, for inspect and help
 def zero2(*args: Any, **kwargs: Any) -> FollowParams:
-    """ZeRO-2: :func:`zero1` (the same arguments), and ``make_train_step`` constrains the
+    """ZeRO-2: [`zero1`][shardax.zero1] (the same arguments), and ``make_train_step`` constrains the
     gradients to the optimizer state's sharding before the update, so each device keeps
     only its slice of the reduced gradients (a reduce-scatter where the backend emits one).
 

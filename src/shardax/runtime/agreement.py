@@ -2,9 +2,11 @@
 
 In a multi-process run each process builds its own mesh, plan and config. If one
 differs (another command-line flag, another environment), the processes compile
-different programs and usually hang in their first collective. :func:`check_agreement`
+different programs and usually hang in their first collective.
+[`check_agreement`][shardax.runtime.check_agreement]
 fingerprints each named part, all-gathers the fingerprints with an XLA collective and
-raises :class:`AgreementError` on *every* process when they differ, naming the parts.
+raises [`AgreementError`][shardax.runtime.AgreementError] on *every* process when they differ,
+naming the parts.
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": -1})
@@ -89,7 +91,6 @@ def _canon(x: Any) -> Any:
     return text
 
 
-@public("sx.runtime.fingerprint")
 def fingerprint(value: Any) -> str:
     """The SHA-256 hex digest of ``value``'s setup description (shapes, specs, config).
 
@@ -153,7 +154,8 @@ def _short(leaf: Any) -> str:
 
 @public("sx.runtime.check_agreement")
 def check_agreement(**parts: Any) -> str:
-    """Raises :class:`AgreementError` on every process unless all processes pass equal parts.
+    """Raises [`AgreementError`][shardax.runtime.AgreementError] on every process unless all
+    processes pass equal parts.
 
     Each keyword is one named part of the setup, for example ``config=`` (a dict,
     dataclass or argparse namespace), ``mesh=`` (a Mesh), ``plan=`` (a Plan, or the

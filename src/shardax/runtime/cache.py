@@ -1,7 +1,8 @@
 """JAX's persistent compilation cache in one call, and where compile time goes.
 
-:func:`compile_cache` points JAX's persistent cache at a directory (default: a per-user
-one, :func:`default_dir`) so a second start of the same program loads its executables
+[`compile_cache`][shardax.compile_cache] points JAX's persistent cache at a directory (default: a
+per-user
+one, ``default_dir``) so a second start of the same program loads its executables
 instead of compiling them. It is safe with many processes on a shared filesystem: JAX
 writes cache entries from process 0 only (``jax.distributed``'s process id; the others
 read), and each entry is written to a temporary file and renamed into place, so a
@@ -9,7 +10,8 @@ reader never sees half an entry. A cache configured already (``JAX_COMPILATION_C
 or ``jax_compilation_cache_dir``, e.g. by a test suite) is kept when no directory is
 given.
 
-:func:`compile_stats` counts, through ``jax.monitoring`` listeners, the seconds spent
+[`compile_stats`][shardax.runtime.compile_stats] counts, through ``jax.monitoring`` listeners, the
+seconds spent
 tracing, lowering and compiling (a cache hit's compile is the time to load it; nested
 spans counted once) and the
 persistent cache's requests, hits and misses, since the process started counting.
@@ -68,7 +70,7 @@ def compile_cache(
 
     Args:
         directory: where the executables go. None: the directory JAX is configured with
-            already, else :func:`default_dir`. Created if missing.
+            already, else ``default_dir``. Created if missing.
         min_compile_seconds: programs that compiled faster are not written (JAX's
             ``jax_persistent_cache_min_compile_time_secs``, whose own default is 1 s;
             0 caches every program, which is what a restarted run wants).
@@ -99,7 +101,6 @@ def compile_cache(
     return path
 
 
-@public("sx.runtime.disable_compile_cache")
 def disable_compile_cache() -> None:
     """Turns JAX's persistent compilation cache off for this process (``--compile-cache off``)."""
     jax.config.update("jax_enable_compilation_cache", False)
@@ -177,7 +178,8 @@ _install_lock = threading.Lock()
 
 
 def count_compiles() -> None:
-    """Starts counting (once per process; :func:`compile_stats` calls it)."""
+    """Starts counting (once per process; [`compile_stats`][shardax.runtime.compile_stats] calls
+    it)."""
     global _counter
     with _install_lock:
         if _counter is None:

@@ -16,7 +16,7 @@ Each has no public equivalent in the supported versions:
   awaits it; a manager closed without saving could delete the next save in progress).
 - ``distributed_state``: ``jax.distributed``'s global state, whose ``client`` is the
   coordinator's key-value store (``key_value_set``, ``key_value_dir_get``), where each
-  process publishes its step and phase for the hang report (:mod:`shardax.runtime.status`).
+  process publishes its step and phase for the hang report (``shardax.runtime.status``).
 - ``ShardingTypeError``: the error JAX raises when an operation's output sharding does
   not follow from its inputs' types on a mesh with Explicit axes. shardax adds a note
   to it saying what to change; JAX raises it, so it can only be caught by its class.
@@ -71,7 +71,7 @@ PRIVATE_APIS: dict[str, tuple[str, str]] = {
 
 
 def private(name: str) -> Any:
-    """The private JAX API ``name`` (a key of :data:`PRIVATE_APIS`); an ``ImportError``
+    """The private JAX API ``name`` (a key of ``PRIVATE_APIS``); an ``ImportError``
     naming it and the installed JAX version when JAX has moved it."""
     module, attr = PRIVATE_APIS[name]
     try:
@@ -84,7 +84,7 @@ def private(name: str) -> Any:
 
 
 ORBAX_TMP_CLEANUP = "_maybe_await_cleanup_tmp_directory"
-"""The private ``orbax.checkpoint.CheckpointManager`` method :func:`orbax_await_tmp_cleanup`
+"""The private ``orbax.checkpoint.CheckpointManager`` method ``orbax_await_tmp_cleanup``
 calls."""
 
 
@@ -182,7 +182,7 @@ def cudnn_attention_fwd(q: Any, k: Any, v: Any, *, scale: float, causal: bool) -
 def cudnn_attention_bwd(
     q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, *, scale: float, causal: bool
 ) -> tuple[Any, Any, Any]:
-    """``(dq, dk, dv)`` of cuDNN's fused attention (shapes as :func:`cudnn_attention_fwd`)
+    """``(dq, dk, dv)`` of cuDNN's fused attention (shapes as ``cudnn_attention_fwd``)
     given the output ``out`` and log-sum-exp ``lse`` ``(B, N, T)`` to differentiate at and
     the output's cotangent ``dout``: the probabilities are ``exp(scale·q·kᵀ - lse)`` and
     the softmax's row term ``sum(dout · out)``, so a global ``out`` and ``lse`` give one

@@ -3,7 +3,7 @@
 Where the coordinates come from, first match wins:
 
 1. explicit arguments (``coordinator_address``, ``num_processes``, ``process_id``);
-2. the environment set by ``shardax launch`` (:data:`ENV_COORDINATOR`, ...);
+2. the environment set by ``shardax launch`` (``ENV_COORDINATOR``, ...);
 3. the plain JAX environment a Kubernetes JobSet (or any launcher) can set:
    ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0, which JAX reads too),
    ``JAX_NUM_PROCESSES``, and ``JAX_PROCESS_ID`` or else ``JOB_COMPLETION_INDEX``
@@ -80,7 +80,6 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
-@public("sx.runtime.resolve_coordinates")
 def resolve_coordinates(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -191,7 +190,6 @@ def checked_coordinates(coords: ProcessCoordinates) -> ProcessCoordinates:
     return coords._replace(num_processes=count, process_id=rank)
 
 
-@public("sx.runtime.backend_started")
 def backend_started() -> bool:
     """True once any JAX backend (CPU, GPU, TPU) has been created in this process."""
     return compat.backends_are_initialized()

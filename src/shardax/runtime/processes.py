@@ -1,9 +1,12 @@
 """Working across processes: who prints, and host values reduced over every process.
 
 In a multi-process run every process executes the same program. Printing and
-progress bars come from process 0 (:func:`is_main_process`, :func:`print0`); values
-computed on the host of each process are combined with :func:`host_reduce`, and global
-arrays are brought to every host with :func:`host_value`. Both use XLA collectives
+progress bars come from process 0 ([`is_main_process`][shardax.is_main_process],
+[`print0`][shardax.print0]); values
+computed on the host of each process are combined with [`host_reduce`][shardax.runtime.host_reduce],
+and global
+arrays are brought to every host with [`host_value`][shardax.runtime.host_value]. Both use XLA
+collectives
 (gloo on CPU, NCCL on GPU) through ``jax.experimental.multihost_utils``.
 
 >>> import shardax as sx
@@ -27,7 +30,6 @@ from shardax.checks import public
 _HOST_REDUCERS = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min}
 
 
-@public("sx.runtime.device_put_global")
 def device_put_global(tree: Any, shardings: Any) -> Any:
     """``jax.device_put(tree, shardings)`` that also works for host values across processes.
 

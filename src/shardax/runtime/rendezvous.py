@@ -2,7 +2,7 @@
 Python exception says who is missing.
 
 JAX's own join, when a process never comes, aborts the others from C++ after its
-deadline with a message blaming "another task". So :func:`shardax.initialize` first
+deadline with a message blaming "another task". So [`shardax.initialize`][shardax.initialize] first
 meets on the coordinator's port in Python: process 0 listens, every other process
 connects and says its rank and the process count; once all ``num_processes`` are
 there, process 0 says "go", closes the port, and JAX's coordinator takes it. A process

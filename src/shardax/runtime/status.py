@@ -1,12 +1,12 @@
 """Where each process is: its last completed step and its current phase, readable by all.
 
-Each process records, in this module's :data:`STATUS`, the step it runs, its last
-completed step and its phase (:data:`PHASES`: waiting for data, dispatching the step,
+Each process records, in this module's ``STATUS``, the step it runs, its last
+completed step and its phase (``PHASES``: waiting for data, dispatching the step,
 waiting on the device, saving, evaluating). In a multi-process run a background thread
 publishes it, when it changes and at most every ``interval`` seconds, to JAX's
 distributed key-value store (the coordinator's, which ``sx.initialize`` starts), so a
 process stuck in Python, in I/O or in a collective still has an up-to-date entry. When
-a watchdog fires, :func:`hang_line` reads every entry and names the processes that are
+a watchdog fires, ``hang_line`` reads every entry and names the processes that are
 behind: those with the fewest completed steps, among them those in the earliest step,
 and among those the ones not waiting on the device (the others wait in a collective for
 them).
@@ -72,7 +72,7 @@ class RankStatus:
         self.phase: str | None = None
         self.since = time.time()
         self.probe: Any = None
-        """``() -> step | None``: a later step than :attr:`last_completed` whose result
+        """``() -> step | None``: a later step than ``last_completed`` whose result
         is ready though nothing waited for it yet (a loop that waits one step behind),
         read whenever the record is; None: none."""
         self._version = 0
@@ -82,7 +82,7 @@ class RankStatus:
         self._stop = threading.Event()
 
     def set(self, phase: str, step: int | None = None) -> None:
-        """Enters ``phase`` (one of :data:`PHASES`), in ``step`` when given."""
+        """Enters ``phase`` (one of ``PHASES``), in ``step`` when given."""
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {list(PHASES)}, got {phase!r}")
         if step is not None:
@@ -103,7 +103,7 @@ class RankStatus:
                 "since": self.since}  # fmt: skip
 
     def _completed(self) -> int | None:
-        """The last completed step: :attr:`last_completed`, or the :attr:`probe`'s."""
+        """The last completed step: ``last_completed``, or the ``probe``'s."""
         done, probe = self.last_completed, self.probe
         if probe is not None:
             ready = None

@@ -3,14 +3,17 @@
 A process that stays alive but stops entering collectives (a deadlock, a stuck data
 reader, a peer stuck in I/O) leaves the others waiting inside their next collective
 forever: the coordinator's heartbeat only notices processes that died. A
-:class:`StepWatchdog` runs a thread that waits for each armed step to complete. When
+[`StepWatchdog`][shardax.StepWatchdog] runs a thread that waits for each armed step to complete.
+When
 ``timeout`` seconds pass first, it dumps every thread's Python stack (``faulthandler``)
 to stderr, prints one line naming the step and the timeout, and ends the process with
-:data:`WATCHDOG_EXIT_CODE`. In a multi-process run it first prints one line naming the
-processes that are behind, with their step and phase (:mod:`shardax.runtime.status`:
+[`WATCHDOG_EXIT_CODE`][shardax.runtime.WATCHDOG_EXIT_CODE]. In a multi-process run it first prints
+one line naming the
+processes that are behind, with their step and phase (``shardax.runtime.status``:
 every process publishes its last completed step and its phase, which the loop sets
-with :meth:`StepWatchdog.phase`). No process exits before every process has written its
-report (or :data:`LEAVE_GRACE` has passed): one that ends breaks the collective the
+with [`StepWatchdog.phase`][shardax.StepWatchdog.phase]). No process exits before every process has
+written its
+report (or ``LEAVE_GRACE`` has passed): one that ends breaks the collective the
 others wait in, which then fail with a runtime error instead of their own report; and
 process 0 exits last. Under ``shardax launch`` (or a scheduler
 that ends a job when one task fails) the other processes are then stopped too; those
@@ -59,7 +62,7 @@ callback stuck on a hung filesystem or collective must not keep a hung process a
 
 LEAVE_GRACE = 10.0
 """Seconds a process waits, after its own report, for the others' before it exits (see
-:func:`shardax.runtime.status.leave_last`)."""
+``shardax.runtime.status.leave_last``)."""
 
 
 @public("sx.StepWatchdog")
@@ -72,11 +75,13 @@ class StepWatchdog:
         file: where the stack dump and the message go (default: ``sys.stderr``).
         on_fire: called with the step before the process exits (e.g. to save the goodput
             ledger with the step's time as ``hang``), on a thread of its own; given
-            :data:`ON_FIRE_GRACE` seconds, after which the process exits without it. It
+            ``ON_FIRE_GRACE`` seconds, after which the process exits without it. It
             must not call this watchdog's methods (their lock is held meanwhile).
 
-    Use :meth:`step` as a context manager around each step, or :meth:`arm` and
-    :meth:`disarm`; :meth:`close` (or leaving the ``with`` block) stops the thread.
+    Use [`step`][shardax.StepWatchdog.step] as a context manager around each step, or
+    [`arm`][shardax.StepWatchdog.arm] and
+    [`disarm`][shardax.StepWatchdog.disarm]; [`close`][shardax.StepWatchdog.close] (or leaving the
+    ``with`` block) stops the thread.
     """
 
     def __init__(
@@ -100,7 +105,8 @@ class StepWatchdog:
         self._thread: threading.Thread | None = None
 
     def arm(self, step: int, earlier: Callable[[], int | None] | None = None) -> None:
-        """Starts the clock: ``step`` must complete (:meth:`disarm`) within ``timeout``.
+        """Starts the clock: ``step`` must complete ([`disarm`][shardax.StepWatchdog.disarm]) within
+        ``timeout``.
         ``earlier``: ``() -> step | None``, an earlier step still running on the device
         (a loop that waits one step behind), named instead of ``step`` at a hang."""
         if self._thread is None:
@@ -129,7 +135,7 @@ class StepWatchdog:
 
     @staticmethod
     def phase(phase: str, step: int | None = None) -> None:
-        """This process enters ``phase`` (:data:`shardax.runtime.status.PHASES`), for the
+        """This process enters ``phase`` (``shardax.runtime.status.PHASES``), for the
         hang report."""
         status.STATUS.set(phase, step)
 
@@ -179,7 +185,7 @@ class StepWatchdog:
         """Reports the hang and ends the process. Whatever fails on the way (a closed
         ``file``, an unusable exit code), the process still ends: the failure is written
         to the process's own stderr and the exit code falls back to
-        :data:`WATCHDOG_EXIT_CODE`."""
+        [`WATCHDOG_EXIT_CODE`][shardax.runtime.WATCHDOG_EXIT_CODE]."""
         code = self.exit_code
         try:
             out = self._file or sys.stderr

@@ -1,20 +1,23 @@
 """The goodput ledger: every second of a run's wall time in one bucket.
 
-The buckets (:data:`BUCKETS`): ``startup`` (process start to the first step), ``compile``
+The buckets (``BUCKETS``): ``startup`` (process start to the first step), ``compile``
 (tracing, lowering, compiling or loading from the cache), ``data`` (the loop blocked on
 input), ``step`` (training: the only productive bucket), ``eval``, ``checkpoint`` (the
 part of a save that blocks the loop), ``hang`` (a step the watchdog ended) and ``lost``
 (steps computed again after resuming from a checkpoint older than the last step
 reached). Goodput is ``step / wall``.
 
-A :class:`Ledger` is a stopwatch with one running bucket: :meth:`Ledger.switch` charges
+A [`Ledger`][shardax.track.Ledger] is a stopwatch with one running bucket:
+[`Ledger.switch`][shardax.track.Ledger.switch] charges
 the time since the last switch to the running bucket and starts the next, so the
 buckets sum to the wall time by construction. Counters (e.g. the compile seconds of
-:func:`shardax.runtime.compile_stats`, the input iterator's ``wait_seconds``) move what
+[`shardax.runtime.compile_stats`][shardax.runtime.compile_stats], the input iterator's
+``wait_seconds``) move what
 they counted during an interval out of the running bucket into theirs.
 
 The ledger lives beside the checkpoints (``goodput.json``), one entry per session
-(process start to exit), so it spans preemptions and resumes; :meth:`Ledger.resumed`
+(process start to exit), so it spans preemptions and resumes;
+[`Ledger.resumed`][shardax.track.Ledger.resumed]
 moves the step time of the steps a restart will compute again into ``lost``.
 
 >>> ledger = Ledger(path=os.path.join(tmp_path, FILE))  # beside the checkpoints
@@ -209,7 +212,7 @@ def _check_bucket(bucket: str) -> None:
 
 
 def load(path: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """The ledger at ``path`` (a file, or a directory holding :data:`FILE`); an empty
+    """The ledger at ``path`` (a file, or a directory holding ``FILE``); an empty
     one when there is none. A file that is not a ledger (not JSON, a session without
     buckets, a bucket that is not a number of seconds >= 0) raises ``ValueError`` naming
     the file and the entry."""

@@ -29,7 +29,6 @@ from shardax.checks import as_count, as_function, as_path, public
 from shardax.track.sinks import check_writable
 
 
-@public("sx.track.parse_steps")
 def parse_steps(text: str) -> tuple[int, int]:
     """``"A:B"`` -> ``(A, B)`` with ``1 <= A <= B``; else a ``ValueError`` saying so."""
     first, sep, last = text.partition(":")

@@ -23,8 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from shardax.checks import public
-
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 """The optional sinks, by the name of the extra that installs each."""
 
@@ -35,7 +33,6 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-@public("sx.track.check_writable")
 def check_writable(directory: str | os.PathLike[str], what: str = "directory") -> Path:
     """Creates ``directory`` and checks that a file can be written in it; else an
     ``OSError`` whose message names ``what``, the path and the reason."""
@@ -158,7 +155,7 @@ _FACTORIES: dict[str, Callable[[Path, dict[str, Any]], Sink]] = {
 
 
 def make_sink(name: str, directory: str | os.PathLike[str], config: dict[str, Any]) -> Sink:
-    """The optional sink ``name`` (one of :data:`BACKENDS`) writing under ``directory``."""
+    """The optional sink ``name`` (one of ``BACKENDS``) writing under ``directory``."""
     if name not in _FACTORIES:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {name!r}")
     return _FACTORIES[name](Path(directory), config)

@@ -109,7 +109,8 @@ class MetricWriter:
 
     Directories are created and checked here, before any step runs: an unwritable one
     is an ``OSError`` naming it; a backend whose extra is missing an ``ImportError``
-    naming the extra. Use it as a context manager, or call :meth:`close`, which waits
+    naming the extra. Use it as a context manager, or call [`close`][shardax.MetricWriter.close],
+    which waits
     for everything queued to be written.
     """
 

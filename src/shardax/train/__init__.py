@@ -1,6 +1,7 @@
 """Train layer: TrainState, the train and eval steps, precision, auto plans, the loss rules,
 verify (the step against one device)."""
 
+from shardax._names import exports as _exports
 from shardax.checks import moved as _moved
 from shardax.train.auto import (
     AutoPlan,
@@ -31,45 +32,7 @@ from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
 from shardax.train.verification import VerifyReport, verify
 
-__all__ = [
-    "AutoPlan",
-    "AutoPlanOptions",
-    "AutoStep",
-    "Candidate",
-    "EvalStep",
-    "Layout",
-    "LossScaling",
-    "NonFiniteLossError",
-    "SearchSpace",
-    "Precision",
-    "StepConfig",
-    "TrainState",
-    "TrainStep",
-    "VerifyReport",
-    "auto_plan",
-    "check_finite",
-    "combine_thresholds",
-    "compiler_options",
-    "dropout",
-    "example_keys",
-    "gpu_options",
-    "keep_plan",
-    "make_eval_step",
-    "make_train_step",
-    "masked_mean",
-    "prepare",
-    "search_plans",
-    "set_gpu_environment",
-    "verify",
-]
+__all__ = _exports(__name__)
 
-# Names that left this namespace (internal now, or moved), by their home; they keep
-# working for a release, with a DeprecationWarning.
-__getattr__ = _moved(
-    __name__,
-    {
-        "LossScaleState": "shardax.train.precision.LossScaleState",
-        "MODES": "shardax.train.config.MODES",
-        "Program": "shardax.train.program.Program",
-    },
-)
+# Names that left this namespace keep working for a release (shardax/_names.py MOVED).
+__getattr__ = _moved(__name__)

@@ -1,6 +1,6 @@
 """Gradient accumulation as a wrapper: ``k`` microbatches in a ``lax.scan``.
 
-:func:`microbatched` turns a function of one batch into the same function of ``k``
+``microbatched`` turns a function of one batch into the same function of ``k``
 microbatches of it, summing the results weighted by each microbatch's count of real
 examples (or tokens) when the batch has a ``"mask"`` leaf, so the result is the mean over
 the whole batch either way. The model state (batch norm statistics, say) takes one step
@@ -51,7 +51,7 @@ def _floating(x: Any) -> bool:
 
 def microbatched(fn: ShardFn, k: int, constrain: Callable[[Any], Any] | None = None) -> ShardFn:
     """``fn`` over ``k`` microbatches: microbatch ``j`` holds the examples ``i`` with
-    ``i % k == j`` (:func:`shardax.train.batch.split_microbatches`), and gets
+    ``i % k == j`` (``shardax.train.batch.split_microbatches``), and gets
     ``fold_in(rng, j)`` and its slice of ``keys``. ``constrain`` (optional) is applied
     to the stacked microbatches, e.g. to keep each split over the data axis."""
     if k == 1:

@@ -75,7 +75,7 @@ def axis_type_note(error: BaseException, mesh: Mesh) -> str | None:
 
 
 def explain_axis_types(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
-    """``fn``, adding :func:`axis_type_note` to the errors it raises (while traced)."""
+    """``fn``, adding ``axis_type_note`` to the errors it raises (while traced)."""
 
     @functools.wraps(fn)
     def explained(*args: Any) -> Any:

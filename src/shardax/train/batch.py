@@ -25,8 +25,8 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
     boolean, with a shape that leads the batch's: ``(batch,)``, or ``(batch, seq)``
     leading the shape of another leaf; a host (NumPy) mask must have a True entry (a
     device mask is not read back, which would wait for the device). A step checks the
-    first batch of each structure (:func:`batch_structure`), and the mask's values
-    (:func:`check_mask_has_examples`) on every batch.
+    first batch of each structure (``batch_structure``), and the mask's values
+    (``check_mask_has_examples``) on every batch.
     """
     if isinstance(batch, dict) and MASK_KEY in batch:
         # The mask is checked against the other leaves' size first, with its own message.

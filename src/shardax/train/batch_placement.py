@@ -1,15 +1,15 @@
 """Batch placement: how a step checks a batch and places it for its mesh and mode.
 
-A :class:`BatchPlacement` is built from a step's
-:class:`~shardax.train.config.StepConfig`:
+A ``BatchPlacement`` is built from a step's
+[`StepConfig`][shardax.train.StepConfig]:
 
-- :meth:`~BatchPlacement.check`: a list of examples divisible by the data axis size
+- ``check``: a list of examples divisible by the data axis size
   (× ``accumulate``), or with a ``batch_spec`` arrays placed as it says; where rows are
   split as examples (shard_map, pmap, ``accumulate``), a batch whose type says it is
   not one (a graph batch, a sparse array) is refused, whatever its leaves' sizes;
-- :meth:`~BatchPlacement.place` (``"jit"``): rows over the data axis, the sequence over
+- ``place`` (``"jit"``): rows over the data axis, the sequence over
   ``seq_axis``, or each leaf as ``batch_spec`` says; the step's ``place_batch``;
-- :meth:`~BatchPlacement.on_device` (``"single"``) and :meth:`~BatchPlacement.per_device`
+- ``on_device`` (``"single"``) and ``per_device``
   (``"pmap"``: ``(devices, per device, ...)``).
 
 >>> placement = BatchPlacement(sx.train.StepConfig(mesh=sx.make_mesh({"data": -1})))
@@ -67,10 +67,10 @@ class BatchPlacement:
         self._checked: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
     def check(self, batch: Any) -> Any:
-        """A list of examples (:func:`~shardax.train.batch.check_batch`), or with a
+        """A list of examples (``check_batch``), or with a
         ``batch_spec`` arrays placed as it says: checked once per batch structure
-        (:func:`~shardax.train.batch.batch_structure`), not per step; a host mask's
-        values (:func:`~shardax.train.batch.check_mask_has_examples`) on every batch.
+        (``batch_structure``), not per step; a host mask's
+        values (``check_mask_has_examples``) on every batch.
         Returns the ``batch_spec`` shardings (True without one)."""
         check_mask_has_examples(batch)
         key = batch_structure(batch)
@@ -93,7 +93,7 @@ class BatchPlacement:
 
     def _check_examples(self, batch: Any) -> None:
         """Refuses a batch whose type says its leaves are not examples (a graph batch, a
-        sparse array: :func:`~shardax.data.leaves.not_examples`) where the step splits
+        sparse array: ``not_examples``) where the step splits
         rows as examples, even when its leaves happen to agree on their size."""
         found = not_examples(batch) if self.splits_rows else []
         if not found:

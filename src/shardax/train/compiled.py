@@ -1,7 +1,7 @@
 """The compiled-program cache of a step: one program per state structure.
 
-A :class:`CompiledCache` builds a program for each state structure it is called with
-(``build(state)``) and keeps the :data:`COMPILED_CACHE_SIZE` most recently used. The hot
+A ``CompiledCache`` builds a program for each state structure it is called with
+(``build(state)``) and keeps the ``COMPILED_CACHE_SIZE`` most recently used. The hot
 path flattens nothing: the state a call gets is most likely the one a cached program
 returned last (or, for an eval step, the one it was given), which each entry remembers
 weakly.

@@ -4,11 +4,12 @@ The fastest JAX stacks on GPUs (MaxText, NVIDIA's JAX-Toolbox, the public H100/H
 recipes) turn on XLA:GPU options that a pip install of JAX leaves off: the latency-hiding
 scheduler, collective pipelining and combining, cuBLAS for the matmuls. They set them with
 ``XLA_FLAGS`` for the whole process; shardax compiles the step, so it sets them per step
-(``jax.jit(..., compiler_options=...)``), and :func:`shardax.make_train_step` takes
+(``jax.jit(..., compiler_options=...)``), and [`shardax.make_train_step`][shardax.make_train_step]
+takes
 ``compiler_options``:
 
 - ``"auto"`` (the default): shardax's settings for the platform of the step's mesh: on
-  GPUs :func:`gpu_options`; on CPUs and TPUs none for now (XLA's defaults);
+  GPUs [`gpu_options`][shardax.train.gpu_options]; on CPUs and TPUs none for now (XLA's defaults);
 - ``"xla"``: XLA's own defaults, nothing set (the way back);
 - a mapping ``{name: value}``: exactly those (names of XLA's ``DebugOptions``, starting
   with ``"xla_"``; values bool, int, float or str).
@@ -17,13 +18,13 @@ The options resolved for a step are ``step.compiler_options`` (a dict), shown in
 Under ``mode="pmap"`` they are none: ``jax.pmap`` takes no compiler options, so ``"auto"``
 resolves to ``{}`` there and a mapping is refused.
 
-One setting is not a compiler option: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:data:`ENVIRONMENT`)
+One setting is not a compiler option: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``ENVIRONMENT``)
 keeps the GPU's work queues in the order XLA scheduled them, which the recipes set so that
 collectives overlap compute. CUDA reads it when the GPU backend starts, so it must be in the
 environment before JAX uses the GPU: ``shardax launch`` sets it for the processes it starts,
 ``shardax train`` when not set and no GPU backend has started yet; a process started
 otherwise sets it itself (``export CUDA_DEVICE_MAX_CONNECTIONS=1``, or
-:func:`set_gpu_environment` first thing).
+[`set_gpu_environment`][shardax.train.set_gpu_environment] first thing).
 
 >>> sx.train.compiler_options("gpu")["xla_gpu_enable_latency_hiding_scheduler"]
 True
@@ -52,15 +53,18 @@ AUTO, XLA = "auto", "xla"
 Value = bool | int | float | str
 
 COMBINE_THRESHOLD_BYTES: int | None = None
-"""The collective combine thresholds of :func:`gpu_options` alone: None leaves XLA's own.
+"""The collective combine thresholds of [`gpu_options`][shardax.train.gpu_options] alone: None
+leaves XLA's own.
 Under ``"auto"`` a step sets them from the state it compiles for
-(:func:`combine_thresholds`). The recipes' fixed 1 GiB joined every layer's all-gather
+([`combine_thresholds`][shardax.train.combine_thresholds]). The recipes' fixed 1 GiB joined every
+layer's all-gather
 of an unrolled GPT into one at the step's start, and every gradient reduce-scatter into
 one after the backward pass, so nothing overlapped (``tests/compile/
 test_overlap_targets.py``, 8xH100)."""
 
 COMBINE_PARTS = 16
-""":func:`combine_thresholds` sizes each combined collective to about 1/16 of the step's
+"""[`combine_thresholds`][shardax.train.combine_thresholds] sizes each combined collective to about
+1/16 of the step's
 weights (or of a device's gradient shard): a layer or less in a model of 16 layers or more,
 so each layer's gather can start ahead of the layer and each layer's reduction run under
 the next layer's backward pass."""
@@ -98,7 +102,7 @@ def gpu_options(
       jaxlib 0.10 names these ``xla_gpu_enable_pipelined_<op>=True``, and jaxlib 0.11 and
       later refuse those names, taking ``xla_gpu_pipeline_<op>="COLLECTIVE_PIPELINING_MODE_ON"``;
     - collectives combined across dimensions, up to ``combine_threshold_bytes`` where
-      given (None: XLA's own thresholds; see :data:`COMBINE_THRESHOLD_BYTES`).
+      given (None: XLA's own thresholds; see ``COMBINE_THRESHOLD_BYTES``).
 
     Triton GEMMs stay on (XLA's autotuner picks Triton or cuBLAS per matmul): the
     recipes' ``xla_gpu_enable_triton_gemm=False`` made the 1.2B GPT's step 2.7% slower
@@ -141,7 +145,7 @@ def combine_thresholds(
     """XLA:GPU's collective combine thresholds for a step whose floating params take
     ``weight_bytes`` in the compute dtype, split over ``shards`` devices: an all-gather
     or all-reduce of about ``1/parts`` of the weights, a reduce-scatter of ``1/parts`` of
-    a device's share, each between 1 MiB and 1 GiB (see :data:`COMBINE_PARTS`).
+    a device's share, each between 1 MiB and 1 GiB (see ``COMBINE_PARTS``).
 
     >>> t = sx.train.combine_thresholds(2.4e9, 8)  # a 1.2B model's bf16 weights, 8 GPUs
     >>> tuple(t[f"xla_gpu_{op}_combine_threshold_bytes"] for op in ("all_gather", "reduce_scatter"))
@@ -165,7 +169,8 @@ def for_state(
     shards: int,
 ) -> dict[str, Value]:  # fmt: skip
     """``options`` (a step's, resolved from ``value``) with, under ``"auto"`` on a GPU
-    mesh of several devices, the :func:`combine_thresholds` of ``state``'s floating
+    mesh of several devices, the [`combine_thresholds`][shardax.train.combine_thresholds] of
+    ``state``'s floating
     params in ``compute_dtype``; otherwise ``options`` as they are."""
     options = dict(options)
     if value != AUTO or platform != "gpu" or shards <= 1:
@@ -199,7 +204,8 @@ def platform_of(where: Any) -> str:
 
 
 def auto_options(platform: str) -> dict[str, Value]:
-    """What ``"auto"`` sets on ``platform``: :func:`gpu_options` on GPUs, nothing elsewhere
+    """What ``"auto"`` sets on ``platform``: [`gpu_options`][shardax.train.gpu_options] on GPUs,
+    nothing elsewhere
     (on CPUs and TPUs XLA's defaults are shardax's for now)."""
     return gpu_options() if platform == "gpu" else {}
 
@@ -244,7 +250,7 @@ def check(value: Any, name: str = "compiler_options") -> str | dict[str, Value]:
 
 def resolve(value: Any, platform: str, mode: str = "jit") -> dict[str, Value]:
     """The options a step in ``mode`` on ``platform`` compiles with, for the setting
-    ``value`` (checked: see :func:`check`). Under ``"pmap"`` none: ``jax.pmap`` takes no
+    ``value`` (checked: see ``check``). Under ``"pmap"`` none: ``jax.pmap`` takes no
     compiler options, so ``"auto"`` gives ``{}`` and a mapping is refused.
 
     >>> resolve("xla", "gpu"), resolve({"xla_dump_to": "/tmp/x"}, "cpu")
@@ -296,7 +302,7 @@ def compiler_options(where: Any, value: Any = AUTO) -> dict[str, Value]:
 
 @public("sx.train.set_gpu_environment")
 def set_gpu_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Sets :data:`ENVIRONMENT`'s variables in ``environ`` (default ``os.environ``) where
+    """Sets ``ENVIRONMENT``'s variables in ``environ`` (default ``os.environ``) where
     they are not set, and returns those it set. For ``os.environ`` call it before JAX
     starts a GPU backend: CUDA reads the variables then (``shardax train`` does, and skips
     it when a GPU backend is up).

@@ -1,8 +1,9 @@
-"""The step's settings in one validated object: :class:`StepConfig`.
+"""The step's settings in one validated object: [`StepConfig`][shardax.train.StepConfig].
 
-:func:`shardax.make_train_step` and :func:`shardax.make_eval_step` build one from their
+[`shardax.make_train_step`][shardax.make_train_step] and
+[`shardax.make_eval_step`][shardax.make_eval_step] build one from their
 keywords, and the step keeps it as ``step.config``. Whatever derives a variant of a step
-(the auto plan's pick, :func:`shardax.verify`'s one-device reference, the CLI's eval
+(the auto plan's pick, [`shardax.verify`][shardax.verify]'s one-device reference, the CLI's eval
 step) does it with ``dataclasses.replace(step.config, ...)``, which checks the result
 again, rather than restating each setting. A new setting is a field here and a keyword
 of the two doors.
@@ -67,7 +68,8 @@ def check_data_axis(data_axis: Any, mesh: Mesh, mode: str) -> str | tuple[str, .
 
 
 def as_config(config: StepConfig | None, settings: dict[str, Any]) -> StepConfig:
-    """``config``, or the :class:`StepConfig` built from ``settings`` (not both)."""
+    """``config``, or the [`StepConfig`][shardax.train.StepConfig] built from ``settings`` (not
+    both)."""
     if config is None:
         return StepConfig(**settings)
     if settings:
@@ -86,7 +88,8 @@ def _set(config: StepConfig, **values: Any) -> None:
 
 
 class from_config:
-    """A read-only attribute of an object holding a :class:`StepConfig` as ``config``:
+    """A read-only attribute of an object holding a [`StepConfig`][shardax.train.StepConfig] as
+    ``config``:
     reads the config's field ``name`` (default: the attribute's own name), so the
     settings are held once, not copied onto the objects built from them.
 
@@ -114,13 +117,15 @@ class from_config:
 class StepConfig:
     """The settings of a train or eval step, checked once when it is made.
 
-    The fields are :func:`shardax.make_train_step`'s keywords (``loss_fn`` and
+    The fields are [`shardax.make_train_step`][shardax.make_train_step]'s keywords (``loss_fn`` and
     ``plan="auto"`` aside), with its defaults; each is normalized as the step uses it:
-    ``precision`` an :class:`~shardax.Precision`, ``stats`` a tuple, ``data_axis`` a name
+    ``precision`` an [`Precision`][shardax.Precision], ``stats`` a tuple, ``data_axis`` a name
     or a tuple of two or more, ``compiler_options`` ``"auto"``, ``"xla"`` or a dict.
-    ``plan`` stays as given (None: replicate, see :attr:`resolved_plan`), and so does
+    ``plan`` stays as given (None: replicate, see
+    [`resolved_plan`][shardax.train.StepConfig.resolved_plan]), and so does
     ``compiler_options`` (resolved for the mesh's platform by
-    :attr:`resolved_compiler_options`). Derive a variant with ``dataclasses.replace``.
+    [`resolved_compiler_options`][shardax.train.StepConfig.resolved_compiler_options]). Derive a
+    variant with ``dataclasses.replace``.
 
     >>> config = sx.train.StepConfig(mesh=sx.make_mesh({"data": -1}), precision="bf16")
     >>> config.precision.compute_dtype
@@ -185,7 +190,7 @@ class StepConfig:
         resolve_compiler_options(self.compiler_options, self.platform, mode)  # pmap refuses a dict
 
     def _check_batch_spec(self) -> Any:
-        """A batch whose leaves are not examples (:mod:`shardax.data.spec`) is placed as
+        """A batch whose leaves are not examples (``shardax.data.spec``) is placed as
         it says under ``"jit"`` and ``"single"``; the modes that split rows as examples
         refuse it. (Whether ``loss_fn`` takes per-example keys the step checks.)"""
         batch_spec = check_batch_spec(self.batch_spec)
@@ -217,7 +222,7 @@ class StepConfig:
     @property
     def resolved_compiler_options(self) -> dict[str, Any]:
         """The XLA options every jit of the step compiles with: ``compiler_options``
-        resolved for the mesh's platform and the mode (:mod:`shardax.train.compiler`)."""
+        resolved for the mesh's platform and the mode (``shardax.train.compiler``)."""
         return resolve_compiler_options(self.compiler_options, self.platform, self.mode)
 
     @property

@@ -1,14 +1,14 @@
 """The eval step: the forward pass on every device, no update.
 
-:class:`EvalStep` is a :class:`~shardax.train.program.Program` whose work
-(:class:`~shardax.train.protocol.StepWork`: :func:`objective`, :func:`forward`,
-:func:`metrics_of`, the model in inference mode) stops after the forward pass: no
+[`EvalStep`][shardax.train.EvalStep] is a ``Program`` whose work
+(``StepWork``: ``objective``, ``forward``,
+``metrics_of``, the model in inference mode) stops after the forward pass: no
 gradients, no optimizer, no donation, and the state is never written. It shares the
 train step's placement, modes, precision, microbatching and mask rules, so its metrics
 are means over the real examples (or tokens) of the whole global batch in every mode.
-NNX and Equinox models run in inference mode (:func:`shardax.train.model.deterministic`).
+NNX and Equinox models run in inference mode (``shardax.train.model.deterministic``).
 
-Built by :func:`shardax.make_eval_step`.
+Built by [`shardax.make_eval_step`][shardax.make_eval_step].
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> state = sx.TrainState.from_params({"w": jnp.zeros(3)}, lambda p, x: x @ p["w"],
@@ -38,7 +38,7 @@ from shardax.train.state import TrainState
 
 def objective(out: Any) -> tuple[dict[str, Any], None]:
     """The metrics: a dict, a scalar loss or ``(loss, aux)``
-    (:func:`shardax.train.loss.metric_dict`)."""
+    (``shardax.train.loss.metric_dict``)."""
     return metric_dict(out), None
 
 
@@ -57,14 +57,14 @@ def metrics_of(state: TrainState, grads: Any, loss: Any, aux: Any, model_state: 
 class EvalStep(Program):
     """``evaluate(state, batch) -> metrics``; ``evaluate.shard(state)`` places a state.
 
-    Attributes as for :class:`~shardax.train.step.TrainStep` (``donate`` is False).
+    Attributes as for [`TrainStep`][shardax.train.TrainStep] (``donate`` is False).
     """
 
     def __init__(
         self, metric_fn: Callable[..., Any], config: StepConfig | None = None, **settings: Any
     ) -> None:
-        """``config`` (a :class:`~shardax.train.config.StepConfig`; see
-        :meth:`~shardax.train.config.StepConfig.for_eval`), or the keywords to build one."""
+        """``config`` (a [`StepConfig`][shardax.train.StepConfig]; see
+        [`for_eval`][shardax.train.StepConfig.for_eval]), or the keywords to build one."""
         work = StepWork(
             objective=objective,
             differentiate=forward,

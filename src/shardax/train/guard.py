@@ -25,7 +25,8 @@ class NonFiniteLossError(FloatingPointError):
 
 @public("sx.train.check_finite")
 def check_finite(loss: Any, step: int) -> float:
-    """Returns ``loss`` as a float, or raises :class:`NonFiniteLossError` naming ``step``.
+    """Returns ``loss`` as a float, or raises [`NonFiniteLossError`][shardax.NonFiniteLossError]
+    naming ``step``.
 
     Call it on the step's loss before saving a checkpoint for that step. It reads the
     value back to the host, so it synchronises with the device.

@@ -1,9 +1,9 @@
 """``keep_plan``: the plan holds after every step of the user's own loop.
 
 A user's ``jax.jit`` / ``nnx.jit`` / ``eqx.filter_jit`` step has no ``out_shardings``, so
-XLA picks the layout of what it returns: after one step under :func:`shardax.zero1` the
+XLA picks the layout of what it returns: after one step under [`shardax.zero1`][shardax.zero1] the
 params are no longer replicated, under a TP rule a LayerNorm bias moves. One line under
-the framework's jit keeps every leaf that :func:`shardax.prepare` placed on its plan:
+the framework's jit keeps every leaf that [`shardax.prepare`][shardax.prepare] placed on its plan:
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": -1})
@@ -22,7 +22,7 @@ the framework's jit keeps every leaf that :func:`shardax.prepare` placed on its 
 
 Under the jit (as above) it constrains each leaf to its plan at the end of the traced
 step (``jax.lax.with_sharding_constraint``): NNX Variables (updated in place) by the
-sharding :func:`shardax.prepare` wrote in their metadata, and every returned subtree
+sharding [`shardax.prepare`][shardax.prepare] wrote in their metadata, and every returned subtree
 whose structure and shapes ``prepare`` placed (an Equinox model, an optax state, a
 ``flax.training`` train state) by structure. Placed over the jit
 (``sx.keep_plan(jax.jit(step))``), the step has already chosen its layouts: it warns once,
@@ -97,7 +97,7 @@ def _hold(
 
 
 class _Held:
-    """What :func:`_hold` walks, found once: each argument's planned NNX Variables (by
+    """What ``_hold`` walks, found once: each argument's planned NNX Variables (by
     the argument object, while it lives) and each output structure's planned leaves (by
     its treedef and leaf shapes). For a step called on concrete arrays (over the jit),
     where the walk would otherwise run on every step."""
@@ -165,7 +165,8 @@ def _join(*paths: Any) -> str:
 
 @public("sx.keep_plan")
 def keep_plan(step: Callable[..., Any] | None = None) -> Callable[..., Any]:
-    """Wraps the user's train step so that every leaf :func:`shardax.prepare` placed keeps
+    """Wraps the user's train step so that every leaf [`shardax.prepare`][shardax.prepare] placed
+    keeps
     its plan's sharding after each step. Put it under the framework's jit::
 
         @nnx.jit                 # or jax.jit, eqx.filter_jit

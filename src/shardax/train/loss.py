@@ -5,7 +5,7 @@
 - ``model`` is what the framework calls a model (an NNX or Equinox module, a bound
   Linen module, ``partial(apply_fn, params)`` for plain pytrees);
 - ``loss`` is a scalar, the mean over the real examples of ``batch``
-  (:func:`shardax.masked_mean`);
+  ([`shardax.masked_mean`][shardax.masked_mean]);
 - ``aux`` is a dict of metrics (scalars or arrays), or anything else under ``"jit"`` and
   ``"single"``, where it comes back as ``metrics["aux"]``;
 - two optional parameters are filled by the step: ``rng`` (one key per example) and
@@ -53,7 +53,7 @@ def takes_state(loss_fn: Callable[..., Any]) -> bool:
 
 
 def check_loss_fn(loss_fn: Callable[..., Any], batch_spec: Any = None) -> tuple[str, ...]:
-    """The step keys ``loss_fn`` takes (:func:`rng_arguments`), checked against the
+    """The step keys ``loss_fn`` takes (``rng_arguments``), checked against the
     step's ``batch_spec``: a batch whose leaves are not examples has no example to give
     an ``rng`` key each."""
     filled = rng_arguments(loss_fn)
@@ -67,7 +67,7 @@ def check_loss_fn(loss_fn: Callable[..., Any], batch_spec: Any = None) -> tuple[
 
 
 def rng_arguments(loss_fn: Callable[..., Any], what: str = "loss_fn") -> tuple[str, ...]:
-    """The parameters of :data:`FILLED` that ``loss_fn`` takes; raises ``TypeError``
+    """The parameters of ``FILLED`` that ``loss_fn`` takes; raises ``TypeError``
     naming any other parameter the step cannot fill (after ``model`` and ``batch``)."""
     if not callable(loss_fn):
         raise TypeError(f"{what} must be a function {what}(model, batch), got {loss_fn!r}")

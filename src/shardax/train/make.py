@@ -1,8 +1,8 @@
 """``make_train_step`` and ``make_eval_step``: the two doors to the compiled steps.
 
-``plan="auto"`` (or an :class:`~shardax.train.auto.AutoPlanOptions`) gives an
-:class:`~shardax.train.auto.AutoStep`, which picks its plan on the first call; any other
-plan a :class:`~shardax.train.step.TrainStep`.
+``plan="auto"`` (or an [`AutoPlanOptions`][shardax.AutoPlanOptions]) gives an
+[`AutoStep`][shardax.train.AutoStep], which picks its plan on the first call; any other
+plan a [`TrainStep`][shardax.train.TrainStep].
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> step = sx.make_train_step(lambda model, batch: jnp.mean(model(batch["x"])), mesh=mesh)
@@ -58,7 +58,8 @@ def make_train_step(
         loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``, where ``model`` is what
             the framework calls a model (NNX or Equinox module, bound Linen module,
             ``partial(apply_fn, params)``) and ``loss`` is a scalar: the mean over the real
-            examples of ``batch`` (see :func:`shardax.masked_mean`). If it takes an ``rng``
+            examples of ``batch`` (see [`shardax.masked_mean`][shardax.masked_mean]). If it takes an
+            ``rng``
             argument it receives one key per example, ``fold_in(fold_in(rng, step), i)``
             for example ``i`` of the global batch, the same in every mode. If it takes a
             ``step_rng`` argument it receives one key for the step,
@@ -69,16 +70,18 @@ def make_train_step(
             draw different masks (use ``rng`` for keys that no mode changes).
         mesh: the device mesh; the batch is split over ``data_axis``.
         plan: shardings of the state (default: replicate), wrapped in
-            :func:`shardax.follow_params` so the optimizer state follows the params.
+            [`sx.plan.follow_params`][shardax.plan.follow_params] so the optimizer state follows the
+            params.
             ``"shard_map"`` and ``"pmap"`` support only replicating plans. ``step.init``
             builds a state straight onto it; ``jit`` mode traces under
             ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies, with the
             mesh's axis types: on Explicit axes the model's own shardings
             (``out_sharding=``, ``jax.sharding.reshard``) apply, and on Auto axes
-            computation follows the data (:mod:`shardax.train.axis_types`).
+            computation follows the data (``shardax.train.axis_types``).
             ``sx.zero2`` also constrains the gradients to the optimizer state's
             sharding. ``"auto"``: the first ``step(state, batch)`` picks the plan with
-            :func:`shardax.auto_plan` and places the state on it (``step.auto_report``);
+            [`shardax.auto_plan`][shardax.auto_plan] and places the state on it
+            (``step.auto_report``);
             ``sx.AutoPlanOptions(tp_rules=..., pipeline_rules=..., device_memory=...)`` passes
             auto_plan's options (the fsdp+tp and pipeline candidates, the budget).
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
@@ -92,14 +95,15 @@ def make_train_step(
         data_axis: the mesh axis the batch is split over, or a tuple of axes (HSDP:
             ``("replica", "fsdp")`` with ``plan=sx.fsdp(mesh, axis="fsdp")``).
         precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or an
-            :class:`shardax.Precision`. Params and optimizer state stay in the state in
+            [`shardax.Precision`][shardax.Precision]. Params and optimizer state stay in the state
+            in
             ``param_dtype`` (float32); params and floating batch leaves are cast to
             ``compute_dtype`` for the forward and backward passes; gradients reach the
             optimizer in ``param_dtype``. ``"fp16"`` adds dynamic loss scaling: the
             scale is ``state.loss_scale`` and ``metrics["loss_scale"]`` (the scale after
             the step); a step with non-finite gradients leaves params, optimizer and
             model state unchanged and halves the scale.
-        stats: the update statistics the step returns (:mod:`shardax.train.stats`):
+        stats: the update statistics the step returns (``shardax.train.stats``):
             ``"grad_norm"`` (global L2 norm of the all-reduced gradients),
             ``"param_norm"`` (after the update) and ``"learning_rate"`` (with
             ``optax.inject_hyperparams``). Default ``("learning_rate",)``, which is free:
@@ -119,7 +123,7 @@ def make_train_step(
         batch_spec: for a batch whose leaves are not examples (a graph batch: nodes,
             edges and graphs of different counts), how each leaf is split: a
             ``PartitionSpec`` for every leaf (``P()``: not split, whole on every device)
-            or a pytree of them, a prefix of the batch (:mod:`shardax.data.spec`). The
+            or a pytree of them, a prefix of the batch (``shardax.data.spec``). The
             step places the batch so; ``"jit"`` and ``"single"`` only, ``accumulate=1``.
             Default None: every leaf's rows are examples, split over ``data_axis``.
         rng_per_device: under ``"shard_map"`` and ``"pmap"``, a model that draws from
@@ -130,19 +134,21 @@ def make_train_step(
             ``accumulate`` > 1 such a model is refused in every mode. (Keys the step
             hands out, ``rng`` and ``step_rng``, need no opt-in.)
         compiler_options: the XLA options every jit of the step compiles with
-            (:mod:`shardax.train.compiler`). ``"auto"`` (default): shardax's for the
+            (``shardax.train.compiler``). ``"auto"`` (default): shardax's for the
             mesh's platform: on GPUs the latency-hiding scheduler, collective pipelining
-            and combining, cuBLAS matmuls (:func:`shardax.train.gpu_options`); on CPUs and
+            and combining, cuBLAS matmuls
+            ([`shardax.train.gpu_options`][shardax.train.gpu_options]); on CPUs and
             TPUs none for now. ``"xla"``: XLA's defaults. A dict ``{"xla_...": value}``:
             exactly those. The step keeps them resolved as ``step.compiler_options``;
             under ``"pmap"`` they are none (``jax.pmap`` takes none; a dict is refused).
-        config: the settings as one :class:`~shardax.train.config.StepConfig` (as
-            :func:`shardax.auto_plan` takes them), instead of the keywords above: with it,
+        config: the settings as one [`StepConfig`][shardax.train.StepConfig] (as
+            [`shardax.auto_plan`][shardax.auto_plan] takes them), instead of the keywords above:
+            with it,
             the others stay at their defaults (``mesh`` may be the config's own; ``plan``
             may be given where the config has none, ``"auto"`` included); a setting given
             beside it is refused, naming it.
 
-    The settings are checked once, into a :class:`~shardax.train.config.StepConfig`
+    The settings are checked once, into a [`StepConfig`][shardax.train.StepConfig]
     (``step.config``); ``sx.train.TrainStep(loss_fn, config)`` builds a step from one.
 
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
@@ -172,7 +178,8 @@ def make_train_step(
 
 
 def _config_alone(config: Any, settings: dict[str, Any], door: Callable[..., Any]) -> StepConfig:
-    """``config``, a :class:`StepConfig`, when none of ``settings`` (the door's keywords)
+    """``config``, a [`StepConfig`][shardax.train.StepConfig], when none of ``settings`` (the door's
+    keywords)
     differs from the door's default (``mesh`` may be the config's own); else a
     ``TypeError`` naming them."""
     if not isinstance(config, StepConfig):
@@ -231,18 +238,20 @@ def make_eval_step(
             loss (reported as ``"loss"``) or ``(loss, aux)`` like a train step's loss
             function, so the training loss function serves as is. Each metric is the
             mean over the real examples (or tokens, with a ``(batch, seq)`` mask) of the
-            batch it was given (see :func:`shardax.masked_mean`); shards and
+            batch it was given (see [`shardax.masked_mean`][shardax.masked_mean]); shards and
             microbatches are weighted by their count of real examples or tokens. It
             may take ``rng`` and ``step_rng`` like a train step's loss function; NNX and
             Equinox models are in inference mode (dropout off, running averages).
         mesh, plan, mode, accumulate, data_axis, seq_axis, batch_spec, rng_per_device:
-            as for :func:`make_train_step`; use
+            as for [`make_train_step`][shardax.make_train_step]; use
             the train step's mesh and plan to evaluate its state where it lies.
-        precision: the compute and output dtypes, as for :func:`make_train_step`
+        precision: the compute and output dtypes, as for
+            [`make_train_step`][shardax.make_train_step]
             (without loss scaling).
-        compiler_options: the XLA options, as for :func:`make_train_step`.
-        config: the settings as one :class:`~shardax.train.config.StepConfig`, as for
-            :func:`make_train_step` (its ``donate`` and ``stats`` do not apply).
+        compiler_options: the XLA options, as for [`make_train_step`][shardax.make_train_step].
+        config: the settings as one [`StepConfig`][shardax.train.StepConfig], as for
+            [`make_train_step`][shardax.make_train_step] (its ``donate`` and ``stats`` do not
+            apply).
     """
     if config is not None:
         settings = {"mesh": mesh, "plan": plan, "mode": mode, "accumulate": accumulate,

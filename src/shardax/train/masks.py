@@ -3,7 +3,8 @@
 A batch may carry a top-level boolean ``"mask"`` leaf whose shape leads the batch's
 shape: ``(batch,)``, True for real examples, or ``(batch, seq)``, True for real tokens.
 A loss function returns the mean over the real examples (tokens) it was given;
-:func:`masked_mean` computes it, and the train step weights each shard and microbatch
+[`masked_mean`][shardax.masked_mean] computes it, and the train step weights each shard and
+microbatch
 by its count of real examples (tokens), so the result is the mean over the whole
 global batch.
 

@@ -4,13 +4,13 @@ Each adapter is a small frozen dataclass kept as static data in a ``TrainState``
 rebuilds what the user's ``loss_fn(model, batch)`` receives from the trainable params
 and the non-trainable model state, and reads the model state back after the call:
 
-- :class:`NNXModel`: an ``nnx.Module`` from its graphdef (``nnx.Param`` is trainable);
-- :class:`EquinoxModel`: an ``eqx.Module`` from its static part (floating arrays are
+- ``NNXModel``: an ``nnx.Module`` from its graphdef (``nnx.Param`` is trainable);
+- ``EquinoxModel``: an ``eqx.Module`` from its static part (floating arrays are
   trainable, other arrays are model state);
-- :class:`LinenModel`: a bound Linen module (collections other than "params" are model
+- ``LinenModel``: a bound Linen module (collections other than "params" are model
   state, mutable during the call; every RNG stream it asks for is bound:
-  :func:`linen_rngs`);
-- :class:`ApplyFnModel`: ``functools.partial(apply_fn, params)`` for plain pytrees.
+  ``linen_rngs``);
+- ``ApplyFnModel``: ``functools.partial(apply_fn, params)`` for plain pytrees.
 
 >>> adapter, params, model_state = split_model(eqx.nn.Linear(2, 3, key=jax.random.key(0)))
 >>> model = adapter.bind(params, model_state, jax.random.key(1))
@@ -54,7 +54,7 @@ class EquinoxModel:
 
     ``stateful``: the model comes with an ``eqx.nn.State`` (``eqx.nn.make_with_state``);
     the model state is then ``{"model": arrays, "state": state}``, and the loss function
-    takes the state and returns the new one (:data:`shardax.train.loss.STATE`)."""
+    takes the state and returns the new one (``shardax.train.loss.STATE``)."""
 
     static: Any
     stateful: bool = False
@@ -88,7 +88,7 @@ def linen_rngs(rng: jax.Array, streams: Any = ()) -> dict[str, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class LinenModel:
     """A Linen module, bound to its variables; non-"params" collections are mutable.
-    Its RNG streams (:func:`linen_rngs`): ``"dropout"``, and each other stream the
+    Its RNG streams (``linen_rngs``): ``"dropout"``, and each other stream the
     module has asked for (``streams``: learned when a call asks for a new one)."""
 
     module: Any
@@ -136,7 +136,7 @@ def call_binding_streams(
 ) -> tuple[Any, Any]:
     """``(model, call(model))`` for ``model = bind()``. A Linen module that asks for an
     RNG stream it was not bound (``self.make_rng("lstm")``: flax's ``InvalidRngError``)
-    gets it bound (:func:`linen_rngs`) and is called again, while tracing; other
+    gets it bound (``linen_rngs``) and is called again, while tracing; other
     adapters are called once."""
     if not isinstance(adapter, LinenModel):
         model = bind()

@@ -1,20 +1,20 @@
 """The modes: how a step's per-shard function becomes a program on the mesh.
 
-:func:`mode_program` wraps a :class:`~shardax.train.per_shard.PerShard` for the step's
+``mode_program`` wraps a ``PerShard`` for the step's
 mode and returns ``call(state, batch)`` and ``lower(state, batch)``:
 
 - ``"jit"``: ``jax.jit`` of the whole-batch function with the plan's and the batch's
   shardings, traced under ``jax.set_mesh(mesh)`` (so ``sx.constrain`` in the model knows
-  the mesh), one program per state structure (:class:`~shardax.train.compiled.CompiledCache`);
+  the mesh), one program per state structure (``CompiledCache``);
 - ``"shard_map"``: ``jax.shard_map`` of the per-device function inside that jit;
 - ``"pmap"``: ``jax.pmap`` over the data axis, the batch reshaped to
   ``(devices, per device, ...)``;
 - ``"single"``: ``jax.jit`` on the mesh's first device.
 
 Each jit compiles with the step's XLA options (``config.resolved_compiler_options``,
-:mod:`shardax.train.compiler`); ``jax.pmap`` takes none, and under ``"pmap"`` they are none.
+``shardax.train.compiler``); ``jax.pmap`` takes none, and under ``"pmap"`` they are none.
 
-On simulated CPU devices the calls are throttled (:data:`CPU_MAX_IN_FLIGHT`).
+On simulated CPU devices the calls are throttled (``CPU_MAX_IN_FLIGHT``).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def build_jit(
 def options_for(config: StepConfig, state: Any) -> dict[str, Any]:
     """The XLA options the step's program for ``state`` compiles with: the resolved
     ``compiler_options``, and under ``"auto"`` on a GPU mesh the collective combine
-    thresholds of ``state``'s weights (:func:`shardax.train.compiler.for_state`)."""
+    thresholds of ``state``'s weights (``shardax.train.compiler.for_state``)."""
     return for_state(config.resolved_compiler_options, config.compiler_options,
                      config.platform, state, config.precision.compute_dtype,
                      config.mesh.size)  # fmt: skip

@@ -1,15 +1,15 @@
 """The per-shard function of a step: what one device (or the whole mesh) computes.
 
-:class:`PerShard` binds the model to its params, applies the precision's casts, hands
+``PerShard`` binds the model to its params, applies the precision's casts, hands
 ``loss_fn`` its ``rng``/``step_rng`` keys, splits microbatches
-(:func:`~shardax.train.accumulate.microbatched`) and binds BatchNorm to the data axis
-(:func:`~shardax.train.batchnorm.over_data_axis`). It runs the step's
-:class:`~shardax.train.protocol.StepWork` (``objective``, ``view``, ``differentiate``,
+(``microbatched``) and binds BatchNorm to the data axis
+(``over_data_axis``). It runs the step's
+``StepWork`` (``objective``, ``view``, ``differentiate``,
 ``finish``), which it is given and calls, never the other way round:
 
-- :meth:`PerShard.whole`: under ``"jit"`` and ``"single"``, the shard is the whole
+- ``PerShard.whole``: under ``"jit"`` and ``"single"``, the shard is the whole
   global batch;
-- :meth:`PerShard.mapped`: under ``"shard_map"`` and ``"pmap"``, one device's slice,
+- ``PerShard.mapped``: under ``"shard_map"`` and ``"pmap"``, one device's slice,
   reduced over the data axis with each device weighted by its count of real examples.
 
 It refuses by name what would not compute one device's numbers there: an Equinox
@@ -152,7 +152,7 @@ class PerShard:
         """``fn(model_state, batch, keys, rng) -> (grads, loss, aux, model_state)`` on one
         (micro)batch, in the precision's compute dtype; loss and aux come out in its
         output dtype. BatchNorm layers normalize over the global batch in every mode
-        (``mapped``: the data axis is bound; :mod:`shardax.train.batchnorm`)."""
+        (``mapped``: the data axis is bound; ``shardax.train.batchnorm``)."""
         adapter, policy = state.adapter, self.precision
         stateful = self._check_stateful(adapter, mapped)
         loss_fn = over_data_axis(self.loss_fn, self.data_axis, mapped, self.mesh.axis_names)
@@ -256,7 +256,7 @@ class PerShard:
     def _check_linen_rng(self, model: Any, mapped: bool) -> None:
         """A Linen module that called ``make_rng`` (``nn.Dropout``) while tracing drew from
         the step's bound stream, which accumulation folds per microbatch and shard_map /
-        pmap per device: refused there by name, as :meth:`_check_model_rng` refuses
+        pmap per device: refused there by name, as ``_check_model_rng`` refuses
         NNX's own generators (``rng_per_device=True`` accepts per-device draws)."""
         if not (mapped or self.accumulate > 1):
             return

@@ -1,6 +1,6 @@
 """Mixed precision: a dtype policy and dynamic loss scaling, as pure functions.
 
-A :class:`Precision` says in which dtype the state's params are kept
+A [`Precision`][shardax.Precision] says in which dtype the state's params are kept
 (``param_dtype``), in which dtype the forward and backward passes run
 (``compute_dtype``: params and floating batch leaves are cast to it) and in which
 dtype the loss and metrics come out (``output_dtype``). Gradients are taken with
@@ -16,9 +16,10 @@ too (the cast runs before the gather); ZeRO-1/2 gather the updated params in
 ``param_dtype``. ``tests/compile/test_overlap_targets.py`` checks these dtypes in the GPT's
 compiled step for an 8xH100 target. There is no float32-reduction option yet.
 
-With float16 compute, small gradients underflow; :class:`LossScaling` multiplies the
+With float16 compute, small gradients underflow; [`LossScaling`][shardax.train.LossScaling]
+multiplies the
 loss by a scale before differentiating and divides the gradients by it after. The
-scale lives in a :class:`LossScaleState` in the train state: a step whose gradients
+scale lives in a ``LossScaleState`` in the train state: a step whose gradients
 are not finite is skipped and halves the scale; ``period`` finite steps in a row
 double it (the schedule of ``jmp.DynamicLossScale``).
 
@@ -74,7 +75,6 @@ class LossScaling:
             )
 
 
-@public("sx.train.LossScaleState")
 class LossScaleState(NamedTuple):
     """The loss scale carried in the train state."""
 
@@ -113,7 +113,8 @@ PRECISIONS: dict[str, Precision] = {
 
 
 def resolve(precision: str | Precision) -> Precision:
-    """The :class:`Precision` for ``"fp32"``, ``"bf16"``, ``"fp16"`` or a ``Precision``,
+    """The [`Precision`][shardax.Precision] for ``"fp32"``, ``"bf16"``, ``"fp16"`` or a
+    ``Precision``,
     with its dtypes as NumPy dtypes; raises naming the value for anything else."""
     if isinstance(precision, str):
         if precision not in PRECISIONS:

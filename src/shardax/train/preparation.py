@@ -13,10 +13,11 @@ runs unchanged on every device, as accelerate's ``prepare`` does for PyTorch:
 >>> model.kernel.sharding.spec, optimizer.opt_state[0].mu["kernel"].sharding.spec
 (P('data', None), P('data', None))
 
-Every object is placed as :func:`shardax.make_train_step` would place it in a
-:class:`~shardax.train.state.TrainState`: the plan sees the same paths (``params/...``,
+Every object is placed as [`shardax.make_train_step`][shardax.make_train_step] would place it in a
+[`TrainState`][shardax.TrainState]: the plan sees the same paths (``params/...``,
 ``model_state/...``, ``opt_state/...``) and the optimizer state follows its params under
-every plan (:func:`shardax.plan.follow_params`; :func:`shardax.zero1` shards it).
+every plan ([`shardax.plan.follow_params`][shardax.plan.follow_params];
+[`shardax.zero1`][shardax.zero1] shards it).
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def _place(view: Any, plan: Any) -> Any:
 
 
 class _Preparer:
-    """Places the objects of one :func:`prepare` call; ``out`` holds the results in order."""
+    """Places the objects of one [`prepare`][shardax.prepare] call; ``out`` holds the results in
+    order."""
 
     def __init__(
         self, objects: tuple[Any, ...], mesh: Mesh, plan: Any, data_axis: Any, batch_spec: Any
@@ -171,7 +173,8 @@ class _Preparer:
         )
 
     def _nnx(self, model: Any, optimizer: Any) -> None:
-        """Places ``model`` (and ``optimizer``) in place, through their :class:`TrainState`,
+        """Places ``model`` (and ``optimizer``) in place, through their
+        [`TrainState`][shardax.TrainState],
         so the plan sees what it sees under ``make_train_step``."""
         import optax
 
@@ -274,8 +277,10 @@ def _has_arrays(obj: Any) -> bool:
 
 
 def _record_plan(placed: list[Any]) -> None:
-    """Records each placed object's shardings as its plan (for :func:`shardax.keep_plan`
-    and :func:`shardax.describe`): the object, and a train state's params and optimizer
+    """Records each placed object's shardings as its plan (for
+    [`shardax.keep_plan`][shardax.keep_plan]
+    and [`shardax.describe`][shardax.describe]): the object, and a train state's params and
+    optimizer
     state, which a step may return on their own."""
     for obj in placed:
         if _is_loader(obj) and not _is_train_state(obj):
@@ -287,7 +292,8 @@ def _record_plan(placed: list[Any]) -> None:
 
 
 def _check_placeable(i: int, obj: Any) -> None:
-    """Raises ``TypeError`` for an argument :func:`prepare` cannot place: no arrays in it
+    """Raises ``TypeError`` for an argument [`prepare`][shardax.prepare] cannot place: no arrays in
+    it
     and not a loader (a Linen module, a number, a string, an object). An empty pytree
     (``optax.sgd``'s ``EmptyState``, None) has nothing to place and passes."""
     if _is_loader(obj):
@@ -329,14 +335,15 @@ def prepare(
       params under every plan; flax's ``optimizer_sharding`` variable metadata sets the
       optimizer state's spec where a variable has it.
     - **flax.training** train states (a Python-int ``step`` becomes a replicated array,
-      as a jitted step returns it), and shardax :class:`TrainState`.
+      as a jitted step returns it), and shardax [`TrainState`][shardax.TrainState].
     - **Equinox** modules and **plain pytrees** (params, ``optax`` states): an argument
       holding a subtree with the structure and shapes of a model's or pytree's params
       (Adam's ``mu``) is that model's optimizer state, and follows it. An
       ``eqx.nn.State`` (``eqx.nn.make_with_state``) is placed with its model, where a
-      :class:`TrainState` holds it: the plan sees ``model_state/state/...``.
+      [`TrainState`][shardax.TrainState] holds it: the plan sees ``model_state/state/...``.
     - **batches**: any iterable of batches that is not a pytree (a generator, a loader)
-      becomes :func:`shardax.prefetch_to_device` with the batch split over ``data_axis``:
+      becomes [`shardax.prefetch_to_device`][shardax.prefetch_to_device] with the batch split over
+      ``data_axis``:
       each process yields its own slice and gets global batches. A list is a pytree:
       pass ``iter(batches)``.
 
@@ -346,11 +353,11 @@ def prepare(
         types; run the step under ``jax.set_mesh(mesh)`` as usual.
       plan: a shardax plan on ``mesh`` (``sx.fsdp(mesh)``, ``sx.zero1(mesh)``,
         ``sx.rules``, ``sx.from_nnx``, ``sx.from_linen``); default: replicate. It sees
-        the paths a :class:`TrainState` would have (``params/...``).
+        the paths a [`TrainState`][shardax.TrainState] would have (``params/...``).
       data_axis: the mesh axis (or axes) the batches are split over.
       batch_spec: for batches whose leaves are not examples (a graph batch), how each
         leaf is split: a ``PartitionSpec`` (``P()``: not split) or a pytree of them
-        (:mod:`shardax.data.spec`).
+        (``shardax.data.spec``).
     """
     if not objects:
         raise TypeError(

@@ -1,16 +1,16 @@
 """The compiled program behind the train and eval steps, composed of its parts.
 
-A :class:`Program` runs ``program(state, batch)`` on a mesh in one of four modes. It is
-built from a :class:`~shardax.train.config.StepConfig` (the settings, checked) and a
-:class:`~shardax.train.protocol.StepWork` (what the step computes: the train step's
+A ``Program`` runs ``program(state, batch)`` on a mesh in one of four modes. It is
+built from a [`StepConfig`][shardax.train.StepConfig] (the settings, checked) and a
+``StepWork`` (what the step computes: the train step's
 gradients and update, the eval step's metrics), and composes:
 
-- :mod:`shardax.train.per_shard`: the per-shard function (the model bound to its params,
+- ``shardax.train.per_shard``: the per-shard function (the model bound to its params,
   the precision's casts, the ``rng``/``step_rng`` keys, accumulation, BatchNorm over the
   global batch) running the step's work;
-- :mod:`shardax.train.modes`: how jit, shard_map, pmap or single wraps it;
-- :mod:`shardax.train.compiled`: the compiled-program cache (one per state structure);
-- :mod:`shardax.train.batch_placement`: checking and placing the batch for the mesh.
+- ``shardax.train.modes``: how jit, shard_map, pmap or single wraps it;
+- ``shardax.train.compiled``: the compiled-program cache (one per state structure);
+- ``shardax.train.batch_placement``: checking and placing the batch for the mesh.
 
 What it keeps itself is the state's placement: ``shard(state)``, ``init(init_fn, ...)``
 and ``abstract(state)`` put the state on the plan (or one device), in the precision's
@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 
-from shardax.checks import public
 from shardax.plan.core import Plan
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
@@ -116,7 +115,8 @@ def refuse_abstract(name: str, tree: Any, instead: str) -> None:
 
 
 def check_state(state: Any, concrete: bool = True) -> None:
-    """A :class:`TrainState` whose buffers are alive (not donated to an earlier step) and,
+    """A [`TrainState`][shardax.TrainState] whose buffers are alive (not donated to an earlier step)
+    and,
     with ``concrete``, not abstract."""
     if not isinstance(state, TrainState):
         raise TypeError(
@@ -138,15 +138,14 @@ def check_state(state: Any, concrete: bool = True) -> None:
         )
 
 
-@public("sx.train.Program")
 class Program:
     """``program(state, batch)`` compiled for ``mesh`` in ``mode`` (see the module doc).
 
-    Attributes: ``config`` (the :class:`~shardax.train.config.StepConfig`), ``work``
-    (the :class:`~shardax.train.protocol.StepWork`), ``loss_fn``, ``mode``, ``mesh``,
+    Attributes: ``config`` (the [`StepConfig`][shardax.train.StepConfig]), ``work``
+    (the ``StepWork``), ``loss_fn``, ``mode``, ``mesh``,
     ``plan``, ``accumulate``, ``donate``, ``data_axis``, ``precision``,
     ``compiler_options`` (the XLA options it compiles with, resolved for the mesh's
-    platform: :mod:`shardax.train.compiler`).
+    platform: ``shardax.train.compiler``).
     """
 
     # The settings, read from ``config`` (held once, not copied).
@@ -189,7 +188,8 @@ class Program:
         arrays the state was built from (a Linen ``variables`` dict, an NNX module)
         stay usable after the step consumes the placed state. With several processes,
         all first check that they run the same step and state shardings
-        (:func:`shardax.runtime.check_agreement`), so a mismatch is an error, not a hang.
+        ([`shardax.runtime.check_agreement`][shardax.runtime.check_agreement]), so a mismatch is an
+        error, not a hang.
         """
         check_state(state)
         if self._compile_only:
@@ -207,7 +207,7 @@ class Program:
         return unalias(state, placed) if self.donate else placed
 
     def abstract(self, state: TrainState) -> TrainState:
-        """``state`` (abstract or concrete) as :meth:`shard` and :meth:`init` make it,
+        """``state`` (abstract or concrete) as ``shard`` and ``init`` make it,
         without allocating: ``jax.ShapeDtypeStruct`` leaves in the precision's dtypes
         (params in ``param_dtype``, the optimizer's moments no wider), with a loss scale
         under loss scaling. ``sx.estimate`` compiles for it.
@@ -220,7 +220,7 @@ class Program:
     def init(self, init_fn: Callable[..., TrainState], *args: Any, **kwargs: Any) -> TrainState:
         """``init_fn(*args, **kwargs)`` (e.g. building the model and ``TrainState.create``)
         run under ``jax.jit`` straight onto the step's shardings: no leaf is ever whole on
-        one device (see :func:`shardax.plan.init_sharded`).
+        one device (see [`shardax.plan.init_sharded`][shardax.plan.init_sharded]).
 
         >>> state = step.init(lambda key: sx.TrainState.create(Model(nnx.Rngs(key)), tx),
         ...                   jax.random.key(0))  # doctest: +SKIP
@@ -269,7 +269,7 @@ class Program:
         >>> step.place_batch({"x": np.ones((16, 4))})["x"].sharding.spec  # doctest: +SKIP
         PartitionSpec('data',)
 
-        With ``batch_spec``, each leaf is placed as it says (:mod:`shardax.data.spec`).
+        With ``batch_spec``, each leaf is placed as it says (``shardax.data.spec``).
         """
         return self._batches.place(batch)
 
@@ -310,7 +310,8 @@ class Program:
     def compiler_options_for(self, state: Any) -> dict[str, Any]:
         """The XLA options the program for ``state`` compiles with: ``compiler_options``,
         and under ``"auto"`` on a GPU mesh the collective combine thresholds sized from
-        ``state``'s weights (:func:`shardax.train.combine_thresholds`).
+        ``state``'s weights
+        ([`shardax.train.combine_thresholds`][shardax.train.combine_thresholds]).
 
         >>> step.compiler_options_for(state)  # doctest: +SKIP
         """

@@ -1,7 +1,7 @@
 """The step protocol: what a compiled program computes, given to it as functions.
 
-A :class:`~shardax.train.program.Program` runs the same per-shard machinery for the
-train and the eval step; what differs is a :class:`StepWork`, four functions (and one
+A ``Program`` runs the same per-shard machinery for the
+train and the eval step; what differs is a ``StepWork``, four functions (and one
 flag) the step hands the program when it is built. The program calls them; they never
 call back into it:
 

@@ -185,10 +185,10 @@ class TrainState:
         model_state: non-trainable model state (batch-norm statistics, NNX RNG counts).
         rng: uint32 ``[2]`` raw key data; per-step keys are folded from it and ``step``.
         loss_scale: the dynamic loss scale of an fp16 step
-            (:class:`shardax.train.precision.LossScaleState`), else None.
-        adapter: how to rebuild the framework's model (see :mod:`shardax.train.model`).
+            (``shardax.train.precision.LossScaleState``), else None.
+        adapter: how to rebuild the framework's model (see ``shardax.train.model``).
         tx: the optax transformation; equal to any transformation that computes the
-            same (:func:`shardax.train.static.comparable`), so a new but equal one does
+            same (``shardax.train.static.comparable``), so a new but equal one does
             not change the treedef.
     """
 
@@ -239,7 +239,8 @@ class TrainState:
         ``tx`` is an optax transformation, or for an NNX module its ``nnx.Optimizer``
         (or ``nnx.ModelAndOptimizer``): the state takes the optimizer's transformation,
         its current state and step, and its ``wrt`` as the trainable variables.
-        :meth:`write_to` puts the trained values back into the model and optimizer.
+        [`write_to`][shardax.TrainState.write_to] puts the trained values back into the model and
+        optimizer.
 
         >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
         >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)

@@ -4,7 +4,7 @@ A ``TrainState`` holds its optax transformation as pytree metadata, so the
 transformation is part of the state's treedef, and ``jax.jit`` compiles once per
 treedef. An optax transformation is a NamedTuple of closures, which compare by
 identity: two ``optax.adam(1e-3)`` are unequal, and a state rebuilt with a new but equal
-one would recompile every step function it meets. :func:`comparable` gives the
+one would recompile every step function it meets. ``comparable`` gives the
 transformation an equality (and hash) by what it computes: the code of its functions,
 the values they close over and their defaults, recursively; arrays by value, anything
 else by identity. It is computed once per transformation.
@@ -108,7 +108,7 @@ def _compound_key(obj: Any, key: Any) -> Hashable:
 
 
 class _ByStructure:
-    """Equality and hash by :func:`structure_key` of the tuple's items, computed once."""
+    """Equality and hash by ``structure_key`` of the tuple's items, computed once."""
 
     def _structure(self) -> tuple[Hashable, int]:
         cached = self.__dict__.get("_structure_cache")

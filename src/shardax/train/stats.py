@@ -3,12 +3,12 @@
 They are computed once inside the compiled step, from the gradients every device already
 holds after the all-reduce, so they cost a pass over the gradients (``grad_norm``) or the
 params (``param_norm``) and no extra communication under replicating plans.
-``make_train_step(stats=...)`` picks them: :data:`DEFAULT_STATS` unless told, which is
+``make_train_step(stats=...)`` picks them: ``DEFAULT_STATS`` unless told, which is
 only the learning rate (a scalar the optimizer state holds already: free), so the default
 step does no work a hand-written one does not. ``stats_every=N`` computes the norms
 only on the steps whose count is a multiple of N (inside the one compiled step, under
 ``lax.cond``), NaN on the others: a loop that logs every N steps pays for them once per
-log (:func:`every_nth`).
+log (``every_nth``).
 
 >>> state = sx.TrainState.from_params({"w": jnp.ones(3)}, lambda p, x: x @ p["w"],
 ...                                   optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
@@ -28,7 +28,7 @@ import optax
 from jax import lax
 
 STATS = ("grad_norm", "param_norm", "learning_rate")
-"""The metric names :func:`update_stats` may add; ``loss_fn``'s aux must not use them."""
+"""The metric names ``update_stats`` may add; ``loss_fn``'s aux must not use them."""
 
 DEFAULT_STATS = ("learning_rate",)
 """What the train step returns unless ``stats=`` says otherwise: ``grad_norm`` and
@@ -64,7 +64,7 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 def check_stats(stats: Sequence[str]) -> tuple[str, ...]:
-    """``stats`` as a tuple of names from :data:`STATS`, or a ValueError naming the rule."""
+    """``stats`` as a tuple of names from ``STATS``, or a ValueError naming the rule."""
     if isinstance(stats, str) or not all(isinstance(n, str) for n in stats):
         raise ValueError(
             f"stats must be a tuple of names from {list(STATS)} (() for none), got {stats!r}"
@@ -92,7 +92,7 @@ def update_stats(state: Any, grads: Any, stats: Sequence[str] = DEFAULT_STATS) -
 
 
 def every_nth(state: Any, grads: Any, stats: Sequence[str], every: int) -> dict[str, Any]:
-    """:func:`update_stats`, with the norms computed only when ``state.step`` (the count
+    """``update_stats``, with the norms computed only when ``state.step`` (the count
     after the update) is a multiple of ``every`` and NaN otherwise, in one program."""
     if every == 1:
         return update_stats(state, grads, stats)

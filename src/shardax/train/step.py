@@ -1,10 +1,11 @@
 """The train step: gradients, the optimizer update, loss scaling and update statistics.
 
-:class:`TrainStep` is a :class:`~shardax.train.program.Program` (placement, modes,
+[`TrainStep`][shardax.train.TrainStep] is a ``Program`` (placement, modes,
 accumulation, the compiled-program cache) given the train step's work
-(:class:`~shardax.train.protocol.StepWork`): the loss and aux
-(:func:`~shardax.train.loss.loss_and_aux`), :func:`differentiate` and
-:meth:`TrainStep.finish`, which applies the update. It is written once, for one shard of the batch:
+(``StepWork``): the loss and aux
+(``loss_and_aux``), ``differentiate`` and
+[`TrainStep.finish`][shardax.train.TrainStep.finish], which applies the update. It is written once,
+for one shard of the batch:
 under ``"jit"`` and ``"single"`` the shard is the whole global batch and the
 cross-device reductions are identities; under ``"shard_map"`` and ``"pmap"`` each
 device sees its slice and the program reduces over the data axis. So every mode computes
@@ -12,18 +13,18 @@ the same update from the same global batch (up to the order of floating-point su
 
 - the loss is a mean over the examples (or tokens) it was given, and a batch whose count
   of them differs between devices (padding, token weights) carries a ``"mask"`` leaf, by
-  which the devices are weighted (:func:`shardax.masked_mean`); without one,
+  which the devices are weighted ([`shardax.masked_mean`][shardax.masked_mean]); without one,
   ``"shard_map"`` and ``"pmap"`` average the devices' means with equal weights;
 - random numbers come from the ``rng`` argument (one key per example): the framework's
   RNG (``step_rng``, Linen's ``"dropout"``) folds in the device index under
   ``"shard_map"`` and ``"pmap"``, and a model holding its own NNX ``Rngs`` is refused
   there unless ``rng_per_device=True``;
 - the model normalizes nothing per device, apart from NNX, Linen and Equinox BatchNorm,
-  which the step binds to the data axis (:mod:`shardax.train.batchnorm`).
+  which the step binds to the data axis (``shardax.train.batchnorm``).
 
-:func:`shardax.verify` checks it for a step, a state and a batch, and names the cause.
+[`shardax.verify`][shardax.verify] checks it for a step, a state and a batch, and names the cause.
 
-Built by :func:`shardax.make_train_step`.
+Built by [`shardax.make_train_step`][shardax.make_train_step].
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> state = sx.TrainState.from_params({"w": jnp.zeros(3)}, lambda p, x: x @ p["w"],
@@ -63,7 +64,8 @@ from shardax.train.stats import every_nth
 
 def differentiate(loss: Callable[[Any], Any], params: Any, loss_scale: Any):
     """The gradients of ``loss`` at ``params`` (of the scaled loss, with loss scaling;
-    :meth:`TrainStep.finish` unscales them), the loss, its aux and the new model state."""
+    [`TrainStep.finish`][shardax.train.TrainStep.finish] unscales them), the loss, its aux and the
+    new model state."""
 
     def scaled(params: Any) -> tuple[jax.Array, Any]:
         value, rest = loss(params)
@@ -84,8 +86,8 @@ class TrainStep(Program):
     def __init__(
         self, loss_fn: Callable[..., Any], config: StepConfig | None = None, **settings: Any
     ) -> None:
-        """``config`` (a :class:`~shardax.train.config.StepConfig`), or the keywords to
-        build one from, as :func:`shardax.make_train_step` takes them."""
+        """``config`` (a [`StepConfig`][shardax.train.StepConfig]), or the keywords to
+        build one from, as [`shardax.make_train_step`][shardax.make_train_step] takes them."""
         config = as_config(config, settings)
         self.stats, self.stats_every = config.stats, config.stats_every
         self._scaling = config.precision.loss_scaling  # type: ignore[union-attr]
@@ -114,7 +116,8 @@ class TrainStep(Program):
     def update(self, state: TrainState, grads: Any, model_state: Any) -> TrainState:
         """The state after the optimizer's update with the (unscaled) ``grads``; with loss
         scaling, non-finite gradients change nothing but the step count and the scale.
-        :func:`shardax.verify` applies it on one device to the distributed gradients. The
+        [`shardax.verify`][shardax.verify] applies it on one device to the distributed gradients.
+        The
         optimizer state keeps its dtypes (moments narrowed to a bf16 ``param_dtype`` stay
         bf16 where the transformation computes in f32), so step 2 compiles nothing new."""
         updated = state.apply_gradients(grads, model_state)
