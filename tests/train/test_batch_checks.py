@@ -53,6 +53,34 @@ def test_batch_checked_and_its_shardings_computed_once_per_structure(monkeypatch
         assert (len(checks), len(shardings)) == (0, 2)
 
 
+def test_a_step_walks_the_batch_once_for_all_its_checks(monkeypatch):
+    """The leaf, batch size, mask and examples checks share one walk of the batch
+    (``shardax.data.leaves.batch_leaves``), not one walk each."""
+    import sys
+
+    import optax
+    from flax import nnx
+
+    import shardax.data.leaves as leaves
+
+    walks, real = [], leaves.batch_leaves
+
+    def counted(tree):
+        walks.append(tree)
+        return real(tree)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("shardax") and getattr(module, "batch_leaves", None) is real:
+            monkeypatch.setattr(module, "batch_leaves", counted)
+    # accumulate splits rows as examples: the examples check runs too
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh({"data": -1}), accumulate=2)
+    state = step.shard(sx.TrainState.create(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
+    walks.clear()
+    state, metrics = step(state, _batch(16))
+    assert np.isfinite(float(metrics["loss"]))
+    assert len(walks) == 1
+
+
 def test_an_all_false_host_mask_is_refused_on_every_batch():
     import optax
     from flax import nnx

@@ -38,6 +38,23 @@ def shapes_text(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> str:
     return ", ".join(f"{path or '<root>'!r}: {shape}" for path, shape in leaves)
 
 
+Leaves = list[tuple[tuple[Any, ...], Any]]
+"""``(key path, leaf)`` pairs of a batch, as ``batch_leaves`` walks it."""
+
+
+def batch_leaves(tree: Any) -> Leaves:
+    """``(key path, leaf)`` of every leaf of ``tree``, a subtree whose leaves are not
+    examples (a graph batch, a sparse array: ``not_examples``) kept whole: the one walk
+    of a batch that its checks share (``check_leaves``, ``not_examples``).
+
+    >>> [(path_str(key), leaf) for key, leaf in batch_leaves({"x": 1, "y": [2, 3]})]
+    [('x', 1), ('y/0', 2), ('y/1', 3)]
+    """
+    return jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: _not_examples_kind(x) is not None
+    )[0]
+
+
 def check_batch_leaves(
     tree: Any, *, dims: Sequence[int] = (), arrays_only: bool = False
 ) -> list[tuple[str, tuple[int, ...]]]:
@@ -48,8 +65,15 @@ def check_batch_leaves(
     - every leaf with a dimension ``d`` in ``dims`` has the same size there as the others
       (a ``ValueError`` lists every leaf's shape).
     """
+    return check_leaves(batch_leaves(tree), dims=dims, arrays_only=arrays_only)
+
+
+def check_leaves(
+    flat: Leaves, *, dims: Sequence[int] = (), arrays_only: bool = False
+) -> list[tuple[str, tuple[int, ...]]]:
+    """``check_batch_leaves`` of the tree that ``batch_leaves`` walked to ``flat``."""
     leaves = []
-    for key, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    for key, leaf in _every_leaf(flat):
         path = path_str(key)
         if not is_array(leaf):
             if arrays_only:
@@ -99,25 +123,34 @@ def _not_examples_kind(node: Any) -> str | None:
     return None
 
 
-def not_examples(tree: Any) -> list[tuple[str, str]]:
-    """``(path, what)`` of each subtree of ``tree`` whose leaves are clearly not examples
+def not_examples(flat: Leaves) -> list[tuple[str, str]]:
+    """``(path, what)`` of each subtree of the batch (walked to ``flat``) whose leaves
+    are clearly not examples
     (``_not_examples_kind``): cutting their rows would not cut whole examples,
     whatever their sizes.
 
     >>> import collections
     >>> fields = "nodes edges receivers senders globals n_node n_edge"
     >>> g = collections.namedtuple("GraphsTuple", fields)(*[np.zeros(4, np.int32)] * 7)
-    >>> not_examples({"graph": g, "y": np.ones(4)})
+    >>> not_examples(batch_leaves({"graph": g, "y": np.ones(4)}))
     [('graph', 'a graph batch (GraphsTuple: nodes, edges and graphs)')]
     """
-    flat = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: _not_examples_kind(x) is not None
-    )[0]
     return [
         (path_str(path), kind)
         for path, node in flat
         if (kind := _not_examples_kind(node)) is not None
     ]
+
+
+def _every_leaf(flat: Leaves) -> Leaves:
+    """``flat`` with the subtrees ``batch_leaves`` kept whole opened to their leaves."""
+    out = []
+    for key, node in flat:
+        if _not_examples_kind(node) is None:
+            out.append((key, node))
+        else:
+            out += [((*key, *k), x) for k, x in jax.tree_util.tree_leaves_with_path(node)]
+    return out
 
 
 def _in_list(key: tuple[Any, ...]) -> bool:

@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardax.data.leaves import check_batch_leaves, shapes_text
+from shardax.data.leaves import Leaves, batch_leaves, check_leaves, shapes_text
 from shardax.plan.tree import is_key, path_str
 from shardax.train.masks import MASK_KEY
 
 
-def check_batch(batch: Any, *, divisor: int, what: str) -> int:
+def check_batch(batch: Any, *, divisor: int, what: str, flat: Leaves | None = None) -> int:
     """The global batch size of ``batch``, checked; raises ``ValueError`` naming the rule.
 
     Every array leaf needs the same leading dimension, divisible by ``divisor``
@@ -27,14 +27,18 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
     device mask is not read back, which would wait for the device). A step checks the
     first batch of each structure (``batch_structure``), and the mask's values
     (``check_mask_has_examples``) on every batch.
+    ``flat``: ``batch_leaves(batch)``, walked before (a step walks a batch once).
     """
-    if isinstance(batch, dict) and MASK_KEY in batch:
+    flat = batch_leaves(batch) if flat is None else flat
+    masked = isinstance(batch, dict) and MASK_KEY in batch
+    if masked:
         # The mask is checked against the other leaves' size first, with its own message.
-        rest = check_batch_leaves({**batch, MASK_KEY: None}, arrays_only=True)
+        mask_key = jax.tree_util.DictKey(MASK_KEY)
+        rest = check_leaves([(k, x) for k, x in flat if k[0] != mask_key], arrays_only=True)
         sizes = {shape[0] for _, shape in rest if shape}
         if len(sizes) == 1:
-            _check_mask(batch, *sizes)
-    leaves = check_batch_leaves(batch, dims=(0,), arrays_only=True)
+            _check_mask(batch, *sizes, rest, flat)
+    leaves = check_leaves(flat, dims=(0,), arrays_only=True)
     if not leaves:
         raise ValueError(f"the train step: the batch has no array leaves, got {batch!r}")
     for path, shape in leaves:
@@ -45,8 +49,8 @@ def check_batch(batch: Any, *, divisor: int, what: str) -> int:
                 + (_KEY_HINT if path in _key_paths(batch) else "")
             )
     size = leaves[0][1][0]
-    if isinstance(batch, dict) and MASK_KEY in batch:
-        _check_mask(batch, size)
+    if masked:
+        _check_mask(batch, size, rest, flat)
     if size % divisor:
         fit = -(-size // divisor) * divisor
         raise ValueError(
@@ -66,15 +70,16 @@ _KEY_HINT = (
 
 
 def _key_paths(batch: Any) -> set[str]:
-    """The paths (as ``check_batch_leaves`` names them) of the typed-key leaves."""
+    """The paths (as ``check_leaves`` names them) of the typed-key leaves."""
     flat = jax.tree_util.tree_flatten_with_path(batch)[0]
     return {path_str(p) for p, x in flat if is_key(x)}
 
 
-def _check_mask(batch: dict, size: int) -> None:
+def _check_mask(batch: dict, size: int, rest: list, flat: Leaves) -> None:
+    """``batch``'s mask against ``size`` and ``rest``, the other leaves' (path, shape)."""
     mask = batch[MASK_KEY]
     shape = tuple(np.shape(mask))
-    others = [shape for _, shape in check_batch_leaves({**batch, MASK_KEY: None})]
+    others = [shape for _, shape in rest]
     leads = len(shape) == 1 or any(other[: len(shape)] == shape for other in others)
     dtype = getattr(mask, "dtype", None)
     got = (
@@ -87,7 +92,7 @@ def _check_mask(batch: dict, size: int) -> None:
             f"batch[{MASK_KEY!r}] must be a boolean array whose shape leads the batch's: "
             f"(batch,) = ({size},), True for real examples, or (batch, seq) leading the shape "
             f"of another leaf, True for real tokens; got {got} "
-            f"(leaf shapes: {shapes_text(check_batch_leaves(batch))})"
+            f"(leaf shapes: {shapes_text(check_leaves(flat))})"
         )
     check_mask_has_examples(batch)
 

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from shardax.data.leaves import check_batch_leaves, not_examples
+from shardax.data.leaves import Leaves, batch_leaves, check_leaves, not_examples
 from shardax.data.placement import batch_sharding
 from shardax.data.spec import batch_shardings, place_by_spec
 from shardax.plan.core import axis_size
@@ -78,12 +78,13 @@ class BatchPlacement:
         if known is not None:
             self._checked.move_to_end(key)
             return known
+        flat = batch_leaves(batch)  # the one walk of the batch that its checks share
         if self.batch_spec is None:
-            self._check_examples(batch)
-            check_batch(batch, divisor=self.divisor, what=self.what)
+            self._check_examples(flat)
+            check_batch(batch, divisor=self.divisor, what=self.what, flat=flat)
             known = True
         else:
-            check_batch_leaves(batch, arrays_only=True)
+            check_leaves(flat, arrays_only=True)
             known = batch_shardings(batch, self.mesh, self.batch_spec)
         if key is not None:
             self._checked[key] = known
@@ -91,11 +92,11 @@ class BatchPlacement:
                 self._checked.popitem(last=False)
         return known
 
-    def _check_examples(self, batch: Any) -> None:
+    def _check_examples(self, flat: Leaves) -> None:
         """Refuses a batch whose type says its leaves are not examples (a graph batch, a
         sparse array: ``not_examples``) where the step splits
         rows as examples, even when its leaves happen to agree on their size."""
-        found = not_examples(batch) if self.splits_rows else []
+        found = not_examples(flat) if self.splits_rows else []
         if not found:
             return
         path, what = found[0]
