@@ -558,6 +558,11 @@ IN_PROCESS_CASES = {
     "plan --target --plans beside --plan": (["plan", "--target", "8xH100", "--batch", "8", "--plan", "fsdp", "--plans", "zero1,fsdp"], "--plans zero1,fsdp: only with --plan auto (the candidates it ranks), got --plan fsdp"),
     "plan --target --microbatches": (["plan", "--target", "8xH100", "--batch", "8", "--microbatches", "4"], "--microbatches 4: not with --target"),
     "plan --target --run-dir": (["plan", "--target", "8xH100", "--batch", "8", "--run-dir", "{empty}"], "--run-dir {empty}: not with --target, which writes no run directory"),
+    "plan --target --hidden": (["plan", "--target", "8xH100", "--batch", "8", "--hidden", "1024"], "--hidden 1024: not with --target, the MLP's width (--measure); the GPT's is --d-model"),
+    "plan --target --model mlp": (["plan", "--target", "8xH100", "--batch", "8", "--model", "mlp"], "--model mlp: not with --target, which always compiles the built-in GPT"),
+    "plan --vocab without --target": (["plan", "--params", "7e9", "--vocab", "50000"], "--vocab 50000: only with --target (the GPT compiled for a cluster's devices); without it, this option would be ignored"),
+    "plan --measure --tp": (["plan", "--measure", "--tp", "2"], "--tp 2: only with --target"),
+    "plan --measure --param-dtype": (["plan", "--measure", "--param-dtype", "bf16"], "--param-dtype bf16: only with --target"),
 }  # fmt: skip
 
 

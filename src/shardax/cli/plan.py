@@ -72,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --measure: the digits MLP (default), or a GPT (implied by --params)",
     )
-    parser.add_argument("--hidden", type=positive_int, default=512, help="MLP width (--measure)")
+    parser.add_argument(
+        "--hidden", type=positive_int, default=None, help="MLP width (--measure; default 512)"
+    )
     parser.add_argument(
         "--layers", type=positive_int, default=None, help="layers (--measure; mlp 4, gpt 2)"
     )
@@ -113,11 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plan",
         choices=TARGET_PLANS,
-        default="auto",
+        default=None,
         help="with --target: the plan, or auto (default: rank the candidates by predicted "
         "step time among those that fit with 10%% headroom)",
     )
-    parser.add_argument("--vocab", type=positive_int, default=32000, help="GPT vocab (--target)")
+    parser.add_argument(
+        "--vocab", type=positive_int, default=None, help="GPT vocab (--target; default 32000)"
+    )
     parser.add_argument(
         "--remat",
         choices=[p for p in REMAT_POLICIES if p not in OFFLOAD],  # device memory only
@@ -128,13 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp",
         type=positive_int,
-        default=1,
+        default=None,
         help="with --target: split each host into data x model=TP (a fsdp+tp candidate)",
     )
     parser.add_argument(
         "--param-dtype",
         choices=("fp32", "bf16"),
-        default="fp32",
+        default=None,
         help="with --target: the params' (and Adam moments') dtype in the state; bf16: "
         "6 bytes per parameter, as MaxText's bf16 runs (default fp32: 12)",
     )
@@ -317,6 +321,21 @@ def render(plan: dict[str, Any], out: Any) -> None:
         out.print(f"[yellow]warning:[/] {w}")
 
 
+TARGET_ONLY = ("plan", "vocab", "remat", "tp", "param_dtype", "png")
+"""Options of ``shardax plan`` that only ``--target`` reads: refused without it."""
+
+
+def refuse_target_only(args: argparse.Namespace) -> None:
+    """A usage error naming the first option given that only ``--target`` reads."""
+    for dest in TARGET_ONLY:
+        value = getattr(args, dest, None)
+        if value is not None:
+            raise UsageError(
+                f"--{dest.replace('_', '-')} {value}: only with --target (the GPT compiled "
+                "for a cluster's devices); without it, this option would be ignored"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     """Prints the memory table and the warnings."""
     import shardax as sx
@@ -325,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
         from shardax.cli import plan_target
 
         return plan_target.run(args)
+    refuse_target_only(args)
     if args.measure:
         from shardax.cli import plan_measure
 
@@ -343,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
             args.batch = 256 if args.model == "mlp" else 16
         if args.layers is None:
             args.layers = 4 if args.model == "mlp" else 2
+        if args.hidden is None:
+            args.hidden = 512
         return plan_measure.run(args)
     if args.params is None:
         raise UsageError("--params is required (or --measure to compile the built-in model)")

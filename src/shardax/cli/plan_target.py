@@ -52,6 +52,8 @@ NOT_WITH_TARGET = {
     "hardware": "whose name gives the devices (their kind and count)",
     "microbatches": "whose --plan auto picks the pipeline's microbatches itself",
     "run_dir": "which writes no run directory (--json for the result, --png for the figure)",
+    "hidden": "the MLP's width (--measure); the GPT's is --d-model",
+    "model": "which always compiles the built-in GPT (--measure picks the model)",
 }
 """Options of ``shardax plan`` that ``--target`` would ignore, and why: each is refused."""
 
@@ -428,8 +430,16 @@ def _named_plan(name: str, mesh: Any, model: Any, axis: Any, tp: Any) -> Any:
     return plans[name]
 
 
+TARGET_DEFAULTS = {"plan": "auto", "vocab": 32000, "tp": 1, "param_dtype": "fp32"}
+"""The ``--target`` options' defaults (None on the parser, so that ``shardax plan``
+without ``--target`` can refuse them by name)."""
+
+
 def run(args: argparse.Namespace) -> int:
     """Prints the ranking (``--plan auto``), the estimate, the flags and the launch."""
+    for dest, default in TARGET_DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
     out = console(args)
     result, est, report = plan_for_target(args)
     if args.png:
