@@ -1,47 +1,42 @@
 """Save and restore a train state and the data position with orbax-checkpoint.
 
-Saves are atomic (orbax writes to a temporary directory and renames it on commit;
-leftovers of an interrupted save are cleaned up), overwrites too (saved aside, swapped in
-by renames). A :class:`CheckpointManager` keeps the ``max_to_keep`` highest steps; the
-one-shot :func:`save_checkpoint` deletes none unless asked. A restore places every array
-on the sharding of ``like``, whatever sharding it was saved with.
+Saves are atomic (orbax writes to a temporary directory and renames it on commit; leftovers of an
+interrupted save are cleaned up), overwrites too (saved aside, swapped in by renames). A
+[`CheckpointManager`][shardax.CheckpointManager] keeps the ``max_to_keep`` highest steps; the
+one-shot [`save_checkpoint`][shardax.save_checkpoint] (``shardax.checkpoint.one_shot``) deletes none
+unless asked. A restore places every array on the sharding of ``like``, whatever sharding it was
+saved with.
 
-With ``async_save=True`` a save blocks only while the arrays are copied to host memory;
-orbax writes them in a background thread and commits the step (the rename) when they
-are written, so the loop goes on stepping. A step is listed, restored or counted by
-:meth:`CheckpointManager.latest_step` only once committed; the next save, a restore and
-:meth:`CheckpointManager.close` wait for the save in flight, and a save after a
-preemption notice (SIGTERM) waits for its own commit before returning. A save still in
-flight when the script ends is finished before the process exits or, where that cannot
-be (Python 3.12+ starts no thread then, and orbax needs some), reported on stderr. A
-save that fails (a read-only or full disk) raises ``OSError`` naming the step, the
-directory and the cause, and leaves no orbax thread behind. One manager at a time
-writes into a directory (:mod:`shardax.checkpoint.lock`).
+With ``async_save=True`` a save blocks only while the arrays are copied to host memory; orbax writes
+them in a background thread and commits the step (the rename) when they are written, so the loop
+goes on stepping. A step is listed, restored or counted by
+[`CheckpointManager.latest_step`][shardax.CheckpointManager.latest_step] only once committed; the
+next save, a restore and [`CheckpointManager.close`][shardax.CheckpointManager.close] wait for the
+save in flight, and a save after a preemption notice (SIGTERM) waits for its own commit before
+returning. A save still in flight when the script ends is finished before the process exits or,
+where that cannot be (Python 3.12+ starts no thread then, and orbax needs some), reported on stderr
+(``shardax.checkpoint.at_exit``). A save that fails (a read-only or full disk) raises ``OSError``
+naming the step, the directory and the cause, and leaves no orbax thread behind. One manager at a
+time writes into a directory (``shardax.checkpoint.lock``).
 
->>> import shardax as sx
->>> state = {"w": jnp.ones((8, 4)), "step": jnp.int32(0)}
->>> sx.save_checkpoint(tmp_path / "ckpt", state, step=1)
->>> sx.restore_checkpoint(tmp_path / "ckpt", like=state).step
-1
+>>> with CheckpointManager(tmp_path / "run", max_to_keep=2) as manager:
+...     for step in (1, 2, 3):
+...         manager.save(step, {"w": jnp.full(4, float(step))})
+...     manager.all_steps(), manager.restore({"w": jnp.zeros(4)}).step
+([2, 3], 3)
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
-import threading
 import warnings
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
-from shardax.checkpoint import swap
+from shardax.checkpoint import at_exit, swap
 from shardax.checkpoint.convert import (
     abstract_saveable,
-    array_leaves,
     flat_paths,
     from_saveable,
     other_leaves,
@@ -50,8 +45,11 @@ from shardax.checkpoint.convert import (
 )
 from shardax.checkpoint.lock import DirectoryLock
 from shardax.checkpoint.preemption import preemption_requested, reached_preemption
+from shardax.checkpoint.quiet import _QUIET
+from shardax.checkpoint.quiet import _OrbaxErrors as _OrbaxErrors  # the tests read it here
+from shardax.checkpoint.steps import _CheckpointSteps
+from shardax.checkpoint.trees import check_json, check_not_donated, check_same_tree
 from shardax.checks import as_bool, as_count, as_path, public
-from shardax.plan.tree import path_str
 from shardax.runtime import compat
 
 
@@ -79,14 +77,17 @@ class CheckpointManager:
     """Keeps the last ``max_to_keep`` checkpoints of a run in ``directory``.
 
     Every process of a multi-process run must make the same calls, in the same order:
-    :meth:`save`, :meth:`restore`, and :meth:`wait`, :meth:`all_steps`,
-    :meth:`latest_step`, :meth:`data_state` and :meth:`close`, which wait for a save in
-    flight and the deletions it brings, and so synchronise the processes.
-    ``async_save=True``: :meth:`save` returns once the arrays are on the host and writes
-    them in the background (:meth:`wait` for the commit; a save not waited for is
-    finished when the script ends). From its first save until :meth:`close` the manager
-    holds the directory's writer lock: a second manager saving there raises
-    ``RuntimeError`` naming the first.
+    [`save`][shardax.CheckpointManager.save], [`restore`][shardax.CheckpointManager.restore], and
+    [`wait`][shardax.CheckpointManager.wait], [`all_steps`][shardax.CheckpointManager.all_steps],
+    [`latest_step`][shardax.CheckpointManager.latest_step],
+    [`data_state`][shardax.CheckpointManager.data_state] and
+    [`close`][shardax.CheckpointManager.close], which wait for a save in flight and the deletions it
+    brings, and so synchronise the processes. ``async_save=True``:
+    [`save`][shardax.CheckpointManager.save] returns once the arrays are on the host and writes them
+    in the background ([`wait`][shardax.CheckpointManager.wait] for the commit; a save not waited
+    for is finished when the script ends). From its first save until
+    [`close`][shardax.CheckpointManager.close] the manager holds the directory's writer lock: a
+    second manager saving there raises ``RuntimeError`` naming the first.
     """
 
     def __init__(
@@ -138,7 +139,7 @@ class CheckpointManager:
         ``OSError`` naming the step, the directory and the cause; the steps committed
         before it are kept."""
         in_flight, self._in_flight = self._in_flight, None
-        _UNFINISHED.discard(self)
+        at_exit.finished(self)
         try:
             self._manager.wait_until_finished()
         except Exception as e:
@@ -184,7 +185,7 @@ class CheckpointManager:
         A step that exists raises ``FileExistsError`` unless ``overwrite=True``, which
         replaces it atomically: the new version is saved aside and swapped in by renames,
         so a crash at any point leaves the old step or the new one, whole
-        (:mod:`shardax.checkpoint.swap`); an overwrite is never asynchronous.
+        (``shardax.checkpoint.swap``); an overwrite is never asynchronous.
 
         With ``async_save=True`` it returns once the arrays are copied to the host (the
         state may then be donated or changed) and commits in the background, except
@@ -240,7 +241,7 @@ class CheckpointManager:
             self._manager.save(step, args=args, force=True)
             self._in_flight = (step, compat.orbax_save_operations() - before)
             if self.async_save:
-                _finish_at_exit(self)
+                at_exit.finish_at_exit(self, step)
             if not self.async_save or preemption_requested():
                 self.wait()
             return
@@ -250,8 +251,9 @@ class CheckpointManager:
         self._manager.reload()
 
     def reached_preemption(self, step: int) -> bool:
-        """Deprecated: call :func:`shardax.checkpoint.reached_preemption` (the one
-        preemption API), or let :func:`shardax.loop.run` save and stop on a SIGTERM."""
+        """Deprecated: call [`reached_preemption`][shardax.checkpoint.reached_preemption] (the
+        one preemption API), or let [`shardax.loop.run`][shardax.loop.run] save and stop on a
+        SIGTERM."""
         warnings.warn(
             "CheckpointManager.reached_preemption is deprecated and goes in the next release; "
             "call sx.checkpoint.reached_preemption(step), or let sx.loop.run save on SIGTERM",
@@ -322,142 +324,11 @@ class CheckpointManager:
                 self._quiet = False
                 _QUIET.release()
 
-    def _finish_at_exit(self) -> None:
-        if self._in_flight is None:
-            return
-        step = self._in_flight[0]
-        try:
-            self.close()
-        except Exception as e:
-            # Python 3.12+ starts no thread once the script has ended, and orbax needs new
-            # ones to finish a save: then the save is reported, never silently dropped.
-            print(
-                f"shardax: {e}. The script ended with this asynchronous save in flight: "
-                "call CheckpointManager.wait() or close() (or use a with block) before it ends",
-                file=sys.stderr,
-                flush=True,
-            )
-        else:
-            print(
-                f"shardax: finished saving checkpoint step {step} in {self.directory} at exit "
-                "(call CheckpointManager.close() or wait() to finish it yourself)",
-                file=sys.stderr,
-                flush=True,
-            )
-
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _OrbaxErrors(logging.Filter):
-    """Drops the error logs of a failed orbax-checkpoint save, each with its traceback
-    (tens of lines per thread, and one per write that fails after the first): orbax's
-    own, and asyncio's "Task exception was never retrieved" for orbax's write tasks.
-    shardax raises the failure itself, naming the step, the directory and the cause,
-    with orbax's error chained to it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        if "/orbax/checkpoint/" in record.pathname.replace(os.sep, "/"):
-            return False
-        return not (record.name == "asyncio" and "/orbax/checkpoint/" in _message(record))
-
-
-def _message(record: logging.LogRecord) -> str:
-    try:
-        return record.getMessage().replace(os.sep, "/")
-    except Exception:  # a record whose arguments do not format: keep it
-        return ""
-
-
-def _late_completions(previous: Any) -> Any:
-    """An unraisable hook that drops asyncio's "Event loop is closed" raised where a
-    native callback (tensorstore's) reports a write finishing after the failed save's
-    loop was closed: harmless, and one traceback per write. Anything else goes to
-    ``previous``."""
-
-    def hook(unraisable: Any) -> None:
-        error = unraisable.exc_value
-        if not (
-            isinstance(error, RuntimeError)
-            and str(error) == "Event loop is closed"
-            and unraisable.object is None
-        ):
-            previous(unraisable)
-
-    hook.shardax_late_completions = True  # type: ignore[attr-defined]
-    return hook
-
-
-class _Quiet:
-    """The filters on orbax's save-error logs (:class:`_OrbaxErrors` on the ``absl`` and
-    ``asyncio`` loggers) and the unraisable hook (:func:`_late_completions`), installed
-    while at least one manager that saved is open, and removed (the previous hook put
-    back) when the last one closes, so nothing stays on the process after; but once a
-    save failed, the ``asyncio`` filter stays: orbax's failed write tasks report "Task
-    exception was never retrieved" when they are garbage-collected, which can be after
-    the last close (at exit). It drops only those reports of orbax's own tasks."""
-
-    def __init__(self) -> None:
-        self.users = 0
-        self.failed = False  # a save failed in this process
-        self.filters: list[tuple[logging.Logger, logging.Filter]] = []
-        self.hook: Any = None
-        self.previous: Any = None
-        self.lock = threading.Lock()
-
-    def acquire(self) -> None:
-        with self.lock:
-            self.users += 1
-            if self.users > 1:
-                return
-            for name in ("absl", "asyncio"):  # orbax logs through absl, which logs here
-                if any(logger.name == name for logger, _ in self.filters):
-                    continue  # the asyncio filter a failed save left
-                logger, kept = logging.getLogger(name), _OrbaxErrors()
-                logger.addFilter(kept)
-                self.filters.append((logger, kept))
-            self.previous = sys.unraisablehook
-            self.hook = sys.unraisablehook = _late_completions(self.previous)
-
-    def release(self) -> None:
-        with self.lock:
-            self.users -= 1
-            if self.users > 0:
-                return
-            stays = [(lg, f) for lg, f in self.filters if self.failed and lg.name == "asyncio"]
-            for logger, kept in self.filters:
-                if (logger, kept) not in stays:
-                    logger.removeFilter(kept)
-            self.filters = stays
-            if sys.unraisablehook is self.hook:  # else replaced since: left to its owner
-                sys.unraisablehook = self.previous
-            self.hook = self.previous = None
-
-
-_QUIET = _Quiet()
-
-
-_UNFINISHED: set[CheckpointManager] = set()
-"""The async managers with a save in flight, finished at exit."""
-
-
-def _finish_at_exit(manager: CheckpointManager) -> None:
-    # Registered at the first async save, after the executors orbax's save uses, so that
-    # it runs before they stop taking work (the hooks run last registered, first).
-    if not getattr(_finish_at_exit, "registered", False):
-        compat.before_thread_shutdown(_finish_saves_at_exit)
-        _finish_at_exit.registered = True  # type: ignore[attr-defined]
-    _UNFINISHED.add(manager)
-
-
-def _finish_saves_at_exit() -> None:
-    for manager in list(_UNFINISHED):
-        manager._finish_at_exit()
 
 
 def check_directory(name: str, directory: Any, *, writable: bool = False) -> str:
@@ -524,146 +395,5 @@ def _save(manager: Any, step: int, args: Any) -> None:
     manager.wait_until_finished()
 
 
-class _CheckpointSteps:
-    """orbax's standard step names, minus directories named like a step that hold no
-    shardax checkpoint (no "state" item): ``on_stray(path)`` is told, and orbax never
-    lists, reads or garbage-collects them."""
-
-    def __init__(self, base: Any, on_stray: Any) -> None:
-        self._base, self._on_stray = base, on_stray
-        self.single_host_load_and_broadcast = getattr(base, "single_host_load_and_broadcast", False)
-
-    def _ours(self, metadata: Any) -> bool:
-        if os.path.isdir(os.path.join(os.fspath(metadata.path), "state")):
-            return True
-        self._on_stray(metadata.path)
-        return False
-
-    def build_name(self, step: int) -> str:
-        return self._base.build_name(step)
-
-    def find_all(self, base_path: Any) -> Iterator[Any]:
-        return iter([m for m in self._base.find_all(base_path) if self._ours(m)])
-
-    def find_step(self, base_path: Any, step: int) -> Any:
-        metadata = self._base.find_step(base_path, step)
-        if not self._ours(metadata):
-            raise ValueError(f"no shardax checkpoint for step {step} in {base_path}")
-        return metadata
-
-
-def check_not_donated(state: Any) -> None:
-    """Raises ``ValueError`` naming the first leaf of ``state`` whose buffer was deleted
-    (donated to a jitted step), before anything is written."""
-    deleted = sorted(
-        (
-            path_str(path)
-            for path, leaf in array_leaves(state)
-            if isinstance(leaf, jax.Array) and leaf.is_deleted()
-        ),
-        key=_params_first,
-    )
-    if deleted:
-        more = f" (and {len(deleted) - 1} more)" if len(deleted) > 1 else ""
-        raise ValueError(
-            f"state leaf {deleted[0]!r}{more} has been deleted: its buffer was "
-            "donated to a step (donate=True, donate_argnums) that consumed it. Save the "
-            "state the step returned, not the one passed into it. Nothing was written"
-        )
-
-
-def check_json(name: str, value: Any, path: str = "") -> None:
-    """Raises ``TypeError`` naming the first entry of ``value`` that JSON cannot store
-    as it is (a NumPy array or scalar, an object, a non-string key), before anything is
-    written."""
-    where = f"{name}{path}"
-    if value is None or isinstance(value, str | int | float):
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(
-                    f"{where} has the key {key!r} ({type(key).__name__}); JSON keys must be "
-                    f"strings (it would come back as {str(key)!r})"
-                )
-            check_json(name, item, f"{path}[{key!r}]")
-        return
-    if isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            check_json(name, item, f"{path}[{i}]")
-        return
-    hint = (
-        "; convert it with .tolist() or int()/float()"
-        if isinstance(value, np.ndarray | np.generic)
-        else ""
-    )
-    raise TypeError(
-        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which JSON "
-        f"cannot store (it takes dicts, lists, strings, numbers, bools and None){hint}. "
-        "Nothing was written"
-    )
-
-
 def _metadata_tree(metadata: Any) -> Any:
     return getattr(metadata, "tree", metadata)
-
-
-def _params_first(path: str) -> tuple[bool, str]:
-    """Sort key: the model's leaves before the optimizer's mirrors of them."""
-    return ("opt_state" in path.split("/"), path)
-
-
-def check_same_tree(saved: dict[str, Any], target: dict[str, Any], step: int) -> None:
-    """Raises ``ValueError`` naming the first path whose presence, shape or dtype differ
-    (the params before the optimizer state that mirrors them) and how many others do."""
-    missing = sorted(set(target) - set(saved), key=_params_first)
-    extra = sorted(set(saved) - set(target), key=_params_first)
-    if missing or extra:
-        raise ValueError(
-            f"checkpoint step {step} does not match the tree of `like`: "
-            + (f"not in the checkpoint: {missing}; " if missing else "")
-            + (f"in the checkpoint but not in `like`: {extra}" if extra else "")
-        )
-    differ = []
-    for path in sorted(target, key=_params_first):
-        want, got = target[path], saved[path]
-        if tuple(got.shape) != tuple(np.shape(want)):
-            differ.append(
-                f"leaf {path!r} has shape {tuple(got.shape)} in the checkpoint but "
-                f"{tuple(np.shape(want))} in `like`"
-            )
-        elif np.dtype(got.dtype) != np.dtype(want.dtype):
-            differ.append(
-                f"leaf {path!r} has dtype {np.dtype(got.dtype)} in the checkpoint but "
-                f"{np.dtype(want.dtype)} in `like`"
-            )
-    if differ:
-        more = f" ({len(differ) - 1} more leaves differ)" if len(differ) > 1 else ""
-        raise ValueError(f"checkpoint step {step}: {differ[0]}{more}")
-
-
-@public("sx.save_checkpoint")
-def save_checkpoint(
-    directory: str | os.PathLike[str],
-    state: Any,
-    *,
-    step: int,
-    data_state: Any = None,
-    max_to_keep: int | None = None,
-    overwrite: bool = False,
-) -> None:
-    """Saves ``state`` and ``data_state`` as ``step`` in ``directory``; see
-    :class:`CheckpointManager`. It deletes no step unless ``max_to_keep`` asks it to
-    (keeping that many of the highest steps, as :meth:`CheckpointManager.save`)."""
-    with CheckpointManager(directory, max_to_keep) as manager:
-        manager.save(step, state, data_state, overwrite=overwrite)
-
-
-@public("sx.restore_checkpoint")
-def restore_checkpoint(
-    directory: str | os.PathLike[str], like: Any, step: int | None = None
-) -> Restored:
-    """Restores ``step`` (default: latest) of ``directory`` onto ``like``'s shardings;
-    returns ``Restored(state, data_state, step)``."""
-    with CheckpointManager(directory, max_to_keep=None, create=False) as manager:
-        return manager.restore(like, step)
