@@ -18,16 +18,16 @@ picks how devices see each other's keys and values:
 - ``"ulysses"``: all-to-all from sequence-split to head-split, full-length attention
   on H / C heads, all-to-all back (needs ``H % C == 0``).
 
-Causal load balancing: with ``layout="zigzag:C"`` (:func:`zigzag_layout`) device i holds
-sequence chunks i and 2C-1-i (of 2C); :func:`zigzag` reorders a batch that way and gives
-each token's true position, which the masks use. The ring then pairs chunks, not blocks,
-and skips the hidden pairs, so each device computes (2C+1)/(4C) of the full attention
-(contiguous: device i computes (i+1)/C of it). The layout carries the C the batch was
-reordered for: a context axis of another size > 1 is refused by name, and where the axis
-has size 1 (one device) the masks use C's true positions. Bare ``layout="zigzag"`` (C
-taken from the mesh) still works, warning once; on a mesh without the axis it is
-refused, except inside :func:`laid_out_for` (how ``sx.verify`` runs its one-device
-reference on the distributed mesh's layout).
+Causal load balancing: with ``layout="zigzag:C"``
+([`zigzag_layout`][shardax.parallel.zigzag_layout]) device i holds sequence chunks i and 2C-1-i (of
+2C); [`zigzag`][shardax.parallel.zigzag] reorders a batch that way and gives each token's true
+position, which the masks use. The ring then pairs chunks, not blocks, and skips the hidden pairs,
+so each device computes (2C+1)/(4C) of the full attention (contiguous: device i computes (i+1)/C of
+it). The layout carries the C the batch was reordered for: a context axis of another size > 1 is
+refused by name, and where the axis has size 1 (one device) the masks use C's true positions. Bare
+``layout="zigzag"`` (C taken from the mesh) still works, warning once; on a mesh without the axis it
+is refused, except inside ``laid_out_for`` (how ``sx.verify`` runs its one-device reference on the
+distributed mesh's layout).
 
 >>> mesh = jax.make_mesh((2, 4), ("data", "context"))
 >>> q = k = v = jnp.ones((2, 16, 4, 8))
@@ -108,7 +108,7 @@ __all__ = [
 ]
 
 _SCHEMES = {"all_gather": _all_gather, "ring": _ring, "ulysses": _ulysses}
-"""The function of each scheme of :data:`IMPLS` (a test holds them equal)."""
+"""The function of each scheme of ``IMPLS`` (a test holds them equal)."""
 
 
 @public("sx.attention")
@@ -140,18 +140,20 @@ def attention(
       scale: logit scale, ``1/sqrt(head_dim)`` by default.
       axis: the mesh axis splitting the sequence (of the mesh set by ``jax.set_mesh``,
         or bound by an enclosing ``shard_map``).
-      impl: ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"auto"`` (:func:`choose_impl`).
+      impl: ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"auto"``
+        ([`choose_impl`][shardax.parallel.choose_impl]).
       layout: ``"contiguous"`` or ``"zigzag:C"`` (the batch reordered by
-        :func:`zigzag` for C devices, :func:`zigzag_layout`); masks use the true
-        positions. ``axis`` of size C' > 1 with C' != C is refused; of size 1, the
-        positions are C's. Bare ``"zigzag"`` takes C from the mesh (warning once).
-      kernel: ``"auto"``: the platform's fused kernel where it can compute this
-        attention (cuDNN on a GPU, splash attention on a TPU;
-        :func:`shardax.parallel.choose_kernel`), else the dense path, which a GPU or TPU
-        logs once per reason; ``"dense"``, ``"cudnn"`` or ``"splash"`` force one (a
-        ValueError names what it cannot do; splash off a TPU runs in Pallas' interpret
-        mode, for tests). ``impl="ring"`` runs each K/V block through cuDNN on a GPU (no
-        mask or causal; its log-sum-exp combines the blocks) and as einsums elsewhere.
+        [`zigzag`][shardax.parallel.zigzag] for C devices,
+        [`zigzag_layout`][shardax.parallel.zigzag_layout]); masks use the true positions. ``axis``
+        of size C' > 1 with C' != C is refused; of size 1, the positions are C's. Bare ``"zigzag"``
+        takes C from the mesh (warning once).
+      kernel: ``"auto"``: the platform's fused kernel where it can compute this attention (cuDNN on
+        a GPU, splash attention on a TPU;
+        [`shardax.parallel.choose_kernel`][shardax.parallel.choose_kernel]), else the dense path,
+        which a GPU or TPU logs once per reason; ``"dense"``, ``"cudnn"`` or ``"splash"`` force one
+        (a ValueError names what it cannot do; splash off a TPU runs in Pallas' interpret mode, for
+        tests). ``impl="ring"`` runs each K/V block through cuDNN on a GPU (no mask or causal; its
+        log-sum-exp combines the blocks) and as einsums elsewhere.
 
     Every mask combines with every other and with every scheme; what a scheme cannot do
     (ulysses with heads not divisible by C) raises a ValueError naming the sizes.
@@ -206,7 +208,7 @@ _BARE_ZIGZAG_WARNED = False
 def _check_zigzag(layout: str, carried: int | None, c: int, axis: str) -> None:
     """``"zigzag:C"`` on an ``axis`` of size ``c`` > 1 other than C is refused (its masks
     would be another batch's); bare ``"zigzag"`` takes C from the mesh (or an enclosing
-    :func:`laid_out_for`), warning once."""
+    ``laid_out_for``), warning once."""
     global _BARE_ZIGZAG_WARNED
     if carried is not None:
         if c > 1 and c != carried:

@@ -1,6 +1,6 @@
 """The ring's blocks: one query part against one part of a K/V block, forward and
 backward, as einsums (every mask) or through cuDNN's fused attention (no mask or causal),
-and which of the two a call runs with (:func:`_ring_kernel`)."""
+and which of the two a call runs with (``_ring_kernel``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from shardax.parallel.context.masks import _mask
 #             GLOBAL output and log-sum-exp (P_block = exp(S - lse_global)).
 # ``diag``: the part pair lies on the causal diagonal (the same positions: the mask is
 # causal within it); other visible pairs are fully visible under causal alone.
-# The ring combines the forwards by an online softmax (:func:`_combine`) whatever the
+# The ring combines the forwards by an online softmax (``_combine``) whatever the
 # pair: the dense one (einsums, every mask from the true positions) or cuDNN's
 # (no mask or causal, kernel="cudnn").
 
@@ -137,7 +137,7 @@ def _add_bias_grad(dbias: jax.Array, ds: jax.Array, row: int, col: Any) -> jax.A
 def _ring_kernel(kernel: str, dtype: Any, head_dim: int, causal: bool,
                  window: tuple[int, int] | None, segment_ids: Any, bias: Any) -> str:  # fmt: skip
     """The kernel the ring runs its blocks with: ``"cudnn"`` (each K/V block through
-    cuDNN's fused attention, :data:`_FLASH`) where it can compute them, else ``"dense"``
+    cuDNN's fused attention, ``_FLASH``) where it can compute them, else ``"dense"``
     (einsums). ``kernel="auto"`` takes cuDNN on a GPU and says once why not where it
     cannot; a kernel named that cannot is refused, naming why."""
     why = _ring_unsupported(kernel, dtype, head_dim, causal, window, segment_ids, bias)

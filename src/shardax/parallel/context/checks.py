@@ -1,4 +1,4 @@
-"""The checks of :func:`~shardax.parallel.attention`'s inputs: shapes, dtypes, the
+"""The checks of [`attention`][shardax.attention]'s inputs: shapes, dtypes, the
 window, and a sequence length that the layout's chunks divide."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _check_dtypes(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any) -> None:
 
 def _zigzag_context(axis: str, t: int, s: int, layout: str = "zigzag") -> int:
     """The C of a zig-zag sequence run where ``axis`` has size 1: the layout's own
-    (``"zigzag:C"``), else an enclosing :func:`laid_out_for`'s; refused when it cannot be
+    (``"zigzag:C"``), else an enclosing ``laid_out_for``'s; refused when it cannot be
     known: a guess would give the wrong causal mask."""
     c = layout_context(axis, layout)
     if c == 1 and parse_layout(layout)[1] is None:

@@ -13,7 +13,8 @@ from shardax.checks import public
 from shardax.parallel.context.checks import _check_length
 
 IMPLS: tuple[str, ...] = ("all_gather", "ring", "ulysses")
-"""The context-parallel schemes; ``impl="auto"`` picks one with :func:`choose_impl`."""
+"""The context-parallel schemes; ``impl="auto"`` picks one with
+[`choose_impl`][shardax.parallel.choose_impl]."""
 
 SCORE_BYTES_LIMIT = 1 << 30
 """``impl="auto"`` takes the ring when the scores of all_gather / ulysses would exceed
@@ -73,7 +74,7 @@ def choose_impl(
 
     The ring when all_gather's scores (``B H T/C S`` in fp32) would exceed
     ``score_limit`` bytes per device; otherwise the one that sends fewer bytes
-    (:func:`sent_bytes`), ulysses only when ``H % C == 0``.
+    (``sent_bytes``), ulysses only when ``H % C == 0``.
 
     >>> choose_impl((1, 4096, 32, 128), (1, 4096, 8, 128), 4)[0]
     'all_gather'

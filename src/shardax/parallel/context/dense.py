@@ -1,6 +1,6 @@
 """Attention over whole blocks with every mask applied: the one-device path, and what
 all_gather and ulysses run once each device holds its keys, by the kernel
-:func:`shardax.parallel.fused.pick` takes."""
+``shardax.parallel.fused.pick`` takes."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _dense(
     kernel: str = "auto",
 ) -> jax.Array:
     """Attention over whole (or this device's) blocks with every mask applied, by the
-    kernel :func:`shardax.parallel.fused.pick` takes: cuDNN's fused attention, splash
+    kernel ``shardax.parallel.fused.pick`` takes: cuDNN's fused attention, splash
     attention, or ``jax.nn.dot_product_attention``'s XLA path. The masks are its own
     ``is_causal`` / ``local_window_size`` when the positions are ``arange``
     (``natural``), else a boolean mask from the true positions."""

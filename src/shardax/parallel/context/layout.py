@@ -1,9 +1,9 @@
 """How the sequence lies over the context axis: contiguous, or zig-zag for causal load
 balancing (device i holds chunks i and 2C-1-i of 2C), and the true position of each token.
 
-``"zigzag:C"`` (:func:`zigzag_layout`) carries the C the batch was reordered for
-(:func:`zigzag`); bare ``"zigzag"`` takes C from the mesh, or inside :func:`laid_out_for`
-from the mesh it names.
+``"zigzag:C"`` ([`zigzag_layout`][shardax.parallel.zigzag_layout]) carries the C the batch was
+reordered for ([`zigzag`][shardax.parallel.zigzag]); bare ``"zigzag"`` takes C from the mesh, or
+inside ``laid_out_for`` from the mesh it names.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from shardax.checks import as_count, public
 from shardax.mesh.axes import CONTEXT_AXIS
 
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
-"""How the sequence is laid out over the context axis: a layout is one of these, or
-``"zigzag:C"`` (:func:`zigzag_layout`: reordered by :func:`zigzag` for C devices), read by
-:func:`parse_layout`."""
+"""How the sequence is laid out over the context axis: a layout is one of these, or ``"zigzag:C"``
+([`zigzag_layout`][shardax.parallel.zigzag_layout]: reordered by [`zigzag`][shardax.parallel.zigzag]
+for C devices), read by ``parse_layout``."""
 
 
 def zigzag_order(length: int, context: int) -> np.ndarray:
@@ -66,9 +66,10 @@ def parse_layout(layout: Any, name: str = "layout") -> tuple[str, int | None]:
 
 @public("sx.parallel.zigzag_layout")
 def zigzag_layout(context: int) -> str:
-    """The layout of a batch reordered by :func:`zigzag` for ``context`` devices,
-    ``"zigzag:C"``: pass it to :func:`attention` (or the model) with that batch, so that
-    a mesh whose context axis has another size refuses it rather than mask it wrongly.
+    """The layout of a batch reordered by [`zigzag`][shardax.parallel.zigzag] for ``context``
+    devices, ``"zigzag:C"``: pass it to [`attention`][shardax.attention] (or the model) with that
+    batch, so that a mesh whose context axis has another size refuses it rather than mask it
+    wrongly.
 
     >>> zigzag_layout(4)
     'zigzag:4'
@@ -78,11 +79,11 @@ def zigzag_layout(context: int) -> str:
 
 @public("sx.parallel.zigzag")
 def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndarray]:
-    """``(batch, positions)``: every array leaf of ``batch`` reordered along ``seq_axis``
-    for causal load balancing over ``context`` devices, and the true position of each
-    reordered token (give it to the model's position embedding; pass
-    ``layout=zigzag_layout(context)``, ``"zigzag:C"``, to :func:`attention`). Segment ids
-    in the batch are reordered with it. Leaves of rank <= ``seq_axis`` pass through.
+    """``(batch, positions)``: every array leaf of ``batch`` reordered along ``seq_axis`` for causal
+    load balancing over ``context`` devices, and the true position of each reordered token (give it
+    to the model's position embedding; pass ``layout=zigzag_layout(context)``, ``"zigzag:C"``, to
+    [`attention`][shardax.attention]). Segment ids in the batch are reordered with it. Leaves of
+    rank <= ``seq_axis`` pass through.
 
     >>> batch, pos = zigzag({"tokens": np.arange(8)[None]}, 2)
     >>> batch["tokens"].tolist(), pos.tolist()
@@ -99,7 +100,7 @@ def zigzag(batch: Any, context: int, *, seq_axis: int = 1) -> tuple[Any, np.ndar
 
 @public("sx.parallel.unzigzag")
 def unzigzag(batch: Any, context: int, *, seq_axis: int = 1) -> Any:
-    """The inverse of :func:`zigzag`: leaves back in sequence order.
+    """The inverse of [`zigzag`][shardax.parallel.zigzag]: leaves back in sequence order.
 
     >>> unzigzag(np.array([[0, 1, 6, 7, 2, 3, 4, 5]]), 2).tolist()
     [[0, 1, 2, 3, 4, 5, 6, 7]]
@@ -129,7 +130,7 @@ def sequence_sharding(
     mesh: Mesh, seq_axis: str = CONTEXT_AXIS, batch_axis: str | tuple[str, ...] | None = "data"
 ) -> NamedSharding:
     """A batch ``(B, T, ...)`` split over ``batch_axis`` on B (skipped when the mesh has no
-    such axis) and over ``seq_axis`` on T: the placement :func:`attention` expects
+    such axis) and over ``seq_axis`` on T: the placement [`attention`][shardax.attention] expects
     (``sx.batch_sharding(mesh, seq_axis=...)`` where the mesh has the batch axis).
 
     >>> sequence_sharding(jax.make_mesh((2, 4), ("data", "context"))).spec
@@ -192,7 +193,7 @@ def laid_out_for(mesh: Mesh) -> Iterator[None]:
 def layout_context(axis: str = CONTEXT_AXIS, layout: str = "zigzag") -> int:
     """The C a zig-zag sequence is laid out for: the C ``layout`` carries
     (``"zigzag:C"``), else the size of ``axis`` in the current mesh, or where that is 1,
-    its size in an enclosing :func:`laid_out_for`."""
+    its size in an enclosing ``laid_out_for``."""
     carried = parse_layout(layout)[1]
     if carried is not None:
         return carried

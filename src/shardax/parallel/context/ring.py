@@ -84,7 +84,7 @@ def _own_block_visible(cfg: _Config, first: bool, i: int, j: int) -> bool | None
     """Whether query part ``i`` sees key part ``j`` of the device's own block (step 0,
     ``first``), known while tracing under causal alone: the parts lie in increasing
     positions, so query part i sees key part j > i never, j < i wholly, j == i causally.
-    None: not known (another step, or a window); :func:`_visible` decides from the
+    None: not known (another step, or a window); ``_visible`` decides from the
     positions."""
     if not first or not cfg.causal or cfg.window is not None:
         return None
