@@ -1,6 +1,7 @@
 """sx.verify's cause ladder is one list that both paths (a train step and your own step
 function) run through: a cause added to it in one place is named for either."""
 
+import functools
 import itertools
 
 import jax
@@ -17,8 +18,10 @@ BATCH = batches(1, size=16)[0]
 
 def fake_cause(evidence: causes.Evidence):
     """A cause of one's own, on the evidence every path gives: the worst leaf, the leaves
-    that differed, and what the side compared."""
+    that differed, what the side compared, and the step run again from where it started
+    (the same: these steps are deterministic)."""
     assert evidence.worst in evidence.bad and evidence.side.judged
+    assert evidence.agrees(evidence.side.rerun(evidence.run), evidence.run.got)
     return "fake cause", f"{evidence.worst.path} differs ({evidence.side.what})"
 
 
@@ -43,7 +46,7 @@ def test_a_cause_added_to_the_ladder_is_named_for_a_train_step(mesh, ladder_with
 
 
 def test_a_cause_added_to_the_ladder_is_named_for_your_own_step(mesh, ladder_with_a_fake_cause):
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)
     def scaled(params, batch, scale):
         loss, grads = jax.value_and_grad(
             lambda p: scale * jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
@@ -56,6 +59,7 @@ def test_a_cause_added_to_the_ladder_is_named_for_your_own_step(mesh, ladder_wit
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     params = jax.device_put({"w": jnp.ones((IN, OUT))}, replicated)
     batch = sx.distribute_batch(BATCH, sx.batch_sharding(mesh))
-    report = sx.verify(own_step, params, batch)
-    assert not report.ok and report.cause == "fake cause", str(report)
+    # two steps, the first differs: its evidence outlives the second, which donates
+    report = sx.verify(own_step, params, batch, steps=2)
+    assert not report.ok and report.first_step == 1 and report.cause == "fake cause"
     assert report.hint == f"{report.worst.path} differs (own_step)"

@@ -166,7 +166,8 @@ class FunctionSide:
 
     def step(self) -> Run:
         start = copied(self._args, fresh)
-        self._args, out = self._distributed(self._args)
+        # on a copy: the step may donate, and the state it gave last stays the evidence
+        self._args, out = self._distributed(copied(start, fresh))
         got, want = self._observe(self._args, out), self._on_one(start, self._rbatch)
         check_structure(got, want, self._given)
         return Run(start, got, want)

@@ -67,9 +67,10 @@ class Reference:
         return place(tree, self.sharding)
 
     def copy(self, x: jax.Array) -> jax.Array:
-        """A copy of ``x`` on the device: ``device_put`` would reuse the buffer of a
-        replicated array's shard there, and the user's step may donate it."""
-        return jax.device_put(x, self.sharding, may_alias=False)
+        """A copy of ``x`` on the device, in a buffer of its own: the user's step may donate
+        it. Moving a replicated array there reuses its shard's buffer, ``may_alias=False``
+        or not (it holds for the same sharding only), so the copy is made there."""
+        return jax.device_put(jax.device_put(x, self.sharding), self.sharding, may_alias=False)
 
     def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` under the one-device mesh, in the distributed mesh's sequence
