@@ -1,11 +1,15 @@
-"""The one byte formatter of shardax's reports (the plan's ``describe``, the cost
-estimate, the auto search). It imports nothing from shardax, so every layer may use it.
+"""The formatting of shardax's reports (the plan's ``describe``, the cost estimate, the
+auto search, ``verify``): bytes in binary units, and a rich table as plain text. It
+imports nothing from shardax, so every layer may use it.
 
 >>> format_bytes(1536), format_bytes(3 * 2**40)
 ('1.50 KiB', '3.00 TiB')
 """
 
 from __future__ import annotations
+
+import io
+from typing import Any
 
 
 def format_bytes(n: float) -> str:
@@ -15,3 +19,13 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def rich_text(renderable: Any, width: int) -> str:
+    """``renderable`` (a rich table, or an object with ``__rich__``) printed as plain text
+    ``width`` columns wide: the ``str()`` of every report."""
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=width, force_terminal=False).print(renderable)
+    return out.getvalue().rstrip()

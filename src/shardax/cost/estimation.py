@@ -45,7 +45,6 @@ True
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import re
 import time
@@ -55,7 +54,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardax._format import format_bytes
+from shardax._format import format_bytes, rich_text
 from shardax.checks import public
 from shardax.cost.calibration import calibration_for, nearest
 from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
@@ -280,11 +279,7 @@ class Estimate:
         return table
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        out = io.StringIO()
-        Console(file=out, width=110, force_terminal=False).print(self)
-        return out.getvalue().rstrip()
+        return rich_text(self, width=110)
 
     def plot(self, path: Any) -> None:
         """A PNG at ``path``: one bar per memory component, the peak and HBM as lines."""

@@ -32,17 +32,7 @@ import jax
 import numpy as np
 
 from shardax.checks import as_bool, as_count, as_function, as_path, public, received
-from shardax.loop.hooks import (
-    Checkpoints,
-    Evaluation,
-    Goodput,
-    Hook,
-    Logging,
-    MetricsWindow,
-    Preemption,
-    Progress,
-    Watchdog,
-)
+from shardax.loop.hooks import Hook, usual_hooks
 from shardax.loop.state import check_same_state, restore_into, saveable, structure
 from shardax.runtime import status
 
@@ -512,9 +502,7 @@ def run(
         goodput = as_path("goodput", goodput, "True keeps it beside the checkpoints")
     total = None if steps is None else as_count("steps", steps, minimum=0)
     directory = _checkpoint_directory(checkpoints)
-    # The watchdog first: under it a step counts as completed (in the ledger too) once it
-    # waited for the step's result, one step behind (Run.done).
-    hooks: list[Hook] = [Watchdog(watchdog)] if watchdog is not None else []
+    where = False  # the goodput ledger's path (None: in memory; False: none)
     if goodput:
         from shardax.track.goodput import FILE
 
@@ -523,16 +511,9 @@ def run(
             where = os.path.join(directory, FILE)
         if jax.process_index() != 0:
             where = None  # process 0 keeps the ledger; the others count in memory
-        hooks.append(Goodput(where))
-    hooks += [Preemption(), MetricsWindow()]
-    if progress:
-        hooks.append(Progress())
-    if writer is not None:
-        hooks.append(Logging(every.get("log", 10)))
-    if evaluate is not None:
-        hooks.append(Evaluation(evaluate, every.get("eval")))
-    if directory is not None:
-        hooks.append(Checkpoints(every.get("save")))
+    hooks = usual_hooks(every, watchdog=watchdog, goodput=where, progress=progress,
+                        logging=writer is not None, evaluate=evaluate,
+                        checkpoints=directory is not None)  # fmt: skip
     # Every argument is checked: now what the run opens (closed if a later one fails).
     owned = contextlib.ExitStack()
     try:

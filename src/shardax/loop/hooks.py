@@ -436,3 +436,34 @@ class Checkpoints(Hook):
     def close(self, run: Any) -> None:
         with run.phase("checkpoint"):
             run.manager.wait()  # the save in flight
+
+
+def usual_hooks(
+    every: dict[str, int | None],
+    *,
+    watchdog: float | None,
+    goodput: str | bool | None,
+    progress: bool,
+    logging: bool,
+    evaluate: Any,
+    checkpoints: bool,
+) -> list[Hook]:
+    """The hooks ``sx.loop.run`` adds, in the order they run: the watchdog first (under
+    it a step counts as completed, in the ledger too, once it waited for the step's
+    result, one step behind), the goodput ledger (at the path ``goodput``; None: in
+    memory; False: none), preemption, the metrics window, then as asked the progress
+    bar, logging every ``every["log"]`` steps (10 by default), evaluation every
+    ``every["eval"]`` and checkpoints every ``every["save"]``."""
+    hooks: list[Hook] = [Watchdog(watchdog)] if watchdog is not None else []
+    if goodput is not False:
+        hooks.append(Goodput(goodput or None))
+    hooks += [Preemption(), MetricsWindow()]
+    if progress:
+        hooks.append(Progress())
+    if logging:
+        hooks.append(Logging(every.get("log", 10)))
+    if evaluate is not None:
+        hooks.append(Evaluation(evaluate, every.get("eval")))
+    if checkpoints:
+        hooks.append(Checkpoints(every.get("save")))
+    return hooks

@@ -14,7 +14,6 @@ P('data', None)
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import sys
 from typing import Any
@@ -23,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from shardax._format import format_bytes
+from shardax._format import format_bytes, rich_text
 from shardax.checks import public
 from shardax.plan.core import Plan, as_plan
 from shardax.plan.placed import planned_leaves
@@ -100,11 +99,7 @@ class ShardingReport:
         return table
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        out = io.StringIO()
-        Console(file=out, width=120, force_terminal=False).print(self)
-        return out.getvalue().rstrip()
+        return rich_text(self, width=120)
 
 
 def _row(path: str, leaf: Any, sharding: Sharding | None, want: Sharding | None = None) -> Row:

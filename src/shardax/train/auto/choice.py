@@ -17,17 +17,16 @@ devices' hosts.
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
+from shardax._format import format_bytes, rich_text
 from shardax.checks import public
 from shardax.cost.estimation import HEADROOM, Estimate
 from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 from shardax.plan.core import Plan
-from shardax.plan.report import format_bytes
 from shardax.train.auto.candidates import Candidate
 from shardax.train.config import StepConfig
 
@@ -163,11 +162,7 @@ class AutoPlan:
         return out
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        out = io.StringIO()
-        Console(file=out, width=140, force_terminal=False).print(self)
-        return out.getvalue().rstrip()
+        return rich_text(self, width=140)
 
 
 def default_device_memory(device: Any = None) -> float | None:

@@ -14,9 +14,9 @@ them with the cause and prints as a short table.
 from __future__ import annotations
 
 import dataclasses
-import io
 from typing import Any
 
+from shardax._format import rich_text
 from shardax.checks import public
 from shardax.train.verification.comparison import LeafDiff
 
@@ -100,11 +100,7 @@ class VerifyReport:
         return table
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        out = io.StringIO()
-        Console(file=out, width=120, force_terminal=False).print(self)
-        return out.getvalue().rstrip()
+        return rich_text(self, width=120)
 
 
 def verdict(diffs_by_step: list[list[LeafDiff]]) -> tuple[bool, int | None, tuple[LeafDiff, ...]]:
