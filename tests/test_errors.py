@@ -1338,6 +1338,20 @@ def _eqx_state_of_another_model():
     return sx.TrainState.create(model, optax.sgd(0.1), state=other)
 
 
+def _eqx_state_of_a_same_named_model_of_another_width():
+    import equinox as eqx
+
+    class Norm(eqx.Module):
+        bn: eqx.nn.BatchNorm
+
+        def __init__(self, width):
+            self.bn = eqx.nn.BatchNorm(width, "batch", mode="ema")
+
+    model, _ = eqx.nn.make_with_state(Norm)(4)
+    _, wider = eqx.nn.make_with_state(Norm)(8)
+    return sx.TrainState.create(model, optax.sgd(0.1), state=wider)
+
+
 @pytest.mark.parametrize(
     "call,error,message",
     [
@@ -1350,6 +1364,7 @@ def _eqx_state_of_another_model():
         (lambda: sx.make_train_step(_loss, config=sx.train.StepConfig(mesh=sx.make_mesh()), accumulate=2), TypeError, "sx.make_train_step: config holds the step's settings, so accumulate=2 beside it would conflict with them: set them in the config (dataclasses.replace(config, accumulate=...))"),
         (lambda: sx.make_train_step(_loss, config="fsdp"), TypeError, "sx.make_train_step: config must be a sx.train.StepConfig"),
         (_eqx_state_of_another_model, ValueError, "sx.TrainState.create: state is not the model's eqx.nn.State: the model's stateful layer 'Norm.bn.ema_first_time_index' has no entry in it"),
+        (_eqx_state_of_a_same_named_model_of_another_width, ValueError, "sx.TrainState.create: state is not the model's eqx.nn.State: its entry for the stateful layer 'Norm.bn.ema_state_index' holds arrays of shapes [(8,), (8,)], and the model's BatchNorm has input_size 4"),
     ],
 )  # fmt: skip
 def test_fourth_sweep_errors_name_argument_rule_and_value(call, error, message):

@@ -215,6 +215,30 @@ def _check_own_state(model: Any, state: Any) -> None:
             f"SpectralNorm), and this {type(model).__name__} has none, while the state "
             f"holds {held[:4]}; leave state= out"
         )
+    _check_batchnorm_sizes(model, state)
+
+
+def _check_batchnorm_sizes(model: Any, state: Any) -> None:
+    """A ``ValueError`` where an ``eqx.nn.BatchNorm``'s running statistics in ``state``
+    are not of its ``input_size``: the state of a same-named model of another width,
+    whose entries the model's layers find by name."""
+    import equinox as eqx
+
+    is_norm = lambda x: isinstance(x, eqx.nn.BatchNorm)  # noqa: E731
+    for layer in (x for x in jax.tree.leaves(model, is_leaf=is_norm) if is_norm(x)):
+        for name in ("ema_state_index", "batch_state_index"):
+            index = getattr(layer, name, None)
+            if index is None:
+                continue
+            shapes = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(state.get(index))]
+            if any(shape != (layer.input_size,) for shape in shapes):
+                raise ValueError(
+                    f"state is not the model's eqx.nn.State: its entry for the stateful "
+                    f"layer {index.marker!r} holds arrays of shapes {shapes}, and the "
+                    f"model's BatchNorm has input_size {layer.input_size}; pass the state "
+                    f"that eqx.nn.make_with_state made with this model "
+                    f"({type(model).__name__})"
+                )
 
 
 def split_model(model: Any, wrt: Any = nnx.Param) -> tuple[ModelAdapter, Any, Any]:
