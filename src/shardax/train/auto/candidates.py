@@ -26,6 +26,7 @@ from shardax.plan.core import Plan
 from shardax.plan.follow import FollowParams, select
 from shardax.plan.report import format_bytes
 from shardax.plan.tree import map_arrays
+from shardax.train.auto.options import check_accumulate
 from shardax.train.config import StepConfig
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
@@ -204,6 +205,26 @@ class Group:
         if self.config is not None:
             return self.config.mesh
         return next(iter(self.plans.values())).mesh
+
+    @classmethod
+    def build(
+        cls,
+        plans: Mapping[str, FollowParams],
+        model: Any,
+        loss_fn: Callable[..., Any] | None,
+        config: StepConfig,
+        accumulate: Any,
+        batch: Any,
+        name: str | None = None,
+        microbatches: int | None = None,
+    ) -> Group:
+        """The group of ``plans`` on ``config``'s mesh, checked: the microbatch counts of
+        ``accumulate`` that split ``batch``'s rows over its data axes
+        (:func:`~shardax.train.auto.options.check_accumulate`) and the model's abstract
+        states (``model``: a state, an init or ``{variant: either}``)."""
+        counts = check_accumulate(accumulate, config.mesh, config.data_axis, batch)
+        states = abstract_states(model)
+        return cls(plans, states, loss_fn, config, counts, name, microbatches)
 
 
 def compile_candidates(

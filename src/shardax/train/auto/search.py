@@ -38,13 +38,12 @@ from shardax.mesh.axes import STAGE_AXIS
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan
 from shardax.plan.follow import FollowParams
 from shardax.plan.tree import is_array
-from shardax.train.auto.candidates import Group, abstract, abstract_states, compile_candidates
+from shardax.train.auto.candidates import Group, abstract, compile_candidates
 from shardax.train.auto.choice import AutoPlan, choose, default_device_memory
 from shardax.train.auto.options import (
     Counts,
     Rules,
     candidate_plans,
-    check_accumulate,
     check_candidates,
     check_options,
     step_config,
@@ -221,14 +220,13 @@ def auto_plan(
             f"neither (the update alone); got loss_fn={loss_fn!r} and batch of type "
             f"{type(batch).__name__}"
         )
-    states = abstract_states(abstract_state_or_init)
-    state = next(iter(states.values()))
     if batch is not None:
         batch = _abstract_batch(batch)
-    counts = check_accumulate(accumulate, mesh, axis, batch)
     budget = default_device_memory(mesh.devices.flat[0]) if device_memory is None else device_memory
     known = candidate_plans(mesh, axis, min_size, tp_rules, pipeline_rules, stage_axis)
     plans = known if candidates is None else check_candidates(mesh, candidates, known)
+    group = Group.build(plans, abstract_state_or_init, loss_fn, config, accumulate, batch)
+    state = next(iter(group.states.values()))
     split = {name: _split_axes(plan, state) for name, plan in plans.items()}
     if pipeline_rules and not candidates and stage_axis not in split["pipeline"]:
         raise ValueError(
@@ -236,7 +234,6 @@ def auto_plan(
             f"{stage_axis!r} (stage_axis); give rules matching the stacked layers, e.g. "
             f"[(r'blocks', P({stage_axis!r}))]"
         )
-    group = Group(plans, states, loss_fn, config, counts)
     measured = compile_candidates(group, batch, budget)
     what = "train step" if loss_fn is not None else "optimizer update"
     return choose(measured, budget, what, _compared(mesh, axis, split))

@@ -23,12 +23,11 @@ from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, REPLICA_AXIS, STAGE_AXIS
 from shardax.mesh.make import make_mesh
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan
 from shardax.plan.follow import FollowParams
-from shardax.train.auto.candidates import Group, abstract_states
+from shardax.train.auto.candidates import Group
 from shardax.train.auto.options import (
     Counts,
     Rules,
     candidate_plans,
-    check_accumulate,
     check_candidates,
     check_options,
 )
@@ -198,10 +197,11 @@ class SearchSpace:
         if self.plans is not None and layout.plans is None:  # those of them it has
             plans = {n: p for n, p in plans.items() if n in self.plans}
         accumulate = self.accumulate if layout.accumulate is None else layout.accumulate
-        counts = check_accumulate(accumulate, mesh, axis, batch)
-        states = abstract_states(model if layout.model is None else layout.model)
+        model = model if layout.model is None else layout.model
         loss = loss_fn if layout.loss_fn is None else layout.loss_fn
-        return Group(plans, states, loss, config, counts, layout.name, layout.microbatches)
+        return Group.build(
+            plans, model, loss, config, accumulate, batch, layout.name, layout.microbatches
+        )
 
 
 def _plans(layout: Layout, mesh: Mesh, known: dict[str, FollowParams]) -> dict[str, FollowParams]:
