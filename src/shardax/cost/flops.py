@@ -26,26 +26,22 @@ from typing import Any
 import numpy as np
 
 from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, as_hardware_type, device_spec
-from shardax.cost.hlo import _CALL_TARGET, _computations, _runs
-
-_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|[a-z]+\d*\[[\d,]*\]\S*) ")
-_DOT = re.compile(r"= (\S+) dot\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
-# A cuBLAS call's result is a tuple (the product, a workspace): the first shape is its.
-_GEMM = re.compile(
-    r"= \(?(\w+\[[\d,]*\])[^=]*? custom-call\(%?([\w.\-]+), .*__cublas\$(?:\w*gemm|lt\$matmul)"
-)
-_CONV = re.compile(r"= (\S+) convolution\(([^)]*)\)")
-# cuDNN's convolutions: (result, workspace) = custom-call(operands), the forward conv's
-# window and dim_labels on the line whichever direction the call computes.
-_CUDNN_CONV = re.compile(
-    r'= (\(.*?\)|\S+) custom-call\(([^)]*)\).*custom_call_target="__cudnn\$conv(\w*)"'
-)
-_LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
-_GROUP_COUNT = re.compile(r"\b(feature|batch)_group_count=(\d+)")
-_WINDOW = re.compile(r"window=\{([^}]*)\}")
-_BRANCHES = re.compile(
-    r"\bbranch_computations=\{([^}]*)\}"
-    r"|\btrue_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)"
+from shardax.cost.hlo import (
+    _BRANCHES,
+    _CALL_TARGET,
+    _CONTRACT,
+    _CONV,
+    _CUDNN_CONV,
+    _DEF,
+    _DIMS,
+    _DOT,
+    _FMHA,
+    _GEMM,
+    _GROUP_COUNT,
+    _LABELS,
+    _WINDOW,
+    _computations,
+    _runs,
 )
 
 
@@ -128,7 +124,7 @@ def _conv_line_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str
     labels = _LABELS.search(line) if found else None
     if found is None or labels is None:
         return None
-    out = _dims(_SHAPE.search(found.group(1)).group(0))
+    out = _dims(_DIMS.search(found.group(1)).group(0))
     names = [op.split()[-1].lstrip("%") for op in found.group(2).split(", ") if op]
     operands = [shapes.get(name) for name in names[:2]]
     lhs, rhs = operands + [None] * (2 - len(operands))
@@ -148,18 +144,9 @@ def _conv_line_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str
     return kind, flops
 
 
-_CONTRACT = re.compile(r"lhs_contracting_dim(?:s|ensions)\W+([\d,\s\"]*)")
-
-
 def _dims(shape: str) -> tuple[int, ...]:
     inner = shape[shape.index("[") + 1 : shape.index("]")]
     return tuple(int(d) for d in inner.split(",") if d)
-
-
-_FMHA = re.compile(
-    r'custom_call_target="__cudnn\$fmha(\w*)".*?operand_layout_constraints=\{(.*?\})\}'
-)
-_SHAPE = re.compile(r"\w+\[([\d,]*)\]")
 
 
 def _fmha_flops(line: str) -> float:
@@ -170,7 +157,7 @@ def _fmha_flops(line: str) -> float:
     found = _FMHA.search(line)
     if not found:
         return 0.0
-    shapes = [tuple(int(d) for d in m.split(",") if d) for m in _SHAPE.findall(found.group(2))]
+    shapes = [tuple(int(d) for d in m.split(",") if d) for m in _DIMS.findall(found.group(2))]
     if len(shapes) < 2 or len(shapes[0]) != 4 or len(shapes[1]) != 4:
         return 0.0
     (b, t, n, h), s = shapes[0], shapes[1][1]

@@ -46,6 +46,32 @@ _CALLED = re.compile(
     r"\b(?:calls|to_apply|true_computation|false_computation|condition)=%?([\w.\-]+)"
     r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}"
 )
+# A matmul's parts, and the branches of a conditional (shardax.cost.flops counts them).
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|[a-z]+\d*\[[\d,]*\]\S*) ")
+_DOT = re.compile(r"= (\S+) dot\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
+# A cuBLAS call's result is a tuple (the product, a workspace): the first shape is its.
+_GEMM = re.compile(
+    r"= \(?(\w+\[[\d,]*\])[^=]*? custom-call\(%?([\w.\-]+), .*__cublas\$(?:\w*gemm|lt\$matmul)"
+)
+_CONV = re.compile(r"= (\S+) convolution\(([^)]*)\)")
+# cuDNN's convolutions: (result, workspace) = custom-call(operands), the forward conv's
+# window and dim_labels on the line whichever direction the call computes.
+_CUDNN_CONV = re.compile(
+    r'= (\(.*?\)|\S+) custom-call\(([^)]*)\).*custom_call_target="__cudnn\$conv(\w*)"'
+)
+_LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+_GROUP_COUNT = re.compile(r"\b(feature|batch)_group_count=(\d+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+_BRANCHES = re.compile(
+    r"\bbranch_computations=\{([^}]*)\}"
+    r"|\btrue_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)"
+)
+_CONTRACT = re.compile(r"lhs_contracting_dim(?:s|ensions)\W+([\d,\s\"]*)")
+# cuDNN's attention: the kind (Backward, ...) and the operands' shapes (_DIMS: their dims).
+_FMHA = re.compile(
+    r'custom_call_target="__cudnn\$fmha(\w*)".*?operand_layout_constraints=\{(.*?\})\}'
+)
+_DIMS = re.compile(r"\w+\[([\d,]*)\]")
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2,

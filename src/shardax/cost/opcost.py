@@ -53,8 +53,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardax.cost.calibration import Calibration, gemm_rows
-from shardax.cost.flops import _FMHA, _SHAPE, _fmha_flops
-from shardax.cost.hlo import DTYPE_BYTES, _arrays
+from shardax.cost.flops import _fmha_flops
+from shardax.cost.hlo import _DIMS, _FMHA, DTYPE_BYTES, _arrays
 from shardax.cost.ops import HloIndex, Instr, classify
 from shardax.cost.schedule import Scheduled, exposed_seconds, schedule
 
@@ -199,7 +199,7 @@ def attention_seconds(c: Calibration, line: str) -> float | None:
     flops = _fmha_flops(line)
     if not found or not flops:
         return None
-    shapes = [tuple(int(d) for d in s.split(",") if d) for s in _SHAPE.findall(found.group(2))]
+    shapes = [tuple(int(d) for d in s.split(",") if d) for s in _DIMS.findall(found.group(2))]
     (_, t, heads, dim), s = shapes[0], shapes[1][1]
     causal = "CAUSAL" in line.upper()
     backward = "Backward" in found.group(1)
