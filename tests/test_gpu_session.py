@@ -74,9 +74,11 @@ def test_stage4_model_runs_its_mlp_in_float32_and_is_restored(gpu_modules):
 def test_calibration_tables_and_ceilings(gpu_modules):
     calibrate, _, _ = gpu_modules
     tables = calibrate.tables(quick=True)
-    for name in ("gemm", "stream", "attention", "launch"):
+    for name in ("gemm", "gemm_f32", "stream", "reduce", "attention", "launch"):
         assert isinstance(tables[name], list) and tables[name], (name, tables[name])
-    assert all(r["tflops"] > 0 for r in tables["gemm"])
+    assert all(r["tflops"] > 0 for r in tables["gemm"] + tables["gemm_f32"])
+    assert {r["dtype"] for r in tables["gemm_f32"]} == {"f32"}
+    assert all(r["gbs"] > 0 for r in tables["reduce"])
     assert {r["pass"] for r in tables["attention"]} == {"fwd", "fwd+bwd"}
     ceilings = calibrate.summary(tables)
     assert ceilings["matmul_tflops"] == max(r["tflops"] for r in tables["gemm"])
@@ -126,3 +128,18 @@ def test_sweep_changes_one_thing_at_a_time(gpu_modules):
         assert 1 <= len(changed) <= 2, (name, changed)
     tokens = {c.tokens for _, c in session.sweep_configs(base)}
     assert {8192, 16384, 32768} <= tokens | {base.tokens}
+
+
+def test_the_sweep_keeps_each_step_program_as_it_ran(gpu_modules, tmp_path):
+    import gzip
+
+    _, _, session = gpu_modules
+    assert "--xla_dump_to=" in session.dump_flags(tmp_path)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "module_0001.jit_run.cpu_after_optimizations.txt").write_text("HloModule jit_run" * 99)
+    (dump / "module_0002.jit_whole.cpu_after_optimizations.txt").write_text("HloModule jit_whole")
+    assert session.keep_program(tmp_path, "16k tokens per device") == "16k-tokens-per-device.hlo.gz"
+    with gzip.open(tmp_path / "hlo" / "16k-tokens-per-device.hlo.gz", "rt") as f:
+        assert f.read() == "HloModule jit_whole"  # the step, not the larger other program
+    assert not dump.exists() and session.keep_program(tmp_path, "none") is None

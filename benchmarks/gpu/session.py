@@ -27,7 +27,9 @@ as MaxText and Megatron do: ``6·N + 6·L·T·d`` per token (N without the embed
 the LM head in it, attention causal-halved), over the device's dense bf16 peak.
 
 Written under ``--out``: ``session.json`` (every figure), ``session.md`` (the tables),
-``session.log`` (each stage's output) and ``op_profile.json``.
+``session.log`` (each stage's output), ``op_profile.json``, and ``hlo/<name>.hlo.gz``:
+the default step's and each sweep configuration's optimized program as it ran (XLA's
+dump), which ``benchmarks/cost_model_accuracy.py`` prices where it finds them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import gzip
 import json
 import os
 import subprocess
@@ -144,6 +147,9 @@ def stage_core(work: Path, size: str, steps: int) -> None:
         out["shardax"] = shardax_run
         _write(path, out)
         (work / "step.hlo.txt").write_text(text)
+        (work / "hlo").mkdir(exist_ok=True)
+        with gzip.open(work / "hlo" / f"{slug('default (shardax)')}.hlo.gz", "wt") as f:
+            f.write(text)
         try:
             box = {"state": state}
 
@@ -240,10 +246,43 @@ def stage_sweep(
             row = jax_gpt.run(config, steps=steps)
         except Exception as e:
             row = _error(e)
-        rows.append({"name": name, "label": config.label(), **row})
+        kept = keep_program(work, name)
+        rows.append({"name": name, "label": config.label(), **row, "hlo": kept})
         _write(path, rows)
         _free()
     _write(path, rows)
+
+
+def slug(name: str) -> str:
+    """A file name for a configuration's name."""
+    return "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+
+
+def dump_flags(work: Path) -> str:
+    """``XLA_FLAGS`` that make XLA write each optimized program's text under
+    ``work/dump`` (read by :func:`keep_program`), so each configuration's program is
+    priced as it ran, without compiling it twice."""
+    return f"--xla_dump_to={work / 'dump'} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+
+
+def keep_program(work: Path, name: str) -> str | None:
+    """The step's optimized program XLA dumped since the last call (shardax's step is
+    ``jit_whole``, the hand-written one ``jit_step``; else the largest program), gzipped
+    to ``work/hlo/<slug>.hlo.gz``; the dump emptied. Returns the file's name, or None."""
+    import shutil
+
+    dump = work / "dump"
+    texts = sorted(dump.glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)
+    steps = [f for f in texts if ".jit_whole." in f.name or ".jit_step." in f.name]
+    texts = steps or texts
+    kept = None
+    if texts:
+        (work / "hlo").mkdir(exist_ok=True)
+        kept = f"{slug(name)}.hlo.gz"
+        with open(texts[-1], "rb") as src, gzip.open(work / "hlo" / kept, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    shutil.rmtree(dump, ignore_errors=True)
+    return kept
 
 
 def run_stage(stage: str, args: argparse.Namespace, seconds: float, log: Any) -> dict[str, Any]:
@@ -259,6 +298,8 @@ def run_stage(stage: str, args: argparse.Namespace, seconds: float, log: Any) ->
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         # The sweep's largest steps need more than JAX's default 75% of the GPU's memory.
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    if stage == "sweep":  # each configuration's program as it ran, for the cost model
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {dump_flags(args.work)}".strip()
     began = time.time()
     log.write(f"\n===== {stage} (up to {seconds:.0f} s) =====\n")
     log.flush()
@@ -408,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     args.size = _size(args.size)
     args.work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / "shardax-gpu-session"
     args.work.mkdir(parents=True, exist_ok=True)
-    for old in args.work.glob("*.json"):
+    for old in [*args.work.glob("*.json"), *args.work.glob("hlo/*.hlo.gz")]:
         old.unlink()
     end = time.time() + args.budget
     stages = []
@@ -425,6 +466,10 @@ def main(argv: list[str] | None = None) -> None:
     profile = session["core"].get("profile")
     if profile:
         _write(args.out / "op_profile.json", profile)
+    if (args.work / "hlo").is_dir():  # the sweep's programs as they ran (a few MB)
+        import shutil
+
+        shutil.copytree(args.work / "hlo", args.out / "hlo", dirs_exist_ok=True)
     print((args.out / "session.md").read_text())
 
 
