@@ -219,6 +219,28 @@ def check_batch_fits(args: argparse.Namespace, mesh: Any) -> None:
     )
 
 
+def job_mesh(
+    args: argparse.Namespace, rules: Callable[[Any], Any] = lambda mesh: None
+) -> tuple[Any, int, Any]:
+    """A job's mesh (``make_mesh``), its number of batch shards (``data_size``) and what
+    ``rules(mesh)`` returns: the job's own checks of its options against the mesh (the
+    GPT's pipeline and config), made before the global batch is checked to split evenly
+    over the shards (``check_batch_fits``)."""
+    mesh = make_mesh(args)
+    checked = rules(mesh)
+    size = data_size(mesh)
+    check_batch_fits(args, mesh)
+    return mesh, size, checked
+
+
+def eval_batch(mesh: Any, batch: Any, seq_axis: str | None = None) -> Any:
+    """A held-out ``batch`` placed as the steps place theirs: its rows over ``data_axes``
+    (and its sequences over ``seq_axis``, the eval step's)."""
+    import shardax as sx
+
+    return sx.distribute_batch(batch, sx.batch_sharding(mesh, data_axes(mesh), seq_axis=seq_axis))
+
+
 @dataclasses.dataclass
 class Job:
     """What a model brings to the shared loop.

@@ -41,16 +41,7 @@ from shardax.cli.common import (
     positive_float,
     positive_int,
 )
-from shardax.cli.job import (
-    Job,
-    build_steps,
-    check_batch_fits,
-    data_axes,
-    make_mesh,
-    option,
-    register,
-)
-from shardax.cli.job import data_size as job_data_size
+from shardax.cli.job import Job, build_steps, eval_batch, job_mesh, option, register
 from shardax.mesh.axes import CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS
 from shardax.models.gpt import ATTENTION, PLANS, POSITIONS
 from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
@@ -170,6 +161,22 @@ def config(args: argparse.Namespace) -> Any:
         raise UsageError(f"--d-model {args.d_model} --heads {args.heads}: {e}") from None
 
 
+def mesh_config(args: argparse.Namespace, mesh: Any) -> Any:
+    """``config`` once the mesh is known: ``--plan pipeline`` needs a ``stage`` axis,
+    whose size is the default ``--microbatches``."""
+    if args.plan == "pipeline":
+        if STAGE_AXIS not in mesh.shape:
+            raise UsageError(
+                f"--plan pipeline needs a mesh with a 'stage' axis, got --mesh "
+                f"{','.join(f'{k}={v}' for k, v in mesh.shape.items())}; e.g. data=2,stage=4"
+            )
+        if args.microbatches is None:
+            args.microbatches = mesh.shape[STAGE_AXIS]
+    elif args.pipeline_repeats is not None and args.microbatches is None:
+        raise UsageError("--pipeline-repeats needs --microbatches (or --plan pipeline)")
+    return config(args)
+
+
 def check_context(args: argparse.Namespace, mesh: Any) -> int:
     """The context axis size C (1 without one), its rules as usage errors."""
     context = mesh.shape.get(CONTEXT_AXIS, 1)
@@ -269,20 +276,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     )
     from shardax.models import gpt
 
-    mesh = make_mesh(args)
-    if args.plan == "pipeline":
-        if STAGE_AXIS not in mesh.shape:
-            raise UsageError(
-                f"--plan pipeline needs a mesh with a 'stage' axis, got --mesh "
-                f"{','.join(f'{k}={v}' for k, v in mesh.shape.items())}; e.g. data=2,stage=4"
-            )
-        if args.microbatches is None:
-            args.microbatches = mesh.shape[STAGE_AXIS]
-    elif args.pipeline_repeats is not None and args.microbatches is None:
-        raise UsageError("--pipeline-repeats needs --microbatches (or --plan pipeline)")
-    cfg = config(args)
-    data_size = job_data_size(mesh)
-    check_batch_fits(args, mesh)
+    mesh, data_size, cfg = job_mesh(args, lambda mesh: mesh_config(args, mesh))
     check_experts(args, mesh)
     context = check_context(args, mesh)
     layout = batch_layout(context)  # "zigzag:C": the C the batches were reordered for
@@ -333,8 +327,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     except ValueError as e:
         raise UsageError(f"--plan {args.plan} --mode {args.mode}: {e}") from None
 
-    seq = getattr(evaluate_step, "seq_axis", None)
-    val_batch = sx.distribute_batch(val, sx.batch_sharding(mesh, data_axes(mesh), seq_axis=seq))
+    val_batch = eval_batch(mesh, val, getattr(evaluate_step, "seq_axis", None))
 
     def evaluate(state: Any) -> dict[str, float]:
         return {"val_loss": float(evaluate_step(state, val_batch)["loss"])}

@@ -14,17 +14,7 @@ import numpy as np
 
 from shardax.cli.common import UsageError, plot_curves, positive_int
 from shardax.cli.digits import load_digits
-from shardax.cli.job import (
-    Job,
-    build_steps,
-    check_batch_fits,
-    data_axes,
-    make_mesh,
-    option,
-    place,
-    register,
-)
-from shardax.cli.job import data_size as job_data_size
+from shardax.cli.job import Job, build_steps, eval_batch, job_mesh, option, place, register
 from shardax.models.mlp import PLANS, make_mlp, make_plan
 
 TARGET_ACCURACY = 0.95
@@ -47,9 +37,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     import shardax as sx
     from shardax.data.policy import pad_batch
 
-    mesh = make_mesh(args)
-    data_size = job_data_size(mesh)
-    check_batch_fits(args, mesh)
+    mesh, data_size, _ = job_mesh(args)
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     # Each process reads its share of every global batch; the order depends on the seed
     # and the epoch only; the last batch is padded, with a "mask" leaf marking real rows.
@@ -85,9 +73,7 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
 
     # The whole test set in one batch, padded to a multiple of the data axis, with a mask.
     padded = -(-len(x_test) // data_size) * data_size
-    test_batch = sx.distribute_batch(
-        pad_batch({"x": x_test, "y": y_test}, padded), sx.batch_sharding(mesh, data_axes(mesh))
-    )
+    test_batch = eval_batch(mesh, pad_batch({"x": x_test, "y": y_test}, padded))
     # Real rows of each step of an epoch (the last batch is padded).
     rows = np.minimum(args.batch_size, len(x_train) - args.batch_size * np.arange(steps_per_epoch))
 
