@@ -25,11 +25,11 @@ from typing import Any
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
+    add_run_dir,
     console,
     machine,
     median,
     nonneg_int,
-    path_arg,
     positive_int,
     pyplot,
     rows_table,
@@ -102,9 +102,7 @@ def add_timing_arguments(
         "--repeats", type=positive_int, default=repeats, help=f"timed steps per {each}"
     )
     parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed")
-    parser.add_argument(
-        "--run-dir", type=path_arg, default=None, help=f"where to write {name}.json and {name}.png"
-    )
+    add_run_dir(parser, f"where to write {name}.json and {name}.png")
     add_json_flag(parser)
 
 

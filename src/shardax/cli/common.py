@@ -241,6 +241,12 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_run_dir(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--run-dir``: where the command writes its results (a non-empty path, checked
+    writable before the command runs: ``OUTPUT_DIRS``)."""
+    parser.add_argument("--run-dir", type=path_arg, default=None, help=help)
+
+
 def console(args: argparse.Namespace) -> Any:
     """A rich console: stdout, or stderr when ``--json`` owns stdout."""
     from rich.console import Console

@@ -15,9 +15,9 @@ from typing import Any
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
+    add_run_dir,
     console,
     float_type,
-    path_arg,
     positive_int,
     print_json,
 )
@@ -100,9 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --measure --model gpt and a stage axis: sx.pipeline microbatches per data "
         "shard (default: the stage size)",
     )
-    parser.add_argument(
-        "--run-dir", type=path_arg, default=None, help="where --measure writes plan.json/png"
-    )
+    add_run_dir(parser, "where --measure writes plan.json/png")
     from shardax.cli.plan_target import TARGET_PLANS
 
     parser.add_argument(

@@ -24,6 +24,7 @@ from shardax.cli import track, train_gpt, train_mlp  # noqa: F401 (the jobs regi
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
+    add_run_dir,
     console,
     mesh_spec,
     nonneg_int,
@@ -98,12 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=nonneg_int, default=0, help="random seed (default: 0)")
     add_job_arguments(parser)
-    parser.add_argument(
-        "--run-dir",
-        type=path_arg,
-        default=None,
-        help="where to write summary.json and curves.png (default: runs/train-<time>)",
-    )
+    add_run_dir(parser, "where to write summary.json and curves.png (default: runs/train-<time>)")
     parser.add_argument(
         "--checkpoint-dir",
         type=path_arg,
