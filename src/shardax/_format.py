@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from rich.console import Console
+
 
 def format_bytes(n: float) -> str:
     """``1536`` -> ``'1.50 KiB'``: bytes in binary units, two decimals above 1 KiB."""
@@ -24,8 +26,6 @@ def format_bytes(n: float) -> str:
 def rich_text(renderable: Any, width: int) -> str:
     """``renderable`` (a rich table, or an object with ``__rich__``) printed as plain text
     ``width`` columns wide: the ``str()`` of every report."""
-    from rich.console import Console
-
     out = io.StringIO()
     Console(file=out, width=width, force_terminal=False).print(renderable)
     return out.getvalue().rstrip()

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from shardax.checks import as_path, public
 
@@ -95,8 +96,6 @@ def compile_cache(
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax.config.update("jax_enable_compilation_cache", True)
     if changed:  # JAX reads the directory once, at its first compilation
-        from jax.experimental.compilation_cache import compilation_cache
-
         compilation_cache.reset_cache()
     return path
 

@@ -40,10 +40,13 @@ JAX version when one moves.
 from __future__ import annotations
 
 import importlib
+import inspect
 import threading
+from importlib.metadata import version
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 JAX_VERSION = jax.__version__
 SUPPORTED = "0.10.x to 0.12.x"
@@ -91,8 +94,6 @@ calls."""
 def _orbax_tmp_cleanup(manager_class: type) -> Any:
     method = getattr(manager_class, ORBAX_TMP_CLEANUP, None)
     if method is None:
-        from importlib.metadata import version
-
         raise ImportError(
             f"shardax uses orbax.checkpoint.CheckpointManager.{ORBAX_TMP_CLEANUP}, which "
             f"orbax-checkpoint {version('orbax-checkpoint')} does not have; see "
@@ -118,8 +119,6 @@ def _orbax_signaling() -> tuple[Any, type]:
         thread_class = getattr(futures, name)
         futures.set_signals  # noqa: B018 - checked here, used by orbax_release_save
     except (ImportError, AttributeError) as e:
-        from importlib.metadata import version
-
         raise ImportError(
             f"shardax uses {module}.{name} and set_signals, which orbax-checkpoint "
             f"{version('orbax-checkpoint')} does not have; see shardax/runtime/compat.py"
@@ -187,10 +186,6 @@ def cudnn_attention_bwd(
     the output's cotangent ``dout``: the probabilities are ``exp(scale·q·kᵀ - lse)`` and
     the softmax's row term ``sum(dout · out)``, so a global ``out`` and ``lse`` give one
     K/V block's exact share of the gradients."""
-    import inspect
-
-    import jax.numpy as jnp
-
     mask, layout = private("cudnn_mask_type"), private("cudnn_layout")
     unused = jnp.zeros(0, q.dtype)  # bias, sequence lengths and offsets, page tables
     params = {

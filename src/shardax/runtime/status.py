@@ -26,6 +26,10 @@ import threading
 import time
 from typing import Any
 
+import jax
+
+from shardax.runtime import compat
+
 DATA = "waiting for data"
 DISPATCH = "dispatching"
 DEVICE = "waiting on device"
@@ -38,12 +42,8 @@ _PREFIX = "shardax/status/"
 
 def _client() -> Any:
     """JAX's distributed runtime client, or None outside a multi-process run."""
-    import jax
-
     if not jax.distributed.is_initialized():
         return None
-    from shardax.runtime import compat
-
     return compat.private("distributed_state").client
 
 
@@ -130,8 +130,6 @@ class RankStatus:
 
     def publish(self) -> None:
         """Writes this process's record to the key-value store now."""
-        import jax
-
         client = _client()
         if client is None:
             return
@@ -161,8 +159,6 @@ class RankStatus:
     def gather(self, timeout: float = 5.0) -> dict[int, dict[str, Any]] | None:
         """Every process's last published record, by rank (this one's current record
         for itself); None outside a multi-process run or when the store does not answer."""
-        import jax
-
         client = _client()
         if client is None:
             return None
@@ -220,8 +216,6 @@ def describe(rank: int, record: dict[str, Any] | None, now: float | None = None)
 def hang_line(status: RankStatus | None = None, timeout: float = 5.0) -> str | None:
     """One line naming the processes that are behind, with their step and phase; None
     outside a multi-process run or when the store does not answer."""
-    import jax
-
     status = status or STATUS
     records = status.gather(timeout)
     if records is None:
@@ -252,8 +246,6 @@ def leave_last(grace: float) -> None:
     leaves last: it also waits, within the same ``grace``, for the others to say they
     leave. A no-op outside a multi-process run; never raises and never waits past
     ``grace``."""
-    import jax
-
     client = _client()
     if client is None:
         return

@@ -50,6 +50,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO
 
+import jax
+
 from shardax.checks import as_count, as_float, public
 from shardax.runtime import status
 
@@ -260,8 +262,6 @@ def _last_words(line: str) -> None:
 
 def _process_label() -> str:
     """``"process 1 of 2: "`` in a multi-process run, else empty."""
-    import jax
-
     if not jax.distributed.is_initialized():
         return ""
     return f"process {jax.process_index()} of {jax.process_count()}: "
