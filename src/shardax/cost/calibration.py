@@ -29,6 +29,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -194,8 +195,6 @@ def nearest(peak_flops: float | None, hbm_bandwidth: float | None) -> tuple[Cali
 
 
 def _log(x: float) -> float:
-    import math
-
     return math.log(x) if x > 0 else 0.0
 
 

@@ -33,6 +33,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -294,8 +295,6 @@ def gpu_target_configs() -> dict[str, str]:
 def write_gpu_target_configs(directory: str | os.PathLike | None = None) -> list[str]:
     """Writes ``gpu_target_configs`` to ``directory`` (default: the package's
     ``targets/``); returns the paths written. Run after changing a GPU's datasheet row."""
-    from pathlib import Path
-
     folder = Path(directory) if directory is not None else Path(__file__).parent / "targets"
     folder.mkdir(parents=True, exist_ok=True)
     paths = []

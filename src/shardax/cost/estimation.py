@@ -53,6 +53,8 @@ from typing import Any
 
 import jax
 import numpy as np
+from rich.console import Group
+from rich.table import Table
 
 from shardax._format import format_bytes, rich_text
 from shardax.checks import public
@@ -184,9 +186,6 @@ class Estimate:
         return out
 
     def __rich__(self) -> Any:
-        from rich.console import Group
-        from rich.table import Table
-
         hbm = "unknown" if not self.hbm_bytes else format_bytes(self.hbm_bytes)
         mem = Table(title=f"{self.devices} × {self.device_kind}, mesh {self.mesh}: memory "
                           f"per device (compiled), HBM {hbm}")  # fmt: skip
@@ -245,8 +244,6 @@ class Estimate:
         return Group(*parts)
 
     def _cost_table(self) -> Any:
-        from rich.table import Table
-
         c = self.cost
         assert c is not None
         per_device = self.model_flops / self.devices if self.model_flops else None

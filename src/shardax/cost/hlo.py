@@ -16,6 +16,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 OPS = (
     "all-reduce", "all-gather", "reduce-scatter", "ragged-all-to-all", "all-to-all",
     "collective-permute",
@@ -162,8 +164,6 @@ def replica_groups(rest: str, num_devices: int | None = None) -> tuple[tuple[int
     >>> replica_groups("x), source_target_pairs={{0,1},{1,0}}")
     ((0, 1), (1, 0))
     """
-    import numpy as np
-
     iota, listed, mesh = (p.search(rest) for p in (_IOTA, _LISTED, _GROUPS_MESH))
     if iota:
         shape = [int(d) for d in iota.group(1).split(",")]
