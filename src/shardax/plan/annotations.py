@@ -23,8 +23,10 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.checks import check_mesh, public
@@ -153,8 +155,6 @@ def annotated_specs(model: Any, mesh: Mesh, axis_rules: AxisRules | None = None)
 
     ``model`` is an NNX module (concrete or from ``nnx.eval_shape``) or its state.
     """
-    from flax import nnx
-
     return _boxes_table(
         model,
         mesh,
@@ -170,10 +170,6 @@ def optimizer_sharding(node: Any, specs: Any, mesh: Mesh) -> Any:
     that has it (flax's optimization cookbook: the optimizer state of a variable sharded
     otherwise than the variable). Logical names go through
     [`axis_rules`][shardax.plan.axis_rules]."""
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return specs
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
 
     def one(var: Any, spec: Any) -> Any:
@@ -192,8 +188,6 @@ def optimizer_sharding(node: Any, specs: Any, mesh: Mesh) -> Any:
 def linen_specs(variables: Any, mesh: Mesh, axis_rules: AxisRules | None = None) -> Table:
     """``{leaf path: (shape, PartitionSpec)}`` for every ``nn.Partitioned`` box (made by
     ``nn.with_partitioning`` or ``nn.with_logical_partitioning``) in ``variables``."""
-    import flax.linen as nn
-
     return _boxes_table(
         variables,
         mesh,
@@ -206,9 +200,6 @@ def linen_specs(variables: Any, mesh: Mesh, axis_rules: AxisRules | None = None)
 
 def found_framework(tree: Any) -> str:
     """What kind of model ``tree`` is, in words, for a warning that found no annotation."""
-    import flax.linen as nn
-    from flax import nnx
-
     kinds = (nnx.Module, nnx.Variable, nn.Partitioned)
     nodes = [tree, *jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kinds))]
     if any(isinstance(x, nn.Partitioned) for x in nodes):

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from rich.table import Table
 
 from shardax._format import format_bytes, rich_text
 from shardax.checks import public
@@ -75,8 +76,6 @@ class ShardingReport:
         ]
 
     def __rich__(self) -> Any:
-        from rich.table import Table
-
         moved = [r for r in self.rows if r.planned is not None]
         title = self.title + (f" ({len(moved)} off their plan)" if moved else "")
         table = Table(title=title)
