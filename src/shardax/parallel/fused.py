@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
 from shardax.checks import public
+from shardax.runtime import compat
 
 KERNELS: tuple[str, ...] = ("dense", "cudnn", "splash")
 """What ``sx.attention`` computes with: the dense XLA path, cuDNN's fused attention
@@ -204,7 +205,6 @@ def cudnn_block(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     row's log-sum-exp ``(B, T, N)`` float32, in a ``shard_map`` manual over the axes not
     manual yet (``all_manual``: cuDNN's partitioner takes no partly manual arrays).
     One block of the context ring (``shardax.parallel.context``)."""
-    from shardax.runtime import compat
 
     def local(q, k, v):
         out, lse = compat.cudnn_attention_fwd(q, k, v, scale=scale, causal=causal)
@@ -220,7 +220,6 @@ def cudnn_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
     """``(dq, dk, dv)`` of one ``cudnn_block`` given the output ``out`` ``(B, T, N, D)``
     and log-sum-exp ``lse`` ``(B, T, N)`` to differentiate at (the ring gives the global
     ones: the block's exact share of the gradients) and the output's cotangent ``dout``."""
-    from shardax.runtime import compat
 
     def local(q, k, v, out, dout, lse):
         return compat.cudnn_attention_bwd(

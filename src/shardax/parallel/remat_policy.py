@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from flax import nnx
 
 from shardax.checks import public, received
 
@@ -107,7 +108,6 @@ def remat(block: Any, policy: str | Callable[..., Any] = "full", prevent_cse: bo
         )
     if policy == "none":
         return block
-    from flax import nnx
 
     if isinstance(block, nnx.Module):
         call = nnx.remat(
