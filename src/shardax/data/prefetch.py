@@ -41,10 +41,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from shardax.checks import as_count, public
 from shardax.data.assembly import as_sharding, global_batch
 from shardax.data.policy import batch_size_of, check_policy, fit_batch
+from shardax.data.spec import check_batch_spec, place_by_spec
 
 __all__ = ["Prefetcher", "as_sharding", "prefetch_to_device"]
 
@@ -268,10 +270,6 @@ def prefetch_to_device(
 
 def _spec_placer(target: Any, batch_spec: Any, policy: str | None) -> Callable[[Any], Any]:
     """Places each batch leaf by leaf as ``batch_spec`` says, over the mesh ``target``."""
-    from jax.sharding import Mesh
-
-    from shardax.data.spec import check_batch_spec, place_by_spec
-
     check_batch_spec(batch_spec)
     if not isinstance(target, Mesh):
         raise TypeError(

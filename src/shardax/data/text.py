@@ -23,9 +23,11 @@ import os
 import sysconfig
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from shardax.checks import as_count
+from shardax.parallel.context import zigzag, zigzag_layout
 
 DEFAULT_MAX_BYTES = 2 * 2**20
 
@@ -197,8 +199,6 @@ class LMBatches:
         pack: bool = False,
         context: int = 1,
     ) -> None:
-        import jax
-
         processes, index = jax.process_count(), jax.process_index()
         if batch_size % processes:
             raise ValueError(
@@ -258,8 +258,6 @@ def batch_layout(context: int) -> str:
     >>> batch_layout(4), batch_layout(1)
     ('zigzag:4', 'contiguous')
     """
-    from shardax.parallel.context import zigzag_layout
-
     return zigzag_layout(context) if context > 1 else "contiguous"
 
 
@@ -274,7 +272,6 @@ def zigzag_batch(batch: dict[str, np.ndarray], context: int) -> dict[str, np.nda
     """
     if context <= 1:
         return batch
-    from shardax.parallel.context import zigzag
 
     rows, length = batch["inputs"].shape
     if "positions" not in batch:
