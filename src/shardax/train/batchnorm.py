@@ -36,6 +36,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import flax.linen as nn
 import jax
 from flax import nnx
 
@@ -137,8 +138,6 @@ def _bind_equinox(model: Any, data: tuple[str, ...], mapped: bool) -> Any:
 
 @contextlib.contextmanager
 def _bind_linen(data: tuple[str, ...], mapped: bool, mesh_axes: tuple[str, ...]) -> Iterator[None]:
-    import flax.linen as nn
-
     def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
         if isinstance(module, nn.BatchNorm) and context.method_name == "__call__":

@@ -43,6 +43,9 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+import jax
+import jaxlib
+import numpy as np
 from jax.sharding import Mesh
 
 from shardax.checks import public, received
@@ -80,8 +83,6 @@ _PIPELINED = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def _jaxlib_version() -> tuple[int, int]:
-    import jaxlib
-
     major, minor = jaxlib.__version__.split(".")[:2]
     return int(major), int(minor)
 
@@ -175,8 +176,6 @@ def for_state(
     options = dict(options)
     if value != AUTO or platform != "gpu" or shards <= 1:
         return options
-    import jax
-    import numpy as np
 
     params = getattr(state, "params", state)
     itemsize = np.dtype(compute_dtype).itemsize

@@ -49,6 +49,7 @@ from shardax.plan.placed import (
     signature,
     variables,
 )
+from shardax.plan.tree import path_str
 
 
 def _value(var: Any) -> Any:
@@ -158,8 +159,6 @@ def _out_plan(out: Any) -> list[tuple[str, Any] | None]:
 
 
 def _join(*paths: Any) -> str:
-    from shardax.plan.tree import path_str
-
     return "/".join(s for s in (path_str(p) for p in paths) if s) or "(root)"
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from flax.errors import InvalidRngError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,6 @@ def call_binding_streams(
     if not isinstance(adapter, LinenModel):
         model = bind()
         return model, call(model)
-    from flax.errors import InvalidRngError
 
     while True:
         model = bind()

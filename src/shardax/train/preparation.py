@@ -28,6 +28,8 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
+from flax import linen, nnx
 from jax.sharding import Mesh
 
 from shardax.checks import check_mesh, public
@@ -45,8 +47,6 @@ from shardax.train.state import TrainState, is_nnx_optimizer, optimizer_opt_stat
 
 
 def _is_nnx_module(x: Any) -> bool:
-    from flax import nnx
-
     return isinstance(x, nnx.Module)
 
 
@@ -150,8 +150,6 @@ class _Preparer:
     def _model_of(self, i: int, optimizer: Any) -> Any:
         """The NNX model ``optimizer`` was built for: a ``ModelAndOptimizer``'s own, or
         the first model among the arguments whose params its state matches."""
-        from flax import nnx
-
         own = vars(optimizer).get("model")
         for j, obj in enumerate(self.objects):
             if j in self.done or is_nnx_optimizer(obj) or not isinstance(obj, nnx.Module):
@@ -176,8 +174,6 @@ class _Preparer:
         """Places ``model`` (and ``optimizer``) in place, through their
         [`TrainState`][shardax.TrainState],
         so the plan sees what it sees under ``make_train_step``."""
-        import optax
-
         state = TrainState.create(model, optax.identity() if optimizer is None else optimizer)
         _place(state, self.plan).write_to(model, optimizer)
 
@@ -301,7 +297,6 @@ def _check_placeable(i: int, obj: Any) -> None:
     leaves = jax.tree.leaves(obj)
     if not leaves or _has_arrays(obj):
         return
-    from flax import linen
 
     if isinstance(obj, linen.Module):
         raise TypeError(

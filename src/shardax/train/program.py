@@ -34,7 +34,7 @@ from shardax.train.batch_placement import BatchPlacement
 from shardax.train.compiler import describe as describe_options
 from shardax.train.config import StepConfig, from_config
 from shardax.train.loss import check_loss_fn
-from shardax.train.modes import mode_program
+from shardax.train.modes import mode_program, options_for
 from shardax.train.per_shard import PerShard, check_replicated
 from shardax.train.precision import (
     cast_floating,
@@ -315,8 +315,6 @@ class Program:
 
         >>> step.compiler_options_for(state)  # doctest: +SKIP
         """
-        from shardax.train.modes import options_for
-
         return options_for(self.config, state)
 
     @property

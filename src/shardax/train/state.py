@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from shardax.checks import public
 from shardax.plan.tree import is_key, path_str
@@ -58,14 +59,10 @@ def _key_data(rng: Seed) -> jax.Array:
 
 def is_nnx_optimizer(x: Any) -> bool:
     """True for an ``nnx.Optimizer`` (and ``nnx.ModelAndOptimizer``)."""
-    from flax import nnx
-
     return isinstance(x, nnx.Optimizer)
 
 
 def _variables(tree: Any) -> list[Any]:
-    from flax import nnx
-
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     return [v for v in jax.tree.leaves(tree, is_leaf=is_var) if is_var(v)]
 
@@ -257,8 +254,6 @@ class TrainState:
 
     @classmethod
     def _from_optimizer(cls, model: Any, optimizer: Any, rng: Seed) -> TrainState:
-        from flax import nnx
-
         if not isinstance(model, nnx.Module):
             raise TypeError(
                 f"an nnx.Optimizer goes with the NNX module it was built "
@@ -284,8 +279,6 @@ class TrainState:
 
         >>> state.write_to(model, optimizer)  # doctest: +SKIP
         """
-        from flax import nnx
-
         if not isinstance(self.adapter, NNXModel) or not isinstance(model, nnx.Module):
             raise TypeError(
                 "sx.TrainState.write_to puts values into an NNX module and its nnx.Optimizer; "

@@ -21,10 +21,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from rich.table import Table
 
 from shardax._format import format_bytes, rich_text
 from shardax.checks import public
 from shardax.cost.estimation import HEADROOM, Estimate
+from shardax.cost.hardware import device_spec
 from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 from shardax.plan.core import Plan
 from shardax.train.auto.candidates import Candidate
@@ -111,8 +113,6 @@ class AutoPlan:
         }
 
     def __rich__(self) -> Any:
-        from rich.table import Table
-
         table = Table(title=f"candidate plans, compiled ({self.compiled}), per device")
         predicted = any(c.predicted_s is not None for c in self.candidates)
         # With predictions (a datasheet) the reason column needs the room: the arguments
@@ -169,8 +169,6 @@ def default_device_memory(device: Any = None) -> float | None:
     """Bytes of memory of ``device`` (default: the first): its reported limit
     (``memory_stats()["bytes_limit"]``), else (a compile-only target device too) the
     hardware table's figure, else None."""
-    from shardax.cost.hardware import device_spec
-
     device = jax.devices()[0] if device is None else device
     try:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None

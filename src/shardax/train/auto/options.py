@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from shardax.checks import as_count, as_float, check_mesh, expect_type, public
 from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
-from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, fsdp, fsdp_over
+from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, axis_size, fsdp, fsdp_over
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.named import MESH_PLANS
 from shardax.plan.regex import Rule, check_rules, rules
@@ -187,8 +187,6 @@ def check_accumulate(accumulate: Any, mesh: Mesh, axis: Any, batch: Any) -> tupl
     """``accumulate`` (a count or a sequence of counts) as ascending distinct counts,
     each one that splits ``batch``'s rows into microbatches even over the data ``axis``
     (rows divisible by the axis size × the count); errors name the count and the rule."""
-    from shardax.plan.core import axis_size
-
     many = isinstance(accumulate, Sequence) and not isinstance(accumulate, str)
     if many:
         if not accumulate:

@@ -24,6 +24,7 @@ import jax
 from jax.sharding import Mesh
 
 from shardax.checks import as_count, as_float, public
+from shardax.train.auto import AutoStep
 from shardax.train.program import refuse_abstract, refuse_compile_only
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
@@ -160,8 +161,6 @@ def _side(
     step: Any, state: Any, batch: Any, reference: Callable[..., Any] | None, mesh: Mesh | None
 ) -> Side:
     """The side for ``step``: a train step's (an auto step's pick) or a function's."""
-    from shardax.train.auto import AutoStep
-
     if isinstance(step, AutoStep):
         step = step.pick(state, batch)
     if isinstance(step, TrainStep):

@@ -25,6 +25,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.training.optimizer import OptState
 from jax.sharding import Mesh, NamedSharding
 
 from shardax.plan.tree import is_key, path_str
@@ -143,9 +145,6 @@ class FunctionSide:
 
     def _not_optimized(self) -> Any:
         """The filter of the state's variables neither optimized nor optimizer state."""
-        from flax import nnx
-        from flax.nnx.training.optimizer import OptState
-
         wrt = nnx.Any(OptState, *[opt.wrt for opt, _ in recorded_pairs(self._args)])
         return nnx.Not(wrt)
 

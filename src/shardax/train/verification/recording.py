@@ -20,13 +20,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
+from flax import nnx
+from flax.nnx.training.optimizer import to_opt_state
 
 from shardax.train.verification.user_state import is_graph, objects, shapes
 
 
 def _recording(tx: Any) -> Any:
     """``tx``, whose state also holds the last gradients it was given."""
-    import optax
 
     def init(params: Any) -> Any:
         return tx.init(params), jax.tree.map(jnp.zeros_like, params)
@@ -41,8 +43,6 @@ def _recording(tx: Any) -> Any:
 def _pairs(args: tuple[Any, ...], fits: Callable[[Any, Any], bool]) -> list[tuple[Any, Any]]:
     """``(optimizer, model)`` for each ``nnx.Optimizer`` of ``args`` and the first model
     (its own, else any module of ``args``) whose params ``fits(optimizer, params)``."""
-    from flax import nnx
-
     if not is_graph(args):
         return []
     modules = [m for m in objects(args, nnx.Module) if not isinstance(m, nnx.Optimizer)]
@@ -56,16 +56,12 @@ def _pairs(args: tuple[Any, ...], fits: Callable[[Any, Any], bool]) -> list[tupl
 
 
 def _params(opt: Any, model: Any) -> Any:
-    from flax import nnx
-
     return nnx.as_pure(nnx.state(model, opt.wrt))
 
 
 def recorded(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     """``(optimizer, model)`` for each ``nnx.Optimizer`` in a copy of the state, its
     transformation made to record the gradients (in the copy only)."""
-    from flax import nnx
-    from flax.nnx.training.optimizer import to_opt_state
 
     def fits(opt: Any, params: Any) -> bool:
         want = shapes(nnx.as_pure(opt.opt_state))
@@ -82,7 +78,6 @@ def recorded(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
 def recorded_pairs(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     """``(optimizer, model)`` for the recording optimizers of a copy (made from a copy
     that ``recorded`` instrumented: the instrumentation is copied with it)."""
-    from flax import nnx
 
     def fits(opt: Any, params: Any) -> bool:
         state = opt.opt_state
@@ -93,8 +88,6 @@ def recorded_pairs(args: tuple[Any, ...]) -> list[tuple[Any, Any]]:
 
 def optimizer_view(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
     """Each recorded optimizer's gradients, params and (inner) state, by its position."""
-    from flax import nnx
-
     out = {}
     for i, (opt, model) in enumerate(pairs):
         inner, grads = nnx.as_pure(opt.opt_state)
@@ -103,8 +96,6 @@ def optimizer_view(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
 
 
 def _expected_update(tx: Any, params: Any, opt_state: Any, grads: Any) -> dict[str, Any]:
-    import optax
-
     updates, new = tx.update(grads, opt_state, params)
     return {"params": optax.apply_updates(params, updates), "opt_state": new}
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rich.table import Table
+
 from shardax._format import rich_text
 from shardax.checks import public
 from shardax.train.verification.comparison import LeafDiff
@@ -71,8 +73,6 @@ class VerifyReport:
         return out
 
     def __rich__(self) -> Any:
-        from rich.table import Table
-
         verdict = "[green]ok[/]" if self.ok else f"[red]differs from step {self.first_step}[/]"
         table = Table(title=f"sx.verify: {verdict}")
         for col in ("leaf", "step", "max abs diff", "max rel diff", "tolerance", ""):

@@ -20,13 +20,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from shardax.plan.tree import path_str
 
 
 def _node_type() -> type:
-    from flax import nnx
-
     return getattr(nnx, "Pytree", nnx.Object)  # flax 0.12: Module and Optimizer are Pytrees
 
 
@@ -48,8 +47,6 @@ def arrays(args: tuple[Any, ...], which: Any = None) -> Any:
     """The array leaves of the state (NNX objects through ``nnx.state``, ``which``: a
     variable filter), as a pytree."""
     if is_graph(args):
-        from flax import nnx
-
         state = nnx.state(args) if which is None else nnx.state(args, which)
         return nnx.to_pure_dict(state)
     return args
@@ -62,8 +59,6 @@ def copied(args: tuple[Any, ...], put: Callable[[jax.Array], jax.Array]) -> tupl
         return put(x) if isinstance(x, jax.Array | np.ndarray) else x
 
     if is_graph(args):
-        from flax import nnx
-
         graphdef, state = nnx.split(args)
         return nnx.merge(graphdef, jax.tree.map(one, state))
     return jax.tree.map(one, args)
@@ -83,8 +78,6 @@ def shapes(tree: Any) -> list[tuple[int, ...]]:
 
 def has_batchnorm(args: Any) -> bool:
     """Whether the state holds a BatchNorm (an NNX one, or ``batch_stats`` leaves)."""
-    from flax import nnx
-
     if is_graph(args):
         objs = objects(args, _node_type())
         if any(
