@@ -23,6 +23,7 @@ import os
 import shutil
 
 import jax
+from jax.experimental import multihost_utils
 
 STAGED = ".staged"
 """The directory (inside the checkpoint directory) new versions of steps are saved in."""
@@ -33,8 +34,6 @@ REPLACED = ".replaced-"
 def sync_processes(name: str) -> None:
     """Returns once every process has reached it (``name`` must match); nothing with one."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
