@@ -31,10 +31,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardax.checkpoint import CheckpointManager
+from shardax.checkpoint.manager import Restored, check_directory
+from shardax.checkpoint.preemption import Preempted
 from shardax.checks import as_bool, as_count, as_function, as_path, public, received
+from shardax.data import prefetch_to_device, timed
 from shardax.loop.hooks import Hook, usual_hooks
 from shardax.loop.state import check_same_state, restore_into, saveable, structure
 from shardax.runtime import status
+from shardax.track import MetricWriter
+from shardax.track.goodput import FILE
+from shardax.train.guard import check_finite
 
 EVERY = ("save", "eval", "log")
 """The periodic actions [`run`][shardax.loop.run] schedules (``every={"save": 1000, ...}``)."""
@@ -96,8 +103,6 @@ class Run:
         window: int = 1000,
         resume_hint: str | None = None,
     ) -> None:
-        from shardax.checkpoint.manager import Restored
-
         self.state, self.hooks, self.manager, self.writer = state, list(hooks), manager, writer
         self.total = None if total is None else as_count("steps", total, minimum=0)
         if not isinstance(resume, bool | Restored):
@@ -151,8 +156,6 @@ class Run:
         return self
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
-        from shardax.checkpoint.preemption import Preempted
-
         self._open = False
         with self._owned:  # what run() opened for this run, closed last
             try:
@@ -233,8 +236,6 @@ class Run:
         return self._steps(loader, mesh, total)
 
     def _steps(self, loader: Any, mesh: Any, total: int | None) -> Iterator[Any]:
-        from shardax.data import prefetch_to_device, timed
-
         first = True
         with contextlib.ExitStack() as owned:
             if mesh is not None:
@@ -286,8 +287,6 @@ class Run:
         saved.
         Another tree than the run's state (the metrics in its place), a metric that is
         not one number, or a call outside the run's ``with`` block raise, naming it."""
-        from shardax.checkpoint.preemption import Preempted
-
         self._check_open("run.after_step()")
         check_same_state(state, self.state, self._structure)
         scalars = scalar_metrics(metrics)
@@ -328,8 +327,6 @@ class Run:
     def flush(self) -> list[tuple[int, dict[str, float]]]:
         """The metrics of the steps since the last flush, fetched in one transfer, each
         loss checked finite; also kept as ``flushed``."""
-        from shardax.train.guard import check_finite
-
         if not self.pending:
             return self.flushed
         steps = [step for step, _ in self.pending]
@@ -429,9 +426,6 @@ def _every(every: Any) -> dict[str, int | None]:
 
 def _checkpoint_directory(checkpoints: Any) -> str | None:
     """The directory ``checkpoints`` saves into, checked writable; None for none."""
-    from shardax.checkpoint import CheckpointManager
-    from shardax.checkpoint.manager import check_directory
-
     if checkpoints is None:
         return None
     if isinstance(checkpoints, CheckpointManager):
@@ -504,8 +498,6 @@ def run(
     directory = _checkpoint_directory(checkpoints)
     where = False  # the goodput ledger's path (None: in memory; False: none)
     if goodput:
-        from shardax.track.goodput import FILE
-
         where = goodput if not isinstance(goodput, bool) else None
         if where is None and directory is not None:
             where = os.path.join(directory, FILE)
@@ -519,13 +511,9 @@ def run(
     try:
         manager = checkpoints
         if isinstance(checkpoints, str | os.PathLike):
-            from shardax.checkpoint import CheckpointManager
-
             manager = CheckpointManager(directory)
             owned.callback(manager.close)
         if writer is not None and isinstance(writer, str | os.PathLike):
-            from shardax.track import MetricWriter
-
             writer = owned.enter_context(MetricWriter(writer))
         made = Run(
             state, hooks, manager=manager, total=total, resume=resume, data_state=data_state,

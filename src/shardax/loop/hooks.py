@@ -54,9 +54,13 @@ from typing import Any
 
 import jax
 
+from shardax.checkpoint.preemption import reached_preemption, watch_preemption
 from shardax.checks import as_float, as_function, public
 from shardax.loop.schedule import itstime
-from shardax.runtime import status
+from shardax.loop.state import saveable
+from shardax.runtime import compile_stats, status
+from shardax.runtime.watchdog import StepWatchdog
+from shardax.track.goodput import Ledger
 
 
 @public("sx.loop.Hook")
@@ -117,9 +121,6 @@ class Goodput(Hook):
         self.path, self.since, self.compiled = path, since, compiled
 
     def start(self, run: Any) -> None:
-        from shardax.runtime import compile_stats
-        from shardax.track.goodput import Ledger
-
         self.ledger = run.ledger = Ledger(self.path, since=self.since)
         self.ledger.count("compile", lambda: compile_stats().seconds, since=self.compiled)
         self.ledger.count("data", lambda: getattr(run.feed, "wait_seconds", 0.0))
@@ -161,8 +162,6 @@ class Watchdog(Hook):
         self._behind: tuple[int, Any] | None = None  # a step's result not yet waited for
 
     def start(self, run: Any) -> None:
-        from shardax.runtime.watchdog import StepWatchdog
-
         def hang(step: int | None) -> None:
             if run.ledger is not None:
                 run.ledger.close("hang")
@@ -263,13 +262,9 @@ class Preemption(Hook):
     it, then the run raises [`shardax.Preempted`][shardax.Preempted] (exit code 75)."""
 
     def start(self, run: Any) -> None:
-        from shardax.checkpoint.preemption import watch_preemption
-
         self.watch = watch_preemption()
 
     def after_step(self, run: Any) -> None:
-        from shardax.checkpoint.preemption import reached_preemption
-
         run.preempted = reached_preemption(run.step)  # the same step everywhere
 
     def due(self, run: Any) -> bool:
@@ -424,8 +419,6 @@ class Checkpoints(Hook):
             self.save(run)
 
     def save(self, run: Any) -> None:
-        from shardax.loop.state import saveable
-
         with run.phase("checkpoint"):  # the blocking part of an async save
             run.manager.save(run.step, saveable(run.state), run.data_state())
         self.saved_at = run.step

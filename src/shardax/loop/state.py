@@ -19,37 +19,27 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from shardax.plan.tree import path_str
 
 
-def _nnx() -> Any:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is optional for pytrees
-        return None
-    return nnx
-
-
 def has_graph_nodes(state: Any) -> bool:
     """True when ``state`` is an NNX object, or a tuple/list of values one of which is."""
-    nnx = _nnx()
-    if nnx is None:
-        return False
     parts = state if isinstance(state, tuple | list) else (state,)
     return any(nnx.graph.is_graph_node(part) for part in parts)
 
 
 def saveable(state: Any) -> Any:
     """The pytree of arrays a checkpoint holds for ``state``."""
-    return _nnx().state(state) if has_graph_nodes(state) else state
+    return nnx.state(state) if has_graph_nodes(state) else state
 
 
 def restore_into(state: Any, restored: Any) -> Any:
     """The state to continue from: NNX objects updated in place (and returned), or the
     restored tree itself."""
     if has_graph_nodes(state):
-        _nnx().update(state, restored)
+        nnx.update(state, restored)
         return state
     return restored
 
