@@ -72,8 +72,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.checks import as_bool, as_count, expect_type
-from shardax.parallel.context import IMPLS
+from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS, REPLICA_AXIS
+from shardax.parallel.context import IMPLS, attention, layout_context, layout_positions
+from shardax.parallel.experts import MoEAux, moe
 from shardax.parallel.fused import KERNELS
+from shardax.parallel.gpipe import pipeline
+from shardax.parallel.remat_policy import check_policy, remat
+from shardax.plan.activation import constrain
+from shardax.plan.annotations import from_nnx
+from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE
 from shardax.plan.named import MESH_PLANS
 
 VOCAB = 256
@@ -293,8 +300,6 @@ class Attention(nnx.Module):
         self.window = None if cfg.window is None else (cfg.window, 0)
 
     def __call__(self, x: jax.Array, ctx: Context | None = None) -> jax.Array:
-        from shardax.parallel.context import attention
-
         ctx = ctx or Context()
         # In the params' dtype (the compute dtype: bf16 under precision="bf16"): the
         # norm before may give float32, and cuDNN's fused attention takes bf16 only.
@@ -312,8 +317,6 @@ class Attention(nnx.Module):
 
 def _positions(ctx: Context, seq: int) -> jax.Array:
     """``ctx.positions``, or the true positions of the layout over the context axis."""
-    from shardax.parallel.context import layout_context, layout_positions
-
     if ctx.positions is not None:
         return jnp.asarray(ctx.positions)
     return jnp.asarray(layout_positions(seq, layout_context(layout=ctx.layout), ctx.layout))
@@ -379,8 +382,6 @@ class MoEMLP(nnx.Module):
         self.top_k, self.capacity_factor = cfg.top_k, cfg.capacity_factor
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Any]:
-        from shardax.parallel.experts import moe
-
         experts = {"up": self.up[...], "down": self.down[...]}
         return moe(x, self.router[...], _expert, experts, top_k=self.top_k,
                    capacity_factor=self.capacity_factor)  # fmt: skip
@@ -421,8 +422,6 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs, remat: str = "none") -> None:
-        from shardax.parallel.remat_policy import check_policy
-
         self.cfg = cfg
         self.remat = check_policy(remat)
         self.embed = nnx.Embed(
@@ -469,8 +468,6 @@ class GPT(nnx.Module):
         layer dimension; ``layer_fn(stacked_slice, x) -> x`` is one block (attending with
         ``ctx``), rematerialised by the model's policy. ``lax.scan`` (here) or
         ``sx.pipeline`` runs them."""
-        from shardax.parallel.remat_policy import remat
-
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer_fn(params: Any, x: jax.Array) -> jax.Array:
@@ -481,8 +478,6 @@ class GPT(nnx.Module):
     def moe_layers(self, ctx: Context | None = None) -> tuple[Callable[[Any, jax.Array], Any], Any]:
         """``(layer_fn, stacked)`` of the MoE blocks, as ``layers``; ``layer_fn``
         returns ``(x, aux)``."""
-        from shardax.parallel.remat_policy import remat
-
         graphdef, stacked = nnx.split(self.moe_blocks)
 
         def layer_fn(params: Any, x: jax.Array) -> tuple[jax.Array, Any]:
@@ -493,8 +488,6 @@ class GPT(nnx.Module):
     def _run_moe(self, x: jax.Array, ctx: Context) -> tuple[jax.Array, Any]:
         """The blocks in periods of ``moe_every``: ``moe_every - 1`` dense, then one MoE;
         the MoE aux averaged over the MoE blocks (tokens per expert summed)."""
-        from shardax.parallel.experts import MoEAux
-
         n, periods = self.cfg.moe_every, self.cfg.moe_layers
         moe_fn, moe_stacked = self.moe_layers(ctx)
         dense_fn, dense = self.layers(ctx) if n > 1 else (None, None)
@@ -564,8 +557,6 @@ class GPT(nnx.Module):
             return (logits, aux) if return_aux else logits
         layer_fn, stacked = self.layers(ctx)
         if self.cfg.pipeline_microbatches is not None:
-            from shardax.parallel.gpipe import pipeline
-
             x = pipeline(
                 layer_fn,
                 stacked,
@@ -598,9 +589,6 @@ def split_batch(x: jax.Array) -> jax.Array:
     "involuntary full rematerialization" that JAX 0.12 warns of (four of them for
     ``shardax train --model gpt --plan fsdp+tp``; one is left with this constraint).
     """
-    from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS, REPLICA_AXIS
-    from shardax.plan.activation import constrain
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
@@ -635,9 +623,6 @@ def plan(mesh: Any, model: Any, name: str) -> Any:
     >>> mesh = sx.make_mesh({"data": 4, "model": 2})
     >>> p = plan(mesh, model, "tp")
     """
-    from shardax.plan.annotations import from_nnx
-    from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE
-
     if name not in PLANS:
         raise ValueError(f"plan must be one of {list(PLANS)}, got {name!r}")
     if name not in AXIS_RULES:  # a mesh plan: the params as the model has them

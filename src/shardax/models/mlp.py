@@ -15,9 +15,11 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS
 from shardax.plan.named import MESH_PLANS
+from shardax.plan.regex import rules
 
 PLANS: tuple[str, ...] = (*MESH_PLANS, "tp")
 """The plans ``make_plan`` builds: the mesh's own (``sx.plan`` ``MESH_PLANS``) and
@@ -58,8 +60,6 @@ def tp_rules(num_layers: int) -> list[tuple[str, Any]]:
     >>> tp_rules(1)[0]
     ('layers/0/kernel', P(None, 'model'))
     """
-    from jax.sharding import PartitionSpec as P
-
     rules: list[tuple[str, Any]] = []
     for i in range(num_layers):
         if i % 2 == 0:
@@ -80,8 +80,6 @@ def make_plan(name: str, mesh: Any, num_layers: int = 1) -> Any:
     >>> make_plan("zero1", sx.make_mesh({"data": 8})).name
     'zero1'
     """
-    from shardax.plan.regex import rules
-
     if name in MESH_PLANS:
         return MESH_PLANS[name](mesh, DATA_AXIS, 1024)
     if name == "tp":
