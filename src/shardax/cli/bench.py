@@ -22,6 +22,12 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import shardax as sx
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
@@ -120,8 +126,6 @@ def mlp_shape(args: argparse.Namespace) -> tuple[int, int, int, int, int]:
 
 def random_batch(rng: Any, rows: int, input_dim: int, output_dim: int) -> dict[str, Any]:
     """``rows`` examples of random inputs ``"x"`` and all-ones targets ``"y"`` (float32)."""
-    import numpy as np
-
     return {
         "x": rng.standard_normal((rows, input_dim), np.float32),
         "y": np.ones((rows, output_dim), np.float32),
@@ -130,8 +134,6 @@ def random_batch(rng: Any, rows: int, input_dim: int, output_dim: int) -> dict[s
 
 def mse_loss(model: Any, batch: dict[str, Any]) -> Any:
     """Seed 003's loss: mean squared error of the MLP's outputs against ``batch["y"]``."""
-    import jax.numpy as jnp
-
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
@@ -163,12 +165,6 @@ class Stepper:
 
 def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     """Times every mode; returns the result as plain data."""
-    import jax
-    import numpy as np
-    import optax
-
-    import shardax as sx
-
     layers, hidden, input_dim, output_dim, batch = mlp_shape(args)
     mesh = sx.make_mesh({"data": -1})
     if batch % mesh.size:

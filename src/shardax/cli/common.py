@@ -19,6 +19,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+from rich.console import Console
+from rich.table import Table
+
+from shardax.cost.flops import compiled_flops
+from shardax.cost.hlo import attention_kernel
+
 
 class UsageError(Exception):
     """A bad option found after parsing; ``main`` prints it in one line and exits 2."""
@@ -249,8 +256,6 @@ def add_run_dir(parser: argparse.ArgumentParser, help: str) -> None:
 
 def console(args: argparse.Namespace) -> Any:
     """A rich console: stdout, or stderr when ``--json`` owns stdout."""
-    from rich.console import Console
-
     stderr = bool(getattr(args, "json", False))
     out = Console(stderr=stderr)
     # Piped output (tests, `| less`) gets a readable width instead of rich's 80 columns.
@@ -318,8 +323,6 @@ def time_step(fn: Callable[[], Any], warmup: int = 2, repeats: int = 5) -> list[
 
     ``fn`` must return the arrays it computes, so the clock stops when they are ready.
     """
-    import jax
-
     for _ in range(warmup):
         jax.block_until_ready(fn())
     times = []
@@ -338,8 +341,6 @@ def time_interleaved(
     Round ``r`` times every function once, so load from other processes during the
     run falls on all of them alike instead of on whichever ran at the time.
     """
-    import jax
-
     for fn in fns:
         for _ in range(warmup):
             jax.block_until_ready(fn())
@@ -362,9 +363,6 @@ def step_flops(step: Any, state: Any, batch: Any, *, with_attention: bool = Fals
     (XLA counts one device's partitioned program); with ``with_attention``, also the
     attention kernel it compiled to (``"cudnn"``, ``"splash"`` or ``"dense"``, read from
     the compiled HLO: ``shardax.cost.hlo.attention_kernel``)."""
-    from shardax.cost.flops import compiled_flops
-    from shardax.cost.hlo import attention_kernel
-
     compiled = step.lower(state, batch).compile()
     per_device = compiled_flops(compiled)
     devices = 1 if step.mode == "single" else step.mesh.size
@@ -415,8 +413,6 @@ def plot_curves(
 
 def machine() -> dict[str, str]:
     """What a result was measured on: the ``platform`` and ``device_kind`` of the devices."""
-    import jax
-
     first = jax.devices()[0]
     return {"platform": first.platform, "device_kind": str(first.device_kind)}
 
@@ -440,8 +436,6 @@ def rows_table(
     """A rich ``Table`` with a line per row: ``columns`` maps each column's header to how
     a row shows in it. Right-aligned (numbers) but the first ``left`` columns; ``style``
     gives a row's style."""
-    from rich.table import Table
-
     table = Table(title=title, caption=caption)
     for i, column in enumerate(columns):
         table.add_column(column, justify="left" if i < left else "right")

@@ -14,6 +14,8 @@ import json
 import os
 
 from shardax.cli.common import UsageError, path_arg, required_path
+from shardax.track import goodput
+from shardax.track.goodput import FILE
 
 STARTS_JAX = False
 
@@ -31,8 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def find_ledger(directory: str) -> str:
     """The ledger file of ``directory``: its own ``goodput.json``, or one directory down
     (a run directory whose checkpoints are in a subdirectory)."""
-    from shardax.track.goodput import FILE
-
     if os.path.isfile(directory):
         return directory
     here = os.path.join(directory, FILE)
@@ -52,8 +52,6 @@ def find_ledger(directory: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardax.track import goodput
-
     path = find_ledger(args.directory)
     try:
         sessions = goodput.load(path)["sessions"]

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import jax
+from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
 
 from shardax.loop import Evaluation, Logging, Progress
 from shardax.runtime import compile_stats
@@ -100,8 +101,6 @@ class Bar(Progress):
         self.record = record
 
     def columns(self) -> list[Any]:
-        from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
-
         unit = self.record.job.unit
         return [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                 TextColumn("{task.fields[text]}"),

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import jax
+import numpy as np
+from rich.table import Table
+
+import shardax as sx
 from shardax.cli.common import UsageError, add_json_flag, console, mesh_spec, print_json
+from shardax.cost.hardware import BATCH_SIZE_TABLE, HARDWARE_SPECS
+from shardax.cost.roofline import hardware_roofline
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,12 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def collect(mesh_pairs: list[tuple[str, int]] | None) -> dict[str, Any]:
     """Everything ``shardax info`` shows, as plain data."""
-    import jax
-
-    import shardax as sx
-    from shardax.cost.hardware import BATCH_SIZE_TABLE, HARDWARE_SPECS
-    from shardax.cost.roofline import hardware_roofline
-
     info = sx.cost.device_info()
     hw = sx.HardwareType(info["hardware_type"])
     rec = sx.get_batch_size_recommendation(hw)
@@ -69,9 +70,6 @@ def collect(mesh_pairs: list[tuple[str, int]] | None) -> dict[str, Any]:
 
 def mesh_picture(device_ids: Any, axes: dict[str, int]) -> Any:
     """A rich table drawing the mesh: rows = leading axes, columns = last axis."""
-    import numpy as np
-    from rich.table import Table
-
     ids = np.asarray(device_ids)
     names = list(axes)
     last = names[-1]
@@ -90,8 +88,6 @@ def mesh_picture(device_ids: Any, axes: dict[str, int]) -> Any:
 
 def render(data: dict[str, Any], out: Any) -> None:
     """Prints ``data`` as rich tables on ``out``."""
-    from rich.table import Table
-
     devices = Table(title=f"{data['num_devices']} devices, {data['process_count']} process(es)")
     for col in ("id", "platform", "kind", "process"):
         devices.add_column(col)

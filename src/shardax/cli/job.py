@@ -20,8 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+
+import shardax as sx
 from shardax.cli.common import UsageError, check_batch_divides
 from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, STAGE_AXIS
+from shardax.train.stats import STATS
 
 MakeJob = Callable[[argparse.Namespace, Any], "Job"]
 
@@ -158,10 +162,6 @@ def apply_options(args: argparse.Namespace) -> None:
 def make_mesh(args: argparse.Namespace) -> Any:
     """The mesh of ``--mesh`` (default: ``data`` over every device, plus ``model=2`` for
     a TP plan), or the first device for ``--mode single``."""
-    import jax
-
-    import shardax as sx
-
     if args.mode == "single":
         if args.mesh is not None or args.plan != "replicate":
             raise UsageError("--mode single runs on one device: drop --mesh and --plan")
@@ -236,8 +236,6 @@ def job_mesh(
 def eval_batch(mesh: Any, batch: Any, seq_axis: str | None = None) -> Any:
     """A held-out ``batch`` placed as the steps place theirs: its rows over ``data_axes``
     (and its sequences over ``seq_axis``, the eval step's)."""
-    import shardax as sx
-
     return sx.distribute_batch(batch, sx.batch_sharding(mesh, data_axes(mesh), seq_axis=seq_axis))
 
 
@@ -290,9 +288,6 @@ def build_steps(
     (``sx.make_eval_step``, the model in inference mode), with the CLI's mode,
     accumulation and precision (and ``seq_axis`` under ``--mode jit``: the batch's
     sequences split over it); bad combinations are usage errors naming the options."""
-    import shardax as sx
-    from shardax.train.stats import STATS
-
     plan = None if args.mode == "single" else plan  # one device: no sharding plan
     seq_axis = seq_axis if args.mode == "jit" else None
     try:

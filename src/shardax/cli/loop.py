@@ -11,27 +11,34 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
+import shardax as sx
+from shardax.checkpoint import Restored
 from shardax.cli import track
 from shardax.cli.common import STARTED, UsageError, machine, run_dir, step_flops
 from shardax.cli.hooks import Bar, History, Log, Record
 from shardax.cli.job import Job, data_axes
+from shardax.cost.flops import format_utilization, utilization
 from shardax.loop import Checkpoints, Goodput, Hook, MetricsWindow, Preemption, Run, Watchdog
 from shardax.loop.driver import refuse_earlier_run
-from shardax.plan.tree import map_arrays
+from shardax.plan.tree import map_arrays, path_str
+from shardax.runtime import compile_stats
+from shardax.track.goodput import FILE, fraction, load
+from shardax.train.compiler import ENVIRONMENT
 
 
 def resume(args: argparse.Namespace, manager: Any, job: Job) -> Any:
     """The checkpoint to continue from (``Restored``: state, data state with the steps
     done, history and the metrics since the last evaluation), the loader moved there;
     or False."""
-    from shardax.checkpoint import Restored
-
     if not args.resume:
         try:
             refuse_earlier_run(manager, f"--checkpoint-dir {args.checkpoint_dir}", "--resume")
@@ -64,10 +71,6 @@ def resume(args: argparse.Namespace, manager: Any, job: Job) -> Any:
 def start(args: argparse.Namespace, job: Job) -> tuple[Any, Any, Any, Any, Record]:
     """The checkpoint manager (or None), the checkpoint to resume from (or False), the
     run directory, the placed batches and the ``Record`` to continue."""
-    import jax
-
-    import shardax as sx
-
     manager = None
     if args.checkpoint_dir:
         manager = sx.CheckpointManager(args.checkpoint_dir, async_save=not args.sync_save)
@@ -106,8 +109,6 @@ def hooks(args: argparse.Namespace, record: Record, out: Any, manager: Any, path
     # for its result, one step behind (sx.loop.Watchdog).
     first: list[Hook] = [Watchdog(args.step_timeout)] if args.step_timeout else []
     if path is not None:  # a corrupt goodput.json is one line, before the run starts
-        from shardax.track.goodput import load
-
         try:
             load(path)
         except ValueError as e:
@@ -122,8 +123,6 @@ def hooks(args: argparse.Namespace, record: Record, out: Any, manager: Any, path
 
 def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     """Runs ``job`` to ``job.steps`` and returns the summary (plain data)."""
-    from shardax.track.goodput import FILE
-
     manager, restored, directory, feed, record = start(args, job)
     where = args.checkpoint_dir or directory
     path = Path(where, FILE) if where is not None and directory is not None else None
@@ -149,10 +148,6 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
 
 def describe(out: Any, job: Job, state: Any, args: argparse.Namespace) -> None:
     """Prints the state's placement and what is trained where (process 0)."""
-    import jax
-
-    import shardax as sx
-
     if jax.process_index() != 0:
         return
     described = sx.describe(state)
@@ -183,13 +178,6 @@ def summary(
 ) -> dict[str, Any]:
     """The run's summary: settings, timing, utilization, placement and history
     (``attention_kernel``: the fused attention kernel the step compiled to, or dense)."""
-    import jax
-
-    import shardax as sx
-    from shardax.cost.flops import format_utilization, utilization
-    from shardax.runtime import compile_stats
-    from shardax.track.goodput import fraction
-
     compiled = compile_stats() - args.compile_before
     buckets = run.ledger.totals()
     step_seconds = record.step_seconds or [total / max(job.steps - run.first, 1)]
@@ -251,10 +239,6 @@ def compiler_record(step: Any, environment_set: dict[str, str]) -> dict[str, Any
     """What the step compiled with: the ``compiler_options`` setting, the XLA options it
     resolved to, and the environment they need (``shardax.train.compiler.ENVIRONMENT``)
     as it was in this process, with the variables ``shardax train`` set itself."""
-    import os
-
-    from shardax.train.compiler import ENVIRONMENT
-
     config = getattr(step, "config", None)
     return {
         "setting": getattr(config, "compiler_options", None),
@@ -268,8 +252,6 @@ def compiler_record(step: Any, environment_set: dict[str, str]) -> dict[str, Any
 def _spec_text(x: Any) -> str:
     """The array's PartitionSpec, one entry per dimension (``P()`` when replicated), or
     "one device"."""
-    from jax.sharding import PartitionSpec
-
     spec = getattr(x.sharding, "spec", None)
     if spec is None:
         return "one device"
@@ -279,8 +261,4 @@ def _spec_text(x: Any) -> str:
 
 
 def _flatten(tree: Any) -> dict[str, Any]:
-    import jax
-
-    from shardax.plan.tree import path_str
-
     return {path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}

@@ -20,9 +20,11 @@ import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import jax
+
 from shardax.checkpoint.preemption import Preempted
 from shardax.cli.common import UsageError, check_output_dirs, env_int, positive_int, warning
-from shardax.runtime.distributed import ENV_CPU_DEVICES
+from shardax.runtime.distributed import ENV_CPU_DEVICES, backend_started, initialize
 from shardax.train.guard import NonFiniteLossError
 
 COMMANDS = {
@@ -83,10 +85,6 @@ def set_cpu_devices(n: int) -> None:
     """Asks JAX for ``n`` CPU devices and joins a multi-process run when there is one
     ([`shardax.initialize`][shardax.initialize]); both must happen before any backend starts. Called
     again in a process whose backend runs (``main`` in a test), it only sets ``n``."""
-    import jax
-
-    from shardax.runtime.distributed import backend_started, initialize
-
     if backend_started():
         jax.config.update("jax_num_cpu_devices", n)
         return

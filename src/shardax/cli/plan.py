@@ -12,15 +12,26 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import jax
+from rich.table import Table
+
+import shardax as sx
+from shardax.cli import plan_measure, plan_target
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
     add_run_dir,
     console,
     float_type,
+    mesh_spec,
     positive_int,
     print_json,
 )
+from shardax.cli.plan_measure import MODELS
+from shardax.cli.plan_target import TARGET_PLANS
+from shardax.cost.hardware import HARDWARE_SPECS, HardwareType
+from shardax.cost.memory import STATE_BYTES, plan_memory, state_bytes
+from shardax.cost.roofline import hardware_roofline
 from shardax.parallel.remat_policy import OFFLOAD
 from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
 
@@ -48,11 +59,6 @@ def plan_names(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardax plan``."""
-    from shardax.cli.common import mesh_spec
-    from shardax.cli.plan_measure import MODELS
-    from shardax.cost.hardware import HardwareType
-    from shardax.cost.memory import STATE_BYTES
-
     parser.add_argument(
         "--params",
         type=_params,
@@ -101,7 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "shard (default: the stage size)",
     )
     add_run_dir(parser, "where --measure writes plan.json/png")
-    from shardax.cli.plan_target import TARGET_PLANS
 
     parser.add_argument(
         "--target",
@@ -184,10 +189,6 @@ def make_plan(
     device_memory: float | None = None,
 ) -> dict[str, Any]:
     """The plan as plain data: one row per strategy, the roofline and the warnings."""
-    from shardax.cost.hardware import HARDWARE_SPECS, HardwareType
-    from shardax.cost.memory import plan_memory, state_bytes
-    from shardax.cost.roofline import hardware_roofline
-
     hw = HardwareType(hardware)
     prec = state_bytes(precision)
     memory = device_memory
@@ -259,8 +260,6 @@ def make_plan(
 
 def render(plan: dict[str, Any], out: Any) -> None:
     """Prints ``plan`` as a rich table and its warnings on ``out``."""
-    from rich.table import Table
-
     p = plan["precision"]
     memory = plan["device_memory_bytes"]
     mem_text = "unknown" if memory is None else f"{memory / GIB:.0f} GiB"
@@ -336,16 +335,10 @@ def refuse_target_only(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints the memory table and the warnings."""
-    import shardax as sx
-
     if args.target is not None:
-        from shardax.cli import plan_target
-
         return plan_target.run(args)
     refuse_target_only(args)
     if args.measure:
-        from shardax.cli import plan_measure
-
         for option, value in (("--devices", args.devices), ("--hardware", args.hardware)):
             if value is not None:
                 raise UsageError(
@@ -371,8 +364,6 @@ def run(args: argparse.Namespace) -> int:
     num_devices = args.devices
     hardware = args.hardware
     if num_devices is None or hardware is None:
-        import jax
-
         num_devices = num_devices or jax.device_count()
         hardware = hardware or sx.cost.detect_hardware_type().value
     try:

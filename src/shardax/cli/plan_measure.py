@@ -25,6 +25,12 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import shardax as sx
 from shardax.cli.common import (
     UsageError,
     console,
@@ -34,6 +40,13 @@ from shardax.cli.common import (
     save_figure,
     write_results,
 )
+from shardax.cost.memory import estimate
+from shardax.models import gpt
+from shardax.models.gpt import GPTConfig
+from shardax.models.mlp import make_mlp, tp_rules
+from shardax.parallel.gpipe import stage_mesh
+from shardax.plan.report import format_bytes as fb
+from shardax.train.auto import candidate_plans
 
 GIB = 1024**3
 MODELS = ("mlp", "gpt")
@@ -52,12 +65,6 @@ FORMULAS = {
 def _mlp(args: argparse.Namespace) -> tuple[Any, Any, Any, list[tuple[str, Any]]]:
     """The digits MLP of ``shardax train`` at ``--hidden`` × ``--layers``: an init
     function, its loss, an abstract batch, and its tensor-parallel rules."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    import shardax as sx
-    from shardax.models.mlp import make_mlp, tp_rules
 
     def init() -> Any:
         return sx.TrainState.create(make_mlp(64, args.hidden, args.layers, 10, 0), optax.adam(1e-3))
@@ -76,8 +83,6 @@ def _mlp(args: argparse.Namespace) -> tuple[Any, Any, Any, list[tuple[str, Any]]
 def gpt_config(num_params: float, max_seq_len: int) -> Any:
     """A ``GPTConfig`` of about ``num_params`` parameters: ``12·L·d²`` in the blocks,
     with ``L = d / 64`` layers and 64-wide heads (``d`` a multiple of 64)."""
-    from shardax.models.gpt import GPTConfig
-
     d_model = max(64, round((num_params * 64 / 12) ** (1 / 3) / 64) * 64)
     layers = max(1, round(num_params / (12 * d_model**2)))
     return GPTConfig(layers, d_model, d_model // 64, max_seq_len)
@@ -88,15 +93,6 @@ def _gpt(args: argparse.Namespace, mesh: Any) -> tuple[Any, Any, Any, Any, Any, 
     function, its loss, an abstract batch, its tensor-parallel plan (with a ``model``
     axis), its pipeline plan (with a ``stage`` axis; the model then runs its blocks with
     ``sx.pipeline`` in ``--microbatches``) and a description."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    import shardax as sx
-    from shardax.models import gpt
-    from shardax.parallel.gpipe import stage_mesh
-
     if args.params is not None:
         cfg = gpt_config(args.params, args.seq_len)
     else:
@@ -143,12 +139,6 @@ def _gpt(args: argparse.Namespace, mesh: Any) -> tuple[Any, Any, Any, Any, Any, 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Compiles the candidates and returns the table as plain data."""
-    import jax
-
-    import shardax as sx
-    from shardax.cost.memory import estimate
-    from shardax.train.auto import candidate_plans
-
     if args.params is not None and args.model != "gpt":
         raise UsageError(
             f"--measure with --params builds a GPT of that size; got --model {args.model}, "
@@ -222,8 +212,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(result: dict[str, Any], out: Any) -> None:
     """The table of candidates and the pick."""
-    from shardax.plan.report import format_bytes as fb
-
     columns = {
         "plan": lambda r: ("[bold]" if r["name"] == result["pick"] else "") + r["name"],
         "arguments": lambda r: fb(r["argument_bytes"]),

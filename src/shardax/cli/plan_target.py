@@ -20,11 +20,23 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import shardax as sx
 from shardax.cli.common import UsageError, console, print_json
+from shardax.cost.flops import transformer_flops_per_token
 from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, STAGE_AXIS
+from shardax.models import gpt
+from shardax.parallel.context import zigzag_layout
+from shardax.parallel.gpipe import stage_mesh
 from shardax.plan.named import MESH_PLANS
+from shardax.train.auto import Layout, candidate_plans, launch_command, train_flags
 
 TARGET_PLANS = ("auto", *MESH_PLANS, "hsdp", "fsdp+tp")
 REMATS = ("none", "dots_no_batch", "full")
@@ -84,8 +96,6 @@ def refuse_ignored(args: argparse.Namespace) -> None:
 def load_target(name: str) -> Any:
     """``sx.target(name)``; its errors (unknown name, missing extra, JAX 0.10) as one-line
     usage errors."""
-    import shardax as sx
-
     try:
         return sx.target(name)
     except (ValueError, ImportError, RuntimeError, NotImplementedError) as e:
@@ -113,15 +123,6 @@ def _model(
     """The GPT (abstract) with ``remat`` (and ``sx.pipeline`` in ``pipeline``
     microbatches), its abstract train state, loss (the sequence laid out ``layout``),
     batch, model FLOPs and text."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    import shardax as sx
-    from shardax.cost.flops import transformer_flops_per_token
-    from shardax.models import gpt
-
     layers = args.layers or 2
     try:
         cfg = gpt.GPTConfig(layers, args.d_model, args.heads, args.seq_len, vocab=args.vocab,
@@ -152,10 +153,7 @@ def _precision(args: argparse.Namespace, platform: str) -> Any:
     """``--param-dtype bf16``: params and moments in bf16; else ``--precision``, by
     default what ``shardax train`` takes on the target's platform (bf16 for the GPT on a
     GPU or TPU)."""
-    import jax.numpy as jnp
-
-    import shardax as sx
-    from shardax.cli.train import default_precision
+    from shardax.cli.train import default_precision  # another command's module: --target only
 
     if args.param_dtype == "bf16":  # params and Adam's moments in bf16: 6 bytes/param
         return sx.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
@@ -181,13 +179,6 @@ def _pipeline_group(args: argparse.Namespace, target: Any, remats: tuple[str, ..
     slices) × ``data`` within one, the GPT's blocks run by ``sx.pipeline`` in the most
     microbatches of 4S, 2S, S that divide the rows per data shard; None where it does
     not apply (one host, layers not divisible by the hosts, no such count)."""
-    import jax
-
-    import shardax as sx
-    from shardax.models import gpt
-    from shardax.parallel.gpipe import stage_mesh
-    from shardax.train.auto import Layout
-
     stages = target.hosts if target.platform == "gpu" else target.slices
     layers = args.layers or 2
     if stages < 2 or layers % stages:
@@ -219,11 +210,6 @@ def _context_group(args: argparse.Namespace, target: Any, remats: tuple[str, ...
     of C devices within a host (C the smallest power of two that leaves at most
     LONG_SEQ / 2 tokens per device, at least 2), the GPT's context-parallel attention,
     FSDP over ``data`` as ``shardax train --plan fsdp``; None where it does not apply."""
-    import shardax as sx
-    from shardax.models import gpt
-    from shardax.parallel.context import zigzag_layout
-    from shardax.train.auto import Layout
-
     within = len(target.devices) // (target.hosts if target.platform == "gpu" else target.slices)
     groups = len(target.devices) // within
     c = 2
@@ -247,8 +233,6 @@ def _layouts(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[
     """The candidates of ``--plan auto``: the plans on ``mesh``, then (without
     ``--mesh``) pipeline over hosts and context parallelism where they apply; each
     × the remat policies × the microbatch counts. ``--plans`` keeps those named."""
-    from shardax.train.auto import Layout
-
     remats = (args.remat,) if args.remat else REMATS
     axes, rows = _data_rows(mesh)
     names = args.plans
@@ -295,11 +279,6 @@ def rank(
     """The library's search ([`shardax.search_plans`][shardax.search_plans]) over the GPT's layouts,
     at
     most ``MAX_COMPILES`` compiles; returns its report."""
-    import jax
-    import jax.numpy as jnp
-
-    import shardax as sx
-
     layouts = _layouts(args, target, mesh, tp)
     budget = None if args.device_memory is None else args.device_memory * 2**30
     config = sx.train.StepConfig(mesh=mesh, precision=precision)
@@ -314,11 +293,6 @@ def rank(
 def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     """Compiles and estimates; returns the result as plain data, the estimate and the
     auto report (None for a named plan)."""
-    import time
-
-    import shardax as sx
-    from shardax.models import gpt
-
     refuse_ignored(args)
     if args.batch is None:
         raise UsageError("--target needs --batch (the global batch, in sequences)")
@@ -344,7 +318,6 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     precision = _precision(args, target.platform)
     axis: Any = _axis(data_axes)
     tp = gpt.plan(mesh, model, "tp") if MODEL_AXIS in mesh.shape else None
-    from shardax.train.auto import launch_command, train_flags
 
     figures = {"model_flops": per_token * args.batch * args.seq_len,
                "model_flops_note": "6N + attention, causal halved"}  # fmt: skip
@@ -403,8 +376,6 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
 
 def _candidates(names: list[str] | None, mesh: Any, axis: Any, tp: Any) -> Any:
     """``--plans a,b``: those of ``shardax.train.auto.candidate_plans`` (None: all)."""
-    from shardax.train.auto import candidate_plans
-
     plans = candidate_plans(mesh, axis, tp_rules=tp)
     if not names:
         return plans
@@ -419,8 +390,6 @@ def _candidates(names: list[str] | None, mesh: Any, axis: Any, tp: Any) -> Any:
 
 def _named_plan(name: str, mesh: Any, model: Any, axis: Any, tp: Any) -> Any:
     """The candidate ``name`` of ``shardax.train.auto.candidate_plans``."""
-    from shardax.train.auto import candidate_plans
-
     plans = candidate_plans(mesh, axis, tp_rules=tp)
     if name not in plans:
         raise UsageError(

@@ -16,15 +16,17 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import jax
+
+import shardax as sx
 from shardax.cli.common import UsageError, path_arg, positive_int
+from shardax.track.profile import parse_steps
 
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 
 
 def step_range(text: str) -> tuple[int, int]:
     """An argparse type: ``A:B``, steps A to B (from 1)."""
-    from shardax.track.profile import parse_steps
-
     try:
         return parse_steps(text)
     except ValueError as e:
@@ -85,10 +87,6 @@ class Tracker:
         tokens_per_step: int = 0,
         config: dict[str, Any] | None = None,
     ) -> None:
-        import jax
-
-        import shardax as sx
-
         self.every = args.log_every
         self.profile = args.profile_steps
         if self.profile is not None and self.profile[1] > steps:
@@ -128,8 +126,6 @@ class Tracker:
     def watch(self, feed: Any) -> Any:
         """Counts the time the loop waits on ``feed`` (``sx.prefetch_to_device``'s iterator
         or ``sx.data.timed(...)``) as data wait; returns ``feed``."""
-        import shardax as sx
-
         clock = self.clock
         self.clock = sx.track.StepClock(clock.examples_per_step, clock.tokens_per_step, input=feed)
         return feed
@@ -138,7 +134,6 @@ class Tracker:
         """``step``, profiled over ``--profile-steps`` when given."""
         if self.profile is None:
             return step
-        import shardax as sx
 
         self.profiler = sx.track.profile_steps(step, self.profile_dir, *self.profile)
         return self.profiler
@@ -148,8 +143,6 @@ class Tracker:
         ``--log-every`` steps returns the window's timing scalars (the loop writes them
         with the train metrics it fetched). The clock starts after this run's first
         (compiling) step, once ``ready`` (the step's output) is."""
-        import jax
-
         self.done = step
         self.calls += 1
         if self.calls == 1:

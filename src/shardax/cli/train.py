@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from shardax.cli import track, train_gpt, train_mlp  # noqa: F401 (the jobs register themselves)
 from shardax.cli.common import (
@@ -36,9 +38,13 @@ from shardax.cli.common import (
 )
 from shardax.cli.job import JOBS, add_job_arguments, apply_options, check_model_options, plan_names
 from shardax.cli.loop import loop
+from shardax.runtime import cache
+from shardax.runtime.compat import backends_are_initialized
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
+from shardax.train.compiler import set_gpu_environment
 from shardax.train.config import MODES
 from shardax.train.precision import PRECISIONS
+from shardax.train.verification import verify_first_batch
 
 
 def _defaults(dest: str) -> str:
@@ -153,8 +159,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, out: Any, job: Any) -> bool:
     """``--verify``: [`shardax.verify`][shardax.verify] on the job's first batch (the loader is put
     back); prints the report and returns whether it passed."""
-    from shardax.train.verification import verify_first_batch
-
     try:
         report = verify_first_batch(job.step, job.state, job.loader, rtol=args.verify_rtol)
     except ValueError as e:
@@ -178,12 +182,6 @@ def default_precision(model: str, platform: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Trains, writes ``summary.json`` and ``curves.png``, prints the result."""
-    import jax
-
-    from shardax.runtime import cache
-    from shardax.runtime.compat import backends_are_initialized
-    from shardax.train.compiler import set_gpu_environment
-
     # CUDA reads CUDA_DEVICE_MAX_CONNECTIONS when JAX starts the GPU: set it (where unset)
     # while no backend is up; summary.json records what was set and what was in effect.
     args.environment_set = {} if backends_are_initialized() else set_gpu_environment()

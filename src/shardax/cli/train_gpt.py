@@ -33,6 +33,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import shardax as sx
 from shardax.cli.common import (
     UsageError,
     nonneg_int,
@@ -42,8 +48,11 @@ from shardax.cli.common import (
     positive_int,
 )
 from shardax.cli.job import Job, build_steps, eval_batch, job_mesh, option, register
+from shardax.data.text import LMBatches, batch_layout, lm_eval_batch, load_corpus, zigzag_batch
 from shardax.mesh.axes import CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS
-from shardax.models.gpt import ATTENTION, PLANS, POSITIONS
+from shardax.models import gpt
+from shardax.models.gpt import ATTENTION, PLANS, POSITIONS, GPTConfig
+from shardax.parallel.gpipe import stage_mesh
 from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
 
 OPTIONS = (
@@ -124,8 +133,6 @@ load-balancing loss, 1.0 when routing is even; Switch and ST-MoE use 1e-2)."""
 
 def config(args: argparse.Namespace) -> Any:
     """The ``GPTConfig`` of the options; bad sizes are usage errors naming them."""
-    from shardax.models.gpt import GPTConfig
-
     if args.seq_len > args.max_seq_len:
         raise UsageError(
             f"--seq-len {args.seq_len} is above the model's maximum sequence length "
@@ -240,10 +247,6 @@ def check_experts(args: argparse.Namespace, mesh: Any) -> None:
 def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: list[int]) -> None:
     """sx.pipeline's rules (layers, microbatches, batch per data shard) as usage errors,
     before anything compiles."""
-    import jax
-
-    from shardax.parallel.gpipe import stage_mesh
-
     _, stacked = model.layers()
     for rows in batches:
         x = jax.ShapeDtypeStruct((rows, args.seq_len, args.d_model), "float32")
@@ -261,21 +264,6 @@ def check_pipeline(args: argparse.Namespace, mesh: Any, model: Any, batches: lis
 @register("gpt", OPTIONS, defaults={"batch_size": 16, "lr": 3e-3}, plans=PLANS)
 def make_job(args: argparse.Namespace, out: Any) -> Job:
     """The GPT job: corpus, model, plan from the model's logical axes, validation."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    import shardax as sx
-    from shardax.data.text import (
-        LMBatches,
-        batch_layout,
-        lm_eval_batch,
-        load_corpus,
-        zigzag_batch,
-    )
-    from shardax.models import gpt
-
     mesh, data_size, cfg = job_mesh(args, lambda mesh: mesh_config(args, mesh))
     check_experts(args, mesh)
     context = check_context(args, mesh)

@@ -10,11 +10,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
+import shardax as sx
 from shardax.cli.common import UsageError, plot_curves, positive_int
 from shardax.cli.digits import load_digits
 from shardax.cli.job import Job, build_steps, eval_batch, job_mesh, option, place, register
+from shardax.data.policy import pad_batch
 from shardax.models.mlp import PLANS, make_mlp, make_plan
 
 TARGET_ACCURACY = 0.95
@@ -30,13 +35,6 @@ OPTIONS = (
 @register("mlp", OPTIONS, defaults={"batch_size": 128, "lr": 3e-3}, plans=PLANS)
 def make_job(args: argparse.Namespace, out: Any) -> Job:
     """The MLP job: digits, the MLP and its plan, per-epoch evaluation."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    import shardax as sx
-    from shardax.data.policy import pad_batch
-
     mesh, data_size, _ = job_mesh(args)
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     # Each process reads its share of every global batch; the order depends on the seed

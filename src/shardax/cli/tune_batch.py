@@ -15,6 +15,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import jax
+import numpy as np
+import optax
+
+import shardax as sx
 from shardax.cli.bench import (
     Stepper,
     add_mlp_arguments,
@@ -36,6 +41,8 @@ from shardax.cli.common import (
     time_interleaved,
     write_results,
 )
+from shardax.cost.hardware import HARDWARE_SPECS
+from shardax.cost.roofline import hardware_roofline, knee_batch_size
 from shardax.models.mlp import make_mlp
 
 
@@ -73,14 +80,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tune(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     """Times the step at every batch size; returns the curve and the knee."""
-    import jax
-    import numpy as np
-    import optax
-
-    import shardax as sx
-    from shardax.cost.hardware import HARDWARE_SPECS
-    from shardax.cost.roofline import hardware_roofline, knee_batch_size
-
     cpu = jax.devices()[0].platform == "cpu"
     n = args.devices or (1 if cpu else jax.device_count())
     if n > jax.device_count():
