@@ -362,7 +362,7 @@ def prepare_cuda_plugin() -> str | None:
 
 
 def _gpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
-    from jax.experimental import topologies
+    from jax.experimental import topologies  # not loaded by import shardax
 
     if not installed("jax_plugins.xla_cuda12"):
         raise ImportError(
@@ -447,7 +447,7 @@ def _libtpu_locked(name: str, error: BaseException) -> RuntimeError | None:
 
 
 def _tpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
-    from jax.experimental import topologies
+    from jax.experimental import topologies  # not loaded by import shardax
 
     if not installed("libtpu"):
         raise ImportError(

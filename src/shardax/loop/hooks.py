@@ -301,7 +301,7 @@ class Progress(Hook):
         self.every, self.console = every, console
 
     def columns(self) -> list[Any]:
-        from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, TextColumn, TimeRemainingColumn  # not at start-up
 
         return [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                 TextColumn("{task.fields[text]}"), TimeRemainingColumn()]  # fmt: skip
@@ -315,7 +315,7 @@ class Progress(Hook):
         return bool(self.every) and itstime(run.step, self.every)
 
     def start(self, run: Any) -> None:
-        from rich.progress import Progress as Bar
+        from rich.progress import Progress as Bar  # not loaded by import shardax
 
         self.bar = Bar(*self.columns(), console=self.console,
                        disable=jax.process_index() != 0)  # fmt: skip
