@@ -428,7 +428,9 @@ def _per_device(leaf: Any, sharding: Any) -> int:
     shape = tuple(leaf.shape)
     if sharding is not None and hasattr(sharding, "shard_shape"):
         shape = sharding.shard_shape(shape)
-    return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    # a typed PRNG key's dtype (key<fry>) is no NumPy dtype; it gives its own itemsize
+    itemsize = getattr(leaf.dtype, "itemsize", None) or np.dtype(leaf.dtype).itemsize
+    return math.prod(shape) * itemsize
 
 
 def _kind(path: str) -> str:
