@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -88,10 +89,9 @@ def _set(config: StepConfig, **values: Any) -> None:
 
 
 class from_config:
-    """A read-only attribute of an object holding a [`StepConfig`][shardax.train.StepConfig] as
-    ``config``:
-    reads the config's field ``name`` (default: the attribute's own name), so the
-    settings are held once, not copied onto the objects built from them.
+    """A read-only attribute of an object holding a [`StepConfig`][shardax.train.StepConfig]
+    as ``config``: reads the config's field ``name`` (default: the attribute's own name),
+    so the settings are held once, not copied onto the objects built from them.
 
     >>> class Holder:
     ...     accumulate = from_config()
@@ -209,9 +209,10 @@ class StepConfig:
             )
         return batch_spec
 
-    @property
+    @functools.cached_property
     def resolved_plan(self) -> Any:
-        """The plan the step places the state with: ``plan``, or replicate over ``mesh``."""
+        """The plan the step places the state with: ``plan``, or replicate over ``mesh``
+        (made once: the config is immutable, so every reader gets the same plan)."""
         return replicate(self.mesh) if self.plan is None else self.plan
 
     @property
@@ -219,7 +220,7 @@ class StepConfig:
         """The platform of the mesh's devices (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
         return platform_of(self.mesh)
 
-    @property
+    @functools.cached_property
     def resolved_compiler_options(self) -> dict[str, Any]:
         """The XLA options every jit of the step compiles with: ``compiler_options``
         resolved for the mesh's platform and the mode (``shardax.train.compiler``)."""
