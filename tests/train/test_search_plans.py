@@ -92,3 +92,16 @@ def test_auto_step_checks_its_settings_without_building_a_step(monkeypatch, mesh
     assert step.config.accumulate == 2 and step.plan is None
     with pytest.raises(TypeError, match="loss_fn takes 'extra'"):
         sx.make_train_step(lambda model, batch, extra: 0.0, mesh=mesh, plan="auto")
+
+
+def test_each_mesh_keeps_the_counts_that_split_its_rows(mesh):
+    import numpy as np
+
+    from shardax.train.auto.space import _dividing
+
+    batch = {"x": np.zeros((16, 4), np.float32)}  # 16 rows: 2 per device on data=8
+    assert _dividing((1, 2, 4), mesh, "data", batch) == (1, 2)
+    small = sx.make_mesh({"data": 2, "stage": 4})  # 8 rows per data shard: every count
+    assert _dividing((1, 2, 4), small, "data", batch) == (1, 2, 4)
+    assert _dividing((4, 8), mesh, "data", batch) == (4, 8)  # none: the check names the rule
+    assert _dividing(2, mesh, "data", batch) == 2

@@ -28,6 +28,7 @@ from shardax.train.auto.options import (
     Counts,
     Rules,
     candidate_plans,
+    check_accumulate,
     check_candidates,
     check_options,
 )
@@ -45,8 +46,9 @@ class Layout:
             its sequence over ``"context"`` where it has that axis (the step's
             ``seq_axis``); a model calling ``sx.pipeline`` runs its schedule over
             ``"stage"``.
-        name: prefixes its candidates' names (``"stage=4:fsdp"``); default: the mesh's
-            axes beyond the data axes, where the space has several meshes.
+        name: prefixes its candidates' names (``"stage=4:fsdp"``); None: no prefix. (A
+            mesh or spec given to the space without a Layout is named by its axes beyond
+            the data axes, where the space has several meshes.)
         plans: the plans to rank on it: names of the defaults
             (:func:`~shardax.train.auto.options.candidate_plans`, e.g. ``("fsdp",
             "pipeline")``) or ``{name: plan or default's name}``; None: every default.
@@ -97,8 +99,9 @@ class SearchSpace:
             that has them (None: every default plan of each mesh,
             :func:`~shardax.train.auto.options.candidate_plans`); a Layout's own
             ``plans`` replace them there.
-        accumulate: a microbatch count or several, e.g. ``(1, 2, 4)``; each mesh keeps
-            those that split the batch's rows over its data axes.
+        accumulate: a microbatch count or several, e.g. ``(1, 2, 4)`` (None: the
+            config's, else 1); each mesh keeps those that split the batch's rows over its
+            data axes (none: the error names the rule).
         config: the step's settings (:class:`~shardax.train.StepConfig`, plan None, mode
             ``"jit"``, any mesh): precision, stats, compiler options... Each candidate
             compiles it with its own mesh, data axes, ``seq_axis``, plan and count.
@@ -113,7 +116,7 @@ class SearchSpace:
     meshes: Sequence[Mapping[str, int] | Mesh | Layout] = ({DATA_AXIS: -1},)
     devices: Any = None
     plans: Sequence[str] | None = None
-    accumulate: Counts = 1
+    accumulate: Counts | None = None
     config: StepConfig | None = None
     device_memory: float | None = None
     min_size: int = DEFAULT_FSDP_MIN_SIZE
@@ -196,12 +199,32 @@ class SearchSpace:
         plans = _plans(layout, mesh, known)
         if self.plans is not None and layout.plans is None:  # those of them it has
             plans = {n: p for n, p in plans.items() if n in self.plans}
-        accumulate = self.accumulate if layout.accumulate is None else layout.accumulate
+        accumulate = layout.accumulate
+        if accumulate is None:
+            given = self.accumulate
+            if given is None:
+                given = 1 if self.config is None else self.config.accumulate
+            accumulate = _dividing(given, mesh, axis, batch)
         model = model if layout.model is None else layout.model
         loss = loss_fn if layout.loss_fn is None else layout.loss_fn
         return Group.build(
             plans, model, loss, config, accumulate, batch, layout.name, layout.microbatches
         )
+
+
+def _dividing(accumulate: Counts, mesh: Mesh, axis: Any, batch: Any) -> Counts:
+    """Of several counts, those that split ``batch``'s rows over ``mesh``'s data ``axis``
+    (all of them where none does, so that the check names the rule)."""
+    if batch is None or not isinstance(accumulate, Sequence) or isinstance(accumulate, str):
+        return accumulate
+    kept = []
+    for k in accumulate:
+        try:
+            check_accumulate(k, mesh, axis, batch)
+        except ValueError:
+            continue
+        kept.append(k)
+    return tuple(kept) or accumulate
 
 
 def _plans(layout: Layout, mesh: Mesh, known: dict[str, FollowParams]) -> dict[str, FollowParams]:
