@@ -140,6 +140,7 @@ class StepCost:
     @property
     def low_s(self) -> float:
         low = max(sum(c.low for c in self.classes.values()) + self.launch_s, self.collective_s)
+        low = min(low, self.step_s)  # collectives in flight together overlap each other too
         return low * (1 - self.widen)
 
     @property
