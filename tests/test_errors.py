@@ -559,7 +559,7 @@ IN_PROCESS_CASES = {
     "plan --target --microbatches": (["plan", "--target", "8xH100", "--batch", "8", "--microbatches", "4"], "--microbatches 4: not with --target"),
     "plan --target --run-dir": (["plan", "--target", "8xH100", "--batch", "8", "--run-dir", "{empty}"], "--run-dir {empty}: not with --target, which writes no run directory"),
     "plan --target --hidden": (["plan", "--target", "8xH100", "--batch", "8", "--hidden", "1024"], "--hidden 1024: not with --target, the MLP's width (--measure); the GPT's is --d-model"),
-    "plan --target --model mlp": (["plan", "--target", "8xH100", "--batch", "8", "--model", "mlp"], "--model mlp: not with --target, which always compiles the built-in GPT"),
+    "plan --target --model mlp": (["plan", "--target", "8xH100", "--batch", "8", "--model", "mlp"], "--target plans the built-in GPT; got --model mlp"),
     "plan --vocab without --target": (["plan", "--params", "7e9", "--vocab", "50000"], "--vocab 50000: only with --target (the GPT compiled for a cluster's devices); without it, this option would be ignored"),
     "plan --measure --tp": (["plan", "--measure", "--tp", "2"], "--tp 2: only with --target"),
     "plan --measure --param-dtype": (["plan", "--measure", "--param-dtype", "bf16"], "--param-dtype bf16: only with --target"),

@@ -65,7 +65,6 @@ NOT_WITH_TARGET = {
     "microbatches": "whose --plan auto picks the pipeline's microbatches itself",
     "run_dir": "which writes no run directory (--json for the result, --png for the figure)",
     "hidden": "the MLP's width (--measure); the GPT's is --d-model",
-    "model": "which always compiles the built-in GPT (--measure picks the model)",
 }
 """Options of ``shardax plan`` that ``--target`` would ignore, and why: each is refused."""
 
