@@ -124,7 +124,11 @@ def compile_hlo(row: dict[str, Any]) -> str:
 
 
 def slug(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    """The file name the GPU session keeps ``name``'s program under (``session.slug``)."""
+    sys.path.insert(0, str(HERE / "gpu"))
+    from session import slug as session_slug
+
+    return session_slug(name)
 
 
 def hlo_of(row: dict[str, Any], directory: Path | None) -> str:

@@ -40,6 +40,7 @@ import gc
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -238,6 +239,7 @@ def stage_sweep(
                 if only == "all" or any(w in name for w in words)]  # fmt: skip
     rows: list[dict[str, Any]] = []
     path = work / "sweep.json"
+    shutil.rmtree(work / "dump", ignore_errors=True)  # a killed earlier sweep's
     for name, config in configs:
         if time.time() > deadline - 25:
             rows.append({"name": name, "label": config.label(), "skipped": "out of session time"})
@@ -269,8 +271,6 @@ def keep_program(work: Path, name: str) -> str | None:
     """The step's optimized program XLA dumped since the last call (shardax's step is
     ``jit_whole``, the hand-written one ``jit_step``; else the largest program), gzipped
     to ``work/hlo/<slug>.hlo.gz``; the dump emptied. Returns the file's name, or None."""
-    import shutil
-
     dump = work / "dump"
     texts = sorted(dump.glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)
     steps = [f for f in texts if ".jit_whole." in f.name or ".jit_step." in f.name]
@@ -467,8 +467,6 @@ def main(argv: list[str] | None = None) -> None:
     if profile:
         _write(args.out / "op_profile.json", profile)
     if (args.work / "hlo").is_dir():  # the sweep's programs as they ran (a few MB)
-        import shutil
-
         shutil.copytree(args.work / "hlo", args.out / "hlo", dirs_exist_ok=True)
     print((args.out / "session.md").read_text())
 

@@ -3,7 +3,7 @@
 The public surface is spelled here and nowhere else:
 
 - a namespace's ``__all__`` is its row of ``EXPORTS`` (``__all__ = exports(__name__)``); the
-  API reference documents those names (``docs/exports.py`` hands the same rows to griffe);
+  API reference documents those names (``docs/griffe_exports.py`` hands the same rows to griffe);
 - a door's errors start with a name of this table: ``@public("sx.fsdp")``
   (``shardax.checks.public``) refuses, at import, a name that is not how a user reaches the
   object it decorates (``sx.<name>`` for a top-level name, ``sx.<layer>.<name>`` for one only

@@ -19,12 +19,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from shardax._format import format_bytes
 from shardax.checks import expect_type, public
 from shardax.cost.estimation import HEADROOM, Estimate, analyse, estimate, out_of_memory
 from shardax.cost.hardware import device_spec
 from shardax.plan.core import Plan
 from shardax.plan.follow import FollowParams, select
-from shardax.plan.report import format_bytes
 from shardax.plan.tree import map_arrays
 from shardax.train.auto.options import check_accumulate
 from shardax.train.config import StepConfig
