@@ -201,6 +201,8 @@ class FunctionSide:
     def reseeded(self, run: Run) -> None:
         return None
 
+    slices_may_fail = True  # the user's function may take one batch size only
+
     def slices(self, run: Run) -> Slices:
         keep = ("returned", "optimizer") if self._recorded else ("returned", "state")
 

@@ -86,3 +86,7 @@ class Side(Protocol):
         """The per-device evidence (each device's slice run alone); None when the side
         does not split the batch's rows by hand."""
         ...
+
+    slices_may_fail: bool
+    """Whether a slice may not run (a user's function of a fixed batch size): its error
+    then rules the per-device cause out; else the error is raised."""

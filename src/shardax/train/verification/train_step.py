@@ -165,6 +165,8 @@ class TrainStepSide:
         )
         return {"metrics": self.reference(self._probes["ref"], other, self._rbatch)[1]["metrics"]}
 
+    slices_may_fail = False  # a shardax step runs on any rows: an error is a bug
+
     def slices(self, run: Run) -> Slices | None:
         if self._step.mode not in ("shard_map", "pmap"):
             return None
