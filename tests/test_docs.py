@@ -3,7 +3,8 @@
 - Markdown: the ``python`` blocks of one page run in order in one namespace (a guide builds
   on its earlier blocks), in this process on its 8 simulated devices, from a temporary
   working directory. A block preceded by a ``<!-- skip -->`` line is illustration only and
-  is not run; keep those rare.
+  is not run; keep those rare. One preceded by ``<!-- run by tests/...py -->`` is run by
+  that test, as written and with its own asserts, so it is not run twice.
 - Docstrings: ``doctest`` over every module of ``src/shardax`` (but those of
   :data:`DOCTEST_NOT_YET`), each module's examples in one namespace: :func:`doctest_namespace`
   (``sx``, ``jax``, ``jnp``, ``np``, ``optax``, ``nnx``, ``P``, a ``mesh``, a small train
@@ -33,6 +34,7 @@ PAGES = sorted(
     [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "guides").glob("*.md")]
 )
 SKIP_MARK = "<!-- skip -->"
+RUN_BY = re.compile(r"<!-- run by (tests/\S+\.py) -->")
 
 # Modules whose docstring examples are not run yet: the train step and the CLI are being
 # restructured (the lead's stream), and their examples are fixed there. Remove a module
@@ -64,7 +66,8 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
                 body.append(lines[i])
                 i += 1
             before = [ln for ln in lines[: start - 1] if ln.strip()]
-            if not (before and before[-1].strip() == SKIP_MARK):
+            mark = before[-1].strip() if before else ""
+            if mark != SKIP_MARK and not RUN_BY.fullmatch(mark):
                 blocks.append((start + 1, "\n".join(body) + "\n"))
         i += 1
     return blocks
@@ -182,3 +185,13 @@ def test_docstring_examples_run(name, tmp_path, monkeypatch):
         test.globs = globs  # one namespace per module, as a page of the docs
         runner.run(test, out=failures.append, clear_globs=False)
     assert not failures, "".join(failures)
+
+
+def test_the_tests_that_run_a_pages_blocks_read_that_page():
+    """A block marked ``<!-- run by tests/X.py -->`` is run there: X exists and reads the
+    page (by its file name), so the block is not left untested."""
+    for page in PAGES:
+        for test in set(RUN_BY.findall(page.read_text())):
+            path = ROOT / test
+            assert path.is_file(), f"{page.name} names {test}, which does not exist"
+            assert page.name in path.read_text(), f"{test} does not read {page.name}"
