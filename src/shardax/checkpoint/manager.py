@@ -53,16 +53,6 @@ from shardax.checks import as_bool, as_count, as_path, public
 from shardax.runtime import compat
 
 
-def __getattr__(name: str) -> Any:
-    """``save_checkpoint`` and ``restore_checkpoint``, which lived here before
-    ``checkpoint/one_shot.py`` (imported on use: ``one_shot`` imports this module)."""
-    if name in ("save_checkpoint", "restore_checkpoint"):
-        from shardax.checkpoint import one_shot
-
-        return getattr(one_shot, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _ocp() -> Any:
     try:
         import orbax.checkpoint as ocp
