@@ -46,9 +46,10 @@ def results(output: str) -> dict[int, dict]:
     """The ``RESULT`` json of each rank, by rank, from launch's prefixed output."""
     found: dict[int, list[dict]] = {}
     for line in output.splitlines():
-        if line.startswith("[") and "] RESULT " in line:
-            rank, _, payload = line.partition("] RESULT ")
-            found.setdefault(int(rank[1:]), []).append(json.loads(payload))
+        # a runtime's unterminated chatter on the same pipe may stand before the RESULT
+        match = re.match(r"\[(\d+)\] .*?RESULT (\{.*\})$", line)
+        if match:
+            found.setdefault(int(match[1]), []).append(json.loads(match[2]))
     return found
 
 
