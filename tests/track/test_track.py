@@ -48,6 +48,15 @@ def test_without_log_dir_only_jsonl_is_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
+def test_a_bf16_scalar_is_a_number(tmp_path):
+    """A bf16 loss (a bf16 model's, unconverted) is one number: NumPy's issubdtype does not
+    count bfloat16 as a number, JAX's does."""
+    with sx.MetricWriter(tmp_path) as w:
+        w.write(1, {"loss": jnp.asarray(2.5, jnp.bfloat16)})
+        w.flush()
+        assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.5
+
+
 def test_bad_directories_backends_and_values_are_named(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

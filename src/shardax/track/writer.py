@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from shardax.checks import as_count, as_path, expect_type, public, received
@@ -64,7 +65,7 @@ def check_scalar(name: Any, value: Any) -> None:
     dtype, size = getattr(value, "dtype", None), getattr(value, "size", None)
     if isinstance(value, numbers.Real) and not isinstance(value, str):
         return
-    numeric = dtype is not None and (np.issubdtype(dtype, np.number) or dtype == np.bool_)
+    numeric = dtype is not None and (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_)
     if numeric and size == 1:
         return
     shape = f" with shape {tuple(value.shape)}" if hasattr(value, "shape") else ""

@@ -44,6 +44,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from jax.sharding import Mesh
@@ -182,7 +183,7 @@ def for_state(
     weights = sum(
         int(np.prod(leaf.shape)) * itemsize
         for leaf in jax.tree.leaves(params)
-        if hasattr(leaf, "shape") and np.issubdtype(getattr(leaf, "dtype", np.int32), np.floating)
+        if hasattr(leaf, "shape") and jnp.issubdtype(getattr(leaf, "dtype", np.int32), jnp.floating)
     )
     return {**options, **combine_thresholds(weights, shards)}
 
