@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import zlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import nnx
+from flax import linen, nnx
+from flax.core import Scope
 from flax.errors import InvalidRngError
 
 
@@ -129,16 +129,55 @@ class ApplyFnModel:
 
 ModelAdapter = NNXModel | EquinoxModel | LinenModel | ApplyFnModel
 
-_NEEDS_RNG = re.compile(r'needs PRNG for "([^"]+)"')
+# flax's make_rng, whose ``name`` argument is the stream a module asks for: the module's
+# method, and the scope's that it calls (a functional ``flax.core`` module calls it alone).
+_MAKE_RNG = (linen.Module.make_rng.__code__, Scope.make_rng.__code__)
+
+
+def asked_stream(error: InvalidRngError) -> str | None:
+    """The RNG stream whose ``make_rng(name)`` raised ``error``: the ``name`` argument of
+    flax's ``make_rng`` call in the error's traceback (the module's own call, else the
+    scope's), read from the call, not from the message's wording; None where no
+    ``make_rng`` call raised it (another ``InvalidRngError``, such as a malformed
+    ``rngs`` dict).
+
+    Caught while traced, as the step calls the model: JAX drops flax's frames from a
+    traceback only where the error leaves the outermost transformation (flax's ``apply``
+    counts as one), so outside a trace the call is not found (None).
+
+    >>> class Noisy(linen.Module):
+    ...     def __call__(self):
+    ...         return self.make_rng("lstm")
+    >>> def traced():
+    ...     try:
+    ...         return Noisy().apply({})
+    ...     except InvalidRngError as e:
+    ...         print(asked_stream(e))
+    >>> jax.eval_shape(traced)
+    lstm
+    """
+    tb = error.__traceback__
+    while tb is not None:  # outermost first: the module's call before the scope's
+        if tb.tb_frame.f_code in _MAKE_RNG:
+            name = tb.tb_frame.f_locals.get("name")
+            return name if isinstance(name, str) else None
+        tb = tb.tb_next
+    return None
 
 
 def call_binding_streams(
     adapter: Any, bind: Callable[[], Any], call: Callable[[Any], Any]
 ) -> tuple[Any, Any]:
     """``(model, call(model))`` for ``model = bind()``. A Linen module that asks for an
-    RNG stream it was not bound (``self.make_rng("lstm")``: flax's ``InvalidRngError``)
-    gets it bound (``linen_rngs``) and is called again, while tracing; other
-    adapters are called once."""
+    RNG stream it was not bound (``self.make_rng("lstm")`` raises flax's
+    ``InvalidRngError``) gets it bound (``linen_rngs``) and is called again, while
+    tracing; other adapters are called once.
+
+    The stream is the ``name`` argument of the ``make_rng`` call that raised
+    (``asked_stream``), so the rule does not depend on the wording of flax's message.
+    The call and its retries run while the step is traced (no device work), where JAX
+    keeps flax's frames in the traceback; an error naming no stream, or one already
+    bound, is raised as flax raised it."""
     if not isinstance(adapter, LinenModel):
         model = bind()
         return model, call(model)
@@ -148,10 +187,10 @@ def call_binding_streams(
         try:
             return model, call(model)
         except InvalidRngError as e:
-            found = _NEEDS_RNG.search(str(e))
-            if found is None or found.group(1) in ("dropout", *adapter.streams):
+            name = asked_stream(e)
+            if name is None or name in ("dropout", *adapter.streams):
                 raise
-            adapter.add_stream(found.group(1))
+            adapter.add_stream(name)
 
 
 def is_equinox(model: Any) -> bool:
