@@ -235,16 +235,7 @@ def step_config(mesh: Mesh, config: Any, axis: Any, precision: Any) -> StepConfi
             f"pass the step's settings in config or as keywords, not both; got config and "
             f"{', '.join(given)} (config.data_axis and config.precision are used)"
         )
-    if config.plan is not None:
-        raise ValueError(
-            f"config.plan is {config.plan_name!r}, but auto_plan picks the plan; build the "
-            "config with plan=None"
-        )
-    if config.mode != "jit":
-        raise ValueError(
-            f"auto_plan picks among sharded plans, which only mode='jit' runs; got "
-            f"config.mode={config.mode!r}"
-        )
+    check_searchable(config, "auto_plan")
     if config.mesh != mesh:
         raise ValueError(
             f"config's mesh {dict(config.mesh.shape)} is not auto_plan's mesh "
@@ -257,10 +248,21 @@ def check_auto_step(loss_fn: Callable[..., Any], config: StepConfig) -> StepConf
     """``config`` as the settings of a ``plan="auto"`` step for ``loss_fn``: mode
     ``"jit"`` (the plans are sharded), no plan yet, and a ``loss_fn`` the step can call
     (:func:`~shardax.train.loss.check_loss_fn`); nothing is built."""
-    if config.mode != "jit":
-        raise ValueError(
-            f"plan='auto' picks among sharded plans, which only mode='jit' runs; got "
-            f"mode={config.mode!r}"
-        )
+    check_searchable(config, "plan='auto'", given="")
     check_loss_fn(loss_fn, config.batch_spec)
     return config
+
+
+def check_searchable(config: StepConfig, who: str, given: str = "config.") -> None:
+    """Refuses by name the settings a search cannot compile its candidates with: a plan
+    (``who`` picks it) or a mode other than ``"jit"`` (the plans are sharded, which only
+    jit runs). ``given``: how the user passed the settings (``"config."``, or ``""`` for
+    a step's keywords)."""
+    fix = "; build it with plan=None and mode='jit'" if given else ""
+    if config.plan is not None:
+        raise ValueError(f"{given}plan is {config.plan_name!r}, but {who} picks the plan{fix}")
+    if config.mode != "jit":
+        raise ValueError(
+            f"{who} picks among sharded plans, which only mode='jit' runs; got "
+            f"{given}mode={config.mode!r}{fix}"
+        )

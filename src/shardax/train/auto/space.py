@@ -31,6 +31,7 @@ from shardax.train.auto.options import (
     check_accumulate,
     check_candidates,
     check_options,
+    check_searchable,
 )
 from shardax.train.config import StepConfig
 
@@ -135,12 +136,7 @@ class SearchSpace:
             object.__setattr__(self, "max_compiles", as_count("max_compiles", self.max_compiles))
         if self.config is not None:
             expect_type("config", self.config, StepConfig, "a sx.train.StepConfig or None")
-            if self.config.plan is not None or self.config.mode != "jit":
-                raise ValueError(
-                    f"config has plan {self.config.plan_name!r} and mode "
-                    f"{self.config.mode!r}; the search picks the plan among sharded ones, "
-                    "so build it with plan=None and mode='jit'"
-                )
+            check_searchable(self.config, "the search")
         expect_type("meshes", self.meshes, Sequence, "a list of mesh specs, meshes or Layouts")
         if not self.meshes or isinstance(self.meshes, str | Mapping):
             raise ValueError(f"meshes must be a non-empty list, got {self.meshes!r}")
