@@ -97,6 +97,30 @@ def test_an_all_false_host_mask_is_refused_on_every_batch():
         step(state, _batch(mask=np.zeros(8, bool)))
 
 
+@pytest.mark.parametrize("batch_spec", [None, P("data")])
+def test_a_host_masks_values_are_read_once_a_step(monkeypatch, batch_spec):
+    """On a new structure (checked by ``check_batch``) and on a known one alike."""
+    import optax
+    from flax import nnx
+
+    import shardax.train.batch as batch_module
+
+    reads = []
+    real = batch_module.check_mask_has_examples
+
+    def counted(batch):
+        reads.append(1)
+        return real(batch)
+
+    monkeypatch.setattr(batch_module, "check_mask_has_examples", counted)
+    monkeypatch.setattr(program, "check_mask_has_examples", counted)
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh({"data": -1}), batch_spec=batch_spec)
+    state = step.shard(sx.TrainState.create(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1)))
+    for expected in (1, 2):
+        state, _ = step(state, _batch())
+        assert len(reads) == expected
+
+
 @pytest.mark.parametrize("mode", ["jit", "shard_map"])
 def test_a_device_mask_with_no_real_example_reads_nan_and_the_guard_stops(mode):
     """A device mask is not read back (that would wait for the device): a global batch

@@ -30,14 +30,16 @@ def check_batch(batch: Any, *, divisor: int, what: str, flat: Leaves | None = No
     ``flat``: ``batch_leaves(batch)``, walked before (a step walks a batch once).
     """
     flat = batch_leaves(batch) if flat is None else flat
-    masked = isinstance(batch, dict) and MASK_KEY in batch
-    if masked:
-        # The mask is checked against the other leaves' size first, with its own message.
+    mask_left = isinstance(batch, dict) and MASK_KEY in batch  # until checked, once
+    if mask_left:
+        # The mask is checked against the other leaves' size first, with its own
+        # message; where they give no one size, against the batch's, below.
         mask_key = jax.tree_util.DictKey(MASK_KEY)
         rest = check_leaves([(k, x) for k, x in flat if k[0] != mask_key], arrays_only=True)
         sizes = {shape[0] for _, shape in rest if shape}
         if len(sizes) == 1:
             _check_mask(batch, *sizes, rest, flat)
+            mask_left = False
     leaves = check_leaves(flat, dims=(0,), arrays_only=True)
     if not leaves:
         raise ValueError(f"the train step: the batch has no array leaves, got {batch!r}")
@@ -49,7 +51,7 @@ def check_batch(batch: Any, *, divisor: int, what: str, flat: Leaves | None = No
                 + (_KEY_HINT if path in _key_paths(batch) else "")
             )
     size = leaves[0][1][0]
-    if masked:
+    if mask_left:
         _check_mask(batch, size, rest, flat)
     if size % divisor:
         fit = -(-size // divisor) * divisor

@@ -70,12 +70,13 @@ class BatchPlacement:
         """A list of examples (``check_batch``), or with a
         ``batch_spec`` arrays placed as it says: checked once per batch structure
         (``batch_structure``), not per step; a host mask's
-        values (``check_mask_has_examples``) on every batch.
+        values (``check_mask_has_examples``) on every batch, once (by ``check_batch``
+        on a new structure without a ``batch_spec``).
         Returns the ``batch_spec`` shardings (True without one)."""
-        check_mask_has_examples(batch)
         key = batch_structure(batch)
         known = self._checked.get(key) if key is not None else None
         if known is not None:
+            check_mask_has_examples(batch)
             self._checked.move_to_end(key)
             return known
         flat = batch_leaves(batch)  # the one walk of the batch that its checks share
@@ -84,6 +85,7 @@ class BatchPlacement:
             check_batch(batch, divisor=self.divisor, what=self.what, flat=flat)
             known = True
         else:
+            check_mask_has_examples(batch)
             check_leaves(flat, arrays_only=True)
             known = batch_shardings(batch, self.mesh, self.batch_spec)
         if key is not None:
@@ -116,7 +118,11 @@ class BatchPlacement:
         and with ``seq_axis`` dimension 1 of each leaf of rank >= 2 over that axis; with
         ``batch_spec``, each leaf as it says. Leaves already placed so pass untouched."""
         if self.batch_spec is not None:
-            return place_by_spec(batch, self.mesh, self.batch_spec, self.check(batch))
+            # the shardings of a structure the step checked (its mask's values were read)
+            key = batch_structure(batch)
+            known = self._checked.get(key) if key is not None else None
+            shardings = self.check(batch) if known is None else known
+            return place_by_spec(batch, self.mesh, self.batch_spec, shardings)
 
         def place(path: str, x: Any) -> Any:
             if not hasattr(x, "ndim") or x.ndim == 0:
