@@ -1,8 +1,9 @@
 """The auto-planning search, by concept: ``options`` (what may be ranked on one mesh),
 ``space`` (the search space: meshes, plans, variants, counts, the step's settings),
 ``candidates`` (each compiled and analysed once), ``choice`` (the ranking, the pick, its
-flags and launch command), ``search`` (:func:`auto_plan`, :func:`search_plans`) and
-``step`` (``plan="auto"``'s :class:`AutoStep`)."""
+flags and launch command), ``search`` ([`auto_plan`][shardax.auto_plan],
+[`search_plans`][shardax.search_plans]) and ``step`` (``plan="auto"``'s
+[`AutoStep`][shardax.train.AutoStep])."""
 
 from shardax.train.auto.candidates import (
     Candidate,

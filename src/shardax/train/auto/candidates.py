@@ -1,6 +1,6 @@
 """The candidates of the search: each plan × model variant × microbatch count of one mesh
-(a :class:`Group`) compiled once for abstract values and analysed once, by the analysis
-``sx.estimate`` reports (:func:`shardax.cost.estimation.analyse`): memory per device,
+(a ``Group``) compiled once for abstract values and analysed once, by the analysis
+``sx.estimate`` reports (``shardax.cost.estimation.analyse``): memory per device,
 collectives, and on a device with a datasheet the predicted step time with its interval.
 
 >>> label("fsdp", "full", 2, counts=3)
@@ -48,7 +48,7 @@ class Candidate:
     fits: bool | None
     predicted_s: float | None = None
     """The predicted step time (the per-op model's point where it prices the device, a
-    GPU; else :mod:`shardax.cost.predict`'s, with overlap); None without a datasheet."""
+    GPU; else ``shardax.cost.predict``'s, with overlap); None without a datasheet."""
     refused: str | None = None
     """The backend's out-of-memory error where it refused to compile this candidate."""
     accumulate: int = 1
@@ -93,9 +93,9 @@ class Candidate:
 
 
 def from_estimate(name: str, plan: Plan, report: Estimate, **fields: Any) -> Candidate:
-    """The :class:`Candidate` of one analysed step: the compiler's memory figures, the
-    bytes its collectives send and their runs, its predicted time; a step the backend
-    refused for lack of memory does not fit."""
+    """The [`Candidate`][shardax.train.Candidate] of one analysed step: the compiler's
+    memory figures, the bytes its collectives send and their runs, its predicted time; a
+    step the backend refused for lack of memory does not fit."""
     if report.compile_error is not None or report.compiled_bytes is None:
         return Candidate(name, plan, 0, 0, 0, int(report.memory.get("temporaries", 0)), 0.0,
                          {}, False, refused=report.compile_error, estimate=report,
@@ -125,13 +125,14 @@ def from_estimate(name: str, plan: Plan, report: Estimate, **fields: Any) -> Can
 
 
 def measure(name: str, compiled: Any, plan: Plan) -> Candidate:
-    """A :class:`Candidate` from a compiled step, by the same analysis."""
+    """A [`Candidate`][shardax.train.Candidate] from a compiled step, by the same analysis."""
     return from_estimate(name, plan, analyse(compiled, plan.mesh))
 
 
 def refused_candidate(name: str, plan: Plan, error: BaseException) -> Candidate | None:
-    """A :class:`Candidate` that does not fit, from a backend's out-of-memory compile
-    error (libtpu refuses a step whose temporaries exceed HBM); None for other errors."""
+    """A [`Candidate`][shardax.train.Candidate] that does not fit, from a backend's
+    out-of-memory compile error (libtpu refuses a step whose temporaries exceed HBM);
+    None for other errors."""
     oom = out_of_memory(error)
     if oom is None:
         return None
@@ -220,7 +221,7 @@ class Group:
     ) -> Group:
         """The group of ``plans`` on ``config``'s mesh, checked: the microbatch counts of
         ``accumulate`` that split ``batch``'s rows over its data axes
-        (:func:`~shardax.train.auto.options.check_accumulate`) and the model's abstract
+        (``check_accumulate``) and the model's abstract
         states (``model``: a state, an init or ``{variant: either}``)."""
         counts = check_accumulate(accumulate, config.mesh, config.data_axis, batch)
         states = abstract_states(model)

@@ -36,7 +36,7 @@ from shardax.train.config import StepConfig
 @public("sx.train.AutoPlan")
 @dataclasses.dataclass(frozen=True)
 class AutoPlan:
-    """What :func:`auto_plan` measured, and its pick. Print it for a table."""
+    """What [`auto_plan`][shardax.auto_plan] measured, and its pick. Print it for a table."""
 
     plan: Plan
     candidates: tuple[Candidate, ...]
@@ -87,7 +87,7 @@ class AutoPlan:
 
     @property
     def flags(self) -> str:
-        """The pick as ``shardax train`` flags (:func:`train_flags`; a variant is its
+        """The pick as ``shardax train`` flags (``train_flags``; a variant is its
         ``--remat``)."""
         c = self.candidate
         shape = {str(k): int(v) for k, v in c.mesh.shape.items()}
@@ -95,7 +95,7 @@ class AutoPlan:
 
     def launch(self, command: str) -> str:
         """``command`` started on every host of the pick's devices
-        (:func:`launch_command`)."""
+        (``launch_command``)."""
         return launch_command(list(self.candidate.mesh.devices.flat), command)
 
     def to_dict(self) -> dict[str, Any]:
@@ -246,7 +246,7 @@ def choose(
     microbatches, then the fewest bytes per device). Where every candidate has a
     predicted step time (devices with a datasheet: GPUs, TPUs, compile-only targets),
     the fastest predicted of those that fit with
-    :data:`shardax.cost.estimation.HEADROOM` to spare instead. Candidates not compiled
+    ``shardax.cost.estimation.HEADROOM`` to spare instead. Candidates not compiled
     (``skipped``) stay in the report and are never picked. Raises ``ValueError`` when
     none fits. ``note`` (what the candidates share) ends the reason."""
     measured = [

@@ -1,5 +1,5 @@
-"""The options of the search: what :func:`~shardax.auto_plan` and
-:func:`~shardax.search_plans` may rank on one mesh (the plans, the microbatch counts, the
+"""The options of the search: what [`auto_plan`][shardax.auto_plan] and
+[`search_plans`][shardax.search_plans] may rank on one mesh (the plans, the microbatch counts, the
 step's settings), each checked before anything compiles.
 
 >>> mesh = sx.make_mesh({"data": 8})
@@ -34,7 +34,7 @@ Rules = Sequence[Rule] | Plan | None
 @public("sx.AutoPlanOptions")
 @dataclasses.dataclass(frozen=True)
 class AutoPlanOptions:
-    """``make_train_step(..., plan=sx.AutoPlanOptions(...))``: :func:`auto_plan`'s
+    """``make_train_step(..., plan=sx.AutoPlanOptions(...))``: [`auto_plan`][shardax.auto_plan]'s
     options for the plan the first ``step(state, batch)`` picks (``plan="auto"`` is
     ``sx.AutoPlanOptions()``).
 
@@ -72,8 +72,8 @@ def check_options(
     pipeline_rules: Any,
     stage_axis: Any,
 ) -> dict[str, Any]:
-    """The options of :func:`auto_plan` checked, NumPy numbers as Python ones; errors name
-    the option, the rule and the value received."""
+    """The options of [`auto_plan`][shardax.auto_plan] checked, NumPy numbers as Python
+    ones; errors name the option, the rule and the value received."""
     if device_memory is not None:
         try:
             device_memory = as_float("device_memory", device_memory, above=0)
@@ -147,11 +147,11 @@ def candidate_plans(
     pipeline_rules: Rules = None,
     stage_axis: str = STAGE_AXIS,
 ) -> dict[str, FollowParams]:
-    """The mesh's own plans (``MESH_PLANS`` of :mod:`shardax.plan.named`: replicate,
+    """The mesh's own plans (``MESH_PLANS`` of ``shardax.plan.named``: replicate,
     zero1, zero2 and fsdp) over ``axis``; ``hsdp`` (fsdp over the last of
     several data axes, replicated over the others) when ``axis`` is a tuple;
     ``fsdp+tp`` (``tp_rules``, regex rules or a plan such as ``sx.from_nnx``'s, and fsdp
-    over ``axis`` on the dimensions they leave unsplit: :func:`shardax.plan.fsdp_over`)
+    over ``axis`` on the dimensions they leave unsplit: [`fsdp_over`][shardax.plan.fsdp_over])
     when rules are given; and ``pipeline`` (``pipeline_rules``, e.g. ``[(r"blocks",
     P("stage"))]`` or ``gpt.plan(mesh, model, "pipeline")``) when given, which needs
     ``stage_axis`` in the mesh with size > 1.
@@ -247,7 +247,7 @@ def step_config(mesh: Mesh, config: Any, axis: Any, precision: Any) -> StepConfi
 def check_auto_step(loss_fn: Callable[..., Any], config: StepConfig) -> StepConfig:
     """``config`` as the settings of a ``plan="auto"`` step for ``loss_fn``: mode
     ``"jit"`` (the plans are sharded), no plan yet, and a ``loss_fn`` the step can call
-    (:func:`~shardax.train.loss.check_loss_fn`); nothing is built."""
+    (``shardax.train.loss.check_loss_fn``); nothing is built."""
     check_searchable(config, "plan='auto'", given="")
     check_loss_fn(loss_fn, config.batch_spec)
     return config

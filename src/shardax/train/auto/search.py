@@ -1,9 +1,10 @@
 """The search: every candidate compiled and analysed once, ranked, one picked.
 
-:func:`auto_plan` ranks the plans × model variants × microbatch counts of one mesh;
-:func:`search_plans` those of every mesh of a :class:`~shardax.SearchSpace` (data × stage
-for a pipeline, data × context for long sequences, ...), for the user's own model, on the
-local devices or a ``sx.target``'s compile-only ones. This sits in ``train``, not
+[`auto_plan`][shardax.auto_plan] ranks the plans × model variants × microbatch counts of
+one mesh; [`search_plans`][shardax.search_plans] those of every mesh of a
+[`SearchSpace`][shardax.SearchSpace] (data × stage for a pipeline, data × context for long
+sequences, ...), for the user's own model, on the local devices or a ``sx.target``'s
+compile-only ones. This sits in ``train``, not
 ``plan``, because it compiles the train step.
 
 Every candidate of a mesh compiles the same ``loss_fn`` (the same model), so only the
@@ -75,15 +76,15 @@ def search_plans(
 
     Args:
         space: the meshes, plans, microbatch counts and step settings to rank.
-        abstract_state_or_init: the model, as :func:`auto_plan` takes it: a
+        abstract_state_or_init: the model, as [`auto_plan`][shardax.auto_plan] takes it: a
             ``sx.TrainState``, a function returning one, or ``{variant: either}`` (e.g.
-            remat policies, least to most memory-saving); a :class:`~shardax.train.Layout`
+            remat policies, least to most memory-saving); a [`Layout`][shardax.train.Layout]
             may bring its own.
         loss_fn, batch: the step's loss and its batch (arrays or ``ShapeDtypeStruct``s).
         model_flops, model_flops_note: as ``sx.estimate``'s, for every candidate.
 
     Returns:
-        an :class:`~shardax.train.AutoPlan`: every candidate (name, mesh, memory, sent
+        an [`AutoPlan`][shardax.train.AutoPlan]: every candidate (name, mesh, memory, sent
         bytes, predicted step with its interval), the pick (``report.config``, the
         settings to build its step with; ``report.estimate``, its whole analysis), the
         reason, ``report.flags`` and ``report.launch(command)``.
@@ -162,11 +163,11 @@ def auto_plan(
 
     Args:
         mesh: the device mesh.
-        abstract_state_or_init: a :class:`shardax.TrainState` (arrays or
+        abstract_state_or_init: a [`TrainState`][shardax.TrainState] (arrays or
             ``ShapeDtypeStruct``s), or a function of no arguments returning one, run
             under ``jax.eval_shape``; or ``{variant name: either}`` to rank model
             variants too (e.g. remat policies), ordered from least to most
-            memory-saving (see :func:`~shardax.train.auto.candidates.compile_candidates` for what
+            memory-saving (see ``compile_candidates`` for what
             that order prunes).
         loss_fn, batch: with both, the whole train step (``make_train_step``) is
             compiled for ``batch``'s shapes (arrays or ``ShapeDtypeStruct``s), so
@@ -178,20 +179,20 @@ def auto_plan(
         axis: the data axis (or axes) the batch and the plans split over (default:
             ``config.data_axis``, else ``"data"``).
         min_size, tp_rules: as for ``sx.fsdp`` and ``sx.rules``; with ``tp_rules`` a
-            ``fsdp+tp`` candidate joins (see :func:`~shardax.train.auto.options.candidate_plans`).
+            ``fsdp+tp`` candidate joins (see ``candidate_plans``).
         pipeline_rules, stage_axis: with rules that place the model's stacked layers
             over ``stage_axis`` (regex rules or a plan, e.g.
             ``gpt.plan(mesh, model, "pipeline")``), a ``pipeline`` candidate joins; the
             model must run its layers with ``sx.pipeline`` (see
-            :func:`~shardax.train.auto.options.candidate_plans`).
-        candidates: ``{name: plan}`` to measure instead of :func:`candidate_plans`.
+            ``candidate_plans``).
+        candidates: ``{name: plan}`` to measure instead of ``candidate_plans``.
         accumulate: as for ``make_train_step``; or a sequence of counts, e.g.
             ``(1, 2, 4)``, each ranked (names end ``·mb<k>``). Each must split the
             batch's rows evenly over the data axis. Default: ``config.accumulate``,
             else 1.
         precision: as for ``make_train_step`` (default: ``config``'s, else
             ``"fp32"``).
-        config: the step's settings (:class:`~shardax.train.StepConfig`, its ``plan``
+        config: the step's settings ([`StepConfig`][shardax.train.StepConfig], its ``plan``
             None): each candidate compiles the step they make, with its own plan and
             count, so ``seq_axis``, ``stats``, ``batch_spec`` and the rest count too.
             ``axis`` and ``precision`` then come from it and are not passed.

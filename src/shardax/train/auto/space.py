@@ -1,7 +1,8 @@
-"""The search space of :func:`~shardax.search_plans`: meshes (each a :class:`Layout`,
-e.g. data × stage for a pipeline, data × context for long sequences), the plans on
-each, the model's variants (remat policies), the microbatch counts and the step's
-settings (one :class:`~shardax.train.StepConfig`), on the local devices or a target's.
+"""The search space of [`search_plans`][shardax.search_plans]: meshes (each a
+[`Layout`][shardax.train.Layout], e.g. data × stage for a pipeline, data × context for
+long sequences), the plans on each, the model's variants (remat policies), the microbatch
+counts and the step's settings (one [`StepConfig`][shardax.train.StepConfig]), on the
+local devices or a target's.
 
 >>> space = sx.SearchSpace(meshes=[{"data": 2, "stage": 4}, {"data": 4, "context": 2}])
 >>> [layout.name for layout in space.layouts]
@@ -39,7 +40,7 @@ from shardax.train.config import StepConfig
 @public("sx.train.Layout")
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One mesh of a :class:`SearchSpace`, and what differs on it.
+    """One mesh of a [`SearchSpace`][shardax.SearchSpace], and what differs on it.
 
     Args:
         mesh: a ``sx.make_mesh`` spec (built on the space's devices) or a mesh. The batch
@@ -51,7 +52,7 @@ class Layout:
             mesh or spec given to the space without a Layout is named by its axes beyond
             the data axes, where the space has several meshes.)
         plans: the plans to rank on it: names of the defaults
-            (:func:`~shardax.train.auto.options.candidate_plans`, e.g. ``("fsdp",
+            (``candidate_plans``, e.g. ``("fsdp",
             "pipeline")``) or ``{name: plan or default's name}``; None: every default.
         model, loss_fn: its own model (a state, an init, or ``{variant: either}``) and
             loss, where it needs others (e.g. built with ``sx.pipeline``'s microbatches);
@@ -88,22 +89,22 @@ class Layout:
 @public("sx.SearchSpace")
 @dataclasses.dataclass(frozen=True)
 class SearchSpace:
-    """What :func:`~shardax.search_plans` ranks: the meshes × their plans × the model's
+    """What [`search_plans`][shardax.search_plans] ranks: the meshes × their plans × the model's
     variants × the microbatch counts, each the train step of ``config``.
 
     Args:
-        meshes: ``sx.make_mesh`` specs, meshes or :class:`Layout` s (default: every
+        meshes: ``sx.make_mesh`` specs, meshes or [`Layout`][shardax.train.Layout]s (default: every
             device on ``"data"``).
         devices: where the specs are built: a ``sx.target(...)`` (compile-only) or a
             list of devices (default: ``jax.devices()``).
         plans: the plans to rank, by name (e.g. ``("fsdp", "pipeline")``), on each mesh
             that has them (None: every default plan of each mesh,
-            :func:`~shardax.train.auto.options.candidate_plans`); a Layout's own
+            ``candidate_plans``); a Layout's own
             ``plans`` replace them there.
         accumulate: a microbatch count or several, e.g. ``(1, 2, 4)`` (None: the
             config's, else 1); each mesh keeps those that split the batch's rows over its
             data axes (none: the error names the rule).
-        config: the step's settings (:class:`~shardax.train.StepConfig`, plan None, mode
+        config: the step's settings ([`StepConfig`][shardax.train.StepConfig], plan None, mode
             ``"jit"``, any mesh): precision, stats, compiler options... Each candidate
             compiles it with its own mesh, data axes, ``seq_axis``, plan and count.
         device_memory: bytes per device to fit in (default: the devices' figure).
@@ -148,7 +149,7 @@ class SearchSpace:
 
     @property
     def layouts(self) -> tuple[Layout, ...]:
-        """Each mesh as a :class:`Layout` with its mesh built and its name set."""
+        """Each mesh as a [`Layout`][shardax.train.Layout] with its mesh built and its name set."""
         out = []
         for given in self.meshes:
             layout = given if isinstance(given, Layout) else Layout(given)

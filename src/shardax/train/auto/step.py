@@ -1,4 +1,4 @@
-"""``make_train_step(..., plan="auto")``: a step whose plan :func:`~shardax.auto_plan`
+"""``make_train_step(..., plan="auto")``: a step whose plan [`auto_plan`][shardax.auto_plan]
 picks on the first ``step(state, batch)``.
 
 >>> step = sx.make_train_step(loss_fn, mesh=mesh, plan="auto")
@@ -24,12 +24,13 @@ from shardax.train.step import TrainStep
 
 @public("sx.train.AutoStep")
 class AutoStep:
-    """A train step whose plan :func:`auto_plan` picks on the first ``step(state, batch)``.
+    """A train step whose plan [`auto_plan`][shardax.auto_plan] picks on the first
+    ``step(state, batch)``.
 
     ``make_train_step(..., plan="auto")`` (or ``plan=sx.AutoPlanOptions(...)``) returns
     one. The first call compiles the candidates for that state and batch, keeps the
     report in ``auto_report``, places the state on the winner and runs the
-    :class:`~shardax.train.step.TrainStep` built with it; later calls go straight to
+    [`TrainStep`][shardax.train.TrainStep] built with it; later calls go straight to
     that step. ``step.shard`` and ``step.init`` have no batch to decide with, so they
     work only once the plan is picked.
     """
@@ -108,7 +109,7 @@ class AutoStep:
 
     @property
     def compiler_summary(self) -> str:
-        """The XLA options in a few words, as :class:`~shardax.train.program.Program`'s."""
+        """The XLA options in a few words, as ``Program``'s."""
         config = self.config
         return describe_options(
             config.compiler_options, self.compiler_options, config.platform, config.mode
