@@ -29,12 +29,17 @@ HERE = Path(__file__).resolve().parent
 SESSIONS = {"H200": HERE / "gpu/results/2026-11-27-h200-1/session.json",
             "H100": HERE / "gpu/results/2026-11-27-h100-1/session.json"}  # fmt: skip
 STAGE4 = "measured 2026-11-26 (docs/results.md, stage 4; XLA's default options)"
+SESSION_FRACTION = 0.95
+"""The memory fraction the sessions' JAX stages ran with (``session.MEMORY_FRACTION``,
+set since the script's first version; sessions record it as ``core.memory.fraction``).
+The stage-4 runs set none: JAX's default, 0.75."""
 
 
 def configurations() -> list[dict[str, Any]]:
     """Every measured configuration: ``name``, ``card`` (``"H200"``), ``config``
     (``jax_gpt.Config`` fields), ``options`` (the compiler options it ran with),
-    ``measured_ms`` and ``source``."""
+    ``memory_fraction`` (of the GPU's memory, that JAX ran it with), ``measured_ms`` and
+    ``source``."""
     out = []
     for card, path in SESSIONS.items():
         session = json.loads(path.read_text())
@@ -42,11 +47,12 @@ def configurations() -> list[dict[str, Any]]:
                 ("hand-written jax.jit", session["core"]["jit"])]  # fmt: skip
         rows += [(s["name"], s) for s in session["sweep"] if "seconds_per_step" in s]
         prefix = "" if card == "H200" else f"{card}: "
+        fraction = session["core"].get("memory", {}).get("fraction") or SESSION_FRACTION
         for name, r in rows:
             config = {k: v for k, v in r["config"].items() if k != "compiler"}
             kept = path.parent / "hlo" / f"{slug(name)}.hlo.gz"
             out.append(dict(name=prefix + name, card=card, config=config,
-                            options=r["compiler_options"],
+                            options=r["compiler_options"], memory_fraction=fraction,
                             measured_ms=1e3 * r["seconds_per_step"],
                             source=f"{path.parent.name}/session.json",
                             device_hlo=str(kept) if kept.exists() else None))  # fmt: skip
@@ -62,12 +68,13 @@ def configurations() -> list[dict[str, Any]]:
          {"batch": 8, "remat": "dots_no_batch", "scan": True}, 454.0),
     ):  # fmt: skip
         out.append(dict(name=name, card="H200", config={**base, **change}, options={},
-                        measured_ms=ms, source=STAGE4))  # fmt: skip
+                        memory_fraction=0.75, measured_ms=ms, source=STAGE4))  # fmt: skip
     return out
 
 
 def compile_hlo(row: dict[str, Any]) -> str:
-    """The compiled program's text of ``row`` for a compile-only ``1x<card>``."""
+    """The compiled program's text of ``row`` for a compile-only ``1x<card>``, planned in
+    the memory the run had (``row["memory_fraction"]``)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -81,7 +88,8 @@ def compile_hlo(row: dict[str, Any]) -> str:
     import jax_gpt
 
     c = jax_gpt.Config(**row["config"], compiler=row["options"])
-    mesh = sx.make_mesh({"data": 1}, devices=sx.target(f"1x{row['card']}"))
+    card = sx.target(f"1x{row['card']}", memory_fraction=row["memory_fraction"])
+    mesh = sx.make_mesh({"data": 1}, devices=card)
     tokens = jax.ShapeDtypeStruct((c.batch, c.seq_len), jnp.int32,
                                   sharding=NamedSharding(mesh, PartitionSpec("data")))  # fmt: skip
     batch = {"inputs": tokens, "targets": tokens}

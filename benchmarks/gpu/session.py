@@ -119,6 +119,18 @@ def _error(e: BaseException) -> dict[str, str]:
             "where": traceback.format_exc(limit=3)[-800:]}  # fmt: skip
 
 
+MEMORY_FRACTION = "0.95"
+"""The share of the GPU's memory the JAX stages run with: the sweep's largest steps need
+more than JAX's default 75%."""
+
+
+def run_memory_fraction() -> float:
+    """The memory fraction this process's JAX runs with (as ``run_stage`` set it)."""
+    from shardax.cost.compile_target import gpu_memory_fraction
+
+    return gpu_memory_fraction()
+
+
 def stage_core(work: Path, size: str, steps: int) -> None:
     """Calibration, shardax's default step (+ profile), the hand-written step."""
     import calibrate
@@ -129,6 +141,11 @@ def stage_core(work: Path, size: str, steps: int) -> None:
     out: dict[str, Any] = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                            "platform": jax.devices()[0].platform, "devices": jax.device_count(),
                            "size": size}  # fmt: skip
+    # The memory JAX plans programs in here (its allocator's limit): a compile-only target
+    # compiles with the same budget (sx.target's memory_fraction), or it rematerializes
+    # steps that ran whole here.
+    stats = jax.devices()[0].memory_stats() or {}
+    out["memory"] = {"fraction": run_memory_fraction(), "bytes_limit": stats.get("bytes_limit")}
     path = work / "core.json"
     _write(path, out)
     out["calibration"] = calibrate.tables(quick=size == "tiny")
@@ -296,8 +313,9 @@ def run_stage(stage: str, args: argparse.Namespace, seconds: float, log: Any) ->
         env["JAX_PLATFORMS"] = "cpu"
     else:  # as `shardax train` and `shardax launch` set it (sx.train.compiler.ENVIRONMENT)
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        # The sweep's largest steps need more than JAX's default 75% of the GPU's memory.
-        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+        if not any(env.get(v) for v in ("XLA_CLIENT_MEM_FRACTION",
+                                        "XLA_PYTHON_CLIENT_MEM_FRACTION")):  # fmt: skip
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = MEMORY_FRACTION
     if stage == "sweep":  # each configuration's program as it ran, for the cost model
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {dump_flags(args.work)}".strip()
     began = time.time()

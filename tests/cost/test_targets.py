@@ -121,7 +121,59 @@ def test_missing_tpu_extra_names_the_install():
         sx.target("v5e-16")
 
 
+def test_gpu_memory_fraction_is_what_jax_takes_on_the_gpu(monkeypatch):
+    """JAX compiles a program on a GPU within its allocator's share of the memory: the
+    environment's fraction (XLA_CLIENT_MEM_FRACTION first, as jaxlib reads them), else 0.75;
+    a compile-only GPU target plans in the same budget (XLA takes 80% of a config's
+    device_memory_size when no device gives it one)."""
+    for variable in target_module.MEMORY_FRACTION_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    fraction = target_module.gpu_memory_fraction
+    assert fraction() == 0.75 and fraction(0.95) == 0.95
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    assert fraction() == 0.9
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.8")
+    assert fraction() == 0.8 and fraction(0.5) == 0.5
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "most")
+    with pytest.raises(ValueError, match=r"sx.target: XLA_CLIENT_MEM_FRACTION .* in \(0, 1\] "
+                       r".*got 'most'"):  # fmt: skip
+        fraction()
+    for bad in (0, 1.5, "half"):
+        with pytest.raises(ValueError, match=r"sx.target: memory_fraction .*got"):
+            fraction(bad)
+    config = importlib.resources.files("shardax.cost").joinpath("targets", "h100.txtpb")
+    text = target_module.budgeted_gpu_config(config.read_text(), 80 * 2**30, 0.75)
+    assert "  device_memory_size: 80530636800\n" in text  # x 0.8 = 75% of 80 GiB
+    assert text.replace("80530636800", "85899345920") == config.read_text()
+    with pytest.raises(ValueError, match="one device_memory_size field; found 0"):
+        target_module.budgeted_gpu_config("gpu_device_info {\n}\n", 1, 0.5)
+
+
 # --- compile-only devices (leg 3) -----------------------------------------------------------
+
+
+@pytest.mark.compile_only
+def test_a_gpu_target_compiles_within_the_memory_jax_would_have():
+    """A step that needs more than the budget is rematerialized (XLA recomputes
+    activations), as on a GPU whose JAX takes that fraction; with room it is not."""
+
+    def loss(w, x):
+        for i in range(8):
+            x = jnp.tanh(x @ w[i])
+        return x.sum()
+
+    clones = {}
+    for fraction in (0.95, 0.05):
+        target = sx.target("1xH100", memory_fraction=fraction)
+        assert target.memory_fraction == fraction
+        rep = NamedSharding(sx.make_mesh({"data": 1}, devices=target), P())
+        w = jax.ShapeDtypeStruct((8, 4096, 4096), jnp.float32, sharding=rep)
+        x = jax.ShapeDtypeStruct((65536, 4096), jnp.float32, sharding=rep)  # 1 GiB
+        text = jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
+        clones[fraction] = text.count(".remat")
+    assert clones[0.05] > 8 * max(clones[0.95], 1)
+    with pytest.raises(ValueError, match=r"memory_fraction .* for GPU targets; 'v5e-8' is a TPU"):
+        sx.target("v5e-8", memory_fraction=0.9)
 
 
 @pytest.mark.compile_only

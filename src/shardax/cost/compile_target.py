@@ -60,6 +60,66 @@ HGX/DGX servers of all four, whose datasheet rows (NVLink, and InfiniBand per GP
 figures of such a server. A target's name may give fewer per host, never more: 16 H100s
 in one NVLink domain is no machine the figures describe."""
 
+JAX_MEMORY_FRACTION = 0.75
+"""The share of a GPU's memory JAX's allocator takes when the environment names none
+(``XLA_CLIENT_MEM_FRACTION``, or the older ``XLA_PYTHON_CLIENT_MEM_FRACTION``)."""
+
+MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+XLA_COMPILE_ONLY_SHARE = 0.8
+"""The share of a target's ``device_memory_size`` that XLA:GPU plans a program in when
+no device gives it an allocator's limit (``GetSchedulerMemoryLimit``, as with compile-only
+devices). On a GPU, JAX compiles with its allocator's limit instead."""
+
+
+def gpu_memory_fraction(memory_fraction: float | None = None) -> float:
+    """The share of a GPU's memory that a JAX process on it plans programs in:
+    ``memory_fraction`` if given, else the environment's ``XLA_CLIENT_MEM_FRACTION`` (or
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION``), else JAX's default ``JAX_MEMORY_FRACTION``.
+
+    On a GPU, JAX compiles each program with its allocator's limit (that share of the
+    memory) as XLA's memory budget: past it XLA rematerializes (recomputes activations),
+    which costs time. A compile-only target plans with the same budget, so a step that
+    fits only with ``XLA_CLIENT_MEM_FRACTION=0.95`` compiles as it would run with it.
+
+    >>> gpu_memory_fraction(0.95)
+    0.95
+    """
+    where = "memory_fraction"
+    if memory_fraction is None:
+        for variable in MEMORY_FRACTION_VARIABLES:
+            if os.environ.get(variable):
+                where, memory_fraction = variable, os.environ[variable]
+                break
+        else:
+            return JAX_MEMORY_FRACTION
+    try:
+        fraction = float(memory_fraction)
+    except (TypeError, ValueError):
+        fraction = float("nan")
+    if not 0 < fraction <= 1:
+        raise ValueError(
+            f"sx.target: {where} is the share of each GPU's memory JAX's allocator takes, "
+            f"a number in (0, 1] (JAX's default {JAX_MEMORY_FRACTION}); got {memory_fraction!r}"
+        )
+    return fraction
+
+
+def budgeted_gpu_config(config: str, memory_bytes: float, fraction: float) -> str:
+    """``config`` (a ``GpuTargetConfigProto`` text) with its ``device_memory_size`` set so
+    that the share XLA plans a compile-only program in (``XLA_COMPILE_ONLY_SHARE``) is
+    ``fraction`` of ``memory_bytes``: the budget JAX gives XLA on the GPU itself.
+
+    >>> text = "gpu_device_info {\n  device_memory_size: 100\n}\n"
+    >>> budgeted_gpu_config(text, 1000, 0.8)
+    'gpu_device_info {\n  device_memory_size: 1000\n}\n'
+    """
+    size = round(memory_bytes * fraction / XLA_COMPILE_ONLY_SHARE)
+    new, found = re.subn(r"(?m)^(\s*device_memory_size:) \d+$", rf"\1 {size}", config)
+    if found != 1:
+        raise ValueError(f"config must hold one device_memory_size field; found {found}")
+    return new
+
 
 @dataclasses.dataclass(frozen=True)
 class TpuFamily:
@@ -110,6 +170,8 @@ class Target(Sequence):
         devices_per_host: devices on each host.
         slices: TPU slices (1 for GPUs and single-slice TPUs).
         topology: what ``jax.experimental.topologies.get_topology_desc`` was given.
+        memory_fraction: the share of each GPU's memory its programs are planned in
+            (None for TPUs).
     """
 
     name: str
@@ -120,6 +182,7 @@ class Target(Sequence):
     devices_per_host: int
     slices: int
     topology: str
+    memory_fraction: float | None = None
 
     @property
     def device_kind(self) -> str:
@@ -372,6 +435,8 @@ def _gpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
         )
     file = gpu_config_file(parsed["model"])
     config = importlib.resources.files("shardax.cost").joinpath("targets", file).read_text()
+    config = budgeted_gpu_config(config, _spec("gpu", GPU_KINDS[parsed["model"]]).memory_bytes,
+                                 parsed["memory_fraction"])  # fmt: skip
     topology = f"1 x {parsed['hosts']} x {parsed['devices_per_host']}"
     skipped = prepare_cuda_plugin()
     try:
@@ -474,9 +539,15 @@ def _tpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
 
 
 @public("sx.target")
-def target(name: str) -> Target:
+def target(name: str, *, memory_fraction: float | None = None) -> Target:
     """Compile-only devices of the GPU cluster or TPU slice(s) ``name``, with their device
     kind, hosts (``process_index``), TPU slices (``slice_index``) and datasheet row.
+
+    A GPU target's programs are planned in the memory a JAX process on that GPU gets:
+    ``memory_fraction`` of it (default: ``XLA_CLIENT_MEM_FRACTION`` from the environment,
+    else JAX's 0.75; [`gpu_memory_fraction`][shardax.cost.compile_target.gpu_memory_fraction]).
+    XLA rematerializes a step that needs more, as it would on the GPU; pass the fraction
+    the run will set (``memory_fraction=0.95``) to compile what it will run.
 
     Names: ``"8xH100"`` (one host of 8), ``"2x4xH100"`` (2 hosts of 4), ``"64xH100"`` (8
     hosts of ``GPUS_PER_HOST`` = 8), for H100, H200, B200 and A100-80GB; TPU slices as
@@ -498,6 +569,14 @@ def target(name: str) -> Target:
     >>> step.lower(abstract_state, abstract_batch).compile().memory_analysis()  # doctest: +SKIP
     """
     parsed = parse_target(name)
+    if parsed["platform"] == "gpu":
+        parsed["memory_fraction"] = gpu_memory_fraction(memory_fraction)
+    elif memory_fraction is not None:
+        raise ValueError(
+            f"sx.target: memory_fraction is the share of a GPU's memory JAX's allocator "
+            f"takes, for GPU targets; {name!r} is a TPU slice; got memory_fraction="
+            f"{memory_fraction!r}"
+        )
     _require_jax_012(name)
     make = _gpu_devices if parsed["platform"] == "gpu" else _tpu_devices
     devices, topology = make(name, parsed)
@@ -511,4 +590,5 @@ def target(name: str) -> Target:
         devices_per_host=len(devices) // hosts,
         slices=len({getattr(d, "slice_index", 0) for d in devices}),
         topology=topology,
+        memory_fraction=parsed.get("memory_fraction"),
     )

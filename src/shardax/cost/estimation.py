@@ -68,8 +68,10 @@ from shardax.cost.predict import (
     LINKS,
     StepPrediction,
     check_figures,
+    host_share,
     link_of,
     predict_step,
+    wire_seconds,
 )
 from shardax.cost.schedule import exposed_seconds, schedule
 
@@ -574,6 +576,8 @@ def analyse(
     timed = schedule(hlo, len(devices))
     grouped: dict[tuple[str, str], dict[str, Any]] = {}
     links_of = [_link(s.collective.groups, devices) for s in timed]
+    gpu = str(devices[0].platform).lower() in ("gpu", "cuda", "rocm")
+    wires = [_wire(s, link, devices, gpu) for s, link in zip(timed, links_of, strict=True)]
     for s, link in zip(timed, links_of, strict=True):
         c = s.collective
         row = grouped.setdefault((c.op, link), {"op": c.op, "link": link, "runs": 0,
@@ -592,9 +596,10 @@ def analyse(
         accessed = (cost or {}).get("bytes accessed")
         hbm_traffic = float(accessed) if accessed else float(args + outs + 2 * temp)
         bandwidths = link_bandwidths(spec, links, str(devices[0].platform).lower())
-        sent: dict[str, float] = {}
-        for r in rows:
-            sent[r["link"]] = sent.get(r["link"], 0.0) + r["sent_bytes"]
+        sent: dict[str, float] = {}  # bytes per link (a group across GPU hosts: split)
+        for wire in wires:
+            for link, nbytes in wire.items():
+                sent[link] = sent.get(link, 0.0) + nbytes
         compute = flops
         if not flops and backend:  # e.g. TPU: its matmuls are not plain dots in the HLO
             compute = float(backend)
@@ -633,8 +638,8 @@ def analyse(
             model_flops=mfu_flops,
             devices=len(devices),
         )
-        overlap = _overlap(timed, links_of, bandwidths, compute_efficiency * spec.peak_flops)
-        cost = _price(hlo, devices, spec, bandwidths, timed)
+        overlap = _overlap(timed, wires, bandwidths, compute_efficiency * spec.peak_flops)
+        cost = _price(hlo, devices, spec, bandwidths, timed, wires)
         missing = [k for k, v in prediction.link_s.items() if v is None]
         if missing:
             notes.append(
@@ -674,8 +679,10 @@ def _price(
     spec: HardwareSpec,
     bandwidths: Mapping[str, float | None],
     timed: list[Any],
+    wires: list[Mapping[str, float]],
 ) -> StepCost | None:
-    """The per-op model's price of ``hlo`` (``shardax.cost.opcost``) on a GPU: with
+    """The per-op model's price of ``hlo`` (``shardax.cost.opcost``) on a GPU, each of
+    the scheduled collectives ``timed`` moving ``wires`` (bytes per link): with
     the device kind's calibration, else the nearest calibrated kind's, named
     "uncalibrated" with how far off it is; None on other platforms (no tables)."""
     if str(devices[0].platform).lower() not in ("gpu", "cuda", "rocm"):
@@ -684,34 +691,53 @@ def _price(
     name, widen = None, None
     if calibration is None:  # another kind's tables: a wider interval
         (calibration, name), widen = nearest(spec.peak_flops, spec.hbm_bandwidth), 0.25
+    moved = {id(s): wire for s, wire in zip(timed, wires, strict=True)}
     return price_hlo(
         hlo, calibration, name=name, num_devices=len(devices),
-        link_of=lambda s: _link(s.collective.groups, devices), link_bandwidth=bandwidths,
-        scheduled=timed, widen=widen,
+        wire_of=lambda s: moved[id(s)], link_bandwidth=bandwidths, scheduled=timed,
+        widen=widen,
     )  # fmt: skip
+
+
+def _members(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> list[Any]:
+    """The devices of a collective's first group (all ``devices`` where not known)."""
+    return [devices[i] for i in groups[0] if i < len(devices)] if groups else devices
 
 
 def _link(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> str:
     """The link a collective's first group crosses (all ``devices`` where not known)."""
-    members = [devices[i] for i in groups[0] if i < len(devices)] if groups else devices
+    members = _members(groups, devices)
     return link_of(
         {d.process_index for d in members}, {getattr(d, "slice_index", 0) for d in members}
     )
 
 
+def _wire(s: Any, link: str, devices: list[Any], gpu: bool) -> dict[str, float]:
+    """The bytes per step the scheduled collective ``s`` moves over each link: all it
+    sends over ``link``, except a group across GPU hosts, whose devices send
+    ``host_share`` of it between hosts and the rest within their host."""
+    c = s.collective
+    if not gpu or link != "inter-host":
+        return {link: c.sent_bytes}
+    hosts = {d.process_index for d in _members(c.groups, devices)}
+    share = host_share(c.op, c.group, len(hosts))
+    return {"inter-host": share * c.sent_bytes, "intra-host": (1 - share) * c.sent_bytes}
+
+
 def _overlap(
-    timed: list[Any], links: list[str], bandwidths: Mapping[str, float | None],
+    timed: list[Any], wires: list[Mapping[str, float]], bandwidths: Mapping[str, float | None],
     flop_rate: float,
 ) -> dict[str, Any]:  # fmt: skip
-    """``Estimate.overlap`` of the scheduled collectives ``timed`` over ``links``
+    """``Estimate.overlap`` of the scheduled collectives ``timed``, moving ``wires``
     (collectives over a link of unknown bandwidth are left out, as in the prediction)."""
     exposed = total = 0.0
-    for s, link in zip(timed, links, strict=True):
-        bandwidth = bandwidths.get(link)
-        if not bandwidth or not s.collective.count:
+    for s, moved in zip(timed, wires, strict=True):
+        runs = s.collective.count
+        per_run = {k: v / runs for k, v in moved.items()} if runs else {}
+        if not per_run or not all(bandwidths.get(k) for k in per_run):
             continue
-        wire = s.sent_bytes / s.collective.count / bandwidth
-        total += wire * s.collective.count
+        wire = wire_seconds(per_run, bandwidths) or 0.0
+        total += wire * runs
         exposed += exposed_seconds(s, wire, flop_rate)
     return {
         "exposed_s": exposed,

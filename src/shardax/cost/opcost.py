@@ -14,8 +14,10 @@ run (loop bodies by their trips; not the bodies of fusions) is classed
 - **memory-bound** work (elementwise fusions, the optimizer update, copies, other
   kernels): operand + output bytes at the calibration's median stream bandwidth;
 - **launch**: every kernel (all of the above) ``launch_us``;
-- **collectives**: per op ``latency + sent bytes / link bandwidth`` (``LATENCY_S``,
-  the datasheet's links), and the time left exposed by the compiled schedule
+- **collectives**: per op ``latency + bytes / link bandwidth`` (``LATENCY_S``, the
+  datasheet's links; the slowest link's time where a group spans GPU hosts, whose GPUs
+  each send ``shardax.cost.predict.host_share`` of their bytes between hosts and the rest
+  over NVLink), and the time left exposed by the compiled schedule
   (``shardax.cost.schedule.exposed_seconds``, with the matmuls under each at the
   calibrated GEMM rate).
 
@@ -56,6 +58,7 @@ from shardax.cost.calibration import Calibration, gemm_rows
 from shardax.cost.flops import _fmha_flops
 from shardax.cost.hlo import _DIMS, _FMHA, DTYPE_BYTES, _arrays
 from shardax.cost.ops import HloIndex, Instr, classify
+from shardax.cost.predict import wire_seconds
 from shardax.cost.schedule import Scheduled, exposed_seconds, schedule
 
 MODEL_NAME = "per-op"
@@ -321,15 +324,17 @@ def price_hlo(
     *,
     name: str | None = None,
     num_devices: int | None = None,
-    link_of: Callable[[Scheduled], str] | None = None,
+    wire_of: Callable[[Scheduled], Mapping[str, float]] | None = None,
     link_bandwidth: Mapping[str, float | None] | None = None,
     scheduled: list[Scheduled] | None = None,
     widen: float | None = None,
 ) -> StepCost:
     """Prices the compiled per-device program ``hlo`` (``compiled.as_text()``) with
-    ``calibration``'s tables (see the module). ``link_of`` names the link each
-    collective crosses (default ``"intra-host"``), ``link_bandwidth`` its bytes/s
-    (a link without one: its collectives are left out, as in the roofline's prediction);
+    ``calibration``'s tables (see the module). ``wire_of`` gives the bytes per step each
+    collective moves over each link (default: all it sends, ``"intra-host"``; see
+    ``shardax.cost.predict.host_share`` for a group across hosts), ``link_bandwidth``
+    their bytes/s (a link without one: its collectives are left out, as in the roofline's
+    prediction);
     ``name``: the calibration's name in the report (default: its own); ``scheduled``:
     ``schedule`` of ``hlo`` where the caller has it;
     ``widen``: the interval's widening (default 0.1 for a derived calibration, else 0)."""
@@ -379,12 +384,14 @@ def price_hlo(
             classes[cls if cls in classes else "other"].add(runs, *mem, nbytes=nbytes)
     launch = sum(v.kernels for v in classes.values()) * c.launch_us * 1e-6
     wire = exposed = 0.0
+    bandwidths = link_bandwidth or {}
     for s in schedule(hlo, num_devices) if scheduled is None else scheduled:
-        link = link_of(s) if link_of is not None else "intra-host"
-        bandwidth = (link_bandwidth or {}).get(link)
-        if not bandwidth or not s.collective.count:
+        runs = s.collective.count
+        wire_bytes = wire_of(s) if wire_of is not None else {"intra-host": s.sent_bytes}
+        if not runs or not wire_bytes or not all(bandwidths.get(k) for k in wire_bytes):
             continue
-        one = LATENCY_S.get(link, 0.0) + s.sent_bytes / s.collective.count / bandwidth
+        moving = wire_seconds({k: v / runs for k, v in wire_bytes.items()}, bandwidths)
+        one = max(LATENCY_S.get(link, 0.0) for link in wire_bytes) + (moving or 0.0)
         wire += one * s.collective.count
         exposed += exposed_seconds(s, one, best_rate)
     if widen is None:

@@ -199,3 +199,51 @@ def link_of(process_indices: set[int], slice_indices: set[int]) -> str:
     if len(slice_indices) > 1:
         return "inter-slice"
     return "inter-host" if len(process_indices) > 1 else "intra-host"
+
+
+def host_share(op: str, group: int, hosts: int) -> float:
+    """The share of a device's sent bytes (``Collective.sent_bytes``) that leave its host,
+    for a collective whose ``group`` devices span ``hosts`` hosts evenly, on GPU servers
+    whose GPUs each have their own NIC (HGX/DGX: NCCL runs a ring or tree per NIC, so the
+    ``group/hosts`` GPUs of a host share the traffic between hosts).
+
+    A ring collective (all-gather, reduce-scatter, all-reduce: NCCL's rings, one per NIC,
+    each entering and leaving a host once) crosses between hosts at one GPU of each host
+    per ring, so each of the ``g = n/h`` GPUs of a host carries one ring's traffic
+    between hosts: ``1/g`` of what it sends; the rest moves within the host (NVLink). An
+    all-to-all sends ``(n-g)/(n-1)`` of its bytes to other hosts; a permute, all. With
+    one device per host the share is 1: every byte crosses.
+
+    >>> host_share("all-gather", 128, 16), host_share("all-gather", 16, 16)
+    (0.125, 1.0)
+    """
+    n, h = int(group), max(int(hosts), 1)
+    if n <= 1 or h <= 1:
+        return 0.0
+    per_host = n / h
+    if op in ("all-gather", "reduce-scatter", "all-reduce"):
+        return 1 / per_host
+    if op in ("all-to-all", "ragged-all-to-all"):
+        return (n - per_host) / (n - 1)
+    return 1.0
+
+
+def wire_seconds(
+    link_bytes: Mapping[str, float], link_bandwidth: Mapping[str, float | None]
+) -> float | None:
+    """Seconds to move ``link_bytes`` (bytes per link name) when the links carry their
+    shares at once: the slowest link's; None when a link with bytes has no bandwidth.
+
+    >>> wire_seconds({"inter-host": 5e9, "intra-host": 9e9}, {"inter-host": 5e10,
+    ...                                                       "intra-host": 4.5e11})
+    0.1
+    """
+    out = 0.0
+    for link, sent in link_bytes.items():
+        if not sent:
+            continue
+        bandwidth = link_bandwidth.get(link)
+        if not bandwidth:
+            return None
+        out = max(out, sent / bandwidth)
+    return out

@@ -1,0 +1,77 @@
+"""Collectives across GPU hosts: the bytes each device moves between hosts and within its
+host (cost/predict.py's host_share), and their time in the per-op model (cost/opcost.py)
+and in sx.estimate's overlap line (cost/estimation.py)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from shardax.cost.calibration import H100
+from shardax.cost.estimation import _overlap, _wire
+from shardax.cost.hlo import Collective
+from shardax.cost.opcost import LATENCY_S, price_hlo
+from shardax.cost.predict import host_share, wire_seconds
+from shardax.cost.schedule import Scheduled
+
+NVLINK, IB = 4.5e11, 5e10
+LINKS = {"intra-host": NVLINK, "inter-host": IB}
+
+
+def ring_bytes_between_hosts(n: int, hosts: int, size: float) -> float:
+    """A ring all-gather of ``size`` bytes (the gathered result) over ``hosts`` hosts of
+    ``n / hosts`` GPUs, one ring per NIC (each ring's order within a host rotated, so a
+    different GPU takes its hop to the next host): the most bytes a GPU sends between
+    hosts, counted hop by hop."""
+    g = n // hosts
+    ranks = np.arange(n)
+    rings = [np.roll(ranks.reshape(hosts, g), -r, axis=1).reshape(-1) for r in range(g)]
+    crossing = np.zeros(n)
+    for ring in rings:  # each ring carries size / g, in n - 1 steps of one block each
+        for i, rank in enumerate(ring):
+            nxt = ring[(i + 1) % n]
+            if rank // g != nxt // g:
+                crossing[rank] += (n - 1) * size / g / n
+    return float(crossing.max())
+
+
+@pytest.mark.parametrize("n,hosts", [(128, 16), (16, 2), (8, 2), (16, 16)])
+def test_a_ring_sends_host_share_of_its_bytes_between_hosts(n, hosts):
+    size = 1e9
+    sent = Collective("all-gather", size, n).sent_bytes  # (n-1)/n of the result
+    expected = ring_bytes_between_hosts(n, hosts, size)
+    assert host_share("all-gather", n, hosts) * sent == pytest.approx(expected)
+    assert host_share("reduce-scatter", n, hosts) == host_share("all-gather", n, hosts)
+    assert host_share("all-to-all", 16, 2) == pytest.approx(8 / 15)  # 8 of 15 peers away
+    assert host_share("collective-permute", 16, 2) == 1.0
+    assert host_share("all-gather", 8, 1) == 0.0
+
+
+def scheduled(op: str, size: float, group: int, runs: int = 1) -> Scheduled:
+    c = Collective(op, size, group, count=runs, groups=(tuple(range(group)),))
+    return Scheduled(c, "ag", "main", 0, 1, True, 0, 0.0, None)
+
+
+def test_a_group_across_gpu_hosts_splits_its_bytes_and_takes_the_slower_link():
+    devices = [SimpleNamespace(process_index=i // 8, slice_index=0) for i in range(128)]
+    s = scheduled("all-gather", 1.28e9, 128, runs=2)
+    wire = _wire(s, "inter-host", devices, gpu=True)
+    share = 1 / 8  # one ring per NIC: each GPU carries one ring's hop between hosts
+    assert wire["inter-host"] == pytest.approx(share * s.sent_bytes)
+    assert wire["intra-host"] + wire["inter-host"] == pytest.approx(s.sent_bytes)
+    # within a host, or on a TPU (ICI within a slice): every byte on the group's link
+    assert _wire(s, "intra-host", devices, gpu=True) == {"intra-host": s.sent_bytes}
+    assert _wire(s, "inter-host", devices, gpu=False) == {"inter-host": s.sent_bytes}
+    one = max(share * s.sent_bytes / 2 / IB, (1 - share) * s.sent_bytes / 2 / NVLINK)
+    assert wire_seconds({k: v / 2 for k, v in wire.items()}, LINKS) == pytest.approx(one)
+    assert wire_seconds(wire, {"inter-host": IB}) is None  # a link without a bandwidth
+    # sx.estimate's overlap line and the per-op model price it alike (synchronous: all
+    # of it exposed); the per-op model adds the inter-host latency per run
+    o = _overlap([s], [wire], LINKS, flop_rate=1e15)
+    assert o["collective_s"] == pytest.approx(2 * one) and o["exposed_s"] == o["collective_s"]
+    cost = price_hlo("ENTRY %main {\n}", H100, wire_of=lambda _: wire, link_bandwidth=LINKS,
+                     scheduled=[s])  # fmt: skip
+    assert cost.collective_s == pytest.approx(2 * (one + LATENCY_S["inter-host"]))
+    assert cost.exposed_s == pytest.approx(cost.collective_s)
+    # an eighth of every byte over one NIC, which the model charged before
+    assert cost.collective_s == pytest.approx(s.sent_bytes / IB / 8 + 2 * LATENCY_S["inter-host"])
