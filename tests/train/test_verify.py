@@ -223,6 +223,24 @@ def test_own_nnx_step_with_placed_objects(mesh):
         np.testing.assert_array_equal(x, y)
 
 
+def test_own_donating_step_runs_on_one_copy_of_the_state_a_step(mesh, monkeypatch):
+    """Your state is copied once, then each step runs on one copy of the state the last
+    step gave (nnx_train_step donates it); the start stays the evidence."""
+    from shardax.train.verification import function
+
+    copies, real = [], function.copied
+    monkeypatch.setattr(
+        function,
+        "copied",
+        lambda args, put: copies.append(put is function.fresh) or real(args, put),
+    )
+    model, optimizer = nnx_objects(mesh)
+    batch = sx.distribute_batch(BATCH, sx.batch_sharding(mesh))
+    report = sx.verify(nnx_train_step, (model, optimizer), batch, steps=3)
+    assert report.ok, str(report)
+    assert copies.count(True) == 1 + 3  # on the device: yours once, then one a step
+
+
 @nnx.jit(static_argnums=3)
 def repeated_update_step(model, optimizer, batch, times):
     def loss_fn(model):

@@ -164,8 +164,11 @@ class FunctionSide:
         return self._observe(*self.reference(lambda: split_out(self._ref(*copy, batch), copy)))
 
     def step(self) -> Run:
-        start = copied(self._args, fresh)
-        # on a copy: the step may donate, and the state it gave last stays the evidence
+        # The state the step gave last (a copy of yours at first) is the start, kept as it
+        # is: the step runs on a copy of it (it may donate, or update NNX objects in place)
+        # and every later use copies it again (the reference, the reruns), so one copy a
+        # step, not two.
+        start = self._args
         self._args, out = self._distributed(copied(start, fresh))
         got, want = self._observe(self._args, out), self._on_one(start, self._rbatch)
         check_structure(got, want, self._given)
