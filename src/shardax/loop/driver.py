@@ -32,16 +32,18 @@ import jax
 import numpy as np
 
 from shardax.checkpoint import CheckpointManager
+from shardax.checkpoint.convert import array_leaves
 from shardax.checkpoint.manager import Restored, check_directory
 from shardax.checkpoint.preemption import Preempted
 from shardax.checks import as_bool, as_count, as_function, as_path, public, received
 from shardax.data import prefetch_to_device, timed
 from shardax.loop.hooks import Hook, usual_hooks
-from shardax.loop.state import check_same_state, restore_into, saveable, structure
+from shardax.loop.state import check_same_state, leaf_types, restore_into, saveable, structure
 from shardax.runtime import status
 from shardax.track import MetricWriter
 from shardax.track.goodput import FILE
 from shardax.train.guard import check_finite
+from shardax.train.program import compile_only
 
 EVERY = ("save", "eval", "log")
 """The periodic actions [`run`][shardax.loop.run] schedules (``every={"save": 1000, ...}``)."""
@@ -120,7 +122,7 @@ class Run:
         self.pending: list[tuple[int, dict[str, Any]]] = []
         self.flushed: list[tuple[int, dict[str, float]]] = []
         self.scores: dict[str, Any] = {}
-        self.preempted = self._in_step = self._moved = False
+        self.preempted = self._in_step = self._moved = self._feeding = False
         self.ledger: Any = None
         self.feed: Any = None
         self._stack = contextlib.ExitStack()
@@ -129,6 +131,12 @@ class Run:
     # --- entering and leaving -------------------------------------------------------
 
     def __enter__(self) -> Run:
+        if self._open is not None:
+            raise RuntimeError(
+                f"this run was already entered (it is {'open' if self._open else 'ended'}, at "
+                f"step {self.step}): a run is entered once, its hooks started and closed "
+                "once. Make a new one with sx.loop.run(state, ...)"
+            )
         try:
             restored = self.resume
             if restored is False and self.manager is not None:
@@ -143,6 +151,8 @@ class Run:
                 self.step = self.first = int(self.restored.get("step", restored.step))
                 self.completed = self.first
             self._structure = structure(self.state)
+            # what a resume restores into: checked on each state handed (with checkpoints)
+            self._leaf_types = leaf_types(self.state) if self.manager is not None else None
             self._open = True
             status.STATUS.completed(self.completed)
             self._stack.__enter__()
@@ -221,6 +231,12 @@ class Run:
         run's total) steps are done or the loader ends; a loop that gets no batch (the run
         is at its total already, or the loader is exhausted) says so in a warning."""
         self._check_open("run.batches()")
+        if not isinstance(loader, Iterable) and not callable(getattr(loader, "__next__", None)):
+            raise TypeError(
+                f"loader must be an iterable of batches (a list, a generator, sx.batches(...), "
+                f"a data loader), got {received(loader)}"
+            )
+        check_placement("mesh", mesh)
         total = self.total if steps is None else as_count("steps", steps, minimum=0)
         self.total = total
         position = None if self._moved else self.restored.get("loader")
@@ -252,25 +268,29 @@ class Run:
                     UserWarning,
                     stacklevel=2,
                 )
-            while total is None or self.step < total:
-                status.STATUS.set(status.DATA, self.step + 1)
-                for hook in self.hooks:
-                    hook.before_batch(self)
-                try:
-                    batch = next(feed)
-                except StopIteration:
-                    if first:
-                        warnings.warn(
-                            f"sx.loop.Run.batches: the loader gave no batch, so this loop ran "
-                            f"0 steps (the run is at step {self.step}): it is empty or "
-                            "exhausted (an iterator a loop before used up); pass a new one",
-                            UserWarning,
-                            stacklevel=2,
-                        )
-                    return
-                first = False
-                self.before_step()
-                yield batch
+            self._feeding = True
+            try:
+                while total is None or self.step < total:
+                    status.STATUS.set(status.DATA, self.step + 1)
+                    for hook in self.hooks:
+                        hook.before_batch(self)
+                    try:
+                        batch = next(feed)
+                    except StopIteration:
+                        if first:
+                            warnings.warn(
+                                f"sx.loop.Run.batches: the loader gave no batch, so this loop "
+                                f"ran 0 steps (the run is at step {self.step}): it is empty or "
+                                "exhausted (an iterator a loop before used up); pass a new one",
+                                UserWarning,
+                                stacklevel=2,
+                            )
+                        return
+                    first = False
+                    self.before_step()
+                    yield batch
+            finally:
+                self._feeding = False
 
     def before_step(self) -> None:
         """Starts the next step ([`batches`][shardax.loop.Run.batches] calls it for each batch)."""
@@ -288,9 +308,16 @@ class Run:
         Another tree than the run's state (the metrics in its place), a metric that is
         not one number, or a call outside the run's ``with`` block raise, naming it."""
         self._check_open("run.after_step()")
-        check_same_state(state, self.state, self._structure)
+        check_same_state(state, self.state, self._structure, self._leaf_types)
         scalars = scalar_metrics(metrics)
         if not self._in_step:
+            if self._feeding:
+                raise RuntimeError(
+                    f"run.after_step() was called again for step {self.step}, whose batch "
+                    "run.batches() gave once: each batch is one step, so a second call would "
+                    "count a step that took no batch (the step count, the checkpoints' step "
+                    "numbers and the loader's position would part). Call it once per batch"
+                )
             self.before_step()  # a loop that does not take its batches from batches()
         self._in_step = False
         self.state, self.handed = state, self.step
@@ -424,6 +451,64 @@ def _every(every: Any) -> dict[str, int | None]:
     }
 
 
+def _check_writer(writer: Any) -> None:
+    """``writer`` checked: None, a ``MetricWriter`` (anything with ``write(step,
+    scalars)``), or a directory this process can write (made if needed)."""
+    if writer is None or callable(getattr(writer, "write", None)):
+        return
+    if not isinstance(writer, str | os.PathLike):
+        raise TypeError(
+            "writer must be a sx.MetricWriter (or any object with write(step, metrics)) or "
+            f"a directory for one (str or os.PathLike), got {received(writer)}"
+        )
+    check_directory("writer", writer, writable=True)
+
+
+def _check_every_has_its_hook(
+    every: dict[str, int | None], directory: Any, evaluate: Any, writer: Any
+) -> None:
+    """An ``every`` entry whose action has nothing to act on: a save without
+    ``checkpoints`` and an evaluation without ``evaluate`` raise (the schedule would be
+    ignored); a log without ``writer`` warns (the metrics are still checked)."""
+    for key, needs, given, what, done in (
+        ("save", "checkpoints", directory, "saves", "saved"),
+        ("eval", "evaluate", evaluate, "evaluations", "evaluated"),
+    ):
+        if every.get(key) is not None and given is None:
+            raise ValueError(
+                f"every[{key!r}]={every[key]} schedules {what}, but {needs}= is not given, "
+                f"so nothing would be {done}: pass {needs}=, or drop {key!r}"
+            )
+    if every.get("log") is not None and writer is None:
+        warnings.warn(
+            f"sx.loop.run: every['log']={every['log']} schedules logging, but writer= is not "
+            "given, so no metric is written (the loss is still checked finite): pass "
+            "writer= (a directory or a sx.MetricWriter), or drop 'log'",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def check_placement(name: str, mesh: Any) -> None:
+    """``mesh`` for placing batches: None, a ``Mesh`` or a ``Sharding`` of this
+    machine's devices (a compile-only target's hold no arrays)."""
+    if mesh is None:
+        return
+    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.Sharding):
+        raise TypeError(
+            f"{name} must be a jax.sharding.Mesh (sx.make_mesh) or a jax.sharding.Sharding "
+            f"to place the batches on, or None to take them as they come, got {received(mesh)}"
+        )
+    grid = mesh if isinstance(mesh, jax.sharding.Mesh) else getattr(mesh, "mesh", None)
+    kind = compile_only(grid) if isinstance(grid, jax.sharding.Mesh) else None
+    if kind is not None:
+        raise ValueError(
+            f"{name} is of compile-only devices ({grid.devices.size} x {kind}, from "
+            "sx.target), which hold no arrays: no batch can be placed on them. Place the "
+            "batches on a mesh of this machine's devices (sx.make_mesh without devices=)"
+        )
+
+
 def _checkpoint_directory(checkpoints: Any) -> str | None:
     """The directory ``checkpoints`` saves into, checked writable; None for none."""
     if checkpoints is None:
@@ -468,13 +553,16 @@ def run(
             uncommitted one, such as a key never placed, stays uncommitted).
         every: a dict of the steps between ``"save"``, ``"eval"`` and ``"log"``
             (default, or None: save at the end only, evaluate at the end only, log every
-            10 steps).
+            10 steps). Each needs what it acts on: ``"save"`` ``checkpoints``, ``"eval"``
+            ``evaluate`` (else refused: the schedule would be ignored), ``"log"``
+            ``writer`` (else a warning: nothing is written).
         steps: the run's last step (else the loader's end, or ``batches(steps=)``).
         evaluate: ``state -> {name: number}``, run every ``every["eval"]`` steps.
         watchdog: seconds a step may take (after the first) before the process ends
             naming the processes behind ([`shardax.StepWatchdog`][shardax.StepWatchdog]).
-        writer: a [`shardax.MetricWriter`][shardax.MetricWriter], or a directory for one: the train
-            metrics every ``every["log"]`` steps, the scores and goodput figures.
+        writer: a [`shardax.MetricWriter`][shardax.MetricWriter], or a directory for one (made if
+            needed; it must be writable): the train metrics every ``every["log"]`` steps,
+            the scores and goodput figures.
         progress: show a progress bar (process 0).
         goodput: keep the goodput ledger (``goodput.json`` in the checkpoint directory,
             which ``shardax goodput`` reads; written by process 0), or a path for it;
@@ -496,6 +584,14 @@ def run(
         goodput = as_path("goodput", goodput, "True keeps it beside the checkpoints")
     total = None if steps is None else as_count("steps", steps, minimum=0)
     directory = _checkpoint_directory(checkpoints)
+    _check_writer(writer)
+    _check_every_has_its_hook(every, directory, evaluate, writer)
+    if directory is not None and not array_leaves(saveable(state)):
+        raise ValueError(
+            f"state has no array or number leaf to save, got {state!r:.80}, and checkpoints= "
+            "saves the state: pass the state the loop trains (a sx.TrainState, a pytree of "
+            "arrays, (model, optimizer)), or leave checkpoints out"
+        )
     where = False  # the goodput ledger's path (None: in memory; False: none)
     if goodput:
         where = goodput if not isinstance(goodput, bool) else None

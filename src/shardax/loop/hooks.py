@@ -50,12 +50,13 @@ it gets every step's metrics since the last fetch, fetched once:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 from shardax.checkpoint.preemption import reached_preemption, watch_preemption
-from shardax.checks import as_float, as_function, public
+from shardax.checks import as_float, as_function, public, received
 from shardax.loop.schedule import itstime
 from shardax.loop.state import saveable
 from shardax.runtime import compile_stats, status
@@ -381,7 +382,13 @@ class Evaluation(Hook):
 
     def run(self, run: Any) -> None:
         with run.phase("eval"):
-            scores = dict(self.evaluate(run.state))
+            scores = self.evaluate(run.state)
+        if not isinstance(scores, Mapping):
+            raise TypeError(
+                f"evaluate must return a dict {{name: number}} of scores, got "
+                f"{received(scores)}; return e.g. {{'accuracy': accuracy}}"
+            )
+        scores = dict(scores)
         self.done_at = run.step
         run.scores = scores
         self.record(run, scores)

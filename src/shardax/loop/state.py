@@ -53,19 +53,39 @@ def structure(state: Any) -> tuple[str, Any]:
     return ("tree", jax.tree.structure(state))
 
 
-def check_same_state(state: Any, like: Any, like_structure: tuple[str, Any]) -> None:
+def leaf_types(state: Any) -> tuple[Any, ...] | None:
+    """The shape and dtype of each array leaf of ``state`` (None for another leaf), which
+    a checkpoint of it keeps and a restore into the run's state requires; None for NNX
+    objects (updated in place, so they keep their own)."""
+    if has_graph_nodes(state):
+        return None
+    return tuple(
+        (tuple(x.shape), x.dtype) if isinstance(x, jax.Array | np.ndarray) else None
+        for x in jax.tree.leaves(state)
+    )
+
+
+def check_same_state(
+    state: Any, like: Any, like_structure: tuple[str, Any], like_types: Any = None
+) -> None:
     """Raises ``TypeError`` when ``state`` is not a state of the run whose state is
     ``like`` (of structure ``like_structure``): another tree (the metrics passed in its
-    place), or other objects; names the first leaf that differs."""
+    place), or other objects; names the first leaf that differs. With ``like_types``
+    (``leaf_types(like)``), ``ValueError`` for an array leaf whose shape or dtype
+    changed, which a resume could not restore into the run's state."""
     got = structure(state)
     if got == like_structure:
+        if like_types is not None:
+            _check_leaf_types(state, like_types)
         return
     detail = ""
     if got[0] == like_structure[0] == "tree":
         paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
         want = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
-        if paths == want:
-            return  # the same leaves; static fields that compare unequal
+        if paths == want:  # the same leaves; static fields that compare unequal
+            if like_types is not None:
+                _check_leaf_types(state, like_types)
+            return
         missing = [p for p in want if p not in set(paths)]
         extra = [p for p in paths if p not in set(want)]
         if missing:
@@ -78,6 +98,22 @@ def check_same_state(state: Any, like: Any, like_structure: tuple[str, Any]) -> 
         f"{_described(state)}{detail}; call run.after_step(state, metrics) with the state "
         "the step returned"
     )
+
+
+def _check_leaf_types(state: Any, like_types: tuple[Any, ...]) -> None:
+    for (path, x), want in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0], like_types, strict=True
+    ):
+        if want is None or not isinstance(x, jax.Array | np.ndarray):
+            continue
+        if (tuple(x.shape), x.dtype) != want:
+            raise ValueError(
+                f"state leaf {path_str(path)!r} is {x.dtype}{list(x.shape)}, but the run's "
+                f"state has {want[1]}{list(want[0])} there: a checkpoint of this state would "
+                "not restore into the state the run starts with (a resume would be refused). "
+                "Return each leaf with the shape and dtype it came in with (.astype), or "
+                "start the run with a state of these"
+            )
 
 
 def _described(tree: Any) -> str:
