@@ -27,7 +27,7 @@ import numbers
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
@@ -435,3 +435,36 @@ def _noting_thrown(gen: Any, thrown: list[BaseException]) -> Any:
 
 _DOOR_CODES = frozenset(_door(fn, "").__code__ for fn in (lambda: None, lambda: (yield)))
 _CONTEXT_MANAGER = contextlib.contextmanager(lambda: (yield)).__code__
+
+
+REFUSED_OPTION = ("No such compile option", "While setting option")
+"""What XLA's error says when it refuses an option's name or value (at compile time)."""
+
+
+def refused_compiler_option(
+    error: BaseException, options: Mapping[str, Any] | None
+) -> ValueError | None:
+    """The ``ValueError`` to raise for ``error``, XLA refusing one of ``options`` (the
+    options a program compiled with) when it compiled, naming the option and the value;
+    None for any other error.
+
+    >>> error = RuntimeError("INVALID_ARGUMENT: No such compile option: 'xla_x'")
+    >>> str(refused_compiler_option(error, {"xla_x": True}))  # doctest: +ELLIPSIS
+    "compiler_options['xla_x'] = True: XLA refused it when compiling: No such compile ..."
+    """
+    text = str(error)
+    if not any(marker in text for marker in REFUSED_OPTION):
+        return None
+    detail = text.split("INVALID_ARGUMENT: ", 1)[-1].strip().rstrip(".") + "."
+    options = dict(options or {})
+    named = [k for k in options if f"'{k}'" in text or f" {k}," in text or f" {k} " in text]
+    which = (
+        f"compiler_options[{named[0]!r}] = {options[named[0]]!r}"
+        if named
+        else f"compiler_options={options!r}"
+    )
+    return ValueError(
+        f"{which}: XLA refused it when compiling: {detail} Options are XLA's DebugOptions "
+        "flags for the mesh's platform (xla_cpu_*, xla_gpu_*, or libtpu's xla_tpu_* on a "
+        "TPU) with values of their type; fix or drop it, or pass compiler_options='auto'"
+    )

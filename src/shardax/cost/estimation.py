@@ -57,7 +57,7 @@ from rich.console import Group
 from rich.table import Table
 
 from shardax._format import format_bytes, rich_text
-from shardax.checks import public
+from shardax.checks import as_float, public, refused_compiler_option
 from shardax.cost.calibration import calibration_for, nearest
 from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
 from shardax.cost.hardware import HardwareSpec, device_spec
@@ -794,13 +794,14 @@ def estimate(
             for images, the compiled step's matmul FLOPs
             (``default_model_flops``).
         model_flops_note: the formula of ``model_flops``, for the report.
-        compute_efficiency: the fraction of peak the prediction assumes.
+        compute_efficiency: the fraction of peak the prediction assumes, in (0, 1].
         links: bytes/s per link (``"intra-host"``, ``"inter-host"``, ``"inter-slice"``),
             over the datasheet's figures.
 
     Raises:
         ValueError: a sharding names an axis the step's mesh lacks; the batch's rows do
-            not divide over the data axis (the step says so).
+            not divide over the data axis (the step says so); XLA refuses one of the
+            step's compiler options (named).
 
     A backend's out-of-memory compile error (libtpu's ``CompileTimeHbmOom``) is not
     raised: the report says the step does not fit, with the bytes the error names.
@@ -816,6 +817,12 @@ def estimate(
             f"{type(step).__name__}"
         )
     tokens, model_flops, links = check_figures(tokens, model_flops, links)
+    compute_efficiency = as_float("compute_efficiency", compute_efficiency, above=0)
+    if compute_efficiency > 1:
+        raise ValueError(
+            f"compute_efficiency must be the fraction of peak the prediction assumes, in "
+            f"(0, 1], got {compute_efficiency!r}"
+        )
     state, batch = _abstract(state), _abstract(batch)
     mesh = _mesh_of(step, jax.tree.leaves((state, batch)))
     check_axes(state, mesh, "state")
@@ -835,6 +842,9 @@ def estimate(
         compiled = step.lower(state, batch).compile()
     except RuntimeError as e:  # jax.errors.JaxRuntimeError; only out-of-memory is a report
         if out_of_memory(e) is None:
+            refused = refused_compiler_option(e, options)
+            if refused is not None:
+                raise refused from None
             raise
         refused = _refused(step, state, batch, mesh, e, time.perf_counter() - start, tokens)
         return dataclasses.replace(refused, compiler_options=options)

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jax.sharding import Mesh
 
-from shardax.checks import as_bool, as_count, check_mesh, public
+from shardax.checks import as_bool, as_count, check_mesh, public, public_name
 from shardax.data.spec import check_batch_spec
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan, axis_size, replicate
@@ -81,6 +82,23 @@ def as_config(config: StepConfig | None, settings: dict[str, Any]) -> StepConfig
     if not isinstance(config, StepConfig):
         raise TypeError(f"config must be a sx.train.StepConfig, got {type(config).__name__}")
     return config
+
+
+def _refuse_plan_factory(plan: Any) -> None:
+    """A ``TypeError`` for a function that makes a plan from a mesh (``sx.fsdp``, not
+    ``sx.fsdp(mesh)``), which would be called with the state as its mesh."""
+    if isinstance(plan, Plan) or not callable(plan):
+        return
+    try:
+        first = next(iter(inspect.signature(plan).parameters), None)
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        return
+    if first == "mesh":
+        name = public_name(plan) or getattr(plan, "__name__", "the plan's function")
+        raise TypeError(
+            f"plan must be a shardax Plan, got {name}, the function that makes one from a "
+            f"mesh: call it, plan={name}(mesh)"
+        )
 
 
 def _set(config: StepConfig, **values: Any) -> None:
@@ -168,6 +186,7 @@ class StepConfig:
                 f"plan must be a shardax Plan (a callable from a tree to its shardings, e.g. "
                 f"sx.fsdp(mesh)), got {plan!r}"
             )
+        _refuse_plan_factory(plan)
         plan_mesh = getattr(plan, "mesh", mesh)
         if plan_mesh != mesh:
             raise ValueError(
@@ -178,6 +197,13 @@ class StepConfig:
             raise ValueError(
                 f"mode='pmap' maps over one axis, but the mesh {dict(mesh.shape)} has devices "
                 f"outside data axis {data_axis!r}; use mode='jit' for multi-axis meshes"
+            )
+        if self.seq_axis is not None and (
+            not isinstance(self.seq_axis, str) or self.seq_axis not in mesh.shape
+        ):
+            raise ValueError(
+                f"seq_axis must be a mesh axis name (the axis that splits each sequence, "
+                f"e.g. 'context'), one of {dict(mesh.shape)}, or None; got {self.seq_axis!r}"
             )
         if self.seq_axis is not None and mode != "jit":
             raise ValueError(

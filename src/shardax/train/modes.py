@@ -26,6 +26,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from shardax.checks import refused_compiler_option
 from shardax.plan.tree import map_arrays
 from shardax.train.axis_types import explain_axis_types, mesh_axis_type, reshard_batch
 from shardax.train.batch_placement import BatchPlacement
@@ -203,4 +204,22 @@ def mode_program(
         )
     if mode != "single" and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
         call = _bounded(call, CPU_MAX_IN_FLIGHT, work.metrics_of)
+    if mode != "pmap":  # pmap compiles with no options
+        call = _options_named(call, config)
     return call, lower
+
+
+def _options_named(call: Callable[..., Any], config: StepConfig) -> Callable[..., Any]:
+    """``call``, raising a ``ValueError`` naming the option when XLA refuses one of the
+    step's ``compiler_options`` as it compiles (``refused_compiler_option``)."""
+
+    def named(state: Any, batch: Any) -> Any:
+        try:
+            return call(state, batch)
+        except jax.errors.JaxRuntimeError as e:
+            error = refused_compiler_option(e, config.resolved_compiler_options)
+            if error is None:
+                raise
+            raise error from None
+
+    return named

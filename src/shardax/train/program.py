@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from shardax.checks import received
 from shardax.plan.core import Plan
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.init import init_sharded
@@ -228,6 +229,13 @@ class Program:
 
         if self._compile_only:
             refuse_compile_only(self.mesh, "init(init_fn, ...)")
+        if not callable(init_fn):
+            what = "a sx.TrainState, which is built already: place it with step.shard(state)"
+            raise TypeError(
+                "init_fn must be a function (*args, **kwargs) -> sx.TrainState that builds the "
+                "state (the step runs it onto its shardings), got "
+                + (what if isinstance(init_fn, TrainState) else received(init_fn))
+            )
 
         def prepared(*args: Any, **kwargs: Any) -> TrainState:
             return self._prepare(init_fn(*args, **kwargs))
