@@ -51,7 +51,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-from shardax.checks import as_count, as_float, public
+from shardax.checks import as_count, as_float, as_function, public, received
 from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS
 
 DISPATCHES = ("auto", "all_to_all", "ragged", "dense")
@@ -434,6 +434,16 @@ def moe(
     """
     if jnp.ndim(x) not in (2, 3):
         raise ValueError(f"x must be (tokens, d) or (batch, length, d), got shape {jnp.shape(x)}")
+    as_function("expert_fn", expert_fn, "a function expert_fn(params_of_one_expert, tokens)")
+    if isinstance(batch_axes, str):  # one axis, as data_axis takes it
+        batch_axes = (batch_axes,)
+    if batch_axes is not None and (
+        not isinstance(batch_axes, tuple | list) or not all(isinstance(a, str) for a in batch_axes)
+    ):
+        raise TypeError(
+            f"batch_axes must be a tuple of mesh axis names, e.g. ('data',), or None, got "
+            f"{received(batch_axes)}"
+        )
     if jnp.ndim(router_weight) != 2 or router_weight.shape[0] != x.shape[-1]:
         raise ValueError(
             f"router_weight must be (d, E) with d = x.shape[-1] = {x.shape[-1]}, got "

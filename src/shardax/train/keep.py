@@ -39,7 +39,8 @@ from typing import Any
 
 import jax
 
-from shardax.checks import public
+from shardax.checks import public, received
+from shardax.plan.core import Plan
 from shardax.plan.placed import (
     METADATA_KEY,
     is_recorded,
@@ -181,6 +182,13 @@ def keep_plan(step: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """
     if step is None:  # @sx.keep_plan()
         return keep_plan
+    if isinstance(step, Plan | jax.sharding.Sharding | jax.sharding.Mesh):
+        what = f"the plan {step.name!r}" if isinstance(step, Plan) else received(step)
+        raise TypeError(
+            f"step must be the user's train step, got {what}: sx.keep_plan takes no plan, "
+            "it holds each leaf to the plan sx.prepare placed it with. Decorate the step: "
+            "@jax.jit above @sx.keep_plan above def train_step(...)"
+        )
     if not callable(step):
         raise TypeError(f"step must be a callable (the user's train step), got {step!r}")
     warned: set[str] = set()

@@ -23,8 +23,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from shardax.checks import as_count, as_float, public
+from shardax.checks import as_count, as_float, as_function, check_mesh, public
 from shardax.train.auto import AutoStep
+from shardax.train.eval import EvalStep
 from shardax.train.program import refuse_abstract, refuse_compile_only
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
@@ -161,6 +162,16 @@ def _side(
     step: Any, state: Any, batch: Any, reference: Callable[..., Any] | None, mesh: Mesh | None
 ) -> Side:
     """The side for ``step``: a train step's (an auto step's pick) or a function's."""
+    if isinstance(step, EvalStep):
+        raise TypeError(
+            "step is an eval step (sx.make_eval_step), which updates nothing: sx.verify "
+            "compares a train step (or your own step function) with its one-device "
+            "reference; verify the train step made with the same mesh, plan and mode"
+        )
+    if mesh is not None:
+        check_mesh("mesh", mesh)
+    if reference is not None:
+        as_function("reference", reference, "a function: the one-device step to compare with")
     if isinstance(step, AutoStep):
         step = step.pick(state, batch)
     if isinstance(step, TrainStep):
