@@ -26,6 +26,7 @@ from shardax.data.leaves import check_batch_leaves, sharded_dims
 from shardax.data.placement import batch_sharding, leaf_sharding
 from shardax.plan.specs import spec_axes
 from shardax.plan.tree import map_arrays
+from shardax.runtime.processes import device_put_global
 
 
 def as_sharding(target: Any) -> Sharding:
@@ -120,7 +121,7 @@ def global_batch(local_batch: Any, sharding: Any, global_size: int | None = None
         global_shape = tuple(n * k for n, k in zip(local_shape, grid, strict=True))
         s = leaf_sharding(path, global_shape, sharding)  # fits the spec, checks divisibility
         if not multi:
-            return jax.device_put(x, s)
+            return device_put_global(x, s)
         return jax.make_array_from_process_local_data(s, np.asarray(x), global_shape)
 
     return map_arrays(one, local_batch)

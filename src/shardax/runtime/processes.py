@@ -44,7 +44,30 @@ def device_put_global(tree: Any, shardings: Any) -> Any:
             return np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype))
         return x
 
-    return jax.device_put(jax.tree.map(canonical, tree), shardings)
+    try:
+        return jax.device_put(jax.tree.map(canonical, tree), shardings)
+    except jax.errors.JaxRuntimeError as e:
+        refused = compile_only_refusal(e, shardings)
+        if refused is None:
+            raise
+        raise refused from None
+
+
+def compile_only_refusal(error: BaseException, shardings: Any) -> ValueError | None:
+    """The ``ValueError`` to raise for ``error``, a placement onto compile-only devices
+    (``sx.target``'s: they hold no arrays) refused by JAX in its own words, naming the
+    devices and what to do instead; None for any other error."""
+    if "compile-only client" not in str(error):
+        return None
+    first = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    devices = sorted(first[0].device_set, key=lambda d: d.id) if first else []
+    what = f"{len(devices)} x {devices[0].device_kind}" if devices else "compile-only devices"
+    return ValueError(
+        f"the devices to place on are compile-only ({what}, from sx.target): they hold no "
+        "arrays and run nothing, so no value can be placed on them. Compile for abstract "
+        "inputs instead (jax.eval_shape, nnx.eval_shape; sx.estimate(step, state, batch)), "
+        "and place arrays on a mesh of this machine's devices (sx.make_mesh without devices=)"
+    )
 
 
 @public("sx.is_main_process")
