@@ -90,7 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seq-len", type=positive_int, default=128, help="GPT sequence length (--measure)"
     )
     parser.add_argument(
-        "--mesh", type=mesh_spec, default=None, help="with --measure: e.g. data=4,model=2"
+        "--mesh",
+        type=mesh_spec,
+        default=None,
+        help="with --measure or --target: e.g. data=4,model=2",
     )
     parser.add_argument(
         "--plans",

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -90,6 +92,34 @@ def refuse_ignored(args: argparse.Namespace) -> None:
             f"--precision {args.precision}: not with --param-dtype bf16, which keeps params "
             "and Adam's moments in bf16 and computes in bf16; give one of them"
         )
+    if args.tp is not None and args.tp > 1 and args.mesh:
+        mesh = ",".join(f"{k}={v}" for k, v in args.mesh)
+        raise UsageError(
+            f"--tp {args.tp}: not with --mesh {mesh}, which gives the whole mesh; add "
+            f"model={args.tp} to --mesh instead"
+        )
+    if args.tp is not None and args.tp > 1 and args.plan not in (None, "auto", "fsdp+tp"):
+        raise UsageError(
+            f"--tp {args.tp}: only with --plan fsdp+tp, or --plan auto (which ranks a fsdp+tp "
+            f"candidate); --plan {args.plan} splits no weight over the model axis, so its "
+            f"{args.tp} devices per group would repeat each other's work"
+        )
+    if args.png:
+        check_png(args.png)
+
+
+def check_png(path: str) -> None:
+    """``--png``'s file checked before anything compiles: not a directory, in an existing
+    directory this user can write (the figure is saved there, no directory made)."""
+    target = Path(path).expanduser().absolute()
+    if target.is_dir():
+        raise UsageError(f"--png {path}: is a directory; name a file such as memory.png")
+    parent = target.parent
+    if not parent.is_dir():
+        why = "is not a directory" if parent.exists() else "does not exist"
+        raise UsageError(f"--png {path}: cannot write it, {parent} {why}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--png {path}: cannot write it, {parent} is not writable")
 
 
 def load_target(name: str) -> Any:
