@@ -563,6 +563,10 @@ IN_PROCESS_CASES = {
     "plan --vocab without --target": (["plan", "--params", "7e9", "--vocab", "50000"], "--vocab 50000: only with --target (the GPT compiled for a cluster's devices); without it, this option would be ignored"),
     "plan --measure --tp": (["plan", "--measure", "--tp", "2"], "--tp 2: only with --target"),
     "plan --measure --param-dtype": (["plan", "--measure", "--param-dtype", "bf16"], "--param-dtype bf16: only with --target"),
+    # fifth sweep: --tp where it would be ignored or idle, --png where it cannot be written
+    "plan --target --tp beside --mesh": (["plan", "--target", "8xH100", "--batch", "8", "--tp", "2", "--mesh", "data=8"], "--tp 2: not with --mesh data=8, which gives the whole mesh; add model=2 to --mesh instead"),
+    "plan --target --tp beside --plan fsdp": (["plan", "--target", "8xH100", "--batch", "8", "--tp", "2", "--plan", "fsdp"], "--tp 2: only with --plan fsdp+tp, or --plan auto (which ranks a fsdp+tp candidate); --plan fsdp splits no weight over the model axis"),
+    "plan --target --png under a file": (["plan", "--target", "8xH100", "--batch", "8", "--png", "{file}/memory.png"], "--png {file}/memory.png: cannot write it, {file} is not a directory"),
 }  # fmt: skip
 
 
@@ -1454,3 +1458,117 @@ def test_libtpu_loaded_by_another_process_is_met_by_shardax():
     )
     assert "do not delete the file" in refused and "ALLOW_MULTIPLE_LIBTPU_LOAD=1" in refused
     assert target.startswith("Target('v5p-8'"), second.stderr
+
+
+# --- fifth sweep: the stage-4 features again, each case the fourth sweep did not name ------
+
+
+def _in_run(body):
+    """``body(run)`` inside a run of a two-number state with no checkpoints."""
+    with sx.loop.run({"w": jnp.ones(2)}, goodput=False) as run:
+        return body(run)
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        # sx.loop.run's arguments, checked when the run is made
+        (lambda d: sx.loop.run({}, writer=123), TypeError, "sx.loop.run: writer must be a sx.MetricWriter (or any object with write(step, metrics)) or a directory for one (str or os.PathLike), got 123"),
+        (lambda d: sx.loop.run({}, writer=d.file), NotADirectoryError, "sx.loop.run: writer must be a directory, got {file}, which is a file"),
+        (lambda d: sx.loop.run(None, checkpoints=d.tmp / "c"), ValueError, "sx.loop.run: state has no array or number leaf to save, got None, and checkpoints= saves the state"),
+        (lambda d: sx.loop.run({"w": jnp.ones(2)}, every={"save": 2}), ValueError, "sx.loop.run: every['save']=2 schedules saves, but checkpoints= is not given, so nothing would be saved: pass checkpoints=, or drop 'save'"),
+        (lambda d: sx.loop.run({"w": jnp.ones(2)}, every={"eval": 2}), ValueError, "sx.loop.run: every['eval']=2 schedules evaluations, but evaluate= is not given, so nothing would be evaluated"),
+        # the run's methods: a loader or mesh that is not one, a step handed twice, a
+        # state whose leaves a resume could not restore into, evaluate's result, re-entry
+        (lambda d: _in_run(lambda run: run.batches(5)), TypeError, "sx.loop.Run.batches: loader must be an iterable of batches (a list, a generator, sx.batches(...), a data loader), got 5"),
+        (lambda d: _in_run(lambda run: run.batches(range(2), "data")), TypeError, "sx.loop.Run.batches: mesh must be a jax.sharding.Mesh (sx.make_mesh) or a jax.sharding.Sharding to place the batches on, or None to take them as they come, got 'data'"),
+        (lambda d: _loop(d.tmp / "c", lambda run, state: [run.after_step(state, 1.0) for _ in range(2)]), RuntimeError, "sx.loop.Run.after_step: run.after_step() was called again for step 1, whose batch run.batches() gave once: each batch is one step"),
+        (lambda d: _loop(d.tmp / "c", lambda run, state: run.after_step({"w": state["w"].astype(jnp.int32)}, 1.0)), ValueError, "sx.loop.Run.after_step: state leaf 'w' is int32[2], but the run's state has float32[2] there: a checkpoint of this state would not restore into the state the run starts with (a resume would be refused)"),
+        (lambda d: _loop(d.tmp / "c", lambda run, state: run.after_step({"w": jnp.ones(5)}, 1.0)), ValueError, "sx.loop.Run.after_step: state leaf 'w' is float32[5], but the run's state has float32[2] there"),
+        (lambda d: _loop(None, evaluate=lambda state: 0.5), TypeError, "sx.loop.Run: evaluate must return a dict {name: number} of scores, got 0.5"),
+        (lambda d: _loop(None).__enter__(), RuntimeError, "sx.loop.Run: this run was already entered (it is ended, at step 2): a run is entered once"),
+    ],
+    ids=["writer-int", "writer-file", "nothing-to-save", "save-without-checkpoints", "eval-without-evaluate", "loader-int", "mesh-str", "after_step-twice", "leaf-dtype", "leaf-shape", "evaluate-float", "re-entered"],
+)  # fmt: skip
+def test_fifth_sweep_loop_refusals(tmp_path, request, call, error, message):
+    paths = _LoopPaths(tmp_path, request)
+    with pytest.raises(error) as caught:
+        call(paths)
+    _says(str(caught.value), message.replace("{file}", str(paths.file)))
+    assert [s for s in (tmp_path / "c").glob("*") if s.name.isdigit()] == []  # nothing saved
+
+
+def test_fifth_sweep_a_log_with_no_writer_warns():
+    with pytest.warns(UserWarning, match=re.escape("sx.loop.run: every['log']=5 schedules logging, but writer= is not given, so no metric is written")):  # fmt: skip
+        sx.loop.run({"w": jnp.ones(2)}, every={"log": 5}, goodput=False)
+
+
+def _step_with_options(options):
+    step = sx.make_train_step(_loss, mesh=sx.make_mesh(), compiler_options=options)
+    return step(step.shard(_pytree_state()), _XY)
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        # the step's settings: a plan's factory, a sequence axis the mesh lacks, an XLA
+        # option XLA refuses when it compiles, a built state where its builder goes
+        (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh(), plan=sx.fsdp), TypeError, "sx.make_train_step: plan must be a shardax Plan, got sx.fsdp, the function that makes one from a mesh: call it, plan=sx.fsdp(mesh)"),
+        (lambda: sx.train.StepConfig(mesh=sx.make_mesh(), seq_axis="context"), ValueError, "sx.train.StepConfig: seq_axis must be a mesh axis name (the axis that splits each sequence, e.g. 'context'), one of {'data': 8}, or None; got 'context'"),
+        (lambda: _step_with_options({"xla_cpu_bogus_flag": True}), ValueError, "sx.train.TrainStep: compiler_options['xla_cpu_bogus_flag'] = True: XLA refused it when compiling: No such compile option: 'xla_cpu_bogus_flag'"),
+        (lambda: _step_with_options({"xla_cpu_enable_fast_math": "maybe"}), ValueError, "sx.train.TrainStep: compiler_options['xla_cpu_enable_fast_math'] = 'maybe': XLA refused it when compiling"),
+        (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh()).init(_pytree_state()), TypeError, "sx.train.TrainStep.init: init_fn must be a function (*args, **kwargs) -> sx.TrainState that builds the state (the step runs it onto its shardings), got a sx.TrainState, which is built already: place it with step.shard(state)"),
+        # sx.estimate: the fraction of peak it assumes; an option XLA refuses, named
+        (lambda: _estimate_with(compute_efficiency=1.5), ValueError, "sx.estimate: compute_efficiency must be the fraction of peak the prediction assumes, in (0, 1], got 1.5"),
+        (lambda: _estimate_with(compute_efficiency="0.4"), ValueError, "sx.estimate: compute_efficiency must be a finite number > 0, got '0.4'"),
+        (lambda: sx.estimate(sx.make_train_step(_loss, mesh=sx.make_mesh(), compiler_options={"xla_cpu_bogus_flag": True}), jax.eval_shape(_pytree_state), jax.eval_shape(lambda: _XY)), ValueError, "sx.estimate: compiler_options['xla_cpu_bogus_flag'] = True: XLA refused it when compiling: No such compile option"),
+        # sx.verify: the mesh and reference of your own step, an eval step
+        (lambda: sx.verify(_own_step, {"w": jnp.ones((4, 2))}, _XY, mesh="data"), TypeError, "sx.verify: mesh must be a jax.sharding.Mesh, got 'data'. Build one with sx.make_mesh()"),
+        (lambda: sx.verify(_own_step, {"w": jnp.ones((4, 2))}, _XY, reference="one device"), TypeError, "sx.verify: reference must be a function: the one-device step to compare with, got 'one device'"),
+        (lambda: sx.verify(sx.make_eval_step(_loss, mesh=sx.make_mesh()), _pytree_state(), _XY), TypeError, "sx.verify: step is an eval step (sx.make_eval_step), which updates nothing"),
+        # sx.moe and sx.keep_plan
+        (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), "mlp", jnp.ones((2, 4, 4))), TypeError, "sx.moe: expert_fn must be a function expert_fn(params_of_one_expert, tokens), got 'mlp'"),
+        (lambda: sx.moe(jnp.ones((8, 4)), jnp.ones((4, 2)), lambda p, h: h @ p, jnp.ones((2, 4, 4)), batch_axes=0), TypeError, "sx.moe: batch_axes must be a tuple of mesh axis names, e.g. ('data',), or None, got 0"),
+        (lambda: sx.keep_plan(sx.fsdp(sx.make_mesh())), TypeError, "sx.keep_plan: step must be the user's train step, got the plan 'fsdp': sx.keep_plan takes no plan"),
+    ],
+    ids=["plan-factory", "seq_axis", "xla-option-name", "xla-option-value", "init-state", "estimate-efficiency", "estimate-efficiency-str", "estimate-xla-option", "verify-mesh", "verify-reference", "verify-eval-step", "moe-expert_fn", "moe-batch_axes", "keep_plan-plan"],
+)  # fmt: skip
+def test_fifth_sweep_errors_name_argument_rule_and_value(call, error, message):
+    with raises(error, message):
+        call()
+
+
+def _matmul(p, h):
+    return h @ p
+
+
+def test_fifth_sweep_inputs_that_now_work():
+    mesh = sx.make_mesh({"data": 4, "expert": 2})
+    with jax.set_mesh(mesh):  # one batch axis by name, as data_axis takes it
+        moe = lambda x: sx.moe(x, jnp.ones((4, 2)), _matmul, jnp.ones((2, 4, 4)), batch_axes="data")  # noqa: E731  # fmt: skip
+        y = jax.jit(lambda x: moe(x)[0])(jnp.ones((8, 4)))
+    assert y.shape == (8, 4)
+
+
+def _target_mesh():
+    return sx.make_mesh({"data": 8}, devices=sx.target("8xH100"))
+
+
+_COMPILE_ONLY = "the devices to place on are compile-only (8 x NVIDIA H100 80GB HBM3, from sx.target): they hold no arrays and run nothing, so no value can be placed on them"
+
+
+@pytest.mark.compile_only("gpu")
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda m: sx.prepare({"w": np.ones((8, 2))}, mesh=m, plan=sx.fsdp(m, min_size=1)), f"sx.prepare: {_COMPILE_ONLY}"),
+        (lambda m: sx.distribute_batch(_XY, sx.batch_sharding(m)), f"sx.distribute_batch: {_COMPILE_ONLY}"),
+        (lambda m: sx.global_batch(_XY, m), f"sx.global_batch: {_COMPILE_ONLY}"),
+        (lambda m: sx.shard({"w": np.ones((8, 2))}, sx.fsdp(m, min_size=1)), f"sx.shard: {_COMPILE_ONLY}"),
+        (lambda m: _in_run(lambda run: run.batches([_XY], m)), "sx.loop.Run.batches: mesh is of compile-only devices (8 x NVIDIA H100 80GB HBM3, from sx.target), which hold no arrays: no batch can be placed on them"),
+    ],
+    ids=["prepare", "distribute_batch", "global_batch", "shard", "loop-batches"],
+)  # fmt: skip
+def test_fifth_sweep_placing_on_a_compile_only_mesh_says_what_to_do(call, message):
+    with raises(ValueError, message):
+        call(_target_mesh())
