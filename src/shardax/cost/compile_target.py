@@ -110,9 +110,8 @@ def budgeted_gpu_config(config: str, memory_bytes: float, fraction: float) -> st
     that the share XLA plans a compile-only program in (``XLA_COMPILE_ONLY_SHARE``) is
     ``fraction`` of ``memory_bytes``: the budget JAX gives XLA on the GPU itself.
 
-    >>> text = "gpu_device_info {\n  device_memory_size: 100\n}\n"
-    >>> budgeted_gpu_config(text, 1000, 0.8)
-    'gpu_device_info {\n  device_memory_size: 1000\n}\n'
+    >>> budgeted_gpu_config("  device_memory_size: 100", 1000, 0.8)
+    '  device_memory_size: 1000'
     """
     size = round(memory_bytes * fraction / XLA_COMPILE_ONLY_SHARE)
     new, found = re.subn(r"(?m)^(\s*device_memory_size:) \d+$", rf"\1 {size}", config)
@@ -545,7 +544,7 @@ def target(name: str, *, memory_fraction: float | None = None) -> Target:
 
     A GPU target's programs are planned in the memory a JAX process on that GPU gets:
     ``memory_fraction`` of it (default: ``XLA_CLIENT_MEM_FRACTION`` from the environment,
-    else JAX's 0.75; [`gpu_memory_fraction`][shardax.cost.compile_target.gpu_memory_fraction]).
+    else JAX's 0.75; ``gpu_memory_fraction`` in this module).
     XLA rematerializes a step that needs more, as it would on the GPU; pass the fraction
     the run will set (``memory_fraction=0.95``) to compile what it will run.
 

@@ -180,7 +180,9 @@ HARDWARE_SPECS: dict[HardwareType, HardwareSpec] = {
 # kind JAX reports (lower case, matched as a substring; first match wins, so the more
 # specific kinds come first). Dense bf16 FLOP/s without sparsity, HBM bytes/s, HBM bytes,
 # from the vendors' datasheets (each row names its source).
-_H200 = "NVIDIA H200 SXM datasheet; DGX H200 user guide (8x ConnectX-7 400 Gb/s)"
+_H200 = ("NVIDIA H200 SXM datasheet; DGX H200 user guide (8x ConnectX-7 400 Gb/s); memory: "
+         "143,771 MiB, as nvidia-smi reports the H200 lent to this project (the datasheet's "
+         "'141 GB')")
 _B200 = "NVIDIA DGX/HGX B200 datasheet (per GPU: 1/8 of the 8-GPU figures; 8x ConnectX-7 400 Gb/s)"
 DEVICE_KIND_SPECS: tuple[tuple[str, str, HardwareSpec], ...] = (
     ("gpu", "h100 pcie", HardwareSpec(756e12, 2000e9, 80 * GiB, source="H100 PCIe datasheet")),
@@ -191,7 +193,7 @@ DEVICE_KIND_SPECS: tuple[tuple[str, str, HardwareSpec], ...] = (
     ("gpu", "gh200", HardwareSpec(989e12, 4000e9, 96e9, source="NVIDIA GH200 datasheet")),
     ("gpu", "h200 nvl", HardwareSpec(835e12, 4800e9, 141e9, source="NVIDIA H200 NVL datasheet")),
     ("gpu", "h200", HardwareSpec(
-        989e12, 4800e9, 141e9, 450e9, 50e9, _H200,
+        989e12, 4800e9, 143771 * MiB, 450e9, 50e9, _H200,
         GpuArch((9, 0), 132, 1.98, 50 * MiB, 228 * KiB, 227 * KiB),
     )),
     ("gpu", "gb200", HardwareSpec(2500e12, 8000e9, 186e9, source="NVIDIA GB200 NVL72 datasheet")),
