@@ -6,6 +6,9 @@ Six tables, each a list of JSON rows (``tables()`` returns them together):
   the GPT's own projections at 8k tokens, their backward shapes, and a square ladder;
   TFLOP/s is ``2·m·n·k`` over the median time.
 - ``gemm_f32``: fp32 ``(m, k) @ (k, n)`` at JAX's default precision, a few shapes.
+- ``gemm_f32_cublas``: the same with XLA's Triton GEMMs off, so cuBLAS runs them: what a
+  step compiled with ``xla_gpu_enable_triton_gemm=False`` runs (the cost model prices a
+  cuBLAS call's fp32 GEMM by these rows, dtype ``"f32-cublas"``).
 - ``stream``: elementwise passes over large arrays (copy, scale, a bf16 → fp32 convert),
   GB/s counting bytes read plus bytes written.
 - ``reduce``: row and column reductions of a ``(65536, 2048)`` array (a norm's shape).
@@ -90,10 +93,12 @@ def _pipelined_seconds(fn: Callable[[], Any], calls: int, rounds: int = 3) -> fl
 
 
 def gemm(
-    shapes: Sequence[tuple[int, int, int]], calls: int = 20, dtype: str = "bf16"
-) -> list[dict[str, Any]]:
+    shapes: Sequence[tuple[int, int, int]], calls: int = 20, dtype: str = "bf16",
+    cublas: bool = False,
+) -> list[dict[str, Any]]:  # fmt: skip
     """``(m, k) @ (k, n)`` per shape: bf16 → bf16 with fp32 accumulation, or fp32 → fp32
-    at JAX's default precision (what an fp32 model's matmuls run at)."""
+    at JAX's default precision (what an fp32 model's matmuls run at); ``cublas``: with
+    XLA's Triton GEMMs off (the row's dtype gets ``-cublas``)."""
     import jax
     import jax.numpy as jnp
 
@@ -103,9 +108,12 @@ def gemm(
         keys = jax.random.split(jax.random.key(m * 7 + n * 3 + k), 2)
         a = jax.random.normal(keys[0], (m, k), operand)
         b = jax.random.normal(keys[1], (k, n), operand)
-        f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+        options = {"xla_gpu_enable_triton_gemm": False} if cublas else None
+        f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype),
+                    compiler_options=options)  # fmt: skip
         seconds = _pipelined_seconds(lambda f=f, a=a, b=b: f(a, b), calls)
-        rows.append({"m": m, "n": n, "k": k, "dtype": dtype, "ms": seconds * 1e3,
+        rows.append({"m": m, "n": n, "k": k, "dtype": dtype + ("-cublas" if cublas else ""),
+                     "ms": seconds * 1e3,
                      "tflops": 2.0 * m * n * k / seconds / 1e12})  # fmt: skip
         del a, b
     return rows
@@ -248,6 +256,7 @@ def tables(quick: bool = False) -> dict[str, Any]:
     parts: dict[str, Callable[[], Any]] = {
         "gemm": lambda: gemm(gemm_shapes(quick)),
         "gemm_f32": lambda: gemm(fp32_gemm_shapes(quick), dtype="f32"),
+        "gemm_f32_cublas": lambda: gemm(fp32_gemm_shapes(quick), dtype="f32", cublas=True),
         "stream": lambda: stream(2**16 if quick else 2**28),
         "reduce": lambda: reduce(64 if quick else 65536),
         "attention": lambda: attention(attention_shapes(quick)),

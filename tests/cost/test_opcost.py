@@ -5,6 +5,8 @@ for compile-only H200 and H100 devices (the full 24-layer configurations measure
 H200 are ``benchmarks/cost_model_accuracy.py``'s).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -37,6 +39,12 @@ def test_gemm_rows_drop_dispatch_bound_rows_and_the_rate_is_the_nearest_shape():
     assert gemm_rate(H200, 8192, 8192, 2048, "f32") == pytest.approx(659.32e12 / 2)
     assert gemm_rate(H100, 8192, 8192, 8192) == pytest.approx(690.42e12)
     assert gemm_rate(H100, 8192, 8192, 8192, "f32") == pytest.approx(359.75e12)  # measured
+    # cuBLAS's own fp32 rows (Triton GEMMs off) price a cuBLAS call where a table has them
+    row = (8192, 8192, 8192, "f32-cublas", 250.0)
+    with_library = dataclasses.replace(H100, gemm=(*H100.gemm, row))
+    assert gemm_rate(with_library, 8192, 8192, 8192, "f32", cublas=True) == pytest.approx(250e12)
+    assert gemm_rate(with_library, 8192, 8192, 8192, "f32") == pytest.approx(359.75e12)
+    assert gemm_rate(H100, 8192, 8192, 8192, "f32", cublas=True) == pytest.approx(359.75e12)
 
 
 def test_a_gemm_is_priced_at_its_shape_rate_times_its_loop_trips():

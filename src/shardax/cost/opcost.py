@@ -171,11 +171,15 @@ def _distance(shape: tuple[int, ...], point: list[float]) -> float:
     return sum((math.log2(a) - b) ** 2 for a, b in zip(shape, point, strict=True))
 
 
-def gemm_rate(c: Calibration, m: float, n: float, k: float, dtype: str = "bf16") -> float:
+def gemm_rate(
+    c: Calibration, m: float, n: float, k: float, dtype: str = "bf16", cublas: bool = False
+) -> float:
     """FLOP/s of an ``(m, k) @ (k, n)`` GEMM: the rate of ``c``'s measured shape nearest in
     ``(log m, log n, log k)`` (``gemm_rows``) and dtype;
     for fp32 operands where ``c`` measured none, the bf16 rate times
-    ``FP32_GEMM_FACTOR``.
+    ``FP32_GEMM_FACTOR``. ``cublas``: a cuBLAS call (not a Triton GEMM fusion), priced
+    by the ``"f32-cublas"`` rows (measured with Triton GEMMs off) for fp32 where ``c``
+    has them.
 
     >>> from shardax.cost.calibration import H200
     >>> round(gemm_rate(H200, 8192, 8192, 2048) / 1e12)
@@ -185,7 +189,8 @@ def gemm_rate(c: Calibration, m: float, n: float, k: float, dtype: str = "bf16")
     """
     wide = dtype in ("f32", "f64")
     rows = gemm_rows(c)
-    measured = [r for r in rows if r[3] == "f32"] if wide else []
+    library = [r for r in rows if r[3] == "f32-cublas"] if wide and cublas else []
+    measured = library or ([r for r in rows if r[3] == "f32"] if wide else [])
     factor = FP32_GEMM_FACTOR if wide and not measured else 1.0
     point = [math.log2(max(x, 1.0)) for x in (m, n, k)]
     best = min(
@@ -373,7 +378,8 @@ def price_hlo(
                 flops = index.flops(instr)
                 if flops:
                     m, n, k, dtype = _gemm_shape(index, instr, flops)
-                    rate = gemm_rate(c, m, n, k, dtype)
+                    cublas = (instr.target or "").startswith("__cublas")
+                    rate = gemm_rate(c, m, n, k, dtype, cublas)
                     scale = rate / (gemm_rate(c, m, n, k) or rate)
                     classes[cls].add(runs, max(flops / rate, mem[0]),
                                      max(flops / (best_rate * scale), mem[1]),
