@@ -375,23 +375,13 @@ def test_tpu_matmuls_in_a_scan_are_counted_from_the_hlo():
 
 
 @pytest.mark.compile_only("tpu")
-def test_tpu_gpt_flops_from_the_hlo_follow_6n_plus_attention():
+def test_tpu_gpt_flops_from_the_hlo_follow_6n_plus_attention(abstract_gpt_step):
     """XLA:TPU writes batched matmuls (attention, heads) as convolutions whose padded,
     dilated or reversed window dimensions are batch dimensions: one tap, not the size."""
-    from flax import nnx
-
     from shardax.models import gpt
 
-    mesh = sx.make_mesh({"data": 4}, devices=sx.target("v5e-4"))
     cfg = gpt.GPTConfig(2, 256, 4, 128, vocab=256, scan_layers=True)
-    model = nnx.eval_shape(lambda: gpt.make_gpt(cfg, 0))
-    state = nnx.eval_shape(lambda: sx.TrainState.create(gpt.make_gpt(cfg, 0), optax.adam(1e-4)))
-
-    def loss_fn(m, b):
-        logits = m(b["inputs"]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
-
-    step = sx.make_train_step(loss_fn, mesh=mesh, plan=gpt.plan(mesh, model, "fsdp"))
+    _, model, state, step = abstract_gpt_step("v5e-4", cfg, data=4)
     tok = jax.ShapeDtypeStruct((16, 96), jnp.int32)
     hlo = step.lower(state, {"inputs": tok, "targets": tok}).compile().as_text()
     n = gpt.param_count(model, embeddings=False)  # XLA computes the whole causal square

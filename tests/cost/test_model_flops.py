@@ -3,10 +3,8 @@ predicts from them: never above what the compiled step executes allows."""
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
-import shardax as sx
 from shardax.cost.estimation import analyse
 from shardax.cost.model_flops import CONVENTION, batch_unit, default_model_flops, matmul_params
 
@@ -40,25 +38,15 @@ def test_images_get_no_6n_default():
 
 
 @pytest.mark.compile_only("gpu")
-def test_gpt_mfu_stays_within_what_the_compiled_step_executes():
+def test_gpt_mfu_stays_within_what_the_compiled_step_executes(abstract_gpt_step):
     """Issue 41: a GPT with a large vocabulary (scaled down from 4 × 1024, 32k vocabulary,
     4k tokens per device) with fsdp on 8×H100. 6·N·tokens over every parameter counted
     the embedding table as matmul work, above the compiled step's FLOPs, and predicted an
     MFU above the 60% of peak compute is assumed at (79% at full size)."""
-    from flax import nnx
-
     from shardax.models import gpt
 
-    mesh = sx.make_mesh({"data": 8}, devices=sx.target("8xH100"))
     cfg = gpt.GPTConfig(1, 128, 4, 256, vocab=4096, scan_layers=True)
-    model = nnx.eval_shape(lambda: gpt.make_gpt(cfg, 0))
-    state = nnx.eval_shape(lambda: sx.TrainState.create(gpt.make_gpt(cfg, 0), optax.adam(1e-4)))
-
-    def loss_fn(m, b):
-        logits = m(b["inputs"]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
-
-    step = sx.make_train_step(loss_fn, mesh=mesh, plan=gpt.plan(mesh, model, "fsdp"))
+    mesh, model, state, step = abstract_gpt_step("8xH100", cfg, data=8)
     tok = jax.ShapeDtypeStruct((8, 256), jnp.int32)  # 256 tokens per device
     batch = {"inputs": tok, "targets": tok}
     abstract = step.abstract(state)  # one compile, analysed with and without model_flops
