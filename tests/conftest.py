@@ -28,6 +28,19 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
 # (shardax/cost/compile_target.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Python's bytecode: where the environment turns its writing off (PYTHONDONTWRITEBYTECODE),
+# every subprocess compiled JAX, Flax, orbax and shardax from source again, about 2 s of a
+# core each, over a hundred processes a run. The session keeps the bytecode in a temporary
+# directory of its own instead (PYTHONPYCACHEPREFIX, inherited like the JAX cache below):
+# nothing is written beside the sources, and it is deleted at the end.
+_OWN_PYCACHE = bool(os.environ.get("PYTHONDONTWRITEBYTECODE")) and not os.environ.get(
+    "PYTHONPYCACHEPREFIX"
+)
+if _OWN_PYCACHE:
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="shardax-tests-pycache-")
+    sys.pycache_prefix, sys.dont_write_bytecode = os.environ["PYTHONPYCACHEPREFIX"], False
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
@@ -122,21 +135,25 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE:
         shutil.rmtree(CACHE_DIR, ignore_errors=True)
+    if _OWN_PYCACHE:
+        shutil.rmtree(sys.pycache_prefix, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def launched_train(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, list[str]]:
     """One ``shardax launch -n 2 --cpu-devices 2 -- shardax train`` run (MLP, 2 epochs of
-    6 steps, a profile of steps 2:3, scalars every step), shared by the tests that check
-    different things about it (test_cli: JSON and output of the processes, the curve of one
-    process; test_cli_track: one trace per process, process 0's scalars): three Python
-    processes cost more than the training. Returns the finished process, its run directory
-    and the train options it used."""
+    6 steps, a profile of steps 2:3, scalars every step, its last step saved in
+    ``<run>/ckpt``), shared by the tests that check different things about it (test_cli:
+    JSON and output of the processes, the curve of one process; test_cli_track: one trace
+    per process, process 0's scalars; test_preemption: the uninterrupted run a preempted
+    one resumes to, bitwise): three Python processes cost more than the training. Returns
+    the finished process, its run directory and the train options it used."""
     run = tmp_path_factory.mktemp("launched") / "run"
     train = ["--epochs", "2", "--hidden", "32", "--batch-size", "256"]
     proc = subprocess.run(
         [sys.executable, "-m", "shardax", "launch", "-n", "2", "--cpu-devices", "2", "--",
          sys.executable, "-m", "shardax", "train", *train, "--run-dir", str(run),
+         "--checkpoint-dir", str(run / "ckpt"), "--save-every", "1000",
          "--profile-steps", "2:3", "--log-every", "1", "--json"],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip

@@ -35,10 +35,13 @@ from shardax.runtime.distributed import resolve_coordinates
 SMALL = ["--hidden", "32", "--epochs", "2", "--batch-size", "128"]  # 12 steps an epoch
 
 
-def train_summary(tmp_path: Path, name: str, *argv: str) -> tuple[int, dict]:
-    """Runs ``shardax train`` in this process; its exit code and summary (if any)."""
+def train_summary(
+    tmp_path: Path, name: str, *argv: str, options: list[str] = SMALL
+) -> tuple[int, dict]:
+    """Runs ``shardax train`` (``options``, then ``argv``) in this process; its exit code
+    and summary (if any)."""
     run = tmp_path / f"run-{name}"
-    code = cli(["train", *SMALL, "--run-dir", str(run), *argv])
+    code = cli(["train", *options, "--run-dir", str(run), *argv])
     summary = run / "summary.json"
     return code, json.loads(summary.read_text()) if summary.exists() else {}
 
@@ -345,11 +348,17 @@ def test_resume_on_a_data_axis_the_batch_does_not_divide_names_sizes_and_options
 
 
 @pytest.mark.timeout(900)
-def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp_path, straight):
-    straight, want = straight
+def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(
+    tmp_path, launched_train
+):
+    # The uninterrupted 2-process run is the session's launched_train (conftest: launch -n 2
+    # --cpu-devices 2, 2 epochs of 6 steps of 256, its last step saved in <run>/ckpt); this
+    # run is the same one, preempted, then resumed.
+    reference, run, options = launched_train
+    assert reference.returncode == 0, reference.stderr[-6000:]
     ckpt = tmp_path / "mp"
-    launch = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "4", "--"]
-    train = [sys.executable, "-m", "shardax", "train", *SMALL, "--save-every", "5"]
+    launch = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "2", "--"]
+    train = [sys.executable, "-m", "shardax", "train", *options, "--log-every", "1"]
 
     def start(name: str, *argv: str, log=subprocess.PIPE) -> subprocess.Popen:
         return subprocess.Popen(
@@ -360,20 +369,12 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
             env=CLEAN_ENV,
         )
 
-    # The uninterrupted 2-process run, then the one that is preempted: one launch at a
-    # time, since two side by side (4 processes on 2 cores) once lost a gloo peer.
-    # (Saving changes nothing it computes: it saves only at the epochs' ends, and the
-    # resumed run likewise, each save of 2 processes costing about a second.)
-    reference = start("mp-straight", "--checkpoint-dir", str(tmp_path / "mp-straight"),
-                      "--save-every", "1000")  # fmt: skip
+    # (Saving changes nothing it computes; each save of 2 processes costs about a second,
+    # so the steps after the first save leave SIGTERM time to arrive.)
+    watchdog = ("--step-timeout", "300")  # never fires
+    proc = start("mp", "--checkpoint-dir", str(ckpt), "--save-every", "3", *watchdog)
     try:
-        reference_out = reference.communicate(timeout=300)[0]
-    finally:
-        reference.kill()
-    assert reference.returncode == 0, reference_out[-6000:]
-    proc = start("mp", "--checkpoint-dir", str(ckpt), "--step-timeout", "300")  # never fires
-    try:
-        sigterm_when(ckpt / "5", pid=proc.pid)  # to launch, which forwards it to both
+        sigterm_when(ckpt / "3", pid=proc.pid)  # to launch, which forwards it to both
         out = proc.communicate(timeout=300)[0]
     finally:
         proc.kill()
@@ -385,7 +386,7 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
     }
     assert sorted(saved) == ["[0]", "[1]"] and len(set(saved.values())) == 1, out[-3000:]
     stopped = int(saved["[0]"])
-    assert 5 < stopped < 24
+    assert 3 < stopped < 12
     # Both processes wrote their shards of that step, and nothing after it.
     with sx.CheckpointManager(ckpt) as manager:
         assert manager.latest_step() == stopped
@@ -396,9 +397,9 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
         loader = manager.data_state(stopped)["loader"]
     assert loader == {
         **loader,
-        "epoch": stopped // 12,
-        "index": stopped % 12,
-        "batch_size": 128,
+        "epoch": stopped // 6,
+        "index": stopped % 6,
+        "batch_size": 256,
     }
     for data in (8, 4, 2):
         shutil.copytree(ckpt, tmp_path / f"elastic{data}")
@@ -407,21 +408,23 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
     # runs before the elastic resumes below (in this process, on copies of the checkpoint):
     # side by side on 2 cores, gloo's peers once lost each other under the load.
     # (Its output goes to a file: nothing reads a pipe meanwhile.)
+    uninterrupted = json.loads((run / "summary.json").read_text())
+    want = final_params(run / "ckpt")
     log = tmp_path / "mp-resumed.log"
     with log.open("w") as log_file:
         resumed = start("mp-resumed", "--checkpoint-dir", str(ckpt), "--resume",
                         "--save-every", "1000", log=log_file)  # fmt: skip
     try:
         resumed.wait(timeout=300)
-        # Elastic: the 2 x 4 checkpoint resumes on 1 x 8, 1 x 4 and 1 x 2 devices.
+        # Elastic: the 2 x 2 checkpoint resumes on 1 x 8, 1 x 4 and 1 x 2 devices.
         for data in (8, 4, 2):
             copy = tmp_path / f"elastic{data}"
             code, summary = train_summary(
                 tmp_path, f"on{data}", "--checkpoint-dir", str(copy), "--resume",
-                "--mesh", f"data={data}",
+                "--mesh", f"data={data}", options=options,
             )  # fmt: skip
             assert code == 0 and summary["devices"] == data and summary["processes"] == 1
-            assert_same_history(summary["history"], straight["history"], rtol=1e-5)
+            assert_same_history(summary["history"], uninterrupted["history"], rtol=1e-5)
             got = final_params(copy)
             for path in want:
                 np.testing.assert_allclose(
@@ -431,14 +434,11 @@ def test_two_processes_preempted_under_launch_resume_exactly_and_elastically(tmp
         resumed.kill()
     out = log.read_text()
     assert resumed.returncode == 0, out[-3000:]
-    summary, uninterrupted = (
-        json.loads((tmp_path / f"run-{name}" / "summary.json").read_text())
-        for name in ("mp-resumed", "mp-straight")
-    )
-    assert (summary["processes"], summary["devices"]) == (2, 8)
-    assert summary["resumed_from_epoch"] == stopped // 12
+    summary = json.loads((tmp_path / "run-mp-resumed" / "summary.json").read_text())
+    assert (summary["processes"], summary["devices"]) == (2, 4)
+    assert summary["resumed_from_epoch"] == stopped // 6
     assert_same_history(summary["history"], uninterrupted["history"])
-    want, got = final_params(tmp_path / "mp-straight"), final_params(ckpt)
+    got = final_params(ckpt)
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)
 

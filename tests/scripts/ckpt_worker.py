@@ -45,9 +45,10 @@ def new_state():
 def main():
     mode, directory = sys.argv[1], sys.argv[3]
     mesh = sx.make_mesh({"data": -1})
-    step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.fsdp(mesh, min_size=1))
-    state = step.shard(new_state())
     if mode == "train":  # argv: stop_step [resume]; 16 examples a batch, 6 batches an epoch
+        # (only this mode builds the step: the save loops' first commit comes sooner)
+        step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.fsdp(mesh, min_size=1))
+        state = step.shard(new_state())
         stop, resume = int(sys.argv[4]), len(sys.argv) > 5
         loader = sx.batches(DATA, 16, shuffle=True, seed=3, num_epochs=None)
         if resume:
