@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardax.cost.compile_target import JAX_MEMORY_FRACTION
+
 HERE = Path(__file__).resolve().parent
 SESSIONS = {"H200": HERE / "gpu/results/2026-11-27-h200-1/session.json",
             "H100": HERE / "gpu/results/2026-11-27-h100-1/session.json"}  # fmt: skip
@@ -68,7 +70,8 @@ def configurations() -> list[dict[str, Any]]:
          {"batch": 8, "remat": "dots_no_batch", "scan": True}, 454.0),
     ):  # fmt: skip
         out.append(dict(name=name, card="H200", config={**base, **change}, options={},
-                        memory_fraction=0.75, measured_ms=ms, source=STAGE4))  # fmt: skip
+                        memory_fraction=JAX_MEMORY_FRACTION, measured_ms=ms,
+                        source=STAGE4))  # fmt: skip
     return out
 
 

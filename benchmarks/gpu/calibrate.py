@@ -1,6 +1,6 @@
 """The measurements a per-op cost model prices a compiled step with, on this device.
 
-Six tables, each a list of JSON rows (``tables()`` returns them together):
+Seven tables, each a list of JSON rows (``tables()`` returns them together):
 
 - ``gemm``: bf16 matrix products ``(m, k) @ (k, n)`` with fp32 accumulation, by shape:
   the GPT's own projections at 8k tokens, their backward shapes, and a square ladder;

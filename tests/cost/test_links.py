@@ -40,11 +40,12 @@ def test_a_ring_sends_host_share_of_its_bytes_between_hosts(n, hosts):
     size = 1e9
     sent = Collective("all-gather", size, n).sent_bytes  # (n-1)/n of the result
     expected = ring_bytes_between_hosts(n, hosts, size)
-    assert host_share("all-gather", n, hosts) * sent == pytest.approx(expected)
-    assert host_share("reduce-scatter", n, hosts) == host_share("all-gather", n, hosts)
-    assert host_share("all-to-all", 16, 2) == pytest.approx(8 / 15)  # 8 of 15 peers away
-    assert host_share("collective-permute", 16, 2) == 1.0
-    assert host_share("all-gather", 8, 1) == 0.0
+    g = n // hosts
+    assert host_share("all-gather", n, g) * sent == pytest.approx(expected)
+    assert host_share("reduce-scatter", n, g) == host_share("all-gather", n, g)
+    assert host_share("all-to-all", 16, 8) == pytest.approx(8 / 15)  # 8 of 15 peers away
+    assert host_share("collective-permute", 16, 8) == 1.0
+    assert host_share("all-gather", 8, 8) == 0.0  # all on one host
 
 
 def scheduled(op: str, size: float, group: int, runs: int = 1) -> Scheduled:
@@ -53,15 +54,28 @@ def scheduled(op: str, size: float, group: int, runs: int = 1) -> Scheduled:
 
 
 def test_a_group_across_gpu_hosts_splits_its_bytes_and_takes_the_slower_link():
-    devices = [SimpleNamespace(process_index=i // 8, slice_index=0) for i in range(128)]
+    devices = [SimpleNamespace(process_index=i // 8, slice_index=0, platform="gpu")
+               for i in range(128)]  # fmt: skip
     s = scheduled("all-gather", 1.28e9, 128, runs=2)
-    wire = _wire(s, "inter-host", devices, gpu=True)
+    wire = _wire(s, "inter-host", devices, LINKS)
     share = 1 / 8  # one ring per NIC: each GPU carries one ring's hop between hosts
     assert wire["inter-host"] == pytest.approx(share * s.sent_bytes)
     assert wire["intra-host"] + wire["inter-host"] == pytest.approx(s.sent_bytes)
-    # within a host, or on a TPU (ICI within a slice): every byte on the group's link
-    assert _wire(s, "intra-host", devices, gpu=True) == {"intra-host": s.sent_bytes}
-    assert _wire(s, "inter-host", devices, gpu=False) == {"inter-host": s.sent_bytes}
+    # within a host, on a TPU (ICI within a slice), or on GPUs with no NVLink figure (a
+    # PCIe part): every byte on the group's link
+    assert _wire(s, "intra-host", devices, LINKS) == {"intra-host": s.sent_bytes}
+    tpus = [SimpleNamespace(**{**vars(d), "platform": "tpu"}) for d in devices]
+    assert _wire(s, "inter-host", tpus, LINKS) == {"inter-host": s.sent_bytes}
+    assert _wire(s, "inter-host", devices, {"inter-host": IB}) == {"inter-host": s.sent_bytes}
+    # one GPU per host: every byte crosses, and nothing is left on NVLink
+    one_each = [SimpleNamespace(process_index=i, slice_index=0, platform="gpu") for i in range(4)]
+    r = scheduled("all-gather", 4e8, 4)
+    assert _wire(r, "inter-host", one_each, LINKS) == {"inter-host": r.sent_bytes}
+    # hosts holding 8 and 4 of a group of 12: the 4's GPUs carry a quarter each
+    uneven = [SimpleNamespace(process_index=int(i >= 8), slice_index=0, platform="gpu")
+              for i in range(12)]  # fmt: skip
+    u = scheduled("all-gather", 1.2e9, 12)
+    assert _wire(u, "inter-host", uneven, LINKS)["inter-host"] == pytest.approx(u.sent_bytes / 4)
     one = max(share * s.sent_bytes / 2 / IB, (1 - share) * s.sent_bytes / 2 / NVLINK)
     assert wire_seconds({k: v / 2 for k, v in wire.items()}, LINKS) == pytest.approx(one)
     assert wire_seconds(wire, {"inter-host": IB}) is None  # a link without a bandwidth

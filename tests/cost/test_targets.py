@@ -138,7 +138,7 @@ def test_gpu_memory_fraction_is_what_jax_takes_on_the_gpu(monkeypatch):
     with pytest.raises(ValueError, match=r"sx.target: XLA_CLIENT_MEM_FRACTION .* in \(0, 1\] "
                        r".*got 'most'"):  # fmt: skip
         fraction()
-    for bad in (0, 1.5, "half"):
+    for bad in (0, 1.5, "half", "0.9", True):  # a string only from the environment
         with pytest.raises(ValueError, match=r"sx.target: memory_fraction .*got"):
             fraction(bad)
     config = importlib.resources.files("shardax.cost").joinpath("targets", "h100.txtpb")

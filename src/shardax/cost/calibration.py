@@ -4,8 +4,8 @@ A ``Calibration`` holds, for one device kind and JAX version, the microbenchmark
 tables the per-op cost model (``shardax.cost.opcost``) prices a compiled step with:
 
 - ``gemm``: ``(m, k) @ (k, n)`` rates by shape and operand dtype (TFLOP/s: bf16, and
-  fp32 at JAX's default precision where measured), as ``benchmarks/gpu/calibrate.py``
-  measures them;
+  fp32 at JAX's default precision where measured; ``"f32-cublas"``: fp32 with Triton
+  GEMMs off, what a cuBLAS call runs), as ``benchmarks/gpu/calibrate.py`` measures them;
 - ``stream``: GB/s of elementwise passes (bytes read + written), slowest to fastest;
 - ``attention``: cuDNN fused attention, ms per call by (batch, seq, heads, head_dim,
   causal, pass);

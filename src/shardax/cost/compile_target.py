@@ -24,6 +24,7 @@ Target('8xH100': 8 x NVIDIA H100 80GB HBM3, 1 host x 8)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import glob
@@ -69,7 +70,9 @@ MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_F
 XLA_COMPILE_ONLY_SHARE = 0.8
 """The share of a target's ``device_memory_size`` that XLA:GPU plans a program in when
 no device gives it an allocator's limit (``GetSchedulerMemoryLimit``, as with compile-only
-devices). On a GPU, JAX compiles with its allocator's limit instead."""
+devices). On a GPU, JAX compiles with its allocator's limit instead. XLA's own combine
+heuristics read ``device_memory_size`` whole, so with XLA's default combine thresholds a
+target combines up to 1.25x what the GPU would (shardax's ``"auto"`` sets them)."""
 
 
 def gpu_memory_fraction(memory_fraction: float | None = None) -> float:
@@ -85,22 +88,24 @@ def gpu_memory_fraction(memory_fraction: float | None = None) -> float:
     >>> gpu_memory_fraction(0.95)
     0.95
     """
-    where = "memory_fraction"
+    where, value = "memory_fraction", memory_fraction
     if memory_fraction is None:
         for variable in MEMORY_FRACTION_VARIABLES:
             if os.environ.get(variable):
-                where, memory_fraction = variable, os.environ[variable]
+                where, value = variable, os.environ[variable]
                 break
         else:
             return JAX_MEMORY_FRACTION
-    try:
-        fraction = float(memory_fraction)
-    except (TypeError, ValueError):
-        fraction = float("nan")
+    fraction = float("nan")
+    if isinstance(value, str) and where != "memory_fraction":  # the environment's text
+        with contextlib.suppress(ValueError):
+            fraction = float(value)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        fraction = float(value)
     if not 0 < fraction <= 1:
         raise ValueError(
             f"sx.target: {where} is the share of each GPU's memory JAX's allocator takes, "
-            f"a number in (0, 1] (JAX's default {JAX_MEMORY_FRACTION}); got {memory_fraction!r}"
+            f"a number in (0, 1] (JAX's default {JAX_MEMORY_FRACTION}); got {value!r}"
         )
     return fraction
 

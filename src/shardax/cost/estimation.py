@@ -48,6 +48,7 @@ import dataclasses
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -171,7 +172,9 @@ class Estimate:
         return None if room is None else room >= HEADROOM
 
     def link_bytes(self) -> dict[str, float]:
-        """Bytes each device sends per step, per link."""
+        """Bytes each device sends per step, by the link its collectives' groups span (a
+        group across GPU hosts counts whole under ``"inter-host"``; the prediction moves
+        ``host_share`` of it between hosts and the rest over NVLink)."""
         out: dict[str, float] = {}
         for c in self.collectives:
             out[c["link"]] = out.get(c["link"], 0.0) + c["sent_bytes"]
@@ -576,8 +579,6 @@ def analyse(
     timed = schedule(hlo, len(devices))
     grouped: dict[tuple[str, str], dict[str, Any]] = {}
     links_of = [_link(s.collective.groups, devices) for s in timed]
-    gpu = str(devices[0].platform).lower() in ("gpu", "cuda", "rocm")
-    wires = [_wire(s, link, devices, gpu) for s, link in zip(timed, links_of, strict=True)]
     for s, link in zip(timed, links_of, strict=True):
         c = s.collective
         row = grouped.setdefault((c.op, link), {"op": c.op, "link": link, "runs": 0,
@@ -596,6 +597,8 @@ def analyse(
         accessed = (cost or {}).get("bytes accessed")
         hbm_traffic = float(accessed) if accessed else float(args + outs + 2 * temp)
         bandwidths = link_bandwidths(spec, links, str(devices[0].platform).lower())
+        wires = [_wire(s, link, devices, bandwidths) for s, link in zip(timed, links_of,
+                                                                          strict=True)]  # fmt: skip
         sent: dict[str, float] = {}  # bytes per link (a group across GPU hosts: split)
         for wire in wires:
             for link, nbytes in wire.items():
@@ -712,16 +715,21 @@ def _link(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> str:
     )
 
 
-def _wire(s: Any, link: str, devices: list[Any], gpu: bool) -> dict[str, float]:
+def _wire(
+    s: Any, link: str, devices: list[Any], bandwidths: Mapping[str, float | None]
+) -> dict[str, float]:
     """The bytes per step the scheduled collective ``s`` moves over each link: all it
-    sends over ``link``, except a group across GPU hosts, whose devices send
-    ``host_share`` of it between hosts and the rest within their host."""
+    sends over ``link``, except a group across GPU hosts with NVLink within them (an
+    ``"intra-host"`` bandwidth), whose devices send ``host_share`` of it between hosts
+    and the rest within their host."""
     c = s.collective
-    if not gpu or link != "inter-host":
+    gpu = str(devices[0].platform).lower() in ("gpu", "cuda", "rocm")
+    if not gpu or link != "inter-host" or not bandwidths.get("intra-host"):
         return {link: c.sent_bytes}
-    hosts = {d.process_index for d in _members(c.groups, devices)}
-    share = host_share(c.op, c.group, len(hosts))
-    return {"inter-host": share * c.sent_bytes, "intra-host": (1 - share) * c.sent_bytes}
+    per_host = Counter(d.process_index for d in _members(c.groups, devices))
+    share = host_share(c.op, c.group, min(per_host.values()))
+    split = {"inter-host": share * c.sent_bytes, "intra-host": (1 - share) * c.sent_bytes}
+    return {k: v for k, v in split.items() if v}
 
 
 def _overlap(
@@ -733,10 +741,11 @@ def _overlap(
     exposed = total = 0.0
     for s, moved in zip(timed, wires, strict=True):
         runs = s.collective.count
-        per_run = {k: v / runs for k, v in moved.items()} if runs else {}
-        if not per_run or not all(bandwidths.get(k) for k in per_run):
+        if not runs:
             continue
-        wire = wire_seconds(per_run, bandwidths) or 0.0
+        wire = wire_seconds({k: v / runs for k, v in moved.items()}, bandwidths)
+        if wire is None:
+            continue
         total += wire * runs
         exposed += exposed_seconds(s, wire, flop_rate)
     return {

@@ -393,11 +393,14 @@ def price_hlo(
     bandwidths = link_bandwidth or {}
     for s in schedule(hlo, num_devices) if scheduled is None else scheduled:
         runs = s.collective.count
-        wire_bytes = wire_of(s) if wire_of is not None else {"intra-host": s.sent_bytes}
-        if not runs or not wire_bytes or not all(bandwidths.get(k) for k in wire_bytes):
+        if not runs:
             continue
+        wire_bytes = wire_of(s) if wire_of is not None else {"intra-host": s.sent_bytes}
         moving = wire_seconds({k: v / runs for k, v in wire_bytes.items()}, bandwidths)
-        one = max(LATENCY_S.get(link, 0.0) for link in wire_bytes) + (moving or 0.0)
+        if moving is None:  # a link it uses has no bandwidth: left out, as in the roofline
+            continue
+        one = max((LATENCY_S.get(k, 0.0) for k, v in wire_bytes.items() if v), default=0.0)
+        one += moving
         wire += one * s.collective.count
         exposed += exposed_seconds(s, one, best_rate)
     if widen is None:

@@ -201,30 +201,29 @@ def link_of(process_indices: set[int], slice_indices: set[int]) -> str:
     return "inter-host" if len(process_indices) > 1 else "intra-host"
 
 
-def host_share(op: str, group: int, hosts: int) -> float:
+def host_share(op: str, group: int, per_host: int) -> float:
     """The share of a device's sent bytes (``Collective.sent_bytes``) that leave its host,
-    for a collective whose ``group`` devices span ``hosts`` hosts evenly, on GPU servers
-    whose GPUs each have their own NIC (HGX/DGX: NCCL runs a ring or tree per NIC, so the
-    ``group/hosts`` GPUs of a host share the traffic between hosts).
+    for a collective over ``group`` devices of which ``per_host`` are on each host (the
+    fewest any host holds: those GPUs carry the most), on GPU servers whose GPUs each
+    have their own NIC (HGX/DGX: NCCL runs its rings over every NIC).
 
-    A ring collective (all-gather, reduce-scatter, all-reduce: NCCL's rings, one per NIC,
-    each entering and leaving a host once) crosses between hosts at one GPU of each host
-    per ring, so each of the ``g = n/h`` GPUs of a host carries one ring's traffic
-    between hosts: ``1/g`` of what it sends; the rest moves within the host (NVLink). An
-    all-to-all sends ``(n-g)/(n-1)`` of its bytes to other hosts; a permute, all. With
-    one device per host the share is 1: every byte crosses.
+    A ring collective (all-gather, reduce-scatter, all-reduce: one ring per NIC, each
+    entering and leaving a host once) crosses between hosts at one GPU of each host per
+    ring, so each of a host's ``g`` GPUs carries one ring's traffic between hosts: ``1/g``
+    of what it sends; the rest moves within the host (NVLink). An all-to-all sends
+    ``(n-g)/(n-1)`` of its bytes to other hosts; a permute, all. With one device per
+    host the share is 1: every byte crosses; with the whole group on one host, 0.
 
-    >>> host_share("all-gather", 128, 16), host_share("all-gather", 16, 16)
+    >>> host_share("all-gather", 128, 8), host_share("all-gather", 16, 1)
     (0.125, 1.0)
     """
-    n, h = int(group), max(int(hosts), 1)
-    if n <= 1 or h <= 1:
+    n, g = int(group), max(int(per_host), 1)
+    if n <= 1 or g >= n:
         return 0.0
-    per_host = n / h
     if op in ("all-gather", "reduce-scatter", "all-reduce"):
-        return 1 / per_host
+        return 1 / g
     if op in ("all-to-all", "ragged-all-to-all"):
-        return (n - per_host) / (n - 1)
+        return (n - g) / (n - 1)
     return 1.0
 
 
