@@ -311,6 +311,32 @@ def test_estimate_for_an_h100_target_splits_links(h100_2x4, small_train):
     assert any("misses a kernel's work" in n for n in above.notes)
 
 
+@pytest.mark.compile_only
+def test_a_gpu_targets_fit_is_judged_in_the_memory_jax_would_have(small_train):
+    """A GPU target compiles in memory_fraction of its memory; the report's headroom and
+    the auto plan's budget are that share, not the whole HBM."""
+    from shardax.train.auto import default_device_memory
+
+    state, loss_fn, batch = small_train
+    target = sx.target("1xH100", memory_fraction=0.5)
+    mesh = sx.make_mesh({"data": 1}, devices=target)
+    step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.replicate(mesh))
+    report = sx.estimate(step, state, batch)
+    hbm = target.spec.memory_bytes
+    assert report.hbm_bytes == hbm and report.memory_budget == 0.5 * hbm
+    assert report.budget_note == "memory_fraction 0.5 of 81,920 MiB"
+    assert report.headroom == pytest.approx(1 - report.memory["peak"] / (0.5 * hbm))
+    assert default_device_memory(target[0]) == 0.5 * hbm
+    text = " ".join(str(report).split())
+    assert "HBM 80.00 GiB, budget 40.00 GiB (memory_fraction 0.5 of 81,920 MiB)" in text
+    assert f"headroom {report.headroom:.1%} of the budget: fits" in text
+    assert report.to_dict()["memory_budget"] == 0.5 * hbm
+    # Without a budget (a device no figure describes) the headroom is HBM's.
+    assert dataclasses.replace(report, memory_budget=None).headroom == pytest.approx(
+        1 - report.memory["peak"] / hbm
+    )
+
+
 OOM = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
        "memory required for HLO temporaries (24.00G) exceeds available HBM (15.75G).")  # fmt: skip
 

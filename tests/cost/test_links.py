@@ -89,3 +89,19 @@ def test_a_group_across_gpu_hosts_splits_its_bytes_and_takes_the_slower_link():
     assert cost.exposed_s == pytest.approx(cost.collective_s)
     # an eighth of every byte over one NIC, which the model charged before
     assert cost.collective_s == pytest.approx(s.sent_bytes / IB / 8 + 2 * LATENCY_S["inter-host"])
+
+
+def test_a_permute_is_priced_by_the_pair_that_crosses_hosts():
+    """A pipeline over 8 GPUs on 2 hosts of 4 sends stage to stage: three pairs within a
+    host, one between them. All pairs run at once, so the crossing pair sets the time."""
+    from shardax.cost.estimation import _link
+
+    devices = [SimpleNamespace(process_index=i // 4, slice_index=0, platform="gpu")
+               for i in range(8)]  # fmt: skip
+    pairs = tuple((i, i + 1) for i in range(7))
+    assert _link(pairs, devices) == "inter-host"
+    assert _link(pairs[:3], devices) == "intra-host"  # the first host's stages only
+    permute = Collective("collective-permute", 4e8, 2, groups=pairs)
+    s = Scheduled(permute, "cp", "main", 0, 1, True, 0, 0.0, None)
+    assert _wire(s, "inter-host", devices, LINKS) == {"inter-host": permute.sent_bytes}
+    assert _link(pairs[3:4] + pairs[:3], devices) == "inter-host"  # wherever it is listed

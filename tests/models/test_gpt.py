@@ -23,10 +23,14 @@ CFG = gpt.GPTConfig(layers=2, d_model=32, heads=4, max_seq_len=16)
 ONE_BLOCK = gpt.GPTConfig(layers=1, d_model=32, heads=4, max_seq_len=16)
 
 
+_MAKE = nnx.jit(gpt.make_gpt, static_argnames=("cfg", "remat"))
+
+
 def make(cfg, remat="none"):
     """``gpt.make_gpt(cfg, remat=remat)`` built under one ``nnx.jit``: the same model, but one
-    compiled program instead of an eager one per initialiser (seconds for each new config)."""
-    return nnx.jit(lambda: gpt.make_gpt(cfg, remat=remat))()
+    compiled program instead of an eager one per initialiser (seconds for each new config),
+    traced once per config and policy (the tests ask for the same ones again)."""
+    return _MAKE(cfg=cfg, remat=remat)
 
 
 def abstract(cfg):

@@ -70,7 +70,8 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
         if run.step == hang_at - 1 and jax.process_index() == 0:
             time.sleep(late)
 
-    every = {"save": save_every, "log": 1}
+    every = {"save": save_every, "log": 1}  # each step's loss written and checked finite
+    writer = f"{ckpt}-metrics"
     if flavour == "nnx":
 
         @nnx.jit
@@ -83,7 +84,7 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         model, optimizer = sx.prepare(model, optimizer, mesh=mesh, plan=sx.fsdp(mesh, min_size=1))
         with sx.loop.run((model, optimizer), checkpoints=ckpt, every=every, steps=steps,
-                         watchdog=watchdog) as run:  # fmt: skip
+                         watchdog=watchdog, writer=writer) as run:  # fmt: skip
             for batch in run.batches(loader, mesh):
                 poke(run)
                 loss = train_step(model, optimizer, batch)
@@ -94,7 +95,7 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
         step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.fsdp(mesh, min_size=1))
         state = step.init(lambda: sx.TrainState.create(Net(nnx.Rngs(0)), optax.adam(1e-2), rng=1))
         with sx.loop.run(state, checkpoints=ckpt, every=every, steps=steps,
-                         watchdog=watchdog) as run:  # fmt: skip
+                         watchdog=watchdog, writer=writer) as run:  # fmt: skip
             state = run.state
             for batch in run.batches(loader, mesh):
                 poke(run)

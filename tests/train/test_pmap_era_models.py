@@ -71,8 +71,11 @@ def loss_fn(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
 
+@jax.jit
 def init_variables():
-    x = np.zeros((1, 6, 6, 3), np.float32)
+    """TinyResNet's variables, built under one jit (eagerly, every initialiser's ops were
+    compiled one by one; the tests ask for them again)."""
+    x = jnp.zeros((1, 6, 6, 3), jnp.float32)
     return TinyResNet(axis_name=None).init(jax.random.key(0), x, train=False)
 
 
@@ -224,6 +227,12 @@ def seq_loss(model, batch):
     return optax.softmax_cross_entropy(logits, batch["inputs"]).mean()
 
 
+@jax.jit
+def seq2seq_variables(inputs):
+    """Seq2Seq's variables (its "lstm" stream drawn too), built under one jit."""
+    return Seq2Seq().init({"params": jax.random.key(1), "lstm": jax.random.key(2)}, inputs)
+
+
 def seq_batches(n=2, size=16, time=4):
     rng = np.random.default_rng(3)
     tokens = [rng.integers(0, 5, (size, time)) for _ in range(n)]
@@ -237,22 +246,23 @@ def test_a_linen_module_with_its_own_rng_stream_trains_as_on_one_device(mesh):
 
     model = Seq2Seq()
     data = seq_batches()
-    variables = model.init(
-        {"params": jax.random.key(1), "lstm": jax.random.key(2)}, data[0]["inputs"]
-    )
+    variables = seq2seq_variables(data[0]["inputs"])
     key = jax.random.key(7)
 
-    params, opt_state, want = variables["params"], TX.init(variables["params"]), []
-    for i, batch in enumerate(data):  # the program's own loop, with the documented keys
-        lstm = jax.random.fold_in(jax.random.fold_in(key, i), zlib.crc32(b"lstm"))
-
-        def loss(p, batch=batch, lstm=lstm):
+    @jax.jit
+    def update(params, opt_state, batch, lstm):
+        def loss(p):
             logits = model.apply({"params": p}, batch["inputs"], rngs={"lstm": lstm})
             return optax.softmax_cross_entropy(logits, batch["inputs"]).mean()
 
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = TX.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    params, opt_state, want = variables["params"], TX.init(variables["params"]), []
+    for i, batch in enumerate(data):  # the program's own loop, with the documented keys
+        lstm = jax.random.fold_in(jax.random.fold_in(key, i), zlib.crc32(b"lstm"))
+        params, opt_state, value = update(params, opt_state, batch, lstm)
         want.append(float(value))
 
     for step_mesh, mode in [(mesh, "jit"), (sx.make_mesh({"data": 1}), "single")]:
@@ -267,9 +277,7 @@ def test_a_linen_module_with_its_own_rng_stream_trains_as_on_one_device(mesh):
 
 def test_a_linen_stream_is_refused_by_name_where_devices_would_draw_their_own(mesh):
     model, data = Seq2Seq(), seq_batches(1)
-    variables = model.init(
-        {"params": jax.random.key(1), "lstm": jax.random.key(2)}, data[0]["inputs"]
-    )
+    variables = seq2seq_variables(data[0]["inputs"])
     step = sx.make_train_step(seq_loss, mesh=mesh, mode="shard_map")
     state = step.shard(sx.TrainState.from_linen(model, variables, TX))
     with pytest.raises(ValueError, match=r"make_rng\('lstm'\).*rng_per_device=True"):

@@ -33,6 +33,7 @@ import importlib.util
 import os
 import re
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -123,6 +124,44 @@ def budgeted_gpu_config(config: str, memory_bytes: float, fraction: float) -> st
     if found != 1:
         raise ValueError(f"config must hold one device_memory_size field; found {found}")
     return new
+
+
+_TARGET_FRACTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The memory fraction of each GPU target's compile-only client (``target`` fills it)."""
+
+
+def device_memory(device: Any = None) -> tuple[float, str] | None:
+    """The bytes of ``device``'s memory that JAX's programs may use (default: the first
+    of ``jax.devices()``), and where the figure comes from; None where nothing knows it.
+
+    A live accelerator's allocator limit (``memory_stats()["bytes_limit"]``: on a GPU,
+    ``XLA_CLIENT_MEM_FRACTION`` of its memory); a GPU target's ``memory_fraction`` of the
+    datasheet's memory (what [`target`][shardax.target] compiled its programs in); else the
+    datasheet's memory (a TPU, or a device with no allocator figure).
+
+    >>> from types import SimpleNamespace
+    >>> device_memory(SimpleNamespace(platform="gpu", device_kind="NVIDIA H200"))
+    (150754820096.0, 'datasheet: 143,771 MiB')
+    """
+    device = jax.devices()[0] if device is None else device
+    try:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    except RuntimeError:  # a compile-only target device has no allocator
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        limit = float(stats["bytes_limit"])
+        return limit, f"the allocator's limit: {limit / 2**20:,.0f} MiB"
+    spec = device_spec(device)
+    if spec is None:
+        return None
+    try:
+        fraction = _TARGET_FRACTIONS.get(device.client)
+    except (AttributeError, TypeError):  # no client, or one no weak reference can hold
+        fraction = None
+    hbm = float(spec.memory_bytes)
+    if fraction is not None:
+        return hbm * fraction, f"memory_fraction {fraction:g} of {hbm / 2**20:,.0f} MiB"
+    return hbm, f"datasheet: {hbm / 2**20:,.0f} MiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -584,6 +623,8 @@ def target(name: str, *, memory_fraction: float | None = None) -> Target:
     _require_jax_012(name)
     make = _gpu_devices if parsed["platform"] == "gpu" else _tpu_devices
     devices, topology = make(name, parsed)
+    if parsed.get("memory_fraction") is not None:
+        _TARGET_FRACTIONS[devices[0].client] = parsed["memory_fraction"]
     hosts = len({d.process_index for d in devices})
     return Target(
         name=name,

@@ -60,6 +60,7 @@ from rich.table import Table
 from shardax._format import format_bytes, rich_text
 from shardax.checks import as_float, public, refused_compiler_option
 from shardax.cost.calibration import calibration_for, nearest
+from shardax.cost.compile_target import device_memory
 from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
 from shardax.cost.hardware import HardwareSpec, device_spec
 from shardax.cost.model_flops import CONVENTION, batch_unit, default_model_flops
@@ -92,7 +93,13 @@ class Estimate:
         memory: bytes per device of ``params``, ``optimizer``, ``other_state``,
             ``batch``, ``gradients`` (inside the temporaries), ``other_temporaries``
             and ``peak`` (the compiler's: arguments + outputs - aliased + temporaries).
-        hbm_bytes: the device's memory (None: unknown); headroom is its free share.
+        hbm_bytes: the device's memory (None: unknown).
+        memory_budget: the bytes JAX's programs may use on the device, which
+            ``headroom`` and ``fits`` measure the peak against: a live GPU's allocator
+            limit (``XLA_CLIENT_MEM_FRACTION`` of its memory), a GPU target's
+            ``memory_fraction`` of ``hbm_bytes`` (the budget XLA compiled it in), else
+            ``hbm_bytes``; ``budget_note`` says which
+            (``shardax.cost.compile_target.device_memory``).
         flops_hlo: matmul FLOPs per device per step counted from the compiled HLO;
             flops_backend: the backend's count (``compiled_flops``:
             ``cost_analysis()`` with library calls and loop trips; None on GPU targets).
@@ -151,6 +158,8 @@ class Estimate:
     unit: str = "tokens"
     unpriced_calls: dict[str, int] = dataclasses.field(default_factory=dict)
     compiled_bytes: dict[str, int] | None = None
+    memory_budget: float | None = None
+    budget_note: str = ""
 
     @property
     def interval_s(self) -> tuple[float, float] | None:
@@ -160,14 +169,17 @@ class Estimate:
 
     @property
     def headroom(self) -> float | None:
-        """The share of HBM the peak leaves free (negative: it does not fit)."""
-        if not self.hbm_bytes:
+        """The share of the memory budget (``memory_budget``, else HBM) the peak leaves
+        free (negative: it does not fit)."""
+        budget = self.memory_budget or self.hbm_bytes
+        if not budget:
             return None
-        return 1 - self.memory["peak"] / self.hbm_bytes
+        return 1 - self.memory["peak"] / budget
 
     @property
     def fits(self) -> bool | None:
-        """The peak fits HBM with ``HEADROOM`` to spare (None: HBM unknown)."""
+        """The peak fits the memory budget with ``HEADROOM`` of it to spare (None:
+        neither the budget nor HBM is known)."""
         room = self.headroom
         return None if room is None else room >= HEADROOM
 
@@ -192,6 +204,8 @@ class Estimate:
 
     def __rich__(self) -> Any:
         hbm = "unknown" if not self.hbm_bytes else format_bytes(self.hbm_bytes)
+        if self.memory_budget and self.memory_budget != self.hbm_bytes:
+            hbm += f", budget {format_bytes(self.memory_budget)} ({self.budget_note})"
         mem = Table(title=f"{self.devices} × {self.device_kind}, mesh {self.mesh}: memory "
                           f"per device (compiled), HBM {hbm}")  # fmt: skip
         mem.add_column("component")
@@ -200,7 +214,8 @@ class Estimate:
             mem.add_row(("[bold]" if name == "peak" else "") + name, format_bytes(value))
         if self.headroom is not None:
             verdict = "fits" if self.fits else "[red]does not fit[/]"
-            mem.caption = f"headroom {self.headroom:.1%}: {verdict} (rule: ≥ {HEADROOM:.0%} free)"
+            mem.caption = (f"headroom {self.headroom:.1%} of the budget: {verdict} (rule: ≥ "
+                           f"{HEADROOM:.0%} free)")  # fmt: skip
         if self.compile_error is not None:
             return Group(mem, f"[red]the compiler refused the step:[/] {self.compile_error}",
                          f"compiler options: {format_options(self.compiler_options)}",
@@ -367,6 +382,7 @@ def _refused(
         mesh={str(k): int(v) for k, v in mesh.shape.items()},
         memory=memory,
         hbm_bytes=float(spec.memory_bytes) if spec is not None else (have or None),
+        **_budget(devices[0]),
         flops_hlo=0.0,
         flops_backend=None,
         model_flops=0.0,
@@ -384,6 +400,14 @@ def _refused(
         ),
         compile_error=message,
     )
+
+
+def _budget(device: Any) -> dict[str, Any]:
+    """An [`Estimate`][shardax.cost.Estimate]'s ``memory_budget`` and ``budget_note`` on
+    ``device``."""
+    found = device_memory(device)
+    return {"memory_budget": None, "budget_note": ""} if found is None else {
+        "memory_budget": found[0], "budget_note": found[1]}  # fmt: skip
 
 
 def _mesh_of(step: Any, leaves: list[Any]) -> Any:
@@ -659,6 +683,7 @@ def analyse(
         mesh={str(k): int(v) for k, v in mesh.shape.items()},
         memory=memory,
         hbm_bytes=hbm,
+        **_budget(devices[0]),
         flops_hlo=flops,
         flops_backend=backend,
         model_flops=float(model_flops),
@@ -702,17 +727,36 @@ def _price(
     )  # fmt: skip
 
 
+_LINK_ORDER = {"intra-host": 0, "inter-host": 1, "inter-slice": 2}
+
+
 def _members(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> list[Any]:
-    """The devices of a collective's first group (all ``devices`` where not known)."""
-    return [devices[i] for i in groups[0] if i < len(devices)] if groups else devices
+    """The devices of a collective's slowest group (all ``devices`` where not known): the
+    one over the widest link (slices, then hosts), of those the one whose fewest devices
+    on a host carry the most between hosts. Every group runs the op at once, so the
+    slowest sets its time: a pipeline's permute between stages on one host and stages on
+    two is priced by the pair that crosses hosts."""
+    if not groups:
+        return devices
+
+    def slowness(group: tuple[int, ...]) -> tuple[int, int]:
+        members = [devices[i] for i in group if i < len(devices)]
+        hosts = Counter(d.process_index for d in members)
+        return _LINK_ORDER[_link_of(members)], -min(hosts.values(), default=0)
+
+    slowest = max(groups, key=slowness)
+    return [devices[i] for i in slowest if i < len(devices)]
 
 
-def _link(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> str:
-    """The link a collective's first group crosses (all ``devices`` where not known)."""
-    members = _members(groups, devices)
+def _link_of(members: list[Any]) -> str:
     return link_of(
         {d.process_index for d in members}, {getattr(d, "slice_index", 0) for d in members}
     )
+
+
+def _link(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> str:
+    """The link a collective's slowest group crosses (``_members``)."""
+    return _link_of(_members(groups, devices))
 
 
 def _wire(

@@ -180,9 +180,11 @@ HARDWARE_SPECS: dict[HardwareType, HardwareSpec] = {
 # kind JAX reports (lower case, matched as a substring; first match wins, so the more
 # specific kinds come first). Dense bf16 FLOP/s without sparsity, HBM bytes/s, HBM bytes,
 # from the vendors' datasheets (each row names its source).
-_H200 = ("NVIDIA H200 SXM datasheet; DGX H200 user guide (8x ConnectX-7 400 Gb/s); memory: "
-         "143,771 MiB, as nvidia-smi reports the H200 lent to this project (the datasheet's "
-         "'141 GB')")
+_H200 = (
+    "NVIDIA H200 SXM datasheet; DGX H200 user guide (8x ConnectX-7 400 Gb/s); memory: "
+    "143,771 MiB, as nvidia-smi reports the H200 lent to this project (the datasheet's "
+    "'141 GB')"
+)
 _B200 = "NVIDIA DGX/HGX B200 datasheet (per GPU: 1/8 of the 8-GPU figures; 8x ConnectX-7 400 Gb/s)"
 DEVICE_KIND_SPECS: tuple[tuple[str, str, HardwareSpec], ...] = (
     ("gpu", "h100 pcie", HardwareSpec(756e12, 2000e9, 80 * GiB, source="H100 PCIe datasheet")),

@@ -20,13 +20,12 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 from rich.table import Table
 
 from shardax._format import format_bytes, rich_text
 from shardax.checks import public
+from shardax.cost.compile_target import device_memory
 from shardax.cost.estimation import HEADROOM, Estimate
-from shardax.cost.hardware import device_spec
 from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 from shardax.plan.core import Plan
 from shardax.train.auto.candidates import Candidate
@@ -166,18 +165,12 @@ class AutoPlan:
 
 
 def default_device_memory(device: Any = None) -> float | None:
-    """Bytes of memory of ``device`` (default: the first): its reported limit
-    (``memory_stats()["bytes_limit"]``), else (a compile-only target device too) the
-    hardware table's figure, else None."""
-    device = jax.devices()[0] if device is None else device
-    try:
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    except RuntimeError:  # a compile-only target device (sx.target) has no stats
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return float(stats["bytes_limit"])
-    spec = device_spec(device)
-    return None if spec is None else float(spec.memory_bytes)
+    """Bytes of memory of ``device`` (default: the first) that its programs may use: its
+    allocator's limit (``memory_stats()["bytes_limit"]``), a GPU target's
+    ``memory_fraction`` of its memory, else the hardware table's figure, else None
+    (``shardax.cost.compile_target.device_memory``)."""
+    found = device_memory(device)
+    return None if found is None else found[0]
 
 
 def _seconds(c: Candidate) -> str:
