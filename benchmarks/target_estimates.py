@@ -30,6 +30,7 @@ CASES: dict[str, dict[str, Any]] = {
         target="8xH100", layers=32, d_model=4096, heads=32, seq=4096, vocab=32000,
         per_device_batch=4, mesh={"data": 8}, remat="full", params_bf16=False,
         published={"tflops_per_device": 492.0},
+        memory_fraction=0.85,  # 1vm.sh: XLA_PYTHON_CLIENT_MEM_FRACTION=0.85
         # that README's MaxText counted attention non-causally: 6N + 12·L·T·d per token
         causal=False,
         source="MaxText configs/a3/llama_2_7b/README.md (1x A3 h100-80gb-8), 1vm.sh",
@@ -38,6 +39,7 @@ CASES: dict[str, dict[str, Any]] = {
         target="32x8xH200", layers=80, d_model=8192, heads=64, seq=8192, vocab=128256,
         per_device_batch=1, mesh={"replica": 32, "data": 8}, remat="full", params_bf16=True,
         published={"tflops_per_device": 508.0},
+        memory_fraction=0.85,  # MaxText's GPU scripts' (configs/a3/*/1vm.sh); not quoted
         source="as issue 33 quotes it (MaxText, Llama 3.1 70B on 256 H200); the page "
         "was not found with the search tool",
     ),
@@ -45,6 +47,7 @@ CASES: dict[str, dict[str, Any]] = {
         target="16x8xH100", layers=80, d_model=8192, heads=64, seq=8192, vocab=128256,
         per_device_batch=2, mesh={"data": 128}, remat="full", params_bf16=True,
         published={"tflops_per_device": 506.597},
+        memory_fraction=0.85,  # MaxText's GPU scripts'; the NGC page does not give its own
         # counted non-causally: 506.597 TFLOP/s x 15.570 s / 16,384 tokens per device is
         # 4.81e11 FLOPs per token, MaxText's count for Llama3-70B with attention whole
         # (weights 4.17e11 + 12·L·T·d 6.44e10); causal-halved it would be 4.49e11
@@ -67,15 +70,18 @@ CASES: dict[str, dict[str, Any]] = {
         published={"mfu": 0.4546, "tokens_per_s_per_device": 7207.0},
         source="maxtext.readthedocs.io reference/models/tiering.html (v6e Gold, 256 chips)",
     ),
-    # The prediction beside a measurement of ours: benchmarks/mfu.py's 1B GPT on the
-    # H200 this project was lent (docs/results.md, "On a GPU"): layers unrolled, as there.
+    # The prediction beside a measurement of ours: the 1B GPT's default step on the H200
+    # this project was lent (docs/results.md, "On a GPU", the session of 2026-11-27: layers
+    # unrolled, as there; that session's JAX took 95% of the card).
     "gpt-1b-1xh200": dict(
         target="1xH200", layers=24, d_model=2048, heads=16, seq=2048, vocab=256,
         per_device_batch=4, mesh={"data": 1}, remat="none", params_bf16=False,
         scan_layers=False,
-        published={"tflops_per_device": 310.8, "mfu": 0.3143, "tokens_per_s_per_device": 39568.0},
-        source="measured: benchmarks/mfu.py --kernel auto on 1 x NVIDIA H200, JAX 0.11.2, "
-        "2026-11-26 (cuDNN attention; 207 ms per step of 4 x 2048 tokens)",
+        published={"tflops_per_device": 493.8, "mfu": 0.4993, "tokens_per_s_per_device": 62861.0},
+        memory_fraction=0.95,
+        source="measured: benchmarks/gpu/session.py's default step on 1 x NVIDIA H200, JAX "
+        "0.11.2, 2026-11-27 (cuDNN attention; 130.3 ms per step of 4 x 2048 tokens; "
+        "benchmarks/gpu/results/2026-11-27-h200-1/session.json, core.shardax)",
     ),
 }  # fmt: skip
 
@@ -115,7 +121,10 @@ def run_case(name: str, per_device_batch: int | None = None) -> dict[str, Any]:
     c = dict(CASES[name])
     if per_device_batch is not None:  # e.g. the largest that fits, where the published doesn't
         c["per_device_batch"] = per_device_batch
-    mesh = sx.make_mesh(c["mesh"], devices=sx.target(c["target"]))
+    # A GPU case compiles in the memory share its run's JAX had (XLA rematerializes
+    # past it); a TPU case takes none.
+    target = sx.target(c["target"], memory_fraction=c.get("memory_fraction"))
+    mesh = sx.make_mesh(c["mesh"], devices=target)
     cfg = gpt.GPTConfig(c["layers"], c["d_model"], c["heads"], c["seq"], vocab=c["vocab"],
                         scan_layers=c.get("scan_layers", True))  # fmt: skip
     precision: Any = "bf16"
@@ -164,6 +173,9 @@ def run_case(name: str, per_device_batch: int | None = None) -> dict[str, Any]:
         "params_plus_optimizer_bytes": report.memory["params"] + report.memory["optimizer"],
         "formula_params_plus_optimizer_bytes": formula,
         "fits_with_headroom": report.fits,
+        "memory_fraction": target.memory_fraction,
+        "memory_budget_bytes": report.memory_budget,
+        "peak_bytes": report.memory["peak"],
         "published": c["published"],
         "source": c["source"],
         "wall_s": wall,
