@@ -82,6 +82,10 @@ def test_auto_ranks_remat_and_microbatches_and_picks_one_that_fits():
     compiled = [n for n, c in by.items() if not c["skipped"]]
     assert compiled == ["fsdp·none·mb1", "fsdp·none·mb2", "fsdp·dots_no_batch·mb1"]
     assert r["auto"]["compiles"] == 3
+    # The pick's own fit is judged in the same budget as the ranking's.
+    e = r["estimate"]
+    assert e["memory_budget"] == pytest.approx(budget)
+    assert e["budget_note"] == f"--device-memory {budget / 2**30:g}"
     assert by["fsdp·none·mb1"]["fits"] is False and by["fsdp·none·mb1"]["total_bytes"] > budget
     assert by["fsdp·none·mb2"]["temp_bytes"] < by["fsdp·none·mb1"]["temp_bytes"]
     assert by["fsdp·none·mb2"]["accumulate"] == 2
@@ -123,8 +127,10 @@ def test_hsdp_on_a_target_matches_the_formula_and_crosses_hosts_once(tmp_path):
 
 @pytest.mark.compile_only("gpu")
 def test_plan_target_prints_the_table_flags_and_launch():
-    code, out = run(["--target", "8xH100", *TINY, "--plan", "fsdp"])
+    code, out = run(["--target", "8xH100", *TINY, "--plan", "fsdp", "--memory-fraction", "0.9"])
     assert code == 0, out[-3000:]
+    text = " ".join(out.split())  # the table's title wraps
+    assert "HBM 80.00 GiB, budget 72.00 GiB (memory_fraction 0.9 of 81,920 MiB)" in text
     assert "PREDICTED (not measured)" in out
     assert "mesh flags: --mesh data=8 --plan fsdp" in out
     assert "launch: shardax train --model gpt --layers 1" in out  # one host: no srun
@@ -136,6 +142,31 @@ def test_a_mesh_larger_than_the_target_is_one_usage_line(capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "shardax plan: error: --mesh {'data': 16}:" in err and "8xH100" in err
+
+
+def test_memory_fraction_is_a_share_for_a_gpu_target(capsys):
+    """--memory-fraction out of (0, 1], or without --target: one usage line each."""
+    for argv, says in (
+        (["--target", "8xH100", "--memory-fraction", "1.5"],
+         "argument --memory-fraction: expected a share in (0, 1] such as 0.9, got '1.5'"),
+        (["--memory-fraction", "0.9", "--params", "1e9"],
+         "--memory-fraction 0.9: only with --target"),
+    ):  # fmt: skip
+        try:
+            code, _ = run(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.compile_only("tpu")
+def test_memory_fraction_on_a_tpu_target_is_one_usage_line(capsys):
+    code, _ = run(["--target", "v5e-8", *TINY, "--memory-fraction", "0.9"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("shardax plan: error: --target v5e-8 --memory-fraction 0.9: sx.target: ")
+    assert "for GPU targets" in err
 
 
 def test_bad_targets_are_one_usage_line(capsys):

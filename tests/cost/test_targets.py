@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,24 @@ def test_gpu_memory_fraction_is_what_jax_takes_on_the_gpu(monkeypatch):
     assert text.replace("80530636800", "85899345920") == config.read_text()
     with pytest.raises(ValueError, match="one device_memory_size field; found 0"):
         target_module.budgeted_gpu_config("gpu_device_info {\n}\n", 1, 0.5)
+
+
+def test_device_memory_reads_the_allocator_on_this_process_for_any_device():
+    """Every process plans in the same budget: another process's GPU reports no allocator
+    figures to this one, so they are read on this process's device of its kind."""
+    device_memory = target_module.device_memory
+    mine = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", process_index=0,
+                           memory_stats=lambda: {"bytes_limit": 6e10})  # fmt: skip
+    client = SimpleNamespace(local_devices=lambda: [mine])
+    theirs = SimpleNamespace(platform="gpu", device_kind=mine.device_kind, client=client,
+                             process_index=jax.process_index() + 1,
+                             memory_stats=lambda: None)  # fmt: skip
+    mine.client = client
+    limit = "the allocator's limit: 57,220 MiB"
+    assert device_memory(mine) == device_memory(theirs) == (6e10, limit)
+    # No device of that kind here (a compile-only target's other hosts): the datasheet.
+    lonely = SimpleNamespace(**{**vars(theirs), "client": SimpleNamespace(local_devices=list)})
+    assert device_memory(lonely) == (80 * 2**30, "datasheet: 81,920 MiB")
 
 
 # --- compile-only devices (leg 3) -----------------------------------------------------------

@@ -40,6 +40,7 @@ GIB = 1024**3
 
 _params = float_type("a finite parameter count >= 1 such as 7e9", lambda v: v >= 1)
 _gib = float_type("a finite GiB > 0 such as 80", lambda v: v > 0)
+_fraction = float_type("a share in (0, 1] such as 0.9", lambda v: 0 < v <= 1)
 
 
 def plan_names(text: str) -> list[str]:
@@ -150,6 +151,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--png", default=None, help="with --target: a PNG of memory vs HBM")
     parser.add_argument(
+        "--memory-fraction",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help="with a GPU --target: the share of each GPU's memory the run's JAX will take "
+        "(XLA_CLIENT_MEM_FRACTION), which the step compiles and must fit in (default: that "
+        "variable here, else JAX's 0.75)",
+    )
+    parser.add_argument(
         "--devices", type=positive_int, default=None, help="devices (default: those at hand)"
     )
     parser.add_argument(
@@ -178,7 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="GIB",
         help="memory of one device in GiB (default: the hardware's datasheet figure; with "
-        "--target --plan auto, the budget the candidates must fit)",
+        "--target, the budget the plan must fit, in place of --memory-fraction's share)",
     )
     add_json_flag(parser)
 
@@ -321,7 +331,7 @@ def render(plan: dict[str, Any], out: Any) -> None:
         out.print(f"[yellow]warning:[/] {w}")
 
 
-TARGET_ONLY = ("plan", "vocab", "remat", "tp", "param_dtype", "png")
+TARGET_ONLY = ("plan", "vocab", "remat", "tp", "param_dtype", "png", "memory_fraction")
 """Options of ``shardax plan`` that only ``--target`` reads: refused without it."""
 
 

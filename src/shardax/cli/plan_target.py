@@ -19,6 +19,7 @@ those candidates. Every time and MFU printed is a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import time
@@ -122,14 +123,17 @@ def check_png(path: str) -> None:
         raise UsageError(f"--png {path}: cannot write it, {parent} is not writable")
 
 
-def load_target(name: str) -> Any:
-    """``sx.target(name)``; its errors (unknown name, missing extra, JAX 0.10) as one-line
-    usage errors."""
+def load_target(name: str, memory_fraction: float | None = None) -> Any:
+    """``sx.target(name, memory_fraction=...)``; its errors (unknown name, missing extra,
+    JAX 0.10, a fraction out of range or for a TPU) as one-line usage errors."""
     try:
-        return sx.target(name)
+        return sx.target(name, memory_fraction=memory_fraction)
     except (ValueError, ImportError, RuntimeError, NotImplementedError) as e:
         first = " ".join(str(e).split())
-        raise UsageError(f"--target {name}: {first}") from None
+        option = f"--target {name}"
+        if memory_fraction is not None and "memory_fraction" in first:
+            option += f" --memory-fraction {memory_fraction:g}"
+        raise UsageError(f"{option}: {first}") from None
 
 
 def default_mesh(target: Any, tp: int) -> dict[str, int]:
@@ -327,7 +331,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         raise UsageError("--target needs --batch (the global batch, in sequences)")
     if args.model not in (None, "gpt"):
         raise UsageError(f"--target plans the built-in GPT; got --model {args.model}")
-    target = load_target(args.target)
+    target = load_target(args.target, args.memory_fraction)
     spec = dict(args.mesh) if args.mesh else default_mesh(target, args.tp)
     try:
         mesh = sx.make_mesh(spec, devices=target)
@@ -372,6 +376,9 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         raise UsageError(
             f"--plan {args.plan} on {args.target}, mesh {dict(mesh.shape)}: {e}"
         ) from None
+    if args.device_memory is not None:  # the user's budget, as the ranking's
+        note = f"--device-memory {args.device_memory:g}"
+        est = dataclasses.replace(est, memory_budget=args.device_memory * 2**30, budget_note=note)
     train = (f"shardax train --model gpt --layers {args.layers or 2} --d-model {args.d_model} "
              f"--heads {args.heads} --seq-len {args.seq_len} --batch-size {args.batch} "
              f"{flags}")  # fmt: skip
@@ -391,6 +398,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         "microbatches": microbatches,
         "mesh": dict(mesh.shape),
         "fits_with_headroom": est.fits,
+        "memory_fraction": target.memory_fraction,
         "mesh_flags": flags,
         "launch": launch_command(target.devices, train),
         "estimate": est.to_dict(),
@@ -456,8 +464,10 @@ def run(args: argparse.Namespace) -> int:
     out.print(f"plan: [bold]{result['plan']}[/] on {result['target']}; mesh flags: "
               f"[bold]{result['mesh_flags']}[/]")  # fmt: skip
     if est.fits is False:
-        out.print("[red]does not fit[/] with 10% of HBM to spare: shrink --batch, remat more "
-                  "or add devices before launching")  # fmt: skip
+        raise_it = " raise --memory-fraction," if result["memory_fraction"] else ""
+        out.print(f"[red]does not fit[/] with 10% of its memory budget to spare "
+                  f"({est.budget_note}): shrink --batch, remat more,{raise_it} or add devices "
+                  "before launching")  # fmt: skip
     out.print(f"launch: {result['launch']}", soft_wrap=True)
     if args.png:
         out.print(f"wrote {args.png}")

@@ -144,10 +144,7 @@ def device_memory(device: Any = None) -> tuple[float, str] | None:
     (150754820096.0, 'datasheet: 143,771 MiB')
     """
     device = jax.devices()[0] if device is None else device
-    try:
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    except RuntimeError:  # a compile-only target device has no allocator
-        stats = None
+    stats = _allocator_stats(device)
     if stats and stats.get("bytes_limit"):
         limit = float(stats["bytes_limit"])
         return limit, f"the allocator's limit: {limit / 2**20:,.0f} MiB"
@@ -162,6 +159,20 @@ def device_memory(device: Any = None) -> tuple[float, str] | None:
     if fraction is not None:
         return hbm * fraction, f"memory_fraction {fraction:g} of {hbm / 2**20:,.0f} MiB"
     return hbm, f"datasheet: {hbm / 2**20:,.0f} MiB"
+
+
+def _allocator_stats(device: Any) -> dict[str, Any] | None:
+    """``device``'s allocator figures, read on a device of this process of the same kind
+    where ``device`` is another process's (every process then plans in the same figure;
+    only a process's own devices report them); None for a compile-only target device
+    (no allocator), a CPU, or where no local device is of that kind."""
+    try:
+        if device.process_index != jax.process_index():
+            mine = device.client.local_devices()  # none on a compile-only client
+            device = next(d for d in mine if d.device_kind == device.device_kind)
+        return device.memory_stats()
+    except (AttributeError, RuntimeError, StopIteration):
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

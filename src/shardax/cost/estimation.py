@@ -7,7 +7,8 @@ laptop. The report, per device:
 - memory: params, optimizer state, other state and the batch (from the state's
   shardings), gradients (the params' dtype, sharded like the params or, under ZeRO-2,
   like the optimizer state; they live in the temporaries), the other temporaries and the
-  compiler's peak (``memory_analysis()``), against the device's HBM, with the headroom;
+  compiler's peak (``memory_analysis()``), against the memory JAX's programs may use on
+  the device (a GPU's allocator share, else HBM), with the headroom;
 - FLOPs: matmul FLOPs counted from the compiled HLO (``cost_analysis()`` is None when
   compiling for a GPU target; custom calls it cannot price are named), beside the model
   FLOPs given (``model_flops=``, e.g. the GPT's ``6·N + attention``, causal halved) or by
@@ -78,15 +79,17 @@ from shardax.cost.predict import (
 from shardax.cost.schedule import exposed_seconds, schedule
 
 HEADROOM = 0.1
-"""The share of HBM a plan must leave free to count as fitting with headroom (the
-allocator's fragmentation, the runtime's own buffers, collectives' scratch)."""
+"""The share of the memory budget (``Estimate.memory_budget``) a plan must leave free to
+count as fitting with headroom: the allocator's fragmentation, and what the compiler's
+peak leaves out (library workspaces, collectives' scratch, buffers the runtime adds)."""
 
 
 @public("sx.cost.Estimate")
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     """What [`estimate`][shardax.estimate] compiled and predicted, per device. Print it for a table;
-    ``to_dict()`` for JSON; ``plot(path)`` for a PNG of the memory against HBM.
+    ``to_dict()`` for JSON; ``plot(path)`` for a PNG of the memory against HBM and the
+    budget.
 
     Attributes:
         device_kind, devices, mesh: the target.
@@ -299,7 +302,8 @@ class Estimate:
         return rich_text(self, width=110)
 
     def plot(self, path: Any) -> None:
-        """A PNG at ``path``: one bar per memory component, the peak and HBM as lines."""
+        """A PNG at ``path``: one bar per memory component; the peak, the memory budget
+        and HBM as lines."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -311,6 +315,9 @@ class Estimate:
         ax.axhline(self.memory["peak"] / 2**30, color="k", ls=":", label="compiled peak")
         if self.hbm_bytes:
             ax.axhline(self.hbm_bytes / 2**30, color="r", ls="--", label="HBM")
+        if self.memory_budget and self.memory_budget != self.hbm_bytes:
+            ax.axhline(self.memory_budget / 2**30, color="tab:orange", ls="-.",
+                       label=f"budget ({self.budget_note})")  # fmt: skip
         title = f"{self.devices} × {self.device_kind}, mesh {self.mesh} (compiled)"
         ax.set(ylabel="GiB per device", title=title)
         ax.tick_params(axis="x", labelrotation=20)
@@ -602,7 +609,14 @@ def analyse(
     note = model_flops_note or "given"
     timed = schedule(hlo, len(devices))
     grouped: dict[tuple[str, str], dict[str, Any]] = {}
-    links_of = [_link(s.collective.groups, devices) for s in timed]
+    slowest: dict[tuple[tuple[int, ...], ...], list[Any]] = {}  # collectives share groups
+
+    def members(groups: tuple[tuple[int, ...], ...]) -> list[Any]:
+        if groups not in slowest:
+            slowest[groups] = _members(groups, devices)
+        return slowest[groups]
+
+    links_of = [_link_of(members(s.collective.groups)) for s in timed]
     for s, link in zip(timed, links_of, strict=True):
         c = s.collective
         row = grouped.setdefault((c.op, link), {"op": c.op, "link": link, "runs": 0,
@@ -621,8 +635,8 @@ def analyse(
         accessed = (cost or {}).get("bytes accessed")
         hbm_traffic = float(accessed) if accessed else float(args + outs + 2 * temp)
         bandwidths = link_bandwidths(spec, links, str(devices[0].platform).lower())
-        wires = [_wire(s, link, devices, bandwidths) for s, link in zip(timed, links_of,
-                                                                          strict=True)]  # fmt: skip
+        wires = [_wire(s, link, devices, bandwidths, members(s.collective.groups))
+                 for s, link in zip(timed, links_of, strict=True)]  # fmt: skip
         sent: dict[str, float] = {}  # bytes per link (a group across GPU hosts: split)
         for wire in wires:
             for link, nbytes in wire.items():
@@ -760,17 +774,20 @@ def _link(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> str:
 
 
 def _wire(
-    s: Any, link: str, devices: list[Any], bandwidths: Mapping[str, float | None]
-) -> dict[str, float]:
+    s: Any, link: str, devices: list[Any], bandwidths: Mapping[str, float | None],
+    members: list[Any] | None = None,
+) -> dict[str, float]:  # fmt: skip
     """The bytes per step the scheduled collective ``s`` moves over each link: all it
     sends over ``link``, except a group across GPU hosts with NVLink within them (an
     ``"intra-host"`` bandwidth), whose devices send ``host_share`` of it between hosts
-    and the rest within their host."""
+    and the rest within their host. ``members``: its slowest group's devices, where the
+    caller has them (``_members``)."""
     c = s.collective
     gpu = str(devices[0].platform).lower() in ("gpu", "cuda", "rocm")
     if not gpu or link != "inter-host" or not bandwidths.get("intra-host"):
         return {link: c.sent_bytes}
-    per_host = Counter(d.process_index for d in _members(c.groups, devices))
+    members = _members(c.groups, devices) if members is None else members
+    per_host = Counter(d.process_index for d in members)
     share = host_share(c.op, c.group, min(per_host.values()))
     split = {"inter-host": share * c.sent_bytes, "intra-host": (1 - share) * c.sent_bytes}
     return {k: v for k, v in split.items() if v}

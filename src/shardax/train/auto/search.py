@@ -174,8 +174,8 @@ def auto_plan(
             activations and the forward pass's collectives count. With neither, only
             the optimizer update is (gradients as the step would hand them over).
         device_memory: bytes per device to fit in (default: the device's reported
-            limit, else the hardware table's figure; with neither, nothing is
-            rejected and the report says so).
+            limit, a GPU target's ``memory_fraction`` of its memory, else the hardware
+            table's figure; with none, nothing is rejected and the report says so).
         axis: the data axis (or axes) the batch and the plans split over (default:
             ``config.data_axis``, else ``"data"``).
         min_size, tp_rules: as for ``sx.fsdp`` and ``sx.rules``; with ``tp_rules`` a
