@@ -47,6 +47,7 @@ import math
 import re
 import time
 import traceback
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,7 +143,9 @@ class Event:
 
 def _stats(event: Any) -> dict[str, Any]:
     try:
-        return dict(event.stats)
+        with warnings.catch_warnings():  # Python 3.12 on the trace's pybind type, harmless:
+            warnings.simplefilter("ignore", DeprecationWarning)  # "has no __module__"
+            return dict(event.stats)
     except Exception:
         return {}
 
