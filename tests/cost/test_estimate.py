@@ -298,6 +298,9 @@ def test_estimate_for_an_h100_target_splits_links(h100_2x4, small_train):
     o = report.overlap  # from the compiled schedule, priced at the links' bandwidths
     assert 0 <= o["exposed_s"] <= o["collective_s"] and o["collectives"] >= o["overlapped"]
     assert "exposed collective time: " in str(report)
+    c = report.cost  # on a GPU target the line gives the per-op model's figures, as its table
+    assert (f"exposed collective time: {c.exposed_s * 1e3:.2f} ms per step of "
+            f"{c.collective_s * 1e3:.2f} ms") in " ".join(str(report).split())  # fmt: skip
     n = sum(x.size for x in jax.tree.leaves(state.params))
     expected = formula(n, "fp32", data=4, shard_data=True)  # FSDP over a host's 4
     got = report.memory["params"] + report.memory["optimizer"]

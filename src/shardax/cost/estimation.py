@@ -261,7 +261,7 @@ class Estimate:
         if self.cost is not None:
             parts.append(self._cost_table())
         if self.overlap is not None:
-            parts.append(exposed_line(self.overlap))
+            parts.append(exposed_line(self.overlap, self.cost))
         parts.append(f"compiler options: {format_options(self.compiler_options)}")
         parts += [f"note: {n}" for n in self.notes]
         return Group(*parts)
@@ -818,8 +818,10 @@ def _overlap(
     }
 
 
-def exposed_line(overlap: Mapping[str, Any]) -> str:
-    """The report's line for ``Estimate.overlap``.
+def exposed_line(overlap: Mapping[str, Any], cost: StepCost | None = None) -> str:
+    """The report's line for ``Estimate.overlap``: with the per-op model's ``cost`` (a GPU
+    target), its exposed and wire times (each collective's latency included, the matmuls
+    under it at the calibrated rate: the figures of its table); else the roofline's.
 
     >>> print(exposed_line({"exposed_s": 0.0021, "collective_s": 0.0105, "collectives": 9,
     ...                     "overlapped": 6, "synchronous": 1}))
@@ -827,9 +829,11 @@ def exposed_line(overlap: Mapping[str, Any]) -> str:
     matmuls, 1 synchronous; from the compiled schedule)
     """
     o = overlap
+    exposed, total = (o["exposed_s"], o["collective_s"]) if cost is None else (
+        cost.exposed_s, cost.collective_s)  # fmt: skip
     return (
-        f"exposed collective time: {o['exposed_s'] * 1e3:.2f} ms per step of "
-        f"{o['collective_s'] * 1e3:.2f} ms of collectives ({o['overlapped']} of "
+        f"exposed collective time: {exposed * 1e3:.2f} ms per step of "
+        f"{total * 1e3:.2f} ms of collectives ({o['overlapped']} of "
         f"{o['collectives']} overlap matmuls, {o['synchronous']} synchronous; from the "
         "compiled schedule)"
     )
