@@ -298,6 +298,9 @@ def test_estimate_for_an_h100_target_splits_links(h100_2x4, small_train):
     o = report.overlap  # from the compiled schedule, priced at the links' bandwidths
     assert 0 <= o["exposed_s"] <= o["collective_s"] and o["collectives"] >= o["overlapped"]
     assert "exposed collective time: " in str(report)
+    assert "(a rough guide; the per-op model below is the prediction)" in " ".join(
+        str(report).split()
+    )  # the roofline's table, beside the per-op model on a GPU target
     c = report.cost  # on a GPU target the line gives the per-op model's figures, as its table
     assert (f"exposed collective time: {c.exposed_s * 1e3:.2f} ms per step of "
             f"{c.collective_s * 1e3:.2f} ms") in " ".join(str(report).split())  # fmt: skip

@@ -238,7 +238,11 @@ class Estimate:
         parts: list[Any] = [mem, work]
         p = self.prediction
         if p is not None:
-            pred = Table(title=f"PREDICTED (not measured), model {p.model}")
+            title = f"PREDICTED (not measured), model {p.model}"
+            if self.cost is not None:  # a GPU target: the per-op model below is the prediction
+                title = (f"model {p.model} (a rough guide; the per-op model below is "
+                         "the prediction)")  # fmt: skip
+            pred = Table(title=title)
             pred.add_column("predicted")
             pred.add_column("with overlap", justify="right")
             pred.add_column("without overlap", justify="right")
