@@ -163,6 +163,12 @@ def test_device_memory_reads_the_allocator_on_this_process_for_any_device():
     mine.client = client
     limit = "the allocator's limit: 57,220 MiB"
     assert device_memory(mine) == device_memory(theirs) == (6e10, limit)
+
+    def not_addressable() -> None:
+        raise RuntimeError("FAILED_PRECONDITION: not an addressable device")
+
+    refusing = SimpleNamespace(**{**vars(theirs), "memory_stats": not_addressable})
+    assert device_memory(refusing) == (6e10, limit)
     # No device of that kind here (a compile-only target's other hosts): the datasheet.
     lonely = SimpleNamespace(**{**vars(theirs), "client": SimpleNamespace(local_devices=list)})
     assert device_memory(lonely) == (80 * 2**30, "datasheet: 81,920 MiB")

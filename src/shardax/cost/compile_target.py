@@ -162,15 +162,20 @@ def device_memory(device: Any = None) -> tuple[float, str] | None:
 
 
 def _allocator_stats(device: Any) -> dict[str, Any] | None:
-    """``device``'s allocator figures, read on a device of this process of the same kind
-    where ``device`` is another process's (every process then plans in the same figure;
-    only a process's own devices report them); None for a compile-only target device
-    (no allocator), a CPU, or where no local device is of that kind."""
+    """``device``'s allocator figures; where it gives none (another process's device: only
+    a process's own devices report them), those of this process's first device of its kind,
+    so that every process plans in the same figure. None for a compile-only target device
+    (no allocator, and no local device on its client), a CPU, or a kind not here."""
     try:
-        if device.process_index != jax.process_index():
-            mine = device.client.local_devices()  # none on a compile-only client
-            device = next(d for d in mine if d.device_kind == device.device_kind)
-        return device.memory_stats()
+        stats = device.memory_stats()
+    except (AttributeError, RuntimeError):  # compile-only, or not this process's
+        stats = None
+    if stats:
+        return stats
+    try:
+        mine = device.client.local_devices()  # none on a compile-only client
+        twin = next(d for d in mine if d.device_kind == device.device_kind and d != device)
+        return twin.memory_stats()
     except (AttributeError, RuntimeError, StopIteration):
         return None
 
