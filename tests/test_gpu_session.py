@@ -15,9 +15,10 @@ GPU = Path(__file__).parents[1] / "benchmarks" / "gpu"
 def gpu_modules():
     sys.path.insert(0, str(GPU))
     try:
-        import calibrate
         import jax_gpt
         import session
+
+        from shardax.cost import calibrate
 
         yield calibrate, jax_gpt, session
     finally:

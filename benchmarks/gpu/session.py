@@ -7,7 +7,7 @@ device call (at most 8 minutes on one H100 or H200).
 Three stages, each its own process under a share of ``--budget`` seconds (a stage that
 runs over is killed, and what it wrote so far is kept), in order of importance:
 
-1. ``core``: the calibration tables (``calibrate.py``: GEMM rate by shape, stream
+1. ``core``: the calibration tables (``shardax.cost.calibrate``: GEMM rate by shape, stream
    bandwidth, cuDNN attention times, launch cost); shardax's GPT step at the default
    configuration; the same step hand-written with ``jax.jit`` (their ratio is shardax's
    overhead); and a profile of shardax's step read into time per op class beside each
@@ -133,10 +133,11 @@ def run_memory_fraction() -> float:
 
 def stage_core(work: Path, size: str, steps: int) -> None:
     """Calibration, shardax's default step (+ profile), the hand-written step."""
-    import calibrate
     import jax
     import jax_gpt
     import op_profile
+
+    from shardax.cost import calibrate
 
     out: dict[str, Any] = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                            "platform": jax.devices()[0].platform, "devices": jax.device_count(),

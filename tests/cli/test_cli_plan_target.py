@@ -179,3 +179,57 @@ def test_bad_targets_are_one_usage_line(capsys):
     code, _ = run(["--target", "8xH100", "--layers", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "--target needs --batch" in err
+
+
+def _calibration_file(tmp_path, scale_stream=1.0, **changes):
+    """The shipped H100 tables as a user's ``shardax calibrate`` file, changed."""
+    from shardax.cost.calibration import TABLES
+
+    data = json.loads((TABLES / "h100-2026-11-27.json").read_text())
+    data["stream"] = [{**r, "gbs": r["gbs"] * scale_stream} for r in data["stream"]]
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**data, **changes}))
+    return path
+
+
+@pytest.mark.compile_only("gpu")
+def test_a_calibration_file_prices_the_targets_step(tmp_path):
+    """--calibration: the step is priced with the file's tables (stream bandwidth halved:
+    the elementwise kernels take twice as long), named in the report; the shipped tables
+    are back afterwards."""
+    from shardax.cost.calibration import H100, calibration_for
+
+    argv = ["--target", "8xH100", *TINY, "--plan", "fsdp", "--json"]
+    slow = _calibration_file(tmp_path, scale_stream=0.5, date="2026-12-01")
+    (c0, shipped), (c1, mine) = run(argv), run([*argv, "--calibration", str(slow)])
+    assert c0 == c1 == 0, (shipped[-2000:], mine[-2000:])
+    base, ours = (json.loads(out)["estimate"]["cost"] for out in (shipped, mine))
+    assert base["calibration"] == "calibrated: H100, JAX 0.11.2, 2026-11-27"
+    assert ours["calibration"] == "calibrated: H100, JAX 0.11.2, 2026-12-01"
+    seconds = [c["classes"]["elementwise"]["seconds"] for c in (base, ours)]
+    assert seconds[0] > 0 and seconds[1] == pytest.approx(2 * seconds[0], rel=1e-9)
+    assert ours["step_s"] > base["step_s"]
+    assert calibration_for("NVIDIA H100 80GB HBM3") is H100
+
+
+@pytest.mark.compile_only("gpu")
+def test_a_calibration_of_another_kind_or_unreadable_is_one_usage_line(tmp_path, capsys):
+    from shardax.cost.calibration import TABLES
+
+    h200, none = TABLES / "h200-2026-11-27.json", tmp_path / "none.json"
+    for path, says in (
+        (h200, f"--calibration {h200}: measured on NVIDIA H200 (H200), and 8xH100's GPUs are "
+               "NVIDIA H100 80GB HBM3: tables price their own kind's kernels only"),
+        (none, f"--calibration {none}: no such file"),
+    ):  # fmt: skip
+        code, _ = run(["--target", "8xH100", *TINY, "--calibration", str(path)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and says in err, err
+
+
+def test_a_calibration_without_a_target_is_one_usage_line(tmp_path, capsys):
+    mine = _calibration_file(tmp_path)
+    code, _ = run(["--params", "1e9", "--calibration", str(mine)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--calibration {mine}: only with --target" in err

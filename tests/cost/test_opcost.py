@@ -35,16 +35,20 @@ def test_gemm_rows_drop_dispatch_bound_rows_and_the_rate_is_the_nearest_shape():
     shapes = {r[:3] for r in gemm_rows(H200)}
     assert (1024, 1024, 1024) not in shapes and (2048, 2048, 2048) not in shapes
     assert (8192, 8192, 8192) in shapes
-    assert gemm_rate(H200, 8192, 8192, 2048) == pytest.approx(659.32e12)
-    assert gemm_rate(H200, 8192, 8192, 2048, "f32") == pytest.approx(659.32e12 / 2)
-    assert gemm_rate(H100, 8192, 8192, 8192) == pytest.approx(690.42e12)
-    assert gemm_rate(H100, 8192, 8192, 8192, "f32") == pytest.approx(359.75e12)  # measured
+    assert gemm_rate(H200, 8192, 8192, 2048) == pytest.approx(659.32e12, rel=1e-4)
+    assert gemm_rate(H200, 8192, 8192, 2048, "f32") == pytest.approx(659.32e12 / 2, rel=1e-4)
+    assert gemm_rate(H100, 8192, 8192, 8192) == pytest.approx(690.42e12, rel=1e-4)
+    assert gemm_rate(H100, 8192, 8192, 8192, "f32") == pytest.approx(
+        359.75e12, rel=1e-4
+    )  # measured
     # cuBLAS's own fp32 rows (Triton GEMMs off) price a cuBLAS call where a table has them
     row = (8192, 8192, 8192, "f32-cublas", 250.0)
     with_library = dataclasses.replace(H100, gemm=(*H100.gemm, row))
     assert gemm_rate(with_library, 8192, 8192, 8192, "f32", cublas=True) == pytest.approx(250e12)
-    assert gemm_rate(with_library, 8192, 8192, 8192, "f32") == pytest.approx(359.75e12)
-    assert gemm_rate(H100, 8192, 8192, 8192, "f32", cublas=True) == pytest.approx(359.75e12)
+    assert gemm_rate(with_library, 8192, 8192, 8192, "f32") == pytest.approx(359.75e12, rel=1e-4)
+    assert gemm_rate(H100, 8192, 8192, 8192, "f32", cublas=True) == pytest.approx(
+        359.75e12, rel=1e-4
+    )
 
 
 def test_a_gemm_is_priced_at_its_shape_rate_times_its_loop_trips():
@@ -57,7 +61,7 @@ def test_a_gemm_is_priced_at_its_shape_rate_times_its_loop_trips():
     cost = price_hlo(hlo, H200)
     gemm = cost.classes["gemm"]
     assert gemm.kernels == 3 and gemm.flops == 3 * 2 * 8192 * 8192 * 2048
-    assert gemm.seconds == pytest.approx(gemm.flops / 659.32e12)
+    assert gemm.seconds == pytest.approx(gemm.flops / 659.32e12, rel=1e-4)
     assert gemm.low < gemm.seconds < gemm.high
     assert cost.launch_s == pytest.approx(3 * H200.launch_us * 1e-6)
     assert cost.low_s < cost.step_s < cost.high_s
@@ -71,7 +75,7 @@ def test_memory_bound_work_at_the_stream_bandwidth_and_remat_as_its_own_line():
     cost = price_hlo(hlo, H200)
     moved = 8192 * 8192 * (2 + 4)
     assert cost.classes["optimizer"].bytes == moved
-    assert cost.classes["optimizer"].seconds == pytest.approx(moved / 3952.75e9)  # median
+    assert cost.classes["optimizer"].seconds == pytest.approx(moved / 3952.75e9, rel=1e-4)  # median
     rows = dict((label, s) for label, s, _ in breakdown(cost, model_flops=cost.executed_flops / 2))
     assert rows["GEMMs: beyond model FLOPs (remat, recompute)"] == pytest.approx(
         rows["GEMMs: model work"]
@@ -85,9 +89,9 @@ def test_cudnn_attention_by_its_kernel_table():
         "bf16[4,2048,16,128]{3,2,1,0}, bf16[4,2048,16,128]{3,2,1,0}}, "
         'backend_config={"mask_type":"CAUSAL"}'
     )
-    assert attention_seconds(H200, fwd) == pytest.approx(0.17894e-3)  # the measured kernel
+    assert attention_seconds(H200, fwd) == pytest.approx(0.17894e-3, rel=1e-4)  # measured
     bwd = fwd.replace("fmhaSoftmax", "fmhaSoftmaxBackward")
-    assert attention_seconds(H200, bwd) == pytest.approx((0.73624 - 0.17894) * 1e-3)
+    assert attention_seconds(H200, bwd) == pytest.approx((0.73624 - 0.17894) * 1e-3, rel=1e-4)
     assert attention_seconds(H200, "%x = f32[2] add(%a, %b)") is None
 
 

@@ -161,7 +161,9 @@ def test_combine_thresholds_are_sized_from_the_state_under_auto_on_gpus():
     # target's bf16 state once got the 1 MiB floor, and hundreds of small collectives)
     bf16 = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)}
     assert compiler.for_state(GPU, "auto", "gpu", bf16, jnp.bfloat16, 8) == {
-        **GPU, **sx.train.combine_thresholds(2 * 4096 * 4096, 8)}
+        **GPU,
+        **sx.train.combine_thresholds(2 * 4096 * 4096, 8),
+    }
     for value, platform, shards in (("xla", "gpu", 8), ("auto", "cpu", 8), ("auto", "gpu", 1)):
         assert compiler.for_state({}, value, platform, params, jnp.bfloat16, shards) == {}
     # A dict is taken as given, thresholds or not.

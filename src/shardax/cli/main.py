@@ -36,6 +36,10 @@ COMMANDS = {
     ),
     "bench": ("shardax.cli.bench", "Compare train-step times of single, jit, shard_map, pmap."),
     "plan": ("shardax.cli.plan", "Memory per device of DP, FSDP, TP and hybrids for a model."),
+    "calibrate": (
+        "shardax.cli.calibrate",
+        "Measure this GPU's kernels: the tables the per-op cost model prices steps with.",
+    ),
     "tune-batch": ("shardax.cli.tune_batch", "Measure throughput over batch sizes; find the knee."),
     "goodput": ("shardax.cli.goodput", "Where a run's wall time went: buckets and goodput."),
 }

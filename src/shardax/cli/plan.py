@@ -160,6 +160,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "variable here, else JAX's 0.75)",
     )
     parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="with a GPU --target: the kernel tables to price the step with, as `shardax "
+        "calibrate --out FILE` wrote them on a GPU of the target's kind (default: the ones "
+        "shardax ships for the H100 and H200)",
+    )
+    parser.add_argument(
         "--devices", type=positive_int, default=None, help="devices (default: those at hand)"
     )
     parser.add_argument(
@@ -331,7 +339,9 @@ def render(plan: dict[str, Any], out: Any) -> None:
         out.print(f"[yellow]warning:[/] {w}")
 
 
-TARGET_ONLY = ("plan", "vocab", "remat", "tp", "param_dtype", "png", "memory_fraction")
+TARGET_ONLY = (
+    "plan", "vocab", "remat", "tp", "param_dtype", "png", "memory_fraction", "calibration",
+)  # fmt: skip
 """Options of ``shardax plan`` that only ``--target`` reads: refused without it."""
 
 

@@ -33,6 +33,8 @@ from flax import nnx
 
 import shardax as sx
 from shardax.cli.common import UsageError, console, print_json
+from shardax.cost import calibration
+from shardax.cost.calibration import Calibration
 from shardax.cost.flops import transformer_flops_per_token
 from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, STAGE_AXIS
 from shardax.models import gpt
@@ -134,6 +136,28 @@ def load_target(name: str, memory_fraction: float | None = None) -> Any:
         if memory_fraction is not None and "memory_fraction" in first:
             option += f" --memory-fraction {memory_fraction:g}"
         raise UsageError(f"{option}: {first}") from None
+
+
+def load_calibration(path: str | None, target: Any) -> Calibration | None:
+    """``--calibration FILE``'s tables (None without it), checked against the target: a
+    GPU target of the kind they were measured on."""
+    if path is None:
+        return None
+    try:
+        tables = calibration.load(path)
+    except ValueError as e:
+        said = str(e).replace(f"calibration {str(path)!r}", f"--calibration {path}", 1)
+        raise UsageError(said) from None
+    if target.platform != "gpu":
+        raise UsageError(f"--calibration {path}: {target.name} is a TPU target, priced by its "
+                         "roofline; calibrations are GPU kernel tables")  # fmt: skip
+    if calibration.kind_of(target.device_kind) != tables.kind:
+        raise UsageError(
+            f"--calibration {path}: measured on {tables.device} ({tables.kind}), and "
+            f"{target.name}'s GPUs are {target.device_kind}: tables price their own kind's "
+            "kernels only"
+        )
+    return tables
 
 
 def default_mesh(target: Any, tp: int) -> dict[str, int]:
@@ -332,6 +356,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     if args.model not in (None, "gpt"):
         raise UsageError(f"--target plans the built-in GPT; got --model {args.model}")
     target = load_target(args.target, args.memory_fraction)
+    tables = load_calibration(args.calibration, target)
     spec = dict(args.mesh) if args.mesh else default_mesh(target, args.tp)
     try:
         mesh = sx.make_mesh(spec, devices=target)
@@ -356,22 +381,23 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
                "model_flops_note": "6N + attention, causal halved"}  # fmt: skip
     report, rank_s, microbatches = None, 0.0, None
     try:
-        if args.plan == "auto":
-            start = time.perf_counter()
-            report = rank(args, target, mesh, tp, precision, figures)
-            rank_s = time.perf_counter() - start
-            est, name, remat = report.estimate, report.name, report.variant
-            mesh, microbatches, flags = (
-                report.candidate.mesh,
-                report.candidate.microbatches,
-                report.flags,
-            )
-        else:
-            plan, name = _named_plan(args.plan, mesh, model, axis, tp), args.plan
-            step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, precision=precision,
-                                      data_axis=axis)  # fmt: skip
-            est = sx.estimate(step, state, batch, **figures)
-            flags = train_flags(name, dict(mesh.shape), remat)
+        with calibration.using(tables):
+            if args.plan == "auto":
+                start = time.perf_counter()
+                report = rank(args, target, mesh, tp, precision, figures)
+                rank_s = time.perf_counter() - start
+                est, name, remat = report.estimate, report.name, report.variant
+                mesh, microbatches, flags = (
+                    report.candidate.mesh,
+                    report.candidate.microbatches,
+                    report.flags,
+                )
+            else:
+                plan, name = _named_plan(args.plan, mesh, model, axis, tp), args.plan
+                step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, precision=precision,
+                                          data_axis=axis)  # fmt: skip
+                est = sx.estimate(step, state, batch, **figures)
+                flags = train_flags(name, dict(mesh.shape), remat)
     except ValueError as e:
         raise UsageError(
             f"--plan {args.plan} on {args.target}, mesh {dict(mesh.shape)}: {e}"

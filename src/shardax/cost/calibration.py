@@ -5,7 +5,7 @@ tables the per-op cost model (``shardax.cost.opcost``) prices a compiled step wi
 
 - ``gemm``: ``(m, k) @ (k, n)`` rates by shape and operand dtype (TFLOP/s: bf16, and
   fp32 at JAX's default precision where measured; ``"f32-cublas"``: fp32 with Triton
-  GEMMs off, what a cuBLAS call runs), as ``benchmarks/gpu/calibrate.py`` measures them;
+  GEMMs off, what a cuBLAS call runs);
 - ``stream``: GB/s of elementwise passes (bytes read + written), slowest to fastest;
 - ``attention``: cuDNN fused attention, ms per call by (batch, seq, heads, head_dim,
   causal, pass);
@@ -13,9 +13,14 @@ tables the per-op cost model (``shardax.cost.opcost``) prices a compiled step wi
 - ``dispatch_us``: one program's dispatch, back to back (a table row no longer than about
   this measured the host, not the kernel: ``gemm_rows`` drops it).
 
+``shardax calibrate`` measures them on a GPU (``shardax.cost.calibrate``) and writes a
+JSON file; ``load`` reads one, ``register`` makes it the tables of its kind for every
+estimate and plan of this process. The shipped ones (``shardax/cost/tables/*.json``,
+measured on GPUs lent to this project) are in ``CALIBRATIONS``, by kind;
+``calibration_for`` finds one for a device kind (or says none fits).
+
 No step time is an input: the tables are microbenchmarks only, so a step predicted with
-them is predicted "leave-one-out" by construction. ``CALIBRATIONS`` ships one per
-kind; ``calibration_for`` finds one for a device kind (or says none fits).
+them is predicted "leave-one-out" by construction.
 
 >>> c = calibration_for("NVIDIA H200")
 >>> c.name
@@ -28,9 +33,14 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -48,6 +58,7 @@ class Calibration:
         peak_flops: the dense bf16 peak it was measured against (FLOP/s).
         derived: None where measured; else how the tables were derived (scaled from
             another kind's): then ``name`` says so.
+        device: the device kind as JAX named it (``"NVIDIA H100 80GB HBM3"``).
     """
 
     kind: str
@@ -61,6 +72,7 @@ class Calibration:
     dispatch_us: float
     peak_flops: float
     derived: str | None = None
+    device: str = ""
 
     @property
     def name(self) -> str:
@@ -71,8 +83,8 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         """The name and provenance (not the tables)."""
-        return {"name": self.name, "kind": self.kind, "jax": self.jax, "date": self.date,
-                "source": self.source, "derived": self.derived}  # fmt: skip
+        return {"name": self.name, "kind": self.kind, "device": self.device, "jax": self.jax,
+                "date": self.date, "source": self.source, "derived": self.derived}  # fmt: skip
 
 
 def gemm_rows(c: Calibration) -> list[tuple[int, int, int, str, float]]:
@@ -91,83 +103,195 @@ def gemm_rows(c: Calibration) -> list[tuple[int, int, int, str, float]]:
     return [(*key, sum(v) / len(v)) for key, v in seen.items()]
 
 
-def _h200() -> Calibration:
-    # benchmarks/gpu/results/2026-11-27-h200-1/session.json, core.calibration
-    gemm = (
-        (8192, 2048, 2048, "bf16", 638.41), (8192, 8192, 2048, "bf16", 659.32),
-        (8192, 2048, 8192, "bf16", 744.07), (2048, 2048, 8192, "bf16", 653.94),
-        (2048, 8192, 8192, "bf16", 700.39), (8192, 2048, 8192, "bf16", 732.11),
-        (1024, 1024, 1024, "bf16", 53.29), (2048, 2048, 2048, "bf16", 420.38),
-        (4096, 4096, 4096, "bf16", 676.37), (8192, 8192, 8192, "bf16", 710.95),
-        (8192, 256, 2048, "bf16", 187.78), (16384, 6144, 2048, "bf16", 685.46),
-    )  # fmt: skip
-    attention = (
-        (4, 2048, 16, 128, True, "fwd", 0.17894), (4, 2048, 16, 128, True, "fwd+bwd", 0.73624),
-        (4, 2048, 16, 128, False, "fwd", 0.27142), (4, 2048, 16, 128, False, "fwd+bwd", 1.03519),
-        (1, 8192, 16, 128, True, "fwd", 0.52845), (1, 8192, 16, 128, True, "fwd+bwd", 1.96684),
-        (1, 8192, 16, 128, False, "fwd", 0.85722), (1, 8192, 16, 128, False, "fwd+bwd", 3.31285),
-        (4, 2048, 32, 64, True, "fwd", 0.22055), (4, 2048, 32, 64, True, "fwd+bwd", 0.88459),
-        (4, 2048, 32, 64, False, "fwd", 0.34628), (4, 2048, 32, 64, False, "fwd+bwd", 1.28536),
-    )  # fmt: skip
-    return Calibration(
-        kind="H200", jax="0.11.2", date="2026-11-27",
-        source="benchmarks/gpu/results/2026-11-27-h200-1/session.json (core.calibration, "
-        "benchmarks/gpu/calibrate.py on one NVIDIA H200)",
-        gemm=gemm, stream=(2859.8, 3928.2, 3977.3, 4071.7), attention=attention,
-        launch_us=0.966, dispatch_us=35.52, peak_flops=989e12,
-    )  # fmt: skip
-
-
-H200 = _h200()
-
-
-def _h100() -> Calibration:
-    # benchmarks/gpu/results/2026-11-27-h100-1/session.json, core.calibration
-    gemm = (
-        (8192, 2048, 2048, "bf16", 638.01), (8192, 8192, 2048, "bf16", 626.54),
-        (8192, 2048, 8192, "bf16", 747.61), (2048, 2048, 8192, "bf16", 716.11),
-        (2048, 8192, 8192, "bf16", 712.25), (8192, 2048, 8192, "bf16", 748.82),
-        (1024, 1024, 1024, "bf16", 48.95), (2048, 2048, 2048, "bf16", 364.07),
-        (4096, 4096, 4096, "bf16", 695.40), (8192, 8192, 8192, "bf16", 690.42),
-        (8192, 256, 2048, "bf16", 161.09), (16384, 6144, 2048, "bf16", 661.46),
-        (8192, 2048, 2048, "f32", 317.43), (8192, 8192, 2048, "f32", 334.00),
-        (2048, 8192, 8192, "f32", 400.88), (4096, 4096, 4096, "f32", 380.11),
-        (8192, 8192, 8192, "f32", 359.75),
-    )  # fmt: skip
-    attention = (
-        (4, 2048, 16, 128, True, "fwd", 0.17361), (4, 2048, 16, 128, True, "fwd+bwd", 0.74040),
-        (4, 2048, 16, 128, False, "fwd", 0.24781), (4, 2048, 16, 128, False, "fwd+bwd", 1.03955),
-        (1, 8192, 16, 128, True, "fwd", 0.52970), (1, 8192, 16, 128, True, "fwd+bwd", 1.98829),
-        (1, 8192, 16, 128, False, "fwd", 0.85254), (1, 8192, 16, 128, False, "fwd+bwd", 3.39044),
-        (4, 2048, 32, 64, True, "fwd", 0.21516), (4, 2048, 32, 64, True, "fwd+bwd", 0.88981),
-        (4, 2048, 32, 64, False, "fwd", 0.33419), (4, 2048, 32, 64, False, "fwd+bwd", 1.28815),
-    )  # fmt: skip
-    return Calibration(
-        kind="H100", jax="0.11.2", date="2026-11-27",
-        source="benchmarks/gpu/results/2026-11-27-h100-1/session.json (core.calibration, "
-        "benchmarks/gpu/calibrate.py on one NVIDIA H100 80GB HBM3)",
-        gemm=gemm, stream=(2018.1, 2876.5, 2892.3, 2948.9), attention=attention,
-        launch_us=1.297, dispatch_us=31.54, peak_flops=989e12,
-    )  # fmt: skip
-
-
-H100 = _h100()
-
-CALIBRATIONS: dict[str, Calibration] = {"H200": H200, "H100": H100}
-"""The shipped calibrations by kind."""
-
+TABLES = Path(__file__).with_name("tables")
+"""The shipped tables: one JSON file per device kind and date (``shardax calibrate``'s
+output, with the ``source`` they came from)."""
 _KIND = re.compile(r"\b(H100|H200|H800|H20|A100|B200|GB200|GH200)\b", re.IGNORECASE)
+_GEMMS = ("gemm", "gemm_f32", "gemm_f32_cublas")
+_LAUNCH = {  # launch rows by key, or by the words of tables measured before rows had keys
+    "per_kernel": "per kernel, a chain",
+    "one_kernel_program": "one program of one kernel",
+}
+
+
+def kind_of(device_kind: str) -> str:
+    """The kind a calibration is filed under: the GPU's model (``"NVIDIA H100 80GB HBM3"``
+    → ``"H100"``), else the device kind as JAX names it.
+
+    >>> kind_of("NVIDIA H100 80GB HBM3"), kind_of("NVIDIA L4")
+    ('H100', 'NVIDIA L4')
+    """
+    found = _KIND.search(str(device_kind))
+    return found.group(1).upper() if found else str(device_kind)
+
+
+def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables") -> Calibration:
+    """A ``Calibration`` from what ``shardax calibrate`` measured
+    (``shardax.cost.calibrate.tables``' dict, or a GPU session's ``core.calibration``).
+    The ``gemm``, ``stream`` and ``launch`` tables are required; ``gemm_f32``,
+    ``gemm_f32_cublas`` and ``attention`` are used where measured. A table that failed
+    on the device (``{"error": ...}``) counts as not measured. ``where`` names the
+    tables in errors (a file's path).
+
+    >>> c = from_tables({"device": "NVIDIA L4", "jax": "0.12.0", "date": "2026-12-01",
+    ...     "gemm": [{"m": 4096, "n": 4096, "k": 4096, "dtype": "bf16", "tflops": 90.0}],
+    ...     "stream": [{"gbs": 250.0}], "launch": [{"key": "per_kernel", "us": 2.0},
+    ...     {"key": "one_kernel_program", "us": 20.0}]})
+    >>> c.name, c.kind, c.stream, c.launch_us
+    ('calibrated: NVIDIA L4, JAX 0.12.0, 2026-12-01', 'NVIDIA L4', (250.0,), 2.0)
+    """
+    if not isinstance(tables, Mapping):
+        raise ValueError(f"{where}: a calibration is a JSON object of tables, as "
+                         f"'shardax calibrate' writes; got {type(tables).__name__}")  # fmt: skip
+    if tables.get("quick"):
+        raise ValueError(f"{where}: measured with --quick (small shapes: a smoke test), "
+                         "these tables price nothing; run 'shardax calibrate' without "
+                         "--quick")  # fmt: skip
+    device = tables.get("device")
+    if not isinstance(device, str) or not device:
+        raise ValueError(f"{where}: no 'device' (the device kind the tables were measured on); "
+                         f"got {device!r}")  # fmt: skip
+
+    def rows(name: str, required: bool) -> list[Mapping[str, Any]]:
+        table = tables.get(name)
+        if isinstance(table, list) and table and all(isinstance(r, Mapping) for r in table):
+            return list(table)
+        if required:
+            if table is None:
+                shown = "missing"
+            elif isinstance(table, Mapping) and "error" in table:
+                shown = f"a failure on the device ({str(table['error'])[:160]})"
+            else:
+                shown = f"not a list of rows: {str(table)[:120]!r}"
+            raise ValueError(f"{where}: the {name!r} table is {shown}; 'shardax calibrate' "
+                             "on the device measures it (required: gemm, stream, "
+                             "launch)")  # fmt: skip
+        return []
+
+    found = {name: rows(name, name in ("gemm", "stream", "launch"))
+             for name in (*_GEMMS, "stream", "attention", "launch")}  # fmt: skip
+    try:
+        gemm = tuple(
+            (int(r["m"]), int(r["n"]), int(r["k"]), str(r["dtype"]), float(r["tflops"]))
+            for name in _GEMMS for r in found[name] if "error" not in r
+        )  # fmt: skip
+        stream = tuple(sorted(float(r["gbs"]) for r in found["stream"]))
+        attention = tuple(
+            (int(r["batch"]), int(r["seq"]), int(r["heads"]), int(r["head_dim"]),
+             bool(r["causal"]), str(r["pass"]), float(r["ms"]))
+            for r in found["attention"] if "ms" in r
+        )  # fmt: skip
+        launch = {key: float(r["us"]) for r in found["launch"]
+                  for key, words in _LAUNCH.items()
+                  if r.get("key") == key or str(r.get("what", "")).startswith(words)}  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: a row lacks a field or has a wrong value ({e!r}); "
+                         f"'shardax calibrate' writes every field") from None  # fmt: skip
+    if missing := [k for k in _LAUNCH if k not in launch]:
+        raise ValueError(f"{where}: the 'launch' table has no {missing[0]!r} row "
+                         f"('shardax calibrate' measures it)")  # fmt: skip
+    if not any(r[3] == "bf16" for r in gemm):
+        raise ValueError(f"{where}: the 'gemm' table has no bf16 row (the rate every GEMM "
+                         f"is priced from)")  # fmt: skip
+    from shardax.cost.hardware import device_spec  # hardware imports nothing of this
+
+    spec = device_spec(SimpleNamespace(platform=tables.get("platform", "gpu"), device_kind=device))
+    peak = spec.peak_flops if spec else max(r[4] for r in gemm) * 1e12
+    return Calibration(
+        kind=kind_of(device), jax=str(tables.get("jax", "?")),
+        date=str(tables.get("date", "undated")), source=str(tables.get("source", where)),
+        gemm=gemm, stream=stream, attention=attention, launch_us=launch["per_kernel"],
+        dispatch_us=launch["one_kernel_program"], peak_flops=peak, device=device,
+    )  # fmt: skip
+
+
+def load(path: str | Path) -> Calibration:
+    """The calibration in a JSON file: ``shardax calibrate --out``'s, or a GPU session's
+    ``session.json`` (its ``core.calibration``).
+
+    >>> load(TABLES / "h200-2026-11-27.json").name
+    'calibrated: H200, JAX 0.11.2, 2026-11-27'
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"calibration {str(path)!r}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"calibration {str(path)!r}: not a JSON file ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("core"), dict):  # a session's record
+        data = {"source": f"{path} (core.calibration)", **data["core"].get("calibration", {})}
+    if isinstance(data, dict):
+        data = {"source": str(path), **data}
+    return from_tables(data, where=f"calibration {str(path)!r}")
+
+
+def register(calibration: Calibration) -> Calibration | None:
+    """Makes ``calibration`` the tables of its kind (``calibration.kind``) for this
+    process's estimates and plans; returns the one it replaced (None if none).
+
+    >>> mine = load(TABLES / "h100-2026-11-27.json")  # e.g. shardax calibrate --out h100.json
+    >>> register(mine) is H100, calibration_for("NVIDIA H100 80GB HBM3") is mine
+    (True, True)
+    >>> register(H100) is mine
+    True
+    """
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"register(calibration): a Calibration (load(path) reads one); got "
+                        f"{type(calibration).__name__}")  # fmt: skip
+    previous = CALIBRATIONS.get(calibration.kind)
+    CALIBRATIONS[calibration.kind] = calibration
+    return previous
+
+
+@contextlib.contextmanager
+def using(calibration: Calibration | None) -> Iterator[Calibration | None]:
+    """``register(calibration)`` for the block, then its kind's tables as they were (None:
+    no change).
+
+    >>> mine = load(TABLES / "h100-2026-11-27.json")  # shardax calibrate --out h100.json
+    >>> with using(mine):  # sx.estimate on an H100 target prices with mine here
+    ...     calibration_for("NVIDIA H100 80GB HBM3") is mine
+    True
+    >>> calibration_for("NVIDIA H100 80GB HBM3") is H100
+    True
+    """
+    if calibration is None:
+        yield None
+        return
+    previous = register(calibration)
+    try:
+        yield calibration
+    finally:
+        if previous is None:
+            CALIBRATIONS.pop(calibration.kind, None)
+        else:
+            CALIBRATIONS[calibration.kind] = previous
+
+
+def _shipped() -> dict[str, Calibration]:
+    out: dict[str, Calibration] = {}
+    for path in sorted(TABLES.glob("*.json")):  # kind-date.json: the latest date wins
+        c = load(path)
+        out[c.kind] = c
+    return out
+
+
+CALIBRATIONS: dict[str, Calibration] = _shipped()
+"""The calibrations by kind: the shipped ones, and any ``register``ed."""
+H200 = CALIBRATIONS["H200"]
+H100 = CALIBRATIONS["H100"]
 
 
 def calibration_for(device_kind: str) -> Calibration | None:
-    """The shipped calibration of ``device_kind`` (``"NVIDIA H200"``, ``"H100"``), else
-    None (``nearest`` then says how far the nearest calibrated kind is).
+    """The calibration of ``device_kind`` (``"NVIDIA H200"``, ``"H100"``: its kind's,
+    shipped or ``register``ed), else None (``nearest`` then says how far the nearest
+    calibrated kind is).
 
     >>> calibration_for("NVIDIA H200").kind
     'H200'
     """
-    found = _KIND.search(str(device_kind))
-    return CALIBRATIONS.get(found.group(1).upper()) if found else None
+    return CALIBRATIONS.get(kind_of(device_kind))
 
 
 def nearest(peak_flops: float | None, hbm_bandwidth: float | None) -> tuple[Calibration, str]:
@@ -198,4 +322,7 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0 else 0.0
 
 
-__all__ = ["CALIBRATIONS", "Calibration", "calibration_for", "nearest"]
+__all__ = [
+    "CALIBRATIONS", "Calibration", "calibration_for", "from_tables", "kind_of", "load", "nearest",
+    "register", "using",
+]  # fmt: skip

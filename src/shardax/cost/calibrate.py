@@ -1,6 +1,10 @@
-"""The measurements a per-op cost model prices a compiled step with, on this device.
+"""Measure this GPU's kernels: the tables the per-op cost model prices a compiled step with.
 
-Seven tables, each a list of JSON rows (``tables()`` returns them together):
+``shardax calibrate --out FILE`` runs ``tables()`` on the first device and writes them;
+``shardax plan --target ... --calibration FILE`` (or
+``sx.cost.calibration.register(sx.cost.calibration.load(FILE))``) then prices steps for
+that device kind with them. The shipped H100 and H200 tables (``shardax/cost/tables/``)
+were measured this way. Seven tables, each a list of JSON rows:
 
 - ``gemm``: bf16 matrix products ``(m, k) @ (k, n)`` with fp32 accumulation, by shape:
   the GPT's own projections at 8k tokens, their backward shapes, and a square ladder;
@@ -19,16 +23,17 @@ Seven tables, each a list of JSON rows (``tables()`` returns them together):
   in a chain of kernels XLA cannot fuse (``lax.optimization_barrier`` between them).
 
 Every time is the median of ``repeats`` calls after one warm-up; calls are dispatched
-back to back, so the host's dispatch overlaps the device's work, as in training.
+back to back, so the host's dispatch overlaps the device's work, as in training. A GPU
+takes about a minute; ``quick`` measures small shapes (a smoke test, e.g. on a CPU).
 
-    python benchmarks/gpu/calibrate.py --json          # the tables of this device
-    python benchmarks/gpu/calibrate.py --quick         # the small shapes (a CPU smoke test)
+>>> out = tables(quick=True)  # doctest: +SKIP
+>>> sorted(out)[:4]  # doctest: +SKIP
+['attention', 'attention_seconds', 'date', 'device']
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import datetime
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -239,13 +244,14 @@ def launch(chain: int = 200, calls: int = 50) -> list[dict[str, Any]]:
     t_long = _pipelined_seconds(lambda: long(x), 10)
     t_short = _pipelined_seconds(lambda: short(x), 10)
     return [
-        {"what": "dispatch of one jitted call, waited for", "us": dispatch * 1e6},
-        {
-            "what": f"per kernel, a chain of {chain} unfusable kernels in one program",
-            "us": max(t_long - t_short, 0.0) / (chain - 1) * 1e6,
-        },
-        {"what": "one program of one kernel, back to back", "us": t_short * 1e6},
-    ]
+        {"key": "dispatch_waited", "what": "dispatch of one jitted call, waited for",
+         "us": dispatch * 1e6},
+        {"key": "per_kernel",
+         "what": f"per kernel, a chain of {chain} unfusable kernels in one program",
+         "us": max(t_long - t_short, 0.0) / (chain - 1) * 1e6},
+        {"key": "one_kernel_program", "what": "one program of one kernel, back to back",
+         "us": t_short * 1e6},
+    ]  # fmt: skip
 
 
 def tables(quick: bool = False) -> dict[str, Any]:
@@ -262,7 +268,12 @@ def tables(quick: bool = False) -> dict[str, Any]:
         "attention": lambda: attention(attention_shapes(quick)),
         "launch": lambda: launch(20 if quick else 200),
     }
-    out: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    device = jax.devices()[0]
+    out: dict[str, Any] = {
+        "device": str(device.device_kind), "platform": str(device.platform),
+        "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+        "source": f"shardax calibrate on one {device.device_kind}", "quick": quick,
+    }  # fmt: skip
     for name, make in parts.items():
         began = time.perf_counter()
         try:
@@ -284,16 +295,3 @@ def summary(calib: dict[str, Any]) -> dict[str, float | None]:
         "bandwidth_gbs": max((r["gbs"] for r in streams), default=None)
         if isinstance(streams, list) else None,
     }  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small shapes (a CPU smoke test)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args(argv)
-    out = tables(args.quick)
-    print(json.dumps(out, indent=2) if args.json else json.dumps(summary(out)))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,136 @@
+"""Calibrations as data: the shipped tables are the GPU sessions' measurements, a user's
+``shardax calibrate`` file loads and registers for its kind, and bad tables are refused
+by name."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from shardax.cli.main import main as cli
+from shardax.cost import calibrate
+from shardax.cost.calibration import (
+    CALIBRATIONS,
+    H100,
+    H200,
+    TABLES,
+    calibration_for,
+    from_tables,
+    load,
+    register,
+    using,
+)
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.mark.parametrize("shipped", sorted(TABLES.glob("*.json")), ids=lambda p: p.name)
+def test_shipped_tables_are_what_the_gpu_session_measured(shipped):
+    """Each shipped file names the session record it came from; read from that record,
+    the tables are the same, figure for figure (no hand transcription)."""
+    mine = load(shipped)
+    record = re.match(r"(benchmarks/gpu/results/\S+/session\.json)", mine.source).group(1)
+    measured = load(ROOT / record)
+    for field in ("kind", "jax", "gemm", "stream", "attention", "launch_us", "dispatch_us"):
+        assert getattr(mine, field) == getattr(measured, field), field
+    assert mine.date == "2026-11-27" and mine.peak_flops == 989e12 and mine.derived is None
+    assert CALIBRATIONS[mine.kind] == mine
+
+
+def test_shipped_kinds_and_their_rows():
+    assert (H200.device, H100.device) == ("NVIDIA H200", "NVIDIA H100 80GB HBM3")
+    assert len(H200.gemm) == 12 and {r[3] for r in H200.gemm} == {"bf16"}
+    assert {r[3] for r in H100.gemm} == {"bf16", "f32"} and len(H100.attention) == 12
+    assert H100.stream == tuple(sorted(H100.stream))
+    assert H100.launch_us == pytest.approx(1.297, 1e-3)
+    assert calibration_for("NVIDIA H100 80GB HBM3") is H100 and calibration_for("cpu") is None
+
+
+@pytest.fixture(scope="module")
+def measured_here():
+    """``shardax calibrate``'s tables measured on this CPU (small shapes)."""
+    return calibrate.tables(quick=True)
+
+
+def test_tables_measured_here_load_as_a_calibration(measured_here):
+    t = measured_here
+    assert t["quick"] is True and t["device"] == "cpu" and re.match(r"\d{4}-\d\d-\d\d", t["date"])
+    keys = ["dispatch_waited", "per_kernel", "one_kernel_program"]
+    assert [r["key"] for r in t["launch"]] == keys
+    c = from_tables({**t, "quick": False})
+    assert c.kind == "cpu" and c.device == "cpu" and c.date == t["date"]
+    gemms = [r for name in ("gemm", "gemm_f32", "gemm_f32_cublas") for r in t[name]]
+    assert len(c.gemm) == len(gemms)
+    assert {r[3] for r in c.gemm} == {"bf16", "f32", "f32-cublas"}
+    assert c.stream == tuple(sorted(r["gbs"] for r in t["stream"]))
+    assert c.launch_us == t["launch"][1]["us"] and c.dispatch_us == t["launch"][2]["us"]
+    assert len(c.attention) == len(t["attention"]) and c.peak_flops > 0  # no datasheet: best GEMM
+    assert c.name == f"calibrated: cpu, JAX {t['jax']}, {t['date']}"
+
+
+def test_bad_tables_are_refused_by_name(measured_here, tmp_path):
+    t = {**measured_here, "quick": False}
+    no_bf16 = [r for r in t["gemm"] if r["dtype"] != "bf16"]
+    for tables, says in (
+        ({**t, "quick": True}, "measured with --quick (small shapes: a smoke test)"),
+        ({**t, "device": None}, "no 'device'"),
+        ({k: v for k, v in t.items() if k != "stream"}, "the 'stream' table is missing"),
+        ({**t, "gemm": {"error": "XlaRuntimeError: x"}},
+         "the 'gemm' table is a failure on the device (XlaRuntimeError: x)"),
+        ({**t, "stream": 3}, "the 'stream' table is not a list of rows: '3'"),
+        ({**t, "gemm": no_bf16 or [{**t["gemm"][0], "dtype": "f32"}]}, "no bf16 row"),
+        ({**t, "launch": t["launch"][:1]}, "the 'launch' table has no 'per_kernel' row"),
+        ({**t, "stream": [{"op": "x"}]}, "a row lacks a field"),
+        ([1, 2], "a JSON object of tables"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(says)):
+            from_tables(tables, where="t.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"calibration '.*bad\.json': not a JSON file"):
+        load(bad)
+    with pytest.raises(ValueError, match=r"calibration '.*none\.json': no such file"):
+        load(tmp_path / "none.json")
+    with pytest.raises(TypeError, match="a Calibration"):
+        register("h100.json")
+
+
+def test_a_users_tables_register_for_their_kind_and_are_restored(tmp_path):
+    mine = tmp_path / "h100.json"
+    tables = json.loads((TABLES / "h100-2026-11-27.json").read_text())
+    mine.write_text(json.dumps({**tables, "date": "2026-12-01", "source": "my lab"}))
+    c = load(mine)
+    assert c.name == "calibrated: H100, JAX 0.11.2, 2026-12-01" and c.source == "my lab"
+    with using(c) as active:
+        assert active is c and calibration_for("NVIDIA H100 80GB HBM3") is c
+    assert calibration_for("NVIDIA H100 80GB HBM3") is H100
+    l4 = from_tables({**tables, "device": "NVIDIA L4"})  # a kind nothing ships for
+    with using(l4):
+        assert calibration_for("NVIDIA L4") is l4 and CALIBRATIONS["NVIDIA L4"] is l4
+    assert "NVIDIA L4" not in CALIBRATIONS
+    with using(None) as nothing:
+        assert nothing is None and calibration_for("NVIDIA H100 80GB HBM3") is H100
+
+
+def test_cli_calibrate_writes_tables_and_refuses_a_cpu_without_quick(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    assert cli(["calibrate", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "(--quick: a smoke test)" in printed and f"wrote {out}" in printed
+    written = json.loads(out.read_text())
+    assert written["quick"] is True and written["device"] == "cpu"
+    assert all(
+        isinstance(written[k], list) and written[k]
+        for k in ("gemm", "gemm_f32", "gemm_f32_cublas", "stream", "reduce", "attention", "launch")
+    )
+    with pytest.raises(ValueError, match="measured with --quick"):
+        load(out)  # it prices nothing
+    for argv, says in (
+        (["calibrate"], "this process's devices are CPUs: run shardax calibrate on the GPU"),
+        (["calibrate", "--quick", "--out", str(tmp_path)], f"--out {tmp_path}: is a directory"),
+        (["calibrate", "--quick", "--out", str(tmp_path / "no" / "x.json")], "does not exist"),
+    ):  # fmt: skip
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
