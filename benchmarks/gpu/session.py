@@ -27,9 +27,12 @@ as MaxText and Megatron do: ``6·N + 6·L·T·d`` per token (N without the embed
 the LM head in it, attention causal-halved), over the device's dense bf16 peak.
 
 Written under ``--out``: ``session.json`` (every figure), ``session.md`` (the tables),
-``session.log`` (each stage's output), ``op_profile.json``, and ``hlo/<name>.hlo.gz``:
-the default step's and each sweep configuration's optimized program as it ran (XLA's
-dump), which ``benchmarks/cost_model_accuracy.py`` prices where it finds them.
+``session.log`` (each stage's output), ``op_profile.json``, ``calibration.json`` (the
+kernel tables as ``shardax calibrate`` writes them, on a GPU: copied to
+``src/shardax/cost/tables/<kind>-<date>.json``, with its ``source`` naming the session's
+record, they ship), and ``hlo/<name>.hlo.gz``: the default step's and each sweep
+configuration's optimized program as it ran (XLA's dump), which
+``benchmarks/cost_model_accuracy.py`` prices where it finds them.
 """
 
 from __future__ import annotations
@@ -485,6 +488,9 @@ def main(argv: list[str] | None = None) -> None:
     profile = session["core"].get("profile")
     if profile:
         _write(args.out / "op_profile.json", profile)
+    calibration = session["core"].get("calibration")
+    if isinstance(calibration, dict) and not calibration.get("quick"):
+        _write(args.out / "calibration.json", calibration)  # as `shardax calibrate` writes it
     if (args.work / "hlo").is_dir():  # the sweep's programs as they ran (a few MB)
         shutil.copytree(args.work / "hlo", args.out / "hlo", dirs_exist_ok=True)
     print((args.out / "session.md").read_text())

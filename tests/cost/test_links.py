@@ -94,7 +94,10 @@ def test_a_group_across_gpu_hosts_splits_its_bytes_and_takes_the_slower_link():
 def test_a_permute_is_priced_by_the_pair_that_crosses_hosts():
     """A pipeline over 8 GPUs on 2 hosts of 4 sends stage to stage: three pairs within a
     host, one between them. All pairs run at once, so the crossing pair sets the time."""
-    from shardax.cost.estimation import _link
+    from shardax.cost.estimation import _link_of, _members
+
+    def _link(groups, devices):  # the link a collective's slowest group crosses
+        return _link_of(_members(groups, devices))
 
     devices = [SimpleNamespace(process_index=i // 4, slice_index=0, platform="gpu")
                for i in range(8)]  # fmt: skip

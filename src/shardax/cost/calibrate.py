@@ -15,7 +15,9 @@ were measured this way. Seven tables, each a list of JSON rows:
   cuBLAS call's fp32 GEMM by these rows, dtype ``"f32-cublas"``).
 - ``stream``: elementwise passes over large arrays (copy, scale, a bf16 → fp32 convert),
   GB/s counting bytes read plus bytes written.
-- ``reduce``: row and column reductions of a ``(65536, 2048)`` array (a norm's shape).
+- ``reduce``: row and column reductions of a ``(65536, 2048)`` array (a norm's shape),
+  and softmax over its rows (plain, causal-masked, forward + backward: a dense
+  attention's fp32 scores).
 - ``attention``: ``jax.nn.dot_product_attention`` (cuDNN on a GPU, XLA elsewhere),
   forward and forward + backward, causal and not; TFLOP/s counts ``4·b·s²·h·d``
   forward (``2.5×`` that for the backward), halved when causal.
@@ -132,6 +134,18 @@ def fp32_gemm_shapes(quick: bool = False) -> list[tuple[int, int, int]]:
     return [(t, d, d), (t, f, d), (d, f, t), (4096, 4096, 4096), (8192, 8192, 8192)]
 
 
+def _causal_softmax(x: Any) -> Any:
+    """Softmax over the last axis with row ``r`` seeing columns ``<= r % width`` (a causal
+    score matrix's rows, stacked)."""
+    import jax
+    import jax.numpy as jnp
+
+    rows, cols = x.shape
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0) % cols
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+    return jax.nn.softmax(jnp.where(col <= row, x, -jnp.inf), axis=-1)
+
+
 def reduce(rows: int, width: int = 2048, calls: int = 20) -> list[dict[str, Any]]:
     """Row reductions of a ``(rows, width)`` array (a norm's or a softmax's shape): GB/s
     of bytes read plus written."""
@@ -148,6 +162,12 @@ def reduce(rows: int, width: int = 2048, calls: int = 20) -> list[dict[str, Any]
             jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(x.dtype)),
          x16, 4),
         ("column sum fp32", jax.jit(lambda x: x.sum(0)), x32, 4),
+        # a dense attention's scores (fp32, a row per query): softmax, causal-masked, and
+        # forward + backward (reads x, writes y; reads y and the cotangent, writes dx)
+        ("softmax fp32", jax.jit(lambda x: jax.nn.softmax(x, axis=-1)), x32, 8),
+        ("causal softmax fp32", jax.jit(_causal_softmax), x32, 8),
+        ("softmax fp32 fwd+bwd", jax.jit(lambda x: jax.vjp(
+            lambda x: jax.nn.softmax(x, axis=-1), x)[1](x)[0]), x32, 20),
     ]  # fmt: skip
     out = []
     for name, f, x, bytes_per in cases:

@@ -772,11 +772,6 @@ def _link_of(members: list[Any]) -> str:
     )
 
 
-def _link(groups: tuple[tuple[int, ...], ...], devices: list[Any]) -> str:
-    """The link a collective's slowest group crosses (``_members``)."""
-    return _link_of(_members(groups, devices))
-
-
 def _wire(
     s: Any, link: str, devices: list[Any], bandwidths: Mapping[str, float | None],
     members: list[Any] | None = None,

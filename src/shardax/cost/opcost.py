@@ -28,8 +28,8 @@ their time on the wire): a compile-only schedule's exposure is itself an estimat
 XLA's latency-hiding scheduler on the device may hide more; high with GEMMs 15% under
 the nearest shape's rate, attention 20% slower, memory-bound at the slowest stream pass,
 launches at twice ``launch_us`` and the collectives not overlapped at all. Tables not
-measured on the device kind widen it: by 10% each side for a derived calibration (the
-H100's), by 25% for another kind's (an uncalibrated device).
+measured on the device kind widen it: by 10% each side for a derived calibration (scaled
+from another kind's; none ships now), by 25% for another kind's (an uncalibrated device).
 
 >>> from shardax.cost.calibration import H200
 >>> hlo = '''ENTRY %main {
