@@ -68,6 +68,17 @@ def test_tables_measured_here_load_as_a_calibration(measured_here):
     assert c.stream == tuple(sorted(r["gbs"] for r in t["stream"]))
     assert c.launch_us == t["launch"][1]["us"] and c.dispatch_us == t["launch"][2]["us"]
     assert len(c.attention) == len(t["attention"]) and c.peak_flops > 0  # no datasheet: best GEMM
+    # collectives over the 8 devices: the bytes each sends, as the cost model counts a
+    # step's (ring algorithms), for a buffer of b bytes per device
+    rows = t["collectives"]
+    assert {(r["op"], r["devices"]) for r in rows} == {
+        (op, 8) for op in ("all-reduce", "all-gather", "reduce-scatter")
+    }
+    sends = {"all-reduce": 2 * 7 / 8, "all-gather": 7, "reduce-scatter": 7 / 8}
+    for r in rows:
+        assert r["sent_bytes"] == pytest.approx(sends[r["op"]] * r["bytes"]) and r["ms"] > 0
+    for op, n, latency, bandwidth in c.collectives:  # fitted where the sizes resolve a line
+        assert op in sends and n == 8 and latency >= 0 and bandwidth > 0
     assert c.name == f"calibrated: cpu, JAX {t['jax']}, {t['date']}"
 
 

@@ -108,3 +108,25 @@ def test_a_permute_is_priced_by_the_pair_that_crosses_hosts():
     s = Scheduled(permute, "cp", "main", 0, 1, True, 0, 0.0, None)
     assert _wire(s, "inter-host", devices, LINKS) == {"inter-host": permute.sent_bytes}
     assert _link(pairs[3:4] + pairs[:3], devices) == "inter-host"  # wherever it is listed
+
+
+def test_a_calibrations_measured_collectives_price_those_within_one_host():
+    """A calibration that measured all-gather over 8 GPUs of a host prices an 8-device
+    all-gather within a host at its fitted latency and bandwidth; one across hosts, or of
+    another group size, at the assumed latency and the datasheet's links."""
+    import dataclasses
+
+    mine = dataclasses.replace(H100, collectives=(("all-gather", 8, 3e-5, 3.6e11),))
+    s = scheduled("all-gather", 8e8, 8, runs=3)
+    per_run = s.sent_bytes / 3
+    cost = price_hlo("ENTRY %main {\n}", mine, link_bandwidth=LINKS, scheduled=[s])
+    assert cost.collective_s == pytest.approx(3 * (3e-5 + per_run / 3.6e11))
+    shipped = price_hlo("ENTRY %main {\n}", H100, link_bandwidth=LINKS, scheduled=[s])
+    assert shipped.collective_s == pytest.approx(3 * (LATENCY_S["intra-host"] + per_run / NVLINK))
+    across = {"inter-host": per_run * 3 / 8, "intra-host": per_run * 3 * 7 / 8}
+    cost = price_hlo("ENTRY %main {\n}", mine, wire_of=lambda _: across, link_bandwidth=LINKS,
+                     scheduled=[s])  # fmt: skip
+    assert cost.collective_s == pytest.approx(3 * (LATENCY_S["inter-host"] + per_run / 8 / IB))
+    four = scheduled("all-gather", 8e8, 4)
+    cost = price_hlo("ENTRY %main {\n}", mine, link_bandwidth=LINKS, scheduled=[four])
+    assert cost.collective_s == pytest.approx(LATENCY_S["intra-host"] + four.sent_bytes / NVLINK)

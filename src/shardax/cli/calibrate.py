@@ -23,7 +23,7 @@ from rich.table import Table
 
 from shardax.cli.common import UsageError, add_json_flag, console, print_json
 from shardax.cost import calibrate
-from shardax.cost.calibration import from_tables, kind_of
+from shardax.cost.calibration import fit_collectives, from_tables, kind_of
 from shardax.cost.compile_target import GPU_KINDS
 
 
@@ -87,11 +87,20 @@ def run(args: argparse.Namespace) -> int:
                   f"{tables['date']}{quick}")  # fmt: skip
     table.add_column("table")
     table.add_column("rows", justify="right")
-    table.add_column("best")
-    best = {"gemm": f"{summary['matmul_tflops'] or 0:.3g} TFLOP/s bf16",
-            "stream": f"{summary['bandwidth_gbs'] or 0:.4g} GB/s"}  # fmt: skip
+    table.add_column("summary")
+    best = {"gemm": f"best {summary['matmul_tflops'] or 0:.3g} TFLOP/s bf16",
+            "stream": f"best {summary['bandwidth_gbs'] or 0:.4g} GB/s"}  # fmt: skip
+    launch = {r.get("key"): r.get("us") for r in tables.get("launch") or [] if isinstance(r, dict)}
+    if launch.get("per_kernel") is not None:
+        best["launch"] = f"{launch['per_kernel']:.3g} µs per kernel in a program"
+    rows = tables.get("collectives")
+    fits = fit_collectives(rows) if isinstance(rows, list) else ()
+    best["collectives"] = "; ".join(
+        f"{op} over {n}: {latency * 1e6:.3g} µs + bytes at {bandwidth / 1e9:.4g} GB/s"
+        for op, n, latency, bandwidth in fits
+    ) or ("one device: none" if rows == [] else "")
     for name in ("gemm", "gemm_f32", "gemm_f32_cublas", "stream", "reduce", "attention",
-                 "launch"):  # fmt: skip
+                 "launch", "collectives"):  # fmt: skip
         rows = tables.get(name)
         shown = "failed: " + rows["error"][:60] if isinstance(rows, dict) else best.get(name, "")
         table.add_row(name, str(len(rows)) if isinstance(rows, list) else "-", shown)

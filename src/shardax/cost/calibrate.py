@@ -4,7 +4,7 @@
 ``shardax plan --target ... --calibration FILE`` (or
 ``sx.cost.calibration.register(sx.cost.calibration.load(FILE))``) then prices steps for
 that device kind with them. The shipped H100 and H200 tables (``shardax/cost/tables/``)
-were measured this way. Seven tables, each a list of JSON rows:
+were measured this way. Eight tables, each a list of JSON rows:
 
 - ``gemm``: bf16 matrix products ``(m, k) @ (k, n)`` with fp32 accumulation, by shape:
   the GPT's own projections at 8k tokens, their backward shapes, and a square ladder;
@@ -23,6 +23,10 @@ were measured this way. Seven tables, each a list of JSON rows:
   forward (``2.5×`` that for the backward), halved when causal.
 - ``launch``: the host's dispatch of one jitted call, and the device's cost per kernel
   in a chain of kernels XLA cannot fuse (``lax.optimization_barrier`` between them).
+- ``collectives``: all-reduce, all-gather and reduce-scatter over all of this process's
+  devices (one host: NVLink on a GPU server) from 64 KiB to 256 MiB per device, with the
+  bytes each device sends; ``shardax.cost.calibration`` fits each op's latency and
+  bandwidth to them. Empty on one device.
 
 Every time is the median of ``repeats`` calls after one warm-up; calls are dispatched
 back to back, so the host's dispatch overlaps the device's work, as in training. A GPU
@@ -274,6 +278,62 @@ def launch(chain: int = 200, calls: int = 50) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter")
+"""The collectives ``collectives`` measures (those FSDP and data parallelism run)."""
+
+
+def collective_sizes(quick: bool = False) -> list[int]:
+    """Bytes per device of each collective measured: 64 KiB to 256 MiB, ×4 apart (fp32
+    buffers); two small ones with ``quick``."""
+    return [2**12, 2**16] if quick else [2**k for k in range(16, 29, 2)]
+
+
+def collectives(sizes: Sequence[int], calls: int = 10) -> list[dict[str, Any]]:
+    """``COLLECTIVE_OPS`` over all of this process's devices (one host's, NVLink on a GPU
+    server) at each size of ``sizes`` (bytes of each device's buffer): ms per call and
+    the bytes each device sends, read from the compiled program as the cost model reads
+    a step's (``shardax.cost.hlo.collectives``), so a fit of these rows prices a step's
+    collectives in the same bytes. Empty with one device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec
+
+    from shardax.cost.hlo import collectives as collectives_in
+
+    devices = jax.local_devices()
+    n = len(devices)
+    if n < 2:
+        return []
+    mesh = Mesh(devices, ("x",))
+    ops = {
+        "all-reduce": lambda x: jax.lax.psum(x, "x"),
+        "all-gather": lambda x: jax.lax.all_gather(x, "x", tiled=True),
+        "reduce-scatter": lambda x: jax.lax.psum_scatter(x, "x", tiled=True),
+    }
+    rows = []
+    for op in COLLECTIVE_OPS:
+        for size in sizes:
+            elements = max(size // 4, n)
+            elements -= elements % n  # reduce-scatter splits each device's buffer n ways
+            f = jax.jit(jax.shard_map(ops[op], mesh=mesh, in_specs=PartitionSpec("x"),
+                                      out_specs=PartitionSpec("x"), check_vma=False))  # fmt: skip
+            x = jnp.ones((n * elements,), jnp.float32, device=jax.sharding.NamedSharding(
+                mesh, PartitionSpec("x")))  # fmt: skip
+            try:
+                compiled = f.lower(x).compile()
+                sent = sum(c.sent_bytes for c in collectives_in(compiled.as_text(), n))
+                seconds = _pipelined_seconds(lambda f=compiled, x=x: f(x), calls)
+            except Exception as e:  # an op the backend lacks: say so, keep going
+                rows.append({"op": op, "devices": n, "bytes": 4 * elements,
+                             "error": f"{type(e).__name__}: {str(e)[:300]}"})  # fmt: skip
+                continue
+            finally:
+                del x
+            rows.append({"op": op, "devices": n, "bytes": 4 * elements, "sent_bytes": sent,
+                         "ms": seconds * 1e3, "busbw_gbs": sent / seconds / 1e9})  # fmt: skip
+    return rows
+
+
 def tables(quick: bool = False) -> dict[str, Any]:
     """All the tables, each run on its own so one failing leaves the others; errors are
     kept as ``{"error": ...}``."""
@@ -286,6 +346,7 @@ def tables(quick: bool = False) -> dict[str, Any]:
         "stream": lambda: stream(2**16 if quick else 2**28),
         "reduce": lambda: reduce(64 if quick else 65536),
         "attention": lambda: attention(attention_shapes(quick)),
+        "collectives": lambda: collectives(collective_sizes(quick)),
         "launch": lambda: launch(20 if quick else 200),
     }
     device = jax.devices()[0]

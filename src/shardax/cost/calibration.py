@@ -38,7 +38,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -59,6 +59,9 @@ class Calibration:
         derived: None where measured; else how the tables were derived (scaled from
             another kind's): then ``name`` says so.
         device: the device kind as JAX named it (``"NVIDIA H100 80GB HBM3"``).
+        collectives: ``(op, devices, latency s, bytes/s)`` fitted per op to the
+            collectives measured over one host's devices (``fit_collectives``); empty
+            where one device was measured.
     """
 
     kind: str
@@ -73,6 +76,7 @@ class Calibration:
     peak_flops: float
     derived: str | None = None
     device: str = ""
+    collectives: tuple[tuple[str, int, float, float], ...] = ()
 
     @property
     def name(self) -> str:
@@ -112,6 +116,42 @@ _LAUNCH = {  # launch rows by key, or by the words of tables measured before row
     "per_kernel": "per kernel, a chain",
     "one_kernel_program": "one program of one kernel",
 }
+
+
+def fit_collectives(rows: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, int, float, float], ...]:
+    """``(op, devices, latency s, bytes/s)`` per op and group size: the line
+    ``ms = latency + sent_bytes / bandwidth`` through the measured sizes, least squares in
+    relative error (small and large messages count alike). Rows with an error, or an op
+    whose fit is not a latency ≥ 0 and a bandwidth > 0, are left out.
+
+    >>> rows = [{"op": "all-gather", "devices": 8, "sent_bytes": b,
+    ...          "ms": 1e3 * (2e-5 + b / 2e11)} for b in (2**16, 2**20, 2**24, 2**28)]
+    >>> [(op, n, round(t * 1e6, 3), round(bw / 1e9, 3)) for op, n, t, bw in fit_collectives(rows)]
+    [('all-gather', 8, 20.0, 200.0)]
+    """
+    groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in rows:
+        if "ms" in r and r.get("sent_bytes"):
+            key = (str(r["op"]), int(r["devices"]))
+            groups.setdefault(key, []).append((float(r["sent_bytes"]), float(r["ms"]) * 1e-3))
+    out = []
+    for (op, n), points in sorted(groups.items()):
+        if len(points) < 2:
+            continue
+        # minimise sum(((a + s * g) - t) / t)^2 over a (latency) and g (1 / bandwidth)
+        saa = sum(1 / t**2 for _, t in points)
+        sag = sum(s / t**2 for s, t in points)
+        sgg = sum((s / t) ** 2 for s, t in points)
+        sa, sg = sum(1 / t for _, t in points), sum(s / t for s, t in points)
+        det = saa * sgg - sag**2
+        if det <= 0:
+            continue
+        a, g = (sa * sgg - sg * sag) / det, (saa * sg - sag * sa) / det
+        if a < 0:  # no latency the sizes can resolve: the bandwidth alone
+            a, g = 0.0, sg / sgg
+        if g > 0:
+            out.append((op, n, a, 1 / g))
+    return tuple(out)
 
 
 def kind_of(device_kind: str) -> str:
@@ -169,7 +209,7 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
         return []
 
     found = {name: rows(name, name in ("gemm", "stream", "launch"))
-             for name in (*_GEMMS, "stream", "attention", "launch")}  # fmt: skip
+             for name in (*_GEMMS, "stream", "attention", "launch", "collectives")}  # fmt: skip
     try:
         gemm = tuple(
             (int(r["m"]), int(r["n"]), int(r["k"]), str(r["dtype"]), float(r["tflops"]))
@@ -181,6 +221,7 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
              bool(r["causal"]), str(r["pass"]), float(r["ms"]))
             for r in found["attention"] if "ms" in r
         )  # fmt: skip
+        fitted = fit_collectives(found["collectives"])
         launch = {key: float(r["us"]) for r in found["launch"]
                   for key, words in _LAUNCH.items()
                   if r.get("key") == key or str(r.get("what", "")).startswith(words)}  # fmt: skip
@@ -202,6 +243,7 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
         date=str(tables.get("date", "undated")), source=str(tables.get("source", where)),
         gemm=gemm, stream=stream, attention=attention, launch_us=launch["per_kernel"],
         dispatch_us=launch["one_kernel_program"], peak_flops=peak, device=device,
+        collectives=fitted,
     )  # fmt: skip
 
 

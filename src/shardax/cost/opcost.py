@@ -14,12 +14,13 @@ run (loop bodies by their trips; not the bodies of fusions) is classed
 - **memory-bound** work (elementwise fusions, the optimizer update, copies, other
   kernels): operand + output bytes at the calibration's median stream bandwidth;
 - **launch**: every kernel (all of the above) ``launch_us``;
-- **collectives**: per op ``latency + bytes / link bandwidth`` (``LATENCY_S``, the
-  datasheet's links; the slowest link's time where a group spans GPU hosts, whose GPUs
-  each send ``shardax.cost.predict.host_share`` of their bytes between hosts and the rest
-  over NVLink), and the time left exposed by the compiled schedule
-  (``shardax.cost.schedule.exposed_seconds``, with the matmuls under each at the
-  calibrated GEMM rate).
+- **collectives**: per op ``latency + bytes / link bandwidth``: the calibration's fit
+  where it measured that op over that many devices of one host (``collective_fit``),
+  else ``LATENCY_S`` and the datasheet's links (the slowest link's time where a group
+  spans GPU hosts, whose GPUs each send ``shardax.cost.predict.host_share`` of their
+  bytes between hosts and the rest over NVLink); and the time left exposed by the
+  compiled schedule (``shardax.cost.schedule.exposed_seconds``, with the matmuls under
+  each at the calibrated GEMM rate).
 
 The step is the kernels in sequence (one stream) plus the exposed collectives. Its
 interval: low with GEMMs at the table's best rate, attention 20% faster, memory-bound at
@@ -197,6 +198,29 @@ def gemm_rate(
         measured or [r for r in rows if r[3] == "bf16"], key=lambda r: _distance(r[:3], point)
     )
     return best[4] * 1e12 * factor
+
+
+def collective_fit(
+    c: Calibration, op: str, group: int, wire_bytes: Mapping[str, float]
+) -> tuple[float, float] | None:
+    """``(latency s, bytes/s)`` of ``op`` over ``group`` devices from ``c``'s fitted
+    collectives (measured over one host's devices), for a collective whose bytes all stay
+    within a host; None where ``c`` measured no such op at that group size.
+
+    >>> import dataclasses
+    >>> from shardax.cost.calibration import H100
+    >>> mine = dataclasses.replace(H100, collectives=(("all-gather", 8, 2e-5, 3.5e11),))
+    >>> collective_fit(mine, "all-gather", 8, {"intra-host": 1e6})
+    (2e-05, 350000000000.0)
+    >>> collective_fit(mine, "all-gather", 8, {"inter-host": 1e6}) is None  # not one host
+    True
+    """
+    if any(v for k, v in wire_bytes.items() if k != "intra-host"):
+        return None
+    for fop, n, latency, bandwidth in c.collectives:
+        if fop == op and n == group:
+            return latency, bandwidth
+    return None
 
 
 def attention_seconds(c: Calibration, line: str) -> float | None:
@@ -396,11 +420,15 @@ def price_hlo(
         if not runs:
             continue
         wire_bytes = wire_of(s) if wire_of is not None else {"intra-host": s.sent_bytes}
-        moving = wire_seconds({k: v / runs for k, v in wire_bytes.items()}, bandwidths)
-        if moving is None:  # a link it uses has no bandwidth: left out, as in the roofline
-            continue
-        one = max((LATENCY_S.get(k, 0.0) for k, v in wire_bytes.items() if v), default=0.0)
-        one += moving
+        fit = collective_fit(c, s.collective.op, s.collective.group, wire_bytes)
+        if fit is not None:  # measured on this kind's host: its latency and bandwidth
+            one = fit[0] + sum(wire_bytes.values()) / runs / fit[1]
+        else:
+            moving = wire_seconds({k: v / runs for k, v in wire_bytes.items()}, bandwidths)
+            if moving is None:  # a link it uses has no bandwidth: left out, as the roofline
+                continue
+            one = max((LATENCY_S.get(k, 0.0) for k, v in wire_bytes.items() if v), default=0.0)
+            one += moving
         wire += one * s.collective.count
         exposed += exposed_seconds(s, one, best_rate)
     if widen is None:
