@@ -32,7 +32,9 @@ def test_shipped_tables_are_what_the_gpu_session_measured(shipped):
     mine = load(shipped)
     record = re.match(r"(benchmarks/gpu/results/\S+/session\.json)", mine.source).group(1)
     measured = load(ROOT / record)
-    for field in ("kind", "jax", "gemm", "stream", "attention", "launch_us", "dispatch_us"):
+    fields = ("kind", "jax", "gemm", "stream", "reduce", "attention", "launch_us", "dispatch_us",
+              "collectives")  # fmt: skip
+    for field in fields:
         assert getattr(mine, field) == getattr(measured, field), field
     assert shipped.name == f"{mine.kind.lower()}-{mine.date}.json" and mine.derived is None
     assert mine.peak_flops == 989e12  # the datasheet's dense bf16 peak (H100, H200)
@@ -44,6 +46,7 @@ def test_shipped_kinds_and_their_rows():
     assert (H200.device, H100.device) == ("NVIDIA H200", "NVIDIA H100 80GB HBM3")
     assert len(H200.gemm) == 12 and {r[3] for r in H200.gemm} == {"bf16"}
     assert {r[3] for r in H100.gemm} == {"bf16", "f32"} and len(H100.attention) == 12
+    assert len(H100.reduce) == 4 and H200.reduce == () and H100.collectives == ()  # one GPU
     assert H100.stream == tuple(sorted(H100.stream))
     assert H100.launch_us == pytest.approx(1.297, 1e-3)
     assert calibration_for("NVIDIA H100 80GB HBM3") is H100 and calibration_for("cpu") is None
@@ -66,6 +69,8 @@ def test_tables_measured_here_load_as_a_calibration(measured_here):
     assert len(c.gemm) == len(gemms)
     assert {r[3] for r in c.gemm} == {"bf16", "f32", "f32-cublas"}
     assert c.stream == tuple(sorted(r["gbs"] for r in t["stream"]))
+    single_pass = [r["gbs"] for r in t["reduce"] if "fwd+bwd" not in r["op"]]
+    assert c.reduce == tuple(sorted(single_pass)) and len(single_pass) == len(t["reduce"]) - 1
     assert c.launch_us == t["launch"][1]["us"] and c.dispatch_us == t["launch"][2]["us"]
     assert len(c.attention) == len(t["attention"]) and c.peak_flops > 0  # no datasheet: best GEMM
     # collectives over the 8 devices: the bytes each sends, as the cost model counts a

@@ -6,6 +6,7 @@ H200 are ``benchmarks/cost_model_accuracy.py``'s).
 """
 
 import dataclasses
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -179,3 +180,33 @@ def test_the_accuracy_benchmark_reads_every_measured_configuration():
     rows[0]["prediction"] = price_hlo("ENTRY %main {\n" + PARAMS + GEMM + "\n}", H200).to_dict()
     line = bench.markdown(rows[:1]).splitlines()[-1]
     assert line.startswith("| default (shardax) | 130.3 | 0.4 |") and line.endswith("| no |")
+
+
+def test_a_kernel_that_reduces_is_priced_at_the_measured_reductions():
+    """A reduction fusion (a norm, a softmax) at the median of the calibration's reduce
+    rows where it has them; an elementwise one, or any on tables without them, at the
+    median stream pass."""
+    hlo = (
+        "%sum (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n"
+        "  %b = f32[] parameter(1)\n  ROOT %c = f32[] add(%a, %b)\n}\n"
+        "%fr (p: f32[8192,2048]) -> f32[8192] {\n  %p = f32[8192,2048]{1,0} parameter(0)\n"
+        "  %z = f32[] constant(0)\n"
+        "  ROOT %r = f32[8192]{0} reduce(%p, %z), dimensions={1}, to_apply=%sum\n}\n"
+        "%fe (q: f32[8192,2048]) -> f32[8192,2048] {\n  %q = f32[8192,2048]{1,0} parameter(0)\n"
+        "  ROOT %e = f32[8192,2048]{1,0} exponential(%q)\n}\n"
+        "ENTRY %main (x: f32[8192,2048]) -> f32[8192] {\n"
+        "  %x = f32[8192,2048]{1,0} parameter(0)\n"
+        "  %y = f32[8192,2048]{1,0} fusion(%x), kind=kLoop, calls=%fe\n"
+        "  ROOT %s = f32[8192]{0} fusion(%y), kind=kInput, calls=%fr\n}"
+    )
+    read, elementwise = 8192 * 2048 * 4, 2 * 8192 * 2048 * 4
+    reduced = read + 8192 * 4
+    priced = price_hlo(hlo, H100).classes["elementwise"]
+    assert priced.kernels == 2 and priced.bytes == elementwise + reduced
+    stream, reduce = (statistics.median(t) * 1e9 for t in (H100.stream, H100.reduce))
+    assert len(H100.reduce) == 4 and reduce != stream
+    assert priced.seconds == pytest.approx(elementwise / stream + reduced / reduce)
+    none = dataclasses.replace(H100, reduce=())
+    assert price_hlo(hlo, none).classes["elementwise"].seconds == pytest.approx(
+        (elementwise + reduced) / stream
+    )

@@ -7,6 +7,7 @@ tables the per-op cost model (``shardax.cost.opcost``) prices a compiled step wi
   fp32 at JAX's default precision where measured; ``"f32-cublas"``: fp32 with Triton
   GEMMs off, what a cuBLAS call runs);
 - ``stream``: GB/s of elementwise passes (bytes read + written), slowest to fastest;
+  ``reduce``: the same of reductions (a norm's, a softmax's), where measured;
 - ``attention``: cuDNN fused attention, ms per call by (batch, seq, heads, head_dim,
   causal, pass);
 - ``launch_us``: the device's cost per kernel inside one program;
@@ -59,6 +60,8 @@ class Calibration:
         derived: None where measured; else how the tables were derived (scaled from
             another kind's): then ``name`` says so.
         device: the device kind as JAX named it (``"NVIDIA H100 80GB HBM3"``).
+        reduce: GB/s of single-pass reductions (row sums, a norm, softmax), sorted;
+            empty where not measured (reductions then priced at ``stream``).
         collectives: ``(op, devices, latency s, bytes/s)`` fitted per op to the
             collectives measured over one host's devices (``fit_collectives``); empty
             where one device was measured.
@@ -77,6 +80,7 @@ class Calibration:
     derived: str | None = None
     device: str = ""
     collectives: tuple[tuple[str, int, float, float], ...] = ()
+    reduce: tuple[float, ...] = ()
 
     @property
     def name(self) -> str:
@@ -209,13 +213,16 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
         return []
 
     found = {name: rows(name, name in ("gemm", "stream", "launch"))
-             for name in (*_GEMMS, "stream", "attention", "launch", "collectives")}  # fmt: skip
+             for name in (*_GEMMS, "stream", "reduce", "attention", "launch",
+                          "collectives")}  # fmt: skip
     try:
         gemm = tuple(
             (int(r["m"]), int(r["n"]), int(r["k"]), str(r["dtype"]), float(r["tflops"]))
             for name in _GEMMS for r in found[name] if "error" not in r
         )  # fmt: skip
         stream = tuple(sorted(float(r["gbs"]) for r in found["stream"]))
+        reduce = tuple(sorted(float(r["gbs"]) for r in found["reduce"]
+                              if "gbs" in r and "fwd+bwd" not in str(r.get("op"))))  # fmt: skip
         attention = tuple(
             (int(r["batch"]), int(r["seq"]), int(r["heads"]), int(r["head_dim"]),
              bool(r["causal"]), str(r["pass"]), float(r["ms"]))
@@ -243,7 +250,7 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
         date=str(tables.get("date", "undated")), source=str(tables.get("source", where)),
         gemm=gemm, stream=stream, attention=attention, launch_us=launch["per_kernel"],
         dispatch_us=launch["one_kernel_program"], peak_flops=peak, device=device,
-        collectives=fitted,
+        collectives=fitted, reduce=reduce,
     )  # fmt: skip
 
 

@@ -12,7 +12,9 @@ run (loop bodies by their trips; not the bodies of fusions) is classed
 - **attention** (cuDNN's ``__cudnn$fmha*``): the measured kernel nearest in (seq, heads,
   head_dim) with the same mask and pass, scaled by FLOPs (``attention_seconds``);
 - **memory-bound** work (elementwise fusions, the optimizer update, copies, other
-  kernels): operand + output bytes at the calibration's median stream bandwidth;
+  kernels): operand + output bytes at the calibration's median stream bandwidth, or its
+  median reduction bandwidth for a kernel that reduces (a norm, a softmax, a loss) where
+  it measured reductions;
 - **launch**: every kernel (all of the above) ``launch_us``;
 - **collectives**: per op ``latency + bytes / link bandwidth``: the calibration's fit
   where it measured that op over that many devices of one host (``collective_fit``),
@@ -371,8 +373,11 @@ def price_hlo(
     c = calibration
     rows = gemm_rows(c)
     best_rate = max(r[4] for r in rows) * 1e12
-    bw = statistics.median(c.stream) * 1e9
-    bw_fast, bw_slow = max(c.stream) * 1e9, min(c.stream) * 1e9
+    # bytes/s of memory-bound kernels, (point, fast, slow): streams, and those that reduce
+    by_stream, by_reduce = (
+        tuple(f(rates) * 1e9 for f in (statistics.median, max, min))
+        for rates in (c.stream, c.reduce or c.stream)
+    )
     skipped = {i.called for i in index.by_name.values() if i.called and i.opcode == "fusion"}
     skipped |= set(re.findall(r"\bto_apply=%?([\w.\-]+)", hlo))
     classes = {k: ClassCost() for k in PRICED}
@@ -388,7 +393,9 @@ def price_hlo(
                 continue
             runs = float(index.runs_of(instr))
             nbytes = moved_bytes(index, instr)
-            mem = (nbytes / bw, nbytes / bw_fast, nbytes / bw_slow)
+            reduces = instr.opcode == "reduce" or any(op == "reduce" for op, _, _ in instr.fused)
+            rates = by_reduce if reduces and cls != "gemm" else by_stream
+            mem = (nbytes / rates[0], nbytes / rates[1], nbytes / rates[2])
             if cls == "attention":
                 t = attention_seconds(c, instr.line)
                 flops = _fmha_flops(instr.line)
