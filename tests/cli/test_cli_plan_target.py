@@ -186,7 +186,8 @@ def _calibration_file(tmp_path, scale_stream=1.0, **changes):
     from shardax.cost.calibration import TABLES
 
     data = json.loads((TABLES / "h100-2026-11-27.json").read_text())
-    data["stream"] = [{**r, "gbs": r["gbs"] * scale_stream} for r in data["stream"]]
+    for table in ("stream", "reduce"):  # the memory-bound kernels' bandwidths
+        data[table] = [{**r, "gbs": r["gbs"] * scale_stream} for r in data[table]]
     path = tmp_path / "mine.json"
     path.write_text(json.dumps({**data, **changes}))
     return path
@@ -194,9 +195,9 @@ def _calibration_file(tmp_path, scale_stream=1.0, **changes):
 
 @pytest.mark.compile_only("gpu")
 def test_a_calibration_file_prices_the_targets_step(tmp_path):
-    """--calibration: the step is priced with the file's tables (stream bandwidth halved:
-    the elementwise kernels take twice as long), named in the report; the shipped tables
-    are back afterwards."""
+    """--calibration: the step is priced with the file's tables (stream and reduction
+    bandwidths halved: the elementwise kernels take twice as long), named in the report;
+    the shipped tables are back afterwards."""
     from shardax.cost.calibration import H100, calibration_for
 
     argv = ["--target", "8xH100", *TINY, "--plan", "fsdp", "--json"]
