@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shardax.cli.main import main as cli
-from shardax.cost import calibrate
+from shardax.cost import calibrate, calibration
 from shardax.cost.calibration import (
     CALIBRATIONS,
     H100,
@@ -63,14 +63,15 @@ def test_tables_measured_here_load_as_a_calibration(measured_here):
     assert t["quick"] is True and t["device"] == "cpu" and re.match(r"\d{4}-\d\d-\d\d", t["date"])
     keys = ["dispatch_waited", "per_kernel", "one_kernel_program"]
     assert [r["key"] for r in t["launch"]] == keys
-    c = from_tables({**t, "quick": False})
+    c = from_tables({**t, "quick": False, "platform": "gpu"})  # as if a GPU's
     assert c.kind == "cpu" and c.device == "cpu" and c.date == t["date"]
     gemms = [r for name in ("gemm", "gemm_f32", "gemm_f32_cublas") for r in t[name]]
     assert len(c.gemm) == len(gemms)
     assert {r[3] for r in c.gemm} == {"bf16", "f32", "f32-cublas"}
     assert c.stream == tuple(sorted(r["gbs"] for r in t["stream"]))
-    single_pass = [r["gbs"] for r in t["reduce"] if "fwd+bwd" not in r["op"]]
-    assert c.reduce == tuple(sorted(single_pass)) and len(single_pass) == len(t["reduce"]) - 1
+    # the reductions priced by: a fixed set (norms and sums), the softmax rows for reading
+    four = [r["gbs"] for r in t["reduce"] if r["op"] in calibration._REDUCE_ROWS]
+    assert c.reduce == tuple(sorted(four)) and len(four) == 4 and len(t["reduce"]) == 7
     assert c.launch_us == t["launch"][1]["us"] and c.dispatch_us == t["launch"][2]["us"]
     assert len(c.attention) == len(t["attention"]) and c.peak_flops > 0  # no datasheet: best GEMM
     # collectives over the 8 devices: the bytes each sends, as the cost model counts a
@@ -88,22 +89,35 @@ def test_tables_measured_here_load_as_a_calibration(measured_here):
 
 
 def test_bad_tables_are_refused_by_name(measured_here, tmp_path):
-    t = {**measured_here, "quick": False}
+    t = {**measured_here, "quick": False, "platform": "gpu"}
     no_bf16 = [r for r in t["gemm"] if r["dtype"] != "bf16"]
+    g0, a0 = t["gemm"][0], t["attention"][0]
     for tables, says in (
         ({**t, "quick": True}, "measured with --quick (small shapes: a smoke test)"),
+        ({**t, "platform": "tpu"}, "measured on a tpu device; the per-op model prices GPU"),
         ({**t, "device": None}, "no 'device'"),
         ({k: v for k, v in t.items() if k != "stream"}, "the 'stream' table is missing"),
+        ({**t, "stream": []}, "the 'stream' table is empty"),
         ({**t, "gemm": {"error": "XlaRuntimeError: x"}},
          "the 'gemm' table is a failure on the device (XlaRuntimeError: x)"),
         ({**t, "stream": 3}, "the 'stream' table is not a list of rows: '3'"),
-        ({**t, "gemm": no_bf16 or [{**t["gemm"][0], "dtype": "f32"}]}, "no bf16 row"),
+        ({**t, "gemm": no_bf16 or [{**g0, "dtype": "f32"}]}, "no bf16 row that timed the kernel"),
         ({**t, "launch": t["launch"][:1]}, "the 'launch' table has no 'per_kernel' row"),
-        ({**t, "stream": [{"op": "x"}]}, "a row lacks a field"),
+        ({**t, "stream": [{"op": "x"}]},
+         "the 'stream' table's row 0 has gbs=None; it must be a finite number > 0"),
+        ({**t, "gemm": [{**g0, "tflops": 0}]}, "row 0 has tflops=0; it must be a finite number"),
+        ({**t, "gemm": [{**g0, "tflops": float("nan")}]}, "row 0 has tflops=nan"),
+        ({**t, "attention": [{**a0, "causal": "false"}]},
+         "the 'attention' table's row 0 has causal='false'; it must be true or false"),
+        ({**t, "attention": [{**a0, "pass": "bwd"}]}, "pass='bwd'; it must be one of ['fwd'"),
         ([1, 2], "a JSON object of tables"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(says)):
             from_tables(tables, where="t.json")
+    record = tmp_path / "session.json"
+    record.write_text(json.dumps({"core": {"device": "NVIDIA H100 80GB HBM3"}}))
+    with pytest.raises(ValueError, match=r"a session record without core\.calibration"):
+        load(record)
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match=r"calibration '.*bad\.json': not a JSON file"):
@@ -144,8 +158,11 @@ def test_cli_calibrate_writes_tables_and_refuses_a_cpu_without_quick(tmp_path, c
     )
     with pytest.raises(ValueError, match="measured with --quick"):
         load(out)  # it prices nothing
+    assert cli(["calibrate", "--quick", "--out", str(out), "--force"]) == 0
+    capsys.readouterr()
     for argv, says in (
-        (["calibrate"], "this process's devices are CPUs: run shardax calibrate on the GPU"),
+        (["calibrate"], "this process's devices are cpu devices: run shardax calibrate on"),
+        (["calibrate", "--quick", "--out", str(out)], f"--out {out}: exists; --force replaces"),
         (["calibrate", "--quick", "--out", str(tmp_path)], f"--out {tmp_path}: is a directory"),
         (["calibrate", "--quick", "--out", str(tmp_path / "no" / "x.json")], "does not exist"),
     ):  # fmt: skip

@@ -6,7 +6,7 @@ attention times and the launch cost (``shardax.cost.calibrate``; about a minute 
 GPU). The H100 and H200 ship with shardax; for another kind, or your own driver and JAX:
 
     shardax calibrate --out a100.json
-    shardax plan --target 64xA100 --layers 32 --d-model 4096 --heads 32 --batch 256 \\
+    shardax plan --target 64xA100-80GB --layers 32 --d-model 4096 --heads 32 --batch 256 \\
         --calibration a100.json
 
 In Python: ``sx.cost.calibration.register(sx.cost.calibration.load("a100.json"))``.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 from rich.table import Table
@@ -25,6 +26,7 @@ from shardax.cli.common import UsageError, add_json_flag, console, print_json
 from shardax.cost import calibrate
 from shardax.cost.calibration import fit_collectives, from_tables, kind_of
 from shardax.cost.compile_target import GPU_KINDS
+from shardax.cost.hardware import device_spec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,41 +35,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         default=None,
         metavar="FILE",
-        help="the JSON file to write (default: calibration-<kind>-<date>.json here)",
+        help="the JSON file to write (default: calibration-<kind>-<date>.json here; "
+        "an existing file only with --force)",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
         help="small shapes: a smoke test (e.g. on a CPU); the tables price nothing",
     )
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
     add_json_flag(parser)
 
 
-def _out_path(out: str | None, device_kind: str, date: str) -> Path:
-    if out is None:
-        slug = "".join(ch if ch.isalnum() else "-" for ch in kind_of(device_kind).lower())
-        return Path(f"calibration-{slug.strip('-')}-{date}.json")
-    path = Path(out)
+def default_out(device_kind: str, date: str, quick: bool) -> Path:
+    """``calibration-<kind>-<date>.json`` here (``-quick`` before ``.json`` for a smoke
+    test, so that it never takes a real calibration's name).
+
+    >>> default_out("NVIDIA H100 80GB HBM3", "2026-12-01", False).name
+    'calibration-h100-2026-12-01.json'
+    """
+    slug = "".join(ch if ch.isalnum() else "-" for ch in kind_of(device_kind).lower())
+    return Path(f"calibration-{slug.strip('-')}-{date}{'-quick' if quick else ''}.json")
+
+
+def check_out(path: Path, force: bool) -> None:
+    """A usage error where ``path`` cannot be written, or holds a file and not ``force``."""
     if path.is_dir():
-        raise UsageError(f"--out {out}: is a directory; give the file to write")
+        raise UsageError(f"--out {path}: is a directory; give the file to write")
     if not path.parent.is_dir():
-        raise UsageError(f"--out {out}: cannot write it, {path.parent} does not exist")
-    return path
+        raise UsageError(f"--out {path}: cannot write it, {path.parent} does not exist")
+    if path.exists() and not force:
+        raise UsageError(f"--out {path}: exists; --force replaces it")
 
 
 def run(args: argparse.Namespace) -> int:
     """Measures the tables on the first device, writes them, prints their summary."""
     device = jax.devices()[0]
-    if device.platform == "cpu" and not args.quick:
+    if device.platform not in ("gpu", "cuda", "rocm") and not args.quick:
         raise UsageError(
-            "the per-op cost model prices GPU programs, and this process's devices are CPUs: "
-            "run shardax calibrate on the GPU to calibrate (--quick runs the small shapes "
-            "here, as a smoke test)"
+            f"the per-op cost model prices GPU programs, and this process's devices are "
+            f"{device.platform} devices: run shardax calibrate on the GPU to calibrate "
+            "(--quick runs the small shapes here, as a smoke test)"
         )
-    path = _out_path(args.out, str(device.device_kind), "today")  # checked before measuring
+    if args.out is not None:
+        check_out(Path(args.out), args.force)  # before a minute of measuring
     tables = calibrate.tables(quick=args.quick)
-    if args.out is None:
-        path = _out_path(None, tables["device"], tables["date"])
+    path = Path(args.out) if args.out else default_out(tables["device"], tables["date"],
+                                                       args.quick)  # fmt: skip
+    check_out(path, args.force)
     path.write_text(json.dumps(tables, indent=1) + "\n")
     failed = {k: v["error"] for k, v in tables.items() if isinstance(v, dict) and "error" in v}
     usable = None
@@ -117,8 +132,12 @@ def use_line(device_kind: str, path: Path) -> str:
     >>> use_line("NVIDIA A100-SXM4-80GB", Path("a.json"))
     'shardax plan --target 8xA100-80GB ... --calibration a.json'
     """
-    names = [name for name, kind in GPU_KINDS.items() if kind == device_kind]
+    names = [name for name, kind in GPU_KINDS.items() if kind_of(kind) == kind_of(device_kind)]
     if names:
         return f"shardax plan --target 8x{names[0]} ... --calibration {path}"
-    return (f"sx.cost.calibration.register(sx.cost.calibration.load({str(path)!r})), then "
-            f"sx.estimate on these devices (no compile-only target has this kind)")  # fmt: skip
+    register = f"sx.cost.calibration.register(sx.cost.calibration.load({str(path)!r}))"
+    if device_spec(SimpleNamespace(platform="gpu", device_kind=device_kind)) is None:
+        return (f"{register} keeps them, but sx.estimate predicts times only on GPUs with a "
+                "datasheet row (shardax.cost.hardware), and this kind has none: no compile-only "
+                "target or prediction uses them yet")  # fmt: skip
+    return f"{register}, then sx.estimate on these devices (no compile-only target has this kind)"

@@ -33,8 +33,8 @@ back to back, so the host's dispatch overlaps the device's work, as in training.
 takes about a minute; ``quick`` measures small shapes (a smoke test, e.g. on a CPU).
 
 >>> out = tables(quick=True)  # doctest: +SKIP
->>> sorted(out)[:4]  # doctest: +SKIP
-['attention', 'attention_seconds', 'date', 'device']
+>>> [name for name in out if isinstance(out[name], list)]  # doctest: +SKIP
+['gemm', 'gemm_f32', 'gemm_f32_cublas', 'stream', 'reduce', 'attention', 'collectives', 'launch']
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ class Calibration:
         attention: ``(batch, seq, heads, head_dim, causal, pass, ms)`` rows, ``pass``
         ``"fwd"`` or ``"fwd+bwd"``.
         launch_us: µs per kernel in a program; dispatch_us: µs per one-kernel program.
-        peak_flops: the dense bf16 peak it was measured against (FLOP/s).
+        peak_flops: the dense bf16 peak it was measured against (FLOP/s): the datasheet's,
+            or the best measured GEMM rate for a kind with no datasheet row.
         derived: None where measured; else how the tables were derived (scaled from
             another kind's): then ``name`` says so.
         device: the device kind as JAX named it (``"NVIDIA H100 80GB HBM3"``).
@@ -159,14 +160,78 @@ def fit_collectives(rows: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, int, 
 
 
 def kind_of(device_kind: str) -> str:
-    """The kind a calibration is filed under: the GPU's model (``"NVIDIA H100 80GB HBM3"``
-    → ``"H100"``), else the device kind as JAX names it.
+    """The kind a calibration is filed under: the GPU's model with the variants that run
+    at other rates (``"NVIDIA H100 80GB HBM3"`` → ``"H100"``, ``"NVIDIA H100 PCIe"`` →
+    ``"H100 PCIe"``, ``"NVIDIA A100-SXM4-40GB"`` → ``"A100-40GB"``), else the device kind
+    as JAX names it.
 
-    >>> kind_of("NVIDIA H100 80GB HBM3"), kind_of("NVIDIA L4")
-    ('H100', 'NVIDIA L4')
+    >>> kind_of("NVIDIA H100 80GB HBM3"), kind_of("NVIDIA H100 NVL"), kind_of("NVIDIA L4")
+    ('H100', 'H100 NVL', 'NVIDIA L4')
     """
-    found = _KIND.search(str(device_kind))
-    return found.group(1).upper() if found else str(device_kind)
+    text = str(device_kind)
+    found = _KIND.search(text)
+    if not found:
+        return text
+    kind = found.group(1).upper()
+    if kind == "A100" and re.search(r"40\s*GB", text, re.IGNORECASE):
+        kind += "-40GB"
+    for variant in ("PCIe", "NVL"):
+        if re.search(rf"\b{variant}\b", text, re.IGNORECASE):
+            kind += f" {variant}"
+    return kind
+
+
+_REDUCE_ROWS = ("row sum fp32", "row sum of squares bf16->fp32", "rms norm bf16",
+                "column sum fp32")  # fmt: skip
+"""The reductions whose median prices a kernel that reduces: a fixed set, so that a new
+calibration moves prices only where the device differs (the softmax rows are for reading)."""
+
+
+def _rows(tables: Mapping[str, Any], name: str, where: str, required: bool) -> list[Any]:
+    table = tables.get(name)
+    if isinstance(table, list) and table and all(isinstance(r, Mapping) for r in table):
+        return list(table)
+    if not required:
+        return []
+    if table is None:
+        shown = "missing"
+    elif table == []:
+        shown = "empty"
+    elif isinstance(table, Mapping) and "error" in table:
+        shown = f"a failure on the device ({str(table['error'])[:160]})"
+    else:
+        shown = f"not a list of rows: {str(table)[:120]!r}"
+    raise ValueError(f"{where}: the {name!r} table is {shown}; 'shardax calibrate' on the "
+                     "device measures it (required: gemm, stream, launch)")  # fmt: skip
+
+
+def _parse(rows: list[Any], name: str, where: str, fields: dict[str, Any]) -> list[tuple]:
+    """``rows`` as tuples of ``fields`` (name → type: ``int``/``float`` must be finite and
+    > 0, ``bool`` a JSON boolean, a tuple one of its strings, ``str`` any), rows with an
+    ``"error"`` skipped; a bad row is named with its index and the rule."""
+    out = []
+    for i, row in enumerate(rows):
+        if "error" in row:
+            continue
+        values = []
+        for field, kind in fields.items():
+            value = row.get(field)
+            if kind in (int, float):
+                ok = (isinstance(value, int | float) and not isinstance(value, bool)
+                      and math.isfinite(value) and value > 0)  # fmt: skip
+                rule = "a finite number > 0"
+            elif kind is bool:
+                ok, rule = isinstance(value, bool), "true or false"
+            elif isinstance(kind, tuple):
+                ok, rule = value in kind, f"one of {list(kind)}"
+            else:
+                ok, rule = isinstance(value, str), "a string"
+            if not ok:
+                raise ValueError(f"{where}: the {name!r} table's row {i} has {field}={value!r}; "
+                                 f"it must be {rule} (rows need {', '.join(fields)})")  # fmt: skip
+            values.append(kind(value) if kind in (int, float) else value)
+        out.append(tuple(values))
+    return out
 
 
 def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables") -> Calibration:
@@ -196,61 +261,49 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
         raise ValueError(f"{where}: no 'device' (the device kind the tables were measured on); "
                          f"got {device!r}")  # fmt: skip
 
-    def rows(name: str, required: bool) -> list[Mapping[str, Any]]:
-        table = tables.get(name)
-        if isinstance(table, list) and table and all(isinstance(r, Mapping) for r in table):
-            return list(table)
-        if required:
-            if table is None:
-                shown = "missing"
-            elif isinstance(table, Mapping) and "error" in table:
-                shown = f"a failure on the device ({str(table['error'])[:160]})"
-            else:
-                shown = f"not a list of rows: {str(table)[:120]!r}"
-            raise ValueError(f"{where}: the {name!r} table is {shown}; 'shardax calibrate' "
-                             "on the device measures it (required: gemm, stream, "
-                             "launch)")  # fmt: skip
-        return []
-
-    found = {name: rows(name, name in ("gemm", "stream", "launch"))
-             for name in (*_GEMMS, "stream", "reduce", "attention", "launch",
-                          "collectives")}  # fmt: skip
-    try:
-        gemm = tuple(
-            (int(r["m"]), int(r["n"]), int(r["k"]), str(r["dtype"]), float(r["tflops"]))
-            for name in _GEMMS for r in found[name] if "error" not in r
-        )  # fmt: skip
-        stream = tuple(sorted(float(r["gbs"]) for r in found["stream"]))
-        reduce = tuple(sorted(float(r["gbs"]) for r in found["reduce"]
-                              if "gbs" in r and "fwd+bwd" not in str(r.get("op"))))  # fmt: skip
-        attention = tuple(
-            (int(r["batch"]), int(r["seq"]), int(r["heads"]), int(r["head_dim"]),
-             bool(r["causal"]), str(r["pass"]), float(r["ms"]))
-            for r in found["attention"] if "ms" in r
-        )  # fmt: skip
-        fitted = fit_collectives(found["collectives"])
-        launch = {key: float(r["us"]) for r in found["launch"]
-                  for key, words in _LAUNCH.items()
-                  if r.get("key") == key or str(r.get("what", "")).startswith(words)}  # fmt: skip
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{where}: a row lacks a field or has a wrong value ({e!r}); "
-                         f"'shardax calibrate' writes every field") from None  # fmt: skip
+    platform = str(tables.get("platform", "gpu")).lower()
+    if platform not in ("gpu", "cuda", "rocm"):
+        raise ValueError(f"{where}: measured on a {platform} device; the per-op model prices "
+                         "GPU programs, so its tables come from a GPU")  # fmt: skip
+    gemm_fields = {"m": int, "n": int, "k": int, "dtype": str, "tflops": float}
+    gemm = tuple(row for name in _GEMMS
+                 for row in _parse(_rows(tables, name, where, name == "gemm"), name, where,
+                                   gemm_fields))  # fmt: skip
+    stream = tuple(sorted(r[0] for r in _parse(_rows(tables, "stream", where, True), "stream",
+                                               where, {"gbs": float})))  # fmt: skip
+    single = [r for r in _rows(tables, "reduce", where, False) if r.get("op") in _REDUCE_ROWS]
+    reduce = tuple(sorted(r[0] for r in _parse(single, "reduce", where, {"gbs": float})))
+    attention = tuple(_parse(_rows(tables, "attention", where, False), "attention", where, {
+        "batch": int, "seq": int, "heads": int, "head_dim": int, "causal": bool,
+        "pass": ("fwd", "fwd+bwd"), "ms": float}))  # fmt: skip
+    launch: dict[str, float] = {}
+    for i, r in enumerate(_rows(tables, "launch", where, True)):
+        for key, words in _LAUNCH.items():
+            if r.get("key") == key or str(r.get("what", "")).startswith(words):
+                us = r.get("us")
+                if not isinstance(us, int | float) or not math.isfinite(us) or us < 0:
+                    raise ValueError(f"{where}: the 'launch' table's row {i} has us={us!r}; "
+                                     "it must be a finite number >= 0")  # fmt: skip
+                launch[key] = float(us)
     if missing := [k for k in _LAUNCH if k not in launch]:
         raise ValueError(f"{where}: the 'launch' table has no {missing[0]!r} row "
                          f"('shardax calibrate' measures it)")  # fmt: skip
-    if not any(r[3] == "bf16" for r in gemm):
-        raise ValueError(f"{where}: the 'gemm' table has no bf16 row (the rate every GEMM "
-                         f"is priced from)")  # fmt: skip
+    c_gemm = [r for r in gemm if r[3] == "bf16"]
+    floor = 1.5 * launch["one_kernel_program"] * 1e-3  # gemm_rows' rule, in ms
+    if not any(2.0 * m * n * k / t / 1e9 > floor for m, n, k, _, t in c_gemm):
+        raise ValueError(f"{where}: the 'gemm' table has no bf16 row that timed the kernel "
+                         "(the rate every GEMM is priced from; rows no longer than 1.5x a "
+                         "one-kernel program's dispatch timed the host)")  # fmt: skip
     from shardax.cost.hardware import device_spec  # hardware imports nothing of this
 
-    spec = device_spec(SimpleNamespace(platform=tables.get("platform", "gpu"), device_kind=device))
+    spec = device_spec(SimpleNamespace(platform="gpu", device_kind=device))
     peak = spec.peak_flops if spec else max(r[4] for r in gemm) * 1e12
     return Calibration(
         kind=kind_of(device), jax=str(tables.get("jax", "?")),
         date=str(tables.get("date", "undated")), source=str(tables.get("source", where)),
         gemm=gemm, stream=stream, attention=attention, launch_us=launch["per_kernel"],
         dispatch_us=launch["one_kernel_program"], peak_flops=peak, device=device,
-        collectives=fitted, reduce=reduce,
+        collectives=fit_collectives(_rows(tables, "collectives", where, False)), reduce=reduce,
     )  # fmt: skip
 
 
@@ -269,7 +322,11 @@ def load(path: str | Path) -> Calibration:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"calibration {str(path)!r}: not a JSON file ({e})") from None
     if isinstance(data, dict) and isinstance(data.get("core"), dict):  # a session's record
-        data = {"source": f"{path} (core.calibration)", **data["core"].get("calibration", {})}
+        if not isinstance(data["core"].get("calibration"), dict):
+            raise ValueError(f"calibration {str(path)!r}: a session record without "
+                             "core.calibration (its core stage measured no "
+                             "tables)")  # fmt: skip
+        data = {"source": f"{path} (core.calibration)", **data["core"]["calibration"]}
     if isinstance(data, dict):
         data = {"source": str(path), **data}
     return from_tables(data, where=f"calibration {str(path)!r}")
@@ -344,8 +401,8 @@ def calibration_for(device_kind: str) -> Calibration | None:
 
 
 def nearest(peak_flops: float | None, hbm_bandwidth: float | None) -> tuple[Calibration, str]:
-    """The shipped calibration closest to a device of ``peak_flops`` and ``hbm_bandwidth``
-    (its datasheet), and a sentence on how far off it is.
+    """The measured calibration (shipped or registered) closest to a device of ``peak_flops``
+    and ``hbm_bandwidth`` (its datasheet), and a sentence on how far off it is.
 
     >>> c, why = nearest(2.25e15, 8e12)
     >>> print(c.kind, why)  # doctest: +NORMALIZE_WHITESPACE
