@@ -15,6 +15,7 @@ In Python: ``sx.cost.calibration.register(sx.cost.calibration.load("a100.json"))
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -77,12 +78,11 @@ def run(args: argparse.Namespace) -> int:
             f"{device.platform} devices: run shardax calibrate on the GPU to calibrate "
             "(--quick runs the small shapes here, as a smoke test)"
         )
-    if args.out is not None:
-        check_out(Path(args.out), args.force)  # before a minute of measuring
-    tables = calibrate.tables(quick=args.quick)
-    path = Path(args.out) if args.out else default_out(tables["device"], tables["date"],
+    today = datetime.date.today().isoformat()
+    path = Path(args.out) if args.out else default_out(str(device.device_kind), today,
                                                        args.quick)  # fmt: skip
-    check_out(path, args.force)
+    check_out(path, args.force)  # before a minute of measuring
+    tables = calibrate.tables(quick=args.quick)
     path.write_text(json.dumps(tables, indent=1) + "\n")
     failed = {k: v["error"] for k, v in tables.items() if isinstance(v, dict) and "error" in v}
     usable = None
