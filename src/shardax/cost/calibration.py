@@ -260,7 +260,6 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
     if not isinstance(device, str) or not device:
         raise ValueError(f"{where}: no 'device' (the device kind the tables were measured on); "
                          f"got {device!r}")  # fmt: skip
-
     platform = str(tables.get("platform", "gpu")).lower()
     if platform not in ("gpu", "cuda", "rocm"):
         raise ValueError(f"{where}: measured on a {platform} device; the per-op model prices "
@@ -288,9 +287,9 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
     if missing := [k for k in _LAUNCH if k not in launch]:
         raise ValueError(f"{where}: the 'launch' table has no {missing[0]!r} row "
                          f"('shardax calibrate' measures it)")  # fmt: skip
-    c_gemm = [r for r in gemm if r[3] == "bf16"]
+    bf16_rows = [r for r in gemm if r[3] == "bf16"]
     floor = 1.5 * launch["one_kernel_program"] * 1e-3  # gemm_rows' rule, in ms
-    if not any(2.0 * m * n * k / t / 1e9 > floor for m, n, k, _, t in c_gemm):
+    if not any(2.0 * m * n * k / t / 1e9 > floor for m, n, k, _, t in bf16_rows):
         raise ValueError(f"{where}: the 'gemm' table has no bf16 row that timed the kernel "
                          "(the rate every GEMM is priced from; rows no longer than 1.5x a "
                          "one-kernel program's dispatch timed the host)")  # fmt: skip
