@@ -538,6 +538,7 @@ def test_processes_join_from_scheduler_environment(scheduler):
             p.kill()
     assert code == 0, out.text()[-3000:] + err.text()[-3000:]
     got = results(out.text())
+    assert set(got) == {0, 1}, out.text()[-3000:] + err.text()[-3000:]
     for rank in (0, 1):
         assert got[rank] == [
             {"process": rank, "processes": 2, "devices": 4, "sum_of_ranks_plus_one": 3}

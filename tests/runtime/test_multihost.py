@@ -45,11 +45,17 @@ CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_"
 def results(output: str) -> dict[int, dict]:
     """The ``RESULT`` json of each rank, by rank, from launch's prefixed output."""
     found: dict[int, list[dict]] = {}
+    decoder = json.JSONDecoder()
     for line in output.splitlines():
-        # a runtime's unterminated chatter on the same pipe may stand before the RESULT
-        match = re.match(r"\[(\d+)\] .*?RESULT (\{.*\})$", line)
+        # a runtime's unterminated chatter on the same pipe may stand before the RESULT,
+        # or run on after it: the JSON object is read from where it starts to where it ends
+        match = re.match(r"\[(\d+)\] .*?RESULT (\{.*)$", line)
         if match:
-            found.setdefault(int(match[1]), []).append(json.loads(match[2]))
+            try:
+                value, _ = decoder.raw_decode(match[2])
+            except json.JSONDecodeError:
+                continue
+            found.setdefault(int(match[1]), []).append(value)
     return found
 
 
