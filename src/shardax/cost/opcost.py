@@ -60,7 +60,7 @@ from typing import Any
 from shardax.cost.calibration import Calibration, gemm_rows
 from shardax.cost.flops import _fmha_flops
 from shardax.cost.hlo import _DIMS, _FMHA, DTYPE_BYTES, _arrays
-from shardax.cost.ops import HloIndex, Instr, classify
+from shardax.cost.ops import FUSIONS, HloIndex, Instr, classify
 from shardax.cost.predict import wire_seconds
 from shardax.cost.schedule import Scheduled, exposed_seconds, schedule
 
@@ -256,7 +256,7 @@ def attention_seconds(c: Calibration, line: str) -> float | None:
 def _gemm_shape(index: HloIndex, instr: Instr, flops: float) -> tuple[float, float, float, str]:
     """``(m, n, k, operand dtype)`` of a GEMM instruction (or the GEMM a fusion calls)."""
     line, comp = instr.line, instr.computation
-    if instr.called and instr.opcode == "fusion":
+    if instr.called and instr.opcode in FUSIONS:
         inner = [i for i in index.by_comp.get(instr.called, {}).values()
                  if i.opcode in ("dot", "custom-call", "convolution")]  # fmt: skip
         if inner:
@@ -378,7 +378,7 @@ def price_hlo(
         tuple(f(rates) * 1e9 for f in (statistics.median, max, min))
         for rates in (c.stream, c.reduce or c.stream)
     )
-    skipped = {i.called for i in index.by_name.values() if i.called and i.opcode == "fusion"}
+    skipped = {i.called for i in index.by_name.values() if i.called and i.opcode in FUSIONS}
     skipped |= set(re.findall(r"\bto_apply=%?([\w.\-]+)", hlo))
     classes = {k: ClassCost() for k in PRICED}
     unpriced: dict[str, float] = {}
@@ -409,7 +409,8 @@ def price_hlo(
                 flops = index.flops(instr)
                 if flops:
                     m, n, k, dtype = _gemm_shape(index, instr, flops)
-                    cublas = (instr.target or "").startswith("__cublas")
+                    targets = [instr.target, *(t for _, t, _ in instr.fused)]
+                    cublas = any((t or "").startswith("__cublas") for t in targets)
                     rate = gemm_rate(c, m, n, k, dtype, cublas)
                     scale = rate / (gemm_rate(c, m, n, k) or rate)
                     classes[cls].add(runs, max(flops / rate, mem[0]),

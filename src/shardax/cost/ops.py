@@ -52,6 +52,10 @@ _MOVES = {
     "slice", "concatenate", "pad", "reverse", "dynamic-slice", "dynamic-update-slice",
     "copy-start", "copy-done",
 }  # fmt: skip
+FUSIONS = frozenset({"fusion", "fusion-start"})
+"""Ops that run the computation they call as one kernel: a fusion, and an async fusion's
+start (XLA's asynchronous dynamic-slice fusions of a scan's stacked operands). Their
+bodies are priced through them, never as kernels of their own."""
 _NEUTRAL = {"parameter", "constant", "tuple", "get-tuple-element", "iota"}
 _CONTROL = {
     "while", "conditional", "call", "custom-call", "sort", "rng", "rng-bit-generator",
@@ -206,7 +210,7 @@ class HloIndex:
     def flops(self, instr: Instr) -> float:
         """Matmul FLOPs of one run of ``instr`` (``shardax.cost.flops``' counting): a
         dot, cuBLAS call or cuDNN attention by its own line, a fusion by its body."""
-        if instr.called and instr.opcode in ("fusion", "async-start", "call"):
+        if instr.called and (instr.opcode in FUSIONS or instr.opcode in ("async-start", "call")):
             total, seen, todo = 0.0, set(), [instr.called]
             while todo:
                 comp = todo.pop()
@@ -240,7 +244,7 @@ def program_flops(index: HloIndex) -> dict[str, float]:
     """Matmul FLOPs of one run of the program per class (``FLOP_CLASSES``): every
     instruction of the computations that run (not the bodies fusions call), classified
     and priced, times its computation's runs."""
-    fused = {i.called for i in index.by_name.values() if i.called and i.opcode == "fusion"}
+    fused = {i.called for i in index.by_name.values() if i.called and i.opcode in FUSIONS}
     totals = dict.fromkeys(FLOP_CLASSES, 0.0)
     for comp, instrs in index.by_comp.items():
         if comp in fused:
@@ -289,8 +293,9 @@ def classify(instr: Instr) -> str:
         named = [n for _, _, n in instr.fused if n]
         if named and sum(map(_in_scope, named)) * 2 > len(named):
             return "optimizer"
-    inner = [op for op in ops[1:] if op not in _NEUTRAL] if instr.opcode == "fusion" else []
-    if instr.opcode in _MOVES or (instr.opcode == "fusion" and inner and set(inner) <= _MOVES):
+    fusion = instr.opcode in FUSIONS
+    inner = [op for op in ops[1:] if op not in _NEUTRAL] if fusion else []
+    if instr.opcode in _MOVES or (fusion and inner and set(inner) <= _MOVES):
         return "copies"
     if instr.opcode in _CONTROL:
         return "other"
