@@ -210,3 +210,27 @@ def test_a_kernel_that_reduces_is_priced_at_the_measured_reductions():
     assert price_hlo(hlo, none).classes["elementwise"].seconds == pytest.approx(
         (elementwise + reduced) / stream
     )
+
+
+def test_an_async_fusion_is_one_kernel_priced_by_its_body():
+    """XLA runs a scan's update of its stacked outputs as an async fusion
+    (``fusion-start``/``fusion-done``): one kernel that writes its update in place; its
+    body is not a second kernel, and the stacked buffer is neither read nor rewritten."""
+    hlo = (
+        "%dus (p0: bf16[24,4096,2048], p1: bf16[1,4096,2048], p2: s32[]) -> "
+        "bf16[24,4096,2048] {\n  %p0 = bf16[24,4096,2048]{2,1,0} parameter(0)\n"
+        "  %p1 = bf16[1,4096,2048]{2,1,0} parameter(1)\n  %p2 = s32[] parameter(2)\n"
+        "  %z = s32[] constant(0)\n  ROOT %u = bf16[24,4096,2048]{2,1,0} "
+        "dynamic-update-slice(%p0, %p1, %p2, %z, %z)\n}\n"
+        "ENTRY %main (a: bf16[24,4096,2048], b: bf16[1,4096,2048], i: s32[]) -> "
+        "bf16[24,4096,2048] {\n  %a = bf16[24,4096,2048]{2,1,0} parameter(0)\n"
+        "  %b = bf16[1,4096,2048]{2,1,0} parameter(1)\n  %i = s32[] parameter(2)\n"
+        "  %s = ((bf16[24,4096,2048]{2,1,0}, bf16[1,4096,2048]{2,1,0}, s32[]), "
+        "bf16[24,4096,2048]{2,1,0}, u32[]) fusion-start(%a, %b, %i), kind=kLoop, calls=%dus\n"
+        "  ROOT %d = bf16[24,4096,2048]{2,1,0} fusion-done(%s)\n}"
+    )
+    cost = price_hlo(hlo, H200)
+    assert cost.kernels == 1
+    update = 4096 * 2048 * 2
+    assert cost.classes["copies"].kernels == 1
+    assert cost.classes["copies"].bytes == 2 * update + 4
