@@ -234,3 +234,29 @@ def test_an_async_fusion_is_one_kernel_priced_by_its_body():
     update = 4096 * 2048 * 2
     assert cost.classes["copies"].kernels == 1
     assert cost.classes["copies"].bytes == 2 * update + 4
+
+
+def test_a_cublas_call_in_a_dynamic_slice_fusion_is_priced_as_cublas():
+    """XLA wraps a cuBLAS GEMM whose operand is a slice of a stacked buffer in a
+    ``dynamic_slice_fusion`` (kind=kCustom): the call is priced by the cuBLAS fp32 rows."""
+    call = (
+        "  ROOT %g = f32[8192,8192]{1,0} custom-call(%x, %y), "
+        'custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
+        '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+        '"rhs_contracting_dimensions":["0"]}}}\n'
+    )
+    hlo = (
+        "%dsf (p: f32[8192,8192], q: f32[8192,8192]) -> f32[8192,8192] {\n"
+        "  %x = f32[8192,8192]{1,0} parameter(0)\n  %y = f32[8192,8192]{1,0} parameter(1)\n"
+        + call
+        + "}\n"
+        "ENTRY %main (a: f32[8192,8192], b: f32[8192,8192]) -> f32[8192,8192] {\n"
+        "  %a = f32[8192,8192]{1,0} parameter(0)\n  %b = f32[8192,8192]{1,0} parameter(1)\n"
+        "  ROOT %f = f32[8192,8192]{1,0} fusion(%a, %b), kind=kCustom, calls=%dsf, "
+        'backend_config={"fusion_backend_config":{"kind":"__custom_fusion"}}\n}'
+    )
+    row = (8192, 8192, 8192, "f32-cublas", 250.0)
+    with_library = dataclasses.replace(H100, gemm=(*H100.gemm, row))
+    gemm = price_hlo(hlo, with_library).classes["gemm"]
+    assert gemm.kernels == 1 and gemm.flops == 2 * 8192**3
+    assert gemm.seconds == pytest.approx(gemm.flops / 250e12)
