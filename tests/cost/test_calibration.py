@@ -5,7 +5,11 @@ by name."""
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from shardax.cli.main import main as cli
@@ -21,6 +25,7 @@ from shardax.cost.calibration import (
     register,
     using,
 )
+from shardax.cost.estimation import analyse
 
 ROOT = Path(__file__).parents[2]
 
@@ -169,3 +174,28 @@ def test_cli_calibrate_writes_tables_and_refuses_a_cpu_without_quick(tmp_path, c
         assert cli(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err, err
+
+
+def test_a_gpu_with_no_datasheet_is_priced_by_its_registered_calibration():
+    """A GPU kind no datasheet row names (an L4) gets a predicted time once its tables
+    are registered: its peak and bandwidth are the measured ones, and the report says so.
+    The program is this machine's (a CPU's HLO); the devices are the GPU's as JAX gives
+    them (kind, platform, allocator)."""
+    tables = json.loads((TABLES / "h100-2026-11-27.json").read_text())
+    l4 = from_tables({**tables, "device": "NVIDIA L4", "date": "2026-12-01"})
+    gpu = SimpleNamespace(platform="gpu", device_kind="NVIDIA L4", id=0, process_index=0,
+                          slice_index=0, memory_stats=lambda: {"bytes_limit": 20e9})  # fmt: skip
+    mesh = SimpleNamespace(devices=np.array([gpu]), shape={"data": 1})
+    x = jnp.ones((512, 512), jnp.bfloat16)
+    compiled = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
+    alone = analyse(compiled, mesh)
+    assert alone.prediction is None and alone.cost is None
+    assert any("'shardax calibrate' measures this GPU's tables" in n for n in alone.notes)
+    with using(l4):
+        report = analyse(compiled, mesh)
+    assert report.prediction is not None and report.hbm_bytes == 20e9
+    assert report.cost.calibration == "calibrated: NVIDIA L4, JAX 0.11.2, 2026-12-01"
+    assert report.cost.classes["gemm"].flops == 2 * 512**3
+    (note,) = [n for n in report.notes if n.startswith("no datasheet")]
+    assert f"peak ({l4.peak_flops:.3g} FLOP/s)" in note and "MFU counts against that peak" in note
+    assert l4.peak_flops == max(r[4] for r in l4.gemm) * 1e12

@@ -137,7 +137,7 @@ def use_line(device_kind: str, path: Path) -> str:
         return f"shardax plan --target 8x{names[0]} ... --calibration {path}"
     register = f"sx.cost.calibration.register(sx.cost.calibration.load({str(path)!r}))"
     if device_spec(SimpleNamespace(platform="gpu", device_kind=device_kind)) is None:
-        return (f"{register} keeps them, but sx.estimate predicts times only on GPUs with a "
-                "datasheet row (shardax.cost.hardware), and this kind has none: no compile-only "
-                "target or prediction uses them yet")  # fmt: skip
+        return (f"{register}, then sx.estimate on these devices (this kind has no datasheet "
+                "row and no compile-only target: its peak and memory bandwidth are the "
+                "measured ones)")  # fmt: skip
     return f"{register}, then sx.estimate on these devices (no compile-only target has this kind)"

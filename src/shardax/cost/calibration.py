@@ -42,7 +42,10 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardax.cost.hardware import HardwareSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +402,45 @@ def calibration_for(device_kind: str) -> Calibration | None:
     return CALIBRATIONS.get(kind_of(device_kind))
 
 
+def measured_spec(device: Any) -> HardwareSpec | None:
+    """Figures of a GPU with no datasheet row, from its kind's calibration (``shardax
+    calibrate``'s, ``register``ed): the best measured GEMM rate as its peak, the fastest
+    measured stream as its memory bandwidth, its allocator's limit as its memory, and the
+    fastest collective fitted over one host's devices as its link within a host (none
+    between hosts). None where the kind has no calibration, or the device no allocator
+    figure. ``sx.estimate`` prices such a GPU with these (MFU then counts against the
+    measured peak, not a datasheet's).
+
+    >>> from types import SimpleNamespace
+    >>> l4 = dataclasses.replace(H100, kind="NVIDIA L4", device="NVIDIA L4", peak_flops=1.2e14)
+    >>> gpu = SimpleNamespace(platform="gpu", device_kind="NVIDIA L4",
+    ...                       memory_stats=lambda: {"bytes_limit": 2e10})
+    >>> with using(l4):
+    ...     spec = measured_spec(gpu)
+    >>> spec.peak_flops, spec.memory_bytes, spec.source
+    (120000000000000.0, 20000000000.0, 'measured: calibrated: NVIDIA L4, JAX 0.11.2, 2026-11-27')
+    >>> measured_spec(gpu) is None  # no calibration registered for the kind
+    True
+    """
+    from shardax.cost.hardware import HardwareSpec  # hardware imports nothing of this
+
+    if str(getattr(device, "platform", "")).lower() not in ("gpu", "cuda", "rocm"):
+        return None
+    c = calibration_for(str(device.device_kind))
+    try:
+        stats = device.memory_stats() or {}
+    except (AttributeError, RuntimeError):  # a compile-only device: no allocator
+        stats = {}
+    if c is None or not stats.get("bytes_limit"):
+        return None
+    links = [bandwidth for _, _, _, bandwidth in c.collectives]
+    return HardwareSpec(
+        peak_flops=c.peak_flops, hbm_bandwidth=max(c.stream) * 1e9,
+        memory_bytes=float(stats["bytes_limit"]), ici_bandwidth=max(links, default=None),
+        source=f"measured: {c.name}",
+    )  # fmt: skip
+
+
 def nearest(peak_flops: float | None, hbm_bandwidth: float | None) -> tuple[Calibration, str]:
     """The measured calibration (shipped or registered) closest to a device of ``peak_flops``
     and ``hbm_bandwidth`` (its datasheet), and a sentence on how far off it is.
@@ -428,6 +470,6 @@ def _log(x: float) -> float:
 
 
 __all__ = [
-    "CALIBRATIONS", "Calibration", "calibration_for", "from_tables", "kind_of", "load", "nearest",
-    "register", "using",
+    "CALIBRATIONS", "Calibration", "calibration_for", "from_tables", "kind_of", "load",
+    "measured_spec", "nearest", "register", "using",
 ]  # fmt: skip

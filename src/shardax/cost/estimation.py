@@ -60,7 +60,7 @@ from rich.table import Table
 
 from shardax._format import format_bytes, rich_text
 from shardax.checks import as_float, public, refused_compiler_option
-from shardax.cost.calibration import calibration_for, nearest
+from shardax.cost.calibration import calibration_for, measured_spec, nearest
 from shardax.cost.compile_target import device_memory
 from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
 from shardax.cost.hardware import HardwareSpec, device_spec
@@ -379,7 +379,7 @@ def _refused(
     """The [`Estimate`][shardax.cost.Estimate] of a step the compiler refused for lack of memory."""
     need, have = out_of_memory(error) or (0.0, 0.0)
     devices = list(mesh.devices.flat)
-    spec = device_spec(devices[0])
+    spec = device_spec(devices[0]) or measured_spec(devices[0])
     plan = getattr(step, "state_plan", None)
     shardings = plan(state) if plan is not None else None
     memory, _ = _state_bytes(state, shardings)
@@ -578,8 +578,15 @@ def analyse(
     auto
     plan's search call this once per compiled program)."""
     devices = list(mesh.devices.flat)
-    spec = device_spec(devices[0]) if spec is None else spec
+    spec = (device_spec(devices[0]) or measured_spec(devices[0])) if spec is None else spec
     notes = []
+    if spec is not None and spec.source.startswith("measured: "):
+        notes.append(
+            f"no datasheet for device kind {devices[0].device_kind!r}: its peak "
+            f"({spec.peak_flops:.3g} FLOP/s) and memory bandwidth ({spec.hbm_bandwidth:.3g} "
+            f"B/s) are its calibration's best measured ({spec.source[10:]}); MFU counts "
+            "against that peak"
+        )
     m = compiled.memory_analysis()
     args, outs = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
     alias, temp = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
@@ -631,7 +638,12 @@ def analyse(
     hbm = None if spec is None else float(spec.memory_bytes)
     prediction = overlap = cost = None
     if spec is None:
-        notes.append(f"no datasheet for device kind {devices[0].device_kind!r}: no predicted time")
+        why = f"no datasheet for device kind {devices[0].device_kind!r}: no predicted time"
+        if str(devices[0].platform).lower() in ("gpu", "cuda", "rocm"):
+            why += (" ('shardax calibrate' measures this GPU's tables, and "
+                    "sx.cost.calibration.register(sx.cost.calibration.load(FILE)) prices "
+                    "with them)")  # fmt: skip
+        notes.append(why)
     else:
         cost = compiled.cost_analysis() if backend is not None else None
         if isinstance(cost, list | tuple):
