@@ -143,9 +143,9 @@ def test_gpu_memory_fraction_is_what_jax_takes_on_the_gpu(monkeypatch):
         with pytest.raises(ValueError, match=r"sx.target: memory_fraction .*got"):
             fraction(bad)
     config = importlib.resources.files("shardax.cost").joinpath("targets", "h100.txtpb")
-    text = target_module.budgeted_gpu_config(config.read_text(), 80 * 2**30, 0.75)
-    assert "  device_memory_size: 80530636800\n" in text  # x 0.8 = 75% of 80 GiB
-    assert text.replace("80530636800", "85899345920") == config.read_text()
+    text = target_module.budgeted_gpu_config(config.read_text(), 81559 * 2**20, 0.75)
+    assert "  device_memory_size: 80175759360\n" in text  # x 0.8 = 75% of 81,559 MiB
+    assert text.replace("80175759360", "85520809984") == config.read_text()
     with pytest.raises(ValueError, match="one device_memory_size field; found 0"):
         target_module.budgeted_gpu_config("gpu_device_info {\n}\n", 1, 0.5)
 
@@ -171,7 +171,7 @@ def test_device_memory_reads_the_allocator_on_this_process_for_any_device():
     assert device_memory(refusing) == (6e10, limit)
     # No device of that kind here (a compile-only target's other hosts): the datasheet.
     lonely = SimpleNamespace(**{**vars(theirs), "client": SimpleNamespace(local_devices=list)})
-    assert device_memory(lonely) == (80 * 2**30, "datasheet: 81,920 MiB")
+    assert device_memory(lonely) == (81559 * 2**20, "datasheet: 81,559 MiB")
 
 
 # --- compile-only devices (leg 3) -----------------------------------------------------------

@@ -78,7 +78,7 @@ def test_unlisted_accelerators_are_unknown_never_a_neighbour(platform, kind, exp
     "platform,kind,tflops,memory_gb",
     [
         ("gpu", "NVIDIA H200", 989, 150.76),  # not in the seed's enum; 143,771 MiB (nvidia-smi)
-        ("cuda", "NVIDIA H100 80GB HBM3", 989, 85.90),  # the enum's H100 (80 GiB)
+        ("cuda", "NVIDIA H100 80GB HBM3", 989, 85.52),  # the enum's H100: 81,559 MiB (nvidia-smi)
         ("gpu", "NVIDIA H100 PCIe", 756, 85.90),  # an H100, but not the SXM part's peak
         ("gpu", "NVIDIA H200 NVL", 835, 141),  # not the H200 SXM's
         ("gpu", "NVIDIA GH200 480GB", 989, 96),

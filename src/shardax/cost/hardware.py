@@ -154,7 +154,10 @@ MiB = 1024**2
 # the reference servers (DGX H100/H200/B200: eight 400 Gb/s ConnectX-7; DGX A100: eight
 # 200 Gb/s HDR) give each GPU one NIC: 50e9 and 25e9 bytes/s. TPU ICI: the Cloud TPU pages'
 # bidirectional per-chip figure halved; DCN: the per-host NICs over the host's chips.
-_H100 = "NVIDIA H100 SXM datasheet; DGX H100 user guide (8x ConnectX-7 400 Gb/s)"
+_H100 = (
+    "NVIDIA H100 SXM datasheet; DGX H100 user guide (8x ConnectX-7 400 Gb/s); memory: "
+    "81,559 MiB, as nvidia-smi reports the H100 lent to this project (the datasheet's '80GB')"
+)
 _A100 = "NVIDIA A100 80GB SXM datasheet; DGX A100 user guide (8x HDR 200 Gb/s)"
 _V4 = "cloud.google.com/tpu/docs/v4"
 _V5E = "cloud.google.com/tpu/docs/v5e (ICI 400 GB/s bidirectional; 2x100 Gb/s NICs per 8 chips)"
@@ -165,7 +168,7 @@ HARDWARE_SPECS: dict[HardwareType, HardwareSpec] = {
     HardwareType.TPU_V5P: HardwareSpec(459e12, 2765e9, 95 * GiB, 600e9, 6.25e9, _V5P),
     HardwareType.TPU_V4: HardwareSpec(275e12, 1228e9, 32 * GiB, _V4),
     HardwareType.H100: HardwareSpec(
-        989e12, 3350e9, 80 * GiB, 450e9, 50e9, _H100,
+        989e12, 3350e9, 81559 * MiB, 450e9, 50e9, _H100,
         GpuArch((9, 0), 132, 1.98, 50 * MiB, 228 * KiB, 227 * KiB),
     ),
     HardwareType.A100: HardwareSpec(
