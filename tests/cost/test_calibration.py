@@ -2,6 +2,7 @@
 ``shardax calibrate`` file loads and registers for its kind, and bad tables are refused
 by name."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -22,10 +23,12 @@ from shardax.cost.calibration import (
     calibration_for,
     from_tables,
     load,
+    measured_spec,
     register,
     using,
 )
 from shardax.cost.estimation import analyse
+from shardax.cost.hardware import device_spec
 
 ROOT = Path(__file__).parents[2]
 
@@ -197,5 +200,43 @@ def test_a_gpu_with_no_datasheet_is_priced_by_its_registered_calibration():
     assert report.cost.calibration == "calibrated: NVIDIA L4, JAX 0.11.2, 2026-12-01"
     assert report.cost.classes["gemm"].flops == 2 * 512**3
     (note,) = [n for n in report.notes if n.startswith("no datasheet")]
-    assert f"peak ({l4.peak_flops:.3g} FLOP/s)" in note and "MFU counts against that peak" in note
+    assert f"peak {l4.peak_flops:.3g} FLOP/s (the best GEMM rate measured; MFU counts" in note
+    assert "memory 18.6 GiB (the allocator's budget)" in note
     assert l4.peak_flops == max(r[4] for r in l4.gemm) * 1e12
+
+
+def test_measured_figures_are_the_same_on_every_process_and_a_datasheet_wins():
+    """Another process's device gives no allocator figures: this process's device of the
+    kind stands in (every process plans alike). Collectives measured over a host give the
+    link within it. A kind with a datasheet row keeps the datasheet's figures."""
+    tables = json.loads((TABLES / "h100-2026-11-27.json").read_text())
+    fits = (("all-gather", 8, 2e-5, 3.0e11), ("all-reduce", 8, 3e-5, 2.0e11),
+            ("reduce-scatter", 8, 2e-5, 2.5e11))  # fmt: skip
+    l4 = dataclasses.replace(from_tables({**tables, "device": "NVIDIA L4"}), collectives=fits)
+
+    def not_mine() -> None:
+        raise RuntimeError("FAILED_PRECONDITION: not an addressable device")
+
+    mine = SimpleNamespace(platform="gpu", device_kind="NVIDIA L4",
+                           memory_stats=lambda: {"bytes_limit": 2e10})  # fmt: skip
+    theirs = SimpleNamespace(platform="gpu", device_kind="NVIDIA L4", memory_stats=not_mine,
+                             client=SimpleNamespace(local_devices=lambda: [mine]))  # fmt: skip
+    with using(l4):
+        here, there = measured_spec(mine), measured_spec(theirs)
+        h100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                               memory_stats=lambda: {"bytes_limit": 2e10})  # fmt: skip
+        with using(dataclasses.replace(H100, peak_flops=1e12)):
+            assert (device_spec(h100) or measured_spec(h100)) is device_spec(h100)
+    assert here == there and here.memory_bytes == 2e10 and here.ici_bandwidth == 2.5e11
+    assert here.dcn_bandwidth is None and here.source == f"measured: {l4.name}"
+    cpu = SimpleNamespace(platform="cpu", device_kind="cpu", memory_stats=lambda: {})
+    assert measured_spec(cpu) is None
+
+
+def test_the_use_line_says_how_a_kind_without_a_datasheet_is_priced():
+    from shardax.cli.calibrate import use_line
+
+    line = use_line("NVIDIA L4", Path("l4.json"))
+    assert line.startswith("sx.cost.calibration.register(sx.cost.calibration.load('l4.json'))")
+    assert "its peak and memory bandwidth are the measured ones" in line
+    assert use_line("NVIDIA H100 80GB HBM3", Path("h.json")).startswith("shardax plan --target")

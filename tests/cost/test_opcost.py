@@ -17,6 +17,7 @@ from flax import nnx
 import shardax as sx
 from shardax.cost.calibration import H100, H200, calibration_for, gemm_rows, nearest
 from shardax.cost.opcost import attention_seconds, breakdown, gemm_rate, price_hlo
+from shardax.cost.ops import HloIndex, program_flops
 
 GEMM = "  %d = bf16[8192,8192]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}"
 PARAMS = "  %a = bf16[8192,2048]{1,0} parameter(0)\n  %b = bf16[2048,8192]{1,0} parameter(1)\n"
@@ -260,3 +261,28 @@ def test_a_cublas_call_in_a_dynamic_slice_fusion_is_priced_as_cublas():
     gemm = price_hlo(hlo, with_library).classes["gemm"]
     assert gemm.kernels == 1 and gemm.flops == 2 * 8192**3
     assert gemm.seconds == pytest.approx(gemm.flops / 250e12)
+
+
+def test_wrapped_work_is_counted_once():
+    """A computation an ``async-start`` runs is counted by its own instructions, not again
+    through the wrapper; a ``copy-start`` moves its source once (read and written), not
+    its tuple of copy, source and context."""
+    hlo = (
+        "%body (p: f32[1024,1024], q: f32[1024,1024]) -> f32[1024,1024] {\n"
+        "  %x = f32[1024,1024]{1,0} parameter(0)\n  %y = f32[1024,1024]{1,0} parameter(1)\n"
+        "  ROOT %g = f32[1024,1024]{1,0} custom-call(%x, %y), "
+        'custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
+        '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+        '"rhs_contracting_dimensions":["0"]}}}\n}\n'
+        "ENTRY %main (a: f32[1024,1024], b: f32[1024,1024]) -> f32[1024,1024] {\n"
+        "  %a = f32[1024,1024]{1,0} parameter(0)\n  %b = f32[1024,1024]{1,0} parameter(1)\n"
+        "  %s = ((f32[1024,1024]{1,0}, f32[1024,1024]{1,0}), f32[1024,1024]{1,0}, u32[]) "
+        "async-start(%a, %b), calls=%body\n"
+        "  %d = f32[1024,1024]{1,0} async-done(%s)\n"
+        "  %c = (f32[1024,1024]{1,0}, f32[1024,1024]{1,0}, u32[]) copy-start(%d)\n"
+        "  ROOT %e = f32[1024,1024]{1,0} copy-done(%c)\n}"
+    )
+    assert program_flops(HloIndex(hlo))["gemm"] == 2 * 1024**3
+    cost = price_hlo(hlo, H100)
+    assert cost.classes["gemm"].kernels == 1 and cost.classes["gemm"].flops == 2 * 1024**3
+    assert cost.classes["copies"].kernels == 1 and cost.classes["copies"].bytes == 2 * 4 * 1024**2

@@ -27,7 +27,7 @@ from shardax.cli.common import UsageError, add_json_flag, console, print_json
 from shardax.cost import calibrate
 from shardax.cost.calibration import fit_collectives, from_tables, kind_of
 from shardax.cost.compile_target import GPU_KINDS
-from shardax.cost.hardware import device_spec
+from shardax.cost.hardware import device_spec, is_gpu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +72,7 @@ def check_out(path: Path, force: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     """Measures the tables on the first device, writes them, prints their summary."""
     device = jax.devices()[0]
-    if device.platform not in ("gpu", "cuda", "rocm") and not args.quick:
+    if not is_gpu(device) and not args.quick:
         raise UsageError(
             f"the per-op cost model prices GPU programs, and this process's devices are "
             f"{device.platform} devices: run shardax calibrate on the GPU to calibrate "

@@ -406,10 +406,11 @@ def measured_spec(device: Any) -> HardwareSpec | None:
     """Figures of a GPU with no datasheet row, from its kind's calibration (``shardax
     calibrate``'s, ``register``ed): the best measured GEMM rate as its peak, the fastest
     measured stream as its memory bandwidth, its allocator's limit as its memory, and the
-    fastest collective fitted over one host's devices as its link within a host (none
-    between hosts). None where the kind has no calibration, or the device no allocator
+    collectives fitted over one host's devices as its link within a host (none between
+    hosts). None where the kind has no calibration, or the device no allocator
     figure. ``sx.estimate`` prices such a GPU with these (MFU then counts against the
-    measured peak, not a datasheet's).
+    measured peak, not a datasheet's; the memory is the allocator's budget, not the card's;
+    the link within a host is the median of the fitted collectives' bandwidths).
 
     >>> from types import SimpleNamespace
     >>> l4 = dataclasses.replace(H100, kind="NVIDIA L4", device="NVIDIA L4", peak_flops=1.2e14)
@@ -422,23 +423,26 @@ def measured_spec(device: Any) -> HardwareSpec | None:
     >>> measured_spec(gpu) is None  # no calibration registered for the kind
     True
     """
-    from shardax.cost.hardware import HardwareSpec  # hardware imports nothing of this
+    from shardax.cost.compile_target import _allocator_stats  # neither imports this module
+    from shardax.cost.hardware import HardwareSpec, is_gpu
 
-    if str(getattr(device, "platform", "")).lower() not in ("gpu", "cuda", "rocm"):
-        return None
-    c = calibration_for(str(device.device_kind))
-    try:
-        stats = device.memory_stats() or {}
-    except (AttributeError, RuntimeError):  # a compile-only device: no allocator
-        stats = {}
+    c = calibration_for(str(device.device_kind)) if is_gpu(device) else None
+    # another process's device gives no figures: this process's of the kind stand in,
+    # so that every process plans with the same figures
+    stats = (_allocator_stats(device) or {}) if c is not None else {}
     if c is None or not stats.get("bytes_limit"):
         return None
-    links = [bandwidth for _, _, _, bandwidth in c.collectives]
+    links = sorted(bandwidth for _, _, _, bandwidth in c.collectives)
     return HardwareSpec(
         peak_flops=c.peak_flops, hbm_bandwidth=max(c.stream) * 1e9,
-        memory_bytes=float(stats["bytes_limit"]), ici_bandwidth=max(links, default=None),
-        source=f"measured: {c.name}",
+        memory_bytes=float(stats["bytes_limit"]),
+        ici_bandwidth=links[len(links) // 2] if links else None,
+        source=MEASURED + c.name,
     )  # fmt: skip
+
+
+MEASURED = "measured: "
+"""How ``measured_spec``'s figures name their source (then the calibration's name)."""
 
 
 def nearest(peak_flops: float | None, hbm_bandwidth: float | None) -> tuple[Calibration, str]:
@@ -470,6 +474,6 @@ def _log(x: float) -> float:
 
 
 __all__ = [
-    "CALIBRATIONS", "Calibration", "calibration_for", "from_tables", "kind_of", "load",
-    "measured_spec", "nearest", "register", "using",
+    "CALIBRATIONS", "MEASURED", "Calibration", "calibration_for", "from_tables", "kind_of",
+    "load", "measured_spec", "nearest", "register", "using",
 ]  # fmt: skip

@@ -60,10 +60,10 @@ from rich.table import Table
 
 from shardax._format import format_bytes, rich_text
 from shardax.checks import as_float, public, refused_compiler_option
-from shardax.cost.calibration import calibration_for, measured_spec, nearest
+from shardax.cost.calibration import MEASURED, calibration_for, measured_spec, nearest
 from shardax.cost.compile_target import device_memory
 from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
-from shardax.cost.hardware import HardwareSpec, device_spec
+from shardax.cost.hardware import HardwareSpec, device_spec, is_gpu
 from shardax.cost.model_flops import CONVENTION, batch_unit, default_model_flops
 from shardax.cost.opcost import StepCost, breakdown, price_hlo
 from shardax.cost.predict import (
@@ -580,12 +580,15 @@ def analyse(
     devices = list(mesh.devices.flat)
     spec = (device_spec(devices[0]) or measured_spec(devices[0])) if spec is None else spec
     notes = []
-    if spec is not None and spec.source.startswith("measured: "):
+    if spec is not None and spec.source.startswith(MEASURED):
         notes.append(
-            f"no datasheet for device kind {devices[0].device_kind!r}: its peak "
-            f"({spec.peak_flops:.3g} FLOP/s) and memory bandwidth ({spec.hbm_bandwidth:.3g} "
-            f"B/s) are its calibration's best measured ({spec.source[10:]}); MFU counts "
-            "against that peak"
+            f"no datasheet for device kind {devices[0].device_kind!r}: its figures are its "
+            f"calibration's ({spec.source.removeprefix(MEASURED)}): peak {spec.peak_flops:.3g} "
+            f"FLOP/s (the best GEMM rate measured; MFU counts against it, and the roofline's "
+            f"compute_efficiency discounts it again), memory bandwidth "
+            f"{spec.hbm_bandwidth:.3g} B/s (the fastest stream), memory "
+            f"{spec.memory_bytes / 2**30:.1f} GiB (the allocator's budget), and a link within "
+            "a host only where it measured collectives"
         )
     m = compiled.memory_analysis()
     args, outs = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
@@ -639,7 +642,7 @@ def analyse(
     prediction = overlap = cost = None
     if spec is None:
         why = f"no datasheet for device kind {devices[0].device_kind!r}: no predicted time"
-        if str(devices[0].platform).lower() in ("gpu", "cuda", "rocm"):
+        if is_gpu(devices[0]):
             why += (" ('shardax calibrate' measures this GPU's tables, and "
                     "sx.cost.calibration.register(sx.cost.calibration.load(FILE)) prices "
                     "with them)")  # fmt: skip
@@ -700,7 +703,8 @@ def analyse(
         missing = [k for k, v in prediction.link_s.items() if v is None]
         if missing:
             notes.append(
-                f"no bandwidth for link(s) {', '.join(missing)} in the datasheet: their "
+                f"no bandwidth for link(s) {', '.join(missing)} in the datasheet (or "
+                "calibration): their "
                 "collectives are not in the predicted time; pass links={...} (bytes/s)"
             )
         if not accessed:
@@ -743,7 +747,7 @@ def _price(
     the scheduled collectives ``timed`` moving ``wires`` (bytes per link): with
     the device kind's calibration, else the nearest calibrated kind's, named
     "uncalibrated" with how far off it is; None on other platforms (no tables)."""
-    if str(devices[0].platform).lower() not in ("gpu", "cuda", "rocm"):
+    if not is_gpu(devices[0]):
         return None
     calibration = calibration_for(str(devices[0].device_kind))
     name, widen = None, None
@@ -794,8 +798,7 @@ def _wire(
     and the rest within their host. ``members``: its slowest group's devices, where the
     caller has them (``_members``)."""
     c = s.collective
-    gpu = str(devices[0].platform).lower() in ("gpu", "cuda", "rocm")
-    if not gpu or link != "inter-host" or not bandwidths.get("intra-host"):
+    if not is_gpu(devices[0]) or link != "inter-host" or not bandwidths.get("intra-host"):
         return {link: c.sent_bytes}
     members = _members(c.groups, devices) if members is None else members
     per_host = Counter(d.process_index for d in members)

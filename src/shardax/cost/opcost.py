@@ -307,6 +307,8 @@ def moved_bytes(index: HloIndex, instr: Instr) -> float:
             return 2.0 * _size(index._type(instr.computation, instr.operands[1]))
         if instr.opcode in _SLICES:
             return 2.0 * _size(instr.out)
+        if instr.opcode == "copy-start" and instr.operands:  # out: (copy, source, context)
+            return 2.0 * _size(index._type(instr.computation, instr.operands[0]))
         return index.bytes(instr)
     users: dict[str, list[tuple[Instr, int]]] = {}
     for op in body.values():

@@ -56,6 +56,8 @@ FUSIONS = frozenset({"fusion", "fusion-start"})
 """Ops that run the computation they call as one kernel: a fusion, and an async fusion's
 start (XLA's asynchronous dynamic-slice fusions of a scan's stacked operands). Their
 bodies are priced through them, never as kernels of their own."""
+_RUN_APART = frozenset({"async-start", "call"})
+"""Ops whose called computation runs as instructions of its own (each priced there)."""
 _NEUTRAL = {"parameter", "constant", "tuple", "get-tuple-element", "iota"}
 _CONTROL = {
     "while", "conditional", "call", "custom-call", "sort", "rng", "rng-bit-generator",
@@ -210,7 +212,7 @@ class HloIndex:
     def flops(self, instr: Instr) -> float:
         """Matmul FLOPs of one run of ``instr`` (``shardax.cost.flops``' counting): a
         dot, cuBLAS call or cuDNN attention by its own line, a fusion by its body."""
-        if instr.called and (instr.opcode in FUSIONS or instr.opcode in ("async-start", "call")):
+        if instr.called and (instr.opcode in FUSIONS or instr.opcode in _RUN_APART):
             total, seen, todo = 0.0, set(), [instr.called]
             while todo:
                 comp = todo.pop()
@@ -250,6 +252,8 @@ def program_flops(index: HloIndex) -> dict[str, float]:
         if comp in fused:
             continue
         for instr in instrs.values():
+            if instr.opcode in _RUN_APART:  # its body's instructions count themselves
+                continue
             cls = classify(instr)
             if cls in totals:
                 totals[cls] += index.flops(instr) * index.runs_of(instr)

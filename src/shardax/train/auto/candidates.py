@@ -1,7 +1,8 @@
 """The candidates of the search: each plan × model variant × microbatch count of one mesh
 (a ``Group``) compiled once for abstract values and analysed once, by the analysis
 ``sx.estimate`` reports (``shardax.cost.estimation.analyse``): memory per device,
-collectives, and on a device with a datasheet the predicted step time with its interval.
+collectives, and on a device with a datasheet (or a registered calibration) the
+predicted step time with its interval.
 
 >>> label("fsdp", "full", 2, counts=3)
 'fsdp·full·mb2'
@@ -49,7 +50,8 @@ class Candidate:
     fits: bool | None
     predicted_s: float | None = None
     """The predicted step time (the per-op model's point where it prices the device, a
-    GPU; else ``shardax.cost.predict``'s, with overlap); None without a datasheet."""
+    GPU; else ``shardax.cost.predict``'s, with overlap); None without a datasheet or a
+    registered calibration."""
     refused: str | None = None
     """The backend's out-of-memory error where it refused to compile this candidate."""
     accumulate: int = 1
@@ -240,7 +242,7 @@ def compile_candidates(
     them (None: no limit; the rest are listed as not compiled). ``figures`` go to the
     analysis (``sx.estimate``'s ``model_flops``, ``model_flops_note``, ``tokens``).
 
-    Where the devices have a datasheet and ``budget`` is known (the ranking is by
+    Where the devices have a datasheet (or a calibration) and ``budget`` is known (the ranking is by
     predicted time), a plan's remaining candidates are not compiled once they cannot
     win; they are listed with ``skipped`` saying why:
 

@@ -2,11 +2,11 @@
 
 Of the candidates that fit the budget, the one whose devices send the fewest bytes per
 step wins (ties: fewer microbatches, then the fewest bytes per device). Where every
-candidate has a predicted step time (devices with a datasheet: GPUs, TPUs, and the
-compile-only devices of ``sx.target``), the fastest predicted of those that fit with
-10% headroom wins instead; its interval (the per-op model's, on a GPU) is printed beside.
-The pick's settings come back as ``shardax train`` flags and a launch command for the
-devices' hosts.
+candidate has a predicted step time (devices with a datasheet or a registered
+calibration: GPUs, TPUs, and the compile-only devices of ``sx.target``), the fastest
+predicted of those that fit with 10% headroom wins instead; its interval (the per-op
+model's, on a GPU) is printed beside. The pick's settings come back as ``shardax train``
+flags and a launch command for the devices' hosts.
 
 >>> train_flags("fsdp", {"replica": 2, "data": 8}, "full", 2)
 '--mesh data=16 --plan fsdp --accumulate 2 --remat full'
@@ -114,8 +114,8 @@ class AutoPlan:
     def __rich__(self) -> Any:
         table = Table(title=f"candidate plans, compiled ({self.compiled}), per device")
         predicted = any(c.predicted_s is not None for c in self.candidates)
-        # With predictions (a datasheet) the reason column needs the room: the arguments
-        # and temporaries stay in to_dict() and the pick's estimate.
+        # With predictions the reason column needs the room: the arguments and
+        # temporaries stay in to_dict() and the pick's estimate.
         step = "predicted step (s), interval"
         cols = ["plan", "total", "sent", "fits", step, "why"] if predicted else [
             "plan", "arguments", "temporaries", "total", "collective bytes", "fits"
@@ -237,7 +237,8 @@ def choose(
     """Of the ``measured`` candidates that fit ``budget`` bytes per device (all of them
     when ``budget`` is None), the one that sends the fewest bytes per step (ties: fewer
     microbatches, then the fewest bytes per device). Where every candidate has a
-    predicted step time (devices with a datasheet: GPUs, TPUs, compile-only targets),
+    predicted step time (devices with a datasheet or a registered calibration: GPUs,
+    TPUs, compile-only targets),
     the fastest predicted of those that fit with
     ``shardax.cost.estimation.HEADROOM`` to spare instead. Candidates not compiled
     (``skipped``) stay in the report and are never picked. Raises ``ValueError`` when
@@ -257,13 +258,13 @@ def choose(
     )
     fitting = [c for c in compiled_ if c.fits is not False]
     timed = all(c.predicted_s is not None for c in compiled_ if not c.refused)
-    if timed and budget is not None:  # a datasheet: fit with headroom, then fastest
+    if timed and budget is not None:  # predicted: fit with headroom, then fastest
         roomy = [c for c in fitting if c.total_bytes <= budget * (1 - HEADROOM)]
         if roomy:
             pick = min(roomy, key=lambda c: (c.predicted_s, c.total_bytes))
             reason = (
                 f"fastest predicted step, {pick.predicted_s:.3f} s (a prediction: "
-                f"compute, HBM and links from the datasheet), of the {len(roomy)} of "
+                f"from the devices' datasheet or calibration), of the {len(roomy)} of "
                 f"{len(measured)} candidates ({count}) that fit {format_bytes(budget)} with "
                 f"{HEADROOM:.0%} headroom ({format_bytes(pick.total_bytes)} per device){note}"
             )

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shardax.cost.hardware import is_gpu
 from shardax.train.verification.comparison import TOLERANCES, LeafDiff, close
 from shardax.train.verification.per_device import per_device
 from shardax.train.verification.side import Run, Side
@@ -150,7 +151,7 @@ def rerun_differs(evidence: Evidence) -> Finding | None:
     side, run = evidence.side, evidence.run
     if evidence.agrees(side.rerun(run), run.got):
         return None
-    if getattr(side.reference.device, "platform", "") in ("gpu", "cuda", "rocm"):
+    if is_gpu(side.reference.device):
         return _named("non-determinism")
     return _named("impure step")
 
