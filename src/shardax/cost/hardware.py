@@ -211,7 +211,6 @@ DEVICE_KIND_SPECS: tuple[tuple[str, str, HardwareSpec], ...] = (
 )  # fmt: skip
 
 
-@public("sx.cost.device_spec")
 def is_gpu(device: Any) -> bool:
     """Whether ``device`` (a JAX device, or anything with a ``platform``) is a GPU: JAX
     names the platform ``gpu``, ``cuda`` or ``rocm``.
@@ -222,6 +221,7 @@ def is_gpu(device: Any) -> bool:
     return str(getattr(device, "platform", "")).lower() in ("gpu", "cuda", "rocm")
 
 
+@public("sx.cost.device_spec")
 def device_spec(device: Any = None) -> HardwareSpec | None:
     """Datasheet figures of ``device`` (default: the first of ``jax.devices()``), or None
     where they are not known (a CPU, an accelerator in no table).

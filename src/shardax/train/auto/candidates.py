@@ -242,9 +242,9 @@ def compile_candidates(
     them (None: no limit; the rest are listed as not compiled). ``figures`` go to the
     analysis (``sx.estimate``'s ``model_flops``, ``model_flops_note``, ``tokens``).
 
-    Where the devices have a datasheet (or a calibration) and ``budget`` is known (the ranking is by
-    predicted time), a plan's remaining candidates are not compiled once they cannot
-    win; they are listed with ``skipped`` saying why:
+    Where the devices have a datasheet (or a calibration) and ``budget`` is known (the
+    ranking is by predicted time), a plan's remaining candidates are not compiled once
+    they cannot win; they are listed with ``skipped`` saying why:
 
     - within a variant, the counts after the first that fits with headroom (more
       microbatches only add per-microbatch work);
