@@ -405,12 +405,13 @@ def calibration_for(device_kind: str) -> Calibration | None:
 def measured_spec(device: Any) -> HardwareSpec | None:
     """Figures of a GPU with no datasheet row, from its kind's calibration (``shardax
     calibrate``'s, ``register``ed): the best measured GEMM rate as its peak, the fastest
-    measured stream as its memory bandwidth, its allocator's limit as its memory, and the
-    collectives fitted over one host's devices as its link within a host (none between
-    hosts). None where the kind has no calibration, or the device no allocator
-    figure. ``sx.estimate`` prices such a GPU with these (MFU then counts against the
-    measured peak, not a datasheet's; the memory is the allocator's budget, not the card's;
-    the link within a host is the median of the fitted collectives' bandwidths).
+    measured stream as its memory bandwidth, its allocator's limit as its memory
+    (``shardax.cost.compile_target.device_memory``), and the collectives fitted over one
+    host's devices as its link within a host (none between hosts). None where the kind has
+    no calibration, or no memory figure is known. ``sx.estimate`` prices such a GPU with
+    these (MFU then counts against the measured peak, not a datasheet's; the memory is the
+    allocator's budget, not the card's; the link within a host is the median of the fitted
+    collectives' bandwidths).
 
     >>> from types import SimpleNamespace
     >>> l4 = dataclasses.replace(H100, kind="NVIDIA L4", device="NVIDIA L4", peak_flops=1.2e14)
@@ -423,19 +424,19 @@ def measured_spec(device: Any) -> HardwareSpec | None:
     >>> measured_spec(gpu) is None  # no calibration registered for the kind
     True
     """
-    from shardax.cost.compile_target import _allocator_stats  # neither imports this module
+    from shardax.cost.compile_target import device_memory  # neither imports this module
     from shardax.cost.hardware import HardwareSpec, is_gpu
 
     c = calibration_for(str(device.device_kind)) if is_gpu(device) else None
-    # another process's device gives no figures: this process's of the kind stand in,
-    # so that every process plans with the same figures
-    stats = (_allocator_stats(device) or {}) if c is not None else {}
-    if c is None or not stats.get("bytes_limit"):
+    # the allocator's limit (another process's device: this process's of the kind, so
+    # every process plans alike); a kind with no datasheet has no other figure
+    memory = device_memory(device) if c is not None else None
+    if c is None or memory is None:
         return None
     links = sorted(bandwidth for _, _, _, bandwidth in c.collectives)
     return HardwareSpec(
         peak_flops=c.peak_flops, hbm_bandwidth=max(c.stream) * 1e9,
-        memory_bytes=float(stats["bytes_limit"]),
+        memory_bytes=memory[0],
         ici_bandwidth=links[len(links) // 2] if links else None,
         source=MEASURED + c.name,
     )  # fmt: skip
