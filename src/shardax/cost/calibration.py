@@ -442,6 +442,14 @@ def measured_spec(device: Any) -> HardwareSpec | None:
     )  # fmt: skip
 
 
+def device_figures(device: Any) -> HardwareSpec | None:
+    """``device``'s figures for a prediction: its datasheet row (``device_spec``), else
+    those its kind's calibration measured (``measured_spec``), else None."""
+    from shardax.cost.hardware import device_spec
+
+    return device_spec(device) or measured_spec(device)
+
+
 MEASURED = "measured: "
 """How ``measured_spec``'s figures name their source (then the calibration's name)."""
 
@@ -475,6 +483,6 @@ def _log(x: float) -> float:
 
 
 __all__ = [
-    "CALIBRATIONS", "MEASURED", "Calibration", "calibration_for", "from_tables", "kind_of",
-    "load", "measured_spec", "nearest", "register", "using",
+    "CALIBRATIONS", "MEASURED", "Calibration", "calibration_for", "device_figures",
+    "from_tables", "kind_of", "load", "measured_spec", "nearest", "register", "using",
 ]  # fmt: skip

@@ -60,10 +60,10 @@ from rich.table import Table
 
 from shardax._format import format_bytes, rich_text
 from shardax.checks import as_float, public, refused_compiler_option
-from shardax.cost.calibration import MEASURED, calibration_for, measured_spec, nearest
+from shardax.cost.calibration import MEASURED, calibration_for, device_figures, nearest
 from shardax.cost.compile_target import device_memory
 from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
-from shardax.cost.hardware import HardwareSpec, device_spec, is_gpu
+from shardax.cost.hardware import HardwareSpec, is_gpu
 from shardax.cost.model_flops import CONVENTION, batch_unit, default_model_flops
 from shardax.cost.opcost import StepCost, breakdown, price_hlo
 from shardax.cost.predict import (
@@ -379,7 +379,7 @@ def _refused(
     """The [`Estimate`][shardax.cost.Estimate] of a step the compiler refused for lack of memory."""
     need, have = out_of_memory(error) or (0.0, 0.0)
     devices = list(mesh.devices.flat)
-    spec = device_spec(devices[0]) or measured_spec(devices[0])
+    spec = device_figures(devices[0])
     plan = getattr(step, "state_plan", None)
     shardings = plan(state) if plan is not None else None
     memory, _ = _state_bytes(state, shardings)
@@ -578,7 +578,7 @@ def analyse(
     auto
     plan's search call this once per compiled program)."""
     devices = list(mesh.devices.flat)
-    spec = (device_spec(devices[0]) or measured_spec(devices[0])) if spec is None else spec
+    spec = device_figures(devices[0]) if spec is None else spec
     notes = []
     if spec is not None and spec.source.startswith(MEASURED):
         notes.append(

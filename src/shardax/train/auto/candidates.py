@@ -22,9 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from shardax._format import format_bytes
 from shardax.checks import expect_type, public
-from shardax.cost.calibration import measured_spec
+from shardax.cost.calibration import device_figures
 from shardax.cost.estimation import HEADROOM, Estimate, analyse, estimate, out_of_memory
-from shardax.cost.hardware import device_spec
 from shardax.plan.core import Plan
 from shardax.plan.follow import FollowParams, select
 from shardax.plan.tree import map_arrays
@@ -254,8 +253,7 @@ def compile_candidates(
       remat nor microbatches shrink) exceed ``budget``.
     """
     prune = budget is not None and group.loss_fn is not None
-    first = group.mesh.devices.flat[0]
-    prune = prune and (device_spec(first) or measured_spec(first)) is not None
+    prune = prune and device_figures(group.mesh.devices.flat[0]) is not None
     room = None if budget is None else budget * (1 - HEADROOM)
     measured: list[Candidate] = []
     compiled = 0
