@@ -1,6 +1,6 @@
 """The formatting of shardax's reports (the plan's ``describe``, the cost estimate, the
-auto search, ``verify``): bytes in binary units, and a rich table as plain text. It
-imports nothing from shardax, so every layer may use it.
+auto search, ``verify``): bytes in binary units, a titled rich table, and a rich table as
+plain text. It imports nothing from shardax, so every layer may use it.
 
 >>> format_bytes(1536), format_bytes(3 * 2**40)
 ('1.50 KiB', '3.00 TiB')
@@ -12,6 +12,7 @@ import io
 from typing import Any
 
 from rich.console import Console
+from rich.table import Table
 
 
 def format_bytes(n: float) -> str:
@@ -21,6 +22,18 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def titled_table(title: str, **kwargs: Any) -> Table:
+    """A rich ``Table`` at least as wide as its ``title``: rich wraps a title to the
+    table's width, so a long title over narrow columns would print as several lines.
+
+    >>> table = titled_table("a title longer than its one column")
+    >>> table.add_column("n"); table.add_row("1")
+    >>> rich_text(table, 80).splitlines()[0].strip()  # one line, not wrapped to "n"'s width
+    'a title longer than its one column'
+    """
+    return Table(title=title, min_width=len(title) + 2, **kwargs)
 
 
 def rich_text(renderable: Any, width: int) -> str:

@@ -21,8 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax
-from rich.table import Table
 
+from shardax._format import titled_table
 from shardax.cli.common import UsageError, add_json_flag, console, print_json
 from shardax.cost import calibrate
 from shardax.cost.calibration import fit_collectives, from_tables, kind_of
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = console(args)
     quick = " (--quick: a smoke test)" if args.quick else ""
-    table = Table(title=f"calibration of {tables['device']}, JAX {tables['jax']}, "
+    table = titled_table(f"calibration of {tables['device']}, JAX {tables['jax']}, "
                   f"{tables['date']}{quick}")  # fmt: skip
     table.add_column("table")
     table.add_column("rows", justify="right")

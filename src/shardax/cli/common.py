@@ -21,8 +21,8 @@ from typing import Any
 
 import jax
 from rich.console import Console
-from rich.table import Table
 
+from shardax._format import titled_table
 from shardax.cost.flops import compiled_flops
 from shardax.cost.hlo import attention_kernel
 
@@ -436,7 +436,7 @@ def rows_table(
     """A rich ``Table`` with a line per row: ``columns`` maps each column's header to how
     a row shows in it. Right-aligned (numbers) but the first ``left`` columns; ``style``
     gives a row's style."""
-    table = Table(title=title, caption=caption)
+    table = titled_table(title, caption=caption)
     for i, column in enumerate(columns):
         table.add_column(column, justify="left" if i < left else "right")
     for row in rows:

@@ -7,9 +7,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from rich.table import Table
 
 import shardax as sx
+from shardax._format import titled_table
 from shardax.cli.common import UsageError, add_json_flag, console, mesh_spec, print_json
 from shardax.cost.hardware import BATCH_SIZE_TABLE, HARDWARE_SPECS
 from shardax.cost.roofline import hardware_roofline
@@ -76,7 +76,7 @@ def mesh_picture(device_ids: Any, axes: dict[str, int]) -> Any:
     rows = ids.reshape(-1, ids.shape[-1])
     lead = names[:-1]
     title = " × ".join(f"{n}={s}" for n, s in axes.items())
-    grid = Table(title=f"mesh {title} (cells: device ids)", show_lines=True)
+    grid = titled_table(f"mesh {title} (cells: device ids)", show_lines=True)
     grid.add_column(" × ".join(lead) if lead else "", style="dim")
     for j in range(rows.shape[1]):
         grid.add_column(f"{last} {j}", justify="center")
@@ -88,7 +88,7 @@ def mesh_picture(device_ids: Any, axes: dict[str, int]) -> Any:
 
 def render(data: dict[str, Any], out: Any) -> None:
     """Prints ``data`` as rich tables on ``out``."""
-    devices = Table(title=f"{data['num_devices']} devices, {data['process_count']} process(es)")
+    devices = titled_table(f"{data['num_devices']} devices, {data['process_count']} process(es)")
     for col in ("id", "platform", "kind", "process"):
         devices.add_column(col)
     for d in data["devices"]:
@@ -102,8 +102,8 @@ def render(data: dict[str, Any], out: Any) -> None:
         f"critical {rec['critical_batch_size']} per device — {rec['notes']}"
     )
 
-    table = Table(
-        title="batch size per device: the seed's table, and the roofline B* = peak ÷ bandwidth",
+    table = titled_table(
+        "batch size per device: the seed's table, and the roofline B* = peak ÷ bandwidth",
         caption="B* = (bytes per weight / 2) × peak FLOP/s ÷ HBM bytes/s, here bf16 (2 bytes): "
         "a dense layer's FLOPs per byte equal its batch, so below B* it waits on memory.",
     )

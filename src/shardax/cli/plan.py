@@ -13,9 +13,9 @@ import argparse
 from typing import Any
 
 import jax
-from rich.table import Table
 
 import shardax as sx
+from shardax._format import titled_table
 from shardax.cli import plan_measure, plan_target
 from shardax.cli.common import (
     UsageError,
@@ -289,8 +289,8 @@ def render(plan: dict[str, Any], out: Any) -> None:
         f"({mem_text} each), Adam, {p['name']}: params {p['params']:g} + grads {p['grads']:g} "
         f"+ master {p['master']:g} + Adam {p['optimizer']:g} = {p['total']:g} bytes/param"
     )
-    table = Table(
-        title="model states per device (activations not counted)",
+    table = titled_table(
+        "model states per device (activations not counted)",
         caption="GiB per device; B* = roofline-critical batch per data-parallel replica",
     )
     for col in (

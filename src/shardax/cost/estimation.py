@@ -56,9 +56,8 @@ from typing import Any
 import jax
 import numpy as np
 from rich.console import Group
-from rich.table import Table
 
-from shardax._format import format_bytes, rich_text
+from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import as_float, public, refused_compiler_option
 from shardax.cost.calibration import MEASURED, calibration_for, device_figures, nearest
 from shardax.cost.compile_target import device_memory
@@ -209,8 +208,8 @@ class Estimate:
         hbm = "unknown" if not self.hbm_bytes else format_bytes(self.hbm_bytes)
         if self.memory_budget and self.memory_budget != self.hbm_bytes:
             hbm += f", budget {format_bytes(self.memory_budget)} ({self.budget_note})"
-        mem = Table(title=f"{self.devices} × {self.device_kind}, mesh {self.mesh}: memory "
-                          f"per device (compiled), HBM {hbm}")  # fmt: skip
+        mem = titled_table(f"{self.devices} × {self.device_kind}, mesh {self.mesh}: memory "
+                           f"per device (compiled), HBM {hbm}")  # fmt: skip
         mem.add_column("component")
         mem.add_column("bytes", justify="right")
         for name, value in self.memory.items():
@@ -223,7 +222,7 @@ class Estimate:
             return Group(mem, f"[red]the compiler refused the step:[/] {self.compile_error}",
                          f"compiler options: {format_options(self.compiler_options)}",
                          *[f"note: {n}" for n in self.notes])  # fmt: skip
-        work = Table(title=f"work per step (compiled in {self.compile_s:.1f} s)")
+        work = titled_table(f"work per step (compiled in {self.compile_s:.1f} s)")
         work.add_column("figure")
         work.add_column("value", justify="right")
         work.add_row("matmul FLOPs per device (HLO)", f"{self.flops_hlo:.3g}")
@@ -242,7 +241,7 @@ class Estimate:
             if self.cost is not None:  # a GPU target: the per-op model below is the prediction
                 title = (f"model {p.model} (a rough guide; the per-op model below is "
                          "the prediction)")  # fmt: skip
-            pred = Table(title=title)
+            pred = titled_table(title)
             pred.add_column("predicted")
             pred.add_column("with overlap", justify="right")
             pred.add_column("without overlap", justify="right")
@@ -276,7 +275,7 @@ class Estimate:
         per_device = self.model_flops / self.devices if self.model_flops else None
         if per_device and not self.unpriced_calls and self.flops_hlo:
             per_device = min(per_device, self.flops_hlo)  # MFU: at most what runs
-        table = Table(title=f"PREDICTED (not measured), model per-op, {c.calibration}")
+        table = titled_table(f"PREDICTED (not measured), model per-op, {c.calibration}")
         table.add_column("class")
         table.add_column("ms per step", justify="right")
         table.add_column("priced by")

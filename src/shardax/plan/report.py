@@ -21,9 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
-from rich.table import Table
 
-from shardax._format import format_bytes, rich_text
+from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public
 from shardax.plan.core import Plan, as_plan
 from shardax.plan.placed import planned_leaves
@@ -78,7 +77,7 @@ class ShardingReport:
     def __rich__(self) -> Any:
         moved = [r for r in self.rows if r.planned is not None]
         title = self.title + (f" ({len(moved)} off their plan)" if moved else "")
-        table = Table(title=title)
+        table = titled_table(title)
         columns = [("path", "left"), ("shape", "right"), ("dtype", "left"), ("spec", "left")]
         columns += [("plan", "left")] if moved else []
         for name, justify in [*columns, ("per device", "right")]:

@@ -20,9 +20,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rich.table import Table
-
-from shardax._format import format_bytes, rich_text
+from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public
 from shardax.cost.compile_target import device_memory
 from shardax.cost.estimation import HEADROOM, Estimate
@@ -112,7 +110,7 @@ class AutoPlan:
         }
 
     def __rich__(self) -> Any:
-        table = Table(title=f"candidate plans, compiled ({self.compiled}), per device")
+        table = titled_table(f"candidate plans, compiled ({self.compiled}), per device")
         predicted = any(c.predicted_s is not None for c in self.candidates)
         # With predictions the reason column needs the room: the arguments and
         # temporaries stay in to_dict() and the pick's estimate.

@@ -16,9 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rich.table import Table
-
-from shardax._format import rich_text
+from shardax._format import rich_text, titled_table
 from shardax.checks import public
 from shardax.train.verification.comparison import LeafDiff
 
@@ -74,7 +72,7 @@ class VerifyReport:
 
     def __rich__(self) -> Any:
         verdict = "[green]ok[/]" if self.ok else f"[red]differs from step {self.first_step}[/]"
-        table = Table(title=f"sx.verify: {verdict}")
+        table = titled_table(f"sx.verify: {verdict}")
         for col in ("leaf", "step", "max abs diff", "max rel diff", "tolerance", ""):
             table.add_column(col, justify="left" if col in ("leaf", "") else "right")
         for d in self.diffs[:SHOWN]:
