@@ -120,9 +120,9 @@ def run(args: argparse.Namespace) -> int:
         shown = "failed: " + rows["error"][:60] if isinstance(rows, dict) else best.get(name, "")
         table.add_row(name, str(len(rows)) if isinstance(rows, list) else "-", shown)
     out.print(table)
-    out.print(f"wrote {path}")
+    out.print(f"wrote {path}", soft_wrap=True, markup=False)
     if usable is not None:
-        out.print(f"use it: {use_line(usable.device, path)}", soft_wrap=True)
+        out.print(f"use it: {use_line(usable.device, path)}", soft_wrap=True, markup=False)
     return 0
 
 

@@ -307,7 +307,7 @@ def write_results(
         print_json(result)
     else:
         render(result, out)
-        out.print(f"wrote {directory}/{name}.json and {name}.png")
+        out.print(f"wrote {directory}/{name}.json and {name}.png", soft_wrap=True, markup=False)
     return directory
 
 

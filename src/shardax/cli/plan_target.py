@@ -494,7 +494,7 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"[red]does not fit[/] with 10% of its memory budget to spare "
                   f"({est.budget_note}): shrink --batch, remat more,{raise_it} or add devices "
                   "before launching")  # fmt: skip
-    out.print(f"launch: {result['launch']}", soft_wrap=True)
+    out.print(f"launch: {result['launch']}", soft_wrap=True, markup=False)
     if args.png:
-        out.print(f"wrote {args.png}")
+        out.print(f"wrote {args.png}", soft_wrap=True, markup=False)
     return 0
