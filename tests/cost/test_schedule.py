@@ -66,3 +66,46 @@ def test_exposed_time_is_the_wire_time_left_after_the_matmuls_between():
     assert exposed_seconds(ag, wire_seconds=1.0, flop_rate=flops / 2) == 0.0  # clamped
     assert exposed_seconds(rs, wire_seconds=1.0, flop_rate=1e15) == 1.0  # nothing between
     assert exposed_seconds(ar, wire_seconds=1.0, flop_rate=1e15) == 3.0  # synchronous, 3 trips
+
+
+ASYNC_FUSIONS = """HloModule m
+
+%fused_dot (a: bf16[64,256], b: bf16[256,128]) -> bf16[64,128] {
+  %a = bf16[64,256]{1,0} parameter(0)
+  %b = bf16[256,128]{1,0} parameter(1)
+  ROOT %d = bf16[64,128]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%ds_rs (g: f32[64,128], i: s32[]) -> f32[8,128] {
+  %g = f32[64,128]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %s = f32[64,128]{1,0} dynamic-slice(%g, %i, %i), dynamic_slice_sizes={64,128}
+  ROOT %rs = f32[8,128]{1,0} reduce-scatter(%s), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (p: bf16[32,128], x: bf16[64,256], w: bf16[256,128], g: f32[64,128], i: s32[]) -> f32[8,128] {
+  %p = bf16[32,128]{1,0} parameter(0)
+  %x = bf16[64,256]{1,0} parameter(1)
+  %w = bf16[256,128]{1,0} parameter(2)
+  %g = f32[64,128]{1,0} parameter(3)
+  %i = s32[] parameter(4)
+  %ag = (bf16[32,128]{1,0}, bf16[256,128]{1,0}) all-gather-start(%p), replica_groups=[1,8]<=[8], dimensions={0}
+  %mm = ((bf16[64,256]{1,0}, bf16[256,128]{1,0}), bf16[64,128]{1,0}, u32[]) fusion-start(%x, %w), kind=kCustom, calls=%fused_dot
+  %mmd = bf16[64,128]{1,0} fusion-done(%mm)
+  %agd = bf16[256,128]{1,0} all-gather-done(%ag)
+  %rss = ((f32[64,128]{1,0}, s32[]), f32[8,128]{1,0}, u32[]) fusion-start(%g, %i), kind=kCustom, calls=%ds_rs
+  %rsd = f32[8,128]{1,0} fusion-done(%rss)
+  ROOT %out = f32[8,128]{1,0} add(%rsd, %rsd)
+}
+"""  # noqa: E501
+
+
+def test_async_fusions_are_compute_and_a_collective_in_one_is_async():
+    """XLA:GPU runs some fusions asynchronously (``fusion-start`` / ``fusion-done``): a
+    matmul in one covers the collective in flight, and a collective inside one (a
+    dynamic-slice fusion around a reduce-scatter) is async, not read from the fusion's
+    body as a synchronous op."""
+    ag, rs = sorted(schedule(ASYNC_FUSIONS, 8), key=lambda c: c.op)
+    assert (ag.ops_between, ag.flops_between) == (1, 2 * 64 * 128 * 256) and ag.overlapped
+    assert (rs.op, rs.computation, rs.synchronous) == ("reduce-scatter", "main", False)
+    assert (rs.start, rs.done, rs.first_use) == (9, 10, 11)

@@ -2,12 +2,13 @@
 
 A compiled module lists each computation's instructions in the order XLA scheduled them
 (``compiled.as_text()``). An asynchronous collective is a ``*-start`` / ``*-done`` pair (or
-an ``async-start`` / ``async-done`` pair wrapping one): what is scheduled between the two
-runs while its bytes move. A synchronous one (a plain ``all-gather(...)``) holds the stream
-until it is done. ``schedule`` reads, for each collective, its kind, dtypes and bytes
-(``shardax.cost.hlo.collective_of``), where it starts and ends in its computation, the
-compute ops and matmul FLOPs scheduled in between, and where its result is first used.
-``exposed_seconds`` turns one into the time a step waits for it.
+an ``async-start`` / ``async-done`` or ``fusion-start`` / ``fusion-done`` pair wrapping
+one): what is scheduled between the two runs while its bytes move. A synchronous one (a
+plain ``all-gather(...)``) holds the stream until it is done. ``schedule`` reads, for each
+collective, its kind, dtypes and bytes (``shardax.cost.hlo.collective_of``), where it starts
+and ends in its computation, the compute ops and matmul FLOPs scheduled in between, and
+where its result is first used. ``exposed_seconds`` turns one into the time a step waits
+for it.
 
 >>> hlo = '''ENTRY %main (p: bf16[8,16], x: bf16[4,64]) -> bf16[4,16] {
 ...   %p = bf16[8,16]{1,0} parameter(0)
@@ -48,6 +49,9 @@ FREE = frozenset({
 })  # fmt: skip
 """Ops that launch no kernel (or only start or end one): not counted as compute."""
 _PLUMBING = frozenset({"get-tuple-element", "tuple", "bitcast", "opt-barrier"})
+_WRAPPERS = frozenset({"async-start", "fusion-start"})
+"""Ops that run a called computation asynchronously, until their ``*-done``: a collective
+in it is async; an async fusion's kernel (``fusion-start``) computes meanwhile."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +125,12 @@ def _opcode(line: str) -> str | None:
 
 
 def _async_callees(bodies: dict[str, list[str]]) -> set[str]:
-    """Computations an ``async-start`` wraps (their ops run asynchronously)."""
+    """Computations an ``async-start`` or ``fusion-start`` wraps (their ops run
+    asynchronously)."""
     out = set()
     for lines in bodies.values():
         for line in lines:
-            if _opcode(line) == "async-start":
+            if _opcode(line) in _WRAPPERS:
                 out.update(_CALLS.findall(line))
     return out
 
@@ -175,9 +180,17 @@ def _scheduled(
         called = line_calls(lines[i], bodies)
         return own.get(i, 0.0) + sum(n * flops_per_call(c) for c, n in called if c in bodies)
 
-    def compute(i: int) -> bool:
+    def wrapped(i: int) -> re.Match[str] | None:  # the collective a wrapper runs
+        inner = ("\n".join(bodies.get(c, [])) for c in _CALLS.findall(lines[i]))
+        return next((m for text in inner if (m := _OP.search(text))), None)
+
+    def kernel(i: int) -> bool:  # compute: an async fusion's too, unless a collective's
         code = codes[i]
+        if code == "fusion-start":
+            return wrapped(i) is None
         return bool(code) and code not in FREE and not code.endswith(("-start", "-done"))
+
+    computes = [kernel(i) for i in range(len(lines))]
 
     def first_use(after: int, result: str) -> int | None:
         aliases = {result}
@@ -186,16 +199,15 @@ def _scheduled(
                 continue
             if codes[j] in _PLUMBING:
                 aliases.add(names[j])
-            elif compute(j):
+            elif computes[j]:
                 return j
         return None
 
     out = []
     for i, line in enumerate(lines):
         match, code = _OP.search(line), codes[i]
-        if code == "async-start":
-            inner = ["\n".join(bodies.get(c, [])) for c in _CALLS.findall(line)]
-            match = next((m for text in inner if (m := _OP.search(text))), None)
+        if code in _WRAPPERS:
+            match = wrapped(i)
         elif match is None or code.endswith("-done"):
             continue
         if match is None:
@@ -207,7 +219,7 @@ def _scheduled(
             done_op = code[: -len("start")] + "done"
             ends = (j for j in range(i + 1, len(lines)) if codes[j] == done_op)
             done = next((j for j in ends if names[i] in _operands(lines[j])), i)
-        between = [j for j in range(i + 1, done) if compute(j)]
+        between = [j for j in range(i + 1, done) if computes[j]]
         out.append(
             Scheduled(
                 collective=collective,
