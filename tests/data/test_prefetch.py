@@ -236,6 +236,29 @@ def test_state_is_the_consumers_not_the_read_ahead(mesh):
         sx.prefetch_to_device([np.zeros(8)]).get_state()
 
 
+def test_close_puts_the_callers_loader_back_after_the_last_consumed_batch(mesh):
+    """The batches read ahead and dropped by close() are the next ones the loader yields:
+    breaking out of a prefetched loop and going on with the loader loses none."""
+    data = {"x": np.arange(256, dtype=np.float32)}
+    loader = sx.batches(data, 8, shuffle=True, seed=1)
+    reference = sx.batches(data, 8, shuffle=True, seed=1)
+    with sx.prefetch_to_device(loader, mesh, buffer_size=4) as it:
+        for _, want in zip(range(3), reference, strict=False):
+            np.testing.assert_array_equal(np.asarray(next(it)["x"]), want["x"])
+        time.sleep(0.1)  # the worker has read ahead by now
+        assert loader.get_state()["index"] > 3
+    assert loader.get_state() == reference.get_state()
+    for got, want in zip(loader, reference, strict=False):  # the rest of the epoch, in order
+        np.testing.assert_array_equal(got["x"], want["x"])
+        if reference.get_state()["index"] == 0:
+            break
+    # Run to its end, the loader stays at its end.
+    once = sx.batches(data, 8, num_epochs=1)
+    once.set_state({"epoch": 0, "index": 30})
+    assert len(list(sx.prefetch_to_device(once, mesh))) == 2
+    assert once.get_state()["epoch"] == 1 and next(once, None) is None
+
+
 def test_bad_target_and_placement_facade(mesh):
     with pytest.raises(TypeError, match=r"target must be a jax\.Device.*got str"):
         sx.prefetch_to_device([np.zeros(2)], "cpu:0")

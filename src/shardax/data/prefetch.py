@@ -21,7 +21,10 @@ time prefetching did not hide (see [`shardax.track.StepClock`][shardax.track.Ste
 If the source iterator has ``get_state()`` (``sx.batches``, grain's ``DatasetIterator``),
 [`Prefetcher.get_state`][shardax.data.Prefetcher.get_state] is the source's state after the last
 batch *consumed*, not
-after the last one read ahead, so a checkpoint resumes exactly where the consumer was.
+after the last one read ahead, so a checkpoint resumes exactly where the consumer was. If it
+has ``set_state()`` too, ``close()`` puts the caller's iterator back there, so the batches
+read ahead and dropped are the next ones it yields (a source the worker is still blocked
+in is left as it is).
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> with prefetch_to_device(({"x": np.full((8, 2), i)} for i in range(3)), mesh) as it:
@@ -137,6 +140,8 @@ class Prefetcher(Iterator[Any]):
         source = iter(iterable)
         get_state = getattr(source, "get_state", None)
         self._stateful = callable(get_state)
+        set_state = getattr(source, "set_state", None)  # the caller's own iterator: rewound
+        self._rewind = set_state if self._stateful and source is iterable else None
         self._state = copy.deepcopy(get_state()) if callable(get_state) else None
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
@@ -189,7 +194,8 @@ class Prefetcher(Iterator[Any]):
         return self._state
 
     def close(self) -> None:
-        """Stops the worker, drops the batches it read ahead, and joins it (<= 0.25 s)."""
+        """Stops the worker, drops the batches it read ahead, and joins it (<= 0.25 s);
+        a source iterator with ``set_state()`` is put back after the last consumed batch."""
         if self._closed:
             return
         self._finished = self._closed = True
@@ -198,6 +204,8 @@ class Prefetcher(Iterator[Any]):
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=_JOIN_S)
         self._drain()
+        if callable(self._rewind) and not self._thread.is_alive():
+            self._rewind(copy.deepcopy(self._state))
 
     def _drain(self) -> None:
         try:
