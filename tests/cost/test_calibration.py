@@ -5,6 +5,7 @@ by name."""
 import dataclasses
 import json
 import re
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -147,10 +148,50 @@ def test_a_users_tables_register_for_their_kind_and_are_restored(tmp_path):
     assert calibration_for("NVIDIA H100 80GB HBM3") is H100
     l4 = from_tables({**tables, "device": "NVIDIA L4"})  # a kind nothing ships for
     with using(l4):
-        assert calibration_for("NVIDIA L4") is l4 and CALIBRATIONS["NVIDIA L4"] is l4
-    assert "NVIDIA L4" not in CALIBRATIONS
+        assert calibration_for("NVIDIA L4") is l4 and "NVIDIA L4" not in CALIBRATIONS
+        with using(c):  # nested: both
+            assert calibration_for("NVIDIA L4") is l4
+            assert calibration_for("NVIDIA H100 80GB HBM3") is c
+        assert calibration_for("NVIDIA H100 80GB HBM3") is H100
+    assert calibration_for("NVIDIA L4") is None
     with using(None) as nothing:
         assert nothing is None and calibration_for("NVIDIA H100 80GB HBM3") is H100
+    with (
+        pytest.raises(TypeError, match=r"using\(calibration\): a Calibration .* got str"),
+        using(str(mine)),
+    ):
+        pass
+
+
+def test_using_is_this_threads_and_register_the_processs(tmp_path):
+    """Two threads estimating at once with their own tables do not see each other's:
+    ``using`` holds for its block in its own thread; ``register`` for every thread."""
+    tables = json.loads((TABLES / "h100-2026-11-27.json").read_text())
+    mine = from_tables({**tables, "date": "2026-12-01"})
+    entered, checked = threading.Event(), threading.Event()
+    seen = {}
+
+    def other_thread():
+        entered.wait(30)
+        seen["during"] = calibration_for("NVIDIA H100 80GB HBM3")
+        checked.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with using(mine):
+        entered.set()
+        assert checked.wait(30) and calibration_for("NVIDIA H100 80GB HBM3") is mine
+    worker.join(30)
+    assert seen["during"] is H100
+    try:
+        assert register(mine) is H100
+        seen.clear()
+        worker = threading.Thread(target=lambda: seen.update(after=calibration_for("H100")))
+        worker.start()
+        worker.join(30)
+        assert seen["after"] is mine
+    finally:
+        register(H100)
 
 
 def test_cli_calibrate_writes_tables_and_refuses_a_cpu_without_quick(tmp_path, capsys):

@@ -16,7 +16,8 @@ tables the per-op cost model (``shardax.cost.opcost``) prices a compiled step wi
 
 ``shardax calibrate`` measures them on a GPU (``shardax.cost.calibrate``) and writes a
 JSON file; ``load`` reads one, ``register`` makes it the tables of its kind for every
-estimate and plan of this process. The shipped ones (``shardax/cost/tables/*.json``,
+estimate and plan of this process, and ``using`` for a block of this thread only. The
+shipped ones (``shardax/cost/tables/*.json``,
 measured on GPUs lent to this project) are in ``CALIBRATIONS``, by kind;
 ``calibration_for`` finds one for a device kind (or says none fits).
 
@@ -35,10 +36,12 @@ True
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import math
 import re
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -354,8 +357,9 @@ def register(calibration: Calibration) -> Calibration | None:
 
 @contextlib.contextmanager
 def using(calibration: Calibration | None) -> Iterator[Calibration | None]:
-    """``register(calibration)`` for the block, then its kind's tables as they were (None:
-    no change).
+    """``calibration`` as the tables of its kind for the block, in this thread (or asyncio
+    task) only: estimates another thread runs meanwhile keep the process's tables
+    (``register``'s). None: no change.
 
     >>> mine = load(TABLES / "h100-2026-11-27.json")  # shardax calibrate --out h100.json
     >>> with using(mine):  # sx.estimate on an H100 target prices with mine here
@@ -367,14 +371,14 @@ def using(calibration: Calibration | None) -> Iterator[Calibration | None]:
     if calibration is None:
         yield None
         return
-    previous = register(calibration)
+    if not isinstance(calibration, Calibration):
+        raise TypeError(f"using(calibration): a Calibration (load(path) reads one) or None; "
+                        f"got {type(calibration).__name__}")  # fmt: skip
+    token = _SCOPED.set({**_SCOPED.get(), calibration.kind: calibration})
     try:
         yield calibration
     finally:
-        if previous is None:
-            CALIBRATIONS.pop(calibration.kind, None)
-        else:
-            CALIBRATIONS[calibration.kind] = previous
+        _SCOPED.reset(token)
 
 
 def _shipped() -> dict[str, Calibration]:
@@ -387,6 +391,18 @@ def _shipped() -> dict[str, Calibration]:
 
 CALIBRATIONS: dict[str, Calibration] = _shipped()
 """The calibrations by kind: the shipped ones, and any ``register``ed."""
+_SCOPED: contextvars.ContextVar[Mapping[str, Calibration]] = contextvars.ContextVar(
+    "shardax_calibrations", default=types.MappingProxyType({})
+)
+"""The calibrations ``using`` blocks put over ``CALIBRATIONS`` in this context (replaced,
+never changed in place)."""
+
+
+def _active() -> dict[str, Calibration]:
+    """The calibrations by kind that this thread's estimates price with."""
+    return {**CALIBRATIONS, **_SCOPED.get()}
+
+
 H200 = CALIBRATIONS["H200"]
 H100 = CALIBRATIONS["H100"]
 
@@ -399,7 +415,7 @@ def calibration_for(device_kind: str) -> Calibration | None:
     >>> calibration_for("NVIDIA H200").kind
     'H200'
     """
-    return CALIBRATIONS.get(kind_of(device_kind))
+    return _active().get(kind_of(device_kind))
 
 
 def measured_spec(device: Any) -> HardwareSpec | None:
@@ -469,7 +485,7 @@ def nearest(peak_flops: float | None, hbm_bandwidth: float | None) -> tuple[Cali
                   max(c.stream) * 1e9 / hbm_bandwidth if hbm_bandwidth else 1.0]  # fmt: skip
         return sum(abs(_log(r)) for r in ratios)
 
-    measured = [c for c in CALIBRATIONS.values() if not c.derived]
+    measured = [c for c in _active().values() if not c.derived]
     best = min(measured, key=gap)
     flops = f"{best.peak_flops / peak_flops:.2f}× its peak FLOP/s" if peak_flops else "?"
     bw = (
