@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def format_bytes(n: float) -> str:
@@ -33,7 +34,8 @@ def titled_table(title: str, **kwargs: Any) -> Table:
     >>> rich_text(table, 80).splitlines()[0].strip()  # one line, not wrapped to "n"'s width
     'a title longer than its one column'
     """
-    return Table(title=title, min_width=len(title) + 2, **kwargs)
+    width = Text.from_markup(title).cell_len + 2  # as printed: markup out, wide glyphs 2
+    return Table(title=title, **{**kwargs, "min_width": max(width, kwargs.get("min_width") or 0)})
 
 
 def rich_text(renderable: Any, width: int) -> str:

@@ -109,3 +109,7 @@ def test_async_fusions_are_compute_and_a_collective_in_one_is_async():
     assert (ag.ops_between, ag.flops_between) == (1, 2 * 64 * 128 * 256) and ag.overlapped
     assert (rs.op, rs.computation, rs.synchronous) == ("reduce-scatter", "main", False)
     assert (rs.start, rs.done, rs.first_use) == (9, 10, 11)
+    # A collective's start reading another's result is its first use.
+    fed = ASYNC_FUSIONS.replace("fusion-start(%g, %i)", "fusion-start(%agd, %i)")
+    ag, _ = sorted(schedule(fed, 8), key=lambda c: c.op)
+    assert ag.first_use == 9

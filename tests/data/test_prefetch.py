@@ -236,27 +236,106 @@ def test_state_is_the_consumers_not_the_read_ahead(mesh):
         sx.prefetch_to_device([np.zeros(8)]).get_state()
 
 
+class Stateful:
+    """A stateful source: ``n`` rows of 8 (the one at ``short`` 4), position ``i``; like
+    a re-iterable loader, its ``StopIteration`` moves it to the next epoch."""
+
+    def __init__(self, n, short=None, fail_set=False):
+        self.n, self.short, self.fail_set = n, short, fail_set
+        self.epoch, self.i = 0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i == self.n:
+            self.epoch, self.i = self.epoch + 1, 0
+            raise StopIteration
+        self.i += 1
+        return {"x": np.full((4 if self.i - 1 == self.short else 8,), self.i - 1.0)}
+
+    def get_state(self):
+        return {"epoch": self.epoch, "i": self.i}
+
+    def set_state(self, state):
+        if self.fail_set:
+            raise OSError("the shard server is gone")
+        self.epoch, self.i = state["epoch"], state["i"]
+
+
+def read_ahead(source, at_least, timeout=30.0):
+    """Waits (polling) until the worker has read ``source`` to ``at_least``."""
+    deadline = time.monotonic() + timeout
+    while source.get_state()["i" if isinstance(source, Stateful) else "index"] < at_least:
+        assert time.monotonic() < deadline, "the prefetch worker did not read ahead"
+        time.sleep(0.01)
+
+
 def test_close_puts_the_callers_loader_back_after_the_last_consumed_batch(mesh):
     """The batches read ahead and dropped by close() are the next ones the loader yields:
     breaking out of a prefetched loop and going on with the loader loses none."""
     data = {"x": np.arange(256, dtype=np.float32)}
-    loader = sx.batches(data, 8, shuffle=True, seed=1)
-    reference = sx.batches(data, 8, shuffle=True, seed=1)
+    loader = sx.batches(data, 8, shuffle=True, seed=1, num_epochs=None)
+    reference = sx.batches(data, 8, shuffle=True, seed=1, num_epochs=None)
     with sx.prefetch_to_device(loader, mesh, buffer_size=4) as it:
         for _, want in zip(range(3), reference, strict=False):
             np.testing.assert_array_equal(np.asarray(next(it)["x"]), want["x"])
-        time.sleep(0.1)  # the worker has read ahead by now
-        assert loader.get_state()["index"] > 3
+        read_ahead(loader, 6)
     assert loader.get_state() == reference.get_state()
     for got, want in zip(loader, reference, strict=False):  # the rest of the epoch, in order
         np.testing.assert_array_equal(got["x"], want["x"])
         if reference.get_state()["index"] == 0:
             break
-    # Run to its end, the loader stays at its end.
-    once = sx.batches(data, 8, num_epochs=1)
-    once.set_state({"epoch": 0, "index": 30})
-    assert len(list(sx.prefetch_to_device(once, mesh))) == 2
-    assert once.get_state()["epoch"] == 1 and next(once, None) is None
+    it = sx.prefetch_to_device(loader, mesh, buffer_size=2)  # close() itself, after a break
+    for batch in it:
+        first = batch
+        break
+    it.close()
+    assert loader.get_state() == {**reference.get_state(), "epoch": 1, "index": 1}
+    np.testing.assert_array_equal(np.asarray(first["x"]), next(reference)["x"])
+
+
+def test_close_moves_nothing_at_the_end_on_errors_or_when_dropped(mesh):
+    """Read to its end, the source keeps its own end state (here: the next epoch), even
+    past a short batch the policy skipped; a prefetcher dropped unclosed, or one whose
+    with block raised, leaves the source where its worker left it, and the exception is
+    the block's own."""
+    source = Stateful(3, short=2)
+    assert [float(b["x"][0]) for b in sx.prefetch_to_device(source, mesh, policy="drop")] == [0, 1]
+    assert source.get_state() == {"epoch": 1, "i": 0}
+    source = Stateful(20)
+    it = sx.prefetch_to_device(source, mesh, buffer_size=2)
+    next(it)
+    read_ahead(source, 3)
+    del it  # as when a name is bound to a new prefetcher: no rewind from the collector
+    assert source.get_state()["i"] >= 3
+    source = Stateful(20, fail_set=True)
+    with (
+        pytest.raises(KeyError, match="the block's"),
+        sx.prefetch_to_device(source, mesh, buffer_size=2) as it,
+    ):
+        next(it)
+        raise KeyError("the block's")
+    assert source.get_state()["i"] >= 1
+
+
+def test_close_warns_where_it_cannot_put_the_source_back(mesh):
+    """Moved by something else meanwhile, or a set_state() that fails: the batches read
+    ahead are lost, and close() says so (a warning: it may run under an exception)."""
+    source = Stateful(20)
+    it = sx.prefetch_to_device(source, mesh, buffer_size=2)
+    next(it)
+    read_ahead(source, 3)
+    time.sleep(0.05)
+    next(source)  # another reader of the same iterator
+    with pytest.warns(RuntimeWarning, match=r"batch\(es\) .* lost .*something else moved"):
+        it.close()
+    source = Stateful(20, fail_set=True)
+    it = sx.prefetch_to_device(source, mesh, buffer_size=2)
+    next(it)
+    read_ahead(source, 3)
+    with pytest.warns(RuntimeWarning, match="set_state\\(\\) raised OSError: the shard server"):
+        it.close()
 
 
 def test_bad_target_and_placement_facade(mesh):

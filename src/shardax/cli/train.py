@@ -214,18 +214,20 @@ def run(args: argparse.Namespace) -> int:
         else:
             if job.report is not None:
                 job.report(summary, out)
-            # soft_wrap: a path is printed whole, never broken at the terminal's width
+            # a path is printed whole (never broken at the terminal's width) and as it is
+            # (no rich markup read into its brackets)
             out.print(
                 f"{summary['data_wait_fraction']:.1%} of the time waiting for input; wrote "
                 f"{directory}/summary.json, curves.png and metrics.jsonl",
-                soft_wrap=True,
-            )
+                soft_wrap=True, markup=False,
+            )  # fmt: skip
             if summary["log_dir"]:
-                out.print(f"TensorBoard: tensorboard --logdir {summary['log_dir']}", soft_wrap=True)
+                out.print(f"TensorBoard: tensorboard --logdir {summary['log_dir']}",
+                          soft_wrap=True, markup=False)  # fmt: skip
         if summary["profile_trace"]:
             out.print(
                 f"profiler trace: {summary['profile_trace']} (one per process under "
                 f"{Path(summary['profile_trace']).parents[3]})",
-                soft_wrap=True,
-            )
+                soft_wrap=True, markup=False,
+            )  # fmt: skip
     return 0

@@ -69,8 +69,8 @@ class Scheduled:
             bitcast plumbing) scheduled strictly between start and done.
         flops_between: the matmul FLOPs of those ops, per run (loops inside counted by
             their trips).
-        first_use: the position of the first compute op reading its result (None: none
-            in its computation, e.g. the computation's output).
+        first_use: the position of the first compute op or collective reading its result
+            (None: none in its computation, e.g. the computation's output).
     """
 
     collective: Collective
@@ -180,14 +180,14 @@ def _scheduled(
         called = line_calls(lines[i], bodies)
         return own.get(i, 0.0) + sum(n * flops_per_call(c) for c, n in called if c in bodies)
 
-    def wrapped(i: int) -> re.Match[str] | None:  # the collective a wrapper runs
+    def collective_in(i: int) -> re.Match[str] | None:  # the collective a wrapper runs
         inner = ("\n".join(bodies.get(c, [])) for c in _CALLS.findall(lines[i]))
         return next((m for text in inner if (m := _OP.search(text))), None)
 
-    def kernel(i: int) -> bool:  # compute: an async fusion's too, unless a collective's
+    def kernel(i: int) -> bool:  # compute: an async wrapper's too, unless a collective's
         code = codes[i]
-        if code == "fusion-start":
-            return wrapped(i) is None
+        if code in _WRAPPERS:
+            return collective_in(i) is None
         return bool(code) and code not in FREE and not code.endswith(("-start", "-done"))
 
     computes = [kernel(i) for i in range(len(lines))]
@@ -199,7 +199,7 @@ def _scheduled(
                 continue
             if codes[j] in _PLUMBING:
                 aliases.add(names[j])
-            elif computes[j]:
+            elif computes[j] or codes[j].endswith("-start"):  # a kernel or a collective
                 return j
         return None
 
@@ -207,7 +207,7 @@ def _scheduled(
     for i, line in enumerate(lines):
         match, code = _OP.search(line), codes[i]
         if code in _WRAPPERS:
-            match = wrapped(i)
+            match = collective_in(i)
         elif match is None or code.endswith("-done"):
             continue
         if match is None:

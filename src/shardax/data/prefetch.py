@@ -22,9 +22,12 @@ If the source iterator has ``get_state()`` (``sx.batches``, grain's ``DatasetIte
 [`Prefetcher.get_state`][shardax.data.Prefetcher.get_state] is the source's state after the last
 batch *consumed*, not
 after the last one read ahead, so a checkpoint resumes exactly where the consumer was. If it
-has ``set_state()`` too, ``close()`` puts the caller's iterator back there, so the batches
-read ahead and dropped are the next ones it yields (a source the worker is still blocked
-in is left as it is).
+has ``set_state()`` too, ``close()`` (or leaving a ``with`` block without an exception) puts
+the caller's iterator back there, so the batches read ahead and dropped are the next ones it
+yields. It does not where that would not be safe, and warns where batches are then lost: a
+worker still busy after 0.25 s, or an iterator something else has moved meanwhile (another
+prefetcher of it). A prefetcher that is dropped, ended by an error, or read to its end
+moves nothing.
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> with prefetch_to_device(({"x": np.full((8, 2), i)} for i in range(3)), mesh) as it:
@@ -39,6 +42,7 @@ import copy
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -58,6 +62,16 @@ _JOIN_S = 0.25  # how long close() waits for the worker before leaving it (a dae
 _END = object()
 _SKIP = object()
 _LIVE: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+
+
+class _Progress:
+    """What the worker has read: the batches it handed on (or was handing on when
+    stopped), and the source's state after its last ``next()``. Shared with the
+    Prefetcher, which the worker holds no reference to."""
+
+    def __init__(self) -> None:
+        self.read = 0
+        self.state: Any = None
 
 
 class _Raised:
@@ -85,6 +99,7 @@ def _work(
     stateful: bool,
     q: queue.Queue,
     stop: threading.Event,
+    progress: _Progress,
 ) -> None:
     """The worker's loop. It holds no reference to the Prefetcher, so ``del`` reaches it."""
     try:
@@ -95,8 +110,12 @@ def _work(
                 _put(q, (_END, None), stop)
                 return
             state = copy.deepcopy(source.get_state()) if stateful else None
+            progress.state = state
             placed = place(item)
-            if placed is not _SKIP and not _put(q, (placed, state), stop):
+            if placed is _SKIP:
+                continue
+            progress.read += 1
+            if not _put(q, (placed, state), stop):
                 return
     except BaseException as e:  # delivered to the consumer, which re-raises it
         _put(q, (_Raised(e), None), stop)
@@ -140,16 +159,27 @@ class Prefetcher(Iterator[Any]):
         source = iter(iterable)
         get_state = getattr(source, "get_state", None)
         self._stateful = callable(get_state)
-        set_state = getattr(source, "set_state", None)  # the caller's own iterator: rewound
-        self._rewind = set_state if self._stateful and source is iterable else None
         self._state = copy.deepcopy(get_state()) if callable(get_state) else None
+        rewinds = (
+            self._stateful and source is iterable and callable(getattr(source, "set_state", None))
+        )
+        self._source = source if rewinds else None  # the caller's own: close() rewinds it
+        self._progress, self._consumed = _Progress(), 0
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
         self._finished = self._closed = False
         self.wait_seconds = 0.0
         self._thread = threading.Thread(
             target=_work,
-            args=(source, source is not iterable, place, self._stateful, self._queue, self._stop),
+            args=(
+                source,
+                source is not iterable,
+                place,
+                self._stateful,
+                self._queue,
+                self._stop,
+                self._progress,
+            ),
             name="shardax-prefetch",
             daemon=True,
         )
@@ -166,17 +196,18 @@ class Prefetcher(Iterator[Any]):
         try:
             item, state = self._get()
         except BaseException:  # KeyboardInterrupt while waiting: stop the worker first
-            self.close()
+            self._close(rewind=False)
             raise
         finally:
             self.wait_seconds += time.perf_counter() - start
         if item is _END:
-            self.close()
+            self._close(rewind=False)
             raise StopIteration
         if isinstance(item, _Raised):
-            self.close()
+            self._close(rewind=False)
             raise item.error
         self._state = state
+        self._consumed += 1
         return item
 
     def _get(self) -> tuple[Any, Any]:
@@ -194,8 +225,12 @@ class Prefetcher(Iterator[Any]):
         return self._state
 
     def close(self) -> None:
-        """Stops the worker, drops the batches it read ahead, and joins it (<= 0.25 s);
-        a source iterator with ``set_state()`` is put back after the last consumed batch."""
+        """Stops the worker, drops the batches it read ahead, and joins it (<= 0.25 s); the
+        caller's iterator, where it has ``set_state()``, goes back after the last consumed
+        batch (see the module docstring)."""
+        self._close(rewind=True)
+
+    def _close(self, rewind: bool) -> None:
         if self._closed:
             return
         self._finished = self._closed = True
@@ -204,8 +239,28 @@ class Prefetcher(Iterator[Any]):
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=_JOIN_S)
         self._drain()
-        if callable(self._rewind) and not self._thread.is_alive():
-            self._rewind(copy.deepcopy(self._state))
+        dropped = self._progress.read - self._consumed
+        if rewind and self._source is not None and dropped > 0:
+            self._rewind(dropped)
+        self._source = None
+
+    def _rewind(self, dropped: int) -> None:
+        """Puts the caller's iterator back over the ``dropped`` batches read ahead, or
+        warns that they are lost (never raises: close() may run under an exception)."""
+        lost = (f"the {dropped} batch(es) the prefetcher read ahead are lost to the source "
+                "iterator (it stays after them)")  # fmt: skip
+        if self._thread.is_alive():
+            why = f"its worker was still busy {_JOIN_S} s after close()"
+        else:
+            try:
+                if self._source.get_state() != self._progress.state:  # type: ignore[union-attr]
+                    why = "something else moved the iterator meanwhile"
+                else:
+                    self._source.set_state(copy.deepcopy(self._state))  # type: ignore[union-attr]
+                    return
+            except Exception as e:
+                why = f"its set_state() raised {type(e).__name__}: {e}"
+        warnings.warn(f"prefetch close(): {lost}: {why}", RuntimeWarning, stacklevel=4)
 
     def _drain(self) -> None:
         try:
@@ -217,18 +272,18 @@ class Prefetcher(Iterator[Any]):
     def __enter__(self) -> Prefetcher:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self._close(rewind=kind is None)
 
     def __del__(self) -> None:
         if hasattr(self, "_thread"):
-            self.close()
+            self._close(rewind=False)
 
 
 @atexit.register
 def _close_all() -> None:
     for prefetcher in list(_LIVE):
-        prefetcher.close()
+        prefetcher._close(rewind=False)
 
 
 @public("sx.prefetch_to_device")
