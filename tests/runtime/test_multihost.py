@@ -311,10 +311,13 @@ def test_launch_prefixes_ranks_and_passes_environment():
 def test_launch_json_keeps_stdout_pure_and_runtime_chatter_on_stderr():
     child = "import json, os, sys\nrank = os.environ['SHARDAX_PROCESS_ID']\n"
     child += "print('[Gloo] Rank', rank, 'is connected', flush=True)\n"
-    # two of gloo's threads at once: one message inside another's line, its end ("3") after
+    # two of gloo's threads at once: one message inside another's line, its end ("3") after;
+    # then one cut before its "Expected ...", the tail on a line of its own
     expected = "Expected number of connected peer ranks is : "
     child += f"print('[Gloo] Rank 2 is connected to 3 peer ranks. {expected}"
     child += f"[Gloo] Rank 3 is connected to 3 peer ranks. {expected}3'); print(3, flush=True)\n"
+    child += "print('[Gloo] Rank 1 is connected to 1 peer ranks. [Gloo] Rank 1 is connected "
+    child += f"to 1 peer ranks. {expected}1'); print('{expected}1', flush=True)\n"
     child += "print('log', rank, file=sys.stderr, flush=True)\n"
     child += "if rank == '0': print(json.dumps({'ok': sys.argv[1:]}))"
     for flag in ("--json", "--text"):
@@ -330,6 +333,7 @@ def test_launch_json_keeps_stdout_pure_and_runtime_chatter_on_stderr():
             assert f"[{rank}] [Gloo] Rank {rank} is connected" in proc.stderr
             assert f"[{rank}] log {rank}" in proc.stderr
             assert f"[{rank}] 3\n" in proc.stderr
+            assert f"[{rank}] Expected number of connected peer ranks is : 1\n" in proc.stderr
         if flag == "--json":  # unprefixed: pure JSON
             assert json.loads(proc.stdout) == {"ok": ["--json"]}
         else:

@@ -50,6 +50,11 @@ RUNTIME_CHATTER = re.compile(r"\[Gloo\] |peer ranks\. Expected number of connect
 """Lines that the runtime's native code writes to stdout; launch sends them to stderr, so a
 program's stdout (``--json``) stays its own. gloo writes from several threads at once, so
 one message can start inside another's line: its tail is matched too."""
+GLOO_MESSAGE = (
+    "[Gloo] Rank # is connected to # peer ranks. Expected number of connected peer ranks is : #"
+)
+"""gloo's message, its numbers as ``#``: a line that ends one begun on an earlier line is
+one of its tails."""
 
 
 def runtime_chatter(line: str, pending: int) -> tuple[bool, int]:
@@ -58,8 +63,8 @@ def runtime_chatter(line: str, pending: int) -> tuple[bool, int]:
 
     gloo's threads each write ``[Gloo] Rank r is connected to n peer ranks. Expected
     number of connected peer ranks is : n`` and a newline, in pieces. Where one thread's
-    message lands inside another's line, its rest follows on a later line: a tail that
-    still holds ``peer ranks. Expected``, or only the final number. A bare number is
+    message lands inside another's line, its rest follows on a later line: any tail of
+    the message (``GLOO_MESSAGE``), down to the final number alone. Such a tail is
     chatter only while a message is unfinished; any other line is the program's own.
 
     >>> expected = "peer ranks. Expected number of connected peer ranks is : "
@@ -68,16 +73,18 @@ def runtime_chatter(line: str, pending: int) -> tuple[bool, int]:
     (True, 1)
     >>> runtime_chatter('{"ok": 1}', 1), runtime_chatter("3", 1), runtime_chatter("3", 0)
     ((False, 1), (True, 0), (False, 0))
+    >>> runtime_chatter("Expected number of connected peer ranks is : 1", 1)
+    (True, 0)
     """
     starts = line.count("[Gloo] ")
     if starts or RUNTIME_CHATTER.search(line):  # each such line ends one message
         return True, max(pending + starts - 1, 0)
-    if pending and _NUMBER.fullmatch(line):
+    if pending and line and GLOO_MESSAGE.endswith(_NUMBER.sub("#", line)):
         return True, pending - 1
     return False, pending
 
 
-_NUMBER = re.compile(r"\d+")  # as gloo writes it: a JSON number of the program is indented
+_NUMBER = re.compile(r"\d+")  # gloo's numbers (a JSON number of the program is indented)
 
 STARTS_JAX = False
 """Read by ``shardax.cli.main``: launch sets no JAX option in its own process."""
