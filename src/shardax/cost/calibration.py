@@ -359,7 +359,9 @@ def register(calibration: Calibration) -> Calibration | None:
 def using(calibration: Calibration | None) -> Iterator[Calibration | None]:
     """``calibration`` as the tables of its kind for the block, in this thread (or asyncio
     task) only: estimates another thread runs meanwhile keep the process's tables
-    (``register``'s). None: no change.
+    (``register``'s). None: no change. The block must end in the context it began in
+    (not across a generator's ``yield`` resumed elsewhere: Python's context variables
+    refuse that).
 
     >>> mine = load(TABLES / "h100-2026-11-27.json")  # shardax calibrate --out h100.json
     >>> with using(mine):  # sx.estimate on an H100 target prices with mine here
