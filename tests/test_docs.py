@@ -14,6 +14,8 @@
 
 import doctest
 import importlib
+import importlib.util
+import inspect
 import pkgutil
 import re
 import signal
@@ -195,3 +197,37 @@ def test_the_tests_that_run_a_pages_blocks_read_that_page():
             path = ROOT / test
             assert path.is_file(), f"{page.name} names {test}, which does not exist"
             assert page.name in path.read_text(), f"{test} does not read {page.name}"
+
+
+def _docs_module(name: str):
+    """A module of ``docs/`` (the site's griffe extensions), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_examples_render_as_code():
+    """The API reference's griffe extension (``docs/griffe_examples.py``) puts each
+    docstring's doctest block under an ``Examples:`` heading, which mkdocstrings renders as
+    code (bare ``>>>`` lines render as nested blockquotes): none is left at the top level,
+    and doctest reads the same examples from the rewritten text, less their directives."""
+    pytest.importorskip("griffe", reason="needs the docs group: uv sync --group docs")
+    extension = _docs_module("griffe_examples")
+    parser, finder, rewritten = doctest.DocTestParser(), doctest.DocTestFinder(), 0
+
+    def strip(source: str) -> str:
+        return "\n".join(extension._DIRECTIVE.sub("", ln) for ln in source.splitlines())
+
+    for name in modules():
+        for test in finder.find(importlib.import_module(name), name):
+            if not test.examples or test.docstring is None:
+                continue
+            text = inspect.cleandoc(test.docstring)
+            after = extension.as_examples_sections(text)
+            assert not [ln for ln in after.splitlines() if ln.startswith(">>>")], test.name
+            assert [(strip(e.source), e.want) for e in parser.get_examples(after)] == [
+                (strip(e.source), e.want) for e in parser.get_examples(text)
+            ], test.name
+            rewritten += 1
+    assert rewritten > 50, rewritten
