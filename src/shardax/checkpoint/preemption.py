@@ -42,6 +42,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from shardax.checks import public
+from shardax.runtime.launcher import launcher_lost, note_exit
 
 PREEMPTED_EXIT_CODE = 75
 """The exit code of a run that saved and stopped on a preemption notice (``EX_TEMPFAIL``)."""
@@ -67,11 +68,14 @@ class Preempted(Exception):
         # Its arguments are its args (a notice, not an error a door prefixes), its text
         # the message.
         super().__init__(step, directory)
+        lost = launcher_lost()
+        why = "SIGTERM" if lost is None else f"SIGTERM: the launcher, pid {lost['pid']}, was lost"
         self.message = (
-            f"preempted (SIGTERM): {what}; exiting with code {PREEMPTED_EXIT_CODE} so the "
+            f"preempted ({why}): {what}; exiting with code {PREEMPTED_EXIT_CODE} so the "
             f"scheduler requeues the job; {then}"
         )
         self.step, self.directory = step, directory
+        note_exit(self.message)  # into the launch's status file once its launcher is lost
 
     def __str__(self) -> str:
         return self.message

@@ -14,7 +14,15 @@ launch exits with that first non-zero code; Ctrl-C stops them all. A SIGTERM (a
 scheduler's preemption notice) is forwarded to every process, which save and exit with
 code 75 ([`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE]): a process that exits with
 75 does not stop the
-others, and launch exits with 75 once all have ended. Launch itself never starts JAX.
+others, and launch exits with 75 once all have ended; a SIGHUP (the terminal closed) is
+forwarded as a SIGTERM. Launch itself never starts JAX.
+
+Launch keeps a directory (``--launch-dir``, default ``runs/launch-<time>-<pid>``):
+``status.json`` (each process's pid, state and exit code, the launcher's state, one line
+on how the run ended) and ``rank<r>.log``, each process's output. The processes end with
+their launcher, however it ends (``shardax.runtime.launcher``): killed with -9 too, they
+save at an agreed step and exit 75 within ``SHARDAX_LAUNCHER_GRACE`` seconds (30), their
+last line and the status file saying that the launcher was lost.
 
     $ shardax launch -n 2 --cpu-devices 4 -- python train.py
 """
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import math
 import os
 import re
@@ -32,17 +41,31 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import IO
 
 from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
-from shardax.cli.common import UsageError, nonneg_float, positive_int, tcp_port
+from shardax.cli.common import (
+    UsageError,
+    check_writable_dir,
+    nonneg_float,
+    path_arg,
+    positive_int,
+    tcp_port,
+)
 from shardax.runtime.distributed import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
     ENV_HEARTBEAT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+)
+from shardax.runtime.launcher import (
+    ENV_LAUNCH_DIR,
+    ENV_LAUNCHER_PID,
+    rank_log,
+    update_status,
 )
 from shardax.train.compiler import set_gpu_environment
 
@@ -119,6 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3.0,
         help="seconds between SIGINT and SIGKILL when stopping processes (default: 3)",
     )
+    parser.add_argument(
+        "--launch-dir",
+        type=path_arg,
+        default=None,
+        help="where to write status.json and each process's log, rank<r>.log (default: "
+        "runs/launch-<time>)",
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run")
 
 
@@ -136,13 +166,16 @@ def process_env(
     *,
     cpu_devices: int | None = None,
     heartbeat_timeout: int | None = None,
+    launch_dir: str | os.PathLike[str] | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of process ``rank``: ``base`` (default ``os.environ``) plus the
     variables [`shardax.initialize`][shardax.initialize] reads, and those the GPU compiler settings
     need
     before JAX starts (``shardax.train.compiler.ENVIRONMENT``:
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1``) where ``base`` does not set them.
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``) where ``base`` does not set them. With a
+    ``launch_dir``, also this launcher's pid and that directory, by which the process
+    stops when the launcher is gone (``shardax.runtime.launcher``).
 
     >>> env = process_env(1, 2, 1234, base={})
     >>> env[ENV_PROCESS_ID], env["CUDA_DEVICE_MAX_CONNECTIONS"]
@@ -162,14 +195,46 @@ def process_env(
         env[ENV_CPU_DEVICES] = str(cpu_devices)
     if heartbeat_timeout is not None:
         env[ENV_HEARTBEAT] = str(heartbeat_timeout)
+    if launch_dir is not None:
+        env[ENV_LAUNCHER_PID] = str(os.getpid())
+        env[ENV_LAUNCH_DIR] = str(launch_dir)
     return env
+
+
+def _die_with_launcher(launcher: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to send the child SIGTERM when the launcher
+    dies (``PR_SET_PDEATHSIG``): a program that never calls ``sx.initialize`` (so never
+    watches its launcher) ends too. None where there is no ``prctl``."""
+    if _PRCTL is None:
+        return None
+
+    def preexec() -> None:  # in the child, between fork and exec: the prctl call only
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # the launcher died before the call
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def _prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PR_SET_PDEATHSIG = 1
+_PRCTL = _prctl()  # resolved here: the child must not load a library between fork and exec
 
 
 def start_processes(
     cmd: Sequence[str], envs: Sequence[Mapping[str, str]], *, merge_stderr: bool = True
 ) -> list[subprocess.Popen[bytes]]:
     """Starts ``cmd`` once per environment, each in its own session (process group),
-    with stdout and stderr piped: merged into one pipe, or two with ``merge_stderr=False``."""
+    with stdout and stderr piped: merged into one pipe, or two with ``merge_stderr=False``.
+    On Linux each gets SIGTERM when this process dies (``_die_with_launcher``)."""
     return [
         subprocess.Popen(
             list(cmd),
@@ -178,6 +243,7 @@ def start_processes(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=_die_with_launcher(os.getpid()),
         )
         for env in envs
     ]
@@ -192,11 +258,16 @@ def _forward(
     *,
     prefix: bool = True,
     raised: dict[int, float] | None = None,
+    log: IO[str] | None = None,
+    lost: set[int] | None = None,
 ) -> None:
-    """Copies ``pipe``'s lines to ``out`` (after ``[rank] `` if ``prefix``); runtime chatter
-    goes to ``err``, always prefixed."""
+    """Copies ``pipe``'s lines to ``out`` (after ``[rank] `` if ``prefix``), and to ``log``
+    unprefixed; runtime chatter goes to ``err``, always prefixed. A stream that fails
+    (a closed terminal) is left out from then on, its ``id`` added to ``lost``: the pipe
+    is still read to its end, so the process never blocks on a full pipe."""
     if pipe is None:
         return
+    lost = set() if lost is None else lost
     pending = 0  # gloo's messages begun and not yet ended (see runtime_chatter)
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
@@ -205,8 +276,15 @@ def _forward(
         if raised is not None and line.startswith(_TRACEBACK):
             raised.setdefault(rank, time.monotonic())
         with lock:
-            stream.write(f"[{rank}] {line}\n" if prefix or chatter else f"{line}\n")
-            stream.flush()
+            text = f"[{rank}] {line}\n" if prefix or chatter else f"{line}\n"
+            for target, what in ((stream, text), (log, f"{line}\n")):
+                if target is None or id(target) in lost:
+                    continue
+                try:
+                    target.write(what)
+                    target.flush()
+                except (OSError, ValueError):  # EIO, EPIPE, or closed
+                    lost.add(id(target))
     pipe.close()
 
 
@@ -239,12 +317,15 @@ def forward_signals(
     procs: Sequence[subprocess.Popen[bytes]], signals: Sequence[int] = (signal.SIGTERM,)
 ) -> Iterator[None]:
     """Within the block, ``signals`` sent to this process go to every running process
-    group instead (the previous handlers come back afterwards). Main thread only."""
+    group instead (the previous handlers come back afterwards); SIGHUP (the terminal
+    closed) goes as SIGTERM, the preemption notice, so the processes save and exit 75.
+    Main thread only."""
 
     def forward(signum: int, frame: object) -> None:
+        sent = signal.SIGTERM if signum == signal.SIGHUP else signum
         for p in procs:
             if p.poll() is None:
-                _signal_group(p, signum)
+                _signal_group(p, sent)
 
     previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
@@ -272,6 +353,89 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+class LaunchRecord:
+    """The launch directory as the launcher keeps it: ``status.json`` (through
+    ``shardax.runtime.launcher.update_status``, which the processes also write once the
+    launcher is gone) and each process's log. Nothing when ``directory`` is None. A
+    status that cannot be written (a full disk) is said once on ``err``; the run goes on."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None, err: IO[str]) -> None:
+        self.directory = None if directory is None else Path(directory)
+        self.err, self._said = err, False
+        self._exited: set[int] = set()
+
+    def write(self, change: Callable[[dict], None]) -> None:
+        if self.directory is None:
+            return
+        try:
+            update_status(self.directory, change)
+        except OSError as e:
+            if not self._said:
+                self._said = True
+                with contextlib.suppress(OSError, ValueError):
+                    self.err.write(f"shardax launch: cannot write {self.directory}: {e}\n")
+
+    def log(self, rank: int) -> IO[str] | None:
+        """Process ``rank``'s log, open for appending (None without a directory)."""
+        if self.directory is None:
+            return None
+        try:
+            return rank_log(self.directory, rank).open("a", encoding="utf-8")
+        except OSError:
+            return None
+
+    def started(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        def change(status: dict) -> None:
+            status.setdefault("launcher", {}).update(
+                pid=os.getpid(), host=socket.gethostname(), state="running", started=time.time()
+            )
+            status["ranks"] = {
+                str(r): {"pid": p.pid, "state": "running", "log": str(rank_log(".", r))}
+                for r, p in enumerate(procs)
+            }
+            status.pop("message", None)
+
+        self.write(change)
+
+    def ended(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        """Records the processes that have ended since the last call."""
+        new = [r for r, p in enumerate(procs) if p.returncode is not None and r not in self._exited]
+        if not new:
+            return
+        self._exited.update(new)
+
+        def change(status: dict) -> None:
+            for r in new:
+                code = exit_code(procs[r].returncode)  # type: ignore[arg-type]
+                status.setdefault("ranks", {}).setdefault(str(r), {}).update(
+                    state="exited", exit_code=code
+                )
+
+        self.write(change)
+
+    def failed(self, rank: int, code: int, line: str) -> None:
+        self.write(lambda s: s.update(failure={"rank": rank, "exit_code": code}, message=line))
+
+    def note(self, line: str) -> None:
+        self.write(lambda s: s.update(message=line))
+
+    def finished(self, procs: Sequence[subprocess.Popen[bytes]], code: int) -> None:
+        self.ended(procs)
+
+        def change(status: dict) -> None:
+            status.setdefault("launcher", {}).update(state="finished", exit_code=code)
+            if "message" not in status:
+                status["message"] = (
+                    "every process saved on a preemption notice and exited 75"
+                    if code == PREEMPTED_EXIT_CODE
+                    else "every process exited 0"
+                    if code == 0
+                    else f"ended with code {code}"
+                )
+
+        self.write(change)
+
+
 READER_TIMEOUT = 60.0
 """Seconds ``supervise`` waits, after every process has ended, for their output to drain."""
 
@@ -284,10 +448,13 @@ def supervise(
     err: IO[str] | None = None,
     prefix_stdout: bool = True,
     poll: float = 0.05,
+    launch_dir: str | os.PathLike[str] | None = None,
 ) -> int:
     """Forwards each process's stdout to ``out`` and stderr to ``err`` (default: this
     process's), lines prefixed with the rank (stdout's only if ``prefix_stdout``), until
-    every process has ended.
+    every process has ended. With a ``launch_dir``, each process's output is also kept
+    in its ``rank<r>.log`` there, and ``status.json`` follows the run: each process's
+    pid, state and exit code, the launcher's state, and one line on how it ended.
 
     Returns the first non-zero exit code (in time), after stopping the other
     processes; 0 when all succeed; 130 after Ctrl-C, once all are stopped. A process
@@ -299,37 +466,46 @@ def supervise(
     err = sys.stderr if err is None else err
     lock = threading.Lock()
     raised: dict[int, float] = {}  # rank -> when it printed its first Python traceback
+    record = LaunchRecord(launch_dir, err)
+    logs = [record.log(r) for r in range(len(procs))]
+    lost: set[int] = set()  # the ids of streams that failed (a closed terminal)
     readers = [
         threading.Thread(
             target=_forward,
             args=(r, p.stdout, out, err, lock),
-            kwargs={"prefix": prefix_stdout, "raised": raised},
+            kwargs={"prefix": prefix_stdout, "raised": raised, "log": logs[r], "lost": lost},
         )
         for r, p in enumerate(procs)
     ]
     readers += [
         threading.Thread(target=_forward, args=(r, p.stderr, err, err, lock),
-                         kwargs={"raised": raised})
+                         kwargs={"raised": raised, "log": logs[r], "lost": lost})
         for r, p in enumerate(procs)
     ]  # fmt: skip
     for t in readers:
         t.daemon = True
     started: list[threading.Thread] = []
     first_failure = 0
+    record.started(procs)
     try:  # Ctrl-C may come as soon as a process has printed, before every reader runs
         for t in readers:
             t.start()
             started.append(t)
         while [p.poll() for p in procs].count(None):  # polls every process
+            record.ended(procs)
             first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE), raised)
             if first is not None:
-                first_failure = _say_failed(procs, first, raised, err, lock, "stopping the others")
+                first_failure, line = _say_failed(
+                    procs, first, raised, err, lock, "stopping the others"
+                )
+                record.failed(procs.index(first), first_failure, line)
                 stop(procs, grace)
                 break
             time.sleep(poll)
     except KeyboardInterrupt:
         stop(procs, grace)
         first_failure = 130
+        record.note("stopped by Ctrl-C (SIGINT)")
     # The processes have ended; their pipes close once a process's own children have too.
     deadline = time.monotonic() + READER_TIMEOUT
     for t in started:
@@ -347,7 +523,12 @@ def supervise(
         if first is not None and first.returncode == PREEMPTED_EXIT_CODE:
             first_failure = PREEMPTED_EXIT_CODE
         elif first is not None:  # every process ended between two polls: said here
-            first_failure = _say_failed(procs, first, raised, err, lock, "all have ended")
+            first_failure, line = _say_failed(procs, first, raised, err, lock, "all have ended")
+            record.failed(procs.index(first), first_failure, line)
+    record.finished(procs, first_failure)
+    for log in logs:
+        if log is not None:
+            log.close()
     return first_failure
 
 
@@ -358,18 +539,19 @@ def _say_failed(
     err: IO[str],
     lock: threading.Lock,
     then: str,
-) -> int:
-    """Writes which process failed first (and which raised first, if another) and
-    returns its exit code."""
+) -> tuple[int, str]:
+    """Writes which process failed first (and which raised first, if another); returns its
+    exit code and the line."""
     code, failed_rank = exit_code(first.returncode), procs.index(first)
     cause = min(raised, key=raised.__getitem__) if raised else failed_rank
     after = (
         "" if cause == failed_rank else f" after process {cause} raised (its traceback is above)"
     )
-    with lock:
-        err.write(f"shardax launch: process {failed_rank} exited with code {code}{after}; {then}\n")
+    line = f"shardax launch: process {failed_rank} exited with code {code}{after}; {then}"
+    with lock, contextlib.suppress(OSError, ValueError):
+        err.write(line + "\n")
         err.flush()
-    return code
+    return code, line
 
 
 def _first_failed(
@@ -395,6 +577,9 @@ def run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("give the command after --, e.g. -- python t.py")
+    launch_dir = Path(args.launch_dir or default_launch_dir())
+    check_writable_dir("--launch-dir", str(launch_dir))
+    launch_dir.mkdir(parents=True, exist_ok=True)
     port = args.port or free_port()
     envs = [
         process_env(
@@ -403,6 +588,7 @@ def run(args: argparse.Namespace) -> int:
             port,
             cpu_devices=args.cpu_devices,
             heartbeat_timeout=args.heartbeat_timeout,
+            launch_dir=launch_dir.resolve(),
         )
         for r in range(args.num_processes)
     ]
@@ -410,5 +596,13 @@ def run(args: argparse.Namespace) -> int:
         procs = start_processes(cmd, envs, merge_stderr=False)
     except OSError as e:  # not found, not executable
         raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
-    with forward_signals(procs), interruptible():
-        return supervise(procs, grace=args.grace, prefix_stdout="--json" not in cmd)
+    sys.stderr.write(f"shardax launch: status and logs in {launch_dir}\n")
+    with forward_signals(procs, (signal.SIGTERM, signal.SIGHUP)), interruptible():
+        return supervise(
+            procs, grace=args.grace, prefix_stdout="--json" not in cmd, launch_dir=launch_dir
+        )
+
+
+def default_launch_dir() -> Path:
+    """``runs/launch-<UTC time>-<pid>``: a new directory for each launch."""
+    return Path("runs") / f"launch-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"

@@ -31,6 +31,7 @@ import jax
 
 from shardax.checks import as_count, parse_address, public
 from shardax.runtime import compat
+from shardax.runtime.launcher import watch_launcher
 from shardax.runtime.rendezvous import roll_call
 
 ENV_COORDINATOR = "SHARDAX_COORDINATOR"
@@ -280,6 +281,8 @@ def initialize(
         process_id,
         cluster_detection_method=cluster_detection_method,
     )
+    # Under shardax launch: stop (on the preemption path) when the launcher is gone.
+    watch_launcher(rank=coords.process_id if coords is not None else None)
     if coords is None:
         _state.done = True
         return False

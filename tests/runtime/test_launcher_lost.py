@@ -1,0 +1,210 @@
+"""A launcher that dies takes its processes with it (``shardax.runtime.launcher``): killed
+with -9, hung up on (SIGHUP) or sent SIGTERM alone, ``shardax launch``'s processes save at
+an agreed step and end within the documented bound; every committed step restores, and
+the next run resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from test_multihost import CLEAN_ENV, LAUNCH
+
+import shardax as sx
+from shardax.cli import main as cli
+from shardax.cli.launch import LaunchRecord, process_env, start_processes
+from shardax.models.mlp import make_mlp
+from shardax.runtime import launcher
+
+TRAIN = ["--epochs", "40", "--hidden", "32", "--batch-size", "256"]
+BOUND = launcher.LAUNCHER_GRACE + 15  # the documented grace, and a loaded machine's slack
+
+
+def train_summary(tmp_path: Path, name: str, *argv: str) -> tuple[int, dict]:
+    """Runs ``shardax train`` in this process; its exit code and summary (if any)."""
+    run = tmp_path / f"run-{name}"
+    code = cli(["train", *argv, "--run-dir", str(run)])
+    summary = run / "summary.json"
+    return code, json.loads(summary.read_text()) if summary.exists() else {}
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def restore_every_step(ckpt: Path) -> list[int]:
+    """Restores each committed step of the MLP job's checkpoint; returns the steps."""
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=3e-3)  # as the MLP job
+    like = sx.TrainState.create(make_mlp(64, 32, 1, 10, 0), tx, rng=0)
+    with sx.CheckpointManager(ckpt) as manager:
+        steps = manager.all_steps()
+        for step in steps:
+            restored = manager.restore(like, step=step)
+            assert restored.step == step
+            assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state))
+    return steps
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM],
+                         ids=["kill-9", "hup", "term"])  # fmt: skip
+def test_launcher_killed_hung_up_or_terminated_takes_its_processes_with_it(tmp_path, sig):
+    ckpt, launch_dir = tmp_path / "ckpt", tmp_path / "launch"
+    argv = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "2", "--launch-dir", str(launch_dir),
+            "--", sys.executable, "-m", "shardax", "train", *TRAIN, "--run-dir",
+            str(tmp_path / "run"), "--checkpoint-dir", str(ckpt), "--save-every", "1"]  # fmt: skip
+    out = (tmp_path / "launch.out").open("w")
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=CLEAN_ENV)
+    try:
+        deadline = time.monotonic() + 240
+        while not (ckpt / "2").exists():
+            assert proc.poll() is None, (tmp_path / "launch.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no step 2 saved"
+            time.sleep(0.01)
+        pids = [r["pid"] for r in launcher.read_status(launch_dir)["ranks"].values()]
+        signalled = time.monotonic()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=BOUND)
+        while any(alive(p) for p in pids):
+            assert time.monotonic() - signalled < BOUND, f"still running: {pids}"
+            time.sleep(0.1)
+        print(f"the processes ended {time.monotonic() - signalled:.1f} s after the signal")
+    finally:
+        proc.kill()
+        out.close()
+    status = launcher.read_status(launch_dir)
+    logs = [launcher.rank_log(launch_dir, r).read_text() for r in range(2)]
+    said = [log.strip().splitlines()[-1] for log in logs]
+    if sig == signal.SIGKILL:
+        assert code == -signal.SIGKILL
+        assert status["launcher"]["state"] == "lost", status
+        assert status["message"].startswith(f"the launcher (pid {proc.pid}"), status
+        for rank in ("0", "1"):
+            entry = status["ranks"][rank]
+            assert entry["state"] == "exited after the launcher was lost", status
+            assert f"the launcher, pid {proc.pid}, was lost): saved step" in entry["last_line"]
+        for log in said:
+            assert f"preempted (SIGTERM: the launcher, pid {proc.pid}, was lost)" in log, said
+    else:  # the launcher lives: it passed a SIGTERM on, and ends with the processes' 75
+        assert code == sx.checkpoint.PREEMPTED_EXIT_CODE, (tmp_path / "launch.out").read_text()
+        assert status["launcher"] == {**status["launcher"], "state": "finished", "exit_code": 75}
+        assert [status["ranks"][r]["exit_code"] for r in ("0", "1")] == [75, 75], status
+        for log in said:
+            assert "shardax train: preempted (SIGTERM): saved step" in log, said
+    saved = {log.split("saved step ")[1].split()[0] for log in said}
+    assert len(saved) == 1, said  # an agreed step
+    steps = restore_every_step(ckpt)
+    assert steps[-1] == int(saved.pop()) >= 2
+    # The next run resumes from it: here one process on 4 devices, elastically.
+    shutil.copytree(ckpt, tmp_path / "again")
+    code, summary = train_summary(
+        tmp_path, "again", "--epochs", str(steps[-1] // 6 + 1), *TRAIN[2:], "--checkpoint-dir",
+        str(tmp_path / "again"), "--resume", "--mesh", "data=4",
+    )  # fmt: skip
+    assert code == 0, summary
+    assert summary["resumed_from_step"] == steps[-1], summary
+
+
+def test_a_process_whose_launcher_is_gone_says_so_and_stops(tmp_path):
+    """Without JAX: a child of a launcher that dies is signalled, logs and records it."""
+    child = (
+        "import os, signal, sys, time\n"
+        "from shardax.runtime import launcher\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda *a: got.append(1))\n"
+        "launcher.watch_launcher()\n"
+        "print('up', flush=True)\n"
+        "while launcher.launcher_lost() is None: time.sleep(0.01)\n"
+        "while not got: time.sleep(0.01)\n"
+        "print('after the loss, printed to the log', flush=True)\n"
+        "launcher.note_exit('bye')\n"
+    )
+    # An intermediate launcher (a python that starts the child and then is killed)
+    middle = (
+        "import sys, time\n"
+        "from shardax.cli.launch import process_env, start_processes\n"
+        f"env = process_env(0, 1, 1, launch_dir={str(tmp_path)!r})\n"
+        f"env['{launcher.ENV_LAUNCHER_GRACE}'] = '20'\n"
+        f"procs = start_processes([sys.executable, '-c', {child!r}], [env], merge_stderr=False)\n"
+        "print(procs[0].pid, flush=True)\n"
+        "assert procs[0].stdout.readline() == b'up\\n'\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True,
+                            env=CLEAN_ENV)  # fmt: skip
+    try:
+        pid = int(proc.stdout.readline())
+        assert proc.stdout.readline() == "ready\n"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while alive(pid):
+            assert time.monotonic() < deadline, "the child outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+    status = launcher.read_status(tmp_path)
+    assert status["launcher"]["state"] == "lost"
+    assert status["ranks"]["0"] == {**status["ranks"]["0"], "last_line": "bye"}
+    log = launcher.rank_log(tmp_path, 0).read_text()
+    assert "the launcher (pid" in log and "after the loss, printed to the log" in log
+
+
+def test_launch_record_and_status_file_under_concurrent_writers(tmp_path):
+    def bump(i: int) -> None:
+        for _ in range(20):
+            launcher.update_status(tmp_path, lambda s: s.update(n=s.get("n", 0) + 1))
+
+    threads = [threading.Thread(target=bump, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert launcher.read_status(tmp_path)["n"] == 80
+    assert launcher.read_status(tmp_path / "none") == {}
+    env = process_env(1, 2, 1234, launch_dir=tmp_path, base={})
+    assert env[launcher.ENV_LAUNCHER_PID] == str(os.getpid())
+    assert env[launcher.ENV_LAUNCH_DIR] == str(tmp_path)
+    procs = start_processes([sys.executable, "-c", "pass"], [env])
+    procs[0].wait()
+    record = LaunchRecord(tmp_path, sys.stderr)
+    record.started(procs)
+    record.finished(procs, 0)
+    status = json.loads((tmp_path / launcher.STATUS_FILE).read_text())
+    assert status["ranks"]["0"]["exit_code"] == 0
+    assert status["launcher"]["state"] == "finished" and status["message"] == (
+        "every process exited 0"
+    )
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({launcher.ENV_LAUNCHER_PID: "x"}, "$SHARDAX_LAUNCHER_PID must be a process id, got 'x'"),
+        (
+            {launcher.ENV_LAUNCHER_PID: "1", launcher.ENV_LAUNCHER_GRACE: "soon"},
+            "$SHARDAX_LAUNCHER_GRACE must be a number of seconds, got 'soon'",
+        ),
+    ],
+)
+def test_watch_launcher_refuses_a_malformed_environment(env, message):
+    with pytest.raises(ValueError, match=message.replace("$", r"\$")):
+        launcher.watch_launcher(env)
+    assert launcher.watch_launcher({}) is None
