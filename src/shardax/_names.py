@@ -91,9 +91,9 @@ EXPORTS: dict[str, tuple[str, ...]] = {  # namespace: its public names (its __al
     ),
     "shardax.cost": _row(
         """
-        BatchSizeRecommendation Estimate HardwareSpec HardwareType Target detect_hardware_type
-        device_info device_spec estimate get_batch_size_recommendation target
-        validate_batch_size
+        BatchSizeRecommendation Estimate HardwareSpec HardwareType Network Target
+        detect_hardware_type device_info device_spec estimate get_batch_size_recommendation
+        named_network target validate_batch_size
         """
     ),
     "shardax.runtime": _row(

@@ -9,7 +9,8 @@ compile-only devices of a GPU cluster or TPU slice (``compile_target``), and a
 compiled step's cost per device with a predicted step time ([`estimate`][shardax.estimate],
 ``predict``), and the per-op model of a compiled program
 (``ops``: its instructions by class; ``opcost``: each
-priced by a device kind's measured tables, ``calibration``).
+priced by a device kind's measured tables, ``calibration``), and the network between GPU
+hosts with collectives priced level by level (``network``).
 """
 
 from shardax._names import exports as _exports
@@ -26,6 +27,7 @@ from shardax.cost.hardware import (
     get_batch_size_recommendation,
     validate_batch_size,
 )
+from shardax.cost.network import Network, named_network
 
 __all__ = _exports(__name__)
 

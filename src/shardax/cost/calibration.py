@@ -47,6 +47,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from shardax.cost.network import fit_levels, named_network
+
 if TYPE_CHECKING:
     from shardax.cost.hardware import HardwareSpec
 
@@ -72,6 +74,13 @@ class Calibration:
         collectives: ``(op, devices, latency s, bytes/s)`` fitted per op to the
             collectives measured over one host's devices (``fit_collectives``); empty
             where one device was measured.
+        levels: ``(level, per-step latency s, bytes/s)`` of the network's levels
+            (``"intra-host"``, ``"inter-host"``) fitted to the measured collectives
+            (``shardax.cost.network.fit_levels``; across hosts only where the tables were
+            measured over several hosts); empty where not measured.
+        network: the named network the tables were measured on (``shardax calibrate
+            --network``): its ``"inter-host"`` fit replaces that network's documented
+            figures (``shardax.cost.network.with_fitted``); None where not named.
     """
 
     kind: str
@@ -88,6 +97,8 @@ class Calibration:
     device: str = ""
     collectives: tuple[tuple[str, int, float, float], ...] = ()
     reduce: tuple[float, ...] = ()
+    levels: tuple[tuple[str, float, float], ...] = ()
+    network: str | None = None
 
     @property
     def name(self) -> str:
@@ -303,12 +314,20 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
 
     spec = device_spec(SimpleNamespace(platform="gpu", device_kind=device))
     peak = spec.peak_flops if spec else max(r[4] for r in gemm) * 1e12
+    collective_rows = _rows(tables, "collectives", where, False)
+    network = tables.get("network")
+    if network is not None:
+        try:
+            network = named_network(network).name
+        except ValueError as e:
+            raise ValueError(f"{where}: its 'network' names no known network: {e}") from None
     return Calibration(
         kind=kind_of(device), jax=str(tables.get("jax", "?")),
         date=str(tables.get("date", "undated")), source=str(tables.get("source", where)),
         gemm=gemm, stream=stream, attention=attention, launch_us=launch["per_kernel"],
         dispatch_us=launch["one_kernel_program"], peak_flops=peak, device=device,
-        collectives=fit_collectives(_rows(tables, "collectives", where, False)), reduce=reduce,
+        collectives=fit_collectives(collective_rows), reduce=reduce,
+        levels=tuple((k, *v) for k, v in fit_levels(collective_rows).items()), network=network,
     )  # fmt: skip
 
 

@@ -43,6 +43,7 @@ import jax
 
 from shardax.checks import public
 from shardax.cost.hardware import HardwareSpec, device_spec
+from shardax.cost.network import Network, default_network, named_network, remember_network
 from shardax.runtime import compat
 
 GPUS_PER_HOST = 8
@@ -231,6 +232,8 @@ class Target(Sequence):
         topology: what ``jax.experimental.topologies.get_topology_desc`` was given.
         memory_fraction: the share of each GPU's memory its programs are planned in
             (None for TPUs).
+        network: the network between its hosts (``shardax.cost.network``: the one
+            named, else the GPU kind's default; None for TPUs).
     """
 
     name: str
@@ -242,6 +245,7 @@ class Target(Sequence):
     slices: int
     topology: str
     memory_fraction: float | None = None
+    network: Network | None = None
 
     @property
     def device_kind(self) -> str:
@@ -260,9 +264,10 @@ class Target(Sequence):
     def __repr__(self) -> str:
         slices = f"{self.slices} slices x " if self.slices > 1 else ""
         hosts = f"{self.hosts} host{'s' if self.hosts > 1 else ''}"
+        network = f", network {self.network.name!r}" if self.network and self.hosts > 1 else ""
         return (
             f"Target({self.name!r}: {len(self)} x {self.device_kind}, {slices}{hosts} x "
-            f"{self.devices_per_host})"
+            f"{self.devices_per_host}{network})"
         )
 
 
@@ -598,7 +603,9 @@ def _tpu_devices(name: str, parsed: dict[str, Any]) -> tuple[list[Any], str]:
 
 
 @public("sx.target")
-def target(name: str, *, memory_fraction: float | None = None) -> Target:
+def target(
+    name: str, *, memory_fraction: float | None = None, network: str | Network | None = None
+) -> Target:
     """Compile-only devices of the GPU cluster or TPU slice(s) ``name``, with their device
     kind, hosts (``process_index``), TPU slices (``slice_index``) and datasheet row.
 
@@ -623,6 +630,12 @@ def target(name: str, *, memory_fraction: float | None = None) -> Target:
     when that is safe); when they have, set
     ``JAX_PLATFORMS=cpu`` before Python starts (the error says so).
 
+    ``network``: what joins a GPU target's hosts, a name of
+    ``shardax.cost.network.NETWORKS`` or a cloud shape (``"ib-ndr"``, ``"gcp-a3-mega"``,
+    ``"a3-megagpu-8g"``, ``"p5.48xlarge"``, ``"ethernet-100g"``); default: the GPU kind's
+    DGX network (``DEFAULT_NETWORKS``: InfiniBand NDR for H100, H200 and B200, HDR for
+    A100). Collectives across hosts are priced at its figures; an unknown name is refused.
+
     >>> target = sx.target("8xH100")  # doctest: +SKIP
     >>> mesh = sx.make_mesh({"data": 8}, devices=target)  # doctest: +SKIP
     >>> step.lower(abstract_state, abstract_batch).compile().memory_analysis()  # doctest: +SKIP
@@ -630,6 +643,12 @@ def target(name: str, *, memory_fraction: float | None = None) -> Target:
     parsed = parse_target(name)
     if parsed["platform"] == "gpu":
         parsed["memory_fraction"] = gpu_memory_fraction(memory_fraction)
+        chosen = default_network(parsed["model"]) if network is None else named_network(network)
+    elif network is not None:
+        raise ValueError(
+            f"network names what joins GPU hosts (shardax.cost.network.NETWORKS); {name!r} is "
+            f"a TPU slice, whose slices are joined by DCN; got network={network!r}"
+        )
     elif memory_fraction is not None:
         raise ValueError(
             f"sx.target: memory_fraction is the share of a GPU's memory JAX's allocator "
@@ -641,6 +660,8 @@ def target(name: str, *, memory_fraction: float | None = None) -> Target:
     devices, topology = make(name, parsed)
     if parsed.get("memory_fraction") is not None:
         _TARGET_FRACTIONS[devices[0].client] = parsed["memory_fraction"]
+    if parsed["platform"] == "gpu" and chosen is not None:
+        remember_network(devices[0].client, chosen)
     hosts = len({d.process_index for d in devices})
     return Target(
         name=name,
@@ -652,4 +673,5 @@ def target(name: str, *, memory_fraction: float | None = None) -> Target:
         slices=len({getattr(d, "slice_index", 0) for d in devices}),
         topology=topology,
         memory_fraction=parsed.get("memory_fraction"),
+        network=chosen if parsed["platform"] == "gpu" else None,
     )

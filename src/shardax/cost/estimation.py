@@ -64,6 +64,14 @@ from shardax.cost.compile_target import device_memory
 from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
 from shardax.cost.hardware import HardwareSpec, is_gpu
 from shardax.cost.model_flops import CONVENTION, batch_unit, default_model_flops
+from shardax.cost.network import (
+    LevelPrice,
+    layout_of,
+    network_levels,
+    network_of,
+    price_collective,
+    with_fitted,
+)
 from shardax.cost.opcost import StepCost, breakdown, price_hlo
 from shardax.cost.predict import (
     DEFAULT_COMPUTE_EFFICIENCY,
@@ -137,6 +145,10 @@ class Estimate:
         compiled_bytes: the compiler's ``memory_analysis()`` as it gave it, bytes per
             device: ``arguments``, ``outputs``, ``aliased`` (donated) and ``temporaries``
             (None where it refused the step).
+        network: the network between the hosts of a GPU target or cluster
+            (``shardax.cost.network.Network.to_dict``, with ``why``: the target's, or
+            its kind's default; ``fitted`` names a calibration whose figures replaced
+            the documented ones); None on one host, a TPU or a CPU.
     """
 
     device_kind: str
@@ -162,6 +174,7 @@ class Estimate:
     compiled_bytes: dict[str, int] | None = None
     memory_budget: float | None = None
     budget_note: str = ""
+    network: dict[str, Any] | None = None
 
     @property
     def interval_s(self) -> tuple[float, float] | None:
@@ -638,7 +651,7 @@ def analyse(
         row["sent_bytes"] += c.sent_bytes
     rows = tuple(grouped.values())
     hbm = None if spec is None else float(spec.memory_bytes)
-    prediction = overlap = cost = None
+    prediction = overlap = cost = network = None
     if spec is None:
         why = f"no datasheet for device kind {devices[0].device_kind!r}: no predicted time"
         if is_gpu(devices[0]):
@@ -653,8 +666,15 @@ def analyse(
         accessed = (cost or {}).get("bytes accessed")
         hbm_traffic = float(accessed) if accessed else float(args + outs + 2 * temp)
         bandwidths = link_bandwidths(spec, links, str(devices[0].platform).lower())
-        wires = [_wire(s, link, devices, bandwidths, members(s.collective.groups))
-                 for s, link in zip(timed, links_of, strict=True)]  # fmt: skip
+        levels, network = _levels(devices, spec, bandwidths, links)
+        if network is not None:
+            bandwidths["inter-host"] = levels["inter-host"].bandwidth
+            notes.append(f"network: {network['line']}; {network['why']}")
+        priced = [_level_price(s, link, levels, members(s.collective.groups))
+                  for s, link in zip(timed, links_of, strict=True)]  # fmt: skip
+        wires = [_wire(s, link, devices, bandwidths, members(s.collective.groups)) if p is None
+                 else {k: v * s.collective.count for k, v in p.bytes.items()}
+                 for s, link, p in zip(timed, links_of, priced, strict=True)]  # fmt: skip
         sent: dict[str, float] = {}  # bytes per link (a group across GPU hosts: split)
         for wire in wires:
             for link, nbytes in wire.items():
@@ -697,8 +717,9 @@ def analyse(
             model_flops=mfu_flops,
             devices=len(devices),
         )
-        overlap = _overlap(timed, wires, bandwidths, compute_efficiency * spec.peak_flops)
-        cost = _price(hlo, devices, spec, bandwidths, timed, wires)
+        overlap = _overlap(timed, wires, bandwidths, compute_efficiency * spec.peak_flops,
+                           priced)  # fmt: skip
+        cost = _price(hlo, devices, spec, bandwidths, timed, wires, priced)
         missing = [k for k, v in prediction.link_s.items() if v is None]
         if missing:
             notes.append(
@@ -731,7 +752,50 @@ def analyse(
         overlap=overlap,
         cost=cost,
         compiled_bytes={"arguments": args, "outputs": outs, "aliased": alias, "temporaries": temp},
+        network=None if network is None else {k: v for k, v in network.items() if k != "line"},
     )
+
+
+def _levels(
+    devices: list[Any], spec: HardwareSpec, bandwidths: Mapping[str, float | None],
+    links: Mapping[str, float] | None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:  # fmt: skip
+    """The network levels of GPUs on several hosts (``shardax.cost.network``): the
+    target's network (else the kind's default), with the kind's calibration's fitted
+    per-level figures where it measured them (across hosts: on that network), and the
+    report's words for it; ``({}, None)`` on one host, a TPU or where no network is known."""
+    if not is_gpu(devices[0]) or len({d.process_index for d in devices}) < 2:
+        return {}, None
+    network, why = network_of(devices[0])
+    nvlink = bandwidths.get("intra-host")
+    if network is None or not nvlink:
+        return {}, None
+    calibration = calibration_for(str(devices[0].device_kind))
+    network = with_fitted(network, calibration)
+    fitted = {k: (lat, bw) for k, lat, bw in getattr(calibration, "levels", ())}
+    if network.fitted is None:  # measured on another network: its NICs are not these
+        fitted.pop("inter-host", None)
+    levels = network_levels(network, nvlink, fitted, (links or {}).get("inter-host"))
+    words = network.describe()
+    if "intra-host" in fitted:
+        words += f"; NVLink per level fitted ({calibration.name})"  # type: ignore[union-attr]
+    if levels["inter-host"].source == "links= given":
+        words += f"; between hosts at the given {levels['inter-host'].bandwidth:.3g} B/s"
+    return levels, {**network.to_dict(), "why": why, "line": words}
+
+
+def _level_price(
+    s: Any, link: str, levels: Mapping[str, Any], members: list[Any]
+) -> LevelPrice | None:
+    """One run of the scheduled collective ``s`` priced level by level where its group
+    (``members``: its slowest group's devices) spans GPU hosts; else None."""
+    if not levels or link != "inter-host":
+        return None
+    c = s.collective
+    layout = layout_of(members)
+    if layout.hosts < 2:
+        return None
+    return price_collective(c.op, c.bytes, layout, levels)
 
 
 def _price(
@@ -741,6 +805,7 @@ def _price(
     bandwidths: Mapping[str, float | None],
     timed: list[Any],
     wires: list[Mapping[str, float]],
+    priced: list[LevelPrice | None] | None = None,
 ) -> StepCost | None:
     """The per-op model's price of ``hlo`` (``shardax.cost.opcost``) on a GPU, each of
     the scheduled collectives ``timed`` moving ``wires`` (bytes per link): with
@@ -753,10 +818,11 @@ def _price(
     if calibration is None:  # another kind's tables: a wider interval
         (calibration, name), widen = nearest(spec.peak_flops, spec.hbm_bandwidth), 0.25
     moved = {id(s): wire for s, wire in zip(timed, wires, strict=True)}
+    seconds = {id(s): p.seconds for s, p in zip(timed, priced or [], strict=True) if p}
     return price_hlo(
         hlo, calibration, name=name, num_devices=len(devices),
         wire_of=lambda s: moved[id(s)], link_bandwidth=bandwidths, scheduled=timed,
-        widen=widen,
+        widen=widen, seconds_of=lambda s: seconds.get(id(s)),
     )  # fmt: skip
 
 
@@ -808,23 +874,34 @@ def _wire(
 
 def _overlap(
     timed: list[Any], wires: list[Mapping[str, float]], bandwidths: Mapping[str, float | None],
-    flop_rate: float,
+    flop_rate: float, priced: list[LevelPrice | None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """``Estimate.overlap`` of the scheduled collectives ``timed``, moving ``wires``
-    (collectives over a link of unknown bandwidth are left out, as in the prediction)."""
-    exposed = total = 0.0
-    for s, moved in zip(timed, wires, strict=True):
+    (collectives over a link of unknown bandwidth are left out, as in the prediction);
+    ``priced``: each one's run priced level by level where its group spans GPU hosts
+    (``_level_price``), whose time and exposure also count as ``inter_host_s`` and
+    ``exposed_inter_host_s``."""
+    exposed = total = inter = inter_exposed = 0.0
+    for i, (s, moved) in enumerate(zip(timed, wires, strict=True)):
         runs = s.collective.count
         if not runs:
             continue
-        wire = wire_seconds({k: v / runs for k, v in moved.items()}, bandwidths)
+        level = priced[i] if priced else None
+        wire = (wire_seconds({k: v / runs for k, v in moved.items()}, bandwidths)
+                if level is None else level.seconds)  # fmt: skip
         if wire is None:
             continue
         total += wire * runs
-        exposed += exposed_seconds(s, wire, flop_rate)
+        left = exposed_seconds(s, wire, flop_rate)
+        exposed += left
+        if level is not None:
+            inter += wire * runs
+            inter_exposed += left
     return {
         "exposed_s": exposed,
         "collective_s": total,
+        "inter_host_s": inter,
+        "exposed_inter_host_s": inter_exposed,
         "collectives": len(timed),
         "overlapped": sum(s.overlapped for s in timed),
         "synchronous": sum(s.synchronous for s in timed),
@@ -844,12 +921,19 @@ def exposed_line(overlap: Mapping[str, Any], cost: StepCost | None = None) -> st
     o = overlap
     exposed, total = (o["exposed_s"], o["collective_s"]) if cost is None else (
         cost.exposed_s, cost.collective_s)  # fmt: skip
-    return (
+    inter, inter_exposed = (o.get("inter_host_s", 0.0), o.get("exposed_inter_host_s", 0.0)) if (
+        cost is None) else (cost.inter_host_s, cost.exposed_inter_host_s)  # fmt: skip
+    line = (
         f"exposed collective time: {exposed * 1e3:.2f} ms per step of "
         f"{total * 1e3:.2f} ms of collectives ({o['overlapped']} of "
         f"{o['collectives']} overlap matmuls, {o['synchronous']} synchronous; from the "
         "compiled schedule)"
     )
+    if inter:
+        line += (f"\nexposed inter-host time: {inter_exposed * 1e3:.2f} ms per step of "
+                 f"{inter * 1e3:.2f} ms of collectives across hosts (priced level by level: "
+                 "NVLink within a host, the NICs between; from the compiled schedule)")  # fmt: skip
+    return line
 
 
 @public("sx.estimate")

@@ -119,6 +119,9 @@ class StepCost:
             per step (priced by their bytes, as memory-bound work).
         widen: the share the interval is widened by on each side (tables not measured
             on this kind).
+        inter_host_s: the part of ``collective_s`` of collectives whose groups span
+            hosts (priced level by level, ``shardax.cost.network``).
+        exposed_inter_host_s: the part of ``exposed_s`` those leave exposed.
     """
 
     calibration: str
@@ -128,6 +131,8 @@ class StepCost:
     exposed_s: float
     unpriced: dict[str, float]
     widen: float = 0.0
+    inter_host_s: float = 0.0
+    exposed_inter_host_s: float = 0.0
 
     @property
     def kernels(self) -> float:
@@ -166,6 +171,8 @@ class StepCost:
                 "classes": {k: dataclasses.asdict(v) for k, v in self.classes.items()},
                 "launch_s": self.launch_s, "collective_s": self.collective_s,
                 "exposed_s": self.exposed_s, "unpriced": dict(self.unpriced), "widen": self.widen,
+                "inter_host_s": self.inter_host_s,
+                "exposed_inter_host_s": self.exposed_inter_host_s,
                 "kernels": self.kernels, "executed_flops": self.executed_flops}  # fmt: skip
 
 
@@ -361,6 +368,7 @@ def price_hlo(
     link_bandwidth: Mapping[str, float | None] | None = None,
     scheduled: list[Scheduled] | None = None,
     widen: float | None = None,
+    seconds_of: Callable[[Scheduled], float | None] | None = None,
 ) -> StepCost:
     """Prices the compiled per-device program ``hlo`` (``compiled.as_text()``) with
     ``calibration``'s tables (see the module). ``wire_of`` gives the bytes per step each
@@ -370,7 +378,10 @@ def price_hlo(
     prediction);
     ``name``: the calibration's name in the report (default: its own); ``scheduled``:
     ``schedule`` of ``hlo`` where the caller has it;
-    ``widen``: the interval's widening (default 0.1 for a derived calibration, else 0)."""
+    ``widen``: the interval's widening (default 0.1 for a derived calibration, else 0);
+    ``seconds_of``: one run's seconds of a collective where the caller priced it (a group
+    across GPU hosts, level by level: ``shardax.cost.network.price_collective``), None
+    to price it here."""
     index = HloIndex(hlo)
     c = calibration
     rows = gemm_rows(c)
@@ -423,7 +434,7 @@ def price_hlo(
                 unpriced[instr.target] = unpriced.get(instr.target, 0.0) + runs
             classes[cls if cls in classes else "other"].add(runs, *mem, nbytes=nbytes)
     launch = sum(v.kernels for v in classes.values()) * c.launch_us * 1e-6
-    wire = exposed = 0.0
+    wire = exposed = inter_wire = inter_exposed = 0.0
     bandwidths = link_bandwidth or {}
     for s in schedule(hlo, num_devices) if scheduled is None else scheduled:
         runs = s.collective.count
@@ -431,7 +442,10 @@ def price_hlo(
             continue
         wire_bytes = wire_of(s) if wire_of is not None else {"intra-host": s.sent_bytes}
         fit = collective_fit(c, s.collective.op, s.collective.group, wire_bytes)
-        if fit is not None:  # measured on this kind's host: its latency and bandwidth
+        given = seconds_of(s) if seconds_of is not None else None
+        if given is not None:  # priced by the caller, level by level
+            one = given
+        elif fit is not None:  # measured on this kind's host: its latency and bandwidth
             one = fit[0] + sum(wire_bytes.values()) / runs / fit[1]
         else:
             moving = wire_seconds({k: v / runs for k, v in wire_bytes.items()}, bandwidths)
@@ -440,12 +454,17 @@ def price_hlo(
             one = max((LATENCY_S.get(k, 0.0) for k, v in wire_bytes.items() if v), default=0.0)
             one += moving
         wire += one * s.collective.count
-        exposed += exposed_seconds(s, one, best_rate)
+        left = exposed_seconds(s, one, best_rate)
+        exposed += left
+        if wire_bytes.get("inter-host"):
+            inter_wire += one * s.collective.count
+            inter_exposed += left
     if widen is None:
         widen = 0.1 if c.derived else 0.0
     return StepCost(calibration=name or c.name, classes=classes, launch_s=launch,
                     collective_s=wire, exposed_s=exposed, unpriced=unpriced,
-                    widen=widen)  # fmt: skip
+                    widen=widen, inter_host_s=inter_wire,
+                    exposed_inter_host_s=inter_exposed)  # fmt: skip
 
 
 LABELS = {
@@ -480,6 +499,10 @@ def breakdown(cost: StepCost, model_flops: float | None = None) -> list[tuple[st
     out.append(("kernel launches", cost.launch_s, f"{cost.kernels:.0f} kernels"))
     out.append(("collectives on the wire", cost.collective_s, "latency + bytes / link"))
     out.append(("collectives exposed (in the step)", cost.exposed_s, "from the schedule"))
+    if cost.inter_host_s:
+        out.append(("of which across hosts, exposed", cost.exposed_inter_host_s,
+                    f"from the schedule; {cost.inter_host_s * 1e3:.2f} ms on the wire, "
+                    "priced level by level"))  # fmt: skip
     return out
 
 
