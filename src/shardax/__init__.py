@@ -70,6 +70,7 @@ from shardax.train import (
     SearchSpace,
     TrainState,
     auto_plan,
+    explain,
     keep_plan,
     make_eval_step,
     make_train_step,

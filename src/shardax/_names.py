@@ -33,6 +33,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {  # namespace: its public names (its __al
         place_on_device prefetch_to_device prepare print0 remat replicate restore_checkpoint
         rules save_checkpoint shard target verify watch_preemption zero1 zero2
         SearchSpace search_plans
+        explain
         """
     ),
     "shardax.artifex": _row(
@@ -61,6 +62,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {  # namespace: its public names (its __al
         combine_thresholds compiler_options dropout example_keys gpu_options keep_plan
         make_eval_step make_train_step masked_mean prepare set_gpu_environment verify
         Layout SearchSpace search_plans
+        Explanation explain
         """
     ),
     "shardax.data": _row(

@@ -21,6 +21,7 @@ from shardax.train.compiler import (
 )
 from shardax.train.config import StepConfig
 from shardax.train.eval import EvalStep
+from shardax.train.explanation.explain import Explanation, explain
 from shardax.train.guard import NonFiniteLossError, check_finite
 from shardax.train.keep import keep_plan
 from shardax.train.make import make_eval_step, make_train_step

@@ -1,0 +1,285 @@
+"""``sx.explain``: the compiled step explained in the user's words: what fills the memory at
+its peak, the collectives its plan did not ask for, how its state is split against the plan's
+intent, and the changes that make it fit, each compiled.
+
+One home, beside ``sx.estimate`` rather than a mode of it: ``sx.estimate`` sits in ``cost``
+(it compiles any step for any target and prices it), while an explanation reads the plan's
+intent and compiles alternatives with ``sx.search_plans``, which live in ``train``. It
+compiles the step once, with XLA's dump of the optimized module, and analyses that one
+program as ``sx.estimate`` does (``report.estimate``).
+
+>>> mesh = sx.make_mesh({"data": 8})
+>>> state = sx.TrainState.from_params({"w": jnp.zeros((256, 64))},
+...                                   lambda p, x: x @ p["w"], optax.adam(1e-3))
+>>> step = sx.make_train_step(lambda m, b: jnp.mean(m(b["x"]) ** 2), mesh=mesh,
+...                           plan=sx.fsdp(mesh))
+>>> report = sx.explain(step, state, {"x": jnp.zeros((64, 256))})
+>>> report.memory.buffers[0].kind in ("parameter", "optimizer state", "gradient", "temporary")
+True
+>>> report.unasked  # every collective is one FSDP implies
+()
+>>> print(report)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from rich.console import Group
+
+from shardax._format import format_bytes, rich_text, titled_table
+from shardax.checks import public
+from shardax.cost.buffers import COVERAGE, PeakBuffers, compile_dumped, input_kind, peak_buffers
+from shardax.cost.estimation import Estimate, _abstract, _mesh_of, analyse, check_axes
+from shardax.cost.reshards import Reshard, collectives_explained
+from shardax.cost.sources import Sources
+from shardax.plan.tree import is_array
+from shardax.train.explanation.fixes import ACCUMULATE, Fix, fits, propose
+from shardax.train.explanation.placement import Placement, placement
+
+
+@public("sx.train.Explanation")
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What [`explain`][shardax.explain] found. Print it for the tables; ``to_dict()`` for JSON.
+
+    Attributes:
+        memory: the buffers live at the compiled peak, named (``PeakBuffers``).
+        collectives: every collective of the step (``Reshard``: op, axes, bytes, the
+            user's line, the layouts, why the plan implies it or ``""``).
+        placement: the state's split against the plan's intent (None without a plan).
+        fixes: the compiled changes that fit the budget, best first (``Fix``).
+        budget: the bytes per device the step must fit (None: unknown).
+        peak_bytes: the compiler's peak per device (``memory_analysis()``).
+        estimate: the step's analysis, as ``sx.estimate`` reports it.
+        notes: what the report could not know.
+    """
+
+    memory: PeakBuffers | None
+    collectives: tuple[Reshard, ...]
+    placement: Placement | None
+    fixes: tuple[Fix, ...]
+    budget: float | None
+    peak_bytes: int
+    estimate: Estimate | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool | None:
+        """The compiled peak fits ``budget`` with ``HEADROOM`` to spare (None: no budget)."""
+        return fits(self.peak_bytes, self.budget)
+
+    @property
+    def unasked(self) -> tuple[Reshard, ...]:
+        """The collectives neither the plan nor the model asks for."""
+        return tuple(c for c in self.collectives if not c.implied)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-able)."""
+        return {
+            "fits": self.fits, "budget": self.budget, "peak_bytes": self.peak_bytes,
+            "memory": None if self.memory is None else self.memory.to_dict(),
+            "unasked": [c.to_dict() for c in self.unasked],
+            "implied": [c.to_dict() for c in self.collectives if c.implied],
+            "placement": None if self.placement is None else self.placement.to_dict(),
+            "fixes": [f.to_dict() for f in self.fixes], "notes": list(self.notes),
+        }  # fmt: skip
+
+    def __rich__(self) -> Any:
+        parts: list[Any] = []
+        if self.memory is not None:
+            parts.append(memory_table(self.memory, self.peak_bytes, self.budget, self.fits))
+        parts.append(collectives_table(self.collectives))
+        if self.placement is not None:
+            parts.append(self.placement)
+        if self.fixes:
+            parts.append(fixes_table(self.fixes))
+        parts += [f"note: {n}" for n in self.notes]
+        return Group(*parts)
+
+    def __str__(self) -> str:
+        return rich_text(self, width=140)
+
+
+def memory_table(memory: PeakBuffers, peak: int, budget: float | None, fit: bool | None) -> Any:
+    """The table of the buffers live at the peak."""
+    verdict = "" if fit is None else (", fits" if fit else ", [red]does not fit[/]")
+    room = "" if not budget else f" of a {format_bytes(budget)} budget{verdict}"
+    table = titled_table(f"memory at the peak: {format_bytes(peak)} per device{room} (at "
+                         f"{memory.at}, {memory.phase} pass)")  # fmt: skip
+    for col in ("bytes", "array", "what", "is", "your line"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for b in memory.buffers:
+        table.add_row(format_bytes(b.bytes), f"{b.dtype}{list(b.shape)}", b.what, b.kind,
+                      b.source or "-")  # fmt: skip
+    kinds = ", ".join(f"{k} {format_bytes(v)}" for k, v in
+                      sorted(memory.by_kind().items(), key=lambda kv: -kv[1]))  # fmt: skip
+    table.caption = (f"{len(memory.buffers)} buffers cover "
+                     f"{1 - memory.rest_bytes / max(memory.peak_bytes, 1):.0%} of the heap's "
+                     f"{format_bytes(memory.peak_bytes)} ({memory.rest} smaller left out): "
+                     f"{kinds}")  # fmt: skip
+    return table
+
+
+def collectives_table(collectives: tuple[Reshard, ...]) -> Any:
+    """The unasked collectives, then a line per reason of the implied ones."""
+    unasked = [c for c in collectives if not c.implied]
+    table = titled_table(f"collectives the plan did not ask for: {len(unasked)}")
+    for col in ("op", "axes", "per step", "your line", "before -> after", "suggestion"):
+        table.add_column(col, justify="right" if col == "per step" else "left")
+    for c in sorted(unasked, key=lambda c: -c.sent_bytes):
+        table.add_row(c.op, "/".join(c.axes), format_bytes(c.sent_bytes), c.source or c.what,
+                      f"{c.before} -> {c.after}", c.suggestion)  # fmt: skip
+    implied: dict[str, list[Reshard]] = {}
+    for c in collectives:
+        if c.implied:
+            implied.setdefault(c.implied, []).append(c)
+    table.caption = (
+        "; ".join(
+            f"{len(v)} × {reason}: {format_bytes(sum(c.sent_bytes for c in v))}"
+            for reason, v in implied.items()
+        )
+        or "no collective the plan implies"
+    )
+    if implied:
+        table.caption = "implied (apart): " + table.caption
+    return table
+
+
+def fixes_table(fixes: tuple[Fix, ...]) -> Any:
+    """The compiled fixes that fit, best first."""
+    table = titled_table("fixes, each compiled, that fit (best first)")
+    for col in ("change", "peak", "predicted step", "flags", "code"):
+        table.add_column(col, justify="right" if col in ("peak", "predicted step") else "left")
+    for f in fixes:
+        pred = "-" if f.predicted_s is None else f"{f.predicted_s * 1e3:.1f} ms"
+        if f.interval_s is not None:
+            pred += f" ({f.interval_s[0] * 1e3:.1f}-{f.interval_s[1] * 1e3:.1f})"
+        table.add_row(f.name, format_bytes(f.peak_bytes), pred, f.flags, f.code)
+    return table
+
+
+def _param_shapes(state: Any, shardings: Any) -> set[tuple[int, ...]]:
+    """The parameters' global and per-device shapes, a stacked (scanned) leaf's layer
+    shape, and a matrix's transpose."""
+    leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(state) if is_array(x)]
+    flat = [s for s in jax.tree.leaves(shardings) if hasattr(s, "shard_shape")]
+    if len(flat) != len(leaves):
+        flat = [getattr(x, "sharding", None) for _, x in leaves]
+    out: set[tuple[int, ...]] = set()
+    for (path, leaf), sharding in zip(leaves, flat, strict=True):
+        kind = input_kind("state" + jax.tree_util.keystr(path))
+        if kind not in ("parameter", "optimizer state") or len(np.shape(leaf)) == 0:
+            continue
+        shape = tuple(np.shape(leaf))
+        shapes = {shape, shape[1:]} if len(shape) > 1 else {shape}
+        if sharding is not None and hasattr(sharding, "shard_shape"):
+            local = tuple(sharding.shard_shape(shape))
+            shapes |= {local, local[1:]} if len(local) > 1 else {local}
+        out |= shapes | {s[::-1] for s in shapes if len(s) == 2}
+    return {s for s in out if math.prod(s) > 1}
+
+
+def _param_axes(shardings: Any) -> set[str]:
+    out: set[str] = set()
+    for s in jax.tree.leaves(shardings):
+        for entry in getattr(s, "spec", ()):
+            out |= {entry} if isinstance(entry, str) else set(entry or ())
+    return out
+
+
+def _unplaced(leaf: Any) -> Any:
+    """A batch leaf's abstract value without a one-device sharding (the step places it)."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(leaf, jax.ShapeDtypeStruct) and not isinstance(sharding, NamedSharding):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    return leaf
+
+
+@public("sx.explain")
+def explain(
+    step: Any,
+    state: Any,
+    batch: Any,
+    *,
+    budget: float | None = None,
+    fixes: bool | str = "auto",
+    accumulate: tuple[int, ...] = ACCUMULATE,
+    variants: dict[str, Any] | None = None,
+    coverage: float = COVERAGE,
+) -> Explanation:
+    """Compiles ``step(state, batch)`` (abstract values suffice, on live devices or a
+    ``sx.target``) and explains it: see the module.
+
+    Args:
+        step: a ``make_train_step`` step, or a ``jax.jit`` function of ``(state, batch)``.
+        state, batch: as ``sx.estimate`` takes them.
+        budget: bytes per device the step must fit (default: the device's memory budget,
+            ``Estimate.memory_budget``, else its HBM; unknown on a CPU).
+        fixes: ``"auto"`` proposes fixes when the step does not fit its budget, ``True``
+            always, ``False`` never (a ``make_train_step`` step in mode ``"jit"`` only).
+        accumulate: the microbatch counts the fixes try.
+        variants: ``{name: state or init}`` model variants the fixes try (remat policies,
+            least to most memory-saving), as ``sx.search_plans`` takes them.
+        coverage: the share of the peak's bytes the memory table covers, in (0, 1].
+    """
+    if not hasattr(step, "lower"):
+        raise TypeError(f"step must be a make_train_step step or a jax.jit function (with "
+                        f".lower), got {type(step).__name__}")  # fmt: skip
+    if fixes not in (True, False, "auto"):
+        raise ValueError(f"fixes must be True, False or 'auto', got {fixes!r}")
+    if not (isinstance(coverage, int | float) and 0 < coverage <= 1):
+        raise ValueError(f"coverage must be a share of the peak in (0, 1], got {coverage!r}")
+    if budget is not None and not (isinstance(budget, int | float) and budget > 0):
+        raise ValueError(f"budget must be bytes per device > 0, got {budget!r}")
+    state, batch = _abstract(state), jax.tree.map(_unplaced, _abstract(batch))
+    mesh = _mesh_of(step, jax.tree.leaves((state, batch)))
+    check_axes(state, mesh, "state")
+    check_axes(batch, mesh, "batch")
+    if hasattr(step, "abstract"):
+        state = step.abstract(state)
+    compiled, live = compile_dumped(step.lower(state, batch))
+    try:
+        shardings = compiled.input_shardings[0][0]
+    except (AttributeError, IndexError, TypeError):
+        shardings = None
+    report = analyse(compiled, mesh, state=state, shardings=shardings, batch=batch)
+    budget = budget or report.memory_budget or report.hbm_bytes
+    hlo = compiled.as_text()
+    sources = Sources.of(compiled)
+    shapes = _param_shapes(state, shardings)
+    notes = []
+    memory = peak_buffers(hlo, live, sources, coverage, shapes) if live else None
+    if memory is None:
+        notes.append("the backend wrote no live-range dump: no buffer table")
+    plan = getattr(step, "state_plan", None)
+    axes = _param_axes(shardings)
+    rows = tuple(collectives_explained(hlo, mesh, sources, shapes, axes))
+    where = placement(state, plan, shardings) if plan is not None else None
+    peak = int(report.memory["peak"])
+    proposed: tuple[Fix, ...] = ()
+    if fixes is True or (fixes == "auto" and fits(peak, budget) is False):
+        proposed = propose(step, state, batch, budget, accumulate=accumulate, variants=variants)
+        if not proposed:
+            notes.append("no plan × microbatch count of the search fits the budget: pass "
+                         "variants= (remat policies) or more devices")  # fmt: skip
+    return Explanation(memory, rows, where, proposed, budget, peak, report, tuple(notes))
+
+
+def out_of_memory_note(step: Any, state: Any, batch: Any) -> str:
+    """The buffer table of ``step`` at its compiled peak, for a live run that ran out of
+    memory (``RESOURCE_EXHAUSTED``); a line saying why where it cannot be made."""
+    try:
+        report = explain(step, state, batch, fixes=False)
+    except Exception as e:  # never hide the allocator's error behind ours
+        return f"shardax could not explain the step's memory: {type(e).__name__}: {e}"
+    if report.memory is None:
+        return "shardax: the backend gave no live-range dump to explain the peak"
+    table = memory_table(report.memory, report.peak_bytes, report.budget, report.fits)
+    return ("shardax: the step's buffers at its compiled peak (sx.explain(step, state, batch) "
+            "proposes fixes, each compiled):\n" + rich_text(table, width=140))  # fmt: skip
