@@ -201,5 +201,5 @@ PUBLIC = [
     "make_eval_step", "make_mesh", "make_train_step", "masked_mean", "moe", "pipeline",
     "pipeline_1f1b", "place_on_device", "prefetch_to_device", "prepare", "print0", "remat",
     "replicate", "restore_checkpoint", "rules", "save_checkpoint", "shard", "target", "verify",
-    "watch_preemption", "zero1", "zero2", "SearchSpace", "search_plans",
+    "watch_preemption", "zero1", "zero2", "SearchSpace", "search_plans", "DiLoCo",
 ]  # fmt: skip

@@ -65,6 +65,7 @@ from shardax.runtime import StepWatchdog, compile_cache, initialize, is_main_pro
 from shardax.track import MetricWriter
 from shardax.train import (
     AutoPlanOptions,
+    DiLoCo,
     NonFiniteLossError,
     Precision,
     SearchSpace,

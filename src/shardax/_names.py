@@ -32,7 +32,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {  # namespace: its public names (its __al
         make_eval_step make_mesh make_train_step masked_mean moe pipeline pipeline_1f1b
         place_on_device prefetch_to_device prepare print0 remat replicate restore_checkpoint
         rules save_checkpoint shard target verify watch_preemption zero1 zero2
-        SearchSpace search_plans
+        SearchSpace search_plans DiLoCo
         explain
         """
     ),
@@ -61,7 +61,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {  # namespace: its public names (its __al
         Precision StepConfig TrainState TrainStep VerifyReport auto_plan check_finite
         combine_thresholds compiler_options dropout example_keys gpu_options keep_plan
         make_eval_step make_train_step masked_mean prepare set_gpu_environment verify
-        Layout SearchSpace search_plans
+        Layout SearchSpace search_plans DiLoCo IslandStep
         Explanation explain
         """
     ),

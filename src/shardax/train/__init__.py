@@ -20,9 +20,11 @@ from shardax.train.compiler import (
     set_gpu_environment,
 )
 from shardax.train.config import StepConfig
+from shardax.train.diloco import DiLoCo
 from shardax.train.eval import EvalStep
 from shardax.train.explanation.explain import Explanation, explain
 from shardax.train.guard import NonFiniteLossError, check_finite
+from shardax.train.islands import IslandStep
 from shardax.train.keep import keep_plan
 from shardax.train.make import make_eval_step, make_train_step
 from shardax.train.masks import masked_mean

@@ -24,7 +24,9 @@ from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan
 from shardax.train.auto import AutoPlanOptions, AutoStep
 from shardax.train.config import StepConfig
+from shardax.train.diloco import DiLoCo
 from shardax.train.eval import EvalStep
+from shardax.train.islands import IslandStep
 from shardax.train.precision import Precision
 from shardax.train.stats import DEFAULT_STATS
 from shardax.train.step import TrainStep
@@ -51,7 +53,8 @@ def make_train_step(
     rng_per_device: bool = False,
     compiler_options: Literal["auto", "xla"] | Mapping[str, Any] = "auto",
     config: StepConfig | None = None,
-) -> TrainStep | AutoStep:
+    diloco: DiLoCo | None = None,
+) -> TrainStep | AutoStep | IslandStep:
     """A compiled ``step(state, batch) -> (state, metrics)`` for ``loss_fn``.
 
     Args:
@@ -147,6 +150,11 @@ def make_train_step(
             the others stay at their defaults (``mesh`` may be the config's own; ``plan``
             may be given where the config has none, ``"auto"`` included); a setting given
             beside it is refused, naming it.
+        diloco: a [`DiLoCo`][shardax.DiLoCo] (``sx.DiLoCo(inner_steps=H)``): train the
+            islands of the mesh's island axis apart, each with ``plan`` and the user's
+            optimizer over the other axes, and average their params every H steps with
+            the outer optimizer (``step.sync(state)``): an
+            [`IslandStep`][shardax.train.IslandStep] (``shardax.train.islands``).
 
     The settings are checked once, into a [`StepConfig`][shardax.train.StepConfig]
     (``step.config``); ``sx.train.TrainStep(loss_fn, config)`` builds a step from one.
@@ -171,7 +179,12 @@ def make_train_step(
     if isinstance(plan, str) and plan == "auto":
         plan = AutoPlanOptions()
     if isinstance(plan, AutoPlanOptions):
+        if diloco is not None:
+            raise ValueError("diloco takes a plan for inside an island, not plan='auto'")
         return AutoStep(loss_fn, plan, **settings)
+    if diloco is not None:
+        base = StepConfig(plan=plan, **settings) if config is None else config
+        return IslandStep(loss_fn, dataclasses.replace(base, plan=plan), diloco)
     if config is not None:
         return TrainStep(loss_fn, dataclasses.replace(config, plan=plan))
     return TrainStep(loss_fn, StepConfig(plan=plan, **settings))

@@ -168,7 +168,7 @@ def check_opt_state(params: Any, opt_state: Any, tx: Any = None) -> None:
 @public("sx.TrainState")
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["step", "params", "opt_state", "model_state", "rng", "loss_scale"],
+    data_fields=["step", "params", "opt_state", "model_state", "rng", "loss_scale", "outer"],
     meta_fields=["adapter", "tx"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +183,8 @@ class TrainState:
         rng: uint32 ``[2]`` raw key data; per-step keys are folded from it and ``step``.
         loss_scale: the dynamic loss scale of an fp16 step
             (``shardax.train.precision.LossScaleState``), else None.
+        outer: a DiLoCo step's outer state (``shardax.train.diloco.OuterState``: the
+            params at the last sync, the outer optimizer's state), else None.
         adapter: how to rebuild the framework's model (see ``shardax.train.model``).
         tx: the optax transformation; equal to any transformation that computes the
             same (``shardax.train.static.comparable``), so a new but equal one does
@@ -197,6 +199,7 @@ class TrainState:
     adapter: ModelAdapter
     tx: optax.GradientTransformation
     loss_scale: Any = None
+    outer: Any = None
 
     def __post_init__(self) -> None:
         # An equal transformation gives an equal treedef, so no recompile (see static.py).
