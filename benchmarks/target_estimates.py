@@ -35,10 +35,22 @@ CASES: dict[str, dict[str, Any]] = {
         causal=False,
         source="MaxText configs/a3/llama_2_7b/README.md (1x A3 h100-80gb-8), 1vm.sh",
     ),
+    **{f"llama2-7b-{h}x8xh100": dict(
+        target=f"{h}x8xH100", network="gcp-a3-high", layers=32, d_model=4096, heads=32,
+        seq=4096, vocab=32000, per_device_batch=4, mesh={"replica": h, "data": 8},
+        remat="full", params_bf16=False, published={"tflops_per_device": tflops},
+        memory_fraction=0.85, causal=False,
+        # the same model, batch and remat as the one-host case above, so the predicted
+        # drop is the network's; MaxText's {h}vm.sh ran remat_policy=minimal_flash
+        source=f"MaxText configs/a3/llama_2_7b/README.md ({h}x A3 h100-80gb-8: {tflops:g} "
+        f"TFLOP/s/chip), {h}vm.sh (dcn_data_parallelism={h}, ici_fsdp_parallelism=8, "
+        "per_device_batch_size=4, max_target_length=4096); A3 h100-80gb-8 is a3-highgpu-8g "
+        "(4 x 200 Gb/s GPUDirect-TCPX)",
+    ) for h, tflops in ((2, 422.0), (4, 407.0), (8, 409.0), (16, 375.0))},
     "llama3.1-70b-256xh200": dict(
         target="32x8xH200", layers=80, d_model=8192, heads=64, seq=8192, vocab=128256,
         per_device_batch=1, mesh={"replica": 32, "data": 8}, remat="full", params_bf16=True,
-        published={"tflops_per_device": 508.0},
+        published={"tflops_per_device": 508.0}, network="gcp-a3-ultra",
         memory_fraction=0.85,  # MaxText's GPU scripts' (configs/a3/*/1vm.sh); not quoted
         source="as issue 33 quotes it (MaxText, Llama 3.1 70B on 256 H200); the page "
         "was not found with the search tool",
@@ -46,7 +58,7 @@ CASES: dict[str, dict[str, Any]] = {
     "llama3-70b-128xh100": dict(
         target="16x8xH100", layers=80, d_model=8192, heads=64, seq=8192, vocab=128256,
         per_device_batch=2, mesh={"data": 128}, remat="full", params_bf16=True,
-        published={"tflops_per_device": 506.597},
+        published={"tflops_per_device": 506.597}, network="ib-ndr",  # DGX Cloud: InfiniBand
         memory_fraction=0.85,  # MaxText's GPU scripts'; the NGC page does not give its own
         # counted non-causally: 506.597 TFLOP/s x 15.570 s / 16,384 tokens per device is
         # 4.81e11 FLOPs per token, MaxText's count for Llama3-70B with attention whole
@@ -123,7 +135,8 @@ def run_case(name: str, per_device_batch: int | None = None) -> dict[str, Any]:
         c["per_device_batch"] = per_device_batch
     # A GPU case compiles in the memory share its run's JAX had (XLA rematerializes
     # past it); a TPU case takes none.
-    target = sx.target(c["target"], memory_fraction=c.get("memory_fraction"))
+    target = sx.target(c["target"], memory_fraction=c.get("memory_fraction"),
+                       network=c.get("network"))  # fmt: skip
     mesh = sx.make_mesh(c["mesh"], devices=target)
     cfg = gpt.GPTConfig(c["layers"], c["d_model"], c["heads"], c["seq"], vocab=c["vocab"],
                         scan_layers=c.get("scan_layers", True))  # fmt: skip
@@ -174,6 +187,7 @@ def run_case(name: str, per_device_batch: int | None = None) -> dict[str, Any]:
         "formula_params_plus_optimizer_bytes": formula,
         "fits_with_headroom": report.fits,
         "memory_fraction": target.memory_fraction,
+        "network": report.network,
         "memory_budget_bytes": report.memory_budget,
         "peak_bytes": report.memory["peak"],
         "published": c["published"],

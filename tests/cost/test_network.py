@@ -248,3 +248,23 @@ def test_a_calibration_naming_an_unknown_network_is_refused(tmp_path):
     path.write_text(json.dumps({**shipped, "network": "token-ring"}))
     with pytest.raises(ValueError, match=r"'network' names no known network.*'token-ring'"):
         cal.load(path)
+
+
+def test_an_unknown_network_is_one_usage_line_naming_it(capsys):
+    """``sx.target`` refuses it before building devices (every leg), and ``shardax plan
+    --network`` says so in one line naming the option; a TPU target takes none."""
+    import shardax as sx
+    from shardax.cli.main import main as cli
+
+    with pytest.raises(ValueError, match=r"sx.target: network must be one of .*got 'myrinet'"):
+        sx.target("2x8xH100", network="myrinet")
+    with pytest.raises(ValueError, match="is a TPU slice"):
+        sx.target("2xv5p-128", network="ib-ndr")
+    tiny = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch", "8"]
+    code = cli(["plan", "--target", "2x8xH100", *tiny, "--network", "myrinet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("shardax plan: error: --network myrinet: network must be one of")
+    code = cli(["plan", "--layers", "1", "--network", "ib-ndr"])  # no --target
+    err = capsys.readouterr().err
+    assert code == 2 and "--network" in err, err

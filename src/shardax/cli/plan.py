@@ -160,6 +160,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "variable here, else JAX's 0.75)",
     )
     parser.add_argument(
+        "--network",
+        default=None,
+        metavar="NAME",
+        help="with a GPU --target of several hosts: what joins them, a named network or "
+        "cloud shape (ib-ndr, ib-hdr, gcp-a3-high, gcp-a3-mega, gcp-a3-ultra, aws-p5-efa, "
+        "aws-p5e-efa, ethernet-100g; a3-megagpu-8g, p5.48xlarge, ...); default: the GPU's "
+        "DGX network (InfiniBand NDR; HDR for A100), which the report names",
+    )
+    parser.add_argument(
         "--calibration",
         default=None,
         metavar="FILE",
@@ -341,6 +350,7 @@ def render(plan: dict[str, Any], out: Any) -> None:
 
 TARGET_ONLY = (
     "plan", "vocab", "remat", "tp", "param_dtype", "png", "memory_fraction", "calibration",
+    "network",
 )  # fmt: skip
 """Options of ``shardax plan`` that only ``--target`` reads: refused without it."""
 

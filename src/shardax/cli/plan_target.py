@@ -125,16 +125,19 @@ def check_png(path: str) -> None:
         raise UsageError(f"--png {path}: cannot write it, {parent} is not writable")
 
 
-def load_target(name: str, memory_fraction: float | None = None) -> Any:
-    """``sx.target(name, memory_fraction=...)``; its errors (unknown name, missing extra,
-    JAX 0.10, a fraction out of range or for a TPU) as one-line usage errors."""
+def load_target(name: str, memory_fraction: float | None = None, network: str | None = None) -> Any:
+    """``sx.target(name, memory_fraction=..., network=...)``; its errors (unknown name or
+    network, missing extra, JAX 0.10, a fraction out of range or for a TPU) as one-line
+    usage errors."""
     try:
-        return sx.target(name, memory_fraction=memory_fraction)
+        return sx.target(name, memory_fraction=memory_fraction, network=network)
     except (ValueError, ImportError, RuntimeError, NotImplementedError) as e:
         first = " ".join(str(e).split())
         option = f"--target {name}"
         if memory_fraction is not None and "memory_fraction" in first:
             option += f" --memory-fraction {memory_fraction:g}"
+        if network is not None and "network" in first:
+            option = f"--network {network}"
         raise UsageError(f"{option}: {first}") from None
 
 
@@ -355,7 +358,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         raise UsageError("--target needs --batch (the global batch, in sequences)")
     if args.model not in (None, "gpt"):
         raise UsageError(f"--target plans the built-in GPT; got --model {args.model}")
-    target = load_target(args.target, args.memory_fraction)
+    target = load_target(args.target, args.memory_fraction, getattr(args, "network", None))
     tables = load_calibration(args.calibration, target)
     spec = dict(args.mesh) if args.mesh else default_mesh(target, args.tp)
     try:
