@@ -362,18 +362,22 @@ def step_flops(step: Any, state: Any, batch: Any, *, with_attention: bool = Fals
     """FLOPs of one step over all devices, from the compiled step's ``cost_analysis()``
     (XLA counts one device's partitioned program); with ``with_attention``, also the
     attention kernel it compiled to (``"cudnn"``, ``"splash"`` or ``"dense"``, read from
-    the compiled HLO: ``shardax.cost.hlo.attention_kernel``)."""
+    the compiled HLO: ``shardax.cost.hlo.attention_kernel``).
+
+    Called before the first step, it compiles the program that step runs: JAX keeps the
+    executable, and the step's call finds it (``tests/cli/test_compiles.py`` counts one
+    compile); the HLO text is read once, for the FLOPs and the kernel both."""
     compiled = step.lower(state, batch).compile()
-    per_device = compiled_flops(compiled)
+    try:
+        hlo = compiled.as_text()
+    except Exception:  # a program without text (some modes): its FLOPs and kernel unknown
+        hlo = None
+    per_device = compiled_flops(compiled, hlo=hlo) if hlo is not None else None
     devices = 1 if step.mode == "single" else step.mesh.size
     flops = None if per_device is None else per_device * devices
     if not with_attention:
         return flops
-    try:
-        kernel = attention_kernel(compiled.as_text())
-    except Exception:  # a program without text (some modes): unknown, not a failure
-        kernel = None
-    return flops, kernel
+    return flops, None if hlo is None else attention_kernel(hlo)
 
 
 def plot_curves(

@@ -40,6 +40,7 @@ from shardax.cost.hlo import (
     _GROUP_COUNT,
     _LABELS,
     _WINDOW,
+    _call_graph,
     _computations,
     _runs,
 )
@@ -281,7 +282,8 @@ def _matmuls(hlo: str) -> Iterator[tuple[str, float, int]]:
     ``conditional``'s branches only the costliest, as XLA counts them)."""
     bodies, entry = _computations(hlo)
     own = {name: list(_own_matmuls(lines)) for name, lines in bodies.items()}
-    base = _runs(bodies, entry)
+    calls = _call_graph(bodies)  # read once, for the entry and every branch
+    base = _runs(bodies, entry, calls)
     runs = dict(base)
     for name, lines in bodies.items():
         for line in lines:
@@ -289,7 +291,7 @@ def _matmuls(hlo: str) -> Iterator[tuple[str, float, int]]:
             if not found or not base.get(name):
                 continue
             names = re.findall(r"%?([\w.\-]+)", found.group(1) or "") or found.group(2, 3)
-            under = {b: _runs(bodies, b) for b in names if b in bodies}
+            under = {b: _runs(bodies, b, calls) for b in names if b in bodies}
             cost = {
                 b: sum(f * n for c, n in r.items() for _, f in own[c]) for b, r in under.items()
             }
@@ -362,19 +364,21 @@ def transformer_flops_per_token(
     return 6.0 * non_embedding_params + (attention / 2 if causal else attention)
 
 
-def compiled_flops(compiled: Any) -> float | None:
+def compiled_flops(compiled: Any, hlo: str | None = None) -> float | None:
     """FLOPs of one device's program in ``compiled`` (a ``jax.stages.Compiled``): XLA's
     ``cost_analysis()``, plus the matmuls it counts as zero, cuBLAS GEMMs and cuDNN's
     attention on a GPU (``library_call_flops``; on an H200 with JAX 0.11.2, XLA's
     count alone was 0.08% of a 90-layer MLP step's 6·N·batch), and the loop trips of
     matmuls it counts once (``loop_matmul_flops``). None when the backend gives no
-    cost analysis (a compile-only GPU target: use ``hlo_flops``)."""
+    cost analysis (a compile-only GPU target: use ``hlo_flops``). ``hlo``: the
+    program's ``compiled.as_text()``, when the caller read it already (it is read once)."""
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list | tuple):  # older JAX: one dict per program
         analysis = analysis[0] if analysis else None
     if not analysis or "flops" not in analysis:
         return None
-    return float(analysis["flops"]) + sum(_beyond_cost_analysis(compiled.as_text()))
+    text = compiled.as_text() if hlo is None else hlo
+    return float(analysis["flops"]) + sum(_beyond_cost_analysis(text))
 
 
 def utilization(

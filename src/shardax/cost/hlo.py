@@ -238,12 +238,24 @@ def line_calls(line: str, bodies: dict[str, list[str]]) -> list[tuple[str, int]]
     return calls
 
 
-def _runs(bodies: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+def _call_graph(bodies: dict[str, list[str]]) -> dict[str, list[tuple[str, int]]]:
+    """``{computation: [(callee, times per run), ...]}`` (``line_calls`` of its lines)."""
+    return {name: [c for line in lines for c in line_calls(line, bodies)]
+            for name, lines in bodies.items()}  # fmt: skip
+
+
+def _runs(
+    bodies: dict[str, list[str]],
+    entry: str | None,
+    calls: dict[str, list[tuple[str, int]]] | None = None,
+) -> dict[str, int]:
     """How many times each computation runs per execution of ``entry``: a while body
     ``known_trip_count`` times its caller's (else its condition's ``counter < N``; once
-    when neither tells), every other called computation as often as its caller."""
-    calls = {name: [c for line in lines for c in line_calls(line, bodies)]
-             for name, lines in bodies.items()}  # fmt: skip
+    when neither tells), every other called computation as often as its caller.
+    ``calls``: the program's ``_call_graph``, when the caller has it already (it reads
+    every line, so one reading serves every ``entry`` asked about)."""
+    if calls is None:
+        calls = _call_graph(bodies)
     runs = dict.fromkeys(bodies, 0 if entry else 1)
     if entry is None:
         return runs

@@ -197,11 +197,9 @@ def mode_program(
         by_leaf = batches.by_leaf
         if by_leaf:  # jit only
             call = lambda state, batch: cache(state, batches.place(batch))  # noqa: E731
-        if mode == "jit":
-            call = _under_mesh(call, mesh)
-        lower = _under_mesh(
-            lambda s, b: cache.lookup(s).fn.lower(s, batches.place(b) if by_leaf else b), mesh
-        )
+        lower = lambda s, b: cache.lookup(s).fn.lower(s, batches.place(b) if by_leaf else b)  # noqa: E731
+        if mode == "jit":  # lowered as it is called, so both are one program, compiled once
+            call, lower = _under_mesh(call, mesh), _under_mesh(lower, mesh)
     if mode != "single" and mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
         call = _bounded(call, CPU_MAX_IN_FLIGHT, work.metrics_of)
     if mode != "pmap":  # pmap compiles with no options
