@@ -215,9 +215,18 @@ def test_no_cross_island_collective_on_a_2x8xh100_target(plan):
 @pytest.mark.skipif(not hasattr(jax.sharding, "no_collectives"), reason="JAX < 0.12")
 def test_inner_step_traces_under_no_collectives_over_the_island_axis():
     """JAX 0.12's own check: on Explicit axes the inner step traces with
-    ``jax.sharding.no_collectives({"island"})``, which refuses any reshard across it."""
+    ``jax.sharding.no_collectives({"island"})``, which refuses the outer step's reduction
+    and DP's gradient all-reduce across the islands."""
     mesh = sx.make_mesh({"island": 2, "data": 4}, axis_types=jax.sharding.AxisType.Explicit)
     step = sx.make_train_step(loss_fn, mesh=mesh, diloco=sx.DiLoCo(inner_steps=2))
     state, batch = step.shard(_state()), _batches(1)[0]
+    dp = sx.make_train_step(loss_fn, mesh=mesh, data_axis=("island", "data"))
     with jax.sharding.no_collectives({"island"}):
         step.lower(state, batch).compile()
+        with pytest.raises(Exception, match="forbidden by `no_collectives`"):
+            step.lower_outer(state)
+        with pytest.raises(Exception, match="forbidden by `no_collectives`"):
+            dp.lower(dp.shard(_state()), batch)
+    state, metrics = step(state, batch)  # and it runs on Explicit axes, outer step included
+    synced = step.outer(state)
+    assert np.isfinite(np.asarray(metrics["loss"])).all() and int(synced.outer.syncs) == 1

@@ -42,6 +42,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.checks import as_count, public, received
+from shardax.plan.activation import constrain
 from shardax.train.static import comparable
 
 COMPRESSIONS: tuple[str | None, ...] = (None, "bf16", "int8", "topk")
@@ -259,7 +260,7 @@ def outer_update(
     anchor = jax.tree.map(lambda a, old: a.astype(old.dtype), anchor, outer.anchor)
     n = jax.tree.leaves(params)[0].shape[0]
     restarted = jax.tree.map(
-        lambda a, s: lax.with_sharding_constraint(
+        lambda a, s: constrain(
             jnp.broadcast_to(a[None], (n, *a.shape)),
             NamedSharding(mesh, PartitionSpec(config.axis, *s)),
         ),

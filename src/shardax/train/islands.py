@@ -196,7 +196,11 @@ class IslandStep:
 
     def _one(self, state: TrainState) -> TrainState:
         """An island's state (abstract): row 0 of each per-island field, no outer state."""
-        return jax.eval_shape(lambda s: _take(s, lambda x: x[0]).replace(outer=None), state)
+        row = lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype)  # noqa: E731
+        return _take(state, row).replace(
+            outer=None, step=jax.eval_shape(lambda x: x, state.step),
+            rng=jax.eval_shape(lambda x: x, state.rng),
+        )  # fmt: skip
 
     def _specs(self, state: TrainState) -> TrainState:
         """The inner plan's shardings of one island's (unstacked) ``state``; a plan that
