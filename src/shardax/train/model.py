@@ -31,6 +31,8 @@ from flax import linen, nnx
 from flax.core import Scope
 from flax.errors import InvalidRngError
 
+from shardax.train.boxes import unconstrained_boxes
+
 
 @dataclasses.dataclass(frozen=True)
 class NNXModel:
@@ -185,7 +187,8 @@ def call_binding_streams(
     while True:
         model = bind()
         try:
-            return model, call(model)
+            with unconstrained_boxes():  # the plan places the params (train/boxes.py)
+                return model, call(model)
         except InvalidRngError as e:
             name = asked_stream(e)
             if name is None or name in ("dropout", *adapter.streams):

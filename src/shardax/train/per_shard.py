@@ -38,7 +38,7 @@ from shardax.train.masks import valid_count
 from shardax.train.model import LinenModel, call_binding_streams, is_stateful
 from shardax.train.precision import cast_floating, cast_like
 from shardax.train.protocol import StepWork
-from shardax.train.rng import example_keys, step_key
+from shardax.train.rng import example_keys, fold_in_each, step_key
 from shardax.train.state import TrainState
 
 
@@ -292,7 +292,7 @@ class PerShard:
             # state) differs per device, so devices do not draw the same masks.
             device = lax.axis_index(self.data_axis)
             rng = jax.random.fold_in(rng, device)
-            model_state = _map_keys(lambda k: jax.random.fold_in(k, device), model_state)
+            model_state = _map_keys(lambda k: fold_in_each(k, device), model_state)
         keys = example_keys(key, state.step, index) if "rng" in self._filled else None
         split = None
         if not mapped and self.mode == "jit":

@@ -21,6 +21,20 @@ def step_key(key: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, step)
 
 
+def fold_in_each(keys: jax.Array, data: jax.Array | int) -> jax.Array:
+    """``fold_in(key, data)`` of every key of a typed key array of any shape: a model's
+    own layer-stacked streams (``nnx.split_rngs(splits=L)`` + ``nnx.vmap``) keep a key
+    array of shape ``(L,)`` per stream.
+
+    >>> fold_in_each(jax.random.split(jax.random.key(0), 4), 7).shape
+    (4,)
+    """
+    fold = lambda key: jax.random.fold_in(key, data)  # noqa: E731
+    for _ in range(keys.ndim):
+        fold = jax.vmap(fold)
+    return fold(keys)
+
+
 @public("sx.train.example_keys")
 def example_keys(key: jax.Array, step: jax.Array, index: jax.Array) -> jax.Array:
     """A typed key per example: ``fold_in(step_key(key, step), index[i])``.

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from shardax.plan.core import axis_size
 from shardax.plan.tree import is_key
 from shardax.train.precision import policy_name, unscale
+from shardax.train.rng import fold_in_each
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
 from shardax.train.verification.comparison import tolerance
@@ -102,7 +103,9 @@ def _update(state: TrainState) -> dict[str, Any]:
 
 
 def _fold_keys(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.random.fold_in(x, 1) if is_key(x) else x, tree)
+    """Every typed key of ``tree`` (a key array of a layer-stacked stream key by key)
+    with 1 folded in: another seed of the model's own generators."""
+    return jax.tree.map(lambda x: fold_in_each(x, 1) if is_key(x) else x, tree)
 
 
 class TrainStepSide:
