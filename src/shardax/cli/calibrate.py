@@ -28,6 +28,7 @@ from shardax.cost import calibrate
 from shardax.cost.calibration import fit_collectives, from_tables, kind_of
 from shardax.cost.compile_target import GPU_KINDS
 from shardax.cost.hardware import device_spec, is_gpu
+from shardax.cost.network import fit_levels, named_network
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="small shapes: a smoke test (e.g. on a CPU); the tables price nothing",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing --out file")
+    parser.add_argument(
+        "--network",
+        default=None,
+        metavar="NAME",
+        help="the named network between the hosts (shardax launch: one process per host), "
+        "e.g. ib-ndr or a3-megagpu-8g: the collectives across hosts are fitted per level "
+        "and replace that network's documented figures when the file is used",
+    )
     add_json_flag(parser)
 
 
@@ -81,8 +90,17 @@ def run(args: argparse.Namespace) -> int:
     today = datetime.date.today().isoformat()
     path = Path(args.out) if args.out else default_out(str(device.device_kind), today,
                                                        args.quick)  # fmt: skip
-    check_out(path, args.force)  # before a minute of measuring
-    tables = calibrate.tables(quick=args.quick)
+    network = getattr(args, "network", None)
+    if network is not None:
+        try:
+            network = named_network(network).name
+        except ValueError as e:
+            raise UsageError(f"--network {network}: {e}") from None
+    if jax.process_index() == 0:
+        check_out(path, args.force)  # before a minute of measuring
+    tables = calibrate.tables(quick=args.quick, network=network)
+    if jax.process_index() != 0:  # every host measured; the first one writes
+        return 0
     path.write_text(json.dumps(tables, indent=1) + "\n")
     failed = {k: v["error"] for k, v in tables.items() if isinstance(v, dict) and "error" in v}
     usable = None
@@ -114,6 +132,16 @@ def run(args: argparse.Namespace) -> int:
         f"{op} over {n}: {latency * 1e6:.3g} µs + bytes at {bandwidth / 1e9:.4g} GB/s"
         for op, n, latency, bandwidth in fits
     ) or ("one device: none" if rows == [] else "")
+    levels = fit_levels(rows) if isinstance(rows, list) else {}
+    if levels:
+        best["collectives"] += (
+            "; per level (ring): "
+            + ", ".join(
+                f"{level} {lat * 1e6:.3g} µs a step + bytes at {bw / 1e9:.4g} GB/s"
+                for level, (lat, bw) in levels.items()
+            )
+            + (f" (network {network})" if network and "inter-host" in levels else "")
+        )
     for name in ("gemm", "gemm_f32", "gemm_f32_cublas", "stream", "reduce", "attention",
                  "launch", "collectives"):  # fmt: skip
         rows = tables.get(name)

@@ -293,18 +293,33 @@ def collectives(sizes: Sequence[int], calls: int = 10) -> list[dict[str, Any]]:
     server) at each size of ``sizes`` (bytes of each device's buffer): ms per call and
     the bytes each device sends, read from the compiled program as the cost model reads
     a step's (``shardax.cost.hlo.collectives``), so a fit of these rows prices a step's
-    collectives in the same bytes. Empty with one device."""
+    collectives in the same bytes; each row says over how many ``hosts``. Launched over
+    several hosts (``shardax launch``: one process per host), the same again over every
+    process's devices, across hosts: the rows ``shardax.cost.network.fit_levels`` fits
+    the network's level to. Empty with one device."""
+    import jax
+
+    rows = _collectives_over(jax.local_devices(), 1, sizes, calls)
+    if jax.process_count() > 1:
+        rows += _collectives_over(jax.devices(), jax.process_count(), sizes, calls)
+    return rows
+
+
+def _collectives_over(
+    devices: Sequence[Any], hosts: int, sizes: Sequence[int], calls: int
+) -> list[dict[str, Any]]:
+    """``collectives``' rows over ``devices`` (on ``hosts`` hosts)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from jax.sharding import Mesh, PartitionSpec
 
     from shardax.cost.hlo import collectives as collectives_in
 
-    devices = jax.local_devices()
     n = len(devices)
     if n < 2:
         return []
-    mesh = Mesh(devices, ("x",))
+    mesh = Mesh(np.asarray(devices), ("x",))
     ops = {
         "all-reduce": lambda x: jax.lax.psum(x, "x"),
         "all-gather": lambda x: jax.lax.all_gather(x, "x", tiled=True),
@@ -317,27 +332,33 @@ def collectives(sizes: Sequence[int], calls: int = 10) -> list[dict[str, Any]]:
             elements -= elements % n  # reduce-scatter splits each device's buffer n ways
             f = jax.jit(jax.shard_map(ops[op], mesh=mesh, in_specs=PartitionSpec("x"),
                                       out_specs=PartitionSpec("x"), check_vma=False))  # fmt: skip
-            x = jnp.ones((n * elements,), jnp.float32, device=jax.sharding.NamedSharding(
-                mesh, PartitionSpec("x")))  # fmt: skip
+            x = jax.make_array_from_callback(
+                (n * elements,), jax.sharding.NamedSharding(mesh, PartitionSpec("x")),
+                lambda index, e=elements: jnp.ones((e,), jnp.float32))  # fmt: skip
             try:
                 compiled = f.lower(x).compile()
                 sent = sum(c.sent_bytes for c in collectives_in(compiled.as_text(), n))
                 seconds = _pipelined_seconds(lambda f=compiled, x=x: f(x), calls)
             except Exception as e:  # an op the backend lacks: say so, keep going
-                rows.append({"op": op, "devices": n, "bytes": 4 * elements,
+                rows.append({"op": op, "devices": n, "hosts": hosts, "bytes": 4 * elements,
                              "error": f"{type(e).__name__}: {str(e)[:300]}"})  # fmt: skip
                 continue
             finally:
                 del x
-            rows.append({"op": op, "devices": n, "bytes": 4 * elements, "sent_bytes": sent,
+            rows.append({"op": op, "devices": n, "hosts": hosts, "bytes": 4 * elements,
+                         "sent_bytes": sent,
                          "ms": seconds * 1e3, "busbw_gbs": sent / seconds / 1e9})  # fmt: skip
     return rows
 
 
-def tables(quick: bool = False) -> dict[str, Any]:
+def tables(quick: bool = False, network: str | None = None) -> dict[str, Any]:
     """All the tables, each run on its own so one failing leaves the others; errors are
-    kept as ``{"error": ...}``."""
+    kept as ``{"error": ...}``. ``network``: the named network between the hosts
+    measured over (``shardax.cost.network.named_network``), recorded so that the
+    collectives' inter-host fit replaces that network's documented figures."""
     import jax
+
+    from shardax.cost.network import named_network
 
     parts: dict[str, Callable[[], Any]] = {
         "gemm": lambda: gemm(gemm_shapes(quick)),
@@ -355,6 +376,11 @@ def tables(quick: bool = False) -> dict[str, Any]:
         "jax": jax.__version__, "date": datetime.date.today().isoformat(),
         "source": f"shardax calibrate on one {device.device_kind}", "quick": quick,
     }  # fmt: skip
+    if jax.process_count() > 1:
+        out["source"] = (f"shardax calibrate on {jax.process_count()} hosts of "
+                         f"{jax.local_device_count()} {device.device_kind}")  # fmt: skip
+    if network is not None:
+        out["network"] = named_network(network).name
     for name, make in parts.items():
         began = time.perf_counter()
         try:
