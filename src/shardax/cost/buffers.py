@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import math
 import os
 import re
@@ -57,6 +58,7 @@ _LIVE = re.compile(r"^\s+([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
 _SEQUENCE = re.compile(r"^\s+(\d+):([\w.\-]+)\s*$")
 _COLLECTIVE = {*OPS, *(f"{op}-start" for op in OPS), *(f"{op}-done" for op in OPS)}
 _DUMP = {"xla_dump_to": "", "xla_dump_hlo_as_text": True}
+_CALLS = itertools.count(os.getpid() * 1000)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +112,11 @@ def compile_dumped(lowered: Any) -> tuple[Any, str]:
     """``lowered.compile()`` with XLA's dump of the optimized module: the compiled program
     and its ``HloLiveRange`` text (``""`` where the backend wrote none)."""
     with tempfile.TemporaryDirectory(prefix="shardax-explain-") as where:
-        compiled = lowered.compile(compiler_options={**_DUMP, "xla_dump_to": where})
+        # JAX's persistent cache leaves the dump options out of its key, so a cached
+        # executable would come back without a dump: a debug option of the buffer
+        # assignment's printout, unique per call, keeps this compile its own.
+        unique = {"xla_debug_buffer_assignment_show_max": 10**6 + next(_CALLS)}
+        compiled = lowered.compile(compiler_options={**_DUMP, **unique, "xla_dump_to": where})
         found = sorted(glob.glob(os.path.join(where, "*after_optimizations-live-range.txt")))
         text = ""
         if found:

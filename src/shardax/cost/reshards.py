@@ -44,6 +44,8 @@ _CALLED = re.compile(
     r"(?:^|/)(psum|pmean|pmax|pmin|all_gather|ppermute|all_to_all|psum_scatter|"
     r"reduce_scatter|pshuffle|ragged_all_to_all)(?:\b|/|$)"
 )
+_LOOKUP = re.compile(r"(?:^|/)(?:gather|scatter-add|scatter_add)$|jit\(_take\)")
+_REDUCTION = re.compile(r"dot_general|(?:^|/)reduce_\w+$")
 _PLAIN = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
           "ragged-all-to-all")  # fmt: skip
 
@@ -78,7 +80,8 @@ class Reshard:
 
 def group_axes(groups: tuple[tuple[int, ...], ...], mesh: Any) -> tuple[str, ...]:
     """The mesh axes along which a collective's first group varies (device indices in
-    ``mesh.devices.flat`` order); all axes where the groups are not known.
+    ``mesh.devices.flat`` order; a permute's pairs: any of them); all axes where the
+    groups are not known.
 
     >>> from types import SimpleNamespace as NS
     >>> group_axes(((0, 2, 4, 6),), NS(shape={"data": 4, "model": 2}, axis_names=("data", "model")))
@@ -88,8 +91,11 @@ def group_axes(groups: tuple[tuple[int, ...], ...], mesh: Any) -> tuple[str, ...
     sizes = [int(mesh.shape[a]) for a in names]
     if not groups or not groups[0]:
         return tuple(a for a, n in zip(names, sizes, strict=True) if n > 1)
-    coords = np.array(np.unravel_index(np.array(groups[0]), sizes)).T
-    return tuple(a for i, a in enumerate(names) if len(set(coords[:, i])) > 1)
+    varies: set[int] = set()
+    for group in groups if len(groups[0]) == 2 else groups[:1]:  # a permute: every pair
+        coords = np.array(np.unravel_index(np.array(group), sizes)).T
+        varies |= {i for i in range(len(names)) if len(set(coords[:, i])) > 1}
+    return tuple(a for i, a in enumerate(names) if i in varies)
 
 
 def _spec(rank: int, dim: int | None, axes: tuple[str, ...]) -> str:
@@ -149,9 +155,12 @@ def _implied(op: str, stack: str, shapes: tuple[tuple[int, ...], ...], axes: tup
             "reduce-scatter": "the gradients' reduction onto their shards",
             "all-reduce": "the gradients' reduction over the data axes",
         }.get(op, "")
-    if op == "all-reduce" and "dot_general" in stack and axes and set(axes) <= param_axes:
-        return (f"the partial sums of a contraction over a dimension the plan splits over "
-                f"{'/'.join(axes)}")  # fmt: skip
+    split = bool(axes) and set(axes) <= param_axes
+    if split and _LOOKUP.search(stack):
+        return f"the lookup of a table the plan splits over {'/'.join(axes)} (an embedding)"
+    if op == "all-reduce" and split and _REDUCTION.search(stack):
+        return (f"the partial sums of a contraction or reduction over a dimension the plan "
+                f"splits over {'/'.join(axes)}")  # fmt: skip
     return ""
 
 

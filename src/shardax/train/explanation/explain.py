@@ -24,6 +24,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -165,8 +166,9 @@ def fixes_table(fixes: tuple[Fix, ...]) -> Any:
 
 
 def _param_shapes(state: Any, shardings: Any) -> set[tuple[int, ...]]:
-    """The parameters' global and per-device shapes, a stacked (scanned) leaf's layer
-    shape, and a matrix's transpose."""
+    """The parameters' shapes with each dimension whole or split as placed (global,
+    per-device, gathered over some axes), a stacked (scanned) leaf's layer shape, and a
+    matrix's transpose."""
     leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(state) if is_array(x)]
     flat = [s for s in jax.tree.leaves(shardings) if hasattr(s, "shard_shape")]
     if len(flat) != len(leaves):
@@ -177,10 +179,12 @@ def _param_shapes(state: Any, shardings: Any) -> set[tuple[int, ...]]:
         if kind not in ("parameter", "optimizer state") or len(np.shape(leaf)) == 0:
             continue
         shape = tuple(np.shape(leaf))
-        shapes = {shape, shape[1:]} if len(shape) > 1 else {shape}
+        local = shape
         if sharding is not None and hasattr(sharding, "shard_shape"):
             local = tuple(sharding.shard_shape(shape))
-            shapes |= {local, local[1:]} if len(local) > 1 else {local}
+        # gathered over some of its axes: each dimension whole or split
+        shapes = set(itertools.product(*({g, n} for g, n in zip(shape, local, strict=True))))
+        shapes |= {s[1:] for s in shapes if len(s) > 1}
         out |= shapes | {s[::-1] for s in shapes if len(s) == 2}
     return {s for s in out if math.prod(s) > 1}
 
@@ -211,6 +215,7 @@ def explain(
     fixes: bool | str = "auto",
     accumulate: tuple[int, ...] = ACCUMULATE,
     variants: dict[str, Any] | None = None,
+    plans: tuple[str, ...] | None = None,
     coverage: float = COVERAGE,
 ) -> Explanation:
     """Compiles ``step(state, batch)`` (abstract values suffice, on live devices or a
@@ -226,6 +231,7 @@ def explain(
         accumulate: the microbatch counts the fixes try.
         variants: ``{name: state or init}`` model variants the fixes try (remat policies,
             least to most memory-saving), as ``sx.search_plans`` takes them.
+        plans: the plans the fixes try, by name (None: every default plan of the mesh).
         coverage: the share of the peak's bytes the memory table covers, in (0, 1].
     """
     if not hasattr(step, "lower"):
@@ -264,7 +270,9 @@ def explain(
     peak = int(report.memory["peak"])
     proposed: tuple[Fix, ...] = ()
     if fixes is True or (fixes == "auto" and fits(peak, budget) is False):
-        proposed = propose(step, state, batch, budget, accumulate=accumulate, variants=variants)
+        proposed = propose(
+            step, state, batch, budget, accumulate=accumulate, variants=variants, plans=plans
+        )
         if not proposed:
             notes.append("no plan × microbatch count of the search fits the budget: pass "
                          "variants= (remat policies) or more devices")  # fmt: skip

@@ -52,6 +52,7 @@ def _code(plan: str, accumulate: int, variant: str | None) -> str:
 def propose(
     step: Any, state: Any, batch: Any, budget: float | None, *,
     accumulate: tuple[int, ...] = ACCUMULATE, variants: dict[str, Any] | None = None,
+    plans: tuple[str, ...] | None = None,
 ) -> tuple[Fix, ...]:  # fmt: skip
     """The compiled changes to ``step`` that fit ``budget`` bytes per device, best first
     (see the module); ``()`` for a step that is not a ``make_train_step`` step."""
@@ -61,7 +62,7 @@ def propose(
         return ()
     base = dataclasses.replace(config, plan=None, accumulate=1)
     space = SearchSpace(meshes=[config.mesh], accumulate=accumulate, config=base,
-                        device_memory=budget)  # fmt: skip
+                        device_memory=budget, plans=plans)  # fmt: skip
     report = search_plans(space, dict(variants) if variants else state, loss_fn=loss_fn,
                           batch=batch)  # fmt: skip
     mesh = {str(k): int(v) for k, v in config.mesh.shape.items()}

@@ -1,0 +1,177 @@
+"""sx.explain on seeded mistakes in models written as their frameworks' examples write them
+(NNX with nnx.Linear, Linen's params, an Equinox module), on 8 CPU devices: each named
+with the right line of this file, and the out-of-memory one with a fix that compiles and
+fits. The built-in GPT under fsdp, zero1 and fsdp+tp lists no unasked collective."""
+
+import inspect
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import shardax as sx
+from shardax.models import gpt
+from shardax.train.explanation.placement import placement
+
+HERE = __file__
+
+
+def line_of(fn, text):
+    """``file:line`` of the line of ``fn`` holding ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    return f"{HERE}:{start + next(i for i, s in enumerate(lines) if text in s)}"
+
+
+def mse(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def batch_of(rows, width):
+    return {"x": jax.ShapeDtypeStruct((rows, width), jnp.float32),
+            "y": jax.ShapeDtypeStruct((rows, width), jnp.float32)}  # fmt: skip
+
+
+class Wide(nnx.Module):
+    """An MLP whose wide hidden activation is saved for the backward pass (no remat)."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(64, 2048, rngs=rngs)
+        self.down = nnx.Linear(2048, 64, rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.nn.gelu(self.up(x))  # the saved activation
+        return self.down(h)
+
+
+def nnx_state(cls):
+    return nnx.eval_shape(lambda: sx.TrainState.create(cls(nnx.Rngs(0)), optax.adam(1e-3)))
+
+
+def test_out_of_memory_names_the_activation_and_a_fix_that_compiles_fits(mesh):
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
+    state, batch = nnx_state(Wide), batch_of(512, 64)
+    first = sx.explain(step, state, batch, fixes=False)
+    budget = first.peak_bytes  # the peak fills the budget: no headroom, it does not fit
+    report = sx.explain(step, state, batch, budget=budget, accumulate=(1, 4), plans=("fsdp",))
+    assert report.fits is False
+    saved = [b for b in report.memory.buffers if b.kind == "activation"]
+    assert saved and saved[0].source == line_of(Wide.__call__, "the saved activation")
+    assert saved[0].bytes == 512 * 2048 * 4 // 8  # one device's share of it
+    assert report.fixes, report
+    top = report.fixes[0]
+    assert top.accumulate == 4 and top.peak_bytes <= 0.9 * budget
+    plan = {"fsdp": sx.fsdp, "zero1": sx.zero1, "zero2": sx.zero2}[top.plan](mesh)
+    fixed = sx.make_train_step(mse, mesh=mesh, plan=plan, accumulate=top.accumulate)
+    assert sx.estimate(fixed, state, batch).memory["peak"] <= 0.9 * budget  # compiled again
+    assert "--accumulate 4" in top.flags and "accumulate=4" in top.code
+    assert report.to_dict()["fixes"][0]["name"] == top.name
+    assert "does not fit" in str(report)
+
+
+class Transposed(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.proj(x))
+        t = sx.constrain(h.T, P("data", None))  # batch was dim 0; after .T it is dim 1
+        return jnp.tanh(t).T
+
+
+def test_a_transpose_that_forces_an_all_to_all_names_the_model_lines(mesh):
+    cls = Transposed
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
+    report = sx.explain(step, nnx_state(cls), batch_of(64, 64), fixes=False)
+    lines, start = inspect.getsourcelines(cls.__call__)
+    mine = {f"{HERE}:{start + i}" for i in range(len(lines))}
+    found = [c for c in report.unasked if c.source in mine]
+    assert found, [(c.op, c.source, c.what) for c in report.unasked]
+    assert {c.op for c in found} == {"all-to-all"}
+    line = found[0].source
+    assert all(c.axes == ("data",) and c.sent_bytes > 0 for c in found)
+    assert all("sx.constrain" in c.suggestion for c in found)
+    assert line in str(report)
+
+
+class Embedder(eqx.Module):
+    """An Equinox embedding whose vocabulary (1001) and width (36) 8 does not divide."""
+
+    embed: eqx.nn.Embedding
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.embed = eqx.nn.Embedding(1001, 36, key=k1)
+        self.head = eqx.nn.Linear(36, 64, key=k2)
+
+    def __call__(self, x):
+        return jax.vmap(self.head)(jax.vmap(self.embed)(x[:, 0].astype(jnp.int32)))
+
+
+def test_an_embedding_the_axis_does_not_divide_is_named(mesh):
+    state = sx.TrainState.create(Embedder(jax.random.key(0)), optax.sgd(0.1))
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
+    report = sx.explain(step, state, batch_of(64, 64), fixes=False)
+    leaves = {leaf.path: leaf for leaf in report.placement.leaves}
+    weight = next(leaf for path, leaf in leaves.items() if "embed" in path)
+    assert weight.shape == (1001, 36) and weight.ways == 1 and weight.meant == 8
+    assert weight.why == "no dimension of (1001, 36) is divisible by data (8)"
+    assert 8 in report.placement.share("parameter")  # the head's kernel is split
+    assert report.to_dict()["placement"]["leaves"]
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(64)(nn.relu(nn.Dense(256)(x)))
+
+
+def test_a_rule_that_matches_nothing_and_an_idle_axis_are_named(mesh_2d):
+    variables = jax.eval_shape(LinenMLP().init, jax.random.key(0), jnp.zeros((1, 64)))
+    plan = sx.rules(
+        mesh_2d, [(r"Dense_0/kernel", P(None, "model")), (r"Dense_9/kernel", P("model", None))]
+    )  # a misspelt path
+    with pytest.warns(UserWarning, match="rules\\[1\\]"):
+        report = placement(variables, plan)
+    assert any("rules[1]" in n for n in report.notes)
+    assert report.idle_axes == ("data",)  # no parameter byte is split over data
+    assert not report.ok
+
+
+def test_a_2_axis_mesh_whose_fsdp_uses_one_axis_is_named():
+    mesh = sx.make_mesh({"replica": 2, "fsdp": 4})
+    state = nnx_state(Wide)
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh, axis="fsdp"),
+                              data_axis=("replica", "fsdp"))  # fmt: skip
+    report = sx.explain(step, state, batch_of(64, 64), fixes=False)
+    assert report.placement.idle_axes == ("replica",)
+    assert report.placement.meant["parameter"] == 4
+    assert "'replica' (2) splits no parameter" in str(report.placement)
+
+
+GPT = gpt.GPTConfig(layers=1, d_model=64, heads=4, max_seq_len=64)
+
+
+def lm_loss(model, batch):
+    logits = model(batch["inputs"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+@pytest.mark.parametrize(("name", "shape"), [
+    ("zero1", {"data": 8}), ("fsdp+tp", {"data": 4, "model": 2}),
+])  # fmt: skip
+def test_the_gpt_under_its_plans_lists_no_unasked_collective(name, shape):
+    mesh = sx.make_mesh(shape)
+    model = nnx.eval_shape(lambda: gpt.make_gpt(GPT))
+    state = nnx.eval_shape(lambda: sx.TrainState.create(gpt.make_gpt(GPT), optax.adam(1e-3)))
+    step = sx.make_train_step(lm_loss, mesh=mesh, plan=gpt.plan(mesh, model, name))
+    tokens = jax.ShapeDtypeStruct((16, 64), jnp.int32)
+    report = sx.explain(step, state, {"inputs": tokens, "targets": tokens}, fixes=False)
+    assert report.unasked == (), [(c.op, c.source, c.what) for c in report.unasked]
+    assert any(c.implied for c in report.collectives)
+    assert report.placement.ok or not report.placement.idle_axes
