@@ -2,10 +2,14 @@
 the process ends (each runs in a subprocess under a wall-clock limit: a hang fails)."""
 
 import os
+import socket
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
+
+import shardax as sx
 
 WORKER = os.path.join(os.path.dirname(__file__), "..", "scripts", "ckpt_failures.py")
 LIMIT = 90  # seconds; orbax's stuck threads used to hold the exit for 300 s
@@ -100,12 +104,50 @@ def test_another_process_writing_the_directory_is_named(tmp_path):
         out = run_worker("second", directory)
         assert out.returncode == 1
         assert (
-            f"checkpoint directory {directory} is being written by process {holder.pid}; "
-            in out.stderr
+            f"checkpoint directory {directory} is being written by process {holder.pid} on "
+            f"{socket.gethostname()} ({sys.executable} {WORKER} hold {directory}); " in out.stderr
         ), out.stderr[-3000:]
     finally:
         holder.communicate("\n", timeout=LIMIT)
     assert holder.returncode == 0
+
+
+def test_a_second_run_on_the_directory_is_refused_before_it_touches_the_first_runs_save(
+    tmp_path,
+):
+    """Two sx.loop.run in two processes on one directory: the second stops as it starts,
+    naming the first (pid, host, command), and deletes none of its files: neither its
+    committed steps nor its save in flight (an unfinished orbax directory, which a
+    manager opening the directory used to delete); the first run then ends with every
+    step restorable."""
+    directory = str(tmp_path / "ck")
+    holder = subprocess.Popen(
+        [sys.executable, WORKER, "run-hold", directory],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        out = run_worker("run-second", directory)
+        assert out.returncode == 0, out.stderr[-3000:]
+        second, steps, end = out.stdout.splitlines()
+        assert second == (
+            f"second: sx.loop.Run: checkpoint directory {directory} is being written by "
+            f"process {holder.pid} on {socket.gethostname()} ({sys.executable} {WORKER} "
+            f"run-hold {directory}); two writers in one directory lose steps. Close that "
+            "manager (or let that run end), or save into another directory"
+        ), second
+        assert steps == "steps: [1, 2]" and end == "end"
+        assert "3.orbax-checkpoint-tmp-1" in os.listdir(directory)  # the save in flight
+    finally:
+        rest, _ = holder.communicate("\n", timeout=LIMIT)
+    assert holder.returncode == 0 and rest == "end\n"
+    with sx.CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [1, 2, 3]
+        for step in (1, 2, 3):
+            got = manager.restore({"w": jnp.zeros(4)}, step=step)
+            assert got.state["w"].tolist() == [1.0 + step] * 4
 
 
 # The CLI with files over 64 KiB failing, as on a full disk (set in the child itself: a

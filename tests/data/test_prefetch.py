@@ -1,5 +1,6 @@
 """The threaded prefetch: order, placement, errors in place, stopping, no deadlock."""
 
+import contextlib
 import signal
 import threading
 import time
@@ -295,11 +296,10 @@ def test_close_puts_the_callers_loader_back_after_the_last_consumed_batch(mesh):
     np.testing.assert_array_equal(np.asarray(first["x"]), next(reference)["x"])
 
 
-def test_close_moves_nothing_at_the_end_on_errors_or_when_dropped(mesh):
+def test_close_moves_nothing_at_the_end_and_names_what_a_dropped_prefetcher_lost(mesh):
     """Read to its end, the source keeps its own end state (here: the next epoch), even
-    past a short batch the policy skipped; a prefetcher dropped unclosed, or one whose
-    with block raised, leaves the source where its worker left it, and the exception is
-    the block's own."""
+    past a short batch the policy skipped; a prefetcher dropped unclosed leaves the source
+    where its worker left it (no rewind from the collector) and names the batches lost."""
     source = Stateful(3, short=2)
     assert [float(b["x"][0]) for b in sx.prefetch_to_device(source, mesh, policy="drop")] == [0, 1]
     assert source.get_state() == {"epoch": 1, "i": 0}
@@ -307,16 +307,40 @@ def test_close_moves_nothing_at_the_end_on_errors_or_when_dropped(mesh):
     it = sx.prefetch_to_device(source, mesh, buffer_size=2)
     next(it)
     read_ahead(source, 3)
-    del it  # as when a name is bound to a new prefetcher: no rewind from the collector
-    assert source.get_state()["i"] >= 3
+    time.sleep(0.05)
+    with pytest.warns(RuntimeWarning) as caught:
+        del it  # as when a name is bound to a new prefetcher: no rewind from the collector
+    lost = source.get_state()["i"] - 1
+    assert str(caught[0].message) == (
+        f"prefetch close(): batches 2..{1 + lost} of this prefetcher (counted from 1; read "
+        "ahead, never consumed) are lost to the source iterator, which stays after them: it "
+        "was dropped unclosed (a break out of `for batch in prefetch_to_device(loader)`); use "
+        "a with block, or call close()"
+    )
+    assert lost >= 2
+
+
+def test_a_with_block_left_by_an_exception_puts_the_loader_back(mesh):
+    """A caught exception out of a with block over the prefetched batches skips no batch:
+    the loader goes on after the last one consumed; where it cannot be put back (its
+    set_state() fails) a warning names the batches, and the exception is the block's own."""
+    source = Stateful(20)
+    with contextlib.suppress(KeyError), sx.prefetch_to_device(source, mesh, buffer_size=2) as it:
+        assert float(next(it)["x"][0]) == 0
+        read_ahead(source, 3)
+        raise KeyError("the block's")
+    assert source.get_state() == {"epoch": 0, "i": 1}
+    assert float(next(source)["x"][0]) == 1  # the next batch is the one after the consumed
     source = Stateful(20, fail_set=True)
     with (
         pytest.raises(KeyError, match="the block's"),
+        pytest.warns(RuntimeWarning, match=r"batches 2\.\.\d+ of this .* set_state\(\) raised"),
         sx.prefetch_to_device(source, mesh, buffer_size=2) as it,
     ):
         next(it)
+        read_ahead(source, 3)
         raise KeyError("the block's")
-    assert source.get_state()["i"] >= 1
+    assert source.get_state()["i"] >= 3
 
 
 def test_close_warns_where_it_cannot_put_the_source_back(mesh):
@@ -328,7 +352,9 @@ def test_close_warns_where_it_cannot_put_the_source_back(mesh):
     read_ahead(source, 3)
     time.sleep(0.05)
     next(source)  # another reader of the same iterator
-    with pytest.warns(RuntimeWarning, match=r"batch\(es\) .* lost .*something else moved"):
+    with pytest.warns(
+        RuntimeWarning, match=r"batches 2\.\.4 of this .* lost .*something else moved"
+    ):
         it.close()
     source = Stateful(20, fail_set=True)
     it = sx.prefetch_to_device(source, mesh, buffer_size=2)

@@ -215,3 +215,20 @@ def test_the_checkpoints_loader_position_moves_the_first_loop_only(tmp_path, mes
                 firsts.append(float(batch["x"][0, 0]))
                 run.after_step(*train_step(run.state, batch))
     assert firsts == [DATA["x"][16, 0], DATA["x"][24, 0]]
+
+
+def test_an_evaluate_that_raises_never_costs_the_save_of_its_step(tmp_path, mesh):
+    """every={"save": 2, "eval": 2} with an evaluate that fails at step 2: the step is
+    saved before it is evaluated, so the run resumes from step 2, equal to the straight run."""
+
+    def evaluate(state):
+        raise FloatingPointError("the evaluation set is gone")
+
+    with pytest.raises(FloatingPointError, match="the evaluation set is gone"):
+        train(tmp_path, 4, mesh, every={"save": 2, "eval": 2}, evaluate=evaluate)
+    with sx.CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [2]
+    _, straight = train(tmp_path / "straight", 4, mesh)
+    run, resumed = train(tmp_path, 4, mesh)  # resumed at step 2: steps 3 and 4
+    assert run.first == 2
+    np.testing.assert_array_equal(resumed["w"], straight["w"])

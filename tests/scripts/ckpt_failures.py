@@ -24,6 +24,37 @@ import shardax as sx  # noqa: E402
 mode, directory = sys.argv[1], sys.argv[2]
 small = {"w": jnp.ones((4,))}
 big = {"w": jax.random.normal(jax.random.key(0), (512, 512))}  # 1 MiB, incompressible
+
+
+def steps_of_a_run(run, steps):
+    state = run.state
+    for _ in run.batches(range(steps)):
+        state = {"w": state["w"] + 1}
+        run.after_step(state)
+    return state
+
+
+if mode == "run-hold":  # a run that holds its directory, with a save in flight
+    with sx.loop.run(small, checkpoints=directory, every={"save": 1}, goodput=False) as run:
+        steps_of_a_run(run, 2)
+        # what an async save of step 3 looks like while it is written
+        os.makedirs(os.path.join(directory, "3.orbax-checkpoint-tmp-1"), exist_ok=True)
+        print("holding", flush=True)
+        sys.stdin.readline()
+        os.rmdir(os.path.join(directory, "3.orbax-checkpoint-tmp-1"))
+        steps_of_a_run(run, 1)
+    print("end", flush=True)
+    sys.exit(0)
+if mode == "run-second":  # a second run started on the directory
+    try:
+        with sx.loop.run(small, checkpoints=directory, goodput=False) as run:
+            steps_of_a_run(run, 5)
+    except RuntimeError as e:
+        print(f"second: {e}", flush=True)
+    print(f"steps: {sx.CheckpointManager(directory).all_steps()}", flush=True)
+    print("end", flush=True)
+    sys.exit(0)
+
 manager = sx.CheckpointManager(directory, async_save=True)
 manager.save(1, small)
 manager.wait()

@@ -2,11 +2,16 @@
 
 Two managers saving into one directory (two runs, or two managers of one script) race
 on the same step directories: orbax's renames fail in both, the step is lost, and the
-save threads wait for each other. So a [`CheckpointManager`][shardax.CheckpointManager] takes the
-directory's lock (an exclusive ``flock`` of the directory) at its first save and gives
-it back at ``close()``. The operating system gives it back when the process dies, so a
-crash leaves no stale lock, and no file is added to the directory. Only process 0 of a
-multi-process run takes it (the processes of one run save together).
+save threads wait for each other; worse, a manager that opens the directory deletes the
+unfinished (``*.orbax-checkpoint-tmp``) step directories it finds, which are the other
+writer's saves in flight. So a [`CheckpointManager`][shardax.CheckpointManager] takes the
+directory's lock (an exclusive ``flock`` of the directory) at its first save (``sx.loop.run``:
+when the run starts) and gives it back at ``close()``, and only the holder of the lock tidies
+the directory (a manager that opens it while another writes it only reads). The operating
+system gives the lock back when the process dies, so a crash leaves no stale lock, and no
+file is added to the directory. Only process 0 of a multi-process run takes it (the
+processes of one run save together). A refusal names the holder: its pid, its host and its
+command line.
 
 >>> lock = DirectoryLock(str(tmp_path))
 >>> DirectoryLock(str(tmp_path))
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 
 _HELD: dict[tuple[int, int], int] = {}
 """(device, inode) of each directory this process holds, to name the holder."""
@@ -31,9 +37,10 @@ class DirectoryLock:
     directory when it cannot be created or opened."""
 
     def __init__(self, directory: str) -> None:
+        self._fd: int | None = None
         try:
             os.makedirs(directory, exist_ok=True)
-            self._fd: int | None = os.open(directory, os.O_RDONLY)
+            self._fd = os.open(directory, os.O_RDONLY)
         except OSError as e:
             raise OSError(
                 e.errno, f"cannot save in checkpoint directory {directory}: {e.strerror}"
@@ -45,17 +52,21 @@ class DirectoryLock:
         except BlockingIOError:
             os.close(self._fd)
             self._fd = None
-            if self._key in _HELD:
-                who = f"another CheckpointManager of this process (pid {os.getpid()})"
-            else:
-                pid = _holder(stat.st_ino)
-                who = f"process {pid}" if pid else "another process"
             raise RuntimeError(
-                f"checkpoint directory {directory} is being written by {who}; two writers "
+                f"checkpoint directory {directory} is being written by "
+                f"{_who(self._key, stat.st_ino)}; two writers "
                 "in one directory lose steps. Close that manager (or let that run end), or "
                 "save into another directory"
             ) from None
         _HELD[self._key] = os.getpid()
+
+    @classmethod
+    def attempt(cls, directory: str) -> DirectoryLock | None:
+        """The lock when no one holds it, else None (it raises only ``OSError``)."""
+        try:
+            return cls(directory)
+        except RuntimeError:
+            return None
 
     def release(self) -> None:
         """Gives the lock back."""
@@ -66,6 +77,27 @@ class DirectoryLock:
 
     def __del__(self) -> None:  # a manager dropped without close()
         self.release()
+
+
+def _who(key: tuple[int, int], inode: int) -> str:
+    """The holder of the lock on ``inode``, in words: this process, or a process of this
+    host with its pid and command line, or a process of another host (a lock on a shared
+    file system that no process here holds)."""
+    if key in _HELD:
+        return f"another CheckpointManager of this process (pid {os.getpid()})"
+    host = socket.gethostname()
+    pid = _holder(inode)
+    if pid is None and not os.path.exists("/proc/locks"):
+        return "another process"  # (no /proc/locks to read its pid from)
+    if pid is None:
+        return f"a process of another host than {host} (no process of this host holds its lock)"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        command = " ".join(a.decode(errors="replace") for a in argv if a)
+    except OSError:
+        command = ""
+    return f"process {pid} on {host}" + (f" ({command:.200})" if command else "")
 
 
 def _holder(inode: int) -> str | None:

@@ -111,7 +111,16 @@ class CheckpointManager:
         self._lock: DirectoryLock | None = None
         self._in_flight: tuple[int, set[str]] | None = None  # (step, orbax operation ids)
         self.async_save = as_bool("async_save", async_save)
-        swap.recover(self.directory)  # an overwrite interrupted by a crash
+        if create:
+            os.makedirs(self.directory, exist_ok=True)
+        # An overwrite or a save interrupted by a crash is tidied when no one writes here;
+        # else they are another writer's, in flight, and only read past.
+        if jax.process_index() == 0:
+            lock = DirectoryLock.attempt(self.directory)
+            if lock is not None:
+                swap.recover(self.directory)
+                lock.release()
+        swap.sync_processes("shardax-checkpoint-tidy")
         # Old steps are deleted here (save), not by orbax, which deletes in the order of
         # its saves and so would drop a newer step to keep an older one just saved.
         self._manager = _orbax_manager(
@@ -308,8 +317,13 @@ class CheckpointManager:
         return Restored(state, restored["data"]["data_state"], step)
 
     def _take_lock(self) -> None:
+        """Makes this manager the directory's writer (process 0 holds the lock): raises
+        ``RuntimeError`` naming the one writing it now; then tidies what an earlier writer
+        left (``swap.recover``). [`save`][shardax.CheckpointManager.save] takes it, and
+        ``sx.loop.run`` as the run starts, so a second run stops before its first step."""
         if self._lock is None and jax.process_index() == 0:
             self._lock = DirectoryLock(self.directory)
+            swap.recover(self.directory)
 
     def close(self) -> None:
         """Waits for the save in flight and releases the manager and the directory."""
@@ -370,7 +384,7 @@ def _orbax_manager(
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         create=create,
-        cleanup_tmp_directories=True,
+        cleanup_tmp_directories=False,  # the writer does it, under the lock (_take_lock)
         enable_async_checkpointing=async_save,
         step_name_format=step_name_format,
     )
@@ -382,11 +396,6 @@ def _orbax_manager(
             "data": ocp.JsonCheckpointHandler(),
         },
     )
-    # orbax deletes unfinished "*.orbax-checkpoint-tmp" directories in a background future
-    # that only its own save() awaits: a manager closed without saving (a refused save, a
-    # restore) leaves it running, and it can delete the next manager's save in progress.
-    # orbax has no public way to wait for it (checked on orbax-checkpoint 0.12.8).
-    compat.orbax_await_tmp_cleanup(manager)
     return manager
 
 

@@ -29,6 +29,8 @@ STAGED = ".staged"
 """The directory (inside the checkpoint directory) new versions of steps are saved in."""
 REPLACED = ".replaced-"
 """Prefix of a step directory moved aside while its new version is swapped in."""
+TMP = ".orbax-checkpoint-tmp"
+"""What orbax puts in the name of a step directory until the step is committed."""
 
 
 def sync_processes(name: str) -> None:
@@ -38,23 +40,26 @@ def sync_processes(name: str) -> None:
 
 
 def recover(directory: str) -> list[str]:
-    """Finishes or undoes an interrupted swap in ``directory``; returns what it did."""
+    """Finishes or undoes an interrupted swap in ``directory``, and deletes the unfinished
+    saves orbax left (``*.orbax-checkpoint-tmp*``); returns what it did. Only for the
+    directory's writer (the holder of its lock, ``shardax.checkpoint.lock``), on process
+    0: another writer's swap or save in flight looks just like an interrupted one."""
     done: list[str] = []
-    if jax.process_index() == 0 and os.path.isdir(directory):
-        for name in sorted(os.listdir(directory)):
-            path = os.path.join(directory, name)
-            if name.startswith(REPLACED):
-                step_dir = os.path.join(directory, name[len(REPLACED) :])
-                if os.path.exists(step_dir):  # the new step is in place
-                    shutil.rmtree(path)
-                    done.append(f"deleted {name}")
-                else:  # killed between the renames: the old step goes back
-                    os.rename(path, step_dir)
-                    done.append(f"restored {name}")
-            elif name == STAGED:
+    if not os.path.isdir(directory):
+        return done
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.startswith(REPLACED):
+            step_dir = os.path.join(directory, name[len(REPLACED) :])
+            if os.path.exists(step_dir):  # the new step is in place
                 shutil.rmtree(path)
                 done.append(f"deleted {name}")
-    sync_processes("shardax-checkpoint-recover")
+            else:  # killed between the renames: the old step goes back
+                os.rename(path, step_dir)
+                done.append(f"restored {name}")
+        elif name == STAGED or TMP in name:
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"deleted {name}")
     return done
 
 

@@ -22,12 +22,14 @@ If the source iterator has ``get_state()`` (``sx.batches``, grain's ``DatasetIte
 [`Prefetcher.get_state`][shardax.data.Prefetcher.get_state] is the source's state after the last
 batch *consumed*, not
 after the last one read ahead, so a checkpoint resumes exactly where the consumer was. If it
-has ``set_state()`` too, ``close()`` (or leaving a ``with`` block without an exception) puts
-the caller's iterator back there, so the batches read ahead and dropped are the next ones it
-yields. It does not where that would not be safe, and warns where batches are then lost: a
-worker still busy after 0.25 s, or an iterator something else has moved meanwhile (another
-prefetcher of it). A prefetcher that is dropped, ended by an error, or read to its end
-moves nothing.
+has ``set_state()`` too, ``close()``, leaving a ``with`` block (by its end, a ``break`` or
+any exception) or a ``KeyboardInterrupt`` while waiting put the caller's iterator back
+there, so the batches read ahead and dropped are the next ones it yields. It does not where
+that would not be safe, and warns, naming the batches lost: a worker still busy after
+0.25 s, an iterator something else has moved meanwhile (another prefetcher of it), or a
+prefetcher dropped unclosed (a ``break`` out of ``for b in prefetch_to_device(loader)``:
+the collector does not rewind, as a new prefetcher may be reading the iterator already).
+A prefetcher ended by an error of its source, or read to its end, moves nothing.
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> with prefetch_to_device(({"x": np.full((8, 2), i)} for i in range(3)), mesh) as it:
@@ -44,7 +46,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -196,7 +198,7 @@ class Prefetcher(Iterator[Any]):
         try:
             item, state = self._get()
         except BaseException:  # KeyboardInterrupt while waiting: stop the worker first
-            self._close(rewind=False)
+            self._close(rewind=True)
             raise
         finally:
             self.wait_seconds += time.perf_counter() - start
@@ -230,7 +232,7 @@ class Prefetcher(Iterator[Any]):
         batch (see the module docstring)."""
         self._close(rewind=True)
 
-    def _close(self, rewind: bool) -> None:
+    def _close(self, rewind: bool, dropping: bool = False) -> None:
         if self._closed:
             return
         self._finished = self._closed = True
@@ -242,13 +244,17 @@ class Prefetcher(Iterator[Any]):
         dropped = self._progress.read - self._consumed
         if rewind and self._source is not None and dropped > 0:
             self._rewind(dropped)
+        elif dropping and self._source is not None and dropped > 0:
+            self._lost(
+                dropped,
+                "it was dropped unclosed (a break out of `for batch in "
+                "prefetch_to_device(loader)`); use a with block, or call close()",
+            )
         self._source = None
 
     def _rewind(self, dropped: int) -> None:
         """Puts the caller's iterator back over the ``dropped`` batches read ahead, or
         warns that they are lost (never raises: close() may run under an exception)."""
-        lost = (f"the {dropped} batch(es) the prefetcher read ahead are lost to the source "
-                "iterator (it stays after them)")  # fmt: skip
         if self._thread.is_alive():
             why = f"its worker was still busy {_JOIN_S} s after close()"
         else:
@@ -260,7 +266,17 @@ class Prefetcher(Iterator[Any]):
                     return
             except Exception as e:
                 why = f"its set_state() raised {type(e).__name__}: {e}"
-        warnings.warn(f"prefetch close(): {lost}: {why}", RuntimeWarning, stacklevel=4)
+        self._lost(dropped, why)
+
+    def _lost(self, dropped: int, why: str) -> None:
+        first, last = self._consumed + 1, self._consumed + dropped
+        which = f"batch {first}" if dropped == 1 else f"batches {first}..{last}"
+        warnings.warn(
+            f"prefetch close(): {which} of this prefetcher (counted from 1; read ahead, never "
+            f"consumed) are lost to the source iterator, which stays after them: {why}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def _drain(self) -> None:
         try:
@@ -273,11 +289,13 @@ class Prefetcher(Iterator[Any]):
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
-        self._close(rewind=kind is None)
+        self._close(rewind=True)  # a with block left by an exception loses no batch either
 
-    def __del__(self) -> None:
+    def __del__(self) -> None:  # a break out of an unnamed prefetcher
         if hasattr(self, "_thread"):
-            self._close(rewind=False)
+            # No rewind from the collector (a new prefetcher of the same iterator may be
+            # reading it already), but a word when batches are lost.
+            self._close(rewind=False, dropping=True)
 
 
 @atexit.register
@@ -319,6 +337,13 @@ def prefetch_to_device(
     manager. Every ``break`` out of a named iterator should be followed by ``close()``, or
     use ``with``.
     """
+    if isinstance(iterable, Mapping):
+        raise TypeError(
+            f"iterable must be an iterable of batches (a list of them, a generator, "
+            f"sx.batches(...)), got a {type(iterable).__name__} (keys {list(iterable)[:4]}), "
+            "which would yield its keys: pass [batch] for one batch, or sx.batches(data, "
+            "batch_size) to cut a dict of arrays into batches"
+        )
     buffer_size = as_count("buffer_size", buffer_size)
     if policy is not None:
         check_policy(policy)

@@ -138,6 +138,9 @@ class Run:
                 "once. Make a new one with sx.loop.run(state, ...)"
             )
         try:
+            claim = getattr(self.manager, "_take_lock", None)
+            if callable(claim):  # the directory's writer from the start: a second run
+                claim()  # stops here, naming this one, before it trains or deletes anything
             restored = self.resume
             if restored is False and self.manager is not None:
                 where = f"the checkpoint directory {self.manager.directory}"

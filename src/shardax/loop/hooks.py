@@ -438,6 +438,37 @@ class Checkpoints(Hook):
             run.manager.wait()  # the save in flight
 
 
+class Snapshots(Checkpoints):
+    """Every ``every`` steps: a snapshot of the state and the data position in
+    ``manager``, a [`shardax.CheckpointManager`][shardax.CheckpointManager] of its own in
+    host memory (``shardax launch --max-restarts`` owns one in ``/dev/shm``, which
+    outlives a process). Asynchronous: the step goes on while the arrays are written; a snapshot cut
+    short by a kill is not committed, and the one before it stays restorable. After a
+    failure, the restarted processes resume from the newest of the snapshots and the
+    persistent checkpoints. Not taken on preemption or at the end: the persistent
+    checkpoint is (``Checkpoints``). ``shardax train --snapshot-every N`` adds it.
+    """
+
+    def __init__(self, manager: Any, every: int = 1) -> None:
+        super().__init__(every)
+        self.manager = manager
+
+    def due(self, run: Any) -> bool:
+        return itstime(run.step, self.every, run.total) and run.step != run.total
+
+    def finish(self, run: Any) -> None:
+        pass
+
+    def save(self, run: Any) -> None:
+        with run.phase("checkpoint"):  # the blocking part: the copy to the host
+            self.manager.save(run.step, saveable(run.state), run.data_state())
+        self.saved_at = run.step
+
+    def close(self, run: Any) -> None:
+        with run.phase("checkpoint"):
+            self.manager.wait()
+
+
 def usual_hooks(
     every: dict[str, int | None],
     *,
@@ -452,8 +483,9 @@ def usual_hooks(
     it a step counts as completed, in the ledger too, once it waited for the step's
     result, one step behind), the goodput ledger (at the path ``goodput``; None: in
     memory; False: none), preemption, the metrics window, then as asked the progress
-    bar, logging every ``every["log"]`` steps (10 by default), evaluation every
-    ``every["eval"]`` and checkpoints every ``every["save"]``."""
+    bar, logging every ``every["log"]`` steps (10 by default), checkpoints every
+    ``every["save"]`` and evaluation every ``every["eval"]`` (after the save of the same
+    step, so an ``evaluate`` that raises loses no step)."""
     hooks: list[Hook] = [Watchdog(watchdog)] if watchdog is not None else []
     if goodput is not False:
         hooks.append(Goodput(goodput or None))
@@ -462,8 +494,8 @@ def usual_hooks(
         hooks.append(Progress())
     if logging:
         hooks.append(Logging(every.get("log", 10)))
+    if checkpoints:  # before the evaluation: an evaluate that raises never costs a save
+        hooks.append(Checkpoints(every.get("save")))
     if evaluate is not None:
         hooks.append(Evaluation(evaluate, every.get("eval")))
-    if checkpoints:
-        hooks.append(Checkpoints(every.get("save")))
     return hooks
