@@ -29,3 +29,7 @@ CONTEXT_AXIS = "context"
 
 EXPERT_AXIS = "expert"
 """The expert axis of expert parallelism ([`shardax.moe`][shardax.moe])."""
+
+ISLAND_AXIS = "island"
+"""The axis between DiLoCo's islands (``sx.DiLoCo``): only the outer step crosses it, so
+``sx.make_mesh`` puts it across processes (hosts, slices) before any other."""

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, Mesh
 
 from shardax.checks import as_count, public
 from shardax.cost.compile_target import Target
-from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
+from shardax.mesh.axes import DATA_AXIS, ISLAND_AXIS, REPLICA_AXIS
 
 MeshSpec = Mapping[str, int] | Sequence[tuple[str, int]]
 
@@ -87,6 +87,7 @@ def make_mesh(
         dcn_axis: with devices in several processes (or TPU slices), the axis split
             between them, over the slower network; every other axis stays inside one
             process. Its size must be a multiple of the number of processes. Default:
+            ``"island"`` if the mesh has it (DiLoCo's islands, ``sx.DiLoCo``), else
             ``"replica"`` if the mesh has it (HSDP: replicas across processes,
             ``{"replica": 2, "fsdp": 4}`` or the GPT's ``{"replica": 2, "data": 4}``
             shards inside each), else ``"data"``.
@@ -126,7 +127,7 @@ def make_mesh(
             "drives its own)"
         )
     if dcn_axis is None:
-        dcn_axis = REPLICA_AXIS if REPLICA_AXIS in shape else DATA_AXIS
+        dcn_axis = next((a for a in (ISLAND_AXIS, REPLICA_AXIS) if a in shape), DATA_AXIS)
     grid = _hybrid_grid(shape, devices, dcn_axis)
     if grid is not None:
         return Mesh(grid, tuple(shape), axis_types=axis_types)

@@ -42,6 +42,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.checks import as_count, public, received
+from shardax.mesh.axes import ISLAND_AXIS
 from shardax.plan.activation import constrain
 from shardax.train.static import comparable
 
@@ -76,7 +77,7 @@ class DiLoCo:
 
     inner_steps: int
     outer: optax.GradientTransformation | None = None
-    axis: str = "island"
+    axis: str = ISLAND_AXIS
     compress: str | None = None
     block: int = 256
     topk: int = 8
