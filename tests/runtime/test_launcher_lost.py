@@ -208,3 +208,68 @@ def test_watch_launcher_refuses_a_malformed_environment(env, message):
     with pytest.raises(ValueError, match=message.replace("$", r"\$")):
         launcher.watch_launcher(env)
     assert launcher.watch_launcher({}) is None
+
+
+# --- in-job recovery: shardax launch --max-restarts ---------------------------------------
+
+
+def final_params(directory: Path) -> dict[str, np.ndarray]:
+    """The params of the newest checkpoint in ``directory`` (the MLP job's), by path."""
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=3e-3)
+    like = sx.TrainState.create(make_mlp(64, 32, 1, 10, 0), tx, rng=0)
+    with sx.CheckpointManager(directory) as manager:
+        state = manager.restore(like).state
+    leaves = jax.tree_util.tree_leaves_with_path(state.params)
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "stop"])
+def test_a_process_killed_or_stopped_costs_one_step_and_the_run_ends_as_without_it(
+    tmp_path, launched_train, fault
+):
+    reference, run, options = launched_train  # 2 processes x 2 devices, 12 steps, no fault
+    assert reference.returncode == 0, reference.stderr[-6000:]
+    launch_dir = tmp_path / "launch"
+    argv = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "2", "--max-restarts", "2",
+            "--launch-dir", str(launch_dir), "--", sys.executable, "-m", "shardax", "train",
+            *options, "--run-dir", str(tmp_path / "run"), "--checkpoint-dir",
+            str(tmp_path / "ckpt"), "--save-every", "1000", "--log-every", "1"]  # fmt: skip
+    log = (tmp_path / "launch.out").open("w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=CLEAN_ENV)
+    try:
+        deadline = time.monotonic() + 240
+        status: dict = {}
+        while not (status.get("snapshots") and (Path(status["snapshots"]) / "train/4").exists()):
+            assert proc.poll() is None, (tmp_path / "launch.out").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no snapshot of step 4"
+            time.sleep(0.01)
+            status = launcher.read_status(launch_dir)
+        victim = status["ranks"]["1"]["pid"]
+        os.kill(victim, fault)
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        log.close()
+    out = (tmp_path / "launch.out").read_text()
+    assert code == 0, out[-4000:]
+    status = launcher.read_status(launch_dir)
+    (restart,) = status["restarts"]
+    cause = "killed by SIGKILL" if fault == signal.SIGKILL else "stopped (SIGSTOP)"
+    assert restart["rank"] == 1 and restart["pid"] == victim and cause in restart["cause"]
+    assert "restart 1 of 2: every process starts again" in out and cause in out
+    assert restart["restored_from"].startswith("the host-memory snapshot"), restart
+    assert restart["steps_lost"] <= 1, restart  # a snapshot every step
+    assert restart["seconds_to_next_step"] < 60, restart
+    assert not Path(status["snapshots"]).exists()  # the launcher's, gone with it
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [r["rank"] for r in summary["restarts"]] == [1]
+    # Bitwise the run without a fault: the history and the final params.
+    want = json.loads((run / "summary.json").read_text())
+    keys = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy")
+    assert [{k: h[k] for k in keys} for h in summary["history"]] == [
+        {k: h[k] for k in keys} for h in want["history"]
+    ]
+    got, expected = final_params(tmp_path / "ckpt"), final_params(run / "ckpt")
+    for path in expected:
+        np.testing.assert_array_equal(got[path], expected[path], err_msg=path)

@@ -39,6 +39,7 @@ _spec = importlib.util.spec_from_file_location("multihost_train", SCRIPT)
 multihost_train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(multihost_train)
 LAUNCH = [sys.executable, "-c", "import sys; from shardax.cli import main; sys.exit(main())"]
+WHO = r"\(pid \d+, host [^)]+\) "  # how launch names a process, after its rank
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "SLURM_"))}
 
 
@@ -214,7 +215,11 @@ def test_a_process_raises_every_process_exits_nonzero_promptly():
     # Rank 1 is named: seen to exit first, or (when rank 0's collective fails first and
     # rank 1 waits in the runtime's shutdown) as the process that raised first.
     assert re.search(
-        r"process (1 exited with code 1|0 exited with code \d+ after process 1 raised)", text
+        r"process (1 "
+        + WHO
+        + r"exited with code 1: RuntimeError: deliberate failure on process 1 at "
+        r"step 2|0 " + WHO + r"exited with code \d+.* after process 1 raised)",
+        text,
     ), text
     assert elapsed < 60, elapsed
 
@@ -352,7 +357,7 @@ def test_launch_exits_with_first_failure_and_stops_the_others():
         env=CLEAN_ENV,
     )
     assert proc.returncode == 7, proc.stdout + proc.stderr
-    assert "process 1 exited with code 7; stopping the others" in proc.stderr
+    assert re.search(r"process 1 " + WHO + r"exited with code 7; stopping the others", proc.stderr)
     # Far below JAX's 300 s shutdown barrier, which the others would wait out if the
     # launcher did not stop them; loose enough for a loaded 2-core machine.
     assert time.monotonic() - start < 90
@@ -512,7 +517,7 @@ def test_launch_reports_an_exception_before_a_peer_killed_by_a_signal():
     err = io.StringIO()
     assert supervise(procs, out=io.StringIO(), err=err) == 3  # not rank 0's 134
     # every process ended before a poll saw one fail: the failure is still named
-    assert "process 1 exited with code 3; all have ended" in err.getvalue()
+    assert re.search(r"process 1 " + WHO + r"exited with code 3; all have ended", err.getvalue())
 
 
 def test_launch_names_the_process_that_raised_first():
@@ -527,5 +532,9 @@ def test_launch_names_the_process_that_raised_first():
     err = io.StringIO()
     assert supervise(procs, out=err, err=err) == 1
     text = err.getvalue()
-    assert "process 0 exited with code 1 after process 1 raised (its traceback is above)" in text
+    assert re.search(
+        r"process 0 " + WHO + r"exited with code 1: RuntimeError: a collective mismatch after "
+        r"process 1 raised \(its traceback is above\)",
+        text,
+    ), text
     assert text.index("the cause") < text.index("a collective mismatch")

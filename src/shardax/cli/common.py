@@ -23,6 +23,7 @@ import jax
 from rich.console import Console
 
 from shardax._format import titled_table
+from shardax.cli.extras import install_hint
 from shardax.cost.flops import compiled_flops
 from shardax.cost.hlo import attention_kernel
 
@@ -162,7 +163,8 @@ def check_output_dirs(args: argparse.Namespace) -> None:
         value = getattr(args, attr, None)
         if value and value != "off":
             check_writable_dir(option, value)
-    if args.command == "train" and args.run_dir and not args.resume:
+    restarted = bool(os.environ.get("SHARDAX_RESTART"))  # shardax launch --max-restarts
+    if args.command == "train" and args.run_dir and not args.resume and not restarted:
         earlier = [f for f in RUN_FILES if (Path(args.run_dir) / f).exists()]
         if earlier:
             raise UsageError(
@@ -275,7 +277,7 @@ def require(module: str, extra: str, command: str) -> Any:
     except ImportError:
         raise SystemExit(
             f"shardax {command}: error: this needs {module.split('.')[0]}; "
-            f"install it with: pip install 'shardax[{extra}]'"
+            f"install it with: {install_hint(extra)}"
         ) from None
 
 

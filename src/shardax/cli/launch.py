@@ -35,21 +35,24 @@ import ctypes
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from shardax.cli.common import (
     UsageError,
     check_writable_dir,
     nonneg_float,
+    nonneg_int,
     path_arg,
     positive_int,
     tcp_port,
@@ -64,9 +67,12 @@ from shardax.runtime.distributed import (
 from shardax.runtime.launcher import (
     ENV_LAUNCH_DIR,
     ENV_LAUNCHER_PID,
+    ENV_RESTART,
+    ENV_SNAPSHOT_DIR,
     rank_log,
     update_status,
 )
+from shardax.runtime.status import read_record
 from shardax.train.compiler import set_gpu_environment
 
 RUNTIME_CHATTER = re.compile(r"\[Gloo\] |peer ranks\. Expected number of connected peer ranks is")
@@ -143,6 +149,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between SIGINT and SIGKILL when stopping processes (default: 3)",
     )
     parser.add_argument(
+        "--max-restarts",
+        type=nonneg_int,
+        default=0,
+        help="after a process fails (dies, raises, hangs past its watchdog, is stopped), "
+        "start every process again, up to K times; the processes resume from their newest "
+        "snapshot (shardax train --snapshot-every) or checkpoint (default: 0, none)",
+    )
+    parser.add_argument(
         "--launch-dir",
         type=path_arg,
         default=None,
@@ -167,6 +181,8 @@ def process_env(
     cpu_devices: int | None = None,
     heartbeat_timeout: int | None = None,
     launch_dir: str | os.PathLike[str] | None = None,
+    restart: int = 0,
+    snapshot_dir: str | os.PathLike[str] | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of process ``rank``: ``base`` (default ``os.environ``) plus the
@@ -175,7 +191,8 @@ def process_env(
     before JAX starts (``shardax.train.compiler.ENVIRONMENT``:
     ``CUDA_DEVICE_MAX_CONNECTIONS=1``) where ``base`` does not set them. With a
     ``launch_dir``, also this launcher's pid and that directory, by which the process
-    stops when the launcher is gone (``shardax.runtime.launcher``).
+    stops when the launcher is gone (``shardax.runtime.launcher``); after a failure the
+    number of the ``restart`` and, for in-job recovery, the ``snapshot_dir``.
 
     >>> env = process_env(1, 2, 1234, base={})
     >>> env[ENV_PROCESS_ID], env["CUDA_DEVICE_MAX_CONNECTIONS"]
@@ -198,6 +215,10 @@ def process_env(
     if launch_dir is not None:
         env[ENV_LAUNCHER_PID] = str(os.getpid())
         env[ENV_LAUNCH_DIR] = str(launch_dir)
+    if restart:
+        env[ENV_RESTART] = str(restart)
+    if snapshot_dir is not None:
+        env[ENV_SNAPSHOT_DIR] = str(snapshot_dir)
     return env
 
 
@@ -260,6 +281,7 @@ def _forward(
     raised: dict[int, float] | None = None,
     log: IO[str] | None = None,
     lost: set[int] | None = None,
+    errors: dict[int, str] | None = None,
 ) -> None:
     """Copies ``pipe``'s lines to ``out`` (after ``[rank] `` if ``prefix``), and to ``log``
     unprefixed; runtime chatter goes to ``err``, always prefixed. A stream that fails
@@ -275,6 +297,8 @@ def _forward(
         stream = err if chatter else out
         if raised is not None and line.startswith(_TRACEBACK):
             raised.setdefault(rank, time.monotonic())
+        if errors is not None and line.strip() and not chatter and rank in (raised or {}):
+            errors[rank] = line.strip()  # a traceback's last line: the exception
         with lock:
             text = f"[{rank}] {line}\n" if prefix or chatter else f"{line}\n"
             for target, what in ((stream, text), (log, f"{line}\n")):
@@ -315,13 +339,16 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
 @contextlib.contextmanager
 def forward_signals(
     procs: Sequence[subprocess.Popen[bytes]], signals: Sequence[int] = (signal.SIGTERM,)
-) -> Iterator[None]:
+) -> Iterator[list[int]]:
     """Within the block, ``signals`` sent to this process go to every running process
     group instead (the previous handlers come back afterwards); SIGHUP (the terminal
     closed) goes as SIGTERM, the preemption notice, so the processes save and exit 75.
-    Main thread only."""
+    Yields the list of the signals received so far. Main thread only."""
+
+    received: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
+        received.append(signum)
         sent = signal.SIGTERM if signum == signal.SIGHUP else signum
         for p in procs:
             if p.poll() is None:
@@ -329,7 +356,7 @@ def forward_signals(
 
     previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
-        yield
+        yield received
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -363,6 +390,7 @@ class LaunchRecord:
         self.directory = None if directory is None else Path(directory)
         self.err, self._said = err, False
         self._exited: set[int] = set()
+        self.failure: dict[str, Any] | None = None
 
     def write(self, change: Callable[[dict], None]) -> None:
         if self.directory is None:
@@ -385,6 +413,8 @@ class LaunchRecord:
             return None
 
     def started(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        self._exited = set()
+
         def change(status: dict) -> None:
             status.setdefault("launcher", {}).update(
                 pid=os.getpid(), host=socket.gethostname(), state="running", started=time.time()
@@ -413,8 +443,27 @@ class LaunchRecord:
 
         self.write(change)
 
-    def failed(self, rank: int, code: int, line: str) -> None:
-        self.write(lambda s: s.update(failure={"rank": rank, "exit_code": code}, message=line))
+    def failed(self, failure: dict[str, Any]) -> None:
+        self.failure = failure
+        self.write(lambda s: s.update(failure=failure, message=failure["line"]))
+
+    def restarting(self, failure: dict[str, Any], restart: int, most: int) -> None:
+        """Says and records that every process restarts after ``failure``."""
+        line = (
+            f"shardax launch: restart {restart} of {most}: every process starts again, with a "
+            f"fresh coordinator port, after {describe_failure(failure)}"
+        )
+        with contextlib.suppress(OSError, ValueError):
+            self.err.write(line + "\n")
+            self.err.flush()
+        self.write(lambda s: s.setdefault("restarts", []).append({**failure, "restart": restart}))
+
+    def gave_up(self, failure: dict[str, Any], most: int) -> None:
+        history = f"{most} restart(s) spent" if most else "no restart allowed (--max-restarts 0)"
+        line = f"shardax launch: giving up after {describe_failure(failure)}: {history}"
+        with contextlib.suppress(OSError, ValueError):
+            self.err.write(line + "\n")
+        self.write(lambda s: s.update(message=line))
 
     def note(self, line: str) -> None:
         self.write(lambda s: s.update(message=line))
@@ -449,6 +498,7 @@ def supervise(
     prefix_stdout: bool = True,
     poll: float = 0.05,
     launch_dir: str | os.PathLike[str] | None = None,
+    record: LaunchRecord | None = None,
 ) -> int:
     """Forwards each process's stdout to ``out`` and stderr to ``err`` (default: this
     process's), lines prefixed with the rank (stdout's only if ``prefix_stdout``), until
@@ -466,20 +516,22 @@ def supervise(
     err = sys.stderr if err is None else err
     lock = threading.Lock()
     raised: dict[int, float] = {}  # rank -> when it printed its first Python traceback
-    record = LaunchRecord(launch_dir, err)
+    record = LaunchRecord(launch_dir, err) if record is None else record
     logs = [record.log(r) for r in range(len(procs))]
     lost: set[int] = set()  # the ids of streams that failed (a closed terminal)
+    errors: dict[int, str] = {}  # rank -> the last line of its traceback
+    common = {"raised": raised, "lost": lost, "errors": errors}
     readers = [
         threading.Thread(
             target=_forward,
             args=(r, p.stdout, out, err, lock),
-            kwargs={"prefix": prefix_stdout, "raised": raised, "log": logs[r], "lost": lost},
+            kwargs={"prefix": prefix_stdout, "log": logs[r], **common},
         )
         for r, p in enumerate(procs)
     ]
     readers += [
         threading.Thread(target=_forward, args=(r, p.stderr, err, err, lock),
-                         kwargs={"raised": raised, "log": logs[r], "lost": lost})
+                         kwargs={"log": logs[r], **common})
         for r, p in enumerate(procs)
     ]  # fmt: skip
     for t in readers:
@@ -491,14 +543,15 @@ def supervise(
         for t in readers:
             t.start()
             started.append(t)
+        stopped: dict[int, float] = {}  # rank -> since when it is seen stopped
         while [p.poll() for p in procs].count(None):  # polls every process
             record.ended(procs)
             first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE), raised)
-            if first is not None:
-                first_failure, line = _say_failed(
-                    procs, first, raised, err, lock, "stopping the others"
-                )
-                record.failed(procs.index(first), first_failure, line)
+            halted = _halted(procs, stopped)
+            if first is not None or halted is not None:
+                failure = _failure(procs, first, halted, raised, errors, record.directory)
+                first_failure = _say_failed(failure, err, lock, "stopping the others")
+                record.failed(failure)
                 stop(procs, grace)
                 break
             time.sleep(poll)
@@ -523,8 +576,9 @@ def supervise(
         if first is not None and first.returncode == PREEMPTED_EXIT_CODE:
             first_failure = PREEMPTED_EXIT_CODE
         elif first is not None:  # every process ended between two polls: said here
-            first_failure, line = _say_failed(procs, first, raised, err, lock, "all have ended")
-            record.failed(procs.index(first), first_failure, line)
+            failure = _failure(procs, first, None, raised, errors, record.directory)
+            first_failure = _say_failed(failure, err, lock, "all have ended")
+            record.failed(failure)
     record.finished(procs, first_failure)
     for log in logs:
         if log is not None:
@@ -532,26 +586,89 @@ def supervise(
     return first_failure
 
 
-def _say_failed(
+STOPPED_AFTER = 5.0
+"""Seconds a process may stay stopped (SIGSTOP, SIGTSTP) before it counts as failed."""
+
+
+def _halted(procs: Sequence[subprocess.Popen[bytes]], stopped: dict[int, float]) -> int | None:
+    """The rank of a process seen stopped for ``STOPPED_AFTER`` seconds, else None
+    (``stopped``: since when each one is; a process that went on is forgotten)."""
+    now = time.monotonic()
+    for rank, p in enumerate(procs):
+        if p.returncode is None and _state(p.pid) in ("T", "t"):
+            if now - stopped.setdefault(rank, now) >= STOPPED_AFTER:
+                return rank
+        else:
+            stopped.pop(rank, None)
+    return None
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from ``/proc`` (``T``: stopped), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _failure(
     procs: Sequence[subprocess.Popen[bytes]],
-    first: subprocess.Popen[bytes],
+    first: subprocess.Popen[bytes] | None,
+    halted: int | None,
     raised: dict[int, float],
-    err: IO[str],
-    lock: threading.Lock,
-    then: str,
-) -> tuple[int, str]:
-    """Writes which process failed first (and which raised first, if another); returns its
-    exit code and the line."""
-    code, failed_rank = exit_code(first.returncode), procs.index(first)
-    cause = min(raised, key=raised.__getitem__) if raised else failed_rank
-    after = (
-        "" if cause == failed_rank else f" after process {cause} raised (its traceback is above)"
+    errors: dict[int, str],
+    directory: Path | None,
+) -> dict[str, Any]:
+    """What failed first: its rank, pid, host, exit code, cause (the signal that killed
+    it, its exception's line, its exit code, or how long it is stopped) and the step it
+    was in, as its last status record in ``directory`` says."""
+    if first is not None:
+        rank, code = procs.index(first), exit_code(first.returncode)  # type: ignore[arg-type]
+        if first.returncode < 0:  # type: ignore[operator]
+            cause = f"killed by {signal.Signals(-first.returncode).name}"  # type: ignore[operator]
+        else:
+            cause = f"exited with code {code}" + (f": {errors[rank]}" if rank in errors else "")
+    else:
+        rank, code = halted, None  # type: ignore[assignment]
+        cause = f"stopped (SIGSTOP) for {STOPPED_AFTER:g} s"
+    raiser = min(raised, key=raised.__getitem__) if raised else rank
+    if first is None or (first.returncode < 0 and -first.returncode != signal.SIGABRT):  # type: ignore[operator]
+        raiser = rank  # stopped or killed from outside: the cause, whoever raised after it
+    failure: dict[str, Any] = {
+        "rank": rank, "pid": procs[rank].pid, "host": socket.gethostname(),  # type: ignore[index]
+        "exit_code": code, "cause": cause, "at": time.time(),
+    }  # fmt: skip
+    if raiser != rank:
+        failure["after"] = f"after process {raiser} raised (its traceback is above)"
+    where = read_record(directory, rank) if directory is not None else None  # type: ignore[arg-type]
+    if where is not None:
+        failure.update(step=where.get("step"), last_completed=where.get("completed"))
+    return failure
+
+
+def describe_failure(failure: dict[str, Any]) -> str:
+    """``process 1 (pid 42, host h) killed by SIGKILL in step 7 (last completed 6)``."""
+    where = ""
+    if failure.get("step") is not None or failure.get("last_completed") is not None:
+        where = f" in step {failure.get('step')} (last completed {failure.get('last_completed')})"
+    after = f" {failure['after']}" if failure.get("after") else ""
+    return (
+        f"process {failure['rank']} (pid {failure['pid']}, host {failure['host']}) "
+        f"{failure['cause']}{where}{after}"
     )
-    line = f"shardax launch: process {failed_rank} exited with code {code}{after}; {then}"
+
+
+def _say_failed(failure: dict[str, Any], err: IO[str], lock: threading.Lock, then: str) -> int:
+    """Writes which process failed first (and which raised first, if another); returns the
+    launch's exit code for it (137 for a process stopped and so killed)."""
+    line = f"shardax launch: {describe_failure(failure)}; {then}"
+    failure["line"] = line
     with lock, contextlib.suppress(OSError, ValueError):
         err.write(line + "\n")
         err.flush()
-    return code, line
+    code = failure["exit_code"]
+    return 128 + signal.SIGKILL if code is None else code
 
 
 def _first_failed(
@@ -571,7 +688,8 @@ def _first_failed(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Starts the processes and supervises them; returns launch's exit code."""
+    """Starts the processes and supervises them, restarting them all after a failure up to
+    ``--max-restarts`` times; returns launch's exit code."""
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -580,27 +698,54 @@ def run(args: argparse.Namespace) -> int:
     launch_dir = Path(args.launch_dir or default_launch_dir())
     check_writable_dir("--launch-dir", str(launch_dir))
     launch_dir.mkdir(parents=True, exist_ok=True)
-    port = args.port or free_port()
-    envs = [
-        process_env(
-            r,
-            args.num_processes,
-            port,
-            cpu_devices=args.cpu_devices,
-            heartbeat_timeout=args.heartbeat_timeout,
-            launch_dir=launch_dir.resolve(),
-        )
-        for r in range(args.num_processes)
-    ]
-    try:
-        procs = start_processes(cmd, envs, merge_stderr=False)
-    except OSError as e:  # not found, not executable
-        raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
+    snapshots = snapshot_dir(launch_dir) if args.max_restarts else None
+    record = LaunchRecord(launch_dir, sys.stderr)
+    if snapshots is not None:
+        record.write(lambda s: s.update(snapshots=str(snapshots), max_restarts=args.max_restarts))
+    procs: list[subprocess.Popen[bytes]] = []  # the running attempt's, for the signals
     sys.stderr.write(f"shardax launch: status and logs in {launch_dir}\n")
-    with forward_signals(procs, (signal.SIGTERM, signal.SIGHUP)), interruptible():
-        return supervise(
-            procs, grace=args.grace, prefix_stdout="--json" not in cmd, launch_dir=launch_dir
-        )
+    try:
+        with forward_signals(procs, (signal.SIGTERM, signal.SIGHUP)) as received, interruptible():
+            for attempt in range(args.max_restarts + 1):
+                port = args.port if args.port and not attempt else free_port()  # a fresh one
+                envs = [
+                    process_env(
+                        r, args.num_processes, port, cpu_devices=args.cpu_devices,
+                        heartbeat_timeout=args.heartbeat_timeout, launch_dir=launch_dir.resolve(),
+                        restart=attempt, snapshot_dir=snapshots,
+                    )
+                    for r in range(args.num_processes)
+                ]  # fmt: skip
+                try:
+                    procs[:] = start_processes(cmd, envs, merge_stderr=False)
+                except OSError as e:  # not found, not executable
+                    raise UsageError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
+                code = supervise(
+                    procs, grace=args.grace, prefix_stdout="--json" not in cmd, record=record
+                )
+                failure, record.failure = record.failure, None
+                if code in (0, PREEMPTED_EXIT_CODE, 130) or failure is None or received:
+                    return code
+                if attempt == args.max_restarts:
+                    record.gave_up(failure, args.max_restarts)
+                    return code
+                record.restarting(failure, attempt + 1, args.max_restarts)
+    finally:
+        if snapshots is not None:
+            shutil.rmtree(snapshots, ignore_errors=True)
+    return 0  # unreachable: the last attempt returns
+
+
+def snapshot_dir(launch_dir: Path) -> Path:
+    """Where the processes keep their snapshots: in host memory (``/dev/shm``), owned by
+    this launcher (removed when it ends), so a process's death loses none; in the launch
+    directory where there is no ``/dev/shm``."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return Path(tempfile.mkdtemp(prefix=f"shardax-{os.getpid()}-", dir=shm))
+    path = launch_dir / "snapshots"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def default_launch_dir() -> Path:

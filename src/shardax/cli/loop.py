@@ -26,31 +26,55 @@ from shardax.cli import track
 from shardax.cli.common import STARTED, UsageError, machine, run_dir, step_flops
 from shardax.cli.hooks import Bar, History, Log, Record
 from shardax.cli.job import Job, data_axes
+from shardax.cli.recovery import Recovery, newest, snapshot_every, snapshot_manager
+from shardax.cli.recovery import history as recovery_history
 from shardax.cost.flops import format_utilization, utilization
 from shardax.loop import Checkpoints, Goodput, Hook, MetricsWindow, Preemption, Run, Watchdog
 from shardax.loop.driver import refuse_earlier_run
+from shardax.loop.hooks import Snapshots
 from shardax.plan.tree import map_arrays, path_str
 from shardax.runtime import compile_stats
 from shardax.track.goodput import FILE, fraction, load
 from shardax.train.compiler import ENVIRONMENT
 
 
-def resume(args: argparse.Namespace, manager: Any, job: Job) -> Any:
+def resume(
+    args: argparse.Namespace,
+    manager: Any,
+    job: Job,
+    snapshots: Any = None,
+    recovery: Recovery | None = None,
+) -> Any:
     """The checkpoint to continue from (``Restored``: state, data state with the steps
     done, history and the metrics since the last evaluation), the loader moved there;
-    or False."""
-    if not args.resume:
+    or False. A run that ``shardax launch`` restarted resumes from the newest of the
+    snapshots and the checkpoints (``recovery``), as if ``--resume`` were given."""
+    source = manager
+    if recovery is not None and recovery.restart:
+        chosen = newest(manager, snapshots)
+        if chosen is None:  # it failed before its first save: it starts afresh
+            recovery.restored(0, "nothing (no snapshot or checkpoint yet): from step 0")
+            return False
+        source, words = chosen
+        recovery.restored(source.latest_step(), words)
+        if jax.process_index() == 0:
+            print(
+                f"shardax train: restart {recovery.restart}: resuming from step "
+                f"{source.latest_step()}, {words}",
+                flush=True,
+            )
+    elif not args.resume:
         try:
             refuse_earlier_run(manager, f"--checkpoint-dir {args.checkpoint_dir}", "--resume")
         except ValueError as e:
             raise UsageError(str(e)) from None
         return False
-    if manager is None:
+    elif manager is None:
         raise UsageError("--resume needs --checkpoint-dir")
-    if manager.latest_step() is None:
+    elif manager.latest_step() is None:
         raise UsageError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir}")
     try:
-        restored = manager.restore(like=job.state)
+        restored = source.restore(like=job.state)
     except ValueError as e:
         raise UsageError(f"--resume: the checkpoint does not fit this model: {e}") from None
     data_state = {"step": 0, "history": [], "loader": None, "window": [], **restored.data_state}
@@ -68,7 +92,9 @@ def resume(args: argparse.Namespace, manager: Any, job: Job) -> Any:
     return Restored(restored.state, {**data_state, "loader": None}, restored.step)
 
 
-def start(args: argparse.Namespace, job: Job) -> tuple[Any, Any, Any, Any, Record]:
+def start(
+    args: argparse.Namespace, job: Job, snapshots: Any = None, recovery: Recovery | None = None
+) -> tuple[Any, Any, Any, Any, Record]:
     """The checkpoint manager (or None), the checkpoint to resume from (or False), the
     run directory, the placed batches and the ``Record`` to continue."""
     manager = None
@@ -77,7 +103,7 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Any, Any, Any, Recor
     # Any error before the loop starts (a usage error, a bad --log-dir) closes the manager
     # first, or orbax complains at shutdown.
     try:
-        restored = resume(args, manager, job)
+        restored = resume(args, manager, job, snapshots, recovery)
         data_state = restored.data_state if restored else {"step": 0}
         first_done = int(data_state["step"])
         directory = run_dir(args.run_dir, "train") if jax.process_index() == 0 else None
@@ -95,15 +121,18 @@ def start(args: argparse.Namespace, job: Job) -> tuple[Any, Any, Any, Any, Recor
         sharding = sx.batch_sharding(job.mesh, data_axes(job.mesh), seq_axis=seq)
         feed = tracker.watch(sx.prefetch_to_device(job.loader, sharding))
     except BaseException:
-        if manager is not None:
-            manager.close()
+        for owned in (manager, snapshots):
+            if owned is not None:
+                owned.close()
         raise
     record = Record(job, tracker, list(data_state.get("history", [])),
                     list(data_state.get("window", [])), window_first=first_done + 1)  # fmt: skip
     return manager, restored, directory, feed, record
 
 
-def hooks(args: argparse.Namespace, record: Record, out: Any, manager: Any, path: Any) -> list:
+def hooks(
+    args: argparse.Namespace, record: Record, out: Any, manager: Any, path: Any, snapshots: Any
+) -> list:
     """The hooks in the order they run after each step."""
     # The watchdog first: a step is completed (in the ledger too) once the watchdog waited
     # for its result, one step behind (sx.loop.Watchdog).
@@ -118,15 +147,18 @@ def hooks(args: argparse.Namespace, record: Record, out: Any, manager: Any, path
     later: list[Hook] = [Log(record.tracker), History(record, out)]
     if manager is not None:
         later.append(Checkpoints(args.save_every or record.job.eval_every))
+    if snapshots is not None:
+        later.append(Snapshots(snapshots, snapshot_every(args)))
     return [*first, Preemption(), MetricsWindow(), Bar(record, out), *later]
 
 
 def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     """Runs ``job`` to ``job.steps`` and returns the summary (plain data)."""
-    manager, restored, directory, feed, record = start(args, job)
+    recovery, snapshots = Recovery(), snapshot_manager(args)
+    manager, restored, directory, feed, record = start(args, job, snapshots, recovery)
     where = args.checkpoint_dir or directory
     path = Path(where, FILE) if where is not None and directory is not None else None
-    run = Run(job.state, hooks(args, record, out, manager, path), manager=manager,
+    run = Run(job.state, hooks(args, record, out, manager, path, snapshots), manager=manager,
               total=job.steps, resume=restored, data_state=record.data_state,
               writer=record.tracker.writer, exit_on_preemption=False,
               resume_hint="continue it with --resume")  # fmt: skip
@@ -134,12 +166,17 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     step = record.tracker.wrap(job.step)
     began, flops, kernel = time.perf_counter(), None, None
     closing = manager if manager is not None else contextlib.nullcontext()
-    with closing, feed, contextlib.closing(record.tracker), run:
+    owned = snapshots if snapshots is not None else contextlib.nullcontext()
+    with closing, owned, feed, contextlib.closing(record.tracker), run:
         record.window_start = time.perf_counter()
         for batch in run.batches(feed):
             if flops is None:
                 flops, kernel = step_flops(step, run.state, batch, with_attention=True)
             state, metrics = step(run.state, batch)
+            if recovery.restart and recovery.restored_step is not None:
+                jax.block_until_ready(metrics)  # once: the first step after a restart
+                recovery.first_step_done(run.step + 1)
+                recovery.restored_step = None
             run.after_step(state, metrics)
     return summary(
         args, out, job, run, record, directory, time.perf_counter() - began, flops, kernel
@@ -202,6 +239,7 @@ def summary(
         "seed": args.seed,
         "steps": job.steps,
         "resumed_from_step": run.first,
+        "restarts": recovery_history(),
         "state_bytes": described.total_bytes,
         "state_bytes_per_device": described.total_bytes_per_device,
         "checkpoint_dir": args.checkpoint_dir,

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 
 from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
-from shardax.cli import track, train_gpt, train_mlp  # noqa: F401 (the jobs register themselves)
+from shardax.cli import config, track, train_gpt, train_mlp  # noqa: F401 (the jobs register)
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
@@ -35,7 +36,9 @@ from shardax.cli.common import (
     positive_float,
     positive_int,
     print_json,
+    warning,
 )
+from shardax.cli.extras import available, install_hint, missing
 from shardax.cli.job import JOBS, add_job_arguments, apply_options, check_model_options, plan_names
 from shardax.cli.loop import loop
 from shardax.runtime import cache
@@ -118,6 +121,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument(
+        "--snapshot-every",
+        type=nonneg_int,
+        default=None,
+        help="steps between host-memory snapshots of the state and data position, from which "
+        "shardax launch --max-restarts resumes a failed run, losing at most N steps (default: "
+        "1 under such a launch, else 0; 0: none)",
+    )
+    parser.add_argument(
         "--sync-save",
         action="store_true",
         help="save checkpoints synchronously (default: asynchronously, the steps go on while "
@@ -154,6 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     track.add_arguments(parser)
     add_json_flag(parser)
+    config.add_arguments(parser)  # last: every option above is a key of --config
 
 
 def check(args: argparse.Namespace, out: Any, job: Any) -> bool:
@@ -168,6 +180,43 @@ def check(args: argparse.Namespace, out: Any, job: Any) -> bool:
     elif not args.json:
         out.print(report)
     return report.ok
+
+
+def check_extras(args: argparse.Namespace) -> bool:
+    """Before anything is built: the job's extras (``--model mlp``'s scikit-learn) and,
+    with ``--checkpoint-dir``, orbax are a usage error when missing, naming how to install
+    them; a missing matplotlib only costs the plot (a warning). Returns whether to plot."""
+    needs = dict(JOBS[args.model].needs)
+    if args.checkpoint_dir:
+        needs["orbax.checkpoint"] = "checkpoint"
+    for module, extra in missing(needs).items():
+        why = "--checkpoint-dir" if extra == "checkpoint" else f"--model {args.model}"
+        raise UsageError(f"{why} needs {module}; install it with: {install_hint(extra)}")
+    if not available("matplotlib"):
+        warning(
+            f"curves.png will not be written: plotting needs matplotlib; install it with: "
+            f"{install_hint('plot')}",
+            "shardax train",
+        )
+        return False
+    return True
+
+
+def plot(summary: dict[str, Any], job: Any, directory: Path, plots: bool) -> str | None:
+    """Writes ``summary.json``, then ``curves.png`` (when ``plots``); returns the plot's
+    path, or None. A plot that fails is a warning, never a lost summary."""
+    path = directory / "curves.png"
+    summary["plot"] = str(path) if plots and job.plot is not None else None
+    (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if summary["plot"] is None:
+        return None
+    try:
+        job.plot(summary, path)
+    except (Exception, SystemExit) as e:  # SystemExit: a library the plot requires
+        warning(f"curves.png was not written: {e}", "shardax train")
+        summary["plot"] = None
+        (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary["plot"]
 
 
 def default_precision(model: str, platform: str) -> str:
@@ -189,6 +238,11 @@ def run(args: argparse.Namespace) -> int:
     out = console(args)
     check_model_options(args)
     apply_options(args)
+    settings = config.resolved(args)  # the run as a --config file holds it
+    if args.print_config:
+        sys.stdout.write(config.dump(settings))
+        return 0
+    plots = check_extras(args)
     if args.verify_rtol is not None and not args.verify:
         raise UsageError(f"--verify-rtol {args.verify_rtol} needs --verify")
     if args.compile_cache == "off":
@@ -205,10 +259,8 @@ def run(args: argparse.Namespace) -> int:
     summary = loop(args, out, job)
     if jax.process_index() == 0:
         directory = Path(summary["run_dir"])
-        summary["plot"] = str(directory / "curves.png")
-        if job.plot is not None:
-            job.plot(summary, directory / "curves.png")
-        (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary["config"] = settings
+        summary["plot"] = plot(summary, job, directory, plots)
         if args.json:
             print_json(summary)
         else:
@@ -218,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
             # (no rich markup read into its brackets)
             out.print(
                 f"{summary['data_wait_fraction']:.1%} of the time waiting for input; wrote "
-                f"{directory}/summary.json, curves.png and metrics.jsonl",
+                f"{directory}/summary.json, {'curves.png, ' if summary['plot'] else ''}"
+                "metrics.jsonl",
                 soft_wrap=True, markup=False,
             )  # fmt: skip
             if summary["log_dir"]:

@@ -22,13 +22,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
 
 from shardax.runtime import compat
+from shardax.runtime.launcher import ENV_LAUNCH_DIR
 
 DATA = "waiting for data"
 DISPATCH = "dispatching"
@@ -117,7 +120,7 @@ class RankStatus:
         if self._thread is not None:
             return
         with self._lock:
-            if self._thread is None and _client() is not None:
+            if self._thread is None and (_client() is not None or _launch_dir() is not None):
                 self._thread = threading.Thread(
                     target=self._publish_loop, daemon=True, name="shardax-status"
                 )
@@ -129,14 +132,18 @@ class RankStatus:
                 atexit.register(self.stop)
 
     def publish(self) -> None:
-        """Writes this process's record to the key-value store now."""
-        client = _client()
-        if client is None:
-            return
+        """Writes this process's record to the key-value store now, and under ``shardax
+        launch`` to ``rank<r>.status`` in the launch directory, where the launcher reads
+        the step of a process that fails."""
+        client, directory = _client(), _launch_dir()
         version, record = self._version, self.record()
-        client.key_value_set(
-            f"{_PREFIX}{jax.process_index()}", json.dumps(record), allow_overwrite=True
-        )
+        if directory is not None:
+            with contextlib.suppress(OSError):
+                write_record(directory, jax.process_index(), record)
+        if client is not None:
+            client.key_value_set(
+                f"{_PREFIX}{jax.process_index()}", json.dumps(record), allow_overwrite=True
+            )
         self._published = (version, record["completed"])
 
     def _publish_loop(self) -> None:
@@ -172,6 +179,27 @@ class RankStatus:
                 out[int(key.rsplit("/", 1)[-1])] = json.loads(value)
         out[jax.process_index()] = self.record()
         return out
+
+
+def _launch_dir() -> Path | None:
+    directory = os.environ.get(ENV_LAUNCH_DIR)
+    return Path(directory) if directory else None
+
+
+def write_record(directory: Path, rank: int, record: dict[str, Any]) -> None:
+    """Writes ``record`` as ``rank<rank>.status`` in ``directory``, whole (renamed into
+    place)."""
+    tmp = directory / f".rank{rank}.status.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, directory / f"rank{rank}.status")
+
+
+def read_record(directory: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
+    """Process ``rank``'s last record in a launch directory, or None."""
+    try:
+        return json.loads((Path(directory) / f"rank{rank}.status").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def behind(records: dict[int, dict[str, Any]], processes: int) -> list[int]:
