@@ -12,13 +12,20 @@
   ``# doctest: +SKIP``.
 """
 
+import builtins
 import doctest
 import importlib
 import importlib.util
 import inspect
+import os
 import pkgutil
 import re
+import shlex
+import shutil
 import signal
+import subprocess
+import symtable
+import sys
 from pathlib import Path
 
 import jax
@@ -108,6 +115,229 @@ def test_page_runs(page, tmp_path, monkeypatch, capsys):
         name = f"{page.relative_to(ROOT)}:{line}"
         exec(compile(source, name, "exec"), namespace)
     capsys.readouterr()
+
+
+# --- shell blocks ---------------------------------------------------------------------------
+#
+# Every ```bash and ```console block of the pages is run, command by command (a console block's
+# commands are its "$ " lines), from a view of the clone (its top-level entries linked into a
+# temporary directory, so the files a command writes land there). The mark on the line before
+# a block says otherwise:
+#
+# - <!-- needs: WHAT --> it needs what CI has not (GPUs, a SLURM cluster, an extra); not run.
+# - <!-- long run (WHY); ci: ARGS --> a long run, shortened: each command runs with ARGS
+#   appended (a later flag wins), or with the i-th of "ARGS; ARGS; ..." for the i-th command.
+# - <!-- run by tests/X.py --> X runs it, as written, with its own asserts.
+#
+# "uv run CMD" runs CMD in this environment (the one the tests run in), with its scripts first
+# on PATH; a command that appears on several pages runs once.
+
+SHELL_FENCES = ("```bash", "```console")
+NEEDS = re.compile(r"<!-- needs: (\S.*?) -->")
+CI_ARGS = re.compile(r"<!-- long run \((.+?)\); ci: (\S.*?) -->")
+ENV_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
+BIN = Path(sys.executable).parent
+
+
+def shell_blocks(text: str) -> list[tuple[int, str, list[list[str]]]]:
+    """``(line, mark, commands)`` of each shell block: the mark is the HTML comment on the
+    line before it ("" for none), each command a list of words (comments dropped, ``\\``
+    continuations joined)."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        fence = lines[i].strip()
+        if fence not in SHELL_FENCES:
+            i += 1
+            continue
+        start, body = i + 1, []
+        i += 1
+        while lines[i].strip() != "```":
+            body.append(lines[i])
+            i += 1
+        before = [ln.strip() for ln in lines[: start - 1] if ln.strip()]
+        mark = before[-1] if before and before[-1].startswith("<!--") else ""
+        commands, joined = [], ""
+        for line in body:
+            if fence == "```console" and not joined:
+                if not line.startswith("$ "):
+                    continue  # output
+                line = line[2:]
+            joined += line.rstrip()
+            if joined.endswith("\\"):
+                joined = joined[:-1] + " "
+                continue
+            try:
+                words = shlex.split(joined, comments=True)
+            except ValueError:  # a script shlex cannot read (a marked one): kept whole
+                words = [joined]
+            joined = ""
+            if words:
+                commands.append(words)
+        blocks.append((start + 1, mark, commands))
+        i += 1
+    return blocks
+
+
+def as_run(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The environment assignments and the command of ``words``, ``uv run`` taken off."""
+    env = {}
+    while words and ENV_ASSIGNMENT.match(words[0]):
+        name, value = words[0].split("=", 1)
+        env[name], words = value, words[1:]
+    if words[:2] == ["uv", "run"]:
+        words = words[2:]
+    return env, words
+
+
+def shell_commands() -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """The commands CI runs, each once (``(where, words)``, ``words`` with the ``ci:``
+    arguments appended), and the problems: a block with no command, a ``ci:`` mark whose
+    argument lists do not match its commands, a program this environment lacks in a block
+    not marked ``needs:``."""
+    runs, seen, problems = [], set(), []
+    for page in PAGES:
+        for line, mark, commands in shell_blocks(page.read_text()):
+            where = f"{page.relative_to(ROOT)}:{line}"
+            if not commands:
+                problems.append(f"{where}: a shell block with no command")
+            if NEEDS.fullmatch(mark) or RUN_BY.fullmatch(mark):
+                continue
+            extra = [[]] * len(commands)
+            if found := CI_ARGS.fullmatch(mark):
+                parts = [shlex.split(part) for part in found.group(2).split(";")]
+                if len(parts) not in (1, len(commands)):
+                    problems.append(
+                        f"{where}: <!-- long run (...); ci: --> gives {len(parts)} argument "
+                        f"lists for {len(commands)} commands (one for all, or one per command)"
+                    )
+                    continue
+                extra = parts * len(commands) if len(parts) == 1 else parts
+            elif mark:
+                problems.append(f"{where}: unknown mark {mark!r} before a shell block")
+            for k, (words, more) in enumerate(zip(commands, extra, strict=True)):
+                where_k = f"{where}#{k + 1}" if len(commands) > 1 else where
+                program = as_run(words)[1][:1]
+                path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+                if not program or shutil.which(program[0], path=path) is None:
+                    problems.append(
+                        f"{where_k}: {shlex.join(words)!r} needs {program[:1]}, which is not "
+                        "installed here: mark the block <!-- needs: WHAT --> (CONTRIBUTING)"
+                    )
+                elif (key := shlex.join([*words, *more])) not in seen:
+                    seen.add(key)
+                    runs.append((where_k, [*words, *more]))
+    return runs, problems
+
+
+def test_shell_blocks_are_found():
+    text = (
+        "<!-- needs: 8 GPUs -->\n```bash\nsrun -n 8 python train.py  # a comment\n```\n\n"
+        "```console\n$ shardax plan \\\n    --devices 8\noutput line\n$ shardax info\n```\n"
+    )
+    assert shell_blocks(text) == [
+        (3, "<!-- needs: 8 GPUs -->", [["srun", "-n", "8", "python", "train.py"]]),
+        (7, "", [["shardax", "plan", "--devices", "8"], ["shardax", "info"]]),
+    ]
+    assert as_run(["JAX_PLATFORMS=cpu", "uv", "run", "shardax", "info"]) == (
+        {"JAX_PLATFORMS": "cpu"},
+        ["shardax", "info"],
+    )
+
+
+def test_every_shell_block_runs_or_says_what_it_needs():
+    """Each block's commands run here (their program is installed), or it is marked."""
+    runs, problems = shell_commands()
+    assert not problems, problems
+    assert runs, "no shell command in the docs"
+
+
+def clone_view(directory: Path) -> Path:
+    """``directory`` with the clone's top-level entries linked in: commands run from it see
+    the repository (``examples/``, ``benchmarks/``, ``pyproject.toml``) and write their own
+    files (``runs/``, caches) here."""
+    for entry in ROOT.iterdir():
+        if entry.name not in {".git", "runs", "site", ".pytest_cache", ".ruff_cache"}:
+            (directory / entry.name).symlink_to(entry)
+    return directory
+
+
+SHELL_RUNS = shell_commands()[0]
+
+
+@pytest.mark.parametrize(("where", "words"), SHELL_RUNS, ids=[w for w, _ in SHELL_RUNS])
+def test_shell_command_runs(where, words, tmp_path):
+    env, command = as_run(words)
+    env = {**os.environ, **env, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(
+        command, cwd=clone_view(tmp_path), env=env, capture_output=True, text=True, timeout=240
+    )
+    output = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, f"{where}: {shlex.join(words)} exited {proc.returncode}:\n{output}"
+
+
+def blocks_run_here(page: Path, fence: str) -> list[str]:
+    """The bodies of ``page``'s ``fence`` blocks marked ``<!-- run by tests/test_docs.py -->``."""
+    lines, bodies = page.read_text().splitlines(), []
+    for i, line in enumerate(lines):
+        before = [ln.strip() for ln in lines[:i] if ln.strip()]
+        if line.strip() == fence and before and before[-1] == "<!-- run by tests/test_docs.py -->":
+            end = lines.index("```", i + 1)
+            bodies.append("\n".join(lines[i + 1 : end]) + "\n")
+    return bodies
+
+
+def test_quickstart_runs_as_a_script(tmp_path):
+    """docs/quickstart.md's ``train.py``, saved as the page says and run with its command:
+    a fresh process whose first call, ``sx.initialize(cpu_devices=8)``, gives it 8 devices,
+    over which the large kernels are split."""
+    page = ROOT / "docs" / "quickstart.md"
+    (script,) = blocks_run_here(page, "```python")
+    (commands,) = [c for _, m, c in shell_blocks(page.read_text()) if RUN_BY.fullmatch(m)]
+    assert commands == [["uv", "run", "python", "train.py"]], commands
+    view = clone_view(tmp_path)
+    (view / "train.py").write_text(script)
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(
+        as_run(commands[0])[1], cwd=view, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "8 devices, loss" in proc.stdout, proc.stdout
+    assert "(None, 'data')" in proc.stdout, proc.stdout  # up/kernel: 16 x 256, FSDP
+
+
+def free_names(source: str) -> set[str]:
+    """The names ``source`` uses, in any of its scopes, without binding them (builtins
+    aside): what it needs from blocks before it."""
+    top = symtable.symtable(source, "<block>", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    bound |= {s.get_name() for s in top.get_symbols() if s.is_namespace()}
+    used: set[str] = set()
+
+    def walk(table: symtable.SymbolTable) -> None:
+        for symbol in table.get_symbols():
+            if symbol.is_referenced() and (table is top or symbol.is_global()):
+                used.add(symbol.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return used - bound - set(dir(builtins))
+
+
+def test_free_names():
+    source = "import numpy as np\ndef f(x):\n    return np.sum(x) + y\nz = [f(i) for i in w]\n"
+    assert free_names(source) == {"y", "w"}
+
+
+def test_your_loop_sections_open_with_a_complete_example():
+    """docs/guides/your-loop.md says so: the first block of each section binds every name
+    it uses (the blocks after it may use its names)."""
+    page = ROOT / "docs" / "guides" / "your-loop.md"
+    sections = re.split(r"^## ", page.read_text(), flags=re.M)[1:]
+    firsts = {s.splitlines()[0]: python_blocks(s)[0][1] for s in sections if python_blocks(s)}
+    assert len(firsts) >= 5, list(firsts)
+    needs = {title: free_names(block) for title, block in firsts.items()}
+    assert not {title: names for title, names in needs.items() if names}, needs
 
 
 def modules() -> list[str]:

@@ -40,6 +40,19 @@ def test_nnx_data_parallel_learns(capsys):
     assert "batch spec P('data',)" in capsys.readouterr().out
 
 
+def test_multihost_train_in_one_process(capsys):
+    """The many-hosts guide's script, in this process on its 8 devices (under ``shardax
+    launch -n 2`` it is run by tests/test_docs.py, from the guide's own command)."""
+    result = load("multihost_train").main(["--epochs", "2", "--rows", "1024"])
+    assert (result["processes"], result["devices"], result["steps"]) == (1, 8, 8)
+    assert result["last_loss"] < result["first_loss"]
+    assert tuple(result["spec"]) == (None, "data")
+    out = capsys.readouterr().out
+    assert "1 process(es), 8 devices" in out and "up kernel spec P(None, 'data')" in out
+    with pytest.raises(SystemExit):
+        load("multihost_train").parse_args(["--batch-size", "0"])
+
+
 def test_examples_reject_bad_flags():
     with pytest.raises(SystemExit):
         load("seed_notebook_modes").parse_args(["--modes", "pjit"])
