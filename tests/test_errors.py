@@ -567,6 +567,12 @@ IN_PROCESS_CASES = {
     "plan --target --tp beside --mesh": (["plan", "--target", "8xH100", "--batch", "8", "--tp", "2", "--mesh", "data=8"], "--tp 2: not with --mesh data=8, which gives the whole mesh; add model=2 to --mesh instead"),
     "plan --target --tp beside --plan fsdp": (["plan", "--target", "8xH100", "--batch", "8", "--tp", "2", "--plan", "fsdp"], "--tp 2: only with --plan fsdp+tp, or --plan auto (which ranks a fsdp+tp candidate); --plan fsdp splits no weight over the model axis"),
     "plan --target --png under a file": (["plan", "--target", "8xH100", "--batch", "8", "--png", "{file}/memory.png"], "--png {file}/memory.png: cannot write it, {file} is not a directory"),
+    # issue 52: a run's settings in a file (--config) and key=value overrides, one schema
+    "train key=value of an unknown key": (["train", "batchsize=32"], "batchsize=32: unknown key 'batchsize'; did you mean batch_size?"),
+    "train key=value of a run's non-setting": (["train", "config=run.yaml"], "config=run.yaml: 'config' is not a setting of a run"),
+    "train on/off key=value": (["train", "verify=maybe"], "verify=maybe: verify is on or off: expected true or false"),
+    "train --config missing": (["train", "--config", "{empty}/run.yaml"], "--config {empty}/run.yaml: No such file or directory"),
+    "train --config of no config suffix": (["train", "--config", "{file}"], "--config {file}: expected a .yaml, .yml, .json, .toml file, got suffix ''"),
 }  # fmt: skip
 
 

@@ -61,12 +61,14 @@ def option(flag: str, default: Any = None, **kwargs: Any) -> Option:
 class Registered:
     """A job under its ``--model`` name: its builder, the options only it and the jobs
     declaring them take, its defaults for the command's shared options (``batch_size``,
-    ``lr``), and the ``--plan`` names it builds."""
+    ``lr``), the ``--plan`` names it builds, and the modules it needs beyond shardax's
+    dependencies, each with the extra that installs it (``{"sklearn": "demo"}``)."""
 
     make: MakeJob
     options: tuple[Option, ...]
     defaults: dict[str, Any]
     plans: tuple[str, ...]
+    needs: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 JOBS: dict[str, Registered] = {}
@@ -78,16 +80,21 @@ def register(
     options: tuple[Option, ...] = (),
     defaults: dict[str, Any] | None = None,
     plans: tuple[str, ...] = (),
+    needs: dict[str, str] | None = None,
 ) -> Callable[[MakeJob], MakeJob]:
     """Registers ``make_job(args, console) -> Job`` as ``shardax train --model name``.
 
     ``options`` are the job's own options (``option``): the parser adds them, and
     giving one to a job that does not declare it is a usage error naming the option and
     the jobs that take it. ``defaults`` fill the command's shared options left out
-    (``{"batch_size": 16}``); ``plans`` are the ``--plan`` names the job builds."""
+    (``{"batch_size": 16}``); ``plans`` are the ``--plan`` names the job builds;
+    ``needs`` the modules it imports beyond shardax's dependencies, by the extra that
+    installs each (checked before the job is built: ``shardax.cli.train``)."""
 
     def decorate(make: MakeJob) -> MakeJob:
-        JOBS[name] = Registered(make, tuple(options), dict(defaults or {}), tuple(plans))
+        JOBS[name] = Registered(
+            make, tuple(options), dict(defaults or {}), tuple(plans), dict(needs or {})
+        )
         return make
 
     return decorate

@@ -22,7 +22,9 @@ from typing import Any
 
 import jax
 
+from shardax import __version__
 from shardax.checkpoint.preemption import Preempted
+from shardax.cli import config
 from shardax.cli.common import UsageError, check_output_dirs, env_int, positive_int, warning
 from shardax.runtime.distributed import ENV_CPU_DEVICES, backend_started, initialize
 from shardax.train.guard import NonFiniteLossError
@@ -66,6 +68,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
         "shardax tune-batch | shardax launch -n 2 -- shardax train. "
         "Run shardax COMMAND --help for a command's options.",
     )
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     chosen = set(COMMANDS if commands is None else commands)
     for name, (module, help_text) in COMMANDS.items():
@@ -83,6 +86,22 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
             )
         command.add_arguments(cmd)
     return parser
+
+
+def version() -> str:
+    """``shardax --version``: shardax's version, and the JAX and Python it runs on."""
+    return f"shardax {__version__} (jax {jax.__version__}, Python {sys.version.split()[0]})"
+
+
+def expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with a command's ``--config FILE`` and ``key=value`` arguments turned into
+    its flags (``shardax.cli.config.expand``), for a command that takes ``--config``."""
+    named = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = subparsers.choices.get(argv[named]) if named is not None else None
+    if command is None or "--config" not in command._option_string_actions:
+        return argv
+    return [*argv[: named + 1], *config.expand(command, argv[named + 1 :])]
 
 
 def set_cpu_devices(n: int) -> None:
@@ -131,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     whole_lines(sys.stdout)
     argv = sys.argv[1:] if argv is None else list(argv)
     named = next((a for a in argv if not a.startswith("-")), None)  # the command, if any
-    args = build_parser([named] if named in COMMANDS else []).parse_args(argv)
+    parser = build_parser([named] if named in COMMANDS else [])
+    args = parser.parse_args(expand_config(parser, argv))
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         check_output_dirs(args)

@@ -32,7 +32,10 @@ OPTIONS = (
 """The options only this job takes (``shardax train --model mlp``), with their defaults."""
 
 
-@register("mlp", OPTIONS, defaults={"batch_size": 128, "lr": 3e-3}, plans=PLANS)
+@register(
+    "mlp", OPTIONS, defaults={"batch_size": 128, "lr": 3e-3}, plans=PLANS,
+    needs={"sklearn": "demo"},
+)  # fmt: skip
 def make_job(args: argparse.Namespace, out: Any) -> Job:
     """The MLP job: digits, the MLP and its plan, per-epoch evaluation."""
     mesh, data_size, _ = job_mesh(args)
