@@ -13,8 +13,11 @@ or ``ValueError`` naming the address, the timeout and the ranks.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import json
 import socket
 import time
+from importlib import metadata
 
 _HELLO = "shardax-join"
 
@@ -58,18 +61,21 @@ def _serve(address: str, port: int, num_processes: int, timeout: float) -> None:
                     f"process 0 of {num_processes} waited {timeout:g} s "
                     f"(initialization_timeout) at coordinator {address} for processes "
                     f"{missing}, which never joined; start every process with the same "
-                    "address and process count"
+                    f"address and process count{_loopback_hint(address.rsplit(':', 1)[0])}"
                 ) from None
             try:
-                hello = _read_line(conn, deadline).split()
+                hello = _read_line(conn, deadline).split(maxsplit=3)
             except OSError:
                 conn.close()
                 continue
-            if len(hello) != 3 or hello[0] != _HELLO or not (hello[1] + hello[2]).isdigit():
+            if len(hello) != 4 or hello[0] != _HELLO or not (hello[1] + hello[2]).isdigit():
                 conn.close()  # not one of ours (a port scan, a health check)
                 continue
             rank, count = int(hello[1]), int(hello[2])
-            problem = ""
+            try:
+                theirs = json.loads(hello[3])
+            except ValueError:
+                theirs = {}
             if count != num_processes:
                 problem = (
                     f"process {rank} was started with num_processes={count}, process 0 with "
@@ -77,8 +83,12 @@ def _serve(address: str, port: int, num_processes: int, timeout: float) -> None:
                 )
             elif rank in peers:
                 problem = f"process_id {rank} is given to two processes"
-            if problem:
-                conn.sendall(f"error {problem}\n".encode())
+            else:
+                problem = _differs(rank, theirs, facts())
+            if problem:  # every process that came says why, not only this one
+                for peer in (conn, *peers.values()):
+                    with contextlib.suppress(OSError):
+                        peer.sendall(f"error {problem}\n".encode())
                 conn.close()
                 raise ValueError(f"at coordinator {address}: {problem}")
             peers[rank] = conn
@@ -91,6 +101,49 @@ def _serve(address: str, port: int, num_processes: int, timeout: float) -> None:
         for conn in peers.values():
             conn.close()
         server.close()
+
+
+def facts() -> dict[str, str]:
+    """What every process of a run must share: the versions of JAX, jaxlib and shardax
+    (read from the installed packages: JAX itself is not imported)."""
+    out = {}
+    for name in ("jax", "jaxlib", "shardax"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    out["host"] = socket.gethostname()
+    return out
+
+
+def _differs(rank: int, theirs: dict[str, str], mine: dict[str, str]) -> str:
+    """The sentence naming what process ``rank`` runs differently from process 0, or ""."""
+    wrong = [
+        f"{name} {theirs.get(name, 'unknown')} (process 0: {mine[name]})"
+        for name in ("jax", "jaxlib", "shardax")
+        if theirs.get(name) != mine[name]
+    ]
+    if not wrong:
+        return ""
+    host = theirs.get("host", "an unknown host")
+    return (
+        f"process {rank} on host {host} runs {', '.join(wrong)}; every process must run the "
+        "same versions (install the same lock file, e.g. uv sync --locked, on every host)"
+    )
+
+
+def _loopback_hint(host: str) -> str:
+    """For a loopback coordinator host: why processes on other hosts never reach it."""
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host.strip("[]"))).is_loopback
+    except (OSError, ValueError):
+        return ""
+    if not loopback:
+        return ""
+    return (
+        f". The coordinator's host {host} is a loopback address: processes on other hosts "
+        "reach their own host there, never process 0; give process 0's hostname or IP address"
+    )
 
 
 def _join(address: str, host: str, port: int, rank: int, count: int, timeout: float) -> None:
@@ -106,12 +159,12 @@ def _join(address: str, host: str, port: int, rank: int, count: int, timeout: fl
                 raise TimeoutError(
                     f"process {rank} of {count} could not reach coordinator "
                     f"{address} within {timeout:g} s (initialization_timeout): process 0 never "
-                    "started there, or the address is wrong"
+                    f"started there, or the address is wrong{_loopback_hint(host)}"
                 ) from None
             time.sleep(0.1)
     with conn:
         try:
-            conn.sendall(f"{_HELLO} {rank} {count}\n".encode())
+            conn.sendall(f"{_HELLO} {rank} {count} {json.dumps(facts())}\n".encode())
             answer = _read_line(conn, deadline)
         except OSError:
             answer = ""
