@@ -336,6 +336,18 @@ class IslandStep:
         with jax.sharding.set_mesh(self.mesh):
             return self._compiled_inner(state)(state, self._batches.place(batch))
 
+    def local(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The metrics of the first island this process holds, each a 0-d array on one of
+        its devices, read without any communication (for ``sx.loop``'s
+        ``run.after_step``, which takes one number per metric; a mean over the islands
+        would be a collective across them every step)."""
+
+        def first(x: jax.Array) -> jax.Array:
+            shard = min(x.addressable_shards, key=lambda s: s.index[0].indices(x.shape[0])[0])
+            return shard.data[0]
+
+        return jax.tree.map(first, metrics)
+
     def due(self, step: int) -> bool:
         """Whether the outer step follows inner step number ``step`` (a multiple of H)."""
         return step > 0 and step % self.inner_steps == 0
