@@ -104,10 +104,11 @@ def test_every_mode_agrees_with_one_device(mesh, variables, one_device, mode):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_the_boxes_names_as_the_plan_verify_and_estimate(mesh, variables, one_device):
+def test_the_boxes_names_as_the_plan_init_verify_and_estimate(mesh, variables, one_device):
     state = state_of(variables)
     step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.from_linen(mesh, variables))
-    placed = step.shard(state)
+    # built straight onto the boxes' plan: DenseGeneral's flat kernel is drawn under the mesh
+    placed = step.init(lambda key: state_of(TinyLM().init(key, TOKENS)), jax.random.key(0))
     qkv = placed.params["SelfAttention_0"]["qkv"]["kernel"].value
     assert qkv.sharding.spec == P("data", None, None, None)
     assert {s.data.shape for s in qkv.addressable_shards} == {(1, 3, HEADS, D // HEADS)}

@@ -32,6 +32,7 @@ from shardax.plan.init import init_sharded
 from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
 from shardax.train.batch_placement import BatchPlacement
+from shardax.train.boxes import unconstrained_boxes
 from shardax.train.compiler import describe as describe_options
 from shardax.train.config import StepConfig, from_config
 from shardax.train.loss import check_loss_fn
@@ -243,8 +244,9 @@ class Program:
         if self.mode == "single":
             return init_sharded(prepared, lambda tree: self._batches.device, *args, **kwargs)
         # Under the mesh, as the step: flax's eager sharding (variables annotated with
-        # out_sharding=) places each variable as it is created.
-        with jax.sharding.set_mesh(self.mesh):
+        # out_sharding=) places each variable as it is created; Linen's boxes unbox
+        # unconstrained, as in the step (train/boxes.py): the plan places the state.
+        with jax.sharding.set_mesh(self.mesh), unconstrained_boxes():
             if self.mode in ("shard_map", "pmap"):
                 self._check_replicated(jax.eval_shape(prepared, *args, **kwargs))
             return init_sharded(prepared, self.state_plan, *args, **kwargs)
@@ -313,7 +315,14 @@ class Program:
         if self._compile_only:
             refuse_compile_only(self.mesh, "step(state, batch)")
         self._batches.check(batch)
-        return self._call(self._with_loss_scale(state), batch)
+        try:
+            return self._call(self._with_loss_scale(state), batch)
+        except jax.errors.JaxRuntimeError as e:  # the allocator's dump, and which arrays
+            from shardax.train.explanation.memory import is_out_of_memory, out_of_memory_note
+
+            if is_out_of_memory(e):
+                e.add_note(out_of_memory_note(self, state, batch))
+            raise
 
     def compiler_options_for(self, state: Any) -> dict[str, Any]:
         """The XLA options the program for ``state`` compiles with: ``compiler_options``,

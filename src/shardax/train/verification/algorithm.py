@@ -16,6 +16,7 @@ first step that differs goes through the cause ladder
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,7 +30,7 @@ from shardax.train.eval import EvalStep
 from shardax.train.program import refuse_abstract, refuse_compile_only
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
-from shardax.train.verification.causes import Evidence, diagnose
+from shardax.train.verification.causes import Evidence, diagnose, rounding_noise
 from shardax.train.verification.comparison import LeafDiff, compare, either
 from shardax.train.verification.function import FunctionSide
 from shardax.train.verification.noise import floored
@@ -53,7 +54,12 @@ def judged(side: Side, run: Run, k: int, rtol: float, atol: float) -> Judged:
     second = side.second(run)
     if second is not None:
         return run, either(diffs, compare(run.got, second, k, rtol, atol), side.updated), True
-    return run, floored(diffs, side.floor(run, rtol, atol)), False
+    diffs = floored(diffs, side.floor(run, rtol, atol))
+    bad = [d.path for d in diffs if not d.ok]
+    if bad and all(side.updated(p) for p in bad):
+        noise = side.unread(run, bad, rtol, atol)
+        diffs = [dataclasses.replace(d, noise=True) if d.path in noise else d for d in diffs]
+    return run, diffs, False
 
 
 def compared(side: Side, steps: int, rtol: float, atol: float) -> list[Judged]:
@@ -81,8 +87,10 @@ def verify(
             mode and plan, ``plan="auto"`` included: it picks its plan for ``state`` and
             ``batch``, as its first call would), or your own step function: ``fn(state, batch)``
             returning ``(new_state, metrics)``, or ``fn(*state, batch)`` when ``state``
-            is a tuple, e.g. an ``@nnx.jit`` ``train_step(model, optimizer, batch)``
-            that updates them in place and returns its metrics.
+            is a plain tuple, e.g. an ``@nnx.jit`` ``train_step(model, optimizer, batch)``
+            that updates them in place and returns its metrics. The one spread rule: a
+            plain tuple is spread over the arguments; anything else, a ``NamedTuple``
+            state included (Haiku's ``TrainingState``), is one argument.
         state: the step's state: a [`TrainState`][shardax.TrainState] (placed or not) for a train
             step; for a function, what it takes (NNX objects, a flax ``TrainState``,
             a tuple of pytrees), placed as you train it (``sx.prepare``). Never
@@ -97,8 +105,11 @@ def verify(
             (``shardax.train.verification.TOLERANCES``; for a function, from the state's dtypes).
         reference: for a function only: the one-device step to compare with (default:
             the same function, run on copies of the state on the first device, under a
-            one-device mesh with the same axis names). Give it when your step
-            cannot run there, e.g. one written with ``shard_map`` or ``pmap``.
+            one-device mesh with the same axis names; a ``jax.jit`` whose shardings name
+            the mesh's devices is jitted again without them). Give it when your step
+            cannot run there: one written with ``shard_map`` or ``pmap``, or one whose
+            body names the mesh (a constraint on ``NamedSharding(mesh, ...)``), which
+            is refused naming this argument.
         mesh: for a function only: the mesh it runs on (default: the mesh of the
             state's or the batch's first sharded array).
 
@@ -123,6 +134,9 @@ def verify(
     if not ok and worst is not None:
         run, _, second = runs[worst.step - 1]
         cause, hint = diagnose(Evidence(side, run, worst, diffs, second, rtol, atol))
+    noise = sorted({d.path for _, ds, _ in runs for d in ds if d.noise})
+    if ok and noise:
+        cause, hint = rounding_noise(noise)
     return VerifyReport(
         ok=ok,
         worst=worst,

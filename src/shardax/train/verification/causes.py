@@ -69,6 +69,15 @@ CAUSES: dict[str, str] = {
         "(a sharded optimizer state, a reduction in the transformation over a sharded "
         "leaf, donation or aliasing)"
     ),
+    "update of rounding noise": (
+        "nothing the step computes reads these leaves (shifted, they change neither what "
+        "the step returns nor any other leaf): their exact gradient is zero (an attention "
+        "key's bias, which softmax ignores; a bias before a normalisation), and an adaptive "
+        "optimizer (Adam, Lion) turns the rounding noise of their gradient into steps of "
+        "±lr whose signs follow the order of the sums, different on every mesh. Not a "
+        "difference of the distributed step: the step is judged without them. Drop the "
+        "leaves (use_bias=False on the key projection) to keep them from drifting"
+    ),
     "reduced precision": (
         "the differences are within what the reduced-precision compute dtype rounds "
         "to; leave rtol unset (it follows the precision) or raise it"
@@ -204,6 +213,13 @@ LADDER: tuple[Callable[[Evidence], Finding | None], ...] = (
     per_device_slices,
 )
 """The cause functions, in the order they are tried."""
+
+
+def rounding_noise(paths: Sequence[str]) -> Finding:
+    """The finding for update leaves of rounding noise (``noise.unread``), named; the
+    step is not failed for them."""
+    named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return "update of rounding noise", f"{named}: {CAUSES['update of rounding noise']}"
 
 
 def unnamed(judged: str, worst: LeafDiff) -> str:

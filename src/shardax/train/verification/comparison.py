@@ -47,7 +47,8 @@ class LeafDiff:
     ``max_rel`` (that over ``scale``, the reference leaf's largest magnitude), ``limit``
     (the tolerance ``atol + rtol * scale``); ``index``, ``got`` and ``want``: where the
     largest difference is, the distributed value and the reference's there; ``shapes``:
-    the distributed and the reference leaf's shapes where they differ (else None)."""
+    the distributed and the reference leaf's shapes where they differ (else None);
+    ``noise``: an update of rounding noise (``noise.unread``), not a difference."""
 
     path: str
     step: int
@@ -59,6 +60,7 @@ class LeafDiff:
     got: float = 0.0
     want: float = 0.0
     shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    noise: bool = False
 
     def within(self, rtol: float, atol: float) -> bool:
         """Whether the leaf is within another tolerance."""
@@ -66,7 +68,7 @@ class LeafDiff:
 
     @property
     def ok(self) -> bool:
-        return bool(self.max_abs <= self.limit)
+        return self.noise or bool(self.max_abs <= self.limit)
 
     @property
     def ratio(self) -> float:

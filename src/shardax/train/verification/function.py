@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from shardax.plan.tree import is_key, path_str
 from shardax.train.verification.comparison import TOLERANCES
-from shardax.train.verification.noise import noise_floor
+from shardax.train.verification.noise import noise_floor, unread
 from shardax.train.verification.per_device import Slices
 from shardax.train.verification.recording import applied, optimizer_view, recorded, recorded_pairs
 from shardax.train.verification.reference import Reference, one_device_mesh
@@ -57,6 +57,43 @@ FLOORED = (
 """What verify compares for a step whose optimizer it cannot see."""
 
 
+REJITTED = (
+    "the reference is {name}'s function jitted again without its shardings (they name "
+    "the mesh's devices), on the first device"
+)
+"""What the reference is for a ``jax.jit`` step bound to its mesh by its shardings."""
+
+_BOUND = (
+    "Received incompatible devices for jitted computation",
+    "Sharding passed to jit does not match the sharding",
+)
+
+
+def bound_to_devices(error: Exception) -> bool:
+    """Whether JAX refused the reference's call for devices or shardings its program
+    names (a ``jax.jit`` with the mesh's ``in_shardings``, a constraint on the mesh)."""
+    return any(text in str(error) for text in _BOUND)
+
+
+def unbound(fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    """A ``jax.jit`` step's own function jitted again with no shardings, else None."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None or not hasattr(fn, "lower"):
+        return None
+    return jax.jit(inner)
+
+
+def _bound_message(name: str, mesh: Mesh | None, error: Exception) -> str:
+    size = f"{mesh.size}-device " if mesh is not None else ""
+    return (
+        f"the step {name} is bound to its {size}mesh's devices (a sharding or constraint "
+        "in its body names them), so verify cannot run it on one device as the "
+        "reference: pass reference=, the same step for one device (e.g. built with the "
+        "mesh sx.train.verification.one_device_mesh(mesh), or with no shardings). "
+        f"JAX: {str(error).splitlines()[0]}"
+    )
+
+
 def mesh_of(tree: Any) -> Mesh | None:
     """The mesh of the first array of ``tree`` placed on a named sharding."""
     for x in jax.tree.leaves(tree):
@@ -66,12 +103,28 @@ def mesh_of(tree: Any) -> Mesh | None:
     return None
 
 
+def spread(state: Any) -> tuple[Any, ...]:
+    """The step's state arguments: a plain tuple is spread (``fn(*state, batch)``, e.g.
+    ``(model, optimizer)``); anything else is one argument, a ``NamedTuple`` included (a
+    Haiku-style ``TrainingState(params, opt_state)`` is one state, as ``sx.prepare``,
+    ``sx.keep_plan`` and ``sx.loop.run`` take it).
+
+    >>> from typing import NamedTuple
+    >>> class TrainingState(NamedTuple):
+    ...     params: Any
+    ...     step: Any
+    >>> len(spread((1, 2))), len(spread(TrainingState(1, 2)))
+    (2, 1)
+    """
+    return state if type(state) is tuple else (state,)
+
+
 def split_out(out: Any, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
     """``(state after the step, what else it returned)``: a functional step returns the
-    new state first (``(state, metrics)`` or ``(*state, metrics)``); an NNX step
-    updates its arguments in place and returns its metrics."""
+    new state first (``(state, metrics)`` or ``(*state, metrics)``, a plain tuple); an NNX
+    step updates its arguments in place and returns its metrics."""
     n = len(args)
-    if not is_graph(args) and isinstance(out, tuple) and len(out) > n:
+    if not is_graph(args) and type(out) is tuple and len(out) > n:
         head = out[:n]
         if jax.tree.structure(head) == jax.tree.structure(args):
             rest = out[n:]
@@ -128,7 +181,7 @@ class FunctionSide:
         reference: Callable[..., Any] | None = None,
         mesh: Mesh | None = None,
     ) -> None:
-        args = state if isinstance(state, tuple) else (state,)
+        args = spread(state)
         mesh = mesh or mesh_of(arrays(args)) or mesh_of(batch)
         mesh1 = one_device_mesh(mesh) if mesh is not None else None
         self.reference = Reference.on(mesh1, mesh, batch)
@@ -159,9 +212,23 @@ class FunctionSide:
 
     def _on_one(self, start: tuple[Any, ...], batch: Any) -> dict[str, Any]:
         """The reference step on a copy of ``start`` on the device, over ``batch``
-        (placed there)."""
-        copy = copied(start, self.reference.copy)
-        return self._observe(*self.reference(lambda: split_out(self._ref(*copy, batch), copy)))
+        (placed there). A ``jax.jit`` step bound to its mesh's devices (its shardings)
+        is re-jitted once without them (``unbound``); one bound in its body is refused,
+        naming ``reference=``."""
+        while True:
+            copy = copied(start, self.reference.copy)
+            try:
+                out = self.reference(lambda c=copy: split_out(self._ref(*c, batch), c))
+            except ValueError as e:
+                if self._given or not bound_to_devices(e):
+                    raise
+                rebuilt = unbound(self._fn) if self._ref is self._fn else None
+                if rebuilt is None:
+                    raise ValueError(_bound_message(self.what, self._mesh, e)) from None
+                self._ref = rebuilt
+                self.judged = f"{self.judged}; {REJITTED.format(name=self.what)}"
+                continue
+            return self._observe(*out)
 
     def step(self) -> Run:
         # The state the step gave last (a copy of yours at first) is the start, kept as it
@@ -194,6 +261,12 @@ class FunctionSide:
             return self._on_one(run.start, self.reference.put(batch))
 
         return None if self._recorded else noise_floor(reference, self.batch, run.want, rtol, atol)
+
+    def unread(self, run: Run, paths: list[str], rtol: float, atol: float) -> set[str]:
+        if self._recorded or is_graph(self._args):
+            return set()  # recorded: judged from the gradients; NNX objects: not shifted
+        reference = lambda start: self._on_one(start, self._rbatch)  # noqa: E731
+        return unread(reference, run.start, run.want, paths, rtol, atol)
 
     def rerun(self, run: Run) -> dict[str, Any]:
         return self._observe(*self._distributed(copied(run.start, fresh)))

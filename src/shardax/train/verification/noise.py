@@ -10,6 +10,10 @@ reorderings, so a doubled update, unreduced gradients or per-device statistics s
 exceed its floor. The floor is used only when the reorderings leave what the step returns
 unchanged (they are a symmetry of the step) and the batch's leaves share one leading size.
 
+A leaf still differing may be one that nothing the step computes reads (``unread``): its
+exact gradient is zero, so its update is the optimizer's reading of rounding noise alone.
+Shifted in the start state, it changes neither what the step returns nor any other leaf.
+
 >>> from shardax.train.verification.comparison import compare
 >>> diffs = compare({"state": {"b": np.ones(1)}}, {"state": {"b": np.full(1, 1.01)}}, 1, 1e-4, 0)
 >>> diffs[0].ok, floored(diffs, {"state/b": 0.006})[0].ok
@@ -22,8 +26,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
+from shardax.plan.tree import path_str
 from shardax.train.verification.comparison import LeafDiff, close, compare
 from shardax.train.verification.rows import rows, rows_are_examples
 
@@ -64,6 +70,62 @@ def noise_floor(
             path = f"state/{d.path}"
             floor[path] = max(floor.get(path, 0.0), d.max_abs)
     return floor
+
+
+SHIFT = 0.1
+"""``unread`` shifts a leaf by this much of its largest magnitude (at least 1) times a
+standard normal draw per element."""
+
+
+def _shifted(start: Any, paths: set[str]) -> Any:
+    """``start`` with each floating leaf at ``state/<path>`` in ``paths`` shifted."""
+    draw = np.random.default_rng(0)
+
+    def one(path: Any, x: Any) -> Any:
+        if f"state/{path_str(path)}" not in paths:
+            return x
+        values = np.asarray(x)
+        scale = SHIFT * max(1.0, float(np.max(np.abs(values))) if values.size else 1.0)
+        return x + (scale * draw.standard_normal(values.shape)).astype(values.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, start)
+
+
+def unread(
+    reference: Callable[[Any], dict[str, Any]],
+    start: Any,
+    want: dict[str, Any],
+    paths: list[str],
+    rtol: float,
+    atol: float,
+) -> set[str]:
+    """The update leaves of ``paths`` (``state/...``) whose update is rounding noise: with
+    them shifted in ``start``, the one-device step (``reference(start)``, its
+    ``{"returned", "state"}``) returns what it returned and updates every other leaf as
+    it did (``want``). What the step computes then never reads those leaves: their exact
+    gradient is zero (an attention key's bias, which softmax ignores; a bias before a
+    normalisation), and an adaptive optimizer (Adam, Lion) makes steps of ±lr out of the
+    order of the sums, different on every mesh. All of ``paths`` or none (a set).
+
+    Only floating leaves of a pytree state are shifted; any other leaf among ``paths``
+    (an integer count, a key) gives no such evidence (an empty set)."""
+    wanted = set(paths)
+    leaves = {f"state/{path_str(p)}": x for p, x in jax.tree_util.tree_leaves_with_path(start)}
+    if not wanted or any(
+        p not in leaves or not np.issubdtype(np.asarray(leaves[p]).dtype, np.floating)
+        for p in wanted
+    ):
+        return set()
+    try:
+        alt = reference(_shifted(start, wanted))
+    except Exception:  # a step that does not run on the shifted state reads it somewhere
+        return set()
+    if not close(alt["returned"], want["returned"], rtol, atol):
+        return set()
+    for d in compare(alt["state"], want["state"], 1, rtol, atol):
+        if f"state/{d.path}" not in wanted and not d.ok:
+            return set()
+    return wanted
 
 
 def floored(diffs: list[LeafDiff], floor: dict[str, float] | None) -> list[LeafDiff]:

@@ -36,7 +36,9 @@ class VerifyReport:
             if one did).
         first_step: the first step (1-based) at which a leaf differed, else None.
         cause: the likely cause, one of ``shardax.train.verification.CAUSES``, or None
-            (``hint`` says what to do).
+            (``hint`` says what to do). When ``ok``, None, or ``"update of rounding
+            noise"``: leaves whose update is rounding noise (their exact gradient is zero),
+            named in ``hint`` and not counted as differences.
         hint: what the cause means and how to fix it (or how to look further).
         diffs: the leaves that differed at ``first_step`` (or, when ok, the closest
             ones), worst first.
@@ -82,7 +84,7 @@ class VerifyReport:
                 f"{d.max_abs:.3g}",
                 f"{d.max_rel:.3g}",
                 f"{d.limit:.3g}",
-                "ok" if d.ok else "[red]differs[/]",
+                ("noise" if d.noise else "ok") if d.ok else "[red]differs[/]",
             )
         more = len(self.diffs) - SHOWN
         caption = [f"{self.what} against {self.reference}: {self.judged}",
@@ -94,6 +96,8 @@ class VerifyReport:
             caption.append(f"first difference: {self.worst.where()}")
         if not self.ok:
             caption.append(f"likely cause: {self.cause or 'not named'}: {self.hint}")
+        elif self.cause is not None:  # leaves forgiven as no difference of the step
+            caption.append(f"not a difference: {self.cause}: {self.hint}")
         table.caption = "\n".join(caption)
         return table
 

@@ -68,6 +68,12 @@ class Side(Protocol):
         path; None when there is none."""
         ...
 
+    def unread(self, run: Run, paths: list[str], rtol: float, atol: float) -> set[str]:
+        """The update leaves of ``paths`` that nothing the step computes reads: their
+        update is rounding noise (``noise.unread``); empty when the side judges the
+        update from the gradients or cannot tell."""
+        ...
+
     def rerun(self, run: Run) -> dict[str, Any]:
         """The distributed step again from ``run``'s start: leaves like ``run.got``."""
         ...

@@ -145,6 +145,9 @@ class TrainStepSide:
     def floor(self, run: Run, rtol: float, atol: float) -> None:
         return None
 
+    def unread(self, run: Run, paths: list[str], rtol: float, atol: float) -> set[str]:
+        return set()  # the update is judged from the gradients (second)
+
     def rerun(self, run: Run) -> dict[str, Any]:
         return _observed(*self._probes["dist"](run.start[0], self.batch))
 
