@@ -220,12 +220,81 @@ def run_case(name: str, per_device_batch: int | None = None) -> dict[str, Any]:
     return out
 
 
+def search_case(name: str) -> dict[str, Any]:
+    """``sx.search_plans`` on the case's multi-host target with its default space (pure
+    FSDP over every GPU, and the hybrid mesh's HSDP: FSDP within a host, data parallelism
+    across hosts), the pick and its predicted gain over pure FSDP (the per-op model)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import shardax as sx
+    from shardax.cost.flops import transformer_flops_per_token
+    from shardax.models import gpt
+
+    c = dict(CASES[name])
+    target = sx.target(c["target"], memory_fraction=c.get("memory_fraction"),
+                       network=c.get("network"))  # fmt: skip
+    cfg = gpt.GPTConfig(c["layers"], c["d_model"], c["heads"], c["seq"], vocab=c["vocab"],
+                        scan_layers=c.get("scan_layers", True))  # fmt: skip
+    precision: Any = "bf16"
+    if c["params_bf16"]:
+        precision = sx.Precision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+
+    def init() -> Any:
+        return sx.TrainState.create(gpt.make_gpt(cfg, 0, remat=c["remat"]), optax.adam(1e-4))
+
+    def loss(m: Any, b: Any) -> Any:
+        logits = m(b["inputs"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    batch = c["per_device_batch"] * len(target)
+    tokens = jax.ShapeDtypeStruct((batch, c["seq"]), jnp.int32)
+    n = gpt.param_count(jax.eval_shape(lambda: gpt.make_gpt(cfg, 0)), embeddings=False)
+    flops = transformer_flops_per_token(n, c["layers"], c["seq"], c["d_model"]) * batch * c["seq"]
+    config = sx.train.StepConfig(
+        mesh=sx.make_mesh({"data": -1}, devices=target), precision=precision
+    )  # any mesh: each candidate has its own
+    space = sx.SearchSpace(devices=target, plans=("fsdp", "hsdp"), config=config)
+    start = time.perf_counter()
+    report = sx.search_plans(space, init, loss_fn=loss, batch={"inputs": tokens,
+                             "targets": tokens}, model_flops=flops,
+                             model_flops_note="6N + attention, causal halved")  # fmt: skip
+    per_device = flops / len(target) / 1e12
+    rows = {}
+    for cand in report.candidates:
+        cost = cand.estimate.cost if cand.estimate is not None else None
+        if cost is not None:
+            rows[cand.name] = {"tflops_per_device": per_device / cost.step_s,
+                               "step_s": cost.step_s, "interval_s": [cost.low_s, cost.high_s],
+                               "inter_host_s": cost.inter_host_s,
+                               "exposed_inter_host_s": cost.exposed_inter_host_s,
+                               "fits": cand.estimate.fits}  # fmt: skip
+    pick, fsdp = rows.get(report.name), rows.get("fsdp")
+    gain = pick["tflops_per_device"] / fsdp["tflops_per_device"] if pick and fsdp else None
+    return {"case": name, "target": c["target"], "network": c.get("network"),
+            "pick": report.name, "reason": report.reason, "candidates": rows,
+            "gain_over_fsdp": gain, "wall_s": time.perf_counter() - start,
+            "report": str(report)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=list(CASES))
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--per-device-batch", type=int, default=None, help="over the case's")
+    parser.add_argument("--search", choices=list(CASES), default=None,
+                        help="rank pure FSDP against HSDP on this case's target "
+                        "(sx.search_plans' default space on several hosts)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.search:
+        r = search_case(args.search)
+        print(r["report"], flush=True)
+        print({k: v for k, v in r.items() if k != "report"}, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=1, default=str)
+        return 0
     results = []
     for name in args.case or list(CASES):
         r = run_case(name, args.per_device_batch)

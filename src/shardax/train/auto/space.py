@@ -149,9 +149,17 @@ class SearchSpace:
 
     @property
     def layouts(self) -> tuple[Layout, ...]:
-        """Each mesh as a [`Layout`][shardax.train.Layout] with its mesh built and its name set."""
+        """Each mesh as a [`Layout`][shardax.train.Layout] with its mesh built and its name set.
+        With the default meshes on devices of several hosts (a multi-host target), the
+        hybrid mesh too: ``{"replica": hosts, "data": devices per host}`` with its
+        ``hsdp`` plan (FSDP within a host, data parallelism across hosts), named
+        ``"replica=<hosts>"``."""
         out = []
-        for given in self.meshes:
+        meshes = list(self.meshes)
+        hybrid = _hybrid(self.devices) if meshes == [{DATA_AXIS: -1}] else None
+        if hybrid is not None and (self.plans is None or "hsdp" in self.plans):
+            meshes.append(hybrid)
+        for given in meshes:
             layout = given if isinstance(given, Layout) else Layout(given)
             mesh = layout.mesh
             if not isinstance(mesh, Mesh):
@@ -207,6 +215,20 @@ class SearchSpace:
         return Group.build(
             plans, model, loss, config, accumulate, batch, layout.name, layout.microbatches
         )
+
+
+def _hybrid(devices: Any) -> Layout | None:
+    """The hybrid layout of ``devices`` (default ``jax.devices()``) over several hosts of
+    equal size: replicas across hosts, ``hsdp`` within each; None on one host."""
+    devices = list(jax.devices() if devices is None else devices)
+    hosts: dict[int, int] = {}
+    for d in devices:
+        hosts[d.process_index] = hosts.get(d.process_index, 0) + 1
+    sizes = set(hosts.values())
+    if len(hosts) < 2 or len(sizes) != 1 or sizes == {1}:
+        return None
+    return Layout({REPLICA_AXIS: len(hosts), DATA_AXIS: sizes.pop()}, name=f"replica={len(hosts)}",
+                  plans=("hsdp",))  # fmt: skip
 
 
 def _dividing(accumulate: Counts, mesh: Mesh, axis: Any, batch: Any) -> Counts:
