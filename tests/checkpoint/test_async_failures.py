@@ -64,6 +64,25 @@ def test_a_save_that_runs_out_of_space_raises_naming_the_directory_and_exits(tmp
     _failed_save(out, directory, "File too large")
 
 
+def test_a_full_disk_under_sx_loop_run_names_the_file_and_the_argument(tmp_path):
+    """A synchronous save that fails raises the manager's one line (the system's error and
+    the file, not orbax's traceback), with the argument to change; step 1 is kept."""
+    directory = str(tmp_path / "ck")
+    out = run_worker("run-full", directory)
+    assert out.returncode == 0, out.stderr[-3000:]
+    failed, steps, end = out.stdout.splitlines()
+    assert failed.startswith(
+        f"run: sx.loop.Run.after_step: checkpoint step 2 was not saved in {directory}: File "
+        f"too large ({directory}/2.orbax-checkpoint-tmp/"
+    ), failed
+    assert failed.endswith(
+        "Nothing of step 2 was committed; the steps saved before it are kept. Free space in "
+        f"{directory}, or pass another directory as checkpoints="
+    ), failed
+    assert steps == "steps: [1]" and end == "end"
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
 def test_a_save_never_waited_for_is_finished_at_exit_or_reported(tmp_path):
     directory = str(tmp_path / "ck")
     out = run_worker("unwaited", directory)

@@ -45,6 +45,21 @@ if mode == "run-hold":  # a run that holds its directory, with a save in flight
         steps_of_a_run(run, 1)
     print("end", flush=True)
     sys.exit(0)
+if mode == "run-full":  # the disk fills up before sx.loop.run's (synchronous) save of step 2
+    try:
+        with sx.loop.run(big, checkpoints=directory, every={"save": 1}, goodput=False) as run:
+            state = run.state
+            for _ in run.batches(range(3)):
+                state = {"w": state["w"] + 1}
+                if run.step == 2:  # files over 64 KiB fail, as on a full disk
+                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+                run.after_step(state)
+    except OSError as e:
+        print(f"run: {e}", flush=True)
+    print(f"steps: {sx.CheckpointManager(directory).all_steps()}", flush=True)
+    print("end", flush=True)
+    sys.exit(0)
 if mode == "run-second":  # a second run started on the directory
     try:
         with sx.loop.run(small, checkpoints=directory, goodput=False) as run:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardax.checkpoint import at_exit, swap
+from shardax.checkpoint import at_exit, damage, swap
 from shardax.checkpoint.convert import (
     abstract_saveable,
     flat_paths,
@@ -157,13 +157,7 @@ class CheckpointManager:
                 raise
             step, operations = in_flight
             compat.orbax_release_save(operations)  # else they block the exit for 300 s
-            _QUIET.failed = True
-            raise OSError(
-                f"checkpoint step {step} was not saved in {self.directory}: "
-                f"{getattr(e, 'strerror', None) or e}"
-                + (f" ({e.filename})" if getattr(e, "filename", None) else "")
-                + f". Nothing of step {step} was committed; the steps saved before it are kept"
-            ) from e
+            raise self._not_saved(step, e) from e
         displaced, self._displaced = self._displaced, []
         if displaced:
             self._manager.reload()
@@ -175,6 +169,19 @@ class CheckpointManager:
             for step in displaced:
                 if step in committed:
                     self._manager.delete(step)
+
+    def _not_saved(self, step: int, e: BaseException) -> OSError:
+        """The ``OSError`` of a save that failed: the step, the directory, the cause in
+        one line (a full disk's ``File too large`` or ``No space left on device``, not
+        orbax's traceback) and what is kept."""
+        _QUIET.failed = True
+        cause = getattr(e, "strerror", None)
+        cause = f"{cause} ({e.filename})" if cause and getattr(e, "filename", None) else cause
+        return OSError(
+            f"checkpoint step {step} was not saved in {self.directory}: "
+            f"{cause or damage.cause_line(e)}. Nothing of step {step} was committed; the "
+            "steps saved before it are kept"
+        )
 
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first; interrupted saves are not among them (a
@@ -247,7 +254,12 @@ class CheckpointManager:
             # The steps it displaces go once it is committed (see wait), never before.
             self._displaced = [old for old in steps if old not in keep]
             before = compat.orbax_save_operations()
-            self._manager.save(step, args=args, force=True)
+            try:
+                self._manager.save(step, args=args, force=True)
+            except Exception as e:  # a synchronous save that failed (a full disk)
+                self._displaced = []
+                compat.orbax_release_save(compat.orbax_save_operations() - before)
+                raise self._not_saved(step, e) from e
             self._in_flight = (step, compat.orbax_save_operations() - before)
             if self.async_save:
                 at_exit.finish_at_exit(self, step)
@@ -298,23 +310,97 @@ class CheckpointManager:
         ``like`` is a concrete state, or an abstract one (ShapeDtypeStructs with
         shardings, e.g. from a plan). A tree that differs from the saved one in
         structure, shape or dtype raises ``ValueError`` naming the path.
+
+        A step that cannot be read (damaged on disk: a truncated file) raises ``OSError``
+        naming it as damaged, with the cause's one line and the other steps; for the
+        latest step (``step=None``) the newest step that reads is restored instead, with a
+        ``UserWarning`` naming both, and the damaged step is moved aside to
+        ``.damaged-<step>`` when no other manager writes the directory
+        (``shardax.checkpoint.damage``).
         """
-        ocp = _ocp()
         if step is not None:
             step = as_count("step (or None for the latest)", step, minimum=0)
+        latest = step is None
         step = self._committed(step)
         target = abstract_saveable(like)
-        saved = self._manager.item_metadata(step)["state"]
+        candidates = [s for s in reversed(self.all_steps()) if s <= step] if latest else [step]
+        damaged: list[damage.Unreadable] = []
+        for candidate in candidates:
+            try:
+                restored = self._read(like, target, candidate)
+            except damage.Unreadable as e:
+                damaged.append(e)
+                continue
+            if damaged:
+                self._report_damaged(damaged, candidate)
+            return restored
+        others = [s for s in self.all_steps() if s not in {e.step for e in damaged}]
+        words = "; ".join(f"step {e.step}: {e.cause}" for e in damaged)
+        if latest:
+            why = f"no committed step of {self.directory} can be read (damaged on disk?): {words}"
+        else:
+            why = (
+                f"checkpoint step {step} in {self.directory} is damaged (it cannot be read: "
+                f"{damaged[0].cause}); restore another step (step=, committed: {others})"
+            )
+        raise OSError(why) from damaged[0].error
+
+    def _read(self, like: Any, target: Any, step: int) -> Restored:
+        """``step`` restored onto ``target``; ``damage.Unreadable`` when orbax cannot read
+        it (on any process), ``ValueError`` when its tree differs from ``like``'s."""
+        ocp = _ocp()
+        try:
+            saved, failed = self._manager.item_metadata(step)["state"], None
+        except Exception as e:
+            saved, failed = None, e
+        if not damage.everywhere(failed is None):
+            raise damage.Unreadable(step, failed or RuntimeError("another process failed"))
         check_same_tree(flat_paths(_metadata_tree(saved)), flat_paths(target), step)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
-            ),
-        )
+        try:
+            restored, failed = (
+                self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
+                    ),
+                ),
+                None,
+            )
+        except Exception as e:
+            restored, failed = None, e
+        if not damage.everywhere(failed is None):
+            raise damage.Unreadable(step, failed or RuntimeError("another process failed"))
         state = from_saveable(like, restored["state"])
         state = with_other_leaves(state, restored["data"].get("leaves", {}))
         return Restored(state, restored["data"]["data_state"], step)
+
+    def _report_damaged(self, damaged: list[damage.Unreadable], used: int) -> None:
+        """Warns that the ``damaged`` steps (newer than ``used``) cannot be read, and moves
+        them aside where this manager is, or can become for a moment, the writer."""
+        lock = self._lock
+        if jax.process_index() == 0 and lock is None:
+            lock = DirectoryLock.attempt(self.directory)
+        moved = {}
+        if damage.everywhere(jax.process_index() != 0 or lock is not None):  # process 0 may
+            moved = {e.step: damage.move_aside(self.directory, e.step) for e in damaged}
+            swap.sync_processes("shardax-checkpoint-damaged")
+            self._manager.reload()
+        if lock is not None and lock is not self._lock:
+            lock.release()
+        for e in damaged:
+            where = moved.get(e.step)
+            kept = (
+                f"it is moved aside to {where} (kept for inspection: delete it when done)"
+                if where
+                else f"it is left in place (another manager writes {self.directory}); delete "
+                f"it or move it aside before step {e.step} is saved again"
+            )
+            warnings.warn(
+                f"checkpoint step {e.step} in {self.directory} is damaged (it cannot be read: "
+                f"{e.cause}); restored step {used}, the newest intact step, instead: {kept}",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _take_lock(self) -> None:
         """Makes this manager the directory's writer (process 0 holds the lock): raises

@@ -49,8 +49,9 @@ it gets every step's metrics since the last fetch, fetched once:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -408,10 +409,13 @@ class Checkpoints(Hook):
     bucket, and the
     ledger beside it. At the end it saves only the state of the last step
     (``Run.handed``), never an older one under the last step's number. On closing,
-    waits for the save in flight."""
+    waits for the save in flight. A save that fails (a full disk) raises the manager's
+    ``OSError`` with the way out, naming ``option`` (the argument that chose the
+    directory: ``sx.loop.run`` says ``checkpoints=``; None: as it is)."""
 
-    def __init__(self, every: int | None = None) -> None:
+    def __init__(self, every: int | None = None, option: str | None = None) -> None:
         self.every = every
+        self.option = option  # what chose the directory, named when a save fails
         self.saved_at: int | None = None
 
     def due(self, run: Any) -> bool:
@@ -426,7 +430,7 @@ class Checkpoints(Hook):
             self.save(run)
 
     def save(self, run: Any) -> None:
-        with run.phase("checkpoint"):  # the blocking part of an async save
+        with run.phase("checkpoint"), self._naming(run):  # the blocking part of an async save
             run.manager.save(run.step, saveable(run.state), run.data_state())
         self.saved_at = run.step
         run.done(run.step)  # the save fetched the step's state
@@ -434,8 +438,21 @@ class Checkpoints(Hook):
             run.ledger.save()
 
     def close(self, run: Any) -> None:
-        with run.phase("checkpoint"):
+        with run.phase("checkpoint"), self._naming(run):
             run.manager.wait()  # the save in flight
+
+    @contextlib.contextmanager
+    def _naming(self, run: Any) -> Iterator[None]:
+        """A save that failed (a full disk) says which argument chose its directory."""
+        try:
+            yield
+        except OSError as e:
+            if self.option is None or type(e) is not OSError:
+                raise
+            raise OSError(
+                f"{e}. Free space in {run.manager.directory}, or pass another directory as "
+                f"{self.option}"
+            ) from e
 
 
 class Snapshots(Checkpoints):
@@ -495,7 +512,7 @@ def usual_hooks(
     if logging:
         hooks.append(Logging(every.get("log", 10)))
     if checkpoints:  # before the evaluation: an evaluate that raises never costs a save
-        hooks.append(Checkpoints(every.get("save")))
+        hooks.append(Checkpoints(every.get("save"), option="checkpoints="))
     if evaluate is not None:
         hooks.append(Evaluation(evaluate, every.get("eval")))
     return hooks
