@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.train.verification.function import spread
+from shardax.train.verification.function import FunctionSide, spread
 from shardax.train.verification.noise import unread
 
 VOCAB, D, HEADS, T = 16, 8, 2, 6
@@ -129,3 +129,14 @@ def test_a_jit_bound_to_its_mesh_gets_a_one_device_reference(mesh):
                        r"8-device mesh's devices .* pass reference="):  # fmt: skip
         sx.verify(jax.jit(constrained), state, data)
     assert sx.verify(jax.jit(constrained), state, data, reference=jax.jit(update)).ok
+
+
+def test_a_leaf_the_step_carries_along_unread_is_never_noise():
+    def step(w, ema, batch):  # ema: read by nothing but its own update
+        loss, grad = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+        return w - 0.1 * grad, 0.9 * ema + 0.1 * w, {"loss": loss}
+
+    side = FunctionSide(jax.jit(step), (jnp.ones((4, 2)), jnp.zeros((4, 2))),
+                        {"x": np.ones((8, 4), np.float32)})  # fmt: skip
+    assert side._read_elsewhere(side._args, {"state/0"})
+    assert not side._read_elsewhere(side._args, {"state/1"})

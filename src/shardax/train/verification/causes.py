@@ -70,8 +70,8 @@ CAUSES: dict[str, str] = {
         "leaf, donation or aliasing)"
     ),
     "update of rounding noise": (
-        "nothing the step computes reads these leaves (shifted, they change neither what "
-        "the step returns nor any other leaf): their exact gradient is zero (an attention "
+        "the step reads these leaves, yet shifted they change neither what it returns nor "
+        "any other leaf: their exact gradient is zero (an attention "
         "key's bias, which softmax ignores; a bias before a normalisation), and an adaptive "
         "optimizer (Adam, Lion) turns the rounding noise of their gradient into steps of "
         "±lr whose signs follow the order of the sums, different on every mesh. Not a "

@@ -33,6 +33,7 @@ from shardax.plan.tree import is_key, path_str
 from shardax.train.verification.comparison import TOLERANCES
 from shardax.train.verification.noise import noise_floor, unread
 from shardax.train.verification.per_device import Slices
+from shardax.train.verification.reads import reached
 from shardax.train.verification.recording import applied, optimizer_view, recorded, recorded_pairs
 from shardax.train.verification.reference import Reference, one_device_mesh
 from shardax.train.verification.rows import devices_over_rows, rows
@@ -265,8 +266,32 @@ class FunctionSide:
     def unread(self, run: Run, paths: list[str], rtol: float, atol: float) -> set[str]:
         if self._recorded or is_graph(self._args):
             return set()  # recorded: judged from the gradients; NNX objects: not shifted
+        if not self._read_elsewhere(run.start, set(paths)):
+            return set()  # carried along, not read: its difference is the step's own
         reference = lambda start: self._on_one(start, self._rbatch)  # noqa: E731
         return unread(reference, run.start, run.want, paths, rtol, atol)
+
+    def _read_elsewhere(self, start: tuple[Any, ...], paths: set[str]) -> bool:
+        """Whether the step reads each leaf of ``paths`` (``state/...``): it reaches an
+        output other than the leaf's own new value (the loss, another leaf's update),
+        in the reference's jaxpr (``reads.reached``)."""
+        flat = jax.tree_util.tree_flatten_with_path(start)[0]
+        names = [f"state/{path_str(p)}" for p, _ in flat]
+        inputs = [i for i, name in enumerate(names) if name in paths]
+        if len(inputs) != len(paths):
+            return False
+        fn = lambda state, batch: self._ref(*state, batch)  # noqa: E731
+        try:
+            copy = copied(start, self.reference.copy)
+            reach = self.reference(lambda: reached(fn, (copy, self._rbatch), inputs))
+            out = self.reference(lambda: jax.eval_shape(fn, copy, self._rbatch))
+        except Exception:  # a step make_jaxpr cannot trace gives no evidence
+            return False
+        outs = [f"state/{path_str(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]]
+        return all(
+            any(hit and outs[j] != names[i] for j, hit in enumerate(row))
+            for i, row in zip(inputs, reach, strict=True)
+        )
 
     def rerun(self, run: Run) -> dict[str, Any]:
         return self._observe(*self._distributed(copied(run.start, fresh)))

@@ -10,9 +10,10 @@ reorderings, so a doubled update, unreduced gradients or per-device statistics s
 exceed its floor. The floor is used only when the reorderings leave what the step returns
 unchanged (they are a symmetry of the step) and the batch's leaves share one leading size.
 
-A leaf still differing may be one that nothing the step computes reads (``unread``): its
-exact gradient is zero, so its update is the optimizer's reading of rounding noise alone.
-Shifted in the start state, it changes neither what the step returns nor any other leaf.
+A leaf still differing may be one that the step reads but does not depend on (``unread``):
+its exact gradient is zero, so its update is the optimizer's reading of rounding noise
+alone. Shifted in the start state, it changes neither what the step returns nor any other
+leaf.
 
 >>> from shardax.train.verification.comparison import compare
 >>> diffs = compare({"state": {"b": np.ones(1)}}, {"state": {"b": np.full(1, 1.01)}}, 1, 1e-4, 0)
@@ -102,10 +103,11 @@ def unread(
     """The update leaves of ``paths`` (``state/...``) whose update is rounding noise: with
     them shifted in ``start``, the one-device step (``reference(start)``, its
     ``{"returned", "state"}``) returns what it returned and updates every other leaf as
-    it did (``want``). What the step computes then never reads those leaves: their exact
-    gradient is zero (an attention key's bias, which softmax ignores; a bias before a
-    normalisation), and an adaptive optimizer (Adam, Lion) makes steps of ±lr out of the
-    order of the sums, different on every mesh. All of ``paths`` or none (a set).
+    it did (``want``). What the step computes then does not depend on those leaves (the
+    caller checks that it reads them, ``reads.reached``): their exact gradient is zero
+    (an attention key's bias, which softmax ignores; a bias before a normalisation), and
+    an adaptive optimizer (Adam, Lion) makes steps of ±lr out of the order of the sums,
+    different on every mesh. All of ``paths`` or none (a set).
 
     Only floating leaves of a pytree state are shifted; any other leaf among ``paths``
     (an integer count, a key) gives no such evidence (an empty set)."""
