@@ -305,6 +305,19 @@ def test_quickstart_runs_as_a_script(tmp_path):
     assert "(None, 'data')" in proc.stdout, proc.stdout  # up/kernel: 16 x 256, FSDP
 
 
+def test_quickstart_names_every_extra():
+    """The quickstart's table of extras is pyproject's (the site has no other)."""
+    import tomllib
+
+    extras = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    table = (ROOT / "docs" / "quickstart.md").read_text().split("| extra | for |\n|---|---|\n")[1]
+    rows = table.split("\n\n")[0].splitlines()
+    named = {name for row in rows for name in re.findall(r"`([\w-]+)`", row.split("|")[1])}
+    assert named == extras, (extras - named, named - extras)
+
+
 def free_names(source: str) -> set[str]:
     """The names ``source`` uses, in any of its scopes, without binding them (builtins
     aside): what it needs from blocks before it."""
