@@ -1578,3 +1578,30 @@ _COMPILE_ONLY = "the devices to place on are compile-only (8 x NVIDIA H100 80GB 
 def test_fifth_sweep_placing_on_a_compile_only_mesh_says_what_to_do(call, message):
     with raises(ValueError, message):
         call(_target_mesh())
+
+
+# --- sixth sweep, the outside programs' patterns (issue 56, item 1) -------------------------
+
+
+def _verify_mesh_bound_step():
+    mesh = sx.make_mesh()
+    rows = jax.sharding.NamedSharding(mesh, P("data"))
+
+    @jax.jit
+    def constrained_step(params, batch):  # its body names the 8-device mesh
+        return _own_step(params, jax.lax.with_sharding_constraint(batch, rows))
+
+    params = jax.device_put({"w": jnp.ones((4, 2))}, jax.sharding.NamedSharding(mesh, P()))
+    return sx.verify(constrained_step, params, jax.device_put(_XY, rows))
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (_verify_mesh_bound_step, ValueError, "sx.verify: the step constrained_step is bound to its 8-device mesh's devices (a sharding or constraint in its body names them), so verify cannot run it on one device as the reference: pass reference=, the same step for one device"),
+    ],
+    ids=["verify-mesh-bound-step"],
+)  # fmt: skip
+def test_sixth_sweep_outside_patterns_name_the_way_round(call, error, message):
+    with raises(error, message):
+        call()
