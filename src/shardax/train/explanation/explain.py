@@ -24,23 +24,18 @@ True
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
 from rich.console import Group
 
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public
-from shardax.cost.buffers import COVERAGE, PeakBuffers, compile_dumped, input_kind, peak_buffers
-from shardax.cost.estimation import Estimate, _abstract, _mesh_of, analyse, check_axes
+from shardax.cost.buffers import COVERAGE, PeakBuffers
+from shardax.cost.estimation import Estimate
 from shardax.cost.reshards import Reshard, collectives_explained
-from shardax.cost.sources import Sources
-from shardax.plan.tree import is_array
-from shardax.train.explanation.fixes import ACCUMULATE, Fix, fits, propose
+from shardax.train.explanation.fixes import ACCUMULATE, Fix, propose
+from shardax.train.explanation.memory import compile_step, fits, memory_table
 from shardax.train.explanation.placement import Placement, placement
 
 
@@ -107,26 +102,6 @@ class Explanation:
         return rich_text(self, width=140)
 
 
-def memory_table(memory: PeakBuffers, peak: int, budget: float | None, fit: bool | None) -> Any:
-    """The table of the buffers live at the peak."""
-    verdict = "" if fit is None else (", fits" if fit else ", [red]does not fit[/]")
-    room = "" if not budget else f" of a {format_bytes(budget)} budget{verdict}"
-    table = titled_table(f"memory at the peak: {format_bytes(peak)} per device{room} (at "
-                         f"{memory.at}, {memory.phase} pass)")  # fmt: skip
-    for col in ("bytes", "array", "what", "is", "your line"):
-        table.add_column(col, justify="right" if col == "bytes" else "left")
-    for b in memory.buffers:
-        table.add_row(format_bytes(b.bytes), f"{b.dtype}{list(b.shape)}", b.what, b.kind,
-                      b.source or "-")  # fmt: skip
-    kinds = ", ".join(f"{k} {format_bytes(v)}" for k, v in
-                      sorted(memory.by_kind().items(), key=lambda kv: -kv[1]))  # fmt: skip
-    table.caption = (f"{len(memory.buffers)} buffers cover "
-                     f"{1 - memory.rest_bytes / max(memory.peak_bytes, 1):.0%} of the heap's "
-                     f"{format_bytes(memory.peak_bytes)} ({memory.rest} smaller left out): "
-                     f"{kinds}")  # fmt: skip
-    return table
-
-
 def collectives_table(collectives: tuple[Reshard, ...]) -> Any:
     """The unasked collectives, then a line per reason of the implied ones."""
     unasked = [c for c in collectives if not c.implied]
@@ -165,44 +140,12 @@ def fixes_table(fixes: tuple[Fix, ...]) -> Any:
     return table
 
 
-def _param_shapes(state: Any, shardings: Any) -> set[tuple[int, ...]]:
-    """The parameters' shapes with each dimension whole or split as placed (global,
-    per-device, gathered over some axes), a stacked (scanned) leaf's layer shape, and a
-    matrix's transpose."""
-    leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(state) if is_array(x)]
-    flat = [s for s in jax.tree.leaves(shardings) if hasattr(s, "shard_shape")]
-    if len(flat) != len(leaves):
-        flat = [getattr(x, "sharding", None) for _, x in leaves]
-    out: set[tuple[int, ...]] = set()
-    for (path, leaf), sharding in zip(leaves, flat, strict=True):
-        kind = input_kind("state" + jax.tree_util.keystr(path))
-        if kind not in ("parameter", "optimizer state") or len(np.shape(leaf)) == 0:
-            continue
-        shape = tuple(np.shape(leaf))
-        local = shape
-        if sharding is not None and hasattr(sharding, "shard_shape"):
-            local = tuple(sharding.shard_shape(shape))
-        # gathered over some of its axes: each dimension whole or split
-        shapes = set(itertools.product(*({g, n} for g, n in zip(shape, local, strict=True))))
-        shapes |= {s[1:] for s in shapes if len(s) > 1}
-        out |= shapes | {s[::-1] for s in shapes if len(s) == 2}
-    return {s for s in out if math.prod(s) > 1}
-
-
 def _param_axes(shardings: Any) -> set[str]:
     out: set[str] = set()
     for s in jax.tree.leaves(shardings):
         for entry in getattr(s, "spec", ()):
             out |= {entry} if isinstance(entry, str) else set(entry or ())
     return out
-
-
-def _unplaced(leaf: Any) -> Any:
-    """A batch leaf's abstract value without a one-device sharding (the step places it)."""
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(leaf, jax.ShapeDtypeStruct) and not isinstance(sharding, NamedSharding):
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    return leaf
 
 
 @public("sx.explain")
@@ -234,40 +177,28 @@ def explain(
         plans: the plans the fixes try, by name (None: every default plan of the mesh).
         coverage: the share of the peak's bytes the memory table covers, in (0, 1].
     """
-    if not hasattr(step, "lower"):
-        raise TypeError(f"step must be a make_train_step step or a jax.jit function (with "
-                        f".lower), got {type(step).__name__}")  # fmt: skip
     if fixes not in (True, False, "auto"):
         raise ValueError(f"fixes must be True, False or 'auto', got {fixes!r}")
     if not (isinstance(coverage, int | float) and 0 < coverage <= 1):
         raise ValueError(f"coverage must be a share of the peak in (0, 1], got {coverage!r}")
     if budget is not None and not (isinstance(budget, int | float) and budget > 0):
         raise ValueError(f"budget must be bytes per device > 0, got {budget!r}")
-    state, batch = _abstract(state), jax.tree.map(_unplaced, _abstract(batch))
-    mesh = _mesh_of(step, jax.tree.leaves((state, batch)))
-    check_axes(state, mesh, "state")
-    check_axes(batch, mesh, "batch")
-    if hasattr(step, "abstract"):
-        state = step.abstract(state)
-    compiled, live = compile_dumped(step.lower(state, batch))
-    try:
-        shardings = compiled.input_shardings[0][0]
-    except (AttributeError, IndexError, TypeError):
-        shardings = None
-    report = analyse(compiled, mesh, state=state, shardings=shardings, batch=batch)
-    budget = budget or report.memory_budget or report.hbm_bytes
-    hlo = compiled.as_text()
-    sources = Sources.of(compiled)
-    shapes = _param_shapes(state, shardings)
+    program = compile_step(step, state, batch)
+    state, batch, mesh, shardings = program.state, program.batch, program.mesh, program.shardings
+    report = program.estimate
+    budget = budget or program.budget
+    sources = program.sources
     notes = []
-    memory = peak_buffers(hlo, live, sources, coverage, shapes) if live else None
+    memory = program.memory(coverage, sources)
     if memory is None:
         notes.append("the backend wrote no live-range dump: no buffer table")
+    hlo = program.compiled.as_text()
+    shapes = program.param_shapes()
     plan = getattr(step, "state_plan", None)
     axes = _param_axes(shardings)
     rows = tuple(collectives_explained(hlo, mesh, sources, shapes, axes))
     where = placement(state, plan, shardings) if plan is not None else None
-    peak = int(report.memory["peak"])
+    peak = program.peak_bytes
     proposed: tuple[Fix, ...] = ()
     if fixes is True or (fixes == "auto" and fits(peak, budget) is False):
         proposed = propose(
@@ -277,17 +208,3 @@ def explain(
             notes.append("no plan × microbatch count of the search fits the budget: pass "
                          "variants= (remat policies) or more devices")  # fmt: skip
     return Explanation(memory, rows, where, proposed, budget, peak, report, tuple(notes))
-
-
-def out_of_memory_note(step: Any, state: Any, batch: Any) -> str:
-    """The buffer table of ``step`` at its compiled peak, for a live run that ran out of
-    memory (``RESOURCE_EXHAUSTED``); a line saying why where it cannot be made."""
-    try:
-        report = explain(step, state, batch, fixes=False)
-    except Exception as e:  # never hide the allocator's error behind ours
-        return f"shardax could not explain the step's memory: {type(e).__name__}: {e}"
-    if report.memory is None:
-        return "shardax: the backend gave no live-range dump to explain the peak"
-    table = memory_table(report.memory, report.peak_bytes, report.budget, report.fits)
-    return ("shardax: the step's buffers at its compiled peak (sx.explain(step, state, batch) "
-            "proposes fixes, each compiled):\n" + rich_text(table, width=140))  # fmt: skip

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shardax.cost.estimation import HEADROOM
 from shardax.train.auto.choice import train_flags
 from shardax.train.auto.search import search_plans
 from shardax.train.auto.space import SearchSpace
@@ -77,8 +76,3 @@ def propose(
     inf = float("inf")
     fixes.sort(key=lambda f: (f.predicted_s if f.predicted_s is not None else inf, f.peak_bytes))
     return tuple(fixes)
-
-
-def fits(peak: float, budget: float | None) -> bool | None:
-    """The peak fits ``budget`` with ``HEADROOM`` to spare (None: no budget)."""
-    return None if not budget else peak <= (1 - HEADROOM) * budget
