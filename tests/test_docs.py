@@ -261,6 +261,10 @@ def clone_view(directory: Path) -> Path:
     return directory
 
 
+# One test per command and no xdist_group: pytest-xdist spreads them over its workers (the
+# GPT commands take 10-20 s of a core each, the rest a few), and they share the session's
+# compilation cache through the environment. Measured on the shared 2-core VM under load
+# (2026-12-02): 14 commands, 110 s of CPU (user + sys) in all.
 SHELL_RUNS = shell_commands()[0]
 
 
