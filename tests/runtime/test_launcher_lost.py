@@ -223,47 +223,74 @@ def final_params(directory: Path) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
 
 
+def wait_for_snapshot(proc, launch_dir: Path, step: int, restarts: int, out: Path) -> dict:
+    """The launch's status once its processes, restarted ``restarts`` times, have
+    committed the snapshot of ``step``."""
+    deadline = time.monotonic() + 240
+    while True:
+        status = launcher.read_status(launch_dir)
+        snaps = Path(status.get("snapshots", "/nonexistent")) / "train" / str(step)
+        if len(status.get("restarts", [])) == restarts and snaps.exists():
+            return status
+        assert proc.poll() is None, out.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no snapshot of step {step}"
+        time.sleep(0.01)
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "stop"])
-def test_a_process_killed_or_stopped_costs_one_step_and_the_run_ends_as_without_it(
-    tmp_path, launched_train, fault
+@pytest.mark.parametrize("faults", ["raise,kill", "stop"])
+def test_a_process_that_raises_is_killed_or_stopped_costs_one_step_and_the_run_ends_as_without(
+    tmp_path, launched_train, faults
 ):
-    reference, run, options = launched_train  # 2 processes x 2 devices, 12 steps, no fault
+    """Each fault kind once: process 1 raises after step 3 (an injected fault), then in the
+    restarted run process 0, the coordinator, is killed with -9 at step 8; or process 1 is
+    stopped (SIGSTOP) at step 4. Each costs at most one step, and the run ends bitwise as
+    the same run without a fault (the session's launched_train: 2 processes x 2 devices,
+    12 steps)."""
+    reference, run, options = launched_train
     assert reference.returncode == 0, reference.stderr[-6000:]
-    launch_dir = tmp_path / "launch"
+    launch_dir, out = tmp_path / "launch", tmp_path / "launch.out"
     argv = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "2", "--max-restarts", "2",
             "--launch-dir", str(launch_dir), "--", sys.executable, "-m", "shardax", "train",
             *options, "--run-dir", str(tmp_path / "run"), "--checkpoint-dir",
             str(tmp_path / "ckpt"), "--save-every", "1000", "--log-every", "1"]  # fmt: skip
-    log = (tmp_path / "launch.out").open("w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=CLEAN_ENV)
+    env = {**CLEAN_ENV, "SHARDAX_FAULT": "1:3:raise"} if "raise" in faults else CLEAN_ENV
+    with out.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 240
-        status: dict = {}
-        while not (status.get("snapshots") and (Path(status["snapshots"]) / "train/4").exists()):
-            assert proc.poll() is None, (tmp_path / "launch.out").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no snapshot of step 4"
-            time.sleep(0.01)
-            status = launcher.read_status(launch_dir)
-        victim = status["ranks"]["1"]["pid"]
-        os.kill(victim, fault)
+        if "kill" in faults:
+            status = wait_for_snapshot(proc, launch_dir, 8, 1, out)
+            victims = [(0, status["ranks"]["0"]["pid"])]
+            os.kill(victims[0][1], signal.SIGKILL)
+        else:
+            status = wait_for_snapshot(proc, launch_dir, 4, 0, out)
+            victims = [(1, status["ranks"]["1"]["pid"])]
+            os.kill(victims[0][1], signal.SIGSTOP)
         code = proc.wait(timeout=300)
     finally:
         proc.kill()
-        log.close()
-    out = (tmp_path / "launch.out").read_text()
-    assert code == 0, out[-4000:]
+    text = out.read_text()
+    assert code == 0, text[-4000:]
     status = launcher.read_status(launch_dir)
-    (restart,) = status["restarts"]
-    cause = "killed by SIGKILL" if fault == signal.SIGKILL else "stopped (SIGSTOP)"
-    assert restart["rank"] == 1 and restart["pid"] == victim and cause in restart["cause"]
-    assert "restart 1 of 2: every process starts again" in out and cause in out
-    assert restart["restored_from"].startswith("the host-memory snapshot"), restart
-    assert restart["steps_lost"] <= 1, restart  # a snapshot every step
-    assert restart["seconds_to_next_step"] < 60, restart
+    causes = {
+        "raise": "exited with code 1: RuntimeError: injected fault (SHARDAX_FAULT): process 1 "
+        "after step 3",
+        "kill": "killed by SIGKILL",
+        "stop": "stopped (SIGSTOP)",
+    }
+    kinds = faults.split(",")
+    assert len(status["restarts"]) == len(kinds), status
+    ranks = [1, 0] if "kill" in faults else [1]
+    for number, (restart, kind, rank) in enumerate(zip(status["restarts"], kinds, ranks), 1):
+        assert restart["rank"] == rank and causes[kind] in restart["cause"], restart
+        assert f"restart {number} of 2: every process starts again" in text
+        assert restart["restored_from"].startswith("the host-memory snapshot"), restart
+        assert restart["steps_lost"] <= 1, restart  # a snapshot every step
+        assert restart["seconds_to_next_step"] < 60, restart
+    assert status["restarts"][-1]["pid"] == victims[0][1]
     assert not Path(status["snapshots"]).exists()  # the launcher's, gone with it
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert [r["rank"] for r in summary["restarts"]] == [1]
+    assert [r["rank"] for r in summary["restarts"]] == ranks
     # Bitwise the run without a fault: the history and the final params.
     want = json.loads((run / "summary.json").read_text())
     keys = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy")
@@ -273,3 +300,14 @@ def test_a_process_killed_or_stopped_costs_one_step_and_the_run_ends_as_without_
     got, expected = final_params(tmp_path / "ckpt"), final_params(run / "ckpt")
     for path in expected:
         np.testing.assert_array_equal(got[path], expected[path], err_msg=path)
+
+
+def test_injected_faults_are_parsed_and_refused_by_name():
+    from shardax.runtime import faults
+
+    assert faults.planned("") == [] and faults.planned(None) == []
+    with pytest.raises(ValueError, match=r"each fault is RANK:STEP:KIND .*got '1:x:raise'"):
+        faults.planned("1:x:raise")
+    with pytest.raises(ValueError, match="got '1:2:explode'"):
+        faults.planned("0:1:kill,1:2:explode")
+    faults.inject(3, 1, restart=0)  # nothing planned: nothing happens

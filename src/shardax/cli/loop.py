@@ -33,9 +33,10 @@ from shardax.loop import Checkpoints, Goodput, Hook, MetricsWindow, Preemption, 
 from shardax.loop.driver import refuse_earlier_run
 from shardax.loop.hooks import Snapshots
 from shardax.plan.tree import map_arrays, path_str
-from shardax.runtime import compile_stats
+from shardax.runtime import compile_stats, faults
 from shardax.track.goodput import FILE, fraction, load
 from shardax.train.compiler import ENVIRONMENT
+from shardax.train.explanation.placement import step_placement
 
 
 def resume(
@@ -154,6 +155,10 @@ def hooks(
 
 def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     """Runs ``job`` to ``job.steps`` and returns the summary (plain data)."""
+    try:
+        faults.planned(os.environ.get(faults.ENV_FAULT))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     recovery, snapshots = Recovery(), snapshot_manager(args)
     manager, restored, directory, feed, record = start(args, job, snapshots, recovery)
     where = args.checkpoint_dir or directory
@@ -178,6 +183,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
                 recovery.first_step_done(run.step + 1)
                 recovery.restored_step = None
             run.after_step(state, metrics)
+            faults.inject(run.step, jax.process_index(), recovery.restart)
     return summary(
         args, out, job, run, record, directory, time.perf_counter() - began, flops, kernel
     )
@@ -268,9 +274,16 @@ def summary(
             "ledger": str(run.ledger.path) if run.ledger.path else None,
         },
         "param_specs": {k: v for k, v in _flatten(specs).items() if k.startswith("params/")},
+        "placement": _placement(job.step, run.state),
         "history": record.history,
     }
     return {**common, **job.summary(common), "history": record.history}
+
+
+def _placement(step: Any, state: Any) -> dict[str, Any] | None:
+    """The state's split against the step's plan's intent (sx.explain's placement)."""
+    found = step_placement(step, state)
+    return None if found is None else found.to_dict()
 
 
 def compiler_record(step: Any, environment_set: dict[str, str]) -> dict[str, Any]:

@@ -40,9 +40,10 @@ from shardax.data import prefetch_to_device, timed
 from shardax.loop.hooks import Hook, usual_hooks
 from shardax.loop.state import check_same_state, leaf_types, restore_into, saveable, structure
 from shardax.runtime import status
+from shardax.runtime.distributed import exit_on_error
 from shardax.track import MetricWriter
 from shardax.track.goodput import FILE
-from shardax.train.guard import check_finite
+from shardax.train.guard import NonFiniteLossError, check_finite
 from shardax.train.program import compile_only
 
 EVERY = ("save", "eval", "log")
@@ -170,6 +171,10 @@ class Run:
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
         self._open = False
+        # An error of one of several processes: out now, its peers wait in a collective.
+        # (A preemption and a non-finite loss come on every process at the same step.)
+        if not isinstance(error, Preempted | NonFiniteLossError):
+            exit_on_error(kind, error, tb)
         with self._owned:  # what run() opened for this run, closed last
             try:
                 if kind is None:

@@ -205,6 +205,19 @@ def _hard_exit_on_uncaught(exc_type: type[BaseException], exc: BaseException, tb
     os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
 
+def exit_on_error(kind: type[BaseException] | None, error: Any, tb: Any) -> None:
+    """Ends the process at once, as an uncaught exception would (traceback, exit 1), when
+    ``error`` leaves a block of a multi-process run that ``initialize`` joined with
+    ``exit_on_uncaught_exception``: the block's clean-up (waiting for an asynchronous save
+    to commit, closing the checkpoint manager) waits on the other processes, which wait in
+    a collective for this one, so it would hang both. A no-op otherwise (one process, no
+    error, or a ``SystemExit``/``KeyboardInterrupt``)."""
+    if kind is None or not issubclass(kind, Exception):
+        return
+    if sys.excepthook is _hard_exit_on_uncaught and jax.process_count() > 1:
+        _hard_exit_on_uncaught(kind, error, tb)
+
+
 @public("sx.initialize")
 def initialize(
     coordinator_address: str | None = None,
