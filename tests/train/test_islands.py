@@ -229,3 +229,41 @@ def test_inner_step_traces_under_no_collectives_over_the_island_axis():
     state, metrics = step(state, batch)  # and it runs on Explicit axes, outer step included
     synced = step.outer(state)
     assert np.isfinite(np.asarray(metrics["loss"])).all() and int(synced.outer.syncs) == 1
+
+
+class Wide(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 2048, rngs=rngs)
+        self.l2 = nnx.Linear(2048, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+@pytest.mark.compile_only("gpu")
+def test_estimate_prices_diloco_against_dp_over_a_slow_link():
+    """sx.estimate on two H100 nodes joined by 10 Gb/s (``links=``): DiLoCo at H=50 sends
+    >= 50x fewer bytes between the hosts per step than DP, and is predicted faster."""
+    mesh = sx.make_mesh({"island": 2, "data": 8}, devices=sx.target("2x8xH100"))
+    state = nnx.eval_shape(lambda: sx.TrainState.create(Wide(nnx.Rngs(0)), optax.adamw(1e-3)))
+    batch = {"x": jax.ShapeDtypeStruct((256, 8), jnp.float32),
+             "y": jax.ShapeDtypeStruct((256,), jnp.float32)}  # fmt: skip
+    links = {"inter-host": 1.25e9}
+    dp = sx.make_train_step(loss_fn, mesh=mesh, data_axis=("island", "data"))
+    diloco = sx.make_train_step(loss_fn, mesh=mesh, diloco=sx.DiLoCo(inner_steps=50))
+    a, b = (sx.estimate(s, state, batch, links=links) for s in (dp, diloco))
+    assert b.outer is not None and b.inner_steps == 50 and "inter-host" not in b.link_bytes()
+    assert a.per_step_link_bytes()["inter-host"] >= 50 * b.per_step_link_bytes()["inter-host"]
+    assert b.per_step_s < a.per_step_s
+    assert "DiLoCo, H=50" in str(b)
+
+
+def test_an_all_reduce_start_carrying_its_operands_counts_its_result_once():
+    """JAX 0.12's XLA:GPU writes an async all-reduce as ``((operands), results)``: the
+    bytes are the results' (the outer step's reduction was counted twice)."""
+    from shardax.cost.hlo import collectives
+
+    line = ("%s = ((f32[20481]{0}), f32[20481]{0}) all-reduce-start(%c), channel_id=1, "
+            "replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add")  # fmt: skip
+    (c,) = collectives("ENTRY %main {\n  " + line + "\n}", 2)
+    assert c.bytes == 20481 * 4 and c.shapes == ((20481,),)

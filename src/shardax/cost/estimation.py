@@ -149,6 +149,11 @@ class Estimate:
             (``shardax.cost.network.Network.to_dict``, with ``why``: the target's, or
             its kind's default; ``fitted`` names a calibration whose figures replaced
             the documented ones); None on one host, a TPU or a CPU.
+        outer, inner_steps: a DiLoCo step's (``sx.DiLoCo``): the outer step's own
+            ``Estimate`` and H, the inner steps per outer step; the report above them is
+            the inner step's, and [`per_step_s`][shardax.cost.Estimate.per_step_s] and
+            [`per_step_link_bytes`][shardax.cost.Estimate.per_step_link_bytes] add the
+            outer step's share (1/H). None for any other step.
     """
 
     device_kind: str
@@ -175,6 +180,35 @@ class Estimate:
     memory_budget: float | None = None
     budget_note: str = ""
     network: dict[str, Any] | None = None
+    outer: Estimate | None = None
+    inner_steps: int | None = None
+
+    @property
+    def predicted_s(self) -> float | None:
+        """The predicted time of one run of the compiled program: the per-op model's
+        step where it priced it (a GPU target), else the roofline's with overlap; None
+        without a prediction."""
+        if self.cost is not None:
+            return self.cost.step_s
+        return None if self.prediction is None else self.prediction.overlapped_s
+
+    @property
+    def per_step_s(self) -> float | None:
+        """The predicted time per training step: ``predicted_s``, plus, for a DiLoCo
+        step, its outer step's ``predicted_s`` / H (one outer step every H)."""
+        inner = self.predicted_s
+        if self.outer is None or inner is None or self.outer.predicted_s is None:
+            return inner if self.outer is None else None
+        return inner + self.outer.predicted_s / self.inner_steps
+
+    def per_step_link_bytes(self) -> dict[str, float]:
+        """``link_bytes()`` per training step: for a DiLoCo step, the inner step's plus
+        the outer step's / H."""
+        out = self.link_bytes()
+        if self.outer is not None:
+            for link, sent in self.outer.link_bytes().items():
+                out[link] = out.get(link, 0.0) + sent / self.inner_steps
+        return out
 
     @property
     def interval_s(self) -> tuple[float, float] | None:
@@ -209,7 +243,12 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able); predicted figures are under ``prediction``."""
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "prediction"}
+        out = {
+            k: v for k, v in dataclasses.asdict(self).items() if k not in ("prediction", "outer")
+        }
+        if self.outer is not None:
+            out["outer"] = self.outer.to_dict()
+            out.update(per_step_s=self.per_step_s, per_step_link_bytes=self.per_step_link_bytes())
         out["collectives"] = [dict(c) for c in self.collectives]
         out["notes"] = list(self.notes)
         out.update(headroom=self.headroom, fits_with_headroom=self.fits, headroom_rule=HEADROOM)
@@ -280,7 +319,21 @@ class Estimate:
             parts.append(exposed_line(self.overlap, self.cost))
         parts.append(f"compiler options: {format_options(self.compiler_options)}")
         parts += [f"note: {n}" for n in self.notes]
+        if self.outer is not None:
+            parts.append(self._outer_line())
         return Group(*parts)
+
+    def _outer_line(self) -> str:
+        """A DiLoCo step's outer step and what it adds per training step."""
+        o, h = self.outer, self.inner_steps
+        assert o is not None and h is not None
+        sent = ", ".join(f"{k} {format_bytes(v)}" for k, v in o.link_bytes().items()) or "nothing"
+        per = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.per_step_link_bytes().items())
+        line = f"DiLoCo, H={h}: the outer step sends {sent} per device"
+        if o.predicted_s is not None and self.per_step_s is not None:
+            line += (f", PREDICTED {o.predicted_s * 1e3:.2f} ms once every {h} steps: "
+                     f"{self.per_step_s * 1e3:.2f} ms per step with it")  # fmt: skip
+        return f"{line}; sent per step: {per or 'nothing'}"
 
     def _cost_table(self) -> Any:
         c = self.cost
@@ -1039,6 +1092,14 @@ def estimate(
         grads_bytes=_grad_bytes(step, state, memory["params"], mesh),
         compile_s=compile_s,
     )
+    lower_outer = getattr(step, "lower_outer", None)  # a DiLoCo step (sx.DiLoCo)
+    if lower_outer is not None:
+        outer = analyse(
+            lower_outer(state).compile(), mesh, state=state, shardings=shardings, tokens=0.0,
+            model_flops=0.0, model_flops_note="the outer step", links=links,
+            grads_bytes=0, compile_s=0.0,
+        )  # fmt: skip
+        report = dataclasses.replace(report, outer=outer, inner_steps=step.inner_steps)
     return dataclasses.replace(report, compiler_options=options)
 
 

@@ -280,7 +280,9 @@ def _runs(
 
 _CARRY_OPERANDS = ("all-gather", "collective-permute", "reduce-scatter")
 """Async ``*-start`` ops whose output tuple is ``(operands, results)``: XLA:GPU's
-``reduce-scatter-start`` too, whose operands are ``n`` times its results."""
+``reduce-scatter-start`` too, whose operands are ``n`` times its results. (JAX 0.12's
+XLA:GPU ``all-reduce-start`` may carry its operands too, as a nested tuple first:
+``((f32[n]), f32[n])``.)"""
 
 
 def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
@@ -308,7 +310,8 @@ def collective_of(match: re.Match[str], num_devices: int | None, count: int = 1)
     times per execution."""
     out, op, start, rest = match.groups()
     arrays = _arrays(out)
-    if start and op in _CARRY_OPERANDS and len(arrays) > 1:
+    carries = op in _CARRY_OPERANDS or (op == "all-reduce" and out.startswith("(("))
+    if start and carries and len(arrays) > 1:
         arrays = arrays[len(arrays) // 2 :]
     size = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays)
     shapes = tuple(shape for _, shape in arrays)

@@ -56,6 +56,7 @@ from shardax.runtime.processes import device_put_global
 from shardax.train.batch_placement import BatchPlacement
 from shardax.train.config import StepConfig
 from shardax.train.diloco import DiLoCo, OuterState, init_outer, outer_update
+from shardax.train.modes import CPU_MAX_IN_FLIGHT, _bounded
 from shardax.train.per_shard import PerShard
 from shardax.train.program import check_state, refuse_compile_only, unalias
 from shardax.train.state import TrainState
@@ -187,10 +188,19 @@ class IslandStep:
         self.batch_sharding = self._batches.sharding
         self._inner_jit: dict[Any, Any] = {}
         self._outer_jit: dict[Any, Any] = {}
+        self._run = self._inner
+        if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1:
+            # XLA:CPU's in-process collectives deadlock with many programs queued.
+            self._run = _bounded(self._inner, CPU_MAX_IN_FLIGHT, lambda out: out[1])
 
     inner_steps = property(lambda self: self.diloco.inner_steps)
     plan = property(lambda self: self.inner.plan)
     donate = property(lambda self: self.config.donate)
+    compiler_options = property(lambda self: self.inner.compiler_options)
+
+    def compiler_options_for(self, state: TrainState) -> dict[str, Any]:
+        """The XLA options both programs compile with for the island ``state``."""
+        return self.inner.compiler_options_for(self._one(state))
 
     # -- the layout ----------------------------------------------------------------------
 
@@ -302,7 +312,7 @@ class IslandStep:
                 in_shardings=(shardings, self.batch_sharding),
                 out_shardings=(shardings, metrics),
                 donate_argnums=(0,) if self.donate else (),
-                compiler_options=self.inner.compiler_options_for(self._one(state)) or None,
+                compiler_options=self.compiler_options_for(state) or None,
             )
         return self._inner_jit[key]
 
@@ -315,7 +325,7 @@ class IslandStep:
                 in_shardings=(shardings,),
                 out_shardings=shardings,
                 donate_argnums=(0,) if self.donate else (),
-                compiler_options=self.inner.compiler_options_for(self._one(state)) or None,
+                compiler_options=self.compiler_options_for(state) or None,
             )
         return self._outer_jit[key]
 
@@ -332,7 +342,9 @@ class IslandStep:
         """One inner step of every island on its rows of ``batch``; metrics per island."""
         self._check(state)
         self._batches.check(batch)
-        state = self.inner._with_loss_scale(state)
+        return self._run(self.inner._with_loss_scale(state), batch)
+
+    def _inner(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         with jax.sharding.set_mesh(self.mesh):
             return self._compiled_inner(state)(state, self._batches.place(batch))
 
