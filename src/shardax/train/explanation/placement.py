@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.cost.buffers import input_kind
 from shardax.plan.tree import is_array
+from shardax.train.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +76,26 @@ class Placement:
         """No leaf below the plan's intent, no idle axis, no unmatched rule."""
         return not (self.leaves or self.idle_axes or self.notes)
 
+    def summary(self) -> str:
+        """One line: each kind's share of bytes split as meant, the leaves below it and the
+        idle axes (``sx.verify``'s report and ``shardax train``'s run summary)."""
+        kinds = []
+        for kind, meant in self.meant.items():
+            kinds.append(f"{self.share(kind).get(meant, 0.0):.1%} of {kind} bytes {meant}-way")
+        text = f"placement ({self.plan}): " + (", ".join(kinds) or "no parameter")
+        if self.leaves:
+            first = self.leaves[0]
+            text += (f"; {len(self.leaves)} leaves split fewer ways than meant (first "
+                     f"{first.path}: {first.why})")  # fmt: skip
+        if self.idle_axes:
+            text += f"; axes splitting nothing: {', '.join(self.idle_axes)}"
+        if self.notes:
+            text += f"; {self.notes[0]}"
+        return text
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able)."""
-        return {"plan": self.plan, "mesh": self.mesh, "ok": self.ok,
+        return {"plan": self.plan, "summary": self.summary(), "mesh": self.mesh, "ok": self.ok,
                 "ways": {k: {str(n): b for n, b in v.items()} for k, v in self.ways.items()},
                 "meant": self.meant, "leaves": [leaf.to_dict() for leaf in self.leaves],
                 "idle_axes": list(self.idle_axes), "notes": list(self.notes)}  # fmt: skip
@@ -199,6 +217,15 @@ def placement(state: Any, plan: Any, shardings: Any = None) -> Placement:
     return Placement(getattr(plan, "name", type(plan).__name__),
                      {str(k): int(v) for k, v in mesh.shape.items()}, ways, meant,
                      tuple(below), idle, notes)  # fmt: skip
+
+
+def step_placement(step: Any, state: Any) -> Placement | None:
+    """The placement of a ``make_train_step`` step's ``TrainState`` against its plan's
+    intent (None: a step without a plan, as your own function)."""
+    plan = getattr(step, "state_plan", None)
+    if plan is None or not isinstance(state, TrainState) or not hasattr(plan, "mesh"):
+        return None
+    return placement(state, plan)
 
 
 def path_of(keystr: str) -> str:

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from shardax.checks import as_count, as_float, as_function, check_mesh, public
 from shardax.train.auto import AutoStep
 from shardax.train.eval import EvalStep
+from shardax.train.explanation.placement import step_placement
 from shardax.train.program import refuse_abstract, refuse_compile_only
 from shardax.train.state import TrainState
 from shardax.train.step import TrainStep
@@ -152,6 +153,7 @@ def verify(
         reference=str(side.reference.device),
         compared=len(runs[0][1]) if runs else 0,
         seconds=time.perf_counter() - start,
+        placement=step_placement(step, state),
     )
 
 

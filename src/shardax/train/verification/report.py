@@ -48,6 +48,8 @@ class VerifyReport:
         reference: the device the reference ran on.
         compared: the number of leaves compared per step.
         seconds: wall time of the verification, compilations included.
+        placement: the step's state split against its plan's intent (``Placement``; None
+            for your own step function).
     """
 
     ok: bool
@@ -64,12 +66,14 @@ class VerifyReport:
     reference: str
     compared: int
     seconds: float
+    placement: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data."""
         out = dataclasses.asdict(self)
         out["worst"] = None if self.worst is None else dataclasses.asdict(self.worst)
         out["diffs"] = [dataclasses.asdict(d) for d in self.diffs]
+        out["placement"] = None if self.placement is None else self.placement.to_dict()
         return out
 
     def __rich__(self) -> Any:
@@ -98,6 +102,8 @@ class VerifyReport:
             caption.append(f"likely cause: {self.cause or 'not named'}: {self.hint}")
         elif self.cause is not None:  # leaves forgiven as no difference of the step
             caption.append(f"not a difference: {self.cause}: {self.hint}")
+        if self.placement is not None:
+            caption.append(self.placement.summary())
         table.caption = "\n".join(caption)
         return table
 
