@@ -268,3 +268,42 @@ def test_an_unknown_network_is_one_usage_line_naming_it(capsys):
     code = cli(["plan", "--layers", "1", "--network", "ib-ndr"])  # no --target
     err = capsys.readouterr().err
     assert code == 2 and "--network" in err, err
+
+
+def test_calibrate_on_two_hosts_measures_and_fits_both_levels():
+    """``shardax calibrate``'s collectives on two real processes (gloo on 127.0.0.1, two
+    CPU devices each): rows within each host and across both, naming their hosts, which
+    ``fit_levels`` turns into a per-step latency and a bandwidth per level."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shardax.cli.launch import free_port
+
+    worker = Path(__file__).with_name("calibrate_worker.py")
+    port, env = free_port(), {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for i in range(2)]  # fmt: skip
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)  # a hang is a failure
+            assert p.returncode == 0, stderr[-3000:]
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rows = results[0]["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    shapes = {(r["op"], r["devices"], r["hosts"]) for r in rows}
+    assert shapes == {(op, n, h) for op in ("all-reduce", "all-gather", "reduce-scatter")
+                      for n, h in ((2, 1), (4, 2))}  # fmt: skip
+    assert all(r["ms"] > 0 and r["sent_bytes"] > 0 for r in rows)
+    fits = fit_levels(rows)
+    assert set(fits) == {"intra-host", "inter-host"}, fits
+    assert all(latency >= 0 and bandwidth > 0 for latency, bandwidth in fits.values())
