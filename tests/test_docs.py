@@ -127,6 +127,8 @@ def test_page_runs(page, tmp_path, monkeypatch, capsys):
 # - <!-- needs: WHAT --> it needs what CI has not (GPUs, a SLURM cluster, an extra); not run.
 # - <!-- long run (WHY); ci: ARGS --> a long run, shortened: each command runs with ARGS
 #   appended (a later flag wins), or with the i-th of "ARGS; ARGS; ..." for the i-th command.
+# - <!-- compile-only long run (WHY); ci: ARGS --> the same, for a command that compiles for an
+#   sx.target: it runs where the compile tests do (CI leg 3, -m compile_only), else skips.
 # - <!-- run by tests/X.py --> X runs it, as written, with its own asserts.
 #
 # "uv run CMD" runs CMD in this environment (the one the tests run in), with its scripts first
@@ -134,7 +136,7 @@ def test_page_runs(page, tmp_path, monkeypatch, capsys):
 
 SHELL_FENCES = ("```bash", "```console")
 NEEDS = re.compile(r"<!-- needs: (\S.*?) -->")
-CI_ARGS = re.compile(r"<!-- long run \((.+?)\); ci: (\S.*?) -->")
+CI_ARGS = re.compile(r"<!-- (compile-only )?long run \((.+?)\); ci: (\S.*?) -->")
 ENV_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
 BIN = Path(sys.executable).parent
 
@@ -189,9 +191,9 @@ def as_run(words: list[str]) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-def shell_commands() -> tuple[list[tuple[str, list[str]]], list[str]]:
-    """The commands CI runs, each once (``(where, words)``, ``words`` with the ``ci:``
-    arguments appended), and the problems: a block with no command, a ``ci:`` mark whose
+def shell_commands() -> tuple[list[tuple[str, list[str], bool]], list[str]]:
+    """The commands CI runs, each once (``(where, words, compile_only)``, ``words`` with the
+    ``ci:`` arguments appended), and the problems: a block with no command, a ``ci:`` mark whose
     argument lists do not match its commands, a program this environment lacks in a block
     not marked ``needs:``."""
     runs, seen, problems = [], set(), []
@@ -202,9 +204,10 @@ def shell_commands() -> tuple[list[tuple[str, list[str]]], list[str]]:
                 problems.append(f"{where}: a shell block with no command")
             if NEEDS.fullmatch(mark) or RUN_BY.fullmatch(mark):
                 continue
-            extra = [[]] * len(commands)
+            extra, compile_only = [[]] * len(commands), False
             if found := CI_ARGS.fullmatch(mark):
-                parts = [shlex.split(part) for part in found.group(2).split(";")]
+                compile_only = found.group(1) is not None
+                parts = [shlex.split(part) for part in found.group(3).split(";")]
                 if len(parts) not in (1, len(commands)):
                     problems.append(
                         f"{where}: <!-- long run (...); ci: --> gives {len(parts)} argument "
@@ -225,7 +228,7 @@ def shell_commands() -> tuple[list[tuple[str, list[str]]], list[str]]:
                     )
                 elif (key := shlex.join([*words, *more])) not in seen:
                     seen.add(key)
-                    runs.append((where_k, [*words, *more]))
+                    runs.append((where_k, [*words, *more], compile_only))
     return runs, problems
 
 
@@ -265,15 +268,27 @@ def clone_view(directory: Path) -> Path:
 # GPT commands take 10-20 s of a core each, the rest a few), and they share the session's
 # compilation cache through the environment. Measured on the shared 2-core VM under load
 # (2026-12-02): 14 commands, 110 s of CPU (user + sys) in all.
-SHELL_RUNS = shell_commands()[0]
+SHELL_RUNS = [(where, words) for where, words, compiles in shell_commands()[0] if not compiles]
+COMPILE_RUNS = [(where, words) for where, words, compiles in shell_commands()[0] if compiles]
 
 
 @pytest.mark.parametrize(("where", "words"), SHELL_RUNS, ids=[w for w, _ in SHELL_RUNS])
 def test_shell_command_runs(where, words, tmp_path):
+    run_shell_command(where, words, tmp_path)
+
+
+@pytest.mark.compile_only("gpu")
+@pytest.mark.parametrize(("where", "words"), COMPILE_RUNS, ids=[w for w, _ in COMPILE_RUNS])
+def test_compile_only_shell_command_runs(where, words, tmp_path):
+    run_shell_command(where, words, tmp_path)
+
+
+def run_shell_command(where: str, words: list[str], directory: Path) -> None:
+    """Runs ``words`` from a view of the clone in ``directory``; it must exit 0."""
     env, command = as_run(words)
     env = {**os.environ, **env, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.run(
-        command, cwd=clone_view(tmp_path), env=env, capture_output=True, text=True, timeout=240
+        command, cwd=clone_view(directory), env=env, capture_output=True, text=True, timeout=240
     )
     output = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, f"{where}: {shlex.join(words)} exited {proc.returncode}:\n{output}"
