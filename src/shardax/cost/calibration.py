@@ -110,7 +110,8 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         """The name and provenance (not the tables)."""
         return {"name": self.name, "kind": self.kind, "device": self.device, "jax": self.jax,
-                "date": self.date, "source": self.source, "derived": self.derived}  # fmt: skip
+                "date": self.date, "source": self.source, "derived": self.derived,
+                "network": self.network, "levels": [list(r) for r in self.levels]}  # fmt: skip
 
 
 def gemm_rows(c: Calibration) -> list[tuple[int, int, int, str, float]]:

@@ -18,11 +18,11 @@ run (loop bodies by their trips; not the bodies of fusions) is classed
 - **launch**: every kernel (all of the above) ``launch_us``;
 - **collectives**: per op ``latency + bytes / link bandwidth``: the calibration's fit
   where it measured that op over that many devices of one host (``collective_fit``),
-  else ``LATENCY_S`` and the datasheet's links (the slowest link's time where a group
-  spans GPU hosts, whose GPUs each send ``shardax.cost.predict.host_share`` of their
-  bytes between hosts and the rest over NVLink); and the time left exposed by the
-  compiled schedule (``shardax.cost.schedule.exposed_seconds``, with the matmuls under
-  each at the calibrated GEMM rate).
+  else ``LATENCY_S`` and the datasheet's links; a group that spans GPU hosts level by
+  level as NCCL runs it, priced by the caller (``seconds_of``:
+  ``shardax.cost.network.price_collective``, on the target's network); and the time left
+  exposed by the compiled schedule (``shardax.cost.schedule.exposed_seconds``, with the
+  matmuls under each at the calibrated GEMM rate), across hosts on a line of its own.
 
 The step is the kernels in sequence (one stream) plus the exposed collectives. Its
 interval: low with GEMMs at the table's best rate, attention 20% faster, memory-bound at
