@@ -16,7 +16,7 @@ import jax
 
 import shardax as sx
 from shardax._format import titled_table
-from shardax.cli import plan_measure, plan_target
+from shardax.cli import plan_explain, plan_measure, plan_target
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
@@ -150,6 +150,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "6 bytes per parameter, as MaxText's bf16 runs (default fp32: 12)",
     )
     parser.add_argument("--png", default=None, help="with --target: a PNG of memory vs HBM")
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="explain the GPT's step (sx.explain), compiled for --target or on the devices at "
+        "hand: the buffers at its memory peak with your lines, the collectives the plan did "
+        "not ask for, the placement against the plan's intent, and the fixes that fit, each "
+        "compiled (--plan: default fsdp)",
+    )
     parser.add_argument(
         "--memory-fraction",
         type=_fraction,
@@ -368,6 +376,8 @@ def refuse_target_only(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints the memory table and the warnings."""
+    if getattr(args, "explain", False):
+        return plan_explain.run(args)
     if args.target is not None:
         return plan_target.run(args)
     refuse_target_only(args)
