@@ -1605,3 +1605,82 @@ def _verify_mesh_bound_step():
 def test_sixth_sweep_outside_patterns_name_the_way_round(call, error, message):
     with raises(error, message):
         call()
+
+
+# --- the sixth sweep (issue 56 items 2-4): the search's checks from one home, the data
+# path, the run's steps, the mesh, a damaged checkpoint ------------------------------------
+
+
+def _search(space, init=None, loss_fn=_loss, batch=None):
+    init = init or _pytree_state
+    batch = {"x": jnp.zeros((16, 4)), "y": jnp.zeros((16, 2))} if batch is None else batch
+    return sx.search_plans(space, init, loss_fn=loss_fn, batch=batch)
+
+
+def _stacked_state():
+    return sx.TrainState.from_params(
+        {"blocks": jnp.zeros((4, 4, 4)), "w": jnp.zeros((4, 2))},
+        lambda p, x: x @ p["w"],
+        optax.sgd(0.1),
+    )
+
+
+def _loop_steps_twice():
+    with sx.loop.run({"w": jnp.ones(2)}, steps=3, goodput=False) as run:
+        for _ in run.batches(range(9), steps=5):
+            pass  # pragma: no cover
+
+
+def _damaged_restore(tmp_path):
+    with sx.CheckpointManager(tmp_path) as manager:
+        manager.save(1, {"w": jnp.arange(4096.0)})
+        manager.save(2, {"w": jnp.arange(4096.0)})
+    files = [os.path.join(r, n) for r, _, ns in os.walk(tmp_path / "2" / "state") for n in ns]
+    path = max(files, key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with sx.CheckpointManager(tmp_path) as manager:
+        manager.restore({"w": jnp.zeros(4096)}, step=2)
+
+
+_TP = [(r"w", P(None, "model"))]
+_STAGES = [(r"blocks", P("stage"))]
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        # sx.search_plans takes auto_plan's checks (train/auto/options.py)
+        (lambda t: _search(sx.SearchSpace(meshes=[{"data": 8}], pipeline_rules=_STAGES)), ValueError, "sx.search_plans: pipeline_rules split the stacked layers over mesh axis 'stage' (stage_axis), which must be in the mesh with size > 1; the mesh's axes are {'data': 8}"),
+        (lambda t: _search(sx.SearchSpace(meshes=[{"data": 8}, {"data": 4, "context": 2}], pipeline_rules=_STAGES)), ValueError, "sx.search_plans: pipeline_rules split the stacked layers over mesh axis 'stage' (stage_axis), which is not in any searched mesh ([{'data': 8}, {'data': 4, 'context': 2}]) with size > 1"),
+        (lambda t: _search(sx.SearchSpace(meshes=[{"data": 2, "stage": 4}], pipeline_rules=[(r"nothing", P("stage"))])), ValueError, "sx.search_plans: pipeline_rules place no leaf of the state over mesh axis 'stage' (stage_axis); give rules matching the stacked layers"),
+        (lambda t: _search(sx.SearchSpace(meshes=[{"data": 8}], tp_rules=_TP)), ValueError, "sx.search_plans: tp_rules name mesh axis 'model', which is not in the mesh {'data': 8}; add it to a mesh"),
+        (lambda t: sx.auto_plan(sx.make_mesh(), _pytree_state, tp_rules=_TP), ValueError, "sx.auto_plan: tp_rules name mesh axis 'model', which is not in the mesh {'data': 8}"),
+        (lambda t: _search(sx.SearchSpace(meshes=[sx.train.Layout({"data": 8}, plans={"mine": "fsdp"})])).flags, ValueError, "sx.train.AutoPlan.flags: the pick's plan 'mine' is one of your own (candidates= or a Layout's plans), for which shardax train has no --plan"),
+        (lambda t: sx.SearchSpace(plans=()), ValueError, "sx.SearchSpace: plans is empty, so there is nothing to rank; name plans such as ('fsdp', 'zero1'), or pass None for every default plan"),
+        (lambda t: _search(sx.SearchSpace(), loss_fn=lambda model: 0.0), TypeError, "sx.search_plans: loss_fn must take (model, batch), as the step calls it, got "),
+        (lambda t: sx.auto_plan(sx.make_mesh(), _pytree_state, loss_fn=lambda model: 0.0, batch=_XY), TypeError, "sx.auto_plan: loss_fn must take (model, batch), as the step calls it"),
+        (lambda t: _search(sx.SearchSpace(), init=lambda: {"w": jnp.zeros((4, 2))}), ValueError, "sx.search_plans: abstract_state_or_init must be a shardax TrainState (of arrays or ShapeDtypeStructs) or a function of no arguments returning one, so abstract values can be built; got function, which returned a dict. Wrap params with sx.TrainState.from_params"),
+        (lambda t: sx.train.Layout(sx.fsdp(sx.make_mesh())), TypeError, "sx.train.Layout: mesh must be a sx.make_mesh spec (e.g. {'data': 4, 'stage': 2}) or a jax.sharding.Mesh, got Plan (a plan goes in plans=)"),
+        # the data path, the run's steps, the mesh
+        (lambda t: sx.prefetch_to_device({"x": np.ones((8, 2))}, sx.make_mesh()), TypeError, "sx.prefetch_to_device: iterable must be an iterable of batches (a list of them, a generator, sx.batches(...)), got a dict (keys ['x']), which would yield its keys"),
+        (lambda t: _loop_steps_twice(), ValueError, "sx.loop.Run.batches: steps=5 here, but the run was made with steps=3"),
+        (lambda t: sx.make_mesh({"data": 2}, devices=[jax.devices()[0]] * 2), ValueError, "sx.make_mesh: devices must list each device once (a mesh places one shard on each), got "),
+        # a truncated checkpoint: named as damaged, in one line
+        (lambda t: _damaged_restore(t), OSError, "sx.CheckpointManager.restore: checkpoint step 2 in "),
+    ],
+    ids=["search-pipeline-no-stage", "search-pipeline-no-stage-any", "search-pipeline-no-leaf", "search-tp-axis", "auto-tp-axis", "search-own-plan-flags", "search-plans-empty", "search-loss-one-arg", "auto-loss-one-arg", "search-init-dict", "layout-plan-as-mesh", "prefetch-dict", "loop-steps-twice", "mesh-device-twice", "checkpoint-damaged"],
+)  # fmt: skip
+def test_sixth_sweep_losses_and_silences_are_clear(tmp_path, call, error, message):
+    with raises(error, message) as caught:
+        call(tmp_path)
+    if error is OSError:
+        assert "is damaged (it cannot be read: OUT_OF_RANGE: " in str(caught.value)
+        assert len(str(caught.value)) < 500
+
+
+@pytest.mark.compile_only("gpu")
+def test_sixth_sweep_a_space_of_two_device_kinds_is_refused():
+    space = sx.SearchSpace(meshes=[sx.make_mesh({"data": 8}), sx.make_mesh({"data": 8}, devices=sx.target("8xH100"))])  # fmt: skip
+    with raises(ValueError, "sx.search_plans: meshes must all be of one kind of device"):
+        _search(space)

@@ -108,6 +108,7 @@ class Run:
     ) -> None:
         self.state, self.hooks, self.manager, self.writer = state, list(hooks), manager, writer
         self.total = None if total is None else as_count("steps", total, minimum=0)
+        self._asked = self.total  # the run's own steps=, which batches(steps=) cannot move
         if not isinstance(resume, bool | Restored):
             raise TypeError(
                 f"resume must be True (the latest checkpoint), False (start afresh) or a "
@@ -246,6 +247,12 @@ class Run:
             )
         check_placement("mesh", mesh)
         total = self.total if steps is None else as_count("steps", steps, minimum=0)
+        if self._asked is not None and total != self._asked:
+            raise ValueError(
+                f"steps={total} here, but the run was made with steps={self._asked} (its last "
+                "step, which the checkpoints and the end-of-run actions follow); give the "
+                "number of steps once: in sx.loop.run(steps=) or in run.batches(steps=)"
+            )
         self.total = total
         position = None if self._moved else self.restored.get("loader")
         if position is not None:

@@ -106,6 +106,14 @@ def make_mesh(
             f"devices must be jax.Device objects (e.g. jax.devices()[:4]), got "
             f"{type(bad[0]).__name__} {bad[0]!r}"
         )
+    seen: set[Any] = set()
+    twice = [d for d in devices if d in seen or seen.add(d)]  # type: ignore[func-returns-value]
+    if twice:
+        raise ValueError(
+            f"devices must list each device once (a mesh places one shard on each), got "
+            f"{', '.join(map(str, dict.fromkeys(twice)))} more than once among the "
+            f"{len(devices)} given"
+        )
     of = f"of target {target_devices!r}" if isinstance(target_devices, Target) else ""
     shape = resolve_mesh_shape({DATA_AXIS: -1} if spec is None else spec, len(devices), of=of)
     if isinstance(axis_types, AxisType):

@@ -169,10 +169,17 @@ def abstract_states(given: Any, what: str = "abstract_state_or_init") -> dict[st
         state = abstract(value)
         if not isinstance(state, TrainState):
             where = f"{what}[{name!r}]" if variants else what
+            returned = (
+                f", which returned a {type(state).__name__}"
+                if callable(value) and not isinstance(value, TrainState)
+                else ""
+            )
             raise ValueError(
                 f"{where} must be a shardax TrainState (of arrays or ShapeDtypeStructs) or a "
                 "function of no arguments returning one, so abstract values can be built; "
-                f"got {type(value).__name__}"
+                f"got {type(value).__name__}{returned}. Wrap params with "
+                "sx.TrainState.from_params(params, apply_fn, tx) (a model: "
+                "sx.TrainState.create(model, tx))"
             )
         states[name] = state
     return states

@@ -26,6 +26,7 @@ from shardax.cost.compile_target import device_memory
 from shardax.cost.estimation import HEADROOM, Estimate
 from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 from shardax.plan.core import Plan
+from shardax.plan.named import MESH_PLANS
 from shardax.train.auto.candidates import Candidate
 from shardax.train.config import StepConfig
 
@@ -87,6 +88,13 @@ class AutoPlan:
         """The pick as ``shardax train`` flags (``train_flags``; a variant is its
         ``--remat``)."""
         c = self.candidate
+        if c.plan.name not in FLAG_PLANS:
+            raise ValueError(
+                f"the pick's plan {c.plan.name!r} is one of your own (candidates= or a "
+                f"Layout's plans), for which shardax train has no --plan (it builds "
+                f"{', '.join(FLAG_PLANS)}): build its step with make_train_step(..., "
+                "plan=report.plan), or rank the default plans under their own names"
+            )
         shape = {str(k): int(v) for k, v in c.mesh.shape.items()}
         return train_flags(c.plan.name, shape, c.variant, c.accumulate, c.microbatches)
 
@@ -101,7 +109,7 @@ class AutoPlan:
             "pick": self.name,
             "accumulate": self.accumulate,
             "variant": self.variant,
-            "flags": self.flags,
+            "flags": self.flags if self.candidate.plan.name in FLAG_PLANS else None,
             "interval_s": self.interval_s,
             "reason": self.reason,
             "compiled": self.compiled,
@@ -180,6 +188,11 @@ def _seconds(c: Candidate) -> str:
     low_high = c.interval_s
     return f"{c.predicted_s:.3f}" + ("" if low_high is None else
                                      f" ({low_high[0]:.3f}-{low_high[1]:.3f})")  # fmt: skip
+
+
+FLAG_PLANS = (*MESH_PLANS, "hsdp", "context", "fsdp+tp", "pipeline")
+"""The search's plans that ``shardax train --plan`` builds (``train_flags``); a plan of
+the user's own has no flag."""
 
 
 def train_flags(

@@ -12,11 +12,13 @@ step's settings), each checked before anything compiles.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from shardax.checks import as_count, as_float, check_mesh, expect_type, public
 from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
@@ -265,4 +267,96 @@ def check_searchable(config: StepConfig, who: str, given: str = "config.") -> No
         raise ValueError(
             f"{who} picks among sharded plans, which only mode='jit' runs; got "
             f"{given}mode={config.mode!r}{fix}"
+        )
+
+
+# --- the checks auto_plan and search_plans share (one home) ----------------------------
+
+
+def check_search_loss(loss_fn: Any) -> None:
+    """``loss_fn`` as the search compiles it: a function called ``loss_fn(model, batch)``
+    (``TypeError`` naming what it takes otherwise)."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"loss_fn must take (model, batch), as the step calls it, got "
+            f"{getattr(loss_fn, '__qualname__', loss_fn)!s}{signature}"
+        ) from None
+
+
+def _rule_axes(given: Rules) -> set[str]:
+    """The mesh axes regex rules (or a plan's specs, by its mesh) name."""
+    if given is None:
+        return set()
+    if isinstance(given, Plan):
+        return set(given.mesh.axis_names)
+    axes: set[str] = set()
+    for _, spec in given:
+        for entry in spec if isinstance(spec, P) else ():
+            axes.update((entry,) if isinstance(entry, str) else entry or ())
+    return axes
+
+
+def check_rules_meshes(
+    meshes: Sequence[Mesh], tp_rules: Rules, pipeline_rules: Rules, stage_axis: str
+) -> None:
+    """The rules have a mesh to act on: ``tp_rules`` name only axes some mesh has,
+    ``pipeline_rules`` need a mesh with ``stage_axis`` of size > 1; else ``ValueError``
+    (rules that no mesh can use would be dropped without a word)."""
+    shapes = [dict(m.shape) for m in meshes]
+    where = f"the mesh {shapes[0]}" if len(shapes) == 1 else f"any searched mesh ({shapes})"
+    if tp_rules is not None and not isinstance(tp_rules, Plan):
+        missing = sorted(_rule_axes(tp_rules) - {a for m in meshes for a in m.axis_names})
+        if missing:
+            raise ValueError(
+                f"tp_rules name mesh axis {', '.join(map(repr, missing))}, which is not in "
+                f"{where}; add it to a mesh (e.g. {{'data': -1, {missing[0]!r}: 2}}) or "
+                "drop tp_rules"
+            )
+    if len(meshes) == 1:
+        check_stage_axis(meshes[0], pipeline_rules, stage_axis)
+    elif pipeline_rules and all(m.shape.get(stage_axis, 1) < 2 for m in meshes):
+        raise ValueError(
+            f"pipeline_rules split the stacked layers over mesh axis {stage_axis!r} "
+            f"(stage_axis), which is not in {where} with size > 1. Add a mesh with it "
+            f"(e.g. {{'data': -1, {stage_axis!r}: 4}}) or drop pipeline_rules"
+        )
+
+
+def check_pipeline_placed(plans: Mapping[str, Plan], state: Any, stage_axis: str) -> None:
+    """The ``pipeline`` candidate (``pipeline_rules``) splits some leaf of ``state`` over
+    ``stage_axis``; else ``ValueError`` (its rules match no stacked layer)."""
+    plan = plans.get("pipeline")
+    if plan is None:
+        return
+    for spec in jax.tree.leaves(plan.specs(state), is_leaf=lambda x: isinstance(x, P)):
+        for entry in spec:
+            if stage_axis in ((entry,) if isinstance(entry, str) else entry or ()):
+                return
+    raise ValueError(
+        f"pipeline_rules place no leaf of the state over mesh axis {stage_axis!r} "
+        f"(stage_axis); give rules matching the stacked layers, e.g. "
+        f"[(r'blocks', P({stage_axis!r}))]"
+    )
+
+
+def check_one_platform(meshes: Sequence[Mesh]) -> None:
+    """The searched meshes are of one kind of device (their candidates are ranked
+    against one memory budget and one clock); else ``ValueError`` naming the kinds."""
+    kinds = {}
+    for mesh in meshes:
+        device = mesh.devices.flat[0]
+        kinds.setdefault(
+            f"{device.platform}:{getattr(device, 'device_kind', '?')}", dict(mesh.shape)
+        )
+    if len(kinds) > 1:
+        raise ValueError(
+            "meshes must all be of one kind of device, to be ranked against one memory "
+            f"budget and step time; got {', '.join(f'{k} (mesh {v})' for k, v in kinds.items())}. "
+            "Search each kind in its own SearchSpace (devices=sx.target(...) for a target)"
         )

@@ -46,7 +46,11 @@ from shardax.train.auto.options import (
     Rules,
     candidate_plans,
     check_candidates,
+    check_one_platform,
     check_options,
+    check_pipeline_placed,
+    check_rules_meshes,
+    check_search_loss,
     step_config,
 )
 from shardax.train.auto.space import SearchSpace
@@ -93,8 +97,15 @@ def search_plans(
     if not isinstance(space, SearchSpace):
         raise TypeError(f"space must be {expect}, got {type(space).__name__}")
     as_function("loss_fn", loss_fn, "a function loss_fn(model, batch)")
+    check_search_loss(loss_fn)
     batch = _abstract_batch(batch)
+    meshes = [layout.mesh for layout in space.layouts]
+    check_one_platform(meshes)
+    check_rules_meshes(meshes, space.tp_rules, space.pipeline_rules, space.stage_axis)
     groups = space.groups(abstract_state_or_init, loss_fn, batch)
+    for group in groups:
+        if space.pipeline_rules:
+            check_pipeline_placed(group.plans, next(iter(group.states.values())), space.stage_axis)
     first = groups[0].mesh.devices.flat[0]
     budget = default_device_memory(first) if space.device_memory is None else space.device_memory
     figures = {"model_flops": model_flops, "model_flops_note": model_flops_note}
@@ -213,8 +224,10 @@ def auto_plan(
         accumulate = config.accumulate
     options = check_options(device_memory, min_size, tp_rules, pipeline_rules, stage_axis)
     device_memory, min_size = options["device_memory"], options["min_size"]
+    check_rules_meshes([mesh], tp_rules, pipeline_rules, stage_axis)
     if loss_fn is not None:
         as_function("loss_fn", loss_fn, "a function loss_fn(model, batch) or None")
+        check_search_loss(loss_fn)
     if (loss_fn is None) != (batch is None):
         raise ValueError(
             "pass loss_fn and batch together (to compile the whole step) or "
@@ -229,12 +242,8 @@ def auto_plan(
     group = Group.build(plans, abstract_state_or_init, loss_fn, config, accumulate, batch)
     state = next(iter(group.states.values()))
     split = {name: _split_axes(plan, state) for name, plan in plans.items()}
-    if pipeline_rules and not candidates and stage_axis not in split["pipeline"]:
-        raise ValueError(
-            f"pipeline_rules place no leaf of the state over mesh axis "
-            f"{stage_axis!r} (stage_axis); give rules matching the stacked layers, e.g. "
-            f"[(r'blocks', P({stage_axis!r}))]"
-        )
+    if pipeline_rules and not candidates:
+        check_pipeline_placed(plans, state, stage_axis)
     measured = compile_candidates(group, batch, budget)
     what = "train step" if loss_fn is not None else "optimizer update"
     return choose(measured, budget, what, _compared(mesh, axis, split))

@@ -69,6 +69,14 @@ class Layout:
     accumulate: Counts | None = None
     microbatches: int | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh | Mapping):
+            plan = " (a plan goes in plans=)" if isinstance(self.mesh, Plan) else ""
+            raise TypeError(
+                "mesh must be a sx.make_mesh spec (e.g. {'data': 4, 'stage': 2}) or a "
+                f"jax.sharding.Mesh, got {type(self.mesh).__name__}{plan}"
+            )
+
     @property
     def data_axis(self) -> str | tuple[str, ...]:
         """The axes the batch splits over: ``"replica"`` and ``"data"``, those present."""
@@ -145,6 +153,11 @@ class SearchSpace:
         if self.plans is not None:
             if isinstance(self.plans, str) or not all(isinstance(n, str) for n in self.plans):
                 raise TypeError(f"plans must be a list of plan names, got {self.plans!r}")
+            if not self.plans:
+                raise ValueError(
+                    "plans is empty, so there is nothing to rank; name plans such as "
+                    "('fsdp', 'zero1'), or pass None for every default plan"
+                )
             object.__setattr__(self, "plans", tuple(self.plans))
 
     @property
