@@ -5,6 +5,7 @@ the next run resumes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -253,7 +254,8 @@ def test_a_process_that_raises_is_killed_or_stopped_costs_one_step_and_the_run_e
     argv = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "2", "--max-restarts", "2",
             "--launch-dir", str(launch_dir), "--", sys.executable, "-m", "shardax", "train",
             *options, "--run-dir", str(tmp_path / "run"), "--checkpoint-dir",
-            str(tmp_path / "ckpt"), "--save-every", "1000", "--log-every", "1"]  # fmt: skip
+            str(tmp_path / "ckpt"), "--save-every", "1000", "--log-every", "1",
+            "--snapshot-every", "1"]  # fmt: skip
     env = {**CLEAN_ENV, "SHARDAX_FAULT": "1:3:raise"} if "raise" in faults else CLEAN_ENV
     with out.open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -281,7 +283,9 @@ def test_a_process_that_raises_is_killed_or_stopped_costs_one_step_and_the_run_e
     kinds = faults.split(",")
     assert len(status["restarts"]) == len(kinds), status
     ranks = [1, 0] if "kill" in faults else [1]
-    for number, (restart, kind, rank) in enumerate(zip(status["restarts"], kinds, ranks), 1):
+    for number, (restart, kind, rank) in enumerate(
+        zip(status["restarts"], kinds, ranks, strict=True), 1
+    ):
         assert restart["rank"] == rank and causes[kind] in restart["cause"], restart
         assert f"restart {number} of 2: every process starts again" in text
         assert restart["restored_from"].startswith("the host-memory snapshot"), restart
@@ -290,7 +294,7 @@ def test_a_process_that_raises_is_killed_or_stopped_costs_one_step_and_the_run_e
     assert status["restarts"][-1]["pid"] == victims[0][1]
     assert not Path(status["snapshots"]).exists()  # the launcher's, gone with it
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert [r["rank"] for r in summary["restarts"]] == ranks
+    assert [r["rank"] for r in summary["restarts"]] == ranks and summary["snapshot_every"] == 1
     # Bitwise the run without a fault: the history and the final params.
     want = json.loads((run / "summary.json").read_text())
     keys = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy")
@@ -311,3 +315,32 @@ def test_injected_faults_are_parsed_and_refused_by_name():
     with pytest.raises(ValueError, match="got '1:2:explode'"):
         faults.planned("0:1:kill,1:2:explode")
     faults.inject(3, 1, restart=0)  # nothing planned: nothing happens
+
+
+def test_auto_snapshots_keep_their_cost_within_the_budget_of_a_step(tmp_path):
+    from shardax.loop.hooks import Snapshots
+
+    class Run:  # what the hook reads of a run
+        total, state = 1000, {"w": np.arange(4096.0)}
+
+        def __init__(self):
+            self.step = 0
+
+        def phase(self, name):
+            return contextlib.nullcontext()
+
+        def data_state(self):
+            return {"step": self.step}
+
+    with sx.CheckpointManager(tmp_path / "snaps", max_to_keep=2) as manager:
+        hook, run = Snapshots(manager, None, budget=0.05), Run()
+        for step in range(1, 40):
+            run.step = step
+            time.sleep(0.002)  # a 2 ms step: a snapshot's blocking part is well above 5%
+            hook.after_step(run)
+        hook.close(run)
+        saved = manager.all_steps()
+    assert hook.snapshot_s is not None and hook.snapshot_s > 0.05 * 0.002
+    assert hook.every > 1, hook.every  # tuned down from every step...
+    assert saved[-1] < 39 and len(saved) <= 2, saved  # ...so the steps went on unsaved
+    assert Snapshots(manager, 4).every == 4 and not Snapshots(manager, 4).auto

@@ -120,6 +120,8 @@ def start(
         # The step's own placement: rows over data (and the sequence, with its seq_axis).
         seq = getattr(job.step, "seq_axis", None)
         sharding = sx.batch_sharding(job.mesh, data_axes(job.mesh), seq_axis=seq)
+        if hasattr(job.step, "islands"):  # --islands: the rows over the islands too
+            sharding = job.step.batch_sharding
         feed = tracker.watch(sx.prefetch_to_device(job.loader, sharding))
     except BaseException:
         for owned in (manager, snapshots):
@@ -149,7 +151,8 @@ def hooks(
     if manager is not None:
         later.append(Checkpoints(args.save_every or record.job.eval_every))
     if snapshots is not None:
-        later.append(Snapshots(snapshots, snapshot_every(args)))
+        record.snapshots = Snapshots(snapshots, snapshot_every(args))
+        later.append(record.snapshots)
     return [*first, Preemption(), MetricsWindow(), Bar(record, out), *later]
 
 
@@ -246,6 +249,7 @@ def summary(
         "steps": job.steps,
         "resumed_from_step": run.first,
         "restarts": recovery_history(),
+        "snapshot_every": getattr(getattr(record, "snapshots", None), "every", 0),
         "state_bytes": described.total_bytes,
         "state_bytes_per_device": described.total_bytes_per_device,
         "checkpoint_dir": args.checkpoint_dir,

@@ -4,7 +4,8 @@
 Under such a launch, the launcher owns a snapshot directory in host memory
 (``$SHARDAX_SNAPSHOT_DIR``, in ``/dev/shm``: it outlives any process) and counts its restarts
 (``$SHARDAX_RESTART``). ``shardax train`` then snapshots its state and data position every
-``--snapshot-every`` steps (default 1) into it, asynchronously, the two newest kept. A
+``--snapshot-every`` steps (default auto: every step while that costs at most 5% of a
+step) into it, asynchronously, the two newest kept. A
 restarted run resumes from the newest complete one of the snapshots and the persistent
 checkpoints (the snapshot when they tie), says which, and records in the launch's status
 file the step restored, the steps lost and the seconds from the failure to its first
@@ -44,13 +45,27 @@ def restart() -> int:
         raise UsageError(f"${ENV_RESTART} must be an integer, got {raw!r}") from None
 
 
-def snapshot_every(args: argparse.Namespace) -> int:
-    """``--snapshot-every``, or its default: 1 where a launcher owns a snapshot directory,
-    else 0 (none). Refused where there is no directory to keep them."""
+def snapshot_interval(text: str) -> int | str:
+    """An argparse type: ``auto`` or a number of steps >= 0.
+
+    >>> snapshot_interval("auto"), snapshot_interval("3")
+    ('auto', 3)
+    """
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected auto or an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def snapshot_every(args: argparse.Namespace) -> int | None:
+    """``--snapshot-every`` as ``Snapshots`` takes it (None: auto), or its default: auto
+    where a launcher owns a snapshot directory, else 0 (none). Refused where there is no
+    directory to keep them."""
     every = args.snapshot_every
     directory = os.environ.get(ENV_SNAPSHOT_DIR)
     if every is None:
-        return 1 if directory else 0
+        return None if directory else 0
     if every and not directory:
         raise UsageError(
             f"--snapshot-every {every}: snapshots live in host memory that a launcher owns, "
@@ -58,12 +73,12 @@ def snapshot_every(args: argparse.Namespace) -> int:
             "keeps them in /dev/shm), or use --checkpoint-dir with --save-every for "
             "persistent checkpoints"
         )
-    return every
+    return None if every == "auto" else every
 
 
 def snapshot_manager(args: argparse.Namespace) -> Any:
     """The snapshots' ``CheckpointManager`` (asynchronous, ``KEEP`` kept), or None."""
-    if not snapshot_every(args):
+    if snapshot_every(args) == 0:
         return None
     return sx.CheckpointManager(
         Path(os.environ[ENV_SNAPSHOT_DIR]) / "train", async_save=True, max_to_keep=KEEP

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from shardax.checkpoint.preemption import PREEMPTED_EXIT_CODE
-from shardax.cli import config, track, train_gpt, train_mlp  # noqa: F401 (the jobs register)
+from shardax.cli import config, islands, track, train_gpt, train_mlp  # noqa: F401 (the jobs register)
 from shardax.cli.common import (
     UsageError,
     add_json_flag,
@@ -41,6 +41,7 @@ from shardax.cli.common import (
 from shardax.cli.extras import available, install_hint, missing
 from shardax.cli.job import JOBS, add_job_arguments, apply_options, check_model_options, plan_names
 from shardax.cli.loop import loop
+from shardax.cli.recovery import snapshot_interval
 from shardax.runtime import cache
 from shardax.runtime.compat import backends_are_initialized
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
@@ -122,11 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument(
         "--snapshot-every",
-        type=nonneg_int,
+        type=snapshot_interval,
         default=None,
+        metavar="N|auto",
         help="steps between host-memory snapshots of the state and data position, from which "
-        "shardax launch --max-restarts resumes a failed run, losing at most N steps (default: "
-        "1 under such a launch, else 0; 0: none)",
+        "shardax launch --max-restarts resumes a failed run, losing at most N steps; auto: "
+        "every step while a snapshot costs at most 5%% of a step, else as often as that "
+        "allows (default: auto under such a launch, else 0: none)",
     )
     parser.add_argument(
         "--sync-save",
@@ -163,6 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--verify's relative tolerance (default: by --precision: fp32 1e-4, bf16 5e-2, "
         "fp16 2e-2)",
     )
+    islands.add_arguments(parser)
     track.add_arguments(parser)
     add_json_flag(parser)
     config.add_arguments(parser)  # last: every option above is a key of --config
@@ -253,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
     args.compile_before = cache.compile_stats()
     if args.precision is None:
         args.precision = default_precision(args.model, jax.default_backend())
-    job = JOBS[args.model].make(args, out)
+    islands.island_mesh(args)
+    job = islands.islands_job(args, JOBS[args.model].make(args, out))
     if args.verify and not check(args, out, job):
         return 1
     summary = loop(args, out, job)

@@ -50,7 +50,10 @@ it gets every step's metrics since the last fetch, fetched once:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import statistics
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -459,19 +462,39 @@ class Snapshots(Checkpoints):
     """Every ``every`` steps: a snapshot of the state and the data position in
     ``manager``, a [`shardax.CheckpointManager`][shardax.CheckpointManager] of its own in
     host memory (``shardax launch --max-restarts`` owns one in ``/dev/shm``, which
-    outlives a process). Asynchronous: the step goes on while the arrays are written; a snapshot cut
-    short by a kill is not committed, and the one before it stays restorable. After a
-    failure, the restarted processes resume from the newest of the snapshots and the
-    persistent checkpoints. Not taken on preemption or at the end: the persistent
-    checkpoint is (``Checkpoints``). ``shardax train --snapshot-every N`` adds it.
+    outlives a process). Asynchronous: the step goes on while the arrays are written; a
+    snapshot cut short by a kill is not committed, and the one before it stays
+    restorable. After a failure, the restarted processes resume from the newest of the
+    snapshots and the persistent checkpoints. Not taken on preemption or at the end: the
+    persistent checkpoint is (``Checkpoints``). ``shardax train --snapshot-every`` adds it.
+
+    ``every=None`` (auto) snapshots every step while a snapshot's blocking part costs at
+    most ``budget`` of a step's time (measured: the median of the last 20 steps, from one
+    call's return to the next), else every ``ceil(snapshot / (budget * step))`` steps, tuned after each
+    snapshot; ``every`` holds the interval in force.
     """
 
-    def __init__(self, manager: Any, every: int = 1) -> None:
-        super().__init__(every)
-        self.manager = manager
+    def __init__(self, manager: Any, every: int | None = 1, budget: float = 0.05) -> None:
+        super().__init__(every or 1)
+        self.manager, self.auto, self.budget = manager, every is None, budget
+        self.snapshot_s: float | None = None  # the last snapshot's blocking time
+        self._steps: list[float] = []  # the last step times
+        self._end: float | None = None
 
     def due(self, run: Any) -> bool:
         return itstime(run.step, self.every, run.total) and run.step != run.total
+
+    def after_step(self, run: Any) -> None:
+        now = time.perf_counter()
+        if self._end is not None:  # since the last call returned: the step, no snapshot
+            self._steps = [*self._steps[-19:], now - self._end]
+        if self.due(run):
+            self.save(run)
+            self.snapshot_s = time.perf_counter() - now
+            if self.auto and self._steps:
+                step = statistics.median(self._steps)
+                self.every = max(1, math.ceil(self.snapshot_s / (self.budget * step)))
+        self._end = time.perf_counter()
 
     def finish(self, run: Any) -> None:
         pass
