@@ -197,6 +197,8 @@ class IslandStep:
     plan = property(lambda self: self.inner.plan)
     donate = property(lambda self: self.config.donate)
     compiler_options = property(lambda self: self.inner.compiler_options)
+    compiler_summary = property(lambda self: self.inner.compiler_summary)
+    mode = property(lambda self: self.config.mode)
 
     def compiler_options_for(self, state: TrainState) -> dict[str, Any]:
         """The XLA options both programs compile with for the island ``state``."""
