@@ -1684,3 +1684,22 @@ def test_sixth_sweep_a_space_of_two_device_kinds_is_refused():
     space = sx.SearchSpace(meshes=[sx.make_mesh({"data": 8}), sx.make_mesh({"data": 8}, devices=sx.target("8xH100"))])  # fmt: skip
     with raises(ValueError, "sx.search_plans: meshes must all be of one kind of device"):
         _search(space)
+
+
+def _int_leaf_state():
+    return sx.TrainState.from_params(
+        {"w": jnp.zeros((4, 2)), "n": jnp.zeros((), jnp.int32)}, lambda p, x: x @ p["w"], optax.sgd(0.1)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda: sx.estimate(sx.make_train_step(_loss, mesh=sx.make_mesh()), jax.eval_shape(_pytree_state), {"x": jax.ShapeDtypeStruct((0, 4), jnp.float32), "y": jax.ShapeDtypeStruct((0, 2), jnp.float32)}), ValueError, "sx.estimate: batch['x'] has 0 rows (shape (0, 4)): a step of an empty batch prices nothing"),
+        (lambda: sx.estimate(sx.make_train_step(_loss, mesh=sx.make_mesh()), jax.eval_shape(_int_leaf_state), jax.eval_shape(lambda: _XY)), TypeError, "sx.estimate: state.params['n'] is int32, but the step differentiates the params, which must be floating point"),
+    ],
+    ids=["estimate-0-rows", "estimate-int-param"],
+)  # fmt: skip
+def test_sixth_sweep_estimate_names_what_it_cannot_price(call, error, message):
+    with raises(error, message):
+        call()

@@ -989,6 +989,33 @@ def exposed_line(overlap: Mapping[str, Any], cost: StepCost | None = None) -> st
     return line
 
 
+def _check_priceable(state: Any, batch: Any, train_step: bool) -> None:
+    """A batch of no rows (nothing to price) and, for a ``make_train_step`` step, an
+    integer leaf among the state's params (the step differentiates them, which JAX
+    refuses without naming the leaf) raise, naming the leaf."""
+    rows = [
+        (path, tuple(leaf.shape))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]
+        if len(getattr(leaf, "shape", ()))
+    ]
+    if rows and all(shape[0] == 0 for _, shape in rows):
+        path, shape = rows[0]
+        raise ValueError(
+            f"batch{jax.tree_util.keystr(path)} has 0 rows (shape {shape}): a step of an "
+            "empty batch prices nothing; give the batch the step will run on"
+        )
+    params = getattr(state, "params", None) if train_step else None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+            raise TypeError(
+                f"state.params{jax.tree_util.keystr(path)} is {dtype}, but the step "
+                "differentiates the params, which must be floating point; keep counters "
+                "and integer tables out of the params (in a non-trainable variable, or a "
+                "static field)"
+            )
+
+
 @public("sx.estimate")
 def estimate(
     step: Any,
@@ -1048,6 +1075,7 @@ def estimate(
             f"(0, 1], got {compute_efficiency!r}"
         )
     state, batch = _abstract(state), _abstract(batch)
+    _check_priceable(state, batch, hasattr(step, "abstract"))
     mesh = _mesh_of(step, jax.tree.leaves((state, batch)))
     check_axes(state, mesh, "state")
     check_axes(batch, mesh, "batch")
