@@ -1703,3 +1703,25 @@ def _int_leaf_state():
 def test_sixth_sweep_estimate_names_what_it_cannot_price(call, error, message):
     with raises(error, message):
         call()
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: sx.CheckpointManager("gs://bucket/run"), "sx.CheckpointManager: directory must be a directory of a local or mounted file system, got the gs:// URL 'gs://bucket/run': shardax does not save to object stores yet (its writer lock, atomic overwrite and damage checks need a file system). Mount the bucket"),
+        (lambda: sx.CheckpointManager("s3://bucket/run"), "sx.CheckpointManager: directory must be a directory of a local or mounted file system, got the s3:// URL 's3://bucket/run': shardax does not save to object stores yet (its writer lock, atomic overwrite and damage checks need a file system); nor does orbax-checkpoint write s3:// arrays"),
+        (lambda: sx.loop.run({"w": jnp.ones(2)}, checkpoints="gs://bucket/run"), "sx.loop.run: checkpoints must be a directory of a local or mounted file system, got the gs:// URL"),
+    ],
+    ids=["manager-gs", "manager-s3", "loop-gs"],
+)  # fmt: skip
+def test_a_remote_checkpoint_path_is_refused_before_anything_is_made(tmp_path, monkeypatch, call, message):
+    monkeypatch.chdir(tmp_path)
+    with raises(ValueError, message):
+        call()
+    assert os.listdir(tmp_path) == []  # no local ./gs:/bucket/run
+
+
+def test_a_file_url_is_a_local_checkpoint_directory(tmp_path):
+    with sx.CheckpointManager(f"file://{tmp_path}/run") as manager:
+        manager.save(1, {"w": jnp.ones(2)})
+        assert manager.directory == str(tmp_path / "run") and manager.all_steps() == [1]

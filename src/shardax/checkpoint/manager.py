@@ -29,6 +29,7 @@ time writes into a directory (``shardax.checkpoint.lock``).
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from typing import Any, NamedTuple
 
@@ -437,7 +438,7 @@ def check_directory(name: str, directory: Any, *, writable: bool = False) -> str
     for a file or a path under a file, and with ``writable`` a ``PermissionError`` for a
     directory (or, when it does not exist yet, the one it would be made in) that this
     process cannot write, each naming ``name`` and the path."""
-    path = os.path.abspath(as_path(name, directory))
+    path = _local(name, as_path(name, directory))
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{name} must be a directory, got {path}, which is a file")
     made_in = path
@@ -456,6 +457,34 @@ def check_directory(name: str, directory: Any, *, writable: bool = False) -> str
             f"{why}. Choose another directory, or make it writable"
         )
     return path
+
+
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _local(name: str, path: str) -> str:
+    """``path`` as an absolute local path (``file://`` taken off); a URL of another scheme
+    (``gs://``, ``s3://``) raises ``ValueError`` naming it, before anything is made (it
+    would become a local directory ``./gs:/...``)."""
+    url = _URL.match(path)
+    if url and url["scheme"].lower() == "file":
+        path = path[len(url[0]) :] or "/"
+    elif url:
+        scheme = url["scheme"].lower()
+        orbax = (
+            "; nor does orbax-checkpoint write s3:// arrays (tensorstore gets local paths "
+            "and gs:// only)"
+            if scheme == "s3"
+            else ""
+        )
+        raise ValueError(
+            f"{name} must be a directory of a local or mounted file system, got the "
+            f"{scheme}:// URL {path!r}: shardax does not save to object stores yet (its "
+            f"writer lock, atomic overwrite and damage checks need a file system){orbax}. "
+            "Mount the bucket (gcsfuse, mountpoint-s3) and pass the mount's path, or save to "
+            "a local directory and copy it"
+        )
+    return os.path.abspath(path)
 
 
 def _orbax_manager(
