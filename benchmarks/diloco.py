@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--plan", default="replicate", help="the GPT's plan inside an island")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's rate")
     parser.add_argument(
         "--runs",
         default="dp,10,50,100,50:bf16,50:int8,50:topk",
@@ -89,7 +90,8 @@ def main() -> None:
         else:
             h, _, compress = name.partition(":")
             h, compress = int(h), compress or None
-            diloco = sx.DiLoCo(inner_steps=h, compress=compress)
+            outer = optax.sgd(args.outer_lr, momentum=0.9, nesterov=True)
+            diloco = sx.DiLoCo(inner_steps=h, outer=outer, compress=compress)
             step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, diloco=diloco)
             state = step.init(init)
             per_step = step.traffic(state, batches[0]).per_step
