@@ -1,7 +1,6 @@
 """``shardax bench``: the data-parallel modes compared, on the devices at hand.
 
-One Adam step of an MLP with a mean-squared-error loss on a synthetic batch, as in the
-data-parallel notebook of the seed documents, built by
+One Adam step of an MLP with a mean-squared-error loss on a synthetic batch, built by
 [`shardax.make_train_step`][shardax.make_train_step] in
 its four modes:
 
@@ -12,13 +11,16 @@ its four modes:
 
 Each mode is warmed up (compilation included), then the modes are timed in turns,
 ``--repeats`` rounds, so load from elsewhere falls on all of them alike; the table gives
-the median and the speedup over ``single``. ``--size seed`` is the notebook's
-90 × 2056 MLP on 1024 inputs with batch 6912 (for a GPU).
+the median and the speedup over ``single``. ``--size large`` is a
+90 × 2056 MLP on 1024 inputs with batch 6912 (for a GPU; ``--size seed``, its old name,
+still works). On simulated CPU devices, which share the machine's cores, the table
+compares the modes' overheads and says so: it is no speed-up measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +45,7 @@ from shardax.cli.common import (
     step_flops,
     time_interleaved,
     time_step,
+    warning,
     write_results,
 )
 from shardax.cost.flops import utilization
@@ -54,8 +57,18 @@ MODES = ("single", *(m for m in STEP_MODES if m != "single"))
 SIZES = {
     # layers, hidden, input, output, batch
     "small": (4, 512, 256, 10, 2048),
-    "seed": (90, 2056, 1024, 10, 256 * 27),
+    "large": (90, 2056, 1024, 10, 256 * 27),
 }
+SIZE_ALIASES = {"seed": "large"}
+"""Old ``--size`` names, still taken (with a warning)."""
+
+
+def _size(text: str) -> str:
+    """An argparse type: a ``SIZES`` name, an old name (``SIZE_ALIASES``) as its new one."""
+    if text in SIZE_ALIASES:
+        warning(f"--size {text} is now --size {SIZE_ALIASES[text]}", "shardax")
+        return SIZE_ALIASES[text]
+    return text
 
 
 def _modes(text: str) -> list[str]:
@@ -73,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_mlp_arguments(
         parser,
         "small: 4 × 512 MLP, batch 2048 (CPU, about a minute); "
-        "seed: 90 × 2056 MLP, batch 6912, as in the data-parallel notebook (GPU)",
+        "large: 90 × 2056 MLP, batch 6912 (a GPU's size)",
     )
     parser.add_argument("--batch-size", type=positive_int, help="global batch (overrides --size)")
     parser.add_argument(
@@ -90,7 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_mlp_arguments(parser: argparse.ArgumentParser, size_help: str) -> None:
     """``--size`` (one of ``SIZES``) and the overrides of its MLP's shape."""
-    parser.add_argument("--size", choices=sorted(SIZES), default="small", help=size_help)
+    parser.add_argument(
+        "--size", type=_size, choices=sorted(SIZES), default="small", help=size_help
+    )
     parser.add_argument("--layers", type=positive_int, help="hidden layers (overrides --size)")
     parser.add_argument("--hidden", type=positive_int, help="hidden width (overrides --size)")
     parser.add_argument("--input-dim", type=positive_int, help="input width (overrides --size)")
@@ -133,7 +148,7 @@ def random_batch(rng: Any, rows: int, input_dim: int, output_dim: int) -> dict[s
 
 
 def mse_loss(model: Any, batch: dict[str, Any]) -> Any:
-    """Seed 003's loss: mean squared error of the MLP's outputs against ``batch["y"]``."""
+    """The loss: mean squared error of the MLP's outputs against ``batch["y"]``."""
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
@@ -221,6 +236,7 @@ def bench(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     return {
         "command": "bench",
         **machine(),
+        "caveat": simulated_caveat(mesh),
         "devices": mesh.size,
         "size": args.size,
         "layers": layers,
@@ -252,6 +268,24 @@ def render(result: dict[str, Any], out: Any) -> None:
         f"{result['layers']} × {result['hidden']}, batch {result['batch_size']}"
     )
     out.print(rows_table(title, columns, result["results"]))
+    if result.get("caveat"):
+        out.print(f"[yellow]note:[/] {result['caveat']}")
+
+
+def simulated_caveat(mesh: Any) -> str | None:
+    """On simulated CPU devices, what the table is not: a speed-up measurement (the
+    devices share this machine's cores); None on accelerators or one device.
+
+    >>> simulated_caveat(sx.make_mesh({"data": 1}, devices=jax.devices()[:1])) is None
+    True
+    """
+    if mesh.size == 1 or mesh.devices.flat[0].platform != "cpu":
+        return None
+    return (
+        f"these {mesh.size} devices are simulated CPU devices sharing this machine's "
+        f"{os.cpu_count()} cores: the times compare the modes' overheads, not a speed-up "
+        "from more devices (measure that on accelerators)"
+    )
 
 
 def _shown(key: str, spec: str, *, scale: float = 1, unit: str = "") -> Any:

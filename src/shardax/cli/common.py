@@ -260,8 +260,24 @@ def console(args: argparse.Namespace) -> Any:
     """A rich console: stdout, or stderr when ``--json`` owns stdout."""
     stderr = bool(getattr(args, "json", False))
     out = Console(stderr=stderr)
-    # Piped output (tests, `| less`) gets a readable width instead of rich's 80 columns.
-    return out if out.is_terminal else Console(stderr=stderr, width=120)
+    # Piped output (tests, `| less`) gets $COLUMNS, else a readable 120 instead of rich's 80.
+    return out if out.is_terminal else Console(stderr=stderr, width=piped_width())
+
+
+PIPED_WIDTH = 120
+"""The width of piped output where ``$COLUMNS`` does not give one."""
+
+
+def piped_width() -> int:
+    """``$COLUMNS`` (a positive integer), else ``PIPED_WIDTH``; a ``$COLUMNS`` that is no
+    width is a usage error naming it.
+
+    >>> import os; os.environ["COLUMNS"] = "100"; piped_width()
+    100
+    >>> del os.environ["COLUMNS"]; piped_width()
+    120
+    """
+    return env_int("COLUMNS", positive_int, PIPED_WIDTH)
 
 
 def print_json(obj: Any) -> None:

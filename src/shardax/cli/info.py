@@ -11,6 +11,7 @@ import numpy as np
 import shardax as sx
 from shardax._format import titled_table
 from shardax.cli.common import UsageError, add_json_flag, console, mesh_spec, print_json
+from shardax.cli.hardware import roofline
 from shardax.cost.hardware import BATCH_SIZE_TABLE, HARDWARE_SPECS
 from shardax.cost.roofline import hardware_roofline
 
@@ -48,6 +49,14 @@ def collect(mesh_pairs: list[tuple[str, int]] | None) -> dict[str, Any]:
                 "roofline_critical_batch": roof.critical_batch,
             }
         table.append(row)
+    for name in ("h200", "b200"):  # kinds the recommendation table lacks (as --target knows)
+        roof = roofline(name)
+        table.append({
+            "hardware": name, "min_batch_size": None, "optimal_batch_size": None,
+            "critical_batch_size": None, "notes": "not in the recommendation table: roofline only",
+            "peak_flops": roof["peak_flops"], "hbm_bandwidth": roof["hbm_bandwidth"],
+            "roofline_critical_batch": roof["critical_batch"],
+        })  # fmt: skip
     try:
         mesh = sx.make_mesh(mesh_pairs)
     except ValueError as e:
@@ -103,7 +112,8 @@ def render(data: dict[str, Any], out: Any) -> None:
     )
 
     table = titled_table(
-        "batch size per device: the seed's table, and the roofline B* = peak ÷ bandwidth",
+        "batch size per device: sx.get_batch_size_recommendation's table, and the roofline "
+        "B* = peak ÷ bandwidth",
         caption="B* = (bytes per weight / 2) × peak FLOP/s ÷ HBM bytes/s, here bf16 (2 bytes): "
         "a dense layer's FLOPs per byte equal its batch, so below B* it waits on memory.",
     )
@@ -123,9 +133,10 @@ def render(data: dict[str, Any], out: Any) -> None:
             figures = ["—", "—", "— (measure: shardax tune-batch)"]
         table.add_row(
             row["hardware"] + (" ◀" if here else ""),
-            str(row["min_batch_size"]),
-            str(row["optimal_batch_size"]),
-            str(row["critical_batch_size"]),
+            *(
+                "—" if row[k] is None else str(row[k])
+                for k in ("min_batch_size", "optimal_batch_size", "critical_batch_size")
+            ),
             *figures,
             style=style,
         )

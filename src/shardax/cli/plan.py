@@ -27,11 +27,10 @@ from shardax.cli.common import (
     positive_int,
     print_json,
 )
+from shardax.cli.hardware import NAMES, roofline, spec_of
 from shardax.cli.plan_measure import MODELS
 from shardax.cli.plan_target import TARGET_PLANS
-from shardax.cost.hardware import HARDWARE_SPECS, HardwareType
 from shardax.cost.memory import STATE_BYTES, plan_memory, state_bytes
-from shardax.cost.roofline import hardware_roofline
 from shardax.parallel.remat_policy import OFFLOAD
 from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
 
@@ -189,9 +188,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--hardware",
-        choices=[h.value for h in HardwareType],
+        choices=NAMES,
         default=None,
-        help="device type for memory and roofline figures (default: detected)",
+        help="device type for memory and roofline figures (default: detected): "
+        "sx.HardwareType's values and the kinds --target knows (h200, b200, ...)",
     )
     parser.add_argument(
         "--batch",
@@ -227,19 +227,21 @@ def make_plan(
     device_memory: float | None = None,
 ) -> dict[str, Any]:
     """The plan as plain data: one row per strategy, the roofline and the warnings."""
-    hw = HardwareType(hardware)
+    if hardware not in NAMES:
+        raise ValueError(f"--hardware: expected one of {', '.join(NAMES)}, got {hardware!r}")
     prec = state_bytes(precision)
     memory = device_memory
-    if memory is None and hw in HARDWARE_SPECS:
-        memory = HARDWARE_SPECS[hw].memory_bytes
-    roof = hardware_roofline(hw, prec.compute) if hw in HARDWARE_SPECS else None
+    spec = spec_of(hardware)
+    if memory is None and spec is not None:
+        memory = spec.memory_bytes
+    roof = roofline(hardware, prec.compute)
     warnings = []
     if memory is None:
         warnings.append(
-            f"no memory figure for {hw.value}: pass --device-memory GIB to check what fits"
+            f"no memory figure for {hardware}: pass --device-memory GIB to check what fits"
         )
     if roof is None:
-        warnings.append(f"no roofline figures for {hw.value}: measure with `shardax tune-batch`")
+        warnings.append(f"no roofline figures for {hardware}: measure with `shardax tune-batch`")
     rows = []
     for e in plan_memory(num_params, num_devices, prec):
         row: dict[str, Any] = {
@@ -254,24 +256,24 @@ def make_plan(
             "total_bytes": e.total_bytes,
             "fits": None if memory is None else e.total_bytes <= memory,
             "per_replica_batch": None if batch is None else batch / e.data,
-            "global_critical_batch": None if roof is None else roof.critical_batch * e.data,
+            "global_critical_batch": None if roof is None else roof["critical_batch"] * e.data,
         }
         stage = f", stage={e.stage}" if e.stage > 1 else ""
         name = f"{e.strategy} (data={e.data}, model={e.model}{stage})"
         if row["fits"] is False:
             warnings.append(
                 f"{name} does not fit: {e.total_bytes / GIB:.1f} GiB of model states per device "
-                f"> {memory / GIB:.1f} GiB on {hw.value}"
+                f"> {memory / GIB:.1f} GiB on {hardware}"
             )
         if batch is not None and roof is not None:
-            row["compute_bound"] = batch / e.data >= roof.critical_batch
+            row["compute_bound"] = batch / e.data >= roof["critical_batch"]
             if batch % e.data:
                 warnings.append(f"{name}: --batch {batch} is not divisible by data={e.data}")
         rows.append(row)
     return {
         "params": num_params,
         "devices": num_devices,
-        "hardware": hw.value,
+        "hardware": hardware,
         "precision": {
             "name": prec.name,
             "params": prec.params,
@@ -283,14 +285,7 @@ def make_plan(
         },
         "device_memory_bytes": memory,
         "batch": batch,
-        "roofline": None
-        if roof is None
-        else {
-            "peak_flops": roof.peak_flops,
-            "hbm_bandwidth": roof.hbm_bandwidth,
-            "bytes_per_param": roof.bytes_per_param,
-            "critical_batch": roof.critical_batch,
-        },
+        "roofline": roof,
         "strategies": rows,
         "warnings": warnings,
     }

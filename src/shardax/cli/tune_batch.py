@@ -6,7 +6,7 @@ over a
 are timed in turns, ``--repeats`` rounds, and throughput is the batch divided by the
 median step time. The knee is the smallest batch within ``--tolerance`` (default 10%)
 of the peak throughput: past it a larger batch buys little speed per example. It is
-shown per device beside the seed table's critical batch size and, where
+shown per device beside the recommendation table's critical batch size and, where
 the datasheet figures exist, the roofline's ``B*``.
 """
 

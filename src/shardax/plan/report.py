@@ -80,14 +80,19 @@ class ShardingReport:
         table = titled_table(title)
         columns = [("path", "left"), ("shape", "right"), ("dtype", "left"), ("spec", "left")]
         columns += [("plan", "left")] if moved else []
+        cells = [
+            [r.path, str(r.shape), r.dtype, "-" if r.spec is None else str(tuple(r.spec))]
+            + ([] if not moved else ["" if r.planned is None else str(tuple(r.planned))])
+            + [format_bytes(r.bytes_per_device)]
+            for r in self.rows
+        ]
         for name, justify in [*columns, ("per device", "right")]:
-            table.add_column(name, justify=justify)  # type: ignore[arg-type]
-        for r in self.rows:
-            spec = "-" if r.spec is None else str(tuple(r.spec))
-            plan = [] if not moved else ["" if r.planned is None else str(tuple(r.planned))]
-            table.add_row(
-                r.path, str(r.shape), r.dtype, spec, *plan, format_bytes(r.bytes_per_device)
-            )
+            # on a narrow terminal a path folds (whole, over lines), never cut to "…"; the
+            # other columns (a spec, a shape) keep their width, each on one line
+            fit = {"overflow": "fold"} if name == "path" else {"no_wrap": True}
+            table.add_column(name, justify=justify, **fit)  # type: ignore[arg-type]
+        for row in cells:
+            table.add_row(*row)
         table.add_section()
         table.add_row(
             f"total ({len(self.rows)} arrays, {format_bytes(self.total_bytes)})",
