@@ -45,7 +45,7 @@ _CALLED = re.compile(
     r"reduce_scatter|pshuffle|ragged_all_to_all)(?:\b|/|$)"
 )
 _LOOKUP = re.compile(r"(?:^|/)(?:gather|scatter-add|scatter_add)$|jit\(_take\)")
-_REDUCTION = re.compile(r"dot_general|(?:^|/)reduce_\w+$")
+_REDUCTION = re.compile(r"dot_general|(?:^|/)reduce_\w+(?:$|[:)])")  # a fused op's list too
 _PLAIN = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
           "ragged-all-to-all")  # fmt: skip
 
@@ -149,12 +149,13 @@ def _implied(op: str, stack: str, shapes: tuple[tuple[int, ...], ...], axes: tup
         return f"the model calls {called.group(1)}"
     if op == "all-reduce" and all(math.prod(s) <= 1 for s in shapes):
         return "a reduction to a scalar (the loss, a metric, a norm)"
-    if shapes and all(s in param_shapes for s in shapes if math.prod(s) > 1):
-        return {
-            "all-gather": "the plan's gather of a sharded parameter (FSDP, ZeRO's update)",
-            "reduce-scatter": "the gradients' reduction onto their shards",
-            "all-reduce": "the gradients' reduction over the data axes",
-        }.get(op, "")
+    weights = {
+        "all-gather": "the plan's gather of a sharded parameter (FSDP, ZeRO's update)",
+        "reduce-scatter": "the gradients' reduction onto their shards",
+        "all-reduce": "the gradients' reduction over the data axes",
+    }
+    if op in weights and shapes and all(s in param_shapes for s in shapes if math.prod(s) > 1):
+        return weights[op]
     split = bool(axes) and set(axes) <= param_axes
     if split and _LOOKUP.search(stack):
         return f"the lookup of a table the plan splits over {'/'.join(axes)} (an embedding)"

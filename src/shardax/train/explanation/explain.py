@@ -34,7 +34,14 @@ from shardax.checks import public
 from shardax.cost.buffers import COVERAGE, PeakBuffers
 from shardax.cost.estimation import Estimate
 from shardax.cost.reshards import Reshard, collectives_explained
-from shardax.train.explanation.fixes import ACCUMULATE, Fix, propose
+from shardax.train.explanation.fixes import (
+    ACCUMULATE,
+    Fix,
+    fraction_fixes,
+    offload_note,
+    propose,
+    rank,
+)
 from shardax.train.explanation.memory import compile_step, fits, memory_table
 from shardax.train.explanation.placement import Placement, placement
 
@@ -183,6 +190,7 @@ def explain(
         raise ValueError(f"coverage must be a share of the peak in (0, 1], got {coverage!r}")
     if budget is not None and not (isinstance(budget, int | float) and budget > 0):
         raise ValueError(f"budget must be bytes per device > 0, got {budget!r}")
+    given = budget is not None
     program = compile_step(step, state, batch)
     state, batch, mesh, shardings = program.state, program.batch, program.mesh, program.shardings
     report = program.estimate
@@ -204,6 +212,11 @@ def explain(
         proposed = propose(
             step, state, batch, budget, accumulate=accumulate, variants=variants, plans=plans
         )
+        if not given:  # the budget is the device's: a GPU's larger memory_fraction
+            proposed = rank(proposed + fraction_fixes(step, report, mesh))
+        note = offload_note(memory, peak, budget, mesh.devices.flat[0])
+        if note is not None:
+            notes.append(note)
         if not proposed:
             notes.append("no plan × microbatch count of the search fits the budget: pass "
                          "variants= (remat policies) or more devices")  # fmt: skip

@@ -38,8 +38,8 @@ def fits(peak: float, budget: float | None) -> bool | None:
 
 def param_shapes(state: Any, shardings: Any) -> set[tuple[int, ...]]:
     """The parameters' shapes with each dimension whole or split as placed (global,
-    per-device, gathered over some axes), a stacked (scanned) leaf's layer shape, and a
-    matrix's transpose."""
+    per-device, gathered over some axes), a stacked (scanned) leaf's layer shape, each in
+    every order of its dimensions."""
     leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(state) if is_array(x)]
     flat = [s for s in jax.tree.leaves(shardings) if hasattr(s, "shard_shape")]
     if len(flat) != len(leaves):
@@ -56,7 +56,9 @@ def param_shapes(state: Any, shardings: Any) -> set[tuple[int, ...]]:
         # gathered over some of its axes: each dimension whole or split
         shapes = set(itertools.product(*({g, n} for g, n in zip(shape, local, strict=True))))
         shapes |= {s[1:] for s in shapes if len(s) > 1}
-        out |= shapes | {s[::-1] for s in shapes if len(s) == 2}
+        # XLA lays a weight out as it likes (a GPU's all-gather of (heads, k, d) as (d, k,
+        # heads)): every order of its dimensions, up to rank 4
+        out |= {p for s in shapes if len(s) <= 4 for p in itertools.permutations(s)} | shapes
     return {s for s in out if math.prod(s) > 1}
 
 
