@@ -1725,3 +1725,17 @@ def test_a_file_url_is_a_local_checkpoint_directory(tmp_path):
     with sx.CheckpointManager(f"file://{tmp_path}/run") as manager:
         manager.save(1, {"w": jnp.ones(2)})
         assert manager.directory == str(tmp_path / "run") and manager.all_steps() == [1]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((0, -1, 5), "sx.BatchSizeRecommendation: min_batch_size must be an integer >= 1, got 0"),
+        ((1, 2, 3, 0), "sx.BatchSizeRecommendation: max_memory_batch_size (or None) must be an integer >= 1, got 0"),
+        ((8, 4, 6), "sx.BatchSizeRecommendation: min_batch_size must be <= optimal_batch_size, got 8 > 4"),
+    ],
+    ids=["min-0", "max-memory-0", "min-above-optimal"],
+)  # fmt: skip
+def test_a_batch_size_recommendation_holds_sizes_in_order(args, message):
+    with raises(ValueError, message):
+        sx.BatchSizeRecommendation(*args)

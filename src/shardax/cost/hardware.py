@@ -66,6 +66,18 @@ class BatchSizeRecommendation:
     max_memory_batch_size: int | None = None
     notes: str = ""
 
+    def __post_init__(self) -> None:  # sizes of at least one example, in order
+        for name in ("min_batch_size", "optimal_batch_size", "critical_batch_size"):
+            object.__setattr__(self, name, as_count(name, getattr(self, name)))
+        if self.max_memory_batch_size is not None:
+            size = as_count("max_memory_batch_size (or None)", self.max_memory_batch_size)
+            object.__setattr__(self, "max_memory_batch_size", size)
+        if self.min_batch_size > self.optimal_batch_size:
+            raise ValueError(
+                f"min_batch_size must be <= optimal_batch_size, got {self.min_batch_size} > "
+                f"{self.optimal_batch_size}"
+            )
+
 
 _R = BatchSizeRecommendation
 # The table of seed 000, verbatim.
