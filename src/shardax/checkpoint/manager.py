@@ -28,6 +28,7 @@ time writes into a directory (``shardax.checkpoint.lock``).
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import warnings
@@ -324,6 +325,9 @@ class CheckpointManager:
         latest = step is None
         step = self._committed(step)
         target = abstract_saveable(like)
+        if not self._quiet:  # orbax's logs of a damaged step's reads: shardax names it
+            _QUIET.acquire()
+            self._quiet = True
         candidates = [s for s in reversed(self.all_steps()) if s <= step] if latest else [step]
         damaged: list[damage.Unreadable] = []
         for candidate in candidates:
@@ -334,6 +338,8 @@ class CheckpointManager:
                 continue
             if damaged:
                 self._report_damaged(damaged, candidate)
+                damaged.clear()  # the failed reads' coroutines go now, while orbax's noise
+                gc.collect()  # of their unretrieved errors is dropped (shardax.checkpoint.quiet)
             return restored
         others = [s for s in self.all_steps() if s not in {e.step for e in damaged}]
         words = "; ".join(f"step {e.step}: {e.cause}" for e in damaged)

@@ -1,7 +1,8 @@
-"""orbax's noise around a failed asynchronous save, kept off the user's output while a
-manager that saved is open: orbax's error logs (one traceback per failed write and per
-thread), asyncio's reports of orbax's failed write tasks, and the "Event loop is closed"
-of writes that finish after the failed save's loop was closed. shardax raises the
+"""orbax's noise around a failed asynchronous save (or a restore of a damaged step), kept
+off the user's output while a manager that saved (or restored) is open: orbax's error logs
+(one traceback per failed write and per thread), asyncio's reports of orbax's failed write
+tasks, the "Event loop is closed" of writes that finish after the failed save's loop was
+closed, and the unretrieved errors of a damaged step's other reads. shardax raises the
 failure itself (``OSError`` naming the step, the directory and the cause).
 """
 
@@ -44,15 +45,23 @@ def _late_completions(previous: Any) -> Any:
 
     def hook(unraisable: Any) -> None:
         error = unraisable.exc_value
-        if not (
+        late = (
             isinstance(error, RuntimeError)
             and str(error) == "Event loop is closed"
             and unraisable.object is None
-        ):
+        )
+        if not late and not _orbax_read(unraisable.object):
             previous(unraisable)
 
     hook.shardax_late_completions = True  # type: ignore[attr-defined]
     return hook
+
+
+def _orbax_read(thing: Any) -> bool:
+    """Whether ``thing`` is one of orbax's coroutines (a read of one array of a damaged
+    step, whose error nobody retrieves once the first read's error ended the restore)."""
+    code = getattr(thing, "cr_code", None)
+    return code is not None and "/orbax/checkpoint/" in code.co_filename.replace(os.sep, "/")
 
 
 class _Quiet:
