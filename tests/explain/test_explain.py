@@ -177,3 +177,47 @@ def test_the_gpt_under_its_plans_lists_no_unasked_collective(name, shape):
     assert report.unasked == (), [(c.op, c.source, c.what) for c in report.unasked]
     assert any(c.implied for c in report.collectives)
     assert report.placement.ok or not report.placement.idle_axes
+
+
+class Shifted(nnx.Module):
+    """Each row sees the one before it: a row of jnp.ones, built whole outside the plan, is
+    put before the batch, and every row moves one place across the shards."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(64, 512, rngs=rngs)
+        self.down = nnx.Linear(512, 64, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.up(x))
+        before = jnp.concatenate([jnp.ones((1, 512)), h[:-1]], axis=0)  # built whole
+        return self.down(h * before)
+
+
+class TimeMajor(nnx.Module):
+    """Six steps of 64 features per row, read time-major with a reshape where a transpose
+    was meant: the batch's split is dropped."""
+
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, x):
+        steps = x.reshape(6, x.shape[0], 64)  # meant: jnp.swapaxes(x.reshape(-1, 6, 64), 0, 1)
+        return jnp.tanh(self.proj(steps)).mean(0)
+
+
+# (rows, width): rows that no parameter has (an FSDP gather would be implied)
+@pytest.mark.parametrize(("cls", "text", "ops", "shape"), [
+    (Shifted, "built whole", {"collective-permute"}, (512, 64)),
+    (TimeMajor, "meant: jnp.swapaxes", {"all-gather"}, (64, 384)),
+])  # fmt: skip
+def test_an_activation_built_outside_the_plan_and_a_reshape_are_named(mesh, cls, text, ops,
+                                                                        shape):  # fmt: skip
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
+    batch = {"x": jax.ShapeDtypeStruct(shape, jnp.float32),
+             "y": jax.ShapeDtypeStruct((shape[0], 64), jnp.float32)}  # fmt: skip
+    report = sx.explain(step, nnx_state(cls), batch, fixes=False)
+    line = line_of(cls.__call__, text)
+    found = [c for c in report.unasked if c.source == line]
+    assert found and ops <= {c.op for c in found}, [(c.op, c.source) for c in report.unasked]
+    assert all(c.axes == ("data",) and c.sent_bytes > 0 and c.suggestion for c in found)
+    assert any(u["source"] == line for u in report.to_dict()["unasked"])
