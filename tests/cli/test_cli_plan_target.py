@@ -4,6 +4,7 @@ process; its bad input as one-line usage errors."""
 import contextlib
 import io
 import json
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -127,13 +128,33 @@ def test_hsdp_on_a_target_matches_the_formula_and_crosses_hosts_once(tmp_path):
 
 @pytest.mark.compile_only("gpu")
 def test_plan_target_prints_the_table_flags_and_launch():
-    code, out = run(["--target", "8xH100", *TINY, "--plan", "fsdp", "--memory-fraction", "0.9"])
+    argv = ["--target", "8xH100", *TINY, "--plan", "fsdp", "--memory-fraction", "0.9"]
+    code, out = run(argv)
     assert code == 0, out[-3000:]
-    text = " ".join(out.split())  # the table's title wraps
-    assert "HBM 79.65 GiB, budget 71.68 GiB (memory_fraction 0.9 of 81,559 MiB)" in text
-    assert "PREDICTED (not measured)" in out
+    # the headline only: the step in ms with its interval, MFU, the peak against the budget
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("PREDICTED (not measured) step")]
+    assert re.search(r": [\d.]+ \([\d.]+-[\d.]+\) ms, [\d,]+ tokens/s, MFU [\d.]+%; peak ", line)
+    assert "of the memory budget free" in line and "0.000" not in out
+    assert "HBM 79.65 GiB" not in " ".join(out.split())  # the whole estimate: --roofline
     assert "mesh flags: --mesh data=8 --plan fsdp" in out
     assert "launch: shardax train --model gpt --layers 1" in out  # one host: no srun
+    code, out = run([*argv, "--roofline"])
+    text = " ".join(out.split())  # the table's title wraps
+    assert code == 0 and "PREDICTED (not measured)" in out, out[-3000:]
+    assert "HBM 79.65 GiB, budget 71.68 GiB (memory_fraction 0.9 of 81,559 MiB)" in text
+
+
+@pytest.mark.compile_only("gpu")
+def test_plan_target_defaults_the_batch_and_folds_the_pruned_candidates():
+    """No --batch: 2 sequences per data shard, said; --plan auto's candidates not compiled
+    are one line per reason, not a row each."""
+    argv = ["--target", "8xH100", *TINY[:-2], "--plans", "fsdp,zero1", "--remat", "full"]
+    code, out = run(argv)
+    assert code == 0, out[-3000:]
+    assert "--batch 16: the default, 2 sequences per data shard" in out
+    folded = [ln for ln in out.splitlines() if ln.startswith("not compiled (")]
+    assert folded and "candidates of fsdp, zero1 beside the one of each that fits" in out, out
+    assert not [ln for ln in out.splitlines() if "│" in ln and "not compiled" in ln]
 
 
 @pytest.mark.compile_only("gpu")
@@ -176,9 +197,6 @@ def test_bad_targets_are_one_usage_line(capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("shardax plan: error: --target 8xH999: ")
-    code, _ = run(["--target", "8xH100", "--layers", "1"])
-    err = capsys.readouterr().err
-    assert code == 2 and "--target needs --batch" in err
 
 
 def _calibration_file(tmp_path, scale_stream=1.0, **changes):

@@ -272,10 +272,14 @@ def piped_width() -> int:
     """``$COLUMNS`` (a positive integer), else ``PIPED_WIDTH``; a ``$COLUMNS`` that is no
     width is a usage error naming it.
 
-    >>> import os; os.environ["COLUMNS"] = "100"; piped_width()
-    100
-    >>> del os.environ["COLUMNS"]; piped_width()
+    >>> import os
+    >>> saved = os.environ.pop("COLUMNS", None)
+    >>> piped_width()
     120
+    >>> os.environ["COLUMNS"] = "100"
+    >>> piped_width()
+    100
+    >>> _ = os.environ.pop("COLUMNS") if saved is None else os.environ.update(COLUMNS=saved)
     """
     return env_int("COLUMNS", positive_int, PIPED_WIDTH)
 

@@ -116,7 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="compile the GPT for compile-only devices of this cluster (sx.target): e.g. "
         "8xH100, 32x8xH200, v5p-128, 2xv5p-128 (needs JAX >= 0.12 and shardax[gpu-compile] "
-        "or shardax[tpu-compile]); prints memory, PREDICTED speed, plan and launch command",
+        "or shardax[tpu-compile]); prints memory, PREDICTED speed, plan and launch command. "
+        "Its cost is the compiles: --plan auto compiles the cheapest candidate of each plan "
+        "(at most 24; a GPU compile of the default GPT takes 10-25 s on a 2-core machine, "
+        "more under load), a named --plan one; --plans a,b and --remat narrow the ranking",
     )
     parser.add_argument(
         "--plan",
@@ -149,6 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "6 bytes per parameter, as MaxText's bf16 runs (default fp32: 12)",
     )
     parser.add_argument("--png", default=None, help="with --target: a PNG of memory vs HBM")
+    parser.add_argument(
+        "--roofline",
+        action="store_const",
+        const=True,
+        default=None,
+        help="with --target: print the pick's whole estimate (memory by component, work, "
+        "the roofline and the per-op model's tables), not only its headline prediction",
+    )
     parser.add_argument(
         "--explain",
         action="store_true",
@@ -197,7 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch",
         type=positive_int,
         default=None,
-        help="global batch (rows per step: examples, or tokens for a transformer)",
+        help="global batch (rows per step: examples, or tokens for a transformer; with "
+        "--target, sequences, default 2 per data shard)",
     )
     parser.add_argument(
         "--precision",
@@ -353,7 +365,7 @@ def render(plan: dict[str, Any], out: Any) -> None:
 
 TARGET_ONLY = (
     "plan", "vocab", "remat", "tp", "param_dtype", "png", "memory_fraction", "calibration",
-    "network",
+    "network", "roofline",
 )  # fmt: skip
 """Options of ``shardax plan`` that only ``--target`` reads: refused without it."""
 

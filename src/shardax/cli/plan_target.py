@@ -30,8 +30,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from rich.console import Group
 
 import shardax as sx
+from shardax._format import format_bytes, titled_table
 from shardax.cli.common import UsageError, console, print_json
 from shardax.cost import calibration
 from shardax.cost.calibration import Calibration
@@ -49,6 +51,8 @@ REMATS = ("none", "dots_no_batch", "full")
 COUNTS = (1, 2, 4)
 """``--plan auto``'s microbatch counts (``--accumulate``), those dividing the rows per
 data shard."""
+DEFAULT_ROWS = 2
+"""``--batch``'s default with ``--target``: this many sequences per data shard."""
 LONG_SEQ = 8192
 """From this ``--seq-len`` on, ``--plan auto`` ranks a ``context`` candidate too."""
 MAX_COMPILES = 24
@@ -354,8 +358,6 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     """Compiles and estimates; returns the result as plain data, the estimate and the
     auto report (None for a named plan)."""
     refuse_ignored(args)
-    if args.batch is None:
-        raise UsageError("--target needs --batch (the global batch, in sequences)")
     if args.model not in (None, "gpt"):
         raise UsageError(f"--target plans the built-in GPT; got --model {args.model}")
     target = load_target(args.target, args.memory_fraction, getattr(args, "network", None))
@@ -368,6 +370,8 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     if DATA_AXIS not in mesh.shape:
         raise UsageError(f"--mesh needs a 'data' axis for the batch, got {dict(mesh.shape)}")
     data_axes, rows = _data_rows(mesh)
+    if args.batch is None:  # the default: DEFAULT_ROWS sequences per data shard
+        args.batch, args.batch_default = DEFAULT_ROWS * rows, True
     if args.batch % rows:
         raise UsageError(
             f"--batch {args.batch} is not divisible by the data axes "
@@ -420,6 +424,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         "model": f"{what}, remat {remat}",
         "params": params,
         "batch": args.batch,
+        "batch_default": bool(getattr(args, "batch_default", False)),
         "precision": str(precision) if not isinstance(precision, str) else precision,
         "plan": name if report is None else report.name,
         "remat": remat,
@@ -483,15 +488,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
         return 0
+    if result["batch_default"]:
+        out.print(f"--batch {result['batch']}: the default, {DEFAULT_ROWS} sequences per data "
+                  "shard (give --batch for yours)")  # fmt: skip
     if report is not None:
-        out.print(report)
+        out.print(candidates_table(report))
         auto = result["auto"]
         out.print(f"{auto['compiles']} of {len(report.candidates)} candidates compiled in "
                   f"{auto['rank_s']:.0f} s (at most {MAX_COMPILES}; the others could not "
                   "win or are over the limit)")  # fmt: skip
-    out.print(est)
+    if args.roofline:
+        out.print(est)
+    out.print(f"model: {result['model']}", soft_wrap=True, markup=False)
+    out.print(headline(est), soft_wrap=True)
     out.print(f"plan: [bold]{result['plan']}[/] on {result['target']}; mesh flags: "
               f"[bold]{result['mesh_flags']}[/]")  # fmt: skip
+    if not args.roofline:
+        out.print("(--roofline: the whole estimate, memory by component and every table)")
     if est.fits is False:
         raise_it = " raise --memory-fraction," if result["memory_fraction"] else ""
         out.print(f"[red]does not fit[/] with 10% of its memory budget to spare "
@@ -501,3 +514,63 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         out.print(f"wrote {args.png}", soft_wrap=True, markup=False)
     return 0
+
+
+def _ms(seconds: float | None) -> str:
+    """``0.01234`` -> ``'12.3'``: milliseconds, three significant figures."""
+    return "n/a" if seconds is None else f"{seconds * 1e3:.3g}"
+
+
+def _interval_ms(c: Any) -> str:
+    """A candidate's (or estimate's) predicted step in ms, with its interval."""
+    low_high = c.interval_s
+    point = _ms(c.predicted_s)
+    return point if low_high is None else f"{point} ({_ms(low_high[0])}-{_ms(low_high[1])})"
+
+
+def candidates_table(report: Any) -> Any:
+    """The ranked candidates: one row per compiled one (plan, peak and bytes sent per
+    device, fits, predicted step in ms with its interval, why it ranks there), and the
+    pruned ones folded into one line by reason."""
+    why = report.reasons()
+    table = titled_table(f"candidate plans, {report.compiled} compiled, per device")
+    for col in ("plan", "peak", "sent", "fits", "predicted step ms (interval)", "why"):
+        left = col in ("plan", "why")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col != "why")
+    pruned: dict[tuple[bool, str], list[str]] = {}
+    for c in report.candidates:
+        if c.skipped:  # "fsdp·none·mb1 fits; more microbatches only add work": by its rule
+            head, sep, rule = c.skipped.partition("; ")
+            key = (True, rule) if sep and head.endswith(" fits") else (False, c.skipped)
+            pruned.setdefault(key, []).append(c.name)
+            continue
+        fits = {None: "?", True: "yes", False: "[red]no[/]"}[c.fits]
+        name = f"[bold]{c.name}[/]" if c.name == report.name else c.name
+        table.add_row(name, format_bytes(c.total_bytes), format_bytes(c.collective_bytes), fits,
+                      _interval_ms(c), why[c.name])  # fmt: skip
+    table.caption = f"pick: {report.name}: {report.reason}"
+    lines = []
+    for (by_rule, reason), names in pruned.items():
+        if by_rule:  # one line for every plan: its candidate compiled above fits
+            plans = ", ".join(dict.fromkeys(n.split("·")[0] for n in names))
+            lines.append(f"not compiled ({len(names)}): candidates of {plans} beside the one "
+                         f"of each that fits with headroom above; {reason}")  # fmt: skip
+        else:
+            lines.append(f"not compiled ({len(names)}): {', '.join(names)}: {reason}")
+    return Group(table, *lines)
+
+
+def headline(est: Any) -> str:
+    """The pick's prediction in one line: the step in ms with its interval (the per-op
+    model's on a GPU target), tokens/s, MFU against the datasheet peak, the memory peak
+    against the budget."""
+    step = est.predicted_s
+    if step is None:
+        return f"PREDICTED step: n/a (no datasheet or calibration for {est.device_kind})"
+    per_device = est.model_flops / est.devices / step
+    peak = None if est.prediction is None else est.prediction.peak_flops
+    mfu = "" if not peak else f", MFU {per_device / peak:.1%}"
+    room = "" if est.headroom is None else f", {est.headroom:.0%} of the memory budget free"
+    return (f"PREDICTED (not measured) step: [bold]{_interval_ms(est)} ms[/], "
+            f"{est.tokens / step:,.0f} {est.unit}/s{mfu}; peak "
+            f"{format_bytes(est.memory['peak'])} per device{room}")  # fmt: skip
