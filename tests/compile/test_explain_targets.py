@@ -1,5 +1,8 @@
 """``sx.explain`` on a compile-only 8xH100 node (``sx.target``, no GPU): seeded mistakes in
-NNX models written as nnx.Linear's examples write them, each named with this file's line.
+NNX models written as nnx.Linear's examples write them, each named with this file's line
+(a transpose's all-to-all, a row of jnp.ones put before the batch, a reshape that drops
+the batch's split; an undivided embedding, an idle mesh axis and a rule that matches
+nothing in the placement against intent).
 The out-of-memory one (an un-rematerialized wide layer, in half of each GPU's memory) gets
 fixes, each compiled, and its top fix compiled again fits and has its predicted time on
 the report; the larger memory_fraction is among them. ``shardax plan --explain --target``
@@ -124,3 +127,66 @@ def test_plan_explain_on_the_target_lists_no_unasked_collective():
     assert report.fits is True and report.memory is not None
     text = str(report)
     assert "collectives the plan did not ask for: 0" in text and "placement against" in text
+
+
+class Shifted(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(64, 512, rngs=rngs)
+        self.down = nnx.Linear(512, 64, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.up(x))
+        before = jnp.concatenate([jnp.ones((1, 512)), h[:-1]], axis=0)  # built whole
+        return self.down(h * before)
+
+
+class TimeMajor(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, x):
+        steps = x.reshape(6, x.shape[0], 64)  # meant: jnp.swapaxes(x.reshape(-1, 6, 64), 0, 1)
+        return jnp.tanh(self.proj(steps)).mean(0)
+
+
+@pytest.mark.parametrize(("cls", "text", "shape"), [
+    (Shifted, "built whole", (512, 64)), (TimeMajor, "meant: jnp.swapaxes", (64, 384)),
+])  # fmt: skip
+def test_an_activation_built_outside_the_plan_and_a_reshape_on_8_h100(cls, text, shape):
+    mesh = sx.make_mesh({"data": 8}, devices=sx.target("8xH100"))
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
+    batch = {"x": jax.ShapeDtypeStruct(shape, jnp.float32),
+             "y": jax.ShapeDtypeStruct((shape[0], 64), jnp.float32)}  # fmt: skip
+    report = sx.explain(step, state_of(cls), batch, fixes=False)
+    line = line_of(cls.__call__, text)
+    found = [c for c in report.unasked if c.source == line]
+    assert found, [(c.op, c.source, c.what) for c in report.unasked]
+    assert all(c.axes == ("data",) and c.sent_bytes > 0 and c.suggestion for c in found)
+
+
+class Embedder(nnx.Module):
+    """A vocabulary (1001) and width (36) that 8 does not divide, and a head it does."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(1001, 36, rngs=rngs)
+        self.head = nnx.Linear(36, 64, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def test_placement_on_8_h100_names_an_undivided_embedding_an_idle_axis_and_a_rule():
+    from shardax.train.explanation.placement import placement
+
+    devices = sx.target("8xH100")
+    mesh = sx.make_mesh({"data": 8}, devices=devices)
+    report = placement(state_of(Embedder), sx.fsdp(mesh, min_size=1))
+    (leaf,) = [leaf for leaf in report.leaves if leaf.kind == "parameter"]
+    assert leaf.shape == (1001, 36) and leaf.ways == 1 and leaf.meant == 8
+    assert leaf.why == "no dimension of (1001, 36) is divisible by data (8)"
+    hybrid = sx.make_mesh({"replica": 2, "fsdp": 4}, devices=devices)
+    report = placement(state_of(Wide), sx.fsdp(hybrid, axis="fsdp"))
+    assert report.idle_axes == ("replica",) and report.meant["parameter"] == 4
+    with pytest.warns(UserWarning, match="rules\\[0\\]"):  # a misspelt path
+        ruled = placement(state_of(Wide), sx.rules(mesh, [(r"upp/kernel", P(None, "data"))]))
+    assert any("rules[0]" in n for n in ruled.notes) and not ruled.ok
