@@ -274,7 +274,7 @@ def choose(
         if roomy:
             pick = min(roomy, key=lambda c: (c.predicted_s, c.total_bytes))
             reason = (
-                f"fastest predicted step, {pick.predicted_s:.3f} s (a prediction: "
+                f"fastest predicted step, {pick.predicted_s * 1e3:.3g} ms (a prediction: "
                 f"from the devices' datasheet or calibration), of the {len(roomy)} of "
                 f"{len(measured)} candidates ({count}) that fit {format_bytes(budget)} with "
                 f"{HEADROOM:.0%} headroom ({format_bytes(pick.total_bytes)} per device){note}"
