@@ -213,6 +213,8 @@ def placement(state: Any, plan: Any, shardings: Any = None) -> Placement:
             below.append(Leaf(path, kind, shape, str(spec), n, meant[kind], size, why))
     used = {a for row in rows for a in _axes(row[3])}
     idle = tuple(a for a in mesh.axis_names if int(mesh.shape[a]) > 1 and a not in used)
+    if idle and not _splits_any(plan, rows):  # a replicating plan (DP) means to copy
+        idle = ()
     notes = tuple(plan.notes(state)) if hasattr(plan, "notes") else ()
     return Placement(getattr(plan, "name", type(plan).__name__),
                      {str(k): int(v) for k, v in mesh.shape.items()}, ways, meant,
@@ -226,6 +228,16 @@ def step_placement(step: Any, state: Any) -> Placement | None:
     if plan is None or not isinstance(state, TrainState) or not hasattr(plan, "mesh"):
         return None
     return placement(state, plan)
+
+
+def _splits_any(plan: Any, rows: list[tuple[str, str, tuple[int, ...], Any, int, int]]) -> bool:
+    """Some leaf is split by the plan, or would be at a shape every axis divides (False:
+    a replicating plan, whose mesh axes are meant to copy the state)."""
+    for name, kind, shape, spec, _, _ in rows:
+        probe = _plan_spec(plan, path_of(name), tuple(_LARGE for _ in shape), kind)
+        if _axes(spec) or (probe is not None and _axes(probe)):
+            return True
+    return not rows
 
 
 def path_of(keystr: str) -> str:
