@@ -45,3 +45,12 @@ def test_verify_and_the_run_summary_carry_the_placement(mesh):
     summary = json.loads(json.dumps(_placement(step, state)))
     assert summary == data["placement"]
     assert _placement(lambda s, b: (s, {}), state) is None  # a step without a plan
+
+
+def test_a_replicating_plan_names_no_idle_axis(mesh):
+    from shardax.train.explanation.placement import placement
+
+    state = sx.TrainState.create(MLP(nnx.Rngs(0)), optax.adam(1e-3))
+    assert placement(state, sx.replicate(mesh)).ok  # data parallel: copies are meant
+    starved = placement(state, sx.fsdp(mesh, min_size=2**20))  # every leaf under min_size
+    assert starved.idle_axes == ("data",) and "axes splitting nothing: data" in starved.summary()
