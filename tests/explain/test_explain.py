@@ -1,7 +1,8 @@
 """sx.explain on seeded mistakes in models written as their frameworks' examples write them
 (NNX with nnx.Linear, Linen's params, an Equinox module), on 8 CPU devices: each named
 with the right line of this file, and the out-of-memory one with a fix that compiles and
-fits. The built-in GPT under fsdp, zero1 and fsdp+tp lists no unasked collective."""
+fits. The built-in GPT under fsdp+tp lists no unasked collective (zero1: test_plan_explain.py;
+fsdp: tests/compile/test_explain_targets.py)."""
 
 import inspect
 
@@ -165,9 +166,8 @@ def lm_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-@pytest.mark.parametrize(("name", "shape"), [
-    ("zero1", {"data": 8}), ("fsdp+tp", {"data": 4, "model": 2}),
-])  # fmt: skip
+# zero1: tests/explain/test_plan_explain.py (the CLI's GPT); fsdp: on 8xH100, tests/compile/
+@pytest.mark.parametrize(("name", "shape"), [("fsdp+tp", {"data": 4, "model": 2})])
 def test_the_gpt_under_its_plans_lists_no_unasked_collective(name, shape):
     mesh = sx.make_mesh(shape)
     model = nnx.eval_shape(lambda: gpt.make_gpt(GPT))

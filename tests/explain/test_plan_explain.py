@@ -1,6 +1,6 @@
 """``shardax plan --explain`` on the 8 CPU devices at hand (in process, as tests/cli's
-in-process runs): the built-in GPT's step under fsdp explained with no unasked collective
-(test_explain.py has zero1 and fsdp+tp), its JSON and its tables, and the
+in-process runs): the built-in GPT's step under zero1 explained with no unasked collective
+(test_explain.py has fsdp+tp, the compile-only test fsdp), its JSON and its tables, and the
 options it would ignore refused by name. The compile-only target's run is in
 tests/compile/test_explain_targets.py."""
 
@@ -16,18 +16,18 @@ SMALL = ["--layers", "1", "--d-model", "64", "--heads", "2", "--seq-len", "32", 
 
 
 def test_plan_explain_on_the_devices_at_hand():
-    argv = ["plan", "--explain", "--mesh", "data=8", "--batch", "16", *SMALL]  # --plan fsdp
+    argv = ["plan", "--explain", "--mesh", "data=8", "--plan", "zero1", "--batch", "16", *SMALL]
     result, report = plan_explain.explained(build_parser().parse_args(argv))
     out = json.loads(json.dumps(result))  # what --json prints
-    assert out["target"] is None and out["devices"] == 8 and out["plan"] == "fsdp"
+    assert out["target"] is None and out["devices"] == 8 and out["plan"] == "zero1"
     explained = out["explain"]
     assert explained["unasked"] == [] and explained["implied"]  # no false alarm
-    assert explained["placement"]["meant"] == {"parameter": 8, "optimizer state": 8}
+    assert explained["placement"]["meant"] == {"parameter": 1, "optimizer state": 8}
     kinds = {b["kind"] for b in explained["memory"]["buffers"]}
     assert kinds & {"parameter", "activation", "gradient", "temporary"}
     text = str(report)  # the tables the command prints
     for title in ("memory at the peak", "collectives the plan did not ask for: 0",
-                  "placement against intent: plan fsdp"):  # fmt: skip
+                  "placement against intent: plan zero1"):  # fmt: skip
         assert title in text, text
 
 
