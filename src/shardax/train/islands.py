@@ -259,7 +259,8 @@ class IslandStep:
         from its params, the outer state's anchor is them. A state placed already (with an
         outer state) is placed as it is, e.g. one restored elsewhere."""
         check_state(state)
-        refuse_compile_only(self.mesh, "shard(state)") if self.inner._compile_only else None
+        if self.inner._compile_only:
+            refuse_compile_only(self.mesh, "shard(state)")
         if state.outer is not None:
             shardings = self.shardings(state)
             if jax.process_count() > 1:
@@ -338,7 +339,8 @@ class IslandStep:
                 "the state has no outer state (the islands' anchor): place it with "
                 "step.shard(state) or build it with step.init(...)"
             )
-        refuse_compile_only(self.mesh, "step(state, batch)") if self.inner._compile_only else None
+        if self.inner._compile_only:
+            refuse_compile_only(self.mesh, "step(state, batch)")
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One inner step of every island on its rows of ``batch``; metrics per island."""
