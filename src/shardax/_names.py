@@ -46,7 +46,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {  # namespace: its public names (its __al
     "shardax.loop": _row(
         """
         Checkpoints Evaluation Goodput Hook Logging MetricsWindow Preemption Progress Run
-        Watchdog itstime run
+        Snapshots Watchdog itstime run
         """
     ),
     "shardax.checkpoint": _row(

@@ -13,7 +13,8 @@ during step S (the run saves S and exits 75); ``--hang-at S`` makes process 1 of
 multi-process run (``sx.initialize()``) sleep in step S under ``--watchdog``, and
 ``--late T`` makes process 0 sleep T seconds in step S-1, so its watchdog fires T seconds
 after process 1's (as on a loaded machine); ``--stall-data-at S`` makes the loader sleep
-before it yields step S's batch.
+before it yields step S's batch; ``--kill-at S`` kills process 1 with -9 in step S of the
+run's first start (``--snapshots N``: ``sx.loop.run``'s ``snapshots``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ DATA = {"x": ROWS[:, :8], "y": np.sin(ROWS[:, 8:])}
 
 def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_at: int = 0,
           hang_at: int = 0, watchdog: float | None = None,
-          late: float = 0.0, stall_data_at: int = 0) -> dict[str, Any]:  # fmt: skip
+          late: float = 0.0, stall_data_at: int = 0, kill_at: int = 0,
+          snapshots: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Trains to ``steps`` (resuming from ``ckpt`` when it holds a checkpoint); returns
     this session's losses (by step) and the final params as lists."""
     import jax
@@ -69,6 +71,9 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
             time.sleep(600)
         if run.step == hang_at - 1 and jax.process_index() == 0:
             time.sleep(late)
+        first_start = not os.environ.get("SHARDAX_RESTART")
+        if run.step == kill_at and jax.process_index() == 1 and first_start:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash, in the first start only
 
     every = {"save": save_every, "log": 1}  # each step's loss written and checked finite
     writer = f"{ckpt}-metrics"
@@ -84,7 +89,7 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         model, optimizer = sx.prepare(model, optimizer, mesh=mesh, plan=sx.fsdp(mesh, min_size=1))
         with sx.loop.run((model, optimizer), checkpoints=ckpt, every=every, steps=steps,
-                         watchdog=watchdog, writer=writer) as run:  # fmt: skip
+                         watchdog=watchdog, writer=writer, snapshots=snapshots) as run:  # fmt: skip
             for batch in run.batches(loader, mesh):
                 poke(run)
                 loss = train_step(model, optimizer, batch)
@@ -95,7 +100,7 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
         step = sx.make_train_step(loss_fn, mesh=mesh, plan=sx.fsdp(mesh, min_size=1))
         state = step.init(lambda: sx.TrainState.create(Net(nnx.Rngs(0)), optax.adam(1e-2), rng=1))
         with sx.loop.run(state, checkpoints=ckpt, every=every, steps=steps,
-                         watchdog=watchdog, writer=writer) as run:  # fmt: skip
+                         watchdog=watchdog, writer=writer, snapshots=snapshots) as run:  # fmt: skip
             state = run.state
             for batch in run.batches(loader, mesh):
                 poke(run)
@@ -105,7 +110,7 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
         params = state.params
     return {
         "losses": {str(k): float(v) for k, v in losses.items()},
-        "params": [np.asarray(x).tolist() for x in jax.tree.leaves(params)],
+        "params": [np.asarray(x).tolist() for x in jax.tree.leaves(sx.runtime.host_value(params))],
     }
 
 
@@ -129,6 +134,8 @@ def main() -> int:
     parser.add_argument("--late", type=float, default=0.0)
     parser.add_argument("--stall-data-at", type=int, default=0)
     parser.add_argument("--cpu-devices", type=int, default=None)
+    parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--snapshots", type=int, default=None)
     args = parser.parse_args()
     import jax
 
@@ -140,7 +147,8 @@ def main() -> int:
     out = train(args.flavour, args.ckpt, args.steps, save_every=args.save_every,
                 sigterm_at=args.sigterm_at, hang_at=args.hang_at,
                 watchdog=args.watchdog, late=args.late,
-                stall_data_at=args.stall_data_at)  # fmt: skip
+                stall_data_at=args.stall_data_at, kill_at=args.kill_at,
+                snapshots=args.snapshots)  # fmt: skip
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 

@@ -26,12 +26,13 @@ from shardax.cli import track
 from shardax.cli.common import STARTED, UsageError, machine, run_dir, step_flops
 from shardax.cli.hooks import Bar, History, Log, Record
 from shardax.cli.job import Job, data_axes
-from shardax.cli.recovery import Recovery, newest, snapshot_every, snapshot_manager
-from shardax.cli.recovery import history as recovery_history
+from shardax.cli.recovery import snapshot_every, snapshot_manager
 from shardax.cost.flops import format_utilization, utilization
 from shardax.loop import Checkpoints, Goodput, Hook, MetricsWindow, Preemption, Run, Watchdog
 from shardax.loop.driver import refuse_earlier_run
 from shardax.loop.hooks import Snapshots
+from shardax.loop.recovery import Recovery, newest
+from shardax.loop.recovery import history as recovery_history
 from shardax.plan.tree import map_arrays, path_str
 from shardax.runtime import compile_stats, faults
 from shardax.track.goodput import FILE, fraction, load
@@ -167,6 +168,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     where = args.checkpoint_dir or directory
     path = Path(where, FILE) if where is not None and directory is not None else None
     run = Run(job.state, hooks(args, record, out, manager, path, snapshots), manager=manager,
+              snapshots=snapshots,
               total=job.steps, resume=restored, data_state=record.data_state,
               writer=record.tracker.writer, exit_on_preemption=False,
               resume_hint="continue it with --resume")  # fmt: skip

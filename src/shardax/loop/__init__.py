@@ -18,6 +18,7 @@ from shardax.loop.hooks import (
     MetricsWindow,
     Preemption,
     Progress,
+    Snapshots,
     Watchdog,
 )
 from shardax.loop.schedule import itstime

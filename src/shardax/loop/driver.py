@@ -37,7 +37,8 @@ from shardax.checkpoint.manager import Restored, check_directory
 from shardax.checkpoint.preemption import Preempted
 from shardax.checks import as_bool, as_count, as_function, as_path, public, received
 from shardax.data import prefetch_to_device, timed
-from shardax.loop.hooks import Hook, usual_hooks
+from shardax.loop.hooks import Hook, Snapshots, usual_hooks
+from shardax.loop.recovery import Recovery, newest, snapshot_directory, snapshot_manager
 from shardax.loop.state import check_same_state, leaf_types, restore_into, saveable, structure
 from shardax.runtime import status
 from shardax.runtime.distributed import exit_on_error
@@ -105,8 +106,11 @@ class Run:
         exit_on_preemption: bool = True,
         window: int = 1000,
         resume_hint: str | None = None,
+        snapshots: Any = None,
     ) -> None:
         self.state, self.hooks, self.manager, self.writer = state, list(hooks), manager, writer
+        self.snapshots = snapshots  # the host-memory snapshots' manager (in-job recovery)
+        self.recovery = Recovery()
         self.total = None if total is None else as_count("steps", total, minimum=0)
         self._asked = self.total  # the run's own steps=, which batches(steps=) cannot move
         if not isinstance(resume, bool | Restored):
@@ -147,9 +151,13 @@ class Run:
             if restored is False and self.manager is not None:
                 where = f"the checkpoint directory {self.manager.directory}"
                 refuse_earlier_run(self.manager, where, "resume=True")
-            latest = self.manager is not None and self.manager.latest_step() is not None
-            if restored is True and latest:
-                restored = self.manager.restore(like=saveable(self.state))
+            source = newest(self.manager, self.snapshots)
+            if restored is True and source is not None:
+                if self.recovery.restart and jax.process_index() == 0:
+                    print(f"sx.loop.run: restart {self.recovery.restart}: resuming from step "
+                          f"{source[0].latest_step()}, {source[1]}", flush=True)  # fmt: skip
+                self.recovery.restored(source[0].latest_step(), source[1])
+                restored = source[0].restore(like=saveable(self.state))
             if not isinstance(restored, bool):
                 self.state = restore_into(self.state, restored.state)
                 self.restored = dict(restored.data_state or {})
@@ -344,6 +352,10 @@ class Run:
             self.done(self.step)
         for hook in self.hooks:
             hook.after_step(self)
+        if self.recovery.restart and self.recovery.restored_step is not None:
+            jax.block_until_ready(state)  # once: the first step after a restart completed
+            self.recovery.first_step_done(self.step)
+            self.recovery.restored_step = None
         if self.preempted:
             directory = self.manager.directory if self.manager is not None else None
             hint = self.resume_hint or (
@@ -429,6 +441,17 @@ def scalar_metrics(metrics: Any) -> dict[str, Any]:
                 "or take one device's value of a pmap step's per-device metrics ([0])"
             )
     return dict(metrics)
+
+
+def _snapshot_interval(snapshots: Any) -> int | None:
+    """``snapshots=`` as ``Snapshots`` takes it (None: auto; 0: none), checked."""
+    if snapshots is None:
+        return None if snapshot_directory() is not None else 0
+    if snapshots != "auto":
+        snapshots = as_count("snapshots", snapshots, minimum=0)
+    if snapshots and snapshot_directory() is None:
+        snapshot_manager("loop")  # raises: no launcher owns a directory
+    return None if snapshots == "auto" else snapshots
 
 
 def refuse_earlier_run(manager: Any, where: str, resume: str) -> None:
@@ -553,6 +576,7 @@ def run(
     data_state: Any = None,
     resume: bool = True,
     exit_on_preemption: bool = True,
+    snapshots: int | str | None = None,
 ) -> Run:
     """A [`Run`][shardax.loop.Run] of the user's loop with the usual hooks; use it as a context
     manager.
@@ -587,6 +611,14 @@ def run(
             refused when ``checkpoints`` holds checkpoints, which the new run would mix
             with its own).
         exit_on_preemption: end the process with code 75 after the SIGTERM save.
+        snapshots: steps between host-memory snapshots of the state and data position
+            ([`shardax.loop.Snapshots`][shardax.loop.Snapshots]), from which a run that
+            ``shardax launch --max-restarts`` restarted after a failure resumes;
+            ``"auto"``: every step while a snapshot costs at most 5% of a step, else as
+            often as that allows; 0: none. Default: ``"auto"`` under such a launch
+            (which owns the directory, ``$SHARDAX_SNAPSHOT_DIR``), else none. A restarted
+            run resumes from the newest of the snapshots and the checkpoints, and says
+            which.
     """
     every = _every(every)
     resume = as_bool("resume", resume)
@@ -617,6 +649,7 @@ def run(
     hooks = usual_hooks(every, watchdog=watchdog, goodput=where, progress=progress,
                         logging=writer is not None, evaluate=evaluate,
                         checkpoints=directory is not None)  # fmt: skip
+    interval = _snapshot_interval(snapshots)
     # Every argument is checked: now what the run opens (closed if a later one fails).
     owned = contextlib.ExitStack()
     try:
@@ -626,9 +659,14 @@ def run(
             owned.callback(manager.close)
         if writer is not None and isinstance(writer, str | os.PathLike):
             writer = owned.enter_context(MetricWriter(writer))
+        snaps = None
+        if interval != 0:
+            snaps = snapshot_manager("loop")
+            owned.callback(snaps.close)
+            hooks.append(Snapshots(snaps, interval))
         made = Run(
             state, hooks, manager=manager, total=total, resume=resume, data_state=data_state,
-            writer=writer, exit_on_preemption=exit_on_preemption,
+            writer=writer, exit_on_preemption=exit_on_preemption, snapshots=snaps,
         )  # fmt: skip
     except BaseException:
         owned.close()

@@ -58,12 +58,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from shardax.checkpoint.preemption import reached_preemption, watch_preemption
 from shardax.checks import as_float, as_function, public, received
 from shardax.loop.schedule import itstime
 from shardax.loop.state import saveable
 from shardax.runtime import compile_stats, status
+from shardax.runtime.processes import host_reduce
 from shardax.runtime.watchdog import StepWatchdog
 from shardax.track.goodput import Ledger
 
@@ -434,6 +436,10 @@ class Checkpoints(Hook):
 
     def save(self, run: Any) -> None:
         with run.phase("checkpoint"), self._naming(run):  # the blocking part of an async save
+            # One asynchronous save at a time: two managers' saves in flight at once run
+            # orbax's cross-process barriers side by side, and they collide by name.
+            if getattr(run, "snapshots", None) is not None:
+                run.snapshots.wait()
             run.manager.save(run.step, saveable(run.state), run.data_state())
         self.saved_at = run.step
         run.done(run.step)  # the save fetched the step's state
@@ -458,6 +464,7 @@ class Checkpoints(Hook):
             ) from e
 
 
+@public("sx.loop.Snapshots")
 class Snapshots(Checkpoints):
     """Every ``every`` steps: a snapshot of the state and the data position in
     ``manager``, a [`shardax.CheckpointManager`][shardax.CheckpointManager] of its own in
@@ -470,8 +477,9 @@ class Snapshots(Checkpoints):
 
     ``every=None`` (auto) snapshots every step while a snapshot's blocking part costs at
     most ``budget`` of a step's time (measured: the median of the last 20 steps, from one
-    call's return to the next), else every ``ceil(snapshot / (budget * step))`` steps, tuned after each
-    snapshot; ``every`` holds the interval in force.
+    call's return to the next), else every ``ceil(snapshot / (budget * step))`` steps,
+    tuned after each snapshot, the largest of every process's (they snapshot together);
+    ``every`` holds the interval in force.
     """
 
     def __init__(self, manager: Any, every: int | None = 1, budget: float = 0.05) -> None:
@@ -493,7 +501,10 @@ class Snapshots(Checkpoints):
             self.snapshot_s = time.perf_counter() - now
             if self.auto and self._steps:
                 step = statistics.median(self._steps)
-                self.every = max(1, math.ceil(self.snapshot_s / (self.budget * step)))
+                every = max(1, math.ceil(self.snapshot_s / (self.budget * step)))
+                # Every process snapshots at the same steps (orbax saves together): the
+                # slowest's interval. Each is here at the same step, after the same save.
+                self.every = int(host_reduce(np.int64(every), "max"))
         self._end = time.perf_counter()
 
     def finish(self, run: Any) -> None:
@@ -501,6 +512,8 @@ class Snapshots(Checkpoints):
 
     def save(self, run: Any) -> None:
         with run.phase("checkpoint"):  # the blocking part: the copy to the host
+            if run.manager is not None:
+                run.manager.wait()  # one asynchronous save at a time (Checkpoints.save)
             self.manager.save(run.step, saveable(run.state), run.data_state())
         self.saved_at = run.step
 

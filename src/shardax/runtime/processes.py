@@ -36,16 +36,37 @@ def device_put_global(tree: Any, shardings: Any) -> Any:
     NumPy leaves are first cast to JAX's dtype for them (float64 -> float32 unless x64 is
     on). JAX checks that a host value put onto devices of every process is the same on
     each, by all-gathering it in JAX's dtype and comparing with the original: a float64
-    value would fail that check on every process although all pass the same data.
+    value would fail that check on every process although all pass the same data. In a
+    multi-process run, an array on this process's own devices (a model every process
+    built alike) goes as its NumPy value, a PRNG key array as its key data, wrapped again.
     """
 
+    several = jax.process_count() > 1
+    keys: list[Any] = []  # each PRNG key leaf's implementation, None for the other leaves
+
     def canonical(x: Any) -> Any:
+        if several and isinstance(x, jax.Array) and x.is_fully_addressable:
+            # An array on this process's devices (a model built here, as every process
+            # builds it) cannot go to devices of other processes: its value goes as NumPy,
+            # a key array's as its data (wrapped again once placed).
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                keys.append(jax.random.key_impl(x))
+                return np.asarray(jax.random.key_data(x))
+            x = np.asarray(x)
+        keys.append(None)
         if isinstance(x, np.ndarray | np.generic):
             return np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype))
         return x
 
+    def rewrap(x: Any, impl: Any) -> Any:
+        return x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+
     try:
-        return jax.device_put(jax.tree.map(canonical, tree), shardings)
+        placed = jax.device_put(jax.tree.map(canonical, tree), shardings)
+        if not any(impl is not None for impl in keys):
+            return placed
+        leaves, treedef = jax.tree.flatten(placed)
+        return jax.tree.unflatten(treedef, list(map(rewrap, leaves, keys)))
     except jax.errors.JaxRuntimeError as e:
         refused = compile_only_refusal(e, shardings)
         if refused is None:
