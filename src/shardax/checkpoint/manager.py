@@ -111,6 +111,7 @@ class CheckpointManager:
         self._stray: set[str] = set()
         self._displaced: list[int] = []
         self._lock: DirectoryLock | None = None
+        self._claimed = False  # this manager is the directory's writer (_take_lock)
         self._in_flight: tuple[int, set[str]] | None = None  # (step, orbax operation ids)
         self.async_save = as_bool("async_save", async_save)
         if create:
@@ -411,12 +412,25 @@ class CheckpointManager:
 
     def _take_lock(self) -> None:
         """Makes this manager the directory's writer (process 0 holds the lock): raises
-        ``RuntimeError`` naming the one writing it now; then tidies what an earlier writer
-        left (``swap.recover``). [`save`][shardax.CheckpointManager.save] takes it, and
-        ``sx.loop.run`` as the run starts, so a second run stops before its first step."""
-        if self._lock is None and jax.process_index() == 0:
-            self._lock = DirectoryLock(self.directory)
-            swap.recover(self.directory)
+        ``RuntimeError`` naming the one writing it now, on every process; then tidies what
+        an earlier writer left (``swap.recover``) while the others wait.
+        [`save`][shardax.CheckpointManager.save] takes it, and ``sx.loop.run`` as the run
+        starts, so a second run stops before its first step. Every process calls it."""
+        if self._claimed:
+            return
+        refused: RuntimeError | None = None
+        if jax.process_index() == 0:
+            try:
+                self._lock = DirectoryLock(self.directory)
+                swap.recover(self.directory)
+            except RuntimeError as e:
+                refused = e
+        if not damage.everywhere(refused is None):  # every process stops, none waits
+            raise refused or RuntimeError(
+                f"checkpoint directory {self.directory} is being written by another run: "
+                "process 0 could not take its writer lock (its error names the holder)"
+            )
+        self._claimed = True
 
     def close(self) -> None:
         """Waits for the save in flight and releases the manager and the directory."""
@@ -427,6 +441,7 @@ class CheckpointManager:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+            self._claimed = False
             if self._quiet:
                 self._quiet = False
                 _QUIET.release()
