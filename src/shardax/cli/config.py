@@ -34,8 +34,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-OWN = ("help", "config", "print_config", "config_schema")
-"""The dests that are not settings of a run: help, and this module's own options."""
+OWN = ("help", "config", "print_config", "config_schema", "json")
+"""The dests that are not settings of a run: help, this module's own options, and
+``--json`` (how the result prints, given on the command line)."""
 
 SUFFIXES = (".yaml", ".yml", ".json", ".toml")
 
@@ -53,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved settings as YAML (a file for --config) and exit",
+        help="print the resolved settings as YAML (JSON with --json), a file for --config, "
+        "and exit",
     )
     parser.set_defaults(config_schema=schema(parser))
 

@@ -243,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
     check_model_options(args)
     apply_options(args)
     settings = config.resolved(args)  # the run as a --config file holds it
-    if args.print_config:
-        sys.stdout.write(config.dump(settings))
+    if args.print_config:  # a file for --config: YAML, or JSON with --json
+        print_json(settings) if args.json else sys.stdout.write(config.dump(settings))
         return 0
     plots = check_extras(args)
     if args.verify_rtol is not None and not args.verify:
