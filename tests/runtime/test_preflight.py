@@ -55,3 +55,17 @@ def test_a_loopback_coordinator_is_named_when_nobody_comes():
     port = free_port()
     with pytest.raises(TimeoutError, match="is a loopback address: processes on other hosts"):
         rendezvous.roll_call(f"localhost:{port}", "localhost", port, 1, 2, 0.5)
+
+
+@pytest.mark.timeout(120)
+def test_a_process_driving_fewer_devices_is_named_on_every_process():
+    from shardax.cli.launch import process_env, start_processes
+
+    port = free_port()
+    envs = [process_env(r, 2, port, cpu_devices=n, base=CLEAN_ENV) for r, n in ((0, 2), (1, 1))]
+    code = "import shardax as sx; sx.initialize(); print('joined')"
+    procs = start_processes([sys.executable, "-c", code], envs)
+    outs = [p.communicate(timeout=100)[0].decode() for p in procs]
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode != 0 and "joined" not in out, outs
+        assert "RuntimeError: sx.initialize: process 1 drives 1 device(s), the others 2" in out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -339,4 +340,32 @@ def initialize(
     _state.joined = True
     if exit_on_uncaught_exception:
         sys.excepthook = _hard_exit_on_uncaught
+    uneven = uneven_devices([d.process_index for d in jax.devices()], jax.process_count())
+    if uneven:
+        raise RuntimeError(uneven)
     return True
+
+
+def uneven_devices(owners: Sequence[int], processes: int) -> str:
+    """The sentence naming the processes that drive another number of devices than the
+    others (``owners``: the process of each device of the run), or "" when all drive as
+    many: a process left with one device of its host's 8 (a wrong ``local_device_ids``
+    or ``CUDA_VISIBLE_DEVICES``) would make every mesh and batch split wrong.
+
+    >>> uneven_devices([0, 0, 1, 1], 2)
+    ''
+    >>> uneven_devices([0, 0, 0, 0, 1], 2)
+    'process 1 drives 1 device(s), the others 4; ...'
+    """
+    counts = Counter(owners)
+    per = [counts.get(p, 0) for p in range(processes)]
+    usual = Counter(per).most_common(1)[0][0]
+    odd = [p for p, n in enumerate(per) if n != usual]
+    if not odd:
+        return ""
+    named = ", ".join(f"process {p} drives {per[p]} device(s)" for p in odd)
+    return (
+        f"{named}, the others {usual}; {len(owners)} devices in all, not {usual} x "
+        f"{processes} processes. Every process must drive as many devices: check "
+        "local_device_ids, CUDA_VISIBLE_DEVICES and the CPU device count of each process"
+    )
