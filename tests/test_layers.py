@@ -195,7 +195,7 @@ PUBLIC = [
     "MetricWriter", "NonFiniteLossError", "Plan", "Precision", "Preempted", "StepWatchdog",
     "TrainState", "attention", "auto_plan", "batch_sharding", "batches", "compile_cache",
     "constrain",
-    "describe", "distribute_batch", "estimate", "from_linen", "from_nnx", "fsdp",
+    "describe", "distribute_batch", "estimate", "explain", "from_linen", "from_nnx", "fsdp",
     "get_batch_size_recommendation", "global_batch", "initialize", "is_main_process",
     "keep_plan",
     "make_eval_step", "make_mesh", "make_train_step", "masked_mean", "moe", "pipeline",
