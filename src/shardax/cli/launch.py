@@ -17,6 +17,13 @@ code 75 ([`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE]): a pro
 others, and launch exits with 75 once all have ended; a SIGHUP (the terminal closed) is
 forwarded as a SIGTERM. Launch itself never starts JAX.
 
+With ``--max-restarts K``, a failure (a process that dies, raises, is stopped for
+``STOPPED_AFTER`` seconds, or ends on its hang watchdog) restarts every process, up to K
+times, with a fresh coordinator port: they resume from their newest host-memory
+snapshot (in ``/dev/shm``, which launch owns and removes at the end) or checkpoint. One
+line names the first failing process (rank, pid, host, cause, step), and ``status.json``
+lists every restart.
+
 Launch keeps a directory (``--launch-dir``, default ``runs/launch-<time>-<pid>``):
 ``status.json`` (each process's pid, state and exit code, the launcher's state, one line
 on how the run ended) and ``rank<r>.log``, each process's output. The processes end with
