@@ -43,7 +43,7 @@ class IslandLoopStep:
     H-th, and this process's island's metrics. Anything else is the ``IslandStep``'s."""
 
     def __init__(self, step: IslandStep) -> None:
-        self.step, self.count = step, None
+        self.step, self.count, self.last = step, None, None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.step, name)
@@ -53,7 +53,28 @@ class IslandLoopStep:
             self.count = int(jax.device_get(state.step))
         state, metrics = self.step(state, batch)
         self.count += 1
-        return self.step.sync(state, self.count), self.step.local(metrics)
+        local = self.step.local(metrics)
+        if self.last is not None and not _reads_examples(batch, self.step.islands):
+            # This island's rows are all padding (an epoch's last, partial batch): its
+            # loss reads NaN by the step's rule; it read nothing, so its last metrics stand.
+            local = self.last
+        self.last = local
+        return self.step.sync(state, self.count), local
+
+
+def _reads_examples(batch: Any, islands: int) -> bool:
+    """Whether this process's first island's rows of ``batch`` (``islands`` blocks of
+    rows) hold a real example (a batch without a ``"mask"`` always does); read from this
+    process's shards only."""
+    mask = batch.get("mask") if isinstance(batch, dict) else None
+    if mask is None:
+        return True
+    if not hasattr(mask, "addressable_shards"):
+        return bool(mask[: len(mask) // islands].any())
+    rows = mask.shape[0] // islands
+    shards = [(s.index[0].indices(mask.shape[0])[0] // rows, s) for s in mask.addressable_shards]
+    first = min(island for island, _ in shards)
+    return any(bool(s.data.any()) for island, s in shards if island == first)
 
 
 def islands_job(args: argparse.Namespace, job: Any) -> Any:
