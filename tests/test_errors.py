@@ -1714,7 +1714,9 @@ def test_sixth_sweep_estimate_names_what_it_cannot_price(call, error, message):
     ],
     ids=["manager-gs", "manager-s3", "loop-gs"],
 )  # fmt: skip
-def test_a_remote_checkpoint_path_is_refused_before_anything_is_made(tmp_path, monkeypatch, call, message):
+def test_a_remote_checkpoint_path_is_refused_before_anything_is_made(
+    tmp_path, monkeypatch, call, message
+):
     monkeypatch.chdir(tmp_path)
     with raises(ValueError, message):
         call()
