@@ -1741,3 +1741,25 @@ def test_a_file_url_is_a_local_checkpoint_directory(tmp_path):
 def test_a_batch_size_recommendation_holds_sizes_in_order(args, message):
     with raises(ValueError, message):
         sx.BatchSizeRecommendation(*args)
+
+
+def _while_loss(model, batch):
+    y = model(batch["x"])
+    grow = lambda c: c * 2.0 + 1.0  # noqa: E731
+    trips = jax.lax.while_loop(lambda c: jnp.sum(c) < 100.0, grow, jax.lax.stop_gradient(y))
+    return jnp.mean((y - batch["y"]) ** 2), {"grown": jnp.sum(trips)}
+
+
+def test_sixth_sweep_estimate_notes_a_while_loop_of_unknown_trips():
+    """A data-dependent while_loop is priced as one trip of its body, and the report says
+    so; a fori_loop (XLA knows its trip count) gets no such note."""
+    batch = jax.eval_shape(lambda: _XY)
+    mesh = sx.make_mesh()
+    report = sx.estimate(sx.make_train_step(_while_loss, mesh=mesh), jax.eval_shape(_pytree_state), batch)  # fmt: skip
+    assert [n for n in report.notes if "while loop" in n] == [
+        "1 while loop(s) of the step run a number of trips decided at run time (a "
+        "jax.lax.while_loop on data, not a fori_loop or scan): each is priced as one trip of "
+        "its body, so the step's FLOPs, bytes and time are a lower bound"
+    ]
+    plain = sx.estimate(sx.make_train_step(_loss, mesh=mesh), jax.eval_shape(_pytree_state), batch)
+    assert not [n for n in plain.notes if "while loop" in n]

@@ -673,6 +673,13 @@ def analyse(
     unpriced = unpriced_calls(hlo)
     if unpriced:
         notes.append(format_unpriced(unpriced))
+    unbounded = _unknown_trips(hlo)
+    if unbounded:
+        notes.append(
+            f"{unbounded} while loop(s) of the step run a number of trips decided at run time "
+            "(a jax.lax.while_loop on data, not a fori_loop or scan): each is priced as one "
+            "trip of its body, so the step's FLOPs, bytes and time are a lower bound"
+        )
     unit = "tokens" if tokens is not None else batch_unit(batch)
     tokens = default_tokens(batch) if tokens is None else float(tokens)
     if model_flops is None:
@@ -987,6 +994,14 @@ def exposed_line(overlap: Mapping[str, Any], cost: StepCost | None = None) -> st
                  f"{inter * 1e3:.2f} ms of collectives across hosts (priced level by level: "
                  "NVLink within a host, the NICs between; from the compiled schedule)")  # fmt: skip
     return line
+
+
+def _unknown_trips(hlo: str) -> int:
+    """How many ``while`` instructions of ``hlo`` XLA could not give a trip count
+    (``known_trip_count`` in their backend config)."""
+    return sum(
+        1 for line in hlo.splitlines() if " while(" in line and "known_trip_count" not in line
+    )
 
 
 def _check_priceable(state: Any, batch: Any, train_step: bool) -> None:
