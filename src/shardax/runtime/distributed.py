@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -31,7 +32,7 @@ from typing import Any, NamedTuple
 import jax
 
 from shardax.checks import as_count, parse_address, public
-from shardax.runtime import compat
+from shardax.runtime import compat, watchdog
 from shardax.runtime.launcher import watch_launcher
 from shardax.runtime.rendezvous import roll_call
 
@@ -199,7 +200,11 @@ def backend_started() -> bool:
 
 def _hard_exit_on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
     """Prints the traceback, then exits at once: without this, a process that raises
-    waits in jax.distributed's shutdown barrier for peers that wait on it in a collective."""
+    waits in jax.distributed's shutdown barrier for peers that wait on it in a collective.
+    While this process's hang watchdog reports (it ends the process with its own code),
+    waits for it instead."""
+    while watchdog.FIRING.is_set():
+        time.sleep(1.0)  # the watchdog's os._exit ends the process
     sys.__excepthook__(exc_type, exc, tb)
     sys.stdout.flush()
     sys.stderr.flush()

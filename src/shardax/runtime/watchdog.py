@@ -62,6 +62,11 @@ ON_FIRE_GRACE = 10.0
 """Seconds the watchdog gives ``on_fire`` before it ends the process without it (a
 callback stuck on a hung filesystem or collective must not keep a hung process alive)."""
 
+FIRING = threading.Event()
+"""Set once a watchdog of this process fired: it reports and ends the process, so an
+error its main thread meets meanwhile (a collective broken by a peer that left after its
+own report) waits for that exit instead of ending the process first with another code."""
+
 LEAVE_GRACE = 10.0
 """Seconds a process waits, after its own report, for the others' before it exits (see
 ``shardax.runtime.status.leave_last``)."""
@@ -189,6 +194,7 @@ class StepWatchdog:
         to the process's own stderr and the exit code falls back to
         [`WATCHDOG_EXIT_CODE`][shardax.runtime.WATCHDOG_EXIT_CODE]."""
         code = self.exit_code
+        FIRING.set()  # the process ends here: an error of its main thread waits for it
         try:
             out = self._file or sys.stderr
             _flush(sys.stdout)
