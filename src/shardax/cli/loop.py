@@ -150,7 +150,7 @@ def hooks(
     first.append(Goodput(path, since=STARTED, compiled=args.compile_before.seconds))
     later: list[Hook] = [Log(record.tracker), History(record, out)]
     if manager is not None:
-        later.append(Checkpoints(args.save_every or record.job.eval_every))
+        later.append(Checkpoints(args.save_every or record.job.eval_every, "--checkpoint-dir"))
     if snapshots is not None:
         record.snapshots = Snapshots(snapshots, snapshot_every(args))
         later.append(record.snapshots)
