@@ -22,23 +22,15 @@ import numpy as np
 import optax
 import pytest
 from test_multihost import CLEAN_ENV, LAUNCH
+from test_preemption import final_params, train_summary
 
 import shardax as sx
-from shardax.cli import main as cli
 from shardax.cli.launch import LaunchRecord, process_env, start_processes
 from shardax.models.mlp import make_mlp
 from shardax.runtime import launcher
 
 TRAIN = ["--epochs", "40", "--hidden", "32", "--batch-size", "256"]
 BOUND = launcher.LAUNCHER_GRACE + 15  # the documented grace, and a loaded machine's slack
-
-
-def train_summary(tmp_path: Path, name: str, *argv: str) -> tuple[int, dict]:
-    """Runs ``shardax train`` in this process; its exit code and summary (if any)."""
-    run = tmp_path / f"run-{name}"
-    code = cli(["train", *argv, "--run-dir", str(run)])
-    summary = run / "summary.json"
-    return code, json.loads(summary.read_text()) if summary.exists() else {}
 
 
 def alive(pid: int) -> bool:
@@ -117,7 +109,7 @@ def test_launcher_killed_hung_up_or_terminated_takes_its_processes_with_it(tmp_p
     shutil.copytree(ckpt, tmp_path / "again")
     code, summary = train_summary(
         tmp_path, "again", "--epochs", str(steps[-1] // 6 + 1), *TRAIN[2:], "--checkpoint-dir",
-        str(tmp_path / "again"), "--resume", "--mesh", "data=4",
+        str(tmp_path / "again"), "--resume", "--mesh", "data=4", options=[],
     )  # fmt: skip
     assert code == 0, summary
     assert summary["resumed_from_step"] == steps[-1], summary
@@ -213,16 +205,6 @@ def test_watch_launcher_refuses_a_malformed_environment(env, message):
 
 
 # --- in-job recovery: shardax launch --max-restarts ---------------------------------------
-
-
-def final_params(directory: Path) -> dict[str, np.ndarray]:
-    """The params of the newest checkpoint in ``directory`` (the MLP job's), by path."""
-    tx = optax.inject_hyperparams(optax.adam)(learning_rate=3e-3)
-    like = sx.TrainState.create(make_mlp(64, 32, 1, 10, 0), tx, rng=0)
-    with sx.CheckpointManager(directory) as manager:
-        state = manager.restore(like).state
-    leaves = jax.tree_util.tree_leaves_with_path(state.params)
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
 
 
 GUIDE = Path(__file__).parents[2] / "docs" / "guides" / "checkpoints.md"
