@@ -538,3 +538,18 @@ def test_launch_names_the_process_that_raised_first():
         text,
     ), text
     assert text.index("the cause") < text.index("a collective mismatch")
+
+
+def test_launch_blames_a_process_killed_from_outside_over_the_peer_that_raised_after_it():
+    # Both seen ended in one poll: rank 1 was killed (-9, as by the out-of-memory killer),
+    # and rank 0's collective failed because of it, so it raised and exited.
+    scripts = [
+        "import time; time.sleep(1); raise RuntimeError('Gloo AllGather failed')",
+        "import os, signal, time; time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)",
+    ]
+    procs = [start_processes([sys.executable, "-c", s], [dict(CLEAN_ENV)])[0] for s in scripts]
+    for p in procs:
+        p.wait()
+    err = io.StringIO()
+    assert supervise(procs, out=err, err=err) == 128 + signal.SIGKILL
+    assert re.search(r"process 1 " + WHO + r"killed by SIGKILL; all have ended", err.getvalue())

@@ -682,7 +682,9 @@ def _first_failed(
     procs: Sequence[subprocess.Popen[bytes]], ok: tuple, raised: dict[int, float] | None = None
 ) -> subprocess.Popen[bytes] | None:
     """The failed process to report among those seen ended at once (None if none): one
-    that exited on its own (an exception) before one killed by a signal, usually the
+    killed from outside (SIGKILL, SIGTERM, ...: the out-of-memory killer, a lost node)
+    first, since its peers' collectives fail after it and they exit at once; then one that
+    exited on its own (an exception) before one that aborted (SIGABRT), usually the
     consequence (gloo aborts when its peer is gone); then the one that printed a Python
     traceback first (its peers' collectives fail after it, and they may all end at once,
     waiting for each other in the runtime's shutdown); then the lowest rank."""
@@ -690,7 +692,11 @@ def _first_failed(
     failed = [(r, p) for r, p in enumerate(procs) if p.returncode not in ok]
     if not failed:
         return None
-    key = lambda rp: (rp[1].returncode < 0, raised.get(rp[0], math.inf), rp[0])  # noqa: E731
+
+    def order(code: int) -> int:  # 0: killed from outside, 1: exited, 2: aborted
+        return 1 if code >= 0 else 2 if -code == signal.SIGABRT else 0
+
+    key = lambda rp: (order(rp[1].returncode), raised.get(rp[0], math.inf), rp[0])  # noqa: E731
     return min(failed, key=key)[1]
 
 
