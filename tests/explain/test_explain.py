@@ -19,6 +19,8 @@ import shardax as sx
 from shardax.models import gpt
 from shardax.train.explanation.placement import placement
 
+JAX = tuple(int(x) for x in jax.__version__.split(".")[:2])
+
 HERE = __file__
 
 
@@ -219,6 +221,8 @@ def test_an_activation_built_outside_the_plan_and_a_reshape_are_named(mesh, cls,
     report = sx.explain(step, nnx_state(cls), batch, fixes=False)
     line = line_of(cls.__call__, text)
     found = [c for c in report.unasked if c.source == line]
+    if JAX >= (0, 12):  # XLA:CPU of JAX 0.12 moves the time-major rows by a permute there
+        ops = {"collective-permute"} if cls is TimeMajor else ops
     assert found and ops <= {c.op for c in found}, [(c.op, c.source) for c in report.unasked]
     assert all(c.axes == ("data",) and c.sent_bytes > 0 and c.suggestion for c in found)
     assert any(u["source"] == line for u in report.to_dict()["unasked"])

@@ -13,6 +13,9 @@ import os
 import subprocess
 import sys
 
+import jax
+import pytest
+
 SCRIPT = '''
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,11 @@ except jax.errors.JaxRuntimeError as e:
 '''
 
 
+@pytest.mark.skipif(
+    tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12),
+    reason="XLA:CPU of JAX 0.12 ends the process with SIGFPE on the 2**51-byte allocation "
+    "instead of raising RESOURCE_EXHAUSTED (CI leg 2); leg 1 (JAX 0.10) runs it",
+)
 def test_a_step_out_of_memory_raises_xlas_error_with_the_buffers_and_the_line(tmp_path):
     script = tmp_path / "oom_step.py"
     script.write_text(SCRIPT)
