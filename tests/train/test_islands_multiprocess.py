@@ -4,36 +4,18 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_multihost import CLEAN_ENV, LAUNCH, results
 
 SCRIPT = str(Path(__file__).parents[1] / "scripts" / "islands_worker.py")
 _spec = importlib.util.spec_from_file_location("islands_worker", SCRIPT)
 islands_worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(islands_worker)
-LAUNCH = [sys.executable, "-c", "import sys; from shardax.cli import main; sys.exit(main())"]
-CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDAX_", "SLURM_"))}
-
-
-def _results(output: str) -> dict[int, list[dict]]:
-    found: dict[int, list[dict]] = {}
-    decoder = json.JSONDecoder()
-    for line in output.splitlines():
-        match = re.match(r"\[(\d+)\] .*?RESULT (\{.*)$", line)
-        if match:
-            try:
-                value, _ = decoder.raw_decode(match[2])
-            except json.JSONDecodeError:
-                continue
-            found.setdefault(int(match[1]), []).append(value)
-    return found
 
 
 @pytest.mark.timeout(300)
@@ -47,7 +29,7 @@ def test_one_island_per_process_agrees_with_two_islands_in_one_process():
         env=CLEAN_ENV,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    got = _results(proc.stdout)
+    got = results(proc.stdout)
     assert sorted(got) == [0, 1], proc.stdout[-4000:]
     for compress, *ranks in zip(islands_worker.CONFIGS, got[0], got[1], strict=True):
         reference = islands_worker.train(compress)  # 1 process x 8 devices: 2 islands here
