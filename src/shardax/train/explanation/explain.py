@@ -114,7 +114,9 @@ def collectives_table(collectives: tuple[Reshard, ...]) -> Any:
     unasked = [c for c in collectives if not c.implied]
     table = titled_table(f"collectives the plan did not ask for: {len(unasked)}")
     for col in ("op", "axes", "per step", "your line", "before -> after", "suggestion"):
-        table.add_column(col, justify="right" if col == "per step" else "left")
+        # the line is kept whole (a path to find, not prose): the suggestion wraps instead
+        table.add_column(col, justify="right" if col == "per step" else "left",
+                         no_wrap=col == "your line")  # fmt: skip
     for c in sorted(unasked, key=lambda c: -c.sent_bytes):
         table.add_row(c.op, "/".join(c.axes), format_bytes(c.sent_bytes), c.source or c.what,
                       f"{c.before} -> {c.after}", c.suggestion)  # fmt: skip

@@ -142,7 +142,7 @@ def memory_table(memory: PeakBuffers, peak: int, budget: float | None, fit: bool
                          f"{memory.at}, {memory.phase} pass)")  # fmt: skip
     for col in ("bytes", "array", "what", "is"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
-    table.add_column("your line", overflow="fold")  # a path is kept whole
+    table.add_column("your line", no_wrap=True)  # a path is kept whole, on one line
     for b in memory.buffers:
         table.add_row(format_bytes(b.bytes), f"{b.dtype}{list(b.shape)}", b.what, b.kind,
                       b.source or "-")  # fmt: skip
