@@ -195,7 +195,7 @@ def run_case(name: str, per_device_batch: int | None = None) -> dict[str, Any]:
         "wall_s": wall,
         "report": str(report),
     }
-    cost = report.cost
+    cost = report.per_op
     if cost is not None:  # the per-op model (GPU targets): its point and interval
         per_device = flops / mesh.size / 1e12
         out["per_op_tflops_per_device"] = {
@@ -206,7 +206,7 @@ def run_case(name: str, per_device_batch: int | None = None) -> dict[str, Any]:
         if published is not None:
             causal = published * causal_share(c, n) if c.get("causal") is False else published
             out["published_causal_tflops_per_device"] = causal
-    p = report.prediction
+    p = report.roofline
     if p is not None:  # None: the compiler refused the step (out of memory)
         out["predicted_tflops_per_device"] = {
             "overlapped": p.model_tflops_per_device(True),
@@ -263,7 +263,7 @@ def search_case(name: str) -> dict[str, Any]:
     per_device = flops / len(target) / 1e12
     rows = {}
     for cand in report.candidates:
-        cost = cand.estimate.cost if cand.estimate is not None else None
+        cost = cand.estimate.per_op if cand.estimate is not None else None
         if cost is not None:
             rows[cand.name] = {"tflops_per_device": per_device / cost.step_s,
                                "step_s": cost.step_s, "interval_s": [cost.low_s, cost.high_s],

@@ -56,7 +56,7 @@ def test_auto_for_a_target_ranks_with_reasons_and_picks_a_plan_that_fits(auto_2x
     picked = next(c for c in compiled if c["name"] == r["plan"])
     assert picked["predicted_s"] == min(c["predicted_s"] for c in compiled)
     e = r["estimate"]
-    assert e["fits_with_headroom"] and e["prediction"]["predicted_mfu_overlapped"] > 0
+    assert e["fits_with_headroom"] and e["prediction"]["mfu"] > 0
     flags = {"hsdp·full·mb1": "--mesh replica=2,data=4 --plan fsdp --remat full",
              "pipeline·full": "--mesh stage=2,data=4 --plan pipeline --microbatches 4 "
                               "--remat full"}  # fmt: skip
@@ -222,7 +222,7 @@ def test_a_calibration_file_prices_the_targets_step(tmp_path):
     slow = _calibration_file(tmp_path, scale_stream=0.5, date="2026-12-01")
     (c0, shipped), (c1, mine) = run(argv), run([*argv, "--calibration", str(slow)])
     assert c0 == c1 == 0, (shipped[-2000:], mine[-2000:])
-    base, ours = (json.loads(out)["estimate"]["cost"] for out in (shipped, mine))
+    base, ours = (json.loads(out)["estimate"]["per_op"] for out in (shipped, mine))
     assert base["calibration"] == "calibrated: H100, JAX 0.11.2, 2026-11-27"
     assert ours["calibration"] == "calibrated: H100, JAX 0.11.2, 2026-12-01"
     seconds = [c["classes"]["elementwise"]["seconds"] for c in (base, ours)]

@@ -56,13 +56,13 @@ def test_the_report_names_the_network_and_shows_the_inter_host_line(estimates):
     assert "network: ib-ndr (DGX H100/H200" in text
     assert "exposed inter-host time:" in text and "of which across hosts, exposed" in text
     # every FSDP collective's group spans both hosts: all of them priced level by level
-    assert ib.cost.inter_host_s == pytest.approx(ib.cost.collective_s)
-    assert 0 < ib.cost.exposed_inter_host_s <= ib.cost.inter_host_s
+    assert ib.per_op.inter_host_s == pytest.approx(ib.per_op.collective_s)
+    assert 0 < ib.per_op.exposed_inter_host_s <= ib.per_op.inter_host_s
     # 32x less NIC bandwidth: slower across hosts, the kernels the same
-    assert eth.cost.inter_host_s > 4 * ib.cost.inter_host_s
-    assert eth.cost.compute_s == pytest.approx(ib.cost.compute_s)
-    assert eth.cost.step_s > ib.cost.step_s
-    assert eth.prediction.link_s["inter-host"] > ib.prediction.link_s["inter-host"]
+    assert eth.per_op.inter_host_s > 4 * ib.per_op.inter_host_s
+    assert eth.per_op.compute_s == pytest.approx(ib.per_op.compute_s)
+    assert eth.per_op.step_s > ib.per_op.step_s
+    assert eth.roofline.link_s["inter-host"] > ib.roofline.link_s["inter-host"]
 
 
 def test_an_equinox_users_jit_step_is_priced_across_hosts():
@@ -96,7 +96,7 @@ def test_an_equinox_users_jit_step_is_priced_across_hosts():
 
     report = sx.estimate(train_step, state, x)
     assert report.network["name"] == "gcp-a3-mega"
-    assert report.cost.inter_host_s > 0
+    assert report.per_op.inter_host_s > 0
     assert {c["link"] for c in report.collectives} == {"inter-host"}
 
 

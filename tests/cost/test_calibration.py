@@ -233,17 +233,32 @@ def test_a_gpu_with_no_datasheet_is_priced_by_its_registered_calibration():
     x = jnp.ones((512, 512), jnp.bfloat16)
     compiled = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
     alone = analyse(compiled, mesh)
-    assert alone.prediction is None and alone.cost is None
+    assert alone.roofline is None and alone.per_op is None and alone.to_dict()["prediction"] is None
     assert any("'shardax calibrate' measures this GPU's tables" in n for n in alone.notes)
     with using(l4):
         report = analyse(compiled, mesh)
-    assert report.prediction is not None and report.hbm_bytes == 20e9
-    assert report.cost.calibration == "calibrated: NVIDIA L4, JAX 0.11.2, 2026-12-01"
-    assert report.cost.classes["gemm"].flops == 2 * 512**3
+    assert report.roofline is not None and report.hbm_bytes == 20e9
+    assert report.per_op.calibration == "calibrated: NVIDIA L4, JAX 0.11.2, 2026-12-01"
+    assert report.per_op.classes["gemm"].flops == 2 * 512**3
     (note,) = [n for n in report.notes if n.startswith("no datasheet")]
     assert f"peak {l4.peak_flops:.3g} FLOP/s (the best GEMM rate measured; MFU counts" in note
     assert "memory 18.6 GiB (the allocator's budget)" in note
     assert l4.peak_flops == max(r[4] for r in l4.gemm) * 1e12
+    # The prediction is the per-op model's, under one name, as the docs' JSON example shows
+    predicted = report.to_dict()["prediction"]
+    assert predicted["model"] == "per-op" and predicted["step_s"] == report.per_op.step_s
+    assert (predicted["low_s"], predicted["high_s"]) == report.interval_s
+    assert set(predicted) == set(_docs_json_example()["estimate"]["prediction"])
+    assert report.to_dict()["roofline_guide"]["step_s_overlapped"] == report.roofline.overlapped_s
+    for old, new in (("prediction", "roofline"), ("cost", "per_op")):
+        with pytest.warns(DeprecationWarning, match=rf"^sx\.cost\.Estimate\.{old} is now .*{new}"):
+            assert getattr(report, old) is getattr(report, new)
+
+
+def _docs_json_example() -> dict:
+    """The ``--json`` example of docs/guides/plan-a-cluster.md."""
+    page = (Path(__file__).parents[2] / "docs/guides/plan-a-cluster.md").read_text()
+    return json.loads(page.split("```json\n", 1)[1].split("```", 1)[0])
 
 
 def test_measured_figures_are_the_same_on_every_process_and_a_datasheet_wins():

@@ -215,7 +215,7 @@ def test_estimate_train_step_memory_against_formula(mesh, small_train):
     got = report.memory["params"] + report.memory["optimizer"]
     assert got == pytest.approx(expected.params_bytes + expected.optimizer_bytes, rel=0.1)
     assert report.memory["peak"] >= got
-    assert report.flops_hlo > 0 and report.prediction is None  # a CPU: no datasheet
+    assert report.flops_hlo > 0 and report.roofline is None  # a CPU: no datasheet
     assert report.model_flops == 6.0 * n * 64
     d = report.to_dict()
     assert json.loads(json.dumps(d))["memory"] == report.memory
@@ -292,7 +292,7 @@ def test_estimate_for_an_h100_target_splits_links(h100_2x4, small_train):
     assert report.flops_backend is None and report.flops_hlo > 0  # counted from the HLO
     links = report.link_bytes()
     assert links.get("inter-host", 0) > 0 and links.get("intra-host", 0) > 0
-    p = report.prediction
+    p = report.roofline
     assert p is not None and p.serial_s >= p.overlapped_s > 0
     assert "PREDICTED (not measured)" in str(report)
     o = report.overlap  # from the compiled schedule, priced at the links' bandwidths
@@ -301,7 +301,7 @@ def test_estimate_for_an_h100_target_splits_links(h100_2x4, small_train):
     assert "(a rough guide; the per-op model below is the prediction)" in " ".join(
         str(report).split()
     )  # the roofline's table, beside the per-op model on a GPU target
-    c = report.cost  # on a GPU target the line gives the per-op model's figures, as its table
+    c = report.per_op  # on a GPU target the line gives the per-op model's figures, as its table
     assert (f"exposed collective time: {c.exposed_s * 1e3:.2f} ms per step of "
             f"{c.collective_s * 1e3:.2f} ms") in " ".join(str(report).split())  # fmt: skip
     n = sum(x.size for x in jax.tree.leaves(state.params))
@@ -312,7 +312,7 @@ def test_estimate_for_an_h100_target_splits_links(h100_2x4, small_train):
     # splash attention's): compute is the model's, and the report says why.
     floor = 100 * report.flops_hlo
     above = sx.estimate(step, state, batch, model_flops=8 * floor)  # 8 devices
-    assert above.prediction.compute_s == pytest.approx(100 * p.compute_s, rel=1e-6)
+    assert above.roofline.compute_s == pytest.approx(100 * p.compute_s, rel=1e-6)
     assert not any("misses a kernel's work" in n for n in report.notes)
     assert any("misses a kernel's work" in n for n in above.notes)
 
@@ -367,7 +367,7 @@ def test_an_out_of_memory_compile_is_a_does_not_fit_report():
     x = jax.ShapeDtypeStruct((4 * 32768, 65536), jnp.float32,
                              sharding=NamedSharding(mesh, P("data")))  # fmt: skip
     report = sx.estimate(jax.jit(lambda w, x: jnp.sum(jnp.exp(x) @ w.T)), x, x)
-    assert report.fits is False and report.prediction is None
+    assert report.fits is False and report.roofline is None
     assert report.compile_error.startswith("RESOURCE_EXHAUSTED")
     need = report.memory["temporaries"]
     assert need > 16e9 and report.memory["peak"] >= need  # more than the chip's 16 GB

@@ -61,13 +61,13 @@ def test_gpt_mfu_stays_within_what_the_compiled_step_executes(abstract_gpt_step)
     n = gpt.param_count(model, embeddings=False)
     assert report.model_flops == 6 * n * 8 * 256 and report.unit == "tokens"
     assert report.model_flops / 8 <= report.flops_hlo  # the LM head in, the lookup out
-    assert report.prediction.mfu() <= 0.6
+    assert report.roofline.mfu() <= 0.6
     assert any(CONVENTION in note for note in report.notes)
     assert any("without the embedding lookup" in note for note in report.notes)
     # The old default, given: above the executed FLOPs; MFU counts only those.
     everything = 6 * gpt.param_count(model) * 8 * 256
     assert everything / 8 > report.flops_hlo
     given = analysed(model_flops=everything)
-    assert given.prediction.model_flops == 8 * report.flops_hlo
-    assert given.prediction.mfu() <= 0.6
+    assert given.roofline.model_flops == 8 * report.flops_hlo
+    assert given.roofline.mfu() <= 0.6
     assert any("MFU counts the executed" in note for note in given.notes)

@@ -123,7 +123,7 @@ def small_gpt():
 @pytest.mark.compile_only
 def test_estimate_prices_a_gpt_on_an_h200_op_by_op(small_gpt):
     report = small_gpt("1xH200", {"data": 1}, "replicate", "full")
-    cost = report.cost
+    cost = report.per_op
     assert cost is not None and cost.calibration == H200.name
     assert cost.classes["gemm"].kernels > 0 and cost.classes["gemm"].flops > 0
     assert cost.classes["attention"].kernels == 6  # cuDNN: 2 forward, 2 recomputed, 2 backward
@@ -134,13 +134,13 @@ def test_estimate_prices_a_gpt_on_an_h200_op_by_op(small_gpt):
              "GEMMs: beyond model FLOPs (remat, recompute)", "exposed collective time")  # fmt: skip
     for shown in shows:
         assert shown in text, shown
-    assert report.to_dict()["cost"]["calibration"] == H200.name
+    assert report.to_dict()["per_op"]["calibration"] == H200.name
 
 
 @pytest.mark.compile_only
 def test_estimate_prices_the_collectives_of_fsdp_on_an_h100(small_gpt):
     report = small_gpt("2xH100", {"data": 2}, "fsdp", "none")
-    cost = report.cost
+    cost = report.per_op
     assert cost is not None and cost.calibration.startswith("calibrated: H100")
     assert 0 < cost.exposed_s <= cost.collective_s
     assert cost.low_s <= cost.step_s <= cost.high_s

@@ -568,7 +568,7 @@ def headline(est: Any) -> str:
     if step is None:
         return f"PREDICTED step: n/a (no datasheet or calibration for {est.device_kind})"
     per_device = est.model_flops / est.devices / step
-    peak = None if est.prediction is None else est.prediction.peak_flops
+    peak = None if est.roofline is None else est.roofline.peak_flops
     mfu = "" if not peak else f", MFU {per_device / peak:.1%}"
     room = "" if est.headroom is None else f", {est.headroom:.0%} of the memory budget free"
     return (f"PREDICTED (not measured) step: [bold]{_interval_ms(est)} ms[/], "

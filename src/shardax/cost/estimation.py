@@ -39,7 +39,7 @@ Works for a ``make_train_step`` step (the plan places the abstract state) and fo
 >>> report = sx.estimate(step, w, x, links={"intra-host": 1e11})
 >>> report.memory["params"], report.flops_hlo  # doctest: +ELLIPSIS
 (2048, 2048.0)
->>> report.prediction is None  # a CPU has no datasheet: figures, no predicted time
+>>> report.predicted_s is None  # a CPU has no datasheet: figures, no predicted time
 True
 """
 
@@ -49,6 +49,7 @@ import dataclasses
 import math
 import re
 import time
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -121,8 +122,10 @@ class Estimate:
             calls per step (``unpriced_calls``).
         collectives: one dict per collective kind and link: op, link, runs, bytes sent.
         compile_s: seconds to lower and compile (measured on this machine).
-        prediction: the predicted step (None where the device has no datasheet, or
-            the compiler refused the step).
+        roofline: model ``roofline+links``'s figures (``StepPrediction``), a rough
+            guide beside the prediction (``predicted_s``, ``interval_s``), and the
+            prediction itself where no per-op model priced the step; None where the
+            device has no datasheet, or the compiler refused the step.
         notes: what the figures assume or could not know.
         compile_error: the backend's out-of-memory error where it refused to compile
             the step (libtpu does when the temporaries exceed HBM): then ``memory``
@@ -138,8 +141,8 @@ class Estimate:
             their time on the wire), ``collectives`` (async pairs and synchronous ops),
             ``overlapped`` (those with matmuls between start and done) and
             ``synchronous``; None without a prediction.
-        cost: the per-op model's price of the compiled program on a GPU target
-            (``StepCost``: seconds per class of kernels, launches,
+        per_op: the per-op model's price of the compiled program on a GPU target, the
+            prediction there (``StepCost``: seconds per class of kernels, launches,
             collectives on the wire and exposed, the step with its interval, and the
             calibration's name); None on other platforms or without a datasheet.
         compiled_bytes: the compiler's ``memory_analysis()`` as it gave it, bytes per
@@ -168,12 +171,12 @@ class Estimate:
     tokens: float
     collectives: tuple[dict[str, Any], ...]
     compile_s: float
-    prediction: StepPrediction | None
+    roofline: StepPrediction | None
     notes: tuple[str, ...] = ()
     compile_error: str | None = None
     compiler_options: dict[str, Any] | None = None
     overlap: dict[str, Any] | None = None
-    cost: StepCost | None = None
+    per_op: StepCost | None = None
     unit: str = "tokens"
     unpriced_calls: dict[str, int] = dataclasses.field(default_factory=dict)
     compiled_bytes: dict[str, int] | None = None
@@ -188,9 +191,9 @@ class Estimate:
         """The predicted time of one run of the compiled program: the per-op model's
         step where it priced it (a GPU target), else the roofline's with overlap; None
         without a prediction."""
-        if self.cost is not None:
-            return self.cost.step_s
-        return None if self.prediction is None else self.prediction.overlapped_s
+        if self.per_op is not None:
+            return self.per_op.step_s
+        return None if self.roofline is None else self.roofline.overlapped_s
 
     @property
     def per_step_s(self) -> float | None:
@@ -214,7 +217,7 @@ class Estimate:
     def interval_s(self) -> tuple[float, float] | None:
         """The per-op model's predicted step time as ``(low, high)`` seconds (None
         without it: a device with no datasheet, a CPU or TPU)."""
-        return None if self.cost is None else (self.cost.low_s, self.cost.high_s)
+        return None if self.per_op is None else (self.per_op.low_s, self.per_op.high_s)
 
     @property
     def headroom(self) -> float | None:
@@ -242,19 +245,59 @@ class Estimate:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-able); predicted figures are under ``prediction``."""
-        out = {
-            k: v for k, v in dataclasses.asdict(self).items() if k not in ("prediction", "outer")
-        }
+        """Plain data (JSON-able). ``prediction`` holds the predicted step (``model``,
+        ``step_s``, the interval ``low_s``–``high_s``, ``tokens_per_s_per_device``,
+        ``mfu``): the per-op model's where it priced the step, else the roofline's;
+        ``per_op`` the per-op model's classes, ``roofline_guide`` the roofline's figures
+        (a rough guide)."""
+        hidden = ("roofline", "per_op", "outer")
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in hidden}
         if self.outer is not None:
             out["outer"] = self.outer.to_dict()
             out.update(per_step_s=self.per_step_s, per_step_link_bytes=self.per_step_link_bytes())
         out["collectives"] = [dict(c) for c in self.collectives]
         out["notes"] = list(self.notes)
         out.update(headroom=self.headroom, fits_with_headroom=self.fits, headroom_rule=HEADROOM)
-        out["prediction"] = None if self.prediction is None else self.prediction.to_dict()
-        out["cost"] = None if self.cost is None else self.cost.to_dict()
+        out["prediction"] = self._predicted()
+        out["per_op"] = None if self.per_op is None else self.per_op.to_dict()
+        out["roofline_guide"] = None if self.roofline is None else self.roofline.to_dict()
         return out
+
+    def _predicted(self) -> dict[str, Any] | None:
+        """``to_dict()``'s ``prediction``: the step, its interval, tokens/s and MFU."""
+        step = self.predicted_s
+        if step is None:
+            return None
+        low, high = self.interval_s or (None, None)
+        per_device = self._model_flops_per_device()
+        roofline = self.roofline
+        peak = None if roofline is None else roofline.peak_flops
+        return {
+            "model": "per-op" if self.per_op is not None or roofline is None else roofline.model,
+            "step_s": step,
+            "low_s": low,
+            "high_s": high,
+            "tokens_per_s_per_device": self.tokens / self.devices / step if self.tokens else None,
+            "mfu": per_device / step / peak if per_device and peak else None,
+        }
+
+    def _model_flops_per_device(self) -> float | None:
+        """The model FLOPs per device MFU counts: at most the matmul FLOPs the step runs
+        (where every call is priced)."""
+        per_device = self.model_flops / self.devices if self.model_flops else None
+        if per_device and not self.unpriced_calls and self.flops_hlo:
+            per_device = min(per_device, self.flops_hlo)
+        return per_device
+
+    @property
+    def prediction(self) -> StepPrediction | None:
+        """Deprecated: ``roofline`` (the prediction is ``predicted_s``, ``interval_s``)."""
+        return _renamed("prediction", "roofline (the roofline+links model: a rough guide)", self)
+
+    @property
+    def cost(self) -> StepCost | None:
+        """Deprecated: ``per_op`` (the per-op model's price of the step)."""
+        return _renamed("cost", "per_op (the per-op model's price of the step)", self)
 
     def __rich__(self) -> Any:
         hbm = "unknown" if not self.hbm_bytes else format_bytes(self.hbm_bytes)
@@ -287,10 +330,10 @@ class Estimate:
                 f"{c['op']} × {c['runs']} ({c['link']})", f"{format_bytes(c['sent_bytes'])} sent"
             )
         parts: list[Any] = [mem, work]
-        p = self.prediction
+        p = self.roofline
         if p is not None:
             title = f"PREDICTED (not measured), model {p.model}"
-            if self.cost is not None:  # a GPU target: the per-op model below is the prediction
+            if self.per_op is not None:  # a GPU target: the per-op model below is the prediction
                 title = (f"model {p.model} (a rough guide; the per-op model below is "
                          "the prediction)")  # fmt: skip
             pred = titled_table(title)
@@ -313,10 +356,10 @@ class Estimate:
                 f"{links or 'none'}"
             )
             parts.append(pred)
-        if self.cost is not None:
+        if self.per_op is not None:
             parts.append(self._cost_table())
         if self.overlap is not None:
-            parts.append(exposed_line(self.overlap, self.cost))
+            parts.append(exposed_line(self.overlap, self.per_op))
         parts.append(f"compiler options: {format_options(self.compiler_options)}")
         parts += [f"note: {n}" for n in self.notes]
         if self.outer is not None:
@@ -336,11 +379,9 @@ class Estimate:
         return f"{line}; sent per step: {per or 'nothing'}"
 
     def _cost_table(self) -> Any:
-        c = self.cost
+        c = self.per_op
         assert c is not None
-        per_device = self.model_flops / self.devices if self.model_flops else None
-        if per_device and not self.unpriced_calls and self.flops_hlo:
-            per_device = min(per_device, self.flops_hlo)  # MFU: at most what runs
+        per_device = self._model_flops_per_device()
         table = titled_table(f"PREDICTED (not measured), model per-op, {c.calibration}")
         table.add_column("class")
         table.add_column("ms per step", justify="right")
@@ -355,8 +396,8 @@ class Estimate:
             per = self.tokens / self.devices
             caption.append(f"{self.unit}/s per device {per / c.step_s:,.0f} ({per / high:,.0f}–"
                            f"{per / low:,.0f})")  # fmt: skip
-        if per_device and self.prediction is not None:
-            peak = self.prediction.peak_flops
+        if per_device and self.roofline is not None:
+            peak = self.roofline.peak_flops
             caption.append(f"MFU {per_device / c.step_s / peak:.1%} ({per_device / high / peak:.1%}"
                            f"–{per_device / low / peak:.1%})")  # fmt: skip
         caption.append(f"executed matmul FLOPs {c.executed_flops:.3g} against model "
@@ -395,6 +436,17 @@ class Estimate:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def _renamed(old: str, new: str, report: Estimate) -> Any:
+    """``Estimate.<old>``, renamed ``<new>``: its value, with a ``DeprecationWarning``."""
+    warnings.warn(
+        f"sx.cost.Estimate.{old} is now Estimate.{new}; the prediction is "
+        f"Estimate.predicted_s and interval_s, and .{old} goes in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return getattr(report, new.split()[0])
 
 
 def format_options(options: Mapping[str, Any] | None) -> str:
@@ -467,7 +519,7 @@ def _refused(
         unit="tokens" if tokens is not None else batch_unit(batch),
         collectives=(),
         compile_s=compile_s,
-        prediction=None,
+        roofline=None,
         notes=(
             f"the backend refused to compile: temporaries {format_bytes(need)} > the "
             f"{format_bytes(have)} of HBM it leaves for them; peak = state + those "
@@ -807,10 +859,10 @@ def analyse(
         unpriced_calls=unpriced,
         collectives=rows,
         compile_s=compile_s,
-        prediction=prediction,
+        roofline=prediction,
         notes=tuple(notes),
         overlap=overlap,
-        cost=cost,
+        per_op=cost,
         compiled_bytes={"arguments": args, "outputs": outs, "aliased": alias, "temporaries": temp},
         network=None if network is None else {k: v for k, v in network.items() if k != "line"},
     )

@@ -134,14 +134,19 @@ class StepPrediction:
         return None if tflops is None else tflops * 1e12 / self.peak_flops
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data, every figure named as a prediction."""
-        out: dict[str, Any] = {"model": self.model, "compute_s": self.compute_s,
-                               "memory_s": self.memory_s, "link_s": dict(self.link_s)}  # fmt: skip
+        """Plain data: the parts, then each figure with overlap and without
+        (``Estimate.to_dict`` files it under ``roofline_guide``: a rough guide)."""
+        out: dict[str, Any] = {
+            "model": self.model,
+            "compute_s": self.compute_s,
+            "memory_s": self.memory_s,
+            "link_s": dict(self.link_s),
+        }
         for overlap, key in ((True, "overlapped"), (False, "serial")):
-            out[f"predicted_step_s_{key}"] = self.step_s(overlap)
-            out[f"predicted_tokens_per_s_per_device_{key}"] = self.tokens_per_s_per_device(overlap)
-            out[f"predicted_model_tflops_per_device_{key}"] = self.model_tflops_per_device(overlap)
-            out[f"predicted_mfu_{key}"] = self.mfu(overlap)
+            out[f"step_s_{key}"] = self.step_s(overlap)
+            out[f"tokens_per_s_per_device_{key}"] = self.tokens_per_s_per_device(overlap)
+            out[f"model_tflops_per_device_{key}"] = self.model_tflops_per_device(overlap)
+            out[f"mfu_{key}"] = self.mfu(overlap)
         return out
 
 

@@ -106,10 +106,6 @@ def from_estimate(name: str, plan: Plan, report: Estimate, **fields: Any) -> Can
     runs: Counter[str] = Counter()
     for row in report.collectives:
         runs[row["op"]] += row["runs"]
-    if report.cost is not None:
-        predicted_s: float | None = report.cost.step_s
-    else:
-        predicted_s = None if report.prediction is None else report.prediction.overlapped_s
     return Candidate(
         name=name,
         plan=plan,
@@ -120,7 +116,7 @@ def from_estimate(name: str, plan: Plan, report: Estimate, **fields: Any) -> Can
         collective_bytes=sum(row["sent_bytes"] for row in report.collectives),
         collectives=dict(runs),
         fits=None,
-        predicted_s=predicted_s,
+        predicted_s=report.predicted_s,
         estimate=report,
         **fields,
     )
