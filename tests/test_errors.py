@@ -567,6 +567,8 @@ IN_PROCESS_CASES = {
     "plan --target --tp beside --mesh": (["plan", "--target", "8xH100", "--batch", "8", "--tp", "2", "--mesh", "data=8"], "--tp 2: not with --mesh data=8, which gives the whole mesh; add model=2 to --mesh instead"),
     "plan --target --tp beside --plan fsdp": (["plan", "--target", "8xH100", "--batch", "8", "--tp", "2", "--plan", "fsdp"], "--tp 2: only with --plan fsdp+tp, or --plan auto (which ranks a fsdp+tp candidate); --plan fsdp splits no weight over the model axis"),
     "plan --target --png under a file": (["plan", "--target", "8xH100", "--batch", "8", "--png", "{file}/memory.png"], "--png {file}/memory.png: cannot write it, {file} is not a directory"),
+    # issue 50: the network between a target's hosts, refused by name when unknown
+    "plan --target --network unknown": (["plan", "--target", "2x8xH100", "--network", "myrinet"], "--network myrinet: network must be one of 'ib-ndr', 'ib-hdr', 'gcp-a3-high', 'gcp-a3-mega', 'gcp-a3-ultra', 'aws-p5-efa', 'aws-p5e-efa', 'ethernet-100g' (or a cloud shape: a3-highgpu-8g, a3-megagpu-8g, a3-ultragpu-8g, p5.48xlarge, p5e.48xlarge, p5en.48xlarge), got 'myrinet'"),
     # issue 52: a run's settings in a file (--config) and key=value overrides, one schema
     "train key=value of an unknown key": (["train", "batchsize=32"], "batchsize=32: unknown key 'batchsize'; did you mean batch_size?"),
     "train key=value of a run's non-setting": (["train", "config=run.yaml"], "config=run.yaml: 'config' is not a setting of a run"),
@@ -1368,6 +1370,7 @@ def _eqx_state_of_a_same_named_model_of_another_width():
         (lambda: _estimate_with(tokens=-256), ValueError, "sx.estimate: tokens (per step) must be a finite number > 0, got -256"),
         (lambda: _estimate_with(links={"intra-host": 0}), ValueError, "sx.estimate: links['intra-host'] (bytes/s) must be a finite number > 0, got 0"),
         (lambda: _estimate_with(links={"nvlink": 1.0}), ValueError, "sx.estimate: links names 'nvlink', which is not a link; the links are 'intra-host', 'inter-host', 'inter-slice' ('intra-host': NVLink or ICI"),
+        (lambda: sx.target("2x8xH100", network="myrinet"), ValueError, "sx.target: network must be one of 'ib-ndr', 'ib-hdr', 'gcp-a3-high', 'gcp-a3-mega', 'gcp-a3-ultra', 'aws-p5-efa', 'aws-p5e-efa', 'ethernet-100g' (or a cloud shape: a3-highgpu-8g, a3-megagpu-8g, a3-ultragpu-8g, p5.48xlarge, p5e.48xlarge, p5en.48xlarge), got 'myrinet'"),
         (lambda: sx.target("2x16xH100"), ValueError, "sx.target: name '2x16xH100' puts 16 H100 GPUs on one host, but an HGX/DGX H100 host (one NVLink domain, the server the datasheet's figures describe) holds at most 8; write '32xH100' (4 hosts of 8)"),
         (_abstract_state_in_a_step, TypeError, "sx.train.TrainStep: the state holds abstract values (jax.ShapeDtypeStruct), and a step runs on arrays: build the state with step.init(...)"),
         (_verify_with_an_abstract_batch, TypeError, "sx.verify: batch holds abstract values (jax.ShapeDtypeStruct at ['x']: float32[8, 4]), and sx.verify runs the step and its one-device reference on values: pass concrete ones"),
