@@ -14,7 +14,8 @@ multi-process run (``sx.initialize()``) sleep in step S under ``--watchdog``, an
 ``--late T`` makes process 0 sleep T seconds in step S-1, so its watchdog fires T seconds
 after process 1's (as on a loaded machine); ``--stall-data-at S`` makes the loader sleep
 before it yields step S's batch; ``--kill-at S`` kills process 1 with -9 in step S of the
-run's first start (``--snapshots N``: ``sx.loop.run``'s ``snapshots``).
+run's first start, ``--kill-in-snapshot S`` while its snapshot of step S is written
+(``--snapshots N``: ``sx.loop.run``'s ``snapshots``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -36,7 +38,7 @@ DATA = {"x": ROWS[:, :8], "y": np.sin(ROWS[:, 8:])}
 def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_at: int = 0,
           hang_at: int = 0, watchdog: float | None = None,
           late: float = 0.0, stall_data_at: int = 0, kill_at: int = 0,
-          snapshots: int | None = None) -> dict[str, Any]:  # fmt: skip
+          kill_in_snapshot: int = 0, snapshots: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Trains to ``steps`` (resuming from ``ckpt`` when it holds a checkpoint); returns
     this session's losses (by step) and the final params as lists."""
     import jax
@@ -74,6 +76,13 @@ def train(flavour: str, ckpt: str, steps: int, *, save_every: int = 4, sigterm_a
         first_start = not os.environ.get("SHARDAX_RESTART")
         if run.step == kill_at and jax.process_index() == 1 and first_start:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash, in the first start only
+
+    if kill_in_snapshot and jax.process_index() == 1 and not os.environ.get("SHARDAX_RESTART"):
+        from shardax.runtime import faults
+
+        where = os.environ.get("SHARDAX_SNAPSHOT_DIR")
+        threading.Thread(target=faults.kill_while_saving, args=(where, kill_in_snapshot),
+                         daemon=True).start()  # fmt: skip
 
     every = {"save": save_every, "log": 1}  # each step's loss written and checked finite
     writer = f"{ckpt}-metrics"
@@ -135,6 +144,7 @@ def main() -> int:
     parser.add_argument("--stall-data-at", type=int, default=0)
     parser.add_argument("--cpu-devices", type=int, default=None)
     parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--kill-in-snapshot", type=int, default=0)
     parser.add_argument("--snapshots", type=int, default=None)
     args = parser.parse_args()
     import jax
@@ -148,6 +158,7 @@ def main() -> int:
                 sigterm_at=args.sigterm_at, hang_at=args.hang_at,
                 watchdog=args.watchdog, late=args.late,
                 stall_data_at=args.stall_data_at, kill_at=args.kill_at,
+                kill_in_snapshot=args.kill_in_snapshot,
                 snapshots=args.snapshots)  # fmt: skip
     print("RESULT " + json.dumps(out), flush=True)
     return 0

@@ -10,7 +10,9 @@ benchmark (``benchmarks/faults.py``) and the recovery tests use it. The kinds:
 - ``exit``: ``os._exit(1)``, with no traceback;
 - ``kill``: SIGKILL to itself, as the out-of-memory killer does;
 - ``stop``: SIGSTOP to itself, as a process that hangs outside Python;
-- ``hang``: a step that never returns (sleeps in Python; ``--step-timeout`` ends it).
+- ``hang``: a step that never returns (sleeps in Python; ``--step-timeout`` ends it);
+- ``snapshot-kill``: SIGKILL to itself while the host-memory snapshot of that step is
+  being written (``kill_while_saving``): the snapshot before it must be the one restored.
 
 >>> planned("1:5:raise, 0:9:kill")
 [Fault(rank=1, step=5, kind='raise'), Fault(rank=0, step=9, kind='kill')]
@@ -20,11 +22,17 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
+from shardax.runtime.launcher import ENV_SNAPSHOT_DIR
+
 ENV_FAULT = "SHARDAX_FAULT"
-KINDS = ("raise", "exit", "kill", "stop", "hang")
+KINDS = ("raise", "exit", "kill", "stop", "hang", "snapshot-kill")
+IN_FLIGHT = ".orbax-checkpoint-tmp"
+"""The suffix of a step orbax is still writing: it commits the step by renaming it."""
 
 
 class Fault(NamedTuple):
@@ -65,5 +73,42 @@ def inject(step: int, rank: int, restart: int = 0) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        if fault.kind == "snapshot-kill":
+            kill_while_saving(os.environ.get(ENV_SNAPSHOT_DIR), step)
         while fault.kind == "hang":
             time.sleep(3600)
+
+
+def kill_while_saving(
+    directory: str | os.PathLike[str] | None, step: int, timeout: float = 60.0
+) -> None:
+    """SIGKILLs this process the moment a save of ``step`` is in flight in a manager under
+    ``directory`` (its ``<step>.orbax-checkpoint-tmp`` exists, and no committed ``<step>``),
+    watching for up to ``timeout`` seconds; says on stderr what it saw first. Blocks: call
+    it after the save began, or from a thread of its own."""
+    if directory is None:
+        raise ValueError(
+            f"a snapshot-kill fault needs ${ENV_SNAPSHOT_DIR}: run under "
+            "shardax launch --max-restarts K with snapshots on"
+        )
+    root, deadline = Path(directory), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for manager in root.glob("*"):
+            if (manager / f"{step}{IN_FLIGHT}").exists() and not (manager / str(step)).exists():
+                print(
+                    f"injected fault ({ENV_FAULT}): SIGKILL while the snapshot of step "
+                    f"{step} is written",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
+            if (manager / str(step)).exists():
+                raise RuntimeError(
+                    f"injected fault ({ENV_FAULT}): the snapshot of step {step} "
+                    "committed before the fault could land in it"
+                )
+        time.sleep(0.0005)
+    raise RuntimeError(
+        f"injected fault ({ENV_FAULT}): no snapshot of step {step} began within "
+        f"{timeout:g} s under {root}"
+    )

@@ -83,6 +83,7 @@ class RankStatus:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
 
     def set(self, phase: str, step: int | None = None) -> None:
         """Enters ``phase`` (one of ``PHASES``), in ``step`` when given."""
@@ -96,10 +97,12 @@ class RankStatus:
         self._start()
 
     def completed(self, step: int) -> None:
-        """Step ``step`` completed."""
+        """Step ``step`` completed: published at once (the launcher counts the steps a
+        failure lost from it), not at the next ``interval``."""
         self.last_completed = step
         self._version += 1
         self._start()
+        self._wake.set()
 
     def record(self) -> dict[str, Any]:
         return {"step": self.step, "completed": self._completed(), "phase": self.phase,
@@ -153,12 +156,14 @@ class RankStatus:
                     self.publish()
                 except Exception:  # the coordinator is gone: nothing left to tell
                     return
-            self._stop.wait(self.interval)
+            self._wake.wait(self.interval)
+            self._wake.clear()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops publishing and joins the thread (at most ``timeout`` seconds); at exit
         this runs by itself."""
         self._stop.set()
+        self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
