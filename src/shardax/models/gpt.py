@@ -298,21 +298,36 @@ class Attention(nnx.Module):
         self.impl = cfg.attention
         self.kernel = cfg.kernel
         self.window = None if cfg.window is None else (cfg.window, 0)
+        # The matmuls' hook, as nnx.Linear's (precision="fp8" sets fp8_dot_general)
+        self.dot_general = jax.lax.dot_general
 
     def __call__(self, x: jax.Array, ctx: Context | None = None) -> jax.Array:
         ctx = ctx or Context()
         # In the params' dtype (the compute dtype: bf16 under precision="bf16"): the
         # norm before may give float32, and cuDNN's fused attention takes bf16 only.
         x = x.astype(self.q[...].dtype)
-        q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
-        k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
-        v = jnp.einsum("btd,dhk->bthk", x, self.v[...])
+        q = dense(self.dot_general, x, self.q[...])  # btd,dhk->bthk
+        k = dense(self.dot_general, x, self.k[...])
+        v = dense(self.dot_general, x, self.v[...])
         if self.rotary:
             positions = _positions(ctx, x.shape[1])
             q, k = rotary(q, positions), rotary(k, positions)
         y = attention(q, k, v, causal=True, segment_ids=ctx.segment_ids, window=self.window,
                       impl=self.impl, kernel=self.kernel, layout=ctx.layout)  # fmt: skip
-        return jnp.einsum("bthk,hkd->btd", y, self.out[...])
+        return dense(self.dot_general, y, self.out[...], contract=2)  # bthk,hkd->btd
+
+
+def dense(dot_general: Callable[..., jax.Array], x: jax.Array, w: jax.Array,
+          contract: int = 1) -> jax.Array:  # fmt: skip
+    """``x``'s last ``contract`` dims times ``w``'s first ones through ``dot_general``
+    (``jax.lax.dot_general``, or ``shardax.parallel.fp8.fp8_dot_general`` under
+    ``precision="fp8"``): every block matmul of the GPT.
+
+    >>> dense(jax.lax.dot_general, jnp.ones((2, 3, 4)), jnp.ones((4, 2, 5))).shape
+    (2, 3, 2, 5)
+    """
+    lhs = tuple(range(x.ndim - contract, x.ndim))
+    return dot_general(x, w, ((lhs, tuple(range(contract))), ((), ())))
 
 
 def _positions(ctx: Context, seq: int) -> jax.Array:
@@ -329,13 +344,15 @@ class MLP(nnx.Module):
         d, m = cfg.d_model, cfg.mlp_dim
         self.up = _param(rngs, (d, m), ("embed", "mlp"), d**-0.5)
         self.down = _param(rngs, (m, d), ("mlp", "embed"), m**-0.5 / math.sqrt(2 * cfg.layers))
+        self.dot_general = jax.lax.dot_general  # as Attention's
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # In the params' dtype, as Attention: the norm before gives float32, and a float32
         # input made both matmuls float32 under precision="bf16" (two thirds of the
         # layer's FLOPs at the TF32 rate or below, and twice the activation bytes).
         x = x.astype(self.up[...].dtype)
-        return jax.nn.gelu(x @ self.up[...]) @ self.down[...]
+        h = jax.nn.gelu(dense(self.dot_general, x, self.up[...]))
+        return dense(self.dot_general, h, self.down[...])
 
 
 class _PreNorm(nnx.Module):

@@ -33,6 +33,7 @@ from shardax.plan.tree import is_array, is_key, map_arrays, path_str
 from shardax.train.accumulate import microbatched
 from shardax.train.batchnorm import over_data_axis
 from shardax.train.config import StepConfig, from_config
+from shardax.train.fp8_layers import matmul_routing, route
 from shardax.train.loss import check_mapped_aux, takes_state
 from shardax.train.masks import valid_count
 from shardax.train.model import LinenModel, call_binding_streams, is_stateful
@@ -164,9 +165,14 @@ class PerShard:
             kwargs = {name: kwargs[name] for name in self._filled}
 
             def loss(params: Any) -> tuple[jax.Array, Any]:
+                with matmul_routing(policy.matmul, policy.keep):
+                    return routed_loss(params)
+
+            def routed_loss(params: Any) -> tuple[jax.Array, Any]:
                 def bind() -> Any:
                     cast = cast_floating(params, policy.compute_dtype)
-                    return adapter.bind(cast, model_state, rng)
+                    model = adapter.bind(cast, model_state, rng)
+                    return route(model, policy.keep) if policy.matmul == "fp8" else model
 
                 if stateful:
                     model = bind()

@@ -34,6 +34,7 @@ Array(4., dtype=float32)
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -93,7 +94,16 @@ class Precision(NamedTuple):
             and backward passes.
         output_dtype: the loss and the metrics are cast to it.
         loss_scaling: dynamic loss scaling settings, or None for no scaling.
+        matmul: ``"default"`` (the matmuls in ``compute_dtype``) or ``"fp8"``: the dense
+            layers' matmuls as fp8 GEMMs (E4M3 forward, E5M2 gradients, one current
+            scale per tensor; ``shardax.parallel.fp8``), the rest in ``compute_dtype``
+            (which layers: ``shardax.train.fp8_layers``).
+        keep: under ``matmul="fp8"``, regexes of layer paths (``re.search``) that stay in
+            ``compute_dtype``, e.g. ``("head", "layers/0")`` for an LM head and a first
+            layer of your own.
 
+    >>> sx.Precision(compute_dtype=jnp.bfloat16, matmul="fp8", keep=("head",)).matmul
+    'fp8'
     >>> policy = Precision(compute_dtype=jnp.float16, loss_scaling=LossScaling(period=500))
     >>> policy.loss_scaling.initial, policy.param_dtype == jnp.float32
     (32768.0, True)
@@ -103,18 +113,24 @@ class Precision(NamedTuple):
     compute_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
     loss_scaling: LossScaling | None = None
+    matmul: str = "default"
+    keep: tuple[str, ...] = ()
 
+
+MATMULS = ("default", "fp8")
+"""``Precision.matmul``: the matmuls in the compute dtype, or as fp8 GEMMs."""
 
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision(),
     "bf16": Precision(compute_dtype=jnp.bfloat16),
     "fp16": Precision(compute_dtype=jnp.float16, loss_scaling=LossScaling()),
+    "fp8": Precision(compute_dtype=jnp.bfloat16, matmul="fp8"),
 }
 
 
 def resolve(precision: str | Precision) -> Precision:
-    """The [`Precision`][shardax.Precision] for ``"fp32"``, ``"bf16"``, ``"fp16"`` or a
-    ``Precision``,
+    """The [`Precision`][shardax.Precision] for ``"fp32"``, ``"bf16"``, ``"fp16"``,
+    ``"fp8"`` or a ``Precision``,
     with its dtypes as NumPy dtypes; raises naming the value for anything else."""
     if isinstance(precision, str):
         if precision not in PRECISIONS:
@@ -144,11 +160,21 @@ def resolve(precision: str | Precision) -> Precision:
         raise TypeError(
             f"Precision.loss_scaling must be an sx.train.LossScaling or None, got {scaling!r}"
         )
-    return precision._replace(**dtypes)
+    if precision.matmul not in MATMULS:
+        raise ValueError(f"Precision.matmul must be one of {MATMULS}, got {precision.matmul!r}")
+    keep = precision.keep
+    if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
+        raise TypeError(f"Precision.keep must be a tuple of regex strings, got {keep!r}")
+    for pattern in keep:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"Precision.keep: {pattern!r} is not a regex ({error})") from None
+    return precision._replace(**dtypes, keep=tuple(keep))
 
 
 def policy_name(precision: Precision) -> str:
-    """``"fp32"``, ``"bf16"``, ``"fp16"`` for the named policies, else the repr."""
+    """``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8"`` for the named policies, else the repr."""
     for key, value in PRECISIONS.items():
         if resolve(value) == precision:
             return key
