@@ -7,6 +7,7 @@ together, and assert exit code 2, one line on stderr and no traceback.
 """
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 from shardax.checks import as_count, public
 from shardax.cli.main import main as cli_main
+from shardax.cost.calibration import from_tables
 from shardax.cost.memory import estimate
 from shardax.runtime.distributed import resolve_coordinates
 from shardax.runtime.rendezvous import roll_call
@@ -575,6 +577,9 @@ IN_PROCESS_CASES = {
     "train on/off key=value": (["train", "verify=maybe"], "verify=maybe: verify is on or off: expected true or false"),
     "train --config missing": (["train", "--config", "{empty}/run.yaml"], "--config {empty}/run.yaml: No such file or directory"),
     "train --config of no config suffix": (["train", "--config", "{file}"], "--config {file}: expected a .yaml, .yml, .json, .toml file, got suffix ''"),
+    # sixth sweep: two options of which one would be dropped, before anything starts
+    "plan --target --memory-fraction beside --device-memory": (["plan", "--target", "8xH100", "--batch", "8", "--memory-fraction", "0.9", "--device-memory", "40"], "--memory-fraction 0.9: not with --device-memory 40, the budget the plan must fit in place of the fraction's share of each device's memory; give one of them"),
+    "launch --cpu-devices beside the command's own": (["launch", "-n", "2", "--cpu-devices", "4", "--", "shardax", "train", "--cpu-devices", "8"], "--cpu-devices 4: the command's own --cpu-devices 8 wins in each process, so the 2 processes would drive 2 x 8 = 16 devices; give the count once"),
 }  # fmt: skip
 
 
@@ -1766,3 +1771,77 @@ def test_sixth_sweep_estimate_notes_a_while_loop_of_unknown_trips():
     ]
     plain = sx.estimate(sx.make_train_step(_loss, mesh=mesh), jax.eval_shape(_pytree_state), batch)
     assert not [n for n in plain.notes if "while loop" in n]
+
+
+# --- the sixth sweep, the rest (issue 56 item 4): a step that returns nothing, abstract
+# values to place, per-step options read only at start-up, tables of no platform, a batch
+# no device holds, a full disk under the run directory ---------------------------------
+
+
+def _none_step(params, batch):
+    jnp.sum(batch["x"])  # forgets to return the new params
+
+
+_CPU_TABLES = {
+    "device": "cpu", "jax": "0.10.0", "date": "2026-12-01", "stream": [{"gbs": 25.0}],
+    "gemm": [{"m": 4096, "n": 4096, "k": 4096, "dtype": "bf16", "tflops": 1.0}],
+    "launch": [{"key": "per_kernel", "us": 2.0}, {"key": "one_kernel_program", "us": 20.0}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda: sx.verify(_none_step, {"w": jnp.ones((4, 2))}, _XY), ValueError, "sx.verify: step _none_step returned None, but its state holds no NNX object to update in place (only arrays), so the state comes back unchanged and verify would compare nothing; a functional step returns the new state first: (state, metrics)"),
+        (lambda: sx.prepare(jax.eval_shape(_pytree_state), mesh=sx.make_mesh()), TypeError, "sx.prepare: objects[0] holds abstract values (jax.ShapeDtypeStruct at .step: int32[]), and prepare places arrays: build the objects (model, optimizer) first, or build them placed with jax.jit(init, out_shardings=plan(abstract))"),
+        (lambda: sx.train.StepConfig(mesh=sx.make_mesh(), compiler_options={"xla_force_host_platform_device_count": 8}), ValueError, "sx.train.StepConfig: compiler_options['xla_force_host_platform_device_count'] is read once, when the process starts JAX's backend, not when a step compiles, so it would have no effect here: the number of CPU devices is fixed when the CPU backend starts; set it before: jax.config.update('jax_num_cpu_devices', n)"),
+        (lambda: sx.make_train_step(_loss, mesh=sx.make_mesh(), compiler_options={"xla_gpu_all_reduce_combine_threshold_bytes": -1}), ValueError, "sx.make_train_step: compiler_options['xla_gpu_all_reduce_combine_threshold_bytes'] (a size in bytes) must be an integer >= 0, got -1"),
+        (lambda: from_tables(_CPU_TABLES, where="cpu.json"), ValueError, "cpu.json: measured on a cpu device (it has no 'platform': its device is 'cpu'); the per-op model prices GPU programs, so its tables come from a GPU"),
+        (lambda: sx.cost.validate_batch_size(10**12, sx.HardwareType.H100), ValueError, "sx.cost.validate_batch_size: batch_size must be a number of examples one h100 device can hold, at least one byte each: at most its 79.65 GiB of memory, 85,520,809,984 examples; got 1,000,000,000,000"),
+    ],
+    ids=["verify-none-step", "prepare-abstract", "option-at-start", "option-negative-bytes", "tables-no-platform", "batch-size-past-memory"],
+)  # fmt: skip
+def test_sixth_sweep_the_rest_name_argument_rule_and_value(call, error, message):
+    with raises(error, message):
+        call()
+
+
+def test_a_batch_size_a_device_holds_is_judged_as_the_seed_judges_it():
+    assert sx.cost.validate_batch_size(10**9, sx.HardwareType.H100) == (True, "Batch size 1000000000 is optimal for h100.")  # fmt: skip
+
+
+@pytest.fixture
+def full_directory(tmp_path):
+    """A directory on a file system with no space left (a 16 KiB tmpfs, filled; root
+    only), skipped where mounting is not allowed."""
+    if os.geteuid() != 0:
+        pytest.skip("a full file system needs root to mount a tmpfs")
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)]).returncode:
+        pytest.skip("root without the right to mount a tmpfs: no full file system")
+    try:
+        with contextlib.suppress(OSError):
+            (mount / "filler").write_bytes(b"x" * (16 << 10))
+        (mount / "run").mkdir()
+        yield mount / "run"
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_a_full_disk_under_run_dir_names_it_and_keeps_the_run(full_directory, tmp_path, capsys):
+    """metrics.jsonl cannot be written: one warning naming --run-dir and the file, the run
+    goes on to its end and its checkpoints; summary.json cannot be written either: the
+    summary goes to stdout and the error names --run-dir."""
+    ck = tmp_path / "ck"
+    argv = ["train", "--epochs", "1", "--hidden", "16", "--compile-cache", "off"]
+    code = cli_main([*argv, "--run-dir", str(full_directory), "--checkpoint-dir", str(ck)])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert err.splitlines() == [
+        f"shardax train: warning: --run-dir {full_directory}: the metrics are not written from here on: [Errno 28] No space left on device (writing step 10): '{full_directory}/metrics.jsonl'; the run goes on without them",
+        f"shardax train: error: --run-dir {full_directory}: summary.json was not written (No space left on device); the summary is printed above as JSON instead; the checkpoints are in {ck}",
+    ]  # fmt: skip
+    summary = json.loads(out[out.index("\n{") :])
+    assert summary["steps"] == 12 and summary["metrics_error"].startswith("[Errno 28]")
+    assert sx.CheckpointManager(ck).all_steps()[-1] == 12

@@ -700,6 +700,32 @@ def _first_failed(
     return min(failed, key=key)[1]
 
 
+def refuse_two_counts(cpu_devices: int | None, cmd: list[str], processes: int) -> None:
+    """A usage error when launch's ``--cpu-devices`` and the command's own (a shardax
+    command's option, which wins over ``$SHARDAX_CPU_DEVICES``) differ.
+
+    >>> refuse_two_counts(4, ["shardax", "train", "--cpu-devices=4"], 2)
+    >>> refuse_two_counts(4, ["shardax", "train", "--cpu-devices", "8"], 2)
+    Traceback (most recent call last):
+    shardax.cli.common.UsageError: --cpu-devices 4: the command's own --cpu-devices 8 wins ...
+    """
+    if cpu_devices is None:
+        return
+    for i, word in enumerate(cmd):
+        if word == "--":
+            return
+        own = word.partition("=")[2] if word.startswith("--cpu-devices=") else None
+        if word == "--cpu-devices" and i + 1 < len(cmd):
+            own = cmd[i + 1]
+        if own is not None and own != str(cpu_devices):
+            total = f" = {processes * int(own)}" if own.isdigit() else ""
+            raise UsageError(
+                f"--cpu-devices {cpu_devices}: the command's own --cpu-devices {own} wins in "
+                f"each process, so the {processes} processes would drive {processes} x "
+                f"{own}{total} devices; give the count once"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     """Starts the processes and supervises them, restarting them all after a failure up to
     ``--max-restarts`` times; returns launch's exit code."""
@@ -708,6 +734,7 @@ def run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("give the command after --, e.g. -- python t.py")
+    refuse_two_counts(args.cpu_devices, cmd, args.num_processes)
     launch_dir = Path(args.launch_dir or default_launch_dir())
     check_writable_dir("--launch-dir", str(launch_dir))
     launch_dir.mkdir(parents=True, exist_ok=True)

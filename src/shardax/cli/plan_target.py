@@ -89,6 +89,12 @@ def refuse_ignored(args: argparse.Namespace) -> None:
                 "" if value is True else f" {value:g}" if isinstance(value, float) else f" {value}"
             )
             raise UsageError(f"--{dest.replace('_', '-')}{shown}: not with --target, {why}")
+    if args.memory_fraction is not None and args.device_memory is not None:
+        raise UsageError(
+            f"--memory-fraction {args.memory_fraction:g}: not with --device-memory "
+            f"{args.device_memory:g}, the budget the plan must fit in place of the fraction's "
+            "share of each device's memory; give one of them"
+        )
     if args.plans is not None and args.plan != "auto":
         raise UsageError(
             f"--plans {','.join(args.plans)}: only with --plan auto (the candidates it "

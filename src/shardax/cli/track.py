@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 import shardax as sx
-from shardax.cli.common import UsageError, path_arg, positive_int
+from shardax.cli.common import UsageError, path_arg, positive_int, warning
 from shardax.track.profile import parse_steps
 
 BACKENDS = ("tensorboard", "wandb", "mlflow")
@@ -65,6 +65,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class Metrics:
+    """The run's [`shardax.MetricWriter`][shardax.MetricWriter], whose failure to write (a
+    full disk) is one warning naming the option of the directory (``where``): the run
+    goes on without metrics from then on, so no step is lost for them, and the summary
+    records the failure (``error``)."""
+
+    def __init__(self, writer: Any, where: str) -> None:
+        self.writer, self.where, self.error = writer, where, None
+        self.path, self.log_dir = writer.path, writer.log_dir
+
+    def _failed(self, e: Exception) -> None:
+        if not isinstance(e.__cause__, OSError):  # not the disk: shardax's or a bad value
+            raise e
+        self.error = str(e.__cause__)
+        warning(
+            f"{self.where}: the metrics are not written from here on: {self.error}; the "
+            "run goes on without them",
+            "shardax train",
+        )
+
+    def write(self, step: int, scalars: Any) -> None:
+        if self.error is None:
+            try:
+                self.writer.write(step, scalars)
+            except RuntimeError as e:
+                self._failed(e)
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.writer.flush()
+            except RuntimeError as e:
+                self._failed(e)
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except RuntimeError as e:
+            if self.error is None:
+                self._failed(e)
+
+
 class Tracker:
     """Metrics, step clock, input-bound note and profiling of one training run.
 
@@ -108,12 +150,16 @@ class Tracker:
             )
         self.profile_dir = Path(base or ".") / "profile"
         try:
-            self.writer = sx.MetricWriter(
+            writer = sx.MetricWriter(
                 run_dir if run_dir is not None else ".",
                 log_dir=args.log_dir,
                 backends=backends,
                 config=config,
             )
+            where = f"--run-dir {args.run_dir}" if args.run_dir else f"the run directory {run_dir}"
+            if args.log_dir:
+                where += f" or --log-dir {args.log_dir}"
+            self.writer = Metrics(writer, where)
         except OSError as e:
             raise UsageError(f"--log-dir: {e.strerror or e}") from None
         except ImportError as e:
@@ -180,6 +226,7 @@ class Tracker:
             "data_wait_fraction": total.data_wait_fraction,
             "step_time_s": total.step_time,
             "metrics_jsonl": str(self.writer.path) if self.is_main else None,
+            "metrics_error": self.writer.error,
             "log_dir": str(self.writer.log_dir) if self.writer.log_dir else None,
             "profile_trace": str(self.profiler.trace_dir)
             if self.profiler is not None and self.profiler.trace_dir

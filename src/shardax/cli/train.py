@@ -262,11 +262,15 @@ def run(args: argparse.Namespace) -> int:
     if args.verify and not check(args, out, job):
         return 1
     summary = loop(args, out, job)
+    unwritten = None
     if jax.process_index() == 0:
         directory = Path(summary["run_dir"])
         summary["config"] = settings
-        summary["plot"] = plot(summary, job, directory, plots)
-        if args.json:
+        try:
+            summary["plot"] = plot(summary, job, directory, plots)
+        except OSError as e:  # a full disk: the summary goes to stdout instead
+            summary["plot"], unwritten = None, e
+        if args.json or unwritten is not None:
             print_json(summary)
         else:
             if job.report is not None:
@@ -288,4 +292,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{Path(summary['profile_trace']).parents[3]})",
                 soft_wrap=True, markup=False,
             )  # fmt: skip
+    if unwritten is not None:  # raised out of the except, so main names this error
+        where = f"--run-dir {args.run_dir}" if args.run_dir else f"run directory {directory}"
+        kept = f"; the checkpoints are in {args.checkpoint_dir}" if args.checkpoint_dir else ""
+        raise OSError(
+            f"{where}: summary.json was not written ({unwritten.strerror or unwritten}); the "
+            f"summary is printed above as JSON instead{kept}"
+        )
     return 0

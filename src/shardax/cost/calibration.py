@@ -278,10 +278,14 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
     if not isinstance(device, str) or not device:
         raise ValueError(f"{where}: no 'device' (the device kind the tables were measured on); "
                          f"got {device!r}")  # fmt: skip
-    platform = str(tables.get("platform", "gpu")).lower()
+    platform, said = str(tables.get("platform", "")).lower(), ""
+    if not platform:  # older tables: the device kind tells a CPU's ('cpu') or a TPU's
+        lower = device.lower()
+        platform = "cpu" if lower == "cpu" else "tpu" if "tpu" in lower else "gpu"
+        said = f" (it has no 'platform': its device is {device!r})"
     if platform not in ("gpu", "cuda", "rocm"):
-        raise ValueError(f"{where}: measured on a {platform} device; the per-op model prices "
-                         "GPU programs, so its tables come from a GPU")  # fmt: skip
+        raise ValueError(f"{where}: measured on a {platform} device{said}; the per-op model "
+                         "prices GPU programs, so its tables come from a GPU")  # fmt: skip
     gemm_fields = {"m": int, "n": int, "k": int, "dtype": str, "tflops": float}
     gemm = tuple(row for name in _GEMMS
                  for row in _parse(_rows(tables, name, where, name == "gemm"), name, where,

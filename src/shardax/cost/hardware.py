@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
@@ -320,6 +322,18 @@ def get_batch_size_recommendation(
     return BATCH_SIZE_TABLE.get(hw, _UNKNOWN)
 
 
+def memory_bytes(hardware_type: HardwareType) -> float | None:
+    """The memory of one device of ``hardware_type``: its datasheet's (``HARDWARE_SPECS``),
+    this host's for a CPU, else None (``UNKNOWN``)."""
+    spec = HARDWARE_SPECS.get(hardware_type)
+    if spec is not None:
+        return spec.memory_bytes
+    if hardware_type is HardwareType.CPU:
+        with contextlib.suppress(ValueError, OSError, AttributeError):  # no sysconf here
+            return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return None
+
+
 @public("sx.cost.validate_batch_size")
 def validate_batch_size(
     batch_size: int,
@@ -331,8 +345,10 @@ def validate_batch_size(
     The message is the seed's: it says "below minimum recommended", "below critical
     size", "optimal" or "acceptable", naming the size, the threshold and the hardware.
     Any integer is judged, as the seed judges it: 0 or a negative size is
-    ``(False, "... below minimum recommended ...")``. Only a value that is not an
-    integer (a string, a float, a bool) raises ``ValueError`` naming ``batch_size``.
+    ``(False, "... below minimum recommended ...")``. A value that is not an integer (a
+    string, a float, a bool) raises ``ValueError`` naming ``batch_size``, and so does a
+    size one device could not hold at one byte per example (more examples than the bytes
+    of its memory: the datasheet's, or this host's for a CPU), such as ``10**12``.
 
     >>> validate_batch_size(64, HardwareType.H100)[0]
     True
@@ -346,6 +362,13 @@ def validate_batch_size(
         if hardware_type is None
         else as_hardware_type("hardware_type", hardware_type)
     )
+    memory = memory_bytes(hw)
+    if memory is not None and batch_size > memory:
+        raise ValueError(
+            f"batch_size must be a number of examples one {hw.value} device can hold, at "
+            f"least one byte each: at most its {memory / GiB:.4g} GiB of memory, "
+            f"{int(memory):,} examples; got {batch_size:,}"
+        )
     rec = get_batch_size_recommendation(hw)
     where = f"for {hw.value}"
     if batch_size < rec.min_batch_size:

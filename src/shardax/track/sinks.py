@@ -69,11 +69,17 @@ class JsonlSink:
         self._file = self.path.open("a")
 
     def write(self, step: int, scalars: dict[str, float], wall_time: float) -> None:
-        self._file.write(json.dumps({"step": step, "time": wall_time, **scalars}) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps({"step": step, "time": wall_time, **scalars}) + "\n")
+            self._file.flush()
+        except OSError as e:  # a full disk: name the file and the step
+            raise OSError(e.errno, f"{e.strerror} (writing step {step})", str(self.path)) from e
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as e:  # what a failed write left in the buffer
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
 
 
 class TensorBoardSink:

@@ -192,15 +192,16 @@ class MetricWriter:
         self._closed = True
         self._queue.put(_STOP)
         self._thread.join()
-        for sink in self._sinks:
-            sink.close()
+        for sink in self._sinks:  # every sink closed; the first failure is raised
+            try:
+                sink.close()
+            except Exception as e:  # a full disk: what a failed write left in a buffer
+                self._errors.append(e)
         self._raise()
 
     def _raise(self) -> None:
         if self._errors:
-            raise RuntimeError(f"writing metrics failed: {self._errors[0]!r}") from (
-                self._errors[0]
-            )
+            raise RuntimeError(f"writing metrics failed: {self._errors[0]}") from (self._errors[0])
 
     def __enter__(self) -> MetricWriter:
         return self

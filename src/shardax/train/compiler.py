@@ -12,7 +12,9 @@ takes
   GPUs [`gpu_options`][shardax.train.gpu_options]; on CPUs and TPUs none for now (XLA's defaults);
 - ``"xla"``: XLA's own defaults, nothing set (the way back);
 - a mapping ``{name: value}``: exactly those (names of XLA's ``DebugOptions``, starting
-  with ``"xla_"``; values bool, int, float or str).
+  with ``"xla_"``; values bool, int, float or str; a ``*_bytes`` size an integer >= 0). An
+  option XLA reads only when the backend starts (``AT_START``:
+  ``xla_force_host_platform_device_count``) is refused: per step it has no effect.
 
 The options resolved for a step are ``step.compiler_options`` (a dict), shown in its repr.
 Under ``mode="pmap"`` they are none: ``jax.pmap`` takes no compiler options, so ``"auto"``
@@ -49,7 +51,7 @@ import jaxlib
 import numpy as np
 from jax.sharding import Mesh
 
-from shardax.checks import public, received
+from shardax.checks import as_count, public, received
 
 AUTO, XLA = "auto", "xla"
 """The two named settings: shardax's options for the platform, and XLA's own defaults."""
@@ -210,6 +212,15 @@ def auto_options(platform: str) -> dict[str, Value]:
     return gpu_options() if platform == "gpu" else {}
 
 
+AT_START = {
+    "xla_force_host_platform_device_count": "the number of CPU devices is fixed when the "
+    "CPU backend starts; set it before: jax.config.update('jax_num_cpu_devices', n), or "
+    "XLA_FLAGS=--xla_force_host_platform_device_count=n",
+}
+"""XLA options ``compiler_options`` refuses: ``DebugOptions`` fields that XLA accepts per
+compile but reads only when a backend starts (from ``XLA_FLAGS``), with what to do."""
+
+
 def check(value: Any, name: str = "compiler_options") -> str | dict[str, Value]:
     """``value`` checked: ``"auto"``, ``"xla"``, or a mapping from names starting with
     ``"xla_"`` to bool, int, float or str values (returned as a new dict).
@@ -239,11 +250,18 @@ def check(value: Any, name: str = "compiler_options") -> str | dict[str, Value]:
                 f"{name} names XLA options, which start with 'xla_' (e.g. "
                 f"'xla_gpu_enable_triton_gemm'); got key {received(key)}"
             )
+        if key in AT_START:
+            raise ValueError(
+                f"{name}[{key!r}] is read once, when the process starts JAX's backend, not "
+                f"when a step compiles, so it would have no effect here: {AT_START[key]}"
+            )
         if not isinstance(option, bool | int | float | str):
             raise TypeError(
                 f"{name}[{key!r}] must be a bool, int, float or str (XLA takes scalars), got "
                 f"{received(option)}"
             )
+        if key.endswith("_bytes"):  # a size: XLA takes a negative one without a word
+            option = as_count(f"{name}[{key!r}] (a size in bytes)", option, minimum=0)
         out[key] = option
     return out
 

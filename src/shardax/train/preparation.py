@@ -43,6 +43,7 @@ from shardax.plan.placed import record
 from shardax.plan.tree import is_array
 from shardax.runtime.processes import device_put_global
 from shardax.train.model import is_equinox
+from shardax.train.program import refuse_abstract
 from shardax.train.state import TrainState, is_nnx_optimizer, optimizer_opt_state
 
 
@@ -287,6 +288,13 @@ def _record_plan(placed: list[Any]) -> None:
             record(obj.opt_state)
 
 
+PLACES_ARRAYS = (
+    "prepare places arrays: build the objects (model, optimizer) "
+    "first, or build them placed with jax.jit(init, out_shardings=plan(abstract)); a plan "
+    "gives abstract values their shardings without prepare (sx.fsdp(mesh)(abstract))"
+)
+
+
 def _check_placeable(i: int, obj: Any) -> None:
     """Raises ``TypeError`` for an argument [`prepare`][shardax.prepare] cannot place: no arrays in
     it
@@ -294,6 +302,7 @@ def _check_placeable(i: int, obj: Any) -> None:
     (``optax.sgd``'s ``EmptyState``, None) has nothing to place and passes."""
     if _is_loader(obj):
         return
+    refuse_abstract(f"objects[{i}]", obj, PLACES_ARRAYS)
     leaves = jax.tree.leaves(obj)
     if not leaves or _has_arrays(obj):
         return

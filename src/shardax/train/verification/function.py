@@ -209,7 +209,15 @@ class FunctionSide:
         return seen
 
     def _distributed(self, start: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
-        return split_out(self._fn(*start, self.batch), start)
+        out = self._fn(*start, self.batch)
+        if out is None and not is_graph(start):  # nothing came back and nothing changed
+            raise ValueError(
+                f"step {self.what} returned None, but its state holds no NNX object to "
+                "update in place (only arrays), so the state comes back unchanged and "
+                "verify would compare nothing; a functional step returns the new state "
+                "first: (state, metrics)"
+            )
+        return split_out(out, start)
 
     def _on_one(self, start: tuple[Any, ...], batch: Any) -> dict[str, Any]:
         """The reference step on a copy of ``start`` on the device, over ``batch``
