@@ -350,6 +350,15 @@ def parse_target(name: str) -> dict[str, Any]:
     raise _unknown(name, "this is neither")
 
 
+CUDA_VERSIONS = {
+    "driver_version": "13.0.0",
+    "runtime_version": "12.8.0",
+    "compile_time_toolkit_version": "12.8.0",
+}
+"""The CUDA versions a GPU target claims (``gpu_device_info``): those of the device specs
+the jax-cuda12 plugin ships (XLA's ``gpu_specs``), the versions a pip install runs."""
+
+
 def gpu_target_config(kind: str, spec: HardwareSpec) -> str:
     """XLA's ``GpuTargetConfigProto`` in text form for a GPU of ``kind`` whose datasheet row
     is ``spec`` (its ``GpuArch`` and memory figures): what the files of
@@ -391,6 +400,10 @@ def gpu_target_config(kind: str, spec: HardwareSpec) -> str:
         "  }",
         "  registers_per_core_limit: 65536",
         "  registers_per_block_limit: 65536",
+        # The CUDA versions of the jax-cuda12 plugin's own device specs: without them XLA
+        # takes the runtime for CUDA 0 and gates version-dependent rewrites off (cuBLASLt's
+        # fp8 GEMMs, which need CUDA 12, ran as f16 GEMMs over upcast fp8 operands).
+        *(f'  {k}: "{v}"' for k, v in CUDA_VERSIONS.items()),
         "}",
         'platform_name: "CUDA"',
         "dnn_version_info {",

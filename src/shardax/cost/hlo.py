@@ -26,7 +26,9 @@ _OP = re.compile(
     r"= (\(.*?\)|\S+) (" + "|".join(OPS) + r")(-start)?\((.*)$",
     re.MULTILINE,
 )
-_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+# An array type's dtype: f32, bf16, pred, and the fp8 ones (f8e4m3fn, f8e5m2, f8e4m3fnuz)
+_DTYPE = r"[a-z]+\d*(?:e\d+m\d+[a-z]*)?"
+_SHAPE = re.compile(r"\b(" + _DTYPE + r")\[([\d,]*)\]")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,]*\})")
 # Newer XLA: replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_0'}
@@ -49,7 +51,7 @@ _CALLED = re.compile(
     r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}"
 )
 # A matmul's parts, and the branches of a conditional (shardax.cost.flops counts them).
-_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|[a-z]+\d*\[[\d,]*\]\S*) ")
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|" + _DTYPE + r"\[[\d,]*\]\S*) ")
 _DOT = re.compile(r"= (\S+) dot\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
 # A cuBLAS call's result is a tuple (the product, a workspace): the first shape is its.
 _GEMM = re.compile(
