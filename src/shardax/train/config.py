@@ -35,7 +35,7 @@ from shardax.data.spec import check_batch_spec
 from shardax.mesh.axes import DATA_AXIS
 from shardax.plan.core import Plan, axis_size, replicate
 from shardax.train.compiler import check as check_compiler_options
-from shardax.train.compiler import platform_of
+from shardax.train.compiler import compile_only, platform_of
 from shardax.train.compiler import resolve as resolve_compiler_options
 from shardax.train.precision import Precision, resolve
 from shardax.train.stats import DEFAULT_STATS, check_stats
@@ -249,8 +249,11 @@ class StepConfig:
     @functools.cached_property
     def resolved_compiler_options(self) -> dict[str, Any]:
         """The XLA options every jit of the step compiles with: ``compiler_options``
-        resolved for the mesh's platform and the mode (``shardax.train.compiler``)."""
-        return resolve_compiler_options(self.compiler_options, self.platform, self.mode)
+        resolved for the mesh's platform and the mode (``shardax.train.compiler``), and
+        for compile-only devices (an ``sx.target``'s)."""
+        deviceless = compile_only(self.mesh) is not None
+        return resolve_compiler_options(self.compiler_options, self.platform, self.mode,
+                                        deviceless)  # fmt: skip
 
     @property
     def plan_name(self) -> str:

@@ -33,6 +33,7 @@ from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
 from shardax.train.batch_placement import BatchPlacement
 from shardax.train.boxes import unconstrained_boxes
+from shardax.train.compiler import compile_only
 from shardax.train.compiler import describe as describe_options
 from shardax.train.config import StepConfig, from_config
 from shardax.train.loss import check_loss_fn
@@ -79,14 +80,6 @@ ABSTRACT_INSTEAD = (
     "compile it: step.lower(state, batch).compile() (memory_analysis(), cost_analysis()) or "
     "sx.estimate(step, state, batch) for its memory and predicted time"
 )
-
-
-def compile_only(mesh: Any) -> str | None:
-    """The device kind of ``mesh`` when its devices are compile-only (``sx.target``'s,
-    which hold no arrays and run nothing), else None."""
-    device = mesh.devices.flat[0]
-    runtime = getattr(getattr(device, "client", None), "runtime_type", "")
-    return str(device.device_kind) if runtime == "compile_only_runtime" else None
 
 
 def refuse_compile_only(mesh: Any, what: str) -> None:
