@@ -1834,14 +1834,19 @@ def test_a_full_disk_under_run_dir_names_it_and_keeps_the_run(full_directory, tm
     goes on to its end and its checkpoints; summary.json cannot be written either: the
     summary goes to stdout and the error names --run-dir."""
     ck = tmp_path / "ck"
-    argv = ["train", "--epochs", "1", "--hidden", "16", "--compile-cache", "off"]
+    argv = ["train", "--epochs", "1", "--hidden", "16", "--batch-size", "480", "--log-every", "1"]
     code = cli_main([*argv, "--run-dir", str(full_directory), "--checkpoint-dir", str(ck)])
     out, err = capsys.readouterr()
     assert code == 1, err
     assert err.splitlines() == [
-        f"shardax train: warning: --run-dir {full_directory}: the metrics are not written from here on: [Errno 28] No space left on device (writing step 10): '{full_directory}/metrics.jsonl'; the run goes on without them",
+        f"shardax train: warning: --run-dir {full_directory}: the metrics are not written from here on: [Errno 28] No space left on device (writing step 2): '{full_directory}/metrics.jsonl'; the run goes on without them",
         f"shardax train: error: --run-dir {full_directory}: summary.json was not written (No space left on device); the summary is printed above as JSON instead; the checkpoints are in {ck}",
     ]  # fmt: skip
     summary = json.loads(out[out.index("\n{") :])
-    assert summary["steps"] == 12 and summary["metrics_error"].startswith("[Errno 28]")
-    assert sx.CheckpointManager(ck).all_steps()[-1] == 12
+    assert summary["steps"] == 3 and summary["metrics_error"].startswith("[Errno 28]")
+    assert sx.CheckpointManager(ck).all_steps()[-1] == 3
+
+
+def test_a_full_disk_under_a_loops_checkpoints_names_the_argument(full_directory):
+    with raises(OSError, f"sx.loop.Run.after_step: checkpoint step 1 was not saved in {full_directory}/ck: No space left on device. Nothing of step 1 was committed; the steps saved before it are kept. Free space in {full_directory}/ck, or pass another directory as checkpoints="):  # fmt: skip
+        _loop(full_directory / "ck", every={"save": 1})

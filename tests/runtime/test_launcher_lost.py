@@ -385,3 +385,61 @@ def test_your_own_nnx_loop_recovers_in_the_job_bitwise(tmp_path):
     steps = sorted(int(s) for s in got["losses"])  # this session's: from the snapshot on
     assert steps[0] >= 5 and steps[-1] == 12, steps
     assert all(got["losses"][str(s)] == want["losses"][str(s)] for s in steps)
+
+
+@pytest.mark.timeout(600)
+def test_a_process_that_cannot_come_back_shrinks_the_run_as_a_planned_elastic_resume(tmp_path):
+    """``--min-processes 1``: process 1 is killed after step 3 and its place is lost (every
+    later start there fails at once: a ``lost`` fault). The first restart cannot bring it
+    back, so the run shrinks from 2 processes x 2 devices to 1 x 2, with twice the
+    microbatches, and ends as a planned elastic resume from the step it restored, at that
+    size (``--resume --accumulate 2`` on one process), does: bitwise."""
+    launch_dir, ckpt, copied = tmp_path / "launch", tmp_path / "ckpt", tmp_path / "at-shrink"
+    train = ["--epochs", "2", "--hidden", "32", "--batch-size", "256"]
+    argv = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "2", "--max-restarts", "2",
+            "--min-processes", "1", "--launch-dir", str(launch_dir), "--", sys.executable,
+            "-m", "shardax", "train", *train, "--run-dir", str(tmp_path / "run"),
+            "--checkpoint-dir", str(ckpt), "--save-every", "1", "--snapshot-every", "1",
+            "--log-every", "1"]  # fmt: skip
+    out = tmp_path / "launch.out"
+    with out.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env={**CLEAN_ENV, "SHARDAX_FAULT": "1:3:lost"})  # fmt: skip
+    try:  # the checkpoints as the shrunk run finds them: what a planned resume starts from
+        deadline = time.monotonic() + 300
+        while len(launcher.read_status(launch_dir).get("restarts", [])) < 2:
+            assert proc.poll() is None, out.read_text()[-4000:]
+            assert time.monotonic() < deadline, out.read_text()[-4000:]
+            time.sleep(0.01)
+        shutil.copytree(ckpt, copied / "ckpt")
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    text = out.read_text()
+    assert code == 0, text[-4000:]
+    first, second = launcher.read_status(launch_dir)["restarts"]
+    assert first["rank"] == 1 and "killed by SIGKILL" in first["cause"], first
+    assert first["processes"] == 2 and first.get("first_step") is None, first  # never came back
+    assert second["rank"] == 1 and "place 1 was lost" in second["cause"], second
+    assert second["shrunk_to"] == 1 and second["processes"] == 1, second
+    assert "could not come back" in text and "the run shrinks to 1 of 2 processes" in text
+    assert "the run shrank from 2 to 1 processes: --accumulate 1 -> 2" in text, text[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["processes"] == 1 and summary["accumulate"] == 2
+    assert summary["resumed_from_step"] == second["restored_step"] >= 2
+    # The planned elastic resume, from the same step, at the size the run shrank to.
+    argv = [sys.executable, "-m", "shardax", "train", "--cpu-devices", "2", *train,
+            "--accumulate", "2", "--resume", "--checkpoint-dir", str(copied / "ckpt"),
+            "--run-dir", str(copied / "run"), "--save-every", "1000",
+            "--log-every", "1"]  # fmt: skip
+    planned = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=CLEAN_ENV)
+    assert planned.returncode == 0, planned.stderr[-4000:]
+    want = json.loads((copied / "run" / "summary.json").read_text())
+    assert want["resumed_from_step"] == summary["resumed_from_step"]
+    keys = ("epoch", "step", "train_loss", "train_accuracy", "test_loss", "test_accuracy")
+    assert [{k: h[k] for k in keys} for h in summary["history"]] == [
+        {k: h[k] for k in keys} for h in want["history"]
+    ]
+    got, expected = final_params(ckpt), final_params(copied / "ckpt")
+    for path in expected:
+        np.testing.assert_array_equal(got[path], expected[path], err_msg=path)

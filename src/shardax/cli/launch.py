@@ -74,12 +74,15 @@ from shardax.runtime.distributed import (
 from shardax.runtime.launcher import (
     ENV_LAUNCH_DIR,
     ENV_LAUNCHER_PID,
+    ENV_PLANNED,
     ENV_RESTART,
+    ENV_SLOT,
     ENV_SNAPSHOT_DIR,
     rank_log,
+    read_status,
     update_status,
 )
-from shardax.runtime.status import read_record
+from shardax.runtime.status import read_record, record_path
 from shardax.train.compiler import set_gpu_environment
 
 RUNTIME_CHATTER = re.compile(r"\[Gloo\] |peer ranks\. Expected number of connected peer ranks is")
@@ -164,6 +167,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "snapshot (shardax train --snapshot-every) or checkpoint (default: 0, none)",
     )
     parser.add_argument(
+        "--min-processes",
+        type=positive_int,
+        default=None,
+        help="with --max-restarts: when a process cannot come back (it fails again before "
+        "the restarted run's first step), go on with fewer processes, down to this many: the "
+        "largest count that divides -n, so the data axis shrinks and shardax train keeps the "
+        "global batch by accumulating more microbatches (default: -n, never shrink)",
+    )
+    parser.add_argument(
         "--launch-dir",
         type=path_arg,
         default=None,
@@ -190,6 +202,8 @@ def process_env(
     launch_dir: str | os.PathLike[str] | None = None,
     restart: int = 0,
     snapshot_dir: str | os.PathLike[str] | None = None,
+    slot: int | None = None,
+    planned: int | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of process ``rank``: ``base`` (default ``os.environ``) plus the
@@ -199,7 +213,9 @@ def process_env(
     ``CUDA_DEVICE_MAX_CONNECTIONS=1``) where ``base`` does not set them. With a
     ``launch_dir``, also this launcher's pid and that directory, by which the process
     stops when the launcher is gone (``shardax.runtime.launcher``); after a failure the
-    number of the ``restart`` and, for in-job recovery, the ``snapshot_dir``.
+    number of the ``restart`` and, for in-job recovery, the ``snapshot_dir``; the process's
+    ``slot`` (default: ``rank``) and the ``planned`` count (default: ``num_processes``),
+    which differ from them once a run has shrunk.
 
     >>> env = process_env(1, 2, 1234, base={})
     >>> env[ENV_PROCESS_ID], env["CUDA_DEVICE_MAX_CONNECTIONS"]
@@ -212,6 +228,8 @@ def process_env(
             ENV_COORDINATOR: f"127.0.0.1:{port}",
             ENV_NUM_PROCESSES: str(num_processes),
             ENV_PROCESS_ID: str(rank),
+            ENV_SLOT: str(rank if slot is None else slot),
+            ENV_PLANNED: str(num_processes if planned is None else planned),
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -289,11 +307,13 @@ def _forward(
     log: IO[str] | None = None,
     lost: set[int] | None = None,
     errors: dict[int, str] | None = None,
+    tail: dict[int, str] | None = None,
 ) -> None:
     """Copies ``pipe``'s lines to ``out`` (after ``[rank] `` if ``prefix``), and to ``log``
     unprefixed; runtime chatter goes to ``err``, always prefixed. A stream that fails
     (a closed terminal) is left out from then on, its ``id`` added to ``lost``: the pipe
-    is still read to its end, so the process never blocks on a full pipe."""
+    is still read to its end, so the process never blocks on a full pipe. ``errors``
+    keeps the last line of a traceback (the exception), ``tail`` the last line, by rank."""
     if pipe is None:
         return
     lost = set() if lost is None else lost
@@ -306,6 +326,8 @@ def _forward(
             raised.setdefault(rank, time.monotonic())
         if errors is not None and line.strip() and not chatter and rank in (raised or {}):
             errors[rank] = line.strip()  # a traceback's last line: the exception
+        if tail is not None and line.strip() and not chatter:
+            tail[rank] = line.strip()
         with lock:
             text = f"[{rank}] {line}\n" if prefix or chatter else f"{line}\n"
             for target, what in ((stream, text), (log, f"{line}\n")):
@@ -454,23 +476,47 @@ class LaunchRecord:
         self.failure = failure
         self.write(lambda s: s.update(failure=failure, message=failure["line"]))
 
-    def restarting(self, failure: dict[str, Any], restart: int, most: int) -> None:
-        """Says and records that every process restarts after ``failure``."""
+    def restarting(self, failure: dict[str, Any], restart: int, most: int, count: int) -> None:
+        """Says and records that every process (``count`` of them) restarts after
+        ``failure``."""
         line = (
             f"shardax launch: restart {restart} of {most}: every process starts again, with a "
             f"fresh coordinator port, after {describe_failure(failure)}"
         )
+        self.say(line)
+        entry = {**failure, "restart": restart, "processes": count}
+        self.write(lambda s: s.setdefault("restarts", []).append(entry))
+
+    def shrinking(self, failure: dict[str, Any], slot: int, planned: int, count: int) -> None:
+        """Says that the run goes on with ``count`` of its ``planned`` processes, the
+        place ``slot`` left out."""
+        self.say(
+            f"shardax launch: process {failure['rank']} (place {slot} of the {planned}) could "
+            f"not come back: it failed again before the restarted run's first step; the run "
+            f"shrinks to {count} of {planned} processes (the largest count >= --min-processes "
+            f"that divides {planned}): the data axis is {planned // count}x smaller, and "
+            f"shardax train keeps the global batch with {planned // count}x the microbatches"
+        )
+        failure["shrunk_to"] = count
+
+    def gave_up(
+        self, failure: dict[str, Any], most: int, shrink: tuple[int, int, int] | None = None
+    ) -> None:
+        history = f"{most} restart(s) spent" if most else "no restart allowed (--max-restarts 0)"
+        if shrink is not None:
+            slot, count, least = shrink
+            history = (
+                f"place {slot} could not come back, and fewer than --min-processes {least} of "
+                f"the {count} processes would be left"
+            )
+        line = f"shardax launch: giving up after {describe_failure(failure)}: {history}"
+        self.say(line)
+        self.write(lambda s: s.update(message=line))
+
+    def say(self, line: str) -> None:
         with contextlib.suppress(OSError, ValueError):
             self.err.write(line + "\n")
             self.err.flush()
-        self.write(lambda s: s.setdefault("restarts", []).append({**failure, "restart": restart}))
-
-    def gave_up(self, failure: dict[str, Any], most: int) -> None:
-        history = f"{most} restart(s) spent" if most else "no restart allowed (--max-restarts 0)"
-        line = f"shardax launch: giving up after {describe_failure(failure)}: {history}"
-        with contextlib.suppress(OSError, ValueError):
-            self.err.write(line + "\n")
-        self.write(lambda s: s.update(message=line))
 
     def note(self, line: str) -> None:
         self.write(lambda s: s.update(message=line))
@@ -536,9 +582,10 @@ def supervise(
         )
         for r, p in enumerate(procs)
     ]
+    tail: dict[int, str] = {}  # rank -> the last line on its stderr
     readers += [
         threading.Thread(target=_forward, args=(r, p.stderr, err, err, lock),
-                         kwargs={"log": logs[r], **common})
+                         kwargs={"log": logs[r], "tail": tail, **common})
         for r, p in enumerate(procs)
     ]  # fmt: skip
     for t in readers:
@@ -556,7 +603,7 @@ def supervise(
             first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE), raised)
             halted = _halted(procs, stopped)
             if first is not None or halted is not None:
-                failure = _failure(procs, first, halted, raised, errors, record.directory)
+                failure = _failure(procs, first, halted, raised, errors, record.directory, tail)
                 first_failure = _say_failed(failure, err, lock, "stopping the others")
                 record.failed(failure)
                 stop(procs, grace)
@@ -583,7 +630,7 @@ def supervise(
         if first is not None and first.returncode == PREEMPTED_EXIT_CODE:
             first_failure = PREEMPTED_EXIT_CODE
         elif first is not None:  # every process ended between two polls: said here
-            failure = _failure(procs, first, None, raised, errors, record.directory)
+            failure = _failure(procs, first, None, raised, errors, record.directory, tail)
             first_failure = _say_failed(failure, err, lock, "all have ended")
             record.failed(failure)
     record.finished(procs, first_failure)
@@ -626,16 +673,19 @@ def _failure(
     raised: dict[int, float],
     errors: dict[int, str],
     directory: Path | None,
+    tail: dict[int, str] | None = None,
 ) -> dict[str, Any]:
     """What failed first: its rank, pid, host, exit code, cause (the signal that killed
-    it, its exception's line, its exit code, or how long it is stopped) and the step it
-    was in, as its last status record in ``directory`` says."""
+    it, its exception's line, its exit code with its last line on stderr where it printed
+    no traceback, or how long it is stopped) and the step it was in, as its last status
+    record in ``directory`` says."""
     if first is not None:
         rank, code = procs.index(first), exit_code(first.returncode)  # type: ignore[arg-type]
         if first.returncode < 0:  # type: ignore[operator]
             cause = f"killed by {signal.Signals(-first.returncode).name}"  # type: ignore[operator]
         else:
-            cause = f"exited with code {code}" + (f": {errors[rank]}" if rank in errors else "")
+            said = errors.get(rank) or (tail or {}).get(rank)
+            cause = f"exited with code {code}" + (f": {said}" if said else "")
     else:
         rank, code = halted, None  # type: ignore[assignment]
         cause = f"stopped (SIGSTOP) for {STOPPED_AFTER:g} s"
@@ -739,6 +789,13 @@ def run(args: argparse.Namespace) -> int:
     check_writable_dir("--launch-dir", str(launch_dir))
     launch_dir.mkdir(parents=True, exist_ok=True)
     snapshots = snapshot_dir(launch_dir) if args.max_restarts else None
+    planned, least = args.num_processes, args.min_processes or args.num_processes
+    if least > planned:
+        raise UsageError(
+            f"--min-processes {least}: a run cannot shrink to more than the -n "
+            f"{planned} processes it starts with; give at most {planned}"
+        )
+    slots = list(range(planned))  # the places still in the run; a rank indexes them
     record = LaunchRecord(launch_dir, sys.stderr)
     if snapshots is not None:
         record.write(lambda s: s.update(snapshots=str(snapshots), max_restarts=args.max_restarts))
@@ -750,12 +807,13 @@ def run(args: argparse.Namespace) -> int:
                 port = args.port if args.port and not attempt else free_port()  # a fresh one
                 envs = [
                     process_env(
-                        r, args.num_processes, port, cpu_devices=args.cpu_devices,
+                        r, len(slots), port, cpu_devices=args.cpu_devices,
                         heartbeat_timeout=args.heartbeat_timeout, launch_dir=launch_dir.resolve(),
-                        restart=attempt, snapshot_dir=snapshots,
+                        restart=attempt, snapshot_dir=snapshots, slot=slot, planned=planned,
                     )
-                    for r in range(args.num_processes)
+                    for r, slot in enumerate(slots)
                 ]  # fmt: skip
+                clear_records(launch_dir, planned)  # this start's steps only
                 try:
                     procs[:] = start_processes(cmd, envs, merge_stderr=False)
                 except OSError as e:  # not found, not executable
@@ -769,11 +827,47 @@ def run(args: argparse.Namespace) -> int:
                 if attempt == args.max_restarts:
                     record.gave_up(failure, args.max_restarts)
                     return code
-                record.restarting(failure, attempt + 1, args.max_restarts)
+                if attempt and least < planned and not came_back(launch_dir):
+                    kept = shrink_to(planned, len(slots) - 1, least)
+                    lost = slots[failure["rank"]]
+                    if kept is None:
+                        record.gave_up(failure, args.max_restarts, shrink=(lost, len(slots), least))
+                        return code
+                    slots = [s for s in slots if s != lost][:kept]
+                    record.shrinking(failure, lost, planned, kept)
+                record.restarting(failure, attempt + 1, args.max_restarts, len(slots))
     finally:
         if snapshots is not None:
             shutil.rmtree(snapshots, ignore_errors=True)
     return 0  # unreachable: the last attempt returns
+
+
+def shrink_to(planned: int, left: int, least: int) -> int | None:
+    """The process count a run of ``planned`` goes on with when ``left`` places are left:
+    the largest that divides ``planned`` (so a global batch the planned data axis divides,
+    the smaller one divides too, and the microbatches keep their size), at least ``least``;
+    None when there is none.
+
+    >>> shrink_to(4, 3, 1), shrink_to(8, 7, 2), shrink_to(2, 1, 1), shrink_to(4, 3, 3)
+    (2, 4, 1, None)
+    """
+    fits = [n for n in range(min(left, planned), least - 1, -1) if n and planned % n == 0]
+    return fits[0] if fits else None
+
+
+def came_back(launch_dir: Path) -> bool:
+    """Whether the run restarted last completed a step (its process 0 records the first
+    step of each restart in ``status.json``): a process that fails again before that could
+    not come back."""
+    restarts = read_status(launch_dir).get("restarts") or [{}]
+    return restarts[-1].get("first_step") is not None
+
+
+def clear_records(launch_dir: Path, count: int) -> None:
+    """Removes the processes' step records (``rank<r>.status``) of an earlier start."""
+    for rank in range(count):
+        with contextlib.suppress(FileNotFoundError):
+            record_path(launch_dir, rank).unlink()
 
 
 def snapshot_dir(launch_dir: Path) -> Path:

@@ -164,6 +164,7 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     except ValueError as e:
         raise UsageError(str(e)) from None
     recovery, snapshots = Recovery(), snapshot_manager(args)
+    faults.at_start(recovery.restart)  # a place a "lost" fault took stays lost
     manager, restored, directory, feed, record = start(args, job, snapshots, recovery)
     where = args.checkpoint_dir or directory
     path = Path(where, FILE) if where is not None and directory is not None else None

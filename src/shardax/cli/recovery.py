@@ -13,7 +13,10 @@ import argparse
 import os
 from typing import Any
 
+import jax
+
 from shardax.cli.common import UsageError
+from shardax.loop.recovery import planned_processes
 from shardax.loop.recovery import snapshot_manager as _manager
 from shardax.runtime.launcher import ENV_SNAPSHOT_DIR
 
@@ -54,3 +57,31 @@ def snapshot_manager(args: argparse.Namespace) -> Any:
     if snapshot_every(args) == 0:
         return None
     return _manager("train")
+
+
+def shrink(args: argparse.Namespace) -> str | None:
+    """Fits ``args`` to a run that shrank (``shardax launch --min-processes``): ``k`` times
+    fewer processes than planned give ``k`` times the microbatches (``--accumulate``), so
+    the global batch and each microbatch keep their sizes, and an explicit ``--mesh``'s
+    data axis ``k`` times smaller. Returns the line that says so; None when the run has
+    the processes it planned."""
+    planned, now = planned_processes(), jax.process_count()
+    if planned <= now:
+        return None
+    factor = planned // now
+    before, mesh = args.accumulate, dict(args.mesh or {})
+    args.accumulate = before * factor
+    data = mesh.get("data", -1)
+    if data != -1:
+        if data % factor:
+            raise UsageError(
+                f"--mesh {args.mesh}: the run shrank from {planned} to {now} processes, and "
+                f"its data axis {data} does not split {factor} ways; give a --mesh with a "
+                "data axis of -1 (every device left) to let a run shrink"
+            )
+        args.mesh = [(k, v // factor if k == "data" else v) for k, v in args.mesh]
+    return (
+        f"shardax train: the run shrank from {planned} to {now} processes: --accumulate "
+        f"{before} -> {args.accumulate} keeps the global batch of {args.batch_size} and its "
+        f"microbatches' size on a {factor}x smaller data axis"
+    )

@@ -41,7 +41,7 @@ from shardax.cli.common import (
 from shardax.cli.extras import available, install_hint, missing
 from shardax.cli.job import JOBS, add_job_arguments, apply_options, check_model_options, plan_names
 from shardax.cli.loop import loop
-from shardax.cli.recovery import snapshot_interval
+from shardax.cli.recovery import shrink, snapshot_interval
 from shardax.runtime import cache
 from shardax.runtime.compat import backends_are_initialized
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
@@ -257,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
     args.compile_before = cache.compile_stats()
     if args.precision is None:
         args.precision = default_precision(args.model, jax.default_backend())
+    shrunk = shrink(args)  # a run shardax launch --min-processes shrank
+    if shrunk and jax.process_index() == 0:
+        out.print(shrunk, soft_wrap=True, markup=False)
     islands.island_mesh(args)
     job = islands.islands_job(args, JOBS[args.model].make(args, out))
     if args.verify and not check(args, out, job):

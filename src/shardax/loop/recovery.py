@@ -25,6 +25,7 @@ import jax
 from shardax.checkpoint import CheckpointManager
 from shardax.runtime.launcher import (
     ENV_LAUNCH_DIR,
+    ENV_PLANNED,
     ENV_RESTART,
     ENV_SNAPSHOT_DIR,
     read_status,
@@ -42,6 +43,20 @@ def restart() -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"${ENV_RESTART} must be an integer, got {raw!r}") from None
+
+
+def planned_processes() -> int:
+    """The process count the launch planned (``shardax launch -n``): more than
+    ``jax.process_count()`` once the run has shrunk (``--min-processes``), when a loop
+    keeps its global batch with that many times the microbatches. Outside ``shardax
+    launch``, ``jax.process_count()``."""
+    raw = os.environ.get(ENV_PLANNED)
+    if not raw:
+        return jax.process_count()
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${ENV_PLANNED} must be an integer, got {raw!r}") from None
 
 
 def snapshot_directory() -> Path | None:

@@ -12,7 +12,11 @@ benchmark (``benchmarks/faults.py``) and the recovery tests use it. The kinds:
 - ``stop``: SIGSTOP to itself, as a process that hangs outside Python;
 - ``hang``: a step that never returns (sleeps in Python; ``--step-timeout`` ends it);
 - ``snapshot-kill``: SIGKILL to itself while the host-memory snapshot of that step is
-  being written (``kill_while_saving``): the snapshot before it must be the one restored.
+  being written (``kill_while_saving``): the snapshot before it must be the one restored;
+- ``lost``: SIGKILL to itself, and its place never comes back: every later start of the
+  process in that place (``$SHARDAX_SLOT``, its rank in the first start) exits with code 1
+  before its first step (``at_start``), as a lost host would (``shardax launch
+  --min-processes`` then shrinks the run).
 
 >>> planned("1:5:raise, 0:9:kill")
 [Fault(rank=1, step=5, kind='raise'), Fault(rank=0, step=9, kind='kill')]
@@ -27,10 +31,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from shardax.runtime.launcher import ENV_SNAPSHOT_DIR
+from shardax.runtime.launcher import ENV_SLOT, ENV_SNAPSHOT_DIR
 
 ENV_FAULT = "SHARDAX_FAULT"
-KINDS = ("raise", "exit", "kill", "stop", "hang", "snapshot-kill")
+KINDS = ("raise", "exit", "kill", "stop", "hang", "snapshot-kill", "lost")
 IN_FLIGHT = ".orbax-checkpoint-tmp"
 """The suffix of a step orbax is still writing: it commits the step by renaming it."""
 
@@ -69,7 +73,7 @@ def inject(step: int, rank: int, restart: int = 0) -> None:
             raise RuntimeError(f"injected fault ({ENV_FAULT}): process {rank} after step {step}")
         if fault.kind == "exit":
             os._exit(1)
-        if fault.kind == "kill":
+        if fault.kind in ("kill", "lost"):
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -77,6 +81,23 @@ def inject(step: int, rank: int, restart: int = 0) -> None:
             kill_while_saving(os.environ.get(ENV_SNAPSHOT_DIR), step)
         while fault.kind == "hang":
             time.sleep(3600)
+
+
+def at_start(restart: int) -> None:
+    """Ends a restarted process (``restart`` > 0) whose place a ``lost`` fault took, with
+    code 1 and a line saying so; nothing otherwise."""
+    slot = os.environ.get(ENV_SLOT)
+    if not restart or slot is None:
+        return
+    for fault in planned(os.environ.get(ENV_FAULT)):
+        if fault.kind == "lost" and str(fault.rank) == slot:
+            print(
+                f"injected fault ({ENV_FAULT}): place {slot} was lost after step {fault.step}; "
+                "a process started there cannot come back",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
 
 
 def kill_while_saving(

@@ -56,6 +56,12 @@ ENV_RESTART = "SHARDAX_RESTART"
 """How many times ``shardax launch --max-restarts`` restarted the processes (unset: 0)."""
 ENV_SNAPSHOT_DIR = "SHARDAX_SNAPSHOT_DIR"
 """Where the processes keep host-memory snapshots (``/dev/shm``, owned by the launcher)."""
+ENV_SLOT = "SHARDAX_SLOT"
+"""The place this process holds among the ``-n`` that ``shardax launch`` was asked for (its
+rank in the first start; a run that shrank gives the places left new ranks)."""
+ENV_PLANNED = "SHARDAX_PLANNED_PROCESSES"
+"""The process count ``shardax launch -n`` asked for: more than ``jax.process_count()``
+once the run has shrunk (``--min-processes``)."""
 STATUS_FILE = "status.json"
 LAUNCHER_GRACE = 30.0
 """Default seconds from seeing the launcher gone to the exit, whatever the process does."""

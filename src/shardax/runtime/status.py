@@ -191,18 +191,23 @@ def _launch_dir() -> Path | None:
     return Path(directory) if directory else None
 
 
+def record_path(directory: str | os.PathLike[str], rank: int) -> Path:
+    """Where process ``rank`` keeps its record in a launch directory: ``rank<rank>.status``."""
+    return Path(directory) / f"rank{rank}.status"
+
+
 def write_record(directory: Path, rank: int, record: dict[str, Any]) -> None:
     """Writes ``record`` as ``rank<rank>.status`` in ``directory``, whole (renamed into
     place)."""
     tmp = directory / f".rank{rank}.status.tmp"
     tmp.write_text(json.dumps(record))
-    os.replace(tmp, directory / f"rank{rank}.status")
+    os.replace(tmp, record_path(directory, rank))
 
 
 def read_record(directory: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     """Process ``rank``'s last record in a launch directory, or None."""
     try:
-        return json.loads((Path(directory) / f"rank{rank}.status").read_text())
+        return json.loads(record_path(directory, rank).read_text())
     except (OSError, ValueError):
         return None
 
