@@ -67,3 +67,14 @@ def test_ring_sends_each_block_before_computing_with_it():
         with jax.set_mesh(mesh):
             ok, pairs = lead(fwd.lower(z, z, z).compile().as_text())
         assert ok and pairs, layout
+
+
+def test_fp8_numerics_benchmark_trains_both_precisions_on_the_same_batches():
+    out = load("fp8_numerics").run(
+        load("fp8_numerics").parse_args(["--steps", "2", "--layers", "1", "--d-model", "32"])
+    )
+    bf16, fp8 = out["rows"]
+    assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
+    # the same init and batch: the first losses differ by fp8's rounding only
+    assert abs(fp8["first_loss"] - bf16["first_loss"]) < 0.05
+    assert out["val_gap"] == fp8["val_loss"] - bf16["val_loss"]
