@@ -19,8 +19,17 @@ per-step snapshot cost (the median step time of each). From these figures, the l
 fraction of a 1,024-GPU run with a 7.9 h mean time to failure (arXiv 2410.21680) is
 predicted beside checkpoint-restart's (a 15 min restart and a 1.5 h save interval: 12.7%).
 
+With ``--acceptance N`` it runs instead N short jobs of ``--acceptance-steps`` steps, of 2
+and of 4 processes in turn, with a snapshot every step, each hit by two faults at random
+steps: first one planned with ``$SHARDAX_FAULT`` (a raise, a kill -9, or a kill -9 while a
+snapshot is written: ``raise``, ``kill``, ``snapshot-kill``), then, once the restarted run
+has trained again, a kill -9 or a SIGSTOP from outside to a random process. Each job must
+exit 0, lose at most one step per fault and end with final params bitwise equal to the
+same job without a fault; the table says how many did.
+
     python benchmarks/faults.py                      # 3 x 600 s, a fault every 30 s
     python benchmarks/faults.py --duration 180 --interval 30 --json
+    python benchmarks/faults.py --acceptance 10      # 20 faults in 10 jobs
 """
 
 from __future__ import annotations
@@ -58,18 +67,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint-restart's")
     parser.add_argument("--pairs", type=int, default=2, help="snapshot cost: runs of each")
     parser.add_argument("--pair-steps", type=int, default=60, help="steps of each such run")
+    parser.add_argument("--acceptance", type=int, default=0, help="jobs of two faults each")
+    parser.add_argument("--acceptance-steps", type=int, default=24, help="steps of each job")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
 
 def launch(
-    args: argparse.Namespace, root: Path, name: str, *train: str, restarts: int
+    args: argparse.Namespace,
+    root: Path,
+    name: str,
+    *train: str,
+    restarts: int,
+    processes: int | None = None,
+    fault: str | None = None,
 ) -> tuple[subprocess.Popen, Path]:
     """``shardax launch`` of ``shardax train`` in ``root/name``; the process and its
     launch directory."""
     run = root / name
-    argv = [sys.executable, "-m", "shardax", "launch", "-n", str(args.processes),
+    argv = [sys.executable, "-m", "shardax", "launch", "-n", str(processes or args.processes),
             "--cpu-devices", str(args.cpu_devices), "--max-restarts", str(restarts),
             "--launch-dir", str(run / "launch"), "--", sys.executable, "-m", "shardax",
             "train", *GPT, "--seed", str(args.seed), "--run-dir", str(run / "run"),
@@ -77,8 +94,145 @@ def launch(
     run.mkdir(parents=True, exist_ok=True)
     log = (run / "out.log").open("a")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDAX_")}
+    if fault:
+        env["SHARDAX_FAULT"] = fault
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, run / "launch"
+
+
+def final_params(ckpt: Path) -> dict[str, bytes]:
+    """The newest checkpoint's state in ``ckpt``, each leaf's bytes by path (read with
+    orbax as NumPy arrays, whatever the shardings it was saved with)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    step = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    reader = ocp.PyTreeCheckpointer()
+    tree = reader.metadata(ckpt / str(step) / "state")
+    tree = getattr(getattr(tree, "item_metadata", tree), "tree", tree)
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = reader.restore(ckpt / str(step) / "state", restore_args=as_numpy)
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    return {jax.tree_util.keystr(p): np.asarray(x).tobytes() for p, x in leaves}
+
+
+def acceptance_job(args: argparse.Namespace, root: Path, job: int, rng: random.Random) -> dict:
+    """One job of ``--acceptance``: a planned fault, then one from outside (the module)."""
+    processes = 2 if job % 2 == 0 else 4
+    steps = args.acceptance_steps
+    kind = ("raise", "kill", "snapshot-kill")[job % 3]
+    first = f"{rng.randrange(processes)}:{rng.randint(2, steps // 3)}:{kind}"
+    train = [
+        "--steps",
+        str(steps),
+        "--snapshot-every",
+        "1",
+        "--save-every",
+        "1000",
+        "--checkpoint-dir",
+        str(root / f"job{job}" / "ckpt"),
+    ]
+    began = time.monotonic()
+    proc, launch_dir = launch(
+        args, root, f"job{job}", *train, restarts=3, processes=processes, fault=first
+    )
+    second: dict = {}
+    try:
+        while proc.poll() is None and not second:  # after the first restart has trained
+            record = launcher.read_status(launch_dir)
+            restarts = record.get("restarts", [])
+            if len(restarts) == 1 and restarts[0].get("first_step") is not None:
+                target = rng.randint(restarts[0]["first_step"] + 1, steps - 3)
+                while completed(launch_dir, processes) < target and proc.poll() is None:
+                    time.sleep(0.01)
+                rank = rng.randrange(processes)
+                sig = rng.choice([signal.SIGKILL, signal.SIGSTOP])
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(record["ranks"][str(rank)]["pid"], sig)
+                    second = {"rank": rank, "kind": signal.Signals(sig).name, "step": target}
+            time.sleep(0.05)
+        code = proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = "no exit within 900 s"
+    restarts = launcher.read_status(launch_dir).get("restarts", [])
+    return {
+        "job": job,
+        "processes": processes,
+        "faults": [first, second],
+        "exit_code": code,
+        "restarts": restarts,
+        "seconds": time.monotonic() - began,
+        "ckpt": str(root / f"job{job}" / "ckpt"),
+    }
+
+
+def acceptance(args: argparse.Namespace, root: Path) -> dict:
+    """``--acceptance N``: N jobs of two faults each; what every job must meet, counted."""
+    rng = random.Random(args.seed)
+    want = {}
+    for processes in (2, 4):  # the same jobs without a fault
+        ckpt = root / f"reference-{processes}" / "ckpt"
+        proc, _ = launch(
+            args,
+            root,
+            f"reference-{processes}",
+            "--steps",
+            str(args.acceptance_steps),
+            "--snapshot-every",
+            "1",
+            "--save-every",
+            "1000",
+            "--checkpoint-dir",
+            str(ckpt),
+            restarts=1,
+            processes=processes,
+        )
+        assert proc.wait(timeout=900) == 0, f"the reference run of {processes} failed"
+        want[processes] = final_params(ckpt)
+    jobs = [acceptance_job(args, root, job, rng) for job in range(args.acceptance)]
+    for job in jobs:
+        job["bitwise"] = (
+            job["exit_code"] == 0 and final_params(Path(job["ckpt"])) == want[job["processes"]]
+        )
+    restarts = [r for job in jobs for r in job["restarts"]]
+    recover_s = [
+        r["seconds_to_next_step"] for r in restarts if r.get("seconds_to_next_step") is not None
+    ]
+    lost = [r.get("steps_lost") for r in restarts]
+    return {
+        "jobs": jobs,
+        "faults": sum(len([f for f in job["faults"] if f]) for job in jobs),
+        "restarts": len(restarts),
+        "exit_0": sum(job["exit_code"] == 0 for job in jobs),
+        "bitwise": sum(job["bitwise"] for job in jobs),
+        "steps_lost_max": max((x for x in lost if x is not None), default=None),
+        "steps_lost_unknown": sum(x is None for x in lost),
+        "recovery_s_p50": statistics.median(recover_s) if recover_s else None,
+        "recovery_s_p95": statistics.quantiles(recover_s, n=20)[-1] if len(recover_s) > 1 else None,
+    }
+
+
+def print_acceptance(result: dict, args: argparse.Namespace) -> None:
+    print(
+        f"{args.acceptance} jobs of {args.acceptance_steps} steps (2 and 4 processes x "
+        f"{args.cpu_devices} CPU devices, the small GPT), a snapshot every step"
+    )
+    for job in result["jobs"]:
+        lost = [r.get("steps_lost") for r in job["restarts"]]
+        print(
+            f"  job {job['job']}: {job['processes']} processes, faults {job['faults'][0]} "
+            f"then {job['faults'][1] or 'none'}: exit {job['exit_code']}, "
+            f"{len(job['restarts'])} restarts, steps lost {lost}, bitwise {job['bitwise']}, "
+            f"{job['seconds']:.0f} s"
+        )
+    print(
+        f"  {result['faults']} faults, {result['restarts']} restarts: {result['exit_0']} of "
+        f"{len(result['jobs'])} jobs exit 0, {result['bitwise']} bitwise equal to no fault; "
+        f"steps lost per fault at most {result['steps_lost_max']}; failure to next "
+        f"completed step p50 {result['recovery_s_p50']} s, p95 {result['recovery_s_p95']} s"
+    )
 
 
 def completed(launch_dir: Path, processes: int) -> int:
@@ -194,6 +348,10 @@ def snapshot_cost(args: argparse.Namespace, root: Path) -> dict:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="shardax-faults-"))
+    if args.acceptance:
+        result = acceptance(args, root)
+        print(json.dumps(result, indent=1)) if args.json else print_acceptance(result, args)
+        return
     cost = snapshot_cost(args, root)
     steady = timed_run(args, root, "no-fault", False, "--steps", "100000", restarts=1000)
     recovered = timed_run(args, root, "recovery", True, "--steps", "100000", restarts=1000)
