@@ -45,8 +45,8 @@ EXPORTS: dict[str, tuple[str, ...]] = {  # namespace: its public names (its __al
     ),
     "shardax.loop": _row(
         """
-        Checkpoints Evaluation Goodput Hook Logging MetricsWindow Preemption Progress Run
-        Snapshots Watchdog itstime run
+        Checkpoints Evaluation Every Goodput Hook Logging MetricsWindow Preemption Progress
+        Run Snapshots Watchdog itstime run
         """
     ),
     "shardax.checkpoint": _row(
@@ -74,8 +74,8 @@ EXPORTS: dict[str, tuple[str, ...]] = {  # namespace: its public names (its __al
     "shardax.parallel": _row(
         """
         REMAT_POLICIES MoEAux all_gather all_reduce attention bubble capacity choose_dispatch
-        choose_impl choose_kernel moe pipeline pipeline_1f1b reduce remat unzigzag weighted_mean
-        zigzag zigzag_layout
+        choose_impl choose_kernel fp8_dot_general moe pipeline pipeline_1f1b reduce remat
+        unzigzag weighted_mean zigzag zigzag_layout
         """
     ),
     "shardax.plan": _row(

@@ -23,6 +23,7 @@ from test_multihost import CLEAN_ENV, Ranks
 
 import shardax as sx
 from shardax.cli.main import main as cli
+from shardax.loop.hooks import ORDER
 from shardax.runtime import status
 
 WORKER = str(Path(__file__).parents[1] / "scripts" / "user_loop.py")
@@ -163,6 +164,43 @@ def test_evaluation_and_a_save_at_the_end_of_a_loader_with_no_total(tmp_path):
     assert sx.CheckpointManager(tmp_path / "c").all_steps() == [5]
     with pytest.raises(ValueError, match=r"every takes the keys \['save', 'eval', 'log'\], got"):
         sx.loop.run({}, every={"safe": 3})
+
+
+def test_your_hooks_run_on_their_schedule_after_the_usual_ones_in_order(tmp_path):
+    calls = []
+
+    def evaluate(state):
+        calls.append(("eval", int(state["w"][0])))
+        return {"val/w": state["w"][0]}
+
+    class Mine(sx.loop.Hook):  # a hook of one's own, as a class
+        def after_step(self, run):
+            calls.append(("mine", run.step))
+
+    def every_third(run):  # a function with a schedule; its steps' metrics on the host
+        calls.append(("every 3", run.step, run.flushed[-1][0]))
+
+    ckpt = tmp_path / "c"
+    yours = [sx.loop.Every(every_third, every=3), Mine()]
+    every = {"eval": 2, "save": 2}
+    with sx.loop.run(
+        {"w": jnp.zeros(2)}, checkpoints=ckpt, evaluate=evaluate, every=every, hooks=yours
+    ) as run:
+        state = run.state
+        for _ in run.batches(iter(range(6)), steps=4):
+            state = {"w": state["w"] + 1}
+            run.after_step(state, jnp.float32(0))
+        names = [type(hook).__name__ for hook in run.hooks]
+    # ORDER, written once: the usual hooks (saves before the evaluation), then yours
+    usual = ["Goodput", "Preemption", "MetricsWindow", "Checkpoints", "Evaluation"]
+    assert names == [*usual, "Every", "Mine"]
+    assert ORDER[-3:] == ("snapshots", "evaluation", "yours")
+    # every 3: at step 3 and at the last (4); each after the evaluation of its step
+    mine = [("mine", 1), ("eval", 2), ("mine", 2), ("every 3", 3, 3), ("mine", 3)]
+    assert calls == [*mine, ("eval", 4), ("every 3", 4, 4), ("mine", 4)]
+    assert sx.CheckpointManager(ckpt).all_steps() == [2, 4]
+    with pytest.raises(TypeError, match=r"hooks\[0\] must be a sx.loop.Hook, got .*Every\(fn"):
+        sx.loop.run({}, hooks=[print])
 
 
 class _Result:

@@ -30,6 +30,7 @@ class Record:
         window: this evaluation window's metrics, on the host.
         window_start, window_first: when and at which step the window began.
         step_seconds: seconds per step of each completed window but the first.
+        snapshots: the run's ``Snapshots`` hook (None: none).
     """
 
     job: Any
@@ -39,6 +40,7 @@ class Record:
     window_first: int
     window_start: float = 0.0
     step_seconds: list[float] = dataclasses.field(default_factory=list)
+    snapshots: Any = None
 
     def data_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of it (beside the steps done and the loader position)."""
@@ -47,15 +49,21 @@ class Record:
 
 class History(Evaluation):
     """Every ``job.eval_every`` steps and at the last: evaluates, writes the scores and
-    the goodput figures, and turns the window's metrics into history entries."""
+    the goodput figures, and turns the window's metrics (``Log`` gathers them) into
+    history entries. The saves come before it (``shardax.loop.hooks.ORDER``), so a run
+    resumed at a step it evaluates at evaluates the restored state first: the history
+    is the uninterrupted run's."""
 
     def __init__(self, record: Record, console: Any) -> None:
         super().__init__(record.job.evaluate, record.job.eval_every)
         self.record_, self.console = record, console
 
-    def after_step(self, run: Any) -> None:
-        self.record_.window += [metrics for _, metrics in run.flushed]
-        super().after_step(run)
+    def start(self, run: Any) -> None:
+        # The window holds the step's metrics when its evaluation is still to come (an
+        # empty one: a checkpoint saved after it, by shardax before the order was one).
+        if run.first > 0 and self.record_.window and self.due(run):
+            self.record_.window_start = time.perf_counter()
+            self.run(run)
 
     def record(self, run: Any, scores: dict[str, Any]) -> None:
         rec = self.record_
@@ -75,16 +83,18 @@ class History(Evaluation):
 
 class Log(Logging):
     """Every ``--log-every`` steps after the session's first (which starts the step
-    clock): the train metrics of the fetched window and the clock's timing scalars."""
+    clock): the train metrics of the fetched window and the clock's timing scalars. After
+    each step: the fetched metrics into the record's window, before a save keeps it."""
 
-    def __init__(self, tracker: Any) -> None:
-        super().__init__(tracker.every)
-        self.tracker = tracker
+    def __init__(self, record: Record) -> None:
+        super().__init__(record.tracker.every)
+        self.record, self.tracker = record, record.tracker
 
     def due(self, run: Any) -> bool:
         return run.step % self.every == 0 and run.step > run.first + 1
 
     def after_step(self, run: Any) -> None:
+        self.record.window += [metrics for _, metrics in run.flushed]
         lap = self.tracker.step(run.step, run.state)
         if lap is not None:
             metrics = run.flushed[-1][1]

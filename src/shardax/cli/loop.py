@@ -28,9 +28,9 @@ from shardax.cli.hooks import Bar, History, Log, Record
 from shardax.cli.job import Job, data_axes
 from shardax.cli.recovery import snapshot_every, snapshot_manager
 from shardax.cost.flops import format_utilization, utilization
-from shardax.loop import Checkpoints, Goodput, Hook, MetricsWindow, Preemption, Run, Watchdog
+from shardax.loop import Checkpoints, Goodput, Hook, Run, Watchdog
 from shardax.loop.driver import refuse_earlier_run
-from shardax.loop.hooks import Snapshots
+from shardax.loop.hooks import Snapshots, in_order
 from shardax.loop.recovery import Recovery, newest
 from shardax.loop.recovery import history as recovery_history
 from shardax.plan.tree import map_arrays, path_str
@@ -136,25 +136,25 @@ def start(
 
 def hooks(
     args: argparse.Namespace, record: Record, out: Any, manager: Any, path: Any, snapshots: Any
-) -> list:
-    """The hooks in the order they run after each step."""
-    # The watchdog first: a step is completed (in the ledger too) once the watchdog waited
-    # for its result, one step behind (sx.loop.Watchdog).
-    first: list[Hook] = [Watchdog(args.step_timeout)] if args.step_timeout else []
+) -> list[Hook]:
+    """The hooks in the order they run after each step (``shardax.loop.hooks.ORDER``)."""
     if path is not None:  # a corrupt goodput.json is one line, before the run starts
         try:
             load(path)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    # The ledger counts from the process's start: the compilations of start-up count too.
-    first.append(Goodput(path, since=STARTED, compiled=args.compile_before.seconds))
-    later: list[Hook] = [Log(record.tracker), History(record, out)]
-    if manager is not None:
-        later.append(Checkpoints(args.save_every or record.job.eval_every, "--checkpoint-dir"))
-    if snapshots is not None:
-        record.snapshots = Snapshots(snapshots, snapshot_every(args))
-        later.append(record.snapshots)
-    return [*first, Preemption(), MetricsWindow(), Bar(record, out), *later]
+    record.snapshots = None if snapshots is None else Snapshots(snapshots, snapshot_every(args))
+    every = args.save_every or record.job.eval_every
+    return in_order(
+        watchdog=Watchdog(args.step_timeout) if args.step_timeout else None,
+        # The ledger counts from the process's start: the compilations of start-up count too.
+        goodput=Goodput(path, since=STARTED, compiled=args.compile_before.seconds),
+        progress=Bar(record, out),
+        logging=Log(record),
+        checkpoints=None if manager is None else Checkpoints(every, "--checkpoint-dir"),
+        snapshots=record.snapshots,
+        evaluation=History(record, out),
+    )
 
 
 def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:

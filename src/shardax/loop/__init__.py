@@ -12,6 +12,7 @@ from shardax.loop.driver import Run, run
 from shardax.loop.hooks import (
     Checkpoints,
     Evaluation,
+    Every,
     Goodput,
     Hook,
     Logging,

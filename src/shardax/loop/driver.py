@@ -489,6 +489,19 @@ def _every(every: Any) -> dict[str, int | None]:
     }
 
 
+def _check_hooks(hooks: Any) -> list[Hook]:
+    """``hooks`` checked: a list or tuple of ``sx.loop.Hook``s."""
+    if not isinstance(hooks, list | tuple):
+        raise TypeError(f"hooks must be a list of sx.loop.Hook, got {received(hooks)}")
+    for i, hook in enumerate(hooks):
+        if not isinstance(hook, Hook):
+            raise TypeError(
+                f"hooks[{i}] must be a sx.loop.Hook, got {received(hook)}; wrap a function "
+                "as sx.loop.Every(fn, every=N) (fn(run) every N steps and at the last)"
+            )
+    return list(hooks)
+
+
 def _check_writer(writer: Any) -> None:
     """``writer`` checked: None, a ``MetricWriter`` (anything with ``write(step,
     scalars)``), or a directory this process can write (made if needed)."""
@@ -577,9 +590,10 @@ def run(
     resume: bool = True,
     exit_on_preemption: bool = True,
     snapshots: int | str | None = None,
+    hooks: list[Hook] | tuple[Hook, ...] = (),
 ) -> Run:
-    """A [`Run`][shardax.loop.Run] of the user's loop with the usual hooks; use it as a context
-    manager.
+    """A [`Run`][shardax.loop.Run] of the user's loop with the usual hooks and your own; use it
+    as a context manager.
 
     Args:
         state: the state the loop trains (a ``sx.TrainState``, a pytree, or NNX objects
@@ -619,6 +633,11 @@ def run(
             (which owns the directory, ``$SHARDAX_SNAPSHOT_DIR``), else none. A restarted
             run resumes from the newest of the snapshots and the checkpoints, and says
             which.
+        hooks: your own hooks ([`shardax.loop.Hook`][shardax.loop.Hook]s; a function with
+            a schedule: [`shardax.loop.Every`][shardax.loop.Every]``(fn, every=N)``), run
+            after the usual ones, in the order given. Every hook runs in
+            ``shardax.loop.hooks.ORDER``: watchdog, goodput, preemption, metrics
+            window, progress, logging, checkpoints, snapshots, evaluation, yours.
     """
     every = _every(every)
     resume = as_bool("resume", resume)
@@ -646,9 +665,7 @@ def run(
             where = os.path.join(directory, FILE)
         if jax.process_index() != 0:
             where = None  # process 0 keeps the ledger; the others count in memory
-    hooks = usual_hooks(every, watchdog=watchdog, goodput=where, progress=progress,
-                        logging=writer is not None, evaluate=evaluate,
-                        checkpoints=directory is not None)  # fmt: skip
+    yours = _check_hooks(hooks)
     interval = _snapshot_interval(snapshots)
     # Every argument is checked: now what the run opens (closed if a later one fails).
     owned = contextlib.ExitStack()
@@ -663,9 +680,19 @@ def run(
         if interval != 0:
             snaps = snapshot_manager("loop")
             owned.callback(snaps.close)
-            hooks.append(Snapshots(snaps, interval))
+        chosen = usual_hooks(
+            every,
+            watchdog=watchdog,
+            goodput=where,
+            progress=progress,
+            logging=writer is not None,
+            evaluate=evaluate,
+            checkpoints=directory is not None,
+            snapshots=None if snaps is None else Snapshots(snaps, interval),
+            yours=yours,
+        )
         made = Run(
-            state, hooks, manager=manager, total=total, resume=resume, data_state=data_state,
+            state, chosen, manager=manager, total=total, resume=resume, data_state=data_state,
             writer=writer, exit_on_preemption=exit_on_preemption, snapshots=snaps,
         )  # fmt: skip
     except BaseException:

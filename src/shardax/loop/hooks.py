@@ -61,7 +61,7 @@ import jax
 import numpy as np
 
 from shardax.checkpoint.preemption import reached_preemption, watch_preemption
-from shardax.checks import as_float, as_function, public, received
+from shardax.checks import as_count, as_float, as_function, public, received
 from shardax.loop.schedule import itstime
 from shardax.loop.state import saveable
 from shardax.runtime import compile_stats, status
@@ -406,6 +406,40 @@ class Evaluation(Hook):
             run.writer.write(run.step, {**scores, **goodput})
 
 
+@public("sx.loop.Every")
+class Every(Hook):
+    """Calls ``fn(run)`` every ``every`` steps and at the last, with the metrics of every
+    step since the last fetch in ``run.flushed`` (fetched once): a function as a hook,
+    for ``sx.loop.run(..., hooks=[...])``, as levanter's ``add_hook(fn, every=N)``.
+
+    >>> seen = []
+    >>> every_2 = sx.loop.Every(lambda run: seen.append(run.step), every=2)
+    >>> with sx.loop.run({"w": jnp.zeros(2)}, hooks=[every_2]) as run:
+    ...     for batch in run.batches(range(3)):  # the last step: the loader's end
+    ...         run.after_step(run.state, jnp.float32(batch))
+    >>> seen
+    [2, 3]
+    """
+
+    def __init__(self, fn: Any, every: int | None = None) -> None:
+        self.fn = as_function("fn", fn, "a function run -> None")
+        self.every = None if every is None else as_count("every", every)
+        self.done_at: int | None = None
+
+    def due(self, run: Any) -> bool:
+        return itstime(run.step, self.every, run.total)
+
+    def after_step(self, run: Any) -> None:
+        if self.due(run):
+            self.fn(run)
+            self.done_at = run.step
+
+    def finish(self, run: Any) -> None:
+        if self.done_at != run.step and run.step > run.first and run.handed == run.step:
+            self.fn(run)  # the last step, where the run did not know it was the last
+            self.done_at = run.step
+
+
 @public("sx.loop.Checkpoints")
 class Checkpoints(Hook):
     """Every ``every`` steps, at the last and on preemption: saves the state with the
@@ -522,6 +556,50 @@ class Snapshots(Checkpoints):
             self.manager.wait()
 
 
+ORDER = (
+    "watchdog",
+    "goodput",
+    "preemption",
+    "metrics",
+    "progress",
+    "logging",
+    "checkpoints",
+    "snapshots",
+    "evaluation",
+    "yours",
+)
+"""The order hooks run in, written once (``in_order``, which ``sx.loop.run`` and ``shardax
+train`` build their hooks with): the watchdog first (under it a step counts as completed,
+in the ledger too, once it waited for the step's result, one step behind), the goodput
+ledger, preemption, the metrics window
+(it fetches for the hooks after it), the progress bar, logging, the saves (checkpoints,
+then host-memory snapshots) before the evaluation of the same step (an ``evaluate`` that
+raises never costs a save), and last your own hooks, in the order given."""
+
+
+def in_order(
+    *,
+    watchdog: Hook | None = None,
+    goodput: Hook | None = None,
+    progress: Hook | None = None,
+    logging: Hook | None = None,
+    checkpoints: Hook | None = None,
+    snapshots: Hook | None = None,
+    evaluation: Hook | None = None,
+    yours: tuple[Hook, ...] | list[Hook] = (),
+) -> list[Hook]:
+    """The hooks given (None: not in this run), with preemption and the metrics window,
+    in ``ORDER`` (its names are this function's keywords, ``metrics`` and ``preemption``
+    its own).
+
+    >>> [type(h).__name__ for h in in_order(logging=Logging(), yours=[Every(print, 5)])]
+    ['Preemption', 'MetricsWindow', 'Logging', 'Every']
+    """
+    given = {**locals(), "preemption": Preemption(), "metrics": MetricsWindow()}
+    hooks = [given[name] for name in ORDER if name != "yours"]
+    return [hook for hook in hooks if hook is not None] + list(yours)
+
+
 def usual_hooks(
     every: dict[str, int | None],
     *,
@@ -531,24 +609,21 @@ def usual_hooks(
     logging: bool,
     evaluate: Any,
     checkpoints: bool,
+    snapshots: Hook | None = None,
+    yours: tuple[Hook, ...] | list[Hook] = (),
 ) -> list[Hook]:
-    """The hooks ``sx.loop.run`` adds, in the order they run: the watchdog first (under
-    it a step counts as completed, in the ledger too, once it waited for the step's
-    result, one step behind), the goodput ledger (at the path ``goodput``; None: in
-    memory; False: none), preemption, the metrics window, then as asked the progress
-    bar, logging every ``every["log"]`` steps (10 by default), checkpoints every
-    ``every["save"]`` and evaluation every ``every["eval"]`` (after the save of the same
-    step, so an ``evaluate`` that raises loses no step)."""
-    hooks: list[Hook] = [Watchdog(watchdog)] if watchdog is not None else []
-    if goodput is not False:
-        hooks.append(Goodput(goodput or None))
-    hooks += [Preemption(), MetricsWindow()]
-    if progress:
-        hooks.append(Progress())
-    if logging:
-        hooks.append(Logging(every.get("log", 10)))
-    if checkpoints:  # before the evaluation: an evaluate that raises never costs a save
-        hooks.append(Checkpoints(every.get("save"), option="checkpoints="))
-    if evaluate is not None:
-        hooks.append(Evaluation(evaluate, every.get("eval")))
-    return hooks
+    """The hooks ``sx.loop.run`` adds, in ``ORDER``: the watchdog (``watchdog`` seconds),
+    the goodput ledger (at the path ``goodput``; None: in memory; False: none), then as
+    asked the progress bar, logging every ``every["log"]`` steps (10 by default),
+    checkpoints every ``every["save"]``, ``snapshots``, evaluation every
+    ``every["eval"]``, and ``yours``."""
+    return in_order(
+        watchdog=Watchdog(watchdog) if watchdog is not None else None,
+        goodput=Goodput(goodput or None) if goodput is not False else None,
+        progress=Progress() if progress else None,
+        logging=Logging(every.get("log", 10)) if logging else None,
+        checkpoints=Checkpoints(every.get("save"), option="checkpoints=") if checkpoints else None,
+        snapshots=snapshots,
+        evaluation=Evaluation(evaluate, every.get("eval")) if evaluate is not None else None,
+        yours=yours,
+    )
