@@ -43,6 +43,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardax.checks import public
+
 E4M3 = jnp.float8_e4m3fn
 """The forward pass's fp8 dtype (activations and weights): max 448, 3 mantissa bits."""
 E5M2 = jnp.float8_e5m2
@@ -116,6 +118,7 @@ def dense_contraction(lhs_ndim: int, rhs_ndim: int, dimension_numbers: Any) -> i
     return k
 
 
+@public("sx.parallel.fp8_dot_general")
 def fp8_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -125,7 +128,9 @@ def fp8_dot_general(
     **kwargs: Any,
 ) -> jax.Array:
     """``jax.lax.dot_general`` of a dense contraction as fp8 GEMMs (module docstring): a
-    ``dot_general`` hook for ``nnx.Linear(dot_general=...)`` and ``nn.Dense(dot_general=...)``.
+    ``dot_general`` hook for ``nnx.Linear(dot_general=...)`` and ``nn.Dense(dot_general=...)``
+    (``precision="fp8"`` sets it on the layers it covers; set it yourself on a layer of
+    your own, e.g. under ``precision="bf16"``).
     ``lhs`` contracts its trailing dims with ``rhs``'s leading ones, no batch dims (a
     dense layer's ``x @ w``); other contractions are refused, naming the dims.
     ``precision`` is ignored (fp8 has one); the result is in ``preferred_element_type``,
