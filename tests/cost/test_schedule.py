@@ -113,3 +113,19 @@ def test_async_fusions_are_compute_and_a_collective_in_one_is_async():
     fed = ASYNC_FUSIONS.replace("fusion-start(%g, %i)", "fusion-start(%agd, %i)")
     ag, _ = sorted(schedule(fed, 8), key=lambda c: c.op)
     assert ag.first_use == 9
+
+
+def test_one_program_is_read_once_for_every_analysis():
+    """The analyses of one compiled step (collectives, FLOPs, schedule, per-op price)
+    share one reading of its text and one call graph (``shardax.cost.hlo._read``)."""
+    from shardax.cost import hlo
+    from shardax.cost.flops import hlo_flops
+
+    hlo._read.cache_clear()
+    scheduled = schedule(HLO, 8)
+    bodies, _ = hlo._computations(HLO)
+    graph = hlo._call_graph(bodies)
+    ops = sorted(c.op for c in hlo.collectives(HLO, 8))
+    assert hlo_flops(HLO) > 0 and sorted(c.collective.op for c in scheduled) == ops
+    assert hlo._computations(HLO)[0] is bodies and hlo._call_graph(bodies) is graph
+    assert hlo._read.cache_info().misses == 1

@@ -13,6 +13,7 @@ runs once per iteration: ``collectives`` counts it ``known_trip_count`` times.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -192,10 +193,27 @@ def replica_groups(rest: str, num_devices: int | None = None) -> tuple[tuple[int
     return ()
 
 
+class _Bodies(dict):
+    """``{computation: its lines}`` of one program (``_read``), with its call graph once
+    ``_call_graph`` has read it."""
+
+    calls: dict[str, list[tuple[str, int]]] | None = None
+
+
 def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     """``{computation: its lines}`` and the ENTRY computation's name (None for a bare
-    list of ops, kept under ``""``)."""
-    bodies: dict[str, list[str]] = {"": []}
+    list of ops, kept under ``""``). The last few programs read are kept
+    (``_read``): the analyses of one compiled step (its collectives, FLOPs, schedule and
+    per-op price) each ask for the same program's, and its call graph. Read-only: the
+    callers share them."""
+    return _read(hlo)
+
+
+@functools.lru_cache(maxsize=2)
+def _read(hlo: str) -> tuple[_Bodies, str | None]:
+    """What ``_computations`` returns, for the last programs read (two: a step and,
+    beside it, e.g. its DiLoCo outer step)."""
+    bodies = _Bodies({"": []})
     current, entry = "", None
     for line in hlo.splitlines():
         header = _COMPUTATION.match(line)
@@ -241,9 +259,16 @@ def line_calls(line: str, bodies: dict[str, list[str]]) -> list[tuple[str, int]]
 
 
 def _call_graph(bodies: dict[str, list[str]]) -> dict[str, list[tuple[str, int]]]:
-    """``{computation: [(callee, times per run), ...]}`` (``line_calls`` of its lines)."""
-    return {name: [c for line in lines for c in line_calls(line, bodies)]
-            for name, lines in bodies.items()}  # fmt: skip
+    """``{computation: [(callee, times per run), ...]}`` (``line_calls`` of its lines),
+    read once per program ``_read`` gave."""
+    known = getattr(bodies, "calls", None)
+    if known is not None:
+        return known
+    calls = {name: [c for line in lines for c in line_calls(line, bodies)]
+             for name, lines in bodies.items()}  # fmt: skip
+    if isinstance(bodies, _Bodies):
+        bodies.calls = calls
+    return calls
 
 
 def _runs(
