@@ -47,6 +47,22 @@ CASES: dict[str, dict[str, Any]] = {
         "per_device_batch_size=4, max_target_length=4096); A3 h100-80gb-8 is a3-highgpu-8g "
         "(4 x 200 Gb/s GPUDirect-TCPX)",
     ) for h, tflops in ((2, 422.0), (4, 407.0), (8, 409.0), (16, 375.0))},
+    # A second published series from one host to many: torchtitan's Llama 3.1 8B under
+    # FSDP on Meta's Grand Teton hosts (8 x H100 96GB HBM2e at 500 W, NVLink; 400 Gb/s of
+    # RDMA per GPU between hosts, ib-ndr's per-GPU figure), local batch 2 of 8192 tokens,
+    # selective activation checkpointing, on 8 and on 128 GPUs. Its GPUs are not the H100
+    # SXM the tables price (lower power, HBM2e), so the absolute figures are not compared;
+    # the drop from 8 to 128 GPUs is. Remat full here (the step must fit an 80 GB H100).
+    **{f"llama3.1-8b-{n}xh100-torchtitan": dict(
+        target=target, network="ib-ndr", layers=32, d_model=4096, heads=32, seq=8192,
+        vocab=128256, per_device_batch=2, mesh={"data": n}, remat="full",
+        params_bf16=False, published={"tokens_per_s_per_device": tps},
+        memory_fraction=0.95,  # PyTorch's caching allocator: no fixed share
+        source=f"pytorch/torchtitan docs/performance.md (torchtitan 9dec370, 2024-12-26), "
+        f"Table {table}: 1D parallelism (FSDP), Llama 3.1 8B, {n} GPUs, local batch size 2, "
+        f"selective activation checkpointing, 'FSDP' row (eager): {tps:,.0f} TPS/GPU; Grand "
+        "Teton hosts, 8 x H100 96GB HBM2e (500 W), 400 Gb/s RDMA per GPU",
+    ) for n, target, tps, table in ((8, "8xH100", 5762.0, 1), (128, "16x8xH100", 5605.0, 3))},
     "llama3.1-70b-256xh200": dict(
         target="32x8xH200", layers=80, d_model=8192, heads=64, seq=8192, vocab=128256,
         per_device_batch=1, mesh={"replica": 32, "data": 8}, remat="full", params_bf16=True,
