@@ -124,6 +124,10 @@ def test_follow_params_shards_adam_state_like_params_whatever_the_plan(mesh_2d):
     assert base.specs(state)["opt_state"][0].mu["layers"][1]["kernel"] == P()
     with pytest.raises(ValueError, match="params='model': no 'model'"):
         sx.plan.follow_params(base, params="model").specs(state)
+    # Idempotent: a plan that follows the params already is itself (zero1's too)
+    zero1 = sx.zero1(mesh_2d)
+    assert sx.plan.follow_params(plan) is plan and sx.plan.follow_params(zero1) is zero1
+    assert sx.plan.follow_params(plan, params="model").params == "model"
 
 
 def test_init_sharded_builds_each_shard_in_place(mesh_2d):

@@ -151,7 +151,7 @@ def test_candidates_compile_the_configs_step_seq_axis_and_all():
         ({"config": "fsdp"}, TypeError, "config must be a sx.train.StepConfig or None, got str"),
         ({"plan": "fsdp"}, ValueError, "config.plan is 'fsdp', but auto_plan picks the plan"),
         ({"mode": "shard_map"}, ValueError, "only mode='jit' runs; got config.mode='shard_map'"),
-        ({"mesh": {"data": 4}}, ValueError, r"config's mesh \{'data': 4\} is not auto_plan's"),
+        ({"mesh": {"data": 4}}, ValueError, r"config is over mesh \{'data': 4\}, not auto_plan's"),
     ],
 )  # fmt: skip
 def test_a_config_that_cannot_be_the_auto_step_is_refused_by_name(change, error, match):

@@ -129,6 +129,22 @@ def as_plan(name: str, plan: Any) -> Any:
     )
 
 
+def check_plan_mesh(plan: Any, mesh: Mesh, whose: str = "", what: str | None = None) -> None:
+    """``ValueError`` when ``plan`` (anything with a ``mesh``; without one, any mesh's) is
+    over another mesh than ``mesh``, ``whose`` (``"the step's "``) that mesh; ``what``
+    names the plan (default: ``plan 'name'``).
+
+    >>> check_plan_mesh(sx.fsdp(mesh), mesh)  # the same mesh: nothing to say
+    """
+    plan_mesh = getattr(plan, "mesh", mesh)
+    if plan_mesh != mesh:
+        what = what or f"plan {getattr(plan, 'name', plan)!r}"
+        raise ValueError(
+            f"{what} is over mesh {dict(plan_mesh.shape)}, not {whose}mesh "
+            f"{dict(mesh.shape)}; build both from the same mesh"
+        )
+
+
 @public("sx.replicate")
 def replicate(mesh: Mesh) -> Plan:
     """Every leaf is copied whole onto every device of ``mesh``.

@@ -146,11 +146,14 @@ class FollowParams(Plan):
 
 
 @public("sx.plan.follow_params")
-def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:
-    """Wraps ``plan`` so optimizer state is sharded like the params, whatever the plan.
+def follow_params(plan: Plan, params: ParamsSelector | None = None) -> Plan:
+    """Wraps ``plan`` so optimizer state is sharded like the params, whatever the plan;
+    a plan that already follows them (``follow_params``'s, ``sx.zero1``'s) is returned as
+    it is, so wrapping twice is wrapping once.
 
     ``params`` locates the params in the state (a "/"-joined path of keys or attributes,
-    or a function of the state). The params get ``plan``'s specs for their paths in the
+    or a function of the state; default ``"params"``, or the following plan's own). The
+    params get ``plan``'s specs for their paths in the
     state (``params/layers/0/kernel``; relative to the params with a function); every
     other subtree with the params'
     structure and shapes (optax's ``mu``, ``nu``, ``trace``...) gets the same specs;
@@ -158,7 +161,10 @@ def follow_params(plan: Plan, params: ParamsSelector = "params") -> Plan:
     its own path.
     """
     expect_type("plan", plan, Plan, "a shardax Plan such as sx.fsdp(mesh)")
-    check_selector("params", params)
+    if isinstance(plan, FollowParams):
+        same = params is None or params == plan.params
+        return plan if same else dataclasses.replace(plan, params=check_selector("params", params))
+    params = "params" if params is None else check_selector("params", params)
     return FollowParams(
         plan.mesh,
         plan.spec_fn,

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from shardax.checks import as_bool, as_count, check_mesh, public, public_name
 from shardax.data.spec import check_batch_spec
 from shardax.mesh.axes import DATA_AXIS
-from shardax.plan.core import Plan, axis_size, replicate
+from shardax.plan.core import Plan, axis_size, check_plan_mesh, replicate
 from shardax.train.compiler import check as check_compiler_options
 from shardax.train.compiler import compile_only, platform_of
 from shardax.train.compiler import resolve as resolve_compiler_options
@@ -187,12 +187,7 @@ class StepConfig:
                 f"sx.fsdp(mesh)), got {plan!r}"
             )
         _refuse_plan_factory(plan)
-        plan_mesh = getattr(plan, "mesh", mesh)
-        if plan_mesh != mesh:
-            raise ValueError(
-                f"plan {self.plan_name!r} is over mesh {dict(plan_mesh.shape)}, not the step's "
-                f"mesh {dict(mesh.shape)}; build both from the same mesh"
-            )
+        check_plan_mesh(plan, mesh, "the step's ", f"plan {self.plan_name!r}")
         if mode == "pmap" and axis_size(mesh, data_axis) != mesh.size:
             raise ValueError(
                 f"mode='pmap' maps over one axis, but the mesh {dict(mesh.shape)} has devices "

@@ -27,7 +27,7 @@ import jax
 
 from shardax.checks import received
 from shardax.plan.core import Plan
-from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.follow import follow_params
 from shardax.plan.init import init_sharded
 from shardax.runtime.agreement import check_agreement
 from shardax.runtime.processes import device_put_global
@@ -161,11 +161,7 @@ class Program:
         self.plan_name = config.plan_name
         plan = self.plan
         # The optimizer state follows the params (Adam's mu/nu), whatever the plan.
-        self.state_plan = (
-            follow_params(plan)
-            if isinstance(plan, Plan) and not isinstance(plan, FollowParams)
-            else plan
-        )
+        self.state_plan = follow_params(plan) if isinstance(plan, Plan) else plan
         self._batches = BatchPlacement(config)
         self.batch_sharding = self._batches.sharding
         shard = PerShard(loss_fn, config, work, filled=self._filled, state_plan=self.state_plan)

@@ -22,7 +22,14 @@ from jax.sharding import PartitionSpec as P
 
 from shardax.checks import as_count, as_float, check_mesh, expect_type, public
 from shardax.mesh.axes import DATA_AXIS, STAGE_AXIS
-from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan, axis_size, fsdp, fsdp_over
+from shardax.plan.core import (
+    DEFAULT_FSDP_MIN_SIZE,
+    Plan,
+    axis_size,
+    check_plan_mesh,
+    fsdp,
+    fsdp_over,
+)
 from shardax.plan.follow import FollowParams, follow_params
 from shardax.plan.named import MESH_PLANS
 from shardax.plan.regex import Rule, check_rules, rules
@@ -112,12 +119,8 @@ def check_candidates(
                 )
             plan = dataclasses.replace(known[plan], name=name)
         elif isinstance(plan, Plan):
-            if plan.mesh != mesh:
-                raise ValueError(
-                    f"{where}: plan {plan.name!r} is over mesh {dict(plan.mesh.shape)}, not "
-                    f"auto_plan's mesh {dict(mesh.shape)}; build both from the same mesh"
-                )
-            plan = plan if isinstance(plan, FollowParams) else follow_params(plan)
+            check_plan_mesh(plan, mesh, "auto_plan's ", f"{where}: plan {plan.name!r}")
+            plan = follow_params(plan)
         else:
             expect_type(
                 where, plan, Plan, f"a known plan's name ({', '.join(known)}) or a shardax Plan"
@@ -169,7 +172,7 @@ def candidate_plans(
     plans: dict[str, Plan] = {}
     for name, build in MESH_PLANS.items():  # replicate, zero1, zero2, fsdp
         plan = build(mesh, axis, min_size)
-        plans[name] = plan if isinstance(plan, FollowParams) else follow_params(plan)
+        plans[name] = follow_params(plan)
     if not isinstance(axis, str) and len(axis) > 1:
         plans["hsdp"] = follow_params(fsdp(mesh, axis[-1], min_size))
     if tp_rules:
@@ -238,11 +241,7 @@ def step_config(mesh: Mesh, config: Any, axis: Any, precision: Any) -> StepConfi
             f"{', '.join(given)} (config.data_axis and config.precision are used)"
         )
     check_searchable(config, "auto_plan")
-    if config.mesh != mesh:
-        raise ValueError(
-            f"config's mesh {dict(config.mesh.shape)} is not auto_plan's mesh "
-            f"{dict(mesh.shape)}; build both from the same mesh"
-        )
+    check_plan_mesh(config, mesh, "auto_plan's ", "config")
     return config
 
 
