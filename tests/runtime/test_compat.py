@@ -49,24 +49,6 @@ def test_private_apis_behave_as_shardax_relies_on(monkeypatch):
     assert not compat.is_sharding_type_error(ValueError("other"))
 
 
-def test_orbax_tmp_cleanup_is_there_and_deletes_unfinished_saves(tmp_path, monkeypatch):
-    import orbax.checkpoint as ocp
-
-    leftover = tmp_path / "7.orbax-checkpoint-tmp"  # a save killed half-way
-    (leftover / "state").mkdir(parents=True)
-    options = ocp.CheckpointManagerOptions(cleanup_tmp_directories=True, create=True)
-    manager = ocp.CheckpointManager(tmp_path, options=options)
-    compat.orbax_await_tmp_cleanup(manager)  # returns once orbax's background cleanup is done
-    assert not leftover.exists()
-    manager.close()
-
-    # Gone in some orbax-checkpoint: an ImportError naming the method and the version.
-    monkeypatch.setattr(compat, "ORBAX_TMP_CLEANUP", "_no_such_method")
-    with pytest.raises(ImportError, match=r"CheckpointManager._no_such_method, which orbax"):
-        compat.orbax_await_tmp_cleanup(manager)
-    assert any("orbax-checkpoint" in e for e in compat.missing())
-
-
 def test_cudnn_backward_primitive_takes_the_parameters_shardax_binds():
     """The ring's cuDNN backward binds JAX's private primitive with parameters that move
     between versions; its shapes come out of JAX's abstract rule (no GPU needed): the

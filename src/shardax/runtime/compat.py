@@ -10,10 +10,6 @@ Each has no public equivalent in the supported versions:
   rules ``jax.distributed.initialize`` then applies.
 - ``ClusterEnv``: the base of those classes; the tests check through it that JAX's
   SLURM detection fills in what ``sx.initialize`` leaves to it.
-- ``orbax_await_tmp_cleanup(manager)``: orbax-checkpoint's private
-  ``CheckpointManager._maybe_await_cleanup_tmp_directory``, which waits for the background
-  deletion of unfinished ``*.orbax-checkpoint-tmp`` directories (only orbax's own ``save``
-  awaits it; a manager closed without saving could delete the next save in progress).
 - ``distributed_state``: ``jax.distributed``'s global state, whose ``client`` is the
   coordinator's key-value store (``key_value_set``, ``key_value_dir_get``), where each
   process publishes its step and phase for the hang report (``shardax.runtime.status``).
@@ -84,28 +80,6 @@ def private(name: str) -> Any:
             f"shardax uses {module}.{attr}, which JAX {JAX_VERSION} does not have (shardax "
             f"supports JAX {SUPPORTED}); see shardax/runtime/compat.py"
         ) from e
-
-
-ORBAX_TMP_CLEANUP = "_maybe_await_cleanup_tmp_directory"
-"""The private ``orbax.checkpoint.CheckpointManager`` method ``orbax_await_tmp_cleanup``
-calls."""
-
-
-def _orbax_tmp_cleanup(manager_class: type) -> Any:
-    method = getattr(manager_class, ORBAX_TMP_CLEANUP, None)
-    if method is None:
-        raise ImportError(
-            f"shardax uses orbax.checkpoint.CheckpointManager.{ORBAX_TMP_CLEANUP}, which "
-            f"orbax-checkpoint {version('orbax-checkpoint')} does not have; see "
-            "shardax/runtime/compat.py"
-        )
-    return method
-
-
-def orbax_await_tmp_cleanup(manager: Any) -> None:
-    """Waits until ``manager`` (an ``orbax.checkpoint.CheckpointManager``) has deleted the
-    unfinished tmp directories it found when it opened."""
-    _orbax_tmp_cleanup(type(manager))(manager)
 
 
 ORBAX_SIGNALING_THREAD = ("orbax.checkpoint._src.futures.future", "_SignalingThread")
@@ -213,18 +187,12 @@ def cudnn_attention_bwd(
 def missing() -> list[str]:
     """The errors of every private API that the installed JAX or orbax-checkpoint lacks
     (empty when all are there); ``tests/runtime/test_compat.py`` asserts it is empty."""
-    import orbax.checkpoint as ocp
-
     errors = []
     for name in PRIVATE_APIS:
         try:
             private(name)
         except ImportError as e:
             errors.append(str(e))
-    try:
-        _orbax_tmp_cleanup(ocp.CheckpointManager)
-    except ImportError as e:
-        errors.append(str(e))
     try:
         _orbax_signaling()
     except ImportError as e:
