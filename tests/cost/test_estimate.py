@@ -17,7 +17,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.cost.estimation import HEADROOM, link_bandwidths
 from shardax.cost.flops import (
     compiled_flops,
     hlo_flops,
@@ -25,8 +24,10 @@ from shardax.cost.flops import (
     transformer_flops_per_token,
 )
 from shardax.cost.hlo import attention_kernel, collectives, replica_groups
+from shardax.cost.links import link_bandwidths
 from shardax.cost.memory import estimate as formula
 from shardax.cost.predict import link_of, predict_step
+from shardax.cost.report import HEADROOM
 from shardax.train.auto import Candidate, choose
 
 
@@ -441,7 +442,7 @@ def test_cudnn_attention_flops_are_counted_from_its_custom_calls():
 
 def test_one_byte_formatter_serves_the_estimate_and_the_plan_reports():
     from shardax import _format
-    from shardax.cost import estimation
+    from shardax.cost import report as estimation
     from shardax.plan import report
 
     # defined once, below both layers: the plan's report does not import cost for it

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from shardax.cost.calibration import H100
-from shardax.cost.estimation import _overlap, _wire
 from shardax.cost.hlo import Collective
+from shardax.cost.links import overlap_of, wire_bytes
 from shardax.cost.opcost import LATENCY_S, price_hlo
 from shardax.cost.predict import host_share, wire_seconds
 from shardax.cost.schedule import Scheduled
@@ -57,31 +57,33 @@ def test_a_group_across_gpu_hosts_splits_its_bytes_and_takes_the_slower_link():
     devices = [SimpleNamespace(process_index=i // 8, slice_index=0, platform="gpu")
                for i in range(128)]  # fmt: skip
     s = scheduled("all-gather", 1.28e9, 128, runs=2)
-    wire = _wire(s, "inter-host", devices, LINKS)
+    wire = wire_bytes(s, "inter-host", devices, LINKS)
     share = 1 / 8  # one ring per NIC: each GPU carries one ring's hop between hosts
     assert wire["inter-host"] == pytest.approx(share * s.sent_bytes)
     assert wire["intra-host"] + wire["inter-host"] == pytest.approx(s.sent_bytes)
     # within a host, on a TPU (ICI within a slice), or on GPUs with no NVLink figure (a
     # PCIe part): every byte on the group's link
-    assert _wire(s, "intra-host", devices, LINKS) == {"intra-host": s.sent_bytes}
+    assert wire_bytes(s, "intra-host", devices, LINKS) == {"intra-host": s.sent_bytes}
     tpus = [SimpleNamespace(**{**vars(d), "platform": "tpu"}) for d in devices]
-    assert _wire(s, "inter-host", tpus, LINKS) == {"inter-host": s.sent_bytes}
-    assert _wire(s, "inter-host", devices, {"inter-host": IB}) == {"inter-host": s.sent_bytes}
+    assert wire_bytes(s, "inter-host", tpus, LINKS) == {"inter-host": s.sent_bytes}
+    assert wire_bytes(s, "inter-host", devices, {"inter-host": IB}) == {"inter-host": s.sent_bytes}
     # one GPU per host: every byte crosses, and nothing is left on NVLink
     one_each = [SimpleNamespace(process_index=i, slice_index=0, platform="gpu") for i in range(4)]
     r = scheduled("all-gather", 4e8, 4)
-    assert _wire(r, "inter-host", one_each, LINKS) == {"inter-host": r.sent_bytes}
+    assert wire_bytes(r, "inter-host", one_each, LINKS) == {"inter-host": r.sent_bytes}
     # hosts holding 8 and 4 of a group of 12: the 4's GPUs carry a quarter each
     uneven = [SimpleNamespace(process_index=int(i >= 8), slice_index=0, platform="gpu")
               for i in range(12)]  # fmt: skip
     u = scheduled("all-gather", 1.2e9, 12)
-    assert _wire(u, "inter-host", uneven, LINKS)["inter-host"] == pytest.approx(u.sent_bytes / 4)
+    assert wire_bytes(u, "inter-host", uneven, LINKS)["inter-host"] == pytest.approx(
+        u.sent_bytes / 4
+    )
     one = max(share * s.sent_bytes / 2 / IB, (1 - share) * s.sent_bytes / 2 / NVLINK)
     assert wire_seconds({k: v / 2 for k, v in wire.items()}, LINKS) == pytest.approx(one)
     assert wire_seconds(wire, {"inter-host": IB}) is None  # a link without a bandwidth
     # sx.estimate's overlap line and the per-op model price it alike (synchronous: all
     # of it exposed); the per-op model adds the inter-host latency per run
-    o = _overlap([s], [wire], LINKS, flop_rate=1e15)
+    o = overlap_of([s], [wire], LINKS, flop_rate=1e15)
     assert o["collective_s"] == pytest.approx(2 * one) and o["exposed_s"] == o["collective_s"]
     cost = price_hlo("ENTRY %main {\n}", H100, wire_of=lambda _: wire, link_bandwidth=LINKS,
                      scheduled=[s])  # fmt: skip
@@ -94,10 +96,10 @@ def test_a_group_across_gpu_hosts_splits_its_bytes_and_takes_the_slower_link():
 def test_a_permute_is_priced_by_the_pair_that_crosses_hosts():
     """A pipeline over 8 GPUs on 2 hosts of 4 sends stage to stage: three pairs within a
     host, one between them. All pairs run at once, so the crossing pair sets the time."""
-    from shardax.cost.estimation import _link_of, _members
+    from shardax.cost.links import group_link, group_members
 
     def _link(groups, devices):  # the link a collective's slowest group crosses
-        return _link_of(_members(groups, devices))
+        return group_link(group_members(groups, devices))
 
     devices = [SimpleNamespace(process_index=i // 4, slice_index=0, platform="gpu")
                for i in range(8)]  # fmt: skip
@@ -106,7 +108,7 @@ def test_a_permute_is_priced_by_the_pair_that_crosses_hosts():
     assert _link(pairs[:3], devices) == "intra-host"  # the first host's stages only
     permute = Collective("collective-permute", 4e8, 2, groups=pairs)
     s = Scheduled(permute, "cp", "main", 0, 1, True, 0, 0.0, None)
-    assert _wire(s, "inter-host", devices, LINKS) == {"inter-host": permute.sent_bytes}
+    assert wire_bytes(s, "inter-host", devices, LINKS) == {"inter-host": permute.sent_bytes}
     assert _link(pairs[3:4] + pairs[:3], devices) == "inter-host"  # wherever it is listed
 
 

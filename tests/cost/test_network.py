@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from shardax.cost import calibration as cal
-from shardax.cost.estimation import _levels, _members, _overlap
 from shardax.cost.hlo import Collective
+from shardax.cost.links import group_members, levels_of, overlap_of
 from shardax.cost.network import (
     BASE_LATENCY_S,
     NETWORKS,
@@ -134,8 +134,8 @@ def test_hybrid_groups_are_priced_by_their_actual_members():
     levels = network_levels(NETWORKS["ib-ndr"], NVLINK)
     within = tuple(tuple(range(h * 8, h * 8 + 8)) for h in range(4))
     across = tuple(tuple(range(i, 32, 8)) for i in range(8))
-    assert layout_of(_members(within, devices)) == Layout(8, 1, 8)
-    replica = layout_of(_members(across, devices))
+    assert layout_of(group_members(within, devices)) == Layout(8, 1, 8)
+    replica = layout_of(group_members(across, devices))
     assert replica == Layout(4, 4, 1)
     p = price_collective("all-reduce", 2**28, replica, levels)
     assert set(p.bytes) == {"inter-host"}  # nothing left on NVLink
@@ -158,7 +158,7 @@ def test_the_exposed_inter_host_time_is_its_own_line():
     priced = price_collective("all-gather", 2**26, Layout(16, 2, 8), levels)
     wires = [priced.bytes, {"intra-host": near.sent_bytes}]
     links = {"intra-host": NVLINK, "inter-host": 50e9}
-    o = _overlap([s_far, s_near], wires, links, 1e15, [priced, None])
+    o = overlap_of([s_far, s_near], wires, links, 1e15, [priced, None])
     assert o["inter_host_s"] == pytest.approx(priced.seconds)
     assert o["exposed_inter_host_s"] == pytest.approx(priced.seconds)
     cost = price_hlo("ENTRY %main {\n}", cal.H100, scheduled=[s_far, s_near],
@@ -225,19 +225,19 @@ def test_a_calibration_files_fitted_levels_replace_the_documented_ones(tmp_path)
     devices = [SimpleNamespace(**vars(d), client=client) for d in gpus(16)]
     links = {"intra-host": NVLINK, "inter-host": 5e10}
     with cal.using(mine):
-        levels, words = _levels(devices, None, links, None)
+        levels, words = levels_of(devices, None, links, None)
     assert levels["inter-host"].bandwidth == pytest.approx(2.2e10)
     assert levels["inter-host"].step("inter-host", "ring", "Simple") == pytest.approx(30e-6)
     assert levels["intra-host"].bandwidth == pytest.approx(3.6e11)
     assert words["fitted"] == mine.name and mine.name in words["line"]
     assert words["why"] == "the target's"
     # the documented figures without it
-    levels, words = _levels(devices, None, links, None)
+    levels, words = levels_of(devices, None, links, None)
     assert levels["inter-host"].bandwidth == 25e9 and words["fitted"] is None
     # measured on another network: only the NVLink fit applies
     other = dataclasses.replace(mine, network="ib-ndr")
     with cal.using(other):
-        levels, words = _levels(devices, None, links, None)
+        levels, words = levels_of(devices, None, links, None)
     assert levels["inter-host"].bandwidth == 25e9 and levels["intra-host"].bandwidth == 3.6e11
     assert math.isclose(levels["inter-host"].step("inter-host", "ring", "Simple"), 9.6e-6)
 

@@ -149,20 +149,20 @@ def test_estimate_prices_the_collectives_of_fsdp_on_an_h100(small_gpt):
 def test_a_gpu_without_a_calibration_is_priced_by_the_nearest_and_says_so():
     from types import SimpleNamespace as NS
 
-    from shardax.cost.estimation import _price
+    from shardax.cost.estimation import per_op_price
     from shardax.cost.hardware import device_spec
 
     b200 = NS(platform="gpu", device_kind="NVIDIA B200", process_index=0)
     spec = device_spec(b200)
     hlo = "ENTRY %main {\n" + PARAMS + GEMM + "\n}"
-    cost = _price(hlo, [b200], spec, {}, [], [])
+    cost = per_op_price(hlo, [b200], spec, {}, [], [])
     assert cost is not None and cost.calibration.startswith(
         "uncalibrated: the nearest calibrated kind, H200, has 0.44× its peak FLOP/s"
     )
     assert cost.classes["gemm"].kernels == 1 and cost.widen == 0.25  # another kind's tables
     assert price_hlo(hlo, H100).widen == 0 and price_hlo(hlo, H200).widen == 0
     cpu = NS(platform="cpu", device_kind="cpu", process_index=0)
-    assert _price(hlo, [cpu], spec, {}, [], []) is None  # tables for GPUs only
+    assert per_op_price(hlo, [cpu], spec, {}, [], []) is None  # tables for GPUs only
 
 
 def test_the_accuracy_benchmark_reads_every_measured_configuration():

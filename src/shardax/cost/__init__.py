@@ -16,7 +16,7 @@ hosts with collectives priced level by level (``network``).
 from shardax._names import exports as _exports
 from shardax.checks import moved as _moved
 from shardax.cost.compile_target import Target, target
-from shardax.cost.estimation import Estimate, estimate
+from shardax.cost.estimation import estimate
 from shardax.cost.hardware import (
     BatchSizeRecommendation,
     HardwareSpec,
@@ -28,6 +28,7 @@ from shardax.cost.hardware import (
     validate_batch_size,
 )
 from shardax.cost.network import Network, named_network
+from shardax.cost.report import Estimate
 
 __all__ = _exports(__name__)
 

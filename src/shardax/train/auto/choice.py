@@ -23,7 +23,7 @@ from typing import Any
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public
 from shardax.cost.compile_target import device_memory
-from shardax.cost.estimation import HEADROOM, Estimate
+from shardax.cost.report import HEADROOM, Estimate
 from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 from shardax.plan.core import Plan
 from shardax.plan.named import MESH_PLANS
@@ -251,7 +251,7 @@ def choose(
     predicted step time (devices with a datasheet or a registered calibration: GPUs,
     TPUs, compile-only targets),
     the fastest predicted of those that fit with
-    ``shardax.cost.estimation.HEADROOM`` to spare instead. Candidates not compiled
+    ``shardax.cost.report.HEADROOM`` to spare instead. Candidates not compiled
     (``skipped``) stay in the report and are never picked. Raises ``ValueError`` when
     none fits. ``note`` (what the candidates share) ends the reason."""
     measured = [

@@ -32,7 +32,7 @@ from rich.console import Group
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public
 from shardax.cost.buffers import COVERAGE, PeakBuffers
-from shardax.cost.estimation import Estimate
+from shardax.cost.report import Estimate
 from shardax.cost.reshards import Reshard, collectives_explained
 from shardax.train.explanation.fixes import (
     ACCUMULATE,

@@ -25,8 +25,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardax._format import format_bytes, rich_text, titled_table
+from shardax.cost.accounting import abstract_tree, check_axes, mesh_of
 from shardax.cost.buffers import COVERAGE, PeakBuffers, compile_dumped, input_kind, peak_buffers
-from shardax.cost.estimation import HEADROOM, Estimate, _abstract, _mesh_of, analyse, check_axes
+from shardax.cost.estimation import analyse
+from shardax.cost.report import HEADROOM, Estimate
 from shardax.cost.sources import Sources
 from shardax.plan.tree import is_array
 
@@ -119,8 +121,8 @@ def compile_step(step: Any, state: Any, batch: Any) -> CompiledStep:
     if not hasattr(step, "lower"):
         raise TypeError(f"step must be a make_train_step step or a jax.jit function (with "
                         f".lower), got {type(step).__name__}")  # fmt: skip
-    state, batch = _abstract(state), jax.tree.map(_unplaced, _abstract(batch))
-    mesh = _mesh_of(step, jax.tree.leaves((state, batch)))
+    state, batch = abstract_tree(state), jax.tree.map(_unplaced, abstract_tree(batch))
+    mesh = mesh_of(step, jax.tree.leaves((state, batch)))
     check_axes(state, mesh, "state")
     check_axes(batch, mesh, "batch")
     if hasattr(step, "abstract"):
