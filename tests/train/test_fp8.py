@@ -163,3 +163,31 @@ def test_the_gpt_runs_its_block_matmuls_in_fp8_its_head_in_bf16_and_resumes_bitw
         np.array_equal(a, b)
         for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(again), strict=True)
     )
+
+
+def test_fp8_trains_on_explicit_axes_with_the_layers_out_sharding():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            meta = {"out_sharding": P("data", "model")}
+            self.up = nnx.Linear(8, 16, use_bias=False, kernel_metadata=meta, rngs=rngs)
+
+        def __call__(self, x):
+            return self.up(x, out_sharding=P("data", "model"))
+
+    def loss(model, batch):
+        return jnp.mean(model(batch["x"]).astype(jnp.float32) ** 2)
+
+    batch = {"x": np.ones((16, 8), np.float32)}
+    losses = {}
+    for precision in ("bf16", "fp8"):
+        with jax.set_mesh(mesh):
+            model = Block(nnx.Rngs(0))
+        step = sx.make_train_step(loss, mesh=mesh, precision=precision)
+        _, metrics = step(step.shard(sx.TrainState.create(model, optax.sgd(0.1))), batch)
+        losses[precision] = float(metrics["loss"])
+    assert losses["fp8"] == pytest.approx(losses["bf16"], rel=0.05)

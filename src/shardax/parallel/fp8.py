@@ -67,10 +67,31 @@ def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], out: Any) -> jax.Array:
-    """The 2D ``dot_general`` of fp8 ``a`` and ``b`` over dims ``contract``, in ``out``."""
+def _explicit_spec(x: jax.Array) -> Any:
+    """``x``'s ``PartitionSpec`` where its type carries one (a mesh with Explicit axes),
+    else None: the result shardings JAX's own rules would give the transposed products."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return None
+    return sharding.spec
+
+
+def _dot(
+    a: jax.Array, b: jax.Array, contract: tuple[int, int], out: Any, spec: Any = None
+) -> jax.Array:
+    """The 2D ``dot_general`` of fp8 ``a`` and ``b`` over dims ``contract``, in ``out``,
+    sharded as ``spec`` (on Explicit axes; None: as JAX infers it)."""
     dims = (((contract[0],), (contract[1],)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=out)
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=out, out_sharding=spec)
+
+
+def _spec(rows_of: Any, row: int, cols_of: Any, col: int) -> Any:
+    """``PartitionSpec(rows_of[row], cols_of[col])`` of two specs, None if either is."""
+    if rows_of is None or cols_of is None:
+        return None
+    pad = lambda spec: (*spec, None, None)  # noqa: E731
+    return jax.sharding.PartitionSpec(pad(rows_of)[row], pad(cols_of)[col])
 
 
 @jax.custom_vjp
@@ -84,17 +105,19 @@ def _forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, Any]:
     out = jnp.result_type(x, w)
     qx, sx = quantize(x, E4M3)
     qw, sw = quantize(w, E4M3)
-    y = (_dot(qx, qw, (1, 0), jnp.float32) * (sx * sw)).astype(out)
+    xs, ws = _explicit_spec(x), _explicit_spec(w)
+    y = (_dot(qx, qw, (1, 0), jnp.float32, _spec(xs, 0, ws, 1)) * (sx * sw)).astype(out)
     # fp8 residuals: the backward pass reads a quarter of fp32's (half of bf16's) bytes
     return y, (qx, sx, qw, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _backward(res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    qx, sx, qw, sw, x_like, w_like = res
+    qx, sx, qw, sw, x_zero, w_zero = res
     qg, sg = quantize(g, E5M2)
-    dx = _dot(qg, qw, (1, 1), jnp.float32) * (sg * sw)  # (M, N) · (K, N)ᵀ -> (M, K)
-    dw = _dot(qx, qg, (0, 0), jnp.float32) * (sx * sg)  # (M, K)ᵀ · (M, N) -> (K, N)
-    return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
+    xs, ws = _explicit_spec(qx), _explicit_spec(qw)  # the gradients sharded as the operands
+    dx = _dot(qg, qw, (1, 1), jnp.float32, _spec(xs, 0, xs, 1)) * (sg * sw)  # g · wᵀ: (M, K)
+    dw = _dot(qx, qg, (0, 0), jnp.float32, _spec(ws, 0, ws, 1)) * (sx * sg)  # xᵀ · g: (K, N)
+    return dx.astype(x_zero.dtype), dw.astype(w_zero.dtype)
 
 
 fp8_matmul.defvjp(_forward, _backward)
@@ -140,7 +163,8 @@ def fp8_dot_general(
     >>> y.shape, y.dtype
     ((2, 5, 3), dtype('float32'))
     """
-    del precision, kwargs  # the accumulation precision is the fp8 GEMM's
+    del precision  # the accumulation precision is the fp8 GEMM's
+    out_sharding = kwargs.pop("out_sharding", None)  # flax layers pass it on Explicit axes
     k = dense_contraction(lhs.ndim, rhs.ndim, dimension_numbers)
     if k is None:
         raise ValueError(
@@ -152,4 +176,5 @@ def fp8_dot_general(
     inner = math.prod(lhs.shape[lhs.ndim - k :])
     y = fp8_matmul(lhs.reshape(-1, inner), rhs.reshape(inner, -1))
     dtype = preferred_element_type or jnp.result_type(lhs, rhs)
-    return y.reshape(*batch, *out).astype(dtype)
+    y = y.reshape(*batch, *out).astype(dtype)
+    return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
