@@ -73,6 +73,13 @@ times within an NVLink host and over InfiniBand are of this order."""
 FP32_GEMM_FACTOR = 0.5
 """An fp32 GEMM's rate against bf16's where a calibration measured no fp32 GEMM: the H100
 measured 0.50-0.56 (median 0.53) at five shapes, JAX's default precision."""
+FP8_GEMM_FACTOR = 2.0
+"""An fp8 GEMM's rate against bf16's where a calibration measured no fp8 GEMM: the
+datasheets' dense fp8 peak over their dense bf16 peak, 2 on every fp8 GPU of
+``shardax.cost.hardware`` (H100 SXM 1,979 vs 989 TFLOP/s; H200 the same; B200 4.5 vs 2.25
+PFLOP/s), applied to the measured bf16 rate of the nearest shape, as fp32's factor is. A
+datasheet figure, not a measurement: ``StepCost.fp8_datasheet_flops`` says how many FLOPs
+were priced so."""
 _NO_KERNEL = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
     "partition-id", "replica-id", "opt-barrier", "add-dependency", "while", "call",
@@ -122,6 +129,8 @@ class StepCost:
         inter_host_s: the part of ``collective_s`` of collectives whose groups span
             hosts (priced level by level, ``shardax.cost.network``).
         exposed_inter_host_s: the part of ``exposed_s`` those leave exposed.
+        fp8_datasheet_flops: FLOPs of fp8 GEMMs priced at ``FP8_GEMM_FACTOR`` times the
+            bf16 rates (the tables have no fp8 rows: the datasheet's peak ratio).
     """
 
     calibration: str
@@ -133,6 +142,7 @@ class StepCost:
     widen: float = 0.0
     inter_host_s: float = 0.0
     exposed_inter_host_s: float = 0.0
+    fp8_datasheet_flops: float = 0.0
 
     @property
     def kernels(self) -> float:
@@ -173,6 +183,7 @@ class StepCost:
                 "exposed_s": self.exposed_s, "unpriced": dict(self.unpriced), "widen": self.widen,
                 "inter_host_s": self.inter_host_s,
                 "exposed_inter_host_s": self.exposed_inter_host_s,
+                "fp8_datasheet_flops": self.fp8_datasheet_flops,
                 "kernels": self.kernels, "executed_flops": self.executed_flops}  # fmt: skip
 
 
@@ -187,21 +198,26 @@ def gemm_rate(
     """FLOP/s of an ``(m, k) @ (k, n)`` GEMM: the rate of ``c``'s measured shape nearest in
     ``(log m, log n, log k)`` (``gemm_rows``) and dtype;
     for fp32 operands where ``c`` measured none, the bf16 rate times
-    ``FP32_GEMM_FACTOR``. ``cublas``: a cuBLAS call (not a Triton GEMM fusion), priced
-    by the ``"f32-cublas"`` rows (measured with Triton GEMMs off) for fp32 where ``c``
-    has them.
+    ``FP32_GEMM_FACTOR``, for fp8 operands (``"f8e4m3fn"``, ``"f8e5m2"``) where it
+    measured no ``"f8"`` rows, times ``FP8_GEMM_FACTOR``. ``cublas``: a cuBLAS call
+    (not a Triton GEMM fusion), priced by the ``"f32-cublas"`` rows (measured with Triton
+    GEMMs off) for fp32 where ``c`` has them.
 
     >>> from shardax.cost.calibration import H200
     >>> round(gemm_rate(H200, 8192, 8192, 2048) / 1e12)
     659
     >>> round(gemm_rate(H200, 8000, 2000, 8100) / 1e12)  # two measurements' mean
     738
+    >>> gemm_rate(H200, 8192, 8192, 2048, "f8e4m3fn") / gemm_rate(H200, 8192, 8192, 2048)
+    2.0
     """
-    wide = dtype in ("f32", "f64")
+    wide, fp8 = dtype in ("f32", "f64"), dtype.startswith("f8")
     rows = gemm_rows(c)
     library = [r for r in rows if r[3] == "f32-cublas"] if wide and cublas else []
     measured = library or ([r for r in rows if r[3] == "f32"] if wide else [])
+    measured = measured or ([r for r in rows if r[3] == "f8"] if fp8 else [])
     factor = FP32_GEMM_FACTOR if wide and not measured else 1.0
+    factor = FP8_GEMM_FACTOR if fp8 and not measured else factor
     point = [math.log2(max(x, 1.0)) for x in (m, n, k)]
     best = min(
         measured or [r for r in rows if r[3] == "bf16"], key=lambda r: _distance(r[:3], point)
@@ -395,6 +411,8 @@ def price_hlo(
     skipped |= set(re.findall(r"\bto_apply=%?([\w.\-]+)", hlo))
     classes = {k: ClassCost() for k in PRICED}
     unpriced: dict[str, float] = {}
+    fp8_datasheet = 0.0
+    fp8_measured = any(r[3] == "f8" for r in rows)
     for comp, instrs in index.by_comp.items():
         if comp in skipped:
             continue
@@ -425,6 +443,8 @@ def price_hlo(
                     targets = [instr.target, *(t for _, t, _ in instr.fused)]
                     cublas = any((t or "").startswith("__cublas") for t in targets)
                     rate = gemm_rate(c, m, n, k, dtype, cublas)
+                    if dtype.startswith("f8") and not fp8_measured:
+                        fp8_datasheet += runs * flops
                     scale = rate / (gemm_rate(c, m, n, k) or rate)
                     classes[cls].add(runs, max(flops / rate, mem[0]),
                                      max(flops / (best_rate * scale), mem[1]),
@@ -464,7 +484,8 @@ def price_hlo(
     return StepCost(calibration=name or c.name, classes=classes, launch_s=launch,
                     collective_s=wire, exposed_s=exposed, unpriced=unpriced,
                     widen=widen, inter_host_s=inter_wire,
-                    exposed_inter_host_s=inter_exposed)  # fmt: skip
+                    exposed_inter_host_s=inter_exposed,
+                    fp8_datasheet_flops=fp8_datasheet)  # fmt: skip
 
 
 LABELS = {
@@ -518,8 +539,12 @@ def format_cost(cost: StepCost, model_flops: float | None = None,
     if cost.unpriced:
         names = ", ".join(f"{k} × {v:.0f}" for k, v in cost.unpriced.items())
         lines.append(f"not in the tables (priced by their bytes): {names}")
+    if cost.fp8_datasheet_flops:
+        lines.append(f"fp8 GEMMs ({cost.fp8_datasheet_flops:.3g} FLOPs) priced at the "
+                     f"datasheet's fp8 peak, {FP8_GEMM_FACTOR:g}x the measured bf16 rates: the "
+                     "tables have no fp8 rows")  # fmt: skip
     return "\n".join([*lines, step])
 
 
-__all__ = ["LATENCY_S", "MODEL_NAME", "ClassCost", "StepCost", "attention_seconds",
-           "breakdown", "format_cost", "gemm_rate", "price_hlo"]  # fmt: skip
+__all__ = ["FP8_GEMM_FACTOR", "LATENCY_S", "MODEL_NAME", "ClassCost", "StepCost",
+           "attention_seconds", "breakdown", "format_cost", "gemm_rate", "price_hlo"]  # fmt: skip
