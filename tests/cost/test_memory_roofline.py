@@ -103,7 +103,7 @@ def test_one_device_is_dp_only():
 
 def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="precision must be one of"):
-        state_bytes("fp8")
+        state_bytes("int8")
     with pytest.raises(ValueError, match="num_params must be a finite number > 0, got -1"):
         estimate(-1)
     with pytest.raises(ValueError, match="data must be an integer >= 1, got 0"):

@@ -13,6 +13,7 @@ precision     params    grads  fp32 master   Adam m + v   total  matmuls read
 ``fp32``      4         4      0             4 + 4        16     4
 ``bf16``      4         4      0             4 + 4        16     2 (bf16 copy)
 ``fp16``      4         4      0             4 + 4        16     2 (fp16 copy)
+``fp8``       4         4      0             4 + 4        16     2 (bf16 copy; 1 in fp8)
 ============  ========  =====  ============  ===========  =====  ===============
 
 shardax's policies keep the params and Adam's moments in the state in float32 and cast
@@ -92,6 +93,7 @@ STATE_BYTES: dict[str, StateBytes] = {
     "fp32": _of_policy("fp32", np.float32, np.float32),
     "bf16": _of_policy("bf16", np.float32, jnp.bfloat16),
     "fp16": _of_policy("fp16", np.float32, np.float16),
+    "fp8": _of_policy("fp8", np.float32, jnp.bfloat16),  # bf16's: fp8 copies are transient
 }
 """The train policies' bytes (``shardax.train.precision.PRECISIONS``, by the same names)."""
 
