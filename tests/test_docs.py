@@ -272,6 +272,11 @@ SHELL_RUNS = [(where, words) for where, words, compiles in shell_commands()[0] i
 COMPILE_RUNS = [(where, words) for where, words, compiles in shell_commands()[0] if compiles]
 
 
+@pytest.mark.skipif(
+    sys.version_info >= (3, 12),
+    reason="the docs' shell commands run once, on CI leg 1 (Python 3.11): they check the pages, "
+    "and leg 2 (JAX 0.12) runs the same commands' code through the rest of the suite",
+)
 @pytest.mark.parametrize(("where", "words"), SHELL_RUNS, ids=[w for w, _ in SHELL_RUNS])
 def test_shell_command_runs(where, words, tmp_path):
     run_shell_command(where, words, tmp_path)
