@@ -1,6 +1,7 @@
 """``sx.explain`` on a compile-only 8xH100 node (``sx.target``, no GPU): seeded mistakes in
 NNX models written as nnx.Linear's examples write them, each named with this file's line
-(a transpose's all-to-all, a row of jnp.ones put before the batch, a reshape that drops
+(a transpose's all-to-all at its sx.constrain, an involuntary full rematerialization at
+the constraint that asks for it, a row of jnp.ones put before the batch, a reshape that drops
 the batch's split; an undivided embedding, an idle mesh axis and a rule that matches
 nothing in the placement against intent).
 The out-of-memory one (an un-rematerialized wide layer, in half of each GPU's memory) gets
@@ -115,6 +116,27 @@ def test_a_transpose_that_forces_an_all_to_all_on_8_h100():
     found = [c for c in report.unasked if c.source in mine]
     assert found and {c.op for c in found} == {"all-to-all"}, report
     assert all(c.axes == ("data",) and "sx.constrain" in c.suggestion for c in found)
+    assert {c.source for c in found} == {line_of(Transposed.__call__, "sx.constrain")}
+
+
+class Heads(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.proj(x).reshape(x.shape[0], 8, 8)
+        h = sx.constrain(h, P(None, None, ("data", "model")))  # meant: P("data", None, None)
+        return jnp.tanh(h).reshape(x.shape[0], 64)
+
+
+def test_an_involuntary_full_rematerialization_on_8_h100():
+    mesh = sx.make_mesh({"data": 4, "model": 2}, devices=sx.target("8xH100"))
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
+    report = sx.explain(step, state_of(Heads), batch_of(64), fixes=False)
+    found = [c for c in report.unasked if c.op == "full rematerialization"]
+    assert found, [(c.op, c.source) for c in report.unasked]
+    assert found[0].source == line_of(Heads.__call__, "meant: P(")
+    assert found[0].before == "P(None, None, ('data', 'model'))" and found[0].sent_bytes > 0
 
 
 def test_plan_explain_on_the_target_lists_no_unasked_collective():

@@ -1,7 +1,9 @@
 """sx.explain on seeded mistakes in models written as their frameworks' examples write them
 (NNX with nnx.Linear, Linen's params, an Equinox module), on 8 CPU devices: each named
-with the right line of this file, and the out-of-memory one with a fix that compiles and
-fits. The built-in GPT under fsdp+tp lists no unasked collective (zero1: test_plan_explain.py;
+with the right line of this file (a transpose's all-to-all and an involuntary full
+rematerialization at the sx.constrain asking for them), and the out-of-memory one with a
+fix that compiles and fits (its batch gathers counted as the plan's). The built-in GPT
+under fsdp+tp lists no unasked collective (zero1: test_plan_explain.py;
 fsdp: tests/compile/test_explain_targets.py)."""
 
 import inspect
@@ -63,6 +65,10 @@ def test_out_of_memory_names_the_activation_and_a_fix_that_compiles_fits(mesh):
     budget = sx.estimate(step, state, batch).memory["peak"]
     report = sx.explain(step, state, batch, budget=budget, accumulate=(1, 4), plans=("fsdp",))
     assert report.fits is False
+    # XLA:CPU gathers the batch rows, not up's kernel, for the matmul with the split
+    # kernel: the plan's gather of the smaller side, no surprise
+    assert report.unasked == (), [(c.op, c.source) for c in report.unasked]
+    assert any(c.implied.startswith("a matmul's operand") for c in report.collectives)
     saved = [b for b in report.memory.buffers if b.kind == "activation"]
     assert saved and saved[0].source == line_of(Wide.__call__, "the saved activation")
     assert saved[0].bytes == 512 * 2048 * 4 // 8  # one device's share of it
@@ -99,9 +105,39 @@ def test_a_transpose_that_forces_an_all_to_all_names_the_model_lines(mesh):
     assert found, [(c.op, c.source, c.what) for c in report.unasked]
     assert {c.op for c in found} == {"all-to-all"}
     line = found[0].source
+    # named at the sx.constrain that asks for the move (the fix goes there), the moved
+    # value's own line kept in made
+    assert {c.source for c in found} == {line_of(cls.__call__, "sx.constrain")}
+    assert all(c.made in mine and c.made != line for c in found)
     assert all(c.axes == ("data",) and c.sent_bytes > 0 for c in found)
     assert all("sx.constrain" in c.suggestion for c in found)
     assert line in str(report)
+
+
+class Heads(nnx.Module):
+    """Heads split by a constraint to their last dimension over both axes: the
+    partitioner cannot reach it from the batch's split by an all-to-all."""
+
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.proj(x).reshape(x.shape[0], 8, 8)
+        h = sx.constrain(h, P(None, None, ("data", "model")))  # meant: P("data", None, None)
+        return jnp.tanh(h).reshape(x.shape[0], 64)
+
+
+def test_an_involuntary_full_rematerialization_is_named_at_the_constraint(mesh_2d):
+    step = sx.make_train_step(mse, mesh=mesh_2d, plan=sx.fsdp(mesh_2d))
+    report = sx.explain(step, nnx_state(Heads), batch_of(64, 64), fixes=False)
+    found = [c for c in report.unasked if c.op == "full rematerialization"]
+    line = line_of(Heads.__call__, "meant: P(")
+    assert found and found[0].source == line, [(c.op, c.source) for c in report.unasked]
+    remat = found[0]
+    assert remat.before == "P(None, None, ('data', 'model'))" and remat.shape == (64, 8, 8)
+    assert remat.after.startswith("P('data'") and remat.made.startswith(HERE)
+    assert remat.bytes == 64 * 64 * 4 and 0 < remat.sent_bytes < remat.bytes
+    assert "sx.constrain" in remat.suggestion and line in str(report)
 
 
 class Embedder(eqx.Module):

@@ -10,7 +10,10 @@ the line) and sorts it:
   ``all_to_all``... inside ``shard_map``); a reduction to a scalar (the loss, a metric, a
   norm); a gather, reduction or scatter of a parameter-shaped array (FSDP's gathers, the
   gradients' reductions, ZeRO's gather of the updated parameters); an all-reduce of a
-  contraction's partial sums over an axis that splits parameters (tensor parallelism);
+  contraction's partial sums over an axis that splits parameters (tensor parallelism); a
+  gather of the activation a matmul meets a split weight with (``split_shapes``): the
+  batch and the weight split over one axis, one side must be gathered, and XLA may gather
+  the smaller, the activation, in place of FSDP's gather of the weight;
 - unasked: every other one, with the two layouts (from the op: the dimension an all-gather
   joins, an all-to-all's moved split, a permute's shift), its bytes per step, and a
   suggested ``sx.constrain``.
@@ -35,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from shardax.cost.hlo import _OP, collective_of
+from shardax.cost.hlo import _OP, _arrays, collective_of
 from shardax.cost.ops import HloIndex, op_name
-from shardax.cost.sources import Sources
+from shardax.cost.sources import Sources, nearest
 
 _DIMENSIONS = re.compile(r"\bdimensions=\{([\d,]*)\}")
 _CALLED = re.compile(
@@ -46,6 +49,7 @@ _CALLED = re.compile(
 )
 _LOOKUP = re.compile(r"(?:^|/)(?:gather|scatter-add|scatter_add)$|jit\(_take\)")
 _REDUCTION = re.compile(r"dot_general|(?:^|/)reduce_\w+(?:$|[:)])")  # a fused op's list too
+_MOVES = ("all-to-all", "ragged-all-to-all")  # a move of the split: what a constraint asks
 _PLAIN = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
           "ragged-all-to-all")  # fmt: skip
 
@@ -56,7 +60,9 @@ class Reshard:
     result holds on one device and bytes one device sends per step (over its ``runs``),
     the user's ``source`` line, the op's name stack (``what``), the layouts before and
     after (``PartitionSpec``-like text over the array's dimensions), ``implied`` (why the
-    plan or the model asks for it; ``""``: unasked) and a ``suggestion``."""
+    plan or the model asks for it; ``""``: unasked), a ``suggestion``, the HLO ``name``,
+    and ``made``: the line of the op whose value moves, where ``source`` names the
+    ``sx.constrain`` that asked for the move instead (``""``: ``source`` is the op's)."""
 
     op: str
     axes: tuple[str, ...]
@@ -72,6 +78,7 @@ class Reshard:
     implied: str = ""
     suggestion: str = ""
     name: str = ""
+    made: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able)."""
@@ -121,16 +128,17 @@ def _layouts(op: str, rank: int, dims: list[int], axes: tuple[str, ...]) -> tupl
 
 
 def _suggest(c: Reshard, dims: list[int]) -> str:
-    at = f"at {c.source}" if c.source else f"made by {c.what or c.name}"
+    at = f"at {c.made or c.source}" if c.source else f"made by {c.what or c.name}"
     if c.op == "all-gather":
         return (f"keep the split: sx.constrain(x, {c.before}) on the value {at} and on what "
                 "uses it (a reshape that keeps the split dimension whole and leading, a rule "
                 "that splits the weight it meets the same way)")  # fmt: skip
     if c.op in ("all-to-all", "ragged-all-to-all"):
+        pinned = f" (the sx.constrain at {c.source} asks for it)" if c.made else ""
         return (
             f"the op {at} moves which dimension is split (a transpose, a reshape that "
-            f"merges the split dimension): sx.constrain its input and output to one layout, "
-            f"e.g. {c.after}, or reorder it after the reduction over {'/'.join(c.axes)}"
+            f"merges the split dimension){pinned}: sx.constrain its input and output to one "
+            f"layout, e.g. {c.after}, or reorder it after the reduction over {'/'.join(c.axes)}"
         )
     if c.op == "all-reduce":
         return (f"the op {at} sums over a dimension split over {'/'.join(c.axes)}; if that "
@@ -165,19 +173,67 @@ def _implied(op: str, stack: str, shapes: tuple[tuple[int, ...], ...], axes: tup
     return ""
 
 
+_PASS = {"bitcast", "copy", "transpose", "reshape", "get-tuple-element", "convert",
+         "all-gather-done"}  # fmt: skip
+
+
+def users_of(index: HloIndex) -> dict[str, list[Any]]:
+    """``{instruction name: the instructions that read it}`` of one program."""
+    out: dict[str, list[Any]] = {}
+    for instr in index.by_name.values():
+        for name in instr.operands:
+            out.setdefault(name, []).append(instr)
+    return out
+
+
+def _matmul(instr: Any) -> bool:
+    ops = {instr.opcode} | {op for op, _, _ in instr.fused}
+    return bool(ops & {"dot", "convolution"}) or "gemm" in instr.target.lower()
+
+
+def meets_split_weight(index: HloIndex, name: str, split_shapes: set[tuple[int, ...]],
+                       users: dict[str, list[Any]], hops: int = 3) -> bool:  # fmt: skip
+    """Whether the value of instruction ``name`` reaches, through copies and reshapes
+    (``hops`` at most), a matmul (a dot, or a fusion or GEMM call with one) whose other
+    operand has a shape of ``split_shapes`` (a weight as the plan splits it)."""
+    frontier, seen = [name], {name}
+    for _ in range(hops):
+        following = []
+        for current in frontier:
+            for user in users.get(current, []):
+                if _matmul(user):
+                    others = [index.by_name.get(o) for o in user.operands if o != current]
+                    if any(o is not None and {s for _, s in _arrays(o.out)} & split_shapes
+                           for o in others):  # fmt: skip
+                        return True
+                elif user.opcode in _PASS and user.name not in seen:
+                    seen.add(user.name)
+                    following.append(user.name)
+        frontier = following
+    return False
+
+
 def collectives_explained(
     hlo: str, mesh: Any, sources: Sources | None = None,
     param_shapes: set[tuple[int, ...]] | None = None, param_axes: set[str] | None = None,
+    constraints: list[tuple[str, int, str]] | None = None,
+    split_shapes: set[tuple[int, ...]] | None = None,
 ) -> list[Reshard]:  # fmt: skip
     """Every collective of the compiled ``hlo`` on ``mesh``, implied (with the reason) or
     not (with the layouts and a suggestion); see the module. ``param_shapes``: the
     parameters' global and per-device shapes (a scanned stack's layer shape too);
-    ``param_axes``: the mesh axes that split some parameter."""
+    ``param_axes``: the mesh axes that split some parameter; ``constraints``: the user's
+    sharding constraints' frames (``shardax.cost.sources.Lowered.constraints``): an unasked
+    all-to-all in a function with one is named at the nearest, where the layout that
+    moves the split was asked for (XLA gives the all-to-all the moved value's line, kept
+    in ``made``); ``split_shapes``: the per-device shapes of the parameters the plan
+    splits (an all-gather whose value meets one in a matmul is the plan's)."""
     sources = sources or Sources({})
     index = HloIndex(hlo)
     shapes_known = set(param_shapes or ())
     axes_known = set(param_axes or ())
     devices = math.prod(int(n) for n in mesh.shape.values())
+    users = users_of(index)
     out = []
     for instr in index.by_name.values():
         base = instr.opcode.removesuffix("-start")
@@ -194,9 +250,20 @@ def collectives_explained(
         stack = op_name(instr).replace("\\'", "'")
         before, after = _layouts(base, len(shape), dims, axes)
         reason = _implied(base, stack, c.shapes, axes, shapes_known, axes_known)
+        meets = base == "all-gather" and bool(split_shapes) and not reason
+        if meets and meets_split_weight(index, instr.name, split_shapes or set(), users):
+            reason = (f"a matmul's operand gathered in place of the weight the plan splits "
+                      f"over {'/'.join(axes)} (FSDP's gather, of the smaller side)")  # fmt: skip
         row = Reshard(base, axes, c.bytes, c.sent_bytes, c.count, shape,
                       c.dtypes[0] if c.dtypes else "", sources.line(instr.line), stack,
                       before, after, reason, name=instr.name)  # fmt: skip
+        asked = (
+            ""
+            if reason or base not in _MOVES
+            else nearest(sources.frame(instr.line), constraints or [])
+        )
+        if asked and asked != row.source:
+            row = dataclasses.replace(row, source=asked, made=row.source)
         if not reason:
             row = dataclasses.replace(row, suggestion=_suggest(row, dims))
         out.append(row)

@@ -10,7 +10,9 @@ line of the model that made it. ``Sources`` reads the table from the compiled mo
 answers, for a frame id, the innermost frame of the user's code: not shardax's own (its
 reference models excepted) nor an installed library's (flax, equinox, optax: JAX drops
 its own frames itself). Older JAX without the table wrote ``source_file``/``source_line``
-in the metadata; those are read too.
+in the metadata; those are read too. ``Lowered`` reads a lowered step's module the same
+way: its sharding constraints' lines, and the ops XLA's partitioner names in its log, found
+by name stack and shape (XLA:GPU numbers the frames anew: the log's ids match no table).
 
 >>> src = Sources({1: ("model.py", 12, "__call__", 0)})
 >>> src.line('%d = f32[8]{0} dot(...), metadata={op_name="jit(f)/dot" stack_frame_id=1}')
@@ -28,6 +30,10 @@ _FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
 _SOURCE = re.compile(r'source_file="([^"]*)"(?: source_line=(\d+))?')
 _SHARDAX = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MODELS = os.path.join(_SHARDAX, "models")
+_TOOLS = tuple(os.path.join(_SHARDAX, d) for d in ("plan", "parallel", "checks.py"))
+_CONSTRAINT = re.compile(
+    r'custom_call_target="Sharding"|op_name="[^"]*(?:sharding_constraint|reshard)"'
+)
 _LIBRARIES = tuple(
     {p for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p}
 )
@@ -129,6 +135,25 @@ class Sources:
             frame_id = parent
         return out
 
+    def frame(self, hlo_line: str, tools: bool = False) -> tuple[str, int, str] | None:
+        """``(file, line, function)`` of the user's innermost frame of one HLO instruction
+        line (None: as ``line`` gives ``""``); ``tools``: shardax's in-model tools
+        (``sx.constrain`` and its door, ``parallel``) called innermost are skipped, to the
+        user's call."""
+        found = _FRAME_ID.search(hlo_line)
+        if not found:
+            return None
+        leading = True
+        for file, line, function in self.stack(int(found.group(1))):
+            if is_user_file(file):
+                return file, line, function
+            if tools and leading and os.path.abspath(file).startswith(_TOOLS):
+                continue
+            leading = False
+            if is_shardax_file(file):
+                return None
+        return None
+
     def line(self, hlo_line: str) -> str:
         """``file:line`` of the user's innermost frame of one HLO instruction line, ``""``
         where none comes before shardax's own (an op of shardax's step, as the optimizer
@@ -145,3 +170,68 @@ class Sources:
         if old and old.group(1):
             return f"{old.group(1)}:{old.group(2) or '?'}"
         return ""
+
+
+_LOWERED_OP = re.compile(
+    r"^\s*(?:ROOT )?[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\(.*?"
+    r'op_name="((?:[^"\\]|\\.)*)" stack_frame_id=(\d+)'
+)
+
+
+class Lowered:
+    """A lowered step's own frames (before the compiler numbers them anew): its sharding
+    constraints' user lines, and an op's user line by its name stack and global shape
+    (what the partitioner's log gives of an op)."""
+
+    def __init__(self, sources: Sources, ops: list[tuple[str, tuple[int, ...], int, str]]) -> None:
+        self.sources, self.ops = sources, ops  # (op_name, shape, frame id, line)
+
+    @classmethod
+    def of(cls, lowered: Any) -> Lowered:
+        """From ``step.lower(...)`` (empty where JAX gives no HLO view of it)."""
+        try:
+            hlo = lowered.as_text(dialect="hlo", debug_info=True)
+            proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+        except Exception:  # a lowering without an HLO view: no lines from it
+            return cls(Sources({}), [])
+        ops = []
+        for line in hlo.splitlines():
+            found = _LOWERED_OP.search(line)
+            if found:
+                shape = tuple(int(d) for d in found.group(1).split(",") if d)
+                ops.append((found.group(3), shape, int(found.group(4)), line))
+        return cls(Sources(frame_table(proto)), ops)
+
+    def constraints(self) -> list[tuple[str, int, str]]:
+        """The user's ``(file, line, function)`` of each sharding constraint
+        (``sx.constrain``, ``with_sharding_constraint``, ``reshard``)."""
+        out = []
+        for *_, line in self.ops:
+            if _CONSTRAINT.search(line):
+                frame = self.sources.frame(line, tools=True)
+                if frame is not None and frame not in out:
+                    out.append(frame)
+        return out
+
+    def frame(self, op_name: str, shape: tuple[int, ...]) -> tuple[str, int, str] | None:
+        """The user's frame of the ops named ``op_name`` of global ``shape``, where they
+        all have one (None: none, or several)."""
+        frames = {self.sources.frame(line, tools=True) for name, s, _, line in self.ops
+                  if name == op_name and s == shape} - {None}  # fmt: skip
+        return frames.pop() if len(frames) == 1 else None
+
+
+def nearest(frame: tuple[str, int, str] | None, constraints: list[tuple[str, int, str]]) -> str:
+    """``file:line`` of the constraint nearest ``frame``'s line in the same file and
+    function (``""``: none there).
+
+    >>> nearest(("m.py", 12, "f"), [("m.py", 13, "f"), ("m.py", 30, "g")])
+    'm.py:13'
+    """
+    if frame is None:
+        return ""
+    same = [c for c in constraints if c[0] == frame[0] and c[2] == frame[2]]
+    if not same:
+        return ""
+    file, line, _ = min(same, key=lambda c: abs(c[1] - frame[1]))
+    return f"{file}:{line}"

@@ -1,6 +1,7 @@
 """``sx.explain``: the compiled step explained in the user's words: what fills the memory at
-its peak, the collectives its plan did not ask for, how its state is split against the plan's
-intent, and the changes that make it fit, each compiled.
+its peak, the collectives its plan did not ask for (and the partitioner's involuntary full
+rematerializations, read from its log during the compile), how its state is split against
+the plan's intent, and the changes that make it fit, each compiled.
 
 One home, beside ``sx.estimate`` rather than a mode of it: ``sx.estimate`` sits in ``cost``
 (it compiles any step for any target and prices it), while an explanation reads the plan's
@@ -32,6 +33,7 @@ from rich.console import Group
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public
 from shardax.cost.buffers import COVERAGE, PeakBuffers
+from shardax.cost.remats import rematerializations
 from shardax.cost.report import Estimate
 from shardax.cost.reshards import Reshard, collectives_explained
 from shardax.train.explanation.fixes import (
@@ -53,8 +55,9 @@ class Explanation:
 
     Attributes:
         memory: the buffers live at the compiled peak, named (``PeakBuffers``).
-        collectives: every collective of the step (``Reshard``: op, axes, bytes, the
-            user's line, the layouts, why the plan implies it or ``""``).
+        collectives: every collective of the step and every full rematerialization
+            (``Reshard``: op, axes, bytes, the user's line, the layouts, why the plan
+            implies it or ``""``).
         placement: the state's split against the plan's intent (None without a plan).
         fixes: the compiled changes that fit the budget, best first (``Fix``).
         budget: the bytes per device the step must fit (None: unknown).
@@ -206,7 +209,11 @@ def explain(
     shapes = program.param_shapes()
     plan = getattr(step, "state_plan", None)
     axes = _param_axes(shardings)
-    rows = tuple(collectives_explained(hlo, mesh, sources, shapes, axes))
+    lowered = program.lowered
+    asked = lowered.constraints() if lowered is not None else []
+    rows = tuple(rematerializations(program.log, mesh, sources, lowered)) + tuple(
+        collectives_explained(hlo, mesh, sources, shapes, axes, asked, program.split_shapes())
+    )
     where = placement(state, plan, shardings) if plan is not None else None
     peak = program.peak_bytes
     proposed: tuple[Fix, ...] = ()

@@ -28,8 +28,9 @@ from shardax._format import format_bytes, rich_text, titled_table
 from shardax.cost.accounting import abstract_tree, check_axes, mesh_of
 from shardax.cost.buffers import COVERAGE, PeakBuffers, compile_dumped, input_kind, peak_buffers
 from shardax.cost.estimation import analyse
+from shardax.cost.remats import stderr_captured
 from shardax.cost.report import HEADROOM, Estimate
-from shardax.cost.sources import Sources
+from shardax.cost.sources import Lowered, Sources
 from shardax.plan.tree import is_array
 
 
@@ -64,6 +65,24 @@ def param_shapes(state: Any, shardings: Any) -> set[tuple[int, ...]]:
     return {s for s in out if math.prod(s) > 1}
 
 
+def split_shapes(state: Any, shardings: Any) -> set[tuple[int, ...]]:
+    """The per-device shapes of the parameters the plan splits (smaller than their own),
+    each in every order of its dimensions (up to rank 4)."""
+    leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(state) if is_array(x)]
+    flat = [s for s in jax.tree.leaves(shardings) if hasattr(s, "shard_shape")]
+    if len(flat) != len(leaves):
+        return set()
+    out: set[tuple[int, ...]] = set()
+    for (path, leaf), sharding in zip(leaves, flat, strict=True):
+        if input_kind("state" + jax.tree_util.keystr(path)) != "parameter":
+            continue
+        shape = tuple(np.shape(leaf))
+        local = tuple(sharding.shard_shape(shape))
+        if local != shape and len(local) <= 4:
+            out |= set(itertools.permutations(local))
+    return out
+
+
 def _unplaced(leaf: Any) -> Any:
     """A batch leaf's abstract value without a one-device sharding (the step places it)."""
     sharding = getattr(leaf, "sharding", None)
@@ -76,7 +95,9 @@ def _unplaced(leaf: Any) -> Any:
 class CompiledStep:
     """A step compiled once with XLA's dump: its abstract ``state`` and ``batch``, ``mesh``,
     the executable, its ``HloLiveRange`` text (``""``: none written), the state's input
-    shardings and the step's analysis (``sx.estimate``'s ``Estimate``)."""
+    shardings, the step's analysis (``sx.estimate``'s ``Estimate``), what the compile
+    wrote to fd 2 (``log``: the partitioner's C++ warnings) and the lowered module's own
+    lines (``lowered``: its sharding constraints, the ops the log names)."""
 
     state: Any
     batch: Any
@@ -85,6 +106,8 @@ class CompiledStep:
     live: str
     shardings: Any
     estimate: Estimate
+    log: str = ""
+    lowered: Lowered | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -100,6 +123,10 @@ class CompiledStep:
     def sources(self) -> Sources:
         """The module's stack frames (the user's lines)."""
         return Sources.of(self.compiled)
+
+    def split_shapes(self) -> set[tuple[int, ...]]:
+        """The split parameters' per-device shapes, as ``split_shapes`` gives them."""
+        return split_shapes(self.state, self.shardings)
 
     def param_shapes(self) -> set[tuple[int, ...]]:
         """The parameters' shapes as ``param_shapes`` gives them."""
@@ -127,13 +154,16 @@ def compile_step(step: Any, state: Any, batch: Any) -> CompiledStep:
     check_axes(batch, mesh, "batch")
     if hasattr(step, "abstract"):
         state = step.abstract(state)
-    compiled, live = compile_dumped(step.lower(state, batch))
+    lowered = step.lower(state, batch)
+    with stderr_captured() as log:  # the partitioner's rematerializations: C++ log lines
+        compiled, live = compile_dumped(lowered)
+    own = Lowered.of(lowered)
     try:
         shardings = compiled.input_shardings[0][0]
     except (AttributeError, IndexError, TypeError):
         shardings = None
     report = analyse(compiled, mesh, state=state, shardings=shardings, batch=batch)
-    return CompiledStep(state, batch, mesh, compiled, live, shardings, report)
+    return CompiledStep(state, batch, mesh, compiled, live, shardings, report, log[0], own)
 
 
 def memory_table(memory: PeakBuffers, peak: int, budget: float | None, fit: bool | None) -> Any:
