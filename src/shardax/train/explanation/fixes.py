@@ -7,8 +7,8 @@ Where the budget is a GPU's ``memory_fraction`` of its memory (JAX's allocator's
 a ``sx.target``'s), a larger fraction is a fix too: the step's own compiled program, whose
 peak fits the larger budget (XLA, given more room, rematerializes no more than it did).
 Host offload of the optimizer state is never proposed as a fix: a shardax step keeps the
-optimizer state in device memory (``offload_note`` says what it would free, and whether
-the backend has a host memory space for it)."""
+optimizer state in device memory (``offload_note`` says what it would free, and why not:
+on XLA:CPU the device's memory is the host's, so nothing would be freed)."""
 
 from __future__ import annotations
 
@@ -127,23 +127,28 @@ def fraction_fixes(step: Any, estimate: Any, mesh: Any) -> tuple[Fix, ...]:
 
 
 def offload_note(memory: Any, peak: int, budget: float | None, device: Any) -> str | None:
-    """What host offload of the optimizer state would free per device, and whether the
-    backend has a host memory space for it (None: no optimizer state at the peak)."""
+    """What host offload of the optimizer state would free per device, and why it is not
+    a fix here (None: no optimizer state at the peak): on XLA:CPU the device's memory is
+    the host's, so moving it frees nothing; on a GPU or TPU (``pinned_host``, which a
+    compile-only device does not list) a shardax step keeps it in device memory."""
     freed = 0 if memory is None else memory.by_kind().get("optimizer state", 0)
     if not freed:
         return None
+    platform = str(getattr(device, "platform", "")).lower()
+    head = f"host offload of the optimizer state would free {format_bytes(freed)} per device"
+    if platform == "cpu":
+        return (f"{head} of device memory, but on XLA:CPU that memory is the host's: "
+                "moving it to pinned_host frees nothing, so it is not proposed")  # fmt: skip
     try:
         kinds = sorted({m.kind for m in device.addressable_memories()})
-    except Exception:  # a compile-only device, or a backend without memory spaces
-        kinds = []
-    host = "pinned_host" in kinds
+    except Exception:  # a compile-only device lists none: XLA:GPU and TPU have pinned_host
+        kinds = ["pinned_host"] if platform in ("gpu", "cuda", "rocm", "tpu") else []
     after = peak - freed
     verdict = "" if not budget else (" (fits)" if fits(after, budget) else " (still over)")
-    where = ("the backend has a pinned_host memory space for it, but" if host else
-             f"the backend has no pinned_host memory space ({', '.join(kinds) or 'none named'}),"
-             " and")  # fmt: skip
+    named = ", ".join(kinds) or "none named"
+    where = ("the backend has a pinned_host memory space for it, but" if "pinned_host" in kinds
+             else f"the backend has no pinned_host memory space ({named}), and")  # fmt: skip
     return (
-        f"host offload of the optimizer state would free {format_bytes(freed)} per "
-        f"device at the peak, to about {format_bytes(after)}{verdict}: {where} a shardax "
+        f"{head} at the peak, to about {format_bytes(after)}{verdict}: {where} a shardax "
         "step keeps the optimizer state in device memory, so it is not proposed"
     )
