@@ -15,7 +15,9 @@ import pytest
 from flax import nnx
 
 import shardax as sx
+from shardax.cost.calibration import H100
 from shardax.cost.hlo import _arrays
+from shardax.cost.opcost import format_cost, price_hlo
 from shardax.cost.ops import FUSIONS, HloIndex, classify
 from shardax.models import gpt
 
@@ -87,3 +89,10 @@ def test_the_gpt_blocks_gemms_have_fp8_operands_and_only_the_head_stays_bf16(
     assert all(not any(d.startswith("f8") for d in g[1]) for g in rest)
     assert all(g[1] == ("bf16", "bf16") for g in rest)
     assert sum(g[2] for g in rest) == pytest.approx(HEAD_FLOPS, rel=1e-6)
+
+
+def test_the_per_op_model_prices_the_fp8_gemms_at_the_datasheets_fp8_peak_and_says_so(compiled):
+    cost = price_hlo(compiled["auto"], H100, num_devices=DEVICES)
+    assert cost.fp8_datasheet_flops == pytest.approx(FP8_FLOPS, rel=1e-6)
+    assert "priced at the datasheet's fp8 peak, 2x the measured bf16 rates" in format_cost(cost)
+    assert cost.to_dict()["fp8_datasheet_flops"] == cost.fp8_datasheet_flops
