@@ -533,6 +533,20 @@ IN_PROCESS_CASES = {
         ["train", "--checkpoint-dir", "{file}/ck"],
         "--checkpoint-dir {file}/ck: cannot create it",
     ),
+    # issue 52: an object-store URL, by its scheme, before the run builds anything
+    "train --checkpoint-dir s3://": (
+        ["train", "--checkpoint-dir", "s3://bucket/run", "--resume"],
+        "--checkpoint-dir s3://bucket/run: the s3:// URL of an object store, not a directory "
+        "of a local or mounted file system; shardax does not save to object "
+        "stores yet (its writer lock, atomic overwrite and damage checks need a file "
+        "system); nor does orbax-checkpoint write s3:// arrays",
+    ),
+    "train --checkpoint-dir gs://": (
+        ["train", "--checkpoint-dir", "gs://bucket/run"],
+        "--checkpoint-dir gs://bucket/run: the gs:// URL of an object store, not a directory "
+        "of a local or mounted file system; shardax does not save to object "
+        "stores yet",
+    ),
     # second sweep
     "plan --params inf": (["plan", "--params", "inf"], "--params: expected a finite parameter count >= 1"),
     "plan --device-memory nan": (["plan", "--params", "7e9", "--device-memory", "nan"], "--device-memory: expected a finite GiB > 0"),

@@ -483,28 +483,52 @@ def check_directory(name: str, directory: Any, *, writable: bool = False) -> str
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 
 
+def remote_scheme(path: str) -> str | None:
+    """The scheme of ``path`` when it is a URL other than ``file://`` (``"gs"``, ``"s3"``),
+    else None.
+
+    >>> remote_scheme("S3://bucket/run"), remote_scheme("file:///tmp/run"), remote_scheme("run")
+    ('s3', None, None)
+    """
+    url = _URL.match(path)
+    scheme = url["scheme"].lower() if url else None
+    return None if scheme == "file" else scheme
+
+
+def remote_why(scheme: str) -> str:
+    """Why a ``scheme://`` checkpoint directory is refused, and the way out: shardax's
+    writer lock, atomic overwrite and damage checks are file-system calls, and for
+    ``s3://`` orbax-checkpoint (0.12.8) writes no arrays either: its TensorStore spec
+    (``_src/serialization/tensorstore_utils.py``: ``_normalize_path`` makes ``s3://b/run``
+    ``s3:/b/run``, and only ``gs://`` gets a remote driver) raises "Checkpoint path should
+    be absolute" with OCDBT, and without it writes the arrays under a local ``./s3:/``
+    (TensorStore's own ``s3`` driver is never asked)."""
+    orbax = (
+        "; nor does orbax-checkpoint write s3:// arrays (tensorstore gets local paths "
+        "and gs:// only)"
+        if scheme == "s3"
+        else ""
+    )
+    return (
+        "shardax does not save to object stores yet (its writer lock, atomic overwrite and "
+        f"damage checks need a file system){orbax}. Mount the bucket (gcsfuse, "
+        "mountpoint-s3) and pass the mount's path, or save to a local directory and copy it"
+    )
+
+
 def _local(name: str, path: str) -> str:
     """``path`` as an absolute local path (``file://`` taken off); a URL of another scheme
     (``gs://``, ``s3://``) raises ``ValueError`` naming it, before anything is made (it
     would become a local directory ``./gs:/...``)."""
-    url = _URL.match(path)
-    if url and url["scheme"].lower() == "file":
-        path = path[len(url[0]) :] or "/"
-    elif url:
-        scheme = url["scheme"].lower()
-        orbax = (
-            "; nor does orbax-checkpoint write s3:// arrays (tensorstore gets local paths "
-            "and gs:// only)"
-            if scheme == "s3"
-            else ""
-        )
+    scheme = remote_scheme(path)
+    if scheme:
         raise ValueError(
             f"{name} must be a directory of a local or mounted file system, got the "
-            f"{scheme}:// URL {path!r}: shardax does not save to object stores yet (its "
-            f"writer lock, atomic overwrite and damage checks need a file system){orbax}. "
-            "Mount the bucket (gcsfuse, mountpoint-s3) and pass the mount's path, or save to "
-            "a local directory and copy it"
+            f"{scheme}:// URL {path!r}: {remote_why(scheme)}"
         )
+    url = _URL.match(path)
+    if url:  # file://
+        path = path[len(url[0]) :] or "/"
     return os.path.abspath(path)
 
 

@@ -23,6 +23,7 @@ import jax
 from rich.console import Console
 
 from shardax._format import titled_table
+from shardax.checkpoint.manager import remote_scheme, remote_why
 from shardax.cli.extras import install_hint
 from shardax.cost.flops import compiled_flops
 from shardax.cost.hlo import attention_kernel
@@ -122,7 +123,17 @@ def env_int(name: str, parse: Callable[[str], int], default: int) -> int:
 
 def check_writable_dir(option: str, path: str) -> None:
     """Raises ``UsageError`` unless directory ``path`` exists and is writable, or
-    can be created: checked before any work starts, creating nothing."""
+    can be created: checked before any work starts, creating nothing. A
+    ``--checkpoint-dir`` URL (``gs://``, ``s3://``) is refused here, by its scheme, before
+    the run imports or builds anything (``file://`` is a local path)."""
+    scheme = remote_scheme(path) if option == "--checkpoint-dir" else None
+    if scheme:
+        raise UsageError(
+            f"{option} {path}: the {scheme}:// URL of an object store, not a directory of a "
+            f"local or mounted file system; {remote_why(scheme)}"
+        )
+    if option == "--checkpoint-dir" and path.lower().startswith("file://"):
+        path = path[len("file://") :] or "/"
     target = Path(path).expanduser().absolute()
     way_out = "; name a directory this user can write (created if missing)" + (
         ", or off for none" if option == "--compile-cache" else ""
