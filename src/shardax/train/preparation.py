@@ -37,8 +37,8 @@ from shardax.data.placement import batch_sharding
 from shardax.data.prefetch import prefetch_to_device
 from shardax.mesh.axes import DATA_AXIS
 from shardax.mesh.make import make_mesh
-from shardax.plan.core import Plan, as_plan, replicate
-from shardax.plan.follow import FollowParams, follow_params
+from shardax.plan.core import Plan, as_plan, check_plan_mesh, replicate
+from shardax.plan.follow import follow_params
 from shardax.plan.placed import record
 from shardax.plan.tree import is_array
 from shardax.runtime.processes import device_put_global
@@ -372,13 +372,8 @@ def prepare(
         mesh = make_mesh({data_axis: -1} if isinstance(data_axis, str) else None)
     check_mesh("mesh", mesh)
     plan = replicate(mesh) if plan is None else as_plan("plan", plan)
-    plan_mesh = getattr(plan, "mesh", mesh)
-    if plan_mesh != mesh:
-        raise ValueError(
-            f"plan {getattr(plan, 'name', plan)!r} is over mesh "
-            f"{dict(plan_mesh.shape)}, not mesh {dict(mesh.shape)}; build both from one mesh"
-        )
-    if isinstance(plan, Plan) and not isinstance(plan, FollowParams):
+    check_plan_mesh(plan, mesh)
+    if isinstance(plan, Plan):
         plan = follow_params(plan)
     for i, obj in enumerate(objects):
         _check_placeable(i, obj)
