@@ -350,17 +350,18 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGINT to every running process group, then SIGKILL to those still alive after
-    ``grace`` seconds. Not SIGTERM: JAX turns it into a preemption notice and goes on."""
+    """SIGINT to every running process group, then SIGKILL to each of those groups after
+    ``grace`` seconds (or once their leaders have ended: a wrapper such as ``uv run`` may
+    end alone, its child still running). Not SIGTERM: JAX turns it into a preemption notice
+    and goes on."""
     running = [p for p in procs if p.poll() is None]
     for p in running:
         _signal_group(p, signal.SIGINT)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(p.poll() is None for p in running):
         time.sleep(0.05)
-    for p in running:
-        if p.poll() is None:
-            _signal_group(p, signal.SIGKILL)
+    for p in running:  # the whole group: a wrapper (uv run, bash -c) may have ended alone
+        _signal_group(p, signal.SIGKILL)
     for p in running:
         p.wait()
 
@@ -538,6 +539,9 @@ class LaunchRecord:
         self.write(change)
 
 
+USAGE_EXIT_CODE = 2
+"""A usage error's exit code (shardax's and argparse's): the same command would fail the
+same way, so it is not restarted."""
 READER_TIMEOUT = 60.0
 """Seconds ``supervise`` waits, after every process has ended, for their output to drain."""
 
@@ -600,9 +604,14 @@ def supervise(
         stopped: dict[int, float] = {}  # rank -> since when it is seen stopped
         while [p.poll() for p in procs].count(None):  # polls every process
             record.ended(procs)
-            first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE), raised)
+            first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE), raised, errors)
             halted = _halted(procs, stopped)
             if first is not None or halted is not None:
+                if first is not None:  # its last lines: read once its pipes reach their end
+                    rank = procs.index(first)
+                    for t in (readers[rank], readers[len(procs) + rank]):
+                        if t in started:
+                            t.join(timeout=1.0)
                 failure = _failure(procs, first, halted, raised, errors, record.directory, tail)
                 first_failure = _say_failed(failure, err, lock, "stopping the others")
                 record.failed(failure)
@@ -626,7 +635,7 @@ def supervise(
         )
         err.flush()
     if not first_failure:
-        first = _first_failed(procs, (None, 0), raised)
+        first = _first_failed(procs, (None, 0), raised, errors)
         if first is not None and first.returncode == PREEMPTED_EXIT_CODE:
             first_failure = PREEMPTED_EXIT_CODE
         elif first is not None:  # every process ended between two polls: said here
@@ -689,7 +698,8 @@ def _failure(
     else:
         rank, code = halted, None  # type: ignore[assignment]
         cause = f"stopped (SIGSTOP) for {STOPPED_AFTER:g} s"
-    raiser = min(raised, key=raised.__getitem__) if raised else rank
+    causes = {r: t for r, t in raised.items() if not PEER_LOST.search(errors.get(r, ""))}
+    raiser = min(causes, key=causes.__getitem__) if causes else rank  # not one that lost a peer
     if first is None or (first.returncode < 0 and -first.returncode != signal.SIGABRT):  # type: ignore[operator]
         raiser = rank  # stopped or killed from outside: the cause, whoever raised after it
     failure: dict[str, Any] = {
@@ -728,25 +738,42 @@ def _say_failed(failure: dict[str, Any], err: IO[str], lock: threading.Lock, the
     return 128 + signal.SIGKILL if code is None else code
 
 
+PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|Gloo \w+ failed|CoordinationService|"
+    r"heartbeat|DEADLINE_EXCEEDED|UNAVAILABLE"
+)
+"""An exception's line that says the process only lost a peer (a collective or the
+coordination service failed under it): the consequence of another's failure."""
+
+
 def _first_failed(
-    procs: Sequence[subprocess.Popen[bytes]], ok: tuple, raised: dict[int, float] | None = None
+    procs: Sequence[subprocess.Popen[bytes]],
+    ok: tuple,
+    raised: dict[int, float] | None = None,
+    errors: dict[int, str] | None = None,
 ) -> subprocess.Popen[bytes] | None:
     """The failed process to report among those seen ended at once (None if none): one
     killed from outside (SIGKILL, SIGTERM, ...: the out-of-memory killer, a lost node)
     first, since its peers' collectives fail after it and they exit at once; then one that
-    exited on its own (an exception) before one that aborted (SIGABRT), usually the
-    consequence (gloo aborts when its peer is gone); then the one that printed a Python
-    traceback first (its peers' collectives fail after it, and they may all end at once,
-    waiting for each other in the runtime's shutdown); then the lowest rank."""
-    raised = raised or {}
+    exited on its own (an exception, an exit code) before one that aborted (SIGABRT) or
+    whose exception (its line in ``errors``) says it lost a peer (``PEER_LOST``), usually
+    the consequence (gloo aborts when its peer is gone); then the one that printed a
+    Python traceback first (its peers' collectives fail after it, and they may all end at
+    once, waiting for each other in the runtime's shutdown); then the lowest rank."""
+    raised, errors = raised or {}, errors or {}
     failed = [(r, p) for r, p in enumerate(procs) if p.returncode not in ok]
     if not failed:
         return None
 
-    def order(code: int) -> int:  # 0: killed from outside, 1: exited, 2: aborted
-        return 1 if code >= 0 else 2 if -code == signal.SIGABRT else 0
+    def order(rank: int, code: int) -> int:  # 0: killed from outside, 1: exited, 2: after
+        if code < 0:
+            return 2 if -code == signal.SIGABRT else 0
+        return 2 if PEER_LOST.search(errors.get(rank, "")) else 1
 
-    key = lambda rp: (order(rp[1].returncode), raised.get(rp[0], math.inf), rp[0])  # noqa: E731
+    def key(rp: tuple[int, subprocess.Popen[bytes]]) -> tuple:
+        rank, proc = rp
+        return order(rank, proc.returncode), raised.get(rank, math.inf), rank  # type: ignore[arg-type]
+
     return min(failed, key=key)[1]
 
 
@@ -785,17 +812,25 @@ def run(args: argparse.Namespace) -> int:
     if not cmd:
         raise UsageError("give the command after --, e.g. -- python t.py")
     refuse_two_counts(args.cpu_devices, cmd, args.num_processes)
-    launch_dir = Path(args.launch_dir or default_launch_dir())
-    check_writable_dir("--launch-dir", str(launch_dir))
-    launch_dir.mkdir(parents=True, exist_ok=True)
-    snapshots = snapshot_dir(launch_dir) if args.max_restarts else None
     planned, least = args.num_processes, args.min_processes or args.num_processes
     if least > planned:
         raise UsageError(
             f"--min-processes {least}: a run cannot shrink to more than the -n "
             f"{planned} processes it starts with; give at most {planned}"
         )
+    if args.min_processes is not None and args.max_restarts < 2:
+        raise UsageError(
+            f"--min-processes {args.min_processes} needs --max-restarts 2 or more (got "
+            f"{args.max_restarts}): one restart to see a place fail again before the first "
+            "step, one more to go on with fewer processes"
+        )
+    launch_dir = Path(args.launch_dir or default_launch_dir())
+    check_writable_dir("--launch-dir", str(launch_dir))
+    launch_dir.mkdir(parents=True, exist_ok=True)
+    snapshots = snapshot_dir(launch_dir) if args.max_restarts else None
     slots = list(range(planned))  # the places still in the run; a rank indexes them
+    before: tuple[int | None, bool] = (None, False)  # the last failure's place, and whether
+    # that start recorded its steps
     record = LaunchRecord(launch_dir, sys.stderr)
     if snapshots is not None:
         record.write(lambda s: s.update(snapshots=str(snapshots), max_restarts=args.max_restarts))
@@ -824,17 +859,21 @@ def run(args: argparse.Namespace) -> int:
                 failure, record.failure = record.failure, None
                 if code in (0, PREEMPTED_EXIT_CODE, 130) or failure is None or received:
                     return code
-                if attempt == args.max_restarts:
+                if attempt == args.max_restarts or failure.get("exit_code") == USAGE_EXIT_CODE:
                     record.gave_up(failure, args.max_restarts)
                     return code
-                if attempt and least < planned and not came_back(launch_dir):
+                slot, recorded = slots[failure["rank"]], published(launch_dir, len(slots))
+                # A place that failed again, before the restarted run's first step, in a
+                # run that records its steps (shardax's loops do): it cannot come back.
+                again = slot == before[0] and before[1] and not came_back(launch_dir)
+                if again and least < planned:
                     kept = shrink_to(planned, len(slots) - 1, least)
-                    lost = slots[failure["rank"]]
                     if kept is None:
-                        record.gave_up(failure, args.max_restarts, shrink=(lost, len(slots), least))
+                        record.gave_up(failure, args.max_restarts, shrink=(slot, len(slots), least))
                         return code
-                    slots = [s for s in slots if s != lost][:kept]
-                    record.shrinking(failure, lost, planned, kept)
+                    slots = [s for s in slots if s != slot][:kept]
+                    record.shrinking(failure, slot, planned, kept)
+                before = (slot, recorded)
                 record.restarting(failure, attempt + 1, args.max_restarts, len(slots))
     finally:
         if snapshots is not None:
@@ -853,6 +892,12 @@ def shrink_to(planned: int, left: int, least: int) -> int | None:
     """
     fits = [n for n in range(min(left, planned), least - 1, -1) if n and planned % n == 0]
     return fits[0] if fits else None
+
+
+def published(launch_dir: Path, count: int) -> bool:
+    """Whether any of ``count`` processes wrote a step record (``rank<r>.status``) in this
+    start: shardax's loops do; a command that does not is never shrunk."""
+    return any(record_path(launch_dir, rank).exists() for rank in range(count))
 
 
 def came_back(launch_dir: Path) -> bool:

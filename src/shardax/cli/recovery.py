@@ -10,6 +10,7 @@ every restart.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any
 
@@ -70,15 +71,17 @@ def shrink(args: argparse.Namespace) -> str | None:
         return None
     factor = planned // now
     before, mesh = args.accumulate, dict(args.mesh or {})
-    args.accumulate = before * factor
     data = mesh.get("data", -1)
+    others = math.prod(v for k, v in mesh.items() if k != "data" and v != -1)
+    if (data != -1 and data % factor) or jax.device_count() % others:
+        raise UsageError(
+            f"--mesh {args.mesh}: the run shrank from {planned} to {now} processes "
+            f"({jax.device_count()} devices), and this mesh does not fit them with a data "
+            f"axis {factor}x smaller; give a --mesh whose other axes divide the devices left "
+            "and a data axis of -1 (every device left) to let a run shrink"
+        )
+    args.accumulate = before * factor
     if data != -1:
-        if data % factor:
-            raise UsageError(
-                f"--mesh {args.mesh}: the run shrank from {planned} to {now} processes, and "
-                f"its data axis {data} does not split {factor} ways; give a --mesh with a "
-                "data axis of -1 (every device left) to let a run shrink"
-            )
         args.mesh = [(k, v // factor if k == "data" else v) for k, v in args.mesh]
     return (
         f"shardax train: the run shrank from {planned} to {now} processes: --accumulate "

@@ -158,6 +158,8 @@ class Run:
                           f"{source[0].latest_step()}, {source[1]}", flush=True)  # fmt: skip
                 self.recovery.restored(source[0].latest_step(), source[1])
                 restored = source[0].restore(like=saveable(self.state))
+            elif restored is True and self.recovery.restart:  # before any save: step 0 again
+                self.recovery.restored(0, "nothing (no snapshot or checkpoint yet): from step 0")
             if not isinstance(restored, bool):
                 self.state = restore_into(self.state, restored.state)
                 self.restored = dict(restored.data_state or {})

@@ -104,7 +104,7 @@ def kill_while_saving(
     directory: str | os.PathLike[str] | None, step: int, timeout: float = 60.0
 ) -> None:
     """SIGKILLs this process the moment a save of ``step`` is in flight in a manager under
-    ``directory`` (its ``<step>.orbax-checkpoint-tmp`` exists, and no committed ``<step>``),
+    ``directory`` (its ``<step>.orbax-checkpoint-tmp*`` exists, and no committed ``<step>``),
     watching for up to ``timeout`` seconds; says on stderr what it saw first. Blocks: call
     it after the save began, or from a thread of its own."""
     if directory is None:
@@ -115,7 +115,8 @@ def kill_while_saving(
     root, deadline = Path(directory), time.monotonic() + timeout
     while time.monotonic() < deadline:
         for manager in root.glob("*"):
-            if (manager / f"{step}{IN_FLIGHT}").exists() and not (manager / str(step)).exists():
+            in_flight = any(manager.glob(f"{step}{IN_FLIGHT}*"))  # orbax may add -<time>
+            if in_flight and not (manager / str(step)).exists():
                 print(
                     f"injected fault ({ENV_FAULT}): SIGKILL while the snapshot of step "
                     f"{step} is written",

@@ -65,6 +65,11 @@ def _call(fn: Any, timeout: float) -> Any:
     return box[0]
 
 
+MIN_GAP = 0.05
+"""Seconds between two publications at least: steps of a millisecond do not each cost a
+write and a call to the coordinator."""
+
+
 class RankStatus:
     """This process's step and phase; published to the other processes when there are any."""
 
@@ -158,6 +163,7 @@ class RankStatus:
                     return
             self._wake.wait(self.interval)
             self._wake.clear()
+            self._stop.wait(MIN_GAP)  # a step completed: published soon, not per fast step
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops publishing and joins the thread (at most ``timeout`` seconds); at exit
