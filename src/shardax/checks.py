@@ -250,6 +250,19 @@ def public_name(obj: Any) -> str | None:
     return None
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the function calling this one
+    name the first line outside shardax (the user's, through doors and properties), so the
+    default filters show a ``DeprecationWarning`` where ``__main__`` caused it."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def moved(module: str) -> Callable[[str], Any]:
     """A module ``__getattr__`` for the names that left ``module``: each still works for a
     release, warning ``DeprecationWarning`` naming its home, and is the object found there.

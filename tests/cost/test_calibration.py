@@ -251,8 +251,11 @@ def test_a_gpu_with_no_datasheet_is_priced_by_its_registered_calibration():
     assert set(predicted) == set(_docs_json_example()["estimate"]["prediction"])
     assert report.to_dict()["roofline_guide"]["step_s_overlapped"] == report.roofline.overlapped_s
     for old, new in (("prediction", "roofline"), ("cost", "per_op")):
-        with pytest.warns(DeprecationWarning, match=rf"^sx\.cost\.Estimate\.{old} is now .*{new}"):
+        with pytest.warns(
+            DeprecationWarning, match=rf"^sx\.cost\.Estimate\.{old} is now .*{new}"
+        ) as seen:
             assert getattr(report, old) is getattr(report, new)
+        assert seen[0].filename == __file__  # the user's line: the default filters show it
 
 
 def _docs_json_example() -> dict:

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Group
 
 from shardax._format import format_bytes, rich_text, titled_table
-from shardax.checks import public
+from shardax.checks import public, user_stacklevel
 from shardax.cost.opcost import StepCost, breakdown
 from shardax.cost.predict import StepPrediction
 
@@ -380,7 +380,7 @@ def _renamed(old: str, new: str, report: Estimate) -> Any:
         f"sx.cost.Estimate.{old} is now Estimate.{new}; the prediction is "
         f"Estimate.predicted_s and interval_s, and .{old} goes in the next release",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
     return getattr(report, new.split()[0])
 
