@@ -34,6 +34,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,22 +69,37 @@ def stderr_captured() -> Iterator[list[str]]:
     ['']
     """
     out: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
+    with _HOLDING, contextlib.ExitStack() as stack:  # fd 2 is the process's: one at a time
+        try:
+            held = stack.enter_context(tempfile.TemporaryFile())
+            saved = os.dup(2)
+        except OSError:  # no stderr (closed), or no room for the file: nothing captured
+            held = None
+        if held is None:
+            out.append("")
+            yield out
+            return
+        if sys.stderr is not None:
+            sys.stderr.flush()
         os.dup2(held.fileno(), 2)
         try:
             yield out
         finally:
-            sys.stderr.flush()
+            if sys.stderr is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)
             data = held.read()
             view = memoryview(data)
-            while view:  # written back: the user still sees XLA's own words
-                view = view[os.write(2, view) :]
+            with contextlib.suppress(OSError):  # a closed pipe (| head) loses the echo only
+                while view:  # written back: the user still sees XLA's own words
+                    view = view[os.write(2, view) :]
             out.append(data.decode(errors="replace"))
+
+
+_HOLDING = threading.RLock()
 
 
 def _entry(axes: tuple[str, ...]) -> str:
