@@ -33,6 +33,9 @@ def test_quantize_scales_by_the_tensor_amax_and_keeps_zeros_and_nonfinite():
     assert float(quantize(jnp.zeros(3), E5M2)[1]) == 1.0
     q, scale = quantize(jnp.array([1.0, jnp.nan]), E4M3)
     assert float(scale) == 1.0 and bool(jnp.isnan(q.astype(jnp.float32))[1])
+    for dtype in (E4M3, E5M2):  # an overflow stays non-finite: never clipped to the top
+        q, _ = quantize(jnp.array([1.0, jnp.inf, -jnp.inf]), dtype)
+        assert not bool(jnp.isfinite(q.astype(jnp.float32)[1:]).any()), (dtype, q)
 
 
 def test_fp8_matmul_and_its_gradients_are_exact_products_of_the_quantized_operands():

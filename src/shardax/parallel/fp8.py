@@ -63,7 +63,10 @@ def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     top = float(jnp.finfo(dtype).max)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     scale = jnp.where((amax > 0) & jnp.isfinite(amax), amax / top, jnp.float32(1))
-    q = jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
+    wide = x.astype(jnp.float32) / scale
+    # clipped where finite; an inf stays non-finite (E4M3 has no inf: it reads as NaN), so
+    # an overflow is not hidden from a finite-loss check or a loss scaler
+    q = jnp.where(jnp.isfinite(wide), jnp.clip(wide, -top, top), wide).astype(dtype)
     return q, scale
 
 
