@@ -426,6 +426,9 @@ class Every(Hook):
         self.every = None if every is None else as_count("every", every)
         self.done_at: int | None = None
 
+    def start(self, run: Any) -> None:
+        self.done_at = None  # a hook handed to a second run starts afresh
+
     def due(self, run: Any) -> bool:
         return itstime(run.step, self.every, run.total)
 
