@@ -410,6 +410,20 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def exited(code: int) -> str:
+    """``exited with code N``, naming the signal of a shell-style 128 + N (a wrapper such
+    as ``uv run`` or a shell exits so when the process under it is killed).
+
+    >>> exited(1), exited(137)
+    ('exited with code 1', 'exited with code 137 (128 + SIGKILL)')
+    """
+    try:
+        name = f" (128 + {signal.Signals(code - 128).name})" if code > 128 else ""
+    except ValueError:
+        name = ""
+    return f"exited with code {code}{name}"
+
+
 class LaunchRecord:
     """The launch directory as the launcher keeps it: ``status.json`` (through
     ``shardax.runtime.launcher.update_status``, which the processes also write once the
@@ -694,7 +708,7 @@ def _failure(
             cause = f"killed by {signal.Signals(-first.returncode).name}"  # type: ignore[operator]
         else:
             said = errors.get(rank) or (tail or {}).get(rank)
-            cause = f"exited with code {code}" + (f": {said}" if said else "")
+            cause = exited(code) + (f": {said}" if said else "")
     else:
         rank, code = halted, None  # type: ignore[assignment]
         cause = f"stopped (SIGSTOP) for {STOPPED_AFTER:g} s"
