@@ -36,13 +36,20 @@ KEEP = 2
 """Snapshots kept: the newest, and the one before it while the newest is written."""
 
 
-def restart() -> int:
-    """How many times the launcher restarted this run's processes (0: the first start)."""
-    raw = os.environ.get(ENV_RESTART) or "0"
+def _env_int(name: str) -> int | None:
+    """The integer the launcher set in ``$name`` (None: unset); ``ValueError`` naming it."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"${ENV_RESTART} must be an integer, got {raw!r}") from None
+        raise ValueError(f"${name} must be an integer, got {raw!r}") from None
+
+
+def restart() -> int:
+    """How many times the launcher restarted this run's processes (0: the first start)."""
+    return _env_int(ENV_RESTART) or 0
 
 
 def planned_processes() -> int:
@@ -50,13 +57,8 @@ def planned_processes() -> int:
     ``jax.process_count()`` once the run has shrunk (``--min-processes``), when a loop
     keeps its global batch with that many times the microbatches. Outside ``shardax
     launch``, ``jax.process_count()``."""
-    raw = os.environ.get(ENV_PLANNED)
-    if not raw:
-        return jax.process_count()
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"${ENV_PLANNED} must be an integer, got {raw!r}") from None
+    planned = _env_int(ENV_PLANNED)
+    return jax.process_count() if planned is None else planned
 
 
 def snapshot_directory() -> Path | None:
