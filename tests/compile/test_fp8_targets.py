@@ -16,7 +16,7 @@ from flax import nnx
 
 import shardax as sx
 from shardax.cost.calibration import H100
-from shardax.cost.hlo import _arrays
+from shardax.cost.hlo import arrays
 from shardax.cost.opcost import format_cost, price_hlo
 from shardax.cost.ops import FUSIONS, HloIndex, classify
 from shardax.models import gpt
@@ -51,7 +51,7 @@ def gemms(hlo):
                 inner = [i for i in index.by_comp[instr.called].values() if i.opcode == "dot"]
                 gemm, kind = inner[0], "triton"
             types = [index._type(gemm.computation, op) for op in gemm.operands[:2]]
-            dtypes = tuple(_arrays(t)[0][0] for t in types)
+            dtypes = tuple(arrays(t)[0][0] for t in types)
             out.append((kind, dtypes, index.flops(instr) * index.runs_of(instr)))
     return out
 

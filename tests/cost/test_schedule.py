@@ -117,15 +117,15 @@ def test_async_fusions_are_compute_and_a_collective_in_one_is_async():
 
 def test_one_program_is_read_once_for_every_analysis():
     """The analyses of one compiled step (collectives, FLOPs, schedule, per-op price)
-    share one reading of its text and one call graph (``shardax.cost.hlo._read``)."""
-    from shardax.cost import hlo
+    share one reading of its text and one call graph (``shardax.cost.hlo.program``)."""
     from shardax.cost.flops import hlo_flops
+    from shardax.cost.hlo import collectives, program
 
-    hlo._read.cache_clear()
+    program._read.cache_clear()
     scheduled = schedule(HLO, 8)
-    bodies, _ = hlo._computations(HLO)
-    graph = hlo._call_graph(bodies)
-    ops = sorted(c.op for c in hlo.collectives(HLO, 8))
+    bodies, _ = program.computations(HLO)
+    graph = program.call_graph(bodies)
+    ops = sorted(c.op for c in collectives(HLO, 8))
     assert hlo_flops(HLO) > 0 and sorted(c.collective.op for c in scheduled) == ops
-    assert hlo._computations(HLO)[0] is bodies and hlo._call_graph(bodies) is graph
-    assert hlo._read.cache_info().misses == 1
+    assert program.computations(HLO)[0] is bodies and program.call_graph(bodies) is graph
+    assert program._read.cache_info().misses == 1

@@ -45,7 +45,8 @@ import re
 import tempfile
 from typing import Any
 
-from shardax.cost.hlo import DTYPE_BYTES, OPS, _arrays
+from shardax.cost.hlo.collectives import OPS
+from shardax.cost.hlo.program import DTYPE_BYTES, arrays
 from shardax.cost.ops import HloIndex, op_name
 from shardax.cost.sources import Sources
 
@@ -194,16 +195,16 @@ def _param_shapes(index: HloIndex) -> set[tuple[int, ...]]:
     out = set()
     for instr in entry.values():
         if instr.opcode == "parameter" and input_kind(name_stack(instr)) == "parameter":
-            out |= {shape for _, shape in _arrays(instr.out)}
+            out |= {shape for _, shape in arrays(instr.out)}
     return out
 
 
 def _element(out: str, shape_index: str) -> tuple[str, tuple[int, ...]]:
-    arrays = _arrays(out)
-    if not arrays:
+    found = arrays(out)
+    if not found:
         return "", ()
     i = int(shape_index.split(",")[0]) if shape_index else 0
-    return arrays[i] if i < len(arrays) else arrays[0]
+    return found[i] if i < len(found) else found[0]
 
 
 def peak_buffers(

@@ -26,24 +26,30 @@ from typing import Any
 import numpy as np
 
 from shardax.cost.hardware import HARDWARE_SPECS, HardwareType, as_hardware_type, device_spec
-from shardax.cost.hlo import (
-    _BRANCHES,
-    _CALL_TARGET,
-    _CONTRACT,
-    _CONV,
-    _CUDNN_CONV,
-    _DEF,
-    _DIMS,
-    _DOT,
-    _FMHA,
-    _GEMM,
-    _GROUP_COUNT,
-    _LABELS,
-    _WINDOW,
-    _call_graph,
-    _computations,
-    _runs,
+from shardax.cost.hlo.kernels import fused_attention
+from shardax.cost.hlo.program import CALL_TARGET, DEFINITION, DTYPE, call_graph, computations, runs
+
+# The matmuls' instruction forms, and the branches of a conditional.
+_DOT = re.compile(r"= (\S+) dot\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
+# A cuBLAS call's result is a tuple (the product, a workspace): the first shape is its.
+_GEMM = re.compile(
+    r"= \(?(\w+\[[\d,]*\])[^=]*? custom-call\(%?([\w.\-]+), .*__cublas\$(?:\w*gemm|lt\$matmul)"
 )
+_CONV = re.compile(r"= (\S+) convolution\(([^)]*)\)")
+# cuDNN's convolutions: (result, workspace) = custom-call(operands), the forward conv's
+# window and dim_labels on the line whichever direction the call computes.
+_CUDNN_CONV = re.compile(
+    r'= (\(.*?\)|\S+) custom-call\(([^)]*)\).*custom_call_target="__cudnn\$conv(\w*)"'
+)
+_LABELS = re.compile(r"\bdim_labels=(\w+)_(\w+)->(\w+)")
+_GROUP_COUNT = re.compile(r"\b(feature|batch)_group_count=(\d+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+_BRANCHES = re.compile(
+    r"\bbranch_computations=\{([^}]*)\}"
+    r"|\btrue_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)"
+)
+_CONTRACT = re.compile(r"lhs_contracting_dim(?:s|ensions)\W+([\d,\s\"]*)")
+_ARRAY = re.compile(DTYPE + r"\[[\d,]*\]")
 
 
 def _window(line: str) -> list[dict[str, int]]:
@@ -125,7 +131,7 @@ def _conv_line_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str
     labels = _LABELS.search(line) if found else None
     if found is None or labels is None:
         return None
-    out = _dims(_DIMS.search(found.group(1)).group(0))
+    out = _dims(_ARRAY.search(found.group(1)).group(0))
     names = [op.split()[-1].lstrip("%") for op in found.group(2).split(", ") if op]
     operands = [shapes.get(name) for name in names[:2]]
     lhs, rhs = operands + [None] * (2 - len(operands))
@@ -150,34 +156,17 @@ def _dims(shape: str) -> tuple[int, ...]:
     return tuple(int(d) for d in inner.split(",") if d)
 
 
-def _fmha_flops(line: str) -> float:
-    """cuDNN flash attention's matmul FLOPs (``__cudnn$fmha*`` custom call, BTNH layout):
-    ``2·B·N·T·S·H`` per matmul, 2 forward (scores, weighted values) and 5 backward (the
-    scores recomputed, then dV, dP, dQ, dK); halved for a causal mask, whose masked
-    blocks the kernel skips. 0 for a line that is not one."""
-    found = _FMHA.search(line)
-    if not found:
-        return 0.0
-    shapes = [tuple(int(d) for d in m.split(",") if d) for m in _DIMS.findall(found.group(2))]
-    if len(shapes) < 2 or len(shapes[0]) != 4 or len(shapes[1]) != 4:
-        return 0.0
-    (b, t, n, h), s = shapes[0], shapes[1][1]
-    matmuls = 5 if "Backward" in found.group(1) else 2
-    causal = 0.5 if "CAUSAL" in line.upper() else 1.0
-    return 2.0 * b * n * t * s * h * matmuls * causal
-
-
 def hlo_flops(hlo: str) -> float:
     """Matmul FLOPs of one device's program per run of ``hlo`` (``compiled.as_text()``):
     ``2 · output elements · contracted size`` for every ``dot`` and cuBLAS GEMM custom
     call; every ``convolution`` and cuDNN convolution call (forward, fused
     bias-activation, backward input and filter) as XLA counts a convolution
-    (``conv_flops``); cuDNN's fused attention (``_fmha_flops``); an op in a loop
-    body counted its trip count times. Elementwise ops, reductions and custom calls of
-    other kernels (TPU Pallas' splash attention: ``unpriced_calls`` names them) are
-    not counted. A ``conditional`` counts its costliest branch, as XLA's own count does: an
-    upper bound where the branch is skipped at run time (a context ring's blocks that a
-    causal mask hides).
+    (``conv_flops``); cuDNN's fused attention (``FusedAttention.flops`` of
+    ``shardax.cost.hlo.kernels``); an op in a loop body counted its trip count times.
+    Elementwise ops, reductions and custom calls of other kernels (TPU Pallas' splash
+    attention: ``unpriced_calls`` names them) are not counted. A ``conditional`` counts its
+    costliest branch, as XLA's own count does: an upper bound where the branch is skipped
+    at run time (a context ring's blocks that a causal mask hides).
 
     >>> hlo_flops("%a = f32[4,8]{1,0} parameter(0)\\n%b = f32[8,2]{1,0} parameter(1)\\n"
     ...           "%d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}")
@@ -224,16 +213,16 @@ def unpriced_calls(hlo: str) -> dict[str, int]:
     ...                '%r = u32[8]{0} custom-call(%a), custom_call_target="cu_threefry2x32"')
     {'tpu_custom_call': 1}
     """
-    bodies, entry = _computations(hlo)
-    runs = _runs(bodies, entry)
+    bodies, entry = computations(hlo)
+    counts = runs(bodies, entry)
     found: dict[str, int] = {}
     for name, lines in bodies.items():
         priced = {index for index, _, _ in line_matmuls(lines)}
         for index, line in enumerate(lines):
-            target = _CALL_TARGET.search(line)
+            target = CALL_TARGET.search(line)
             if target is None or index in priced or NO_MATMUL_CALLS.fullmatch(target.group(1)):
                 continue
-            found[target.group(1)] = found.get(target.group(1), 0) + max(runs.get(name) or 1, 1)
+            found[target.group(1)] = found.get(target.group(1), 0) + max(counts.get(name) or 1, 1)
     return found
 
 
@@ -280,18 +269,18 @@ def _matmuls(hlo: str) -> Iterator[tuple[str, float, int]]:
     call), ``"cudnn-conv"`` (a cuDNN convolution), ``"fmha"`` (cuDNN's attention);
     runs: how often its computation runs per run of the program (loop trips; of a
     ``conditional``'s branches only the costliest, as XLA counts them)."""
-    bodies, entry = _computations(hlo)
-    own = {name: list(_own_matmuls(lines)) for name, lines in bodies.items()}
-    calls = _call_graph(bodies)  # read once, for the entry and every branch
-    base = _runs(bodies, entry, calls)
-    runs = dict(base)
+    bodies, entry = computations(hlo)
+    own = {name: list(own_matmuls(lines)) for name, lines in bodies.items()}
+    calls = call_graph(bodies)  # read once, for the entry and every branch
+    base = runs(bodies, entry, calls)
+    counts = dict(base)
     for name, lines in bodies.items():
         for line in lines:
             found = _BRANCHES.search(line)
             if not found or not base.get(name):
                 continue
             names = re.findall(r"%?([\w.\-]+)", found.group(1) or "") or found.group(2, 3)
-            under = {b: _runs(bodies, b, calls) for b in names if b in bodies}
+            under = {b: runs(bodies, b, calls) for b in names if b in bodies}
             cost = {
                 b: sum(f * n for c, n in r.items() for _, f in own[c]) for b, r in under.items()
             }
@@ -299,14 +288,14 @@ def _matmuls(hlo: str) -> Iterator[tuple[str, float, int]]:
             for branch, reached in under.items():
                 if branch != keep:  # not run as counted: off its computations' runs
                     for c, n in reached.items():
-                        runs[c] -= base[name] * n
+                        counts[c] -= base[name] * n
     for name, found in own.items():
-        times = max(runs[name], 0) if base.get(name) else 1  # unreached by the graph: once
+        times = max(counts[name], 0) if base.get(name) else 1  # unreached by the graph: once
         for kind, flops in found:
             yield kind, flops, times
 
 
-def _own_matmuls(lines: list[str]) -> Iterator[tuple[str, float]]:
+def own_matmuls(lines: list[str]) -> Iterator[tuple[str, float]]:
     """``(kind, FLOPs)`` of each matmul written in one computation's ``lines``."""
     return ((kind, flops) for _, kind, flops in line_matmuls(lines))
 
@@ -316,7 +305,7 @@ def line_matmuls(lines: list[str]) -> Iterator[tuple[int, str, float]]:
     (kinds as ``_matmuls``'s; a fusion's matmuls are in the computation it calls)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for line in lines:
-        found = _DEF.match(line)
+        found = DEFINITION.match(line)
         if found and not found.group(2).startswith("("):
             shapes[found.group(1)] = _dims(found.group(2))
     for index, line in enumerate(lines):
@@ -324,9 +313,9 @@ def line_matmuls(lines: list[str]) -> Iterator[tuple[int, str, float]]:
         if conv is not None:
             yield index, *conv
             continue
-        fmha = _fmha_flops(line)
-        if fmha:
-            yield index, "fmha", fmha
+        fmha = fused_attention(line)
+        if fmha is not None:
+            yield index, "fmha", fmha.flops
             continue
         dot, gemm = _DOT.search(line), _GEMM.search(line)
         if not (dot or gemm):

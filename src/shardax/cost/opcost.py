@@ -58,8 +58,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardax.cost.calibration import Calibration, gemm_rows
-from shardax.cost.flops import _fmha_flops
-from shardax.cost.hlo import _DIMS, _FMHA, DTYPE_BYTES, _arrays
+from shardax.cost.hlo.kernels import fused_attention
+from shardax.cost.hlo.program import DTYPE_BYTES, arrays
 from shardax.cost.ops import FUSIONS, HloIndex, Instr, classify
 from shardax.cost.predict import wire_seconds
 from shardax.cost.schedule import Scheduled, exposed_seconds, schedule
@@ -253,14 +253,11 @@ def attention_seconds(c: Calibration, line: str) -> float | None:
     of ``c`` nearest in (seq, heads, head_dim) with the same mask and pass (a backward
     call: the table's forward + backward less its forward), scaled by the FLOPs of the
     call over the kernel's. None for a line that is not one."""
-    found = _FMHA.search(line)
-    flops = _fmha_flops(line)
-    if not found or not flops:
+    call = fused_attention(line)
+    if call is None or not call.flops:
         return None
-    shapes = [tuple(int(d) for d in s.split(",") if d) for s in _DIMS.findall(found.group(2))]
-    (_, t, heads, dim), s = shapes[0], shapes[1][1]
-    causal = "CAUSAL" in line.upper()
-    backward = "Backward" in found.group(1)
+    flops, t, s, heads, dim = call.flops, call.seq_q, call.seq_kv, call.heads, call.head_dim
+    causal, backward = call.causal, call.backward
     table: dict[tuple[int, int, int, int, bool], dict[str, float]] = {}
     for b, seq, h, d, cz, which, ms in c.attention:
         table.setdefault((b, seq, h, d, cz), {})[which] = ms
@@ -284,7 +281,7 @@ def _gemm_shape(index: HloIndex, instr: Instr, flops: float) -> tuple[float, flo
                  if i.opcode in ("dot", "custom-call", "convolution")]  # fmt: skip
         if inner:
             line, comp, instr = inner[0].line, inner[0].computation, inner[0]
-    out = _arrays(instr.out)
+    out = arrays(instr.out)
     dims = out[0][1] if out else ()
     elems = math.prod(dims) if dims else 1
     batch_found = _BATCH.search(line)
@@ -295,15 +292,13 @@ def _gemm_shape(index: HloIndex, instr: Instr, flops: float) -> tuple[float, flo
     k = flops / (2.0 * elems) if elems else 1.0
     operand = instr.operands[0] if instr.operands else ""
     found = index.by_comp.get(comp, {}).get(operand) or index.by_name.get(operand)
-    types = _arrays(found.out) if found else []
+    types = arrays(found.out) if found else []
     dtype = types[0][0] if types else (out[0][0] if out else "bf16")
     return m, n, k, dtype
 
 
 def _size(text: str) -> float:
-    return float(
-        sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in _arrays(text))
-    )
+    return float(sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 4) for dtype, shape in arrays(text)))
 
 
 _SLICES = frozenset({"slice", "dynamic-slice", "gather"})
@@ -429,7 +424,8 @@ def price_hlo(
             mem = (nbytes / rates[0], nbytes / rates[1], nbytes / rates[2])
             if cls == "attention":
                 t = attention_seconds(c, instr.line)
-                flops = _fmha_flops(instr.line)
+                call = fused_attention(instr.line)
+                flops = call.flops if call is not None else 0.0
                 if t is None:
                     unpriced[instr.target or instr.opcode] = unpriced.get(instr.target, 0) + runs
                     classes[cls].add(runs, *mem, nbytes=nbytes)

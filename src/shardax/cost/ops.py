@@ -31,10 +31,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shardax.cost.flops import _own_matmuls
-from shardax.cost.hlo import _CALL_TARGET as _TARGET
-from shardax.cost.hlo import _CALLS, DTYPE_BYTES, OPS, _arrays, _computations, _runs
-from shardax.cost.hlo import _INSTR_NAME as _INSTR
+from shardax.cost.flops import own_matmuls
+from shardax.cost.hlo.collectives import OPS
+from shardax.cost.hlo.program import CALL_TARGET as _TARGET
+from shardax.cost.hlo.program import CALLS as _CALLS
+from shardax.cost.hlo.program import DTYPE_BYTES, arrays, computations, runs
+from shardax.cost.hlo.program import INSTRUCTION_NAME as _INSTR
 
 CLASSES = ("gemm", "attention", "elementwise", "optimizer", "copies", "collectives", "other",
            "idle")  # fmt: skip
@@ -157,9 +159,9 @@ class HloIndex:
     def __init__(self, hlo: str) -> None:
         module = _MODULE.search(hlo)
         self.module = module.group(1) if module else ""
-        self.bodies, self.entry = _computations(hlo)
+        self.bodies, self.entry = computations(hlo)
         try:
-            self.runs = _runs(self.bodies, self.entry)
+            self.runs = runs(self.bodies, self.entry)
         except Exception:  # a call graph not parsed: every computation once
             self.runs = dict.fromkeys(self.bodies, 1)
         self.by_name: dict[str, Instr] = {}
@@ -219,7 +221,7 @@ class HloIndex:
                 if comp in seen or comp not in self.bodies:
                     continue
                 seen.add(comp)
-                total += sum(f for _, f in _own_matmuls(self.bodies[comp]))
+                total += sum(f for _, f in own_matmuls(self.bodies[comp]))
                 todo += [i.called for i in self.by_comp.get(comp, {}).values() if i.called]
             return total
         defs = []
@@ -227,7 +229,7 @@ class HloIndex:
             shape = self._type(instr.computation, op)
             if shape and not shape.startswith("("):
                 defs.append(f"  %{op} = {shape} parameter(0)")
-        found = list(_own_matmuls([*defs, instr.line]))
+        found = list(own_matmuls([*defs, instr.line]))
         return found[-1][1] if found else 0.0
 
     def bytes(self, instr: Instr) -> float:
@@ -237,7 +239,7 @@ class HloIndex:
             sum(
                 math.prod(shape) * DTYPE_BYTES.get(dtype, 4)
                 for t in types
-                for dtype, shape in _arrays(t)
+                for dtype, shape in arrays(t)
             )
         )
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from shardax.cost.hlo import DTYPE_BYTES, _arrays
+from shardax.cost.hlo.program import DTYPE_BYTES, arrays
 from shardax.cost.reshards import Reshard
 from shardax.cost.sources import Lowered, Sources, nearest
 
@@ -191,7 +191,7 @@ def rematerializations(
             continue  # a fake parameter: a strategy the dot's partitioner tried, not taken
         seen.add(key)
         head = op.split(")", 1)[0]
-        dtype, local = (_arrays(head) or [("", ())])[0]
+        dtype, local = (arrays(head) or [("", ())])[0]
         before, ways = spec_of(old, mesh, len(local))
         after, _ = spec_of(new, mesh, len(local))
         shape = tuple(n * w for n, w in zip(local, ways, strict=True))

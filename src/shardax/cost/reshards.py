@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from shardax.cost.hlo import _OP, _arrays, collective_of
+from shardax.cost.hlo.collectives import COLLECTIVE_OP, collective_of
+from shardax.cost.hlo.program import arrays
 from shardax.cost.ops import HloIndex, op_name
 from shardax.cost.sources import Sources, nearest
 
@@ -203,7 +204,7 @@ def meets_split_weight(index: HloIndex, name: str, split_shapes: set[tuple[int, 
             for user in users.get(current, []):
                 if _matmul(user):
                     others = [index.by_name.get(o) for o in user.operands if o != current]
-                    if any(o is not None and {s for _, s in _arrays(o.out)} & split_shapes
+                    if any(o is not None and {s for _, s in arrays(o.out)} & split_shapes
                            for o in others):  # fmt: skip
                         return True
                 elif user.opcode in _PASS and user.name not in seen:
@@ -239,7 +240,7 @@ def collectives_explained(
         base = instr.opcode.removesuffix("-start")
         if base not in _PLAIN:
             continue
-        match = _OP.search(instr.line)
+        match = COLLECTIVE_OP.search(instr.line)
         if not match:
             continue
         c = collective_of(match, devices, index.runs_of(instr))

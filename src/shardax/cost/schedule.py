@@ -30,16 +30,11 @@ import re
 from collections.abc import Callable
 
 from shardax.cost.flops import line_matmuls
-from shardax.cost.hlo import (
-    _CALLS,
-    _OP,
-    Collective,
-    _computations,
-    _runs,
-    collective_of,
-    line_calls,
-)
-from shardax.cost.hlo import _INSTR_NAME as _NAME
+from shardax.cost.hlo.collectives import COLLECTIVE_OP as _OP
+from shardax.cost.hlo.collectives import Collective, collective_of
+from shardax.cost.hlo.program import CALLS as _CALLS
+from shardax.cost.hlo.program import INSTRUCTION_NAME as _NAME
+from shardax.cost.hlo.program import computations, line_calls, runs
 
 _OPCODE = re.compile(r" = .*? ([a-z][\w\-]*)\(")
 _OPERANDS = re.compile(r"%([\w.\-]+)")
@@ -142,8 +137,8 @@ def schedule(hlo: str, num_devices: int | None = None) -> list[Scheduled]:
     ``collectives``). The order is XLA's only in a scheduled module
     (a compiled one); the FLOPs between are matmuls only (elementwise fusions count as
     ops, not FLOPs), so the overlap they promise is a lower bound."""
-    bodies, entry = _computations(hlo)
-    runs = _runs(bodies, entry)
+    bodies, entry = computations(hlo)
+    counts = runs(bodies, entry)
     wrapped = _async_callees(bodies)
     own = {name: sum(f for _, _, f in line_matmuls(lines)) for name, lines in bodies.items()}
     per_call: dict[str, float] = {}
@@ -160,7 +155,7 @@ def schedule(hlo: str, num_devices: int | None = None) -> list[Scheduled]:
     found: list[Scheduled] = []
     for comp, lines in bodies.items():
         if comp not in wrapped:
-            found += _scheduled(comp, lines, bodies, flops_per_call, runs[comp] or 1, num_devices)
+            found += _scheduled(comp, lines, bodies, flops_per_call, counts[comp] or 1, num_devices)
     return found
 
 
