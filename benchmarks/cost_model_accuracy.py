@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardax.cost.compile_target import JAX_MEMORY_FRACTION
+from shardax.cost.budget import JAX_MEMORY_FRACTION
 
 HERE = Path(__file__).resolve().parent
 SESSIONS = {"H200": HERE / "gpu/results/2026-11-27-h200-1/session.json",

@@ -25,7 +25,7 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
 
 # The tests run on the CPU; naming it also lets JAX's CUDA plugin (the gpu-compile extra of
 # the compile leg) register its compiler without a GPU driver
-# (shardax/cost/compile_target.py).
+# (shardax/cost/plugins.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Python's bytecode: where the environment turns its writing off (PYTHONDONTWRITEBYTECODE),
@@ -78,7 +78,7 @@ COMPILE_EXTRAS = {
 
 def missing_compile_extras(kinds=("gpu", "tpu")) -> list[str]:
     """What the compile-only tests of ``kinds`` lack: JAX >= 0.12, then each extra."""
-    from shardax.cost.compile_target import installed
+    from shardax.cost.plugins import installed
 
     if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12):
         extras = " and ".join(f"shardax[{COMPILE_EXTRAS[k][1]}]" for k in kinds)

@@ -1457,7 +1457,7 @@ def test_fourth_sweep_compile_only_targets_say_what_to_do(call, error, message):
 _HOLD_LIBTPU = "from jax.experimental import topologies as t; t.get_topology_desc('v5p:2x2x1', platform='tpu'); print('held', flush=True); input()"
 _BESIDE_IT = """
 import shardax as sx
-from shardax.cost import compile_target as ct
+from shardax.cost import plugins as ct
 attached, ct.tpu_chips_attached = ct.tpu_chips_attached, lambda: True
 try:
     sx.target("v5p-8")

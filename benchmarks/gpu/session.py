@@ -129,7 +129,7 @@ more than JAX's default 75%."""
 
 def run_memory_fraction() -> float:
     """The memory fraction this process's JAX runs with (as ``run_stage`` set it)."""
-    from shardax.cost.compile_target import gpu_memory_fraction
+    from shardax.cost.budget import gpu_memory_fraction
 
     return gpu_memory_fraction()
 

@@ -15,21 +15,21 @@ import numpy as np
 import pytest
 
 from shardax.cli.main import main as cli
-from shardax.cost import calibrate, calibration
+from shardax.cost import calibrate, measurements
 from shardax.cost.calibration import (
     CALIBRATIONS,
     H100,
     H200,
     TABLES,
     calibration_for,
-    from_tables,
     load,
-    measured_spec,
     register,
     using,
 )
 from shardax.cost.estimation import analyse
+from shardax.cost.figures import measured_spec
 from shardax.cost.hardware import device_spec
+from shardax.cost.measurements import from_tables
 
 ROOT = Path(__file__).parents[2]
 
@@ -79,7 +79,7 @@ def test_tables_measured_here_load_as_a_calibration(measured_here):
     assert {r[3] for r in c.gemm} == {"bf16", "f32", "f32-cublas"}
     assert c.stream == tuple(sorted(r["gbs"] for r in t["stream"]))
     # the reductions priced by: a fixed set (norms and sums), the softmax rows for reading
-    four = [r["gbs"] for r in t["reduce"] if r["op"] in calibration._REDUCE_ROWS]
+    four = [r["gbs"] for r in t["reduce"] if r["op"] in measurements._REDUCE_ROWS]
     assert c.reduce == tuple(sorted(four)) and len(four) == 4 and len(t["reduce"]) == 7
     assert c.launch_us == t["launch"][1]["us"] and c.dispatch_us == t["launch"][2]["us"]
     assert len(c.attention) == len(t["attention"]) and c.peak_flops > 0  # no datasheet: best GEMM

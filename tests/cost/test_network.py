@@ -14,19 +14,16 @@ import pytest
 from shardax.cost import calibration as cal
 from shardax.cost.hlo import Collective
 from shardax.cost.links import group_members, levels_of, overlap_of
-from shardax.cost.network import (
+from shardax.cost.nccl import (
     BASE_LATENCY_S,
-    NETWORKS,
     STEP_LATENCY_S,
     Layout,
     fit_levels,
     layout_of,
-    named_network,
     network_levels,
-    network_of,
     price_collective,
-    with_fitted,
 )
+from shardax.cost.network import NETWORKS, named_network, network_of, with_fitted
 from shardax.cost.opcost import breakdown, price_hlo
 from shardax.cost.schedule import Scheduled
 
@@ -177,7 +174,7 @@ def test_the_exposed_inter_host_time_is_its_own_line():
 def measured_rows(intra: tuple[float, float], inter: tuple[float, float]) -> list[dict]:
     """Collectives as 'shardax calibrate' records them, timed by the ring Simple model
     on NVLink of ``intra`` and NICs of ``inter`` ((per-step latency s, bytes/s))."""
-    from shardax.cost.network import Level, _ring_simple
+    from shardax.cost.nccl import Level, _ring_simple
 
     levels = {"intra-host": Level(intra[1], step_latency_s=intra[0]),
               "inter-host": Level(inter[1], step_latency_s=inter[0])}  # fmt: skip

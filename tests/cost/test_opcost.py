@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 import shardax as sx
-from shardax.cost.calibration import H100, H200, calibration_for, gemm_rows, nearest
+from shardax.cost.calibration import H100, H200, calibration_for, nearest
+from shardax.cost.measurements import gemm_rows
 from shardax.cost.opcost import attention_seconds, breakdown, gemm_rate, price_hlo
 from shardax.cost.ops import HloIndex, program_flops
 

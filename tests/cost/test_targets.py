@@ -1,7 +1,6 @@
-"""sx.target: names, datasheet rows, shipped GPU configs (every leg), and the compile-only
+"""sx.target: names, datasheet rows, GPU configs (every leg), and the compile-only
 devices themselves (``compile_only``: CI leg 3, JAX 0.12 with the compile extras)."""
 
-import importlib.resources
 import os
 import subprocess
 import sys
@@ -15,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
-from shardax.cost import compile_target as target_module
+from shardax.cost import budget, gpu_config, plugins, target_names
+from shardax.cost.accelerators import gpu_targets, named, tpu_targets
 
 JAX_012 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12)
 
@@ -29,7 +29,7 @@ JAX_012 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12)
      ("16xB200", 2, 8), ("8xA100-80GB", 1, 8), ("4x8xh100", 4, 8)],
 )  # fmt: skip
 def test_gpu_names_give_hosts_of_8_unless_told(name, hosts, per_host):
-    parsed = target_module.parse_target(name)
+    parsed = target_names.parse_target(name)
     assert (parsed["platform"], parsed["hosts"], parsed["devices_per_host"]) == (
         "gpu",
         hosts,
@@ -45,7 +45,7 @@ def test_gpu_names_give_hosts_of_8_unless_told(name, hosts, per_host):
 )  # fmt: skip
 def test_tpu_names_count_as_cloud_does(name, chips, slices, topology):
     # v5p-N counts TensorCores (2 per chip); v5e-N, v5litepod-N and v6e-N count chips.
-    parsed = target_module.parse_target(name)
+    parsed = target_names.parse_target(name)
     assert (parsed["chips"], parsed["slices"], parsed["topology"]) == (chips, slices, topology)
 
 
@@ -66,33 +66,29 @@ def test_unknown_names_list_the_known_ones(name, part):
 
 
 def test_known_targets_parse():
-    names = target_module.known_targets()
+    names = target_names.known_targets()
     assert {"8xH100", "64xH100", "v5p-128", "v5e-16", "v6e-16", "2xv5p-128"} <= set(names)
-    assert all(target_module.parse_target(n)["platform"] in ("gpu", "tpu") for n in names)
+    assert all(target_names.parse_target(n)["platform"] in ("gpu", "tpu") for n in names)
 
 
-# --- the datasheet rows and the configs shipped with the package -----------------------
+# --- the rows of the table of accelerators and the configs written from them ------------
 
 
-def test_shipped_gpu_configs_are_the_generators_output():
-    folder = importlib.resources.files("shardax.cost").joinpath("targets")
-    shipped = {f.name: f.read_text() for f in folder.iterdir() if f.name.endswith(".txtpb")}
-    assert shipped == target_module.gpu_target_configs()
-    assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in shipped["h100.txtpb"]
-    assert "core_count: 148" in shipped["b200.txtpb"]
+def test_gpu_configs_are_written_from_the_rows():
+    configs = gpu_config.gpu_target_configs()
+    assert sorted(configs) == ["a100-80gb.txtpb", "b200.txtpb", "h100.txtpb", "h200.txtpb"]
+    assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in configs["h100.txtpb"]
+    assert "core_count: 148" in configs["b200.txtpb"]
 
 
-@pytest.mark.parametrize(
-    "kind", [*target_module.GPU_KINDS.values(), "TPU v5", "TPU v5 lite", "TPU v6 lite"]
-)
+@pytest.mark.parametrize("kind", [*(r.device_kind for r in gpu_targets() + tpu_targets())])
 def test_every_target_kind_has_a_full_datasheet_row(kind):
-    from types import SimpleNamespace
-
     platform = "tpu" if kind.startswith("TPU") else "gpu"
     spec = sx.cost.device_spec(SimpleNamespace(platform=platform, device_kind=kind))
     assert spec.peak_flops > 1e14 and spec.hbm_bandwidth > 5e11 and spec.memory_bytes >= 16e9
     assert spec.ici_bandwidth > spec.dcn_bandwidth > 0 and spec.source
     assert (spec.gpu is not None) == (platform == "gpu")
+    assert named(sx.cost.accelerators.kind_of(kind)).spec is spec  # the device's own row
 
 
 # --- what a leg without the compilers says ------------------------------------------------
@@ -105,7 +101,7 @@ def test_jax_010_says_targets_need_jax_012():
 
 
 @pytest.mark.skipif(
-    not JAX_012 or target_module.installed("jax_plugins.xla_cuda12"),
+    not JAX_012 or plugins.installed("jax_plugins.xla_cuda12"),
     reason="JAX 0.12 without the gpu-compile extra: what sx.target says there",
 )
 def test_missing_gpu_extra_names_the_install():
@@ -114,7 +110,7 @@ def test_missing_gpu_extra_names_the_install():
 
 
 @pytest.mark.skipif(
-    not JAX_012 or target_module.installed("libtpu"),
+    not JAX_012 or plugins.installed("libtpu"),
     reason="JAX 0.12 without the tpu-compile extra: what sx.target says there",
 )
 def test_missing_tpu_extra_names_the_install():
@@ -127,9 +123,9 @@ def test_gpu_memory_fraction_is_what_jax_takes_on_the_gpu(monkeypatch):
     environment's fraction (XLA_CLIENT_MEM_FRACTION first, as jaxlib reads them), else 0.75;
     a compile-only GPU target plans in the same budget (XLA takes 80% of a config's
     device_memory_size when no device gives it one)."""
-    for variable in target_module.MEMORY_FRACTION_VARIABLES:
+    for variable in budget.MEMORY_FRACTION_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
-    fraction = target_module.gpu_memory_fraction
+    fraction = budget.gpu_memory_fraction
     assert fraction() == 0.75 and fraction(0.95) == 0.95
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
     assert fraction() == 0.9
@@ -142,18 +138,18 @@ def test_gpu_memory_fraction_is_what_jax_takes_on_the_gpu(monkeypatch):
     for bad in (0, 1.5, "half", "0.9", True):  # a string only from the environment
         with pytest.raises(ValueError, match=r"sx.target: memory_fraction .*got"):
             fraction(bad)
-    config = importlib.resources.files("shardax.cost").joinpath("targets", "h100.txtpb")
-    text = target_module.budgeted_gpu_config(config.read_text(), 81559 * 2**20, 0.75)
+    config = gpu_config.gpu_target_configs()["h100.txtpb"]
+    text = budget.budgeted_gpu_config(config, 81559 * 2**20, 0.75)
     assert "  device_memory_size: 80175759360\n" in text  # x 0.8 = 75% of 81,559 MiB
-    assert text.replace("80175759360", "85520809984") == config.read_text()
+    assert text.replace("80175759360", "85520809984") == config
     with pytest.raises(ValueError, match="one device_memory_size field; found 0"):
-        target_module.budgeted_gpu_config("gpu_device_info {\n}\n", 1, 0.5)
+        budget.budgeted_gpu_config("gpu_device_info {\n}\n", 1, 0.5)
 
 
 def test_device_memory_reads_the_allocator_on_this_process_for_any_device():
     """Every process plans in the same budget: another process's GPU reports no allocator
     figures to this one, so they are read on this process's device of its kind."""
-    device_memory = target_module.device_memory
+    device_memory = budget.device_memory
     mine = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", process_index=0,
                            memory_stats=lambda: {"bytes_limit": 6e10})  # fmt: skip
     client = SimpleNamespace(local_devices=lambda: [mine])
@@ -260,7 +256,7 @@ _LAPTOP = """
 
 
 @pytest.mark.compile_only("gpu")
-@pytest.mark.skipif(target_module._cuda_driver_present(), reason="a machine with an NVIDIA driver")
+@pytest.mark.skipif(plugins.cuda_driver_present(), reason="a machine with an NVIDIA driver")
 @pytest.mark.parametrize(
     "before,says",
     [("", "8 None\ncpu 8"),

@@ -25,10 +25,11 @@ import jax
 from shardax._format import titled_table
 from shardax.cli.common import UsageError, add_json_flag, console, print_json
 from shardax.cost import calibrate
-from shardax.cost.calibration import fit_collectives, from_tables, kind_of
-from shardax.cost.compile_target import GPU_KINDS
+from shardax.cost.accelerators import gpu_targets, kind_of
 from shardax.cost.hardware import device_spec, is_gpu
-from shardax.cost.network import fit_levels, named_network
+from shardax.cost.measurements import fit_collectives, from_tables
+from shardax.cost.nccl import fit_levels
+from shardax.cost.network import named_network
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +161,7 @@ def use_line(device_kind: str, path: Path) -> str:
     >>> use_line("NVIDIA A100-SXM4-80GB", Path("a.json"))
     'shardax plan --target 8xA100-80GB ... --calibration a.json'
     """
-    names = [name for name, kind in GPU_KINDS.items() if kind_of(kind) == kind_of(device_kind)]
+    names = [row.kind for row in gpu_targets() if row.kind == kind_of(device_kind)]
     if names:
         return f"shardax plan --target 8x{names[0]} ... --calibration {path}"
     register = f"sx.cost.calibration.register(sx.cost.calibration.load({str(path)!r}))"

@@ -1,6 +1,6 @@
 """The hardware names ``shardax info`` and ``shardax plan --hardware`` know:
-``HardwareType``'s values with datasheet figures, then the device kinds it does not name
-(the H200, the B200, ...) from ``DEVICE_KIND_SPECS``, as ``--target`` knows them.
+``HardwareType``'s values with datasheet figures, then the kinds of the table of accelerators
+it does not name (the H200, the B200, ...), spelled in lower case.
 
 >>> "h200" in NAMES and "b200" in NAMES and "h100" in NAMES
 True
@@ -12,14 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardax.cost.hardware import DEVICE_KIND_SPECS, HARDWARE_SPECS, HardwareSpec, HardwareType
+from shardax.cost.accelerators import ACCELERATORS, HardwareType
+from shardax.cost.datasheet import HardwareSpec
+from shardax.cost.hardware import HARDWARE_SPECS
 from shardax.cost.roofline import critical_batch_size
 
+_TYPES = {h.value for h in HardwareType}
 KINDS: dict[str, HardwareSpec] = {
-    kind.replace(" ", "-"): spec for _, kind, spec in DEVICE_KIND_SPECS
+    row.kind.lower(): row.spec
+    for row in ACCELERATORS.values()
+    if row.spec is not None and row.kind.lower() not in _TYPES
 }
-"""Datasheet rows of the device kinds ``HardwareType`` does not name, by a flag's spelling
-(``h200``, ``h200-nvl``)."""
+"""Datasheet rows of the table's kinds whose spelling is no ``HardwareType`` value, by a
+flag's spelling (``h200``, ``h200-nvl``, ``a100-80gb``)."""
 
 NAMES: tuple[str, ...] = (*(h.value for h in HardwareType), *KINDS)
 """Every name ``--hardware`` takes: ``HardwareType``'s values, then the other kinds."""

@@ -36,6 +36,7 @@ import shardax as sx
 from shardax._format import format_bytes, titled_table
 from shardax.cli.common import UsageError, console, print_json
 from shardax.cost import calibration
+from shardax.cost.accelerators import kind_of
 from shardax.cost.calibration import Calibration
 from shardax.cost.flops import transformer_flops_per_token
 from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, REPLICA_AXIS, STAGE_AXIS
@@ -164,7 +165,7 @@ def load_calibration(path: str | None, target: Any) -> Calibration | None:
     if target.platform != "gpu":
         raise UsageError(f"--calibration {path}: {target.name} is a TPU target, priced by its "
                          "roofline; calibrations are GPU kernel tables")  # fmt: skip
-    if calibration.kind_of(target.device_kind) != tables.kind:
+    if kind_of(target.device_kind) != tables.kind:
         raise UsageError(
             f"--calibration {path}: measured on {tables.device} ({tables.kind}), and "
             f"{target.name}'s GPUs are {target.device_kind}: tables price their own kind's "

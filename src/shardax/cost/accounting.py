@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardax.cost.compile_target import device_memory
+from shardax.cost.budget import device_memory
 
 
 def budget_fields(device: Any) -> dict[str, Any]:

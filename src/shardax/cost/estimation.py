@@ -64,7 +64,8 @@ from shardax.cost.accounting import (
     param_shapes,
     state_bytes,
 )
-from shardax.cost.calibration import MEASURED, calibration_for, device_figures, nearest
+from shardax.cost.calibration import calibration_for, nearest
+from shardax.cost.figures import MEASURED, device_figures
 from shardax.cost.flops import compiled_flops, format_unpriced, hlo_flops, unpriced_calls
 from shardax.cost.hardware import HardwareSpec, is_gpu
 from shardax.cost.links import (
@@ -78,7 +79,7 @@ from shardax.cost.links import (
     wire_bytes,
 )
 from shardax.cost.model_flops import CONVENTION, batch_unit, default_model_flops
-from shardax.cost.network import LevelPrice
+from shardax.cost.nccl import LevelPrice
 from shardax.cost.opcost import StepCost, price_hlo
 from shardax.cost.predict import DEFAULT_COMPUTE_EFFICIENCY, check_figures, predict_step
 from shardax.cost.refusal import check_priceable, out_of_memory, refused_estimate, unknown_trips

@@ -16,14 +16,8 @@ from typing import Any
 
 from shardax.cost.calibration import calibration_for
 from shardax.cost.hardware import HardwareSpec, is_gpu
-from shardax.cost.network import (
-    LevelPrice,
-    layout_of,
-    network_levels,
-    network_of,
-    price_collective,
-    with_fitted,
-)
+from shardax.cost.nccl import LevelPrice, layout_of, network_levels, price_collective
+from shardax.cost.network import network_of, with_fitted
 from shardax.cost.predict import host_share, link_of, wire_seconds
 from shardax.cost.schedule import exposed_seconds
 

@@ -20,7 +20,7 @@ run (loop bodies by their trips; not the bodies of fusions) is classed
   where it measured that op over that many devices of one host (``collective_fit``),
   else ``LATENCY_S`` and the datasheet's links; a group that spans GPU hosts level by
   level as NCCL runs it, priced by the caller (``seconds_of``:
-  ``shardax.cost.network.price_collective``, on the target's network); and the time left
+  ``shardax.cost.nccl.price_collective``, on the target's network); and the time left
   exposed by the compiled schedule (``shardax.cost.schedule.exposed_seconds``, with the
   matmuls under each at the calibrated GEMM rate), across hosts on a line of its own.
 
@@ -57,9 +57,9 @@ import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shardax.cost.calibration import Calibration, gemm_rows
 from shardax.cost.hlo.kernels import fused_attention
 from shardax.cost.hlo.program import DTYPE_BYTES, arrays
+from shardax.cost.measurements import Calibration, gemm_rows
 from shardax.cost.ops import FUSIONS, HloIndex, Instr, classify
 from shardax.cost.predict import wire_seconds
 from shardax.cost.schedule import Scheduled, exposed_seconds, schedule
@@ -127,7 +127,7 @@ class StepCost:
         widen: the share the interval is widened by on each side (tables not measured
             on this kind).
         inter_host_s: the part of ``collective_s`` of collectives whose groups span
-            hosts (priced level by level, ``shardax.cost.network``).
+            hosts (priced level by level, ``shardax.cost.nccl``).
         exposed_inter_host_s: the part of ``exposed_s`` those leave exposed.
         fp8_datasheet_flops: FLOPs of fp8 GEMMs priced at ``FP8_GEMM_FACTOR`` times the
             bf16 rates (the tables have no fp8 rows: the datasheet's peak ratio).
@@ -391,7 +391,7 @@ def price_hlo(
     ``schedule`` of ``hlo`` where the caller has it;
     ``widen``: the interval's widening (default 0.1 for a derived calibration, else 0);
     ``seconds_of``: one run's seconds of a collective where the caller priced it (a group
-    across GPU hosts, level by level: ``shardax.cost.network.price_collective``), None
+    across GPU hosts, level by level: ``shardax.cost.nccl.price_collective``), None
     to price it here."""
     index = HloIndex(hlo)
     c = calibration

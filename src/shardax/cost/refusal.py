@@ -13,7 +13,7 @@ import jax
 
 from shardax._format import format_bytes
 from shardax.cost.accounting import budget_fields, default_tokens, state_bytes
-from shardax.cost.calibration import device_figures
+from shardax.cost.figures import device_figures
 from shardax.cost.model_flops import batch_unit
 from shardax.cost.report import Estimate
 

@@ -44,7 +44,7 @@ class Estimate:
             limit (``XLA_CLIENT_MEM_FRACTION`` of its memory), a GPU target's
             ``memory_fraction`` of ``hbm_bytes`` (the budget XLA compiled it in), else
             ``hbm_bytes``; ``budget_note`` says which
-            (``shardax.cost.compile_target.device_memory``).
+            (``shardax.cost.budget.device_memory``).
         flops_hlo: matmul FLOPs per device per step counted from the compiled HLO;
             flops_backend: the backend's count (``compiled_flops``:
             ``cost_analysis()`` with library calls and loop trips; None on GPU targets).

@@ -22,8 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from shardax._format import format_bytes
 from shardax.checks import expect_type, public
-from shardax.cost.calibration import device_figures
 from shardax.cost.estimation import analyse, estimate
+from shardax.cost.figures import device_figures
 from shardax.cost.refusal import out_of_memory
 from shardax.cost.report import HEADROOM, Estimate
 from shardax.plan.core import Plan

@@ -22,7 +22,7 @@ from typing import Any
 
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public
-from shardax.cost.compile_target import device_memory
+from shardax.cost.budget import device_memory
 from shardax.cost.report import HEADROOM, Estimate
 from shardax.mesh.axes import DATA_AXIS, REPLICA_AXIS
 from shardax.plan.core import Plan
@@ -174,7 +174,7 @@ def default_device_memory(device: Any = None) -> float | None:
     """Bytes of memory of ``device`` (default: the first) that its programs may use: its
     allocator's limit (``memory_stats()["bytes_limit"]``), a GPU target's
     ``memory_fraction`` of its memory, else the hardware table's figure, else None
-    (``shardax.cost.compile_target.device_memory``)."""
+    (``shardax.cost.budget.device_memory``)."""
     found = device_memory(device)
     return None if found is None else found[0]
 
