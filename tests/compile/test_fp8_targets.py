@@ -17,8 +17,9 @@ from flax import nnx
 import shardax as sx
 from shardax.cost.calibration import H100
 from shardax.cost.hlo import arrays
-from shardax.cost.opcost import format_cost, price_hlo
+from shardax.cost.opcost import price_hlo
 from shardax.cost.ops import FUSIONS, HloIndex, classify
+from shardax.cost.step_cost import format_cost
 from shardax.models import gpt
 
 pytestmark = pytest.mark.compile_only("gpu")

@@ -9,8 +9,9 @@ import pytest
 
 from shardax.cost.calibration import H100
 from shardax.cost.hlo import Collective
+from shardax.cost.kernel_prices import LATENCY_S
 from shardax.cost.links import overlap_of, wire_bytes
-from shardax.cost.opcost import LATENCY_S, price_hlo
+from shardax.cost.opcost import price_hlo
 from shardax.cost.predict import host_share, wire_seconds
 from shardax.cost.schedule import Scheduled
 

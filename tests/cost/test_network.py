@@ -24,8 +24,9 @@ from shardax.cost.nccl import (
     price_collective,
 )
 from shardax.cost.network import NETWORKS, named_network, network_of, with_fitted
-from shardax.cost.opcost import breakdown, price_hlo
+from shardax.cost.opcost import price_hlo
 from shardax.cost.schedule import Scheduled
+from shardax.cost.step_cost import breakdown
 
 NVLINK = 4.5e11
 

@@ -16,9 +16,11 @@ from flax import nnx
 
 import shardax as sx
 from shardax.cost.calibration import H100, H200, calibration_for, nearest
+from shardax.cost.kernel_prices import attention_seconds, gemm_rate
 from shardax.cost.measurements import gemm_rows
-from shardax.cost.opcost import attention_seconds, breakdown, gemm_rate, price_hlo
+from shardax.cost.opcost import price_hlo
 from shardax.cost.ops import HloIndex, program_flops
+from shardax.cost.step_cost import breakdown
 
 GEMM = "  %d = bf16[8192,8192]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}"
 PARAMS = "  %a = bf16[8192,2048]{1,0} parameter(0)\n  %b = bf16[2048,8192]{1,0} parameter(1)\n"

@@ -80,11 +80,12 @@ from shardax.cost.links import (
 )
 from shardax.cost.model_flops import CONVENTION, batch_unit, default_model_flops
 from shardax.cost.nccl import LevelPrice
-from shardax.cost.opcost import StepCost, price_hlo
+from shardax.cost.opcost import price_hlo
 from shardax.cost.predict import DEFAULT_COMPUTE_EFFICIENCY, check_figures, predict_step
 from shardax.cost.refusal import check_priceable, out_of_memory, refused_estimate, unknown_trips
 from shardax.cost.report import Estimate
 from shardax.cost.schedule import schedule
+from shardax.cost.step_cost import StepCost
 
 
 def analyse(

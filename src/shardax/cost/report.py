@@ -17,8 +17,8 @@ from rich.console import Group
 
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public, user_stacklevel
-from shardax.cost.opcost import StepCost, breakdown
 from shardax.cost.predict import StepPrediction
+from shardax.cost.step_cost import StepCost, breakdown
 
 HEADROOM = 0.1
 """The share of the memory budget (``Estimate.memory_budget``) a plan must leave free to
