@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import shardax as sx
 from shardax.checks import as_count, public
 from shardax.cli.main import main as cli_main
-from shardax.cost.calibration import from_tables
+from shardax.cost.measurements import from_tables
 from shardax.cost.memory import estimate
 from shardax.runtime.distributed import resolve_coordinates
 from shardax.runtime.rendezvous import roll_call
