@@ -73,6 +73,7 @@ from flax import nnx
 
 from shardax.checks import as_bool, as_count, expect_type
 from shardax.mesh.axes import DATA_AXIS, EXPERT_AXIS, REPLICA_AXIS
+from shardax.models.elementwise import RMSNorm, gelu
 from shardax.parallel.context import IMPLS, attention, layout_context, layout_positions
 from shardax.parallel.experts import MoEAux, moe
 from shardax.parallel.fused import KERNELS
@@ -87,6 +88,12 @@ VOCAB = 256
 """Byte-level: one token per byte value."""
 
 POSITIONS = ("rotary", "learned")
+RESIDUALS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+"""``GPTConfig.residual``: the dtype of the residual stream between blocks."""
+ELEMENTWISE = ("autodiff", "recompute")
+"""``GPTConfig.elementwise``: the norms and GELU as ``nnx.RMSNorm`` and ``jax.nn.gelu``
+differentiated by JAX, or ``shardax.models.elementwise``'s, whose backward passes
+recompute from their inputs."""
 ATTENTION: tuple[str, ...] = ("auto", *IMPLS)
 """``GPTConfig.attention``: ``sx.attention``'s ``impl`` over a ``"context"`` mesh axis,
 ``"auto"`` or one of ``shardax.parallel.context.IMPLS`` (without a context axis every
@@ -152,6 +159,16 @@ class GPTConfig:
             where it can, cuDNN on a GPU, splash on a TPU), or one of
             ``shardax.parallel.fused.KERNELS`` forced (``"dense"``: the XLA einsums,
             e.g. to measure what the fused kernel gains).
+        residual: the residual stream's dtype between blocks, ``"fp32"`` (default: the
+            embedding and every block's sum in float32 whatever the compute dtype) or
+            ``"bf16"`` (nanochat's: each sum stored in bfloat16, the norms' statistics
+            still float32); under ``precision="bf16"`` it halves the bytes of the
+            residual adds, the norms and their gradients.
+        elementwise: ``"autodiff"`` (default: ``nnx.RMSNorm`` and ``jax.nn.gelu``,
+            differentiated by JAX) or ``"recompute"``: ``shardax.models.elementwise``'s
+            norm and GELU, whose backward passes recompute from their inputs, so the
+            GELU's forward pass writes one tensor of the MLP's width, not two. The same
+            parameters either way.
     """
 
     layers: int = 2
@@ -171,9 +188,19 @@ class GPTConfig:
     attention: str = "auto"
     window: int | None = None
     kernel: str = "auto"
+    residual: str = "fp32"
+    elementwise: str = "autodiff"
 
     def __post_init__(self) -> None:
         self._check_experts()
+        if self.residual not in RESIDUALS:
+            raise ValueError(
+                f"GPTConfig.residual must be one of {tuple(RESIDUALS)}, got {self.residual!r}"
+            )
+        if self.elementwise not in ELEMENTWISE:
+            raise ValueError(
+                f"GPTConfig.elementwise must be one of {ELEMENTWISE}, got {self.elementwise!r}"
+            )
         if self.attention not in ATTENTION:
             raise ValueError(
                 f"GPTConfig.attention must be one of {ATTENTION}, got {self.attention!r}"
@@ -244,9 +271,13 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[Any, ...], std: 
     return nnx.Param(init(rngs.params(), shape))
 
 
-def _norm(d_model: int, rngs: nnx.Rngs) -> nnx.RMSNorm:
+def _norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """The RMSNorm of ``cfg.elementwise`` (either: float32 statistics, the input's dtype
+    out; ``nnx.RMSNorm`` gives float32 for a float32 input and bf16 params)."""
+    if cfg.elementwise == "recompute":
+        return RMSNorm(cfg.d_model, rngs)
     ones = nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",))
-    return nnx.RMSNorm(d_model, scale_init=ones, rngs=rngs)
+    return nnx.RMSNorm(cfg.d_model, scale_init=ones, rngs=rngs)
 
 
 def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -345,13 +376,14 @@ class MLP(nnx.Module):
         self.up = _param(rngs, (d, m), ("embed", "mlp"), d**-0.5)
         self.down = _param(rngs, (m, d), ("mlp", "embed"), m**-0.5 / math.sqrt(2 * cfg.layers))
         self.dot_general = jax.lax.dot_general  # as Attention's
+        self.gelu = gelu if cfg.elementwise == "recompute" else jax.nn.gelu
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # In the params' dtype, as Attention: the norm before gives float32, and a float32
         # input made both matmuls float32 under precision="bf16" (two thirds of the
         # layer's FLOPs at the TF32 rate or below, and twice the activation bytes).
         x = x.astype(self.up[...].dtype)
-        h = jax.nn.gelu(dense(self.dot_general, x, self.up[...]))
+        h = self.gelu(dense(self.dot_general, x, self.up[...]))
         return dense(self.dot_general, h, self.down[...])
 
 
@@ -360,13 +392,15 @@ class _PreNorm(nnx.Module):
     share: ``x + attn(norm1(x))``, and ``norm2`` of it for their MLP half."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
-        self.norm1 = _norm(cfg.d_model, rngs)
+        self.norm1 = _norm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
-        self.norm2 = _norm(cfg.d_model, rngs)
+        self.norm2 = _norm(cfg, rngs)
+        self.residual = RESIDUALS[cfg.residual]
 
     def attend(self, x: jax.Array, ctx: Context | None) -> tuple[jax.Array, jax.Array]:
-        """``(x + attn(norm1(x)), norm2 of that)``: the residual and the MLP's input."""
-        x = x + self.attn(self.norm1(x), ctx)
+        """``(x + attn(norm1(x)), norm2 of that)``: the residual (in ``cfg.residual``'s
+        dtype) and the MLP's input."""
+        x = (x + self.attn(self.norm1(x), ctx)).astype(self.residual)
         return x, self.norm2(x)
 
 
@@ -379,7 +413,7 @@ class Block(_PreNorm):
 
     def __call__(self, x: jax.Array, ctx: Context | None = None) -> jax.Array:
         x, h = self.attend(x, ctx)
-        return x + self.mlp(h)
+        return (x + self.mlp(h)).astype(self.residual)
 
 
 def _expert(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -414,7 +448,7 @@ class MoEBlock(_PreNorm):
     def __call__(self, x: jax.Array, ctx: Context | None = None) -> tuple[jax.Array, Any]:
         x, h = self.attend(x, ctx)
         y, aux = self.moe(h)
-        return x + y, aux
+        return (x + y).astype(self.residual), aux
 
 
 def _stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> Any:
@@ -469,7 +503,7 @@ class GPT(nnx.Module):
                 self.blocks = _stacked(lambda r: Block(cfg, r), cfg.layers - cfg.moe_layers, rngs)
         else:
             self.blocks = stack(rngs)
-        self.norm = _norm(cfg.d_model, rngs)
+        self.norm = _norm(cfg, rngs)
         self.head = _param(rngs, (cfg.d_model, cfg.vocab), ("embed", "vocab"), cfg.d_model**-0.5)
 
     def logits(self, x: jax.Array) -> jax.Array:
@@ -567,6 +601,7 @@ class GPT(nnx.Module):
         x = self.embed(tokens)
         if self.cfg.positions == "learned":
             x = x + self.pos(_positions(ctx, seq))
+        x = x.astype(RESIDUALS[self.cfg.residual])
         aux = None
         if self.cfg.experts:
             x, aux = self._run_moe(x, ctx)
