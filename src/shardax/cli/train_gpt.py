@@ -51,7 +51,7 @@ from shardax.cli.job import Job, build_steps, eval_batch, job_mesh, option, regi
 from shardax.data.text import LMBatches, batch_layout, lm_eval_batch, load_corpus, zigzag_batch
 from shardax.mesh.axes import CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS
 from shardax.models import gpt
-from shardax.models.gpt import ATTENTION, PLANS, POSITIONS, GPTConfig
+from shardax.models.gpt import ATTENTION, ELEMENTWISE, PLANS, POSITIONS, RESIDUALS, GPTConfig
 from shardax.parallel.gpipe import stage_mesh
 from shardax.parallel.remat_policy import POLICIES as REMAT_POLICIES
 
@@ -71,6 +71,19 @@ OPTIONS = (
         const=True,
         help="run the layers in lax.scan: compile time independent of depth, and remat "
         "saves memory on XLA:CPU; compiled FLOPs then count one layer",
+    ),
+    option(
+        "--residual",
+        "fp32",
+        choices=tuple(RESIDUALS),
+        help="the residual stream's dtype between blocks (bf16: norm statistics stay fp32)",
+    ),
+    option(
+        "--elementwise",
+        "autodiff",
+        choices=ELEMENTWISE,
+        help="recompute: norms and GELU whose backward recomputes from their inputs "
+        "(fewer bytes; the same parameters)",
     ),
     option(
         "--data", type=path_arg, help="a text file or directory of them (default: stdlib sources)"
@@ -160,6 +173,8 @@ def config(args: argparse.Namespace) -> Any:
             heads=args.heads,
             max_seq_len=args.max_seq_len,
             positions=args.positions,
+            residual=args.residual,
+            elementwise=args.elementwise,
             scan_layers=bool(args.scan_layers),
             pipeline_microbatches=args.microbatches,
             pipeline_repeats=args.pipeline_repeats or 1,
@@ -362,6 +377,8 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
                 "seq_len": args.seq_len,
                 "max_seq_len": cfg.max_seq_len,
                 "positions": cfg.positions,
+                "residual": cfg.residual,
+                "elementwise": cfg.elementwise,
                 "remat": args.remat,
                 "scan_layers": cfg.scan_layers,
                 "attention": cfg.attention,
