@@ -78,3 +78,18 @@ def test_fp8_numerics_benchmark_trains_both_precisions_on_the_same_batches():
     # the same init and batch: the first losses differ by fp8's rounding only
     assert abs(fp8["first_loss"] - bf16["first_loss"]) < 0.05
     assert out["val_gap"] == fp8["val_loss"] - bf16["val_loss"]
+
+
+def test_residual_numerics_benchmark_runs_each_variant_on_the_same_batches():
+    bench = load("residual_numerics")
+    out = bench.run(
+        bench.parse_args(["--steps", "1", "--layers", "1", "--d-model", "16", "--seq-len", "16"])
+    )
+    rows = out["rows"]
+    assert [(r["residual"], r["elementwise"]) for r in rows] == list(bench.VARIANTS)
+    # the same init and batch: the first losses differ by the residual's rounding only
+    assert all(abs(r["first_loss"] - rows[0]["first_loss"]) < 0.01 for r in rows)
+    assert (
+        rows[0]["val_gap"] == 0.0
+        and rows[1]["val_gap"] == rows[1]["val_loss"] - rows[0]["val_loss"]
+    )
