@@ -163,3 +163,23 @@ def test_knee_rejects_bad_input():
         knee_batch_size([1], [1.0], tolerance=1.5)
     with pytest.raises(ValueError, match="step_seconds must all be > 0"):
         knee_batch_size([1], [0.0])
+
+
+@pytest.mark.parametrize("precision", list(STATE_BYTES))
+def test_zero_gathered_forward_splits_the_params_too(precision):
+    """sx.zero1(mesh, gather="forward") keeps the params split (the master): only the
+    gradients stay whole under ZeRO-1, nothing under ZeRO-2."""
+    p, n, row = 7e9, 8, STATE_BYTES[precision]
+    one = estimate(p, precision, data=n, zero=1, gather="forward")
+    two = estimate(p, precision, data=n, zero=2, gather="forward")
+    assert one.strategy == "ZeRO-1 (gather forward)"
+    assert one.total_bytes == pytest.approx(row.grads * p + (row.total - row.grads) * p / n)
+    assert two.total_bytes == pytest.approx(row.total * p / n)
+    assert one.params_bytes == estimate(p, precision, data=n, zero=1).params_bytes / n
+
+
+def test_zero_gather_is_checked():
+    with pytest.raises(ValueError, match="gather must be 'update' or 'forward', got 'start'"):
+        estimate(1e9, data=8, zero=1, gather="start")
+    with pytest.raises(ValueError, match=r"ZeRO-1/2 setting .* got zero=3"):
+        estimate(1e9, data=8, shard_data=True, gather="forward")

@@ -1,6 +1,7 @@
 """ZeRO-1/2 and HSDP: placements, compiled memory, and losses equal to single-device Adam."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -180,3 +181,107 @@ def test_make_mesh_default_dcn_axis_is_replica_for_hsdp():
     mesh = sx.make_mesh({"replica": 2, "fsdp": 4})
     assert mesh.shape == {"replica": 2, "fsdp": 4}
     assert math.prod(mesh.devices.shape) == 8
+
+
+# zero1(gather="forward"): the params kept split (the master), their compute-dtype copy
+# gathered at the step's start. Under bf16 it computes what gather="update" computes.
+FORWARD_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def bf16_zero1_runs():
+    """Both gathers under precision="bf16", trained on the same batches: {gather: (step,
+    first state, last state, losses)}."""
+    mesh = sx.make_mesh({"data": 8})
+    data = batches(SIZES, n=FORWARD_STEPS)
+    out = {}
+    for gather in ("update", "forward"):
+        plan = sx.zero1(mesh, min_size=8, gather=gather)
+        step = sx.make_train_step(model_loss, mesh=mesh, plan=plan, precision="bf16")
+        first = step.init(pytree_state)
+        state, losses = train_sharded(step, step.init(pytree_state), data)
+        out[gather] = step, first, state, losses
+    return out
+
+
+def test_zero1_gather_forward_trains_as_gather_update_under_bf16(bf16_zero1_runs):
+    """The forward and backward passes read the same bf16 values and the update is the
+    same arithmetic on a slice: equal to the order of floating-point sums (bitwise on
+    XLA:CPU; the documented tolerance is rtol 1e-6)."""
+    _, _, update, losses_update = bf16_zero1_runs["update"]
+    _, _, forward, losses_forward = bf16_zero1_runs["forward"]
+    np.testing.assert_allclose(losses_forward, losses_update, rtol=1e-6)
+    assert losses_forward[-1] < losses_forward[0]
+    for tree in ("params", "opt_state"):
+        got, want = jax.tree.leaves(getattr(forward, tree)), jax.tree.leaves(getattr(update, tree))
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_zero1_gather_forward_keeps_the_master_split_and_gathers_the_compute_copy(
+    bf16_zero1_runs,
+):
+    from shardax.train.forward_gather import gathered
+
+    step, _, state, _ = bf16_zero1_runs["forward"]
+    w, mu = state.params[1][0], state.opt_state[0].mu[1][0]
+    # The master: float32, split as Adam's moments are, after every step.
+    assert w.dtype == jnp.float32 and w.sharding.spec == mu.sharding.spec == P("data", None)
+    assert {s.data.shape for s in w.addressable_shards} == {(8, 64)}
+    assert state.params[0][0].sharding.spec == P(None, "data")  # (16, 64): as fsdp splits it
+    # The copy the passes read: whole on every device, the master's bf16 values.
+    specs = step.state_plan.mirror_specs(state.params)
+    copy = jax.jit(lambda p: gathered(p, specs, step.mesh, step.precision))(state.params)
+    c = copy[1][0]
+    assert c.sharding.spec == P() and {s.data.shape for s in c.addressable_shards} == {(64, 64)}
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(w.astype(jnp.bfloat16), np.float32))
+    # In the step, the cast runs on the slice and the bf16 copy is what is gathered
+    # (XLA:CPU then gathers it widened; the GPU target's bf16 gathers:
+    # tests/compile/test_overlap_targets.py).
+    text = step.lower(state, batches(SIZES, n=1)[0]).as_text()
+    assert re.search(r"sharding_constraint %\w+ <@mesh, \[\{}, \{}]> : tensor<64x64xbf16>", text)
+
+
+def test_zero1_gather_forward_state_bytes_are_the_formula(bf16_zero1_runs):
+    """Placed bytes per device of params + Adam against cost.memory's ZeRO-1 formula with
+    gather="forward" (every leaf split: min_size 8 and each divisible by 8), and the
+    gradients sx.estimate counts: whole, as under gather="update"."""
+    from shardax.cost.accounting import grad_bytes
+    from shardax.cost.memory import estimate
+
+    device = jax.devices()[0]
+    for gather in ("update", "forward"):
+        step, first, _, _ = bf16_zero1_runs[gather]
+        count = sum(x.size for x in jax.tree.leaves(first.params))
+        formula = estimate(count, "bf16", data=8, zero=1, gather=gather)
+        adam = [first.opt_state[0].mu, first.opt_state[0].nu]
+        assert nbytes_on(first.params, device) == formula.params_bytes
+        assert nbytes_on(adam, device) == formula.master_bytes + formula.optimizer_bytes
+        grads = grad_bytes(step, first, nbytes_on(first.params, device), step.mesh)
+        assert grads == formula.grads_bytes == 4 * count
+
+
+def test_zero1_gather_forward_resumes_bitwise(bf16_zero1_runs, tmp_path):
+    """The state is the split master: saved and restored onto the step's shardings, it
+    is the same bits in the same places, and the next step from it is the same step."""
+    step, first, state, _ = bf16_zero1_runs["forward"]
+    sx.save_checkpoint(tmp_path, state, step=int(state.step))
+    restored = sx.restore_checkpoint(tmp_path, like=first).state  # the plan's shardings
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    batch = batches(SIZES, n=1)[0]
+    (after, m1), (again, m2) = step(restored, batch), step(state, batch)
+    assert float(m1["loss"]) == float(m2["loss"])
+    for a, b in zip(jax.tree.leaves(after.params), jax.tree.leaves(again.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_zero1_gather_is_checked():
+    mesh = sx.make_mesh({"data": 8})
+    with pytest.raises(
+        ValueError, match=r"gather must be one of \('update', 'forward'\), got 'end'"
+    ):
+        sx.zero1(mesh, gather="end")
+    assert sx.zero2(mesh, gather="forward").gathers_forward
+    assert not sx.zero1(mesh).gathers_forward

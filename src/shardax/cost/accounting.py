@@ -114,11 +114,13 @@ def param_shapes(state: Any) -> list[tuple[str, tuple[int, ...]]]:
 
 def grad_bytes(step: Any, state: Any, params_bytes: int, mesh: Any) -> int:
     """Gradients per device: as the params, or (ZeRO-2: ``plan.shard_grads``) split like
-    the optimizer state."""
+    the optimizer state, or (``sx.zero1(mesh, gather="forward")``: the params split, the
+    gradients whole) as the plan's ``grad_specs`` say."""
     plan = getattr(step, "plan", None)
-    if not getattr(plan, "shard_grads", False) or not hasattr(state, "params"):
+    split = getattr(plan, "shard_grads", False) or getattr(plan, "gathers_forward", False)
+    if not split or not hasattr(state, "params"):
         return params_bytes
-    specs = plan.mirror_specs(state.params)
+    specs = plan.grad_specs(state.params)
     total = 0
     for leaf, spec in zip(
         jax.tree.leaves(state.params),

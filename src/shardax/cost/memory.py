@@ -32,7 +32,11 @@ On ``data × model`` devices, with ``S`` the bytes per parameter above and ``P``
 - DP × TP: ``S·P / model``; FSDP × TP: ``S·P / (data·model)``; likewise DP × PP and
   FSDP × PP with ``stage`` in place of ``model``.
 - ZeRO-1 (``data = N``): the master copy (if any) and Adam's moments split, params and grads whole;
-  ZeRO-2 also splits the grads (``estimate`` with ``zero=1`` or ``2``).
+  ZeRO-2 also splits the grads (``estimate`` with ``zero=1`` or ``2``). With
+  ``gather="forward"`` (``sx.zero1(mesh, gather="forward")``: the params kept split, their
+  compute-dtype copy gathered in the step) the params are split too: ``(params + master +
+  optimizer)·P / N + grads·P`` (ZeRO-1), ``S·P / N`` (ZeRO-2); the gathered copy
+  (``compute·P``) is one of the step's temporaries, as activations are.
 
 These are ideal splits (every weight divisible, nothing replicated: for PP, the layers
 hold all the parameters); FSDP also needs room for one gathered layer at a time, and PP
@@ -160,6 +164,7 @@ def estimate(
     shard_data: bool = False,
     stage: int = 1,
     zero: int = 0,
+    gather: str = "update",
 ) -> MemoryEstimate:
     """Per-device model-state bytes on a ``data × model × stage`` mesh.
 
@@ -173,6 +178,11 @@ def estimate(
     2.0
     >>> estimate(1e9, "fp32", data=8, zero=1).total_bytes / 1e9  # 4 + 4 + 8 / 8
     9.0
+
+    ``gather="forward"`` (ZeRO-1 and 2 only) splits the params over ``data`` as well:
+
+    >>> estimate(1e9, "bf16", data=8, zero=1, gather="forward").total_bytes / 1e9  # 4 + 12 / 8
+    5.5
     """
     num_params = as_float("num_params", num_params, above=0)
     data, model, stage = (
@@ -182,18 +192,25 @@ def estimate(
     shard_data = as_bool("shard_data", shard_data)
     p = state_bytes(precision)
     zero = 3 if shard_data else zero
+    if gather not in ("update", "forward"):
+        raise ValueError(f"gather must be 'update' or 'forward', got {gather!r}")
+    if gather == "forward" and zero not in (1, 2):
+        raise ValueError(
+            f"gather='forward' is a ZeRO-1/2 setting (sx.zero1(mesh, gather=...)), got zero={zero}"
+        )
+    forward = gather == "forward"
 
     def split(level: int) -> int:
         return model * stage * (data if zero >= level else 1)
 
     kinds = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
-    kind = kinds[zero] if data > 1 or model == stage == 1 else ""
+    kind = kinds[zero] + " (gather forward)" * forward if data > 1 or model == stage == 1 else ""
     name = "×".join(s for s in (kind, "TP" * (model > 1), "PP" * (stage > 1)) if s)
     return MemoryEstimate(
         strategy=name,
         data=data,
         model=model,
-        params_bytes=num_params * p.params / split(3),
+        params_bytes=num_params * p.params / split(1 if forward else 3),
         grads_bytes=num_params * p.grads / split(2),
         master_bytes=num_params * p.master / split(1),
         optimizer_bytes=num_params * p.optimizer / split(1),

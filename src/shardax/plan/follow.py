@@ -80,6 +80,11 @@ class FollowParams(Plan):
     shard_grads: bool = False
     """Whether the train step constrains the gradients to the mirrors' shardings
     ([`shardax.zero2`][shardax.zero2])."""
+    gather: str = "update"
+    """ZeRO's gather of the params: ``"update"`` (the params placed by ``base``, the
+    updated ones gathered back to it after the update) or ``"forward"`` (the params
+    placed as their mirrors, the train step gathers their compute-dtype copy at its
+    start: [`shardax.zero1`][shardax.zero1])."""
 
     def _unmatched(self, tree: Any) -> dict[str, str]:
         # With a function selector the rules see the params' paths relative to the params.
@@ -112,6 +117,8 @@ class FollowParams(Plan):
                 params,
                 mirror_specs,
             )
+            if self.gathers_forward:  # the params kept split as their mirrors (the master)
+                param_specs = mirror_specs
         treedef = jax.tree.structure(params)
         shapes = [np.shape(x) for x in jax.tree.leaves(params)]
 
@@ -133,9 +140,25 @@ class FollowParams(Plan):
                 out.append(node)
         return jax.tree.unflatten(outer, out), errors
 
+    @property
+    def gathers_forward(self) -> bool:
+        """Whether the params are kept split and gathered at the step's start
+        (``gather="forward"``)."""
+        return self.gather == "forward"
+
+    def grad_specs(self, params: Any) -> Any:
+        """The specs of the gradients the step hands the optimizer: the mirrors' under
+        ZeRO-2, else the ``base`` plan's for the params (whole under ZeRO-1, gathered
+        forward or not)."""
+        return self._specs_by(self.mirror if self.shard_grads else None, params)
+
     def mirror_specs(self, params: Any) -> Any:
         """The specs of a tree that mirrors ``params`` (Adam's ``mu``, the gradients)."""
-        plan = self.mirror if self.mirror is not None else self.base
+        return self._specs_by(self.mirror, params)
+
+    def _specs_by(self, plan: Plan | None, params: Any) -> Any:
+        """``plan``'s specs (``base``'s when None) for the params' paths in the tree."""
+        plan = plan if plan is not None else self.base
         assert plan is not None
         prefix = f"{self.params}/" if isinstance(self.params, str) else ""
 

@@ -33,6 +33,7 @@ from shardax.plan.tree import is_array, is_key, map_arrays, path_str
 from shardax.train.accumulate import microbatched
 from shardax.train.batchnorm import over_data_axis
 from shardax.train.config import StepConfig, from_config
+from shardax.train.forward_gather import gathered, gathers_forward
 from shardax.train.fp8_layers import matmul_routing, route
 from shardax.train.loss import check_mapped_aux, takes_state
 from shardax.train.masks import valid_count
@@ -316,10 +317,17 @@ class PerShard:
         return jax.tree.map(lambda x: constrain(x, seq if x.ndim >= 3 else spec, self.mesh), micro)
 
     def whole(self, state: TrainState, batch: Any):
-        """jit and single: the shard is the whole global batch."""
+        """jit and single: the shard is the whole global batch. Under
+        ``sx.zero1(mesh, gather="forward")`` the passes read the params' compute-dtype copy,
+        gathered once at the start (``shardax.train.forward_gather``); the update applies
+        to the split master."""
         size = jax.tree.leaves(batch)[0].shape[0] if self.batch_spec is None else 1
+        read = state
+        if self.mode == "jit" and gathers_forward(self.state_plan):
+            specs = self.state_plan.mirror_specs(state.params)
+            read = state.replace(params=gathered(state.params, specs, self.mesh, self.precision))
         grads, loss, aux, model_state = self._shard_update(
-            state, batch, jnp.arange(size), mapped=False
+            read, batch, jnp.arange(size), mapped=False
         )
         loss = self._no_example_reads_nan(loss, valid_count(batch))
         return self.work.finish(state, grads, loss, aux, model_state)

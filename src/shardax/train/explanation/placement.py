@@ -144,8 +144,10 @@ def _axes(spec: PartitionSpec) -> list[str]:
 
 def _plan_spec(plan: Any, path: str, shape: tuple[int, ...], kind: str) -> PartitionSpec | None:
     """The spec ``plan``'s own rule gives ``path`` at ``shape`` (the mirror plan's for an
-    optimizer leaf of ZeRO), None where the plan has no rule to ask."""
-    source = getattr(plan, "mirror", None) if kind == "optimizer state" else None
+    optimizer leaf of ZeRO, and for a parameter under ``gather="forward"``), None where
+    the plan has no rule to ask."""
+    mirrored = kind == "optimizer state" or getattr(plan, "gathers_forward", False)
+    source = getattr(plan, "mirror", None) if mirrored else None
     source = source or getattr(plan, "base", None) or plan
     spec_fn = getattr(source, "spec_fn", None)
     if spec_fn is None:
