@@ -9,6 +9,7 @@ a one-device reference jitted without them; one whose body names the mesh is ref
 naming ``reference=``.
 """
 
+import os
 from typing import NamedTuple
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import LEGACY_EMITTERS
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -88,6 +90,11 @@ def test_a_named_tuple_is_one_state_a_plain_tuple_is_spread():
     assert spread((1, 2)) == (1, 2)
 
 
+@pytest.mark.skipif(
+    LEGACY_EMITTERS in os.environ.get("XLA_FLAGS", ""),
+    reason="the rounding noise of XLA:CPU's fusion emitters, which leg 1's tests turn off "
+    "to compile faster (tests/conftest.py); leg 2 (JAX 0.12) runs it",
+)
 def test_the_key_bias_update_is_named_rounding_noise_and_forgiven(mesh):
     state, data = placed(mesh)
     report = sx.verify(jax.jit(update), state, data)
