@@ -97,3 +97,18 @@ def test_the_per_op_model_prices_the_fp8_gemms_at_the_datasheets_fp8_peak_and_sa
     assert cost.fp8_datasheet_flops == pytest.approx(FP8_FLOPS, rel=1e-6)
     assert "priced at the datasheet's fp8 peak, 2x the measured bf16 rates" in format_cost(cost)
     assert cost.to_dict()["fp8_datasheet_flops"] == cost.fp8_datasheet_flops
+
+
+def test_once_a_card_has_fp8_rows_they_price_the_fp8_gemms_and_the_report_says_so(compiled):
+    import dataclasses
+
+    rows = tuple((m, n, k, "f8", t * 1.6) for m, n, k, d, t in H100.gemm if d == "bf16")
+    measured = dataclasses.replace(H100, gemm=(*H100.gemm, *rows))
+    cost = price_hlo(compiled["auto"], measured, num_devices=DEVICES)
+    datasheet = price_hlo(compiled["auto"], H100, num_devices=DEVICES)
+    assert cost.fp8_measured_flops == pytest.approx(FP8_FLOPS, rel=1e-6)
+    assert cost.fp8_datasheet_flops == 0
+    text = format_cost(cost)
+    assert "priced by the tables' measured fp8 rows" in text and "datasheet's fp8" not in text
+    # at this small shape the GEMMs are bound by their bytes: no rate moves them
+    assert cost.classes["gemm"].seconds >= datasheet.classes["gemm"].seconds

@@ -76,6 +76,10 @@ def test_tables_measured_here_load_as_a_calibration(measured_here):
     assert c.kind == "cpu" and c.device == "cpu" and c.date == t["date"]
     gemms = [r for name in ("gemm", "gemm_f32", "gemm_f32_cublas") for r in t[name]]
     assert len(c.gemm) == len(gemms)
+    # a CPU widens fp8 operands: no fp8 rows, the table says why, and nothing is priced by it
+    assert t["gemm_fp8"]["skipped"].startswith("fp8 GEMMs need fp8 tensor cores")
+    assert "cpu device" in t["gemm_fp8"]["skipped"] and t["gemm_fp8_seconds"] == 0.0
+    assert calibrate.summary(t)["fp8_matmul_tflops"] is None
     assert {r[3] for r in c.gemm} == {"bf16", "f32", "f32-cublas"}
     assert c.stream == tuple(sorted(r["gbs"] for r in t["stream"]))
     # the reductions priced by: a fixed set (norms and sums), the softmax rows for reading
@@ -201,6 +205,7 @@ def test_cli_calibrate_writes_tables_and_refuses_a_cpu_without_quick(tmp_path, c
     assert "(--quick: a smoke test)" in printed and f"wrote {out}" in printed
     written = json.loads(out.read_text())
     assert written["quick"] is True and written["device"] == "cpu"
+    assert "fp8 tensor cores" in written["gemm_fp8"]["skipped"] and "gemm_fp8" in printed
     assert all(
         isinstance(written[k], list) and written[k]
         for k in ("gemm", "gemm_f32", "gemm_f32_cublas", "stream", "reduce", "attention", "launch")
@@ -299,3 +304,13 @@ def test_the_use_line_says_how_a_kind_without_a_datasheet_is_priced():
     assert line.startswith("sx.cost.calibration.register(sx.cost.calibration.load('l4.json'))")
     assert "its peak and memory bandwidth are the measured ones" in line
     assert use_line("NVIDIA H100 80GB HBM3", Path("h.json")).startswith("shardax plan --target")
+
+
+def test_an_fp8_row_is_refused_where_xla_compiled_no_fp8_gemm():
+    """The guard against fp8 priced as a wider GEMM: XLA:CPU widens the operands to f32,
+    so the row is an error naming what the GEMM took (on a Hopper GPU it takes f8e4m3fn)."""
+    from shardax.cost.calibrate_fp8 import gemm_fp8
+
+    (row,) = gemm_fp8([(128, 128, 128)], calibrate.median_seconds, calls=1)
+    assert row["dtype"] == "f8" and row["operands"] == "f32" and "ms" not in row
+    assert row["error"].startswith("XLA compiled no fp8 GEMM here: its GEMMs took f32")

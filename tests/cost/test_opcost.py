@@ -289,3 +289,24 @@ def test_wrapped_work_is_counted_once():
     cost = price_hlo(hlo, H100)
     assert cost.classes["gemm"].kernels == 1 and cost.classes["gemm"].flops == 2 * 1024**3
     assert cost.classes["copies"].kernels == 1 and cost.classes["copies"].bytes == 2 * 4 * 1024**2
+
+
+def test_an_fp8_gemm_is_priced_by_fp8_rows_where_measured_else_by_the_datasheet_and_says_which():
+    from shardax.cost.step_cost import format_cost
+
+    params = PARAMS.replace("bf16[8192,2048]", "f8e4m3fn[8192,2048]").replace(
+        "bf16[2048,8192]", "f8e4m3fn[2048,8192]"
+    )
+    hlo = "ENTRY %main (x: f8e4m3fn[8192,2048]) -> bf16[8192,8192] {\n" + params + GEMM + "\n}"
+    flops = 2 * 8192 * 8192 * 2048
+    datasheet = price_hlo(hlo, H200)
+    assert datasheet.fp8_datasheet_flops == flops and datasheet.fp8_measured_flops == 0
+    assert datasheet.classes["gemm"].seconds == pytest.approx(flops / (2 * 659.32e12), rel=1e-4)
+    assert "the datasheet's fp8 peak, 2x the measured bf16 rates" in format_cost(datasheet)
+    measured = dataclasses.replace(H200, gemm=(*H200.gemm, (8192, 8192, 2048, "f8", 1100.0)))
+    cost = price_hlo(hlo, measured)
+    assert cost.fp8_measured_flops == flops and cost.fp8_datasheet_flops == 0
+    assert cost.classes["gemm"].seconds == pytest.approx(flops / 1100e12, rel=1e-4)
+    text = format_cost(cost)
+    assert "priced by the tables' measured fp8 rows" in text and "datasheet's fp8" not in text
+    assert cost.to_dict()["fp8_measured_flops"] == flops

@@ -4,7 +4,7 @@
 ``shardax plan --target ... --calibration FILE`` (or
 ``sx.cost.calibration.register(sx.cost.calibration.load(FILE))``) then prices steps for
 that device kind with them. The shipped H100 and H200 tables (``shardax/cost/tables/``)
-were measured this way. Eight tables, each a list of JSON rows:
+were measured this way. Nine tables, each a list of JSON rows:
 
 - ``gemm``: bf16 matrix products ``(m, k) @ (k, n)`` with fp32 accumulation, by shape:
   the GPT's own projections at 8k tokens, their backward shapes, and a square ladder;
@@ -13,6 +13,8 @@ were measured this way. Eight tables, each a list of JSON rows:
 - ``gemm_f32_cublas``: the same with XLA's Triton GEMMs off, so cuBLAS runs them: what a
   step compiled with ``xla_gpu_enable_triton_gemm=False`` runs (the cost model prices a
   cuBLAS call's fp32 GEMM by these rows, dtype ``"f32-cublas"``).
+- ``gemm_fp8``: fp8 GEMMs (E4M3 operands, dtype ``"f8"``) at the bf16 table's shapes, on a
+  GPU with fp8 tensor cores only; elsewhere ``{"skipped": why}`` (``shardax.cost.calibrate_fp8``).
 - ``stream``: elementwise passes over large arrays (copy, scale, a bf16 → fp32 convert),
   GB/s counting bytes read plus bytes written.
 - ``reduce``: row and column reductions of a ``(65536, 2048)`` array (a norm's shape),
@@ -35,6 +37,8 @@ takes about a minute; ``quick`` measures small shapes (a smoke test, e.g. on a C
 >>> out = tables(quick=True)  # doctest: +SKIP
 >>> [name for name in out if isinstance(out[name], list)]  # doctest: +SKIP
 ['gemm', 'gemm_f32', 'gemm_f32_cublas', 'stream', 'reduce', 'attention', 'collectives', 'launch']
+>>> out["gemm_fp8"]  # on a CPU  # doctest: +SKIP
+{'skipped': 'fp8 GEMMs need fp8 tensor cores ...'}
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from shardax.cost.calibrate_fp8 import fp8_skipped, gemm_fp8
 
 GPT_TOKENS = 8192
 """Rows of the GPT's projections: 4 sequences of 2048 tokens, the default step."""
@@ -353,9 +359,11 @@ def _collectives_over(
 
 def tables(quick: bool = False, network: str | None = None) -> dict[str, Any]:
     """All the tables, each run on its own so one failing leaves the others; errors are
-    kept as ``{"error": ...}``. ``network``: the named network between the hosts
-    measured over (``shardax.cost.network.named_network``), recorded so that the
-    collectives' inter-host fit replaces that network's documented figures."""
+    kept as ``{"error": ...}``, a table this device cannot measure as ``{"skipped": why}``
+    (``gemm_fp8`` without fp8 tensor cores: ``fp8_skipped``). ``network``: the named
+    network between the hosts measured over (``shardax.cost.network.named_network``),
+    recorded so that the collectives' inter-host fit replaces that network's documented
+    figures."""
     import jax
 
     from shardax.cost.network import named_network
@@ -364,6 +372,7 @@ def tables(quick: bool = False, network: str | None = None) -> dict[str, Any]:
         "gemm": lambda: gemm(gemm_shapes(quick)),
         "gemm_f32": lambda: gemm(fp32_gemm_shapes(quick), dtype="f32"),
         "gemm_f32_cublas": lambda: gemm(fp32_gemm_shapes(quick), dtype="f32", cublas=True),
+        "gemm_fp8": lambda: gemm_fp8(gemm_shapes(quick), _pipelined_seconds),
         "stream": lambda: stream(2**16 if quick else 2**28),
         "reduce": lambda: reduce(64 if quick else 65536),
         "attention": lambda: attention(attention_shapes(quick)),
@@ -371,6 +380,7 @@ def tables(quick: bool = False, network: str | None = None) -> dict[str, Any]:
         "launch": lambda: launch(20 if quick else 200),
     }
     device = jax.devices()[0]
+    skipped = {"gemm_fp8": fp8_skipped(device)}
     out: dict[str, Any] = {
         "device": str(device.device_kind), "platform": str(device.platform),
         "jax": jax.__version__, "date": datetime.date.today().isoformat(),
@@ -383,6 +393,9 @@ def tables(quick: bool = False, network: str | None = None) -> dict[str, Any]:
         out["network"] = named_network(network).name
     for name, make in parts.items():
         began = time.perf_counter()
+        if skipped.get(name):  # nothing this device measures would price that table
+            out[name], out[f"{name}_seconds"] = {"skipped": skipped[name]}, 0.0
+            continue
         try:
             out[name] = make()
         except Exception as e:  # keep the session going: the other tables still count
@@ -392,13 +405,15 @@ def tables(quick: bool = False, network: str | None = None) -> dict[str, Any]:
 
 
 def summary(calib: dict[str, Any]) -> dict[str, float | None]:
-    """The two ceilings a floor is computed from: the best bf16 GEMM rate (TFLOP/s) and
-    the best stream bandwidth (GB/s) measured, None where not measured."""
-    gemms = calib.get("gemm")
-    streams = calib.get("stream")
-    return {
-        "matmul_tflops": max((r["tflops"] for r in gemms), default=None)
-        if isinstance(gemms, list) else None,
-        "bandwidth_gbs": max((r["gbs"] for r in streams), default=None)
-        if isinstance(streams, list) else None,
-    }  # fmt: skip
+    """The ceilings a floor is computed from: the best bf16 GEMM rate (TFLOP/s) and the
+    best stream bandwidth (GB/s) measured, and the best fp8 GEMM rate; None where not
+    measured (fp8: skipped on this device, or no row timed)."""
+
+    def best(table: str, key: str) -> float | None:
+        rows = calib.get(table)
+        if not isinstance(rows, list):
+            return None
+        return max((r[key] for r in rows if key in r), default=None)
+
+    return {"matmul_tflops": best("gemm", "tflops"), "bandwidth_gbs": best("stream", "gbs"),
+            "fp8_matmul_tflops": best("gemm_fp8", "tflops")}  # fmt: skip

@@ -6,7 +6,7 @@ tables the per-op cost model (``shardax.cost.opcost``) prices a compiled step wi
 
 - ``gemm``: ``(m, k) @ (k, n)`` rates by shape and operand dtype (TFLOP/s: bf16, and
   fp32 at JAX's default precision where measured; ``"f32-cublas"``: fp32 with Triton
-  GEMMs off, what a cuBLAS call runs);
+  GEMMs off, what a cuBLAS call runs; ``"f8"``: E4M3 operands, a GPU with fp8 tensor cores);
 - ``stream``: GB/s of elementwise passes (bytes read + written), slowest to fastest;
   ``reduce``: the same of reductions (a norm's, a softmax's), where measured;
 - ``attention``: cuDNN fused attention, ms per call by (batch, seq, heads, head_dim,
@@ -112,7 +112,7 @@ def gemm_rows(c: Calibration) -> list[tuple[int, int, int, str, float]]:
     return [(*key, sum(v) / len(v)) for key, v in seen.items()]
 
 
-_GEMMS = ("gemm", "gemm_f32", "gemm_f32_cublas")
+_GEMMS = ("gemm", "gemm_f32", "gemm_f32_cublas", "gemm_fp8")
 _LAUNCH = {  # launch rows by key, or by the words of tables measured before rows had keys
     "per_kernel": "per kernel, a chain",
     "one_kernel_program": "one program of one kernel",
@@ -212,9 +212,10 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
     """A ``Calibration`` from what ``shardax calibrate`` measured
     (``shardax.cost.calibrate.tables``' dict, or a GPU session's ``core.calibration``).
     The ``gemm``, ``stream`` and ``launch`` tables are required; ``gemm_f32``,
-    ``gemm_f32_cublas`` and ``attention`` are used where measured. A table that failed
-    on the device (``{"error": ...}``) counts as not measured. ``where`` names the
-    tables in errors (a file's path).
+    ``gemm_f32_cublas``, ``gemm_fp8`` and ``attention`` are used where measured. A table
+    that failed on the device (``{"error": ...}``) or was skipped there
+    (``{"skipped": why}``) counts as not measured. ``where`` names the tables in errors
+    (a file's path).
 
     >>> c = from_tables({"device": "NVIDIA L4", "jax": "0.12.0", "date": "2026-12-01",
     ...     "gemm": [{"m": 4096, "n": 4096, "k": 4096, "dtype": "bf16", "tflops": 90.0}],

@@ -113,7 +113,7 @@ def price_hlo(
     skipped |= set(re.findall(r"\bto_apply=%?([\w.\-]+)", hlo))
     classes = {k: ClassCost() for k in PRICED}
     unpriced: dict[str, float] = {}
-    fp8_datasheet = 0.0
+    fp8_datasheet = fp8_priced = 0.0  # fp8 GEMM FLOPs at the datasheet's ratio, by fp8 rows
     fp8_measured = any(r[3] == "f8" for r in rows)
     for comp, instrs in index.by_comp.items():
         if comp in skipped:
@@ -146,7 +146,9 @@ def price_hlo(
                     targets = [instr.target, *(t for _, t, _ in instr.fused)]
                     cublas = any((t or "").startswith("__cublas") for t in targets)
                     rate = gemm_rate(c, m, n, k, dtype, cublas)
-                    if dtype.startswith("f8") and not fp8_measured:
+                    if dtype.startswith("f8") and fp8_measured:
+                        fp8_priced += runs * flops
+                    elif dtype.startswith("f8"):
                         fp8_datasheet += runs * flops
                     scale = rate / (gemm_rate(c, m, n, k) or rate)
                     classes[cls].add(runs, max(flops / rate, mem[0]),
@@ -188,4 +190,5 @@ def price_hlo(
                     collective_s=wire, exposed_s=exposed, unpriced=unpriced,
                     widen=widen, inter_host_s=inter_wire,
                     exposed_inter_host_s=inter_exposed,
-                    fp8_datasheet_flops=fp8_datasheet)  # fmt: skip
+                    fp8_datasheet_flops=fp8_datasheet,
+                    fp8_measured_flops=fp8_priced)  # fmt: skip

@@ -341,6 +341,8 @@ class Estimate:
             caption.append(f"not in the tables (priced by their bytes): {names}")
         if c.fp8_datasheet_flops:
             caption.append("fp8 GEMMs at the datasheet's fp8 peak over bf16 (no fp8 rows)")
+        if c.fp8_measured_flops:
+            caption.append("fp8 GEMMs by the measured fp8 rows")
         table.caption = "; ".join(caption)
         return table
 

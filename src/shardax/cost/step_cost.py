@@ -63,6 +63,7 @@ class StepCost:
         exposed_inter_host_s: the part of ``exposed_s`` those leave exposed.
         fp8_datasheet_flops: FLOPs of fp8 GEMMs priced at ``FP8_GEMM_FACTOR`` times the
             bf16 rates (the tables have no fp8 rows: the datasheet's peak ratio).
+        fp8_measured_flops: FLOPs of fp8 GEMMs priced by the tables' measured fp8 rows.
     """
 
     calibration: str
@@ -75,6 +76,7 @@ class StepCost:
     inter_host_s: float = 0.0
     exposed_inter_host_s: float = 0.0
     fp8_datasheet_flops: float = 0.0
+    fp8_measured_flops: float = 0.0
 
     @property
     def kernels(self) -> float:
@@ -116,6 +118,7 @@ class StepCost:
                 "inter_host_s": self.inter_host_s,
                 "exposed_inter_host_s": self.exposed_inter_host_s,
                 "fp8_datasheet_flops": self.fp8_datasheet_flops,
+                "fp8_measured_flops": self.fp8_measured_flops,
                 "kernels": self.kernels, "executed_flops": self.executed_flops}  # fmt: skip
 
 
@@ -175,4 +178,7 @@ def format_cost(cost: StepCost, model_flops: float | None = None,
         lines.append(f"fp8 GEMMs ({cost.fp8_datasheet_flops:.3g} FLOPs) priced at the "
                      f"datasheet's fp8 peak, {FP8_GEMM_FACTOR:g}x the measured bf16 rates: the "
                      "tables have no fp8 rows")  # fmt: skip
+    if cost.fp8_measured_flops:
+        lines.append(f"fp8 GEMMs ({cost.fp8_measured_flops:.3g} FLOPs) priced by the tables' "
+                     "measured fp8 rows")  # fmt: skip
     return "\n".join([*lines, step])
