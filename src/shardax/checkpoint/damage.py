@@ -30,8 +30,10 @@ import numpy as np
 DAMAGED = ".damaged-"
 """Prefix of a damaged step moved aside by the directory's writer."""
 
-_STATUS = re.compile(r"\b(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|INVALID_ARGUMENT|FAILED_PRECONDITION"
-                     r"|UNKNOWN|INTERNAL|PERMISSION_DENIED|UNAVAILABLE):")  # fmt: skip
+_STATUS = re.compile(
+    r"\b(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|INVALID_ARGUMENT|FAILED_PRECONDITION"
+    r"|UNKNOWN|INTERNAL|PERMISSION_DENIED|UNAVAILABLE):"
+)
 
 
 _OS_ERROR = re.compile(r'"(?P<path>[^"]+)": [^"]*: (?P<why>[^:\[]+?) \[os_error_code')

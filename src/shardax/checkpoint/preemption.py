@@ -2,9 +2,8 @@
 
 Schedulers send SIGTERM before they kill a job (SLURM with ``--signal=TERM@60``,
 Kubernetes at pod deletion, ``terminationGracePeriodSeconds`` later). A loop that calls
-[`reached_preemption`][shardax.checkpoint.reached_preemption] after every step learns at a step
-boundary that it should save
-and stop:
+[`reached_preemption`][shardax.checkpoint.reached_preemption] after every step learns at a
+step boundary that it should save and stop:
 
 - in a multi-process run (``jax.distributed`` is initialized) JAX's preemption service
   catches the SIGTERM of any process, tells the others through the coordinator, and
@@ -140,9 +139,9 @@ def watch_preemption(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Preemption
 
 
 class PreemptionWatch:
-    """What [`watch_preemption`][shardax.watch_preemption] returns: ``close()`` (or leaving a
-    ``with`` block)
-    puts back the handlers it replaced and forgets a notice that was not acted on."""
+    """What [`watch_preemption`][shardax.watch_preemption] returns: ``close()`` (or
+    leaving a ``with`` block) puts back the handlers it replaced and forgets a notice that
+    was not acted on."""
 
     def __init__(self, previous: dict[int, Any]) -> None:
         self._previous = previous
@@ -190,7 +189,7 @@ def reached_preemption(step: int) -> bool:
 
 def preemption_requested() -> bool:
     """True once a preemption notice was seen (a single process's SIGTERM, or a
-    [`reached_preemption`][shardax.checkpoint.reached_preemption] that said True): an asynchronous
-    save then waits for its
-    commit before returning, so the process can exit right after it."""
+    [`reached_preemption`][shardax.checkpoint.reached_preemption] that said True): an
+    asynchronous save then waits for its commit before returning, so the process can exit
+    right after it."""
     return _Notice.event.is_set() or _Notice.reached

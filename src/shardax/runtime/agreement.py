@@ -1,11 +1,11 @@
 """Checking that every process runs the same setup: fingerprints compared across processes.
 
-In a multi-process run each process builds its own mesh, plan and config. If one
-differs (another command-line flag, another environment), the processes compile
-different programs and usually hang in their first collective.
-[`check_agreement`][shardax.runtime.check_agreement]
-fingerprints each named part, all-gathers the fingerprints with an XLA collective and
-raises [`AgreementError`][shardax.runtime.AgreementError] on *every* process when they differ,
+In a multi-process run each process builds its own mesh, plan and config. If one differs
+(another command-line flag, another environment), the processes compile different programs
+and usually hang in their first collective.
+[`check_agreement`][shardax.runtime.check_agreement] fingerprints each named part,
+all-gathers the fingerprints with an XLA collective and raises
+[`AgreementError`][shardax.runtime.AgreementError] on *every* process when they differ,
 naming the parts.
 
 >>> import shardax as sx

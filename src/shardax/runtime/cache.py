@@ -1,20 +1,18 @@
 """JAX's persistent compilation cache in one call, and where compile time goes.
 
-[`compile_cache`][shardax.compile_cache] points JAX's persistent cache at a directory (default: a
-per-user
-one, ``default_dir``) so a second start of the same program loads its executables
-instead of compiling them. It is safe with many processes on a shared filesystem: JAX
-writes cache entries from process 0 only (``jax.distributed``'s process id; the others
-read), and each entry is written to a temporary file and renamed into place, so a
-reader never sees half an entry. A cache configured already (``JAX_COMPILATION_CACHE_DIR``
-or ``jax_compilation_cache_dir``, e.g. by a test suite) is kept when no directory is
-given.
+[`compile_cache`][shardax.compile_cache] points JAX's persistent cache at a directory
+(default: a per-user one, ``default_dir``) so a second start of the same program loads its
+executables instead of compiling them. It is safe with many processes on a shared
+filesystem: JAX writes cache entries from process 0 only (``jax.distributed``'s process
+id; the others read), and each entry is written to a temporary file and renamed into
+place, so a reader never sees half an entry. A cache configured already
+(``JAX_COMPILATION_CACHE_DIR`` or ``jax_compilation_cache_dir``, e.g. by a test suite) is
+kept when no directory is given.
 
-[`compile_stats`][shardax.runtime.compile_stats] counts, through ``jax.monitoring`` listeners, the
-seconds spent
-tracing, lowering and compiling (a cache hit's compile is the time to load it; nested
-spans counted once) and the
-persistent cache's requests, hits and misses, since the process started counting.
+[`compile_stats`][shardax.runtime.compile_stats] counts, through ``jax.monitoring``
+listeners, the seconds spent tracing, lowering and compiling (a cache hit's compile is the
+time to load it; nested spans counted once) and the persistent cache's requests, hits and
+misses, since the process started counting.
 
 >>> sx.runtime.compile_cache()  # ~/.cache/shardax/jax-compile, or $XDG_CACHE_HOME  # doctest: +SKIP
 >>> before = sx.runtime.compile_stats()
@@ -83,8 +81,9 @@ def compile_cache(
         raise ValueError(f"min_compile_seconds must be >= 0, got {min_compile_seconds}")
     if directory is not None:
         as_path("directory", directory)
-    path = os.path.abspath(os.fspath(directory) if directory is not None else
-                           configured_dir() or default_dir())  # fmt: skip
+    path = os.path.abspath(
+        os.fspath(directory) if directory is not None else configured_dir() or default_dir()
+    )
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(
             f"directory must be a directory for the compiled programs, got {path}, which is a file"

@@ -146,9 +146,14 @@ def cudnn_attention_fwd(q: Any, k: Any, v: Any, *, scale: float, causal: bool) -
     0..i), and the log-sum-exp of each row's scaled logits, ``(B, N, T)`` float32."""
     mask = private("cudnn_mask_type")
     out, lse = private("cudnn_attention")(
-        q, k, v, scale=scale, mask_type=mask.CAUSAL if causal else mask.NO_MASK,
-        qkv_layout="BTNH", return_residual=True,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        scale=scale,
+        mask_type=mask.CAUSAL if causal else mask.NO_MASK,
+        qkv_layout="BTNH",
+        return_residual=True,
+    )
     return out, lse
 
 
@@ -163,17 +168,20 @@ def cudnn_attention_bwd(
     mask, layout = private("cudnn_mask_type"), private("cudnn_layout")
     unused = jnp.zeros(0, q.dtype)  # bias, sequence lengths and offsets, page tables
     params = {
-        "scale": scale, "seed": 42, "dropout_rate": 0.0, "variadic_args": (False, False),
+        "scale": scale,
+        "seed": 42,
+        "dropout_rate": 0.0,
+        "variadic_args": (False, False),
         "mask_type": mask.CAUSAL if causal else mask.NO_MASK,
-        "layout": layout.BTNH.value, "sliding_window_length": None,
-    }  # fmt: skip
+        "layout": layout.BTNH.value,
+        "sliding_window_length": None,
+    }
     if "score_mod" in inspect.signature(private("cudnn_attention_bwd_impl")).parameters:
         params["score_mod"] = None  # JAX 0.12's flex attention
     try:
         grads = private("cudnn_attention_bwd_p").bind(
-            q, k, v, unused, unused, unused, unused, unused, unused, unused, lse, out, dout,
-            **params,
-        )  # fmt: skip
+            q, k, v, *[unused] * 7, lse, out, dout, **params
+        )
     except TypeError as e:
         raise ImportError(
             f"shardax binds jax._src.cudnn.fused_attention_stablehlo's backward primitive, "

@@ -1,13 +1,11 @@
 """Working across processes: who prints, and host values reduced over every process.
 
-In a multi-process run every process executes the same program. Printing and
-progress bars come from process 0 ([`is_main_process`][shardax.is_main_process],
-[`print0`][shardax.print0]); values
-computed on the host of each process are combined with [`host_reduce`][shardax.runtime.host_reduce],
-and global
-arrays are brought to every host with [`host_value`][shardax.runtime.host_value]. Both use XLA
-collectives
-(gloo on CPU, NCCL on GPU) through ``jax.experimental.multihost_utils``.
+In a multi-process run every process executes the same program. Printing and progress bars
+come from process 0 ([`is_main_process`][shardax.is_main_process],
+[`print0`][shardax.print0]); values computed on the host of each process are combined with
+[`host_reduce`][shardax.runtime.host_reduce], and global arrays are brought to every host
+with [`host_value`][shardax.runtime.host_value]. Both use XLA collectives (gloo on CPU,
+NCCL on GPU) through ``jax.experimental.multihost_utils``.
 
 >>> import shardax as sx
 >>> sx.print0("printed once, by process 0")

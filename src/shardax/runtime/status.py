@@ -110,8 +110,12 @@ class RankStatus:
         self._wake.set()
 
     def record(self) -> dict[str, Any]:
-        return {"step": self.step, "completed": self._completed(), "phase": self.phase,
-                "since": self.since}  # fmt: skip
+        return {
+            "step": self.step,
+            "completed": self._completed(),
+            "phase": self.phase,
+            "since": self.since,
+        }
 
     def _completed(self) -> int | None:
         """The last completed step: ``last_completed``, or the ``probe``'s."""

@@ -3,16 +3,15 @@
 A process that stays alive but stops entering collectives (a deadlock, a stuck data
 reader, a peer stuck in I/O) leaves the others waiting inside their next collective
 forever: the coordinator's heartbeat only notices processes that died. A
-[`StepWatchdog`][shardax.StepWatchdog] runs a thread that waits for each armed step to complete.
-When
-``timeout`` seconds pass first, it dumps every thread's Python stack (``faulthandler``)
-to stderr, prints one line naming the step and the timeout, and ends the process with
-[`WATCHDOG_EXIT_CODE`][shardax.runtime.WATCHDOG_EXIT_CODE]. In a multi-process run it first prints
-one line naming the
-processes that are behind, with their step and phase (``shardax.runtime.status``:
-every process publishes its last completed step and its phase, which the loop sets
-with [`StepWatchdog.phase`][shardax.StepWatchdog.phase]). No process exits before every process has
-written its
+[`StepWatchdog`][shardax.StepWatchdog] runs a thread that waits for each armed step to
+complete. When ``timeout`` seconds pass first, it dumps every thread's Python stack
+(``faulthandler``) to stderr, prints one line naming the step and the timeout, and ends
+the process with [`WATCHDOG_EXIT_CODE`][shardax.runtime.WATCHDOG_EXIT_CODE]. In a
+multi-process run it first prints one line naming the processes that are behind, with
+their step and phase (``shardax.runtime.status``: every process publishes its last
+completed step and its phase, which the loop sets with
+[`StepWatchdog.phase`][shardax.StepWatchdog.phase]). No process exits before every process
+has written its
 report (or ``LEAVE_GRACE`` has passed): one that ends breaks the collective the
 others wait in, which then fail with a runtime error instead of their own report; and
 process 0 exits last. Under ``shardax launch`` (or a scheduler
@@ -86,9 +85,9 @@ class StepWatchdog:
             must not call this watchdog's methods (their lock is held meanwhile).
 
     Use [`step`][shardax.StepWatchdog.step] as a context manager around each step, or
-    [`arm`][shardax.StepWatchdog.arm] and
-    [`disarm`][shardax.StepWatchdog.disarm]; [`close`][shardax.StepWatchdog.close] (or leaving the
-    ``with`` block) stops the thread.
+    [`arm`][shardax.StepWatchdog.arm] and [`disarm`][shardax.StepWatchdog.disarm];
+    [`close`][shardax.StepWatchdog.close] (or leaving the ``with`` block) stops the
+    thread.
     """
 
     def __init__(
@@ -112,10 +111,10 @@ class StepWatchdog:
         self._thread: threading.Thread | None = None
 
     def arm(self, step: int, earlier: Callable[[], int | None] | None = None) -> None:
-        """Starts the clock: ``step`` must complete ([`disarm`][shardax.StepWatchdog.disarm]) within
-        ``timeout``.
-        ``earlier``: ``() -> step | None``, an earlier step still running on the device
-        (a loop that waits one step behind), named instead of ``step`` at a hang."""
+        """Starts the clock: ``step`` must complete
+        ([`disarm`][shardax.StepWatchdog.disarm]) within ``timeout``. ``earlier``: ``() ->
+        step | None``, an earlier step still running on the device (a loop that waits one
+        step behind), named instead of ``step`` at a hang."""
         if self._thread is None:
             self._where = _process_label()
             self._thread = threading.Thread(
