@@ -1,12 +1,11 @@
 """Collectives over named mesh axes that work under jit, shard_map and pmap.
 
-Inside ``jax.shard_map`` or ``jax.pmap`` a named axis is bound and values are
-per-device: the reductions are ``psum``/``pmean``/``pmax``/``pmin``. Under plain
-``jax.jit`` (or eagerly) no axis is bound and values are already global, so the
-reductions of [`reduce`][shardax.parallel.reduce] return them unchanged; naming an axis that is not
-bound
-while *other* axes are is an error: under shard_map a
-name that is not bound would otherwise be taken as a global value.
+Inside ``jax.shard_map`` or ``jax.pmap`` a named axis is bound and values are per-device:
+the reductions are ``psum``/``pmean``/``pmax``/``pmin``. Under plain ``jax.jit`` (or
+eagerly) no axis is bound and values are already global, so the reductions of
+[`reduce`][shardax.parallel.reduce] return them unchanged; naming an axis that is not
+bound while *other* axes are is an error: under shard_map a name that is not bound would
+otherwise be taken as a global value.
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": -1})

@@ -296,10 +296,10 @@ def choose_dispatch(
     ``"auto"`` picks ``"dense"`` when running every expert on every token costs at most
     twice the FLOPs of the capacity buffers (``E ≤ 2 · top_k · capacity_factor``), else
     ``"all_to_all"``. It never picks ``"ragged"``: it sends fewer bytes, but is not
-    measured faster (ragged all-to-all has been reported at a small fraction of the
-    ring's MFU on the same GPUs). An
-    explicit ``"ragged"`` on a backend that cannot compile it over an axis of size > 1
-    raises ``ValueError`` with XLA's reason, rather than running something else.
+    measured faster (ragged all-to-all has been reported at a small fraction of the ring's
+    MFU on the same GPUs). An explicit ``"ragged"`` on a backend that cannot compile it
+    over an axis of size > 1 raises ``ValueError`` with XLA's reason, rather than running
+    something else.
 
     >>> choose_dispatch(8, 2, 1.25, 4)[0], choose_dispatch(4, 2, 1.25, 4)[0]
     ('all_to_all', 'dense')

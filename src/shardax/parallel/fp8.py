@@ -154,13 +154,13 @@ def fp8_dot_general(
     **kwargs: Any,
 ) -> jax.Array:
     """``jax.lax.dot_general`` of a dense contraction as fp8 GEMMs (module docstring): a
-    ``dot_general`` hook for ``nnx.Linear(dot_general=...)`` and ``nn.Dense(dot_general=...)``
-    (``precision="fp8"`` sets it on the layers it covers; set it yourself on a layer of
-    your own, e.g. under ``precision="bf16"``).
-    ``lhs`` contracts its trailing dims with ``rhs``'s leading ones, no batch dims (a
-    dense layer's ``x @ w``); other contractions are refused, naming the dims.
-    ``precision`` is ignored (fp8 has one); the result is in ``preferred_element_type``,
-    else in the operands' result type.
+    ``dot_general`` hook for ``nnx.Linear(dot_general=...)`` and
+    ``nn.Dense(dot_general=...)`` (``precision="fp8"`` sets it on the layers it covers;
+    set it yourself on a layer of your own, e.g. under ``precision="bf16"``). ``lhs``
+    contracts its trailing dims with ``rhs``'s leading ones, no batch dims (a dense
+    layer's ``x @ w``); other contractions are refused, naming the dims. ``precision`` is
+    ignored (fp8 has one); the result is in ``preferred_element_type``, else in the
+    operands' result type.
 
     >>> y = fp8_dot_general(jnp.ones((2, 5, 4)), jnp.ones((4, 3)), (((2,), (0,)), ((), ())))
     >>> y.shape, y.dtype

@@ -4,9 +4,9 @@ JAX's Pallas splash attention on a TPU, the dense ``jax.nn.dot_product_attention
 
 The choice is made while tracing, from the platform of the mesh the arrays are on
 (``jax.set_mesh``; without one, the default backend), the dtype, the head dimension and
-the masks: [`choose_kernel`][shardax.parallel.choose_kernel]. A fallback to the dense path on a GPU
-or TPU is logged
-once per distinct reason (logger ``"shardax"``, level WARNING), naming it.
+the masks: [`choose_kernel`][shardax.parallel.choose_kernel]. A fallback to the dense path
+on a GPU or TPU is logged once per distinct reason (logger ``"shardax"``, level WARNING),
+naming it.
 
 >>> choose_kernel("gpu", "bfloat16", 128, ("causal",))
 ('cudnn', 'cuDNN fused attention (causal)')
@@ -35,11 +35,11 @@ KERNELS: tuple[str, ...] = ("dense", "cudnn", "splash")
 (GPU), JAX's Pallas splash attention (TPU)."""
 
 MASKS: tuple[str, ...] = ("causal", "window", "window_right", "segment_ids", "bias", "positions")
-"""The mask kinds [`choose_kernel`][shardax.parallel.choose_kernel] weighs: ``causal``; ``window``
-(a left window,
-``(left, 0)``, or any window with ``causal``); ``window_right`` (a window that looks ahead,
-without ``causal``); ``segment_ids``; an additive ``bias``; ``positions`` (the queries'
-positions are not ``0..T-1``: a context-parallel device's block or a zig-zag layout)."""
+"""The mask kinds [`choose_kernel`][shardax.parallel.choose_kernel] weighs: ``causal``;
+``window`` (a left window, ``(left, 0)``, or any window with ``causal``); ``window_right``
+(a window that looks ahead, without ``causal``); ``segment_ids``; an additive ``bias``;
+``positions`` (the queries' positions are not ``0..T-1``: a context-parallel device's
+block or a zig-zag layout)."""
 
 SPLASH_BLOCK = 128
 """Splash attention's block along the sequence: q_len and kv_len must be multiples."""
@@ -176,10 +176,10 @@ def pick(
     q_len: int,
     kv_len: int,
 ) -> str:
-    """The kernel to run: ``kernel="auto"`` is [`choose_kernel`][shardax.parallel.choose_kernel]'s
-    on the current
-    platform (a fallback on a GPU or TPU said once); a named kernel is refused, naming
-    why, where it cannot do this attention."""
+    """The kernel to run: ``kernel="auto"`` is
+    [`choose_kernel`][shardax.parallel.choose_kernel]'s on the current platform (a
+    fallback on a GPU or TPU said once); a named kernel is refused, naming why, where it
+    cannot do this attention."""
     masks = tuple(masks)
     if kernel == "auto":
         where = platform()
@@ -198,8 +198,9 @@ def pick(
 # --------------------------------------------------------------------------- cudnn blocks
 
 
-def cudnn_block(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
-                causal: bool) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def cudnn_block(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: bool
+) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)``: cuDNN's fused attention of a query block ``(B, T, N, D)`` against a
     K/V block ``(B, S, K, D)`` (no mask, or causal: query i sees keys 0..i) and each
     row's log-sum-exp ``(B, T, N)`` float32, in a ``shard_map`` manual over the axes not
@@ -214,9 +215,17 @@ def cudnn_block(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     return out, lse[..., 0]
 
 
-def cudnn_block_grads(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array,
-                      lse: jax.Array, dout: jax.Array, *, scale: float,
-                      causal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+def cudnn_block_grads(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    scale: float,
+    causal: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of one ``cudnn_block`` given the output ``out`` ``(B, T, N, D)``
     and log-sum-exp ``lse`` ``(B, T, N)`` to differentiate at (the ring gives the global
     ones: the block's exact share of the gradients) and the output's cotangent ``dout``."""
@@ -293,23 +302,29 @@ def splash(
     return all_manual(local, (q, k, v), (segment_ids,))
 
 
-def all_manual(fn: Any, heads: tuple[Any, ...], rows: tuple[Any, ...] = (),
-               whole: tuple[Any, ...] = ()) -> jax.Array:  # fmt: skip
+def all_manual(
+    fn: Any, heads: tuple[Any, ...], rows: tuple[Any, ...] = (), whole: tuple[Any, ...] = ()
+) -> jax.Array:
     """``fn(*heads, *rows, *whole)`` in a ``shard_map`` manual over every mesh axis not
     manual yet (of size > 1, or any size inside a shard_map), so that a kernel the
     compiler cannot partition sees whole per-device arrays: ``heads`` ``(B, T, H, D)``
     split on the batch over the axes that divide it and on the heads over the others that
-    divide the kv heads (``heads[1]``'s),
-    ``rows`` ``(B, ...)`` on the batch, ``whole`` replicated; None passes through. Its
-    result is split like ``heads[0]``. Without such axes, ``fn`` is called as is."""
+    divide the kv heads (``heads[1]``'s), ``rows`` ``(B, ...)`` on the batch, ``whole``
+    replicated; None passes through. Its result is split like ``heads[0]``. Without such
+    axes, ``fn`` is called as is."""
     args = (*heads, *rows, *whole)
     mesh = jax.sharding.get_abstract_mesh()
     # Inside a shard_map, axes of size 1 too: a partly manual array is what a kernel's
     # partitioner (cuDNN's) refuses.
-    free = [] if mesh.empty else [
-        a for a in mesh.axis_names
-        if a not in mesh.manual_axes and (mesh.shape[a] > 1 or mesh.manual_axes)
-    ]  # fmt: skip
+    free = (
+        []
+        if mesh.empty
+        else [
+            a
+            for a in mesh.axis_names
+            if a not in mesh.manual_axes and (mesh.shape[a] > 1 or mesh.manual_axes)
+        ]
+    )
     if not free:
         return fn(*args)
     b, kh = heads[0].shape[0], heads[1].shape[2]
@@ -324,19 +339,20 @@ def all_manual(fn: Any, heads: tuple[Any, ...], rows: tuple[Any, ...] = (),
             nh *= n
     bspec = tuple(batch_axes) or None
     spec = PartitionSpec(bspec, None, tuple(head_axes) or None)
-    specs = [spec] * len(heads) + [
-        None if x is None else PartitionSpec(bspec) for x in rows
-    ] + [None if x is None else PartitionSpec() for x in whole]  # fmt: skip
+    specs = (
+        [spec] * len(heads)
+        + [None if x is None else PartitionSpec(bspec) for x in rows]
+        + [None if x is None else PartitionSpec() for x in whole]
+    )
     if any(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit for a in free):
         # typed inputs: shard_map takes them as its specs say
         args = tuple(
             x if x is None else jax.sharding.reshard(x, sp)
             for x, sp in zip(args, specs, strict=True)
-        )  # fmt: skip
+        )
     return jax.shard_map(
-        fn, mesh=mesh, in_specs=tuple(specs), out_specs=spec, axis_names=set(free),
-        check_vma=False,
-    )(*args)  # fmt: skip
+        fn, mesh=mesh, in_specs=tuple(specs), out_specs=spec, axis_names=set(free), check_vma=False
+    )(*args)
 
 
 def masks_of(

@@ -1,11 +1,10 @@
 """The 1F1B pipeline schedule: forwards and backwards of different microbatches interleaved.
 
-GPipe ([`shardax.pipeline`][shardax.pipeline]) runs every microbatch forward, then autodiff runs
-them
-all backward, so each stage keeps the activations of all M microbatches. In 1F1B each
-stage runs, on every tick, the forward of one microbatch and the backward of an earlier
-one, so a microbatch's activations die as soon as its backward is done: a stage holds
-the inputs of at most ``2S - 1`` microbatches, whatever M.
+GPipe ([`shardax.pipeline`][shardax.pipeline]) runs every microbatch forward, then
+autodiff runs them all backward, so each stage keeps the activations of all M
+microbatches. In 1F1B each stage runs, on every tick, the forward of one microbatch and
+the backward of an earlier one, so a microbatch's activations die as soon as its backward
+is done: a stage holds the inputs of at most ``2S - 1`` microbatches, whatever M.
 
 Backward needs the loss's cotangent for each microbatch while later ones are still going
 forward, so 1F1B takes the loss too: ``pipeline_1f1b(layer_fn, stacked, x, loss_fn,

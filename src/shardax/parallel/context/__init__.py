@@ -181,13 +181,26 @@ def attention(
         _check_zigzag(layout, carried, c, axis)
     if c == 1:
         laid = 1 if kind == "contiguous" else _zigzag_context(axis, q.shape[1], k.shape[1], layout)
-        pos = None if q.shape[1] != k.shape[1] else jnp.asarray(
-            layout_positions(q.shape[1], laid, kind)
-        )  # fmt: skip
+        pos = (
+            None
+            if q.shape[1] != k.shape[1]
+            else jnp.asarray(layout_positions(q.shape[1], laid, kind))
+        )
         return _dense(
-            q, k, v, qpos=pos, kpos=pos, qseg=segment_ids, kseg=segment_ids, bias=bias,
-            causal=causal, window=window, scale=scale, natural=laid == 1, kernel=kernel,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            qpos=pos,
+            kpos=pos,
+            qseg=segment_ids,
+            kseg=segment_ids,
+            bias=bias,
+            causal=causal,
+            window=window,
+            scale=scale,
+            natural=laid == 1,
+            kernel=kernel,
+        )
     gshape = tuple(q.shape), tuple(k.shape)
     if manual:  # inside shard_map over axis: these are this device's blocks
         gshape = tuple((s[0], s[1] * c, *s[2:]) for s in gshape)

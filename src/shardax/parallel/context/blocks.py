@@ -52,13 +52,13 @@ def _dense_fwd(cfg: _Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
     m = s.max(-1)
     p = jnp.exp(s - m[..., None])
     l = p.sum(-1)  # noqa: E741
-    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb,
-                    preferred_element_type=jnp.float32)  # fmt: skip
+    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
     return pv / l[..., None], m + jnp.log(l)
 
 
-def _dense_bwd(cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse,
-               delta, diag, where):  # fmt: skip
+def _dense_bwd(
+    cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse, delta, diag, where
+):
     """Dense block backward, added to ``carry = (dq, (dk, dv), dbias)`` (``where``: the
     pair's first row and column in the bias)."""
     del o, diag
@@ -68,10 +68,12 @@ def _dense_bwd(cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o,
     dv = dv + jnp.einsum("bkgts,bkgtd->bskd", p, do)
     dp = jnp.einsum("bkgtd,bskd->bkgts", do, vb, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[..., None])
-    dq = dq + cfg.scale * jnp.einsum("bkgts,bskd->btkgd", ds, kb,
-                                     preferred_element_type=jnp.float32)  # fmt: skip
-    dk = dk + cfg.scale * jnp.einsum("bkgts,btkgd->bskd", ds, qg,
-                                     preferred_element_type=jnp.float32)  # fmt: skip
+    dq = dq + cfg.scale * jnp.einsum(
+        "bkgts,bskd->btkgd", ds, kb, preferred_element_type=jnp.float32
+    )
+    dk = dk + cfg.scale * jnp.einsum(
+        "bkgts,btkgd->bskd", ds, qg, preferred_element_type=jnp.float32
+    )
     if dbias is not None:
         dbias = _add_bias_grad(dbias, ds, *where)
     return dq, (dk, dv), dbias
@@ -88,23 +90,31 @@ def _flash_fwd(cfg: _Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
     the diagonal."""
     del qseg, kseg, bias, qpos, kpos  # none (the ring's kernel choice), or the diagonal
     b, t, kh, g, d = qg.shape
-    out, lse = _FLASH[cfg.kernel][0](qg.reshape(b, t, kh * g, d), kb, vb, scale=cfg.scale,
-                                     causal=diag)  # fmt: skip
+    out, lse = _FLASH[cfg.kernel][0](
+        qg.reshape(b, t, kh * g, d), kb, vb, scale=cfg.scale, causal=diag
+    )
     out = out.reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
     return out, lse.reshape(b, t, kh, g).transpose(0, 2, 3, 1)
 
 
-def _flash_bwd(cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse,
-               delta, diag, where):  # fmt: skip
+def _flash_bwd(
+    cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse, delta, diag, where
+):
     """A fused kernel's block backward given the global output and log-sum-exp."""
     del qseg, kseg, bias, qpos, kpos, delta, where  # the kernel forms delta from o, do
     dq, (dk, dv), dbias = carry
     b, t, kh, g, d = qg.shape
     lse = lse.transpose(0, 3, 1, 2).reshape(b, t, kh * g)
     gq, gk, gv = _FLASH[cfg.kernel][1](
-        qg.reshape(b, t, kh * g, d), kb, vb, _heads(o, qg.dtype), lse, _heads(do, qg.dtype),
-        scale=cfg.scale, causal=diag,
-    )  # fmt: skip
+        qg.reshape(b, t, kh * g, d),
+        kb,
+        vb,
+        _heads(o, qg.dtype),
+        lse,
+        _heads(do, qg.dtype),
+        scale=cfg.scale,
+        causal=diag,
+    )
     dq = dq + gq.reshape(dq.shape).astype(jnp.float32)
     return dq, (dk + gk.astype(jnp.float32), dv + gv.astype(jnp.float32)), dbias
 
@@ -134,8 +144,15 @@ def _add_bias_grad(dbias: jax.Array, ds: jax.Array, row: int, col: Any) -> jax.A
     return lax.dynamic_update_slice(dbias, cur + blk, start)
 
 
-def _ring_kernel(kernel: str, dtype: Any, head_dim: int, causal: bool,
-                 window: tuple[int, int] | None, segment_ids: Any, bias: Any) -> str:  # fmt: skip
+def _ring_kernel(
+    kernel: str,
+    dtype: Any,
+    head_dim: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    segment_ids: Any,
+    bias: Any,
+) -> str:
     """The kernel the ring runs its blocks with: ``"cudnn"`` (each K/V block through
     cuDNN's fused attention, ``_FLASH``) where it can compute them, else ``"dense"``
     (einsums). ``kernel="auto"`` takes cuDNN on a GPU and says once why not where it
@@ -169,8 +186,9 @@ def _ring_unsupported(kernel, dtype, head_dim, causal, window, segment_ids, bias
     masks = fused.masks_of(causal, window, segment_ids, bias, True)
     why = fused.unsupported("cudnn", dtype, head_dim, masks)
     if why is None and (window is not None or segment_ids is not None):
-        named = " and ".join(n for n, x in (("a window", window), ("segment ids", segment_ids))
-                             if x is not None)  # fmt: skip
+        named = " and ".join(
+            n for n, x in (("a window", window), ("segment ids", segment_ids)) if x is not None
+        )
         why = (
             f"{named} (the ring's cuDNN blocks take causal or no mask; impl='all_gather' "
             "or 'ulysses' take cuDNN with it)"

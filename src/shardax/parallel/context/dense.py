@@ -41,23 +41,43 @@ def _dense(
         # Inside a context scheme's shard_map: cuDNN's partitioner takes no partly
         # manual arrays, so its call is made manual over the other axes too.
         def local(q, k, v, qseg, kseg, qpos, kpos):
-            return _xla_or_cudnn(q, k, v, qpos, kpos, qseg, kseg, None, causal, window,
-                                 scale, natural, "cudnn")  # fmt: skip
+            return _xla_or_cudnn(
+                q, k, v, qpos, kpos, qseg, kseg, None, causal, window, scale, natural, "cudnn"
+            )
 
         return fused.all_manual(local, (q, k, v), (qseg, kseg), (qpos, kpos))
-    return _xla_or_cudnn(q, k, v, qpos, kpos, qseg, kseg, bias, causal, window, scale,
-                         natural, "cudnn" if chosen == "cudnn" else None)  # fmt: skip
+    return _xla_or_cudnn(
+        q,
+        k,
+        v,
+        qpos,
+        kpos,
+        qseg,
+        kseg,
+        bias,
+        causal,
+        window,
+        scale,
+        natural,
+        "cudnn" if chosen == "cudnn" else None,
+    )
 
 
-def _xla_or_cudnn(q, k, v, qpos, kpos, qseg, kseg, bias, causal, window, scale, natural,
-                  impl):  # fmt: skip
+def _xla_or_cudnn(q, k, v, qpos, kpos, qseg, kseg, bias, causal, window, scale, natural, impl):
     """``jax.nn.dot_product_attention`` with ``implementation=impl`` and the masks."""
     if natural:
         mask = None if qseg is None else (qseg[:, :, None] == kseg[:, None, :])[:, None]
         return jax.nn.dot_product_attention(
-            q, k, v, bias, mask, scale=scale, is_causal=causal,
-            local_window_size=window, implementation=impl,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            bias,
+            mask,
+            scale=scale,
+            is_causal=causal,
+            local_window_size=window,
+            implementation=impl,
+        )
     mask = _mask(qpos, kpos, qseg, kseg, causal, window)
     mask = None if mask is None else mask[:, None]
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation=impl)

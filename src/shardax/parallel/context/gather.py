@@ -22,10 +22,20 @@ def _all_gather(cfg: _Config, q, k, v, seg, bias):
     k, v = _gather_seq(k, axis), _gather_seq(v, axis)
     kseg = None if seg is None else lax.all_gather(seg, axis, axis=1, tiled=True)
     return _dense(
-        q, k, v, qpos=qpos, kpos=kpos, qseg=seg, kseg=kseg, bias=bias,
-        causal=cfg.causal, window=cfg.window, scale=cfg.scale, natural=False,
+        q,
+        k,
+        v,
+        qpos=qpos,
+        kpos=kpos,
+        qseg=seg,
+        kseg=kseg,
+        bias=bias,
+        causal=cfg.causal,
+        window=cfg.window,
+        scale=cfg.scale,
+        natural=False,
         kernel=cfg.kernel,
-    )  # fmt: skip
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -68,8 +78,18 @@ def _ulysses(cfg: _Config, q, k, v, seg, bias):
     pos = jnp.asarray(layout_positions(length, c, cfg.layout))
     seg = None if seg is None else lax.all_gather(seg, axis, axis=1, tiled=True)
     out = _dense(
-        q, k, v, qpos=pos, kpos=pos, qseg=seg, kseg=seg, bias=bias, causal=cfg.causal,
-        window=cfg.window, scale=cfg.scale, natural=cfg.layout == "contiguous",
+        q,
+        k,
+        v,
+        qpos=pos,
+        kpos=pos,
+        qseg=seg,
+        kseg=seg,
+        bias=bias,
+        causal=cfg.causal,
+        window=cfg.window,
+        scale=cfg.scale,
+        natural=cfg.layout == "contiguous",
         kernel=cfg.kernel,
-    )  # fmt: skip
+    )
     return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)

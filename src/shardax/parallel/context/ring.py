@@ -133,10 +133,17 @@ def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
                 bias_ij = _grouped_bias(bias, kh, qi, src * t + kj.start, kj.stop - kj.start)
                 acc = _unless_hidden(
                     _visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
-                    functools.partial(update, diag=diag), acc,
-                    qg[:, qi], kb[:, kj], vb[:, kj], _part(seg, qi), _part(kseg, kj), bias_ij,
-                    qpos[qi], kpos[kj],
-                )  # fmt: skip
+                    functools.partial(update, diag=diag),
+                    acc,
+                    qg[:, qi],
+                    kb[:, kj],
+                    vb[:, kj],
+                    _part(seg, qi),
+                    _part(kseg, kj),
+                    bias_ij,
+                    qpos[qi],
+                    kpos[kj],
+                )
             out.append(acc)
         return out
 
@@ -180,11 +187,20 @@ def _ring_bwd(cfg: _Config, res, g):
                 dqs[i], dkvs[j], dbias = _unless_hidden(
                     _visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
                     functools.partial(update, diag=diag, where=(qi.start, col)),
-                    (dqs[i], dkvs[j], dbias), qg[:, qi], kb[:, kj], vb[:, kj],
-                    _part(seg, qi), _part(kseg, kj),
-                    _grouped_bias(bias, kh, qi, col, kj.stop - kj.start), qpos[qi], kpos[kj],
-                    o[..., qi, :], do[..., qi, :], lse[..., qi], delta[..., qi],
-                )  # fmt: skip
+                    (dqs[i], dkvs[j], dbias),
+                    qg[:, qi],
+                    kb[:, kj],
+                    vb[:, kj],
+                    _part(seg, qi),
+                    _part(kseg, kj),
+                    _grouped_bias(bias, kh, qi, col, kj.stop - kj.start),
+                    qpos[qi],
+                    kpos[kj],
+                    o[..., qi, :],
+                    do[..., qi, :],
+                    lse[..., qi],
+                    delta[..., qi],
+                )
         # dK / dV travel with their block; after the last step one more hop takes them home.
         return (dqs, dbias), lax.ppermute(dkvs, cfg.axis, perm)
 
@@ -196,9 +212,12 @@ def _ring_bwd(cfg: _Config, res, g):
     dk, dv = (jnp.concatenate(x, axis=1) for x in zip(*dkvs, strict=True))
     dbias = None if bias is None else dbias.astype(bias.dtype)
     return (
-        dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-        None, dbias,
-    )  # fmt: skip
+        dq.reshape(q.shape).astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        None,
+        dbias,
+    )
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
