@@ -124,10 +124,9 @@ def _not_examples_kind(node: Any) -> str | None:
 
 
 def not_examples(flat: Leaves) -> list[tuple[str, str]]:
-    """``(path, what)`` of each subtree of the batch (walked to ``flat``) whose leaves
-    are clearly not examples
-    (``_not_examples_kind``): cutting their rows would not cut whole examples,
-    whatever their sizes.
+    """``(path, what)`` of each subtree of the batch (walked to ``flat``) whose leaves are
+    clearly not examples (``_not_examples_kind``): cutting their rows would not cut whole
+    examples, whatever their sizes.
 
     >>> import collections
     >>> fields = "nodes edges receivers senders globals n_node n_edge"

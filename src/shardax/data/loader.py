@@ -3,10 +3,10 @@
 The order of an epoch depends only on ``seed`` and the epoch number, never on the number of
 processes: global batch ``i`` is rows ``order[i*B:(i+1)*B]``, and process ``p`` of ``P``
 reads only the ``p``-th of its ``P`` equal slices. So the batches that
-[`shardax.global_batch`][shardax.global_batch] assembles are the same on 1, 2 or 64 hosts, and the
-position
-``(epoch, index)`` (see [`Batches.get_state`][shardax.data.Batches.get_state]) resumes exactly on
-any number of them.
+[`shardax.global_batch`][shardax.global_batch] assembles are the same on 1, 2 or 64 hosts,
+and the position ``(epoch, index)`` (see
+[`Batches.get_state`][shardax.data.Batches.get_state]) resumes exactly on any number of
+them.
 
 >>> data = {"x": np.arange(10.0)[:, None], "y": np.arange(10)}
 >>> it = batches(data, 4, shuffle=True, seed=0, policy="pad")

@@ -1,9 +1,9 @@
 """Asynchronous prefetch: a background thread places batches on devices ahead of the consumer.
 
-One worker thread reads the source, places each batch with [`global_batch`][shardax.global_batch]
-(so it works
-on many hosts) and waits for the transfer, and puts it in a bounded queue of ``buffer_size``
-batches. The consumer gets them in order. Nothing hangs and nothing is swallowed:
+One worker thread reads the source, places each batch with
+[`global_batch`][shardax.global_batch] (so it works on many hosts) and waits for the
+transfer, and puts it in a bounded queue of ``buffer_size`` batches. The consumer gets
+them in order. Nothing hangs and nothing is swallowed:
 
 - an exception the source (or the placement) raises at item ``k`` is raised in the consumer
   at item ``k``, with its original type; the iterator is finished after it;
@@ -19,17 +19,17 @@ batches. The consumer gets them in order. Nothing hangs and nothing is swallowed
 time prefetching did not hide (see [`shardax.track.StepClock`][shardax.track.StepClock]).
 
 If the source iterator has ``get_state()`` (``sx.batches``, grain's ``DatasetIterator``),
-[`Prefetcher.get_state`][shardax.data.Prefetcher.get_state] is the source's state after the last
-batch *consumed*, not
-after the last one read ahead, so a checkpoint resumes exactly where the consumer was. If it
-has ``set_state()`` too, ``close()``, leaving a ``with`` block (by its end, a ``break`` or
-any exception) or a ``KeyboardInterrupt`` while waiting put the caller's iterator back
-there, so the batches read ahead and dropped are the next ones it yields. It does not where
-that would not be safe, and warns, naming the batches lost: a worker still busy after
-0.25 s, an iterator something else has moved meanwhile (another prefetcher of it), or a
-prefetcher dropped unclosed (a ``break`` out of ``for b in prefetch_to_device(loader)``:
-the collector does not rewind, as a new prefetcher may be reading the iterator already).
-A prefetcher ended by an error of its source, or read to its end, moves nothing.
+[`Prefetcher.get_state`][shardax.data.Prefetcher.get_state] is the source's state after
+the last batch *consumed*, not after the last one read ahead, so a checkpoint resumes
+exactly where the consumer was. If it has ``set_state()`` too, ``close()``, leaving a
+``with`` block (by its end, a ``break`` or any exception) or a ``KeyboardInterrupt`` while
+waiting put the caller's iterator back there, so the batches read ahead and dropped are
+the next ones it yields. It does not where that would not be safe, and warns, naming the
+batches lost: a worker still busy after 0.25 s, an iterator something else has moved
+meanwhile (another prefetcher of it), or a prefetcher dropped unclosed (a ``break`` out of
+``for b in prefetch_to_device(loader)``: the collector does not rewind, as a new
+prefetcher may be reading the iterator already). A prefetcher ended by an error of its
+source, or read to its end, moves nothing.
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> with prefetch_to_device(({"x": np.full((8, 2), i)} for i in range(3)), mesh) as it:
@@ -145,9 +145,9 @@ def _placer(sharding: Any, policy: str | None, batch_size: int | None) -> Callab
 
 @public("sx.data.Prefetcher")
 class Prefetcher(Iterator[Any]):
-    """The iterator [`prefetch_to_device`][shardax.prefetch_to_device] returns: ``close()``, context
-    manager,
-    ``get_state()``, ``wait_seconds``. See the module docstring for the guarantees."""
+    """The iterator [`prefetch_to_device`][shardax.prefetch_to_device] returns:
+    ``close()``, context manager, ``get_state()``, ``wait_seconds``. See the module
+    docstring for the guarantees."""
 
     wait_seconds: float
     """Seconds ``next()`` has spent blocked on the queue, waiting for the worker."""
@@ -332,10 +332,9 @@ def prefetch_to_device(
         leaf is split over the ``target`` mesh: a ``PartitionSpec`` (``P()``: not
         split) or a pytree of them (``shardax.data.spec``); not with ``policy``.
 
-    Returns a [`Prefetcher`][shardax.data.Prefetcher]: an iterator with ``close()``, usable as a
-    context
-    manager. Every ``break`` out of a named iterator should be followed by ``close()``, or
-    use ``with``.
+    Returns a [`Prefetcher`][shardax.data.Prefetcher]: an iterator with ``close()``,
+    usable as a context manager. Every ``break`` out of a named iterator should be
+    followed by ``close()``, or use ``with``.
     """
     if isinstance(iterable, Mapping):
         raise TypeError(

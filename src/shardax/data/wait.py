@@ -1,11 +1,9 @@
 """``timed(iterable)``: an iterator that counts the seconds its consumer waits in ``next()``.
 
-For loops without [`shardax.prefetch_to_device`][shardax.prefetch_to_device] (whose iterator counts
-its own
-``wait_seconds``): wrapped in ``timed``, a synchronous loader reports how long the loop
-stood still reading input, the same figure [`shardax.track.StepClock`][shardax.track.StepClock]
-turns into a
-data-wait fraction.
+For loops without [`shardax.prefetch_to_device`][shardax.prefetch_to_device] (whose
+iterator counts its own ``wait_seconds``): wrapped in ``timed``, a synchronous loader
+reports how long the loop stood still reading input, the same figure
+[`shardax.track.StepClock`][shardax.track.StepClock] turns into a data-wait fraction.
 
 >>> it = timed(iter([1, 2, 3]))
 >>> list(it), it.wait_seconds >= 0

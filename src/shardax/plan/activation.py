@@ -34,10 +34,10 @@ def constrain(x: Any, spec: PartitionSpec | NamedSharding, mesh: Mesh | None = N
       and cannot be constrained, so ``x`` is returned unchanged; so it is with no mesh at
       all (single-device mode).
 
-    Logical names in ``spec`` are mapped by the current [`axis_rules`][shardax.plan.axis_rules], so
-    a model
-    annotated once runs on any mesh. A name neither mapped nor in the mesh, or a spec
-    that does not divide the shape, raises ``ValueError`` naming it and the axis size.
+    Logical names in ``spec`` are mapped by the current
+    [`axis_rules`][shardax.plan.axis_rules], so a model annotated once runs on any mesh. A
+    name neither mapped nor in the mesh, or a spec that does not divide the shape, raises
+    ``ValueError`` naming it and the axis size.
     """
     if isinstance(spec, NamedSharding):
         mesh, spec = spec.mesh, spec.spec

@@ -176,12 +176,11 @@ def follow_params(plan: Plan, params: ParamsSelector | None = None) -> Plan:
 
     ``params`` locates the params in the state (a "/"-joined path of keys or attributes,
     or a function of the state; default ``"params"``, or the following plan's own). The
-    params get ``plan``'s specs for their paths in the
-    state (``params/layers/0/kernel``; relative to the params with a function); every
-    other subtree with the params'
+    params get ``plan``'s specs for their paths in the state (``params/layers/0/kernel``;
+    relative to the params with a function); every other subtree with the params'
     structure and shapes (optax's ``mu``, ``nu``, ``trace``...) gets the same specs;
-    rank-0 leaves (``count``) are replicated; any other leaf gets ``plan``'s spec for
-    its own path.
+    rank-0 leaves (``count``) are replicated; any other leaf gets ``plan``'s spec for its
+    own path.
     """
     expect_type("plan", plan, Plan, "a shardax Plan such as sx.fsdp(mesh)")
     if isinstance(plan, FollowParams):

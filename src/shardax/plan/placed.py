@@ -1,8 +1,7 @@
-"""What each placed leaf was planned to be: recorded when [`shardax.prepare`][shardax.prepare]
-places
-a loop's objects, read back by [`shardax.keep_plan`][shardax.keep_plan] (which holds the plan after
-the
-user's own step) and by [`shardax.describe`][shardax.describe] (plan against actual).
+"""What each placed leaf was planned to be: recorded when
+[`shardax.prepare`][shardax.prepare] places a loop's objects, read back by
+[`shardax.keep_plan`][shardax.keep_plan] (which holds the plan after the user's own step)
+and by [`shardax.describe`][shardax.describe] (plan against actual).
 
 Two records, one per kind of object:
 

@@ -1,6 +1,6 @@
-"""Reports on a plan before and after placing: [`validate`][shardax.plan.validate] (a dry run of its
-errors)
-and [`describe`][shardax.describe] (path, shape, dtype, spec and bytes per device of every leaf).
+"""Reports on a plan before and after placing: [`validate`][shardax.plan.validate] (a dry
+run of its errors) and [`describe`][shardax.describe] (path, shape, dtype, spec and bytes
+per device of every leaf).
 
 >>> import shardax as sx
 >>> mesh = sx.make_mesh({"data": 8})
@@ -126,9 +126,9 @@ def describe(tree: Any, plan: Plan | None = None) -> ShardingReport:
 
     With ``plan``, the specs are the plan's (raising its errors, as applying it would);
     without, each leaf's own ``sharding`` (``None`` for NumPy or unsharded leaves), and
-    for a leaf [`shardax.prepare`][shardax.prepare] placed that has left its plan since (a user's
-    jit
-    step picked another layout), the plan's spec too (``Row.planned``, a "plan" column).
+    for a leaf [`shardax.prepare`][shardax.prepare] placed that has left its plan since (a
+    user's jit step picked another layout), the plan's spec too (``Row.planned``, a "plan"
+    column).
     """
     rows: list[Row] = []
     if plan is not None:

@@ -2,10 +2,9 @@
 
 A typed PRNG key array (``jax.random.key``, the state of every ``nnx.Rngs``) is an array
 leaf like any other: [`is_key`][shardax.plan.is_key] tells it apart,
-[`dtype_name`][shardax.plan.dtype_name] and
-[`itemsize`][shardax.plan.itemsize] describe it (``key<fry>``, 8 bytes of key data per key), and
-every plan
-places it replicated (a key is a generator's state, never a weight to split).
+[`dtype_name`][shardax.plan.dtype_name] and [`itemsize`][shardax.plan.itemsize] describe
+it (``key<fry>``, 8 bytes of key data per key), and every plan places it replicated (a key
+is a generator's state, never a weight to split).
 """
 
 from __future__ import annotations

@@ -56,10 +56,9 @@ def zero1(
     """ZeRO-1: the optimizer state split over ``axis`` (a name or tuple), params replicated.
 
     A plan for a whole train state (``params`` locates the params in it, as in
-    [`sx.plan.follow_params`][shardax.plan.follow_params]). Under ``make_train_step`` the update
-    runs on each
-    device's slice of the optimizer state. Leaves below ``min_size`` elements,
-    or with no dimension the axis divides, stay replicated. Only ``mode="jit"``.
+    [`sx.plan.follow_params`][shardax.plan.follow_params]). Under ``make_train_step`` the
+    update runs on each device's slice of the optimizer state. Leaves below ``min_size``
+    elements, or with no dimension the axis divides, stay replicated. Only ``mode="jit"``.
 
     ``gather`` says where the params are gathered:
 

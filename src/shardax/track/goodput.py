@@ -8,17 +8,17 @@ part of a save that blocks the loop), ``hang`` (a step the watchdog ended) and `
 reached). Goodput is ``step / wall``.
 
 A [`Ledger`][shardax.track.Ledger] is a stopwatch with one running bucket:
-[`Ledger.switch`][shardax.track.Ledger.switch] charges
-the time since the last switch to the running bucket and starts the next, so the
-buckets sum to the wall time by construction. Counters (e.g. the compile seconds of
+[`Ledger.switch`][shardax.track.Ledger.switch] charges the time since the last switch to
+the running bucket and starts the next, so the buckets sum to the wall time by
+construction. Counters (e.g. the compile seconds of
 [`shardax.runtime.compile_stats`][shardax.runtime.compile_stats], the input iterator's
-``wait_seconds``) move what
-they counted during an interval out of the running bucket into theirs.
+``wait_seconds``) move what they counted during an interval out of the running bucket into
+theirs.
 
-The ledger lives beside the checkpoints (``goodput.json``), one entry per session
-(process start to exit), so it spans preemptions and resumes;
-[`Ledger.resumed`][shardax.track.Ledger.resumed]
-moves the step time of the steps a restart will compute again into ``lost``.
+The ledger lives beside the checkpoints (``goodput.json``), one entry per session (process
+start to exit), so it spans preemptions and resumes;
+[`Ledger.resumed`][shardax.track.Ledger.resumed] moves the step time of the steps a
+restart will compute again into ``lost``.
 
 >>> ledger = Ledger(path=os.path.join(tmp_path, FILE))  # beside the checkpoints
 >>> ledger.count("compile", lambda: sx.runtime.compile_stats().seconds)

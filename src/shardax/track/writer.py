@@ -108,11 +108,10 @@ class MetricWriter:
       config: the run's settings (flat, plain values), recorded by the sinks that keep
         them (W&B config, MLflow params, a TensorBoard text summary).
 
-    Directories are created and checked here, before any step runs: an unwritable one
-    is an ``OSError`` naming it; a backend whose extra is missing an ``ImportError``
-    naming the extra. Use it as a context manager, or call [`close`][shardax.MetricWriter.close],
-    which waits
-    for everything queued to be written.
+    Directories are created and checked here, before any step runs: an unwritable one is
+    an ``OSError`` naming it; a backend whose extra is missing an ``ImportError`` naming
+    the extra. Use it as a context manager, or call [`close`][shardax.MetricWriter.close],
+    which waits for everything queued to be written.
     """
 
     def __init__(
