@@ -38,7 +38,7 @@ takes about a minute; ``quick`` measures small shapes (a smoke test, e.g. on a C
 >>> [name for name in out if isinstance(out[name], list)]  # doctest: +SKIP
 ['gemm', 'gemm_f32', 'gemm_f32_cublas', 'stream', 'reduce', 'attention', 'collectives', 'launch']
 >>> out["gemm_fp8"]  # on a CPU  # doctest: +SKIP
-{'skipped': 'fp8 GEMMs need fp8 tensor cores ...'}
+{'skipped': 'fp8 matmuls need fp8 tensor cores ...'}
 """
 
 from __future__ import annotations

@@ -32,30 +32,45 @@ FP8_CAPABILITY = (8, 9)
 """The first CUDA compute capability with fp8 tensor cores (Ada; Hopper is 9.0)."""
 
 
-def fp8_skipped(device: Any) -> str | None:
-    """Why ``device`` measures no fp8 GEMM rows (None: it does): not a GPU, or a GPU below
-    compute capability ``FP8_CAPABILITY``, where XLA widens fp8 operands for the product.
+def fp8_unsupported(device: Any) -> str | None:
+    """Why ``device`` has no fp8 matmuls (None: it has): not a GPU (a CPU, a TPU: no TPU
+    shardax knows has an fp8 matrix unit), or a GPU below compute capability
+    ``FP8_CAPABILITY`` (an A100). Read from ``device.compute_capability``, which a
+    ``sx.target``'s compile-only GPUs report too.
 
     >>> from types import SimpleNamespace as Device
-    >>> fp8_skipped(Device(platform="cpu", device_kind="cpu"))[:43]
-    'fp8 GEMMs need fp8 tensor cores (an NVIDIA '
+    >>> fp8_unsupported(Device(platform="tpu", device_kind="TPU v4"))[-37:]
+    '8.9+); these are tpu devices (TPU v4)'
     """
     platform = str(getattr(device, "platform", "")).lower()
-    need = (f"fp8 GEMMs need fp8 tensor cores (an NVIDIA GPU of compute capability "
+    need = (f"fp8 matmuls need fp8 tensor cores (an NVIDIA GPU of compute capability "
             f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+)")  # fmt: skip
     if platform not in ("gpu", "cuda"):
-        return (f"{need}; this is a {platform} device ({device.device_kind}), where XLA "
-                "widens fp8 operands before the product, so a rate measured here prices "
-                "nothing")  # fmt: skip
+        return f"{need}; these are {platform} devices ({device.device_kind})"
     found = str(getattr(device, "compute_capability", "") or "")
     try:
         capability = tuple(int(x) for x in found.split(".")[:2])
     except ValueError:
         capability = ()
     if len(capability) == 2 and capability < FP8_CAPABILITY:
-        return (f"{need}; this {device.device_kind} is compute capability {found}, where XLA "
-                "widens fp8 operands, so a rate measured here is a wide GEMM's")  # fmt: skip
+        return f"{need}; these are {device.device_kind}, compute capability {found}"
     return None
+
+
+def fp8_skipped(device: Any) -> str | None:
+    """Why ``device`` measures no fp8 GEMM rows (None: it does): ``fp8_unsupported``'s
+    reason, where XLA widens fp8 operands for the product, so a rate measured there is a
+    wide GEMM's and prices nothing.
+
+    >>> from types import SimpleNamespace as Device
+    >>> fp8_skipped(Device(platform="cpu", device_kind="cpu"))[:44]
+    'fp8 matmuls need fp8 tensor cores (an NVIDIA'
+    """
+    why = fp8_unsupported(device)
+    if why is None:
+        return None
+    return (f"{why}: XLA widens fp8 operands before the product there, so a rate measured "
+            "here would be a wide GEMM's and prices nothing")  # fmt: skip
 
 
 def gemm_operand_dtypes(hlo: str) -> list[str]:
