@@ -12,11 +12,11 @@ step and adds three lines:
 [2, 3]
 
 Entering the run restores the latest checkpoint (state, steps done and the loader's
-position); [`Run.batches`][shardax.loop.Run.batches] moves the loader there and counts the steps;
-[`Run.after_step`][shardax.loop.Run.after_step] hands the new state and metrics to the hooks. A
-SIGTERM saves
-at a step every process agrees on, then ends the process with exit code 75
-([`shardax.Preempted`][shardax.Preempted]); leaving the block normally saves the last step.
+position); [`Run.batches`][shardax.loop.Run.batches] moves the loader there and counts the
+steps; [`Run.after_step`][shardax.loop.Run.after_step] hands the new state and metrics to
+the hooks. A SIGTERM saves at a step every process agrees on, then ends the process with
+exit code 75 ([`shardax.Preempted`][shardax.Preempted]); leaving the block normally saves
+the last step.
 """
 
 from __future__ import annotations
@@ -82,13 +82,12 @@ class Run:
         step: the current step (from 1); after it, the steps done.
         first: the steps done before this session (resumed from a checkpoint).
         completed: the last step known completed ([`done`][shardax.loop.Run.done]): the step itself,
-            or the
-            step before it under a [`Watchdog`][shardax.loop.Watchdog], which waits one behind.
+            or the step before it under a [`Watchdog`][shardax.loop.Watchdog], which waits
+            one behind.
         restored: the checkpoint's data state (``{"step": ..., "loader": ...}``), or {}.
         handed: the step whose state [`after_step`][shardax.loop.Run.after_step] got last (None:
-            none this
-            session); the end-of-run save is of that state, and only when it is the
-            last step's.
+            none this session); the end-of-run save is of that state, and only when it is
+            the last step's.
         flushed: ``[(step, {name: float})]`` fetched after this step (empty when no hook
             was due); ``scores``: the last evaluation's.
     """
@@ -154,8 +153,11 @@ class Run:
             source = newest(self.manager, self.snapshots)
             if restored is True and source is not None:
                 if self.recovery.restart and jax.process_index() == 0:
-                    print(f"sx.loop.run: restart {self.recovery.restart}: resuming from step "
-                          f"{source[0].latest_step()}, {source[1]}", flush=True)  # fmt: skip
+                    print(
+                        f"sx.loop.run: restart {self.recovery.restart}: resuming from step "
+                        f"{source[0].latest_step()}, {source[1]}",
+                        flush=True,
+                    )
                 self.recovery.restored(source[0].latest_step(), source[1])
                 restored = source[0].restore(like=saveable(self.state))
             elif restored is True and self.recovery.restart:  # before any save: step 0 again
@@ -328,10 +330,10 @@ class Run:
     def after_step(self, state: Any, metrics: Any = None) -> None:
         """Hands the step's new ``state`` (the run's state, as the step returned it) and
         ``metrics`` (a dict of scalars, the loss, or ``(loss, aux)`` with a dict ``aux``)
-        to the hooks; raises [`shardax.Preempted`][shardax.Preempted] once a SIGTERM's step is
-        saved.
-        Another tree than the run's state (the metrics in its place), a metric that is
-        not one number, or a call outside the run's ``with`` block raise, naming it."""
+        to the hooks; raises [`shardax.Preempted`][shardax.Preempted] once a SIGTERM's
+        step is saved. Another tree than the run's state (the metrics in its place), a
+        metric that is not one number, or a call outside the run's ``with`` block raise,
+        naming it."""
         self._check_open("run.after_step()")
         check_same_state(state, self.state, self._structure, self._leaf_types)
         scalars = scalar_metrics(metrics)
@@ -601,11 +603,11 @@ def run(
         state: the state the loop trains (a ``sx.TrainState``, a pytree, or NNX objects
             such as ``(model, optimizer)``, restored in place).
         checkpoints: a directory (made if needed; it must be writable) or a
-            [`shardax.CheckpointManager`][shardax.CheckpointManager]: resume from its latest step;
-            save every
-            ``every["save"]`` steps, at the end and on SIGTERM (then exit 75), with the
-            loader's position. A restored leaf goes where the live one was (an
-            uncommitted one, such as a key never placed, stays uncommitted).
+            [`shardax.CheckpointManager`][shardax.CheckpointManager]: resume from its
+            latest step; save every ``every["save"]`` steps, at the end and on SIGTERM
+            (then exit 75), with the loader's position. A restored leaf goes where the
+            live one was (an uncommitted one, such as a key never placed, stays
+            uncommitted).
         every: a dict of the steps between ``"save"``, ``"eval"`` and ``"log"``
             (default, or None: save at the end only, evaluate at the end only, log every
             10 steps). Each needs what it acts on: ``"save"`` ``checkpoints``, ``"eval"``
@@ -694,9 +696,16 @@ def run(
             yours=yours,
         )
         made = Run(
-            state, chosen, manager=manager, total=total, resume=resume, data_state=data_state,
-            writer=writer, exit_on_preemption=exit_on_preemption, snapshots=snaps,
-        )  # fmt: skip
+            state,
+            chosen,
+            manager=manager,
+            total=total,
+            resume=resume,
+            data_state=data_state,
+            writer=writer,
+            exit_on_preemption=exit_on_preemption,
+            snapshots=snaps,
+        )
     except BaseException:
         owned.close()
         raise

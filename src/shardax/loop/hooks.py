@@ -1,18 +1,15 @@
 """The hooks a run calls around each step; each owns one concern and its own schedule.
 
-A [`Run`][shardax.loop.Run] calls every hook, in order: [`Hook.start`][shardax.loop.Hook.start] on
-entry,
+A [`Run`][shardax.loop.Run] calls every hook, in order:
+[`Hook.start`][shardax.loop.Hook.start] on entry,
 [`Hook.before_step`][shardax.loop.Hook.before_step] and
 [`Hook.after_step`][shardax.loop.Hook.after_step] around each step,
-[`Hook.finish`][shardax.loop.Hook.finish]
-when the loop ends normally, and [`Hook.close`][shardax.loop.Hook.close] (in reverse order) on exit,
-error or
-not. A hook says with [`Hook.due`][shardax.loop.Hook.due] that it acts after this step and needs the
-step
-metrics on the host; the [`MetricsWindow`][shardax.loop.MetricsWindow] then fetches every step's
-metrics since
-the last fetch in one transfer, before the hooks after it run. Each method gets the
-[`Run`][shardax.loop.Run] (``run``).
+[`Hook.finish`][shardax.loop.Hook.finish] when the loop ends normally, and
+[`Hook.close`][shardax.loop.Hook.close] (in reverse order) on exit, error or not. A hook
+says with [`Hook.due`][shardax.loop.Hook.due] that it acts after this step and needs the
+step metrics on the host; the [`MetricsWindow`][shardax.loop.MetricsWindow] then fetches
+every step's metrics since the last fetch in one transfer, before the hooks after it run.
+Each method gets the [`Run`][shardax.loop.Run] (``run``).
 
 - [`Goodput`][shardax.loop.Goodput]: the goodput ledger
 ([`shardax.track.Ledger`][shardax.track.Ledger]);
@@ -28,9 +25,8 @@ the last fetch in one transfer, before the hooks after it run. Each method gets 
 the data
   position ([`shardax.CheckpointManager`][shardax.CheckpointManager]).
 
-A hook of one's own: its schedule ([`shardax.loop.itstime`][shardax.loop.itstime]) and its action;
-being due,
-it gets every step's metrics since the last fetch, fetched once:
+A hook of one's own: its schedule ([`shardax.loop.itstime`][shardax.loop.itstime]) and its
+action; being due, it gets every step's metrics since the last fetch, fetched once:
 
 >>> class Show(sx.loop.Hook):
 ...     every = 2
@@ -80,9 +76,9 @@ class Hook:
 
     every: int | None = None
     waits: bool = False
-    """True: the hook marks the steps completed itself ([`Run.done`][shardax.loop.Run.done]), once
-    it has
-    waited for their results; else the run marks each step completed after it."""
+    """True: the hook marks the steps completed itself
+    ([`Run.done`][shardax.loop.Run.done]), once it has waited for their results; else the
+    run marks each step completed after it."""
 
     def due(self, run: Any) -> bool:
         """Acts after step ``run.step`` and needs its metrics on the host."""
@@ -93,8 +89,8 @@ class Hook:
 
     def before_batch(self, run: Any) -> None:
         """Before the batch of step ``run.step + 1`` is fetched (by
-        [`Run.batches`][shardax.loop.Run.batches];
-        a loop that fetches its own batches has no such call)."""
+        [`Run.batches`][shardax.loop.Run.batches]; a loop that fetches its own batches has
+        no such call)."""
 
     def before_step(self, run: Any) -> None:
         """Before step ``run.step`` (its batch is fetched)."""
@@ -111,20 +107,21 @@ class Hook:
 
 @public("sx.loop.Goodput")
 class Goodput(Hook):
-    """Every second of the run in a bucket ([`shardax.track.Ledger`][shardax.track.Ledger]):
-    start-up
-    until the first step, then steps, with the compile seconds and the input wait moved
-    to their buckets; evaluations and the blocking part of saves through
-    [`Run.phase`][shardax.loop.Run.phase]. Kept in ``path`` (``<checkpoint dir>/goodput.json``,
-    which
-    ``shardax goodput`` reads; None: in memory), saved with every checkpoint and at the
-    end. ``since``: the session's start (a ``time.time()``; default: now);
-    ``compiled``: the compile seconds counted before ``since``."""
+    """Every second of the run in a bucket
+    ([`shardax.track.Ledger`][shardax.track.Ledger]): start-up until the first step, then
+    steps, with the compile seconds and the input wait moved to their buckets; evaluations
+    and the blocking part of saves through [`Run.phase`][shardax.loop.Run.phase]. Kept in
+    ``path`` (``<checkpoint dir>/goodput.json``, which ``shardax goodput`` reads; None: in
+    memory), saved with every checkpoint and at the end. ``since``: the session's start (a
+    ``time.time()``; default: now); ``compiled``: the compile seconds counted before
+    ``since``."""
 
     def __init__(
-        self, path: str | os.PathLike[str] | None = None, since: float | None = None,
+        self,
+        path: str | os.PathLike[str] | None = None,
+        since: float | None = None,
         compiled: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.path, self.since, self.compiled = path, since, compiled
 
     def start(self, run: Any) -> None:
@@ -145,20 +142,18 @@ class Goodput(Hook):
 @public("sx.loop.Watchdog")
 class Watchdog(Hook):
     """A step after the session's first (which compiles) that takes longer than
-    ``timeout`` seconds ends the process with code 124, after a line naming the
-    processes behind, with their step and phase, and every thread's stack
-    ([`shardax.StepWatchdog`][shardax.StepWatchdog]). ``on_fire(step)`` runs first (default: the
-    goodput
-    ledger saved with the hung step's time as ``hang``).
+    ``timeout`` seconds ends the process with code 124, after a line naming the processes
+    behind, with their step and phase, and every thread's stack
+    ([`shardax.StepWatchdog`][shardax.StepWatchdog]). ``on_fire(step)`` runs first
+    (default: the goodput ledger saved with the hung step's time as ``hang``).
 
     The clock runs from the wait for the step's batch (under
-    [`Run.batches`][shardax.loop.Run.batches]), so a
-    stuck loader is named too. It waits for the device one step behind: after step N is
-    dispatched, for step N-1's result, so the device queue stays fed; a step counts as
-    completed ([`Run.done`][shardax.loop.Run.done]) once waited for. When a later hook is due after
-    step N
-    (it fetches the metrics or the state anyway), it waits for step N too, and at the end
-    for the last step."""
+    [`Run.batches`][shardax.loop.Run.batches]), so a stuck loader is named too. It waits
+    for the device one step behind: after step N is dispatched, for step N-1's result, so
+    the device queue stays fed; a step counts as completed
+    ([`Run.done`][shardax.loop.Run.done]) once waited for. When a later hook is due after
+    step N (it fetches the metrics or the state anyway), it waits for step N too, and at
+    the end for the last step."""
 
     waits = True
 
@@ -264,9 +259,9 @@ def _running(result: tuple[int, Any] | None) -> int | None:
 @public("sx.loop.Preemption")
 class Preemption(Hook):
     """From the first step on, a SIGTERM makes every process stop at the same step
-    ([`shardax.checkpoint.reached_preemption`][shardax.checkpoint.reached_preemption]); the
-    [`Checkpoints`][shardax.loop.Checkpoints] hook saves
-    it, then the run raises [`shardax.Preempted`][shardax.Preempted] (exit code 75)."""
+    ([`shardax.checkpoint.reached_preemption`][shardax.checkpoint.reached_preemption]);
+    the [`Checkpoints`][shardax.loop.Checkpoints] hook saves it, then the run raises
+    [`shardax.Preempted`][shardax.Preempted] (exit code 75)."""
 
     def start(self, run: Any) -> None:
         self.watch = watch_preemption()
@@ -283,11 +278,10 @@ class Preemption(Hook):
 
 @public("sx.loop.MetricsWindow")
 class MetricsWindow(Hook):
-    """When a later hook is due, fetches the metrics of every step since the last fetch
-    in one device-to-host transfer ([`Run.flush`][shardax.loop.Run.flush]), and is the NaN guard:
-    each
-    fetched step's loss must be finite before anything is logged, evaluated or saved
-    ([`shardax.train.check_finite`][shardax.train.check_finite] names the step)."""
+    """When a later hook is due, fetches the metrics of every step since the last fetch in
+    one device-to-host transfer ([`Run.flush`][shardax.loop.Run.flush]), and is the NaN
+    guard: each fetched step's loss must be finite before anything is logged, evaluated or
+    saved ([`shardax.train.check_finite`][shardax.train.check_finite] names the step)."""
 
     def after_step(self, run: Any) -> None:
         later = run.hooks[run.hooks.index(self) + 1 :]
@@ -310,8 +304,12 @@ class Progress(Hook):
     def columns(self) -> list[Any]:
         from rich.progress import BarColumn, TextColumn, TimeRemainingColumn  # not at start-up
 
-        return [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                TextColumn("{task.fields[text]}"), TimeRemainingColumn()]  # fmt: skip
+        return [
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[text]}"),
+            TimeRemainingColumn(),
+        ]
 
     def fields(self, run: Any) -> dict[str, Any]:
         """The bar's fields after a fetch (default: the last fetched metrics as text)."""
@@ -324,10 +322,14 @@ class Progress(Hook):
     def start(self, run: Any) -> None:
         from rich.progress import Progress as Bar  # not loaded by import shardax
 
-        self.bar = Bar(*self.columns(), console=self.console,
-                       disable=jax.process_index() != 0)  # fmt: skip
-        self.task = self.bar.add_task("train", total=run.total, completed=run.first,
-                                      **dict.fromkeys(self.blank(), 0.0), text="")  # fmt: skip
+        self.bar = Bar(*self.columns(), console=self.console, disable=jax.process_index() != 0)
+        self.task = self.bar.add_task(
+            "train",
+            total=run.total,
+            completed=run.first,
+            **dict.fromkeys(self.blank(), 0.0),
+            text="",
+        )
         self.bar.__enter__()
 
     def blank(self) -> tuple[str, ...]:
@@ -445,14 +447,13 @@ class Every(Hook):
 
 @public("sx.loop.Checkpoints")
 class Checkpoints(Hook):
-    """Every ``every`` steps, at the last and on preemption: saves the state with the
-    data position ([`Run.data_state`][shardax.loop.Run.data_state]) through ``run.manager``
-    ([`shardax.CheckpointManager`][shardax.CheckpointManager]), in the ledger's ``checkpoint``
-    bucket, and the
-    ledger beside it. At the end it saves only the state of the last step
-    (``Run.handed``), never an older one under the last step's number. On closing,
-    waits for the save in flight. A save that fails (a full disk) raises the manager's
-    ``OSError`` with the way out, naming ``option`` (the argument that chose the
+    """Every ``every`` steps, at the last and on preemption: saves the state with the data
+    position ([`Run.data_state`][shardax.loop.Run.data_state]) through ``run.manager``
+    ([`shardax.CheckpointManager`][shardax.CheckpointManager]), in the ledger's
+    ``checkpoint`` bucket, and the ledger beside it. At the end it saves only the state of
+    the last step (``Run.handed``), never an older one under the last step's number. On
+    closing, waits for the save in flight. A save that fails (a full disk) raises the
+    manager's ``OSError`` with the way out, naming ``option`` (the argument that chose the
     directory: ``sx.loop.run`` says ``checkpoints=``; None: as it is)."""
 
     def __init__(self, every: int | None = None, option: str | None = None) -> None:
@@ -574,10 +575,10 @@ ORDER = (
 """The order hooks run in, written once (``in_order``, which ``sx.loop.run`` and ``shardax
 train`` build their hooks with): the watchdog first (under it a step counts as completed,
 in the ledger too, once it waited for the step's result, one step behind), the goodput
-ledger, preemption, the metrics window
-(it fetches for the hooks after it), the progress bar, logging, the saves (checkpoints,
-then host-memory snapshots) before the evaluation of the same step (an ``evaluate`` that
-raises never costs a save), and last your own hooks, in the order given."""
+ledger, preemption, the metrics window (it fetches for the hooks after it), the progress
+bar, logging, the saves (checkpoints, then host-memory snapshots) before the evaluation of
+the same step (an ``evaluate`` that raises never costs a save), and last your own hooks,
+in the order given."""
 
 
 def in_order(

@@ -1,9 +1,9 @@
 """One predicate decides every periodic action of the loop: is it time at this step?
 
-The hooks of [`shardax.loop`][shardax.loop] (saves, evaluations, logs, the progress bar's text)
-each ask [`itstime`][shardax.loop.itstime] with their own interval, the way big_vision's ``itstime``
-does:
-every ``every`` steps, and at the last step when the run knows it.
+The hooks of [`shardax.loop`][shardax.loop] (saves, evaluations, logs, the progress bar's
+text) each ask [`itstime`][shardax.loop.itstime] with their own interval, the way
+big_vision's ``itstime`` does: every ``every`` steps, and at the last step when the run
+knows it.
 
 >>> [s for s in range(1, 11) if itstime(s, 4, total=10)]
 [4, 8, 10]

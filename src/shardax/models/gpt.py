@@ -343,13 +343,23 @@ class Attention(nnx.Module):
         if self.rotary:
             positions = _positions(ctx, x.shape[1])
             q, k = rotary(q, positions), rotary(k, positions)
-        y = attention(q, k, v, causal=True, segment_ids=ctx.segment_ids, window=self.window,
-                      impl=self.impl, kernel=self.kernel, layout=ctx.layout)  # fmt: skip
+        y = attention(
+            q,
+            k,
+            v,
+            causal=True,
+            segment_ids=ctx.segment_ids,
+            window=self.window,
+            impl=self.impl,
+            kernel=self.kernel,
+            layout=ctx.layout,
+        )
         return dense(self.dot_general, y, self.out[...], contract=2)  # bthk,hkd->btd
 
 
-def dense(dot_general: Callable[..., jax.Array], x: jax.Array, w: jax.Array,
-          contract: int = 1) -> jax.Array:  # fmt: skip
+def dense(
+    dot_general: Callable[..., jax.Array], x: jax.Array, w: jax.Array, contract: int = 1
+) -> jax.Array:
     """``x``'s last ``contract`` dims times ``w``'s first ones through ``dot_general``
     (``jax.lax.dot_general``, or ``shardax.parallel.fp8.fp8_dot_general`` under
     ``precision="fp8"``): every block matmul of the GPT.
@@ -434,8 +444,14 @@ class MoEMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Any]:
         experts = {"up": self.up[...], "down": self.down[...]}
-        return moe(x, self.router[...], _expert, experts, top_k=self.top_k,
-                   capacity_factor=self.capacity_factor)  # fmt: skip
+        return moe(
+            x,
+            self.router[...],
+            _expert,
+            experts,
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+        )
 
 
 class MoEBlock(_PreNorm):
@@ -665,12 +681,11 @@ def make_gpt(cfg: GPTConfig, seed: int = 0, remat: str = "none") -> GPT:
 
 
 def plan(mesh: Any, model: Any, name: str) -> Any:
-    """The plan ``name`` (one of ``PLANS``) of ``model`` over ``mesh``: the mesh's
-    own plans (zero1, zero2) over ``"data"``, the others from its annotations through
-    ``axis_rules``. TP needs ``mesh``'s
-    ``model`` axis to divide the heads (and the MLP width and vocab), and ``pipeline`` its
-    ``stage`` axis to divide the layers, in a model built with ``pipeline_microbatches``;
-    each is checked with a clear error.
+    """The plan ``name`` (one of ``PLANS``) of ``model`` over ``mesh``: the mesh's own
+    plans (zero1, zero2) over ``"data"``, the others from its annotations through
+    ``axis_rules``. TP needs ``mesh``'s ``model`` axis to divide the heads (and the MLP
+    width and vocab), and ``pipeline`` its ``stage`` axis to divide the layers, in a model
+    built with ``pipeline_microbatches``; each is checked with a clear error.
 
     >>> mesh = sx.make_mesh({"data": 4, "model": 2})
     >>> p = plan(mesh, model, "tp")

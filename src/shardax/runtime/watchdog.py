@@ -112,9 +112,9 @@ class StepWatchdog:
 
     def arm(self, step: int, earlier: Callable[[], int | None] | None = None) -> None:
         """Starts the clock: ``step`` must complete
-        ([`disarm`][shardax.StepWatchdog.disarm]) within ``timeout``. ``earlier``: ``() ->
-        step | None``, an earlier step still running on the device (a loop that waits one
-        step behind), named instead of ``step`` at a hang."""
+        ([`disarm`][shardax.StepWatchdog.disarm]) within ``timeout``. ``earlier``:
+        ``() -> step | None``, an earlier step still running on the device (a loop that
+        waits one step behind), named instead of ``step`` at a hang."""
         if self._thread is None:
             self._where = _process_label()
             self._thread = threading.Thread(

@@ -3,9 +3,10 @@
 The clock reads the host's wall time at each ``tick()`` (one per step) and the input
 iterator's ``wait_seconds`` ([`shardax.prefetch_to_device`][shardax.prefetch_to_device]'s
 iterator, or any iterable wrapped in [`sx.data.timed`][shardax.data.timed]): the seconds
-the loop stood blocked on input. Over a window of steps, ``data_wait_fraction = waited /
-wall``: near 0 when prefetching hides the input, near ``T_in / (T_in + T_c)`` when every
-batch is read while the device idles. Above ``INPUT_BOUND`` the run is input-bound, and
+the loop stood blocked on input. Over a window of steps,
+``data_wait_fraction = waited / wall``: near 0 when prefetching hides the input, near
+``T_in / (T_in + T_c)`` when every batch is read while the device idles. Above
+``INPUT_BOUND`` the run is input-bound, and
 [`StepClock.input_bound`][shardax.track.StepClock.input_bound] says so, once.
 
 >>> feed = sx.prefetch_to_device(batches, mesh)
