@@ -10,6 +10,7 @@ import inspect
 
 import pytest
 
+import shardax as sx
 from shardax.cli import job, train, train_gpt, train_mlp
 from shardax.cli.main import build_parser
 from shardax.cli.main import main as cli
@@ -17,6 +18,7 @@ from shardax.models import gpt, mlp
 from shardax.parallel import context
 from shardax.parallel.remat_policy import POLICIES
 from shardax.plan.named import MESH_PLANS
+from shardax.plan.zero import GATHERS
 from shardax.train.config import MODES
 from shardax.train.precision import PRECISIONS
 
@@ -140,3 +142,19 @@ def test_each_vocabulary_is_the_implementing_layers():
     from shardax.cli.plan_target import TARGET_PLANS
 
     assert set(MESH_PLANS) <= set(TARGET_PLANS)
+
+
+def test_zero_gather_forward_is_zero1s_option(capsys):
+    """--zero-gather forward: sx.zero1(mesh, gather="forward"); refused by name without a
+    ZeRO plan."""
+    assert train_actions()["zero_gather"].choices == GATHERS
+    assert cli(["train", "--zero-gather", "forward"]) == 2
+    err = capsys.readouterr().err
+    assert "--zero-gather forward: only with --plan zero1 or zero2, got --plan replicate" in err
+    args = build_parser().parse_args(["train", "--plan", "zero1", "--zero-gather", "forward"])
+    job.check_model_options(args)
+    job.apply_options(args)
+    args.precision = "bf16"  # the job resolves the default from the platform
+    mesh = sx.make_mesh({"data": 8})
+    step, evaluate = job.build_steps(args, lambda model, batch: 0.0, mesh, sx.zero1(mesh))
+    assert step.plan.gathers_forward and evaluate.plan.gathers_forward

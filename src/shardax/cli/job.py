@@ -153,6 +153,11 @@ def check_model_options(args: argparse.Namespace) -> None:
             f"--plan {args.plan}: only for --model {models}; --model {args.model} takes "
             f"{', '.join(plans)}"
         )
+    gather = getattr(args, "zero_gather", "update")
+    if gather != "update" and args.plan not in ("zero1", "zero2"):
+        raise UsageError(
+            f"--zero-gather {gather}: only with --plan zero1 or zero2, got --plan {args.plan}"
+        )
     if args.save_every is not None and args.checkpoint_dir is None:
         raise UsageError(f"--save-every {args.save_every} needs --checkpoint-dir")
 
@@ -296,6 +301,9 @@ def build_steps(
     accumulation and precision (and ``seq_axis`` under ``--mode jit``: the batch's
     sequences split over it); bad combinations are usage errors naming the options."""
     plan = None if args.mode == "single" else plan  # one device: no sharding plan
+    gather = getattr(args, "zero_gather", "update")
+    if gather != "update" and plan is not None:  # --plan zero1/zero2 (check_model_options)
+        plan = dataclasses.replace(plan, gather=gather)
     seq_axis = seq_axis if args.mode == "jit" else None
     try:
         # The CLI logs every update statistic, param norm included, computed only on the

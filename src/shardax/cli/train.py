@@ -42,6 +42,7 @@ from shardax.cli.extras import available, install_hint, missing
 from shardax.cli.job import JOBS, add_job_arguments, apply_options, check_model_options, plan_names
 from shardax.cli.loop import loop
 from shardax.cli.recovery import shrink, snapshot_interval
+from shardax.plan.zero import GATHERS
 from shardax.runtime import cache
 from shardax.runtime.compat import backends_are_initialized
 from shardax.runtime.watchdog import WATCHDOG_EXIT_CODE
@@ -79,6 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=plan_names(),
         default="replicate",
         help=f"how to shard the model and Adam state ({', '.join(some)})",
+    )
+    parser.add_argument(
+        "--zero-gather",
+        choices=GATHERS,
+        default="update",
+        help="with --plan zero1/zero2, where the params are gathered: update (the updated "
+        "params, in their float32, after the update; default) or forward (the params kept "
+        "split, their compute-dtype copy gathered at the step's start, under the forward "
+        "pass: sx.zero1(mesh, gather='forward'))",
     )
     parser.add_argument(
         "--mode",
