@@ -20,14 +20,14 @@ from shardax.train.masks import MASK_KEY
 def check_batch(batch: Any, *, divisor: int, what: str, flat: Leaves | None = None) -> int:
     """The global batch size of ``batch``, checked; raises ``ValueError`` naming the rule.
 
-    Every array leaf needs the same leading dimension, divisible by ``divisor``
-    (``what`` says where the divisor comes from). A top-level ``"mask"`` leaf must be
-    boolean, with a shape that leads the batch's: ``(batch,)``, or ``(batch, seq)``
-    leading the shape of another leaf; a host (NumPy) mask must have a True entry (a
-    device mask is not read back, which would wait for the device). A step checks the
-    first batch of each structure (``batch_structure``), and the mask's values
-    (``check_mask_has_examples``) on every batch.
-    ``flat``: ``batch_leaves(batch)``, walked before (a step walks a batch once).
+    Every array leaf needs the same leading dimension, divisible by ``divisor`` (``what``
+    says where the divisor comes from). A top-level ``"mask"`` leaf must be boolean, with
+    a shape that leads the batch's: ``(batch,)``, or ``(batch, seq)`` leading the shape of
+    another leaf; a host (NumPy) mask must have a True entry (a device mask is not read
+    back, which would wait for the device). A step checks the first batch of each
+    structure (``batch_structure``), and the mask's values (``check_mask_has_examples``)
+    on every batch. ``flat``: ``batch_leaves(batch)``, walked before (a step walks a batch
+    once).
     """
     flat = batch_leaves(batch) if flat is None else flat
     mask_left = isinstance(batch, dict) and MASK_KEY in batch  # until checked, once

@@ -1,7 +1,6 @@
 """Batch placement: how a step checks a batch and places it for its mesh and mode.
 
-A ``BatchPlacement`` is built from a step's
-[`StepConfig`][shardax.train.StepConfig]:
+A ``BatchPlacement`` is built from a step's [`StepConfig`][shardax.train.StepConfig]:
 
 - ``check``: a list of examples divisible by the data axis size
   (× ``accumulate``), or with a ``batch_spec`` arrays placed as it says; where rows are
@@ -67,12 +66,11 @@ class BatchPlacement:
         self._checked: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
     def check(self, batch: Any) -> Any:
-        """A list of examples (``check_batch``), or with a
-        ``batch_spec`` arrays placed as it says: checked once per batch structure
-        (``batch_structure``), not per step; a host mask's
-        values (``check_mask_has_examples``) on every batch, once (by ``check_batch``
-        on a new structure without a ``batch_spec``).
-        Returns the ``batch_spec`` shardings (True without one)."""
+        """A list of examples (``check_batch``), or with a ``batch_spec`` arrays placed as
+        it says: checked once per batch structure (``batch_structure``), not per step; a
+        host mask's values (``check_mask_has_examples``) on every batch, once (by
+        ``check_batch`` on a new structure without a ``batch_spec``). Returns the
+        ``batch_spec`` shardings (True without one)."""
         key = batch_structure(batch)
         known = self._checked.get(key) if key is not None else None
         if known is not None:

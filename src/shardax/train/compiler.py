@@ -4,9 +4,8 @@ The fastest JAX stacks on GPUs (MaxText, NVIDIA's JAX-Toolbox, the public H100/H
 recipes) turn on XLA:GPU options that a pip install of JAX leaves off: the latency-hiding
 scheduler, collective pipelining and combining, cuBLAS for the matmuls. They set them with
 ``XLA_FLAGS`` for the whole process; shardax compiles the step, so it sets them per step
-(``jax.jit(..., compiler_options=...)``), and [`shardax.make_train_step`][shardax.make_train_step]
-takes
-``compiler_options``:
+(``jax.jit(..., compiler_options=...)``), and
+[`shardax.make_train_step`][shardax.make_train_step] takes ``compiler_options``:
 
 - ``"auto"`` (the default): shardax's settings for the platform of the step's mesh: on
   GPUs [`gpu_options`][shardax.train.gpu_options]; on CPUs and TPUs none for now (XLA's defaults);
@@ -59,14 +58,12 @@ AUTO, XLA = "auto", "xla"
 Value = bool | int | float | str
 
 COMBINE_THRESHOLD_BYTES: int | None = None
-"""The collective combine thresholds of [`gpu_options`][shardax.train.gpu_options] alone: None
-leaves XLA's own.
-Under ``"auto"`` a step sets them from the state it compiles for
-([`combine_thresholds`][shardax.train.combine_thresholds]). The recipes' fixed 1 GiB joined every
-layer's all-gather
-of an unrolled GPT into one at the step's start, and every gradient reduce-scatter into
-one after the backward pass, so nothing overlapped (``tests/compile/
-test_overlap_targets.py``, 8xH100)."""
+"""The collective combine thresholds of [`gpu_options`][shardax.train.gpu_options] alone:
+None leaves XLA's own. Under ``"auto"`` a step sets them from the state it compiles for
+([`combine_thresholds`][shardax.train.combine_thresholds]). The recipes' fixed 1 GiB
+joined every layer's all-gather of an unrolled GPT into one at the step's start, and every
+gradient reduce-scatter into one after the backward pass, so nothing overlapped
+(``tests/compile/ test_overlap_targets.py``, 8xH100)."""
 
 COMBINE_PARTS = 16
 """[`combine_thresholds`][shardax.train.combine_thresholds] sizes each combined collective to about
@@ -169,13 +166,17 @@ def combine_thresholds(
 
 
 def for_state(
-    options: Mapping[str, Value], value: Any, platform: str, state: Any, compute_dtype: Any,
+    options: Mapping[str, Value],
+    value: Any,
+    platform: str,
+    state: Any,
+    compute_dtype: Any,
     shards: int,
-) -> dict[str, Value]:  # fmt: skip
+) -> dict[str, Value]:
     """``options`` (a step's, resolved from ``value``) with, under ``"auto"`` on a GPU
-    mesh of several devices, the [`combine_thresholds`][shardax.train.combine_thresholds] of
-    ``state``'s floating
-    params in ``compute_dtype``; otherwise ``options`` as they are."""
+    mesh of several devices, the [`combine_thresholds`][shardax.train.combine_thresholds]
+    of ``state``'s floating params in ``compute_dtype``; otherwise ``options`` as they
+    are."""
     options = dict(options)
     if value != AUTO or platform != "gpu" or shards <= 1:
         return options
@@ -206,9 +207,8 @@ def platform_of(where: Any) -> str:
 
 
 def auto_options(platform: str) -> dict[str, Value]:
-    """What ``"auto"`` sets on ``platform``: [`gpu_options`][shardax.train.gpu_options] on GPUs,
-    nothing elsewhere
-    (on CPUs and TPUs XLA's defaults are shardax's for now)."""
+    """What ``"auto"`` sets on ``platform``: [`gpu_options`][shardax.train.gpu_options] on
+    GPUs, nothing elsewhere (on CPUs and TPUs XLA's defaults are shardax's for now)."""
     return gpu_options() if platform == "gpu" else {}
 
 

@@ -247,8 +247,7 @@ class StepConfig:
         resolved for the mesh's platform and the mode (``shardax.train.compiler``), and
         for compile-only devices (an ``sx.target``'s)."""
         deviceless = compile_only(self.mesh) is not None
-        return resolve_compiler_options(self.compiler_options, self.platform, self.mode,
-                                        deviceless)  # fmt: skip
+        return resolve_compiler_options(self.compiler_options, self.platform, self.mode, deviceless)
 
     @property
     def plan_name(self) -> str:

@@ -227,16 +227,16 @@ def reduce_outer(
     stacked = PartitionSpec(config.axis, *spec)
     if error is None:
         fn = lambda d: exchange(config, d[0], None)[0]  # noqa: E731
-        mapped = jax.shard_map(fn, mesh=mesh, in_specs=(stacked,), out_specs=spec,
-                               check_vma=False)  # fmt: skip
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=(stacked,), out_specs=spec, check_vma=False)
         return mapped(delta), None
 
     def fn(d: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array]:
         mean, new = exchange(config, d[0], e[0])
         return mean, new[None]
 
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(stacked, stacked),
-                           out_specs=(spec, stacked), check_vma=False)  # fmt: skip
+    mapped = jax.shard_map(
+        fn, mesh=mesh, in_specs=(stacked, stacked), out_specs=(spec, stacked), check_vma=False
+    )
     return mapped(delta, error)
 
 
@@ -265,6 +265,7 @@ def outer_update(
             jnp.broadcast_to(a[None], (n, *a.shape)),
             NamedSharding(mesh, PartitionSpec(config.axis, *s)),
         ),
-        anchor, specs,
-    )  # fmt: skip
+        anchor,
+        specs,
+    )
     return restarted, OuterState(anchor, opt_state, error, outer.syncs + 1)

@@ -1,12 +1,12 @@
 """The eval step: the forward pass on every device, no update.
 
-[`EvalStep`][shardax.train.EvalStep] is a ``Program`` whose work
-(``StepWork``: ``objective``, ``forward``,
-``metrics_of``, the model in inference mode) stops after the forward pass: no
-gradients, no optimizer, no donation, and the state is never written. It shares the
-train step's placement, modes, precision, microbatching and mask rules, so its metrics
-are means over the real examples (or tokens) of the whole global batch in every mode.
-NNX and Equinox models run in inference mode (``shardax.train.model.deterministic``).
+[`EvalStep`][shardax.train.EvalStep] is a ``Program`` whose work (``StepWork``:
+``objective``, ``forward``, ``metrics_of``, the model in inference mode) stops after the
+forward pass: no gradients, no optimizer, no donation, and the state is never written. It
+shares the train step's placement, modes, precision, microbatching and mask rules, so its
+metrics are means over the real examples (or tokens) of the whole global batch in every
+mode. NNX and Equinox models run in inference mode
+(``shardax.train.model.deterministic``).
 
 Built by [`shardax.make_eval_step`][shardax.make_eval_step].
 

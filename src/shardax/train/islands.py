@@ -181,8 +181,13 @@ class IslandStep:
         self.config, self.diloco, self.loss_fn = config, diloco, loss_fn
         self.mesh, self.axis, self.islands = mesh, axis, mesh.shape[axis]
         self.inner = TrainStep(loss_fn, config)
-        self._shard = PerShard(loss_fn, config, self.inner.work, filled=self.inner._filled,
-                               state_plan=self.inner.state_plan)  # fmt: skip
+        self._shard = PerShard(
+            loss_fn,
+            config,
+            self.inner.work,
+            filled=self.inner._filled,
+            state_plan=self.inner.state_plan,
+        )
         rows = dataclasses.replace(config, data_axis=(axis, *inner_axes))
         self._batches = BatchPlacement(rows)
         self.batch_sharding = self._batches.sharding
@@ -210,9 +215,10 @@ class IslandStep:
         """An island's state (abstract): row 0 of each per-island field, no outer state."""
         row = lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype)  # noqa: E731
         return _take(state, row).replace(
-            outer=None, step=jax.eval_shape(lambda x: x, state.step),
+            outer=None,
+            step=jax.eval_shape(lambda x: x, state.step),
             rng=jax.eval_shape(lambda x: x, state.rng),
-        )  # fmt: skip
+        )
 
     def _specs(self, state: TrainState) -> TrainState:
         """The inner plan's shardings of one island's (unstacked) ``state``; a plan that

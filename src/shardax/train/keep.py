@@ -165,9 +165,8 @@ def _join(*paths: Any) -> str:
 
 @public("sx.keep_plan")
 def keep_plan(step: Callable[..., Any] | None = None) -> Callable[..., Any]:
-    """Wraps the user's train step so that every leaf [`shardax.prepare`][shardax.prepare] placed
-    keeps
-    its plan's sharding after each step. Put it under the framework's jit::
+    """Wraps the user's train step so that every leaf [`shardax.prepare`][shardax.prepare]
+    placed keeps its plan's sharding after each step. Put it under the framework's jit::
 
         @nnx.jit                 # or jax.jit, eqx.filter_jit
         @sx.keep_plan

@@ -79,12 +79,12 @@ def rng_arguments(loss_fn: Callable[..., Any], what: str = "loss_fn") -> tuple[s
     rest = [p for p in parameters if p.name not in FILLED]
     leading = 3 if takes_state(loss_fn) else 2
     required = [
-        p
-        for p in rest[leading:] if p.kind in positional and p.default is inspect.Parameter.empty
+        p for p in rest[leading:] if p.kind in positional and p.default is inspect.Parameter.empty
     ] + [
-        p for p in rest if p.kind == inspect.Parameter.KEYWORD_ONLY
-        and p.default is inspect.Parameter.empty
-    ]  # fmt: skip
+        p
+        for p in rest
+        if p.kind == inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+    ]
     if required:
         names = ", ".join(repr(p.name) for p in required)
         raise TypeError(

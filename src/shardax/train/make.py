@@ -60,33 +60,31 @@ def make_train_step(
     Args:
         loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``, where ``model`` is what
             the framework calls a model (NNX or Equinox module, bound Linen module,
-            ``partial(apply_fn, params)``) and ``loss`` is a scalar: the mean over the real
-            examples of ``batch`` (see [`shardax.masked_mean`][shardax.masked_mean]). If it takes an
-            ``rng``
-            argument it receives one key per example, ``fold_in(fold_in(rng, step), i)``
-            for example ``i`` of the global batch, the same in every mode. If it takes a
-            ``step_rng`` argument it receives one key for the step,
-            ``fold_in(rng, step)``, e.g. for ``nnx.Rngs(dropout=step_rng)``: the same
-            numbers under ``"jit"`` on any mesh and ``"single"``. With
+            ``partial(apply_fn, params)``) and ``loss`` is a scalar: the mean over the
+            real examples of ``batch`` (see [`shardax.masked_mean`][shardax.masked_mean]).
+            If it takes an ``rng`` argument it receives one key per example,
+            ``fold_in(fold_in(rng, step), i)`` for example ``i`` of the global batch, the
+            same in every mode. If it takes a ``step_rng`` argument it receives one key
+            for the step, ``fold_in(rng, step)``, e.g. for ``nnx.Rngs(dropout=step_rng)``:
+            the same numbers under ``"jit"`` on any mesh and ``"single"``. With
             ``accumulate=k`` microbatch ``j`` gets ``fold_in(step_rng, j)``; under
-            ``"shard_map"`` and ``"pmap"`` each device folds in its index, so devices
-            draw different masks (use ``rng`` for keys that no mode changes).
+            ``"shard_map"`` and ``"pmap"`` each device folds in its index, so devices draw
+            different masks (use ``rng`` for keys that no mode changes).
         mesh: the device mesh; the batch is split over ``data_axis``.
         plan: shardings of the state (default: replicate), wrapped in
-            [`sx.plan.follow_params`][shardax.plan.follow_params] so the optimizer state follows the
-            params.
-            ``"shard_map"`` and ``"pmap"`` support only replicating plans. ``step.init``
-            builds a state straight onto it; ``jit`` mode traces under
-            ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies, with the
-            mesh's axis types: on Explicit axes the model's own shardings
+            [`sx.plan.follow_params`][shardax.plan.follow_params] so the optimizer state
+            follows the params. ``"shard_map"`` and ``"pmap"`` support only replicating
+            plans. ``step.init`` builds a state straight onto it; ``jit`` mode traces
+            under ``jax.set_mesh(mesh)``, so ``sx.constrain`` in the model applies, with
+            the mesh's axis types: on Explicit axes the model's own shardings
             (``out_sharding=``, ``jax.sharding.reshard``) apply, and on Auto axes
-            computation follows the data (``shardax.train.axis_types``).
-            ``sx.zero2`` also constrains the gradients to the optimizer state's
-            sharding. ``"auto"``: the first ``step(state, batch)`` picks the plan with
+            computation follows the data (``shardax.train.axis_types``). ``sx.zero2`` also
+            constrains the gradients to the optimizer state's sharding. ``"auto"``: the
+            first ``step(state, batch)`` picks the plan with
             [`shardax.auto_plan`][shardax.auto_plan] and places the state on it
             (``step.auto_report``);
-            ``sx.AutoPlanOptions(tp_rules=..., pipeline_rules=..., device_memory=...)`` passes
-            auto_plan's options (the fsdp+tp and pipeline candidates, the budget).
+            ``sx.AutoPlanOptions(tp_rules=..., pipeline_rules=..., device_memory=...)``
+            passes auto_plan's options (the fsdp+tp and pipeline candidates, the budget).
         mode: ``"jit"`` (jit with the plan's and the batch's shardings), ``"shard_map"``
             (per-device gradients all-reduced over the data axis), ``"pmap"`` (the
             classic layout: the batch reshaped to (devices, per device, ...); the replicated
@@ -98,14 +96,13 @@ def make_train_step(
         data_axis: the mesh axis the batch is split over, or a tuple of axes (HSDP:
             ``("replica", "fsdp")`` with ``plan=sx.fsdp(mesh, axis="fsdp")``).
         precision: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or an
-            [`shardax.Precision`][shardax.Precision]. Params and optimizer state stay in the state
-            in
-            ``param_dtype`` (float32); params and floating batch leaves are cast to
-            ``compute_dtype`` for the forward and backward passes; gradients reach the
-            optimizer in ``param_dtype``. ``"fp16"`` adds dynamic loss scaling: the
+            [`shardax.Precision`][shardax.Precision]. Params and optimizer state stay in
+            the state in ``param_dtype`` (float32); params and floating batch leaves are
+            cast to ``compute_dtype`` for the forward and backward passes; gradients reach
+            the optimizer in ``param_dtype``. ``"fp16"`` adds dynamic loss scaling: the
             scale is ``state.loss_scale`` and ``metrics["loss_scale"]`` (the scale after
-            the step); a step with non-finite gradients leaves params, optimizer and
-            model state unchanged and halves the scale.
+            the step); a step with non-finite gradients leaves params, optimizer and model
+            state unchanged and halves the scale.
         stats: the update statistics the step returns (``shardax.train.stats``):
             ``"grad_norm"`` (global L2 norm of the all-reduced gradients),
             ``"param_norm"`` (after the update) and ``"learning_rate"`` (with
@@ -145,11 +142,10 @@ def make_train_step(
             exactly those. The step keeps them resolved as ``step.compiler_options``;
             under ``"pmap"`` they are none (``jax.pmap`` takes none; a dict is refused).
         config: the settings as one [`StepConfig`][shardax.train.StepConfig] (as
-            [`shardax.auto_plan`][shardax.auto_plan] takes them), instead of the keywords above:
-            with it,
-            the others stay at their defaults (``mesh`` may be the config's own; ``plan``
-            may be given where the config has none, ``"auto"`` included); a setting given
-            beside it is refused, naming it.
+            [`shardax.auto_plan`][shardax.auto_plan] takes them), instead of the keywords
+            above: with it, the others stay at their defaults (``mesh`` may be the
+            config's own; ``plan`` may be given where the config has none, ``"auto"``
+            included); a setting given beside it is refused, naming it.
         diloco: a [`DiLoCo`][shardax.DiLoCo] (``sx.DiLoCo(inner_steps=H)``): train the
             islands of the mesh's island axis apart, each with ``plan`` and the user's
             optimizer over the other axes, and average their params every H steps with
@@ -162,11 +158,20 @@ def make_train_step(
     Metrics are ``{"loss": loss, **aux}`` (or ``{"loss", "aux"}`` for non-dict aux), means
     over the real examples of the whole global batch in every mode, plus ``stats``.
     """
-    settings = {"mesh": mesh, "mode": mode, "accumulate": accumulate, "donate": donate,
-                "data_axis": data_axis, "precision": precision, "stats": stats,
-                "stats_every": stats_every, "seq_axis": seq_axis,
-                "batch_spec": batch_spec, "rng_per_device": rng_per_device,
-                "compiler_options": compiler_options}  # fmt: skip
+    settings = {
+        "mesh": mesh,
+        "mode": mode,
+        "accumulate": accumulate,
+        "donate": donate,
+        "data_axis": data_axis,
+        "precision": precision,
+        "stats": stats,
+        "stats_every": stats_every,
+        "seq_axis": seq_axis,
+        "batch_spec": batch_spec,
+        "rng_per_device": rng_per_device,
+        "compiler_options": compiler_options,
+    }
     if config is not None:
         config = _config_alone(config, settings, make_train_step)
         if plan is not None and config.plan is not None and plan is not config.plan:
@@ -191,10 +196,9 @@ def make_train_step(
 
 
 def _config_alone(config: Any, settings: dict[str, Any], door: Callable[..., Any]) -> StepConfig:
-    """``config``, a [`StepConfig`][shardax.train.StepConfig], when none of ``settings`` (the door's
-    keywords)
-    differs from the door's default (``mesh`` may be the config's own); else a
-    ``TypeError`` naming them."""
+    """``config``, a [`StepConfig`][shardax.train.StepConfig], when none of ``settings``
+    (the door's keywords) differs from the door's default (``mesh`` may be the config's
+    own); else a ``TypeError`` naming them."""
     if not isinstance(config, StepConfig):
         raise TypeError(
             f"config must be a sx.train.StepConfig (sx.train.StepConfig(mesh=..., ...)), "
@@ -259,22 +263,38 @@ def make_eval_step(
             as for [`make_train_step`][shardax.make_train_step]; use
             the train step's mesh and plan to evaluate its state where it lies.
         precision: the compute and output dtypes, as for
-            [`make_train_step`][shardax.make_train_step]
-            (without loss scaling).
+            [`make_train_step`][shardax.make_train_step] (without loss scaling).
         compiler_options: the XLA options, as for [`make_train_step`][shardax.make_train_step].
         config: the settings as one [`StepConfig`][shardax.train.StepConfig], as for
             [`make_train_step`][shardax.make_train_step] (its ``donate`` and ``stats`` do not
             apply).
     """
     if config is not None:
-        settings = {"mesh": mesh, "plan": plan, "mode": mode, "accumulate": accumulate,
-                    "data_axis": data_axis, "precision": precision, "seq_axis": seq_axis,
-                    "batch_spec": batch_spec, "rng_per_device": rng_per_device,
-                    "compiler_options": compiler_options}  # fmt: skip
+        settings = {
+            "mesh": mesh,
+            "plan": plan,
+            "mode": mode,
+            "accumulate": accumulate,
+            "data_axis": data_axis,
+            "precision": precision,
+            "seq_axis": seq_axis,
+            "batch_spec": batch_spec,
+            "rng_per_device": rng_per_device,
+            "compiler_options": compiler_options,
+        }
         return EvalStep(metric_fn, _config_alone(config, settings, make_eval_step).for_eval())
-    config = StepConfig(mesh=mesh, plan=plan, mode=mode, accumulate=accumulate,
-                        donate=False, data_axis=data_axis, precision=precision, stats=(),
-                        seq_axis=seq_axis, batch_spec=batch_spec,
-                        rng_per_device=rng_per_device,
-                        compiler_options=compiler_options)  # fmt: skip
+    config = StepConfig(
+        mesh=mesh,
+        plan=plan,
+        mode=mode,
+        accumulate=accumulate,
+        donate=False,
+        data_axis=data_axis,
+        precision=precision,
+        stats=(),
+        seq_axis=seq_axis,
+        batch_spec=batch_spec,
+        rng_per_device=rng_per_device,
+        compiler_options=compiler_options,
+    )
     return EvalStep(metric_fn, config.for_eval())

@@ -1,12 +1,11 @@
 """Masks and means: the mean over the real examples or tokens of a padded batch.
 
 A batch may carry a top-level boolean ``"mask"`` leaf whose shape leads the batch's
-shape: ``(batch,)``, True for real examples, or ``(batch, seq)``, True for real tokens.
-A loss function returns the mean over the real examples (tokens) it was given;
-[`masked_mean`][shardax.masked_mean] computes it, and the train step weights each shard and
-microbatch
-by its count of real examples (tokens), so the result is the mean over the whole
-global batch.
+shape: ``(batch,)``, True for real examples, or ``(batch, seq)``, True for real tokens. A
+loss function returns the mean over the real examples (tokens) it was given;
+[`masked_mean`][shardax.masked_mean] computes it, and the train step weights each shard
+and microbatch by its count of real examples (tokens), so the result is the mean over the
+whole global batch.
 
 >>> masked_mean(jnp.array([1.0, 2.0, 9.0]), jnp.array([True, True, False]))
 Array(1.5, dtype=float32)

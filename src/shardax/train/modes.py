@@ -1,7 +1,7 @@
 """The modes: how a step's per-shard function becomes a program on the mesh.
 
-``mode_program`` wraps a ``PerShard`` for the step's
-mode and returns ``call(state, batch)`` and ``lower(state, batch)``:
+``mode_program`` wraps a ``PerShard`` for the step's mode and returns
+``call(state, batch)`` and ``lower(state, batch)``:
 
 - ``"jit"``: ``jax.jit`` of the whole-batch function with the plan's and the batch's
   shardings, traced under ``jax.set_mesh(mesh)`` (so ``sx.constrain`` in the model knows
@@ -148,9 +148,14 @@ def options_for(config: StepConfig, state: Any) -> dict[str, Any]:
     """The XLA options the step's program for ``state`` compiles with: the resolved
     ``compiler_options``, and under ``"auto"`` on a GPU mesh the collective combine
     thresholds of ``state``'s weights (``shardax.train.compiler.for_state``)."""
-    return for_state(config.resolved_compiler_options, config.compiler_options,
-                     config.platform, state, config.precision.compute_dtype,
-                     config.mesh.size)  # fmt: skip
+    return for_state(
+        config.resolved_compiler_options,
+        config.compiler_options,
+        config.platform,
+        state,
+        config.precision.compute_dtype,
+        config.mesh.size,
+    )
 
 
 def mode_program(

@@ -1,11 +1,10 @@
 """The per-shard function of a step: what one device (or the whole mesh) computes.
 
 ``PerShard`` binds the model to its params, applies the precision's casts, hands
-``loss_fn`` its ``rng``/``step_rng`` keys, splits microbatches
-(``microbatched``) and binds BatchNorm to the data axis
-(``over_data_axis``). It runs the step's
-``StepWork`` (``objective``, ``view``, ``differentiate``,
-``finish``), which it is given and calls, never the other way round:
+``loss_fn`` its ``rng``/``step_rng`` keys, splits microbatches (``microbatched``) and
+binds BatchNorm to the data axis (``over_data_axis``). It runs the step's ``StepWork``
+(``objective``, ``view``, ``differentiate``, ``finish``), which it is given and calls,
+never the other way round:
 
 - ``PerShard.whole``: under ``"jit"`` and ``"single"``, the shard is the whole
   global batch;

@@ -16,12 +16,12 @@ too (the cast runs before the gather); ZeRO-1/2 gather the updated params in
 ``param_dtype``. ``tests/compile/test_overlap_targets.py`` checks these dtypes in the GPT's
 compiled step for an 8xH100 target. There is no float32-reduction option yet.
 
-With float16 compute, small gradients underflow; [`LossScaling`][shardax.train.LossScaling]
-multiplies the
-loss by a scale before differentiating and divides the gradients by it after. The
-scale lives in a ``LossScaleState`` in the train state: a step whose gradients
-are not finite is skipped and halves the scale; ``period`` finite steps in a row
-double it (the schedule of ``jmp.DynamicLossScale``).
+With float16 compute, small gradients underflow;
+[`LossScaling`][shardax.train.LossScaling] multiplies the loss by a scale before
+differentiating and divides the gradients by it after. The scale lives in a
+``LossScaleState`` in the train state: a step whose gradients are not finite is skipped
+and halves the scale; ``period`` finite steps in a row double it (the schedule of
+``jmp.DynamicLossScale``).
 
 >>> policy = resolve("bf16")
 >>> cast_floating({"w": jnp.ones(2), "n": jnp.arange(2)}, policy.compute_dtype)["w"].dtype
@@ -130,8 +130,8 @@ PRECISIONS: dict[str, Precision] = {
 
 def resolve(precision: str | Precision) -> Precision:
     """The [`Precision`][shardax.Precision] for ``"fp32"``, ``"bf16"``, ``"fp16"``,
-    ``"fp8"`` or a ``Precision``,
-    with its dtypes as NumPy dtypes; raises naming the value for anything else."""
+    ``"fp8"`` or a ``Precision``, with its dtypes as NumPy dtypes; raises naming the value
+    for anything else."""
     if isinstance(precision, str):
         if precision not in PRECISIONS:
             raise ValueError(

@@ -173,8 +173,8 @@ class _Preparer:
 
     def _nnx(self, model: Any, optimizer: Any) -> None:
         """Places ``model`` (and ``optimizer``) in place, through their
-        [`TrainState`][shardax.TrainState],
-        so the plan sees what it sees under ``make_train_step``."""
+        [`TrainState`][shardax.TrainState], so the plan sees what it sees under
+        ``make_train_step``."""
         state = TrainState.create(model, optax.identity() if optimizer is None else optimizer)
         _place(state, self.plan).write_to(model, optimizer)
 
@@ -275,10 +275,9 @@ def _has_arrays(obj: Any) -> bool:
 
 def _record_plan(placed: list[Any]) -> None:
     """Records each placed object's shardings as its plan (for
-    [`shardax.keep_plan`][shardax.keep_plan]
-    and [`shardax.describe`][shardax.describe]): the object, and a train state's params and
-    optimizer
-    state, which a step may return on their own."""
+    [`shardax.keep_plan`][shardax.keep_plan] and [`shardax.describe`][shardax.describe]):
+    the object, and a train state's params and optimizer state, which a step may return on
+    their own."""
     for obj in placed:
         if _is_loader(obj) and not _is_train_state(obj):
             continue
@@ -296,10 +295,10 @@ PLACES_ARRAYS = (
 
 
 def _check_placeable(i: int, obj: Any) -> None:
-    """Raises ``TypeError`` for an argument [`prepare`][shardax.prepare] cannot place: no arrays in
-    it
-    and not a loader (a Linen module, a number, a string, an object). An empty pytree
-    (``optax.sgd``'s ``EmptyState``, None) has nothing to place and passes."""
+    """Raises ``TypeError`` for an argument [`prepare`][shardax.prepare] cannot place: no
+    arrays in it and not a loader (a Linen module, a number, a string, an object). An
+    empty pytree (``optax.sgd``'s ``EmptyState``, None) has nothing to place and
+    passes."""
     if _is_loader(obj):
         return
     refuse_abstract(f"objects[{i}]", obj, PLACES_ARRAYS)
@@ -346,10 +345,9 @@ def prepare(
       ``eqx.nn.State`` (``eqx.nn.make_with_state``) is placed with its model, where a
       [`TrainState`][shardax.TrainState] holds it: the plan sees ``model_state/state/...``.
     - **batches**: any iterable of batches that is not a pytree (a generator, a loader)
-      becomes [`shardax.prefetch_to_device`][shardax.prefetch_to_device] with the batch split over
-      ``data_axis``:
-      each process yields its own slice and gets global batches. A list is a pytree:
-      pass ``iter(batches)``.
+      becomes [`shardax.prefetch_to_device`][shardax.prefetch_to_device] with the batch
+      split over ``data_axis``: each process yields its own slice and gets global batches.
+      A list is a pytree: pass ``iter(batches)``.
 
     Args:
       objects: what the loop holds, in any order.

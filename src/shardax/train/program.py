@@ -1,9 +1,9 @@
 """The compiled program behind the train and eval steps, composed of its parts.
 
-A ``Program`` runs ``program(state, batch)`` on a mesh in one of four modes. It is
-built from a [`StepConfig`][shardax.train.StepConfig] (the settings, checked) and a
-``StepWork`` (what the step computes: the train step's
-gradients and update, the eval step's metrics), and composes:
+A ``Program`` runs ``program(state, batch)`` on a mesh in one of four modes. It is built
+from a [`StepConfig`][shardax.train.StepConfig] (the settings, checked) and a ``StepWork``
+(what the step computes: the train step's gradients and update, the eval step's metrics),
+and composes:
 
 - ``shardax.train.per_shard``: the per-shard function (the model bound to its params,
   the precision's casts, the ``rng``/``step_rng`` keys, accumulation, BatchNorm over the
@@ -110,9 +110,8 @@ def refuse_abstract(name: str, tree: Any, instead: str) -> None:
 
 
 def check_state(state: Any, concrete: bool = True) -> None:
-    """A [`TrainState`][shardax.TrainState] whose buffers are alive (not donated to an earlier step)
-    and,
-    with ``concrete``, not abstract."""
+    """A [`TrainState`][shardax.TrainState] whose buffers are alive (not donated to an
+    earlier step) and, with ``concrete``, not abstract."""
     if not isinstance(state, TrainState):
         raise TypeError(
             f"the train step takes a sx.TrainState (sx.TrainState.create(model, tx), "
@@ -136,10 +135,10 @@ def check_state(state: Any, concrete: bool = True) -> None:
 class Program:
     """``program(state, batch)`` compiled for ``mesh`` in ``mode`` (see the module doc).
 
-    Attributes: ``config`` (the [`StepConfig`][shardax.train.StepConfig]), ``work``
-    (the ``StepWork``), ``loss_fn``, ``mode``, ``mesh``,
-    ``plan``, ``accumulate``, ``donate``, ``data_axis``, ``precision``,
-    ``compiler_options`` (the XLA options it compiles with, resolved for the mesh's
+    Attributes: ``config`` (the [`StepConfig`][shardax.train.StepConfig]), ``work`` (the
+    ``StepWork``), ``loss_fn``, ``mode``, ``mesh``, ``plan``, ``accumulate``, ``donate``,
+    ``data_axis``, ``precision``, ``compiler_options`` (the XLA options it compiles with,
+    resolved for the mesh's
     platform: ``shardax.train.compiler``).
     """
 

@@ -1,9 +1,8 @@
 """The step protocol: what a compiled program computes, given to it as functions.
 
-A ``Program`` runs the same per-shard machinery for the
-train and the eval step; what differs is a ``StepWork``, four functions (and one
-flag) the step hands the program when it is built. The program calls them; they never
-call back into it:
+A ``Program`` runs the same per-shard machinery for the train and the eval step; what
+differs is a ``StepWork``, four functions (and one flag) the step hands the program when
+it is built. The program calls them; they never call back into it:
 
 - ``objective(out) -> (loss, aux)``: reads what ``loss_fn`` returned;
 - ``view(model) -> model``: the model ``loss_fn`` sees (inference mode for evaluation);

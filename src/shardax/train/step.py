@@ -1,15 +1,14 @@
 """The train step: gradients, the optimizer update, loss scaling and update statistics.
 
-[`TrainStep`][shardax.train.TrainStep] is a ``Program`` (placement, modes,
-accumulation, the compiled-program cache) given the train step's work
-(``StepWork``): the loss and aux
+[`TrainStep`][shardax.train.TrainStep] is a ``Program`` (placement, modes, accumulation,
+the compiled-program cache) given the train step's work (``StepWork``): the loss and aux
 (``loss_and_aux``), ``differentiate`` and
-[`TrainStep.finish`][shardax.train.TrainStep.finish], which applies the update. It is written once,
-for one shard of the batch:
-under ``"jit"`` and ``"single"`` the shard is the whole global batch and the
-cross-device reductions are identities; under ``"shard_map"`` and ``"pmap"`` each
-device sees its slice and the program reduces over the data axis. So every mode computes
-the same update from the same global batch (up to the order of floating-point sums), when:
+[`TrainStep.finish`][shardax.train.TrainStep.finish], which applies the update. It is
+written once, for one shard of the batch: under ``"jit"`` and ``"single"`` the shard is
+the whole global batch and the cross-device reductions are identities; under
+``"shard_map"`` and ``"pmap"`` each device sees its slice and the program reduces over the
+data axis. So every mode computes the same update from the same global batch (up to the
+order of floating-point sums), when:
 
 - the loss is a mean over the examples (or tokens) it was given, and a batch whose count
   of them differs between devices (padding, token weights) carries a ``"mask"`` leaf, by
@@ -116,10 +115,10 @@ class TrainStep(Program):
     def update(self, state: TrainState, grads: Any, model_state: Any) -> TrainState:
         """The state after the optimizer's update with the (unscaled) ``grads``; with loss
         scaling, non-finite gradients change nothing but the step count and the scale.
-        [`shardax.verify`][shardax.verify] applies it on one device to the distributed gradients.
-        The
-        optimizer state keeps its dtypes (moments narrowed to a bf16 ``param_dtype`` stay
-        bf16 where the transformation computes in f32), so step 2 compiles nothing new."""
+        [`shardax.verify`][shardax.verify] applies it on one device to the distributed
+        gradients. The optimizer state keeps its dtypes (moments narrowed to a bf16
+        ``param_dtype`` stay bf16 where the transformation computes in f32), so step 2
+        compiles nothing new."""
         updated = state.apply_gradients(grads, model_state)
         updated = updated.replace(opt_state=cast_like(updated.opt_state, state.opt_state))
         if self._scaling is None:

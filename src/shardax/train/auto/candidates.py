@@ -8,6 +8,8 @@ predicted step time with its interval.
 'fsdp·full·mb2'
 >>> label("fsdp", None, 1, counts=1, layout="stage=4")
 'stage=4:fsdp'
+>>> label("fsdp", "full", 1, counts=1, precision="fp8")
+'fsdp·full·fp8'
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Candidate:
     """The settings its train step compiled with (its mesh, plan and count included)."""
     microbatches: int | None = None
     """``sx.pipeline``'s microbatches in its model, where its mesh says (the flags)."""
+    precision: str | None = None
+    """Its precision's name, where the search ranked several (``SearchSpace.precisions``)."""
 
     @property
     def total_bytes(self) -> int:
@@ -92,8 +96,12 @@ class Candidate:
         out = {k: v for k, v in out.items() if k not in hidden}
         mesh = getattr(self.plan, "mesh", None)
         shape = None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()}
-        return {**out, "total_bytes": self.total_bytes, "interval_s": self.interval_s,
-                "mesh": shape}  # fmt: skip
+        return {
+            **out,
+            "total_bytes": self.total_bytes,
+            "interval_s": self.interval_s,
+            "mesh": shape,
+        }
 
 
 def from_estimate(name: str, plan: Plan, report: Estimate, **fields: Any) -> Candidate:
@@ -101,9 +109,20 @@ def from_estimate(name: str, plan: Plan, report: Estimate, **fields: Any) -> Can
     memory figures, the bytes its collectives send and their runs, its predicted time; a
     step the backend refused for lack of memory does not fit."""
     if report.compile_error is not None or report.compiled_bytes is None:
-        return Candidate(name, plan, 0, 0, 0, int(report.memory.get("temporaries", 0)), 0.0,
-                         {}, False, refused=report.compile_error, estimate=report,
-                         **fields)  # fmt: skip
+        return Candidate(
+            name,
+            plan,
+            0,
+            0,
+            0,
+            int(report.memory.get("temporaries", 0)),
+            0.0,
+            {},
+            False,
+            refused=report.compile_error,
+            estimate=report,
+            **fields,
+        )
     b = report.compiled_bytes
     runs: Counter[str] = Counter()
     for row in report.collectives:
@@ -184,12 +203,18 @@ def abstract_states(given: Any, what: str = "abstract_state_or_init") -> dict[st
 
 
 def label(
-    plan: str, variant: str | None, accumulate: int, counts: int, layout: str | None = None
+    plan: str,
+    variant: str | None,
+    accumulate: int,
+    counts: int,
+    layout: str | None = None,
+    precision: str | None = None,
 ) -> str:
     """A candidate's name: the layout (its mesh's name, where several are ranked), the
-    plan, then the variant (if any), then ``mb<k>`` when several microbatch counts are
-    ranked."""
+    plan, then the variant (if any), the precision (where several are ranked), then
+    ``mb<k>`` when several microbatch counts are ranked."""
     parts = [plan] + ([variant] if variant is not None else [])
+    parts += [precision] if precision is not None else []
     name = "·".join(parts + ([f"mb{accumulate}"] if counts > 1 else []))
     return name if layout is None else f"{layout}:{name}"
 
@@ -198,7 +223,8 @@ def label(
 class Group:
     """The candidates of one mesh: its ``plans`` × the model ``states`` (variants) × the
     microbatch ``counts``, each the train step of ``config`` (its plan and count
-    replaced) for ``loss_fn``; with ``loss_fn`` None, the optimizer update alone."""
+    replaced) for ``loss_fn``; with ``loss_fn`` None, the optimizer update alone.
+    ``precision``: the name of ``config``'s precision where the search ranks several."""
 
     plans: Mapping[str, FollowParams]
     states: Mapping[str | None, TrainState]
@@ -207,6 +233,15 @@ class Group:
     counts: Sequence[int] = (1,)
     name: str | None = None
     microbatches: int | None = None
+    precision: str | None = None
+
+    def with_precision(self, precision: str) -> Group:
+        """This group under the precision named ``precision`` (its candidates named so)."""
+        if self.config is None:
+            raise TypeError("a precision is a setting of the train step, and this group "
+                            "compiles the optimizer update alone")  # fmt: skip
+        config = dataclasses.replace(self.config, precision=precision)
+        return dataclasses.replace(self, config=config, precision=precision)
 
     @property
     def mesh(self) -> Mesh:
@@ -228,8 +263,8 @@ class Group:
     ) -> Group:
         """The group of ``plans`` on ``config``'s mesh, checked: the microbatch counts of
         ``accumulate`` that split ``batch``'s rows over its data axes
-        (``check_accumulate``) and the model's abstract
-        states (``model``: a state, an init or ``{variant: either}``)."""
+        (``check_accumulate``) and the model's abstract states (``model``: a state, an
+        init or ``{variant: either}``)."""
         counts = check_accumulate(accumulate, config.mesh, config.data_axis, batch)
         states = abstract_states(model)
         return cls(plans, states, loss_fn, config, counts, name, microbatches)
@@ -267,8 +302,10 @@ def compile_candidates(
         for variant, state in group.states.items():
             more = None  # why this variant's larger counts are not compiled
             for k in group.counts:
-                name = label(plan_name, variant, k, len(group.counts), group.name)
-                fields = {"accumulate": k, "variant": variant, "microbatches": group.microbatches}
+                name = label(plan_name, variant, k, len(group.counts), group.name,
+                             group.precision)  # fmt: skip
+                fields = {"accumulate": k, "variant": variant, "microbatches": group.microbatches,
+                          "precision": group.precision}  # fmt: skip
                 if limit is not None and compiled >= limit and not (rest or more):
                     more = f"the limit of {limit} compiles is reached"
                 if rest or more:

@@ -10,6 +10,8 @@ flags and a launch command for the devices' hosts.
 
 >>> train_flags("fsdp", {"replica": 2, "data": 8}, "full", 2)
 '--mesh data=16 --plan fsdp --accumulate 2 --remat full'
+>>> train_flags("zero1", {"data": 8}, precision="fp8")
+'--mesh data=8 --plan zero1 --precision fp8'
 >>> launch_command(jax.devices(), "python train.py")  # one host: the command itself
 'python train.py'
 """
@@ -96,7 +98,8 @@ class AutoPlan:
                 "plan=report.plan), or rank the default plans under their own names"
             )
         shape = {str(k): int(v) for k, v in c.mesh.shape.items()}
-        return train_flags(c.plan.name, shape, c.variant, c.accumulate, c.microbatches)
+        return train_flags(c.plan.name, shape, c.variant, c.accumulate, c.microbatches,
+                           c.precision)  # fmt: skip
 
     def launch(self, command: str) -> str:
         """``command`` started on every host of the pick's devices
@@ -123,9 +126,11 @@ class AutoPlan:
         # With predictions the reason column needs the room: the arguments and
         # temporaries stay in to_dict() and the pick's estimate.
         step = "predicted step (s), interval"
-        cols = ["plan", "total", "sent", "fits", step, "why"] if predicted else [
-            "plan", "arguments", "temporaries", "total", "collective bytes", "fits"
-        ]  # fmt: skip
+        cols = (
+            ["plan", "total", "sent", "fits", step, "why"]
+            if predicted
+            else ["plan", "arguments", "temporaries", "total", "collective bytes", "fits"]
+        )
         for col in cols:
             left = col in ("plan", "why")
             table.add_column(col, justify="left" if left else "right", no_wrap=col != "why")
@@ -186,8 +191,9 @@ def _seconds(c: Candidate) -> str:
     if c.predicted_s is None:
         return "n/a"
     low_high = c.interval_s
-    return f"{c.predicted_s:.3f}" + ("" if low_high is None else
-                                     f" ({low_high[0]:.3f}-{low_high[1]:.3f})")  # fmt: skip
+    return f"{c.predicted_s:.3f}" + (
+        "" if low_high is None else f" ({low_high[0]:.3f}-{low_high[1]:.3f})"
+    )
 
 
 FLAG_PLANS = (*MESH_PLANS, "hsdp", "context", "fsdp+tp", "pipeline")
@@ -201,12 +207,13 @@ def train_flags(
     remat: str | None = None,
     accumulate: int = 1,
     microbatches: int | None = None,
+    precision: str | None = None,
 ) -> str:
     """The ``shardax train`` flags of ``plan`` on ``mesh``: ``hsdp`` is ``--plan fsdp`` on
     a mesh with a replica axis (the GPT's FSDP splits over ``data`` only); ``fsdp`` (over
     every data axis) and the ZeRO plans fold the replica axis into ``data``; ``context``
     is ``--plan fsdp`` on a mesh with a context axis; ``pipeline`` takes
-    ``--microbatches``. Then ``--accumulate`` (above 1) and ``--remat``."""
+    ``--microbatches``. Then ``--accumulate`` (above 1), ``--remat`` and ``--precision``."""
     mesh = dict(mesh)
     if plan not in ("hsdp", "context") and REPLICA_AXIS in mesh and DATA_AXIS in mesh:
         mesh[DATA_AXIS] = mesh.pop(REPLICA_AXIS) * mesh[DATA_AXIS]
@@ -217,7 +224,8 @@ def train_flags(
         flags += f" --microbatches {microbatches}"
     if accumulate > 1:
         flags += f" --accumulate {accumulate}"
-    return flags + (f" --remat {remat}" if remat else "")
+    flags += f" --remat {remat}" if remat else ""
+    return flags + (f" --precision {precision}" if precision else "")
 
 
 def launch_command(devices: Sequence[Any], command: str) -> str:
@@ -247,13 +255,12 @@ def choose(
 ) -> AutoPlan:
     """Of the ``measured`` candidates that fit ``budget`` bytes per device (all of them
     when ``budget`` is None), the one that sends the fewest bytes per step (ties: fewer
-    microbatches, then the fewest bytes per device). Where every candidate has a
-    predicted step time (devices with a datasheet or a registered calibration: GPUs,
-    TPUs, compile-only targets),
-    the fastest predicted of those that fit with
+    microbatches, then the fewest bytes per device). Where every candidate has a predicted
+    step time (devices with a datasheet or a registered calibration: GPUs, TPUs,
+    compile-only targets), the fastest predicted of those that fit with
     ``shardax.cost.report.HEADROOM`` to spare instead. Candidates not compiled
-    (``skipped``) stay in the report and are never picked. Raises ``ValueError`` when
-    none fits. ``note`` (what the candidates share) ends the reason."""
+    (``skipped``) stay in the report and are never picked. Raises ``ValueError`` when none
+    fits. ``note`` (what the candidates share) ends the reason."""
     measured = [
         dataclasses.replace(
             c,

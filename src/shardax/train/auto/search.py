@@ -4,8 +4,8 @@
 one mesh; [`search_plans`][shardax.search_plans] those of every mesh of a
 [`SearchSpace`][shardax.SearchSpace] (data × stage for a pipeline, data × context for long
 sequences, ...), for the user's own model, on the local devices or a ``sx.target``'s
-compile-only ones. This sits in ``train``, not
-``plan``, because it compiles the train step.
+compile-only ones. This sits in ``train``, not ``plan``, because it compiles the train
+step.
 
 Every candidate of a mesh compiles the same ``loss_fn`` (the same model), so only the
 placement of the state differs. On a mesh with a ``"stage"`` axis the batch is still split
@@ -117,7 +117,8 @@ def search_plans(
     names = [c.name for c in measured]
     if len(set(names)) < len(names):
         raise ValueError(f"candidates share a name ({names}); give each mesh's Layout its own name")
-    note = "".join(_layout_note(g) for g in groups) if len(groups) > 1 else ""
+    notes = list(dict.fromkeys(_layout_note(g) for g in groups))  # once per mesh
+    note = "".join(notes) if len(notes) > 1 else ""
     return choose(measured, budget, "train step", note)
 
 
@@ -194,8 +195,7 @@ def auto_plan(
         pipeline_rules, stage_axis: with rules that place the model's stacked layers
             over ``stage_axis`` (regex rules or a plan, e.g.
             ``gpt.plan(mesh, model, "pipeline")``), a ``pipeline`` candidate joins; the
-            model must run its layers with ``sx.pipeline`` (see
-            ``candidate_plans``).
+            model must run its layers with ``sx.pipeline`` (see ``candidate_plans``).
         candidates: ``{name: plan}`` to measure instead of ``candidate_plans``.
         accumulate: as for ``make_train_step``; or a sequence of counts, e.g.
             ``(1, 2, 4)``, each ranked (names end ``·mb<k>``). Each must split the

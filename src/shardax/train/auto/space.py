@@ -1,8 +1,8 @@
 """The search space of [`search_plans`][shardax.search_plans]: meshes (each a
 [`Layout`][shardax.train.Layout], e.g. data × stage for a pipeline, data × context for
 long sequences), the plans on each, the model's variants (remat policies), the microbatch
-counts and the step's settings (one [`StepConfig`][shardax.train.StepConfig]), on the
-local devices or a target's.
+counts, the precisions (e.g. ``("bf16", "fp8")``) and the step's settings (one
+[`StepConfig`][shardax.train.StepConfig]), on the local devices or a target's.
 
 >>> space = sx.SearchSpace(meshes=[{"data": 2, "stage": 4}, {"data": 4, "context": 2}])
 >>> [layout.name for layout in space.layouts]
@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from shardax.checks import as_count, expect_type, public
+from shardax.cost.calibrate_fp8 import fp8_unsupported
 from shardax.mesh.axes import CONTEXT_AXIS, DATA_AXIS, REPLICA_AXIS, STAGE_AXIS
 from shardax.mesh.make import make_mesh
 from shardax.plan.core import DEFAULT_FSDP_MIN_SIZE, Plan
@@ -35,6 +36,7 @@ from shardax.train.auto.options import (
     check_searchable,
 )
 from shardax.train.config import StepConfig
+from shardax.train.precision import PRECISIONS
 
 
 @public("sx.train.Layout")
@@ -52,8 +54,8 @@ class Layout:
             mesh or spec given to the space without a Layout is named by its axes beyond
             the data axes, where the space has several meshes.)
         plans: the plans to rank on it: names of the defaults
-            (``candidate_plans``, e.g. ``("fsdp",
-            "pipeline")``) or ``{name: plan or default's name}``; None: every default.
+            (``candidate_plans``, e.g. ``("fsdp", "pipeline")``) or
+            ``{name: plan or default's name}``; None: every default.
         model, loss_fn: its own model (a state, an init, or ``{variant: either}``) and
             loss, where it needs others (e.g. built with ``sx.pipeline``'s microbatches);
             None: the search's.
@@ -98,7 +100,7 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class SearchSpace:
     """What [`search_plans`][shardax.search_plans] ranks: the meshes × their plans × the model's
-    variants × the microbatch counts, each the train step of ``config``.
+    variants × the microbatch counts × the precisions, each the train step of ``config``.
 
     Args:
         meshes: ``sx.make_mesh`` specs, meshes or [`Layout`][shardax.train.Layout]s (default: every
@@ -106,9 +108,8 @@ class SearchSpace:
         devices: where the specs are built: a ``sx.target(...)`` (compile-only) or a
             list of devices (default: ``jax.devices()``).
         plans: the plans to rank, by name (e.g. ``("fsdp", "pipeline")``), on each mesh
-            that has them (None: every default plan of each mesh,
-            ``candidate_plans``); a Layout's own
-            ``plans`` replace them there.
+            that has them (None: every default plan of each mesh, ``candidate_plans``); a
+            Layout's own ``plans`` replace them there.
         accumulate: a microbatch count or several, e.g. ``(1, 2, 4)`` (None: the
             config's, else 1); each mesh keeps those that split the batch's rows over its
             data axes (none: the error names the rule).
@@ -121,6 +122,14 @@ class SearchSpace:
             size > 1).
         max_compiles: compile at most this many candidates (None: no limit); the rest
             are listed as not compiled.
+        precisions: precision names to rank (``make_train_step``'s, e.g. ``("bf16",
+            "fp8")``), each replacing ``config``'s; the candidates' names end with theirs
+            (``"fsdp·fp8"``) and the pick's flags give ``--precision``. Ranked by
+            predicted step time like the rest (``sx.estimate``'s per-op model prices fp8
+            GEMMs, at the datasheet's fp8 peak until the card's tables have fp8 rows). A
+            precision the devices cannot run is refused by name before anything compiles:
+            ``"fp8"`` needs fp8 tensor cores (an NVIDIA GPU of compute capability 8.9+;
+            not a CPU, a TPU or an A100). None: ``config``'s precision alone.
     """
 
     meshes: Sequence[Mapping[str, int] | Mesh | Layout] = ({DATA_AXIS: -1},)
@@ -134,6 +143,7 @@ class SearchSpace:
     pipeline_rules: Rules = None
     stage_axis: str = STAGE_AXIS
     max_compiles: int | None = None
+    precisions: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         checked = check_options(
@@ -159,6 +169,8 @@ class SearchSpace:
                     "('fsdp', 'zero1'), or pass None for every default plan"
                 )
             object.__setattr__(self, "plans", tuple(self.plans))
+        if self.precisions is not None:
+            object.__setattr__(self, "precisions", _check_precisions(self.precisions))
 
     @property
     def layouts(self) -> tuple[Layout, ...]:
@@ -186,7 +198,11 @@ class SearchSpace:
 
     def groups(self, model: Any, loss_fn: Callable[..., Any], batch: Any) -> list[Group]:
         """The candidates of each mesh, checked, before anything compiles."""
-        groups = [self._group(layout, model, loss_fn, batch) for layout in self.layouts]
+        layouts = self.layouts
+        for layout in layouts if self.precisions is not None else ():
+            assert isinstance(layout.mesh, Mesh)
+            check_precisions_apply(self.precisions, layout.mesh)  # before anything is built
+        groups = [self._group(layout, model, loss_fn, batch) for layout in layouts]
         if self.plans is not None:
             unknown = set(self.plans) - {n for g in groups for n in g.plans}
             if unknown:
@@ -199,7 +215,9 @@ class SearchSpace:
         names = [n for g in groups for n in (g.name,) if n is not None]
         if len(set(names)) < len(names):
             raise ValueError(f"two searched meshes have the same name: {names}; name each")
-        return groups
+        if self.precisions is None:
+            return groups
+        return [group.with_precision(p) for group in groups for p in self.precisions]
 
     def _group(self, layout: Layout, model: Any, loss_fn: Any, batch: Any) -> Group:
         mesh, axis = layout.mesh, layout.data_axis
@@ -230,6 +248,37 @@ class SearchSpace:
         )
 
 
+def _check_precisions(precisions: Any) -> tuple[str, ...]:
+    """``precisions`` as a tuple of distinct precision names (``PRECISIONS``), or an error
+    naming the rule and the value."""
+    names = list(PRECISIONS)
+    if isinstance(precisions, str) or not isinstance(precisions, Sequence):
+        raise TypeError(f"precisions must be a list of precision names from {names}, e.g. "
+                        f"('bf16', 'fp8'), got {precisions!r}")  # fmt: skip
+    if not precisions:
+        raise ValueError(f"precisions is empty, so there is nothing to rank; name some of "
+                         f"{names}, or pass None for the config's precision")  # fmt: skip
+    unknown = [p for p in precisions if not isinstance(p, str) or p not in PRECISIONS]
+    if unknown:
+        raise ValueError(f"precisions: {unknown[0]!r} is not a precision name; each must be "
+                         f"one of {names}, got {list(precisions)!r}")  # fmt: skip
+    if len(set(precisions)) < len(precisions):
+        raise ValueError(f"precisions names one twice: {list(precisions)!r}")
+    return tuple(precisions)
+
+
+def check_precisions_apply(precisions: Sequence[str], mesh: Mesh) -> None:
+    """Refuses by name a precision ``mesh``'s devices cannot run: ``"fp8"`` without fp8
+    tensor cores (``shardax.cost.calibrate_fp8.fp8_unsupported``; fp8 on a CPU is emulated
+    in wide arithmetic, so no prediction of its speed means anything)."""
+    if "fp8" not in precisions:
+        return
+    why = fp8_unsupported(mesh.devices.flat[0])
+    if why is not None:
+        raise ValueError(f"precisions {list(precisions)}: 'fp8' does not apply here: {why}; "
+                         "search it on a target with fp8, e.g. sx.target('8xH100')")  # fmt: skip
+
+
 def _hybrid(devices: Any) -> Layout | None:
     """The hybrid layout of ``devices`` (default ``jax.devices()``) over several hosts of
     equal size: replicas across hosts, ``hsdp`` within each; None on one host."""
@@ -240,8 +289,11 @@ def _hybrid(devices: Any) -> Layout | None:
     sizes = set(hosts.values())
     if len(hosts) < 2 or len(sizes) != 1 or sizes == {1}:
         return None
-    return Layout({REPLICA_AXIS: len(hosts), DATA_AXIS: sizes.pop()}, name=f"replica={len(hosts)}",
-                  plans=("hsdp",))  # fmt: skip
+    return Layout(
+        {REPLICA_AXIS: len(hosts), DATA_AXIS: sizes.pop()},
+        name=f"replica={len(hosts)}",
+        plans=("hsdp",),
+    )
 
 
 def _dividing(accumulate: Counts, mesh: Mesh, axis: Any, batch: Any) -> Counts:

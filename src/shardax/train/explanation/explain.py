@@ -88,13 +88,16 @@ class Explanation:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able)."""
         return {
-            "fits": self.fits, "budget": self.budget, "peak_bytes": self.peak_bytes,
+            "fits": self.fits,
+            "budget": self.budget,
+            "peak_bytes": self.peak_bytes,
             "memory": None if self.memory is None else self.memory.to_dict(),
             "unasked": [c.to_dict() for c in self.unasked],
             "implied": [c.to_dict() for c in self.collectives if c.implied],
             "placement": None if self.placement is None else self.placement.to_dict(),
-            "fixes": [f.to_dict() for f in self.fixes], "notes": list(self.notes),
-        }  # fmt: skip
+            "fixes": [f.to_dict() for f in self.fixes],
+            "notes": list(self.notes),
+        }
 
     def __rich__(self) -> Any:
         parts: list[Any] = []
@@ -118,11 +121,18 @@ def collectives_table(collectives: tuple[Reshard, ...]) -> Any:
     table = titled_table(f"collectives the plan did not ask for: {len(unasked)}")
     for col in ("op", "axes", "per step", "your line", "before -> after", "suggestion"):
         # the line is kept whole (a path to find, not prose): the suggestion wraps instead
-        table.add_column(col, justify="right" if col == "per step" else "left",
-                         no_wrap=col == "your line")  # fmt: skip
+        table.add_column(
+            col, justify="right" if col == "per step" else "left", no_wrap=col == "your line"
+        )
     for c in sorted(unasked, key=lambda c: -c.sent_bytes):
-        table.add_row(c.op, "/".join(c.axes), format_bytes(c.sent_bytes), c.source or c.what,
-                      f"{c.before} -> {c.after}", c.suggestion)  # fmt: skip
+        table.add_row(
+            c.op,
+            "/".join(c.axes),
+            format_bytes(c.sent_bytes),
+            c.source or c.what,
+            f"{c.before} -> {c.after}",
+            c.suggestion,
+        )
     implied: dict[str, list[Reshard]] = {}
     for c in collectives:
         if c.implied:
@@ -227,6 +237,8 @@ def explain(
         if note is not None:
             notes.append(note)
         if not proposed:
-            notes.append("no plan × microbatch count of the search fits the budget: pass "
-                         "variants= (remat policies) or more devices")  # fmt: skip
+            notes.append(
+                "no plan × microbatch count of the search fits the budget: pass "
+                "variants= (remat policies) or more devices"
+            )
     return Explanation(memory, rows, where, proposed, budget, peak, report, tuple(notes))

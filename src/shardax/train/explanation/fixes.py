@@ -49,8 +49,12 @@ class Fix:
         return dataclasses.asdict(self)
 
 
-_PLAN_CALLS = {"fsdp": "sx.fsdp(mesh)", "zero1": "sx.zero1(mesh)", "zero2": "sx.zero2(mesh)",
-               "replicate": "sx.replicate(mesh)"}  # fmt: skip
+_PLAN_CALLS = {
+    "fsdp": "sx.fsdp(mesh)",
+    "zero1": "sx.zero1(mesh)",
+    "zero2": "sx.zero2(mesh)",
+    "replicate": "sx.replicate(mesh)",
+}
 
 
 def _code(plan: str, accumulate: int, variant: str | None) -> str:
@@ -61,10 +65,15 @@ def _code(plan: str, accumulate: int, variant: str | None) -> str:
 
 
 def propose(
-    step: Any, state: Any, batch: Any, budget: float | None, *,
-    accumulate: tuple[int, ...] = ACCUMULATE, variants: dict[str, Any] | None = None,
+    step: Any,
+    state: Any,
+    batch: Any,
+    budget: float | None,
+    *,
+    accumulate: tuple[int, ...] = ACCUMULATE,
+    variants: dict[str, Any] | None = None,
     plans: tuple[str, ...] | None = None,
-) -> tuple[Fix, ...]:  # fmt: skip
+) -> tuple[Fix, ...]:
     """The compiled changes to ``step`` that fit ``budget`` bytes per device, best first
     (see the module); ``()`` for a step that is not a ``make_train_step`` step."""
     config = getattr(step, "config", None)
@@ -72,19 +81,30 @@ def propose(
     if config is None or loss_fn is None or config.mode != "jit":
         return ()
     base = dataclasses.replace(config, plan=None, accumulate=1)
-    space = SearchSpace(meshes=[config.mesh], accumulate=accumulate, config=base,
-                        device_memory=budget, plans=plans)  # fmt: skip
-    report = search_plans(space, dict(variants) if variants else state, loss_fn=loss_fn,
-                          batch=batch)  # fmt: skip
+    space = SearchSpace(
+        meshes=[config.mesh], accumulate=accumulate, config=base, device_memory=budget, plans=plans
+    )
+    report = search_plans(
+        space, dict(variants) if variants else state, loss_fn=loss_fn, batch=batch
+    )
     mesh = {str(k): int(v) for k, v in config.mesh.shape.items()}
     fixes = []
     for c in report.candidates:
         if c.skipped or c.refused or c.fits is False:  # None: no budget to fit
             continue
-        fixes.append(Fix(c.name, c.plan.name, c.accumulate, c.variant, c.total_bytes,
-                         c.predicted_s, c.interval_s,
-                         train_flags(c.plan.name, mesh, c.variant, c.accumulate, c.microbatches),
-                         _code(c.plan.name, c.accumulate, c.variant)))  # fmt: skip
+        fixes.append(
+            Fix(
+                c.name,
+                c.plan.name,
+                c.accumulate,
+                c.variant,
+                c.total_bytes,
+                c.predicted_s,
+                c.interval_s,
+                train_flags(c.plan.name, mesh, c.variant, c.accumulate, c.microbatches),
+                _code(c.plan.name, c.accumulate, c.variant),
+            )
+        )
     return rank(tuple(fixes))
 
 
@@ -120,8 +140,19 @@ def fraction_fixes(step: Any, estimate: Any, mesh: Any) -> tuple[Fix, ...]:
             flags = f"XLA_CLIENT_MEM_FRACTION={f:g}"
             code = f"os.environ['XLA_CLIENT_MEM_FRACTION'] = '{f:g}'  # before JAX starts"
         name = f"memory_fraction {f:g} (was {now:.2g})"
-        out.append(Fix(name, plan, accumulate, None, int(peak), estimate.predicted_s,
-                       estimate.interval_s, flags, code))  # fmt: skip
+        out.append(
+            Fix(
+                name,
+                plan,
+                accumulate,
+                None,
+                int(peak),
+                estimate.predicted_s,
+                estimate.interval_s,
+                flags,
+                code,
+            )
+        )
         break  # the smallest that fits
     return tuple(out)
 
@@ -137,8 +168,10 @@ def offload_note(memory: Any, peak: int, budget: float | None, device: Any) -> s
     platform = str(getattr(device, "platform", "")).lower()
     head = f"host offload of the optimizer state would free {format_bytes(freed)} per device"
     if platform == "cpu":
-        return (f"{head} of device memory, but on XLA:CPU that memory is the host's: "
-                "moving it to pinned_host frees nothing, so it is not proposed")  # fmt: skip
+        return (
+            f"{head} of device memory, but on XLA:CPU that memory is the host's: "
+            "moving it to pinned_host frees nothing, so it is not proposed"
+        )
     try:
         kinds = sorted({m.kind for m in device.addressable_memories()})
     except Exception:  # a compile-only device lists none: XLA:GPU and TPU have pinned_host
@@ -146,8 +179,11 @@ def offload_note(memory: Any, peak: int, budget: float | None, device: Any) -> s
     after = peak - freed
     verdict = "" if not budget else (" (fits)" if fits(after, budget) else " (still over)")
     named = ", ".join(kinds) or "none named"
-    where = ("the backend has a pinned_host memory space for it, but" if "pinned_host" in kinds
-             else f"the backend has no pinned_host memory space ({named}), and")  # fmt: skip
+    where = (
+        "the backend has a pinned_host memory space for it, but"
+        if "pinned_host" in kinds
+        else f"the backend has no pinned_host memory space ({named}), and"
+    )
     return (
         f"{head} at the peak, to about {format_bytes(after)}{verdict}: {where} a shardax "
         "step keeps the optimizer state in device memory, so it is not proposed"

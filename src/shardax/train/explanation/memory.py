@@ -138,16 +138,23 @@ class CompiledStep:
         """The buffers live at the peak (None: the backend wrote no live-range dump)."""
         if not self.live:
             return None
-        return peak_buffers(self.compiled.as_text(), self.live, sources or self.sources,
-                            coverage, self.param_shapes())  # fmt: skip
+        return peak_buffers(
+            self.compiled.as_text(),
+            self.live,
+            sources or self.sources,
+            coverage,
+            self.param_shapes(),
+        )
 
 
 def compile_step(step: Any, state: Any, batch: Any) -> CompiledStep:
     """``step(state, batch)`` (abstract values suffice, on live devices or a ``sx.target``)
     compiled once with XLA's dump of the optimized module."""
     if not hasattr(step, "lower"):
-        raise TypeError(f"step must be a make_train_step step or a jax.jit function (with "
-                        f".lower), got {type(step).__name__}")  # fmt: skip
+        raise TypeError(
+            f"step must be a make_train_step step or a jax.jit function (with "
+            f".lower), got {type(step).__name__}"
+        )
     state, batch = abstract_tree(state), jax.tree.map(_unplaced, abstract_tree(batch))
     mesh = mesh_of(step, jax.tree.leaves((state, batch)))
     check_axes(state, mesh, "state")
@@ -170,20 +177,26 @@ def memory_table(memory: PeakBuffers, peak: int, budget: float | None, fit: bool
     """The table of the buffers live at the peak."""
     verdict = "" if fit is None else (", fits" if fit else ", [red]does not fit[/]")
     room = "" if not budget else f" of a {format_bytes(budget)} budget{verdict}"
-    table = titled_table(f"memory at the peak: {format_bytes(peak)} per device{room} (at "
-                         f"{memory.at}, {memory.phase} pass)")  # fmt: skip
+    table = titled_table(
+        f"memory at the peak: {format_bytes(peak)} per device{room} (at "
+        f"{memory.at}, {memory.phase} pass)"
+    )
     for col in ("bytes", "array", "what", "is"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
     table.add_column("your line", no_wrap=True)  # a path is kept whole, on one line
     for b in memory.buffers:
-        table.add_row(format_bytes(b.bytes), f"{b.dtype}{list(b.shape)}", b.what, b.kind,
-                      b.source or "-")  # fmt: skip
-    kinds = ", ".join(f"{k} {format_bytes(v)}" for k, v in
-                      sorted(memory.by_kind().items(), key=lambda kv: -kv[1]))  # fmt: skip
-    table.caption = (f"{len(memory.buffers)} buffers cover "
-                     f"{1 - memory.rest_bytes / max(memory.peak_bytes, 1):.0%} of the heap's "
-                     f"{format_bytes(memory.peak_bytes)} ({memory.rest} smaller left out): "
-                     f"{kinds}")  # fmt: skip
+        table.add_row(
+            format_bytes(b.bytes), f"{b.dtype}{list(b.shape)}", b.what, b.kind, b.source or "-"
+        )
+    kinds = ", ".join(
+        f"{k} {format_bytes(v)}" for k, v in sorted(memory.by_kind().items(), key=lambda kv: -kv[1])
+    )
+    table.caption = (
+        f"{len(memory.buffers)} buffers cover "
+        f"{1 - memory.rest_bytes / max(memory.peak_bytes, 1):.0%} of the heap's "
+        f"{format_bytes(memory.peak_bytes)} ({memory.rest} smaller left out): "
+        f"{kinds}"
+    )
     return table
 
 
@@ -204,6 +217,8 @@ def out_of_memory_note(step: Any, state: Any, batch: Any) -> str:
         return "shardax: the backend gave no live-range dump to explain the peak"
     budget = program.budget
     table = memory_table(memory, program.peak_bytes, budget, fits(program.peak_bytes, budget))
-    head = ("shardax: the step's buffers at its compiled peak (sx.explain(step, state, batch, "
-            "fixes=True) proposes fixes, each compiled):")  # fmt: skip
+    head = (
+        "shardax: the step's buffers at its compiled peak (sx.explain(step, state, batch, "
+        "fixes=True) proposes fixes, each compiled):"
+    )
     return head + "\n" + rich_text(table, width=140)

@@ -85,8 +85,10 @@ class Placement:
         text = f"placement ({self.plan}): " + (", ".join(kinds) or "no parameter")
         if self.leaves:
             first = self.leaves[0]
-            text += (f"; {len(self.leaves)} leaves split fewer ways than meant (first "
-                     f"{first.path}: {first.why})")  # fmt: skip
+            text += (
+                f"; {len(self.leaves)} leaves split fewer ways than meant (first "
+                f"{first.path}: {first.why})"
+            )
         if self.idle_axes:
             text += f"; axes splitting nothing: {', '.join(self.idle_axes)}"
         if self.notes:
@@ -95,10 +97,17 @@ class Placement:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able)."""
-        return {"plan": self.plan, "summary": self.summary(), "mesh": self.mesh, "ok": self.ok,
-                "ways": {k: {str(n): b for n, b in v.items()} for k, v in self.ways.items()},
-                "meant": self.meant, "leaves": [leaf.to_dict() for leaf in self.leaves],
-                "idle_axes": list(self.idle_axes), "notes": list(self.notes)}  # fmt: skip
+        return {
+            "plan": self.plan,
+            "summary": self.summary(),
+            "mesh": self.mesh,
+            "ok": self.ok,
+            "ways": {k: {str(n): b for n, b in v.items()} for k, v in self.ways.items()},
+            "meant": self.meant,
+            "leaves": [leaf.to_dict() for leaf in self.leaves],
+            "idle_axes": list(self.idle_axes),
+            "notes": list(self.notes),
+        }
 
     def __rich__(self) -> Any:
         from rich.console import Group
@@ -109,8 +118,10 @@ class Placement:
         table.add_column("meant", justify="right")
         for kind, ways in self.ways.items():
             shares = self.share(kind)
-            text = ", ".join(f"{n}: {shares[n]:.1%} ({format_bytes(b)})"
-                             for n, b in sorted(ways.items(), reverse=True))  # fmt: skip
+            text = ", ".join(
+                f"{n}: {shares[n]:.1%} ({format_bytes(b)})"
+                for n, b in sorted(ways.items(), reverse=True)
+            )
             table.add_row(kind, text, str(self.meant.get(kind, 1)))
         parts: list[Any] = [table]
         if self.leaves:
@@ -118,14 +129,17 @@ class Placement:
             for col in ("leaf", "shape", "spec", "ways", "why"):
                 below.add_column(col, justify="right" if col == "ways" else "left")
             for leaf in self.leaves:
-                below.add_row(leaf.path, str(leaf.shape), leaf.spec,
-                              f"{leaf.ways}/{leaf.meant}", leaf.why)  # fmt: skip
+                below.add_row(
+                    leaf.path, str(leaf.shape), leaf.spec, f"{leaf.ways}/{leaf.meant}", leaf.why
+                )
             parts.append(below)
         for axis in self.idle_axes:
-            parts.append(f"mesh axis {axis!r} ({self.mesh[axis]}) splits no parameter or "
-                         "optimizer byte: they are copied along it (HSDP's replica axis is "
-                         "meant so; FSDP over it would be fsdp(mesh, axis=(..., "
-                         f"{axis!r})))")  # fmt: skip
+            parts.append(
+                f"mesh axis {axis!r} ({self.mesh[axis]}) splits no parameter or "
+                "optimizer byte: they are copied along it (HSDP's replica axis is "
+                "meant so; FSDP over it would be fsdp(mesh, axis=(..., "
+                f"{axis!r})))"
+            )
         parts += [f"note: {n}" for n in self.notes]
         return Group(*parts)
 
@@ -161,8 +175,15 @@ def _plan_spec(plan: Any, path: str, shape: tuple[int, ...], kind: str) -> Parti
 _LARGE = 2**20  # the probe's shape: every axis divides it, and no min_size refuses it
 
 
-def _why(plan: Any, path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Any,
-         kind: str, devices: int) -> str:  # fmt: skip
+def _why(
+    plan: Any,
+    path: str,
+    shape: tuple[int, ...],
+    spec: PartitionSpec,
+    mesh: Any,
+    kind: str,
+    devices: int,
+) -> str:
     size_one = [a for a in _axes(spec) if int(mesh.shape[a]) == 1]
     if size_one:
         return f"its axes {size_one} have size 1"
@@ -218,9 +239,15 @@ def placement(state: Any, plan: Any, shardings: Any = None) -> Placement:
     if idle and not _splits_any(plan, rows):  # a replicating plan (DP) means to copy
         idle = ()
     notes = tuple(plan.notes(state)) if hasattr(plan, "notes") else ()
-    return Placement(getattr(plan, "name", type(plan).__name__),
-                     {str(k): int(v) for k, v in mesh.shape.items()}, ways, meant,
-                     tuple(below), idle, notes)  # fmt: skip
+    return Placement(
+        getattr(plan, "name", type(plan).__name__),
+        {str(k): int(v) for k, v in mesh.shape.items()},
+        ways,
+        meant,
+        tuple(below),
+        idle,
+        notes,
+    )
 
 
 def step_placement(step: Any, state: Any) -> Placement | None:

@@ -1,12 +1,11 @@
 """verify's one algorithm, for a train step and for your own step function alike.
 
-Step by step, a ``Side`` (the path's adapter) runs
-the distributed step and its one-device reference from the same state, and their leaves
-are compared. Where a leaf of the update differs, it is judged a second way: against the
-optimizer applied, on one device, to the distributed gradients (the closer of the two
-references wins), or, where the side cannot see the optimizer, at its noise floor. The
-first step that differs goes through the cause ladder
-(``LADDER``), and the report says what was found.
+Step by step, a ``Side`` (the path's adapter) runs the distributed step and its one-device
+reference from the same state, and their leaves are compared. Where a leaf of the update
+differs, it is judged a second way: against the optimizer applied, on one device, to the
+distributed gradients (the closer of the two references wins), or, where the side cannot
+see the optimizer, at its noise floor. The first step that differs goes through the cause
+ladder (``LADDER``), and the report says what was found.
 
 >>> report = verify(step, state, {"x": np.ones((16, 4)), "y": np.zeros((16, 2))})
 >>> report.ok, report.cause

@@ -3,9 +3,9 @@
 ``LADDER`` lists the cause functions, most specific evidence first. Each takes the
 ``Evidence`` of the first step that differed and returns ``(cause, hint)`` when its
 evidence holds, else None; the first to answer names the cause. A new cause is one
-function here, added to ``LADDER`` (and its name and hint to ``CAUSES``); one that
-needs evidence a path cannot give yet asks the ``Side``
-for it, and a path that cannot give it answers None.
+function here, added to ``LADDER`` (and its name and hint to ``CAUSES``); one that needs
+evidence a path cannot give yet asks the ``Side`` for it, and a path that cannot give it
+answers None.
 
 >>> from shardax.train.verification.comparison import LeafDiff
 >>> worst = LeafDiff("params/w", 1, max_abs=1e-3, max_rel=1e-3, limit=1e-4, scale=1.0)

@@ -1,12 +1,11 @@
 """Your own step function's side of verify (the keep-your-loop path).
 
-``verify(train_step, (model, optimizer), batch)`` runs the function on copies of the state,
-placed as given and on the first device (or ``reference=``, your own one-device step). A
-functional step returns the new state first (``(state, metrics)`` or ``(*state,
-metrics)``); an NNX step updates its arguments in place and returns its metrics. An
-``nnx.Optimizer`` among them hands verify the gradients
-(``recording``); otherwise the update is judged at its
-noise floor (``noise``).
+``verify(train_step, (model, optimizer), batch)`` runs the function on copies of the
+state, placed as given and on the first device (or ``reference=``, your own one-device
+step). A functional step returns the new state first (``(state, metrics)`` or
+``(*state, metrics)``); an NNX step updates its arguments in place and returns its
+metrics. An ``nnx.Optimizer`` among them hands verify the gradients (``recording``);
+otherwise the update is judged at its noise floor (``noise``).
 
 >>> @jax.jit
 ... def sgd_step(params, batch):
@@ -169,8 +168,8 @@ def check_structure(got: Any, want: Any, given: bool) -> None:
 
 
 class FunctionSide:
-    """Your own step function as a ``Side``;
-    ``run.start`` is a copy of the state the step started from."""
+    """Your own step function as a ``Side``; ``run.start`` is a copy of the state the step
+    started from."""
 
     precision = "the state's dtype"
 

@@ -2,9 +2,9 @@
 
 It runs under a one-device mesh with the distributed mesh's axis names and types (so a
 model's own sharding annotations and ``sx.constrain`` still apply) and in the distributed
-mesh's sequence layout (a zig-zag batch keeps its C,
-``laid_out_for``). A reference that does not fit on the
-device, the state and batch alone or once it runs out of memory, is refused plainly.
+mesh's sequence layout (a zig-zag batch keeps its C, ``laid_out_for``). A reference that
+does not fit on the device, the state and batch alone or once it runs out of memory, is
+refused plainly.
 
 >>> ref = Reference.on(one_device_mesh(mesh), mesh, {"x": np.ones((8, 4))})
 >>> ref.mesh1.axis_names, ref.mesh1.size, ref.examples

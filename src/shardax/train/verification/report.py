@@ -91,9 +91,11 @@ class VerifyReport:
                 ("noise" if d.noise else "ok") if d.ok else "[red]differs[/]",
             )
         more = len(self.diffs) - SHOWN
-        caption = [f"{self.what} against {self.reference}: {self.judged}",
-                   f"{self.compared} leaves × {self.steps} step(s), rtol={self.rtol:g}, "
-                   f"atol={self.atol:g}, {self.seconds:.1f} s"]  # fmt: skip
+        caption = [
+            f"{self.what} against {self.reference}: {self.judged}",
+            f"{self.compared} leaves × {self.steps} step(s), rtol={self.rtol:g}, "
+            f"atol={self.atol:g}, {self.seconds:.1f} s",
+        ]
         if more > 0:
             caption.append(f"{more} more leaves differ")
         if not self.ok and self.worst is not None:

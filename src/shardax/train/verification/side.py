@@ -1,10 +1,9 @@
 """A side: what verify's one algorithm asks of a path (a train step, or your own function).
 
-The algorithm (``algorithm``) runs a ``Side`` step by
-step and compares each ``Run``'s ``got`` (the distributed step's leaves) with its
-``want`` (one device's); the causes (``causes``) ask it for
-more evidence. A path that cannot give some evidence answers None, and the causes that
-need it are not named for it.
+The algorithm (``algorithm``) runs a ``Side`` step by step and compares each ``Run``'s
+``got`` (the distributed step's leaves) with its ``want`` (one device's); the causes
+(``causes``) ask it for more evidence. A path that cannot give some evidence answers None,
+and the causes that need it are not named for it.
 
 >>> run = Run(start=None, got={"loss": np.ones(())}, want={"loss": np.ones(())})
 >>> sorted(run.got) == sorted(run.want)
@@ -64,8 +63,8 @@ class Side(Protocol):
         ...
 
     def floor(self, run: Run, rtol: float, atol: float) -> dict[str, float] | None:
-        """The update leaves' noise floor (``noise``), by
-        path; None when there is none."""
+        """The update leaves' noise floor (``noise``), by path; None when there is
+        none."""
         ...
 
     def unread(self, run: Run, paths: list[str], rtol: float, atol: float) -> set[str]:

@@ -61,11 +61,13 @@ class _Probe(TrainStep):
         """The probe of ``step``; with ``mesh``, the reference: jit on that (one-device)
         mesh, replicated, with ``accumulate`` (one device over the whole batch: 1)."""
         one = mesh is not None
-        config = dataclasses.replace(step.config, donate=False, stats=(), stats_every=1,
-                                     batch_spec=None)  # fmt: skip
+        config = dataclasses.replace(
+            step.config, donate=False, stats=(), stats_every=1, batch_spec=None
+        )
         if one:
-            config = dataclasses.replace(config, mesh=mesh, plan=None, mode="jit",
-                                         accumulate=accumulate, seq_axis=None)  # fmt: skip
+            config = dataclasses.replace(
+                config, mesh=mesh, plan=None, mode="jit", accumulate=accumulate, seq_axis=None
+            )
         return cls(step.loss_fn, config)
 
 
@@ -109,9 +111,8 @@ def _fold_keys(tree: Any) -> Any:
 
 
 class TrainStepSide:
-    """A [`TrainStep`][shardax.train.TrainStep] as a
-    ``Side``; ``run.start`` is ``(the distributed
-    state, the reference's copy of it)``."""
+    """A [`TrainStep`][shardax.train.TrainStep] as a ``Side``; ``run.start`` is
+    ``(the distributed state, the reference's copy of it)``."""
 
     judged = JUDGED
 
