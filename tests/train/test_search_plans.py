@@ -105,3 +105,20 @@ def test_each_mesh_keeps_the_counts_that_split_its_rows(mesh):
     assert _dividing((1, 2, 4), small, "data", batch) == (1, 2, 4)
     assert _dividing((4, 8), mesh, "data", batch) == (4, 8)  # none: the check names the rule
     assert _dividing(2, mesh, "data", batch) == 2
+
+
+def test_precisions_are_checked_and_fp8_is_refused_where_it_does_not_apply(example):
+    init, loss_fn, batch = example["init"], example["loss_fn"], example["sequences"]
+    for given, error, says in (
+        ("fp8", TypeError, "precisions must be a list of precision names"),
+        ((), ValueError, "precisions is empty"),
+        (("bf16", "int8"), ValueError, "precisions: 'int8' is not a precision name"),
+        (("bf16", "bf16"), ValueError, "precisions names one twice"),
+    ):
+        with pytest.raises(error, match=re.escape(says)):
+            sx.SearchSpace(precisions=given)
+    space = sx.SearchSpace(plans=("fsdp",), precisions=("bf16", "fp8"))
+    # XLA:CPU widens fp8 operands: no prediction of fp8's speed means anything here
+    says = "'fp8' does not apply here: fp8 matmuls need fp8 tensor cores (an NVIDIA GPU of "
+    with pytest.raises(ValueError, match=re.escape(says) + r".*these are cpu devices \(cpu\)"):
+        sx.search_plans(space, init, loss_fn=loss_fn, batch=batch)
