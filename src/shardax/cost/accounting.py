@@ -22,8 +22,11 @@ def budget_fields(device: Any) -> dict[str, Any]:
     """An [`Estimate`][shardax.cost.Estimate]'s ``memory_budget`` and ``budget_note`` on
     ``device``."""
     found = device_memory(device)
-    return {"memory_budget": None, "budget_note": ""} if found is None else {
-        "memory_budget": found[0], "budget_note": found[1]}  # fmt: skip
+    return (
+        {"memory_budget": None, "budget_note": ""}
+        if found is None
+        else {"memory_budget": found[0], "budget_note": found[1]}
+    )
 
 
 def mesh_of(step: Any, leaves: list[Any]) -> Any:
@@ -108,8 +111,11 @@ def state_bytes(state: Any, shardings: Any) -> tuple[dict[str, int], int]:
 def param_shapes(state: Any) -> list[tuple[str, tuple[int, ...]]]:
     """``(path, global shape)`` of each parameter leaf of ``state`` (as ``_kind``)."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    return [(jax.tree_util.keystr(p), tuple(x.shape)) for p, x in leaves
-            if hasattr(x, "shape") and _kind(jax.tree_util.keystr(p)) == "params"]  # fmt: skip
+    return [
+        (jax.tree_util.keystr(p), tuple(x.shape))
+        for p, x in leaves
+        if hasattr(x, "shape") and _kind(jax.tree_util.keystr(p)) == "params"
+    ]
 
 
 def grad_bytes(step: Any, state: Any, params_bytes: int, mesh: Any) -> int:

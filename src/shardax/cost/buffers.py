@@ -52,8 +52,17 @@ from shardax.cost.sources import Sources
 
 COVERAGE = 0.9
 """The share of the peak's bytes the rows cover, largest first."""
-KINDS = ("parameter", "optimizer state", "other state", "batch", "argument", "gradient",
-         "activation", "collective", "temporary")  # fmt: skip
+KINDS = (
+    "parameter",
+    "optimizer state",
+    "other state",
+    "batch",
+    "argument",
+    "gradient",
+    "activation",
+    "collective",
+    "temporary",
+)
 _PEAK = re.compile(r"Live ranges at (\d+) \(peak\):")
 _LIVE = re.compile(r"^\s+([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
 _SEQUENCE = re.compile(r"^\s+(\d+):([\w.\-]+)\s*$")
@@ -104,9 +113,15 @@ class PeakBuffers:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able)."""
-        return {"peak_bytes": self.peak_bytes, "at": self.at, "phase": self.phase,
-                "rest": self.rest, "rest_bytes": self.rest_bytes, "by_kind": self.by_kind(),
-                "buffers": [b.to_dict() for b in self.buffers]}  # fmt: skip
+        return {
+            "peak_bytes": self.peak_bytes,
+            "at": self.at,
+            "phase": self.phase,
+            "rest": self.rest,
+            "rest_bytes": self.rest_bytes,
+            "by_kind": self.by_kind(),
+            "buffers": [b.to_dict() for b in self.buffers],
+        }
 
 
 def compile_dumped(lowered: Any) -> tuple[Any, str]:
@@ -208,9 +223,12 @@ def _element(out: str, shape_index: str) -> tuple[str, tuple[int, ...]]:
 
 
 def peak_buffers(
-    hlo: str, live_range: str, sources: Sources | None = None, coverage: float = COVERAGE,
+    hlo: str,
+    live_range: str,
+    sources: Sources | None = None,
+    coverage: float = COVERAGE,
     param_shapes: set[tuple[int, ...]] | None = None,
-) -> PeakBuffers:  # fmt: skip
+) -> PeakBuffers:
     """The named buffers live at the peak of the compiled ``hlo`` (``compiled.as_text()``)
     from its ``HloLiveRange`` dump, the largest first until ``coverage`` of the peak's
     bytes. ``param_shapes``: the parameters' global and per-device shapes (a backward
@@ -249,8 +267,9 @@ def peak_buffers(
             break
         kept.append(b)
         covered += b.bytes
-    return PeakBuffers(tuple(kept), total, at_name, peak_phase, len(rows) - len(kept),
-                       total - covered)  # fmt: skip
+    return PeakBuffers(
+        tuple(kept), total, at_name, peak_phase, len(rows) - len(kept), total - covered
+    )
 
 
 def array_bytes(dtype: str, shape: tuple[int, ...]) -> int:

@@ -110,9 +110,11 @@ def _pipelined_seconds(fn: Callable[[], Any], calls: int, rounds: int = 3) -> fl
 
 
 def gemm(
-    shapes: Sequence[tuple[int, int, int]], calls: int = 20, dtype: str = "bf16",
+    shapes: Sequence[tuple[int, int, int]],
+    calls: int = 20,
+    dtype: str = "bf16",
     cublas: bool = False,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """``(m, k) @ (k, n)`` per shape: bf16 → bf16 with fp32 accumulation, or fp32 → fp32
     at JAX's default precision (what an fp32 model's matmuls run at); ``cublas``: with
     XLA's Triton GEMMs off (the row's dtype gets ``-cublas``)."""
@@ -126,12 +128,13 @@ def gemm(
         a = jax.random.normal(keys[0], (m, k), operand)
         b = jax.random.normal(keys[1], (k, n), operand)
         options = {"xla_gpu_enable_triton_gemm": False} if cublas else None
-        f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype),
-                    compiler_options=options)  # fmt: skip
+        f = jax.jit(
+            lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype),
+            compiler_options=options,
+        )
         seconds = _pipelined_seconds(lambda f=f, a=a, b=b: f(a, b), calls)
-        rows.append({"m": m, "n": n, "k": k, "dtype": dtype + ("-cublas" if cublas else ""),
-                     "ms": seconds * 1e3,
-                     "tflops": 2.0 * m * n * k / seconds / 1e12})  # fmt: skip
+        kind, tflops = dtype + ("-cublas" if cublas else ""), 2.0 * m * n * k / seconds / 1e12
+        rows.append({"m": m, "n": n, "k": k, "dtype": kind, "ms": seconds * 1e3, "tflops": tflops})
         del a, b
     return rows
 
@@ -164,27 +167,34 @@ def reduce(rows: int, width: int = 2048, calls: int = 20) -> list[dict[str, Any]
 
     x32 = jax.random.normal(jax.random.key(2), (rows, width), jnp.float32)
     x16 = x32.astype(jnp.bfloat16)
+
+    def squares(x):
+        return jnp.square(x.astype(jnp.float32)).sum(-1)
+
+    def rms_norm(x):
+        scale = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)
+        return (x * scale).astype(x.dtype)
+
+    def softmax_fwd_bwd(x):
+        return jax.vjp(lambda x: jax.nn.softmax(x, axis=-1), x)[1](x)[0]
+
     cases = [
         ("row sum fp32", jax.jit(lambda x: x.sum(-1)), x32, 4),
-        ("row sum of squares bf16->fp32",
-         jax.jit(lambda x: jnp.square(x.astype(jnp.float32)).sum(-1)), x16, 2),
-        ("rms norm bf16", jax.jit(lambda x: (x * jax.lax.rsqrt(jnp.mean(
-            jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(x.dtype)),
-         x16, 4),
+        ("row sum of squares bf16->fp32", jax.jit(squares), x16, 2),
+        ("rms norm bf16", jax.jit(rms_norm), x16, 4),
         ("column sum fp32", jax.jit(lambda x: x.sum(0)), x32, 4),
         # a dense attention's scores (fp32, a row per query): softmax, causal-masked, and
         # forward + backward (reads x, writes y; reads y and the cotangent, writes dx)
         ("softmax fp32", jax.jit(lambda x: jax.nn.softmax(x, axis=-1)), x32, 8),
         ("causal softmax fp32", jax.jit(_causal_softmax), x32, 8),
-        ("softmax fp32 fwd+bwd", jax.jit(lambda x: jax.vjp(
-            lambda x: jax.nn.softmax(x, axis=-1), x)[1](x)[0]), x32, 20),
-    ]  # fmt: skip
+        ("softmax fp32 fwd+bwd", jax.jit(softmax_fwd_bwd), x32, 20),
+    ]
     out = []
     for name, f, x, bytes_per in cases:
         seconds = _pipelined_seconds(lambda f=f, x=x: f(x), calls)
         n = rows * width
-        out.append({"op": name, "rows": rows, "width": width, "bytes": bytes_per * n,
-                    "ms": seconds * 1e3, "gbs": bytes_per * n / seconds / 1e9})  # fmt: skip
+        row = {"op": name, "rows": rows, "width": width, "bytes": bytes_per * n}
+        out.append({**row, "ms": seconds * 1e3, "gbs": bytes_per * n / seconds / 1e9})
     del x32, x16
     return out
 
@@ -205,8 +215,8 @@ def stream(elements: int, calls: int = 20) -> list[dict[str, Any]]:
     rows = []
     for name, f, x, bytes_per in cases:
         seconds = _pipelined_seconds(lambda f=f, x=x: f(x), calls)
-        rows.append({"op": name, "elements": elements, "bytes": bytes_per * elements,
-                     "ms": seconds * 1e3, "gbs": bytes_per * elements / seconds / 1e9})  # fmt: skip
+        row = {"op": name, "elements": elements, "bytes": bytes_per * elements}
+        rows.append({**row, "ms": seconds * 1e3, "gbs": bytes_per * elements / seconds / 1e9})
     del x32, x16
     return rows
 
@@ -239,8 +249,9 @@ def attention(shapes: Sequence[tuple[int, int, int, int]], calls: int = 10) -> l
                 return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
             def fwd_bwd(q, k, v, fwd=fwd):
-                return jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(),
-                                argnums=(0, 1, 2))(q, k, v)  # fmt: skip
+                return jax.grad(
+                    lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)
+                )(q, k, v)
 
             flops = attention_flops(b, s, h, d, causal)
             for name, f, work in (("fwd", fwd, flops), ("fwd+bwd", fwd_bwd, 3.5 * flops)):
@@ -250,8 +261,8 @@ def attention(shapes: Sequence[tuple[int, int, int, int]], calls: int = 10) -> l
                 except Exception as e:  # a kernel the device lacks: say so, keep going
                     rows.append({**shape, "causal": causal, "pass": name, "error": str(e)[:300]})
                     continue
-                rows.append({**shape, "causal": causal, "pass": name, "impl": impl,
-                             "ms": seconds * 1e3, "tflops": work / seconds / 1e12})  # fmt: skip
+                row = {**shape, "causal": causal, "pass": name, "impl": impl}
+                rows.append({**row, "ms": seconds * 1e3, "tflops": work / seconds / 1e12})
     return rows
 
 
@@ -273,15 +284,14 @@ def launch(chain: int = 200, calls: int = 50) -> list[dict[str, Any]]:
     dispatch = median_seconds(lambda: one(x), calls)
     t_long = _pipelined_seconds(lambda: long(x), 10)
     t_short = _pipelined_seconds(lambda: short(x), 10)
-    return [
-        {"key": "dispatch_waited", "what": "dispatch of one jitted call, waited for",
-         "us": dispatch * 1e6},
-        {"key": "per_kernel",
-         "what": f"per kernel, a chain of {chain} unfusable kernels in one program",
-         "us": max(t_long - t_short, 0.0) / (chain - 1) * 1e6},
-        {"key": "one_kernel_program", "what": "one program of one kernel, back to back",
-         "us": t_short * 1e6},
-    ]  # fmt: skip
+    per_kernel = max(t_long - t_short, 0.0) / (chain - 1) * 1e6
+    each = f"per kernel, a chain of {chain} unfusable kernels in one program"
+    rows = [
+        ("dispatch_waited", "dispatch of one jitted call, waited for", dispatch * 1e6),
+        ("per_kernel", each, per_kernel),
+        ("one_kernel_program", "one program of one kernel, back to back", t_short * 1e6),
+    ]
+    return [{"key": key, "what": what, "us": us} for key, what, us in rows]
 
 
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter")
@@ -336,24 +346,27 @@ def _collectives_over(
         for size in sizes:
             elements = max(size // 4, n)
             elements -= elements % n  # reduce-scatter splits each device's buffer n ways
-            f = jax.jit(jax.shard_map(ops[op], mesh=mesh, in_specs=PartitionSpec("x"),
-                                      out_specs=PartitionSpec("x"), check_vma=False))  # fmt: skip
+            split = PartitionSpec("x")
+            f = jax.jit(
+                jax.shard_map(ops[op], mesh=mesh, in_specs=split, out_specs=split, check_vma=False)
+            )
             x = jax.make_array_from_callback(
-                (n * elements,), jax.sharding.NamedSharding(mesh, PartitionSpec("x")),
-                lambda index, e=elements: jnp.ones((e,), jnp.float32))  # fmt: skip
+                (n * elements,),
+                jax.sharding.NamedSharding(mesh, split),
+                lambda index, e=elements: jnp.ones((e,), jnp.float32),
+            )
+            row = {"op": op, "devices": n, "hosts": hosts, "bytes": 4 * elements}
             try:
                 compiled = f.lower(x).compile()
                 sent = sum(c.sent_bytes for c in collectives_in(compiled.as_text(), n))
                 seconds = _pipelined_seconds(lambda f=compiled, x=x: f(x), calls)
             except Exception as e:  # an op the backend lacks: say so, keep going
-                rows.append({"op": op, "devices": n, "hosts": hosts, "bytes": 4 * elements,
-                             "error": f"{type(e).__name__}: {str(e)[:300]}"})  # fmt: skip
+                rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 continue
             finally:
                 del x
-            rows.append({"op": op, "devices": n, "hosts": hosts, "bytes": 4 * elements,
-                         "sent_bytes": sent,
-                         "ms": seconds * 1e3, "busbw_gbs": sent / seconds / 1e9})  # fmt: skip
+            ms, busbw = seconds * 1e3, sent / seconds / 1e9
+            rows.append({**row, "sent_bytes": sent, "ms": ms, "busbw_gbs": busbw})
     return rows
 
 
@@ -382,13 +395,18 @@ def tables(quick: bool = False, network: str | None = None) -> dict[str, Any]:
     device = jax.devices()[0]
     skipped = {"gemm_fp8": fp8_skipped(device)}
     out: dict[str, Any] = {
-        "device": str(device.device_kind), "platform": str(device.platform),
-        "jax": jax.__version__, "date": datetime.date.today().isoformat(),
-        "source": f"shardax calibrate on one {device.device_kind}", "quick": quick,
-    }  # fmt: skip
+        "device": str(device.device_kind),
+        "platform": str(device.platform),
+        "jax": jax.__version__,
+        "date": datetime.date.today().isoformat(),
+        "source": f"shardax calibrate on one {device.device_kind}",
+        "quick": quick,
+    }
     if jax.process_count() > 1:
-        out["source"] = (f"shardax calibrate on {jax.process_count()} hosts of "
-                         f"{jax.local_device_count()} {device.device_kind}")  # fmt: skip
+        out["source"] = (
+            f"shardax calibrate on {jax.process_count()} hosts of "
+            f"{jax.local_device_count()} {device.device_kind}"
+        )
     if network is not None:
         out["network"] = named_network(network).name
     for name, make in parts.items():
@@ -415,5 +433,8 @@ def summary(calib: dict[str, Any]) -> dict[str, float | None]:
             return None
         return max((r[key] for r in rows if key in r), default=None)
 
-    return {"matmul_tflops": best("gemm", "tflops"), "bandwidth_gbs": best("stream", "gbs"),
-            "fp8_matmul_tflops": best("gemm_fp8", "tflops")}  # fmt: skip
+    return {
+        "matmul_tflops": best("gemm", "tflops"),
+        "bandwidth_gbs": best("stream", "gbs"),
+        "fp8_matmul_tflops": best("gemm_fp8", "tflops"),
+    }

@@ -43,8 +43,10 @@ def fp8_unsupported(device: Any) -> str | None:
     '8.9+); these are tpu devices (TPU v4)'
     """
     platform = str(getattr(device, "platform", "")).lower()
-    need = (f"fp8 matmuls need fp8 tensor cores (an NVIDIA GPU of compute capability "
-            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+)")  # fmt: skip
+    need = (
+        f"fp8 matmuls need fp8 tensor cores (an NVIDIA GPU of compute capability "
+        f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+)"
+    )
     if platform not in ("gpu", "cuda"):
         return f"{need}; these are {platform} devices ({device.device_kind})"
     found = str(getattr(device, "compute_capability", "") or "")
@@ -69,8 +71,10 @@ def fp8_skipped(device: Any) -> str | None:
     why = fp8_unsupported(device)
     if why is None:
         return None
-    return (f"{why}: XLA widens fp8 operands before the product there, so a rate measured "
-            "here would be a wide GEMM's and prices nothing")  # fmt: skip
+    return (
+        f"{why}: XLA widens fp8 operands before the product there, so a rate measured "
+        "here would be a wide GEMM's and prices nothing"
+    )
 
 
 def gemm_operand_dtypes(hlo: str) -> list[str]:
@@ -113,8 +117,9 @@ def gemm_fp8(
         scales = jnp.float32(0.5), jnp.float32(0.25)
 
         def product(a, b, sa, sb):
-            out = jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
-                                      preferred_element_type=jnp.float32)  # fmt: skip
+            out = jax.lax.dot_general(
+                a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
             return (out * (sa * sb)).astype(jnp.bfloat16)
 
         f = jax.jit(product).lower(a, b, *scales).compile()
@@ -122,9 +127,14 @@ def gemm_fp8(
         taken = sorted(set(gemm_operand_dtypes(f.as_text())))
         row["operands"] = ",".join(taken) or "no GEMM"
         if not any(t.startswith("f8") for t in taken):
-            rows.append({**row, "error": f"XLA compiled no fp8 GEMM here: its GEMMs took "
-                                         f"{row['operands']}, so this row would price fp8 as "
-                                         "a wider GEMM"})  # fmt: skip
+            rows.append(
+                {
+                    **row,
+                    "error": f"XLA compiled no fp8 GEMM here: its GEMMs took "
+                    f"{row['operands']}, so this row would price fp8 as "
+                    "a wider GEMM",
+                }
+            )
             continue
         seconds = seconds_of(lambda f=f, a=a, b=b, s=scales: f(a, b, *s), calls)
         rows.append({**row, "ms": seconds * 1e3, "tflops": 2.0 * m * n * k / seconds / 1e12})

@@ -53,9 +53,11 @@ def load(path: str | Path) -> Calibration:
         raise ValueError(f"calibration {str(path)!r}: not a JSON file ({e})") from None
     if isinstance(data, dict) and isinstance(data.get("core"), dict):  # a session's record
         if not isinstance(data["core"].get("calibration"), dict):
-            raise ValueError(f"calibration {str(path)!r}: a session record without "
-                             "core.calibration (its core stage measured no "
-                             "tables)")  # fmt: skip
+            raise ValueError(
+                f"calibration {str(path)!r}: a session record without "
+                "core.calibration (its core stage measured no "
+                "tables)"
+            )
         data = {"source": f"{path} (core.calibration)", **data["core"]["calibration"]}
     if isinstance(data, dict):
         data = {"source": str(path), **data}
@@ -73,8 +75,10 @@ def register(calibration: Calibration) -> Calibration | None:
     True
     """
     if not isinstance(calibration, Calibration):
-        raise TypeError(f"register(calibration): a Calibration (load(path) reads one); got "
-                        f"{type(calibration).__name__}")  # fmt: skip
+        raise TypeError(
+            f"register(calibration): a Calibration (load(path) reads one); got "
+            f"{type(calibration).__name__}"
+        )
     previous = CALIBRATIONS.get(calibration.kind)
     CALIBRATIONS[calibration.kind] = calibration
     return previous
@@ -99,8 +103,10 @@ def using(calibration: Calibration | None) -> Iterator[Calibration | None]:
         yield None
         return
     if not isinstance(calibration, Calibration):
-        raise TypeError(f"using(calibration): a Calibration (load(path) reads one) or None; "
-                        f"got {type(calibration).__name__}")  # fmt: skip
+        raise TypeError(
+            f"using(calibration): a Calibration (load(path) reads one) or None; "
+            f"got {type(calibration).__name__}"
+        )
     token = _SCOPED.set({**_SCOPED.get(), calibration.kind: calibration})
     try:
         yield calibration
@@ -164,8 +170,10 @@ def nearest(peak_flops: float | None, hbm_bandwidth: float | None) -> tuple[Cali
     """
 
     def gap(c: Calibration) -> float:
-        ratios = [c.peak_flops / peak_flops if peak_flops else 1.0,
-                  max(c.stream) * 1e9 / hbm_bandwidth if hbm_bandwidth else 1.0]  # fmt: skip
+        ratios = [
+            c.peak_flops / peak_flops if peak_flops else 1.0,
+            max(c.stream) * 1e9 / hbm_bandwidth if hbm_bandwidth else 1.0,
+        ]
         return sum(abs(_log(r)) for r in ratios)
 
     measured = [c for c in _active().values() if not c.derived]
@@ -181,5 +189,13 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0 else 0.0
 
 
-__all__ = ["CALIBRATIONS", "TABLES", "Calibration", "calibration_for", "load", "nearest",
-           "register", "using"]  # fmt: skip
+__all__ = [
+    "CALIBRATIONS",
+    "TABLES",
+    "Calibration",
+    "calibration_for",
+    "load",
+    "nearest",
+    "register",
+    "using",
+]

@@ -234,11 +234,16 @@ def _price(
     if network is not None:
         bandwidths["inter-host"] = levels["inter-host"].bandwidth
         notes.append(f"network: {network['line']}; {network['why']}")
-    priced = [level_price(s, link, levels, members(s.collective.groups))
-              for s, link in zip(timed, links_of, strict=True)]  # fmt: skip
-    wires = [wire_bytes(s, link, devices, bandwidths, members(s.collective.groups)) if p is None
-             else {k: v * s.collective.count for k, v in p.bytes.items()}
-             for s, link, p in zip(timed, links_of, priced, strict=True)]  # fmt: skip
+    priced = [
+        level_price(s, link, levels, members(s.collective.groups))
+        for s, link in zip(timed, links_of, strict=True)
+    ]
+    wires = [
+        wire_bytes(s, link, devices, bandwidths, members(s.collective.groups))
+        if p is None
+        else {k: v * s.collective.count for k, v in p.bytes.items()}
+        for s, link, p in zip(timed, links_of, priced, strict=True)
+    ]
     sent: dict[str, float] = {}  # bytes per link (a group across GPU hosts: split)
     for wire in wires:
         for link, nbytes in wire.items():
@@ -353,8 +358,7 @@ def estimate(
             ``CONVENTION`` (for a transformer:
             ``shardax.cost.flops.transformer_flops_per_token`` × tokens). Default:
             ``6·N·tokens`` with ``N`` without the embedding lookup, attention not counted;
-            for images, the compiled step's matmul FLOPs
-            (``default_model_flops``).
+            for images, the compiled step's matmul FLOPs (``default_model_flops``).
         model_flops_note: the formula of ``model_flops``, for the report.
         compute_efficiency: the fraction of peak the prediction assumes, in (0, 1].
         links: bytes/s per link (``"intra-host"``, ``"inter-host"``, ``"inter-slice"``),

@@ -48,11 +48,12 @@ def measured_spec(device: Any) -> HardwareSpec | None:
         return None
     links = sorted(bandwidth for _, _, _, bandwidth in c.collectives)
     return HardwareSpec(
-        peak_flops=c.peak_flops, hbm_bandwidth=max(c.stream) * 1e9,
+        peak_flops=c.peak_flops,
+        hbm_bandwidth=max(c.stream) * 1e9,
         memory_bytes=memory[0],
         ici_bandwidth=links[len(links) // 2] if links else None,
         source=MEASURED + c.name,
-    )  # fmt: skip
+    )
 
 
 def device_figures(device: Any) -> HardwareSpec | None:

@@ -64,13 +64,22 @@ def _window(line: str) -> list[dict[str, int]]:
         return [parts[i] if i < len(parts) else default for i in range(len(sizes))]
 
     return [
-        {"size": size, "stride": int(stride), "low": int(pad.split("_")[0]),
-         "base": int(base), "dilation": int(dilation)}
+        {
+            "size": size,
+            "stride": int(stride),
+            "low": int(pad.split("_")[0]),
+            "base": int(base),
+            "dilation": int(dilation),
+        }
         for size, stride, pad, base, dilation in zip(
-            sizes, each("stride", "1"), each("pad", "0_0"), each("lhs_dilate", "1"),
-            each("rhs_dilate", "1"), strict=True,
+            sizes,
+            each("stride", "1"),
+            each("pad", "0_0"),
+            each("lhs_dilate", "1"),
+            each("rhs_dilate", "1"),
+            strict=True,
         )
-    ]  # fmt: skip
+    ]
 
 
 def _valid_positions(inputs: int, kernel: int, outputs: int, w: dict[str, int]) -> int:
@@ -111,8 +120,7 @@ def conv_flops(
     valid = 1
     for i, c in enumerate(spatial):
         w = window[i] if i < len(window) else {"stride": 1, "low": 0, "base": 1, "dilation": 1}
-        valid *= _valid_positions(lhs[lhs_l.index(c)], rhs[rhs_l.index(c)],
-                                  out[out_l.index(c)], w)  # fmt: skip
+        valid *= _valid_positions(lhs[lhs_l.index(c)], rhs[rhs_l.index(c)], out[out_l.index(c)], w)
     features = lhs[lhs_l.index("f")] // max(feature_groups, 1)
     batch = lhs[lhs_l.index("b")] // max(batch_groups, 1)
     return 2.0 * features * out[out_l.index("f")] * batch * valid
@@ -146,8 +154,15 @@ def _conv_line_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str
     lhs_l, rhs_l, out_l = labels.groups()
     if (len(lhs), len(rhs), len(out)) != (len(lhs_l), len(rhs_l), len(out_l)):
         return None
-    flops = conv_flops(lhs, rhs, out, (lhs_l, rhs_l, out_l), _window(line),
-                       groups.get("feature", 1), groups.get("batch", 1))  # fmt: skip
+    flops = conv_flops(
+        lhs,
+        rhs,
+        out,
+        (lhs_l, rhs_l, out_l),
+        _window(line),
+        groups.get("feature", 1),
+        groups.get("batch", 1),
+    )
     return kind, flops
 
 

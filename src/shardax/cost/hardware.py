@@ -22,9 +22,9 @@ from shardax.cost.datasheet import GiB, HardwareSpec
 
 
 def as_hardware_type(name: str, value: Any) -> HardwareType:
-    """``value`` as a [`HardwareType`][shardax.HardwareType] (a member or its value, ``"h100"``),
-    else
-    ``ValueError`` naming ``name``, the value received and the known values.
+    """``value`` as a [`HardwareType`][shardax.HardwareType] (a member or its value,
+    ``"h100"``), else ``ValueError`` naming ``name``, the value received and the known
+    values.
 
     >>> as_hardware_type("hardware_type", "h100")
     <HardwareType.H100: 'h100'>

@@ -43,13 +43,13 @@ def _distance(shape: tuple[int, ...], point: list[float]) -> float:
 def gemm_rate(
     c: Calibration, m: float, n: float, k: float, dtype: str = "bf16", cublas: bool = False
 ) -> float:
-    """FLOP/s of an ``(m, k) @ (k, n)`` GEMM: the rate of ``c``'s measured shape nearest in
-    ``(log m, log n, log k)`` (``gemm_rows``) and dtype;
-    for fp32 operands where ``c`` measured none, the bf16 rate times
-    ``FP32_GEMM_FACTOR``, for fp8 operands (``"f8e4m3fn"``, ``"f8e5m2"``) where it
-    measured no ``"f8"`` rows, times ``FP8_GEMM_FACTOR``. ``cublas``: a cuBLAS call
-    (not a Triton GEMM fusion), priced by the ``"f32-cublas"`` rows (measured with Triton
-    GEMMs off) for fp32 where ``c`` has them.
+    """FLOP/s of an ``(m, k) @ (k, n)`` GEMM: the rate of ``c``'s measured shape nearest
+    in ``(log m, log n, log k)`` (``gemm_rows``) and dtype; for fp32 operands where ``c``
+    measured none, the bf16 rate times ``FP32_GEMM_FACTOR``, for fp8 operands
+    (``"f8e4m3fn"``, ``"f8e5m2"``) where it measured no ``"f8"`` rows, times
+    ``FP8_GEMM_FACTOR``. ``cublas``: a cuBLAS call (not a Triton GEMM fusion), priced by
+    the ``"f32-cublas"`` rows (measured with Triton GEMMs off) for fp32 where ``c`` has
+    them.
 
     >>> from shardax.cost.calibration import H200
     >>> round(gemm_rate(H200, 8192, 8192, 2048) / 1e12)
@@ -125,8 +125,11 @@ def gemm_shape(index: HloIndex, instr: Instr, flops: float) -> tuple[float, floa
     """``(m, n, k, operand dtype)`` of a GEMM instruction (or the GEMM a fusion calls)."""
     line, comp = instr.line, instr.computation
     if instr.called and instr.opcode in FUSIONS:
-        inner = [i for i in index.by_comp.get(instr.called, {}).values()
-                 if i.opcode in ("dot", "custom-call", "convolution")]  # fmt: skip
+        inner = [
+            i
+            for i in index.by_comp.get(instr.called, {}).values()
+            if i.opcode in ("dot", "custom-call", "convolution")
+        ]
         if inner:
             line, comp, instr = inner[0].line, inner[0].computation, inner[0]
     out = arrays(instr.out)

@@ -47,9 +47,11 @@ def link_bandwidths(
 
 
 def levels_of(
-    devices: list[Any], spec: HardwareSpec, bandwidths: Mapping[str, float | None],
+    devices: list[Any],
+    spec: HardwareSpec,
+    bandwidths: Mapping[str, float | None],
     links: Mapping[str, float] | None,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:  # fmt: skip
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The network levels of GPUs on several hosts (``shardax.cost.network``): the
     target's network (else the kind's default), with the kind's calibration's fitted
     per-level figures where it measured them (across hosts: on that network), and the
@@ -116,9 +118,12 @@ def group_link(members: list[Any]) -> str:
 
 
 def wire_bytes(
-    s: Any, link: str, devices: list[Any], bandwidths: Mapping[str, float | None],
+    s: Any,
+    link: str,
+    devices: list[Any],
+    bandwidths: Mapping[str, float | None],
     members: list[Any] | None = None,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """The bytes per step the scheduled collective ``s`` moves over each link: all it
     sends over ``link``, except a group across GPU hosts with NVLink within them (an
     ``"intra-host"`` bandwidth), whose devices send ``host_share`` of it between hosts
@@ -135,9 +140,12 @@ def wire_bytes(
 
 
 def overlap_of(
-    timed: list[Any], wires: list[Mapping[str, float]], bandwidths: Mapping[str, float | None],
-    flop_rate: float, priced: list[LevelPrice | None] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    timed: list[Any],
+    wires: list[Mapping[str, float]],
+    bandwidths: Mapping[str, float | None],
+    flop_rate: float,
+    priced: list[LevelPrice | None] | None = None,
+) -> dict[str, Any]:
     """``Estimate.overlap`` of the scheduled collectives ``timed``, moving ``wires``
     (collectives over a link of unknown bandwidth are left out, as in the prediction);
     ``priced``: each one's run priced level by level where its group spans GPU hosts
@@ -149,8 +157,11 @@ def overlap_of(
         if not runs:
             continue
         level = priced[i] if priced else None
-        wire = (wire_seconds({k: v / runs for k, v in moved.items()}, bandwidths)
-                if level is None else level.seconds)  # fmt: skip
+        wire = (
+            wire_seconds({k: v / runs for k, v in moved.items()}, bandwidths)
+            if level is None
+            else level.seconds
+        )
         if wire is None:
             continue
         total += wire * runs

@@ -90,9 +90,17 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         """The name and provenance (not the tables)."""
-        return {"name": self.name, "kind": self.kind, "device": self.device, "jax": self.jax,
-                "date": self.date, "source": self.source, "derived": self.derived,
-                "network": self.network, "levels": [list(r) for r in self.levels]}  # fmt: skip
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "device": self.device,
+            "jax": self.jax,
+            "date": self.date,
+            "source": self.source,
+            "derived": self.derived,
+            "network": self.network,
+            "levels": [list(r) for r in self.levels],
+        }
 
 
 def gemm_rows(c: Calibration) -> list[tuple[int, int, int, str, float]]:
@@ -155,8 +163,7 @@ def fit_collectives(rows: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, int, 
     return tuple(out)
 
 
-_REDUCE_ROWS = ("row sum fp32", "row sum of squares bf16->fp32", "rms norm bf16",
-                "column sum fp32")  # fmt: skip
+_REDUCE_ROWS = ("row sum fp32", "row sum of squares bf16->fp32", "rms norm bf16", "column sum fp32")
 """The reductions whose median prices a kernel that reduces: a fixed set, so that a new
 calibration moves prices only where the device differs (the softmax rows are for reading)."""
 
@@ -175,8 +182,10 @@ def _rows(tables: Mapping[str, Any], name: str, where: str, required: bool) -> l
         shown = f"a failure on the device ({str(table['error'])[:160]})"
     else:
         shown = f"not a list of rows: {str(table)[:120]!r}"
-    raise ValueError(f"{where}: the {name!r} table is {shown}; 'shardax calibrate' on the "
-                     "device measures it (required: gemm, stream, launch)")  # fmt: skip
+    raise ValueError(
+        f"{where}: the {name!r} table is {shown}; 'shardax calibrate' on the "
+        "device measures it (required: gemm, stream, launch)"
+    )
 
 
 def _parse(rows: list[Any], name: str, where: str, fields: dict[str, Any]) -> list[tuple]:
@@ -191,8 +200,12 @@ def _parse(rows: list[Any], name: str, where: str, fields: dict[str, Any]) -> li
         for field, kind in fields.items():
             value = row.get(field)
             if kind in (int, float):
-                ok = (isinstance(value, int | float) and not isinstance(value, bool)
-                      and math.isfinite(value) and value > 0)  # fmt: skip
+                ok = (
+                    isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                    and math.isfinite(value)
+                    and value > 0
+                )
                 rule = "a finite number > 0"
             elif kind is bool:
                 ok, rule = isinstance(value, bool), "true or false"
@@ -201,8 +214,10 @@ def _parse(rows: list[Any], name: str, where: str, fields: dict[str, Any]) -> li
             else:
                 ok, rule = isinstance(value, str), "a string"
             if not ok:
-                raise ValueError(f"{where}: the {name!r} table's row {i} has {field}={value!r}; "
-                                 f"it must be {rule} (rows need {', '.join(fields)})")  # fmt: skip
+                raise ValueError(
+                    f"{where}: the {name!r} table's row {i} has {field}={value!r}; "
+                    f"it must be {rule} (rows need {', '.join(fields)})"
+                )
             values.append(kind(value) if kind in (int, float) else value)
         out.append(tuple(values))
     return out
@@ -225,53 +240,85 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
     ('calibrated: NVIDIA L4, JAX 0.12.0, 2026-12-01', 'NVIDIA L4', (250.0,), 2.0)
     """
     if not isinstance(tables, Mapping):
-        raise ValueError(f"{where}: a calibration is a JSON object of tables, as "
-                         f"'shardax calibrate' writes; got {type(tables).__name__}")  # fmt: skip
+        raise ValueError(
+            f"{where}: a calibration is a JSON object of tables, as "
+            f"'shardax calibrate' writes; got {type(tables).__name__}"
+        )
     if tables.get("quick"):
-        raise ValueError(f"{where}: measured with --quick (small shapes: a smoke test), "
-                         "these tables price nothing; run 'shardax calibrate' without "
-                         "--quick")  # fmt: skip
+        raise ValueError(
+            f"{where}: measured with --quick (small shapes: a smoke test), "
+            "these tables price nothing; run 'shardax calibrate' without "
+            "--quick"
+        )
     device = tables.get("device")
     if not isinstance(device, str) or not device:
-        raise ValueError(f"{where}: no 'device' (the device kind the tables were measured on); "
-                         f"got {device!r}")  # fmt: skip
+        raise ValueError(
+            f"{where}: no 'device' (the device kind the tables were measured on); got {device!r}"
+        )
     platform, said = str(tables.get("platform", "")).lower(), ""
     if not platform:  # older tables: the device kind tells a CPU's ('cpu') or a TPU's
         lower = device.lower()
         platform = "cpu" if lower == "cpu" else "tpu" if "tpu" in lower else "gpu"
         said = f" (it has no 'platform': its device is {device!r})"
     if platform not in ("gpu", "cuda", "rocm"):
-        raise ValueError(f"{where}: measured on a {platform} device{said}; the per-op model "
-                         "prices GPU programs, so its tables come from a GPU")  # fmt: skip
+        raise ValueError(
+            f"{where}: measured on a {platform} device{said}; the per-op model "
+            "prices GPU programs, so its tables come from a GPU"
+        )
     gemm_fields = {"m": int, "n": int, "k": int, "dtype": str, "tflops": float}
-    gemm = tuple(row for name in _GEMMS
-                 for row in _parse(_rows(tables, name, where, name == "gemm"), name, where,
-                                   gemm_fields))  # fmt: skip
-    stream = tuple(sorted(r[0] for r in _parse(_rows(tables, "stream", where, True), "stream",
-                                               where, {"gbs": float})))  # fmt: skip
+    gemm = tuple(
+        row
+        for name in _GEMMS
+        for row in _parse(_rows(tables, name, where, name == "gemm"), name, where, gemm_fields)
+    )
+    stream = tuple(
+        sorted(
+            r[0]
+            for r in _parse(_rows(tables, "stream", where, True), "stream", where, {"gbs": float})
+        )
+    )
     single = [r for r in _rows(tables, "reduce", where, False) if r.get("op") in _REDUCE_ROWS]
     reduce = tuple(sorted(r[0] for r in _parse(single, "reduce", where, {"gbs": float})))
-    attention = tuple(_parse(_rows(tables, "attention", where, False), "attention", where, {
-        "batch": int, "seq": int, "heads": int, "head_dim": int, "causal": bool,
-        "pass": ("fwd", "fwd+bwd"), "ms": float}))  # fmt: skip
+    attention = tuple(
+        _parse(
+            _rows(tables, "attention", where, False),
+            "attention",
+            where,
+            {
+                "batch": int,
+                "seq": int,
+                "heads": int,
+                "head_dim": int,
+                "causal": bool,
+                "pass": ("fwd", "fwd+bwd"),
+                "ms": float,
+            },
+        )
+    )
     launch: dict[str, float] = {}
     for i, r in enumerate(_rows(tables, "launch", where, True)):
         for key, words in _LAUNCH.items():
             if r.get("key") == key or str(r.get("what", "")).startswith(words):
                 us = r.get("us")
                 if not isinstance(us, int | float) or not math.isfinite(us) or us < 0:
-                    raise ValueError(f"{where}: the 'launch' table's row {i} has us={us!r}; "
-                                     "it must be a finite number >= 0")  # fmt: skip
+                    raise ValueError(
+                        f"{where}: the 'launch' table's row {i} has us={us!r}; "
+                        "it must be a finite number >= 0"
+                    )
                 launch[key] = float(us)
     if missing := [k for k in _LAUNCH if k not in launch]:
-        raise ValueError(f"{where}: the 'launch' table has no {missing[0]!r} row "
-                         f"('shardax calibrate' measures it)")  # fmt: skip
+        raise ValueError(
+            f"{where}: the 'launch' table has no {missing[0]!r} row "
+            f"('shardax calibrate' measures it)"
+        )
     bf16_rows = [r for r in gemm if r[3] == "bf16"]
     floor = 1.5 * launch["one_kernel_program"] * 1e-3  # gemm_rows' rule, in ms
     if not any(2.0 * m * n * k / t / 1e9 > floor for m, n, k, _, t in bf16_rows):
-        raise ValueError(f"{where}: the 'gemm' table has no bf16 row that timed the kernel "
-                         "(the rate every GEMM is priced from; rows no longer than 1.5x a "
-                         "one-kernel program's dispatch timed the host)")  # fmt: skip
+        raise ValueError(
+            f"{where}: the 'gemm' table has no bf16 row that timed the kernel "
+            "(the rate every GEMM is priced from; rows no longer than 1.5x a "
+            "one-kernel program's dispatch timed the host)"
+        )
     spec = device_spec(SimpleNamespace(platform="gpu", device_kind=device))
     peak = spec.peak_flops if spec else max(r[4] for r in gemm) * 1e12
     collective_rows = _rows(tables, "collectives", where, False)
@@ -282,10 +329,19 @@ def from_tables(tables: Mapping[str, Any], *, where: str = "calibration tables")
         except ValueError as e:
             raise ValueError(f"{where}: its 'network' names no known network: {e}") from None
     return Calibration(
-        kind=kind_of(device), jax=str(tables.get("jax", "?")),
-        date=str(tables.get("date", "undated")), source=str(tables.get("source", where)),
-        gemm=gemm, stream=stream, attention=attention, launch_us=launch["per_kernel"],
-        dispatch_us=launch["one_kernel_program"], peak_flops=peak, device=device,
-        collectives=fit_collectives(collective_rows), reduce=reduce,
-        levels=tuple((k, *v) for k, v in fit_levels(collective_rows).items()), network=network,
-    )  # fmt: skip
+        kind=kind_of(device),
+        jax=str(tables.get("jax", "?")),
+        date=str(tables.get("date", "undated")),
+        source=str(tables.get("source", where)),
+        gemm=gemm,
+        stream=stream,
+        attention=attention,
+        launch_us=launch["per_kernel"],
+        dispatch_us=launch["one_kernel_program"],
+        peak_flops=peak,
+        device=device,
+        collectives=fit_collectives(collective_rows),
+        reduce=reduce,
+        levels=tuple((k, *v) for k, v in fit_levels(collective_rows).items()),
+        network=network,
+    )

@@ -89,8 +89,9 @@ def _itemsize(dtype: Any) -> int:
 def _of_policy(name: str, param_dtype: Any, compute_dtype: Any) -> StateBytes:
     """Adam under a policy: grads and both moments in the params' dtype, no master copy."""
     p = _itemsize(param_dtype)
-    return StateBytes(name, params=p, grads=p, master=0, optimizer=2 * p,
-                      compute=_itemsize(compute_dtype))  # fmt: skip
+    return StateBytes(
+        name, params=p, grads=p, master=0, optimizer=2 * p, compute=_itemsize(compute_dtype)
+    )
 
 
 STATE_BYTES: dict[str, StateBytes] = {

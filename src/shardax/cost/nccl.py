@@ -46,21 +46,33 @@ NCCL = (
 )
 """Where the algorithm's latency terms and protocol factors come from."""
 
-BASE_LATENCY_S = {("ring", "LL"): 6.6e-6, ("ring", "Simple"): 8.4e-6,
-                  ("tree", "LL"): 6.8e-6, ("tree", "Simple"): 0.0}  # fmt: skip
+BASE_LATENCY_S = {
+    ("ring", "LL"): 6.6e-6,
+    ("ring", "Simple"): 8.4e-6,
+    ("tree", "LL"): 6.8e-6,
+    ("tree", "Simple"): 0.0,
+}
 """NCCL's ``baseLat`` (µs in its source): one launch of the algorithm, per protocol."""
 STEP_LATENCY_S = {
-    ("intra-host", "ring", "LL"): 0.47e-6, ("intra-host", "ring", "Simple"): 3.4e-6,
-    ("intra-host", "tree", "LL"): 0.52e-6, ("intra-host", "tree", "Simple"): 28e-6,
-    ("inter-host", "ring", "LL"): 2.7e-6, ("inter-host", "ring", "Simple"): 9.6e-6,
-    ("inter-host", "tree", "LL"): 5.0e-6, ("inter-host", "tree", "Simple"): 50e-6,
-}  # fmt: skip
+    ("intra-host", "ring", "LL"): 0.47e-6,
+    ("intra-host", "ring", "Simple"): 3.4e-6,
+    ("intra-host", "tree", "LL"): 0.52e-6,
+    ("intra-host", "tree", "Simple"): 28e-6,
+    ("inter-host", "ring", "LL"): 2.7e-6,
+    ("inter-host", "ring", "Simple"): 9.6e-6,
+    ("inter-host", "tree", "LL"): 5.0e-6,
+    ("inter-host", "tree", "Simple"): 50e-6,
+}
 """NCCL's ``hwLat``: the latency of one step of the algorithm over NVLink and over the
 network (its ``NET`` row, modelled on InfiniBand), per protocol."""
 LL_INTRA_FACTOR = 1.8
 """NCCL multiplies LL's NVLink step latency by this when the group spans hosts."""
-PROTOCOL_BANDWIDTH = {("ring", "LL"): 0.25, ("ring", "Simple"): 1.0,
-                      ("tree", "LL"): 0.9 / 3.8, ("tree", "Simple"): 0.9}  # fmt: skip
+PROTOCOL_BANDWIDTH = {
+    ("ring", "LL"): 0.25,
+    ("ring", "Simple"): 1.0,
+    ("tree", "LL"): 0.9 / 3.8,
+    ("tree", "Simple"): 0.9,
+}
 """The share of a level's bandwidth each algorithm and protocol reaches (NCCL's factors)."""
 RING_PLATEAU = 1.9
 """NCCL's ring Simple all-reduce latency factor across hosts for large messages."""
@@ -90,9 +102,11 @@ class Level:
 
 
 def network_levels(
-    network: Network, nvlink: float, fitted: Mapping[str, tuple[float, float]] | None = None,
+    network: Network,
+    nvlink: float,
+    fitted: Mapping[str, tuple[float, float]] | None = None,
     inter_host: float | None = None,
-) -> dict[str, Level]:  # fmt: skip
+) -> dict[str, Level]:
     """The two levels of ``network`` on GPUs whose NVLink moves ``nvlink`` bytes/s one way:
     the documented figures, or a calibration's ``fitted`` ones (``{level: (per-step
     latency s, bytes/s)}``, ``fit_levels``) where it has them; ``inter_host`` (bytes/s, a
@@ -106,8 +120,9 @@ def network_levels(
     if "intra-host" in fitted:
         lat, bw = fitted["intra-host"]
         intra = Level(bw, step_latency_s=lat, source="fitted")
-    inter = Level(network.nic_bandwidth, network.latency_scale, network.step_latency_s,
-                  network.source)  # fmt: skip
+    inter = Level(
+        network.nic_bandwidth, network.latency_scale, network.step_latency_s, network.source
+    )
     if "inter-host" in fitted:
         lat, bw = fitted["inter-host"]
         inter = Level(bw, step_latency_s=lat, source="fitted")
@@ -181,8 +196,10 @@ def _steps(op: str, algorithm: str, layout: Layout) -> dict[str, float]:
     """Steps over each level: NCCL's ``nsteps``/``nInterSteps`` (ring), the tree's depth."""
     n, hosts, g = layout.devices, layout.hosts, max(layout.per_host, 1)
     if algorithm == "tree":
-        return {"intra-host": 2.0 * (g - 1),
-                "inter-host": 2.0 * math.floor(math.log2(hosts)) if hosts > 1 else 0.0}  # fmt: skip
+        return {
+            "intra-host": 2.0 * (g - 1),
+            "inter-host": 2.0 * math.floor(math.log2(hosts)) if hosts > 1 else 0.0,
+        }
     if op not in _RINGS:  # all-to-all, permute: all peers at once, one step
         return {"inter-host" if hosts > 1 else "intra-host": 1.0}
     twice = 2 if op == "all-reduce" else 1
@@ -272,8 +289,15 @@ def fit_levels(rows: Sequence[Mapping[str, Any]]) -> dict[str, tuple[float, floa
     >>> {k: (round(t * 1e6, 2), round(bw / 1e9, 2)) for k, (t, bw) in fit_levels(rows).items()}
     {'intra-host': (3.0, 400.0), 'inter-host': (12.0, 45.0)}
     """
-    usable = [r for r in rows if "ms" in r and "error" not in r and r.get("op") in _RINGS
-              and int(r.get("devices", 0)) > 1 and r.get("bytes")]  # fmt: skip
+    usable = [
+        r
+        for r in rows
+        if "ms" in r
+        and "error" not in r
+        and r.get("op") in _RINGS
+        and int(r.get("devices", 0)) > 1
+        and r.get("bytes")
+    ]
     base = BASE_LATENCY_S[("ring", "Simple")]
     within: list[tuple[float, float, float]] = []
     across: list[tuple[dict[str, float], dict[str, float], float]] = []
@@ -296,8 +320,9 @@ def fit_levels(rows: Sequence[Mapping[str, Any]]) -> dict[str, tuple[float, floa
         out["intra-host"] = (fit[0], 1 / fit[1])
     if len(across) >= 2 and "intra-host" in out:
         latency = out["intra-host"][0]
-        points = [(s["inter-host"], m["inter-host"], t - s["intra-host"] * latency)
-                  for m, s, t in across]  # fmt: skip
+        points = [
+            (s["inter-host"], m["inter-host"], t - s["intra-host"] * latency) for m, s, t in across
+        ]
         fit = _fit_line([p for p in points if p[2] > 0])
         if fit is not None:
             out["inter-host"] = (fit[0], 1 / fit[1])
@@ -313,5 +338,13 @@ def _ring_simple(op: str, size: float, layout: Layout, levels: Mapping[str, Leve
     return latency + max(v / levels[k].bandwidth for k, v in moved.items() if v)
 
 
-__all__ = ["LEVELS", "Layout", "Level", "LevelPrice", "fit_levels", "layout_of",
-           "network_levels", "price_collective"]  # fmt: skip
+__all__ = [
+    "LEVELS",
+    "Layout",
+    "Level",
+    "LevelPrice",
+    "fit_levels",
+    "layout_of",
+    "network_levels",
+    "price_collective",
+]

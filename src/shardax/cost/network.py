@@ -70,16 +70,20 @@ class Network:
         'ib-ndr (DGX H100/H200: 8 x 400 Gb/s InfiniBand NDR per host): 50 GB/s per GPU ...'
         """
         how = f"fitted ({self.fitted})" if self.fitted else f"documented ({self.source})"
-        return (f"{self.name} ({self.title}): {self.nic_bandwidth / 1e9:.4g} GB/s per GPU "
-                f"between hosts, {how}")  # fmt: skip
+        return (
+            f"{self.name} ({self.title}): {self.nic_bandwidth / 1e9:.4g} GB/s per GPU "
+            f"between hosts, {how}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able), with the per-GPU bandwidth."""
         return {**dataclasses.asdict(self), "nic_bandwidth": self.nic_bandwidth}
 
 
-_DGX = ("NVIDIA DGX H100/H200 user guide: eight single-port ConnectX-7 400 Gb/s InfiniBand "
-        "NDR adapters for the compute fabric, one per GPU")  # fmt: skip
+_DGX = (
+    "NVIDIA DGX H100/H200 user guide: eight single-port ConnectX-7 400 Gb/s InfiniBand "
+    "NDR adapters for the compute fabric, one per GPU"
+)
 NETWORKS: dict[str, Network] = {n.name: n for n in (
     Network("ib-ndr", "DGX H100/H200: 8 x 400 Gb/s InfiniBand NDR per host", 3200, 8, _DGX,
             ("dgx-h100", "dgx-h200", "dgx-b200")),
@@ -141,8 +145,9 @@ def named_network(name: str | Network) -> Network:
         return name
     found = _spellings().get(name.strip().lower()) if isinstance(name, str) else None
     if found is None:
-        shapes = [a for n in NETWORKS.values() for a in n.aliases if ("-" in a and "gpu" in a)
-                  or "." in a]  # fmt: skip
+        shapes = [
+            a for n in NETWORKS.values() for a in n.aliases if ("-" in a and "gpu" in a) or "." in a
+        ]
         raise ValueError(
             f"network must be one of {', '.join(map(repr, NETWORKS))} (or a cloud shape: "
             f"{', '.join(shapes)}), got {received(name)}"
@@ -211,5 +216,13 @@ def with_fitted(network: Network, calibration: Any) -> Network:
     )
 
 
-__all__ = ["DEFAULT_NETWORKS", "NETWORKS", "Network", "default_network", "named_network",
-           "network_of", "remember_network", "with_fitted"]  # fmt: skip
+__all__ = [
+    "DEFAULT_NETWORKS",
+    "NETWORKS",
+    "Network",
+    "default_network",
+    "named_network",
+    "network_of",
+    "remember_network",
+    "with_fitted",
+]

@@ -69,11 +69,27 @@ from shardax.cost.predict import wire_seconds
 from shardax.cost.schedule import Scheduled, exposed_seconds, schedule
 from shardax.cost.step_cost import PRICED, ClassCost, StepCost
 
-_NO_KERNEL = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-    "partition-id", "replica-id", "opt-barrier", "add-dependency", "while", "call",
-    "conditional", "async-start", "async-update", "async-done", "copy-done",
-})  # fmt: skip
+_NO_KERNEL = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "opt-barrier",
+        "add-dependency",
+        "while",
+        "call",
+        "conditional",
+        "async-start",
+        "async-update",
+        "async-done",
+        "copy-done",
+    }
+)
 
 
 def price_hlo(
@@ -93,13 +109,12 @@ def price_hlo(
     collective moves over each link (default: all it sends, ``"intra-host"``; see
     ``shardax.cost.predict.host_share`` for a group across hosts), ``link_bandwidth``
     their bytes/s (a link without one: its collectives are left out, as in the roofline's
-    prediction);
-    ``name``: the calibration's name in the report (default: its own); ``scheduled``:
-    ``schedule`` of ``hlo`` where the caller has it;
-    ``widen``: the interval's widening (default 0.1 for a derived calibration, else 0);
-    ``seconds_of``: one run's seconds of a collective where the caller priced it (a group
-    across GPU hosts, level by level: ``shardax.cost.nccl.price_collective``), None
-    to price it here."""
+    prediction); ``name``: the calibration's name in the report (default: its own);
+    ``scheduled``: ``schedule`` of ``hlo`` where the caller has it; ``widen``: the
+    interval's widening (default 0.1 for a derived calibration, else 0); ``seconds_of``:
+    one run's seconds of a collective where the caller priced it (a group across GPU
+    hosts, level by level: ``shardax.cost.nccl.price_collective``), None to price it
+    here."""
     index = HloIndex(hlo)
     c = calibration
     rows = gemm_rows(c)
@@ -151,9 +166,14 @@ def price_hlo(
                     elif dtype.startswith("f8"):
                         fp8_datasheet += runs * flops
                     scale = rate / (gemm_rate(c, m, n, k) or rate)
-                    classes[cls].add(runs, max(flops / rate, mem[0]),
-                                     max(flops / (best_rate * scale), mem[1]),
-                                     max(flops / (0.85 * rate), mem[2]), flops, nbytes)  # fmt: skip
+                    classes[cls].add(
+                        runs,
+                        max(flops / rate, mem[0]),
+                        max(flops / (best_rate * scale), mem[1]),
+                        max(flops / (0.85 * rate), mem[2]),
+                        flops,
+                        nbytes,
+                    )
                     continue
             if cls == "other" and instr.opcode == "custom-call":
                 unpriced[instr.target] = unpriced.get(instr.target, 0.0) + runs
@@ -186,9 +206,16 @@ def price_hlo(
             inter_exposed += left
     if widen is None:
         widen = 0.1 if c.derived else 0.0
-    return StepCost(calibration=name or c.name, classes=classes, launch_s=launch,
-                    collective_s=wire, exposed_s=exposed, unpriced=unpriced,
-                    widen=widen, inter_host_s=inter_wire,
-                    exposed_inter_host_s=inter_exposed,
-                    fp8_datasheet_flops=fp8_datasheet,
-                    fp8_measured_flops=fp8_priced)  # fmt: skip
+    return StepCost(
+        calibration=name or c.name,
+        classes=classes,
+        launch_s=launch,
+        collective_s=wire,
+        exposed_s=exposed,
+        unpriced=unpriced,
+        widen=widen,
+        inter_host_s=inter_wire,
+        exposed_inter_host_s=inter_exposed,
+        fp8_datasheet_flops=fp8_datasheet,
+        fp8_measured_flops=fp8_priced,
+    )

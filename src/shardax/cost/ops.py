@@ -38,22 +38,47 @@ from shardax.cost.hlo.program import CALLS as _CALLS
 from shardax.cost.hlo.program import DTYPE_BYTES, arrays, computations, runs
 from shardax.cost.hlo.program import INSTRUCTION_NAME as _INSTR
 
-CLASSES = ("gemm", "attention", "elementwise", "optimizer", "copies", "collectives", "other",
-           "idle")  # fmt: skip
+CLASSES = (
+    "gemm",
+    "attention",
+    "elementwise",
+    "optimizer",
+    "copies",
+    "collectives",
+    "other",
+    "idle",
+)
 LABELS = {
-    "gemm": "GEMMs", "attention": "attention", "elementwise": "elementwise fusions",
-    "optimizer": "optimizer update", "copies": "copies and converts",
-    "collectives": "collectives", "other": "other", "idle": "idle",
-}  # fmt: skip
+    "gemm": "GEMMs",
+    "attention": "attention",
+    "elementwise": "elementwise fusions",
+    "optimizer": "optimizer update",
+    "copies": "copies and converts",
+    "collectives": "collectives",
+    "other": "other",
+    "idle": "idle",
+}
 FLOP_CLASSES = ("gemm", "attention")
 SCOPE = "optimizer"
 
 # Ops that only move or reinterpret data: a fusion of these alone is a copy.
 _MOVES = {
-    "convert", "copy", "transpose", "reshape", "bitcast", "bitcast-convert", "broadcast",
-    "slice", "concatenate", "pad", "reverse", "dynamic-slice", "dynamic-update-slice",
-    "copy-start", "copy-done",
-}  # fmt: skip
+    "convert",
+    "copy",
+    "transpose",
+    "reshape",
+    "bitcast",
+    "bitcast-convert",
+    "broadcast",
+    "slice",
+    "concatenate",
+    "pad",
+    "reverse",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "copy-start",
+    "copy-done",
+}
 FUSIONS = frozenset({"fusion", "fusion-start"})
 """Ops that run the computation they call as one kernel: a fusion, and an async fusion's
 start (XLA's asynchronous dynamic-slice fusions of a scan's stacked operands). Their
@@ -62,11 +87,30 @@ _RUN_APART = frozenset({"async-start", "call"})
 """Ops whose called computation runs as instructions of its own (each priced there)."""
 _NEUTRAL = {"parameter", "constant", "tuple", "get-tuple-element", "iota"}
 _CONTROL = {
-    "while", "conditional", "call", "custom-call", "sort", "rng", "rng-bit-generator",
-    "rng-get-and-update-state", "infeed", "outfeed", "send", "send-done", "recv",
-    "recv-done", "after-all", "partition-id", "replica-id", "cholesky", "triangular-solve",
-    "fft", "async-start", "async-update", "async-done",
-}  # fmt: skip
+    "while",
+    "conditional",
+    "call",
+    "custom-call",
+    "sort",
+    "rng",
+    "rng-bit-generator",
+    "rng-get-and-update-state",
+    "infeed",
+    "outfeed",
+    "send",
+    "send-done",
+    "recv",
+    "recv-done",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "cholesky",
+    "triangular-solve",
+    "fft",
+    "async-start",
+    "async-update",
+    "async-done",
+}
 _COLLECTIVE_OPS = {*OPS, *(f"{op}-start" for op in OPS), *(f"{op}-done" for op in OPS)}
 
 # cuDNN convolutions are GEMMs too (implicit GEMM: M = N·Ho·Wo, N = Cout, K = Cin·kh·kw).

@@ -136,9 +136,8 @@ def prepare_libtpu() -> str | None:
     the variable being unset and this machine having no TPU chips
     (``tpu_chips_attached``); on a TPU machine the lock still protects the chips and
     [`target`][shardax.target] says what to do. Returns the variable it set, or None;
-    [`target`][shardax.target] removes it once libtpu has loaded (the lock is read once, then), so
-    it
-    does not reach the rest of the program or its subprocesses.
+    [`target`][shardax.target] removes it once libtpu has loaded (the lock is read once,
+    then), so it does not reach the rest of the program or its subprocesses.
     """
     if os.environ.get(ALLOW_MULTIPLE_LIBTPU) is not None or tpu_chips_attached():
         return None

@@ -45,9 +45,14 @@ def out_of_memory(error: BaseException) -> tuple[float, float] | None:
 
 
 def refused_estimate(
-    step: Any, state: Any, batch: Any, mesh: Any, error: BaseException, compile_s: float,
+    step: Any,
+    state: Any,
+    batch: Any,
+    mesh: Any,
+    error: BaseException,
+    compile_s: float,
     tokens: float | None,
-) -> Estimate:  # fmt: skip
+) -> Estimate:
     """The [`Estimate`][shardax.cost.Estimate] of a step the compiler refused for lack of memory."""
     need, have = out_of_memory(error) or (0.0, 0.0)
     devices = list(mesh.devices.flat)

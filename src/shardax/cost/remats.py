@@ -166,15 +166,17 @@ def spec_of(text: str, mesh: Any, rank: int) -> tuple[str, list[int]]:
 def _suggest(before: str, after: str, made: str, asked: str) -> str:
     where = f"at {asked}" if asked and asked != made else "where the value is used"
     at = f"at {made}" if made else "that makes it"
-    return (f"the partitioner replicates the whole array to go from {before} to {after}: "
-            f"make the value {at} in {after} already (sx.constrain the op's inputs, or a rule "
-            f"for the weight it comes from), or ask {where} for a layout one all-to-all "
-            f"reaches from {before} (the same axes, one dimension moved)")  # fmt: skip
+    return (
+        f"the partitioner replicates the whole array to go from {before} to {after}: "
+        f"make the value {at} in {after} already (sx.constrain the op's inputs, or a rule "
+        f"for the weight it comes from), or ask {where} for a layout one all-to-all "
+        f"reaches from {before} (the same axes, one dimension moved)"
+    )
 
 
 def rematerializations(
-    log: str, mesh: Any, sources: Sources | None = None, lowered: Lowered | None = None,
-) -> list[Reshard]:  # fmt: skip
+    log: str, mesh: Any, sources: Sources | None = None, lowered: Lowered | None = None
+) -> list[Reshard]:
     """A ``Reshard`` row (op ``OP``) per distinct full rematerialization the partitioner
     logged in ``log`` (see the module), on ``mesh``. The op's line: from ``lowered`` (the
     step's lowered module: the op of that name stack and global shape), else by the log's
@@ -206,8 +208,23 @@ def rematerializations(
         asked = nearest(frame, lowered.constraints() if lowered is not None else [])
         axes = tuple(a for a in axes_all if f"'{a}'" in before + after) or axes_all
         name = _NAME.search(op)
-        out.append(Reshard(OP, axes, full, float(full - part), 1, shape, dtype,
-                           asked or made, stack, before, after, "",
-                           _suggest(before, after, made, asked),
-                           name.group(1) if name else "", made if asked else ""))  # fmt: skip
+        out.append(
+            Reshard(
+                OP,
+                axes,
+                full,
+                float(full - part),
+                1,
+                shape,
+                dtype,
+                asked or made,
+                stack,
+                before,
+                after,
+                "",
+                _suggest(before, after, made, asked),
+                name.group(1) if name else "",
+                made if asked else "",
+            )
+        )
     return out

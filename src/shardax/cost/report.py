@@ -237,28 +237,37 @@ class Estimate:
         hbm = "unknown" if not self.hbm_bytes else format_bytes(self.hbm_bytes)
         if self.memory_budget and self.memory_budget != self.hbm_bytes:
             hbm += f", budget {format_bytes(self.memory_budget)} ({self.budget_note})"
-        mem = titled_table(f"{self.devices} × {self.device_kind}, mesh {self.mesh}: memory "
-                           f"per device (compiled), HBM {hbm}")  # fmt: skip
+        mem = titled_table(
+            f"{self.devices} × {self.device_kind}, mesh {self.mesh}: memory "
+            f"per device (compiled), HBM {hbm}"
+        )
         mem.add_column("component")
         mem.add_column("bytes", justify="right")
         for name, value in self.memory.items():
             mem.add_row(("[bold]" if name == "peak" else "") + name, format_bytes(value))
         if self.headroom is not None:
             verdict = "fits" if self.fits else "[red]does not fit[/]"
-            mem.caption = (f"headroom {self.headroom:.1%} of the budget: {verdict} (rule: ≥ "
-                           f"{HEADROOM:.0%} free)")  # fmt: skip
+            mem.caption = (
+                f"headroom {self.headroom:.1%} of the budget: {verdict} (rule: ≥ "
+                f"{HEADROOM:.0%} free)"
+            )
         if self.compile_error is not None:
-            return Group(mem, f"[red]the compiler refused the step:[/] {self.compile_error}",
-                         f"compiler options: {format_options(self.compiler_options)}",
-                         *[f"note: {n}" for n in self.notes])  # fmt: skip
+            return Group(
+                mem,
+                f"[red]the compiler refused the step:[/] {self.compile_error}",
+                f"compiler options: {format_options(self.compiler_options)}",
+                *[f"note: {n}" for n in self.notes],
+            )
         work = titled_table(f"work per step (compiled in {self.compile_s:.1f} s)")
         work.add_column("figure")
         work.add_column("value", justify="right")
         work.add_row("matmul FLOPs per device (HLO)", f"{self.flops_hlo:.3g}")
         if self.flops_backend is not None:
             work.add_row("FLOPs per device (backend)", f"{self.flops_backend:.3g}")
-        work.add_row(f"model FLOPs per device ({self.model_flops_note})",
-                     f"{self.model_flops / self.devices:.3g}")  # fmt: skip
+        work.add_row(
+            f"model FLOPs per device ({self.model_flops_note})",
+            f"{self.model_flops / self.devices:.3g}",
+        )
         for c in self.collectives:
             work.add_row(
                 f"{c['op']} × {c['runs']} ({c['link']})", f"{format_bytes(c['sent_bytes'])} sent"
@@ -268,8 +277,7 @@ class Estimate:
         if p is not None:
             title = f"PREDICTED (not measured), model {p.model}"
             if self.per_op is not None:  # a GPU target: the per-op model below is the prediction
-                title = (f"model {p.model} (a rough guide; the per-op model below is "
-                         "the prediction)")  # fmt: skip
+                title = f"model {p.model} (a rough guide; the per-op model below is the prediction)"
             pred = titled_table(title)
             pred.add_column("predicted")
             pred.add_column("with overlap", justify="right")
@@ -308,8 +316,10 @@ class Estimate:
         per = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.per_step_link_bytes().items())
         line = f"DiLoCo, H={h}: the outer step sends {sent} per device"
         if o.predicted_s is not None and self.per_step_s is not None:
-            line += (f", PREDICTED {o.predicted_s * 1e3:.2f} ms once every {h} steps: "
-                     f"{self.per_step_s * 1e3:.2f} ms per step with it")  # fmt: skip
+            line += (
+                f", PREDICTED {o.predicted_s * 1e3:.2f} ms once every {h} steps: "
+                f"{self.per_step_s * 1e3:.2f} ms per step with it"
+            )
         return f"{line}; sent per step: {per or 'nothing'}"
 
     def _cost_table(self) -> Any:
@@ -323,19 +333,25 @@ class Estimate:
         for label, seconds, basis in breakdown(c, per_device):
             table.add_row(label, f"{seconds * 1e3:.2f}", basis)
         low, high = c.low_s, c.high_s
-        table.add_row("[bold]step", f"[bold]{c.step_s * 1e3:.1f}",
-                      f"interval {low * 1e3:.1f}–{high * 1e3:.1f} ms")  # fmt: skip
+        interval = f"interval {low * 1e3:.1f}–{high * 1e3:.1f} ms"
+        table.add_row("[bold]step", f"[bold]{c.step_s * 1e3:.1f}", interval)
         caption = []
         if self.tokens:
             per = self.tokens / self.devices
-            caption.append(f"{self.unit}/s per device {per / c.step_s:,.0f} ({per / high:,.0f}–"
-                           f"{per / low:,.0f})")  # fmt: skip
+            caption.append(
+                f"{self.unit}/s per device {per / c.step_s:,.0f} ({per / high:,.0f}–"
+                f"{per / low:,.0f})"
+            )
         if per_device and self.roofline is not None:
             peak = self.roofline.peak_flops
-            caption.append(f"MFU {per_device / c.step_s / peak:.1%} ({per_device / high / peak:.1%}"
-                           f"–{per_device / low / peak:.1%})")  # fmt: skip
-        caption.append(f"executed matmul FLOPs {c.executed_flops:.3g} against model "
-                       f"{per_device or 0:.3g} per device")  # fmt: skip
+            caption.append(
+                f"MFU {per_device / c.step_s / peak:.1%} ({per_device / high / peak:.1%}"
+                f"–{per_device / low / peak:.1%})"
+            )
+        caption.append(
+            f"executed matmul FLOPs {c.executed_flops:.3g} against model "
+            f"{per_device or 0:.3g} per device"
+        )
         if c.unpriced:
             names = ", ".join(f"{k} × {v:.0f}" for k, v in c.unpriced.items())
             caption.append(f"not in the tables (priced by their bytes): {names}")
@@ -364,8 +380,8 @@ class Estimate:
         if self.hbm_bytes:
             ax.axhline(self.hbm_bytes / 2**30, color="r", ls="--", label="HBM")
         if self.memory_budget and self.memory_budget != self.hbm_bytes:
-            ax.axhline(self.memory_budget / 2**30, color="tab:orange", ls="-.",
-                       label=f"budget ({self.budget_note})")  # fmt: skip
+            budget = f"budget ({self.budget_note})"
+            ax.axhline(self.memory_budget / 2**30, color="tab:orange", ls="-.", label=budget)
         title = f"{self.devices} × {self.device_kind}, mesh {self.mesh} (compiled)"
         ax.set(ylabel="GiB per device", title=title)
         ax.tick_params(axis="x", labelrotation=20)
@@ -411,10 +427,12 @@ def exposed_line(overlap: Mapping[str, Any], cost: StepCost | None = None) -> st
     matmuls, 1 synchronous; from the compiled schedule)
     """
     o = overlap
-    exposed, total = (o["exposed_s"], o["collective_s"]) if cost is None else (
-        cost.exposed_s, cost.collective_s)  # fmt: skip
-    inter, inter_exposed = (o.get("inter_host_s", 0.0), o.get("exposed_inter_host_s", 0.0)) if (
-        cost is None) else (cost.inter_host_s, cost.exposed_inter_host_s)  # fmt: skip
+    if cost is None:
+        exposed, total = o["exposed_s"], o["collective_s"]
+        inter, inter_exposed = o.get("inter_host_s", 0.0), o.get("exposed_inter_host_s", 0.0)
+    else:
+        exposed, total = cost.exposed_s, cost.collective_s
+        inter, inter_exposed = cost.inter_host_s, cost.exposed_inter_host_s
     line = (
         f"exposed collective time: {exposed * 1e3:.2f} ms per step of "
         f"{total * 1e3:.2f} ms of collectives ({o['overlapped']} of "
@@ -422,7 +440,9 @@ def exposed_line(overlap: Mapping[str, Any], cost: StepCost | None = None) -> st
         "compiled schedule)"
     )
     if inter:
-        line += (f"\nexposed inter-host time: {inter_exposed * 1e3:.2f} ms per step of "
-                 f"{inter * 1e3:.2f} ms of collectives across hosts (priced level by level: "
-                 "NVLink within a host, the NICs between; from the compiled schedule)")  # fmt: skip
+        line += (
+            f"\nexposed inter-host time: {inter_exposed * 1e3:.2f} ms per step of "
+            f"{inter * 1e3:.2f} ms of collectives across hosts (priced level by level: "
+            "NVLink within a host, the NICs between; from the compiled schedule)"
+        )
     return line

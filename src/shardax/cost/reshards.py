@@ -51,8 +51,14 @@ _CALLED = re.compile(
 _LOOKUP = re.compile(r"(?:^|/)(?:gather|scatter-add|scatter_add)$|jit\(_take\)")
 _REDUCTION = re.compile(r"dot_general|(?:^|/)reduce_\w+(?:$|[:)])")  # a fused op's list too
 _MOVES = ("all-to-all", "ragged-all-to-all")  # a move of the split: what a constraint asks
-_PLAIN = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-          "ragged-all-to-all")  # fmt: skip
+_PLAIN = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +137,11 @@ def _layouts(op: str, rank: int, dims: list[int], axes: tuple[str, ...]) -> tupl
 def _suggest(c: Reshard, dims: list[int]) -> str:
     at = f"at {c.made or c.source}" if c.source else f"made by {c.what or c.name}"
     if c.op == "all-gather":
-        return (f"keep the split: sx.constrain(x, {c.before}) on the value {at} and on what "
-                "uses it (a reshape that keeps the split dimension whole and leading, a rule "
-                "that splits the weight it meets the same way)")  # fmt: skip
+        return (
+            f"keep the split: sx.constrain(x, {c.before}) on the value {at} and on what "
+            "uses it (a reshape that keeps the split dimension whole and leading, a rule "
+            "that splits the weight it meets the same way)"
+        )
     if c.op in ("all-to-all", "ragged-all-to-all"):
         pinned = f" (the sx.constrain at {c.source} asks for it)" if c.made else ""
         return (
@@ -142,16 +150,26 @@ def _suggest(c: Reshard, dims: list[int]) -> str:
             f"layout, e.g. {c.after}, or reorder it after the reduction over {'/'.join(c.axes)}"
         )
     if c.op == "all-reduce":
-        return (f"the op {at} sums over a dimension split over {'/'.join(c.axes)}; if that "
-                "is not meant, sx.constrain its input so the dimension is whole")  # fmt: skip
+        return (
+            f"the op {at} sums over a dimension split over {'/'.join(c.axes)}; if that "
+            "is not meant, sx.constrain its input so the dimension is whole"
+        )
     if c.op == "reduce-scatter":
         return f"sx.constrain the value {at} to {c.after} before it is summed"
-    return (f"the op {at} reads across shard boundaries (a shift, a pad, a window): keep "
-            "its dimension whole with sx.constrain, or split another")  # fmt: skip
+    return (
+        f"the op {at} reads across shard boundaries (a shift, a pad, a window): keep "
+        "its dimension whole with sx.constrain, or split another"
+    )
 
 
-def _implied(op: str, stack: str, shapes: tuple[tuple[int, ...], ...], axes: tuple[str, ...],
-             param_shapes: set[tuple[int, ...]], param_axes: set[str]) -> str:  # fmt: skip
+def _implied(
+    op: str,
+    stack: str,
+    shapes: tuple[tuple[int, ...], ...],
+    axes: tuple[str, ...],
+    param_shapes: set[tuple[int, ...]],
+    param_axes: set[str],
+) -> str:
     """Why the plan or the model asks for this collective, ``""`` where nothing does."""
     called = _CALLED.search(stack)
     if called:
@@ -169,13 +187,22 @@ def _implied(op: str, stack: str, shapes: tuple[tuple[int, ...], ...], axes: tup
     if split and _LOOKUP.search(stack):
         return f"the lookup of a table the plan splits over {'/'.join(axes)} (an embedding)"
     if op == "all-reduce" and split and _REDUCTION.search(stack):
-        return (f"the partial sums of a contraction or reduction over a dimension the plan "
-                f"splits over {'/'.join(axes)}")  # fmt: skip
+        return (
+            f"the partial sums of a contraction or reduction over a dimension the plan "
+            f"splits over {'/'.join(axes)}"
+        )
     return ""
 
 
-_PASS = {"bitcast", "copy", "transpose", "reshape", "get-tuple-element", "convert",
-         "all-gather-done"}  # fmt: skip
+_PASS = {
+    "bitcast",
+    "copy",
+    "transpose",
+    "reshape",
+    "get-tuple-element",
+    "convert",
+    "all-gather-done",
+}
 
 
 def users_of(index: HloIndex) -> dict[str, list[Any]]:
@@ -192,8 +219,13 @@ def _matmul(instr: Any) -> bool:
     return bool(ops & {"dot", "convolution"}) or "gemm" in instr.target.lower()
 
 
-def meets_split_weight(index: HloIndex, name: str, split_shapes: set[tuple[int, ...]],
-                       users: dict[str, list[Any]], hops: int = 3) -> bool:  # fmt: skip
+def meets_split_weight(
+    index: HloIndex,
+    name: str,
+    split_shapes: set[tuple[int, ...]],
+    users: dict[str, list[Any]],
+    hops: int = 3,
+) -> bool:
     """Whether the value of instruction ``name`` reaches, through copies and reshapes
     (``hops`` at most), a matmul (a dot, or a fusion or GEMM call with one) whose other
     operand has a shape of ``split_shapes`` (a weight as the plan splits it)."""
@@ -204,8 +236,10 @@ def meets_split_weight(index: HloIndex, name: str, split_shapes: set[tuple[int, 
             for user in users.get(current, []):
                 if _matmul(user):
                     others = [index.by_name.get(o) for o in user.operands if o != current]
-                    if any(o is not None and {s for _, s in arrays(o.out)} & split_shapes
-                           for o in others):  # fmt: skip
+                    if any(
+                        o is not None and {s for _, s in arrays(o.out)} & split_shapes
+                        for o in others
+                    ):
                         return True
                 elif user.opcode in _PASS and user.name not in seen:
                     seen.add(user.name)
@@ -215,11 +249,14 @@ def meets_split_weight(index: HloIndex, name: str, split_shapes: set[tuple[int, 
 
 
 def collectives_explained(
-    hlo: str, mesh: Any, sources: Sources | None = None,
-    param_shapes: set[tuple[int, ...]] | None = None, param_axes: set[str] | None = None,
+    hlo: str,
+    mesh: Any,
+    sources: Sources | None = None,
+    param_shapes: set[tuple[int, ...]] | None = None,
+    param_axes: set[str] | None = None,
     constraints: list[tuple[str, int, str]] | None = None,
     split_shapes: set[tuple[int, ...]] | None = None,
-) -> list[Reshard]:  # fmt: skip
+) -> list[Reshard]:
     """Every collective of the compiled ``hlo`` on ``mesh``, implied (with the reason) or
     not (with the layouts and a suggestion); see the module. ``param_shapes``: the
     parameters' global and per-device shapes (a scanned stack's layer shape too);
@@ -253,11 +290,25 @@ def collectives_explained(
         reason = _implied(base, stack, c.shapes, axes, shapes_known, axes_known)
         meets = base == "all-gather" and bool(split_shapes) and not reason
         if meets and meets_split_weight(index, instr.name, split_shapes or set(), users):
-            reason = (f"a matmul's operand gathered in place of the weight the plan splits "
-                      f"over {'/'.join(axes)} (FSDP's gather, of the smaller side)")  # fmt: skip
-        row = Reshard(base, axes, c.bytes, c.sent_bytes, c.count, shape,
-                      c.dtypes[0] if c.dtypes else "", sources.line(instr.line), stack,
-                      before, after, reason, name=instr.name)  # fmt: skip
+            reason = (
+                f"a matmul's operand gathered in place of the weight the plan splits "
+                f"over {'/'.join(axes)} (FSDP's gather, of the smaller side)"
+            )
+        row = Reshard(
+            base,
+            axes,
+            c.bytes,
+            c.sent_bytes,
+            c.count,
+            shape,
+            c.dtypes[0] if c.dtypes else "",
+            sources.line(instr.line),
+            stack,
+            before,
+            after,
+            reason,
+            name=instr.name,
+        )
         asked = (
             ""
             if reason or base not in _MOVES

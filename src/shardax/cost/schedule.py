@@ -38,10 +38,22 @@ from shardax.cost.hlo.program import computations, line_calls, runs
 
 _OPCODE = re.compile(r" = .*? ([a-z][\w\-]*)\(")
 _OPERANDS = re.compile(r"%([\w.\-]+)")
-FREE = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-    "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-start", "copy-done",
-})  # fmt: skip
+FREE = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "opt-barrier",
+        "add-dependency",
+        "copy-start",
+        "copy-done",
+    }
+)
 """Ops that launch no kernel (or only start or end one): not counted as compute."""
 _PLUMBING = frozenset({"get-tuple-element", "tuple", "bitcast", "opt-barrier"})
 _WRAPPERS = frozenset({"async-start", "fusion-start"})
@@ -105,8 +117,15 @@ class Scheduled:
         """Plain data (JSON-able)."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "collective"}
         c = self.collective
-        return {**out, "op": c.op, "dtypes": list(c.dtypes), "bytes": c.bytes,
-                "runs": c.count, "group": c.group, "sent_bytes": c.sent_bytes}  # fmt: skip
+        return {
+            **out,
+            "op": c.op,
+            "dtypes": list(c.dtypes),
+            "bytes": c.bytes,
+            "runs": c.count,
+            "group": c.group,
+            "sent_bytes": c.sent_bytes,
+        }
 
 
 def _operands(line: str) -> list[str]:
@@ -160,9 +179,13 @@ def schedule(hlo: str, num_devices: int | None = None) -> list[Scheduled]:
 
 
 def _scheduled(
-    comp: str, lines: list[str], bodies: dict[str, list[str]],
-    flops_per_call: Callable[[str], float], count: int, num_devices: int | None,
-) -> list[Scheduled]:  # fmt: skip
+    comp: str,
+    lines: list[str],
+    bodies: dict[str, list[str]],
+    flops_per_call: Callable[[str], float],
+    count: int,
+    num_devices: int | None,
+) -> list[Scheduled]:
     """The collectives of one computation's ``lines`` (its schedule); ``flops_per_call``:
     the matmul FLOPs of one call of a computation, with all it calls."""
     names = [m.group(1) if (m := _NAME.match(line)) else "" for line in lines]

@@ -216,8 +216,11 @@ class Lowered:
     def frame(self, op_name: str, shape: tuple[int, ...]) -> tuple[str, int, str] | None:
         """The user's frame of the ops named ``op_name`` of global ``shape``, where they
         all have one (None: none, or several)."""
-        frames = {self.sources.frame(line, tools=True) for name, s, _, line in self.ops
-                  if name == op_name and s == shape} - {None}  # fmt: skip
+        frames = {
+            self.sources.frame(line, tools=True)
+            for name, s, _, line in self.ops
+            if name == op_name and s == shape
+        } - {None}
         return frames.pop() if len(frames) == 1 else None
 
 

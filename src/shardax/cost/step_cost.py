@@ -32,8 +32,15 @@ class ClassCost:
     flops: float = 0.0
     bytes: float = 0.0
 
-    def add(self, runs: float, point: float, low: float, high: float, flops: float = 0.0,
-            nbytes: float = 0.0) -> None:  # fmt: skip
+    def add(
+        self,
+        runs: float,
+        point: float,
+        low: float,
+        high: float,
+        flops: float = 0.0,
+        nbytes: float = 0.0,
+    ) -> None:
         self.kernels += runs
         self.seconds += runs * point
         self.low += runs * low
@@ -110,22 +117,35 @@ class StepCost:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able)."""
-        return {"model": MODEL_NAME, "calibration": self.calibration,
-                "step_s": self.step_s, "low_s": self.low_s, "high_s": self.high_s,
-                "classes": {k: dataclasses.asdict(v) for k, v in self.classes.items()},
-                "launch_s": self.launch_s, "collective_s": self.collective_s,
-                "exposed_s": self.exposed_s, "unpriced": dict(self.unpriced), "widen": self.widen,
-                "inter_host_s": self.inter_host_s,
-                "exposed_inter_host_s": self.exposed_inter_host_s,
-                "fp8_datasheet_flops": self.fp8_datasheet_flops,
-                "fp8_measured_flops": self.fp8_measured_flops,
-                "kernels": self.kernels, "executed_flops": self.executed_flops}  # fmt: skip
+        return {
+            "model": MODEL_NAME,
+            "calibration": self.calibration,
+            "step_s": self.step_s,
+            "low_s": self.low_s,
+            "high_s": self.high_s,
+            "classes": {k: dataclasses.asdict(v) for k, v in self.classes.items()},
+            "launch_s": self.launch_s,
+            "collective_s": self.collective_s,
+            "exposed_s": self.exposed_s,
+            "unpriced": dict(self.unpriced),
+            "widen": self.widen,
+            "inter_host_s": self.inter_host_s,
+            "exposed_inter_host_s": self.exposed_inter_host_s,
+            "fp8_datasheet_flops": self.fp8_datasheet_flops,
+            "fp8_measured_flops": self.fp8_measured_flops,
+            "kernels": self.kernels,
+            "executed_flops": self.executed_flops,
+        }
 
 
 LABELS = {
-    "gemm": "GEMMs", "attention": "attention (fused)", "elementwise": "elementwise fusions",
-    "optimizer": "optimizer update", "copies": "copies and converts", "other": "other kernels",
-}  # fmt: skip
+    "gemm": "GEMMs",
+    "attention": "attention (fused)",
+    "elementwise": "elementwise fusions",
+    "optimizer": "optimizer update",
+    "copies": "copies and converts",
+    "other": "other kernels",
+}
 
 
 def breakdown(cost: StepCost, model_flops: float | None = None) -> list[tuple[str, float, str]]:
@@ -145,10 +165,20 @@ def breakdown(cost: StepCost, model_flops: float | None = None) -> list[tuple[st
         k = cost.classes[name]
         if name == "gemm" and model_flops and cost.executed_flops > model_flops and k.flops:
             extra = min(cost.executed_flops - model_flops, k.flops) / k.flops
-            out.append(("GEMMs: model work", k.seconds * (1 - extra),
-                        f"{k.flops * (1 - extra):.3g} FLOPs, {k.kernels:.0f} kernels"))  # fmt: skip
-            out.append(("GEMMs: beyond model FLOPs (remat, recompute)", k.seconds * extra,
-                        f"{k.flops * extra:.3g} executed FLOPs"))  # fmt: skip
+            out.append(
+                (
+                    "GEMMs: model work",
+                    k.seconds * (1 - extra),
+                    f"{k.flops * (1 - extra):.3g} FLOPs, {k.kernels:.0f} kernels",
+                )
+            )
+            out.append(
+                (
+                    "GEMMs: beyond model FLOPs (remat, recompute)",
+                    k.seconds * extra,
+                    f"{k.flops * extra:.3g} executed FLOPs",
+                )
+            )
             continue
         basis = f"{k.flops:.3g} FLOPs" if k.flops else f"{k.bytes:.3g} B"
         out.append((LABELS[name], k.seconds, f"{basis}, {k.kernels:.0f} kernels"))
@@ -156,29 +186,42 @@ def breakdown(cost: StepCost, model_flops: float | None = None) -> list[tuple[st
     out.append(("collectives on the wire", cost.collective_s, "latency + bytes / link"))
     out.append(("collectives exposed (in the step)", cost.exposed_s, "from the schedule"))
     if cost.inter_host_s:
-        out.append(("of which across hosts, exposed", cost.exposed_inter_host_s,
-                    f"from the schedule; {cost.inter_host_s * 1e3:.2f} ms on the wire, "
-                    "priced level by level"))  # fmt: skip
+        out.append(
+            (
+                "of which across hosts, exposed",
+                cost.exposed_inter_host_s,
+                f"from the schedule; {cost.inter_host_s * 1e3:.2f} ms on the wire, "
+                "priced level by level",
+            )
+        )
     return out
 
 
-def format_cost(cost: StepCost, model_flops: float | None = None,
-                tokens: float | None = None) -> str:  # fmt: skip
+def format_cost(
+    cost: StepCost, model_flops: float | None = None, tokens: float | None = None
+) -> str:
     """The breakdown as text: one line per row, then the step with its interval."""
-    lines = [f"{label}: {s * 1e3:.2f} ms ({basis})" for label, s, basis in
-             breakdown(cost, model_flops)]  # fmt: skip
-    step = (f"step {cost.step_s * 1e3:.1f} ms, interval {cost.low_s * 1e3:.1f}–"
-            f"{cost.high_s * 1e3:.1f} ms ({cost.calibration})")  # fmt: skip
+    lines = [
+        f"{label}: {s * 1e3:.2f} ms ({basis})" for label, s, basis in breakdown(cost, model_flops)
+    ]
+    step = (
+        f"step {cost.step_s * 1e3:.1f} ms, interval {cost.low_s * 1e3:.1f}–"
+        f"{cost.high_s * 1e3:.1f} ms ({cost.calibration})"
+    )
     if tokens:
         step += f"; {tokens / cost.step_s:,.0f} tokens/s"
     if cost.unpriced:
         names = ", ".join(f"{k} × {v:.0f}" for k, v in cost.unpriced.items())
         lines.append(f"not in the tables (priced by their bytes): {names}")
     if cost.fp8_datasheet_flops:
-        lines.append(f"fp8 GEMMs ({cost.fp8_datasheet_flops:.3g} FLOPs) priced at the "
-                     f"datasheet's fp8 peak, {FP8_GEMM_FACTOR:g}x the measured bf16 rates: the "
-                     "tables have no fp8 rows")  # fmt: skip
+        lines.append(
+            f"fp8 GEMMs ({cost.fp8_datasheet_flops:.3g} FLOPs) priced at the "
+            f"datasheet's fp8 peak, {FP8_GEMM_FACTOR:g}x the measured bf16 rates: the "
+            "tables have no fp8 rows"
+        )
     if cost.fp8_measured_flops:
-        lines.append(f"fp8 GEMMs ({cost.fp8_measured_flops:.3g} FLOPs) priced by the tables' "
-                     "measured fp8 rows")  # fmt: skip
+        lines.append(
+            f"fp8 GEMMs ({cost.fp8_measured_flops:.3g} FLOPs) priced by the tables' "
+            "measured fp8 rows"
+        )
     return "\n".join([*lines, step])

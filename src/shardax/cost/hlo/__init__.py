@@ -16,7 +16,18 @@ from shardax.cost.hlo.kernels import attention_kernel, attention_kernels, fused_
 from shardax.cost.hlo.program import DTYPE_BYTES, arrays, computations, line_calls, runs
 
 __all__ = [
-    "DTYPE_BYTES", "OPS", "Collective", "arrays", "attention_kernel", "attention_kernels",
-    "collective_bytes", "collective_of", "collectives", "computations", "fused_attention",
-    "line_calls", "replica_groups", "runs",
-]  # fmt: skip
+    "DTYPE_BYTES",
+    "OPS",
+    "Collective",
+    "arrays",
+    "attention_kernel",
+    "attention_kernels",
+    "collective_bytes",
+    "collective_of",
+    "collectives",
+    "computations",
+    "fused_attention",
+    "line_calls",
+    "replica_groups",
+    "runs",
+]

@@ -21,9 +21,13 @@ import numpy as np
 from shardax.cost.hlo.program import DTYPE_BYTES, arrays, computations, runs
 
 OPS = (
-    "all-reduce", "all-gather", "reduce-scatter", "ragged-all-to-all", "all-to-all",
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "ragged-all-to-all",
+    "all-to-all",
     "collective-permute",
-)  # fmt: skip
+)
 COLLECTIVE_OP = re.compile(
     r"= (\(.*?\)|\S+) (" + "|".join(OPS) + r")(-start)?\((.*)$",
     re.MULTILINE,
@@ -151,11 +155,11 @@ XLA:GPU ``all-reduce-start`` may carry its operands too, as a nested tuple first
 def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
     """Every collective of ``hlo`` (``compiled.as_text()``), in order.
 
-    An async ``*-start`` op is counted once, by its result (the second half of its
-    output tuple for all-gather, collective-permute and reduce-scatter, which carry their
-    operands too).
-    Groups left empty (``replica_groups={}``) span all ``num_devices``. An op in a
-    loop body has ``count`` = the loops' trip counts (``known_trip_count``) multiplied.
+    An async ``*-start`` op is counted once, by its result (the second half of its output
+    tuple for all-gather, collective-permute and reduce-scatter, which carry their
+    operands too). Groups left empty (``replica_groups={}``) span all ``num_devices``. An
+    op in a loop body has ``count`` = the loops' trip counts (``known_trip_count``)
+    multiplied.
     """
     bodies, entry = computations(hlo)
     counts = runs(bodies, entry)

@@ -39,11 +39,24 @@ _CALLED = re.compile(
     r"|\b(?:branch_computations|called_computations)=\{([^}]*)\}"
 )
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 
 
 def arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -124,8 +137,10 @@ def call_graph(bodies: dict[str, list[str]]) -> dict[str, list[tuple[str, int]]]
     known = getattr(bodies, "calls", None)
     if known is not None:
         return known
-    calls = {name: [c for line in lines for c in line_calls(line, bodies)]
-             for name, lines in bodies.items()}  # fmt: skip
+    calls = {
+        name: [c for line in lines for c in line_calls(line, bodies)]
+        for name, lines in bodies.items()
+    }
     if isinstance(bodies, Bodies):
         bodies.calls = calls
     return calls
