@@ -49,7 +49,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
 from shardax.cost.calibrate_fp8 import fp8_skipped, gemm_fp8
+from shardax.cost.hlo import collectives as collectives_in
+from shardax.cost.network import named_network
 
 GPT_TOKENS = 8192
 """Rows of the GPT's projections: 4 sequences of 2048 tokens, the default step."""
@@ -79,8 +86,6 @@ def attention_shapes(quick: bool = False) -> list[tuple[int, int, int, int]]:
 def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     """Median wall time of ``fn()`` (which returns arrays), over ``repeats`` calls
     dispatched back to back after one warm-up; blocks on the last."""
-    import jax
-
     jax.block_until_ready(fn())
     times = []
     out = None
@@ -96,8 +101,6 @@ def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
 def _pipelined_seconds(fn: Callable[[], Any], calls: int, rounds: int = 3) -> float:
     """Seconds per call of ``fn`` with ``calls`` dispatched back to back (the host's
     dispatch hidden behind the device), the median over ``rounds``."""
-    import jax
-
     jax.block_until_ready(fn())
     per_call = []
     for _ in range(rounds):
@@ -118,9 +121,6 @@ def gemm(
     """``(m, k) @ (k, n)`` per shape: bf16 → bf16 with fp32 accumulation, or fp32 → fp32
     at JAX's default precision (what an fp32 model's matmuls run at); ``cublas``: with
     XLA's Triton GEMMs off (the row's dtype gets ``-cublas``)."""
-    import jax
-    import jax.numpy as jnp
-
     operand = {"bf16": jnp.bfloat16, "f32": jnp.float32}[dtype]
     rows = []
     for m, n, k in shapes:
@@ -150,9 +150,6 @@ def fp32_gemm_shapes(quick: bool = False) -> list[tuple[int, int, int]]:
 def _causal_softmax(x: Any) -> Any:
     """Softmax over the last axis with row ``r`` seeing columns ``<= r % width`` (a causal
     score matrix's rows, stacked)."""
-    import jax
-    import jax.numpy as jnp
-
     rows, cols = x.shape
     row = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0) % cols
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
@@ -162,9 +159,6 @@ def _causal_softmax(x: Any) -> Any:
 def reduce(rows: int, width: int = 2048, calls: int = 20) -> list[dict[str, Any]]:
     """Row reductions of a ``(rows, width)`` array (a norm's or a softmax's shape): GB/s
     of bytes read plus written."""
-    import jax
-    import jax.numpy as jnp
-
     x32 = jax.random.normal(jax.random.key(2), (rows, width), jnp.float32)
     x16 = x32.astype(jnp.bfloat16)
 
@@ -201,9 +195,6 @@ def reduce(rows: int, width: int = 2048, calls: int = 20) -> list[dict[str, Any]
 
 def stream(elements: int, calls: int = 20) -> list[dict[str, Any]]:
     """Elementwise passes over ``elements`` values: GB/s of bytes read plus written."""
-    import jax
-    import jax.numpy as jnp
-
     x32 = jax.random.normal(jax.random.key(1), (elements,), jnp.float32)
     x16 = x32.astype(jnp.bfloat16)
     cases = [
@@ -233,9 +224,6 @@ def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: boo
 def attention(shapes: Sequence[tuple[int, int, int, int]], calls: int = 10) -> list[dict[str, Any]]:
     """``jax.nn.dot_product_attention`` forward and forward + backward per shape, causal
     and not; the implementation is cuDNN on a GPU, XLA elsewhere."""
-    import jax
-    import jax.numpy as jnp
-
     gpu = jax.devices()[0].platform == "gpu"
     impl = "cudnn" if gpu else "xla"
     rows = []
@@ -269,9 +257,6 @@ def attention(shapes: Sequence[tuple[int, int, int, int]], calls: int = 10) -> l
 def launch(chain: int = 200, calls: int = 50) -> list[dict[str, Any]]:
     """The host's dispatch of a trivial jitted call (called and waited for one at a time),
     and the device's time per kernel in a chain of ``chain`` unfusable kernels."""
-    import jax
-    import jax.numpy as jnp
-
     x = jnp.ones((1024,), jnp.float32)
     one = jax.jit(lambda x: x + 1)
 
@@ -313,8 +298,6 @@ def collectives(sizes: Sequence[int], calls: int = 10) -> list[dict[str, Any]]:
     several hosts (``shardax launch``: one process per host), the same again over every
     process's devices, across hosts: the rows ``shardax.cost.network.fit_levels`` fits
     the network's level to. Empty with one device."""
-    import jax
-
     rows = _collectives_over(jax.local_devices(), 1, sizes, calls)
     if jax.process_count() > 1:
         rows += _collectives_over(jax.devices(), jax.process_count(), sizes, calls)
@@ -325,12 +308,6 @@ def _collectives_over(
     devices: Sequence[Any], hosts: int, sizes: Sequence[int], calls: int
 ) -> list[dict[str, Any]]:
     """``collectives``' rows over ``devices`` (on ``hosts`` hosts)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, PartitionSpec
-
-    from shardax.cost.hlo import collectives as collectives_in
 
     n = len(devices)
     if n < 2:
@@ -377,9 +354,6 @@ def tables(quick: bool = False, network: str | None = None) -> dict[str, Any]:
     network between the hosts measured over (``shardax.cost.network.named_network``),
     recorded so that the collectives' inter-host fit replaces that network's documented
     figures."""
-    import jax
-
-    from shardax.cost.network import named_network
 
     parts: dict[str, Callable[[], Any]] = {
         "gemm": lambda: gemm(gemm_shapes(quick)),
