@@ -1,8 +1,7 @@
 """``shardax bench``: the data-parallel modes compared, on the devices at hand.
 
 One Adam step of an MLP with a mean-squared-error loss on a synthetic batch, built by
-[`shardax.make_train_step`][shardax.make_train_step] in
-its four modes:
+[`shardax.make_train_step`][shardax.make_train_step] in its four modes:
 
 - ``single``: ``jax.jit`` on one device, the whole batch there;
 - ``jit``: ``jax.jit`` over a ``data`` mesh of all devices, state replicated, batch split;

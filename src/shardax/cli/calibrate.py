@@ -92,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
             "(--quick runs the small shapes here, as a smoke test)"
         )
     today = datetime.date.today().isoformat()
-    path = Path(args.out) if args.out else default_out(str(device.device_kind), today,
-                                                       args.quick)  # fmt: skip
+    path = Path(args.out) if args.out else default_out(str(device.device_kind), today, args.quick)
     network = getattr(args, "network", None)
     if network is not None:
         try:
@@ -116,18 +115,28 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"wrote {path}, but it cannot price steps: {e}") from None
     summary = calibrate.summary(tables)
     if args.json:
-        print_json({"path": str(path), **summary, "failed": failed, "skipped": skipped,
-                    "calibration": usable.to_dict() if usable else None})  # fmt: skip
+        print_json(
+            {
+                "path": str(path),
+                **summary,
+                "failed": failed,
+                "skipped": skipped,
+                "calibration": usable.to_dict() if usable else None,
+            }
+        )
         return 0
     out = console(args)
     quick = " (--quick: a smoke test)" if args.quick else ""
-    table = titled_table(f"calibration of {tables['device']}, JAX {tables['jax']}, "
-                  f"{tables['date']}{quick}")  # fmt: skip
+    table = titled_table(
+        f"calibration of {tables['device']}, JAX {tables['jax']}, {tables['date']}{quick}"
+    )
     table.add_column("table")
     table.add_column("rows", justify="right")
     table.add_column("summary")
-    best = {"gemm": f"best {summary['matmul_tflops'] or 0:.3g} TFLOP/s bf16",
-            "stream": f"best {summary['bandwidth_gbs'] or 0:.4g} GB/s"}  # fmt: skip
+    best = {
+        "gemm": f"best {summary['matmul_tflops'] or 0:.3g} TFLOP/s bf16",
+        "stream": f"best {summary['bandwidth_gbs'] or 0:.4g} GB/s",
+    }
     if summary["fp8_matmul_tflops"]:
         best["gemm_fp8"] = f"best {summary['fp8_matmul_tflops']:.3g} TFLOP/s fp8"
     fp8_errors = [r["error"] for r in tables.get("gemm_fp8") or [] if "error" in r]
@@ -153,13 +162,25 @@ def run(args: argparse.Namespace) -> int:
             )
             + (f" (network {network})" if network and "inter-host" in levels else "")
         )
-    for name in ("gemm", "gemm_f32", "gemm_f32_cublas", "gemm_fp8", "stream", "reduce",
-                 "attention", "launch", "collectives"):  # fmt: skip
+    for name in (
+        "gemm",
+        "gemm_f32",
+        "gemm_f32_cublas",
+        "gemm_fp8",
+        "stream",
+        "reduce",
+        "attention",
+        "launch",
+        "collectives",
+    ):
         rows = tables.get(name)
         shown = best.get(name, "")
         if isinstance(rows, dict):
-            shown = f"skipped: {rows['skipped']}" if "skipped" in rows else (
-                "failed: " + str(rows.get("error"))[:60])  # fmt: skip
+            shown = (
+                f"skipped: {rows['skipped']}"
+                if "skipped" in rows
+                else ("failed: " + str(rows.get("error"))[:60])
+            )
         table.add_row(name, str(len(rows)) if isinstance(rows, list) else "-", shown)
     out.print(table)
     out.print(f"wrote {path}", soft_wrap=True, markup=False)
@@ -179,7 +200,9 @@ def use_line(device_kind: str, path: Path) -> str:
         return f"shardax plan --target 8x{names[0]} ... --calibration {path}"
     register = f"sx.cost.calibration.register(sx.cost.calibration.load({str(path)!r}))"
     if device_spec(SimpleNamespace(platform="gpu", device_kind=device_kind)) is None:
-        return (f"{register}, then sx.estimate on these devices (this kind has no datasheet "
-                "row and no compile-only target: its peak and memory bandwidth are the "
-                "measured ones)")  # fmt: skip
+        return (
+            f"{register}, then sx.estimate on these devices (this kind has no datasheet "
+            "row and no compile-only target: its peak and memory bandwidth are the "
+            "measured ones)"
+        )
     return f"{register}, then sx.estimate on these devices (no compile-only target has this kind)"

@@ -213,8 +213,16 @@ def _override(value: str, action: argparse.Action, key: str) -> Any:
     every other option its text as the flag would."""
     if action.nargs != 0:
         return value
-    words = {"true": True, "yes": True, "on": True, "1": True,
-             "false": False, "no": False, "off": False, "0": False}  # fmt: skip
+    words = {
+        "true": True,
+        "yes": True,
+        "on": True,
+        "1": True,
+        "false": False,
+        "no": False,
+        "off": False,
+        "0": False,
+    }
     if value.strip().lower() not in words:
         raise ValueError(f"{key}={value}: {key} is on or off: expected true or false")
     return words[value.strip().lower()]

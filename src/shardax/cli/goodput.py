@@ -62,14 +62,15 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         goodput.plot(buckets, args.png, title=f"{path}: goodput {goodput.fraction(buckets):.1%}")
     if args.json:
-        print(json.dumps({
+        record = {
             "ledger": path,
             "sessions": len(sessions),
             "wall_s": wall,
             "goodput": goodput.fraction(buckets),
             "buckets_s": buckets,
             "last_step": max((s["last_step"] or 0 for s in sessions), default=0),
-        }))  # fmt: skip
+        }
+        print(json.dumps(record))
         return 0
     print(f"{path}")
     print(goodput.table(buckets, sessions=len(sessions)))

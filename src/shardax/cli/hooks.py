@@ -98,8 +98,9 @@ class Log(Logging):
         lap = self.tracker.step(run.step, run.state)
         if lap is not None:
             metrics = run.flushed[-1][1]
-            self.tracker.writer.write(run.step, {**{f"train/{k}": v for k, v in metrics.items()},
-                                                 **lap})  # fmt: skip
+            self.tracker.writer.write(
+                run.step, {**{f"train/{k}": v for k, v in metrics.items()}, **lap}
+            )
 
 
 class Bar(Progress):
@@ -112,11 +113,14 @@ class Bar(Progress):
 
     def columns(self) -> list[Any]:
         unit = self.record.job.unit
-        return [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                TextColumn("{task.fields[text]}"),
-                TextColumn("{task.fields[rate]:,.0f} " + unit + "/s  wait {task.fields[wait]:.0%}"),
-                TextColumn("compile {task.fields[compile]:.1f}s"),
-                TimeRemainingColumn()]  # fmt: skip
+        return [
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[text]}"),
+            TextColumn("{task.fields[rate]:,.0f} " + unit + "/s  wait {task.fields[wait]:.0%}"),
+            TextColumn("compile {task.fields[compile]:.1f}s"),
+            TimeRemainingColumn(),
+        ]
 
     def blank(self) -> tuple[str, ...]:
         return ("rate", "wait", "compile")
@@ -124,7 +128,9 @@ class Bar(Progress):
     def fields(self, run: Any) -> dict[str, Any]:
         rec = self.record
         items = (run.step - rec.window_first + 1) * rec.job.items_per_step
-        return {"text": rec.job.progress(run.flushed[-1][1]),
-                "rate": items / max(time.perf_counter() - rec.window_start, 1e-9),
-                "wait": rec.tracker.data_wait_fraction,
-                "compile": compile_stats().seconds}  # fmt: skip
+        return {
+            "text": rec.job.progress(run.flushed[-1][1]),
+            "rate": items / max(time.perf_counter() - rec.window_start, 1e-9),
+            "wait": rec.tracker.data_wait_fraction,
+            "compile": compile_stats().seconds,
+        }

@@ -51,12 +51,18 @@ def collect(mesh_pairs: list[tuple[str, int]] | None) -> dict[str, Any]:
         table.append(row)
     for name in ("h200", "b200"):  # kinds the recommendation table lacks (as --target knows)
         roof = roofline(name)
-        table.append({
-            "hardware": name, "min_batch_size": None, "optimal_batch_size": None,
-            "critical_batch_size": None, "notes": "not in the recommendation table: roofline only",
-            "peak_flops": roof["peak_flops"], "hbm_bandwidth": roof["hbm_bandwidth"],
-            "roofline_critical_batch": roof["critical_batch"],
-        })  # fmt: skip
+        table.append(
+            {
+                "hardware": name,
+                "min_batch_size": None,
+                "optimal_batch_size": None,
+                "critical_batch_size": None,
+                "notes": "not in the recommendation table: roofline only",
+                "peak_flops": roof["peak_flops"],
+                "hbm_bandwidth": roof["hbm_bandwidth"],
+                "roofline_critical_batch": roof["critical_batch"],
+            }
+        )
     try:
         mesh = sx.make_mesh(mesh_pairs)
     except ValueError as e:

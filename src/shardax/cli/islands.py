@@ -101,11 +101,13 @@ def islands_job(args: argparse.Namespace, job: Any) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--islands``, ``--inner-steps``, ``--outer-compress``."""
     parser.add_argument(
-        "--islands", type=positive_int, default=1,
+        "--islands",
+        type=positive_int,
+        default=1,
         help="train N islands apart with DiLoCo (sx.DiLoCo): each island its own rows of "
         "every batch with --plan inside it, averaged by an outer Nesterov step every "
         "--inner-steps; islands go across processes (default: 1, data parallel)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--inner-steps",
         type=positive_int,
@@ -113,7 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --islands: H, steps between outer steps",
     )
     parser.add_argument(
-        "--outer-compress", choices=[c for c in COMPRESSIONS if c], default=None,
+        "--outer-compress",
+        choices=[c for c in COMPRESSIONS if c],
+        default=None,
         help="with --islands: the outer gradients across islands as bf16, int8 (per-block "
         "scales) or top-k with error feedback (default: float32)",
-    )  # fmt: skip
+    )

@@ -308,10 +308,18 @@ def build_steps(
     try:
         # The CLI logs every update statistic, param norm included, computed only on the
         # steps it logs (--log-every): the other steps pay nothing for them.
-        step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, mode=args.mode,
-                                  accumulate=args.accumulate, precision=args.precision,
-                                  data_axis=data_axes(mesh), stats=STATS,
-                                  stats_every=args.log_every, seq_axis=seq_axis)  # fmt: skip
+        step = sx.make_train_step(
+            loss_fn,
+            mesh=mesh,
+            plan=plan,
+            mode=args.mode,
+            accumulate=args.accumulate,
+            precision=args.precision,
+            data_axis=data_axes(mesh),
+            stats=STATS,
+            stats_every=args.log_every,
+            seq_axis=seq_axis,
+        )
         # The eval step: the train step's settings, the whole batch at once.
         evaluate = dataclasses.replace(step.config.for_eval(), accumulate=1)
         return step, sx.train.EvalStep(loss_fn, evaluate)

@@ -1,21 +1,19 @@
 """``shardax launch -n N [--cpu-devices K] [--port P] -- CMD ...``: N local processes.
 
-Each process gets the environment that [`shardax.initialize`][shardax.initialize] reads (coordinator
-on
-127.0.0.1, the process count, its rank, its CPU device count), so the program joins the
-run with one call, and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where the environment does not
-set it (CUDA reads it when JAX starts the GPU; it lets the GPU settings of
-``shardax.train.compiler`` overlap collectives with compute). The processes' stdout
-goes to launch's stdout, and their stderr (tracebacks, logs) and runtime chatter
-(``RUNTIME_CHATTER``, which gloo writes to stdout) to launch's stderr, each line
-prefixed with the rank; when the command has ``--json``, stdout lines are passed on
-unprefixed, so stdout stays pure JSON. When a process fails, the others are stopped and
-launch exits with that first non-zero code; Ctrl-C stops them all. A SIGTERM (a
-scheduler's preemption notice) is forwarded to every process, which save and exit with
-code 75 ([`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE]): a process that exits with
-75 does not stop the
-others, and launch exits with 75 once all have ended; a SIGHUP (the terminal closed) is
-forwarded as a SIGTERM. Launch itself never starts JAX.
+Each process gets the environment that [`shardax.initialize`][shardax.initialize] reads
+(coordinator on 127.0.0.1, the process count, its rank, its CPU device count), so the
+program joins the run with one call, and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where the
+environment does not set it (CUDA reads it when JAX starts the GPU; it lets the GPU
+settings of ``shardax.train.compiler`` overlap collectives with compute). The processes'
+stdout goes to launch's stdout, and their stderr (tracebacks, logs) and runtime chatter
+(``RUNTIME_CHATTER``, which gloo writes to stdout) to launch's stderr, each line prefixed
+with the rank; when the command has ``--json``, stdout lines are passed on unprefixed, so
+stdout stays pure JSON. When a process fails, the others are stopped and launch exits with
+that first non-zero code; Ctrl-C stops them all. A SIGTERM (a scheduler's preemption
+notice) is forwarded to every process, which save and exit with code 75
+([`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE]): a process that exits
+with 75 does not stop the others, and launch exits with 75 once all have ended; a SIGHUP
+(the terminal closed) is forwarded as a SIGTERM. Launch itself never starts JAX.
 
 With ``--max-restarts K``, a failure (a process that dies, raises, is stopped for
 ``STOPPED_AFTER`` seconds, or ends on its hang watchdog) restarts every process, up to K
@@ -207,15 +205,14 @@ def process_env(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of process ``rank``: ``base`` (default ``os.environ``) plus the
-    variables [`shardax.initialize`][shardax.initialize] reads, and those the GPU compiler settings
-    need
-    before JAX starts (``shardax.train.compiler.ENVIRONMENT``:
+    variables [`shardax.initialize`][shardax.initialize] reads, and those the GPU compiler
+    settings need before JAX starts (``shardax.train.compiler.ENVIRONMENT``:
     ``CUDA_DEVICE_MAX_CONNECTIONS=1``) where ``base`` does not set them. With a
     ``launch_dir``, also this launcher's pid and that directory, by which the process
     stops when the launcher is gone (``shardax.runtime.launcher``); after a failure the
-    number of the ``restart`` and, for in-job recovery, the ``snapshot_dir``; the process's
-    ``slot`` (default: ``rank``) and the ``planned`` count (default: ``num_processes``),
-    which differ from them once a run has shrunk.
+    number of the ``restart`` and, for in-job recovery, the ``snapshot_dir``; the
+    process's ``slot`` (default: ``rank``) and the ``planned`` count (default:
+    ``num_processes``), which differ from them once a run has shrunk.
 
     >>> env = process_env(1, 2, 1234, base={})
     >>> env[ENV_PROCESS_ID], env["CUDA_DEVICE_MAX_CONNECTIONS"]
@@ -577,11 +574,11 @@ def supervise(
     in its ``rank<r>.log`` there, and ``status.json`` follows the run: each process's
     pid, state and exit code, the launcher's state, and one line on how it ended.
 
-    Returns the first non-zero exit code (in time), after stopping the other
-    processes; 0 when all succeed; 130 after Ctrl-C, once all are stopped. A process
-    that exits with [`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE] saved on a
-    preemption notice, as the
-    others are doing: they are left to finish, and the code is returned at the end.
+    Returns the first non-zero exit code (in time), after stopping the other processes; 0
+    when all succeed; 130 after Ctrl-C, once all are stopped. A process that exits with
+    [`PREEMPTED_EXIT_CODE`][shardax.checkpoint.PREEMPTED_EXIT_CODE] saved on a preemption
+    notice, as the others are doing: they are left to finish, and the code is returned at
+    the end.
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -602,10 +599,13 @@ def supervise(
     ]
     tail: dict[int, str] = {}  # rank -> the last line on its stderr
     readers += [
-        threading.Thread(target=_forward, args=(r, p.stderr, err, err, lock),
-                         kwargs={"log": logs[r], "tail": tail, **common})
+        threading.Thread(
+            target=_forward,
+            args=(r, p.stderr, err, err, lock),
+            kwargs={"log": logs[r], "tail": tail, **common},
+        )
         for r, p in enumerate(procs)
-    ]  # fmt: skip
+    ]
     for t in readers:
         t.daemon = True
     started: list[threading.Thread] = []
@@ -717,9 +717,13 @@ def _failure(
     if first is None or (first.returncode < 0 and -first.returncode != signal.SIGABRT):  # type: ignore[operator]
         raiser = rank  # stopped or killed from outside: the cause, whoever raised after it
     failure: dict[str, Any] = {
-        "rank": rank, "pid": procs[rank].pid, "host": socket.gethostname(),  # type: ignore[index]
-        "exit_code": code, "cause": cause, "at": time.time(),
-    }  # fmt: skip
+        "rank": rank,
+        "pid": procs[rank].pid,
+        "host": socket.gethostname(),  # type: ignore[index]
+        "exit_code": code,
+        "cause": cause,
+        "at": time.time(),
+    }
     if raiser != rank:
         failure["after"] = f"after process {raiser} raised (its traceback is above)"
     where = read_record(directory, rank) if directory is not None else None  # type: ignore[arg-type]
@@ -856,12 +860,19 @@ def run(args: argparse.Namespace) -> int:
                 port = args.port if args.port and not attempt else free_port()  # a fresh one
                 envs = [
                     process_env(
-                        r, len(slots), port, cpu_devices=args.cpu_devices,
-                        heartbeat_timeout=args.heartbeat_timeout, launch_dir=launch_dir.resolve(),
-                        restart=attempt, snapshot_dir=snapshots, slot=slot, planned=planned,
+                        r,
+                        len(slots),
+                        port,
+                        cpu_devices=args.cpu_devices,
+                        heartbeat_timeout=args.heartbeat_timeout,
+                        launch_dir=launch_dir.resolve(),
+                        restart=attempt,
+                        snapshot_dir=snapshots,
+                        slot=slot,
+                        planned=planned,
                     )
                     for r, slot in enumerate(slots)
-                ]  # fmt: skip
+                ]
                 clear_records(launch_dir, planned)  # this start's steps only
                 try:
                     procs[:] = start_processes(cmd, envs, merge_stderr=False)

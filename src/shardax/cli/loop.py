@@ -129,8 +129,13 @@ def start(
             if owned is not None:
                 owned.close()
         raise
-    record = Record(job, tracker, list(data_state.get("history", [])),
-                    list(data_state.get("window", [])), window_first=first_done + 1)  # fmt: skip
+    record = Record(
+        job,
+        tracker,
+        list(data_state.get("history", [])),
+        list(data_state.get("window", [])),
+        window_first=first_done + 1,
+    )
     return manager, restored, directory, feed, record
 
 
@@ -168,11 +173,18 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
     manager, restored, directory, feed, record = start(args, job, snapshots, recovery)
     where = args.checkpoint_dir or directory
     path = Path(where, FILE) if where is not None and directory is not None else None
-    run = Run(job.state, hooks(args, record, out, manager, path, snapshots), manager=manager,
-              snapshots=snapshots,
-              total=job.steps, resume=restored, data_state=record.data_state,
-              writer=record.tracker.writer, exit_on_preemption=False,
-              resume_hint="continue it with --resume")  # fmt: skip
+    run = Run(
+        job.state,
+        hooks(args, record, out, manager, path, snapshots),
+        manager=manager,
+        snapshots=snapshots,
+        total=job.steps,
+        resume=restored,
+        data_state=record.data_state,
+        writer=record.tracker.writer,
+        exit_on_preemption=False,
+        resume_hint="continue it with --resume",
+    )
     describe(out, job, restored.state if restored else job.state, args)
     step = record.tracker.wrap(job.step)
     began, flops, kernel = time.perf_counter(), None, None

@@ -364,9 +364,17 @@ def render(plan: dict[str, Any], out: Any) -> None:
 
 
 TARGET_ONLY = (
-    "plan", "vocab", "remat", "tp", "param_dtype", "png", "memory_fraction", "calibration",
-    "network", "roofline",
-)  # fmt: skip
+    "plan",
+    "vocab",
+    "remat",
+    "tp",
+    "param_dtype",
+    "png",
+    "memory_fraction",
+    "calibration",
+    "network",
+    "roofline",
+)
 """Options of ``shardax plan`` that only ``--target`` reads: refused without it."""
 
 

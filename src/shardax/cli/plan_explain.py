@@ -1,9 +1,9 @@
 """``shardax plan --explain``: the built-in GPT's train step, compiled for a ``--target``
-(``sx.target``) or on the devices at hand, explained by
-[`sx.explain`][shardax.explain]: the buffers at its memory peak with the lines that made
-them, the collectives its plan did not ask for, the state's placement against the plan's
-intent, and, where the step does not fit its budget, the changes that fit, each compiled
-and ranked by predicted step time (plans × microbatches × the remat policies).
+(``sx.target``) or on the devices at hand, explained by [`sx.explain`][shardax.explain]:
+the buffers at its memory peak with the lines that made them, the collectives its plan did
+not ask for, the state's placement against the plan's intent, and, where the step does not
+fit its budget, the changes that fit, each compiled and ranked by predicted step time
+(plans × microbatches × the remat policies).
 
 Example: ``shardax plan --explain --target 8xH100 --batch 64 --plan fsdp``, or on this
 machine's devices ``shardax plan --explain --mesh data=8 --plan zero1``.
@@ -108,15 +108,23 @@ def explained(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     if args.batch is None:
         args.batch = 2 * rows
     if args.batch % rows:
-        raise UsageError(f"--batch {args.batch} is not divisible by the data axes "
-                         f"{' × '.join(axes)} = {rows} of mesh {dict(mesh.shape)}")  # fmt: skip
+        raise UsageError(
+            f"--batch {args.batch} is not divisible by the data axes "
+            f"{' × '.join(axes)} = {rows} of mesh {dict(mesh.shape)}"
+        )
     model, state, loss_fn, batch, _, what = _model(args, remat)
     platform = target.platform if target is not None else jax.devices()[0].platform
     tp = gpt.plan(mesh, model, "tp") if MODEL_AXIS in mesh.shape else None
     plan = _named_plan(args.plan, mesh, model, _axis(axes), tp)
     precision = _precision(args, platform)
-    step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, accumulate=accumulate,
-                              precision=precision, data_axis=_axis(axes))  # fmt: skip
+    step = sx.make_train_step(
+        loss_fn,
+        mesh=mesh,
+        plan=plan,
+        accumulate=accumulate,
+        precision=precision,
+        data_axis=_axis(axes),
+    )
     budget = None if args.device_memory is None else args.device_memory * 2**30
     variants = {r: _model(args, r)[1] for r in REMATS}  # the fixes' remat policies
     tables = load_calibration(args.calibration, target) if target is not None else None
@@ -147,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = console(args)
     where = result["target"] or f"{result['devices']} × {result['device_kind']} (this machine)"
-    out.print(f"{result['model']}, batch {result['batch']}, plan [bold]{result['plan']}[/] "
-              f"on {where}, mesh {result['mesh']}")  # fmt: skip
+    out.print(
+        f"{result['model']}, batch {result['batch']}, plan [bold]{result['plan']}[/] "
+        f"on {where}, mesh {result['mesh']}"
+    )
     out.print(report)
     return 0

@@ -242,8 +242,12 @@ def plot(result: dict[str, Any], path: Any) -> None:
     names = [r["name"] for r in rows]
     x = range(len(rows))
     fig, (mem, comm) = plt.subplots(1, 2, figsize=(10, 4))
-    mem.bar([i - 0.2 for i in x], [r["argument_bytes"] / 2**20 for r in rows], 0.4,
-            label="compiled arguments")  # fmt: skip
+    mem.bar(
+        [i - 0.2 for i in x],
+        [r["argument_bytes"] / 2**20 for r in rows],
+        0.4,
+        label="compiled arguments",
+    )
     formula = [(r["formula"] or {}).get("params_and_optimizer_bytes", 0) / 2**20 for r in rows]
     mem.bar([i + 0.2 for i in x], formula, 0.4, label="formula: params + Adam")
     mem.plot(list(x), [r["total_bytes"] / 2**20 for r in rows], "k_", ms=20, label="peak")

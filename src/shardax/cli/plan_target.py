@@ -2,18 +2,18 @@
 machine does not have ([`shardax.target`][shardax.target]), with its memory, predicted speed, plan
 and launch command.
 
-Example: ``shardax plan --target 64xH100 --layers 32 --d-model 4096 --heads 32 --seq-len
-4096 --batch 256`` (``--plan auto``: the candidates, plans × remat policies
-(``REMATS``, or ``--remat``'s) × microbatch counts (``COUNTS``), plus pipeline
-over hosts and context parallelism where they apply, are compiled, at most
-``MAX_COMPILES`` and pruned as ``shardax.train.auto.compile_candidates`` does,
-and ranked by predicted step time among those that fit with headroom). The model is abstract
-(``nnx.eval_shape``): nothing is allocated. The mesh, unless ``--mesh`` is given:
-``replica`` over the hosts (GPU hosts, TPU slices) × ``data`` within one, so the plans
-include HSDP (FSDP within a host, data parallel over hosts); ``--tp M`` splits each host
-into ``data × model=M`` for a ``fsdp+tp`` candidate; ``--plans a,b`` limits auto to
-those candidates. Every time and MFU printed is a
-**prediction** (``shardax.cost.predict``), never a measurement.
+Example:
+``shardax plan --target 64xH100 --layers 32 --d-model 4096 --heads 32 --seq-len 4096 --batch 256``
+(``--plan auto``: the candidates, plans × remat policies (``REMATS``, or ``--remat``'s) ×
+microbatch counts (``COUNTS``), plus pipeline over hosts and context parallelism where
+they apply, are compiled, at most ``MAX_COMPILES`` and pruned as
+``shardax.train.auto.compile_candidates`` does, and ranked by predicted step time among
+those that fit with headroom). The model is abstract (``nnx.eval_shape``): nothing is
+allocated. The mesh, unless ``--mesh`` is given: ``replica`` over the hosts (GPU hosts,
+TPU slices) × ``data`` within one, so the plans include HSDP (FSDP within a host, data
+parallel over hosts); ``--tp M`` splits each host into ``data × model=M`` for a
+``fsdp+tp`` candidate; ``--plans a,b`` limits auto to those candidates. Every time and MFU
+printed is a **prediction** (``shardax.cost.predict``), never a measurement.
 """
 
 from __future__ import annotations
@@ -163,8 +163,10 @@ def load_calibration(path: str | None, target: Any) -> Calibration | None:
         said = str(e).replace(f"calibration {str(path)!r}", f"--calibration {path}", 1)
         raise UsageError(said) from None
     if target.platform != "gpu":
-        raise UsageError(f"--calibration {path}: {target.name} is a TPU target, priced by its "
-                         "roofline; calibrations are GPU kernel tables")  # fmt: skip
+        raise UsageError(
+            f"--calibration {path}: {target.name} is a TPU target, priced by its "
+            "roofline; calibrations are GPU kernel tables"
+        )
     if kind_of(target.device_kind) != tables.kind:
         raise UsageError(
             f"--calibration {path}: measured on {tables.device} ({tables.kind}), and "
@@ -196,8 +198,15 @@ def _model(
     batch, model FLOPs and text."""
     layers = args.layers or 2
     try:
-        cfg = gpt.GPTConfig(layers, args.d_model, args.heads, args.seq_len, vocab=args.vocab,
-                            scan_layers=True, pipeline_microbatches=pipeline)  # fmt: skip
+        cfg = gpt.GPTConfig(
+            layers,
+            args.d_model,
+            args.heads,
+            args.seq_len,
+            vocab=args.vocab,
+            scan_layers=True,
+            pipeline_microbatches=pipeline,
+        )
     except (TypeError, ValueError) as e:
         raise UsageError(f"--layers/--d-model/--heads/--seq-len/--vocab: {e}") from None
 
@@ -215,8 +224,10 @@ def _model(
     n = gpt.param_count(model, embeddings=False)
     per_token = transformer_flops_per_token(n, layers, args.seq_len, args.d_model)
     size = gpt.param_count(model) / 1e9
-    what = (f"gpt {layers} x {args.d_model} ({args.heads} heads), seq {args.seq_len}, "
-            f"vocab {args.vocab}, {size:.3g} B params")  # fmt: skip
+    what = (
+        f"gpt {layers} x {args.d_model} ({args.heads} heads), seq {args.seq_len}, "
+        f"vocab {args.vocab}, {size:.3g} B params"
+    )
     return model, state, loss_fn, {"inputs": tokens, "targets": tokens}, per_token, what
 
 
@@ -254,8 +265,9 @@ def _pipeline_group(args: argparse.Namespace, target: Any, remats: tuple[str, ..
     layers = args.layers or 2
     if stages < 2 or layers % stages:
         return None
-    mesh = sx.make_mesh({STAGE_AXIS: stages, DATA_AXIS: len(target.devices) // stages},
-                        devices=target)  # fmt: skip
+    mesh = sx.make_mesh(
+        {STAGE_AXIS: stages, DATA_AXIS: len(target.devices) // stages}, devices=target
+    )
     if args.batch % mesh.shape[DATA_AXIS]:
         return None
     rows = args.batch // mesh.shape[DATA_AXIS]
@@ -271,8 +283,14 @@ def _pipeline_group(args: argparse.Namespace, target: Any, remats: tuple[str, ..
             plan = gpt.plan(mesh, model, "pipeline")
         except ValueError:
             continue
-        return Layout(mesh, plans={"pipeline": plan}, model=_states(models),
-                      loss_fn=_loss(models), accumulate=1, microbatches=micro)  # fmt: skip
+        return Layout(
+            mesh,
+            plans={"pipeline": plan},
+            model=_states(models),
+            loss_fn=_loss(models),
+            accumulate=1,
+            microbatches=micro,
+        )
     return None
 
 
@@ -296,8 +314,13 @@ def _context_group(args: argparse.Namespace, target: Any, remats: tuple[str, ...
         return None
     models = {r: _model(args, r, layout=zigzag_layout(c))[:3] for r in remats}
     plan = gpt.plan(mesh, next(iter(models.values()))[0], "fsdp")
-    return Layout(mesh, plans={"context": plan}, model=_states(models), loss_fn=_loss(models),
-                  accumulate=_counts(args.batch // rows))  # fmt: skip
+    return Layout(
+        mesh,
+        plans={"context": plan},
+        model=_states(models),
+        loss_fn=_loss(models),
+        accumulate=_counts(args.batch // rows),
+    )
 
 
 def _layouts(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[Any]:
@@ -313,8 +336,15 @@ def _layouts(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[
     if main is None or main:
         plans = _candidates(main, mesh, _axis(axes), tp)
         models = {r: _model(args, r)[:3] for r in remats}
-        groups.append(Layout(mesh, plans=plans, model=_states(models), loss_fn=_loss(models),
-                             accumulate=_counts(args.batch // rows)))  # fmt: skip
+        groups.append(
+            Layout(
+                mesh,
+                plans=plans,
+                model=_states(models),
+                loss_fn=_loss(models),
+                accumulate=_counts(args.batch // rows),
+            )
+        )
     if not args.mesh:
         for name, build in (("pipeline", _pipeline_group), ("context", _context_group)):
             if names and name not in names:
@@ -347,14 +377,14 @@ def _loss(models: dict[str, tuple[Any, Any, Any]]) -> Any:
 def rank(
     args: argparse.Namespace, target: Any, mesh: Any, tp: Any, precision: Any, figures: Any
 ) -> Any:
-    """The library's search ([`shardax.search_plans`][shardax.search_plans]) over the GPT's layouts,
-    at
-    most ``MAX_COMPILES`` compiles; returns its report."""
+    """The library's search ([`shardax.search_plans`][shardax.search_plans]) over the
+    GPT's layouts, at most ``MAX_COMPILES`` compiles; returns its report."""
     layouts = _layouts(args, target, mesh, tp)
     budget = None if args.device_memory is None else args.device_memory * 2**30
     config = sx.train.StepConfig(mesh=mesh, precision=precision)
-    space = sx.SearchSpace(meshes=layouts, config=config, device_memory=budget,
-                           max_compiles=MAX_COMPILES)  # fmt: skip
+    space = sx.SearchSpace(
+        meshes=layouts, config=config, device_memory=budget, max_compiles=MAX_COMPILES
+    )
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
     first = layouts[0]
@@ -391,8 +421,10 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     axis: Any = _axis(data_axes)
     tp = gpt.plan(mesh, model, "tp") if MODEL_AXIS in mesh.shape else None
 
-    figures = {"model_flops": per_token * args.batch * args.seq_len,
-               "model_flops_note": "6N + attention, causal halved"}  # fmt: skip
+    figures = {
+        "model_flops": per_token * args.batch * args.seq_len,
+        "model_flops_note": "6N + attention, causal halved",
+    }
     report, rank_s, microbatches = None, 0.0, None
     try:
         with calibration.using(tables):
@@ -408,8 +440,9 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
                 )
             else:
                 plan, name = _named_plan(args.plan, mesh, model, axis, tp), args.plan
-                step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, precision=precision,
-                                          data_axis=axis)  # fmt: skip
+                step = sx.make_train_step(
+                    loss_fn, mesh=mesh, plan=plan, precision=precision, data_axis=axis
+                )
                 est = sx.estimate(step, state, batch, **figures)
                 flags = train_flags(name, dict(mesh.shape), remat)
     except ValueError as e:
@@ -419,9 +452,11 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
     if args.device_memory is not None:  # the user's budget, as the ranking's
         note = f"--device-memory {args.device_memory:g}"
         est = dataclasses.replace(est, memory_budget=args.device_memory * 2**30, budget_note=note)
-    train = (f"shardax train --model gpt --layers {args.layers or 2} --d-model {args.d_model} "
-             f"--heads {args.heads} --seq-len {args.seq_len} --batch-size {args.batch} "
-             f"{flags}")  # fmt: skip
+    train = (
+        f"shardax train --model gpt --layers {args.layers or 2} --d-model {args.d_model} "
+        f"--heads {args.heads} --seq-len {args.seq_len} --batch-size {args.batch} "
+        f"{flags}"
+    )
     result = {
         "target": target.name,
         "device_kind": target.device_kind,
@@ -446,9 +481,12 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         "auto": None,
     }
     if report is not None:
-        result["auto"] = {**report.to_dict(), "reasons": report.reasons(),
-                          "compiles": sum(not c.skipped for c in report.candidates),
-                          "rank_s": round(rank_s, 1)}  # fmt: skip
+        result["auto"] = {
+            **report.to_dict(),
+            "reasons": report.reasons(),
+            "compiles": sum(not c.skipped for c in report.candidates),
+            "rank_s": round(rank_s, 1),
+        }
     return result, est, report
 
 
@@ -496,27 +534,35 @@ def run(args: argparse.Namespace) -> int:
         print_json(result)
         return 0
     if result["batch_default"]:
-        out.print(f"--batch {result['batch']}: the default, {DEFAULT_ROWS} sequences per data "
-                  "shard (give --batch for yours)")  # fmt: skip
+        out.print(
+            f"--batch {result['batch']}: the default, {DEFAULT_ROWS} sequences per data "
+            "shard (give --batch for yours)"
+        )
     if report is not None:
         out.print(candidates_table(report))
         auto = result["auto"]
-        out.print(f"{auto['compiles']} of {len(report.candidates)} candidates compiled in "
-                  f"{auto['rank_s']:.0f} s (at most {MAX_COMPILES}; the others could not "
-                  "win or are over the limit)")  # fmt: skip
+        out.print(
+            f"{auto['compiles']} of {len(report.candidates)} candidates compiled in "
+            f"{auto['rank_s']:.0f} s (at most {MAX_COMPILES}; the others could not "
+            "win or are over the limit)"
+        )
     if args.roofline:
         out.print(est)
     out.print(f"model: {result['model']}", soft_wrap=True, markup=False)
     out.print(headline(est), soft_wrap=True)
-    out.print(f"plan: [bold]{result['plan']}[/] on {result['target']}; mesh flags: "
-              f"[bold]{result['mesh_flags']}[/]")  # fmt: skip
+    out.print(
+        f"plan: [bold]{result['plan']}[/] on {result['target']}; mesh flags: "
+        f"[bold]{result['mesh_flags']}[/]"
+    )
     if not args.roofline:
         out.print("(--roofline: the whole estimate, memory by component and every table)")
     if est.fits is False:
         raise_it = " raise --memory-fraction," if result["memory_fraction"] else ""
-        out.print(f"[red]does not fit[/] with 10% of its memory budget to spare "
-                  f"({est.budget_note}): shrink --batch, remat more,{raise_it} or add devices "
-                  "before launching")  # fmt: skip
+        out.print(
+            f"[red]does not fit[/] with 10% of its memory budget to spare "
+            f"({est.budget_note}): shrink --batch, remat more,{raise_it} or add devices "
+            "before launching"
+        )
     out.print(f"launch: {result['launch']}", soft_wrap=True, markup=False)
     if args.png:
         out.print(f"wrote {args.png}", soft_wrap=True, markup=False)
@@ -553,15 +599,23 @@ def candidates_table(report: Any) -> Any:
             continue
         fits = {None: "?", True: "yes", False: "[red]no[/]"}[c.fits]
         name = f"[bold]{c.name}[/]" if c.name == report.name else c.name
-        table.add_row(name, format_bytes(c.total_bytes), format_bytes(c.collective_bytes), fits,
-                      _interval_ms(c), why[c.name])  # fmt: skip
+        table.add_row(
+            name,
+            format_bytes(c.total_bytes),
+            format_bytes(c.collective_bytes),
+            fits,
+            _interval_ms(c),
+            why[c.name],
+        )
     table.caption = f"pick: {report.name}: {report.reason}"
     lines = []
     for (by_rule, reason), names in pruned.items():
         if by_rule:  # one line for every plan: its candidate compiled above fits
             plans = ", ".join(dict.fromkeys(n.split("·")[0] for n in names))
-            lines.append(f"not compiled ({len(names)}): candidates of {plans} beside the one "
-                         f"of each that fits with headroom above; {reason}")  # fmt: skip
+            lines.append(
+                f"not compiled ({len(names)}): candidates of {plans} beside the one "
+                f"of each that fits with headroom above; {reason}"
+            )
         else:
             lines.append(f"not compiled ({len(names)}): {', '.join(names)}: {reason}")
     return Group(table, *lines)
@@ -578,6 +632,8 @@ def headline(est: Any) -> str:
     peak = None if est.roofline is None else est.roofline.peak_flops
     mfu = "" if not peak else f", MFU {per_device / peak:.1%}"
     room = "" if est.headroom is None else f", {est.headroom:.0%} of the memory budget free"
-    return (f"PREDICTED (not measured) step: [bold]{_interval_ms(est)} ms[/], "
-            f"{est.tokens / step:,.0f} {est.unit}/s{mfu}; peak "
-            f"{format_bytes(est.memory['peak'])} per device{room}")  # fmt: skip
+    return (
+        f"PREDICTED (not measured) step: [bold]{_interval_ms(est)} ms[/], "
+        f"{est.tokens / step:,.0f} {est.unit}/s{mfu}; peak "
+        f"{format_bytes(est.memory['peak'])} per device{room}"
+    )

@@ -100,13 +100,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "device. shard_map and pmap keep a whole copy of the state per device (replicate)",
     )
     parser.add_argument(
-        "--batch-size", type=positive_int, default=None,
+        "--batch-size",
+        type=positive_int,
+        default=None,
         help=f"global batch ({_defaults('batch_size')})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--lr", type=positive_float, default=None,
+        "--lr",
+        type=positive_float,
+        default=None,
         help=f"peak Adam learning rate ({_defaults('lr')})",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--accumulate", type=positive_int, default=1, help="microbatches per step (default: 1)"
     )
@@ -294,17 +298,22 @@ def run(args: argparse.Namespace) -> int:
                 f"{summary['data_wait_fraction']:.1%} of the time waiting for input; wrote "
                 f"{directory}/summary.json, {'curves.png, ' if summary['plot'] else ''}"
                 "metrics.jsonl",
-                soft_wrap=True, markup=False,
-            )  # fmt: skip
+                soft_wrap=True,
+                markup=False,
+            )
             if summary["log_dir"]:
-                out.print(f"TensorBoard: tensorboard --logdir {summary['log_dir']}",
-                          soft_wrap=True, markup=False)  # fmt: skip
+                out.print(
+                    f"TensorBoard: tensorboard --logdir {summary['log_dir']}",
+                    soft_wrap=True,
+                    markup=False,
+                )
         if summary["profile_trace"]:
             out.print(
                 f"profiler trace: {summary['profile_trace']} (one per process under "
                 f"{Path(summary['profile_trace']).parents[3]})",
-                soft_wrap=True, markup=False,
-            )  # fmt: skip
+                soft_wrap=True,
+                markup=False,
+            )
     if unwritten is not None:  # raised out of the except, so main names this error
         where = f"--run-dir {args.run_dir}" if args.run_dir else f"run directory {directory}"
         kept = f"; the checkpoints are in {args.checkpoint_dir}" if args.checkpoint_dir else ""

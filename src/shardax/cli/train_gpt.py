@@ -14,11 +14,10 @@ true position. ``--window L`` is sliding-window attention, ``--pack`` packed row
 (segment ids, positions restarting per document).
 
 Attention takes the platform's fused kernel (cuDNN on a GPU, splash attention on a TPU;
-[`shardax.parallel.choose_kernel`][shardax.parallel.choose_kernel]): on a GPU or TPU ``--precision``
-defaults to bf16
-for it (fp32 on CPU). The kernel the step compiled to (``cudnn``, ``splash`` or
-``dense``, read from the compiled HLO) is printed and is the summary's
-``attention_kernel``.
+[`shardax.parallel.choose_kernel`][shardax.parallel.choose_kernel]): on a GPU or TPU
+``--precision`` defaults to bf16 for it (fp32 on CPU). The kernel the step compiled to
+(``cudnn``, ``splash`` or ``dense``, read from the compiled HLO) is printed and is the
+summary's ``attention_kernel``.
 
 Experts: ``--experts E`` (``--top-k``, ``--moe-every``, ``--capacity-factor``) makes the
 MLPs mixtures of experts, split over an ``expert`` mesh axis where there is one. The
@@ -160,8 +159,12 @@ def config(args: argparse.Namespace) -> Any:
         for name in ("top_k", "moe_every", "capacity_factor"):
             if getattr(args, name) is not None:
                 raise UsageError(f"--{name.replace('_', '-')} needs --experts")
-    moe = {"experts": args.experts, "top_k": args.top_k, "moe_every": args.moe_every,
-           "capacity_factor": args.capacity_factor}  # fmt: skip
+    moe = {
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "moe_every": args.moe_every,
+        "capacity_factor": args.capacity_factor,
+    }
     moe = {k: v for k, v in moe.items() if v is not None}
     try:
         return GPTConfig(
@@ -285,16 +288,21 @@ def make_job(args: argparse.Namespace, out: Any) -> Job:
     layout = batch_layout(context)  # "zigzag:C": the C the batches were reordered for
     try:
         corpus = load_corpus(args.data)
-        loader = LMBatches(corpus.train, args.batch_size, args.seq_len, args.seed,
-                           pack=bool(args.pack), context=context)  # fmt: skip
+        rows, pack = args.batch_size, bool(args.pack)
+        loader = LMBatches(corpus.train, rows, args.seq_len, args.seed, pack=pack, context=context)
         eval_rows = max(EVAL_WINDOWS // data_size, 1) * data_size
         val = zigzag_batch(lm_eval_batch(corpus.val, eval_rows, args.seq_len), context)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
     def loss_fn(model: Any, batch: dict[str, jax.Array]) -> Any:
-        logits, aux = model(batch["inputs"], return_aux=True, positions=batch.get("positions"),
-                            segment_ids=batch.get("segment_ids"), layout=layout)  # fmt: skip
+        logits, aux = model(
+            batch["inputs"],
+            return_aux=True,
+            positions=batch.get("positions"),
+            segment_ids=batch.get("segment_ids"),
+            layout=layout,
+        )
         logits = logits.astype(jnp.float32)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
         if aux is None:

@@ -33,9 +33,8 @@ OPTIONS = (
 
 
 @register(
-    "mlp", OPTIONS, defaults={"batch_size": 128, "lr": 3e-3}, plans=PLANS,
-    needs={"sklearn": "demo"},
-)  # fmt: skip
+    "mlp", OPTIONS, defaults={"batch_size": 128, "lr": 3e-3}, plans=PLANS, needs={"sklearn": "demo"}
+)
 def make_job(args: argparse.Namespace, out: Any) -> Job:
     """The MLP job: digits, the MLP and its plan, per-epoch evaluation."""
     mesh, data_size, _ = job_mesh(args)

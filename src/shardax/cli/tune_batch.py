@@ -1,13 +1,12 @@
 """``shardax tune-batch``: measure train-step throughput over batch sizes and find the knee.
 
-For each batch size the step ([`shardax.make_train_step`][shardax.make_train_step] in ``jit`` mode
-over a
-``data`` mesh, state replicated, batch split) is compiled and warmed up; then the sizes
-are timed in turns, ``--repeats`` rounds, and throughput is the batch divided by the
-median step time. The knee is the smallest batch within ``--tolerance`` (default 10%)
-of the peak throughput: past it a larger batch buys little speed per example. It is
-shown per device beside the recommendation table's critical batch size and, where
-the datasheet figures exist, the roofline's ``B*``.
+For each batch size the step ([`shardax.make_train_step`][shardax.make_train_step] in
+``jit`` mode over a ``data`` mesh, state replicated, batch split) is compiled and warmed
+up; then the sizes are timed in turns, ``--repeats`` rounds, and throughput is the batch
+divided by the median step time. The knee is the smallest batch within ``--tolerance``
+(default 10%) of the peak throughput: past it a larger batch buys little speed per
+example. It is shown per device beside the recommendation table's critical batch size and,
+where the datasheet figures exist, the roofline's ``B*``.
 """
 
 from __future__ import annotations
