@@ -2,7 +2,8 @@
 
 The layers, top to bottom (a module may import its own layer and those below it):
 cli, artifex, loop, models, checkpoint, train, data, parallel, plan, mesh, cost, runtime,
-track, checks, _format (the byte formatter), _names (the public names).
+track, checks, _extras (the optional extras, reached where first used), _format (the byte
+formatter), _names (the public names).
 Only the CLI and the package's ``__init__`` import ``shardax`` itself (which pulls in every layer).
 """
 
@@ -19,7 +20,7 @@ from shardax.checks import public_name
 
 SRC = pathlib.Path(sx.__file__).parent
 LAYERS = ["cli", "artifex", "loop", "models", "checkpoint", "train", "data", "parallel", "plan",
-          "mesh", "cost", "runtime", "track", "checks", "_format", "_names"]  # fmt: skip
+          "mesh", "cost", "runtime", "track", "checks", "_extras", "_format", "_names"]  # fmt: skip
 
 
 def modules() -> dict[str, ast.Module]:

@@ -26,6 +26,7 @@ import re
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 DAMAGED = ".damaged-"
 """Prefix of a damaged step moved aside by the directory's writer."""
@@ -78,8 +79,6 @@ def everywhere(ok: bool) -> bool:
     where another reads), so that every process takes the same step."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))) == 1)
 
 

@@ -57,7 +57,7 @@ from shardax.runtime import compat
 
 def _ocp() -> Any:
     try:
-        import orbax.checkpoint as ocp
+        import orbax.checkpoint as ocp  # an optional extra: import shardax must not load orbax
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "checkpoints need orbax-checkpoint: pip install 'shardax[checkpoint]'"

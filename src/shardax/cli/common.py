@@ -314,11 +314,8 @@ def require(module: str, extra: str, command: str) -> Any:
 
 def pyplot(command: str) -> Any:
     """``matplotlib.pyplot`` on the non-interactive Agg backend."""
-    matplotlib = require("matplotlib", "plot", command)
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    require("matplotlib", "plot", command).use("Agg")
+    return require("matplotlib.pyplot", "plot", command)
 
 
 def write_results(

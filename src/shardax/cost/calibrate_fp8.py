@@ -28,6 +28,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from shardax.cost.kernel_prices import gemm_shape
+from shardax.cost.ops import FUSIONS, HloIndex, classify
+
 FP8_CAPABILITY = (8, 9)
 """The first CUDA compute capability with fp8 tensor cores (Ada; Hopper is 9.0)."""
 
@@ -80,9 +86,6 @@ def fp8_skipped(device: Any) -> str | None:
 def gemm_operand_dtypes(hlo: str) -> list[str]:
     """The operand dtype of each GEMM of a compiled program's text (a cuBLAS call's, or
     the dot a Triton GEMM fusion calls), as the per-op model reads it."""
-    from shardax.cost.kernel_prices import gemm_shape
-    from shardax.cost.ops import FUSIONS, HloIndex, classify
-
     index = HloIndex(hlo)
     fused = {i.called for i in index.by_name.values() if i.called and i.opcode in FUSIONS}
     out = []
@@ -105,9 +108,6 @@ def gemm_fp8(
     docstring): E4M3 operands, fp32 accumulation, both scales in the epilogue, bf16 out,
     timed by ``seconds_of(fn, calls)`` (``shardax.cost.calibrate``'s pipelined timer). A
     row whose compiled GEMM did not take fp8 operands is an error naming what it took."""
-    import jax
-    import jax.numpy as jnp
-
     e4m3 = jnp.float8_e4m3fn
     rows = []
     for m, n, k in shapes:

@@ -15,6 +15,7 @@ from typing import Any
 
 from rich.console import Group
 
+from shardax._extras import pyplot
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public, user_stacklevel
 from shardax.cost.predict import StepPrediction
@@ -368,11 +369,7 @@ class Estimate:
     def plot(self, path: Any) -> None:
         """A PNG at ``path``: one bar per memory component; the peak, the memory budget
         and HBM as lines."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot("the memory plot")
         names = [n for n in self.memory if n != "peak"]
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.bar(names, [self.memory[n] / 2**30 for n in names])

@@ -252,6 +252,7 @@ def _splash_kernel(
 ) -> Any:
     """A splash attention kernel for ``heads`` heads under the static masks (cached: the
     mask's block structure is worked out in NumPy)."""
+    # Pallas's TPU kernels, loaded when a splash kernel is built: import shardax must not load them
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     shape = (q_len, kv_len)
@@ -288,6 +289,7 @@ def splash(
         def one(q, k, v, seg):
             ids = None
             if seg is not None:
+                # Pallas's TPU kernels (as _splash_kernel's): not loaded by import shardax
                 from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
                 ids = SegmentIds(q=seg, kv=seg)

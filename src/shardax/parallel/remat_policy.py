@@ -32,6 +32,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from shardax._extras import equinox, is_equinox
 from shardax.checks import public, received
 
 POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
@@ -114,10 +115,6 @@ def remat(block: Any, policy: str | Callable[..., Any] = "full", prevent_cse: bo
             lambda module, *a, **k: module(*a, **k), policy=fn_policy, prevent_cse=prevent_cse
         )
         return lambda *args, **kwargs: call(block, *args, **kwargs)
-    try:
-        import equinox as eqx
-    except ImportError:  # pragma: no cover - equinox is an optional extra
-        eqx = None
-    if eqx is not None and isinstance(block, eqx.Module):
-        return eqx.filter_checkpoint(block, policy=fn_policy, prevent_cse=prevent_cse)
+    if is_equinox(block):
+        return equinox().filter_checkpoint(block, policy=fn_policy, prevent_cse=prevent_cse)
     return jax.checkpoint(block, policy=fn_policy, prevent_cse=prevent_cse)

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax._extras import is_equinox
 from shardax.checks import check_mesh, public
 from shardax.plan.core import Leaves, Plan
 from shardax.plan.tree import path_str
@@ -209,11 +210,7 @@ def found_framework(tree: Any) -> str:
             "Flax NNX variables, none annotated: give them logical names with "
             "nnx.with_partitioning(init, names) and use sx.from_nnx, or use sx.fsdp / sx.rules"
         )
-    try:
-        import equinox as eqx
-    except ImportError:  # pragma: no cover - equinox is an optional extra
-        eqx = None
-    if eqx is not None and isinstance(tree, eqx.Module):
+    if is_equinox(tree):
         return "an Equinox module, which has no sharding annotations: use sx.fsdp or sx.rules"
     return "a plain pytree, which has no sharding annotations: use sx.fsdp or sx.rules"
 

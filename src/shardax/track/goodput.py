@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from shardax._extras import pyplot
 from shardax.checks import as_path, public
 
 BUCKETS = ("startup", "compile", "data", "step", "eval", "checkpoint", "hang", "lost")
@@ -286,13 +287,7 @@ def table(buckets: dict[str, float], sessions: int | None = None) -> str:
 
 def plot(buckets: dict[str, float], path: str | os.PathLike[str], title: str = "") -> None:
     """A PNG of the buckets as one stacked horizontal bar (needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the goodput plot needs matplotlib: pip install 'shardax[plot]'") from e
+    plt = pyplot("the goodput plot")
     fig, ax = plt.subplots(figsize=(8, 2.2))
     left = 0.0
     for k, v in buckets.items():

@@ -88,6 +88,7 @@ class TensorBoardSink:
 
     def __init__(self, directory: str | os.PathLike[str], config: dict[str, Any]) -> None:
         tensorboardX = require_extra("tensorboardX", "tensorboard")
+        # tensorboardX is an optional extra (shardax[tensorboard]), required just above
         from tensorboardX import summary
         from tensorboardX.proto.summary_pb2 import Summary
 

@@ -40,7 +40,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from shardax.train.model import is_equinox
+from shardax._extras import equinox, is_equinox
 
 
 def _names(axis: Any) -> tuple[Any, ...]:
@@ -122,7 +122,7 @@ def _nnx_aliases(
 
 
 def _bind_equinox(model: Any, data: tuple[str, ...], mapped: bool) -> Any:
-    import equinox as eqx
+    eqx = equinox()
 
     def is_bn(x: Any) -> bool:
         return isinstance(x, eqx.nn.BatchNorm)

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 from flax import linen, nnx
 
+from shardax._extras import equinox, is_equinox
 from shardax.parallel.fp8 import fp8_dot_general
 
 NNX_REFUSED = ("Conv", "ConvTranspose", "Einsum")
@@ -75,7 +76,7 @@ def route(model: Any, keep: tuple[str, ...] = ()) -> Any:
     in place (the step binds a fresh copy in every trace); an Equinox model is rebuilt."""
     if isinstance(model, nnx.Module):
         return _route_nnx(model, keep)
-    if _is_equinox(model):
+    if is_equinox(model):
         return _route_equinox(model, keep)
     return model
 
@@ -93,18 +94,12 @@ def _route_nnx(model: nnx.Module, keep: tuple[str, ...]) -> nnx.Module:
     return model
 
 
-def _is_equinox(model: Any) -> bool:
-    try:
-        import equinox as eqx
-    except ImportError:  # pragma: no cover - equinox is a dependency
-        return False
-    return isinstance(model, eqx.Module)
-
-
 def _route_equinox(model: Any, keep: tuple[str, ...]) -> Any:
-    import equinox as eqx
-
+    # fp8_equinox subclasses eqx.Module, so importing it imports equinox (an optional
+    # extra that import shardax must not load): imported once a model is an Equinox one
     from shardax.train.fp8_equinox import Fp8Linear
+
+    eqx = equinox()
 
     kinds = tuple(getattr(eqx.nn, name) for name in EQX_REFUSED)
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardax._format import format_bytes
 from shardax.checks import public, received
 from shardax.cost.hlo import Collective, collectives
 from shardax.plan.init import init_sharded
@@ -138,8 +139,6 @@ class Traffic:
         return self.inner.bytes + self.outer.bytes / self.inner_steps
 
     def __str__(self) -> str:
-        from shardax._format import format_bytes
-
         ops = ", ".join(sorted({f"{c.op} {'/'.join(c.dtypes)}" for c in self.outer.ops}))
         return (
             f"cross-island collectives: inner step {len(self.inner)} "

@@ -31,6 +31,7 @@ from flax import linen, nnx
 from flax.core import Scope
 from flax.errors import InvalidRngError
 
+from shardax._extras import equinox, is_equinox
 from shardax.train.boxes import unconstrained_boxes
 
 
@@ -63,10 +64,8 @@ class EquinoxModel:
     stateful: bool = False
 
     def bind(self, params: Any, model_state: Any, rng: jax.Array) -> Any:
-        import equinox as eqx
-
         arrays = model_state["model"] if self.stateful else model_state
-        return eqx.combine(params, arrays, self.static)
+        return equinox().combine(params, arrays, self.static)
 
     def model_state(self, model: Any, model_state: Any) -> Any:
         return model_state
@@ -196,15 +195,6 @@ def call_binding_streams(
             adapter.add_stream(name)
 
 
-def is_equinox(model: Any) -> bool:
-    """Whether ``model`` is an Equinox module (False where equinox is not installed)."""
-    try:
-        import equinox as eqx
-    except ImportError:  # pragma: no cover - equinox is an optional extra
-        return False
-    return isinstance(model, eqx.Module)
-
-
 def is_stateful(adapter: Any) -> bool:
     """Whether ``adapter`` carries an Equinox ``eqx.nn.State`` in its model state."""
     return getattr(adapter, "stateful", False)
@@ -213,15 +203,13 @@ def is_stateful(adapter: Any) -> bool:
 def split_stateful(model: Any, state: Any) -> tuple[ModelAdapter, Any, Any]:
     """``(adapter, params, model_state)`` of an Equinox module and its ``eqx.nn.State``:
     the model state is ``{"model": the module's other arrays, "state": state}``."""
-    import equinox as eqx
-
     if not is_equinox(model):
         raise TypeError(
             f"state= is the eqx.nn.State of an Equinox module (eqx.nn.make_with_state), "
             f"but the model is a {type(model).__name__}; NNX and Linen keep their state "
             "in the model"
         )
-    if not isinstance(state, eqx.nn.State):
+    if not isinstance(state, equinox().nn.State):
         raise TypeError(
             f"state must be an eqx.nn.State (from eqx.nn.make_with_state), got "
             f"{type(state).__name__}"
@@ -235,9 +223,8 @@ def _check_own_state(model: Any, state: Any) -> None:
     """A ``ValueError`` naming the mismatch when ``state`` is not ``model``'s own
     ``eqx.nn.State``: a stateful layer of the model with no entry in it (the state of
     another model), or entries for a model with no stateful layer."""
-    import equinox as eqx
-
-    is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+    index_type = equinox().nn.StateIndex
+    is_index = lambda x: isinstance(x, index_type)  # noqa: E731
     indices = [x for x in jax.tree.leaves(model, is_leaf=is_index) if is_index(x)]
     held = sorted(map(str, getattr(state, "_state", {})))  # for the message only
     for index in indices:
@@ -264,9 +251,8 @@ def _check_batchnorm_sizes(model: Any, state: Any) -> None:
     """A ``ValueError`` where an ``eqx.nn.BatchNorm``'s running statistics in ``state``
     are not of its ``input_size``: the state of a same-named model of another width,
     whose entries the model's layers find by name."""
-    import equinox as eqx
-
-    is_norm = lambda x: isinstance(x, eqx.nn.BatchNorm)  # noqa: E731
+    norm_type = equinox().nn.BatchNorm
+    is_norm = lambda x: isinstance(x, norm_type)  # noqa: E731
     for layer in (x for x in jax.tree.leaves(model, is_leaf=is_norm) if is_norm(x)):
         for name in ("ema_state_index", "batch_state_index"):
             index = getattr(layer, name, None)
@@ -294,8 +280,7 @@ def split_model(model: Any, wrt: Any = nnx.Param) -> tuple[ModelAdapter, Any, An
         graphdef, params, model_state = nnx.split(model, wrt, ...)
         return NNXModel(graphdef, wrt), params, model_state
     if is_equinox(model):
-        import equinox as eqx
-
+        eqx = equinox()
         params, rest = eqx.partition(model, eqx.is_inexact_array)
         model_state, static = eqx.partition(rest, eqx.is_array)
         return EquinoxModel(static), params, model_state
@@ -325,7 +310,5 @@ def deterministic(model: Any) -> Any:
             model, deterministic=True, use_running_average=True, raise_if_not_found=False
         )
     if is_equinox(model):
-        import equinox as eqx
-
-        return eqx.nn.inference_mode(model)
+        return equinox().nn.inference_mode(model)
     return model

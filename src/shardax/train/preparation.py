@@ -32,6 +32,7 @@ import optax
 from flax import linen, nnx
 from jax.sharding import Mesh
 
+from shardax._extras import equinox, is_equinox
 from shardax.checks import check_mesh, public
 from shardax.data.placement import batch_sharding
 from shardax.data.prefetch import prefetch_to_device
@@ -42,7 +43,6 @@ from shardax.plan.follow import follow_params
 from shardax.plan.placed import record
 from shardax.plan.tree import is_array
 from shardax.runtime.processes import device_put_global
-from shardax.train.model import is_equinox
 from shardax.train.program import refuse_abstract
 from shardax.train.state import TrainState, is_nnx_optimizer, optimizer_opt_state
 
@@ -202,8 +202,7 @@ class _Preparer:
         static = model_state = None
         candidates = [obj]
         if is_equinox(obj):
-            import equinox as eqx
-
+            eqx = equinox()
             arrays, static = eqx.partition(obj, eqx.is_array)
             params, model_state = eqx.partition(arrays, eqx.is_inexact_array)
             # optax states are built on eqx.filter(model, eqx.is_array) or is_inexact_array
@@ -230,13 +229,11 @@ class _Preparer:
         }
         placed = _place(view, self.plan)
         if static is not None:
-            import equinox as eqx
-
             rest = placed["model_state"]
             if state_at is not None:
                 self._set(state_at, rest["state"])
                 rest = rest["model"]
-            self.out[i] = eqx.combine(placed["params"], rest, static)
+            self.out[i] = equinox().combine(placed["params"], rest, static)
         else:
             self.out[i] = placed["params"]
         for j, value in zip(opt_states, placed["opt_state"], strict=True):
@@ -246,10 +243,10 @@ class _Preparer:
         """The index of the first unplaced ``eqx.nn.State`` among the arguments, when
         ``model`` has stateful layers (an ``eqx.nn.StateIndex``): the model's state, as
         ``eqx.nn.make_with_state`` returns it."""
-        import equinox as eqx
+        index_type = equinox().nn.StateIndex
 
         def is_index(x: Any) -> bool:
-            return isinstance(x, eqx.nn.StateIndex)
+            return isinstance(x, index_type)
 
         if not any(is_index(x) for x in jax.tree.leaves(model, is_leaf=is_index)):
             return None
@@ -262,11 +259,8 @@ class _Preparer:
 
 def _is_eqx_state(x: Any) -> bool:
     """An Equinox ``eqx.nn.State`` (``eqx.nn.make_with_state``'s second result)."""
-    try:
-        import equinox as eqx
-    except ImportError:  # pragma: no cover - equinox is an optional extra
-        return False
-    return isinstance(x, eqx.nn.State)
+    eqx = equinox()
+    return eqx is not None and isinstance(x, eqx.nn.State)
 
 
 def _has_arrays(obj: Any) -> bool:

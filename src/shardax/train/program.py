@@ -36,6 +36,7 @@ from shardax.train.boxes import unconstrained_boxes
 from shardax.train.compiler import compile_only
 from shardax.train.compiler import describe as describe_options
 from shardax.train.config import StepConfig, from_config
+from shardax.train.explanation.memory import is_out_of_memory, out_of_memory_note
 from shardax.train.loss import check_loss_fn
 from shardax.train.modes import mode_program, options_for
 from shardax.train.per_shard import PerShard, check_replicated
@@ -306,8 +307,6 @@ class Program:
         try:
             return self._call(self._with_loss_scale(state), batch)
         except jax.errors.JaxRuntimeError as e:  # the allocator's dump, and which arrays
-            from shardax.train.explanation.memory import is_out_of_memory, out_of_memory_note
-
             if is_out_of_memory(e):
                 e.add_note(out_of_memory_note(self, state, batch))
             raise

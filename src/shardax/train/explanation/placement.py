@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+from rich.console import Group
 
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.cost.buffers import input_kind
@@ -110,8 +112,6 @@ class Placement:
         }
 
     def __rich__(self) -> Any:
-        from rich.console import Group
-
         table = titled_table(f"placement against intent: plan {self.plan}, mesh {self.mesh}")
         table.add_column("state")
         table.add_column("split n ways: share of its bytes (global)")
@@ -275,7 +275,5 @@ def path_of(keystr: str) -> str:
     >>> path_of(".params['layers'][0].kernel")
     'params/layers/0/kernel'
     """
-    import re
-
     parts = re.findall(r"\.(\w+)|\['([^']*)'\]|\[(\d+)\]", keystr)
     return "/".join(next(p for p in part if p) for part in parts)
