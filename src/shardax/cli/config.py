@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml  # PyYAML: flax depends on it (and import shardax loads it)
+
 OWN = ("help", "config", "print_config", "config_schema", "json")
 """The dests that are not settings of a run: help, this module's own options, and
 ``--json`` (how the result prints, given on the command line)."""
@@ -110,8 +112,6 @@ def load(path: str) -> dict[str, Any]:
         elif file.suffix == ".toml":
             data = tomllib.loads(text)
         else:
-            import yaml  # PyYAML: flax depends on it
-
             data = yaml.safe_load(text)
     except Exception as e:  # the parser's own message says where, in one line
         mark = getattr(e, "problem_mark", None)  # YAML's
@@ -249,6 +249,4 @@ def resolved(args: argparse.Namespace) -> dict[str, Any]:
 
 def dump(settings: dict[str, Any]) -> str:
     """``settings`` as YAML, one key a line in the options' order."""
-    import yaml
-
     return yaml.safe_dump(settings, sort_keys=False, default_flow_style=False)
