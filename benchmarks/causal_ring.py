@@ -27,20 +27,23 @@ def work_per_device(context: int, length: int, layout: str) -> list[float]:
     ``"contiguous"`` or ``"zigzag"``: the ring's own layout, for ``context`` devices)."""
     import jax.numpy as jnp
 
-    from shardax.parallel import context as attn
+    from shardax.parallel.context.config import Config
+    from shardax.parallel.context.layout import block_positions
+    from shardax.parallel.context.masks import parts_visible
+    from shardax.parallel.context.ring import ring_parts
 
-    cfg = attn._Config("context", context, True, None, layout, 1.0)
+    cfg = Config("context", context, True, None, layout, 1.0)
     block = length // context
-    parts = attn._parts(cfg, block)
+    parts = ring_parts(cfg, block)
     out = []
     for idx in range(context):
-        qpos = attn._block_positions(jnp.int32(idx), block, context, layout)
+        qpos = block_positions(jnp.int32(idx), block, context, layout)
         done = 0
         for src in range(context):
-            kpos = attn._block_positions(jnp.int32(src), block, context, layout)
+            kpos = block_positions(jnp.int32(src), block, context, layout)
             for qi in parts:
                 for kj in parts:
-                    seen = attn._visible(cfg, qpos[qi], kpos[kj])
+                    seen = parts_visible(cfg, qpos[qi], kpos[kj])
                     done += bool(seen) * (qi.stop - qi.start) * (kj.stop - kj.start)
         out.append(done / (block * length))
     return out

@@ -51,23 +51,23 @@ from jax.sharding import AxisType, PartitionSpec
 from shardax.checks import as_bool, as_float, public
 from shardax.mesh.axes import CONTEXT_AXIS
 from shardax.parallel import fused
-from shardax.parallel.context.blocks import _ring_kernel
+from shardax.parallel.context.blocks import ring_kernel
 from shardax.parallel.context.checks import (
-    _check_dtypes,
-    _check_shapes,
-    _check_window,
-    _zigzag_context,
+    check_dtypes,
+    check_shapes,
+    check_window,
+    zigzag_context,
 )
 from shardax.parallel.context.choice import (
     IMPLS,
     SCORE_BYTES_LIMIT,
-    _pick,
     choose_impl,
+    pick_impl,
     sent_bytes,
 )
-from shardax.parallel.context.config import _Config
-from shardax.parallel.context.dense import _dense
-from shardax.parallel.context.gather import _all_gather, _ulysses
+from shardax.parallel.context.config import Config
+from shardax.parallel.context.dense import dense_attention
+from shardax.parallel.context.gather import all_gather_attention, ulysses_attention
 from shardax.parallel.context.layout import (
     LAYOUTS,
     context_size,
@@ -81,12 +81,7 @@ from shardax.parallel.context.layout import (
     zigzag_layout,
     zigzag_order,
 )
-
-# ``_x as _x``: private names the benchmarks (causal_ring.py) read from here.
-from shardax.parallel.context.layout import _block_positions as _block_positions
-from shardax.parallel.context.masks import _visible as _visible
-from shardax.parallel.context.ring import _parts as _parts
-from shardax.parallel.context.ring import _ring
+from shardax.parallel.context.ring import ring_attention
 
 __all__ = [
     "IMPLS",
@@ -107,7 +102,11 @@ __all__ = [
     "zigzag_order",
 ]
 
-_SCHEMES = {"all_gather": _all_gather, "ring": _ring, "ulysses": _ulysses}
+_SCHEMES = {
+    "all_gather": all_gather_attention,
+    "ring": ring_attention,
+    "ulysses": ulysses_attention,
+}
 """The function of each scheme of ``IMPLS`` (a test holds them equal)."""
 
 
@@ -165,10 +164,10 @@ def attention(
     (1, 8, 2, 4)
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
-    _check_shapes(q, k, v, segment_ids, bias)
-    _check_dtypes(q, k, v, bias)
+    check_shapes(q, k, v, segment_ids, bias)
+    check_dtypes(q, k, v, bias)
     causal = as_bool("causal", causal)
-    window = _check_window(window)
+    window = check_window(window)
     if impl not in ("auto", *IMPLS):
         raise ValueError(f"impl must be 'auto' or one of {list(IMPLS)}, got {impl!r}")
     kind, carried = parse_layout(layout)
@@ -180,13 +179,13 @@ def attention(
     if kind == "zigzag":
         _check_zigzag(layout, carried, c, axis)
     if c == 1:
-        laid = 1 if kind == "contiguous" else _zigzag_context(axis, q.shape[1], k.shape[1], layout)
+        laid = 1 if kind == "contiguous" else zigzag_context(axis, q.shape[1], k.shape[1], layout)
         pos = (
             None
             if q.shape[1] != k.shape[1]
             else jnp.asarray(layout_positions(q.shape[1], laid, kind))
         )
-        return _dense(
+        return dense_attention(
             q,
             k,
             v,
@@ -204,11 +203,11 @@ def attention(
     gshape = tuple(q.shape), tuple(k.shape)
     if manual:  # inside shard_map over axis: these are this device's blocks
         gshape = tuple((s[0], s[1] * c, *s[2:]) for s in gshape)
-    impl = _pick(impl, gshape[0], gshape[1], c, q.dtype.itemsize, layout)
+    impl = pick_impl(impl, gshape[0], gshape[1], c, q.dtype.itemsize, layout)
     if impl == "ring":
-        kernel = _ring_kernel(kernel, q.dtype, d, causal, window, segment_ids, bias)
+        kernel = ring_kernel(kernel, q.dtype, d, causal, window, segment_ids, bias)
     # "zigzag:C" checked equal to the axis: from here it is "zigzag" over this axis.
-    cfg = _Config(axis, c, bool(causal), window, kind, scale, kernel)
+    cfg = Config(axis, c, bool(causal), window, kind, scale, kernel)
     scheme = functools.partial(_SCHEMES[impl], cfg)
     if manual:
         return scheme(q, k, v, segment_ids, bias)

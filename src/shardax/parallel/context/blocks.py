@@ -1,6 +1,6 @@
 """The ring's blocks: one query part against one part of a K/V block, forward and
 backward, as einsums (every mask) or through cuDNN's fused attention (no mask or causal),
-and which of the two a call runs with (``_ring_kernel``)."""
+and which of the two a call runs with (``ring_kernel``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 from jax import lax
 
 from shardax.parallel import fused
-from shardax.parallel.context.config import _Config
-from shardax.parallel.context.masks import _mask
+from shardax.parallel.context.config import Config
+from shardax.parallel.context.masks import attention_mask
 
 # The ring's blocks. A pair of functions computes one query part against one part of a
 # K/V block (queries ``qg`` (B, T, K, G, D), keys and values (B, S, K, D)):
@@ -29,14 +29,14 @@ from shardax.parallel.context.masks import _mask
 # (no mask or causal, kernel="cudnn").
 
 
-def _scores(cfg: _Config, qg, kb, qseg, kseg, bias, qpos, kpos):
+def _scores(cfg: Config, qg, kb, qseg, kseg, bias, qpos, kpos):
     """Masked logits ``(B, K, G, T, S)`` of queries ``qg`` at ``qpos`` against keys ``kb``
     at ``kpos`` (``bias``: their part of the bias, grouped; segment ids or Nones)."""
     s = jnp.einsum("btkgd,bskd->bkgts", qg, kb, preferred_element_type=jnp.float32)
     s = s * cfg.scale
     if bias is not None:
         s = s + bias.astype(jnp.float32)
-    mask = _mask(qpos, kpos, qseg, kseg, cfg.causal, cfg.window)
+    mask = attention_mask(qpos, kpos, qseg, kseg, cfg.causal, cfg.window)
     if mask is None:
         return s
     return jnp.where(mask[:, None, None], s, _NEG)
@@ -45,7 +45,7 @@ def _scores(cfg: _Config, qg, kb, qseg, kseg, bias, qpos, kpos):
 _NEG = -0.7 * float(np.finfo(np.float32).max)
 
 
-def _dense_fwd(cfg: _Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
+def _dense_fwd(cfg: Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
     """Dense block forward: masked logits, softmax, times V (einsums)."""
     del diag  # the masks come from the true positions
     s = _scores(cfg, qg, kb, qseg, kseg, bias, qpos, kpos)
@@ -57,7 +57,7 @@ def _dense_fwd(cfg: _Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
 
 
 def _dense_bwd(
-    cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse, delta, diag, where
+    cfg: Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse, delta, diag, where
 ):
     """Dense block backward, added to ``carry = (dq, (dk, dv), dbias)`` (``where``: the
     pair's first row and column in the bias)."""
@@ -85,7 +85,7 @@ def _heads(x: jax.Array, dtype: Any) -> jax.Array:
     return x.transpose(0, 3, 1, 2, 4).reshape(b, t, kh * g, d).astype(dtype)
 
 
-def _flash_fwd(cfg: _Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
+def _flash_fwd(cfg: Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
     """A fused kernel's block forward (``_FLASH[cfg.kernel]``): no mask, or causal on
     the diagonal."""
     del qseg, kseg, bias, qpos, kpos  # none (the ring's kernel choice), or the diagonal
@@ -98,7 +98,7 @@ def _flash_fwd(cfg: _Config, qg, kb, vb, qseg, kseg, bias, qpos, kpos, diag):
 
 
 def _flash_bwd(
-    cfg: _Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse, delta, diag, where
+    cfg: Config, carry, qg, kb, vb, qseg, kseg, bias, qpos, kpos, o, do, lse, delta, diag, where
 ):
     """A fused kernel's block backward given the global output and log-sum-exp."""
     del qseg, kseg, bias, qpos, kpos, delta, where  # the kernel forms delta from o, do
@@ -127,7 +127,7 @@ _FLASH: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 dv)``, q and out ``(B, T, N, D)``, k and v ``(B, S, K, D)``, lse ``(B, T, N)`` fp32."""
 
 
-def _pair(cfg: _Config) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def block_kernels(cfg: Config) -> tuple[Callable[..., Any], Callable[..., Any]]:
     return (_flash_fwd, _flash_bwd) if cfg.kernel in _FLASH else (_dense_fwd, _dense_bwd)
 
 
@@ -144,7 +144,7 @@ def _add_bias_grad(dbias: jax.Array, ds: jax.Array, row: int, col: Any) -> jax.A
     return lax.dynamic_update_slice(dbias, cur + blk, start)
 
 
-def _ring_kernel(
+def ring_kernel(
     kernel: str,
     dtype: Any,
     head_dim: int,

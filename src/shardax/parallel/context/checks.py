@@ -12,7 +12,7 @@ from shardax.checks import as_count
 from shardax.parallel.context.layout import layout_context, parse_layout
 
 
-def _check_window(window: Any) -> tuple[int, int] | None:
+def check_window(window: Any) -> tuple[int, int] | None:
     if window is None:
         return None
     try:
@@ -26,7 +26,7 @@ def _check_window(window: Any) -> tuple[int, int] | None:
     )
 
 
-def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
+def check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(
             f"q must be (batch, q_len, heads, head_dim) and k, v (batch, kv_len, "
@@ -57,7 +57,7 @@ def _check_shapes(q: Any, k: Any, v: Any, segment_ids: Any, bias: Any) -> None:
             )
 
 
-def _check_dtypes(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any) -> None:
+def check_dtypes(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any) -> None:
     """q, k and v floating and of one dtype (no silent promotion: under a context mesh
     the blocks would travel in one dtype and combine in another); a bias floating (a
     boolean "bias" would be added as 0/1: a mask goes in ``segment_ids``, ``causal``
@@ -83,7 +83,7 @@ def _check_dtypes(q: jax.Array, k: jax.Array, v: jax.Array, bias: Any) -> None:
         )
 
 
-def _zigzag_context(axis: str, t: int, s: int, layout: str = "zigzag") -> int:
+def zigzag_context(axis: str, t: int, s: int, layout: str = "zigzag") -> int:
     """The C of a zig-zag sequence run where ``axis`` has size 1: the layout's own
     (``"zigzag:C"``), else an enclosing ``laid_out_for``'s; refused when it cannot be
     known: a guess would give the wrong causal mask."""
@@ -96,11 +96,11 @@ def _zigzag_context(axis: str, t: int, s: int, layout: str = "zigzag") -> int:
             f"for, or layout='contiguous' with the batch in sequence order "
             f"(sx.parallel.unzigzag), or run on a mesh whose {axis!r} axis has size > 1"
         )
-    _check_length(t, s, c, layout)
+    check_length(t, s, c, layout)
     return c
 
 
-def _check_length(t: int, s: int, c: int, layout: str) -> None:
+def check_length(t: int, s: int, c: int, layout: str) -> None:
     """One sequence (q_len == kv_len), divisible into the layout's chunks."""
     if t != s:
         raise ValueError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from shardax.checks import public
-from shardax.parallel.context.checks import _check_length
+from shardax.parallel.context.checks import check_length
 
 IMPLS: tuple[str, ...] = ("all_gather", "ring", "ulysses")
 """The context-parallel schemes; ``impl="auto"`` picks one with
@@ -108,9 +108,9 @@ def choose_impl(
     )
 
 
-def _pick(impl, q_shape, kv_shape, c, itemsize, layout) -> str:
+def pick_impl(impl, q_shape, kv_shape, c, itemsize, layout) -> str:
     (_, t, h, _), s = q_shape, kv_shape[1]
-    _check_length(t, s, c, layout)
+    check_length(t, s, c, layout)
     if impl == "auto":
         impl, reason = choose_impl(q_shape, kv_shape, c, itemsize)
         _log.info("%s: impl=%r: %s", _NAME, impl, reason)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
-class _Config(NamedTuple):
+class Config(NamedTuple):
     """The static part of one context-parallel call (hashable: custom_vjp's nondiff arg)."""
 
     axis: str

@@ -9,10 +9,10 @@ from typing import Any
 import jax
 
 from shardax.parallel import fused
-from shardax.parallel.context.masks import _mask
+from shardax.parallel.context.masks import attention_mask
 
 
-def _dense(
+def dense_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -78,6 +78,6 @@ def _xla_or_cudnn(q, k, v, qpos, kpos, qseg, kseg, bias, causal, window, scale, 
             local_window_size=window,
             implementation=impl,
         )
-    mask = _mask(qpos, kpos, qseg, kseg, causal, window)
+    mask = attention_mask(qpos, kpos, qseg, kseg, causal, window)
     mask = None if mask is None else mask[:, None]
     return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, implementation=impl)

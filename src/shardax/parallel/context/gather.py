@@ -9,19 +9,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shardax.parallel.context.config import _Config
-from shardax.parallel.context.dense import _dense
-from shardax.parallel.context.layout import _block_positions, layout_positions
+from shardax.parallel.context.config import Config
+from shardax.parallel.context.dense import dense_attention
+from shardax.parallel.context.layout import block_positions, layout_positions
 
 
-def _all_gather(cfg: _Config, q, k, v, seg, bias):
+def all_gather_attention(cfg: Config, q, k, v, seg, bias):
     c, axis = cfg.size, cfg.axis
     t = q.shape[1]
-    qpos = _block_positions(lax.axis_index(axis), t, c, cfg.layout)
+    qpos = block_positions(lax.axis_index(axis), t, c, cfg.layout)
     kpos = jnp.asarray(layout_positions(t * c, c, cfg.layout))
     k, v = _gather_seq(k, axis), _gather_seq(v, axis)
     kseg = None if seg is None else lax.all_gather(seg, axis, axis=1, tiled=True)
-    return _dense(
+    return dense_attention(
         q,
         k,
         v,
@@ -64,7 +64,7 @@ def _gather_seq_bwd(axis, _, g):
 _gather_seq.defvjp(_gather_seq_fwd, _gather_seq_bwd)
 
 
-def _ulysses(cfg: _Config, q, k, v, seg, bias):
+def ulysses_attention(cfg: Config, q, k, v, seg, bias):
     c, axis = cfg.size, cfg.axis
     heads, kv_heads = q.shape[2], k.shape[2]
     if kv_heads % c:  # MQA / few kv heads: give every query head its own copy
@@ -77,7 +77,7 @@ def _ulysses(cfg: _Config, q, k, v, seg, bias):
     length = q.shape[1]
     pos = jnp.asarray(layout_positions(length, c, cfg.layout))
     seg = None if seg is None else lax.all_gather(seg, axis, axis=1, tiled=True)
-    out = _dense(
+    out = dense_attention(
         q,
         k,
         v,

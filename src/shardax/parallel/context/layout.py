@@ -155,7 +155,7 @@ def layout_positions(length: int, context: int, layout: str) -> np.ndarray:
     return np.arange(length)
 
 
-def _block_positions(src: Any, block: int, context: int, layout: str) -> jax.Array:
+def block_positions(src: Any, block: int, context: int, layout: str) -> jax.Array:
     """Positions of device ``src``'s ``block`` tokens (``src`` may be traced)."""
     t = jnp.arange(block)
     if layout == "contiguous" or context == 1:

@@ -2,7 +2,7 @@
 the window and the segments, and whether a part of a block sees any key of another.
 
 >>> pos = jnp.arange(4)
->>> _mask(pos, pos, None, None, causal=True, window=None)[0].astype(int).tolist()
+>>> attention_mask(pos, pos, None, None, causal=True, window=None)[0].astype(int).tolist()
 [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import jax
 
-from shardax.parallel.context.config import _Config
+from shardax.parallel.context.config import Config
 
 
-def _mask(
+def attention_mask(
     qpos: jax.Array,
     kpos: jax.Array,
     qseg: jax.Array | None,
@@ -42,7 +42,7 @@ def _mask(
     return mask
 
 
-def _visible(cfg: _Config, qpos: jax.Array, kpos: jax.Array) -> Any:
+def parts_visible(cfg: Config, qpos: jax.Array, kpos: jax.Array) -> Any:
     """Whether the causal mask and the window let any query of a part (a contiguous run
     of positions ``qpos``) see any key of another (``kpos``); True without them."""
     visible: Any = True

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shardax.parallel.context.blocks import _pair
-from shardax.parallel.context.config import _Config
-from shardax.parallel.context.layout import _block_positions
-from shardax.parallel.context.masks import _visible
+from shardax.parallel.context.blocks import block_kernels
+from shardax.parallel.context.config import Config
+from shardax.parallel.context.layout import block_positions
+from shardax.parallel.context.masks import parts_visible
 
 
 def _grouped_bias(bias: jax.Array | None, kv_heads: int, rows: slice, col: Any, width: int):
@@ -34,7 +34,7 @@ def _grouped_bias(bias: jax.Array | None, kv_heads: int, rows: slice, col: Any, 
     return bias.reshape(b, kv_heads, h // kv_heads, t, s)
 
 
-def _parts(cfg: _Config, t: int) -> list[slice]:
+def ring_parts(cfg: Config, t: int) -> list[slice]:
     """The parts of a device's block the ring pairs up, each a contiguous run of
     positions: the block itself, or under ``layout="zigzag"`` with a position mask its
     two chunks (i and 2C-1-i), so that a pair the mask hides entirely can be skipped."""
@@ -51,10 +51,10 @@ def _unless_hidden(visible: Any, fn: Callable[..., Any], carry: Any, *args: Any)
     return lax.cond(visible, fn, lambda carry, *_: carry, carry, *args)
 
 
-def _ring_setup(cfg: _Config, q):
+def _ring_setup(cfg: Config, q):
     t = q.shape[1]
     idx = lax.axis_index(cfg.axis)
-    return idx, _block_positions(idx, t, cfg.size, cfg.layout), _parts(cfg, t)
+    return idx, block_positions(idx, t, cfg.size, cfg.layout), ring_parts(cfg, t)
 
 
 def _part(x: jax.Array | None, part: slice) -> jax.Array | None:
@@ -62,7 +62,7 @@ def _part(x: jax.Array | None, part: slice) -> jax.Array | None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: _Config, q, k, v, seg, bias):
+def ring_attention(cfg: Config, q, k, v, seg, bias):
     return _ring_fwd(cfg, q, k, v, seg, bias)[0]
 
 
@@ -80,18 +80,18 @@ def _combine(acc, block):
     return o * jnp.exp(lse - new)[..., None] + ob * jnp.exp(lb - new)[..., None], new
 
 
-def _own_block_visible(cfg: _Config, first: bool, i: int, j: int) -> bool | None:
+def _own_block_visible(cfg: Config, first: bool, i: int, j: int) -> bool | None:
     """Whether query part ``i`` sees key part ``j`` of the device's own block (step 0,
     ``first``), known while tracing under causal alone: the parts lie in increasing
     positions, so query part i sees key part j > i never, j < i wholly, j == i causally.
-    None: not known (another step, or a window); ``_visible`` decides from the
+    None: not known (another step, or a window); ``parts_visible`` decides from the
     positions."""
     if not first or not cfg.causal or cfg.window is not None:
         return None
     return j <= i
 
 
-def _ring_steps(cfg: _Config, compute, acc, block):
+def _ring_steps(cfg: Config, compute, acc, block):
     """``compute(acc, block, step, first)`` over the C steps of the ring, ``block`` sent
     on (ppermute) before it is used, so the transfer overlaps the step's compute. Step 0
     (the device's own block: the causal diagonal) is traced apart (``first`` True), steps
@@ -109,12 +109,12 @@ def _ring_steps(cfg: _Config, compute, acc, block):
     return compute(acc, block, cfg.size - 1, False)
 
 
-def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
+def _ring_fwd(cfg: Config, q, k, v, seg, bias):
     b, t, h, d = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, h // kh, d)
     idx, qpos, parts = _ring_setup(cfg, q)
-    block_fwd = _pair(cfg)[0]
+    block_fwd = block_kernels(cfg)[0]
 
     def update(acc, *args, diag):
         return _combine(acc, block_fwd(cfg, *args, diag))
@@ -122,7 +122,7 @@ def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
     def compute(accs, block, step, first):
         kb, vb, kseg = block
         src = (idx - step) % cfg.size
-        kpos = _block_positions(src, t, cfg.size, cfg.layout)
+        kpos = block_positions(src, t, cfg.size, cfg.layout)
         out = []
         for i, (qi, acc) in enumerate(zip(parts, accs, strict=True)):
             for j, kj in enumerate(parts):
@@ -132,7 +132,7 @@ def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
                     continue
                 bias_ij = _grouped_bias(bias, kh, qi, src * t + kj.start, kj.stop - kj.start)
                 acc = _unless_hidden(
-                    _visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
+                    parts_visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
                     functools.partial(update, diag=diag),
                     acc,
                     qg[:, qi],
@@ -157,7 +157,7 @@ def _ring_fwd(cfg: _Config, q, k, v, seg, bias):
     return out, (q, k, v, seg, bias, o, lse)
 
 
-def _ring_bwd(cfg: _Config, res, g):
+def _ring_bwd(cfg: Config, res, g):
     q, k, v, seg, bias, o, lse = res
     b, t, h, d = q.shape
     kh = k.shape[2]
@@ -166,7 +166,7 @@ def _ring_bwd(cfg: _Config, res, g):
     delta = (do * o).sum(-1)
     idx, qpos, parts = _ring_setup(cfg, q)
     perm = [(i, (i + 1) % cfg.size) for i in range(cfg.size)]
-    block_bwd = _pair(cfg)[1]
+    block_bwd = block_kernels(cfg)[1]
 
     def update(carry, *args, diag, where):
         return block_bwd(cfg, carry, *args, diag, where)
@@ -176,7 +176,7 @@ def _ring_bwd(cfg: _Config, res, g):
         dqs, dkvs = list(dqs), list(dkvs)
         kb, vb, kseg = block
         src = (idx - step) % cfg.size
-        kpos = _block_positions(src, t, cfg.size, cfg.layout)
+        kpos = block_positions(src, t, cfg.size, cfg.layout)
         for i, qi in enumerate(parts):
             for j, kj in enumerate(parts):
                 diag = first and i == j and cfg.causal
@@ -185,7 +185,7 @@ def _ring_bwd(cfg: _Config, res, g):
                     continue
                 col = src * t + kj.start
                 dqs[i], dkvs[j], dbias = _unless_hidden(
-                    _visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
+                    parts_visible(cfg, qpos[qi], kpos[kj]) if seen is None else True,
                     functools.partial(update, diag=diag, where=(qi.start, col)),
                     (dqs[i], dkvs[j], dbias),
                     qg[:, qi],
@@ -220,4 +220,4 @@ def _ring_bwd(cfg: _Config, res, g):
     )
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
