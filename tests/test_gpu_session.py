@@ -101,7 +101,15 @@ def test_session_assembles_ratios_and_markdown(gpu_modules, tmp_path):
     (tmp_path / "torch.json").write_text(json.dumps({"torch": "2.11.0", "run": torch}))
     (tmp_path / "sweep.json").write_text(json.dumps([
         {"name": "dense", "label": "x", **step, "tokens_per_s": 30_000.0},
-        {"name": "32k", "label": "y", "error": "RESOURCE_EXHAUSTED: out of memory"}]))  # fmt: skip
+        {"name": "32k", "label": "y", "error": "RESOURCE_EXHAUSTED: out of memory"},
+        {"name": "fp8", "label": "z", **step, "tokens_per_s": 49_152.0, "last_loss": 5.205,
+         "predicted_over_measured": 0.9,
+         "prediction": {"step_ms": 150.0, "low_ms": 140.0, "high_ms": 190.0, "made": "2026-12-02",
+                        "jax": "0.12.0", "calibration": "calibrated: H200", "fp8": "datasheet",
+                        "classes_ms": {"gemm": 60.0, "elementwise": 30.0}},
+         "profile": {"sum_over_step": 0.97, "classes": {"gemm": {"ms_per_step": 70.0},
+                                                        "elementwise": {"ms_per_step": 35.0}}}},
+    ]))  # fmt: skip
     s = session.assemble(tmp_path, [{"stage": "core", "status": "ok", "seconds": 1.0}])
     assert s["ratios"]["shardax_over_jit_step_time"] == pytest.approx(0.2 / 0.198)
     assert s["ratios"]["shardax_over_torch_tokens_per_s"] == pytest.approx(0.8)
@@ -111,6 +119,11 @@ def test_session_assembles_ratios_and_markdown(gpu_modules, tmp_path):
     assert "| shardax (default) | 200.0 | 40,960 | 30.0% |" in text
     assert "| torch.compile | 160.0 | 51,200 | 37.5% |" in text
     assert "torch.compile" in text and "RESOURCE_EXHAUSTED" in text
+    assert s["ratios"]["fp8 over bf16 tokens_per_s"] == pytest.approx(1.2)
+    assert s["ratios"]["fp8_loss_minus_bf16"] == pytest.approx(0.005)
+    assert "| 150.0 (140.0–190.0), 0.900 |" in text
+    assert "fp8 GEMMs priced by the datasheet rate" in text
+    assert "| gemm | 60.00 | 70.00 |" in text and "| elementwise | 30.00 | 35.00 |" in text
 
 
 def test_sweep_changes_one_thing_at_a_time(gpu_modules):
@@ -144,3 +157,48 @@ def test_the_sweep_keeps_each_step_program_as_it_ran(gpu_modules, tmp_path):
     with gzip.open(tmp_path / "hlo" / "16k-tokens-per-device.hlo.gz", "rt") as f:
         assert f.read() == "HloModule jit_whole"  # the step, not the larger other program
     assert not dump.exists() and session.keep_program(tmp_path, "none") is None
+
+
+def test_issue_55_rows_are_predicted_before_they_are_measured(gpu_modules):
+    """Each row of issue 55 changes what it names, and has its prediction written down
+    (predict.py, sx.estimate on a compile-only card) for both cards before a session."""
+    _, _, session = gpu_modules
+    base = session.base_config("1b", 1)
+    rows = dict(session.predicted_configs(base))
+    assert rows["fp8"] == dataclasses.replace(base, precision="fp8")
+    wide = rows["d 4096 x 8 layers, bf16"]
+    assert (wide.layers, wide.d_model, wide.heads, wide.precision) == (8, 4096, 32, "bf16")
+    assert rows["d 4096 x 8 layers, fp8"] == dataclasses.replace(wide, precision="fp8")
+    zero = rows["ZeRO-1, compute-dtype gather (gather forward)"]
+    assert (zero.plan, zero.zero_gather) == ("zero1", "forward")
+    assert rows["bf16 residual stream"].residual == "bf16"
+    assert rows["fused norm and GELU (elementwise recompute)"].elementwise == "recompute"
+    for card in ("H200", "H100"):
+        for name in ["default (shardax)", *rows]:
+            said = session.prediction(card, name, "1b")
+            assert said is not None and said["step_ms"] > 0, (card, name)
+            assert said["low_ms"] <= said["step_ms"] <= said["high_ms"] and said["made"]
+            assert said["config"] == dataclasses.asdict(rows.get(name, base)), (card, name)
+            assert said["classes_ms"]["gemm"] > 0
+            assert (said["fp8"] == "datasheet") == (rows.get(name, base).precision == "fp8")
+    assert session.prediction("H200", "fp8", "tiny") is None  # another size's: none
+
+
+def test_every_new_option_runs_and_is_profiled_into_op_classes(gpu_modules, tmp_path):
+    """The tiny GPT under fp8, the bf16 residual, the recomputing norm and GELU and ZeRO-1
+    gathering in bf16, all at once: one step, then the sweep's profile of three more."""
+    _, jax_gpt, session = gpu_modules
+    config = dataclasses.replace(session.base_config("tiny", 8), precision="fp8",
+                                 residual="bf16", elementwise="recompute", plan="zero1",
+                                 zero_gather="forward")  # fmt: skip
+    assert "precision fp8" in config.label() and "plan zero1" in config.label()
+    out = jax_gpt.run(config, steps=1, warmup=0, hlo=True)
+    assert out["plan"] == "zero1 (gather forward)" and out["last_loss"] > 0
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "module_0001.jit_whole.cpu_after_optimizations.txt").write_text(out["hlo_text"])
+    table = session.profile_row(tmp_path, out["_run"], {"name": "all", **out}, config, {})
+    assert "error" not in table, table
+    assert table["classes"]["gemm"]["ms_per_step"] > 0
+    with pytest.raises(ValueError, match="the hand-written step is bf16"):
+        jax_gpt.build_jit(config)

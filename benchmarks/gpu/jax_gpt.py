@@ -28,7 +28,11 @@ ADAMW = {"learning_rate": 1e-4, "weight_decay": 0.01}
 class Config:
     """One configuration of the step: the model's shape, the batch (global rows), the
     remat policy, scanned or unrolled layers, the attention kernel and the compiler
-    options (``"auto"``: shardax's for the platform; ``"xla"``: XLA's defaults; or a dict)."""
+    options (``"auto"``: shardax's for the platform; ``"xla"``: XLA's defaults; or a dict);
+    shardax's step only: the precision (``"bf16"`` or ``"fp8"``), the GPT's residual
+    stream and elementwise backward (``GPTConfig``'s ``residual``, ``elementwise``) and the
+    plan (``"auto"``: FSDP over several devices, else replicated; ``"zero1"``:
+    ``sx.zero1`` with ``zero_gather``)."""
 
     layers: int = 24
     d_model: int = 2048
@@ -41,6 +45,11 @@ class Config:
     compiler: Any = "auto"
     impl: str = "shardax"  # or "jit": the hand-written step
     model: str = "current"  # or "stage4": the GPT's MLP and head in float32, as before
+    precision: str = "bf16"  # or "fp8"
+    residual: str = "fp32"  # or "bf16"
+    elementwise: str = "autodiff"  # or "recompute"
+    plan: str = "auto"  # or "zero1"
+    zero_gather: str = "update"  # or "forward" (plan "zero1")
 
     @property
     def tokens(self) -> int:
@@ -51,14 +60,45 @@ class Config:
         parts = [self.impl, f"{self.batch}×{self.seq_len}", f"remat {self.remat}",
                  "scanned" if self.scan else "unrolled", f"attention {self.kernel}",
                  f"compiler {compiler}"]  # fmt: skip
-        return ", ".join(parts + ([f"model {self.model}"] if self.model != "current" else []))
+        changed = {k: getattr(self, k) for k, v in SHARDAX_ONLY.items() if getattr(self, k) != v}
+        changed |= {"model": self.model} if self.model != "current" else {}
+        return ", ".join(parts + [f"{k} {v}" for k, v in changed.items()])
+
+
+SHARDAX_ONLY = {"precision": "bf16", "residual": "fp32", "elementwise": "autodiff",
+                "plan": "auto", "zero_gather": "update"}  # fmt: skip
+"""``Config``'s fields only shardax's step takes, with their defaults (the hand-written
+step is bf16 and the GPT as it is)."""
 
 
 def gpt_config(c: Config) -> Any:
     from shardax.models import gpt
 
     return gpt.GPTConfig(layers=c.layers, d_model=c.d_model, heads=c.heads,
-                         max_seq_len=c.seq_len, scan_layers=c.scan, kernel=c.kernel)  # fmt: skip
+                         max_seq_len=c.seq_len, scan_layers=c.scan, kernel=c.kernel,
+                         residual=c.residual, elementwise=c.elementwise)  # fmt: skip
+
+
+def shardax_step(c: Config, mesh: Any) -> tuple[Any, Any, str]:
+    """``(step, make_model, plan name)``: shardax's train step of ``c`` over ``mesh`` (a
+    GPU's, or a compile-only target's for a prediction) and the model's constructor."""
+    import jax
+
+    import shardax as sx
+    from shardax.models import gpt
+
+    cfg = gpt_config(c)
+    make = lambda: gpt.make_gpt(cfg, remat=c.remat)  # noqa: E731
+    if c.plan == "zero1":
+        plan, name = sx.zero1(mesh, gather=c.zero_gather), f"zero1 (gather {c.zero_gather})"
+    elif c.plan == "auto":
+        name = "fsdp" if mesh.size > 1 else "replicate"
+        plan = gpt.plan(mesh, jax.eval_shape(make), name)
+    else:
+        raise ValueError(f"Config.plan must be 'auto' or 'zero1', got {c.plan!r}")
+    step = sx.make_train_step(loss_fn, mesh=mesh, plan=plan, precision=c.precision,
+                              compiler_options=c.compiler)  # fmt: skip
+    return step, make, name
 
 
 def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
@@ -94,20 +134,14 @@ def model_flops_per_step(c: Config) -> tuple[float, int]:
 
 def build_shardax(c: Config) -> tuple[Any, Any, Any, dict[str, Any]]:
     """``(step, state, batch, info)``: shardax's step of ``c``, its state and placed batch."""
-    import jax
     import optax
 
     import shardax as sx
-    from shardax.models import gpt
 
-    cfg = gpt_config(c)
     mesh = sx.make_mesh({"data": -1})
-    abstract = jax.eval_shape(lambda: gpt.make_gpt(cfg, remat=c.remat))
-    plan_name = "fsdp" if mesh.size > 1 else "replicate"
-    step = sx.make_train_step(loss_fn, mesh=mesh, plan=gpt.plan(mesh, abstract, plan_name),
-                              precision="bf16", compiler_options=c.compiler)  # fmt: skip
+    step, make, plan_name = shardax_step(c, mesh)
     tx = optax.adamw(**ADAMW)
-    state = step.init(lambda: sx.TrainState.create(gpt.make_gpt(cfg, remat=c.remat), tx))
+    state = step.init(lambda: sx.TrainState.create(make(), tx))
     batch = step.place_batch(random_tokens(c.batch, c.seq_len))
     info = {"plan": plan_name, "compiler_options": dict(getattr(step, "compiler_options", {}))}
 
@@ -129,6 +163,10 @@ def build_jit(c: Config) -> tuple[Any, Any, Any, dict[str, Any]]:
     import shardax as sx
     from shardax.models import gpt
 
+    changed = [f"{k}={getattr(c, k)!r}" for k, v in SHARDAX_ONLY.items() if getattr(c, k) != v]
+    if changed:
+        raise ValueError(f"the hand-written step is bf16 over the GPT as it is; "
+                         f"{', '.join(changed)} is shardax's step's only")  # fmt: skip
     options = resolve_options(c.compiler)
     model = gpt.make_gpt(gpt_config(c), remat=c.remat)
     graphdef, params = nnx.split(model)
@@ -213,15 +251,18 @@ def model_version(version: str) -> Iterator[None]:
         gpt.MLP.__call__, gpt.GPT.logits = saved
 
 
-def run(c: Config, *, steps: int = 8, warmup: int = 2, hlo: bool = False) -> dict[str, Any]:
+def run(
+    c: Config, *, steps: int = 8, warmup: int = 2, hlo: bool = False, keep: bool = False
+) -> dict[str, Any]:
     """Builds ``c``'s step, compiles it (timed: the first call), runs ``warmup`` more
     steps, then times ``steps`` steps one by one; returns the figures. ``hlo``: also
-    the compiled program's text (for the profile) and its FLOP count."""
+    the compiled program's text (for the profile) and its FLOP count; ``keep``: also the
+    step, its state and batch as ``_run`` (to profile more steps; not serialised)."""
     with model_version(c.model):
-        return _run(c, steps=steps, warmup=warmup, hlo=hlo)
+        return _run(c, steps=steps, warmup=warmup, hlo=hlo, keep=keep)
 
 
-def _run(c: Config, *, steps: int, warmup: int, hlo: bool) -> dict[str, Any]:
+def _run(c: Config, *, steps: int, warmup: int, hlo: bool, keep: bool = False) -> dict[str, Any]:
     import jax
 
     from shardax.cost.flops import compiled_flops, utilization
@@ -271,5 +312,6 @@ def _run(c: Config, *, steps: int, warmup: int, hlo: bool) -> dict[str, Any]:
         out["attention_kernel"] = attention_kernel(text)
         out["executed_flops_per_step"] = None if executed is None else executed * devices
         out["hlo_text"] = text
+    if hlo or keep:
         out["_run"] = (fn, state, batch)  # the caller profiles with it (not serialised)
     return out

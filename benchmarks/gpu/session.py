@@ -15,9 +15,16 @@ runs over is killed, and what it wrote so far is kept), in order of importance:
 2. ``torch``: the same GPT in PyTorch (``torch_gpt.py``: ``torch.compile``, SDPA flash
    attention, bf16 autocast over fp32 params, fused AdamW) at the default shape, and its
    loss from a shardax GPT's weights beside shardax's (the same model, checked).
-3. ``sweep``: what decides speed, one change at a time from the default: the compiler
-   settings (XLA's defaults against shardax's), 16k and 32k tokens per device, dense
-   attention, scanned layers, remat minimal and full.
+3. ``sweep``: first the rows of issue 55 (``predicted_configs``: fp8 at the default
+   shape and at d 4096 × 8 layers beside its bf16, the bf16 residual stream, the fused
+   (recomputing) norm and GELU, both, and ZeRO-1 gathering the compute-dtype copy), each
+   with its prediction written down before the session (``predictions.json``, by
+   ``predict.py``: ``sx.estimate`` on a compile-only card) beside its measurement, and a
+   profile read into the per-op model's classes (``op_profile.py``) beside the
+   prediction's; then what decides speed, one change at a time from the default: the
+   compiler settings (XLA's defaults against shardax's), 16k and 32k tokens per device,
+   dense attention, scanned layers, remat minimal and full. A row that does not start
+   25 s before the deadline is listed as skipped (the issue's rows come first).
 
 The default configuration is the 1.21B GPT of ``benchmarks/mfu.py`` (24 × 2048, 16 heads
 of 128, sequence 2048, vocabulary 256) at 4 sequences (8k tokens) per device, bf16 over
@@ -89,6 +96,37 @@ def sweep_configs(base: Any) -> list[tuple[str, Any]]:
         ("layers scanned", r(base, scan=True)),
         ("32k tokens per device, remat full", r(base, batch=4 * b, remat="full")),
     ]  # fmt: skip
+
+
+def predicted_configs(base: Any) -> list[tuple[str, Any]]:
+    """The rows of issue 55, each predicted before it is measured (``predict.py``): one
+    change at a time from ``base``, except the wide shape's pair (d 4096 × 8 layers, 32
+    heads of 128: bf16, then fp8, so that their ratio is measured in one call)."""
+    r = dataclasses.replace
+    wide = r(base, layers=max(base.layers // 3, 1), d_model=2 * base.d_model,
+             heads=2 * base.heads)  # fmt: skip
+    return [
+        ("fp8", r(base, precision="fp8")),
+        ("d 4096 x 8 layers, bf16", wide),
+        ("d 4096 x 8 layers, fp8", r(wide, precision="fp8")),
+        ("bf16 residual stream", r(base, residual="bf16")),
+        ("fused norm and GELU (elementwise recompute)", r(base, elementwise="recompute")),
+        ("bf16 residual + fused norm and GELU", r(base, residual="bf16",
+                                                   elementwise="recompute")),
+        ("ZeRO-1, compute-dtype gather (gather forward)", r(base, plan="zero1",
+                                                            zero_gather="forward")),
+        ("fp8 + bf16 residual + fused norm and GELU", r(base, precision="fp8", residual="bf16",
+                                                        elementwise="recompute")),
+    ]  # fmt: skip
+
+
+def prediction(card: str | None, name: str, size: str,
+               path: Path = HERE / "predictions.json") -> dict[str, Any] | None:  # fmt: skip
+    """The prediction written down for row ``name`` on ``card`` (``"H200"``) at ``size``
+    (``predict.py``'s), None where none was."""
+    written = _load(path) or {}
+    row = (written.get(card or "") or {}).get(name)
+    return row if isinstance(row, dict) and row.get("size", "1b") == size else None
 
 
 def _size(arg: str) -> str:
@@ -248,32 +286,89 @@ def stage_sweep(
     work: Path, size: str, steps: int, deadline: float, extra: list[dict], only: str = "all"
 ) -> None:
     """The sweep, one configuration at a time while time is left: the ``extra`` ones,
-    then those of :func:`sweep_configs` whose name holds one of ``only``'s comma-separated
-    words (``"all"``: every one), in that function's order."""
+    then those of :func:`predicted_configs` and :func:`sweep_configs` whose name holds one
+    of ``only``'s comma-separated words (``"all"``: every one), in that order. The
+    predicted ones (and an extra one with ``"profile": true``) are profiled after their
+    timed steps, into op classes beside their prediction's."""
     import jax
     import jax_gpt
 
+    from shardax.cost.accelerators import kind_of
+
     base = base_config(size, jax.device_count())
-    configs = [(e.pop("name", "extra"), dataclasses.replace(base, **e)) for e in extra]
+    configs = [(e.pop("name", "extra"), dataclasses.replace(
+        base, **{k: v for k, v in e.items() if k != "profile"}), bool(e.get("profile")))
+        for e in extra]  # fmt: skip
     words = [w.strip() for w in only.split(",") if w.strip()]
-    configs += [(name, c) for name, c in sweep_configs(base)
-                if only == "all" or any(w in name for w in words)]  # fmt: skip
+    chosen = lambda name: only == "all" or any(w in name for w in words)  # noqa: E731
+    configs += [(n, c, True) for n, c in predicted_configs(base) if chosen(n)]
+    configs += [(n, c, False) for n, c in sweep_configs(base) if chosen(n)]
+    card = kind_of(str(jax.devices()[0].device_kind))
+    ceilings = (_load(work / "core.json") or {}).get("ceilings") or {}
     rows: list[dict[str, Any]] = []
     path = work / "sweep.json"
     shutil.rmtree(work / "dump", ignore_errors=True)  # a killed earlier sweep's
-    for name, config in configs:
+    for name, config, profile in configs:
+        said = prediction(card, name, size)
+        row: dict[str, Any] = {"name": name, "label": config.label()}
+        missing = f"no prediction written down for {card}"
+        if said and said.get("config") != dataclasses.asdict(config):
+            said, missing = None, f"the prediction for {card} was of another configuration"
+        if profile:  # written down before this session: read before the row is measured
+            row["prediction"] = said or {"missing": missing}
         if time.time() > deadline - 25:
-            rows.append({"name": name, "label": config.label(), "skipped": "out of session time"})
+            rows.append({**row, "skipped": "out of session time"})
             continue
         try:
-            row = jax_gpt.run(config, steps=steps)
+            row.update(jax_gpt.run(config, steps=steps, keep=profile))
         except Exception as e:
-            row = _error(e)
-        kept = keep_program(work, name)
-        rows.append({"name": name, "label": config.label(), **row, "hlo": kept})
+            row.update(_error(e))
+        run = row.pop("_run", None)
+        if run is not None:
+            row["profile"] = profile_row(work, run, row, config, ceilings)
+        if said and "seconds_per_step" in row and "step_ms" in said:
+            row["predicted_over_measured"] = said["step_ms"] / (row["seconds_per_step"] * 1e3)
+        row["hlo"] = keep_program(work, name)
+        rows.append(row)
+        del run
         _write(path, rows)
         _free()
     _write(path, rows)
+
+
+def profile_row(work: Path, run: Any, row: dict[str, Any], config: Any,
+                ceilings: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """Three more steps of a sweep row profiled into op classes (``op_profile.op_table``)
+    of its program as XLA dumped it; the GEMMs' floor at the fp8 rate for an fp8 row (the
+    measured fp8 ceiling, else 2x bf16's)."""
+    import jax
+    import op_profile
+
+    fn, state, batch = run
+    dumped = dumped_program(work)
+    if dumped is None:
+        return {"error": "XLA dumped no program to read the profile against"}
+    matmul = ceilings.get("matmul_tflops")
+    if config.precision == "fp8" and matmul:
+        matmul = ceilings.get("fp8_matmul_tflops") or 2 * matmul
+    try:
+        box = {"state": state}
+
+        def profiled() -> None:
+            for _ in range(3):
+                box["state"], loss = fn(box["state"], batch)
+            jax.block_until_ready(loss)
+
+        xplane = op_profile.capture(profiled, work / "trace" / slug(row["name"]))
+        table = op_profile.op_table(xplane, dumped.read_text(), steps=3,
+                                    step_seconds=row["seconds_per_step"], matmul_tflops=matmul,
+                                    bandwidth_gbs=ceilings.get("bandwidth_gbs"))  # fmt: skip
+    except Exception as e:
+        return _error(e)
+    finally:
+        shutil.rmtree(work / "trace", ignore_errors=True)
+    kept = ("classes", "sum_over_step", "traced_step_ms", "matmul_tflops", "notes")
+    return {**{k: table.get(k) for k in kept}, "top_ops": (table.get("top_ops") or [])[:5]}
 
 
 def slug(name: str) -> str:
@@ -288,21 +383,26 @@ def dump_flags(work: Path) -> str:
     return f"--xla_dump_to={work / 'dump'} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
 
 
-def keep_program(work: Path, name: str) -> str | None:
-    """The step's optimized program XLA dumped since the last call (shardax's step is
-    ``jit_whole``, the hand-written one ``jit_step``; else the largest program), gzipped
-    to ``work/hlo/<slug>.hlo.gz``; the dump emptied. Returns the file's name, or None."""
-    dump = work / "dump"
-    texts = sorted(dump.glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)
+def dumped_program(work: Path) -> Path | None:
+    """The step's optimized program XLA dumped under ``work/dump`` (shardax's step is
+    ``jit_whole``, the hand-written one ``jit_step``; else the largest program), or None."""
+    texts = sorted((work / "dump").glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)
     steps = [f for f in texts if ".jit_whole." in f.name or ".jit_step." in f.name]
     texts = steps or texts
+    return texts[-1] if texts else None
+
+
+def keep_program(work: Path, name: str) -> str | None:
+    """The step's program XLA dumped since the last call (``dumped_program``), gzipped to
+    ``work/hlo/<slug>.hlo.gz``; the dump emptied. Returns the file's name, or None."""
+    dumped = dumped_program(work)
     kept = None
-    if texts:
+    if dumped is not None:
         (work / "hlo").mkdir(exist_ok=True)
         kept = f"{slug(name)}.hlo.gz"
-        with open(texts[-1], "rb") as src, gzip.open(work / "hlo" / kept, "wb") as dst:
+        with open(dumped, "rb") as src, gzip.open(work / "hlo" / kept, "wb") as dst:
             shutil.copyfileobj(src, dst)
-    shutil.rmtree(dump, ignore_errors=True)
+    shutil.rmtree(work / "dump", ignore_errors=True)
     return kept
 
 
@@ -369,11 +469,64 @@ def assemble(work: Path, stages: list[dict[str, Any]]) -> dict[str, Any]:
     for row in sweep:
         if base and "seconds_per_step" in row:
             row["tokens_per_s_vs_default"] = row["tokens_per_s"] / shardax["tokens_per_s"]
+    from shardax.cost.accelerators import kind_of  # JAX not initialised: no device memory held
+
+    card = kind_of(str(core.get("device", "")))
+    said = prediction(card, "default (shardax)", core.get("size", "1b"))
+    same = said is not None and said.get("config") == shardax.get("config")
+    if said and "step_ms" in said and base and same:  # the default's, for the ratios' sake
+        shardax["prediction"] = said
+        shardax["predicted_over_measured"] = said["step_ms"] / (base * 1e3)
+    by = {r.get("name"): r for r in sweep}
+    for fp8, bf16 in (("fp8", None), ("d 4096 x 8 layers, fp8", "d 4096 x 8 layers, bf16")):
+        over = shardax if bf16 is None else by.get(bf16, {})
+        if "tokens_per_s" in by.get(fp8, {}) and "tokens_per_s" in over:
+            ratios[f"{fp8} over bf16 tokens_per_s"] = by[fp8]["tokens_per_s"] / over["tokens_per_s"]
+        if bf16 is None and "last_loss" in by.get(fp8, {}) and "last_loss" in shardax:
+            ratios["fp8_loss_minus_bf16"] = by[fp8]["last_loss"] - shardax["last_loss"]
     return {"stages": stages, "core": core, "torch": torch, "sweep": sweep, "ratios": ratios}
 
 
 def _fmt(x: Any, spec: str) -> str:
     return format(x, spec) if isinstance(x, int | float) else "—"
+
+
+def said(r: dict[str, Any]) -> str:
+    """A row's written-down prediction for the table: ms, interval, over the measured."""
+    p = r.get("prediction")
+    if not isinstance(p, dict):
+        return ""
+    if "step_ms" not in p:
+        return str(p.get("missing") or p.get("error", ""))[:80]
+    over = r.get("predicted_over_measured")
+    return (f"{p['step_ms']:.1f} ({p['low_ms']:.1f}–{p['high_ms']:.1f})"
+            + (f", {over:.3f}" if isinstance(over, float) else ""))  # fmt: skip
+
+
+def classes_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The predicted rows' op classes: the per-op model's (written down before) beside the
+    profile's, ms per step."""
+    from shardax.cost.ops import CLASSES
+
+    lines: list[str] = []
+    for r in rows:
+        p, prof = r.get("prediction") or {}, r.get("profile") or {}
+        predicted, measured = p.get("classes_ms") or {}, prof.get("classes") or {}
+        if not predicted and not measured:
+            continue
+        fp8 = f"; fp8 GEMMs priced by the {p['fp8']} rate" if p.get("fp8") else ""
+        made = f"Not predicted ({p.get('missing', 'none')})"
+        if predicted:
+            made = f"Predicted {p['made']} (JAX {p.get('jax')}, {p.get('calibration')}{fp8})"
+        lines += [f"### {r['name']}", "", f"{made}; profiled "
+                  f"{_fmt(prof.get('sum_over_step'), '.1%')} of the step.", "",
+                  "| class | predicted ms | profiled ms |", "|---|---:|---:|"]  # fmt: skip
+        for c in [*CLASSES, *sorted(set(measured) - set(CLASSES))]:
+            if c in predicted or c in measured:
+                got = (measured.get(c) or {}).get("ms_per_step")
+                lines.append(f"| {c} | {_fmt(predicted.get(c), '.2f')} | {_fmt(got, '.2f')} |")
+        lines.append("")
+    return lines
 
 
 def markdown(s: dict[str, Any]) -> str:
@@ -383,12 +536,13 @@ def markdown(s: dict[str, Any]) -> str:
              f"torch {s['torch'].get('torch', '—')}", ""]  # fmt: skip
     lines += ["| stages | " + " · ".join(f"{x['stage']} {x['status']} ({x['seconds']:.0f} s)"
                                         for x in s["stages"]) + " |", "|---|", ""]  # fmt: skip
-    lines += ["| step | ms / step (median) | tokens/s | MFU | compile s | loss first → last |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["| step | ms / step (median) | tokens/s | MFU | compile s | loss first → last "
+              "| predicted ms (interval), predicted / measured |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def row(name: str, r: dict[str, Any]) -> str:
         if "error" in r or "skipped" in r:
-            return f"| {name} | {r.get('error') or r.get('skipped')} | | | | |"
+            return f"| {name} | {r.get('error') or r.get('skipped')} | | | | | {said(r)} |"
         ms = r.get("seconds_per_step", float("nan")) * 1e3
         mfu = r.get("mfu")
         loss = f"{_fmt(r.get('first_loss'), '.4f')} → {_fmt(r.get('last_loss'), '.4f')}"
@@ -396,7 +550,8 @@ def markdown(s: dict[str, Any]) -> str:
             _fmt(r.get("tokens_per_s"), ",.0f"),
             _fmt(r.get("compile_seconds"), ".1f"),
         )
-        return f"| {name} | {ms:.1f} | {tokens} | {_fmt(mfu, '.1%')} | {compile_s} | {loss} |"
+        return (f"| {name} | {ms:.1f} | {tokens} | {_fmt(mfu, '.1%')} | {compile_s} | {loss} "
+                f"| {said(r)} |")  # fmt: skip
 
     for name, r in (("shardax (default)", core.get("shardax", {})),
                     ("hand-written jax.jit", core.get("jit", {})),
@@ -406,6 +561,9 @@ def markdown(s: dict[str, Any]) -> str:
     for r in s["sweep"]:
         lines.append(row(r.get("name", "?"), r))
     lines += ["", "Ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in s["ratios"].items()), ""]
+    classes = classes_markdown(s["sweep"])
+    if classes:
+        lines += ["## Issue 55's rows by op class: predicted and profiled", "", *classes]
     parity = s["torch"].get("parity")
     if parity:
         lines += [f"Parity (same weights, fp32 loss): {parity}", ""]
