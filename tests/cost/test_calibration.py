@@ -78,7 +78,9 @@ def test_tables_measured_here_load_as_a_calibration(measured_here):
     assert len(c.gemm) == len(gemms)
     # a CPU widens fp8 operands: no fp8 rows, the table says why, and nothing is priced by it
     assert t["gemm_fp8"]["skipped"].startswith("fp8 matmuls need fp8 tensor cores")
-    assert "cpu devices (cpu): XLA widens" in t["gemm_fp8"]["skipped"] and t["gemm_fp8_seconds"] == 0.0
+    assert (
+        "cpu devices (cpu): XLA widens" in t["gemm_fp8"]["skipped"] and t["gemm_fp8_seconds"] == 0.0
+    )
     assert calibrate.summary(t)["fp8_matmul_tflops"] is None
     assert {r[3] for r in c.gemm} == {"bf16", "f32", "f32-cublas"}
     assert c.stream == tuple(sorted(r["gbs"] for r in t["stream"]))
