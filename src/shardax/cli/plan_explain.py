@@ -21,16 +21,16 @@ from shardax.cli.common import UsageError, console, print_json
 from shardax.cli.plan_target import (
     REMATS,
     TARGET_DEFAULTS,
-    _axis,
-    _data_rows,
-    _model,
-    _named_plan,
-    _precision,
+    data_rows,
     default_mesh,
+    gpt_for_target,
     load_calibration,
     load_target,
+    named_candidate,
+    plan_axis,
     plan_for_target,
     refuse_ignored,
+    target_precision,
 )
 from shardax.cost import calibration
 from shardax.mesh.axes import DATA_AXIS, MODEL_AXIS
@@ -104,7 +104,7 @@ def explained(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         args.mesh = list(picked["mesh"].items())
         args.plan, remat, accumulate = picked["plan"], picked["remat"], picked["accumulate"]
     mesh = _mesh(args, target)
-    axes, rows = _data_rows(mesh)
+    axes, rows = data_rows(mesh)
     if args.batch is None:
         args.batch = 2 * rows
     if args.batch % rows:
@@ -112,21 +112,21 @@ def explained(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
             f"--batch {args.batch} is not divisible by the data axes "
             f"{' × '.join(axes)} = {rows} of mesh {dict(mesh.shape)}"
         )
-    model, state, loss_fn, batch, _, what = _model(args, remat)
+    model, state, loss_fn, batch, _, what = gpt_for_target(args, remat)
     platform = target.platform if target is not None else jax.devices()[0].platform
     tp = gpt.plan(mesh, model, "tp") if MODEL_AXIS in mesh.shape else None
-    plan = _named_plan(args.plan, mesh, model, _axis(axes), tp)
-    precision = _precision(args, platform)
+    plan = named_candidate(args.plan, mesh, model, plan_axis(axes), tp)
+    precision = target_precision(args, platform)
     step = sx.make_train_step(
         loss_fn,
         mesh=mesh,
         plan=plan,
         accumulate=accumulate,
         precision=precision,
-        data_axis=_axis(axes),
+        data_axis=plan_axis(axes),
     )
     budget = None if args.device_memory is None else args.device_memory * 2**30
-    variants = {r: _model(args, r)[1] for r in REMATS}  # the fixes' remat policies
+    variants = {r: gpt_for_target(args, r)[1] for r in REMATS}  # the fixes' remat policies
     tables = load_calibration(args.calibration, target) if target is not None else None
     try:
         with calibration.using(tables):

@@ -190,7 +190,7 @@ def default_mesh(target: Any, tp: int) -> dict[str, int]:
     return spec
 
 
-def _model(
+def gpt_for_target(
     args: argparse.Namespace, remat: str, pipeline: int | None = None, layout: str = "contiguous"
 ) -> tuple[Any, Any, Any, Any, float, str]:
     """The GPT (abstract) with ``remat`` (and ``sx.pipeline`` in ``pipeline``
@@ -231,7 +231,7 @@ def _model(
     return model, state, loss_fn, {"inputs": tokens, "targets": tokens}, per_token, what
 
 
-def _precision(args: argparse.Namespace, platform: str) -> Any:
+def target_precision(args: argparse.Namespace, platform: str) -> Any:
     """``--param-dtype bf16``: params and moments in bf16; else ``--precision``, by
     default what ``shardax train`` takes on the target's platform (bf16 for the GPT on a
     GPU or TPU)."""
@@ -242,12 +242,14 @@ def _precision(args: argparse.Namespace, platform: str) -> Any:
     return args.precision or default_precision("gpt", platform)
 
 
-def _data_rows(mesh: Any) -> tuple[tuple[str, ...], int]:
+def data_rows(mesh: Any) -> tuple[tuple[str, ...], int]:
+    """The mesh's batch axes (replica, data) and the data shards they make."""
     axes = tuple(a for a in (REPLICA_AXIS, DATA_AXIS) if a in mesh.shape)
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 
-def _axis(axes: tuple[str, ...]) -> Any:
+def plan_axis(axes: tuple[str, ...]) -> Any:
+    """The data axis a plan shards over: the batch axes, or ``data`` alone."""
     return axes if len(axes) > 1 else DATA_AXIS
 
 
@@ -274,7 +276,7 @@ def _pipeline_group(args: argparse.Namespace, target: Any, remats: tuple[str, ..
     for micro in (4 * stages, 2 * stages, stages):
         if rows % micro:
             continue
-        models = {r: _model(args, r, pipeline=micro)[:3] for r in remats}
+        models = {r: gpt_for_target(args, r, pipeline=micro)[:3] for r in remats}
         model = next(iter(models.values()))[0]
         x = jax.ShapeDtypeStruct((args.batch, args.seq_len, args.d_model), "float32")
         try:
@@ -309,10 +311,10 @@ def _context_group(args: argparse.Namespace, target: Any, remats: tuple[str, ...
     spec = {REPLICA_AXIS: groups} if groups > 1 else {}
     spec.update({DATA_AXIS: within // c, CONTEXT_AXIS: c})
     mesh = sx.make_mesh(spec, devices=target)
-    _, rows = _data_rows(mesh)
+    _, rows = data_rows(mesh)
     if args.batch % rows:
         return None
-    models = {r: _model(args, r, layout=zigzag_layout(c))[:3] for r in remats}
+    models = {r: gpt_for_target(args, r, layout=zigzag_layout(c))[:3] for r in remats}
     plan = gpt.plan(mesh, next(iter(models.values()))[0], "fsdp")
     return Layout(
         mesh,
@@ -328,14 +330,14 @@ def _layouts(args: argparse.Namespace, target: Any, mesh: Any, tp: Any) -> list[
     ``--mesh``) pipeline over hosts and context parallelism where they apply; each
     × the remat policies × the microbatch counts. ``--plans`` keeps those named."""
     remats = (args.remat,) if args.remat else REMATS
-    axes, rows = _data_rows(mesh)
+    axes, rows = data_rows(mesh)
     names = args.plans
     extra = ("pipeline", "context")
     groups = []
     main = [n for n in names if n not in extra] if names else None
     if main is None or main:
-        plans = _candidates(main, mesh, _axis(axes), tp)
-        models = {r: _model(args, r)[:3] for r in remats}
+        plans = _candidates(main, mesh, plan_axis(axes), tp)
+        models = {r: gpt_for_target(args, r)[:3] for r in remats}
         groups.append(
             Layout(
                 mesh,
@@ -406,7 +408,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
         raise UsageError(f"--mesh {spec}: {e}") from None
     if DATA_AXIS not in mesh.shape:
         raise UsageError(f"--mesh needs a 'data' axis for the batch, got {dict(mesh.shape)}")
-    data_axes, rows = _data_rows(mesh)
+    data_axes, rows = data_rows(mesh)
     if args.batch is None:  # the default: DEFAULT_ROWS sequences per data shard
         args.batch, args.batch_default = DEFAULT_ROWS * rows, True
     if args.batch % rows:
@@ -415,10 +417,10 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
             f"{' × '.join(data_axes)} = {rows} of mesh {dict(mesh.shape)}"
         )
     remat = args.remat or "full"
-    model, state, loss_fn, batch, per_token, what = _model(args, remat)
+    model, state, loss_fn, batch, per_token, what = gpt_for_target(args, remat)
     params = gpt.param_count(model)
-    precision = _precision(args, target.platform)
-    axis: Any = _axis(data_axes)
+    precision = target_precision(args, target.platform)
+    axis: Any = plan_axis(data_axes)
     tp = gpt.plan(mesh, model, "tp") if MODEL_AXIS in mesh.shape else None
 
     figures = {
@@ -439,7 +441,7 @@ def plan_for_target(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]
                     report.flags,
                 )
             else:
-                plan, name = _named_plan(args.plan, mesh, model, axis, tp), args.plan
+                plan, name = named_candidate(args.plan, mesh, model, axis, tp), args.plan
                 step = sx.make_train_step(
                     loss_fn, mesh=mesh, plan=plan, precision=precision, data_axis=axis
                 )
@@ -504,7 +506,7 @@ def _candidates(names: list[str] | None, mesh: Any, axis: Any, tp: Any) -> Any:
     return {n: plans[n] for n in names}
 
 
-def _named_plan(name: str, mesh: Any, model: Any, axis: Any, tp: Any) -> Any:
+def named_candidate(name: str, mesh: Any, model: Any, axis: Any, tp: Any) -> Any:
     """The candidate ``name`` of ``shardax.train.auto.candidate_plans``."""
     plans = candidate_plans(mesh, axis, tp_rules=tp)
     if name not in plans:
