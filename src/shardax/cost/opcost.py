@@ -66,30 +66,18 @@ from shardax.cost.kernel_prices import (
 from shardax.cost.measurements import Calibration, gemm_rows
 from shardax.cost.ops import FUSIONS, HloIndex, classify
 from shardax.cost.predict import wire_seconds
-from shardax.cost.schedule import Scheduled, exposed_seconds, schedule
+from shardax.cost.schedule import FREE, Scheduled, exposed_seconds, schedule
 from shardax.cost.step_cost import PRICED, ClassCost, StepCost
 
-_NO_KERNEL = frozenset(
-    {
-        "parameter",
-        "constant",
-        "get-tuple-element",
-        "tuple",
-        "bitcast",
-        "after-all",
-        "partition-id",
-        "replica-id",
-        "opt-barrier",
-        "add-dependency",
-        "while",
-        "call",
-        "conditional",
-        "async-start",
-        "async-update",
-        "async-done",
-        "copy-done",
-    }
-)
+# schedule.FREE's ops, and the control flow and async wrappers whose bodies are priced op by op
+_NO_KERNEL = (FREE - {"copy-start"}) | {
+    "while",
+    "call",
+    "conditional",
+    "async-start",
+    "async-update",
+    "async-done",
+}
 
 
 def price_hlo(
