@@ -20,6 +20,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from _common import gpt_loss_parser, gpt_losses_side_by_side
+
 VARIANTS = (("fp32", "autodiff"), ("bf16", "autodiff"), ("bf16", "recompute"))
 """``(residual, elementwise)`` of each run; the first is the default the others meet."""
 TOLERANCE = 0.01
@@ -27,76 +29,26 @@ TOLERANCE = 0.01
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="training steps of each")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices")
-    return parser.parse_args(argv)
+    return gpt_loss_parser(__doc__).parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-
-    import shardax as sx
-    from shardax.data.text import LMBatches, lm_eval_batch, load_corpus
-    from shardax.models import gpt
-
-    mesh = sx.make_mesh({"data": -1})
-    corpus = load_corpus()
-    loader = LMBatches(corpus.train, args.batch_size, args.seq_len, args.seed)
-    val = lm_eval_batch(corpus.val, 64, args.seq_len)
-
-    def lm_loss(model, batch):
-        logits = model(batch["inputs"]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-    schedule = optax.linear_schedule(0.0, 3e-3, 10)
-    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
-    step = sx.make_train_step(lm_loss, mesh=mesh, precision="bf16")
-    evaluate = sx.make_eval_step(lm_loss, mesh=mesh, precision="bf16")
-    cfgs = {
-        v: gpt.GPTConfig(layers=args.layers, d_model=args.d_model, heads=args.heads,
-                         max_seq_len=max(256, args.seq_len), residual=v[0], elementwise=v[1])
+    variants = {v: ({"residual": v[0], "elementwise": v[1]}, "bf16") for v in VARIANTS}
+    result = gpt_losses_side_by_side(args, variants)
+    losses = result.pop("losses")
+    base = losses[VARIANTS[0]]
+    rows = [
+        {
+            "residual": v[0],
+            "elementwise": v[1],
+            **losses[v],
+            "train_gap": losses[v]["train_loss"] - base["train_loss"],
+            "val_gap": losses[v]["val_loss"] - base["val_loss"],
+        }
         for v in VARIANTS
-    }  # fmt: skip
-    states = {v: step.shard(sx.TrainState.create(gpt.make_gpt(c, seed=args.seed), tx))
-              for v, c in cfgs.items()}  # fmt: skip
-    losses: dict[tuple[str, str], list[float]] = {v: [] for v in VARIANTS}
-    for _, batch in zip(range(args.steps), loader, strict=False):
-        for v in VARIANTS:  # the same batch for each
-            states[v], metrics = step(states[v], batch)
-            losses[v].append(float(metrics["loss"]))
-    tail = min(20, args.steps)
-    rows = []
-    for v in VARIANTS:
-        rows.append({"residual": v[0], "elementwise": v[1], "first_loss": losses[v][0],
-                     "train_loss": float(np.mean(losses[v][-tail:])),
-                     "val_loss": float(evaluate(states[v], val)["loss"])})  # fmt: skip
-    base = rows[0]
-    for row in rows:
-        row["train_gap"] = row["train_loss"] - base["train_loss"]
-        row["val_gap"] = row["val_loss"] - base["val_loss"]
-    return {
-        "devices": mesh.size,
-        "platform": jax.devices()[0].platform,
-        "jax": jax.__version__,
-        "config": {"layers": args.layers, "d_model": args.d_model, "heads": args.heads,
-                   "seq_len": args.seq_len, "batch": args.batch_size, "steps": args.steps},
-        "corpus": corpus.source,
-        "rows": rows,
-        "tolerance": TOLERANCE,
-        "within": all(abs(r["val_gap"]) <= TOLERANCE for r in rows),
-    }  # fmt: skip
+    ]
+    within = all(abs(r["val_gap"]) <= TOLERANCE for r in rows)
+    return {**result, "rows": rows, "tolerance": TOLERANCE, "within": within}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
