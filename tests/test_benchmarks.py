@@ -1,13 +1,19 @@
 """The benchmarks' CPU paths, and the pieces they measure with (mfu, causal_ring, ring order)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
 
 def load(name):
-    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    """``benchmarks/<name>.py`` as a module, importing its ``_common`` as the script does."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
+    path = BENCHMARKS / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
