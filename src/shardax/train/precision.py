@@ -13,8 +13,9 @@ gradients are reduced in bfloat16 (``compute_dtype``), as PyTorch FSDP's
 ``reduce_dtype=bfloat16`` does, and gradients computed in float32 (norm scales, the
 embedding's scatter) in float32. Under FSDP the weights are gathered in ``compute_dtype``
 too (the cast runs before the gather); ZeRO-1/2 gather the updated params in
-``param_dtype``. ``tests/compile/test_overlap_targets.py`` checks these dtypes in the GPT's
-compiled step for an 8xH100 target. There is no float32-reduction option yet.
+``param_dtype``, or, with ``gather="forward"``, their ``compute_dtype`` copy at the step's
+start. ``tests/compile/test_overlap_targets.py`` checks these dtypes in the GPT's compiled
+step for an 8xH100 target. There is no float32-reduction option yet.
 
 With float16 compute, small gradients underflow;
 [`LossScaling`][shardax.train.LossScaling] multiplies the loss by a scale before
