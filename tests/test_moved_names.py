@@ -1,26 +1,27 @@
-"""Every public name that left ``shardax``'s top level, or a layer's namespace, still works
-for a release.
+"""Moved names (CONTRIBUTING, "Moved names"): a name that leaves a namespace warns, naming
+its home, for the minor version it moved in; the next minor version retires it, and its
+``AttributeError`` names the home.
 
-The list is every name that was ever in ``shardax``'s top-level namespace (``__all__`` or
-imported into ``src/shardax/__init__.py``) and is no longer, found from the file's git
-history (``git log -p -- src/shardax/__init__.py``); each old spelling warns with
-``DeprecationWarning`` naming its new home and returns the very object found there. The
-names a layer no longer exports (internal helpers: ``sx.plan.path_str``) warn that they are
-internal now, naming the module that holds them.
+0.2.0 retired the names that moved in 0.1: every name that was ever in ``shardax``'s
+top-level namespace and is no longer (found from ``git log -p -- src/shardax/__init__.py``),
+and the names a layer no longer exports (internal helpers: ``sx.plan.path_str``). Each is
+pinned here, in ``shardax._names.RETIRED`` and in CHANGELOG.md.
 """
 
 import importlib
+import pathlib
 import re
-import subprocess
-import sys
+import tomllib
 import warnings
 
-import numpy as np
 import pytest
 
 import shardax as sx
+from shardax import _names, checks
 
-MOVED = {  # old top-level name: its home now, as the user writes it
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+RETIRED = {  # old top-level name: its home, as the user writes it
     "AgreementError": "sx.runtime.AgreementError",
     "Auto": "sx.AutoPlanOptions",
     "AutoPlan": "sx.train.AutoPlan",
@@ -58,60 +59,7 @@ MOVED = {  # old top-level name: its home now, as the user writes it
 }
 
 
-def _home(dotted: str):
-    obj = sx
-    for part in dotted.split(".")[1:]:
-        obj = getattr(obj, part)
-    return obj
-
-
-@pytest.mark.parametrize("old,new", MOVED.items(), ids=list(MOVED))
-def test_old_name_warns_names_its_home_and_is_the_same_object(old, new):
-    assert old not in sx.__all__ and old not in vars(sx)  # not a public name any more
-    with pytest.warns(DeprecationWarning, match=rf"^sx\.{old} is now {re.escape(new)};") as seen:
-        got = getattr(sx, old)
-    assert got is _home(new)
-    assert seen[0].filename == __file__  # the warning points at the user's line
-
-
-def test_from_import_of_an_old_name_warns_too():
-    moved = r"^sx\.init_sharded is now sx\.plan\.init_sharded;"
-    with pytest.warns(DeprecationWarning, match=moved):
-        from shardax import init_sharded
-    assert init_sharded is sx.plan.init_sharded
-
-
-def test_the_table_is_the_module_s_and_new_names_are_silent():
-    assert {k: "sx" + v.removeprefix("shardax") for k, v in sx.__getattr__.homes.items()} == MOVED
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for name in sx.__all__:
-            getattr(sx, name)
-    with pytest.raises(AttributeError, match=r"^module 'shardax' has no attribute 'init_shardd'$"):
-        sx.init_shardd  # noqa: B018
-
-
-def test_a_script_from_last_month_runs_with_a_warning():
-    script = (
-        "import jax; jax.config.update('jax_num_cpu_devices', 8)\n"
-        "import jax.numpy as jnp, shardax as sx\n"
-        "mesh = sx.make_mesh({'data': -1})\n"
-        "params = sx.init_sharded(lambda: {'w': jnp.ones((16, 4))}, sx.fsdp(mesh, min_size=0))\n"
-        "sx.validate(params, sx.fsdp(mesh, min_size=0))\n"
-        "print(tuple(params['w'].sharding.spec))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-W", "default::DeprecationWarning", "-c", script],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert out.stdout.strip() == "('data', None)"
-    assert "DeprecationWarning: sx.init_sharded is now sx.plan.init_sharded" in out.stderr
-    assert "DeprecationWarning: sx.validate is now sx.plan.validate" in out.stderr
-
-
-LAYER_MOVED = {  # names that left a layer's namespace (internal now), by layer
+LAYER_RETIRED = {  # names that left a layer's namespace (internal now), by layer
     "cost": "BATCH_SIZE_TABLE DEVICE_KIND_SPECS GPUS_PER_HOST GPU_KINDS HARDWARE_SPECS "
     "TPU_FAMILIES GpuArch gpu_target_config gpu_target_configs hardware_type_of known_targets "
     "parse_target",
@@ -127,40 +75,66 @@ LAYER_MOVED = {  # names that left a layer's namespace (internal now), by layer
     "track": "BACKENDS INPUT_BOUND check_writable parse_steps",
     "train": "LossScaleState MODES Program",
 }
-LAYER_CASES = [(layer, name) for layer, names in LAYER_MOVED.items() for name in names.split()]
+LAYER_CASES = [(layer, name) for layer, names in LAYER_RETIRED.items() for name in names.split()]
+CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
+
+
+@pytest.mark.parametrize("old,new", RETIRED.items(), ids=list(RETIRED))
+def test_a_retired_top_level_name_names_its_home(old, new):
+    assert old not in sx.__all__ and old not in vars(sx)
+    retired = rf"^sx\.{old} was retired in shardax 0\.2\.0: it is now {re.escape(new)} "
+    with pytest.raises(AttributeError, match=retired):
+        getattr(sx, old)
+    assert f"`sx.{old}` → `{new}`" in CHANGELOG
 
 
 @pytest.mark.parametrize("layer,old", LAYER_CASES, ids=[".".join(case) for case in LAYER_CASES])
-def test_a_name_a_layer_no_longer_exports_warns_and_is_the_object_in_its_module(layer, old):
+def test_a_retired_layer_name_names_the_module_that_holds_it(layer, old):
     space = importlib.import_module(f"shardax.{layer}")
     assert old not in space.__all__ and old not in vars(space)
-    home = space.__getattr__.homes[old]
+    home = _names.RETIRED[f"shardax.{layer}"][old]
     module, _, attr = home.rpartition(".")
-    assert module.startswith(f"shardax.{layer}.")  # a module of the layer holds it
-    internal = rf"^sx\.{layer}\.{old} is internal now \({re.escape(home)}\); the old name goes"
-    with pytest.warns(DeprecationWarning, match=internal) as seen:
-        got = getattr(space, old)
-    assert got is getattr(importlib.import_module(module), attr)
-    assert seen[0].filename == __file__
+    assert module.startswith(f"shardax.{layer}.") and hasattr(importlib.import_module(module), attr)
+    with pytest.raises(AttributeError, match=rf"is internal now \({re.escape(home)}\)"):
+        getattr(space, old)
+    assert f"`sx.{layer}.{old}` → `{home}`" in CHANGELOG
 
 
-def test_each_layer_s_table_is_pinned_and_its_public_names_are_silent():
+def test_the_pins_are_the_table_and_public_names_are_silent():
+    assert {k: _names.spelled(v) for k, v in _names.RETIRED["shardax"].items()} == RETIRED
     for layer in ("checkpoint", "loop", "cost", "data", "mesh", "parallel", "plan", "runtime",
                   "track", "train"):  # fmt: skip
-        space = importlib.import_module(f"shardax.{layer}")
-        table = getattr(space.__dict__.get("__getattr__"), "homes", {})
-        assert sorted(table) == sorted(LAYER_MOVED.get(layer, "").split()), layer
+        table = _names.RETIRED.get(f"shardax.{layer}", {})
+        assert sorted(table) == sorted(LAYER_RETIRED.get(layer, "").split()), layer
+    for namespace in _names.EXPORTS:
+        space = importlib.import_module(namespace)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             for name in space.__all__:
                 getattr(space, name)
-        with pytest.raises(AttributeError, match=rf"^module 'shardax\.{layer}' has no attr"):
-            space.no_such_name  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^module 'shardax' has no attribute 'init_shardd'$"):
+        sx.init_shardd  # noqa: B018
+    with pytest.raises(ImportError, match="init_sharded"):
+        from shardax import init_sharded  # noqa: F401
 
 
-def test_from_import_of_a_name_a_layer_no_longer_exports_warns_too():
-    with pytest.warns(DeprecationWarning, match=r"^sx\.plan\.is_array is internal now"):
-        from shardax.plan import is_array
-    from shardax.plan.tree import is_array as home
+def test_a_moved_name_warns_at_the_users_line_and_is_the_object(monkeypatch):
+    monkeypatch.setitem(_names.MOVED, "shardax.plan", {"path_str": "shardax.plan.tree.path_str"})
+    monkeypatch.setitem(_names.MOVED, "shardax", {"follow_params": "shardax.plan.follow_params"})
+    internal = r"^sx\.plan\.path_str is internal now \(shardax\.plan\.tree\.path_str\); the old"
+    with pytest.warns(DeprecationWarning, match=internal) as seen:
+        got = checks.moved("shardax.plan")("path_str")
+    assert got is importlib.import_module("shardax.plan.tree").path_str
+    assert seen[0].filename == __file__  # the warning points at the user's line
+    public = r"^sx\.follow_params is now sx\.plan\.follow_params; the old name goes in the next"
+    with pytest.warns(DeprecationWarning, match=public):
+        assert checks.moved("shardax")("follow_params") is sx.plan.follow_params
 
-    assert is_array is home and is_array(np.ones(2)) and not is_array("text")
+
+def test_the_version_is_one_and_retired_names_are_of_an_earlier_one():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert sx.__version__ == pyproject["project"]["version"]
+    assert f"## {_names.RETIRED_IN}" in CHANGELOG
+    major, minor = (int(x) for x in sx.__version__.split(".")[:2])
+    assert (major, minor) >= tuple(int(x) for x in _names.RETIRED_IN.split(".")[:2])
+    assert not set(_names.MOVED) - set(_names.EXPORTS)  # a row per namespace that exists

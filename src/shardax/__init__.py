@@ -81,10 +81,10 @@ from shardax.train import (
     verify,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = _exports(__name__)
 
-# Names that left the top level keep working for a release (shardax/_names.py MOVED):
-# ``sx.init_sharded`` warns and returns ``sx.plan.init_sharded``.
+# Names that left the top level keep working for a minor version (shardax/_names.py MOVED):
+# a retired one (RETIRED, CHANGELOG.md) is an AttributeError naming its home.
 __getattr__ = _moved(__name__)

@@ -9,11 +9,13 @@ The public surface is spelled here and nowhere else:
   object it decorates (``sx.<name>`` for a top-level name, ``sx.<layer>.<name>`` for one only
   in its layer's row, ``sx.<Class>.<method>`` for a public class's method), so that no
   error names a function users cannot call;
-- a name that left a namespace keeps working for a release: ``MOVED`` holds its home, and
-  the namespace's ``__getattr__ = moved(__name__)`` (``shardax.checks.moved``) warns naming it.
+- a name that left a namespace keeps working for a minor version: ``MOVED`` holds its home,
+  and the namespace's ``__getattr__ = moved(__name__)`` (``shardax.checks.moved``) warns
+  naming it; ``RETIRED`` holds the names a version bump removed, whose error names the home.
 
 Making a name public is its line here and its import in the namespace's ``__init__``;
-taking one away moves it to ``MOVED`` (and to ``tests/test_moved_names.py``'s pins).
+taking one away moves it to ``MOVED`` (and to ``tests/test_moved_names.py``'s pins); the
+next minor version moves it on to ``RETIRED`` and CHANGELOG.md.
 """
 
 
@@ -111,7 +113,14 @@ EXPORTS: dict[str, tuple[str, ...]] = {  # namespace: its public names (its __al
     ),
 }
 
-MOVED: dict[str, dict[str, str]] = {  # namespace: {old name: its home now}
+MOVED: dict[str, dict[str, str]] = {}  # namespace: {old name: its home now}
+"""The names that left a namespace in this version: each warns, naming its home, until the
+next minor version retires it (CONTRIBUTING, "Moved names")."""
+
+RETIRED_IN = "0.2.0"
+"""The version that removed ``RETIRED``'s aliases (listed in CHANGELOG.md)."""
+
+RETIRED: dict[str, dict[str, str]] = {  # namespace: {old name: its home}, moved in 0.1
     "shardax": {
         "AgreementError": "shardax.runtime.AgreementError",
         "Auto": "shardax.AutoPlanOptions",

@@ -265,27 +265,24 @@ def user_stacklevel() -> int:
 
 def moved(module: str) -> Callable[[str], Any]:
     """A module ``__getattr__`` for the names that left ``module``: each still works for a
-    release, warning ``DeprecationWarning`` naming its home, and is the object found there.
+    minor version, warning ``DeprecationWarning`` naming its home, and is the object found
+    there; a retired one (``shardax._names.RETIRED``) is an ``AttributeError`` naming it.
 
     The homes are ``module``'s row of ``shardax._names.MOVED``: a public one
     (``"shardax.plan.init_sharded"``: ``sx.init_sharded is now sx.plan.init_sharded``) or a
     module's (``"shardax.plan.tree.path_str"``: the name is internal now). A namespace writes
     ``__getattr__ = moved(__name__)`` in its ``__init__``.
 
-    >>> old = moved("shardax.plan")
-    >>> with warnings.catch_warnings(record=True) as seen:
-    ...     warnings.simplefilter("always")
-    ...     path_str = old("path_str")
-    >>> path_str((jax.tree_util.DictKey("w"),))
-    'w'
-    >>> print(seen[0].message)
-    sx.plan.path_str is internal now (shardax.plan.tree.path_str); the old name goes ...
+    >>> moved("shardax.plan")("path_str")
+    Traceback (most recent call last):
+    AttributeError: sx.plan.path_str was retired in shardax 0.2.0: it is internal now ...
     """
     homes = _names.MOVED.get(module, {})
+    retired = _names.RETIRED.get(module, {})
     spelled = _names.spelled(module)
 
     def __getattr__(name: str) -> Any:
-        home = homes.get(name)
+        home = homes.get(name) or retired.get(name)
         if home is None:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         parent, _, attr = home.rpartition(".")
@@ -293,8 +290,13 @@ def moved(module: str) -> Callable[[str], Any]:
             now = f"is now {_names.spelled(home)}"
         else:
             now = f"is internal now ({home})"
+        if name not in homes:
+            raise AttributeError(
+                f"{spelled}.{name} was retired in shardax {_names.RETIRED_IN}: it {now} "
+                "(CHANGELOG.md lists the retired names)"
+            )
         warnings.warn(
-            f"{spelled}.{name} {now}; the old name goes in a later release",
+            f"{spelled}.{name} {now}; the old name goes in the next minor version",
             DeprecationWarning,
             stacklevel=2,
         )

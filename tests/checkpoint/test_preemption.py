@@ -141,8 +141,7 @@ def test_sigterm_during_a_save_lets_it_complete(tmp_path):
         t.join()
         assert manager.all_steps() == [1, 2]
         assert sx.checkpoint.reached_preemption(2)  # noted, and reported after the save
-        with pytest.warns(DeprecationWarning, match=r"sx\.checkpoint\.reached_preemption"):
-            assert manager.reached_preemption(2)  # the old spelling, for one release
+        assert not hasattr(manager, "reached_preemption")  # retired in 0.2.0 (CHANGELOG.md)
         got = manager.restore(state)
         assert got.step == 2 and float(got.state["w"][0, 0]) == 2.0
 

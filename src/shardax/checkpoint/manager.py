@@ -46,7 +46,7 @@ from shardax.checkpoint.convert import (
     with_other_leaves,
 )
 from shardax.checkpoint.lock import DirectoryLock
-from shardax.checkpoint.preemption import preemption_requested, reached_preemption
+from shardax.checkpoint.preemption import preemption_requested
 from shardax.checkpoint.quiet import _QUIET
 from shardax.checkpoint.quiet import _OrbaxErrors as _OrbaxErrors  # the tests read it here
 from shardax.checkpoint.steps import _CheckpointSteps
@@ -273,18 +273,6 @@ class CheckpointManager:
             _save(staging, step, args)
         swap.swap_in(self.directory, step)
         self._manager.reload()
-
-    def reached_preemption(self, step: int) -> bool:
-        """Deprecated: call [`reached_preemption`][shardax.checkpoint.reached_preemption] (the
-        one preemption API), or let [`shardax.loop.run`][shardax.loop.run] save and stop on a
-        SIGTERM."""
-        warnings.warn(
-            "CheckpointManager.reached_preemption is deprecated and goes in the next release; "
-            "call sx.checkpoint.reached_preemption(step), or let sx.loop.run save on SIGTERM",
-            DeprecationWarning,
-            stacklevel=3,  # the caller's line (the door is one frame)
-        )
-        return reached_preemption(step)
 
     def data_state(self, step: int | None = None) -> Any:
         """The data state saved with ``step`` (default: the latest), without the arrays."""

@@ -393,7 +393,7 @@ def _renamed(old: str, new: str, report: Estimate) -> Any:
     """``Estimate.<old>``, renamed ``<new>``: its value, with a ``DeprecationWarning``."""
     warnings.warn(
         f"sx.cost.Estimate.{old} is now Estimate.{new}; the prediction is "
-        f"Estimate.predicted_s and interval_s, and .{old} goes in the next release",
+        f"Estimate.predicted_s and interval_s, and .{old} goes in shardax 0.3.0",
         DeprecationWarning,
         stacklevel=user_stacklevel(),
     )

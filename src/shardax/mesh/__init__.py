@@ -15,5 +15,5 @@ from shardax.mesh.make import make_mesh, mesh_info
 
 __all__ = _exports(__name__)
 
-# Names that left this namespace keep working for a release (shardax/_names.py MOVED).
+# Names that left this namespace keep working for a minor version (shardax/_names.py MOVED).
 __getattr__ = _moved(__name__)

@@ -14,5 +14,5 @@ from shardax.plan.zero import zero1, zero2
 
 __all__ = _exports(__name__)
 
-# Names that left this namespace keep working for a release (shardax/_names.py MOVED).
+# Names that left this namespace keep working for a minor version (shardax/_names.py MOVED).
 __getattr__ = _moved(__name__)

@@ -10,5 +10,5 @@ from shardax.track.writer import MetricWriter
 
 __all__ = _exports(__name__)
 
-# Names that left this namespace keep working for a release (shardax/_names.py MOVED).
+# Names that left this namespace keep working for a minor version (shardax/_names.py MOVED).
 __getattr__ = _moved(__name__)

@@ -37,5 +37,5 @@ from shardax.train.verification import VerifyReport, verify
 
 __all__ = _exports(__name__)
 
-# Names that left this namespace keep working for a release (shardax/_names.py MOVED).
+# Names that left this namespace keep working for a minor version (shardax/_names.py MOVED).
 __getattr__ = _moved(__name__)
