@@ -6,15 +6,11 @@ subprocess, so:
 - the session shares one persistent compilation cache (JAX's own, in a fresh temporary
   directory deleted at the end) with the CLI and multi-process tests it starts, which
   inherit it through the environment;
-- XLA:CPU's backend (LLVM) optimizes at level 0 (``XLA_FLAGS``, inherited likewise):
-  the same HLO programs, shardings, collectives and buffer assignments, compiled in
-  about half the time and run more slowly. The tests check what is computed and where
-  it is placed, never how fast; ``benchmarks/`` keep the default level;
-- on JAX 0.10 (leg 1), XLA:CPU also emits fusions with its older elemental emitters,
-  which cut the suite's CPU time by about a quarter (below).
+- XLA:CPU compiles with the flags of ``tests/xla_flags.py`` (``XLA_FLAGS``, inherited
+  likewise): the backend at optimization level 0 and, on JAX 0.10, the older elemental
+  emitters; the same HLO, shardings and collectives, compiled in a fraction of the time.
 """
 
-import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -22,16 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-# XLA:CPU up to jaxlib 0.10 can still emit fusions with its older elemental emitters, which
-# compile the suite's small programs in about 60% of the fusion emitters' CPU time (the same
-# HLO, fusions, shardings and collectives); later jaxlibs no longer have the switch.
-# A test whose subject is the fusion emitters' own code (an out-of-memory error, rounding
-# noise) runs without the switch (LEGACY_EMITTERS: what to drop, or skip on).
-LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-if tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
-    TEST_XLA_FLAGS += f" {LEGACY_EMITTERS}"
-for _flag in TEST_XLA_FLAGS.split():
+from xla_flags import TEST_XLA_FLAGS
+
+for _flag in TEST_XLA_FLAGS:  # tests/xla_flags.py: why each
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 

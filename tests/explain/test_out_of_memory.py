@@ -15,7 +15,7 @@ import sys
 
 import jax
 import pytest
-from conftest import LEGACY_EMITTERS
+from xla_flags import LEGACY_EMITTERS
 
 SCRIPT = '''
 import jax

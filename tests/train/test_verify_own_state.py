@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import LEGACY_EMITTERS
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from xla_flags import LEGACY_EMITTERS
 
 import shardax as sx
 from shardax.train.verification.function import FunctionSide, spread
@@ -93,7 +93,7 @@ def test_a_named_tuple_is_one_state_a_plain_tuple_is_spread():
 @pytest.mark.skipif(
     LEGACY_EMITTERS in os.environ.get("XLA_FLAGS", ""),
     reason="the rounding noise of XLA:CPU's fusion emitters, which leg 1's tests turn off "
-    "to compile faster (tests/conftest.py); leg 2 (JAX 0.12) runs it",
+    "to compile faster (tests/xla_flags.py); leg 2 (JAX 0.12) runs it",
 )
 def test_the_key_bias_update_is_named_rounding_noise_and_forgiven(mesh):
     state, data = placed(mesh)
