@@ -15,7 +15,7 @@ import statistics
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,17 @@ from shardax.cost.hlo import attention_kernel
 
 class UsageError(Exception):
     """A bad option found after parsing; ``main`` prints it in one line and exits 2."""
+
+
+def refuse_given(args: argparse.Namespace, dests: Iterable[str], rule: str) -> None:
+    """A usage error naming the first of ``dests`` given (not None), its value and ``rule``.
+
+    >>> refuse_given(argparse.Namespace(memory_fraction=None), ["memory_fraction"], "never")
+    """
+    for dest in dests:
+        value = getattr(args, dest, None)
+        if value is not None:
+            raise UsageError(f"--{dest.replace('_', '-')} {value}: {rule}")
 
 
 def positive_int(text: str) -> int:

@@ -26,6 +26,7 @@ from shardax.cli.common import (
     mesh_spec,
     positive_int,
     print_json,
+    refuse_given,
 )
 from shardax.cli.hardware import NAMES, roofline, spec_of
 from shardax.cli.plan_measure import MODELS
@@ -380,13 +381,8 @@ TARGET_ONLY = (
 
 def refuse_target_only(args: argparse.Namespace) -> None:
     """A usage error naming the first option given that only ``--target`` reads."""
-    for dest in TARGET_ONLY:
-        value = getattr(args, dest, None)
-        if value is not None:
-            raise UsageError(
-                f"--{dest.replace('_', '-')} {value}: only with --target (the GPT compiled "
-                "for a cluster's devices); without it, this option would be ignored"
-            )
+    rule = "only with --target (the GPT compiled for a cluster's devices); without it, this "
+    refuse_given(args, TARGET_ONLY, rule + "option would be ignored")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 import shardax as sx
-from shardax.cli.common import UsageError, console, print_json
+from shardax.cli.common import UsageError, console, print_json, refuse_given
 from shardax.cli.plan_target import (
     REMATS,
     TARGET_DEFAULTS,
@@ -53,13 +53,8 @@ def refuse(args: argparse.Namespace) -> None:
             shown = ",".join(value) if isinstance(value, list) else value
             raise UsageError(f"--{dest} {shown}: not with --explain, {why}")
     if args.target is None:
-        for dest in LIVE_ONLY_WITH_TARGET:
-            value = getattr(args, dest, None)
-            if value is not None:
-                raise UsageError(
-                    f"--{dest.replace('_', '-')} {value}: only with --target (it describes "
-                    "the target's devices); --explain without it compiles on the devices at hand"
-                )
+        rule = "only with --target (it describes the target's devices); --explain without it "
+        refuse_given(args, LIVE_ONLY_WITH_TARGET, rule + "compiles on the devices at hand")
         if args.plan == "auto":
             raise UsageError(
                 "--plan auto: only with --target (it ranks plans by the per-op model's "
