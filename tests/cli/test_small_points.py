@@ -4,14 +4,17 @@ width from `COLUMNS`, the sharding table at 80 columns, H200 and B200 in `info` 
 
 import argparse
 import importlib.metadata
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import shardax as sx
 from shardax._format import rich_text
-from shardax.cli import bench, info
+from shardax.cli import bench, digits, info
 from shardax.cli.common import UsageError, console
 from shardax.cli.main import build_parser
 from shardax.cli.main import main as cli
@@ -69,3 +72,19 @@ def test_bench_says_simulated_devices_measure_no_speedup(mesh, capsys):
     args = build_parser(["bench"]).parse_args(["bench", "--size", "seed"])
     assert args.size == "large"  # the old name still works, with a warning
     assert "shardax: warning: --size seed is now --size large" in capsys.readouterr().err
+
+
+def test_the_digits_are_read_as_scikit_learn_reads_them_without_importing_it(monkeypatch):
+    """The MLP job reads scikit-learn's own digits file (no import of scikit-learn and
+    SciPy at each start); the split equals the one from ``sklearn.datasets.load_digits``."""
+    probe = "import sys; from shardax.cli.digits import load_digits; load_digits(0); "
+    probe += "print('sklearn' in sys.modules, 'scipy' in sys.modules)"
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert ran.stdout.split() == ["False", "False"], ran.stderr[-2000:]
+    read = digits.load_digits(7)
+    monkeypatch.setattr(digits, "digits_file", lambda: None)  # scikit-learn's own loader
+    loaded = digits.load_digits(7)
+    assert [a.shape for a in read] == [(1437, 64), (1437,), (360, 64), (360,)]
+    for a, b in zip(read, loaded, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
