@@ -139,6 +139,8 @@ def test_an_involuntary_full_rematerialization_on_8_h100():
     assert found, [(c.op, c.source) for c in report.unasked]
     assert found[0].source == line_of(Heads.__call__, "meant: P(")
     assert found[0].before == "P(None, None, ('data', 'model'))" and found[0].sent_bytes > 0
+    twins = [c for c in report.collectives if c.shape == found[0].shape and c.op != found[0].op]
+    assert not [c for c in twins if c.op.startswith(("all-gather", "all-reduce"))], twins
 
 
 def test_plan_explain_on_the_target_lists_no_unasked_collective():

@@ -18,6 +18,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import shardax as sx
+from shardax.cost.remats import OP, absorb
+from shardax.cost.reshards import Reshard
 from shardax.models import gpt
 from shardax.train.explanation.placement import placement
 
@@ -139,6 +141,12 @@ def test_an_involuntary_full_rematerialization_is_named_at_the_constraint(mesh_2
     assert remat.after.startswith("P('data'") and remat.made.startswith(HERE)
     assert remat.bytes == 64 * 64 * 4 and 0 < remat.sent_bytes < remat.bytes
     assert "sx.constrain" in remat.suggestion and line in str(report)
+    # XLA rebuilds the array with an all-gather of its full shape: that gather is the
+    # remat's row (its bytes, counted once), not a second unasked one
+    carriers = ("all-gather", "all-reduce")
+    twins = [c for c in report.collectives if c.op in carriers and c.shape == remat.shape]
+    assert twins == [], [(c.op, c.shape, c.name) for c in twins]
+    assert all(r.sent_bytes == 7 / 8 * 64 * 64 * 4 for r in found)  # (n-1)/n of it, n = 8
 
 
 class Embedder(eqx.Module):
@@ -263,3 +271,26 @@ def test_an_activation_built_outside_the_plan_and_a_reshape_are_named(mesh, cls,
     assert found and ops <= {c.op for c in found}, [(c.op, c.source) for c in report.unasked]
     assert all(c.axes == ("data",) and c.sent_bytes > 0 and c.suggestion for c in found)
     assert any(u["source"] == line for u in report.to_dict()["unasked"])
+
+
+def test_each_remat_takes_the_gather_of_its_own_pass_and_leaves_the_others():
+    """``absorb`` without a compile: two remats (forward, backward) and the HLO's gathers
+    listed backward first; each remat takes its own pass's carrier (bytes, runs), and a
+    gather of another shape, or one the plan asks for, stays a row of its own."""
+
+    def row(op, what, runs=1, shape=(64, 8, 8), implied=""):
+        axes, sent = ("data", "model"), 14336.0 * runs
+        return Reshard(op, axes, 16384, sent, runs, shape, "f32", "m.py:3", what, "", "", implied)
+
+    forward, backward = row(OP, "jit(f)/jvp()/tanh"), row(OP, "jit(f)/transpose(jvp())/c")
+    gathers = (
+        row("all-gather", "jit(f)/transpose(jvp())/reshape", runs=2),
+        row("all-gather", "jit(f)/jvp()/reshape", runs=3),
+        row("all-gather", "jit(f)/jvp()/dot", shape=(64, 64)),
+        row("all-gather", "jit(f)/jvp()/w", implied="the plan's gather of a sharded parameter"),
+    )
+    rows = absorb((forward, backward), gathers)
+    folded = [(r.op, r.runs, r.sent_bytes) for r in rows[:2]]
+    assert folded == [(OP, 3, 3 * 14336.0), (OP, 2, 2 * 14336.0)]
+    assert rows[2:] == gathers[2:]
+    assert absorb((forward,), ()) == (forward,)  # no carrier: the log's figures

@@ -29,6 +29,7 @@ attention under fsdp+tp).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -228,3 +229,47 @@ def rematerializations(
             )
         )
     return out
+
+
+CARRIERS = ("all-gather", "all-gather-start", "all-reduce", "all-reduce-start")
+"""The collectives XLA rebuilds a rematerialized array with (the partitioner replicates it
+by an all-gather of its full shape, or by a zero-padded all-reduce where a dimension is
+smaller than its split)."""
+
+
+def _phase(what: str) -> int:
+    """How deep in the backward pass an op's name stack is (``transpose(`` count)."""
+    return what.count("transpose(")
+
+
+def absorb(remats: tuple[Reshard, ...], collectives: tuple[Reshard, ...]) -> tuple[Reshard, ...]:
+    """``remats`` each with the unasked collective that carries it folded in, then the
+    other ``collectives``: one row per cause. The HLO lists the gather that rebuilds a
+    rematerialized array as a collective of its own, so counted apart its bytes showed
+    twice. A carrier has the array's full shape and dtype and spans no other mesh axes
+    (one in the same pass, forward or backward, first); the row takes its bytes sent and
+    its runs (a gather in a loop runs each trip). A remat with no carrier keeps the log's
+    figures.
+
+    >>> row = ("x",), 64, 48.0, 1, (4, 4), "f32", "a.py:3", "jit(f)/tanh", "", ""
+    >>> remat, gather = Reshard(OP, *row), dataclasses.replace(Reshard("all-gather", *row), runs=3)
+    >>> [(r.op, r.runs, r.sent_bytes) for r in absorb((remat,), (gather,))]
+    [('full rematerialization', 3, 48.0)]
+    """
+    left, out = list(collectives), []
+    for remat in remats:
+        fits = [
+            c
+            for c in left
+            if c.op in CARRIERS
+            and not c.implied
+            and (c.shape, c.dtype) == (remat.shape, remat.dtype)
+            and set(c.axes) <= set(remat.axes)
+        ]
+        fits.sort(key=lambda c: _phase(c.what) != _phase(remat.what))  # stable: HLO order
+        if not fits:
+            out.append(remat)
+            continue
+        left.remove(fits[0])
+        out.append(dataclasses.replace(remat, sent_bytes=fits[0].sent_bytes, runs=fits[0].runs))
+    return (*out, *left)

@@ -33,7 +33,7 @@ from rich.console import Group
 from shardax._format import format_bytes, rich_text, titled_table
 from shardax.checks import public
 from shardax.cost.buffers import COVERAGE, PeakBuffers
-from shardax.cost.remats import rematerializations
+from shardax.cost.remats import absorb, rematerializations
 from shardax.cost.report import Estimate
 from shardax.cost.reshards import Reshard, collectives_explained
 from shardax.train.explanation.fixes import (
@@ -221,8 +221,11 @@ def explain(
     axes = _param_axes(shardings)
     lowered = program.lowered
     asked = lowered.constraints() if lowered is not None else []
-    rows = tuple(rematerializations(program.log, mesh, sources, lowered)) + tuple(
-        collectives_explained(hlo, mesh, sources, shapes, axes, asked, program.split_shapes())
+    rows = absorb(
+        tuple(rematerializations(program.log, mesh, sources, lowered)),
+        tuple(
+            collectives_explained(hlo, mesh, sources, shapes, axes, asked, program.split_shapes())
+        ),
     )
     where = placement(state, plan, shardings) if plan is not None else None
     peak = program.peak_bytes
