@@ -231,10 +231,11 @@ def rematerializations(
     return out
 
 
-CARRIERS = ("all-gather", "all-gather-start", "all-reduce", "all-reduce-start")
+CARRIERS = ("all-gather", "all-reduce")
 """The collectives XLA rebuilds a rematerialized array with (the partitioner replicates it
 by an all-gather of its full shape, or by a zero-padded all-reduce where a dimension is
-smaller than its split)."""
+smaller than its split); an async ``*-start`` row already carries its base op
+(``collectives_explained``)."""
 
 
 def _phase(what: str) -> int:
