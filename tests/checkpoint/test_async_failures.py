@@ -95,6 +95,7 @@ def test_a_save_never_waited_for_is_finished_at_exit_or_reported(tmp_path):
         assert "The script ended with this asynchronous save in flight" in out.stderr
         assert "Traceback" not in out.stderr, out.stderr[-3000:]
         assert "1" in os.listdir(directory) and "2" not in os.listdir(directory)
+    assert out.stdout.splitlines()[-1] == "quiet: True"  # to the end (else a rare traceback)
 
 
 def test_a_second_manager_in_the_directory_is_refused_and_no_step_is_lost(tmp_path):
@@ -170,7 +171,8 @@ def test_a_second_run_on_the_directory_is_refused_before_it_touches_the_first_ru
 
 
 # The CLI with files over 64 KiB failing, as on a full disk (set in the child itself: a
-# preexec_fn would fork this multithreaded process).
+# preexec_fn would fork this multithreaded process). It writes no bytecode (-B): a module
+# over 64 KiB would leave a cut-short .pyc in the suite's shared PYTHONPYCACHEPREFIX.
 SMALL_FILES = """
 import resource, runpy, signal
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -185,7 +187,7 @@ def test_the_cli_says_a_full_disk_in_one_line(tmp_path):
     argv += ["--cpu-devices", "2", "--compile-cache", "off", "--checkpoint-dir", ck]
     argv += ["--run-dir", str(tmp_path / "run")]
     out = subprocess.run(
-        [sys.executable, "-c", SMALL_FILES, *argv],
+        [sys.executable, "-B", "-c", SMALL_FILES, *argv],
         capture_output=True,
         text=True,
         timeout=LIMIT * 2,

@@ -7,6 +7,7 @@ never waited for. Each mode prints what happened; the test checks that the proce
 a remount of the tmpfs at MOUNTPOINT for root (whom ``chmod`` does not stop).
 """
 
+import atexit
 import os
 import resource
 import signal
@@ -24,6 +25,15 @@ import shardax as sx  # noqa: E402
 mode, directory = sys.argv[1], sys.argv[2]
 small = {"w": jnp.ones((4,))}
 big = {"w": jax.random.normal(jax.random.key(0), (512, 512))}  # 1 MiB, incompressible
+
+
+def small_files():
+    """Files over 64 KiB fail to grow, as on a full disk. Python writes no bytecode after:
+    a module imported later would leave its cut-short .pyc (a short write is no error) in
+    the tests' shared PYTHONPYCACHEPREFIX, for every later process to fail on."""
+    sys.dont_write_bytecode = True
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
 
 
 def steps_of_a_run(run, steps):
@@ -52,8 +62,7 @@ if mode == "run-full":  # the disk fills up before sx.loop.run's (synchronous) s
             for _ in run.batches(range(3)):
                 state = {"w": state["w"] + 1}
                 if run.step == 2:  # files over 64 KiB fail, as on a full disk
-                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+                    small_files()
                 run.after_step(state)
     except OSError as e:
         print(f"run: {e}", flush=True)
@@ -80,8 +89,7 @@ if mode == "readonly":  # the step's directory cannot be made
     else:
         os.chmod(directory, 0o555)
 elif mode == "full":  # a write fails half-way (as a full disk): files over 64 KiB fail
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+    small_files()
 
 if mode in ("readonly", "full"):
     manager.save(2, big)
@@ -93,6 +101,11 @@ if mode in ("readonly", "full"):
     manager.close()
 elif mode == "unwaited":
     manager.save(2, big)  # the script ends with the save in flight
+    # (atexit runs after shardax's hook, which runs as the threads stop) whether orbax's
+    # late write callbacks, on a loop already closed, still meet shardax's quiet hook
+    atexit.register(
+        lambda: print(f"quiet: {hasattr(sys.unraisablehook, 'shardax_late_completions')}")
+    )
 elif mode == "second":
     other = sx.CheckpointManager(directory, async_save=True)
     try:

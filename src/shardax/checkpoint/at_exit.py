@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from shardax.checkpoint.quiet import _QUIET
 from shardax.runtime import compat
 
 _UNFINISHED: dict[Any, int] = {}
@@ -31,6 +32,12 @@ def finished(manager: Any) -> None:
 
 
 def _finish_saves_at_exit() -> None:
+    if not _UNFINISHED:
+        return
+    # orbax's filters and the late-completion hook stay on to the end: a save that
+    # cannot finish here leaves writes whose callbacks reach a closed loop after the
+    # last manager's close would have removed them (one traceback each on stderr).
+    _QUIET.acquire()
     for manager, step in list(_UNFINISHED.items()):
         _finish(manager, step)
 
