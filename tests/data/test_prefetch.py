@@ -4,6 +4,7 @@ import contextlib
 import signal
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -345,6 +346,59 @@ def test_a_with_block_left_by_an_exception_puts_the_loader_back(mesh):
         read_ahead(source, 3)
         raise KeyError("the block's")
     assert source.get_state()["i"] >= 3
+
+
+def test_a_plain_iterator_left_by_an_exception_or_dropped_names_the_batches_lost(mesh):
+    """A generator cannot go back: left by an exception, or dropped unclosed, the
+    prefetcher names the batches its worker read ahead from it (they are gone from it);
+    a close() or a with block's own end drops them as asked, and an iterable (a list)
+    is read through the prefetcher's own iterator, so nothing is said."""
+
+    def plain(read):
+        for i in range(20):
+            read.append(i)
+            yield {"x": np.full((8,), float(i))}
+
+    def wait_read(read, at_least):
+        deadline = time.monotonic() + 30
+        while len(read) < at_least:
+            assert time.monotonic() < deadline, "the prefetch worker did not read ahead"
+            time.sleep(0.01)
+
+    read = []
+    source = plain(read)
+    with (
+        pytest.raises(KeyError, match="the block's"),
+        pytest.warns(RuntimeWarning) as caught,
+        sx.prefetch_to_device(source, mesh, buffer_size=2) as it,
+    ):
+        assert float(next(it)["x"][0]) == 0
+        wait_read(read, 3)
+        raise KeyError("the block's")
+    last = len(read)
+    assert str(caught[0].message) == (
+        f"prefetch close(): batches 2..{last} of this prefetcher (counted from 1; read ahead, "
+        "never consumed) are lost to the source iterator, which stays after them: it was left "
+        "by an exception and has no get_state() and set_state() to go back with (sx.batches "
+        "and grain's DatasetIterator have them)"
+    )
+    assert float(next(source)["x"][0]) == last  # the generator goes on after them
+    read = []
+    it = sx.prefetch_to_device(plain(read), mesh, buffer_size=2)
+    next(it)
+    wait_read(read, 3)
+    with pytest.warns(RuntimeWarning, match=r"batches 2\.\.\d+ .* it was dropped unclosed"):
+        del it  # a break out of `for batch in prefetch_to_device(gen, mesh)`
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read = []
+        with sx.prefetch_to_device(plain(read), mesh, buffer_size=2) as it:
+            next(it)
+            wait_read(read, 3)  # a break: the read-ahead is dropped, as the caller asked
+        batches = [{"x": np.full((8,), float(i))} for i in range(20)]
+        with contextlib.suppress(KeyError), sx.prefetch_to_device(batches, mesh) as it:
+            next(it)
+            raise KeyError("the list is the caller's and unmoved")
 
 
 def test_close_warns_where_it_cannot_put_the_source_back(mesh):

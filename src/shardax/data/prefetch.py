@@ -28,8 +28,12 @@ the next ones it yields. It does not where that would not be safe, and warns, na
 batches lost: a worker still busy after 0.25 s, an iterator something else has moved
 meanwhile (another prefetcher of it), or a prefetcher dropped unclosed (a ``break`` out of
 ``for b in prefetch_to_device(loader)``: the collector does not rewind, as a new
-prefetcher may be reading the iterator already). A prefetcher ended by an error of its
-source, or read to its end, moves nothing.
+prefetcher may be reading the iterator already). A plain iterator of the caller's (a
+generator: no ``set_state()``) cannot go back: a ``close()`` or a ``with`` block's end
+drops its batches read ahead, as asked, and a prefetcher left by an exception or dropped
+unclosed warns, naming them. An iterable (a list, a ``range``) is read through an iterator
+of the prefetcher's own, so nothing of the caller's moves. A prefetcher ended by an error
+of its source, or read to its end, moves nothing.
 
 >>> mesh = sx.make_mesh({"data": -1})
 >>> with prefetch_to_device(({"x": np.full((8, 2), i)} for i in range(3)), mesh) as it:
@@ -166,6 +170,7 @@ class Prefetcher(Iterator[Any]):
             self._stateful and source is iterable and callable(getattr(source, "set_state", None))
         )
         self._source = source if rewinds else None  # the caller's own: close() rewinds it
+        self._held = source if source is iterable else None  # the caller's own iterator
         self._progress, self._consumed = _Progress(), 0
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
@@ -198,7 +203,7 @@ class Prefetcher(Iterator[Any]):
         try:
             item, state = self._get()
         except BaseException:  # KeyboardInterrupt while waiting: stop the worker first
-            self._close(rewind=True)
+            self._close(rewind=True, failed=True)
             raise
         finally:
             self.wait_seconds += time.perf_counter() - start
@@ -232,7 +237,7 @@ class Prefetcher(Iterator[Any]):
         batch (see the module docstring)."""
         self._close(rewind=True)
 
-    def _close(self, rewind: bool, dropping: bool = False) -> None:
+    def _close(self, rewind: bool, dropping: bool = False, failed: bool = False) -> None:
         if self._closed:
             return
         self._finished = self._closed = True
@@ -250,7 +255,15 @@ class Prefetcher(Iterator[Any]):
                 "it was dropped unclosed (a break out of `for batch in "
                 "prefetch_to_device(loader)`); use a with block, or call close()",
             )
-        self._source = None
+        elif (failed or dropping) and self._held is not None and dropped > 0:
+            self._lost(
+                dropped,
+                f"it was {'left by an exception' if failed else 'dropped unclosed'} and has no "
+                "get_state() and set_state() to go back with (sx.batches and grain's "
+                "DatasetIterator have them)",
+                stacklevel=4,
+            )
+        self._source = self._held = None
 
     def _rewind(self, dropped: int) -> None:
         """Puts the caller's iterator back over the ``dropped`` batches read ahead, or
@@ -268,14 +281,14 @@ class Prefetcher(Iterator[Any]):
                 why = f"its set_state() raised {type(e).__name__}: {e}"
         self._lost(dropped, why)
 
-    def _lost(self, dropped: int, why: str) -> None:
+    def _lost(self, dropped: int, why: str, stacklevel: int = 5) -> None:
         first, last = self._consumed + 1, self._consumed + dropped
         which = f"batch {first}" if dropped == 1 else f"batches {first}..{last}"
         warnings.warn(
             f"prefetch close(): {which} of this prefetcher (counted from 1; read ahead, never "
             f"consumed) are lost to the source iterator, which stays after them: {why}",
             RuntimeWarning,
-            stacklevel=5,
+            stacklevel=stacklevel,
         )
 
     def _drain(self) -> None:
@@ -289,7 +302,8 @@ class Prefetcher(Iterator[Any]):
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
-        self._close(rewind=True)  # a with block left by an exception loses no batch either
+        # a with block left by an exception loses no batch either, or says which it lost
+        self._close(rewind=True, failed=kind is not None)
 
     def __del__(self) -> None:  # a break out of an unnamed prefetcher
         if hasattr(self, "_thread"):
