@@ -164,16 +164,27 @@ class Embedder(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.embed)(x[:, 0].astype(jnp.int32)))
 
 
-def test_an_embedding_the_axis_does_not_divide_is_named(mesh):
+def test_an_embedding_the_axis_does_not_divide_is_named_with_a_padding_that_compiles(mesh):
     state = sx.TrainState.create(Embedder(jax.random.key(0)), optax.sgd(0.1))
     step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
-    report = sx.explain(step, state, batch_of(64, 64), fixes=False)
+    report = sx.explain(step, state, batch_of(64, 64))
     leaves = {leaf.path: leaf for leaf in report.placement.leaves}
     weight = next(leaf for path, leaf in leaves.items() if "embed" in path)
     assert weight.shape == (1001, 36) and weight.ways == 1 and weight.meant == 8
     assert weight.why == "no dimension of (1001, 36) is divisible by data (8)"
     assert 8 in report.placement.share("parameter")  # the head's kernel is split
     assert report.to_dict()["placement"]["leaves"]
+    # the fix, compiled: the vocabulary padded to 1008 rows (not the width to 40)
+    (fix,) = [f for f in report.placement_fixes if weight.path in f.name]
+    assert fix.name == f"pad {weight.path} to (1008, 36) (was (1001, 36))" and fix.peak_bytes > 0
+    assert report.to_dict()["placement_fixes"][0]["name"] == fix.name
+    assert "placement fixes, each compiled" in str(report)
+    # applied as the user would (a model of 1008 rows), the leaf is split 8 ways
+    padded = eqx.tree_at(lambda m: m.embed, Embedder(jax.random.key(0)),
+                         eqx.nn.Embedding(1008, 36, key=jax.random.key(1)))  # fmt: skip
+    state = sx.TrainState.create(padded, optax.sgd(0.1))
+    again = sx.explain(step, state, batch_of(64, 64), fixes=False)
+    assert not [leaf for leaf in again.placement.leaves if "embed" in leaf.path]
 
 
 class LinenMLP(nn.Module):
@@ -194,15 +205,51 @@ def test_a_rule_that_matches_nothing_and_an_idle_axis_are_named(mesh_2d):
     assert not report.ok
 
 
-def test_a_2_axis_mesh_whose_fsdp_uses_one_axis_is_named():
+def test_a_rule_that_matches_nothing_gets_the_nearest_path_compiled():
+    """In a step, the misspelt rule's fix is the rule with the path of the leaf it was
+    meant for (Dense_1's kernel: Dense_0's is an earlier rule's), compiled; the data axis
+    that splits nothing gets FSDP over it, compiled too."""
+    mesh = sx.make_mesh({"data": 4, "model": 2})
+    module = LinenMLP()
+    variables = module.init(jax.random.key(0), jnp.zeros((1, 64)))
+    state = sx.TrainState.from_linen(module, variables, optax.adam(1e-3))
+    plan = sx.rules(
+        mesh, [(r"Dense_0/kernel", P(None, "model")), (r"Dense_9/kernel", P("model", None))]
+    )
+    step = sx.make_train_step(mse, mesh=mesh, plan=plan)
+    with pytest.warns(UserWarning, match="rules\\[1\\]"):
+        report = sx.explain(step, state, batch_of(64, 64))
+    names = [f.name for f in report.placement_fixes]
+    assert names == ["FSDP over data too", "rules[1] matching 'Dense_1/kernel'"], names
+    rule = report.placement_fixes[1]
+    assert (
+        rule.code
+        == "sx.rules(mesh, [..., ('Dense_1/kernel', P('model', None)), ...])  # was rules[1]"
+    )
+    fixed = sx.rules(
+        mesh, [(r"Dense_0/kernel", P(None, "model")), (r"Dense_1/kernel", P("model", None))]
+    )
+    assert not placement(state, fixed).notes  # applied, the rule gives its leaf a spec
+    assert placement(state, sx.plan.fsdp_over(plan, axis="data")).idle_axes == ()
+
+
+def test_a_2_axis_mesh_whose_fsdp_uses_one_axis_is_named_with_a_fix_that_compiles():
     mesh = sx.make_mesh({"replica": 2, "fsdp": 4})
     state = nnx_state(Wide)
     step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh, axis="fsdp"),
                               data_axis=("replica", "fsdp"))  # fmt: skip
-    report = sx.explain(step, state, batch_of(64, 64), fixes=False)
+    report = sx.explain(step, state, batch_of(64, 64))
     assert report.placement.idle_axes == ("replica",)
     assert report.placement.meant["parameter"] == 4
     assert "'replica' (2) splits no parameter" in str(report.placement)
+    (fix,) = report.placement_fixes
+    assert fix.name == "FSDP over replica too" and fix.plan == "fsdp+fsdp"
+    assert fix.code.startswith("sx.plan.fsdp_over(plan, axis='replica')")
+    # applied: every parameter byte the plan split 4 ways is split 8 ways, and the compiled
+    # peak is below the step's own (the state is split twice as many ways)
+    plan = sx.plan.fsdp_over(sx.fsdp(mesh, axis="fsdp"), axis="replica")
+    assert placement(state, plan).meant["parameter"] == 8
+    assert fix.peak_bytes < report.peak_bytes
 
 
 GPT = gpt.GPTConfig(layers=1, d_model=64, heads=4, max_seq_len=64)

@@ -64,6 +64,10 @@ class Plan:
     warned: set[str] = dataclasses.field(
         default_factory=set, kw_only=True, compare=False, repr=False
     )
+    # A sx.rules plan's (rule_list, default), from which a fix builds it again (sx.explain).
+    rules_given: tuple[tuple[Any, ...], Any] | None = dataclasses.field(
+        default=None, kw_only=True, compare=False, repr=False
+    )
 
     def notes(self, tree: Any) -> list[str]:
         """A message for every rule of the plan that matches no array leaf of ``tree``."""

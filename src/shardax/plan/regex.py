@@ -92,7 +92,8 @@ def rules(
             notes.update({f"default {k}": v for k, v in default.unmatched(leaves).items()})
         return notes
 
-    return Plan(mesh, spec_fn, "rules", unmatched=unmatched)
+    given = (tuple(rule_list), default)
+    return Plan(mesh, spec_fn, "rules", unmatched=unmatched, rules_given=given)
 
 
 def unused_rules(

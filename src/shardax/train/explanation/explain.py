@@ -44,6 +44,7 @@ from shardax.train.explanation.fixes import (
     propose,
     rank,
 )
+from shardax.train.explanation.intent_fixes import placement_fixes
 from shardax.train.explanation.memory import compile_step, fits, memory_table
 from shardax.train.explanation.placement import Placement, placement
 
@@ -64,6 +65,9 @@ class Explanation:
         peak_bytes: the compiler's peak per device (``memory_analysis()``).
         estimate: the step's analysis, as ``sx.estimate`` reports it.
         notes: what the report could not know.
+        placement_fixes: the compiled changes that split the state as the plan meant
+            (an idle axis used, a misspelt rule's path, a leaf padded), each kept only
+            where its placement shows the problem gone (``Fix``; ``flags`` empty).
     """
 
     memory: PeakBuffers | None
@@ -74,6 +78,7 @@ class Explanation:
     peak_bytes: int
     estimate: Estimate | None = None
     notes: tuple[str, ...] = ()
+    placement_fixes: tuple[Fix, ...] = ()
 
     @property
     def fits(self) -> bool | None:
@@ -96,6 +101,7 @@ class Explanation:
             "implied": [c.to_dict() for c in self.collectives if c.implied],
             "placement": None if self.placement is None else self.placement.to_dict(),
             "fixes": [f.to_dict() for f in self.fixes],
+            "placement_fixes": [f.to_dict() for f in self.placement_fixes],
             "notes": list(self.notes),
         }
 
@@ -108,6 +114,8 @@ class Explanation:
             parts.append(self.placement)
         if self.fixes:
             parts.append(fixes_table(self.fixes))
+        if self.placement_fixes:
+            parts.append(fixes_table(self.placement_fixes, "placement fixes, each compiled"))
         parts += [f"note: {n}" for n in self.notes]
         return Group(*parts)
 
@@ -149,9 +157,11 @@ def collectives_table(collectives: tuple[Reshard, ...]) -> Any:
     return table
 
 
-def fixes_table(fixes: tuple[Fix, ...]) -> Any:
-    """The compiled fixes that fit, best first."""
-    table = titled_table("fixes, each compiled, that fit (best first)")
+def fixes_table(
+    fixes: tuple[Fix, ...], title: str = "fixes, each compiled, that fit (best first)"
+) -> Any:
+    """The compiled fixes (that fit, best first), under ``title``."""
+    table = titled_table(title)
     for col in ("change", "peak", "predicted step", "flags", "code"):
         table.add_column(col, justify="right" if col in ("peak", "predicted step") else "left")
     for f in fixes:
@@ -244,4 +254,7 @@ def explain(
                 "no plan × microbatch count of the search fits the budget: pass "
                 "variants= (remat policies) or more devices"
             )
-    return Explanation(memory, rows, where, proposed, budget, peak, report, tuple(notes))
+    intent: tuple[Fix, ...] = ()
+    if fixes is not False and where is not None:
+        intent = placement_fixes(step, state, batch, where)
+    return Explanation(memory, rows, where, proposed, budget, peak, report, tuple(notes), intent)
