@@ -2,7 +2,10 @@
 (NNX with nnx.Linear, Linen's params, an Equinox module), on 8 CPU devices: each named
 with the right line of this file (a transpose's all-to-all and an involuntary full
 rematerialization at the sx.constrain asking for them), and the out-of-memory one with a
-fix that compiles and fits (its batch gathers counted as the plan's). The built-in GPT
+fix that compiles and fits (its batch gathers counted as the plan's). The placement seeds
+(an embedding 8 does not divide, a misspelt rule, a 2-axis mesh's idle axis) get fixes
+sx.explain compiles; the reshape's and the transpose's source fixes, applied as their
+suggestions say, compile with no unasked collective. The built-in GPT
 under fsdp+tp lists no unasked collective (zero1: test_plan_explain.py;
 fsdp: tests/compile/test_explain_targets.py)."""
 
@@ -341,3 +344,32 @@ def test_each_remat_takes_the_gather_of_its_own_pass_and_leaves_the_others():
     assert folded == [(OP, 3, 3 * 14336.0), (OP, 2, 2 * 14336.0)]
     assert rows[2:] == gathers[2:]
     assert absorb((forward,), ()) == (forward,)  # no carrier: the log's figures
+
+
+class TimeMajorFixed(TimeMajor):
+    """TimeMajor with the fix its report names: the batch's split kept (a transpose)."""
+
+    def __call__(self, x):
+        steps = jnp.swapaxes(x.reshape(x.shape[0], 6, 64), 0, 1)
+        return jnp.tanh(self.proj(steps)).mean(0)
+
+
+class TransposedFixed(Transposed):
+    """Transposed with its constraint to the layout the transpose gives (the fix its
+    report names: one layout for the op's input and output)."""
+
+    def __call__(self, x):
+        h = jnp.tanh(self.proj(x))
+        t = sx.constrain(h.T, P(None, "data"))  # the batch, now dimension 1, stays split
+        return jnp.tanh(t).T
+
+
+@pytest.mark.parametrize(("cls", "rows"), [(TimeMajorFixed, 384), (TransposedFixed, 64)])
+def test_the_fix_a_reshard_names_compiles_with_no_unasked_collective(mesh, cls, rows):
+    """The seeds' source fixes, applied as the suggestions say: the step compiles and
+    the collectives the plan did not ask for are gone."""
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
+    batch = {"x": jax.ShapeDtypeStruct((64, rows), jnp.float32),
+             "y": jax.ShapeDtypeStruct((64, 64), jnp.float32)}  # fmt: skip
+    report = sx.explain(step, nnx_state(cls), batch, fixes=False)
+    assert report.unasked == (), [(c.op, c.source) for c in report.unasked]
