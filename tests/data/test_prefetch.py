@@ -395,6 +395,17 @@ def test_a_plain_iterator_left_by_an_exception_or_dropped_names_the_batches_lost
         with sx.prefetch_to_device(plain(read), mesh, buffer_size=2) as it:
             next(it)
             wait_read(read, 3)  # a break: the read-ahead is dropped, as the caller asked
+        read = []
+
+        def feed(source):  # a with block in a generator its consumer breaks out of
+            with sx.prefetch_to_device(source, mesh, buffer_size=2) as it:
+                for batch in it:  # noqa: UP028 (yield from would close it first)
+                    yield batch
+
+        fed = feed(plain(read))
+        next(fed)
+        wait_read(read, 3)
+        fed.close()  # GeneratorExit through the with block: a close, as asked
         batches = [{"x": np.full((8,), float(i))} for i in range(20)]
         with contextlib.suppress(KeyError), sx.prefetch_to_device(batches, mesh) as it:
             next(it)

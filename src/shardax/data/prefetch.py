@@ -302,8 +302,11 @@ class Prefetcher(Iterator[Any]):
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
-        # a with block left by an exception loses no batch either, or says which it lost
-        self._close(rewind=True, failed=kind is not None)
+        # A with block left by an exception loses no batch either, or says which it lost;
+        # one inside a generator that is closed (its consumer's break: GeneratorExit) is
+        # a close as asked.
+        failed = isinstance(kind, type) and not issubclass(kind, GeneratorExit)
+        self._close(rewind=True, failed=failed)
 
     def __del__(self) -> None:  # a break out of an unnamed prefetcher
         if hasattr(self, "_thread"):
