@@ -190,6 +190,40 @@ def test_an_embedding_the_axis_does_not_divide_is_named_with_a_padding_that_comp
     assert not [leaf for leaf in again.placement.leaves if "embed" in leaf.path]
 
 
+class NNXEmbedder(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(1001, 36, rngs=rngs)
+        self.head = nnx.Linear(36, 64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.embed(x[:, 0].astype(jnp.int32)))
+
+
+class LinenEmbedder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(64)(nn.Embed(1001, 36)(x[:, 0].astype(jnp.int32)))
+
+
+def test_a_padding_is_compiled_for_nnx_and_named_where_linen_refuses_it(mesh):
+    """NNX takes the padded table; Linen checks a parameter's shape against its module, so
+    the padding does not compile there and a note says so (no fix offered unproven)."""
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
+    report = sx.explain(step, nnx_state(NNXEmbedder), batch_of(64, 64))
+    names = [f.name for f in report.placement_fixes]
+    assert names == ["pad params['embed']['embedding'].value to (1008, 36) (was (1001, 36))"]
+    module = LinenEmbedder()
+    variables = module.init(jax.random.key(0), jnp.zeros((2, 64)))
+    state = sx.TrainState.from_linen(module, variables, optax.adam(1e-3))
+    report = sx.explain(step, state, batch_of(64, 64))
+    assert report.placement_fixes == ()
+    (note,) = [n for n in report.notes if n.startswith("placement fix")]
+    assert note.startswith(
+        "placement fix \"pad params['Embed_0']['embedding'] to (1008, 36) (was (1001, 36))\" "
+        "was tried and does not compile: ScopeParamShapeError"
+    ), note
+
+
 class LinenMLP(nn.Module):
     @nn.compact
     def __call__(self, x):

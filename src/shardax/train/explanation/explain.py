@@ -256,5 +256,6 @@ def explain(
             )
     intent: tuple[Fix, ...] = ()
     if fixes is not False and where is not None:
-        intent = placement_fixes(step, state, batch, where)
+        intent, tried = placement_fixes(step, state, batch, where)
+        notes += tried
     return Explanation(memory, rows, where, proposed, budget, peak, report, tuple(notes), intent)

@@ -40,25 +40,28 @@ PADDED = 3
 """The parameters, largest first, that a padding is tried for (each is one compile)."""
 
 
-def placement_fixes(step: Any, state: Any, batch: Any, where: Placement) -> tuple[Fix, ...]:
-    """The compiled changes that split ``state`` as ``step``'s plan meant (see the module);
-    ``()`` where the placement is as meant or the step is not a ``make_train_step`` step."""
+def placement_fixes(
+    step: Any, state: Any, batch: Any, where: Placement
+) -> tuple[tuple[Fix, ...], tuple[str, ...]]:
+    """The compiled changes that split ``state`` as ``step``'s plan meant (see the module),
+    and a note for each change tried that did not compile or did not help; ``((), ())``
+    where the placement is as meant or the step is not a ``make_train_step`` step."""
     config = getattr(step, "config", None)
     plan = getattr(config, "plan", None)  # the user's own (the step's state_plan wraps it)
     if where.ok or not isinstance(plan, Plan) or getattr(step, "loss_fn", None) is None:
-        return ()
-    out: list[Fix] = []
+        return (), ()
+    out: list[Fix | str] = []
     if where.idle_axes and type(plan) is Plan:
         axis = where.idle_axes[0] if len(where.idle_axes) == 1 else where.idle_axes
         new = fsdp_over(plan, axis=axis)
         code = f"sx.plan.fsdp_over(plan, axis={axis!r})  # plan: your {plan.name!r} plan"
         name = f"FSDP over {'/'.join(where.idle_axes)} too"
-        out += _proven(step, state, batch, new, state, name, code, _uses(where.idle_axes))
+        out.append(_proven(step, batch, new, state, name, code, _uses(where.idle_axes)))
     for rule, fixed in _nearest_rules(plan, state):
         new = rules(plan.mesh, fixed, plan.rules_given[1])
         code = f"sx.rules(mesh, [..., {fixed[rule]!r}, ...])  # was rules[{rule}]"
         name = f"rules[{rule}] matching {fixed[rule][0]!r}"
-        out += _proven(step, state, batch, new, state, name, code, _no_note(rule))
+        out.append(_proven(step, batch, new, state, name, code, _no_note(rule)))
     largest = sorted((x for x in where.leaves if x.kind == "parameter"), key=lambda x: -x.bytes)
     for leaf in largest[:PADDED]:
         padded = _padded(leaf)
@@ -69,45 +72,44 @@ def placement_fixes(step: Any, state: Any, batch: Any, where: Placement) -> tupl
             continue
         name = f"pad {leaf.path} to {padded} (was {leaf.shape})"
         code = f"pad {leaf.path} to {padded}: the model leaves the extra entries unused"
-        out += _proven(step, state, batch, plan, grown, name, code, _split(leaf.path, leaf.meant))
-    return tuple(out)
+        out.append(_proven(step, batch, plan, grown, name, code, _split(leaf.path, leaf.meant)))
+    fixes = tuple(f for f in out if isinstance(f, Fix))
+    return fixes, tuple(f for f in out if isinstance(f, str))
 
 
 def _proven(
     step: Any,
-    state: Any,
     batch: Any,
     plan: Any,
     new_state: Any,
     name: str,
     code: str,
     gone: Any,
-) -> list[Fix]:
-    """``[Fix]`` where the step compiles with ``plan`` on ``new_state`` and ``gone`` holds
-    of the new placement, else ``[]``."""
+) -> Fix | str:
+    """The ``Fix`` where the step compiles with ``plan`` on ``new_state`` and ``gone``
+    holds of the new placement, else the note saying which did not."""
     config = step.config
     try:
         fixed = make_train_step(step.loss_fn, config=dataclasses.replace(config, plan=plan))
         with stderr_captured():  # the partitioner's log, read for the step's own report
             report = estimate(fixed, new_state, batch)
-    except Exception:  # the step does not compile with the change: no fix
-        return []
+    except Exception as e:  # the step does not compile with the change: no fix
+        said = (str(e).strip().splitlines() or [""])[0][:300]
+        return f"placement fix {name!r} was tried and does not compile: {type(e).__name__}: {said}"
     if not gone(placement(new_state, fixed.state_plan)):
-        return []
+        return f"placement fix {name!r} was tried and compiles, but leaves the placement short"
     peak = int(report.memory["peak"])
-    return [
-        Fix(
-            name,
-            plan.name,
-            config.accumulate,
-            None,
-            peak,
-            report.predicted_s,
-            report.interval_s,
-            "",
-            code,
-        )
-    ]
+    return Fix(
+        name,
+        plan.name,
+        config.accumulate,
+        None,
+        peak,
+        report.predicted_s,
+        report.interval_s,
+        "",
+        code,
+    )
 
 
 def _uses(axes: tuple[str, ...]) -> Any:
