@@ -513,8 +513,15 @@ class Snapshots(Checkpoints):
     snapshots and the persistent checkpoints. Not taken on preemption or at the end: the
     persistent checkpoint is (``Checkpoints``). ``shardax train --snapshot-every`` adds it.
 
-    ``every=None`` (auto) snapshots every step while a snapshot's blocking part costs at
-    most ``budget`` of a step's time (measured: the median of the last 20 steps, from one
+    Every step (``every`` 1), a failure loses at most one step: under
+    [`Run.batches`][shardax.loop.Run.batches] the next step starts once the last snapshot
+    is committed (the write overlaps the steps between snapshots, none when there are
+    none; a loop that fetches its own batches starts its step before the run hears of it,
+    so there a write longer than a step can cost two).
+
+    ``every=None`` (auto) snapshots every step while a snapshot's blocking part (its copy
+    to the host, and the wait for its commit before the next step) costs at most
+    ``budget`` of a step's time (measured: the median of the last 20 steps, from one
     call's return to the next), else every ``ceil(snapshot / (budget * step))`` steps,
     tuned after each snapshot, the largest of every process's (they snapshot together);
     ``every`` holds the interval in force.
@@ -526,17 +533,31 @@ class Snapshots(Checkpoints):
         self.snapshot_s: float | None = None  # the last snapshot's blocking time
         self._steps: list[float] = []  # the last step times
         self._end: float | None = None
+        self._waited = 0.0  # this step's wait for the last snapshot's commit
 
     def due(self, run: Any) -> bool:
         return itstime(run.step, self.every, run.total) and run.step != run.total
 
+    def before_step(self, run: Any) -> None:
+        if self.every != 1 or self.saved_at != run.step - 1:
+            return
+        # The snapshot of the step before commits before this step starts: a failure in
+        # this step then loses this step only (the write of a snapshot longer than a step
+        # would otherwise leave two completed steps behind the newest committed one).
+        start = time.perf_counter()
+        with run.phase("checkpoint"):
+            self.manager.wait()
+        status.STATUS.set(status.DISPATCH, run.step)
+        self._waited = time.perf_counter() - start
+
     def after_step(self, run: Any) -> None:
         now = time.perf_counter()
         if self._end is not None:  # since the last call returned: the step, no snapshot
-            self._steps = [*self._steps[-19:], now - self._end]
+            self._steps = [*self._steps[-19:], now - self._end - self._waited]
+        waited, self._waited = self._waited, 0.0
         if self.due(run):
             self.save(run)
-            self.snapshot_s = time.perf_counter() - now
+            self.snapshot_s = time.perf_counter() - now + waited
             if self.auto and self._steps:
                 step = statistics.median(self._steps)
                 every = max(1, math.ceil(self.snapshot_s / (self.budget * step)))

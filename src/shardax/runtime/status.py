@@ -87,6 +87,7 @@ class RankStatus:
         self._published: tuple[int, int | None] = (-1, None)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._file_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
 
@@ -103,11 +104,23 @@ class RankStatus:
 
     def completed(self, step: int) -> None:
         """Step ``step`` completed: published at once (the launcher counts the steps a
-        failure lost from it), not at the next ``interval``."""
+        failure lost from it), not at the next ``interval``: under ``shardax launch``
+        the status file is written in this thread before it returns (a kill right after
+        the step still finds it there), the key-value store by the publishing thread."""
         self.last_completed = step
         self._version += 1
+        self._write_file()
         self._start()
         self._wake.set()
+
+    def _write_file(self) -> None:
+        """This process's record to ``rank<r>.status`` in the launch directory, if any
+        (one writer at a time: a record computed earlier never lands after a later one)."""
+        directory = _launch_dir()
+        if directory is None:
+            return
+        with self._file_lock, contextlib.suppress(OSError):
+            write_record(directory, jax.process_index(), self.record())
 
     def record(self) -> dict[str, Any]:
         return {
@@ -147,11 +160,9 @@ class RankStatus:
         """Writes this process's record to the key-value store now, and under ``shardax
         launch`` to ``rank<r>.status`` in the launch directory, where the launcher reads
         the step of a process that fails."""
-        client, directory = _client(), _launch_dir()
+        client = _client()
         version, record = self._version, self.record()
-        if directory is not None:
-            with contextlib.suppress(OSError):
-                write_record(directory, jax.process_index(), record)
+        self._write_file()
         if client is not None:
             client.key_value_set(
                 f"{_PREFIX}{jax.process_index()}", json.dumps(record), allow_overwrite=True
