@@ -88,6 +88,7 @@ class RankStatus:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._file_lock = threading.Lock()
+        self._written_at = -MIN_GAP  # when the status file was last written (monotonic)
         self._stop = threading.Event()
         self._wake = threading.Event()
 
@@ -106,10 +107,12 @@ class RankStatus:
         """Step ``step`` completed: published at once (the launcher counts the steps a
         failure lost from it), not at the next ``interval``: under ``shardax launch``
         the status file is written in this thread before it returns (a kill right after
-        the step still finds it there), the key-value store by the publishing thread."""
+        the step still finds it there), unless it was less than ``MIN_GAP`` ago (steps of
+        a millisecond), and the key-value store by the publishing thread."""
         self.last_completed = step
         self._version += 1
-        self._write_file()
+        if time.monotonic() - self._written_at >= MIN_GAP:
+            self._write_file()
         self._start()
         self._wake.set()
 
@@ -121,6 +124,7 @@ class RankStatus:
             return
         with self._file_lock, contextlib.suppress(OSError):
             write_record(directory, jax.process_index(), self.record())
+            self._written_at = time.monotonic()
 
     def record(self) -> dict[str, Any]:
         return {
