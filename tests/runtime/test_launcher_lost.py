@@ -125,6 +125,13 @@ def test_a_process_whose_launcher_is_gone_says_so_and_stops(tmp_path):
         "from shardax.runtime import launcher\n"
         "got = []\n"
         "signal.signal(signal.SIGTERM, lambda *a: got.append(1))\n"
+        # The watcher's record of the loss is slowed: the SIGTERM that PR_SET_PDEATHSIG
+        # sends as the launcher dies comes first, and the exit must still wait for it.
+        "write = launcher.update_status\n"
+        "def slow(d, change):\n"
+        "    if change.__name__ == 'lost': time.sleep(1.0)\n"
+        "    return write(d, change)\n"
+        "launcher.update_status = slow\n"
         "launcher.watch_launcher()\n"
         "print('up', flush=True)\n"
         "while launcher.launcher_lost() is None: time.sleep(0.01)\n"

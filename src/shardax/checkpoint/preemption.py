@@ -67,7 +67,7 @@ class Preempted(Exception):
         # Its arguments are its args (a notice, not an error a door prefixes), its text
         # the message.
         super().__init__(step, directory)
-        lost = launcher_lost()
+        lost = launcher_lost(wait=2.0)  # the launcher's death may signal before it is seen
         why = "SIGTERM" if lost is None else f"SIGTERM: the launcher, pid {lost['pid']}, was lost"
         self.message = (
             f"preempted ({why}): {what}; exiting with code {PREEMPTED_EXIT_CODE} so the "

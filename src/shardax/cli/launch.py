@@ -616,16 +616,19 @@ def supervise(
             t.start()
             started.append(t)
         stopped: dict[int, float] = {}  # rank -> since when it is seen stopped
+        ok = (None, 0, PREEMPTED_EXIT_CODE)  # running, or ended well
         while [p.poll() for p in procs].count(None):  # polls every process
             record.ended(procs)
-            first = _first_failed(procs, (None, 0, PREEMPTED_EXIT_CODE), raised, errors)
+            first = _first_failed(procs, ok, raised, errors)
             halted = _halted(procs, stopped)
             if first is not None or halted is not None:
-                if first is not None:  # its last lines: read once its pipes reach their end
-                    rank = procs.index(first)
-                    for t in (readers[rank], readers[len(procs) + rank]):
-                        if t in started:
-                            t.join(timeout=1.0)
+                if first is not None:  # their last lines: read once their pipes reach the end
+                    ended = [r for r, p in enumerate(procs) if p.returncode not in ok]
+                    for rank in ended:  # every process seen ended: which only lost a peer
+                        for t in (readers[rank], readers[len(procs) + rank]):
+                            if t in started:
+                                t.join(timeout=1.0)
+                    first = _first_failed(procs, ok, raised, errors)
                 failure = _failure(procs, first, halted, raised, errors, record.directory, tail)
                 first_failure = _say_failed(failure, err, lock, "stopping the others")
                 record.failed(failure)

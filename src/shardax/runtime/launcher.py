@@ -110,10 +110,36 @@ class _Lost:
 
     info: dict[str, Any] | None = None
     watching: threading.Thread | None = None
+    pid: int | None = None  # the launcher watched
+    recorded = threading.Event()  # set once the loss is in the status file (or failed to be)
 
 
-def launcher_lost() -> dict[str, Any] | None:
-    """``{"pid", "at", "rank"}`` once this process saw its launcher gone; else None."""
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` is gone: no such process, or one that exited and waits to
+    be reaped (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
+def launcher_lost(wait: float = 0.0) -> dict[str, Any] | None:
+    """``{"pid", "at", "rank"}`` once this process saw its launcher gone; else None.
+
+    With ``wait`` seconds, where the launcher is gone but the watching thread has not yet
+    recorded it, waits up to ``wait`` for that record: the SIGTERM ``shardax launch``'s
+    ``PR_SET_PDEATHSIG`` sends as the launcher dies can reach the process first."""
+    if wait > 0 and _Lost.pid is not None and not _Lost.recorded.is_set() and _gone(_Lost.pid):
+        _Lost.recorded.wait(wait)
     return _Lost.info
 
 
@@ -196,6 +222,7 @@ def _on_lost(pid: int, rank: int, directory: Path | None, grace: float) -> None:
 
         with contextlib.suppress(Exception):
             update_status(directory, lost)
+    _Lost.recorded.set()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace)
     with contextlib.suppress(Exception):
@@ -211,8 +238,11 @@ def _on_lost(pid: int, rank: int, directory: Path | None, grace: float) -> None:
 
 def note_exit(message: str) -> None:
     """Records ``message`` as this process's last line in the launch's status file, once
-    its launcher was lost (nobody else can then: the launcher wrote it). A no-op otherwise."""
-    info, directory = _Lost.info, os.environ.get(ENV_LAUNCH_DIR)
+    its launcher was lost (nobody else can then: the launcher wrote it). A no-op otherwise.
+
+    Waits (up to 5 s) for the watching thread's own record of the loss, so that the
+    status file says the launcher was lost even where the process got to its exit first."""
+    info, directory = launcher_lost(wait=5.0), os.environ.get(ENV_LAUNCH_DIR)
     if info is None or not directory:
         return
 
@@ -263,6 +293,7 @@ def watch_launcher(
             _on_lost(pid, rank, directory, grace)
 
     thread = threading.Thread(target=watch, daemon=True, name="shardax-launcher-watch")
+    _Lost.pid = pid
     thread.start()
     _Lost.watching = thread
     return thread
