@@ -19,6 +19,11 @@ per-step snapshot cost (the median step time of each). From these figures, the l
 fraction of a 1,024-GPU run with a 7.9 h mean time to failure (arXiv 2410.21680) is
 predicted beside checkpoint-restart's (a 15 min restart and a 1.5 h save interval: 12.7%).
 
+With ``--peers`` it measures instead peer snapshots (``shardax launch --snapshot-peers``):
+the step time without snapshots, with the default ones and with peer ones, interleaved,
+and ``--pairs`` runs in which process 1's host is replaced halfway (its snapshots gone:
+its shards come from a peer), their restart records.
+
 With ``--acceptance N`` it runs instead N short jobs of ``--acceptance-steps`` steps, of 2
 and of 4 processes in turn, with a snapshot every step, each hit by two faults at random
 steps: first one planned with ``$SHARDAX_FAULT`` (a raise, a kill -9, or a kill -9 while a
@@ -30,6 +35,7 @@ same job without a fault; the table says how many did.
     python benchmarks/faults.py                      # 3 x 600 s, a fault every 30 s
     python benchmarks/faults.py --duration 180 --interval 30 --json
     python benchmarks/faults.py --acceptance 10      # 20 faults in 10 jobs
+    python benchmarks/faults.py --peers --processes 2 --pair-steps 40
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--pair-steps", type=int, default=60, help="steps of each such run")
     parser.add_argument("--acceptance", type=int, default=0, help="jobs of two faults each")
     parser.add_argument("--acceptance-steps", type=int, default=24, help="steps of each job")
+    parser.add_argument(
+        "--peers", action="store_true", help="peer snapshots: their step cost, a host replaced"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
@@ -82,14 +91,15 @@ def launch(
     restarts: int,
     processes: int | None = None,
     fault: str | None = None,
+    launch_options: Sequence[str] = (),
 ) -> tuple[subprocess.Popen, Path]:
     """``shardax launch`` of ``shardax train`` in ``root/name``; the process and its
     launch directory."""
     run = root / name
     argv = [sys.executable, "-m", "shardax", "launch", "-n", str(processes or args.processes),
             "--cpu-devices", str(args.cpu_devices), "--max-restarts", str(restarts),
-            "--launch-dir", str(run / "launch"), "--", sys.executable, "-m", "shardax",
-            "train", *GPT, "--seed", str(args.seed), "--run-dir", str(run / "run"),
+            *launch_options, "--launch-dir", str(run / "launch"), "--", sys.executable, "-m",
+            "shardax", "train", *GPT, "--seed", str(args.seed), "--run-dir", str(run / "run"),
             *train]  # fmt: skip
     run.mkdir(parents=True, exist_ok=True)
     log = (run / "out.log").open("a")
@@ -345,9 +355,61 @@ def snapshot_cost(args: argparse.Namespace, root: Path) -> dict:
             "overhead": with_s / without_s - 1, "runs": times}  # fmt: skip
 
 
+def peers(args: argparse.Namespace, root: Path) -> dict:
+    """Peer snapshots (``shardax launch --snapshot-peers``): the median step time without
+    snapshots, with the default ones and with peer ones every step, in interleaved runs;
+    then ``--pairs`` runs in which process 1's host is replaced halfway (a ``host`` fault:
+    its snapshots gone, its shards fetched from a peer), each one's restart record."""
+    kinds = {"without": ("0", ()), "snapshots": ("1", ()), "peers": ("1", ("--snapshot-peers",))}
+    times: dict[str, list[float]] = {key: [] for key in kinds}
+    for pair in range(args.pairs):
+        for key, (every, options) in kinds.items():
+            name = f"peers/{key}-{pair}"
+            proc, _ = launch(args, root, name, "--steps", str(args.pair_steps), "--snapshot-every",
+                             every, restarts=1, launch_options=options)  # fmt: skip
+            proc.wait(timeout=900)
+            summary = json.loads((root / name / "run" / "summary.json").read_text())
+            times[key].append(summary["seconds_per_step"])
+    replaced = []
+    for pair in range(args.pairs):
+        name = f"peers/host-{pair}"
+        proc, launch_dir = launch(args, root, name, "--steps", str(args.pair_steps),
+                                  "--snapshot-every", "1", restarts=1,
+                                  launch_options=("--snapshot-peers",),
+                                  fault=f"1:{args.pair_steps // 2}:host")  # fmt: skip
+        code = proc.wait(timeout=900)
+        (restart,) = launcher.read_status(launch_dir)["restarts"]
+        fetched = "its shards came from a peer's copy" in (root / name / "out.log").read_text()
+        replaced.append({"exit_code": code, "fetched_from_peer": fetched, **{
+            k: restart.get(k) for k in ("restored_step", "steps_lost", "seconds_to_next_step")
+        }})  # fmt: skip
+    step = {key: statistics.median(value) for key, value in times.items()}
+    return {"processes": args.processes, "cpu_devices": args.cpu_devices, "step_s": step,
+            "overhead_snapshots": step["snapshots"] / step["without"] - 1,
+            "overhead_peers": step["peers"] / step["without"] - 1, "runs": times,
+            "replaced_host": replaced}  # fmt: skip
+
+
+def print_peers(result: dict) -> None:
+    step = result["step_s"]
+    print(f"{result['processes']} processes x {result['cpu_devices']} CPU devices, the small "
+          "GPT, a snapshot every step (medians of interleaved runs)")  # fmt: skip
+    print(f"  no snapshots     {step['without'] * 1e3:7.1f} ms a step")
+    for key, words in (("snapshots", "snapshots     "), ("peers", "peer snapshots")):
+        print(f"  {words}   {step[key] * 1e3:7.1f} ms ({result['overhead_' + key]:+.0%})")
+    for r in result["replaced_host"]:
+        print(f"  host replaced: exit {r['exit_code']}, fetched from a peer: "
+              f"{r['fetched_from_peer']}, restored step {r['restored_step']}, steps lost "
+              f"{r['steps_lost']}, {r['seconds_to_next_step']:.1f} s to the next step")  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="shardax-faults-"))
+    if args.peers:
+        result = peers(args, root)
+        print(json.dumps(result, indent=1)) if args.json else print_peers(result)
+        return
     if args.acceptance:
         result = acceptance(args, root)
         print(json.dumps(result, indent=1)) if args.json else print_acceptance(result, args)

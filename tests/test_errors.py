@@ -596,6 +596,7 @@ IN_PROCESS_CASES = {
     "launch --cpu-devices beside the command's own": (["launch", "-n", "2", "--cpu-devices", "4", "--", "shardax", "train", "--cpu-devices", "8"], "--cpu-devices 4: the command's own --cpu-devices 8 wins in each process, so the 2 processes would drive 2 x 8 = 16 devices; give the count once"),
     # issue 49: a run that shrinks needs the restarts to see a place fail again, then go on
     "launch --min-processes without two restarts": (["launch", "-n", "2", "--min-processes", "1", "--max-restarts", "1", "--", "python", "t.py"], "--min-processes 1 needs --max-restarts 2 or more (got 1): one restart to see a place fail again before the first step, one more to go on with fewer processes"),
+    "launch --snapshot-peers without restarts": (["launch", "-n", "2", "--snapshot-peers", "--", "python", "t.py"], "--snapshot-peers needs --max-restarts 1 or more (got 0): snapshots are taken for a restart inside the job"),
     "launch --min-processes above -n": (["launch", "-n", "2", "--min-processes", "3", "--max-restarts", "2", "--", "python", "t.py"], "--min-processes 3: a run cannot shrink to more than the -n 2 processes it starts with; give at most 2"),
 }  # fmt: skip
 

@@ -247,6 +247,20 @@ def wait_for_snapshot(proc, launch_dir: Path, step: int, restarts: int, out: Pat
         time.sleep(0.01)
 
 
+def assert_as_without_a_fault(tmp_path: Path, run: Path) -> None:
+    """The run in ``tmp_path`` (``run``, ``ckpt``) ends bitwise as the run without a fault
+    in ``run``: its history and its final params."""
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    want = json.loads((run / "summary.json").read_text())
+    keys = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy")
+    assert [{k: h[k] for k in keys} for h in summary["history"]] == [
+        {k: h[k] for k in keys} for h in want["history"]
+    ]
+    got, expected = final_params(tmp_path / "ckpt"), final_params(run / "ckpt")
+    for path in expected:
+        np.testing.assert_array_equal(got[path], expected[path], err_msg=path)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("faults", ["raise,kill", "stop"])
 def test_a_process_that_raises_is_killed_or_stopped_costs_one_step_and_the_run_ends_as_without(
@@ -310,15 +324,38 @@ def test_a_process_that_raises_is_killed_or_stopped_costs_one_step_and_the_run_e
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [r["rank"] for r in summary["restarts"]] == ranks
     assert summary["snapshot_every"] == 1 if "kill" in faults else summary["snapshot_every"] >= 1
-    # Bitwise the run without a fault: the history and the final params.
-    want = json.loads((run / "summary.json").read_text())
-    keys = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy")
-    assert [{k: h[k] for k in keys} for h in summary["history"]] == [
-        {k: h[k] for k in keys} for h in want["history"]
-    ]
-    got, expected = final_params(tmp_path / "ckpt"), final_params(run / "ckpt")
-    for path in expected:
-        np.testing.assert_array_equal(got[path], expected[path], err_msg=path)
+    assert_as_without_a_fault(tmp_path, run)
+
+
+@pytest.mark.timeout(600)
+def test_a_replaced_host_fetches_its_snapshot_from_a_peer_and_the_run_ends_as_without(
+    tmp_path, launched_train
+):
+    """``--snapshot-peers``: each process keeps its own snapshot; process 1 is killed after
+    step 3 and its host replaced (a ``host`` fault: the restarted process finds its
+    snapshots gone). It fetches its shards from process 0's copy (orbax's peer-to-peer
+    manager), at most one step is lost, and the run ends bitwise as the same run without
+    the fault (the session's launched_train)."""
+    reference, run, train = launched_train
+    assert reference.returncode == 0, reference.stderr[-6000:]
+    launch_dir = tmp_path / "launch"
+    argv = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "2", "--max-restarts", "1",
+            "--snapshot-peers", "--launch-dir", str(launch_dir), "--", sys.executable, "-m",
+            "shardax", "train", *train, "--run-dir", str(tmp_path / "run"), "--checkpoint-dir",
+            str(tmp_path / "ckpt"), "--save-every", "1000", "--log-every", "1",
+            "--snapshot-every", "1"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=400,
+                          env={**CLEAN_ENV, "SHARDAX_FAULT": "1:3:host"})  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    (restart,) = launcher.read_status(launch_dir)["restarts"]
+    assert restart["rank"] == 1 and "killed by SIGKILL" in restart["cause"], restart
+    assert "its snapshots in host memory are gone (" in text and "process1)" in text, text[-3000:]
+    assert restart["restored_from"].startswith("the host-memory snapshot"), restart
+    assert restart["steps_lost"] <= 1 and restart["restored_step"] >= 2, restart
+    assert f"[1] shardax: process 1: step {restart['restored_step']}'s snapshot was not in" in text
+    assert "its shards came from a peer's copy" in text
+    assert_as_without_a_fault(tmp_path, run)
 
 
 def test_injected_faults_are_parsed_and_refused_by_name():
@@ -331,6 +368,7 @@ def test_injected_faults_are_parsed_and_refused_by_name():
         faults.planned("0:1:kill,1:2:explode")
     faults.inject(3, 1, restart=0)  # nothing planned: nothing happens
     assert faults.planned("1:4:snapshot-kill") == [faults.Fault(1, 4, "snapshot-kill")]
+    assert faults.planned("1:3:host") == [faults.Fault(1, 3, "host")]
     with pytest.raises(ValueError, match=r"snapshot-kill fault needs \$SHARDAX_SNAPSHOT_DIR"):
         faults.kill_while_saving(None, 4)
 

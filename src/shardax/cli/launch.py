@@ -76,6 +76,7 @@ from shardax.runtime.launcher import (
     ENV_RESTART,
     ENV_SLOT,
     ENV_SNAPSHOT_DIR,
+    ENV_SNAPSHOT_PEERS,
     rank_log,
     read_status,
     update_status,
@@ -165,6 +166,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "snapshot (shardax train --snapshot-every) or checkpoint (default: 0, none)",
     )
     parser.add_argument(
+        "--snapshot-peers",
+        action="store_true",
+        help="with --max-restarts: each process keeps its own snapshot, and one whose copy is "
+        "gone (a replaced host) fetches its shards from a peer that holds them in another "
+        "replica along the data axis (orbax's peer-to-peer manager)",
+    )
+    parser.add_argument(
         "--min-processes",
         type=positive_int,
         default=None,
@@ -200,6 +208,7 @@ def process_env(
     launch_dir: str | os.PathLike[str] | None = None,
     restart: int = 0,
     snapshot_dir: str | os.PathLike[str] | None = None,
+    snapshot_peers: bool = False,
     slot: int | None = None,
     planned: int | None = None,
     base: Mapping[str, str] | None = None,
@@ -210,7 +219,8 @@ def process_env(
     ``CUDA_DEVICE_MAX_CONNECTIONS=1``) where ``base`` does not set them. With a
     ``launch_dir``, also this launcher's pid and that directory, by which the process
     stops when the launcher is gone (``shardax.runtime.launcher``); after a failure the
-    number of the ``restart`` and, for in-job recovery, the ``snapshot_dir``; the
+    number of the ``restart`` and, for in-job recovery, the ``snapshot_dir`` (and
+    ``snapshot_peers``: each process's snapshot its own, a lost one fetched from a peer); the
     process's ``slot`` (default: ``rank``) and the ``planned`` count (default:
     ``num_processes``), which differ from them once a run has shrunk.
 
@@ -241,6 +251,8 @@ def process_env(
         env[ENV_RESTART] = str(restart)
     if snapshot_dir is not None:
         env[ENV_SNAPSHOT_DIR] = str(snapshot_dir)
+        if snapshot_peers:
+            env[ENV_SNAPSHOT_PEERS] = "1"
     return env
 
 
@@ -845,6 +857,11 @@ def run(args: argparse.Namespace) -> int:
             f"{args.max_restarts}): one restart to see a place fail again before the first "
             "step, one more to go on with fewer processes"
         )
+    if args.snapshot_peers and not args.max_restarts:
+        raise UsageError(
+            "--snapshot-peers needs --max-restarts 1 or more (got 0): snapshots are taken "
+            "for a restart inside the job"
+        )
     launch_dir = Path(args.launch_dir or default_launch_dir())
     check_writable_dir("--launch-dir", str(launch_dir))
     launch_dir.mkdir(parents=True, exist_ok=True)
@@ -871,6 +888,7 @@ def run(args: argparse.Namespace) -> int:
                         launch_dir=launch_dir.resolve(),
                         restart=attempt,
                         snapshot_dir=snapshots,
+                        snapshot_peers=args.snapshot_peers,
                         slot=slot,
                         planned=planned,
                     )

@@ -168,8 +168,9 @@ def loop(args: argparse.Namespace, out: Any, job: Job) -> dict[str, Any]:
         faults.planned(os.environ.get(faults.ENV_FAULT))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    recovery, snapshots = Recovery(), snapshot_manager(args)
+    recovery = Recovery()
     faults.at_start(recovery.restart)  # a place a "lost" fault took stays lost
+    snapshots = snapshot_manager(args, job.state)
     manager, restored, directory, feed, record = start(args, job, snapshots, recovery)
     where = args.checkpoint_dir or directory
     path = Path(where, FILE) if where is not None and directory is not None else None

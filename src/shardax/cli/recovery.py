@@ -53,11 +53,14 @@ def snapshot_every(args: argparse.Namespace) -> int | None:
     return None if every == "auto" else every
 
 
-def snapshot_manager(args: argparse.Namespace) -> Any:
-    """The snapshots' ``CheckpointManager`` (asynchronous, two kept), or None."""
+def snapshot_manager(args: argparse.Namespace, like: Any = None) -> Any:
+    """The snapshots' manager for the state ``like`` (asynchronous, two kept), or None."""
     if snapshot_every(args) == 0:
         return None
-    return _manager("train")
+    try:
+        return _manager("train", like)
+    except ValueError as e:  # peer snapshots on a state with no second copy
+        raise UsageError(f"--snapshot-peers: {e}") from None
 
 
 def shrink(args: argparse.Namespace) -> str | None:

@@ -682,7 +682,7 @@ def run(
             writer = owned.enter_context(MetricWriter(writer))
         snaps = None
         if interval != 0:
-            snaps = snapshot_manager("loop")
+            snaps = snapshot_manager("loop", like=saveable(state))
             owned.callback(snaps.close)
         chosen = usual_hooks(
             every,

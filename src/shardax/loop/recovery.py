@@ -23,11 +23,13 @@ from typing import Any
 import jax
 
 from shardax.checkpoint import CheckpointManager
+from shardax.checkpoint.peers import PeerSnapshots
 from shardax.runtime.launcher import (
     ENV_LAUNCH_DIR,
     ENV_PLANNED,
     ENV_RESTART,
     ENV_SNAPSHOT_DIR,
+    ENV_SNAPSHOT_PEERS,
     read_status,
     update_status,
 )
@@ -67,9 +69,12 @@ def snapshot_directory() -> Path | None:
     return Path(directory) if directory else None
 
 
-def snapshot_manager(name: str) -> CheckpointManager:
+def snapshot_manager(name: str, like: Any = None) -> Any:
     """The snapshots' manager, ``name`` under the launcher's directory: asynchronous,
-    ``KEEP`` kept. ``ValueError`` when no launcher owns one."""
+    ``KEEP`` kept. ``ValueError`` when no launcher owns one. With
+    ``$SHARDAX_SNAPSHOT_PEERS`` (``shardax launch --snapshot-peers``), a
+    ``shardax.checkpoint.peers.PeerSnapshots`` for the state ``like``: each
+    process's copy its own, a lost one fetched from a peer."""
     directory = snapshot_directory()
     if directory is None:
         raise ValueError(
@@ -77,6 +82,10 @@ def snapshot_manager(name: str) -> CheckpointManager:
             "unset; run under shardax launch --max-restarts K (it keeps them in /dev/shm), or "
             "use persistent checkpoints"
         )
+    if os.environ.get(ENV_SNAPSHOT_PEERS) == "1":
+        if like is None:
+            raise ValueError(f"${ENV_SNAPSHOT_PEERS}: peer snapshots need the state (like=)")
+        return PeerSnapshots(directory / name, like, max_to_keep=KEEP)
     return CheckpointManager(directory / name, async_save=True, max_to_keep=KEEP)
 
 

@@ -16,7 +16,10 @@ benchmark (``benchmarks/faults.py``) and the recovery tests use it. The kinds:
 - ``lost``: SIGKILL to itself, and its place never comes back: every later start of the
   process in that place (``$SHARDAX_SLOT``, its rank in the first start) exits with code 1
   before its first step (``at_start``), as a lost host would (``shardax launch
-  --min-processes`` then shrinks the run).
+  --min-processes`` then shrinks the run);
+- ``host``: SIGKILL to itself, and its host is replaced: the restarted process in that
+  place finds its snapshots in host memory gone (``at_start`` removes them), so under
+  ``shardax launch --snapshot-peers`` its shards come from a peer's copy.
 
 >>> planned("1:5:raise, 0:9:kill")
 [Fault(rank=1, step=5, kind='raise'), Fault(rank=0, step=9, kind='kill')]
@@ -25,6 +28,7 @@ benchmark (``benchmarks/faults.py``) and the recovery tests use it. The kinds:
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -34,7 +38,7 @@ from typing import NamedTuple
 from shardax.runtime.launcher import ENV_SLOT, ENV_SNAPSHOT_DIR
 
 ENV_FAULT = "SHARDAX_FAULT"
-KINDS = ("raise", "exit", "kill", "stop", "hang", "snapshot-kill", "lost")
+KINDS = ("raise", "exit", "kill", "stop", "hang", "snapshot-kill", "lost", "host")
 IN_FLIGHT = ".orbax-checkpoint-tmp"
 """The suffix of a step orbax is still writing: it commits the step by renaming it."""
 
@@ -73,7 +77,7 @@ def inject(step: int, rank: int, restart: int = 0) -> None:
             raise RuntimeError(f"injected fault ({ENV_FAULT}): process {rank} after step {step}")
         if fault.kind == "exit":
             os._exit(1)
-        if fault.kind in ("kill", "lost"):
+        if fault.kind in ("kill", "lost", "host"):
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -85,11 +89,26 @@ def inject(step: int, rank: int, restart: int = 0) -> None:
 
 def at_start(restart: int) -> None:
     """Ends a restarted process (``restart`` > 0) whose place a ``lost`` fault took, with
-    code 1 and a line saying so; nothing otherwise."""
+    code 1 and a line saying so; in the first restart after a ``host`` fault, removes the
+    snapshots its place kept in host memory (``process<slot>`` under
+    ``$SHARDAX_SNAPSHOT_DIR``: the replaced host's memory is empty). Call it before the
+    snapshots' manager is made; nothing happens otherwise."""
     slot = os.environ.get(ENV_SLOT)
     if not restart or slot is None:
         return
     for fault in planned(os.environ.get(ENV_FAULT)):
+        if fault.kind == "host" and str(fault.rank) == slot and restart == 1:
+            root = Path(os.environ.get(ENV_SNAPSHOT_DIR) or "/nonexistent")
+            gone = sorted(root.glob(f"*/process{slot}"))
+            for directory in gone:
+                shutil.rmtree(directory, ignore_errors=True)
+            print(
+                f"injected fault ({ENV_FAULT}): the host of place {slot} was replaced after "
+                f"step {fault.step}; its snapshots in host memory are gone "
+                f"({', '.join(map(str, gone)) or 'none kept'})",
+                file=sys.stderr,
+                flush=True,
+            )
         if fault.kind == "lost" and str(fault.rank) == slot:
             print(
                 f"injected fault ({ENV_FAULT}): place {slot} was lost after step {fault.step}; "

@@ -55,6 +55,9 @@ ENV_LAUNCHER_GRACE = "SHARDAX_LAUNCHER_GRACE"
 ENV_RESTART = "SHARDAX_RESTART"
 """How many times ``shardax launch --max-restarts`` restarted the processes (unset: 0)."""
 ENV_SNAPSHOT_DIR = "SHARDAX_SNAPSHOT_DIR"
+ENV_SNAPSHOT_PEERS = "SHARDAX_SNAPSHOT_PEERS"
+"""``1``: each process keeps its own snapshot, and one whose copy is gone fetches it from
+a peer (``shardax launch --snapshot-peers``; ``shardax.checkpoint.peers``)."""
 """Where the processes keep host-memory snapshots (``/dev/shm``, owned by the launcher)."""
 ENV_SLOT = "SHARDAX_SLOT"
 """The place this process holds among the ``-n`` that ``shardax launch`` was asked for (its
