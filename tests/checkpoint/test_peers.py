@@ -30,8 +30,32 @@ def test_a_state_with_no_copy_on_another_process_is_refused_naming_why():
         ValueError, match=r"one process has devices in every replica along 'data' \(4"
     ):
         peers.replica_axis(mesh, {"w": placed(mesh, P(None, "fsdp"))})
+    # Sharded over data: snapshotted on the paired mesh, two copies, here on one process.
+    with pytest.raises(
+        ValueError, match=r"one process has devices in every replica along 'copies' \(2"
+    ):
+        peers.PeerSnapshots("/nonexistent", {"w": placed(mesh, P("data"))})
+    odd = sx.make_mesh({"data": 1, "fsdp": 8})
+    with pytest.raises(ValueError, match=r"sharded over 'data', whose 1 devices do not split"):
+        peers.PeerSnapshots("/nonexistent", {"w": placed(odd, P(("data", "fsdp")))})
     with pytest.raises(ValueError, match="no array placed on a mesh"):
         peers.PeerSnapshots("/nonexistent", {"w": np.zeros(3)})
+
+
+def test_the_paired_mesh_keeps_each_spec_and_holds_two_copies():
+    mesh = sx.make_mesh({"data": 4, "fsdp": 2})
+    pairs = peers.paired_mesh(mesh)
+    assert dict(pairs.shape) == {"copies": 2, "data": 2, "fsdp": 2}
+    w = placed(mesh, P("data"))
+    paired = peers._reshard({"w": w}, peers._on(pairs, {"w": w}))["w"]
+    assert paired.sharding.spec == P("data") and paired.sharding.mesh is pairs
+    halves = [(s.device.id, s.index) for s in paired.addressable_shards]
+    first = {d.id for d in pairs.devices[0].flat}
+    # each copy holds the whole array, the same rows in the same place of its half
+    for copy in (0, 1):
+        rows = sorted(i[0].start for d, i in halves if (d in first) == (copy == 0))
+        assert rows == [0, 0, 4, 4], rows
+    np.testing.assert_array_equal(np.asarray(paired), np.asarray(w))
 
 
 def test_the_saved_tree_splits_into_mesh_arrays_and_json_values_and_back():

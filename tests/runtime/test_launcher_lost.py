@@ -328,16 +328,28 @@ def test_a_process_that_raises_is_killed_or_stopped_costs_one_step_and_the_run_e
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("plan", ["replicate", "fsdp"])
 def test_a_replaced_host_fetches_its_snapshot_from_a_peer_and_the_run_ends_as_without(
-    tmp_path, launched_train
+    tmp_path, launched_train, plan
 ):
     """``--snapshot-peers``: each process keeps its own snapshot; process 1 is killed after
     step 3 and its host replaced (a ``host`` fault: the restarted process finds its
     snapshots gone). It fetches its shards from process 0's copy (orbax's peer-to-peer
-    manager), at most one step is lost, and the run ends bitwise as the same run without
-    the fault (the session's launched_train)."""
+    manager: the other replica's under the default plan; under ``fsdp``, sharded over
+    every process, the copy each half of the processes keeps of the other's shards), at
+    most one step is lost, and the run ends bitwise as the same run without the fault
+    (the session's launched_train; under fsdp, a run of its own)."""
     reference, run, train = launched_train
     assert reference.returncode == 0, reference.stderr[-6000:]
+    if plan == "fsdp":
+        train, run = [*train, "--plan", "fsdp"], tmp_path / "straight"
+        straight = subprocess.run(
+            [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "2", "--", sys.executable, "-m",
+             "shardax", "train", *train, "--run-dir", str(run), "--checkpoint-dir",
+             str(run / "ckpt"), "--save-every", "1000", "--log-every", "1"],
+            capture_output=True, text=True, timeout=300, env=CLEAN_ENV,
+        )  # fmt: skip
+        assert straight.returncode == 0, straight.stderr[-4000:]
     launch_dir = tmp_path / "launch"
     argv = [*LAUNCH, "launch", "-n", "2", "--cpu-devices", "2", "--max-restarts", "1",
             "--snapshot-peers", "--launch-dir", str(launch_dir), "--", sys.executable, "-m",

@@ -4,10 +4,15 @@ from a peer process that holds the same ones in another replica. The transport i
 orbax's peer-to-peer manager (``orbax.checkpoint.experimental.emergency.p2p``); the
 processes agree on the step and share the data position through JAX's own collectives.
 
-A peer copy exists where the state is replicated across processes along one mesh axis
-(``data``, the replica axis): data parallelism, or FSDP within a host and data
-parallelism across hosts. A state sharded over that axis, or a mesh on which every
-process's devices meet in each replica, has no second copy, and is refused by name.
+Where the state is replicated across processes along the ``data`` axis (data
+parallelism, or FSDP within a host and data parallelism across hosts), each replica is a
+peer copy. Where it is sharded over ``data`` (FSDP, ZeRO-1 over every process), each
+snapshot is taken on ``paired_mesh``: ``data`` split in two halves (``copies`` x
+``data``), the leaves' specs kept, so the processes of each half hold a copy of the
+other half's shards (a reshard by JAX's collectives before the copy to the host: twice
+the sharded leaves' device memory for a moment, and twice their host memory). A run of
+one process, an odd data axis, or a mesh on which a process has devices in both halves
+has no second copy, and is refused by name.
 
 ``shardax launch --max-restarts K --snapshot-peers`` turns them on for ``shardax train``
 and ``sx.loop.run``'s snapshots (``$SHARDAX_SNAPSHOT_PEERS``).
@@ -56,6 +61,53 @@ class _Chatter(logging.Filter):
 
 AXIS = "data"
 """The mesh axis along which the processes hold copies of the same shards."""
+COPIES = "copies"
+"""The axis of ``paired_mesh``: two copies of a state sharded over ``data``."""
+
+
+def _sharded_over(like: Any, axis: str) -> bool:
+    """Whether a leaf of ``like`` is sharded over mesh axis ``axis``."""
+    for _, leaf in array_leaves(like):
+        spec = getattr(getattr(leaf, "sharding", None), "spec", ())
+        if axis in {n for e in spec for n in (e if isinstance(e, tuple) else (e,))}:
+            return True
+    return False
+
+
+def paired_mesh(mesh: jax.sharding.Mesh, axis: str = AXIS) -> jax.sharding.Mesh:
+    """``mesh`` with ``axis`` split into two halves, ``(COPIES: 2, axis: n / 2)``: a leaf
+    sharded over ``axis`` keeps its spec on it and is held twice, by each half's devices.
+
+    >>> paired_mesh(jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))).shape
+    OrderedDict([('copies', 2), ('data', 2)])
+    """
+    names, size = list(mesh.axis_names), mesh.shape[axis]
+    if size % 2:
+        raise ValueError(
+            f"peer snapshots: the state is sharded over {axis!r}, whose {size} devices do not "
+            "split into two halves holding a copy each; use an even data axis, or plain "
+            "snapshots"
+        )
+    at = names.index(axis)
+    shape = (*mesh.devices.shape[:at], 2, size // 2, *mesh.devices.shape[at + 1 :])
+    return jax.sharding.Mesh(mesh.devices.reshape(shape), (*names[:at], COPIES, *names[at:]))
+
+
+def _on(mesh: jax.sharding.Mesh, tree: dict[str, Any]) -> Any:
+    """The shardings of ``tree``'s leaves with their specs on ``mesh``."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, x.sharding.spec), tree)
+
+
+def _abstract_on(mesh: jax.sharding.Mesh, tree: dict[str, Any]) -> Any:
+    """``tree``'s leaves as ShapeDtypeStructs with their specs on ``mesh``."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, _on(mesh, tree)
+    )
+
+
+def _reshard(tree: dict[str, Any], shardings: Any) -> dict[str, Any]:
+    """``tree`` placed on ``shardings``, moved by JAX's collectives."""
+    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
 
 
 def _mesh(like: Any) -> jax.sharding.Mesh:
@@ -167,7 +219,11 @@ class PeerSnapshots:
         from orbax.checkpoint.experimental.emergency.p2p import checkpoint_manager, options
 
         mesh = _mesh(like)
-        index = replica_axis(mesh, like)
+        self._target = _split(abstract_saveable(like))[0]  # the mesh arrays, abstract
+        self.pairs = paired_mesh(mesh) if _sharded_over(self._target, AXIS) else None
+        if self.pairs is not None:
+            mesh, self._target = self.pairs, _abstract_on(self.pairs, self._target)
+        index = replica_axis(mesh, self._target, AXIS if self.pairs is None else COPIES)
         self.root = Path(directory)
         self.directory = str(self.root / f"process{jax.process_index()}")
         self.fetched = False  # the last restore's shards came from a peer
@@ -183,7 +239,7 @@ class PeerSnapshots:
         _QUIET.acquire()
         try:
             self._manager = checkpoint_manager.CheckpointManager(
-                mesh, _split(abstract_saveable(like))[0], self.directory, options=opts
+                mesh, self._target, self.directory, options=opts
             )
         except BaseException:
             self._quiet_off()
@@ -196,6 +252,8 @@ class PeerSnapshots:
 
         check_json("data_state", data_state)
         arrays, host = _split(to_saveable(state))
+        if self.pairs is not None:  # each half of the processes holds the other's shards
+            arrays = _reshard(arrays, _on(self.pairs, arrays))
         meta = {"data_state": data_state, "leaves": other_leaves(state), "host": host}
         self._manager.save(
             step,
@@ -237,9 +295,12 @@ class PeerSnapshots:
             raise FileNotFoundError(f"snapshot step {step}: no process holds its metadata")
         self.fetched = mine is None
         target = _split(abstract_saveable(like))[0]
+        laid = target if self.pairs is None else _abstract_on(self.pairs, target)
         restored = self._manager.restore(
-            step, args=args.Composite(state=ocp.args.PyTreeRestore(target))
-        )
+            step, args=args.Composite(state=ocp.args.PyTreeRestore(laid))
+        )["state"]
+        if self.pairs is not None:  # back onto the state's own shardings
+            restored = _reshard(restored, jax.tree.map(lambda x: x.sharding, target))
         if self.fetched:
             print(
                 f"shardax: process {jax.process_index()}: step {step}'s snapshot was not in "
@@ -247,7 +308,7 @@ class PeerSnapshots:
                 file=sys.stderr,
                 flush=True,
             )
-        saved = _join(restored["state"], metas[0]["host"])
+        saved = _join(restored, metas[0]["host"])
         state = with_other_leaves(from_saveable(like, saved), metas[0]["leaves"])
         return Restored(state, metas[0]["data_state"], step)
 

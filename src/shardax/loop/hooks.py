@@ -570,6 +570,7 @@ class Snapshots(Checkpoints):
         pass
 
     def save(self, run: Any) -> None:
+        status.STATUS.flush()  # a kill during the snapshot counts this step as lost
         with run.phase("checkpoint"):  # the blocking part: the copy to the host
             if run.manager is not None:
                 run.manager.wait()  # one asynchronous save at a time (Checkpoints.save)

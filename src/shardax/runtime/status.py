@@ -89,6 +89,7 @@ class RankStatus:
         self._lock = threading.Lock()
         self._file_lock = threading.Lock()
         self._written_at = -MIN_GAP  # when the status file was last written (monotonic)
+        self._file_completed: int | None = None  # the last completed step written there
         self._stop = threading.Event()
         self._wake = threading.Event()
 
@@ -116,6 +117,13 @@ class RankStatus:
         self._start()
         self._wake.set()
 
+    def flush(self) -> None:
+        """Writes the status file now if its last completed step is behind this one's
+        (``completed`` leaves a step of a millisecond to the publishing thread): called
+        before a snapshot, where a kill must find the step it cuts counted as lost."""
+        if self._file_completed != self._completed():
+            self._write_file()
+
     def _write_file(self) -> None:
         """This process's record to ``rank<r>.status`` in the launch directory, if any
         (one writer at a time: a record computed earlier never lands after a later one)."""
@@ -123,8 +131,9 @@ class RankStatus:
         if directory is None:
             return
         with self._file_lock, contextlib.suppress(OSError):
-            write_record(directory, jax.process_index(), self.record())
-            self._written_at = time.monotonic()
+            record = self.record()
+            write_record(directory, jax.process_index(), record)
+            self._written_at, self._file_completed = time.monotonic(), record["completed"]
 
     def record(self) -> dict[str, Any]:
         return {
