@@ -105,9 +105,13 @@ def _abstract_on(mesh: jax.sharding.Mesh, tree: dict[str, Any]) -> Any:
     )
 
 
+def _identity(tree: Any) -> Any:
+    return tree
+
+
 def _reshard(tree: dict[str, Any], shardings: Any) -> dict[str, Any]:
-    """``tree`` placed on ``shardings``, moved by JAX's collectives."""
-    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
+    """``tree`` placed on ``shardings``, moved by JAX's collectives (one restore)."""
+    return jax.jit(_identity, out_shardings=shardings)(tree)
 
 
 def _mesh(like: Any) -> jax.sharding.Mesh:
@@ -195,20 +199,6 @@ def _join(arrays: dict[str, Any], host: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def _share(value: Any) -> list[Any]:
-    """Every process's JSON-able ``value``, by process index (JAX's own collectives)."""
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-    size = multihost_utils.process_allgather(np.array([data.size], np.int32))
-    padded = np.zeros(int(np.max(size)), np.uint8)
-    padded[: data.size] = data
-    rows = multihost_utils.process_allgather(padded)
-    return [
-        json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(rows, size.ravel(), strict=True)
-    ]
-
-
 class PeerSnapshots:
     """The snapshot manager ``shardax.loop.Snapshots`` and a restart use, each process's
     copy in ``directory/process<i>`` (host memory: ``/dev/shm``), a peer's fetched where
@@ -227,6 +217,7 @@ class PeerSnapshots:
         self.root = Path(directory)
         self.directory = str(self.root / f"process{jax.process_index()}")
         self.fetched = False  # the last restore's shards came from a peer
+        self._to_pairs: dict[Any, Any] = {}  # tree structure -> its jitted reshard
         local = options.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=max_to_keep)
         opts = options.CheckpointManagerOptions(local=local, replica_axis_index=index)
         if mesh.devices.ndim == 1:  # orbax's replica_devices flattens an array it indexes
@@ -253,7 +244,11 @@ class PeerSnapshots:
         check_json("data_state", data_state)
         arrays, host = _split(to_saveable(state))
         if self.pairs is not None:  # each half of the processes holds the other's shards
-            arrays = _reshard(arrays, _on(self.pairs, arrays))
+            layout = jax.tree.structure(arrays)
+            if layout not in self._to_pairs:  # compiled once, not at every snapshot
+                shardings = _on(self.pairs, arrays)
+                self._to_pairs[layout] = jax.jit(_identity, out_shardings=shardings)
+            arrays = self._to_pairs[layout](arrays)
         meta = {"data_state": data_state, "leaves": other_leaves(state), "host": host}
         self._manager.save(
             step,
@@ -289,8 +284,10 @@ class PeerSnapshots:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no snapshot in {self.root}")
-        mine = self._meta(step)
-        metas = [m for m in _share(mine) if m is not None]
+        from orbax.checkpoint.experimental.emergency.path import sync_global_data
+
+        mine = self._meta(step)  # every process's, by JAX's collectives
+        metas = [m["meta"] for m in sync_global_data({"meta": mine}) if m["meta"] is not None]
         if not metas:
             raise FileNotFoundError(f"snapshot step {step}: no process holds its metadata")
         self.fetched = mine is None
