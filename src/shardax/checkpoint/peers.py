@@ -78,8 +78,8 @@ def paired_mesh(mesh: jax.sharding.Mesh, axis: str = AXIS) -> jax.sharding.Mesh:
     """``mesh`` with ``axis`` split into two halves, ``(COPIES: 2, axis: n / 2)``: a leaf
     sharded over ``axis`` keeps its spec on it and is held twice, by each half's devices.
 
-    >>> paired_mesh(jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))).shape
-    OrderedDict([('copies', 2), ('data', 2)])
+    >>> dict(paired_mesh(jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))).shape)
+    {'copies': 2, 'data': 2}
     """
     names, size = list(mesh.axis_names), mesh.shape[axis]
     if size % 2:
