@@ -5,7 +5,8 @@ rematerialization at the sx.constrain asking for them), and the out-of-memory on
 fix that compiles and fits (its batch gathers counted as the plan's). The placement seeds
 (an embedding 8 does not divide, a misspelt rule, a 2-axis mesh's idle axis) get fixes
 sx.explain compiles; the reshape's and the transpose's source fixes, applied as their
-suggestions say, compile with no unasked collective. The built-in GPT
+suggestions say, compile with no unasked collective, and the jnp.ones row's (a jnp.pad)
+leaves only the shift's own boundary rows moving. The built-in GPT
 under fsdp+tp lists no unasked collective (zero1: test_plan_explain.py;
 fsdp: tests/compile/test_explain_targets.py)."""
 
@@ -355,6 +356,8 @@ def test_an_activation_built_outside_the_plan_and_a_reshape_are_named(mesh, cls,
     assert found and ops <= {c.op for c in found}, [(c.op, c.source) for c in report.unasked]
     assert all(c.axes == ("data",) and c.sent_bytes > 0 and c.suggestion for c in found)
     assert any(u["source"] == line for u in report.to_dict()["unasked"])
+    joined = [c for c in found if c.what.endswith("concatenate") and c.op != "collective-permute"]
+    assert all("jnp.pad" in c.suggestion for c in joined)  # the fix ShiftedFixed applies
 
 
 def test_each_remat_takes_the_gather_of_its_own_pass_and_leaves_the_others():
@@ -407,3 +410,30 @@ def test_the_fix_a_reshard_names_compiles_with_no_unasked_collective(mesh, cls, 
              "y": jax.ShapeDtypeStruct((64, 64), jnp.float32)}  # fmt: skip
     report = sx.explain(step, nnx_state(cls), batch, fixes=False)
     assert report.unasked == (), [(c.op, c.source) for c in report.unasked]
+
+
+class ShiftedFixed(Shifted):
+    """Shifted with the fix its report names: the shift made with jnp.pad (the pad's
+    constant is the row of ones), so only the rows at the shard boundaries move."""
+
+    def __call__(self, x):
+        h = jnp.tanh(self.up(x))
+        before = jnp.pad(h[:-1], ((1, 0), (0, 0)), constant_values=1.0)
+        return self.down(h * before)
+
+
+def test_the_fix_for_a_row_built_whole_leaves_only_the_boundary_rows_moving(mesh):
+    """The jnp.ones seed's fix, applied as its suggestion says: the step compiles, its
+    all-to-alls are gone, and what is left is one 512-wide f32 row per shard and pass
+    (the shift itself reads across the boundary), 50 times fewer bytes than before."""
+    step = sx.make_train_step(mse, mesh=mesh, plan=sx.fsdp(mesh))
+    batch = batch_of(512, 64)
+    before, after = (
+        sx.explain(step, nnx_state(cls), batch, fixes=False).unasked
+        for cls in (Shifted, ShiftedFixed)
+    )
+    assert {c.op for c in after} == {"collective-permute"}, [(c.op, c.what) for c in after]
+    assert all(c.sent_bytes <= 512 * 4 for c in after)
+    assert all(c.source == line_of(ShiftedFixed.__call__, "jnp.pad") for c in after)
+    sent = lambda rows: sum(c.sent_bytes for c in rows)  # noqa: E731
+    assert sent(before) >= 50 * sent(after), (sent(before), sent(after))

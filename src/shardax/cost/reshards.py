@@ -136,6 +136,14 @@ def _layouts(op: str, rank: int, dims: list[int], axes: tuple[str, ...]) -> tupl
 
 def _suggest(c: Reshard, dims: list[int]) -> str:
     at = f"at {c.made or c.source}" if c.source else f"made by {c.what or c.name}"
+    if c.op in ("all-to-all", "all-gather") and c.what.endswith("concatenate"):
+        return (
+            f"the concatenation {at} joins a piece built whole (a jnp.ones or jnp.zeros "
+            "row, a constant) to a split array, so its rows no longer line up with "
+            "the shards: shift with jnp.pad instead (jnp.pad(x[:-1], ((1, 0), (0, 0)), "
+            "constant_values=1.0) for a row of ones first), which moves only the rows at "
+            "the shard boundaries, or build the piece split as the array is"
+        )
     if c.op == "all-gather":
         return (
             f"keep the split: sx.constrain(x, {c.before}) on the value {at} and on what "
